@@ -1,0 +1,58 @@
+"""Config pieces shared by every flow: which Tinker backend to use, and the optimizer."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+__all__ = ["BackendConfig", "AdamConfig", "resolve_credentials"]
+
+
+class BackendConfig(BaseModel):
+    """Where training and sampling run.
+
+    Precedence: a saved ``TinkerCredentials`` block (``credentials_block``), else ``base_url``
+    (a self-hosted Tinker-compatible server, or the hosted service when it is the service URL; the
+    API key comes from ``TINKER_API_KEY``), else the embedded local server (the default).
+    """
+
+    credentials_block: str | None = Field(
+        default=None, description="Name of a saved TinkerCredentials block to load."
+    )
+    base_url: str | None = Field(default=None, description="URL of a Tinker-compatible server.")
+    local_root: str | None = Field(
+        default=None,
+        description="Folder of the embedded local server (models, checkpoints); default ~/.prefect-tinker.",
+    )
+
+
+class AdamConfig(BaseModel):
+    """``tinker.AdamParams`` besides the learning rate (Tinker's defaults, not torch's)."""
+
+    beta1: float = Field(default=0.9, ge=0, lt=1)
+    beta2: float = Field(default=0.95, ge=0, lt=1)
+    eps: float = Field(default=1e-12, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0, description="Decoupled weight decay.")
+    grad_clip_norm: float = Field(default=0.0, ge=0, description="Global gradient-norm clip; 0 = off.")
+
+
+def resolve_credentials(backend: BackendConfig) -> Any:
+    """The ``TinkerCredentials`` block for ``backend`` (see :class:`BackendConfig` for precedence).
+
+    Raises:
+        ValueError: no block of that name exists.
+    """
+    from tinker_blocks import TinkerCredentials
+
+    if backend.credentials_block:
+        try:
+            return TinkerCredentials.load(backend.credentials_block)
+        except ValueError as exc:
+            raise ValueError(
+                f"backend.credentials_block: no TinkerCredentials block named {backend.credentials_block!r}"
+            ) from exc
+    if backend.base_url:
+        return TinkerCredentials(base_url=backend.base_url, api_key=os.environ.get("TINKER_API_KEY"))
+    return TinkerCredentials(local=True, local_root=backend.local_root)

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The main job on the embedded default: fine-tune the `tiny` model on the bundled example chat file
+# through a Prefect flow and the tinker SDK talking to our local Tinker-compatible server, sample
+# from the result, and print an SQL summary of the training store.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+. .venv/bin/activate
+. scripts/env.sh
+STORE=${STORE:-./demo-store}
+RUN=${RUN:-demo-$(date +%Y%m%d-%H%M%S)}
+prefect-tinker run sft model=tiny run_name="$RUN" store="$STORE" \
+  batch_size=4 max_steps=${MAX_STEPS:-30} learning_rate=1e-3 lora_rank=16 eval_every=10 save_every=10 "$@"
+prefect-tinker sql --store "$STORE" \
+  "SELECT step, round(value, 4) AS train_loss FROM metrics WHERE run_id = '$RUN' AND name = 'train/loss' ORDER BY step"
+prefect-tinker sql --store "$STORE" \
+  "SELECT step, kind, path FROM checkpoints WHERE run_id = '$RUN' ORDER BY step, kind"

@@ -1,0 +1,80 @@
+"""Retry and cache policies shared by every task of the package.
+
+One predicate, :func:`is_transient`, decides whether a failure is worth retrying; every task uses
+:func:`retry_condition` (its Prefect form) together with :data:`RETRY_OPTIONS`. Transient: network
+trouble, timeouts, HTTP 408/409/429/5xx and failed requests of category server/unknown. Permanent:
+bad credentials, bad input (HTTP 400/404/422, failed requests of category user) and our own
+validation errors — those fail at once so that the user sees the message instead of a retry loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import tinker
+from prefect.tasks import exponential_backoff
+
+__all__ = ["is_transient", "retry_condition", "RETRY_OPTIONS", "file_sha256"]
+
+
+def _status(exc: BaseException) -> int | None:
+    return getattr(exc, "status_code", None)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True when ``exc`` is a failure that may pass on a retry.
+
+    Walks ``__cause__``/``__context__`` so wrapped SDK errors are classified by their origin.
+    """
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, tinker.RequestFailedError):
+            return str(cur.category).lower() != "user"
+        if isinstance(cur, tinker.APIConnectionError):  # includes APITimeoutError
+            return True
+        if isinstance(cur, tinker.APIStatusError):
+            code = _status(cur) or 0
+            return code in (408, 409, 429) or code >= 500
+        if isinstance(cur, tinker.TinkerError):  # e.g. a missing or malformed API key
+            return False
+        if isinstance(cur, (ConnectionError, TimeoutError)):
+            return True
+        if isinstance(cur, (ValueError, TypeError, KeyError, FileNotFoundError, PermissionError)):
+            return False
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
+def retry_condition(task: Any, task_run: Any, state: Any) -> bool:
+    """Prefect ``retry_condition_fn``: retry only transient failures (see :func:`is_transient`)."""
+    try:
+        state.result(raise_on_failure=True)
+    except Exception as exc:  # the task's own exception
+        return is_transient(exc)
+    return False
+
+
+#: Keyword arguments for ``@task`` that give every task the same retry behaviour.
+RETRY_OPTIONS: dict[str, Any] = dict(
+    retries=3,
+    retry_delay_seconds=exponential_backoff(backoff_factor=2),
+    retry_jitter_factor=0.5,
+    retry_condition_fn=retry_condition,
+)
+
+
+def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
+    """Hex SHA-256 of a file's bytes (used in cache keys of tasks that read files).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+    """
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()

@@ -1,0 +1,58 @@
+"""Store writes as Prefect tasks: run status, metrics and checkpoint rows in the training store.
+
+Each call writes one immutable Parquet part (the flow buffers rows between checkpoints, so a run
+of N steps with a checkpoint every k steps writes about N/k metric parts, not N). Row ids come
+from natural keys (run, step, name), so re-writing a step after a resume deduplicates.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from tasks.policies import RETRY_OPTIONS
+
+__all__ = ["write_metrics", "record_checkpoint", "record_run"]
+
+
+def _store(root: str):
+    from tinker_blocks.stores import TrainingStore
+
+    return TrainingStore(root=root)
+
+
+@task(name="write-metrics", cache_policy=NO_CACHE, **RETRY_OPTIONS)
+def write_metrics(store: str, run_id: str, rows: Iterable[tuple[int, str, float]]) -> int:
+    """Write ``(step, name, value)`` rows of run ``run_id`` as one part; returns the row count."""
+    rows = list(rows)
+    if not rows:
+        return 0
+    with _store(store).writer("metrics", flush_rows=max(len(rows), 1)) as w:
+        for step, name, value in rows:
+            w.write(run_id=run_id, step=int(step), name=name, value=float(value))
+    return len(rows)
+
+
+@task(name="record-checkpoint", cache_policy=NO_CACHE, **RETRY_OPTIONS)
+def record_checkpoint(store: str, run_id: str, step: int, path: str, kind: str) -> None:
+    """Record a saved checkpoint (``kind`` 'state' or 'sampler') taken after ``step`` updates."""
+    name = path.rstrip("/").rsplit("/", 1)[-1]
+    with _store(store).writer("checkpoints") as w:
+        w.write(run_id=run_id, step=int(step), name=name, kind=kind, path=path)
+
+
+@task(name="record-run", cache_policy=NO_CACHE, **RETRY_OPTIONS)
+def record_run(
+    store: str, run_id: str, base_model: str, backend: str, lora_rank: int, config_json: str, status: str
+) -> None:
+    """Write the run's row (one row id per run: the newest status wins in the ``runs`` view).
+
+    ``config_json`` must not contain secrets (flow configs hold none: keys live in blocks).
+    """
+    with _store(store).writer("runs") as w:
+        w.write(
+            run_id=run_id, base_model=base_model, backend=backend, lora_rank=int(lora_rank),
+            config_json=config_json, status=status,
+        )

@@ -1,0 +1,61 @@
+"""Sampling completions from saved sampler weights, as a cached Prefect task."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tinker
+from prefect import task
+from prefect.cache_policies import INPUTS, TASK_SOURCE
+
+from tasks.policies import RETRY_OPTIONS
+
+__all__ = ["sample_completions"]
+
+
+@task(
+    name="sample-completions",
+    # A pure function of (sampler weights path, prompts, sampling params incl. seed); the block is
+    # excluded from the key (which backend served it does not change the answer).
+    cache_policy=(INPUTS - "credentials") + TASK_SOURCE,
+    persist_result=True,
+    **RETRY_OPTIONS,
+)
+def sample_completions(
+    credentials: Any,
+    sampler_path: str,
+    prompts: list[list[int]],
+    max_tokens: int = 64,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop: list[str] | list[int] | None = None,
+    num_samples: int = 1,
+) -> list[list[dict[str, Any]]]:
+    """Sample ``num_samples`` completions for each prompt (token ids) from ``sampler_path``
+    (a ``tinker://.../sampler_weights/...`` path).
+
+    Returns, per prompt, a list of ``{"tokens": [...], "logprobs": [...], "stop_reason": ...}``.
+    Prompt ``i`` uses seed ``seed + i``, so results are reproducible and cacheable.
+    """
+    client = credentials.get_client().create_sampling_client(model_path=sampler_path)
+    futures = [
+        client.sample(
+            prompt=tinker.ModelInput.from_ints(p),
+            num_samples=num_samples,
+            sampling_params=tinker.SamplingParams(
+                max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed + i, stop=stop
+            ),
+        )
+        for i, p in enumerate(prompts)
+    ]
+    out = []
+    for fut in futures:
+        resp = fut.result()
+        out.append(
+            [
+                {"tokens": list(s.tokens), "logprobs": list(s.logprobs or []), "stop_reason": str(s.stop_reason)}
+                for s in resp.sequences
+            ]
+        )
+    return out

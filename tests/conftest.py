@@ -1,0 +1,48 @@
+"""Shared fixtures: paths to the shared data, a Prefect test API, and the embedded local server."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+
+def shared_file(relative: str) -> Path:
+    """A file of ../shared/data, or skip the test with the reason when that folder is absent."""
+    path = SHARED_DATA / relative
+    if not path.exists():
+        pytest.skip(f"shared data file {path} is absent (tests read ../shared/data in place)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def prefect_api():
+    """A temporary Prefect API server for the whole session (flows and tasks report to it)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="session")
+def local_credentials(tmp_path_factory):
+    """A ``TinkerCredentials`` block in embedded-local mode with its own server root.
+
+    The block starts the server subprocess on first use; it is stopped at the end of the session.
+    """
+    from tinker_blocks import TinkerCredentials
+
+    root = tmp_path_factory.mktemp("tinker-local")
+    creds = TinkerCredentials(local=True, local_root=str(root))
+    yield creds
+    creds.stop_local_server()
