@@ -540,13 +540,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if argv and argv[0] == "local":
             return cmd_local(argv[1:])
         parser = build_parser()
-        args, extra = parser.parse_known_args(argv)
-        if extra:
-            # key=value pairs after --config land here; anything else is a usage error
-            if args.command == "run" and all("=" in e and not e.startswith("-") for e in extra):
-                args.overrides = list(args.overrides) + extra
-            else:
-                parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        try:
+            args, extra = parser.parse_known_args(argv)
+            if extra:
+                # key=value pairs after --config land here; anything else is a usage error
+                if args.command == "run" and all("=" in e and not e.startswith("-") for e in extra):
+                    args.overrides = list(args.overrides) + extra
+                else:
+                    parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        except SystemExit as exc:  # argparse: usage errors (2) and --help (0)
+            return exc.code if isinstance(exc.code, int) else EXIT_USAGE
         return args.func(args)
     except CLIError as exc:
         print(f"error: {exc}", file=sys.stderr)

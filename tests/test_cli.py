@@ -1,0 +1,248 @@
+"""prefect-tinker CLI: sql over the store, key=value parsing, YAML configs, validation, run."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from flows import cli
+from tinker_blocks.store_io import TRAINING_TABLES, ParquetStore
+
+
+@pytest.fixture
+def store_root(tmp_path):
+    root = tmp_path / "store"
+    io = ParquetStore(str(root), "training", TRAINING_TABLES)
+    with io.writer("metrics") as w:
+        for step in range(3):
+            w.write(run_id="r1", step=step, name="loss", value=1.0 / (step + 1))
+        w.write(run_id="r2", step=0, name="loss", value=float("nan"))
+    with io.writer("runs") as w:
+        w.write(run_id="r1", status="completed", base_model="tiny", lora_rank=4)
+    return str(root)
+
+
+# ----- sql ----------------------------------------------------------------------------------------
+def test_sql_table_output(store_root, capsys):
+    rc = cli.main(["sql", "--store", store_root,
+                   "SELECT step, value FROM metrics WHERE run_id = 'r1' ORDER BY step"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    lines = out.strip().splitlines()
+    assert lines[0].split("|")[0].strip() == "step" and lines[0].split("|")[1].strip() == "value"
+    assert [ln.split("|")[1].strip() for ln in lines[2:5]] == ["1", "0.5", "0.333333"]
+    assert lines[-1] == "(3 rows)"
+
+
+def test_sql_json_output(store_root, capsys):
+    rc = cli.main(["sql", "--store", store_root, "--json",
+                   "SELECT run_id, step, value, time FROM metrics ORDER BY run_id, step"])
+    rows = json.loads(capsys.readouterr().out)
+    assert rc == 0 and len(rows) == 4
+    assert rows[0]["run_id"] == "r1" and rows[0]["step"] == 0 and rows[0]["value"] == 1.0
+    assert rows[3]["value"] is None  # NaN -> null: the output stays valid JSON
+    assert rows[0]["time"].endswith("+00:00")
+
+
+def test_sql_empty_store_and_errors(tmp_path, capsys):
+    rc = cli.main(["sql", "--store", str(tmp_path / "none"), "--json", "SELECT * FROM checkpoints"])
+    assert rc == 0 and json.loads(capsys.readouterr().out) == []
+    rc = cli.main(["sql", "--store", str(tmp_path), "SELECT * FROM nope"])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.startswith("error:") and "nope" in err
+
+
+def test_runs_and_checkpoints_helpers(store_root, capsys):
+    assert cli.main(["runs", "--store", store_root, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows[0]["run_id"] == "r1" and rows[0]["last_step"] == 2
+    assert cli.main(["checkpoints", "r1", "--store", store_root]) == 0
+    assert capsys.readouterr().out.strip().endswith("(0 rows)")
+
+
+def test_console_script_subprocess(store_root):
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "sql", "--store", store_root, "--json",
+         "SELECT count(*) AS n FROM metrics"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == [{"n": 4}]
+
+
+# ----- key=value and YAML -------------------------------------------------------------------------
+def test_parse_value_yaml_scalars():
+    assert cli.parse_value("8") == 8 and isinstance(cli.parse_value("8"), int)
+    assert cli.parse_value("1e-4") == pytest.approx(1e-4)
+    assert cli.parse_value("3.") == 3.0 and cli.parse_value("-2.5E3") == -2500.0
+    assert cli.parse_value("true") is True and cli.parse_value("False") is False
+    assert cli.parse_value("null") is None
+    assert cli.parse_value("no") == "no" and cli.parse_value("on") == "on"  # not YAML 1.1 bools
+    assert cli.parse_value("1:20") == "1:20" and cli.parse_value("08") == 8
+    assert cli.parse_value("[1, 2]") == [1, 2] and cli.parse_value("{a: 1}") == {"a": 1}
+    assert cli.parse_value("") == "" and cli.parse_value("a: b: c") == "a: b: c"
+    assert cli.parse_value("HuggingFaceTB/SmolLM2-135M") == "HuggingFaceTB/SmolLM2-135M"
+    assert math.isinf(cli.parse_value(".inf"))
+
+
+def test_parse_overrides_nested():
+    got = cli.parse_overrides(["lora_rank=8", "optim.lr=1e-4", "optim.betas=[0.9, 0.95]",
+                               "data.path=/x/y=z.jsonl", "name=run-1"])
+    assert got == {"lora_rank": 8, "optim": {"lr": 1e-4, "betas": [0.9, 0.95]},
+                   "data": {"path": "/x/y=z.jsonl"}, "name": "run-1"}
+    for bad, msg in [("novalue", "expected key=value"), ("a..b=1", "empty part"),
+                     (".a=1", "empty part")]:
+        with pytest.raises(cli.CLIError, match=msg):
+            cli.parse_overrides([bad])
+    with pytest.raises(cli.CLIError, match="'a' is set to a value"):
+        cli.parse_overrides(["a=1", "a.b=2"])
+
+
+def test_deep_merge():
+    assert cli.deep_merge({"a": {"x": 1, "y": 2}, "b": 1}, {"a": {"y": 3}, "c": 4}) == {
+        "a": {"x": 1, "y": 3}, "b": 1, "c": 4}
+
+
+def test_load_yaml_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: 1\nb: [1, 2\n")
+    with pytest.raises(cli.CLIError, match=r"invalid YAML in .*bad\.yaml:\d+:\d+"):
+        cli.load_yaml_file(bad)
+    lst = tmp_path / "list.yaml"
+    lst.write_text("- 1\n- 2\n")
+    with pytest.raises(cli.CLIError, match="must hold a mapping"):
+        cli.load_yaml_file(lst)
+    with pytest.raises(cli.CLIError, match="cannot read config file"):
+        cli.load_yaml_file(tmp_path / "missing.yaml")
+
+
+# ----- run with a throwaway flow module ----------------------------------------------------------
+FLOW_MODULE = '''
+from pydantic import BaseModel, Field
+
+class Optim(BaseModel):
+    learning_rate: float = Field(1e-4, gt=0, description="Adam learning rate.")
+    beta2: float = 0.95
+
+class ToyConfig(BaseModel):
+    model_config = {"extra": "forbid"}
+    base_model: str = Field(description="Model name.")
+    lora_rank: int = Field(32, ge=1)
+    epochs: int = 1
+    use_thing: bool = False
+    optim: Optim = Optim()
+
+CALLS = []
+
+def toy_flow(config: ToyConfig) -> dict:
+    CALLS.append(config)
+    return {"rank": config.lora_rank, "lr": config.optim.learning_rate}
+
+def broken_flow(config: ToyConfig) -> None:
+    raise RuntimeError("boom")
+'''
+
+
+@pytest.fixture
+def toy(tmp_path, monkeypatch):
+    mod_dir = tmp_path / "mods"
+    mod_dir.mkdir()
+    (mod_dir / "toy_flows_mod.py").write_text(FLOW_MODULE)
+    monkeypatch.syspath_prepend(str(mod_dir))
+    monkeypatch.setitem(cli.FLOWS, "toy", "toy_flows_mod:toy_flow")
+    import toy_flows_mod
+
+    toy_flows_mod.CALLS.clear()
+    yield toy_flows_mod
+    sys.modules.pop("toy_flows_mod", None)
+
+
+def test_run_key_values_and_yaml(toy, tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(textwrap.dedent("""\
+        base_model: tiny
+        lora_rank: 4
+        optim:
+          learning_rate: 3e-4
+          beta2: 0.99
+    """))
+    rc = cli.main(["run", "toy", "--config", str(cfg), "lora_rank=8", "optim.learning_rate=1e-3",
+                   "use_thing=true"])
+    assert rc == 0, capsys.readouterr().err
+    (conf,) = toy.CALLS
+    assert conf.base_model == "tiny" and conf.lora_rank == 8 and conf.use_thing is True
+    assert conf.optim.learning_rate == pytest.approx(1e-3) and conf.optim.beta2 == 0.99
+    assert json.loads(capsys.readouterr().out) == {"rank": 8, "lr": 0.001}
+    # key=value before and after --config
+    assert cli.main(["run", "toy", "epochs=2", "--config", str(cfg), "lora_rank=2"]) == 0
+    assert toy.CALLS[-1].epochs == 2 and toy.CALLS[-1].lora_rank == 2
+    assert toy.CALLS[-1].optim.learning_rate == pytest.approx(3e-4)
+
+
+def test_run_validation_errors_exit_2(toy, capsys):
+    rc = cli.main(["run", "toy", "lora_rank=abc", "optim.learning_rate=-1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and toy.CALLS == []
+    assert "invalid config for flow 'toy' (ToyConfig)" in err
+    assert "base_model: required field missing" in err
+    assert "lora_rank = 'abc'" in err and "valid integer" in err and "(from command line)" in err
+    assert "optim.learning_rate = -1" in err and "greater than 0" in err
+    assert "Traceback" not in err
+
+
+def test_run_unknown_field_suggests(toy, capsys):
+    rc = cli.main(["run", "toy", "base_model=tiny", "lora_rnak=8", "optim.lr=1"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "lora_rnak: unknown field (did you mean 'lora_rank'?)" in err
+    assert "optim.lr: unknown field" in err
+
+
+def test_run_dry_run_unknown_flow_and_failure(toy, capsys):
+    assert cli.main(["run", "toy", "base_model=tiny", "--dry-run"]) == 0
+    assert json.loads(capsys.readouterr().out)["lora_rank"] == 32 and toy.CALLS == []
+    assert cli.main(["run", "nosuch"]) == 2
+    assert "unknown flow 'nosuch'" in capsys.readouterr().err
+    assert cli.main(["run", "toy_flows_mod:broken_flow", "base_model=x"]) == 1
+    assert "RuntimeError: boom" in capsys.readouterr().err
+    assert cli.main(["run", "toy", "base_model=x", "--bogus"]) == 2
+
+
+def test_run_env_registry(toy, monkeypatch, capsys):
+    monkeypatch.setenv(cli.FLOWS_ENV, "other=toy_flows_mod:toy_flow")
+    assert cli.main(["run", "other", "base_model=m"]) == 0
+    assert toy.CALLS[-1].base_model == "m"
+
+
+def test_run_prefect_flow(toy, tmp_path, monkeypatch, capsys):
+    """A real Prefect flow: the config class is found through Flow.fn."""
+    from prefect import flow
+
+    monkeypatch.setattr(toy, "pflow", flow(toy.toy_flow), raising=False)
+    _, model = cli.resolve_flow("toy_flows_mod:pflow")
+    assert model is toy.ToyConfig
+
+
+def test_show_config(toy, capsys):
+    assert cli.main(["show-config", "toy"]) == 0
+    out = capsys.readouterr().out
+    assert "base_model: null  # required" in out and "lora_rank: 32" in out
+    assert "  learning_rate: 0.0001  # Adam learning rate." in out
+    assert cli.main(["show-config", "toy", "--schema"]) == 0
+    assert json.loads(capsys.readouterr().out)["title"] == "ToyConfig"
+
+
+def test_local_forwards_argv(monkeypatch):
+    import types
+
+    got = {}
+    fake = types.ModuleType("tinker_local.cli")
+    fake.main = lambda argv: got.setdefault("argv", argv) and 0
+    monkeypatch.setitem(sys.modules, "tinker_local.cli", fake)
+    assert cli.main(["local", "serve", "--model", "tiny", "--port", "8123"]) == 0
+    assert got["argv"] == ["serve", "--model", "tiny", "--port", "8123"]
