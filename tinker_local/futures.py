@@ -1,0 +1,296 @@
+"""Futures and the single compute worker of the local Tinker server.
+
+Every mutating request gets a request id at once; its work is a ``Job`` that runs on one
+compute thread (the engine is never entered by two threads). Jobs of a training model that
+carry a ``seq_id`` run strictly in seq_id order: a later seq_id waits until the previous one
+has started; a seq_id that was already submitted returns the original request id. If the
+next seq_id has not arrived after ``gap_timeout_s`` seconds while later ones wait, the lane
+skips ahead (logged) so a client that died mid-submission cannot stall a model forever.
+
+Results are ``Outcome``s: JSON dicts, protobuf bytes, or an error with category
+"user" | "server" (the SDK's ``RequestErrorCategory`` values, lower case on the wire).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+import traceback
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+logger = logging.getLogger("tinker_local.futures")
+
+# Completed futures are kept this long (seconds) so that re-polls after a network error work.
+RESULT_TTL_S = 1800.0
+
+
+class UserError(ValueError):
+    """A request the caller got wrong; its future fails with category "user"."""
+
+
+@dataclass
+class Outcome:
+    """The result of a job: exactly one of ``json``, ``proto`` or ``error`` is set."""
+
+    json: dict[str, Any] | None = None
+    proto: bytes | None = None
+    error: str | None = None
+    category: str = "server"
+
+
+@dataclass
+class Job:
+    """Work for the compute thread. ``fn`` returns an Outcome, a JSON dict or proto bytes."""
+
+    request_id: str
+    kind: str
+    fn: Callable[[], Any]
+    model_id: str | None = None
+    seq_id: int | None = None
+    order: int = 0
+    enqueued_at: float = field(default_factory=time.monotonic)
+
+
+class FutureRecord:
+    """State of one request id; ``event`` fires (on the server loop) when it completes."""
+
+    def __init__(self, request_id: str, kind: str, loop: asyncio.AbstractEventLoop | None):
+        self.request_id = request_id
+        self.kind = kind
+        self.created = time.time()
+        self.outcome: Outcome | None = None
+        self.completed_at: float | None = None
+        self._loop = loop
+        self.event = asyncio.Event() if loop is not None else None
+        self._thread_event = threading.Event()
+
+    def complete(self, outcome: Outcome) -> None:
+        self.outcome = outcome
+        self.completed_at = time.time()
+        self._thread_event.set()
+        if self.event is not None and self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self.event.set)
+            except RuntimeError:  # loop closed during shutdown
+                pass
+
+    def wait_blocking(self, timeout: float | None = None) -> bool:
+        """Block the calling (non-loop) thread until done; True when complete."""
+        return self._thread_event.wait(timeout)
+
+
+class _Lane:
+    def __init__(self, next_seq: int):
+        self.next_seq = next_seq
+        self.pending: dict[int, Job] = {}
+        self.blocked_since: float | None = None
+
+
+class FutureStore:
+    """Request ids -> FutureRecord, the per-model seq_id lanes, and the compute thread.
+
+    Args:
+        gap_timeout_s: how long a model's lane waits for a missing seq_id before skipping it.
+    """
+
+    def __init__(self, gap_timeout_s: float = 30.0):
+        self.gap_timeout_s = gap_timeout_s
+        self._records: dict[str, FutureRecord] = {}
+        self._dedupe: dict[tuple[str, int], str] = {}
+        self._lanes: dict[str, _Lane] = {}
+        self._fifo: deque[Job] = deque()
+        self._order = itertools.count()
+        self._cv = threading.Condition()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.running: Job | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Start the compute thread; ``loop`` is the event loop that awaits futures."""
+        self._loop = loop
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="tinker-local-compute", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    # -- submission ------------------------------------------------------------------------------
+    def register_model(self, model_id: str, next_seq: int = 1) -> None:
+        """Open the seq_id lane of a model; its first ordered request is ``next_seq``."""
+        with self._cv:
+            lane = self._lanes.get(model_id)
+            if lane is None:
+                self._lanes[model_id] = _Lane(next_seq)
+
+    def lookup_seq(self, model_id: str, seq_id: int) -> str | None:
+        """The request id already submitted for (model_id, seq_id), if any."""
+        with self._cv:
+            return self._dedupe.get((model_id, seq_id))
+
+    def submit(self, kind: str, fn: Callable[[], Any], *, model_id: str | None = None,
+               seq_id: int | None = None, dedupe_key: tuple[str, int] | None = None) -> str:
+        """Queue ``fn`` and return its request id (a repeated dedupe key returns the first id).
+
+        With ``model_id`` and ``seq_id`` the job joins that model's ordered lane; otherwise it
+        runs in arrival order. ``dedupe_key`` defaults to (model_id, seq_id) when both are set.
+        """
+        if dedupe_key is None and model_id is not None and seq_id is not None:
+            dedupe_key = (model_id, seq_id)
+        with self._cv:
+            if dedupe_key is not None and dedupe_key in self._dedupe:
+                rid = self._dedupe[dedupe_key]
+                logger.info("repeated %s seq %s: returning request %s", kind, dedupe_key, rid)
+                return rid
+            self._purge_locked()
+            rid = uuid.uuid4().hex
+            self._records[rid] = FutureRecord(rid, kind, self._loop)
+            if dedupe_key is not None:
+                self._dedupe[dedupe_key] = rid
+            job = Job(rid, kind, fn, model_id, seq_id, next(self._order))
+            if model_id is not None and seq_id is not None:
+                lane = self._lanes.get(model_id)
+                if lane is None:  # unknown model (e.g. after a restart): start where it starts
+                    lane = self._lanes[model_id] = _Lane(seq_id)
+                if seq_id < lane.next_seq:
+                    logger.warning("model %s: seq_id %d arrived after %d ran; running it now",
+                                   model_id, seq_id, lane.next_seq - 1)
+                    self._fifo.append(job)
+                else:
+                    lane.pending[seq_id] = job
+            else:
+                self._fifo.append(job)
+            self._cv.notify_all()
+            return rid
+
+    def fail_now(self, kind: str, error: str, category: str = "user") -> str:
+        """A request id whose future has already failed (for errors found at submission)."""
+        with self._cv:
+            rid = uuid.uuid4().hex
+            rec = self._records[rid] = FutureRecord(rid, kind, self._loop)
+        rec.complete(Outcome(error=error, category=category))
+        return rid
+
+    def get(self, request_id: str) -> FutureRecord | None:
+        with self._cv:
+            return self._records.get(request_id)
+
+    def queue_depth(self) -> int:
+        with self._cv:
+            return len(self._fifo) + sum(len(lane.pending) for lane in self._lanes.values())
+
+    # -- compute thread --------------------------------------------------------------------------
+    def _purge_locked(self) -> None:
+        now = time.time()
+        old = [rid for rid, r in self._records.items()
+               if r.completed_at is not None and now - r.completed_at > RESULT_TTL_S]
+        for rid in old:
+            del self._records[rid]
+        if old:
+            gone = set(old)
+            self._dedupe = {k: v for k, v in self._dedupe.items() if v not in gone}
+
+    def _pick_locked(self) -> tuple[Job | None, float]:
+        """Next runnable job (lowest arrival order) and how long to wait if none."""
+        best: Job | None = None
+        best_lane: _Lane | None = None
+        wait = 3600.0
+        now = time.monotonic()
+        if self._fifo:
+            best = self._fifo[0]
+        for lane in self._lanes.values():
+            if not lane.pending:
+                lane.blocked_since = None
+                continue
+            job = lane.pending.get(lane.next_seq)
+            if job is None:
+                if lane.blocked_since is None:
+                    lane.blocked_since = now
+                if now - lane.blocked_since >= self.gap_timeout_s:
+                    skip_to = min(lane.pending)
+                    logger.warning("seq_id %d never arrived; skipping to %d", lane.next_seq, skip_to)
+                    lane.next_seq = skip_to
+                    job = lane.pending[skip_to]
+                else:
+                    wait = min(wait, self.gap_timeout_s - (now - lane.blocked_since))
+                    continue
+            lane.blocked_since = None
+            if best is None or job.order < best.order:
+                best, best_lane = job, lane
+        if best is None:
+            return None, wait
+        if best_lane is not None:
+            del best_lane.pending[best.seq_id]  # type: ignore[arg-type]
+            best_lane.next_seq = best.seq_id + 1  # type: ignore[operator]
+        else:
+            self._fifo.popleft()
+        return best, 0.0
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while True:
+                    if self._stop:
+                        return
+                    job, wait = self._pick_locked()
+                    if job is not None:
+                        break
+                    self._cv.wait(timeout=max(0.05, wait))
+                self.running = job
+            outcome = self._execute(job)
+            with self._cv:
+                self.running = None
+                rec = self._records.get(job.request_id)
+            if rec is not None:
+                rec.complete(outcome)
+
+    @staticmethod
+    def _execute(job: Job) -> Outcome:
+        t0 = time.monotonic()
+        try:
+            result = job.fn()
+            if isinstance(result, Outcome):
+                outcome = result
+            elif isinstance(result, (bytes, bytearray)):
+                outcome = Outcome(proto=bytes(result))
+            else:
+                outcome = Outcome(json=result)
+        except Exception as e:  # mapped to the SDK's error categories
+            if _is_user_error(e):
+                outcome = Outcome(error=f"{type(e).__name__}: {e}", category="user")
+                logger.info("%s %s failed (user error): %s", job.kind, job.request_id, e)
+            else:
+                outcome = Outcome(error=f"internal error in {job.kind}: {type(e).__name__}: {e}",
+                                  category="server")
+                logger.error("%s %s failed:\n%s", job.kind, job.request_id, traceback.format_exc())
+        logger.info("%s %s%s done in %.3fs%s", job.kind, job.request_id,
+                    f" (model {job.model_id} seq {job.seq_id})" if job.seq_id is not None else "",
+                    time.monotonic() - t0, " [error]" if outcome.error else "")
+        return outcome
+
+
+def _is_user_error(e: BaseException) -> bool:
+    """UserError, ProtocolError and the engine's EngineUserError count as user errors."""
+    if isinstance(e, UserError):
+        return True
+    from .protocol import ProtocolError
+
+    if isinstance(e, ProtocolError):
+        return True
+    for cls in type(e).__mro__:
+        if cls.__name__ in ("EngineUserError", "UnknownModelError"):
+            return True
+    return False

@@ -1,0 +1,246 @@
+"""HTTP layer of ``tinker_local``: a Tinker-API-compatible server (tinker SDK 0.38 wire protocol).
+
+Point the unmodified SDK at it with ``tinker.ServiceClient(base_url="http://127.0.0.1:PORT",
+api_key="tml-local")``. Every route lives under ``/api/v1``; every route except
+``GET /api/v1/healthz`` needs an ``X-API-Key`` header starting with ``tml-`` (401 otherwise).
+See tinker_local/PROTOCOL.md for the protocol facts this relies on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from .service import HttpError, LocalService
+
+logger = logging.getLogger("tinker_local.server")
+
+API = "/api/v1"
+_QUIET = ("/retrieve_future", "/session_heartbeat", "/healthz", "/telemetry", "/client/dynamic_config")
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if not raw:
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        raise HttpError(422, f"{request.url.path}: body is not JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise HttpError(422, f"{request.url.path}: body must be a JSON object")
+    return body
+
+
+def create_app(engine: Any, root: Path | str | None = None, *, models: list[str] | None = None,
+               poll_wait_s: float = 20.0, gap_timeout_s: float = 30.0,
+               datum_cls: type | None = None) -> FastAPI:
+    """Build the FastAPI app speaking the tinker 0.38 protocol in front of ``engine``.
+
+    Args:
+        engine: an object with the ``tinker_local.engine.Engine`` interface.
+        root: server root folder (registry at ``root/server/registry.jsonl``); defaults to
+            ``engine.root``.
+        models: base model names announced by ``get_server_capabilities``.
+        poll_wait_s: how long ``retrieve_future`` holds a poll for a pending request before
+            answering HTTP 408 ``{"type": "try_again"}`` (the SDK polls again at once).
+        gap_timeout_s: how long a model waits for a missing seq_id before skipping it.
+    Raises:
+        ValueError: when no root is given and the engine has none.
+    """
+    root = root if root is not None else getattr(engine, "root", None)
+    if root is None:
+        raise ValueError("create_app: give root= (the engine has no .root)")
+    svc = LocalService(engine, Path(root), models=models, gap_timeout_s=gap_timeout_s,
+                       datum_cls=datum_cls)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        svc.store.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            svc.store.stop()
+
+    app = FastAPI(title="tinker_local", lifespan=lifespan)
+    app.state.service = svc
+
+    @app.middleware("http")
+    async def auth_and_log(request: Request, call_next):
+        path = request.url.path
+        t0 = time.monotonic()
+        if path.startswith(API) and path != f"{API}/healthz":
+            key = request.headers.get("x-api-key", "")
+            if not key.startswith("tml-"):
+                logger.info("%s %s -> 401 (missing or malformed X-API-Key)", request.method, path)
+                return JSONResponse({"detail": "X-API-Key header must hold an API key starting "
+                                               "with 'tml-'"}, status_code=401)
+        try:
+            response = await call_next(request)
+        except HttpError as e:  # raised outside a route (should not happen)
+            response = JSONResponse({"detail": e.detail}, status_code=e.status)
+        level = logging.DEBUG if path.endswith(_QUIET) and response.status_code in (200, 408) else logging.INFO
+        logger.log(level, "%s %s -> %d (%.1f ms)", request.method, path, response.status_code,
+                   (time.monotonic() - t0) * 1000)
+        return response
+
+    @app.exception_handler(HttpError)
+    async def http_error(_request: Request, exc: HttpError):
+        return JSONResponse({"detail": exc.detail}, status_code=exc.status)
+
+    def route(method: str, path: str):
+        return app.api_route(f"{API}{path}", methods=[method])
+
+    # -- service ----------------------------------------------------------------------------------
+    @route("GET", "/healthz")
+    async def healthz():
+        return {"status": "ok"}
+
+    @route("POST", "/client/config")
+    async def client_config(request: Request):
+        # Every flag keeps the SDK default: API-key auth, JSON sampling futures polled one by one.
+        return {"pjwt_auth_enabled": False, "sample_use_retrieve_futures": False,
+                "custom_loss_server_side": False, "sample_join_sampling_session": False}
+
+    @route("POST", "/client/dynamic_config")
+    async def client_dynamic_config(request: Request):
+        return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+
+    @route("POST", "/telemetry")
+    async def telemetry(request: Request):
+        return {"status": "accepted"}
+
+    @route("POST", "/create_session")
+    async def create_session(request: Request):
+        return svc.create_session(await _json_body(request))
+
+    @route("POST", "/session_heartbeat")
+    async def session_heartbeat(request: Request):
+        return svc.heartbeat(await _json_body(request))
+
+    @route("POST", "/sessions/{session_id}/finish")
+    async def finish_session(session_id: str, request: Request):
+        return svc.finish_session(session_id, await _json_body(request))
+
+    @route("GET", "/get_server_capabilities")
+    async def get_server_capabilities():
+        return svc.capabilities()
+
+    # -- training ---------------------------------------------------------------------------------
+    @route("POST", "/create_model")
+    async def create_model(request: Request):
+        return svc.create_model(await _json_body(request))
+
+    @route("POST", "/get_info")
+    async def get_info(request: Request):
+        return svc.get_info(await _json_body(request))
+
+    async def _fwd(request: Request, forward_only: bool):
+        raw = await request.body()
+        return svc.forward_backward(raw, request.headers.get("content-encoding"), forward_only)
+
+    @route("POST", "/forward_backward")
+    async def forward_backward(request: Request):
+        return await _fwd(request, False)
+
+    @route("POST", "/forward")
+    async def forward(request: Request):
+        return await _fwd(request, True)
+
+    for name in ("optim_step", "save_weights", "save_weights_for_sampler", "load_weights",
+                 "create_sampling_session", "join_sampling_session", "asample", "weights_info"):
+        _add_json_route(app, name, getattr(svc, name))
+
+    @route("GET", "/samplers/{sampler_id}")
+    async def get_sampler(sampler_id: str):
+        return svc.get_sampler(sampler_id)
+
+    @route("POST", "/retrieve_future")
+    async def retrieve_future(request: Request):
+        body = await _json_body(request)
+        rid = str(body.get("request_id", ""))
+        rec = svc.store.get(rid)
+        if rec is None:
+            return JSONResponse({"detail": f"unknown or expired request_id {rid!r}"}, status_code=410)
+        if rec.outcome is None and rec.event is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(rec.event.wait(), timeout=poll_wait_s)
+        out = rec.outcome
+        if out is None:
+            return JSONResponse({"type": "try_again", "request_id": rid, "queue_state": "active"},
+                                status_code=408)
+        if out.error is not None:
+            return {"error": out.error, "category": out.category}
+        if out.proto is not None:
+            return Response(out.proto, media_type="application/x-protobuf")
+        return out.json
+
+    @route("POST", "/cancel_future")
+    async def cancel_future(request: Request):
+        return {}  # work already queued runs to completion; its result is simply never fetched
+
+    # -- REST -------------------------------------------------------------------------------------
+    @route("GET", "/training_runs")
+    async def training_runs(limit: int = 20, offset: int = 0):
+        return svc.training_runs(limit, offset)
+
+    @route("GET", "/training_runs/{model_id}")
+    async def training_run(model_id: str):
+        return svc.training_run(model_id)
+
+    @route("GET", "/training_runs/{model_id}/checkpoints")
+    async def run_checkpoints(model_id: str):
+        return svc.checkpoints(model_id)
+
+    @route("DELETE", "/training_runs/{model_id}/checkpoints/{checkpoint_id:path}")
+    async def delete_checkpoint(model_id: str, checkpoint_id: str):
+        return svc.delete_checkpoint(model_id, checkpoint_id)
+
+    @route("GET", "/checkpoints")
+    async def all_checkpoints(limit: int = 100, offset: int = 0):
+        return svc.checkpoints(None, limit, offset)
+
+    return app
+
+
+def _add_json_route(app: FastAPI, name: str, handler: Any) -> None:
+    async def endpoint(request: Request):
+        return handler(await _json_body(request))
+
+    endpoint.__name__ = name
+    app.add_api_route(f"{API}/{name}", endpoint, methods=["POST"])
+
+
+def serve(model: list[str], host: str = "127.0.0.1", port: int = 8000, root: Path | str = ".",
+          *, dtype: str = "auto", device: str | None = None, num_threads: int | None = None,
+          log_level: str = "info") -> None:
+    """Build an Engine under ``root``, preload ``model`` names, and serve until interrupted.
+
+    Blocking. Models named later in ``create_model`` calls are loaded lazily by the engine.
+    Raises whatever the engine raises for an unknown model name (before binding the port).
+    """
+    import uvicorn
+
+    from .engine import Engine
+
+    root = Path(root).expanduser().resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    engine = Engine(root, device=device, dtype=dtype, num_threads=num_threads)
+    for name in model:
+        preload = getattr(engine, "preload", None)
+        if callable(preload):
+            t0 = time.monotonic()
+            preload(name)
+            logger.info("preloaded %s in %.1fs", name, time.monotonic() - t0)
+    app = create_app(engine, root, models=list(model))
+    logger.info("tinker_local serving %s on http://%s:%d (root %s)", ", ".join(model) or "-",
+                host, port, root)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)

@@ -1,0 +1,436 @@
+"""Request handling of the local Tinker server, independent of the web framework.
+
+``LocalService`` maps the JSON / protobuf requests of the tinker 0.38 SDK onto an ``Engine``
+(see /work/INTERFACES.md). Mutating calls return ``{"request_id": ...}`` at once and queue
+their work on the single compute thread of a ``FutureStore``; synchronous calls return their
+answer directly. Input the caller got wrong raises ``HttpError`` (4xx) when it is found at
+submission, or fails the request's future with category "user" when found while running.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from . import protocol as P
+from .futures import FutureStore, UserError
+from .registry import CheckpointRecord, Registry, RunRecord, SamplerRecord, dir_size
+
+logger = logging.getLogger("tinker_local.service")
+
+DEFAULT_MAX_TOKENS = 256
+
+
+class HttpError(Exception):
+    """Answer the HTTP request with ``status`` and ``{"detail": detail}``."""
+
+    def __init__(self, status: int, detail: str):
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+
+
+def _req(body: dict[str, Any], key: str, endpoint: str) -> Any:
+    if body.get(key) is None:
+        raise HttpError(422, f"{endpoint}: field {key!r} is required")
+    return body[key]
+
+
+def _int(body: dict[str, Any], key: str, endpoint: str, default: Any = None) -> Any:
+    v = body.get(key, default)
+    if v is None:
+        return None
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        raise HttpError(422, f"{endpoint}: field {key!r} must be an integer, got {v!r}") from None
+
+
+def _engine_datum_cls() -> type:
+    try:
+        from .engine import Datum  # type: ignore[attr-defined]
+
+        return Datum
+    except Exception:  # engine not importable: a field-compatible stand-in
+        return P.WireDatum
+
+
+class LocalService:
+    """Endpoint logic. ``engine`` follows the Engine interface; ``root`` holds the registry."""
+
+    def __init__(self, engine: Any, root: Path, *, models: list[str] | None = None,
+                 gap_timeout_s: float = 30.0, datum_cls: type | None = None):
+        self.engine = engine
+        self.root = Path(root)
+        self.models = list(models or [])
+        self.store = FutureStore(gap_timeout_s=gap_timeout_s)
+        self.registry = Registry(self.root)
+        self.datum_cls = datum_cls or _engine_datum_cls()
+
+    # -- sessions ---------------------------------------------------------------------------------
+    def create_session(self, body: dict[str, Any]) -> dict[str, Any]:
+        sid = f"local-{uuid.uuid4().hex[:12]}"
+        self.registry.add_session(sid, {"tags": body.get("tags") or [],
+                                        "sdk_version": body.get("sdk_version")})
+        logger.info("session %s created (sdk %s)", sid, body.get("sdk_version"))
+        return {"type": "create_session", "session_id": sid}
+
+    def heartbeat(self, body: dict[str, Any]) -> dict[str, Any]:
+        state = self.registry.heartbeat(str(_req(body, "session_id", "session_heartbeat")))
+        if state == "finished":
+            raise HttpError(410, "session has finished")
+        return {"type": "session_heartbeat"}
+
+    def finish_session(self, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        reason = (body.get("reason") or {}).get("type") if isinstance(body.get("reason"), dict) else None
+        self.registry.finish_session(session_id, reason)
+        logger.info("session %s finished (%s) %s", session_id, reason, body.get("detail") or "")
+        return {}
+
+    # -- training models --------------------------------------------------------------------------
+    def _run(self, model_id: str) -> RunRecord:
+        run = self.registry.runs.get(model_id)
+        if run is None:
+            raise UserError(f"unknown model_id {model_id!r}: create a training client first")
+        self.registry.touch(model_id)
+        return run
+
+    def _check_optimizer(self, cfg: Any, endpoint: str) -> None:
+        if isinstance(cfg, dict) and cfg.get("type", "adamw") != "adamw":
+            raise HttpError(422, f"{endpoint}: optimizer {cfg.get('type')!r} is not supported "
+                                 "by tinker_local (only 'adamw')")
+
+    def create_model(self, body: dict[str, Any]) -> dict[str, Any]:
+        ep = "create_model"
+        session_id = str(_req(body, "session_id", ep))
+        seq = _int(body, "model_seq_id", ep)
+        if seq is None:
+            raise HttpError(422, f"{ep}: field 'model_seq_id' is required")
+        base_model = str(_req(body, "base_model", ep))
+        self._check_optimizer(body.get("optimizer_config"), ep)
+        lora = body.get("lora_config") or {}
+        rank = _int(lora, "rank", ep, 32)
+        if rank < 1:
+            raise HttpError(422, f"{ep}: lora_config.rank must be >= 1, got {rank}")
+        model_id = f"{session_id}:train:{seq}"
+        run = RunRecord(model_id=model_id, base_model=base_model, lora_rank=rank,
+                        seed=lora.get("seed"), train_mlp=bool(lora.get("train_mlp", True)),
+                        train_attn=bool(lora.get("train_attn", True)),
+                        train_unembed=bool(lora.get("train_unembed", True)),
+                        session_id=session_id, user_metadata=P.as_str_dict(body.get("user_metadata")))
+
+        def work() -> dict[str, Any]:
+            self.engine.create_model(model_id, base_model, rank, seed=run.seed,
+                                     train_mlp=run.train_mlp, train_attn=run.train_attn,
+                                     train_unembed=run.train_unembed)
+            self.registry.add_run(run)
+            return {"type": "create_model", "model_id": model_id}
+
+        self.store.register_model(model_id, next_seq=1)
+        rid = self.store.submit("create_model", work, dedupe_key=(model_id, 0))
+        return {"request_id": rid, "model_id": model_id}
+
+    def get_info(self, body: dict[str, Any]) -> dict[str, Any]:
+        model_id = str(_req(body, "model_id", "get_info"))
+        run = self.registry.runs.get(model_id)
+        try:
+            info = self.engine.get_info(model_id)
+        except Exception as e:
+            raise HttpError(404, f"get_info: unknown model_id {model_id!r}: {e}") from e
+        base = info.get("base_model") or (run.base_model if run else None)
+        return {
+            "type": "get_info",
+            "model_id": model_id,
+            "model_data": {"arch": info.get("arch"), "model_name": base,
+                           "tokenizer_id": info.get("tokenizer_id")},
+            "is_lora": True,
+            "lora_rank": info.get("lora_rank", run.lora_rank if run else None),
+            "model_name": base,
+        }
+
+    def forward_backward(self, raw: bytes, content_encoding: str | None, forward_only: bool) -> dict[str, Any]:
+        try:
+            msg = P.parse_forward_backward(raw, content_encoding)
+        except P.ProtocolError as e:
+            raise HttpError(422, str(e)) from e
+        model_id, seq = msg.model_id, int(msg.seq_id)
+        forward_only = forward_only or msg.forward_only
+        kind = "forward" if forward_only else "forward_backward"
+        if model_id not in self.registry.runs:
+            return {"request_id": self.store.fail_now(kind, f"unknown model_id {model_id!r}"),
+                    "model_id": model_id}
+
+        def work() -> bytes:
+            self._run(model_id)
+            datums = P.datums_from_proto(msg, self.datum_cls)
+            if not datums:
+                raise UserError(f"{kind}: no datums in the request")
+            cfg = P.loss_fn_config_from_proto(msg)
+            fn = self.engine.forward if forward_only else self.engine.forward_backward
+            res = fn(model_id, datums, msg.loss_fn, cfg)
+            return P.forward_backward_output_to_proto(res.outputs, res.metrics)
+
+        return {"request_id": self._ordered(kind, work, model_id, seq), "model_id": model_id}
+
+    def _ordered(self, kind: str, work: Any, model_id: str, seq: int | None) -> str:
+        if seq is None:
+            return self.store.submit(kind, work)
+        return self.store.submit(kind, work, model_id=model_id, seq_id=seq)
+
+    def optim_step(self, body: dict[str, Any]) -> dict[str, Any]:
+        ep = "optim_step"
+        model_id = str(_req(body, "model_id", ep))
+        params = body.get("adam_params") or body.get("optim_params") or body.get("optimizer_params")
+        if not isinstance(params, dict):
+            raise HttpError(422, f"{ep}: 'adam_params' is required")
+        self._check_optimizer(params, ep)
+        kw = {k: float(params[k]) for k in ("learning_rate", "beta1", "beta2", "eps",
+                                            "weight_decay", "grad_clip_norm") if params.get(k) is not None}
+
+        def work() -> dict[str, Any]:
+            self._run(model_id)
+            metrics = self.engine.optim_step(model_id, **kw) or {}
+            return {"metrics": {k: float(v) for k, v in metrics.items()}}
+
+        return {"request_id": self._ordered(ep, work, model_id, _int(body, "seq_id", ep)),
+                "model_id": model_id}
+
+    def _save(self, model_id: str, kind: str, name: str, meta: Any) -> CheckpointRecord:
+        run = self._run(model_id)
+        if kind == "state":
+            path = Path(self.engine.save_state(model_id, name))
+        else:
+            path = Path(self.engine.save_sampler_weights(model_id, name))
+        uri = P.TinkerPath(run.model_id, kind, name).uri
+        if uri in self.registry.checkpoints:
+            logger.info("overwriting checkpoint %s", uri)
+        ck = CheckpointRecord(uri=uri, model_id=model_id, kind=kind, name=name, path=str(path),
+                              size_bytes=dir_size(path), user_metadata=P.as_str_dict(meta))
+        self.registry.add_checkpoint(ck)
+        return ck
+
+    def save_weights(self, body: dict[str, Any]) -> dict[str, Any]:
+        ep = "save_weights"
+        model_id = str(_req(body, "model_id", ep))
+        seq = _int(body, "seq_id", ep)
+        name = body.get("path") or f"state-{seq if seq is not None else int(time.time())}"
+        try:
+            P.check_checkpoint_name(name)
+        except P.ProtocolError as e:
+            raise HttpError(422, f"{ep}: {e}") from e
+
+        def work() -> dict[str, Any]:
+            ck = self._save(model_id, "state", name, body.get("user_metadata"))
+            return {"type": "save_weights", "path": ck.uri}
+
+        return {"request_id": self._ordered(ep, work, model_id, seq), "model_id": model_id}
+
+    def save_weights_for_sampler(self, body: dict[str, Any]) -> dict[str, Any]:
+        ep = "save_weights_for_sampler"
+        model_id = str(_req(body, "model_id", ep))
+        seq = _int(body, "seq_id", ep)
+        ss_seq = _int(body, "sampling_session_seq_id", ep)
+        name = body.get("path") or (f"ephemeral-{ss_seq}" if ss_seq is not None
+                                    else f"sampler-{seq if seq is not None else int(time.time())}")
+        try:
+            P.check_checkpoint_name(name)
+        except P.ProtocolError as e:
+            raise HttpError(422, f"{ep}: {e}") from e
+
+        def work() -> dict[str, Any]:
+            ck = self._save(model_id, "sampler", name, body.get("user_metadata"))
+            out: dict[str, Any] = {"type": "save_weights_for_sampler", "path": ck.uri}
+            if ss_seq is not None:
+                run = self.registry.runs[model_id]
+                sid = f"{run.session_id or model_id}:sample:{ss_seq}"
+                self.registry.add_sampler(SamplerRecord(sid, run.base_model, ck.uri, ck.path))
+                out["sampling_session_id"] = sid
+            return out
+
+        return {"request_id": self._ordered(ep, work, model_id, seq), "model_id": model_id}
+
+    def _checkpoint(self, uri: str, status: int = 404) -> CheckpointRecord:
+        try:
+            P.parse_tinker_path(uri)
+        except P.ProtocolError as e:
+            raise HttpError(422, str(e)) from e
+        ck = self.registry.checkpoints.get(uri)
+        if ck is None:
+            raise HttpError(status, f"unknown checkpoint {uri!r}: not saved on this server "
+                                    f"(root {self.root})")
+        return ck
+
+    def load_weights(self, body: dict[str, Any]) -> dict[str, Any]:
+        ep = "load_weights"
+        uri = str(_req(body, "path", ep))
+        with_opt = bool(body.get("optimizer", False))
+        ck = self._checkpoint(uri)
+        if ck.kind != "state":
+            raise HttpError(422, f"{ep}: {uri} is a sampler checkpoint; load a "
+                                 "tinker://<model_id>/weights/<name> state checkpoint")
+        src = self.registry.runs.get(ck.model_id)
+        if src is None:
+            raise HttpError(404, f"{ep}: the training run {ck.model_id!r} of {uri} is unknown")
+        if body.get("session_id") is not None:  # create-via-load: the model's first request
+            if with_opt is False:
+                self._check_optimizer(body.get("optimizer_config"), ep)
+            seq = _int(body, "model_seq_id", ep)
+            if seq is None:
+                raise HttpError(422, f"{ep}: 'model_seq_id' is required with 'session_id'")
+            session_id = str(body["session_id"])
+            model_id = f"{session_id}:train:{seq}"
+            run = RunRecord(model_id=model_id, base_model=body.get("base_model") or src.base_model,
+                            lora_rank=src.lora_rank, seed=src.seed, train_mlp=src.train_mlp,
+                            train_attn=src.train_attn, train_unembed=src.train_unembed,
+                            session_id=session_id,
+                            user_metadata=P.as_str_dict(body.get("user_metadata")))
+
+            def create_and_load() -> dict[str, Any]:
+                self.engine.create_model(model_id, run.base_model, run.lora_rank, seed=run.seed,
+                                         train_mlp=run.train_mlp, train_attn=run.train_attn,
+                                         train_unembed=run.train_unembed)
+                self.engine.load_state(model_id, Path(ck.path), with_optimizer=with_opt)
+                self.registry.add_run(run)
+                return {"type": "load_weights", "path": uri, "model_id": model_id}
+
+            self.store.register_model(model_id, next_seq=1)
+            rid = self.store.submit(ep, create_and_load, dedupe_key=(model_id, 0))
+            return {"request_id": rid, "model_id": model_id}
+
+        model_id = str(_req(body, "model_id", ep))
+
+        def load() -> dict[str, Any]:
+            self._run(model_id)
+            self.engine.load_state(model_id, Path(ck.path), with_optimizer=with_opt)
+            return {"type": "load_weights", "path": uri, "model_id": model_id}
+
+        return {"request_id": self._ordered(ep, load, model_id, _int(body, "seq_id", ep)),
+                "model_id": model_id}
+
+    # -- sampling ---------------------------------------------------------------------------------
+    def create_sampling_session(self, body: dict[str, Any]) -> dict[str, Any]:
+        ep = "create_sampling_session"
+        session_id = str(_req(body, "session_id", ep))
+        seq = _int(body, "sampling_session_seq_id", ep)
+        sid = f"{session_id}:sample:{seq}"
+        self.registry.add_sampler(self._sampler_record(sid, body, ep))
+        return {"type": "create_sampling_session", "sampling_session_id": sid}
+
+    def _sampler_record(self, sid: str, body: dict[str, Any], ep: str) -> SamplerRecord:
+        if body.get("model_path"):
+            ck = self._checkpoint(str(body["model_path"]))
+            run = self.registry.runs.get(ck.model_id)
+            base = body.get("base_model") or (run.base_model if run else None)
+            if base is None:
+                raise HttpError(404, f"{ep}: base model of {ck.uri} is unknown")
+            return SamplerRecord(sid, base, ck.uri, ck.path)
+        if not body.get("base_model"):
+            raise HttpError(422, f"{ep}: give 'model_path' (tinker://...) or 'base_model'")
+        return SamplerRecord(sid, str(body["base_model"]))
+
+    def get_sampler(self, sampler_id: str) -> dict[str, Any]:
+        rec = self.registry.samplers.get(sampler_id)
+        if rec is None:
+            raise HttpError(404, f"unknown sampling session {sampler_id!r}")
+        return {"sampler_id": rec.sampler_id, "base_model": rec.base_model, "model_path": rec.model_path}
+
+    def join_sampling_session(self, body: dict[str, Any]) -> dict[str, Any]:
+        sid = str(_req(body, "sampling_session_id", "join_sampling_session"))
+        n = self.registry.join_sampler(sid)
+        if n is None:
+            raise HttpError(404, f"unknown sampling session {sid!r}")
+        return {"type": "join_sampling_session", "client_counter": n}
+
+    def asample(self, body: dict[str, Any]) -> dict[str, Any]:
+        ep = "asample"
+        n = _int(body, "num_samples", ep, 1)
+        if n < 1:
+            raise HttpError(422, f"{ep}: num_samples must be >= 1, got {n}")
+        sid = body.get("sampling_session_id")
+        if sid is not None:
+            rec = self.registry.samplers.get(str(sid))
+            if rec is None:
+                raise HttpError(404, f"{ep}: unknown sampling session {sid!r}")
+        else:
+            rec = self._sampler_record("adhoc", body, ep)
+        try:
+            prompt = P.prompt_tokens_from_json(_req(body, "prompt", ep))
+            sp = body.get("sampling_params") or {}
+            stop = P.stop_from_json(sp.get("stop"))
+        except P.ProtocolError as e:
+            raise HttpError(422, f"{ep}: {e}") from e
+        unsupported = [k for k in ("topk_sample_logprobs", "prompt_alt_tokens_k") if body.get(k)]
+        unsupported += ["target_prompt_logprobs"] if body.get("target_prompt_logprobs") else []
+        last_n = _int(body, "prompt_logprobs_last_n", ep)
+        topk = _int(body, "topk_prompt_logprobs", ep, 0)
+        want_prompt_lp = bool(body.get("prompt_logprobs")) or topk > 0
+
+        def work() -> bytes:
+            if unsupported:
+                raise UserError(f"{ep}: {', '.join(unsupported)} is not supported by tinker_local")
+            res = self.engine.sample(
+                rec.base_model, Path(rec.weights_path) if rec.weights_path else None, prompt,
+                num_samples=n, max_tokens=_int(sp, "max_tokens", ep, DEFAULT_MAX_TOKENS),
+                temperature=float(sp.get("temperature", 1.0)), top_k=_int(sp, "top_k", ep, -1),
+                top_p=float(sp.get("top_p", 1.0)), seed=_int(sp, "seed", ep), stop=stop,
+                include_prompt_logprobs=want_prompt_lp, topk_prompt_logprobs=topk)
+            return P.sample_response_to_proto(
+                res.sequences,
+                getattr(res, "prompt_logprobs", None) if body.get("prompt_logprobs") else None,
+                getattr(res, "topk_prompt_logprobs", None) if topk > 0 else None,
+                prompt_logprobs_last_n=last_n)
+
+        seq = _int(body, "seq_id", ep)
+        key = (f"sample:{sid}", seq) if sid is not None and seq is not None else None
+        rid = self.store.submit("sample", work, dedupe_key=key)
+        return {"request_id": rid, "sample_sequence_ids": P.sequence_ids(rid, n)}
+
+    # -- REST -------------------------------------------------------------------------------------
+    def capabilities(self) -> dict[str, Any]:
+        names = list(dict.fromkeys(self.models + [r.base_model for r in self.registry.runs.values()]))
+        return {"supported_models": [{"model_name": m, "trainable": True, "sampleable": True}
+                                     for m in names]}
+
+    def training_runs(self, limit: int, offset: int) -> dict[str, Any]:
+        runs = sorted(self.registry.runs.values(), key=lambda r: r.created, reverse=True)
+        page = runs[offset: offset + limit]
+        return {"training_runs": [self.registry.run_to_rest(r) for r in page],
+                "cursor": {"offset": offset, "limit": limit, "total_count": len(runs)}}
+
+    def training_run(self, model_id: str) -> dict[str, Any]:
+        run = self.registry.runs.get(model_id)
+        if run is None:
+            raise HttpError(404, f"unknown training run {model_id!r}")
+        return self.registry.run_to_rest(run)
+
+    def checkpoints(self, model_id: str | None, limit: int | None = None, offset: int = 0) -> dict[str, Any]:
+        if model_id is not None and model_id not in self.registry.runs:
+            raise HttpError(404, f"unknown training run {model_id!r}")
+        cks = self.registry.checkpoints_of(model_id)
+        page = cks[offset: offset + limit] if limit is not None else cks
+        out: dict[str, Any] = {"checkpoints": [c.to_rest() for c in page]}
+        if limit is not None:
+            out["cursor"] = {"offset": offset, "limit": limit, "total_count": len(cks)}
+        return out
+
+    def delete_checkpoint(self, model_id: str, checkpoint_id: str) -> dict[str, Any]:
+        import shutil
+
+        uri = f"tinker://{model_id}/{checkpoint_id}"
+        ck = self.registry.delete_checkpoint(self._checkpoint(uri).uri)
+        if ck is not None:
+            p = Path(ck.path)
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        return {}
+
+    def weights_info(self, body: dict[str, Any]) -> dict[str, Any]:
+        ck = self._checkpoint(str(_req(body, "tinker_path", "weights_info")))
+        run = self.registry.runs.get(ck.model_id)
+        if run is None:
+            raise HttpError(404, f"weights_info: training run {ck.model_id!r} is unknown")
+        return {"base_model": run.base_model, "is_lora": True, "lora_rank": run.lora_rank,
+                "train_unembed": run.train_unembed, "train_mlp": run.train_mlp,
+                "train_attn": run.train_attn}
