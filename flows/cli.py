@@ -263,8 +263,10 @@ def unknown_fields(model: type, data: dict[str, Any], prefix: str = "") -> list[
     msgs = []
     for key, value in data.items():
         if key not in names:
-            close = difflib.get_close_matches(key, list(names), n=1)
-            hint = f" (did you mean {prefix}{close[0]!r}?)" if close else ""
+            close = difflib.get_close_matches(key, list(names), n=1) or [
+                n for n in names if "".join(w[:1] for w in n.split("_")) == key  # lr -> learning_rate
+            ][:1]
+            hint = f" (did you mean {prefix + close[0]!r}?)" if close else ""
             msgs.append(f"{prefix}{key}: unknown field{hint}")
             continue
         sub = _model_of_annotation(model.model_fields[names[key]].annotation)
@@ -295,18 +297,20 @@ def build_config(
         return f"{config_file}" if config_file else "default"
 
     problems = unknown_fields(model, data)
-    if not problems:
-        try:
-            return model.model_validate(data)
-        except ValidationError as exc:
-            for err in exc.errors(include_url=False):
-                loc = ".".join(str(p) for p in err["loc"]) or "(config)"
-                if err["type"] == "missing":
-                    problems.append(f"{loc}: required field missing")
-                else:
-                    problems.append(
-                        f"{loc} = {err.get('input')!r}: {err['msg']} (from {source(loc)})"
-                    )
+    try:
+        config = model.model_validate(data)
+    except ValidationError as exc:
+        for err in exc.errors(include_url=False):
+            loc = ".".join(str(p) for p in err["loc"]) or "(config)"
+            if err["type"] == "extra_forbidden":
+                continue  # already reported by unknown_fields, with a suggestion
+            if err["type"] == "missing":
+                problems.append(f"{loc}: required field missing")
+            else:
+                problems.append(f"{loc} = {err.get('input')!r}: {err['msg']} (from {source(loc)})")
+    else:
+        if not problems:
+            return config
     lines = "\n".join(f"  {p}" for p in problems)
     raise CLIError(f"invalid config for flow {flow_name!r} ({model.__name__}):\n{lines}")
 

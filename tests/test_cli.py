@@ -196,11 +196,13 @@ def test_run_validation_errors_exit_2(toy, capsys):
 
 
 def test_run_unknown_field_suggests(toy, capsys):
-    rc = cli.main(["run", "toy", "base_model=tiny", "lora_rnak=8", "optim.lr=1"])
+    rc = cli.main(["run", "toy", "base_model=tiny", "lora_rnak=8", "optim.lr=1", "epochs=x"])
     err = capsys.readouterr().err
     assert rc == 2
     assert "lora_rnak: unknown field (did you mean 'lora_rank'?)" in err
-    assert "optim.lr: unknown field" in err
+    assert "optim.lr: unknown field (did you mean 'optim.learning_rate'?)" in err
+    assert "epochs = 'x'" in err  # value errors are reported together with unknown fields
+    assert "Extra inputs" not in err  # not reported twice
 
 
 def test_run_dry_run_unknown_flow_and_failure(toy, capsys):

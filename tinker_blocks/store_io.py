@@ -397,7 +397,10 @@ class StoreWriter:
     Rows are dicts keyed by the table's columns. Missing ``time`` -> now (UTC); missing
     ``row_id`` -> derived from the table's natural key (e.g. metrics:
     ``make_row_id(run_id, step, name)``), so re-writing the same metric dedups in the views.
-    A row id written twice into one buffer keeps the last row.
+    A row id written twice into one buffer keeps the last row. A flush that fails (e.g. a
+    transient S3 error) keeps the rows buffered; the next flush re-writes them, and parts already
+    written for some runs are harmless duplicates the views drop. Not thread-safe: one writer
+    per thread.
 
     Raises:
         StoreError: unknown column, missing required column, wrong value type, invalid run id,
