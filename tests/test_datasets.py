@@ -43,7 +43,8 @@ def test_example_chat_loads_and_is_varied():
 
 
 def test_load_jsonl_with_other_field_and_metadata(tmp_path):
-    p = _write_jsonl(tmp_path / "d.jsonl", [{"conv": _conv()["messages"], "id": 7}, "", {"conv": _conv("a", "b")["messages"]}])
+    records = [{"conv": _conv()["messages"], "id": 7}, "", {"conv": _conv("a", "b")["messages"]}]
+    p = _write_jsonl(tmp_path / "d.jsonl", records)
     convs = load_conversations(str(p), messages_field="conv")
     assert [c.messages[1]["content"] for c in convs] == ["hello", "b"]
     assert convs[0].metadata == {"id": 7}

@@ -89,7 +89,9 @@ def test_role_colon_format_weights_and_stop(tok):
     assert r.get_stop_sequences() == ["\n\nUser:"]
     mi, w = r.build_supervised_example(CONV)
     text = tok.decode(mi.to_ints())
-    assert text == "System: Be brief.\n\nUser: What is 2+2?\n\nAssistant: 4.\n\nUser: And 3+3?\n\nAssistant: It is 6.\n\nUser:"
+    assert text == (
+        "System: Be brief.\n\nUser: What is 2+2?\n\nAssistant: 4.\n\nUser: And 3+3?\n\nAssistant: It is 6.\n\nUser:"
+    )
     # each trained assistant turn ends with the stop sequence, so the model learns to stop
     assert _trained_text(tok, mi, w) == [" 4.\n\nUser:", " It is 6.\n\nUser:"]
     mi, w = r.build_supervised_example(CONV, "last_assistant_message")
