@@ -15,6 +15,9 @@ import sys
 from pathlib import Path
 
 
+DTYPES = {"auto": "auto", "fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
+
+
 def default_root() -> Path:
     """``$PREFECT_TINKER_HOME`` or ``~/.prefect-tinker``."""
     return Path(os.environ.get("PREFECT_TINKER_HOME") or Path.home() / ".prefect-tinker")
@@ -32,8 +35,9 @@ def build_parser(prog: str = "python -m tinker_local") -> argparse.ArgumentParse
     s.add_argument("--root", type=Path, default=None,
                    help="folder for checkpoints, model cache and registry "
                         "(default $PREFECT_TINKER_HOME or ~/.prefect-tinker)")
-    s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="compute dtype of the engine (default auto: bf16 where fast, else fp32)")
+    s.add_argument("--dtype", default="auto", choices=sorted(DTYPES),
+                   help="training/forward compute dtype (default auto: bf16 autocast where the "
+                        "CPU/GPU supports it, else fp32); sampling always runs in fp32")
     s.add_argument("--device", default=None, help="torch device (default: cuda if present, else cpu)")
     s.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -52,6 +56,6 @@ def main(argv: list[str] | None = None, prog: str = "python -m tinker_local") ->
         from .server import serve
 
         serve(args.model, host=args.host, port=args.port, root=args.root or default_root(),
-              dtype=args.dtype, device=args.device, num_threads=args.threads,
+              dtype=DTYPES[args.dtype], device=args.device, num_threads=args.threads,
               log_level=args.log_level)
     return 0

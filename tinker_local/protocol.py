@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 from tinker.proto import tinker_public_pb2 as pb
@@ -323,6 +323,12 @@ def check_checkpoint_name(name: Any) -> str:
     return name
 
 
+def engine_id(model_id: str) -> str:
+    """The engine's id for a wire model id: ':' (from the SDK's ``<session>:train:<n>`` form)
+    becomes '.', since engine ids name folders (root/checkpoints/<engine id>/...)."""
+    return model_id.replace(":", ".")
+
+
 def sequence_ids(request_id: str, n: int) -> list[str]:
     """One sequence id per requested sample, stable for a request id."""
     return [f"{request_id}:{i}" for i in range(n)]
@@ -334,6 +340,3 @@ def as_str_dict(meta: dict[str, Any] | None) -> dict[str, str] | None:
         return None
     return {str(k): str(v) for k, v in meta.items()}
 
-
-def iter_nonempty(xs: Iterable[Any] | None) -> list[Any]:
-    return [x for x in (xs or []) if x is not None]

@@ -141,7 +141,8 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
 
     @route("POST", "/get_info")
     async def get_info(request: Request):
-        return svc.get_info(await _json_body(request))
+        # off the loop: the engine lock may be held by a long job on the compute thread
+        return await asyncio.to_thread(svc.get_info, await _json_body(request))
 
     async def _fwd(request: Request, forward_only: bool):
         raw = await request.body()
@@ -235,11 +236,10 @@ def serve(model: list[str], host: str = "127.0.0.1", port: int = 8000, root: Pat
     root.mkdir(parents=True, exist_ok=True)
     engine = Engine(root, device=device, dtype=dtype, num_threads=num_threads)
     for name in model:
-        preload = getattr(engine, "preload", None)
-        if callable(preload):
-            t0 = time.monotonic()
-            preload(name)
-            logger.info("preloaded %s in %.1fs", name, time.monotonic() - t0)
+        t0 = time.monotonic()
+        info = engine.load_base_model(name)
+        logger.info("preloaded %s in %.1fs (tokenizer %s, context %s)", name,
+                    time.monotonic() - t0, info.get("tokenizer_id"), info.get("max_context"))
     app = create_app(engine, root, models=list(model))
     logger.info("tinker_local serving %s on http://%s:%d (root %s)", ", ".join(model) or "-",
                 host, port, root)

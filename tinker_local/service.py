@@ -69,6 +69,7 @@ class LocalService:
         self.store = FutureStore(gap_timeout_s=gap_timeout_s)
         self.registry = Registry(self.root)
         self.datum_cls = datum_cls or _engine_datum_cls()
+        self._info: dict[str, dict[str, Any]] = {}  # model_id -> engine.get_info(), cached
 
     # -- sessions ---------------------------------------------------------------------------------
     def create_session(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -123,9 +124,10 @@ class LocalService:
                         session_id=session_id, user_metadata=P.as_str_dict(body.get("user_metadata")))
 
         def work() -> dict[str, Any]:
-            self.engine.create_model(model_id, base_model, rank, seed=run.seed,
+            self.engine.create_model(P.engine_id(model_id), base_model, rank, seed=run.seed,
                                      train_mlp=run.train_mlp, train_attn=run.train_attn,
                                      train_unembed=run.train_unembed)
+            self._info[model_id] = self.engine.get_info(P.engine_id(model_id))
             self.registry.add_run(run)
             return {"type": "create_model", "model_id": model_id}
 
@@ -136,10 +138,12 @@ class LocalService:
     def get_info(self, body: dict[str, Any]) -> dict[str, Any]:
         model_id = str(_req(body, "model_id", "get_info"))
         run = self.registry.runs.get(model_id)
-        try:
-            info = self.engine.get_info(model_id)
-        except Exception as e:
-            raise HttpError(404, f"get_info: unknown model_id {model_id!r}: {e}") from e
+        info = self._info.get(model_id)
+        if info is None:
+            try:
+                info = self.engine.get_info(P.engine_id(model_id))
+            except Exception as e:
+                raise HttpError(404, f"get_info: unknown model_id {model_id!r}: {e}") from e
         base = info.get("base_model") or (run.base_model if run else None)
         return {
             "type": "get_info",
@@ -170,7 +174,7 @@ class LocalService:
                 raise UserError(f"{kind}: no datums in the request")
             cfg = P.loss_fn_config_from_proto(msg)
             fn = self.engine.forward if forward_only else self.engine.forward_backward
-            res = fn(model_id, datums, msg.loss_fn, cfg)
+            res = fn(P.engine_id(model_id), datums, msg.loss_fn, cfg)
             return P.forward_backward_output_to_proto(res.outputs, res.metrics)
 
         return {"request_id": self._ordered(kind, work, model_id, seq), "model_id": model_id}
@@ -192,7 +196,7 @@ class LocalService:
 
         def work() -> dict[str, Any]:
             self._run(model_id)
-            metrics = self.engine.optim_step(model_id, **kw) or {}
+            metrics = self.engine.optim_step(P.engine_id(model_id), **kw) or {}
             return {"metrics": {k: float(v) for k, v in metrics.items()}}
 
         return {"request_id": self._ordered(ep, work, model_id, _int(body, "seq_id", ep)),
@@ -201,9 +205,9 @@ class LocalService:
     def _save(self, model_id: str, kind: str, name: str, meta: Any) -> CheckpointRecord:
         run = self._run(model_id)
         if kind == "state":
-            path = Path(self.engine.save_state(model_id, name))
+            path = Path(self.engine.save_state(P.engine_id(model_id), name))
         else:
-            path = Path(self.engine.save_sampler_weights(model_id, name))
+            path = Path(self.engine.save_sampler_weights(P.engine_id(model_id), name))
         uri = P.TinkerPath(run.model_id, kind, name).uri
         if uri in self.registry.checkpoints:
             logger.info("overwriting checkpoint %s", uri)
@@ -289,10 +293,11 @@ class LocalService:
                             user_metadata=P.as_str_dict(body.get("user_metadata")))
 
             def create_and_load() -> dict[str, Any]:
-                self.engine.create_model(model_id, run.base_model, run.lora_rank, seed=run.seed,
+                self.engine.create_model(P.engine_id(model_id), run.base_model, run.lora_rank, seed=run.seed,
                                          train_mlp=run.train_mlp, train_attn=run.train_attn,
                                          train_unembed=run.train_unembed)
-                self.engine.load_state(model_id, Path(ck.path), with_optimizer=with_opt)
+                self.engine.load_state(P.engine_id(model_id), Path(ck.path), with_optimizer=with_opt)
+                self._info[model_id] = self.engine.get_info(P.engine_id(model_id))
                 self.registry.add_run(run)
                 return {"type": "load_weights", "path": uri, "model_id": model_id}
 
@@ -304,7 +309,7 @@ class LocalService:
 
         def load() -> dict[str, Any]:
             self._run(model_id)
-            self.engine.load_state(model_id, Path(ck.path), with_optimizer=with_opt)
+            self.engine.load_state(P.engine_id(model_id), Path(ck.path), with_optimizer=with_opt)
             return {"type": "load_weights", "path": uri, "model_id": model_id}
 
         return {"request_id": self._ordered(ep, load, model_id, _int(body, "seq_id", ep)),
