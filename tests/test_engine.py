@@ -1,0 +1,348 @@
+"""Tests of the local torch engine (tinker_local.engine) against independent torch computations.
+
+Everything runs on the `tiny` preset in fp32 on CPU with a temporary root.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from tinker_local.engine import Datum, Engine, EngineUserError  # noqa: E402
+from tinker_local.errors import UnknownModelError  # noqa: E402
+from tinker_local.models import build_tiny_model, resolve_model  # noqa: E402
+
+VOCAB = 2048
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    return Engine(tmp_path_factory.mktemp("engine_root"), dtype="fp32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def base_dir(engine):
+    return engine.load_base_model("tiny")["tokenizer_id"]
+
+
+def make_datums(seed: int, lengths=(17, 9, 30), soft_k: int = 0) -> list[Datum]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in lengths:
+        toks = rng.integers(0, VOCAB, n + 1)
+        shape = (n, soft_k) if soft_k else (n,)
+        tgt = rng.integers(0, VOCAB, shape) if soft_k else toks[1:]
+        w = rng.uniform(-1.0, 2.0, shape).astype(np.float32)  # arbitrary real weights
+        out.append(Datum(tokens=toks[:-1].tolist(),
+                         inputs={"target_tokens": np.asarray(tgt, np.int64), "weights": w}))
+    return out
+
+
+class IndependentLoRA:
+    """fp32 reference: the base model loaded by transformers plus LoRA deltas applied by hooks,
+    written without peft: y = W x + (alpha / r) * B (A x)."""
+
+    def __init__(self, base_dir: str, adapter_dir):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+        cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
+        self.scale = cfg["lora_alpha"] / cfg["r"]
+        sd = load_file(str(adapter_dir / "adapter_model.safetensors"))
+        self.A, self.B = {}, {}
+        for k, v in sd.items():
+            mod = k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0]
+            (self.A if ".lora_A." in k else self.B)[mod] = v.clone().requires_grad_(True)
+        modules = dict(self.model.named_modules())
+        for mod in self.A:
+            modules[mod].register_forward_hook(self._hook(mod))
+
+    def _hook(self, name):
+        def hook(module, args, out):
+            return out + self.scale * (args[0] @ self.A[name].t() @ self.B[name].t())
+        return hook
+
+    def logprobs(self, datum: Datum) -> torch.Tensor:
+        ids = torch.tensor([datum.tokens])
+        logp = torch.log_softmax(self.model(input_ids=ids).logits[0].float(), dim=-1)
+        tgt = torch.as_tensor(datum.inputs["target_tokens"])
+        return logp.gather(-1, tgt.reshape(len(datum.tokens), -1)).reshape(tgt.shape)
+
+    def loss(self, datums) -> torch.Tensor:
+        return sum(-(self.logprobs(d) * torch.as_tensor(d.inputs["weights"])).sum() for d in datums)
+
+
+def _train_a_bit(engine, model_id, steps=2, lr=5e-3):
+    for s in range(steps):
+        engine.forward_backward(model_id, make_datums(100 + s), "cross_entropy", None)
+        engine.optim_step(model_id, learning_rate=lr)
+
+
+def test_tiny_preset_is_deterministic(engine, base_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from tinker_local.tokenizer import build_tiny_tokenizer
+
+    spec = resolve_model("tiny", tmp_path)
+    assert spec.max_context == 2048 and spec.vocab_size == VOCAB
+    a = load_file(os.path.join(base_dir, "model.safetensors"))
+    b = load_file(os.path.join(spec.tokenizer_dir, "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    fresh = build_tiny_model().state_dict()
+    assert all(torch.equal(fresh[k], a[k]) for k in a)
+    n_params = sum(v.numel() for v in a.values())
+    assert 5e6 <= n_params <= 1e7
+    t1 = build_tiny_tokenizer().backend_tokenizer.to_str()
+    assert t1 == AutoTokenizer.from_pretrained(base_dir).backend_tokenizer.to_str()
+    tok = AutoTokenizer.from_pretrained(spec.tokenizer_dir)
+    ids = tok("x = 12345")["input_ids"]
+    assert [tok.decode([i]) for i in ids][-5:] == list("12345")
+    assert tok.eos_token == "<|im_end|>"
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert ":" not in spec.tokenizer_dir
+
+
+def test_forward_matches_independent_fp32(engine, base_dir):
+    engine.create_model("fwd", "tiny", 4, seed=1)
+    _train_a_bit(engine, "fwd")
+    ref = IndependentLoRA(base_dir, engine.save_sampler_weights("fwd", "ref"))
+    for datums in (make_datums(7), make_datums(8, lengths=(5, 12), soft_k=3)):
+        res = engine.forward("fwd", datums, "cross_entropy", None)
+        with torch.no_grad():
+            exp = [ref.logprobs(d) for d in datums]
+            exp_loss = float(ref.loss(datums))
+        for out, e, d in zip(res.outputs, exp, datums):
+            assert out["logprobs"].dtype == np.float32
+            assert out["logprobs"].shape == d.inputs["target_tokens"].shape
+            np.testing.assert_allclose(out["logprobs"], e.numpy(), atol=1e-4, rtol=0)
+        assert abs(res.metrics["loss:sum"] - exp_loss) <= 1e-4 + 1e-6 * abs(exp_loss)
+
+
+def test_gradients_and_optim_step_match_torch_adamw(engine, base_dir):
+    engine.create_model("opt", "tiny", 4, seed=2, train_unembed=False)
+    _train_a_bit(engine, "opt", steps=1)
+    ref = IndependentLoRA(base_dir, engine.save_sampler_weights("opt", "before"))
+    datums = make_datums(11)
+    # accumulation over two calls == one call over all datums
+    engine.forward_backward("opt", datums[:1], "cross_entropy", None)
+    engine.forward_backward("opt", datums[1:], "cross_entropy", None)
+    ref.loss(datums).backward()
+    st = engine._models["opt"]
+    before = {k: p.detach().clone() for k, p in st.params.items()}
+    grads = {k: p.grad.detach().clone() for k, p in st.params.items()}
+    gmax = max(float(g.abs().max()) for g in grads.values())
+    for k, g in grads.items():
+        mod = k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0]
+        exp = (ref.A if ".lora_A." in k else ref.B)[mod].grad
+        torch.testing.assert_close(g, exp, atol=1e-4 * gmax, rtol=1e-4)
+    exp_avg = {k: st.optimizer.state[p]["exp_avg"].clone() for k, p in st.params.items()}
+    exp_avg_sq = {k: st.optimizer.state[p]["exp_avg_sq"].clone() for k, p in st.params.items()}
+
+    hp = dict(learning_rate=3e-3, beta1=0.8, beta2=0.95, eps=1e-12, weight_decay=0.1)
+    total_norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads.values()))
+    clip = total_norm / 3
+    metrics = engine.optim_step("opt", grad_clip_norm=clip, **hp)
+    assert metrics["grad_norm:mean"] == pytest.approx(total_norm, rel=1e-5)
+    assert metrics["step:max"] == 2
+
+    # torch.optim.AdamW on copies, with the engine's moments from step 1 and clipped grads
+    coef = min(1.0, clip / (total_norm + 1e-6))
+    copies = {k: v.clone().requires_grad_(True) for k, v in before.items()}
+    opt = torch.optim.AdamW(list(copies.values()), lr=hp["learning_rate"],
+                            betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"],
+                            weight_decay=hp["weight_decay"])
+    for k, p in copies.items():
+        p.grad = grads[k] * coef
+        opt.state[p] = {"step": torch.tensor(1.0), "exp_avg": exp_avg[k].clone(),
+                        "exp_avg_sq": exp_avg_sq[k].clone()}
+    opt.step()
+    for k, p in st.params.items():
+        torch.testing.assert_close(p.detach(), copies[k].detach(), atol=1e-7, rtol=1e-6)
+        assert p.grad is None  # zeroed after the step
+        # and the hand-written Tinker formula (decoupled decay, bias correction, eps outside sqrt)
+        g = grads[k] * coef
+        m = hp["beta1"] * exp_avg[k] + (1 - hp["beta1"]) * g
+        v = hp["beta2"] * exp_avg_sq[k] + (1 - hp["beta2"]) * g * g
+        mhat, vhat = m / (1 - hp["beta1"] ** 2), v / (1 - hp["beta2"] ** 2)
+        exp = before[k] * (1 - hp["learning_rate"] * hp["weight_decay"]) - \
+            hp["learning_rate"] * mhat / (vhat.sqrt() + hp["eps"])
+        torch.testing.assert_close(p.detach(), exp, atol=1e-6, rtol=1e-5)
+
+
+def test_adapters_do_not_interfere(engine):
+    engine.create_model("iso_a", "tiny", 4, seed=3)
+    engine.create_model("iso_b", "tiny", 8, seed=4, train_mlp=False, train_unembed=False)
+    datums = make_datums(5)
+    base_a = engine.forward("iso_a", datums, "cross_entropy", None).metrics["loss:sum"]
+    base_b = engine.forward("iso_b", datums, "cross_entropy", None).metrics["loss:sum"]
+    assert base_a == pytest.approx(base_b, abs=1e-4)  # LoRA B starts at zero
+    engine.forward_backward("iso_b", datums, "cross_entropy", None)  # pending grads of b
+    _train_a_bit(engine, "iso_a", steps=2, lr=1e-2)
+    assert engine.forward("iso_b", datums, "cross_entropy", None).metrics["loss:sum"] == base_b
+    assert engine.forward("iso_a", datums, "cross_entropy", None).metrics["loss:sum"] != base_a
+    assert all(p.grad is not None for p in engine._models["iso_b"].params.values())
+    info = engine.get_info("iso_b")
+    assert info["lora_rank"] == 8 and info["base_model"] == "tiny" and info["vocab_size"] == VOCAB
+    assert not any("mlp" in k or "lm_head" in k for k in engine._models["iso_b"].params)
+
+
+def test_save_load_state_bit_equal(engine):
+    engine.create_model("ck", "tiny", 4, seed=5)
+    _train_a_bit(engine, "ck", steps=2)
+    path = engine.save_state("ck", "s2")
+    assert path == engine.root / "checkpoints" / "ck" / "weights" / "s2"
+    engine.load_state("ck2", path, with_optimizer=True)  # creates ck2 from the checkpoint
+    a, b = engine._models["ck"], engine._models["ck2"]
+    assert b.step == a.step == 2
+    for (k, pa), (k2, pb) in zip(a.params.items(), b.params.items()):
+        assert k == k2 and torch.equal(pa, pb)
+        sa, sb = a.optimizer.state[pa], b.optimizer.state[pb]
+        assert all(torch.equal(torch.as_tensor(sa[x]), torch.as_tensor(sb[x]))
+                   for x in ("step", "exp_avg", "exp_avg_sq"))
+    for mid in ("ck", "ck2"):  # identical continued training
+        _train_a_bit(engine, mid, steps=1)
+    assert all(torch.equal(pa, pb) for pa, pb in zip(a.params.values(), b.params.values()))
+    engine.load_state("ck3", path, with_optimizer=False)
+    assert engine._models["ck3"].step == 0 and not engine._models["ck3"].optimizer.state
+    sw = engine.save_sampler_weights("ck", "sw")
+    assert not (sw / "optimizer.safetensors").exists()
+    with pytest.raises(EngineUserError, match="optimizer"):
+        engine.load_state("ck4", sw, with_optimizer=True)
+
+
+def test_sample_logprobs_match_forward_and_seed(engine):
+    engine.create_model("smp", "tiny", 4, seed=6)
+    _train_a_bit(engine, "smp", steps=2, lr=1e-2)
+    path = engine.save_sampler_weights("smp", "w")
+    prompt = [1, 295, 201, 19, 13, 20, 2, 201, 1, 294, 201]
+    kw = dict(num_samples=3, max_tokens=12, seed=42, stop=[], include_prompt_logprobs=True,
+              topk_prompt_logprobs=3)
+    r1 = engine.sample(None, path, prompt, **kw)
+    r2 = engine.sample("tiny", path, prompt, **kw)
+    assert r1.sequences == r2.sequences
+    assert r1.sequences != engine.sample(None, path, prompt, **{**kw, "seed": 43}).sequences
+    for seq in r1.sequences:
+        assert len(seq["tokens"]) == 12 and seq["stop_reason"] == "length"
+        full = prompt + seq["tokens"]
+        d = Datum(tokens=full[:-1], inputs={"target_tokens": np.array(full[1:], np.int64)})
+        lp = engine.forward("smp", [d], "cross_entropy", None).outputs[0]["logprobs"]
+        np.testing.assert_allclose(seq["logprobs"], lp[len(prompt) - 1:], atol=1e-4, rtol=0)
+    d = Datum(tokens=prompt[:-1], inputs={"target_tokens": np.array(prompt[1:], np.int64)})
+    lp = engine.forward("smp", [d], "cross_entropy", None).outputs[0]["logprobs"]
+    assert r1.prompt_logprobs[0] is None and len(r1.prompt_logprobs) == len(prompt)
+    np.testing.assert_allclose(r1.prompt_logprobs[1:], lp, atol=1e-4, rtol=0)
+    top = r1.topk_prompt_logprobs
+    assert top[0] is None and all(len(t) == 3 for t in top[1:])
+    assert all(t[0][1] >= t[1][1] >= t[2][1] >= lp_i - 1e-4 or prompt[i + 1] not in [x[0] for x in t]
+               for i, (t, lp_i) in enumerate(zip(top[1:], lp)))
+
+
+def test_sampling_controls_and_stops(engine):
+    prompt = [1, 295, 201, 19, 13, 20]
+    greedy = engine.sample("tiny", None, prompt, num_samples=2, max_tokens=10, temperature=0.0, stop=[])
+    assert greedy.sequences[0]["tokens"] == greedy.sequences[1]["tokens"]
+    top1 = engine.sample("tiny", None, prompt, num_samples=1, max_tokens=10, top_k=1, seed=1, stop=[])
+    tiny_p = engine.sample("tiny", None, prompt, num_samples=1, max_tokens=10, top_p=1e-6, seed=2, stop=[])
+    assert top1.sequences[0]["tokens"] == greedy.sequences[0]["tokens"] == tiny_p.sequences[0]["tokens"]
+
+    tok = engine._bases["tiny"].tokenizer
+    base = engine.sample("tiny", None, prompt, num_samples=1, max_tokens=24, seed=9, stop=[]).sequences[0]
+    toks = base["tokens"]
+    # stop token id: ends right after its first occurrence
+    sid = toks[6]
+    cut = engine.sample("tiny", None, prompt, num_samples=1, max_tokens=24, seed=9, stop=[sid]).sequences[0]
+    assert cut["tokens"] == toks[: toks.index(sid) + 1] and cut["stop_reason"] == "stop"
+    # stop string: ends with the token completing the first occurrence in the decoded text
+    text = tok.decode(toks[5:8])
+    s = text[len(text) // 2:][:3] or text
+    cut = engine.sample("tiny", None, prompt, num_samples=1, max_tokens=24, seed=9, stop=[s]).sequences[0]
+    n = next(i for i in range(1, len(toks) + 1) if s in tok.decode(toks[:i]))
+    assert cut["tokens"] == toks[:n] and cut["stop_reason"] == "stop"
+    assert cut["logprobs"] == base["logprobs"][:n]
+    # stop=None: the EOS tokens of the model
+    eos = engine.sample("tiny", None, [1, 2], num_samples=4, max_tokens=200, seed=0, stop=None)
+    for seq in eos.sequences:
+        assert (seq["stop_reason"] == "stop") == (seq["tokens"][-1] in (0, 2))
+
+
+def test_user_errors_name_the_value(engine, tmp_path):
+    with pytest.raises(UnknownModelError, match="no-such-model"):
+        resolve_model("no-such-model", tmp_path)
+    with pytest.raises(EngineUserError, match="no-such-model"):
+        engine.create_model("x1", "no-such-model", 4, seed=0)
+    with pytest.raises(EngineUserError, match="'missing-id'"):
+        engine.forward("missing-id", make_datums(0), "cross_entropy", None)
+    engine.create_model("err", "tiny", 2, seed=0)
+    with pytest.raises(EngineUserError, match="already exists"):
+        engine.create_model("err", "tiny", 2, seed=0)
+    bad = Datum(tokens=[1, 2, 5000], inputs={"target_tokens": np.array([1, 2, 3])})
+    with pytest.raises(EngineUserError, match="5000"):
+        engine.forward_backward("err", [bad], "cross_entropy", None)
+    bad = Datum(tokens=[1, 2, 3], inputs={"target_tokens": np.array([1, 2, -1])})
+    with pytest.raises(EngineUserError, match="-1"):
+        engine.forward("err", [bad], "cross_entropy", None)
+    long = Datum(tokens=[1] * 2049, inputs={"target_tokens": np.ones(2049, np.int64)})
+    with pytest.raises(EngineUserError, match="2049"):
+        engine.forward("err", [long], "cross_entropy", None)
+    with pytest.raises(EngineUserError, match="'hinge'"):
+        engine.forward("err", make_datums(0), "hinge", None)
+    short = Datum(tokens=[1, 2, 3], inputs={"target_tokens": np.array([1, 2])})
+    with pytest.raises(EngineUserError, match="target_tokens"):
+        engine.forward("err", [short], "cross_entropy", None)
+    with pytest.raises(EngineUserError, match="importance_sampling.*logprobs"):
+        engine.forward("err", make_datums(0), "importance_sampling", None)
+    with pytest.raises(EngineUserError, match="3000"):
+        engine.sample("tiny", None, [1, 3000], num_samples=1, max_tokens=2)
+    with pytest.raises(EngineUserError, match="context"):
+        engine.sample("tiny", None, [1] * 2000, num_samples=1, max_tokens=100)
+
+
+def test_rl_losses_match_formulas(engine):
+    engine.create_model("rl", "tiny", 4, seed=7)
+    d0 = make_datums(3, lengths=(10, 6))
+    lp = engine.forward("rl", d0, "cross_entropy", None).outputs
+    rng = np.random.default_rng(0)
+    datums = []
+    for d, o in zip(d0, lp):
+        n = len(d.tokens)
+        q = (o["logprobs"] + rng.normal(0, 0.3, n)).astype(np.float32)
+        adv = rng.normal(0, 1, n).astype(np.float32)
+        datums.append(Datum(d.tokens, {"target_tokens": d.inputs["target_tokens"], "logprobs": q,
+                                       "advantages": adv}))
+    lps = [torch.as_tensor(o["logprobs"], dtype=torch.float64) for o in lp]
+    qs = [torch.as_tensor(d.inputs["logprobs"], dtype=torch.float64) for d in datums]
+    advs = [torch.as_tensor(d.inputs["advantages"], dtype=torch.float64) for d in datums]
+    r = [torch.exp(a - b) for a, b in zip(lps, qs)]
+    expected = {
+        "importance_sampling": -sum((ri * A).sum() for ri, A in zip(r, advs)),
+        "ppo": -sum(torch.minimum(ri * A, ri.clamp(0.9, 1.1) * A).sum() for ri, A in zip(r, advs)),
+        "cispo": -sum((ri.clamp(0.9, 1.1) * l * A).sum() for ri, l, A in zip(r, lps, advs)),
+        "dro": -sum((l * A - 0.5 * 0.1 * (l - q) ** 2).sum() for l, q, A in zip(lps, qs, advs)),
+    }
+    cfg = {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1, "beta": 0.1}
+    for name, exp in expected.items():
+        got = engine.forward("rl", datums, name, cfg).metrics["loss:sum"]
+        assert got == pytest.approx(float(exp), abs=1e-4), name
+
+
+def test_bf16_engine_close_to_fp32(engine, tmp_path):
+    e16 = Engine(engine.root, dtype="bf16", device="cpu")
+    assert e16.dtype == "bf16"
+    datums = make_datums(12)
+    engine.create_model("cmp32", "tiny", 4, seed=8)
+    e16.create_model("cmp16", "tiny", 4, seed=8)
+    a = engine.forward("cmp32", datums, "cross_entropy", None)
+    b = e16.forward_backward("cmp16", datums, "cross_entropy", None)
+    for oa, ob in zip(a.outputs, b.outputs):
+        assert np.abs(oa["logprobs"] - ob["logprobs"]).max() < 0.1
+    assert b.metrics["loss:sum"] == pytest.approx(a.metrics["loss:sum"], rel=1e-2)

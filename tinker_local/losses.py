@@ -1,0 +1,104 @@
+"""Per-datum loss functions of the local engine (Tinker semantics: summed over tokens).
+
+Every function takes ``lp``, the logprobs of the target tokens under the current model (a
+float32 tensor of shape (N,), or (N, K) for soft targets, with grad), the datum's loss inputs as
+float32/int64 tensors on the same device, and the request's ``loss_fn_config`` dict, and returns
+the scalar loss of that datum.  The engine sums them over datums into ``loss:sum``.
+
+| name | inputs | loss |
+|---|---|---|
+| cross_entropy | target_tokens, weights (default 1) | -(lp * w).sum() |
+| importance_sampling | target_tokens, logprobs q, advantages A | -(exp(lp - q) * A).sum() |
+| ppo | + clip_low_threshold / clip_high_threshold (config or inputs; default 0.8 / 1.2) | -min(r A, clip(r) A).sum() |
+| cispo | same as ppo | -(stopgrad(clip(r)) * lp * A).sum() |
+| dro | + beta (config, default 0.05) | -(lp A - 0.5 beta (lp - q)^2).sum() |
+
+Sources: Tinker docs "Loss functions"; PPO (Schulman et al. 2017); CISPO (MiniMax-M1, 2025).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .errors import EngineUserError
+
+Tensor = torch.Tensor
+
+
+def cross_entropy(lp: Tensor, inp: dict[str, Tensor], cfg: dict) -> Tensor:
+    """``-(lp * weights).sum()``; weights shaped like target_tokens, (N,) or (N, K)."""
+    w = inp.get("weights")
+    if w is None:
+        return -lp.sum()
+    return -(lp * w).sum()
+
+
+def _ratio_inputs(lp: Tensor, inp: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    return inp["logprobs"], inp["advantages"]
+
+
+def importance_sampling(lp: Tensor, inp: dict[str, Tensor], cfg: dict) -> Tensor:
+    """REINFORCE with importance weights: ``-(exp(lp - q) * A).sum()``."""
+    q, adv = _ratio_inputs(lp, inp)
+    return -(torch.exp(lp - q) * adv).sum()
+
+
+def _clip_bounds(inp: dict[str, Tensor], cfg: dict) -> tuple[Tensor | float, Tensor | float]:
+    low = inp.get("clip_low_threshold", cfg.get("clip_low_threshold", 0.8))
+    high = inp.get("clip_high_threshold", cfg.get("clip_high_threshold", 1.2))
+    return low, high
+
+
+def ppo(lp: Tensor, inp: dict[str, Tensor], cfg: dict) -> Tensor:
+    """Clipped-ratio objective: ``-min(r*A, clip(r, low, high)*A).sum()``, r = exp(lp - q)."""
+    q, adv = _ratio_inputs(lp, inp)
+    low, high = _clip_bounds(inp, cfg)
+    r = torch.exp(lp - q)
+    clipped = torch.clamp(r, min=low, max=high) if not isinstance(low, Tensor) else torch.minimum(torch.maximum(r, low), high)
+    return -torch.minimum(r * adv, clipped * adv).sum()
+
+
+def cispo(lp: Tensor, inp: dict[str, Tensor], cfg: dict) -> Tensor:
+    """Clipped IS-weight policy optimisation: ``-(stopgrad(clip(r)) * lp * A).sum()``."""
+    q, adv = _ratio_inputs(lp, inp)
+    low, high = _clip_bounds(inp, cfg)
+    r = torch.exp(lp - q).detach()
+    clipped = torch.clamp(r, min=low, max=high) if not isinstance(low, Tensor) else torch.minimum(torch.maximum(r, low), high)
+    return -(clipped * lp * adv).sum()
+
+
+def dro(lp: Tensor, inp: dict[str, Tensor], cfg: dict) -> Tensor:
+    """Direct reward optimisation: ``-(lp*A - 0.5*beta*(lp - q)**2).sum()``; beta from config."""
+    q, adv = _ratio_inputs(lp, inp)
+    beta = float(cfg.get("beta", 0.05))
+    return -(lp * adv - 0.5 * beta * (lp - q) ** 2).sum()
+
+
+LOSS_FNS: dict[str, Callable[[Tensor, dict[str, Tensor], dict], Tensor]] = {
+    "cross_entropy": cross_entropy,
+    "importance_sampling": importance_sampling,
+    "ppo": ppo,
+    "cispo": cispo,
+    "dro": dro,
+}
+
+# loss inputs each function needs besides target_tokens (all shaped like target_tokens)
+REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
+    "cross_entropy": (),
+    "importance_sampling": ("logprobs", "advantages"),
+    "ppo": ("logprobs", "advantages"),
+    "cispo": ("logprobs", "advantages"),
+    "dro": ("logprobs", "advantages"),
+}
+# inputs that may be scalars (broadcast) instead of per-token arrays
+SCALAR_OK = {"clip_low_threshold", "clip_high_threshold"}
+
+
+def get_loss_fn(name: str):
+    """Return the loss function called ``name``; ``EngineUserError`` naming it if unsupported."""
+    fn = LOSS_FNS.get(name)
+    if fn is None:
+        raise EngineUserError(f"unsupported loss_fn {name!r}; supported: {sorted(LOSS_FNS)}")
+    return fn

