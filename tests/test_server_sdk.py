@@ -163,6 +163,18 @@ def test_training_loss_falls(trained):
     assert out.metrics["loss:sum"] == pytest.approx(total, rel=1e-4)
 
 
+def test_parallel_chunks_of_one_forward_are_merged_in_order(service_client):
+    tc = service_client.create_lora_training_client("tiny", rank=4).result(timeout=120)
+    data = [_datum([1 + i % 7, 2, 3, 4]) for i in range(1030)]  # > 1024 datums: 2 chunks, sent in parallel
+    out = tc.forward_backward(data, "cross_entropy").result(timeout=120)
+    assert len(out.loss_fn_outputs) == 1030
+    lp = [o["logprobs"].to_numpy() for o in out.loss_fn_outputs]
+    np.testing.assert_allclose(lp[1027], lp[1027 - 7 * 10], atol=1e-5)  # same datum, other chunk
+    total = -sum(float(x.sum()) for x in lp)
+    assert out.metrics["loss:sum"] == pytest.approx(total, rel=1e-4)
+    tc.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=60)
+
+
 def test_state_round_trip_with_optimizer(service_client, trained):
     tc, _tok, data, _ = trained
     saved = tc.save_state("round-trip").result(timeout=60)
@@ -387,3 +399,19 @@ def test_pending_poll_answers_try_again_then_result(tmp_path):
         assert done.json() == {"type": "create_model", "model_id": f"{sid}:train:0"}
         info = client.post("/api/v1/get_info", json={"model_id": f"{sid}:train:0"}, headers=h).json()
         assert info["model_data"]["tokenizer_id"] == "/tok" and info["lora_rank"] == 4
+
+
+def test_registry_survives_a_restart(tmp_path):
+    from tinker_local.registry import CheckpointRecord, Registry, RunRecord
+
+    reg = Registry(tmp_path)
+    reg.add_run(RunRecord(model_id="s:train:0", base_model="tiny", lora_rank=4))
+    uri = "tinker://s:train:0/weights/a"
+    reg.add_checkpoint(CheckpointRecord(uri=uri, model_id="s:train:0", kind="state", name="a", path="/x"))
+    reg.add_checkpoint(CheckpointRecord(uri=uri + "b", model_id="s:train:0", kind="state", name="ab", path="/y"))
+    reg.delete_checkpoint(uri + "b")
+    with open(reg.log_path, "a") as f:
+        f.write('{"event": "checkpoint", "uri": ')  # torn last line after a crash
+    again = Registry(tmp_path)
+    assert again.runs["s:train:0"].lora_rank == 4 and list(again.checkpoints) == [uri]
+    assert again.run_to_rest(again.runs["s:train:0"])["last_checkpoint"]["tinker_path"] == uri
