@@ -110,7 +110,7 @@ def sft_flow(config: SFTConfig) -> dict[str, Any]:
     checkpoint paths, sampled completions)."""
     log = get_run_logger()
     credentials = resolve_credentials(config.backend)
-    backend = "local" if getattr(credentials, "local", False) else "remote"
+    backend = credentials.backend_name()
     run_id = config.run_name
     last = _last_state_checkpoint(config.store, run_id)
     run: TrainingRun = open_training_run(
@@ -195,11 +195,7 @@ def _after_step(step: int) -> None:
 
 
 def _save(credentials: Any, run: TrainingRun, name: str, data: PreparedDataset, config: SFTConfig):
-    from tasks.training import checkpoint_uri
-
-    uri = checkpoint_uri(run, name, "state")
-    task = save_checkpoint.with_options(assets=[uri], asset_deps=[dataset_uri(config.dataset)])
-    return task(credentials, run, name, "state")
+    return save_checkpoint(credentials, run, name, "state", upstream=[dataset_uri(config.dataset)])
 
 
 def _sample(credentials: Any, run: TrainingRun, data: PreparedDataset, config: SFTConfig) -> list[dict]:
@@ -209,7 +205,9 @@ def _sample(credentials: Any, run: TrainingRun, data: PreparedDataset, config: S
 
     from recipes.renderers import get_renderer
 
-    run, sampler_path = save_checkpoint(credentials, run, f"{run.run_name}-step-{run.step:06d}", "sampler")
+    run, sampler_path = save_checkpoint(
+        credentials, run, f"{run.run_name}-step-{run.step:06d}", "sampler", upstream=[dataset_uri(config.dataset)]
+    )
     record_checkpoint(config.store, run.run_name, run.step, sampler_path, "sampler")
     tokenizer = AutoTokenizer.from_pretrained(run.tokenizer_id)
     renderer = get_renderer(data.renderer, tokenizer)

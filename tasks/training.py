@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import tinker
 from prefect import task
+from prefect.assets import materialize
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, Field
 
@@ -69,8 +70,11 @@ _clients: dict[tuple[str, str], tuple[tinker.TrainingClient, int]] = {}
 
 
 def _key(credentials: Any, run_name: str) -> tuple[str, str]:
-    where = getattr(credentials, "base_url", None) or getattr(credentials, "local_root", None) or "default"
-    return (f"{type(credentials).__name__}:{where}", run_name)
+    if getattr(credentials, "local", False):
+        where = f"local:{credentials.resolved_local_root()}"
+    else:
+        where = f"{credentials.backend_name()}:{credentials.base_url_for_sdk()}"
+    return (where, run_name)
 
 
 def _register(credentials: Any, run: TrainingRun, client: tinker.TrainingClient) -> TrainingRun:
@@ -95,9 +99,9 @@ def _client_for(credentials: Any, run: TrainingRun) -> tinker.TrainingClient:
     if run.last_checkpoint is None:
         if run.step != 0:
             raise ClientRewound(run.model_copy(update={"step": 0}), 0)
-        client = service.create_lora_training_client(base_model=run.base_model, rank=run.lora_rank, seed=run.seed)
+        client = service.create_lora_training_client(base_model=run.base_model, rank=run.lora_rank, seed=run.seed).result()
     else:
-        client = service.create_training_client_from_state_with_optimizer(run.last_checkpoint)
+        client = service.create_training_client_from_state_with_optimizer(run.last_checkpoint).result()
     new_run = _register(credentials, run.model_copy(update={"step": run.last_checkpoint_step if run.last_checkpoint else 0}), client)
     if new_run.step != run.step:
         raise ClientRewound(new_run, new_run.step)
@@ -149,9 +153,9 @@ def open_training_run(
     _forget(credentials, run)
     service = credentials.get_client()
     if resume_from:
-        client = service.create_training_client_from_state_with_optimizer(resume_from)
+        client = service.create_training_client_from_state_with_optimizer(resume_from).result()
     else:
-        client = service.create_lora_training_client(base_model=base_model, rank=lora_rank, seed=seed)
+        client = service.create_lora_training_client(base_model=base_model, rank=lora_rank, seed=seed).result()
     return _register(credentials, run, client)
 
 
@@ -213,8 +217,7 @@ def train_step(
     return run.model_copy(update={"step": step + 1}), metrics
 
 
-@task(name="save-checkpoint", task_run_name="save-{name}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
-def save_checkpoint(credentials: Any, run: TrainingRun, name: str, kind: str = "state") -> tuple[TrainingRun, str]:
+def _save_checkpoint(credentials: Any, run: TrainingRun, name: str, kind: str = "state") -> tuple[TrainingRun, str]:
     """Save the run's current weights: ``kind="state"`` (weights + optimizer, resumable) or
     ``"sampler"`` (weights for a sampling client). Returns the updated handle and the ``tinker://`` path.
 
@@ -235,6 +238,25 @@ def save_checkpoint(credentials: Any, run: TrainingRun, name: str, kind: str = "
     if kind == "state":
         run = run.model_copy(update={"last_checkpoint": path, "last_checkpoint_step": run.step})
     return run, path
+
+
+def save_checkpoint(
+    credentials: Any, run: TrainingRun, name: str, kind: str = "state", upstream: list[str] | None = None
+) -> tuple[TrainingRun, str]:
+    """Run the ``save-checkpoint`` task as a Prefect asset materialization.
+
+    The asset key is the checkpoint's ``tinker://`` URI; ``upstream`` (e.g. the dataset URI) are
+    recorded as its dependencies, so lineage dataset -> checkpoint shows in Prefect's events.
+    """
+    materializing = materialize(
+        checkpoint_uri(run, name, kind),
+        asset_deps=list(upstream or []),
+        name="save-checkpoint",
+        task_run_name=f"save-{kind}-{name}",
+        cache_policy=NO_CACHE,
+        **RETRY_OPTIONS,
+    )(_save_checkpoint)
+    return materializing(credentials, run, name, kind)
 
 
 @task(name="evaluate-nll", task_run_name="eval-nll-step-{run.step}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
