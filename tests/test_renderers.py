@@ -1,21 +1,32 @@
-"""Renderers against the real SmolLM2 tokenizer (read in place from shared/data)."""
+"""Renderers against the real SmolLM2 tokenizer (read in place from ../shared/data): parity with
+``apply_chat_template``, the generation-prompt prefix property, train_on_what modes, parsing."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import numpy as np
 import pytest
 import tinker
 
-from recipes.renderers import RendererError, get_renderer, renderer_names
-
-TOKENIZER_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "tokenizer" / "smollm2"
-
-pytestmark = pytest.mark.skipif(
-    not (TOKENIZER_DIR / "tokenizer.json").exists(),
-    reason=f"SmolLM2 tokenizer not found at {TOKENIZER_DIR} (shared/data is absent)",
+from recipes.renderers import (
+    TRAIN_ON_CHOICES,
+    RendererError,
+    Termination,
+    get_renderer,
+    guess_renderer_name,
+    renderer_names,
 )
+from tests.renderer_tokenizers import (
+    decode,
+    encode,
+    llama3_like,
+    load_smollm2,
+    needs_smollm2,
+    qwen3_like,
+    smollm2,
+    trained_runs,
+)
+
+pytestmark = needs_smollm2
 
 CONV = [
     {"role": "system", "content": "Be brief."},
@@ -24,126 +35,216 @@ CONV = [
     {"role": "user", "content": "And 3+3?"},
     {"role": "assistant", "content": "It is 6."},
 ]
-NO_SYSTEM = CONV[1:]
+CONVERSATIONS = {
+    "system_multiturn": CONV,
+    "no_system": CONV[1:],
+    "empty_messages": [
+        {"role": "system", "content": ""},
+        {"role": "user", "content": ""},
+        {"role": "assistant", "content": ""},
+        {"role": "user", "content": "Still there?"},
+        {"role": "assistant", "content": "Yes."},
+    ],
+    "unicode": [
+        {"role": "user", "content": "Ça va ? 日本語で答えて 🙂 — naïve façade, עברית, Ελληνικά"},
+        {"role": "assistant", "content": "はい、元気です 👍🏽 ñ ü ß ∑ x² ≤ ∞"},
+    ],
+    "multiline": [
+        {"role": "user", "content": "Write a haiku\nabout rain.\n"},
+        {"role": "assistant", "content": "Soft rain on the roof\n\nwhispers to the sleeping town\n  night keeps it"},
+    ],
+    "tool_role": [
+        {"role": "user", "content": "Compute 6*7 with the calculator."},
+        {"role": "assistant", "content": "calc(6*7)"},
+        {"role": "tool", "content": "42"},
+        {"role": "assistant", "content": "6*7 = 42."},
+    ],
+}
+TEMPLATE_RENDERERS = ["chat_template", "smollm2"]
 
 
-@pytest.fixture(scope="module")
-def tok():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+def _apply(tok, conv, generation: bool) -> list[int]:
+    out = tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=generation)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
-def _trained_text(tok, model_input, weights) -> list[str]:
-    """Decoded runs of consecutive trained tokens."""
-    tokens = model_input.to_ints()
-    runs, cur = [], []
-    for t, w in zip(tokens, weights):
-        if w > 0:
-            cur.append(t)
-        elif cur:
-            runs.append(tok.decode(cur))
-            cur = []
-    if cur:
-        runs.append(tok.decode(cur))
-    return runs
+def _renderer(name: str):
+    tok = {"qwen3": qwen3_like, "qwen3_disable_thinking": qwen3_like, "llama3": llama3_like}.get(name, smollm2)()
+    return tok, get_renderer(name, tok)
 
 
-def test_registry_names_and_unknown(tok):
-    assert {"role_colon", "chat_template"} <= set(renderer_names())
+def test_registry_names_unknown_and_guess():
+    tok = smollm2()
+    assert {"role_colon", "chatml", "smollm2", "qwen3", "qwen3_disable_thinking", "llama3", "chat_template"} <= set(
+        renderer_names()
+    )
     with pytest.raises(RendererError, match="unknown renderer 'nope'.*chat_template"):
         get_renderer("nope", tok)
+    assert guess_renderer_name(tok) == "smollm2" and get_renderer("auto", tok).name == "smollm2"
+    fresh = load_smollm2()
+    for template, expected in [
+        (None, "role_colon"),
+        ("<|im_start|>{{ x }}<think>", "qwen3"),
+        ("<|start_header_id|>{{ m }}<|eot_id|>", "llama3"),
+        ("{{ messages }}", "chat_template"),
+    ]:
+        fresh.chat_template = template
+        assert guess_renderer_name(fresh) == expected
 
 
-@pytest.mark.parametrize("conv", [CONV, NO_SYSTEM], ids=["system", "no_system"])
-def test_chat_template_token_exact_with_apply_chat_template(tok, conv):
-    r = get_renderer("chat_template", tok)
+@pytest.mark.parametrize("conv_id", sorted(CONVERSATIONS))
+@pytest.mark.parametrize("name", TEMPLATE_RENDERERS)
+def test_parity_with_apply_chat_template(name, conv_id):
+    """Supervised example == apply_chat_template(conv); generation prompt of every prefix ==
+    apply_chat_template(prefix, add_generation_prompt=True)."""
+    tok = smollm2()
+    r = get_renderer(name, tok)
+    conv = CONVERSATIONS[conv_id]
     model_input, weights = r.build_supervised_example(conv)
-    expected = tok.apply_chat_template(conv, tokenize=True)
-    expected = expected["input_ids"] if hasattr(expected, "keys") else expected
-    assert model_input.to_ints() == list(expected)
+    assert model_input.to_ints() == _apply(tok, conv, False)
     assert weights.dtype == np.float32 and weights.shape == (model_input.length,)
-    prompt = r.build_generation_prompt(conv[:-1])
-    gen = tok.apply_chat_template(conv[:-1], tokenize=True, add_generation_prompt=True)
-    gen = gen["input_ids"] if hasattr(gen, "keys") else gen
-    assert prompt.to_ints() == list(gen)
+    for k in range(1, len(conv) + 1):
+        assert r.build_generation_prompt(conv[:k]).to_ints() == _apply(tok, conv[:k], True), k
 
 
-def test_chat_template_weights_cover_assistant_replies_and_end_of_turn(tok):
-    r = get_renderer("chat_template", tok)
-    im_end = tok.convert_tokens_to_ids("<|im_end|>")
-    assert r.get_stop_sequences() == [im_end]
-    mi, w = r.build_supervised_example(CONV)
-    assert _trained_text(tok, mi, w) == ["4.<|im_end|>", "It is 6.<|im_end|>"]
-    mi, w = r.build_supervised_example(CONV, "last_assistant_message")
-    assert _trained_text(tok, mi, w) == ["It is 6.<|im_end|>"]
-    mi, w = r.build_supervised_example(CONV, "all_messages")
-    assert w.sum() == mi.length  # every token of every message
-    # the default system prompt the template injects counts as part of the first message
-    mi, w = r.build_supervised_example(NO_SYSTEM, "all_messages")
+@pytest.mark.parametrize("name", ["role_colon", "chatml", "smollm2", "chat_template", "qwen3", "qwen3_disable_thinking", "llama3"])
+def test_generation_prompt_is_prefix_and_reply_parses_back(name):
+    tok, r = _renderer(name)
+    for conv_id, conv in CONVERSATIONS.items():
+        for i, msg in enumerate(conv):
+            if msg["role"] != "assistant":
+                continue
+            prompt = r.build_generation_prompt(conv[:i]).to_ints()
+            full, w = r.build_supervised_example(conv[: i + 1], "last_assistant_message")
+            full = full.to_ints()
+            assert full[: len(prompt)] == prompt, (conv_id, i)
+            assert not w[: len(prompt)].any() and w[len(prompt)] == 1.0, (conv_id, i)
+            parsed = r.parse_response(full[len(prompt):])
+            expected = msg["content"].strip() if name == "llama3" else msg["content"]
+            assert parsed.termination is Termination.STOP_SEQUENCE and parsed.ok, (conv_id, i)
+            assert parsed.message["content"] == expected, (conv_id, i)
+            if name != "qwen3_disable_thinking":  # its history drops the empty think block
+                whole = r.build_supervised_example(conv)[0].to_ints()
+                assert whole[: len(prompt)] == prompt, (conv_id, i)
+
+
+def test_whitespace_led_assistant_content_is_the_documented_divergence():
+    """Content starting with 2+ spaces: BPE merges them with the header's newline in the joint
+    encoding.  chat_template keeps the template's tokens; smollm2 keeps the prefix property."""
+    tok = smollm2()
+    conv = [{"role": "user", "content": "Indent it."}, {"role": "assistant", "content": "    x = 1"}]
+    expected = _apply(tok, conv, False)
+    ct, _ = get_renderer("chat_template", tok).build_supervised_example(conv)
+    fam, _ = get_renderer("smollm2", tok).build_supervised_example(conv)
+    assert ct.to_ints() == expected
+    assert fam.to_ints() != expected and decode(tok, fam.to_ints()) == decode(tok, expected)
+    prompt = get_renderer("smollm2", tok).build_generation_prompt(conv[:1]).to_ints()
+    assert fam.to_ints()[: len(prompt)] == prompt
+
+
+TOOL_CONV = [
+    {"role": "system", "content": "S"},
+    {"role": "user", "content": "Q1"},
+    {"role": "assistant", "content": "A1"},
+    {"role": "user", "content": "Q2", "trainable": True},
+    {"role": "assistant", "content": "call", "trainable": True},
+    {"role": "tool", "content": "42"},
+    {"role": "assistant", "content": "A2"},
+]
+
+
+@pytest.mark.parametrize("name", TEMPLATE_RENDERERS)
+def test_train_on_what_modes(name):
+    tok = smollm2()
+    r = get_renderer(name, tok)
+    runs = lambda mode: trained_runs(tok, *r.build_supervised_example(TOOL_CONV, mode))  # noqa: E731
+    assert runs("last_assistant_message") == ["A2<|im_end|>"]
+    assert runs("last_assistant_turn") == ["call<|im_end|>", "A2<|im_end|>"]
+    assert runs("all_assistant_messages") == ["A1<|im_end|>", "call<|im_end|>", "A2<|im_end|>"]
+    assert runs("customized") == ["Q2<|im_end|>", "call<|im_end|>"]
+    for mode in ("all_messages", "all_tokens"):
+        mi, w = r.build_supervised_example(TOOL_CONV, mode)
+        assert w.all() and len(w) == mi.length
+    # the default system prompt the template inserts is trained only under all_messages/all_tokens
+    mi, w = r.build_supervised_example(CONV[1:], "all_messages")
     assert w.all()
+    mi, w = r.build_supervised_example(CONV[1:], "last_assistant_turn")
+    assert trained_runs(tok, mi, w) == ["It is 6.<|im_end|>"]
 
 
-def test_role_colon_format_weights_and_stop(tok):
+def test_family_and_template_renderers_agree_on_weights_for_every_mode():
+    tok = smollm2()
+    fam, gen = get_renderer("smollm2", tok), get_renderer("chat_template", tok)
+    for conv in [*CONVERSATIONS.values(), TOOL_CONV]:
+        for mode in TRAIN_ON_CHOICES:
+            if mode == "customized" and not any(m.get("trainable") for m in conv):
+                continue
+            a, b = fam.build_supervised_example(conv, mode), gen.build_supervised_example(conv, mode)
+            assert a[0] == b[0] and np.array_equal(a[1], b[1]), mode
+
+
+def test_role_colon_format_weights_and_stop():
+    tok = smollm2()
     r = get_renderer("role_colon", tok)
     assert r.get_stop_sequences() == ["\n\nUser:"]
     mi, w = r.build_supervised_example(CONV)
-    text = tok.decode(mi.to_ints())
-    assert text == (
+    assert decode(tok, mi.to_ints()) == (
         "System: Be brief.\n\nUser: What is 2+2?\n\nAssistant: 4.\n\nUser: And 3+3?\n\nAssistant: It is 6.\n\nUser:"
     )
     # each trained assistant turn ends with the stop sequence, so the model learns to stop
-    assert _trained_text(tok, mi, w) == [" 4.\n\nUser:", " It is 6.\n\nUser:"]
-    mi, w = r.build_supervised_example(CONV, "last_assistant_message")
-    assert _trained_text(tok, mi, w) == [" It is 6.\n\nUser:"]
-    mi, w = r.build_supervised_example(CONV, "all_messages")
-    assert w.all()
+    assert trained_runs(tok, mi, w) == [" 4.\n\nUser:", " It is 6.\n\nUser:"]
+    assert trained_runs(tok, *r.build_supervised_example(CONV, "last_assistant_message")) == [" It is 6.\n\nUser:"]
+    assert r.build_supervised_example(CONV, "all_messages")[1].all()
+    assert r.build_generation_prompt(CONV[:2], prefill="The answer").to_ints()[-2:] == encode(tok, "The answer")
 
 
-@pytest.mark.parametrize("name", ["role_colon", "chat_template"])
-def test_generation_prompt_is_prefix_of_supervised_example(tok, name):
-    r = get_renderer(name, tok)
-    for cut in (2, 4):  # before each assistant turn of CONV
-        prompt = r.build_generation_prompt(CONV[:cut]).to_ints()
-        full, weights = r.build_supervised_example(CONV[: cut + 1], "last_assistant_message")
-        full = full.to_ints()
-        assert full[: len(prompt)] == prompt
-        assert not weights[: len(prompt)].any()  # nothing of the prompt is trained
-        assert weights[len(prompt)] == 1.0  # the reply starts right after it
-        assert isinstance(r.build_generation_prompt(CONV[:cut]), tinker.ModelInput)
+def test_parse_response_terminations():
+    tok = smollm2()
+    r = get_renderer("smollm2", tok)
+    reply = encode(tok, "It is 6.")
+    im_end, eot = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
+    assert r.parse_response(reply + [im_end, 5, 6]) == ({"role": "assistant", "content": "It is 6."}, "stop_sequence")
+    assert r.parse_response(reply + [eot]).termination is Termination.END_OF_SEQUENCE
+    cut = r.parse_response(reply[:2])
+    assert cut.termination is Termination.TRUNCATED and not cut.ok and cut.message["content"] == decode(tok, reply[:2])
+    rc = get_renderer("role_colon", tok)
+    assert rc.parse_response(encode(tok, " It is 6.\n\nUser:")) == ({"role": "assistant", "content": "It is 6."}, "stop_sequence")
+    assert rc.parse_response(encode(tok, " It is")).termination is Termination.TRUNCATED
+    assert rc.parse_response(encode(tok, " Done.") + [im_end]).termination is Termination.END_OF_SEQUENCE
 
 
-@pytest.mark.parametrize("name", ["role_colon", "chat_template"])
-def test_parse_response_round_trip(tok, name):
-    r = get_renderer(name, tok)
-    prompt = r.build_generation_prompt(CONV[:-1]).to_ints()
-    full = r.build_supervised_example(CONV)[0].to_ints()
-    sampled = full[len(prompt) :]
-    msg, ended = r.parse_response(sampled)
-    assert ended and msg == {"role": "assistant", "content": "It is 6."}
-    msg, ended = r.parse_response(tok.encode(" It is", add_special_tokens=False))
-    assert not ended and msg["content"].strip() == "It is"
-
-
-@pytest.mark.parametrize("name", ["role_colon", "chat_template"])
-def test_bad_messages_raise_clear_errors(tok, name):
-    r = get_renderer(name, tok)
+@pytest.mark.parametrize("name", ["role_colon", "smollm2", "chat_template"])
+def test_bad_messages_raise_clear_errors(name):
+    r = get_renderer(name, smollm2())
+    user = {"role": "user", "content": "hi"}
     with pytest.raises(RendererError, match="no assistant message"):
-        r.build_supervised_example([{"role": "user", "content": "hi"}])
+        r.build_supervised_example([user])
     with pytest.raises(RendererError, match=r"messages\[1\].role: unknown role 'bot'"):
-        r.build_supervised_example([{"role": "user", "content": "hi"}, {"role": "bot", "content": "x"}])
-    with pytest.raises(RendererError, match=r"messages\[0\].content must be a string"):
+        r.build_supervised_example([user, {"role": "bot", "content": "x"}])
+    with pytest.raises(RendererError, match=r"messages\[0\].content: must be a string"):
         r.build_generation_prompt([{"role": "user", "content": None}])
+    with pytest.raises(RendererError, match=r"messages\[1\].trainable: must be true or false"):
+        r.build_supervised_example([user, {"role": "assistant", "content": "x", "trainable": "yes"}], "customized")
     with pytest.raises(RendererError, match="train_on_what='everything'"):
         r.build_supervised_example(CONV, "everything")
+    with pytest.raises(RendererError, match="no message has trainable=true"):
+        r.build_supervised_example(CONV, "customized")
+    with pytest.raises(RendererError, match="no assistant message follows the last user message"):
+        r.build_supervised_example(CONV + [user], "last_assistant_turn")
     with pytest.raises(RendererError, match="empty"):
         r.build_generation_prompt([])
 
 
-def test_chat_template_detects_broken_prefix_property(tok):
-    from transformers import AutoTokenizer
+def test_missing_special_tokens_and_tools_support():
+    tok = smollm2()
+    with pytest.raises(RendererError, match=r"'llama3' needs the special token '<\|begin_of_text\|>'"):
+        get_renderer("llama3", tok)
+    with pytest.raises(RendererError, match="'role_colon' cannot render tool definitions"):
+        get_renderer("role_colon", tok).build_generation_prompt(CONV[:2], tools=[{"name": "f"}])
 
-    t2 = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+
+def test_chat_template_detects_templates_that_rewrite_history():
+    t2 = load_smollm2()
     # a template that renders earlier assistant turns differently from the last one
     t2.chat_template = (
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
@@ -153,22 +254,23 @@ def test_chat_template_detects_broken_prefix_property(tok):
     )
     r = get_renderer("chat_template", t2)
     with pytest.raises(RendererError, match="prefix property"):
-        r.build_supervised_example(NO_SYSTEM)
+        r.build_supervised_example(CONV[1:])
+    mi, w = r.build_supervised_example(CONV[1:], "last_assistant_message")  # only the last turn: fine
+    assert trained_runs(t2, mi, w) == ["It is 6.<|im_end|>"]
 
 
-def test_chat_template_requires_a_template(tok):
-    from transformers import AutoTokenizer
-
-    t2 = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+def test_chat_template_requires_a_template():
+    t2 = load_smollm2()
     t2.chat_template = None
     with pytest.raises(RendererError, match="no chat template.*role_colon"):
         get_renderer("chat_template", t2)
 
 
-def test_accepts_conversation_objects(tok):
+def test_accepts_conversation_objects():
     from recipes.datasets import Conversation
 
-    r = get_renderer("chat_template", tok)
+    r = get_renderer("smollm2", smollm2())
     a = r.build_supervised_example(Conversation(messages=CONV, source="x:1"))
     b = r.build_supervised_example(CONV)
     assert a[0] == b[0] and np.array_equal(a[1], b[1])
+    assert isinstance(r.build_generation_prompt(CONV[:2]), tinker.ModelInput)

@@ -1,0 +1,430 @@
+"""Renderer base: validated messages, ``train_on_what`` modes, segments, response termination.
+
+A renderer turns a conversation into the tokens a model sees and the per-token loss weights.
+Family renderers (role_colon, chatml/smollm2, qwen3, llama3) build a conversation as a list of
+:class:`Segment` s -- token runs that each belong to one message and play one part in it:
+
+``prefix``  tokens before any message (e.g. Llama's ``<|begin_of_text|>``); owned by no message
+``header``  the role marker (``<|im_start|>assistant\\n``); the generation prompt ends with one
+``body``    the message itself (content, reasoning, tool calls)
+``end``     the end-of-turn marker the sampler stops at (``<|im_end|>``, ``<|eot_id|>``)
+``sep``     what the template writes after the end marker (ChatML's ``\\n``)
+
+Weights then follow from ``train_on_what`` (see :class:`TrainOnWhat`): a trained message gets
+weight 1.0 on its ``body`` and ``end`` tokens -- exactly what the model has to produce after
+the generation prompt -- and 0.0 elsewhere; ``all_messages`` trains every part of every message
+and ``all_tokens`` every token.  Because the generation prompt of ``messages[:i]`` is the
+segments of those messages followed by an assistant ``header``, it is a token prefix of the
+supervised example of any conversation that continues them (the property the tests check).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, NamedTuple
+
+import numpy as np
+import tinker
+
+__all__ = [
+    "KNOWN_ROLES",
+    "TRAIN_ON_CHOICES",
+    "Message",
+    "ParsedResponse",
+    "Renderer",
+    "RendererError",
+    "Segment",
+    "Termination",
+    "TrainOnWhat",
+    "check_message_list",
+    "normalize_messages",
+    "trained_message_mask",
+]
+
+KNOWN_ROLES = ("system", "user", "assistant", "tool")
+
+Message = dict[str, Any]
+
+
+class RendererError(ValueError):
+    """A conversation cannot be rendered (bad message, bad option, or a template that breaks prefixes)."""
+
+
+class TrainOnWhat(str, Enum):
+    """Which tokens of a conversation get loss weight.
+
+    ``last_assistant_message``: the last assistant message (body and end-of-turn marker).
+    ``last_assistant_turn``: every assistant message after the last user message (an agent's
+    whole reply: tool calls and final answer; tool results in between are not trained).
+    ``all_assistant_messages``: every assistant message.
+    ``all_messages``: every message, role headers and separators included (not the
+    conversation prefix such as BOS).
+    ``all_tokens``: every token.
+    ``customized``: the messages whose ``trainable`` flag is ``True`` (missing = ``False``).
+    """
+
+    LAST_ASSISTANT_MESSAGE = "last_assistant_message"
+    LAST_ASSISTANT_TURN = "last_assistant_turn"
+    ALL_ASSISTANT_MESSAGES = "all_assistant_messages"
+    ALL_MESSAGES = "all_messages"
+    ALL_TOKENS = "all_tokens"
+    CUSTOMIZED = "customized"
+
+
+#: Accepted values of ``train_on_what`` (the :class:`TrainOnWhat` values).
+TRAIN_ON_CHOICES = tuple(t.value for t in TrainOnWhat)
+
+
+class Termination(str, Enum):
+    """How a sampled response ended (second item of :meth:`Renderer.parse_response`).
+
+    ``stop_sequence``: the renderer's end-of-turn stop sequence ended it (normal end).
+    ``end_of_sequence``: the tokenizer's end-of-sequence token ended it (no end-of-turn marker).
+    ``truncated``: neither was found: the tokens ran out (``max_tokens`` reached).
+    ``malformed``: it ended, but its content does not parse (bad tool call JSON, an unclosed
+    ``<think>``); the message then holds the raw text as content.
+    """
+
+    STOP_SEQUENCE = "stop_sequence"
+    END_OF_SEQUENCE = "end_of_sequence"
+    TRUNCATED = "truncated"
+    MALFORMED = "malformed"
+
+
+class ParsedResponse(NamedTuple):
+    """``(message, termination)`` returned by :meth:`Renderer.parse_response`."""
+
+    message: Message
+    termination: Termination
+
+    @property
+    def ok(self) -> bool:
+        """True when the response ended properly (stop sequence or end of sequence) and parsed."""
+        return self.termination in (Termination.STOP_SEQUENCE, Termination.END_OF_SEQUENCE)
+
+
+@dataclass
+class Segment:
+    """A run of tokens with its owner message and part (see the module docstring).
+
+    Attributes:
+        tokens: token ids.
+        owner: index of the message it belongs to; None for the conversation prefix or suffix.
+        part: ``"prefix" | "header" | "body" | "end" | "sep"``.
+        closes: index of an earlier message this run also ends (role_colon: the ``User:`` header
+            after an assistant reply is that reply's stop sequence, trained with it).
+    """
+
+    tokens: list[int]
+    owner: int | None
+    part: str
+    closes: int | None = None
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_message_list(messages: Any) -> list[Message]:
+    """Validate a message list; the primitive behind :func:`normalize_messages` and dataset checks.
+
+    Accepted message keys: ``role`` (one of :data:`KNOWN_ROLES`), ``content`` (str; None or
+    missing only for an assistant message with ``tool_calls``), optional ``reasoning_content``
+    (str), ``tool_calls`` (list of ``{"type": "function", "function": {"name", "arguments"}}``
+    or ``{"name", "arguments"}``), ``trainable`` (bool), ``name`` and ``tool_call_id`` (str);
+    other keys are kept as they are.
+
+    Returns:
+        New dicts (content None replaced by ``""``).
+
+    Raises:
+        _FieldProblem: ``(field, problem)``, field relative to the list, e.g. ``"[1].role"``.
+    """
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise _FieldProblem("", f"must be a list of messages, got {_short(messages)}")
+    if not messages:
+        raise _FieldProblem("", "is empty: a conversation needs at least one message")
+    out: list[Message] = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, Mapping):
+            raise _FieldProblem(f"[{i}]", f"must be an object with role and content, got {_short(msg)}")
+        if "role" not in msg:
+            raise _FieldProblem(f"[{i}].role", "is missing")
+        role = msg["role"]
+        if role not in KNOWN_ROLES:
+            raise _FieldProblem(f"[{i}].role", f"unknown role {_short(role)} (expected one of {', '.join(KNOWN_ROLES)})")
+        tool_calls = msg.get("tool_calls")
+        if tool_calls is not None:
+            if role != "assistant":
+                raise _FieldProblem(f"[{i}].tool_calls", f"only assistant messages make tool calls (role is {role!r})")
+            _check_tool_calls(tool_calls, i)
+        if "content" not in msg and not tool_calls:
+            raise _FieldProblem(f"[{i}].content", "is missing")
+        content = msg.get("content")
+        if content is None and tool_calls:
+            content = ""
+        if not isinstance(content, str):
+            raise _FieldProblem(f"[{i}].content", f"must be a string, got {_short(content)}")
+        for key in ("reasoning_content", "name", "tool_call_id"):
+            if msg.get(key) is not None and not isinstance(msg[key], str):
+                raise _FieldProblem(f"[{i}].{key}", f"must be a string, got {_short(msg[key])}")
+        if "trainable" in msg and not isinstance(msg["trainable"], bool):
+            raise _FieldProblem(f"[{i}].trainable", f"must be true or false, got {_short(msg['trainable'])}")
+        out.append({**msg, "role": role, "content": content})
+    return out
+
+
+def _check_tool_calls(tool_calls: Any, i: int) -> None:
+    if not isinstance(tool_calls, list):
+        raise _FieldProblem(f"[{i}].tool_calls", f"must be a list, got {_short(tool_calls)}")
+    for j, call in enumerate(tool_calls):
+        fn = call.get("function", call) if isinstance(call, Mapping) else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+            raise _FieldProblem(f"[{i}].tool_calls[{j}]", f"needs a function name, got {_short(call)}")
+        if not isinstance(fn.get("arguments", {}), (str, Mapping)):
+            raise _FieldProblem(f"[{i}].tool_calls[{j}].arguments", "must be an object or a JSON string")
+
+
+class _FieldProblem(ValueError):
+    """Internal: a problem at ``field`` (relative path) of a message list."""
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"{field}: {problem}")
+        self.field, self.problem = field, problem
+
+
+def normalize_messages(messages: Any) -> list[Message]:
+    """Validate messages for rendering (see :func:`check_message_list` for the accepted keys).
+
+    Args:
+        messages: a list of message dicts, or an object with a ``messages`` attribute
+            (e.g. ``recipes.datasets.Conversation``).
+
+    Raises:
+        RendererError: e.g. ``"messages[1].role: unknown role 'bot' (expected one of ...)"``.
+    """
+    messages = getattr(messages, "messages", messages)
+    try:
+        return check_message_list(messages)
+    except _FieldProblem as exc:
+        raise RendererError(f"messages{exc.field}: {exc.problem}") from None
+
+
+def check_train_on(train_on_what: Any) -> TrainOnWhat:
+    """Parse ``train_on_what``; raises RendererError naming the accepted values."""
+    try:
+        return TrainOnWhat(train_on_what)
+    except ValueError:
+        raise RendererError(f"train_on_what={train_on_what!r} is not one of {', '.join(TRAIN_ON_CHOICES)}") from None
+
+
+def trained_message_mask(messages: Sequence[Message], train_on_what: Any) -> list[bool]:
+    """Which messages are training targets under ``train_on_what`` (one bool per message).
+
+    Raises:
+        RendererError: no message qualifies (no assistant message; none after the last user
+            message; no ``trainable: true`` flag).
+    """
+    mode = check_train_on(train_on_what)
+    n = len(messages)
+    if mode in (TrainOnWhat.ALL_MESSAGES, TrainOnWhat.ALL_TOKENS):
+        return [True] * n
+    if mode is TrainOnWhat.CUSTOMIZED:
+        mask = [m.get("trainable") is True for m in messages]
+        if not any(mask):
+            raise RendererError("train_on_what='customized' but no message has trainable=true")
+        return mask
+    assistant = [m["role"] == "assistant" for m in messages]
+    if not any(assistant):
+        raise RendererError("conversation has no assistant message to train on")
+    if mode is TrainOnWhat.ALL_ASSISTANT_MESSAGES:
+        return assistant
+    if mode is TrainOnWhat.LAST_ASSISTANT_MESSAGE:
+        last = max(i for i in range(n) if assistant[i])
+        return [i == last for i in range(n)]
+    last_user = max((i for i in range(n) if messages[i]["role"] == "user"), default=-1)
+    mask = [assistant[i] and i > last_user for i in range(n)]
+    if not any(mask):
+        raise RendererError("train_on_what='last_assistant_turn' but no assistant message follows the last user message")
+    return mask
+
+
+def segment_weights(segments: Sequence[Segment], trained: Sequence[bool], mode: TrainOnWhat) -> np.ndarray:
+    """Per-token weights, float32 of shape (N,), for segments under a trained-message mask."""
+    out = []
+    for seg in segments:
+        if mode is TrainOnWhat.ALL_TOKENS:
+            w = 1.0
+        elif mode is TrainOnWhat.ALL_MESSAGES:
+            w = float(seg.owner is not None or seg.closes is not None)
+        else:
+            own = seg.owner is not None and trained[seg.owner] and seg.part in ("body", "end")
+            w = float(own or (seg.closes is not None and trained[seg.closes]))
+        out.extend([w] * len(seg.tokens))
+    return np.asarray(out, dtype=np.float32)
+
+
+class Renderer:
+    """Base class of renderers.
+
+    Subclasses built from segments implement :meth:`_segments` (the whole conversation) and
+    :meth:`_assistant_header` (the generation prompt's tail), and define the stop tokens; the
+    generic chat-template renderer overrides the public methods instead.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (``TrainingClient.get_tokenizer()`` or
+            ``AutoTokenizer.from_pretrained(...)``).
+    """
+
+    name: str = ""
+    #: Whether ``tools=`` (function schemas) can be rendered into the prompt.
+    supports_tools: bool = False
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self._enc_cache: dict[str, list[int]] = {}
+
+    # ---- helpers for subclasses -------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` without the tokenizer's automatic special tokens (short strings cached)."""
+        if len(text) <= 48:
+            hit = self._enc_cache.get(text)
+            if hit is None:
+                hit = self._enc_cache[text] = list(self.tokenizer.encode(text, add_special_tokens=False))
+            return list(hit)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def encode_pair(self, head: str, body: str, *, joint: bool) -> tuple[list[int], list[int]]:
+        """Encode ``head + body`` split into (head tokens, body tokens).
+
+        ``joint=False`` encodes the two separately (the generation prompt then ends exactly at
+        the head); ``joint=True`` encodes them together, as ``apply_chat_template`` does, and
+        gives a token that straddles the boundary (BPE merging e.g. ``"\\n"`` with leading
+        spaces of the body) to the body.
+        """
+        h = self.encode(head)
+        if not joint or not body:
+            return h, self.encode(body)
+        both = self.encode(head + body)
+        k = 0
+        while k < len(h) and k < len(both) and h[k] == both[k]:
+            k += 1
+        if k == len(h):
+            return h, both[k:]
+        return both[:k], both[k:]
+
+    def special_token_id(self, text: str) -> int:
+        """Id of a special token that must exist as one token (e.g. ``<|im_end|>``).
+
+        Raises:
+            RendererError: the tokenizer encodes ``text`` as several tokens (wrong family).
+        """
+        ids = self.encode(text)
+        if len(ids) != 1:
+            raise RendererError(
+                f"renderer {self.name!r} needs the special token {text!r}, which tokenizer "
+                f"{getattr(self.tokenizer, 'name_or_path', '?')!r} lacks (it encodes to {len(ids)} tokens); "
+                "pick the renderer of this model's family"
+            )
+        return ids[0]
+
+    def eos_token_ids(self) -> list[int]:
+        """End-of-sequence ids that end a response without the end-of-turn marker."""
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        return [] if eos is None else [int(eos)]
+
+    def _check_tools(self, tools: Any) -> None:
+        if tools and not self.supports_tools:
+            raise RendererError(f"renderer {self.name!r} cannot render tool definitions; describe them in a system message")
+
+    # ---- to implement -----------------------------------------------------------------
+    def _segments(self, messages: list[Message], tools: Sequence[Mapping[str, Any]] | None) -> list[Segment]:
+        raise NotImplementedError
+
+    def _assistant_header(self) -> list[int]:
+        raise NotImplementedError
+
+    # ---- public operations ------------------------------------------------------------
+    def build_supervised_example(
+        self, messages: Any, train_on_what: str | TrainOnWhat = "all_assistant_messages", *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> tuple[tinker.ModelInput, np.ndarray]:
+        """Render a whole conversation for supervised training.
+
+        Args:
+            messages: message dicts (see :func:`check_message_list`) or a ``Conversation``.
+            train_on_what: a :class:`TrainOnWhat` value.
+            tools: function schemas to describe in the prompt (renderers with ``supports_tools``).
+
+        Returns:
+            ``(model_input, weights)``: the N tokens and float32 weights of shape ``(N,)``
+            (1.0 on trained tokens).  Shift with :func:`recipes.datasets.datum_from_example`.
+
+        Raises:
+            RendererError: invalid messages, unknown ``train_on_what``, no message to train on,
+                no trained token, or tools given to a renderer without tool support.
+        """
+        msgs = normalize_messages(messages)
+        mode = check_train_on(train_on_what)
+        self._check_tools(tools)
+        trained = trained_message_mask(msgs, mode)
+        segments = self._segments(msgs, tools)
+        tokens = [t for seg in segments for t in seg.tokens]
+        weights = segment_weights(segments, trained, mode)
+        if not weights.any():
+            raise RendererError(f"no trainable token: the messages selected by train_on_what={mode.value!r} render to no tokens")
+        return tinker.ModelInput.from_ints(tokens), weights
+
+    def build_generation_prompt(
+        self, messages: Any, prefill: str | None = None, *, tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> tinker.ModelInput:
+        """Tokens of ``messages`` followed by the header of a new assistant message.
+
+        Args:
+            messages: the conversation so far.
+            prefill: text the assistant reply must start with, appended after the header.
+            tools: as in :meth:`build_supervised_example`.
+
+        Returns:
+            A ``tinker.ModelInput`` that is a token prefix of the supervised example of
+            ``messages + [reply]`` (when ``prefill`` is None).
+
+        Raises:
+            RendererError: invalid messages or unsupported tools.
+        """
+        msgs = normalize_messages(messages)
+        self._check_tools(tools)
+        tokens = [t for seg in self._segments(msgs, tools) for t in seg.tokens] + self._assistant_header()
+        if prefill:
+            tokens += self.encode(prefill)
+        return tinker.ModelInput.from_ints(tokens)
+
+    def get_stop_sequences(self) -> list[str] | list[int]:
+        """Stop strings or stop token ids ending an assistant turn (for ``tinker.SamplingParams.stop``)."""
+        raise NotImplementedError
+
+    def parse_response(self, tokens: Sequence[int]) -> ParsedResponse:
+        """Decode sampled tokens (what followed the generation prompt) into an assistant message.
+
+        Returns:
+            ``ParsedResponse(message, termination)``; the message is
+            ``{"role": "assistant", "content": str, ...}`` without the stop sequence.
+        """
+        content, term = self.split_at_stop(tokens)
+        text = self.tokenizer.decode(content, skip_special_tokens=False)
+        return ParsedResponse({"role": "assistant", "content": text}, term)
+
+    def split_at_stop(self, tokens: Sequence[int]) -> tuple[list[int], Termination]:
+        """Tokens before the first stop token (or EOS), and how the response ended."""
+        stops = {int(s) for s in self.get_stop_sequences() if isinstance(s, int)}
+        eos = set(self.eos_token_ids()) - stops
+        tokens = [int(t) for t in tokens]
+        for i, tok in enumerate(tokens):
+            if tok in stops:
+                return tokens[:i], Termination.STOP_SEQUENCE
+            if tok in eos:
+                return tokens[:i], Termination.END_OF_SEQUENCE
+        return tokens, Termination.TRUNCATED

@@ -1,0 +1,86 @@
+"""``role_colon``: a plain-text chat format for base (non-chat) models.
+
+Format, with ``[...]`` optional::
+
+    [System: {system}\\n\\n]User: {user}\\n\\nAssistant: {assistant}\\n\\nUser: ...
+
+Each message is a header ``"{Role}:"`` followed by a body ``" {content}\\n\\n"`` (roles
+capitalised: ``System``, ``User``, ``Assistant``, ``Tool``).  The model ends its turn by writing
+``"\\n\\nUser:"``, the stop string: the ``User:`` header after a trained assistant reply is trained
+with it (appended when the conversation ends with that reply).  Tokens are the per-segment
+encodings (``add_special_tokens=False``) after the tokenizer's own leading special tokens (BOS for
+Llama-style tokenizers, nothing for SmolLM2).  There is no template to match: the format is ours.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from recipes.renderers.base import Message, ParsedResponse, Renderer, Segment, Termination
+
+__all__ = ["RoleColonRenderer"]
+
+
+def leading_special_tokens(tokenizer: Any) -> list[int]:
+    """Tokens the tokenizer puts before any text when ``add_special_tokens=True`` (e.g. [BOS])."""
+    probe = "x"
+    with_sp = list(tokenizer.encode(probe, add_special_tokens=True))
+    without = list(tokenizer.encode(probe, add_special_tokens=False))
+    for start in range(len(with_sp) - len(without) + 1):
+        if with_sp[start : start + len(without)] == without:
+            return with_sp[:start]
+    return []
+
+
+class RoleColonRenderer(Renderer):
+    """``User: ...\\n\\nAssistant: ...`` for base models (see the module docstring).
+
+    Args:
+        tokenizer: any Hugging Face tokenizer.
+    """
+
+    name = "role_colon"
+    STOP = "\n\nUser:"
+
+    def __init__(self, tokenizer: Any):
+        super().__init__(tokenizer)
+        self._prefix = leading_special_tokens(tokenizer)
+
+    @staticmethod
+    def _header(role: str) -> str:
+        return f"{role.capitalize()}:"
+
+    def _segments(self, messages: list[Message], tools: Sequence[Mapping[str, Any]] | None) -> list[Segment]:
+        segs = [Segment(list(self._prefix), None, "prefix")] if self._prefix else []
+        for i, msg in enumerate(messages):
+            closes = i - 1 if i > 0 and messages[i - 1]["role"] == "assistant" else None
+            segs.append(Segment(self.encode(self._header(msg["role"])), i, "header", closes=closes))
+            segs.append(Segment(self.encode(f" {msg['content']}\n\n"), i, "body"))
+        if messages[-1]["role"] == "assistant":
+            segs.append(Segment(self.encode(self._header("user")), None, "end", closes=len(messages) - 1))
+        return segs
+
+    def _assistant_header(self) -> list[int]:
+        return self.encode(self._header("assistant"))
+
+    def get_stop_sequences(self) -> list[str]:
+        """``["\\n\\nUser:"]`` (a stop string)."""
+        return [self.STOP]
+
+    def parse_response(self, tokens: Sequence[int]) -> ParsedResponse:
+        """Text up to ``"\\n\\nUser:"`` (stop_sequence), else up to EOS (end_of_sequence), else all (truncated)."""
+        tokens = [int(t) for t in tokens]
+        eos = set(self.eos_token_ids())
+        cut = next((i for i, t in enumerate(tokens) if t in eos), None)
+        text = self.tokenizer.decode(tokens if cut is None else tokens[:cut], skip_special_tokens=True)
+        if self.STOP in text:
+            text, term = text[: text.index(self.STOP)], Termination.STOP_SEQUENCE
+        elif cut is not None:
+            term = Termination.END_OF_SEQUENCE
+        else:
+            term = Termination.TRUNCATED
+        text = text.removeprefix(" ")
+        if term is not Termination.STOP_SEQUENCE:
+            text = text.removesuffix("\n\n")
+        return ParsedResponse({"role": "assistant", "content": text}, term)
