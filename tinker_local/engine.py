@@ -32,6 +32,7 @@ import secrets
 import shutil
 import threading
 import uuid
+import warnings
 from collections import OrderedDict
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -93,6 +94,7 @@ class _Base:
     model: Any  # the transformers model (LoRA layers injected in place once peft wraps it)
     tokenizer: Any
     peft: Any = None  # peft.PeftModel once the first adapter exists
+    n_params: int = 0
     counter: int = 0
     sampler_adapters: "OrderedDict[tuple, str]" = field(default_factory=OrderedDict)
 
@@ -376,6 +378,8 @@ class Engine:
             if with_optimizer:
                 osd = load_file(str(opt_file))
                 for k, p in st.params.items():
+                    if f"{k}::exp_avg" not in osd:  # saved before this param had a step
+                        continue
                     st.optimizer.state[p] = {
                         "step": osd[f"{k}::step"].clone(),
                         "exp_avg": osd[f"{k}::exp_avg"].to(p.device).clone(),
@@ -450,7 +454,7 @@ class Engine:
                 raise EngineUserError(f"num_samples must be a positive integer, got {num_samples!r}")
             if not isinstance(max_tokens, int) or max_tokens < 1:
                 raise EngineUserError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-            if len(prompt) + max_tokens > b.spec.max_context:
+            if len(prompt) + max_tokens - 1 > b.spec.max_context:  # last token is not fed back
                 raise EngineUserError(f"prompt length {len(prompt)} + max_tokens {max_tokens} exceeds "
                                       f"the context of {b.spec.name!r} ({b.spec.max_context} tokens)")
             if not (0.0 < float(top_p) <= 1.0):
@@ -464,13 +468,17 @@ class Engine:
             else:
                 ctx = b.peft.disable_adapter() if b.peft is not None else nullcontext()
             seed = int(seed) if seed is not None else secrets.randbelow(2**63)
+            # one thread for small decode steps (params x samples < 5e7 multiply-adds per token)
+            small = b.n_params * num_samples < 5e7
             with ctx, torch.no_grad():
                 res = sample_tokens(b.model, b.tokenizer, prompt, num_samples=num_samples,
                                     max_tokens=max_tokens, temperature=float(temperature),
                                     top_k=int(top_k), top_p=float(top_p), seed=seed,
                                     stop=stop_spec, device=self.device,
                                     prompt_logprobs=include_prompt_logprobs,
-                                    topk_prompt_logprobs=int(topk_prompt_logprobs))
+                                    topk_prompt_logprobs=int(topk_prompt_logprobs),
+                                    decode_threads=1 if small else None)
+            self._threads()
             return SampleResult(res["sequences"], res["prompt_logprobs"], res["topk_prompt_logprobs"])
 
     def _stop_spec(self, b: _Base, stop) -> StopSpec:
@@ -544,7 +552,8 @@ class Engine:
                 p.requires_grad_(False)
             model.to(self.device).eval()
             spec.vocab_size = int(model.get_input_embeddings().weight.shape[0])
-            b = self._bases[spec.name] = _Base(spec, model, tok)
+            n_params = sum(p.numel() for p in model.parameters())
+            b = self._bases[spec.name] = _Base(spec, model, tok, n_params=n_params)
         return b
 
     def _train(self, model_id: str) -> _Train:
@@ -583,7 +592,9 @@ class Engine:
     def _add_adapter(self, b: _Base, name: str, cfg, seed: int) -> None:
         import peft
 
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
             torch.manual_seed(seed)
             if b.peft is None:
                 b.peft = peft.get_peft_model(b.model, cfg, adapter_name=name)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import uuid
@@ -30,6 +31,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .errors import UnknownModelError
+
+logger = logging.getLogger(__name__)
 
 TINY_NAME = "tiny"
 SMOLLM2_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -181,10 +184,13 @@ def _smollm2_gguf_dir() -> Path:
 
 def _smollm2_spec(target: Path) -> ModelSpec:
     marker = {"preset": "smollm2", "format": 1}
+    tok_dir = target.parent / "smollm2-tokenizer"  # stable tokenizer_id, before and after caching
     if _marker_ok(target, marker):
-        return _spec_from_dir(SMOLLM2_NAME, target)
+        spec = _spec_from_dir(SMOLLM2_NAME, target)
+        if (tok_dir / "tokenizer_config.json").is_file():
+            spec.tokenizer_dir = str(tok_dir)
+        return spec
     gguf_dir = _smollm2_gguf_dir()
-    tok_dir = target.parent / "smollm2-tokenizer"
     if not (tok_dir / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer
 
@@ -201,13 +207,19 @@ def _smollm2_spec(target: Path) -> ModelSpec:
                                                      dtype="float32")
         tok = AutoTokenizer.from_pretrained(str(tok_dir))
         tmp = target.parent / f".smollm2.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        # the weights are dequantised fp32 now; drop the gguf quantizer marks so that the model
+        # is a plain LlamaForCausalLM that save_pretrained accepts
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.is_quantized = False
         try:  # cache the dequantised weights so the next load takes ~1 s instead of ~20 s
             model.save_pretrained(str(tmp))
             tok.save_pretrained(str(tmp))
             (tmp / _MARKER).write_text(json.dumps(marker))
             _install_dir(tmp, target)
-        except OSError:
-            pass
+        except Exception as e:  # the cache is an optimisation only
+            logger.warning("could not cache SmolLM2 weights in %s: %s", target, e)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return model.eval(), tok

@@ -66,17 +66,22 @@ def _choose(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
 def sample_tokens(model, tokenizer, prompt: list[int], *, num_samples: int, max_tokens: int,
                   temperature: float, top_k: int, top_p: float, seed: int, stop: StopSpec,
                   device: torch.device, prompt_logprobs: bool = False,
-                  topk_prompt_logprobs: int = 0) -> dict:
+                  topk_prompt_logprobs: int = 0, decode_threads: int | None = None) -> dict:
     """Sample ``num_samples`` continuations of ``prompt`` (token ids, len P >= 1).
 
     Returns ``{"sequences": [{"tokens": [...], "logprobs": [...], "stop_reason": "stop"|"length"}],
     "prompt_logprobs": list (len P, entry 0 None) | None, "topk_prompt_logprobs": list of
     (len P, entry 0 None, others [(token_id, logprob)] * k) | None}``.
-    The caller handles autocast (none: fp32) and adapter selection.
+    The caller handles autocast (none: fp32) and adapter selection.  ``decode_threads``: torch
+    threads for the token-by-token phase (the prefill keeps the caller's setting); small decode
+    steps run faster on one thread, since OpenMP synchronisation dominates them.
     """
     ids = torch.tensor([prompt], dtype=torch.long, device=device)
     want_prompt = prompt_logprobs or topk_prompt_logprobs > 0
-    out = model(input_ids=ids, use_cache=True, logits_to_keep=0 if want_prompt else 1)
+    try:
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=0 if want_prompt else 1)
+    except TypeError:  # architectures without logits_to_keep
+        out = model(input_ids=ids, use_cache=True)
     logits = out.logits[0].float()
     result: dict = {"prompt_logprobs": None, "topk_prompt_logprobs": None}
     if want_prompt:
@@ -97,6 +102,8 @@ def sample_tokens(model, tokenizer, prompt: list[int], *, num_samples: int, max_
     elif num_samples > 1:
         raise RuntimeError("model cache does not support batch_repeat_interleave")
 
+    if decode_threads and device.type == "cpu":
+        torch.set_num_threads(decode_threads)
     gen = torch.Generator(device="cpu").manual_seed(int(seed))
     toks: list[list[int]] = [[] for _ in range(num_samples)]
     lps: list[list[float]] = [[] for _ in range(num_samples)]
