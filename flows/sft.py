@@ -48,7 +48,7 @@ class SFTConfig(BaseModel):
     max_length: int = Field(default=512, ge=8, description="Truncate examples to this many tokens.")
     test_size: float = Field(default=0.1, ge=0, description="Held-out fraction (<1) or count (>=1).")
     batch_size: int = Field(default=8, ge=1, description="Conversations per step.")
-    learning_rate: float = Field(default=1e-4, gt=0)
+    learning_rate: float = Field(default=5e-4, gt=0, description="Peak learning rate (LoRA wants ~10x the full fine-tuning rate).")
     lr_schedule: Literal["constant", "linear", "cosine"] = "linear"
     warmup_steps: int = Field(default=0, ge=0)
     lora_rank: int = Field(default=32, ge=1)

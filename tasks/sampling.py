@@ -38,7 +38,7 @@ def sample_completions(
     Returns, per prompt, a list of ``{"tokens": [...], "logprobs": [...], "stop_reason": ...}``.
     Prompt ``i`` uses seed ``seed + i``, so results are reproducible and cacheable.
     """
-    client = credentials.get_client().create_sampling_client(model_path=sampler_path)
+    client = credentials.get_client().create_sampling_client(model_path=sampler_path).result()
     futures = [
         client.sample(
             prompt=tinker.ModelInput.from_ints(p),

@@ -70,7 +70,7 @@ def test_sft_flow_trains_records_and_samples(prefect_api, local_credentials, tmp
 
     # samples came from the final sampler weights, and their logprobs are the model's
     assert len(summary["samples"]) == 2 and all(isinstance(s["completion"], str) for s in summary["samples"])
-    sampler = local_credentials.get_client().create_sampling_client(model_path=ckpts[1]["path"])
+    sampler = local_credentials.get_client().create_sampling_client(model_path=ckpts[1]["path"]).result()
     prompt = tinker.ModelInput.from_ints([11, 12, 13, 14])
     a = sampler.sample(prompt, 1, tinker.SamplingParams(max_tokens=5, seed=3, temperature=1.0)).result()
     b = sampler.sample(prompt, 1, tinker.SamplingParams(max_tokens=5, seed=3, temperature=1.0)).result()
@@ -112,7 +112,7 @@ def test_interrupted_run_resumes_to_same_weights(prefect_api, local_credentials,
     }
     service = local_credentials.get_client()
     seq = tinker.ModelInput.from_ints(list(range(5, 40)))
-    lp = {r: service.create_sampling_client(model_path=p).compute_logprobs(seq).result() for r, p in paths.items()}
+    lp = {r: service.create_sampling_client(model_path=p).result().compute_logprobs(seq).result() for r, p in paths.items()}
     assert lp["resumed"][1:] == pytest.approx(lp["straight"][1:], abs=1e-6)
 
 
