@@ -326,8 +326,8 @@ def test_rl_losses_match_formulas(engine):
     expected = {
         "importance_sampling": -sum((ri * A).sum() for ri, A in zip(r, advs)),
         "ppo": -sum(torch.minimum(ri * A, ri.clamp(0.9, 1.1) * A).sum() for ri, A in zip(r, advs)),
-        "cispo": -sum((ri.clamp(0.9, 1.1) * l * A).sum() for ri, l, A in zip(r, lps, advs)),
-        "dro": -sum((l * A - 0.5 * 0.1 * (l - q) ** 2).sum() for l, q, A in zip(lps, qs, advs)),
+        "cispo": -sum((ri.clamp(0.9, 1.1) * lp_ * A).sum() for ri, lp_, A in zip(r, lps, advs)),
+        "dro": -sum((lp_ * A - 0.5 * 0.1 * (lp_ - q) ** 2).sum() for lp_, q, A in zip(lps, qs, advs)),
     }
     cfg = {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1, "beta": 0.1}
     for name, exp in expected.items():

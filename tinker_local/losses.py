@@ -9,7 +9,7 @@ the scalar loss of that datum.  The engine sums them over datums into ``loss:sum
 |---|---|---|
 | cross_entropy | target_tokens, weights (default 1) | -(lp * w).sum() |
 | importance_sampling | target_tokens, logprobs q, advantages A | -(exp(lp - q) * A).sum() |
-| ppo | + clip_low_threshold / clip_high_threshold (config or inputs; default 0.8 / 1.2) | -min(r A, clip(r) A).sum() |
+| ppo | + clip_low_threshold, clip_high_threshold (config or inputs; 0.8, 1.2) | -min(r A, clip(r) A).sum() |
 | cispo | same as ppo | -(stopgrad(clip(r)) * lp * A).sum() |
 | dro | + beta (config, default 0.05) | -(lp A - 0.5 beta (lp - q)^2).sum() |
 
@@ -51,12 +51,18 @@ def _clip_bounds(inp: dict[str, Tensor], cfg: dict) -> tuple[Tensor | float, Ten
     return low, high
 
 
+def _clip(r: Tensor, low, high) -> Tensor:
+    low = torch.as_tensor(low, dtype=r.dtype, device=r.device)
+    high = torch.as_tensor(high, dtype=r.dtype, device=r.device)
+    return torch.minimum(torch.maximum(r, low), high)
+
+
 def ppo(lp: Tensor, inp: dict[str, Tensor], cfg: dict) -> Tensor:
     """Clipped-ratio objective: ``-min(r*A, clip(r, low, high)*A).sum()``, r = exp(lp - q)."""
     q, adv = _ratio_inputs(lp, inp)
     low, high = _clip_bounds(inp, cfg)
     r = torch.exp(lp - q)
-    clipped = torch.clamp(r, min=low, max=high) if not isinstance(low, Tensor) else torch.minimum(torch.maximum(r, low), high)
+    clipped = _clip(r, low, high)
     return -torch.minimum(r * adv, clipped * adv).sum()
 
 
@@ -65,7 +71,7 @@ def cispo(lp: Tensor, inp: dict[str, Tensor], cfg: dict) -> Tensor:
     q, adv = _ratio_inputs(lp, inp)
     low, high = _clip_bounds(inp, cfg)
     r = torch.exp(lp - q).detach()
-    clipped = torch.clamp(r, min=low, max=high) if not isinstance(low, Tensor) else torch.minimum(torch.maximum(r, low), high)
+    clipped = _clip(r, low, high)
     return -(clipped * lp * adv).sum()
 
 

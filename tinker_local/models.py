@@ -96,7 +96,8 @@ def resolve_model(name: str, cache_dir: Path) -> ModelSpec:
     p = Path(name).expanduser()
     if p.is_dir():
         if not (p / "config.json").is_file():
-            raise UnknownModelError(f"model directory {str(p)!r} has no config.json; accepted: {ACCEPTED_FORMS}")
+            raise UnknownModelError(f"model directory {str(p)!r} has no config.json; "
+                                    f"accepted: {ACCEPTED_FORMS}")
         return _spec_from_dir(str(p.resolve()), p.resolve(), cache_dir)
     if name.count("/") == 1 and not name.startswith(("/", ".")):
         local = _hf_cache_lookup(name)

@@ -15,7 +15,10 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from .errors import EngineUserError
 
 
 @dataclass
@@ -25,6 +28,26 @@ class StopSpec:
 
     token_ids: frozenset[int]
     strings: tuple[str, ...]
+
+
+def make_stop_spec(stop, eos_ids: set[int]) -> StopSpec:
+    """Normalise Tinker's ``stop``: None -> the model's ``eos_ids``; ``[]`` -> never stop early;
+    a str / int or a list mixing strings (matched in decoded text) and token ids.
+    EngineUserError for any other entry."""
+    if stop is None:
+        return StopSpec(frozenset(eos_ids), ())
+    if isinstance(stop, (str, int)) and not isinstance(stop, bool):
+        stop = [stop]
+    ids, strs = set(), []
+    for s in stop:
+        if isinstance(s, str):
+            if s:
+                strs.append(s)
+        elif isinstance(s, (int, np.integer)) and not isinstance(s, bool):
+            ids.add(int(s))
+        else:
+            raise EngineUserError(f"stop entries must be strings or token ids, got {s!r}")
+    return StopSpec(frozenset(ids), tuple(strs))
 
 
 def _cache_kwarg(model) -> str:

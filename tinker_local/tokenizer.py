@@ -113,8 +113,8 @@ def build_corpus(seed: int = 0, n_lines: int = 20000) -> list[str]:
             a = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 8)))
             lines.append(f"<|im_start|>user\n{q}?<|im_end|>\n<|im_start|>assistant\n{a}.<|im_end|>\n")
         else:  # code-ish / punctuation / numbers in text
-            x = rng.choice(_WORDS)
-            lines.append(f'{x} = ({rng.randint(0, 9999)}, "{rng.choice(_WORDS)}") # {rng.choice(_WORDS)} [{x}] {{ok}}')
+            x, y, z = rng.choice(_WORDS), rng.randint(0, 9999), rng.choice(_WORDS)
+            lines.append(f'{x} = ({y}, "{z}") # {rng.choice(_WORDS)} [{x}] {{ok}}')
     return lines
 
 

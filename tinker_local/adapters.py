@@ -1,0 +1,108 @@
+"""LoRA adapters over a shared base model (peft), for the local engine.
+
+Targets: ``train_attn`` -> every Linear (or GPT-2 style Conv1D) under a module whose name
+contains "attn"/"attention"; ``train_mlp`` -> every one under "mlp"/"feed_forward"/"ffn";
+``train_unembed`` -> the output embedding (``lm_head``) itself as a LoRA target (peft supports a
+Linear head; with tied embeddings the shared base weight stays frozen, only the LoRA delta on
+the output side is trained).  ``lora_alpha = 32`` (scale 32/rank, as in Thinking Machines'
+"LoRA Without Regret"), no dropout, A Kaiming-uniform from the seed, B zero.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+
+import torch
+
+from .errors import EngineUserError
+
+LORA_ALPHA = 32
+_ATTN_HINTS = ("attn", "attention")
+_MLP_HINTS = ("mlp", "feed_forward", "ffn")
+
+
+def lora_config(model, rank: int, *, mlp: bool, attn: bool, unembed: bool, model_name: str):
+    """A ``peft.LoraConfig`` of rank ``rank`` targeting the chosen module groups of ``model`` (a
+    transformers causal LM, possibly with LoRA layers already injected).  EngineUserError if no
+    module matches."""
+    from peft import LoraConfig
+    from transformers.pytorch_utils import Conv1D
+
+    head = model.get_output_embeddings()
+    heads = (head, getattr(head, "base_layer", head))
+    targets = []
+    for mname, mod in model.named_modules():
+        if "lora_" in mname or not isinstance(mod, (torch.nn.Linear, Conv1D)):
+            continue
+        mname = mname[: -len(".base_layer")] if mname.endswith(".base_layer") else mname
+        if any(mod is h for h in heads):
+            if unembed:
+                targets.append(mname)
+            continue
+        parts = mname.lower().split(".")
+        if attn and any(h in p for p in parts for h in _ATTN_HINTS):
+            targets.append(mname)
+        elif mlp and any(h in p for p in parts for h in _MLP_HINTS):
+            targets.append(mname)
+    if not targets:
+        raise EngineUserError(f"no LoRA target modules found in {model_name!r} for train_mlp={mlp}, "
+                              f"train_attn={attn}, train_unembed={unembed}")
+    return LoraConfig(r=rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, bias="none",
+                      target_modules=sorted(set(targets)), task_type="CAUSAL_LM")
+
+
+def add_adapter(peft_model, model, name: str, cfg, seed: int, device: torch.device):
+    """Inject adapter ``name`` (config ``cfg``) into ``model``, initialised from ``seed`` without
+    touching the global RNG.  ``peft_model``: the existing ``PeftModel`` wrapping ``model``, or
+    None for the first adapter.  Returns the ``PeftModel``.  Trainable adapters get
+    ``requires_grad``; inference-mode ones stay frozen."""
+    import peft
+
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
+        warnings.filterwarnings("ignore", message=".*tied.*")
+        torch.manual_seed(seed)
+        if peft_model is None:
+            peft_model = peft.get_peft_model(model, cfg, adapter_name=name)
+        else:
+            peft_model.add_adapter(name, cfg)
+    for pname, p in peft_model.named_parameters():
+        if f".{name}." in pname:
+            p.data = p.data.to(device)
+            p.requires_grad_(not cfg.inference_mode)
+    return peft_model
+
+
+def adapter_params(peft_model, name: str) -> "OrderedDict[str, torch.nn.Parameter]":
+    """The parameters of adapter ``name`` keyed as in peft's saved state dict
+    (``base_model.model.<module>.lora_A.weight``), in module order."""
+    out = OrderedDict()
+    for pname, p in peft_model.named_parameters():
+        if f".{name}." in pname and "lora_" in pname:
+            out[pname.replace(f".{name}.", ".")] = p
+    return out
+
+
+def load_sampler_adapter(peft_model, model, name: str, path, device: torch.device):
+    """Add the adapter saved at checkpoint dir ``path`` as frozen adapter ``name``; returns the
+    PeftModel.  EngineUserError if its tensors do not fit the base model."""
+    from peft import LoraConfig, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    cfg = LoraConfig.from_pretrained(str(path))
+    cfg.inference_mode = True
+    peft_model = add_adapter(peft_model, model, name, cfg, seed=0, device=device)
+    sd = load_file(str(path / "adapter_model.safetensors"))
+    try:
+        res = set_peft_model_state_dict(peft_model, sd, adapter_name=name)
+    except RuntimeError as e:  # shape mismatch
+        peft_model.delete_adapter(name)
+        raise EngineUserError(f"weights at {str(path)!r} do not fit this base model: {e}") from e
+    missing = [k for k in getattr(res, "missing_keys", []) if f".{name}." in k]
+    if missing or getattr(res, "unexpected_keys", []):
+        peft_model.delete_adapter(name)
+        raise EngineUserError(f"weights at {str(path)!r} do not fit this base model "
+                              f"(missing {missing[:3]}, unexpected {list(res.unexpected_keys)[:3]})")
+    return peft_model
