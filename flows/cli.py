@@ -8,6 +8,7 @@ Subcommands::
     prefect-tinker runs [--store ROOT] [--json]                 runs and their latest status
     prefect-tinker checkpoints RUN_ID [--store ROOT] [--json]   a run's checkpoints
     prefect-tinker local serve ...                              the local Tinker-compatible server
+    prefect-tinker show-example DATA --tokenizer T [...]        a rendered example, trained tokens highlighted
 
 Exit status: 0 success, 1 runtime failure (SQL error, the flow failed), 2 bad usage or an
 invalid config (the message names each bad field and its value; no traceback).
@@ -534,6 +535,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("local", help="local Tinker-compatible server: local serve --model M --port P",
                    add_help=False)
+
+    from recipes.show import add_parser as add_show_example  # logic lives in recipes/show.py
+
+    add_show_example(sub)
     return p
 
 

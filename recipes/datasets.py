@@ -1,33 +1,36 @@
 """Chat datasets: loading and validating conversations, splitting them, making datums.
 
 A conversation is a list of messages ``{"role": "system"|"user"|"assistant"|"tool",
-"content": str}`` with at least one assistant message.  Sources:
-
-- a local JSONL file, one JSON object per line holding the messages under
-  ``messages_field`` (default ``"messages"``); read line by line so errors name
-  ``file:line``;
-- ``"builtin:example_chat"``: the small chat set shipped with this package
-  (``recipes/data/example_chat.jsonl``, see :data:`EXAMPLE_CHAT_PATH`);
-- anything else goes to ``datasets.load_dataset``: a Hugging Face dataset id (needs the
-  hub or its local cache), a local dataset directory, or a ``.json``/``.parquet``/``.csv``
-  file (loaded with the matching builder).  Errors then name ``source[split]:row``.
+"content": str, ...}`` with at least one assistant message.  :func:`load_conversations` reads any
+source :mod:`recipes.data_reading` knows (JSONL files, gzipped JSONL, ``builtin:example_chat``, local
+dataset files and directories, Hugging Face dataset ids, streamed or not) in any record format
+:mod:`recipes.data_sources` converts (``messages``, ``sharegpt``, ``instruction``/Alpaca/Dolly,
+``prompt_completion``, ``dialogue``/HH, ``self_instruct``).  Errors name ``file:line`` (or
+``source[split]:row``) and the field.
 
 :func:`datum_from_example` turns a rendered example (tokens + per-token weights) into a
-``tinker.Datum`` with inputs shifted against targets: position i of the model input
-predicts ``target_tokens[i]``.
+``tinker.Datum`` with inputs shifted against targets: position i of the model input predicts
+``target_tokens[i]``.  :mod:`recipes.data_pipeline` builds whole training sets (interleaving,
+splits, epochs, truncation, batches) on top of these.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import tinker
+
+from recipes.data_reading import (
+    EXAMPLE_CHAT_PATH,
+    OnError,
+    SkipStats,
+    SourceSpec,
+    iter_conversations,
+)
+from recipes.data_sources import Conversation, DatasetFormatError, validate_messages
 
 __all__ = [
     "EXAMPLE_CHAT_PATH",
@@ -40,132 +43,35 @@ __all__ = [
     "validate_messages",
 ]
 
-#: The chat set shipped with the package (about 40 short conversations written for it).
-EXAMPLE_CHAT_PATH = str(Path(__file__).resolve().parent / "data" / "example_chat.jsonl")
-
-_BUILTIN = {"builtin:example_chat": EXAMPLE_CHAT_PATH}
-_ROLES = ("system", "user", "assistant", "tool")
-_LOAD_DATASET_BUILDERS = {".json": "json", ".parquet": "parquet", ".csv": "csv"}
-
-
-class DatasetFormatError(ValueError):
-    """A dataset record is malformed; the message names ``file:line`` (or row) and the field."""
-
-
-@dataclass(frozen=True)
-class Conversation:
-    """One validated conversation.
-
-    Attributes:
-        messages: the messages, each a plain ``{"role", "content"}`` dict.
-        source: where it came from, ``"path:line"`` or ``"dataset[split]:row"``.
-        metadata: the record's other top-level fields (small values only; kept as read).
-    """
-
-    messages: list[dict[str, str]]
-    source: str = ""
-    metadata: dict[str, Any] = field(default_factory=dict)
-
-    def __len__(self) -> int:
-        return len(self.messages)
-
-
-def validate_messages(messages: Any, where: str, field_name: str = "messages") -> list[dict[str, str]]:
-    """Check one record's messages and return them as plain dicts.
-
-    Args:
-        messages: the value of the messages field.
-        where: location for error messages, e.g. ``"data.jsonl:12"``.
-        field_name: the field's name for error messages.
-
-    Raises:
-        DatasetFormatError: not a non-empty list, a message without string ``role`` or
-            ``content``, an unknown role, or no assistant message.
-    """
-    if not isinstance(messages, list) or not messages:
-        raise DatasetFormatError(
-            f"{where}: field {field_name!r} must be a non-empty list of messages, got {_short(messages)}"
-        )
-    out = []
-    for i, msg in enumerate(messages):
-        loc = f"{where}: field '{field_name}[{i}]"
-        if not isinstance(msg, Mapping):
-            raise DatasetFormatError(f"{loc}' must be an object with role and content, got {_short(msg)}")
-        if "role" not in msg:
-            raise DatasetFormatError(f"{loc}.role' is missing")
-        if "content" not in msg:
-            raise DatasetFormatError(f"{loc}.content' is missing")
-        role, content = msg["role"], msg["content"]
-        if role not in _ROLES:
-            raise DatasetFormatError(f"{loc}.role': unknown role {_short(role)} (expected one of {', '.join(_ROLES)})")
-        if not isinstance(content, str):
-            raise DatasetFormatError(f"{loc}.content' must be a string, got {_short(content)}")
-        out.append({"role": role, "content": content})
-    if not any(m["role"] == "assistant" for m in out):
-        raise DatasetFormatError(f"{where}: field {field_name!r} has no assistant message to train on")
-    return out
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _conversation_from_record(record: Any, where: str, messages_field: str) -> Conversation:
-    if not isinstance(record, Mapping):
-        raise DatasetFormatError(f"{where}: expected a JSON object, got {_short(record)}")
-    if messages_field not in record:
-        raise DatasetFormatError(
-            f"{where}: field {messages_field!r} is missing (record has: {', '.join(map(str, record)) or 'no fields'})"
-        )
-    messages = validate_messages(record[messages_field], where, messages_field)
-    meta = {k: v for k, v in record.items() if k != messages_field}
-    return Conversation(messages=messages, source=where, metadata=meta)
-
-
-def _load_jsonl(path: Path, messages_field: str) -> list[Conversation]:
-    convs = []
-    with path.open("r", encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DatasetFormatError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno})") from None
-            convs.append(_conversation_from_record(record, where, messages_field))
-    return convs
-
-
-def _load_with_datasets(source: str, split: str, messages_field: str) -> list[Conversation]:
-    import datasets  # imported lazily: it is slow to import
-
-    suffix = Path(source).suffix.lower()
-    if suffix in _LOAD_DATASET_BUILDERS and Path(source).is_file():
-        ds = datasets.load_dataset(_LOAD_DATASET_BUILDERS[suffix], data_files=source, split=split)
-    else:
-        ds = datasets.load_dataset(source, split=split)
-    if messages_field not in ds.column_names:
-        raise DatasetFormatError(
-            f"{source}[{split}]: field {messages_field!r} is missing (columns: {', '.join(ds.column_names)})"
-        )
-    return [_conversation_from_record(row, f"{source}[{split}]:{i}", messages_field) for i, row in enumerate(ds)]
-
 
 def load_conversations(
-    source: str | os.PathLike[str], *, messages_field: str = "messages", split: str = "train"
+    source: str | os.PathLike[str] | SourceSpec,
+    *,
+    messages_field: str = "messages",
+    split: str = "train",
+    format: str = "messages",
+    fields: Mapping[str, str] | None = None,
+    options: Mapping[str, Any] | None = None,
+    on_error: OnError = "raise",
+    stats: SkipStats | None = None,
 ) -> list[Conversation]:
     """Load and validate every conversation of a dataset.
 
     Args:
-        source: a ``.jsonl`` path, ``"builtin:example_chat"``, a local ``.json``/``.parquet``/
-            ``.csv`` file or dataset directory, or a Hugging Face dataset id.
-        messages_field: the field holding the list of messages.
+        source: a ``.jsonl``/``.jsonl.gz`` path, ``"builtin:example_chat"``, a local
+            ``.json``/``.parquet``/``.csv`` file or dataset directory, a Hugging Face dataset id,
+            or a :class:`~recipes.data_reading.SourceSpec` (then the other arguments are ignored).
+        messages_field: the field holding the list of messages (``messages`` format).
         split: split for ``datasets.load_dataset`` sources (ignored for JSONL files).
+        format: record format (see :mod:`recipes.data_sources`).
+        fields: field mapping, converter field -> record path (``{"output": "response"}``).
+        options: converter options (``system_prompt``, ``strip_completion_suffix``, ...).
+        on_error: ``"raise"`` at the first bad record, or ``"skip"`` it (counted in ``stats``
+            and logged).
+        stats: skip counter to fill (see :class:`~recipes.data_reading.SkipStats`).
 
     Returns:
-        Conversations in file order.
+        Conversations in file order (a record may give several, e.g. self-instruct instances).
 
     Raises:
         FileNotFoundError: a path-like source (``.jsonl``, ``/``, ``./``, ``~``) that does not exist.
@@ -173,17 +79,18 @@ def load_conversations(
             a conversation without an assistant message, or an empty dataset; the message
             names ``file:line`` (or ``source[split]:row``) and the field.
     """
-    src = _BUILTIN.get(str(source), str(source))
-    path = Path(src).expanduser()
-    if path.suffix.lower() == ".jsonl" or src.startswith(("/", "./", "../", "~")):
-        if not path.exists():
-            raise FileNotFoundError(f"dataset file not found: {path}")
-    if path.is_file() and path.suffix.lower() in (".jsonl", ".ndjson"):
-        convs = _load_jsonl(path, messages_field)
+    if isinstance(source, SourceSpec):
+        spec = source
     else:
-        convs = _load_with_datasets(str(path) if path.exists() else src, split, messages_field)
+        mapping = dict(fields or {})
+        if format in ("messages",) and messages_field != "messages":
+            mapping.setdefault("messages", messages_field)
+        spec = SourceSpec(path=os.fspath(source), format=format, fields=mapping, options=dict(options or {}), split=split)
+    stats = stats if stats is not None else SkipStats()
+    convs = list(iter_conversations(spec, on_error=on_error, stats=stats))
     if not convs:
-        raise DatasetFormatError(f"{src}: dataset has no conversations")
+        detail = f" ({stats.summary()})" if stats.total else ""
+        raise DatasetFormatError(f"{spec.path}: dataset has no conversations{detail}")
     return convs
 
 

@@ -13,7 +13,14 @@ from __future__ import annotations
 import pytest
 
 from recipes.renderers import RendererError, Termination, get_renderer, parse_tool_calls
-from tests.renderer_tokenizers import decode, encode, llama3_like, needs_smollm2, qwen3_like, trained_runs
+from tests.renderer_tokenizers import (
+    decode,
+    encode,
+    llama3_like,
+    needs_smollm2,
+    qwen3_like,
+    trained_runs,
+)
 
 pytestmark = needs_smollm2
 

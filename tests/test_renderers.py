@@ -109,7 +109,7 @@ def test_parity_with_apply_chat_template(name, conv_id):
 
 @pytest.mark.parametrize("name", ["role_colon", "chatml", "smollm2", "chat_template", "qwen3", "qwen3_disable_thinking", "llama3"])
 def test_generation_prompt_is_prefix_and_reply_parses_back(name):
-    tok, r = _renderer(name)
+    _, r = _renderer(name)
     for conv_id, conv in CONVERSATIONS.items():
         for i, msg in enumerate(conv):
             if msg["role"] != "assistant":
@@ -157,7 +157,7 @@ TOOL_CONV = [
 def test_train_on_what_modes(name):
     tok = smollm2()
     r = get_renderer(name, tok)
-    runs = lambda mode: trained_runs(tok, *r.build_supervised_example(TOOL_CONV, mode))  # noqa: E731
+    runs = lambda mode: trained_runs(tok, *r.build_supervised_example(TOOL_CONV, mode))
     assert runs("last_assistant_message") == ["A2<|im_end|>"]
     assert runs("last_assistant_turn") == ["call<|im_end|>", "A2<|im_end|>"]
     assert runs("all_assistant_messages") == ["A1<|im_end|>", "call<|im_end|>", "A2<|im_end|>"]

@@ -32,8 +32,9 @@ Registered names (:func:`get_renderer`):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 from recipes.renderers.base import (
     KNOWN_ROLES,
@@ -51,7 +52,12 @@ from recipes.renderers.base import (
 from recipes.renderers.chat_template import ChatTemplateRenderer
 from recipes.renderers.chatml import ChatMLRenderer, SmolLM2Renderer
 from recipes.renderers.llama3 import Llama3Renderer
-from recipes.renderers.qwen3 import Qwen3Renderer, format_tool_call, parse_tool_calls, qwen3_tools_system_prompt
+from recipes.renderers.qwen3 import (
+    Qwen3Renderer,
+    format_tool_call,
+    parse_tool_calls,
+    qwen3_tools_system_prompt,
+)
 from recipes.renderers.role_colon import RoleColonRenderer
 
 __all__ = [

@@ -21,7 +21,7 @@ from typing import Any
 
 from recipes.renderers.base import Message, Renderer, Segment
 
-__all__ = ["ChatMLRenderer", "SmolLM2Renderer", "SMOLLM2_DEFAULT_SYSTEM"]
+__all__ = ["SMOLLM2_DEFAULT_SYSTEM", "ChatMLRenderer", "SmolLM2Renderer"]
 
 SMOLLM2_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 

@@ -82,7 +82,7 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]], bool]:
     if "<tool_call>" not in text:
         return text, [], "</tool_call>" not in text
     head, _, rest = text.partition("<tool_call>")
-    content = head[:-1] if head.endswith("\n") else head
+    content = head.removesuffix("\n")
     calls: list[dict[str, Any]] = []
     ok = True
     for piece in rest.split("<tool_call>"):

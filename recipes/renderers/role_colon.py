@@ -17,7 +17,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from recipes.renderers.base import Message, ParsedResponse, Renderer, Segment, Termination
+from recipes.renderers.base import (
+    Message,
+    ParsedResponse,
+    Renderer,
+    Segment,
+    Termination,
+)
 
 __all__ = ["RoleColonRenderer"]
 

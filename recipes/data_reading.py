@@ -1,0 +1,230 @@
+"""Reading dataset sources record by record, converting them to conversations, counting skips.
+
+A source (:class:`SourceSpec`) is one of:
+
+- a local JSONL file (``.jsonl``, ``.ndjson``, optionally gzipped ``.gz``), read line by line so
+  errors name ``file:line``;
+- ``"builtin:example_chat"``: the chat set shipped with this package;
+- anything else goes to ``datasets.load_dataset`` (the real Hugging Face ``datasets`` code): a
+  dataset id on the Hub or in the local cache (``config_name``, ``split``), a local dataset
+  directory, or a ``.json``/``.parquet``/``.csv``/``.arrow`` file; with ``streaming=True`` rows are
+  read lazily (``IterableDataset``), for sets that do not fit in memory.  Errors then name
+  ``source[split]:row``.
+
+Records go through a converter (:mod:`recipes.data_sources`, chosen by ``format``) and message
+validation.  ``on_error="raise"`` (default) stops at the first bad record with a
+:class:`~recipes.data_sources.DatasetFormatError` naming file, line and field; ``"skip"`` drops it,
+counts it in a :class:`SkipStats` by reason and logs the first few.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+from recipes.data_sources import (
+    CONVERTERS,
+    Conversation,
+    DatasetFormatError,
+    RecordError,
+    convert_record,
+    converter_names,
+    validate_messages,
+)
+
+__all__ = ["EXAMPLE_CHAT_PATH", "OnError", "SkipStats", "SourceSpec", "iter_conversations", "iter_records"]
+
+logger = logging.getLogger("recipes.data")
+
+#: The chat set shipped with the package (about 40 short conversations written for it).
+EXAMPLE_CHAT_PATH = str(Path(__file__).resolve().parent / "data" / "example_chat.jsonl")
+_BUILTIN = {"builtin:example_chat": EXAMPLE_CHAT_PATH}
+_BUILDERS = {".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+_JSONL = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz")
+
+OnError = Literal["raise", "skip"]
+
+
+class SourceSpec(BaseModel):
+    """One dataset source and how to read it (usable as a field of a flow's pydantic config)."""
+
+    path: str = Field(description="JSONL file, local dataset file/dir, 'builtin:example_chat', or a Hugging Face dataset id.")
+    format: str = Field(default="messages", description=f"Record format: {', '.join(converter_names())}.")
+    fields: dict[str, str] = Field(default_factory=dict, description="Field mapping: converter field -> record path.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Converter options (system_prompt, ...).")
+    split: str = Field(default="train", description="Split for datasets.load_dataset sources.")
+    config_name: str | None = Field(default=None, description="Dataset configuration name (Hugging Face).")
+    streaming: bool = Field(default=False, description="Read rows lazily instead of loading the whole set.")
+    weight: float = Field(default=1.0, gt=0, description="Sampling weight when interleaving sources.")
+    max_records: int | None = Field(default=None, ge=1, description="Read at most this many records.")
+
+    @field_validator("format")
+    @classmethod
+    def _known_format(cls, v: str) -> str:
+        if v not in CONVERTERS:
+            raise ValueError(f"unknown dataset format {v!r}; accepted: {', '.join(converter_names())}")
+        return v
+
+    @classmethod
+    def coerce(cls, source: SourceSpec | str | Mapping[str, Any]) -> SourceSpec:
+        """A spec from a spec, a path/id string, or a dict of fields."""
+        if isinstance(source, SourceSpec):
+            return source
+        if isinstance(source, Mapping):
+            return cls(**source)
+        return cls(path=str(source))
+
+
+@dataclass
+class SkipStats:
+    """Counts of skipped records/examples by reason, with the first few locations kept and logged."""
+
+    counts: Counter = field(default_factory=Counter)
+    examples: dict[str, list[str]] = field(default_factory=dict)
+    keep: int = 5
+
+    def skip(self, reason: str, message: str) -> None:
+        """Count one skip; log it (warning) while fewer than ``keep`` of this reason were seen."""
+        self.counts[reason] += 1
+        seen = self.examples.setdefault(reason, [])
+        if len(seen) < self.keep:
+            seen.append(message)
+            logger.warning("skipped (%s): %s", reason, message)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def summary(self) -> str:
+        """One line, e.g. ``"3 skipped: 2 bad_record, 1 too_long"`` (``"0 skipped"`` when none)."""
+        if not self.total:
+            return "0 skipped"
+        return f"{self.total} skipped: " + ", ".join(f"{n} {r}" for r, n in self.counts.most_common())
+
+
+@dataclass
+class RawRecord:
+    """A record read from a source: its location, and the parsed value or the parse error."""
+
+    where: str
+    record: Any = None
+    error: str | None = None
+
+
+def _is_jsonl(path: Path) -> bool:
+    return path.name.lower().endswith(_JSONL)
+
+
+def _resolve(spec: SourceSpec) -> tuple[str, Path]:
+    src = _BUILTIN.get(spec.path, spec.path)
+    path = Path(src).expanduser()
+    looks_local = _is_jsonl(path) or src.startswith(("/", "./", "../", "~")) or path.suffix.lower() in _BUILDERS
+    if looks_local and not path.exists():
+        raise FileNotFoundError(f"dataset file not found: {path}")
+    return src, path
+
+
+def _read_jsonl(path: Path) -> Iterator[RawRecord]:
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                yield RawRecord(where, json.loads(line))
+            except json.JSONDecodeError as exc:
+                yield RawRecord(where, error=f"malformed JSON ({exc.msg} at column {exc.colno})")
+
+
+def _read_hf(src: str, path: Path, spec: SourceSpec) -> Iterator[RawRecord]:
+    import datasets  # imported lazily: slow to import
+
+    kwargs: dict[str, Any] = {"split": spec.split, "streaming": spec.streaming}
+    if path.is_file():
+        builder = _BUILDERS.get(path.suffix.lower(), "json")
+        ds = datasets.load_dataset(builder, data_files=str(path), **kwargs)
+        label = str(path)
+    else:
+        ds = datasets.load_dataset(str(path) if path.exists() else src, spec.config_name, **kwargs)
+        label = src
+    for i, row in enumerate(ds):
+        yield RawRecord(f"{label}[{spec.split}]:{i}", row)
+
+
+def iter_records(source: SourceSpec | str) -> Iterator[RawRecord]:
+    """Records of a source in order, at most ``max_records`` (lazily for JSONL and streaming sets).
+
+    Raises:
+        FileNotFoundError: a path-like source that does not exist.
+    """
+    spec = SourceSpec.coerce(source)
+    src, path = _resolve(spec)
+    it = _read_jsonl(path) if path.is_file() and _is_jsonl(path) else _read_hf(src, path, spec)
+    for n, raw in enumerate(it):
+        if spec.max_records is not None and n >= spec.max_records:
+            return
+        yield raw
+
+
+def iter_conversations(
+    source: SourceSpec | str, *, on_error: OnError = "raise", stats: SkipStats | None = None,
+    require_assistant: bool = True,
+) -> Iterator[Conversation]:
+    """Validated conversations of a source, in record order.
+
+    Args:
+        source: a :class:`SourceSpec` or a path / dataset id (``messages`` format).
+        on_error: ``"raise"`` or ``"skip"`` (counted in ``stats``, reasons ``malformed_json`` and
+            ``bad_record``).
+        stats: where skips are counted (a new one when None).
+        require_assistant: reject conversations without an assistant message.
+
+    Raises:
+        DatasetFormatError: (``on_error="raise"``) e.g. ``"data.jsonl:7: field 'output' is missing
+            (record has: instruction, input)"``.
+        FileNotFoundError: a missing local file.
+    """
+    spec = SourceSpec.coerce(source)
+    stats = stats if stats is not None else SkipStats()
+    for raw in iter_records(spec):
+        if raw.error is not None:
+            _fail_or_skip(on_error, stats, "malformed_json", f"{raw.where}: {raw.error}")
+            continue
+        if not isinstance(raw.record, Mapping):
+            _fail_or_skip(on_error, stats, "bad_record", f"{raw.where}: expected a JSON object, got {raw.record!r:.60}")
+            continue
+        try:
+            converted = convert_record(raw.record, spec.format, spec.fields, spec.options)
+            convs = [
+                Conversation(
+                    messages=validate_messages(c.messages, raw.where, c.field, require_assistant=require_assistant),
+                    source=raw.where,
+                    metadata={k: v for k, v in raw.record.items() if k not in c.used},
+                    field=c.field,
+                )
+                for c in converted
+            ]
+        except RecordError as exc:
+            _fail_or_skip(on_error, stats, "bad_record", f"{raw.where}: {exc}")
+            continue
+        except DatasetFormatError as exc:
+            _fail_or_skip(on_error, stats, "bad_record", str(exc))
+            continue
+        yield from convs
+
+
+def _fail_or_skip(on_error: OnError, stats: SkipStats, reason: str, message: str) -> None:
+    if on_error == "raise":
+        raise DatasetFormatError(message)
+    if on_error != "skip":
+        raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    stats.skip(reason, message)

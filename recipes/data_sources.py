@@ -1,0 +1,364 @@
+"""Converters from the record formats users bring to chat conversations.
+
+A converter turns one record (a JSON object / dataset row) into one or more message lists.  Each
+reads named *fields*; a field mapping renames them (``{"output": "response"}``) and may reach into
+nested values with a path (``"instances[0].output"`` or ``"instances.0.output"``).
+
+============================  ===========================================  =====================================
+format                        fields (default names; first present wins)   messages
+============================  ===========================================  =====================================
+``messages``                  ``messages`` (+ ``role``, ``content`` keys)   as given (``role_map`` renames roles)
+``sharegpt``                  ``conversations`` with ``from``/``value``     ``human``/``gpt`` -> user/assistant
+``instruction`` (``alpaca``,  ``instruction``, ``input``|``context``,       user: instruction [+ "\\n\\n" + input];
+``dolly``)                    ``output``|``response``, ``system``           assistant: output
+``prompt_completion``         ``prompt``, ``completion``|``response``|       user: prompt; assistant: completion
+                              ``answer``, ``system``
+``dialogue`` (``hh``)         ``text``                                      ``\\n\\nHuman: ...\\n\\nAssistant: ...``
+                                                                            turns (content stripped)
+``self_instruct``             ``instruction``, ``instances``                one conversation per instance
+============================  ===========================================  =====================================
+
+Options (``options=``): ``system_prompt`` (every format: a system message put first when the
+record has none), ``input_separator`` (instruction, default ``"\\n\\n"``),
+``strip_completion_suffix`` (prompt_completion: an end marker removed from completions, as in
+OpenAI's legacy fine-tuning files), ``role_map`` (messages/sharegpt).
+
+Errors are :class:`RecordError` (field + problem); the readers in :mod:`recipes.data_reading` add
+the file and line.  Sources of the formats: Alpaca (https://github.com/tatsu-lab/stanford_alpaca,
+instruction/input/output), Dolly 15k (instruction/context/response), Anthropic HH-RLHF
+(https://github.com/anthropics/hh-rlhf, ``\\n\\nHuman:``/``\\n\\nAssistant:`` transcripts), Self-Instruct
+seed tasks (https://github.com/yizhongw/self-instruct, ``instances`` of input/output).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from recipes.renderers.base import _FieldProblem, check_message_list
+
+__all__ = [
+    "CONVERTERS",
+    "Conversation",
+    "Converted",
+    "DatasetFormatError",
+    "PreferencePair",
+    "RecordError",
+    "convert_record",
+    "converter_names",
+    "get_field",
+    "parse_dialogue",
+    "preference_from_dialogues",
+    "register_converter",
+    "validate_messages",
+]
+
+
+class DatasetFormatError(ValueError):
+    """A dataset record is malformed; the message names ``file:line`` (or row) and the field."""
+
+
+class RecordError(ValueError):
+    """A record lacks a field or holds a bad value (``field``: its path; ``problem``: what is wrong)."""
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"field {field!r} {problem}")
+        self.field, self.problem = field, problem
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One validated conversation.
+
+    Attributes:
+        messages: the messages (plain dicts with at least ``role`` and ``content``).
+        source: where it came from, ``"path:line"`` or ``"dataset[split]:row"``.
+        metadata: the record's other top-level fields (kept as read).
+        field: the record field(s) the messages came from (for error messages).
+    """
+
+    messages: list[dict[str, Any]]
+    source: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    field: str = "messages"
+
+    def __len__(self) -> int:
+        return len(self.messages)
+
+
+class Converted(NamedTuple):
+    """One conversation made by a converter: messages, the field label, the top-level keys used."""
+
+    messages: list[dict[str, Any]]
+    field: str
+    used: frozenset[str]
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_PATH_PART = re.compile(r"[^.\[\]]+|\[(\d+)\]")
+
+
+def get_field(record: Any, path: str) -> Any:
+    """The value at ``path`` in ``record``: keys separated by dots, list indices as ``[i]`` or ``.i``.
+
+    Raises:
+        RecordError: a key is missing or an index is out of range (message lists what exists).
+    """
+    value = record
+    walked = ""
+    for m in _PATH_PART.finditer(path):
+        key = m.group(1) if m.group(1) is not None else m.group(0)
+        if isinstance(value, Mapping):
+            if key not in value:
+                have = ", ".join(map(str, value)) or "no fields"
+                raise RecordError(path, f"is missing ({'record' if not walked else repr(walked)} has: {have})")
+            value = value[key]
+        elif isinstance(value, list) and key.isdigit():
+            if int(key) >= len(value):
+                raise RecordError(path, f"is missing ({walked!r} has {len(value)} items)")
+            value = value[int(key)]
+        else:
+            raise RecordError(path, f"is missing ({walked or 'record'!r} is {_short(value)}, not an object)")
+        walked = f"{walked}[{key}]" if m.group(1) is not None else (f"{walked}.{key}" if walked else key)
+    return value
+
+
+def _top(path: str) -> str:
+    return re.split(r"[.\[]", path, maxsplit=1)[0]
+
+
+def _pick(record: Mapping[str, Any], fields: Mapping[str, str], name: str, defaults: tuple[str, ...],
+          *, required: bool = True) -> tuple[str | None, str | None]:
+    """(path, string value) of logical field ``name``: the mapped path or the first default present."""
+    if name in fields:
+        path = fields[name]
+    else:
+        path = next((d for d in defaults if isinstance(record, Mapping) and d in record), None)
+        if path is None:
+            if not required:
+                return None, None
+            have = ", ".join(map(str, record)) if isinstance(record, Mapping) else "not an object"
+            raise RecordError(defaults[0], f"is missing (record has: {have or 'no fields'})")
+    value = get_field(record, path)
+    if value is None and not required:
+        return path, None
+    if not isinstance(value, str):
+        raise RecordError(path, f"must be a string, got {_short(value)}")
+    return path, value
+
+
+def _with_system(messages: list[dict[str, Any]], system: str | None) -> list[dict[str, Any]]:
+    if system and (not messages or messages[0].get("role") != "system"):
+        return [{"role": "system", "content": system}, *messages]
+    return messages
+
+
+def _messages(record: Any, fields: Mapping[str, str], options: Mapping[str, Any], *,
+              default_field: str = "messages", role_key: str = "role", content_key: str = "content",
+              role_map: Mapping[str, str] | None = None) -> list[Converted]:
+    path = fields.get("messages", default_field)
+    msgs = get_field(record, path)
+    rk, ck = fields.get("role", role_key), fields.get("content", content_key)
+    rmap = dict(role_map or {}, **options.get("role_map", {}))
+    if (rk, ck) != ("role", "content") or rmap:
+        if not isinstance(msgs, list):
+            raise RecordError(path, f"must be a non-empty list of messages, got {_short(msgs)}")
+        out = []
+        for i, m in enumerate(msgs):
+            if not isinstance(m, Mapping):
+                raise RecordError(f"{path}[{i}]", f"must be an object with {rk} and {ck}, got {_short(m)}")
+            for key in (rk, ck):
+                if key not in m:
+                    raise RecordError(f"{path}[{i}].{key}", "is missing")
+            rest = {k: v for k, v in m.items() if k not in (rk, ck)}
+            out.append({**rest, "role": rmap.get(m[rk], m[rk]), "content": m[ck]})
+        msgs = out
+    if isinstance(msgs, list):
+        msgs = _with_system(msgs, options.get("system_prompt"))
+    return [Converted(msgs, path, frozenset({_top(path)}))]
+
+
+def _sharegpt(record: Any, fields: Mapping[str, str], options: Mapping[str, Any]) -> list[Converted]:
+    roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system", "tool": "tool"}
+    return _messages(record, fields, options, default_field="conversations", role_key="from",
+                     content_key="value", role_map=roles)
+
+
+def _require_text(path: str | None, value: str | None, what: str) -> str:
+    if value is None or not value.strip():
+        raise RecordError(path or what, "is empty: nothing to train on")
+    return value
+
+
+def _instruction(record: Any, fields: Mapping[str, str], options: Mapping[str, Any]) -> list[Converted]:
+    ipath, instruction = _pick(record, fields, "instruction", ("instruction",))
+    xpath, extra = _pick(record, fields, "input", ("input", "context"), required=False)
+    opath, output = _pick(record, fields, "output", ("output", "response"))
+    spath, system = _pick(record, fields, "system", ("system",), required=False)
+    user = instruction if not (extra or "").strip() else instruction + options.get("input_separator", "\n\n") + extra
+    msgs = [{"role": "user", "content": user}, {"role": "assistant", "content": _require_text(opath, output, "output")}]
+    used = frozenset(_top(p) for p in (ipath, xpath, opath, spath) if p)
+    return [Converted(_with_system(msgs, system or options.get("system_prompt")), f"{ipath}+{opath}", used)]
+
+
+def _prompt_completion(record: Any, fields: Mapping[str, str], options: Mapping[str, Any]) -> list[Converted]:
+    ppath, prompt = _pick(record, fields, "prompt", ("prompt",))
+    cpath, completion = _pick(record, fields, "completion", ("completion", "response", "answer"))
+    spath, system = _pick(record, fields, "system", ("system",), required=False)
+    suffix = options.get("strip_completion_suffix")
+    if suffix and completion.endswith(suffix):
+        completion = completion[: -len(suffix)]
+    msgs = [{"role": "user", "content": prompt},
+            {"role": "assistant", "content": _require_text(cpath, completion, "completion")}]
+    used = frozenset(_top(p) for p in (ppath, cpath, spath) if p)
+    return [Converted(_with_system(msgs, system or options.get("system_prompt")), f"{ppath}+{cpath}", used)]
+
+
+_TURN = re.compile(r"\n\n(Human|Assistant):")
+
+
+def parse_dialogue(text: str) -> list[dict[str, str]]:
+    """Messages of a ``\\n\\nHuman: ...\\n\\nAssistant: ...`` transcript (HH-RLHF style).
+
+    Turns become user/assistant messages with content stripped of surrounding whitespace;
+    consecutive turns of one speaker stay separate messages; a transcript may omit the leading
+    blank line.  ``Human:`` inside a turn (not after a blank line) is content.
+
+    Raises:
+        ValueError: text before the first turn, or no turn at all.
+    """
+    if text.startswith(("Human:", "Assistant:")):
+        text = "\n\n" + text
+    parts = _TURN.split(text)
+    if parts[0].strip():
+        raise ValueError(f"has text before the first '\\n\\nHuman:' turn: {_short(parts[0], 40)}")
+    if len(parts) < 3:
+        raise ValueError("has no '\\n\\nHuman:' / '\\n\\nAssistant:' turns")
+    roles = {"Human": "user", "Assistant": "assistant"}
+    return [{"role": roles[who], "content": body.strip()} for who, body in zip(parts[1::2], parts[2::2])]
+
+
+def _dialogue(record: Any, fields: Mapping[str, str], options: Mapping[str, Any]) -> list[Converted]:
+    path, text = _pick(record, fields, "text", ("text",))
+    try:
+        msgs = parse_dialogue(text)
+    except ValueError as exc:
+        raise RecordError(path, str(exc)) from None
+    return [Converted(_with_system(msgs, options.get("system_prompt")), path, frozenset({_top(path)}))]
+
+
+def _self_instruct(record: Any, fields: Mapping[str, str], options: Mapping[str, Any]) -> list[Converted]:
+    ipath, instruction = _pick(record, fields, "instruction", ("instruction",))
+    lpath = fields.get("instances", "instances")
+    instances = get_field(record, lpath)
+    if not isinstance(instances, list) or not instances:
+        raise RecordError(lpath, f"must be a non-empty list of {{input, output}} objects, got {_short(instances)}")
+    out = []
+    for j, inst in enumerate(instances):
+        sub = {"instruction": instruction, **inst} if isinstance(inst, Mapping) else None
+        if sub is None:
+            raise RecordError(f"{lpath}[{j}]", f"must be an object with input and output, got {_short(inst)}")
+        try:
+            (conv,) = _instruction(sub, {}, options)
+        except RecordError as exc:
+            raise RecordError(f"{lpath}[{j}].{exc.field}", exc.problem) from None
+        out.append(Converted(conv.messages, f"{ipath}+{lpath}[{j}]", frozenset({_top(ipath), _top(lpath)})))
+    return out
+
+
+Converter = Callable[[Any, Mapping[str, str], Mapping[str, Any]], list[Converted]]
+
+CONVERTERS: dict[str, Converter] = {
+    "messages": _messages,
+    "sharegpt": _sharegpt,
+    "instruction": _instruction,
+    "alpaca": _instruction,
+    "dolly": _instruction,
+    "prompt_completion": _prompt_completion,
+    "dialogue": _dialogue,
+    "hh": _dialogue,
+    "self_instruct": _self_instruct,
+}
+
+
+def register_converter(name: str, converter: Converter) -> None:
+    """Register ``converter(record, fields, options) -> list[Converted]`` under ``name`` (overwrites)."""
+    CONVERTERS[name] = converter
+
+
+def converter_names() -> list[str]:
+    """Accepted ``format`` names, sorted."""
+    return sorted(CONVERTERS)
+
+
+def convert_record(record: Any, format: str = "messages", fields: Mapping[str, str] | None = None,
+                   options: Mapping[str, Any] | None = None) -> list[Converted]:
+    """Run the converter ``format`` on one record (messages not yet validated).
+
+    Raises:
+        ValueError: unknown format (lists the accepted ones).
+        RecordError: a missing field or a bad value.
+    """
+    try:
+        conv = CONVERTERS[format]
+    except KeyError:
+        raise ValueError(f"unknown dataset format {format!r}; accepted: {', '.join(converter_names())}") from None
+    if not isinstance(record, Mapping):
+        raise RecordError("(record)", f"must be a JSON object, got {_short(record)}")
+    return conv(record, dict(fields or {}), dict(options or {}))
+
+
+def validate_messages(messages: Any, where: str, field_name: str = "messages", *,
+                      require_assistant: bool = True) -> list[dict[str, Any]]:
+    """Check one record's messages and return them as plain dicts.
+
+    Args:
+        messages: the value of the messages field.
+        where: location for error messages, e.g. ``"data.jsonl:12"``.
+        field_name: the field's name for error messages.
+        require_assistant: a conversation without an assistant message is an error.
+
+    Raises:
+        DatasetFormatError: e.g. ``"data.jsonl:12: field 'messages[1].role': unknown role 'bot' ..."``.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise DatasetFormatError(
+            f"{where}: field {field_name!r} must be a non-empty list of messages, got {_short(messages)}"
+        )
+    try:
+        out = check_message_list(messages)
+    except _FieldProblem as exc:
+        sep = " " if exc.problem.startswith(("is ", "must ", "needs ", "only ")) else ": "
+        raise DatasetFormatError(f"{where}: field '{field_name}{exc.field}'{sep}{exc.problem}") from None
+    if require_assistant and not any(m["role"] == "assistant" for m in out):
+        raise DatasetFormatError(f"{where}: field {field_name!r} has no assistant message to train on")
+    return out
+
+
+class PreferencePair(NamedTuple):
+    """A comparison: shared ``prompt`` messages, then the ``chosen`` and ``rejected`` continuations."""
+
+    prompt: list[dict[str, str]]
+    chosen: list[dict[str, str]]
+    rejected: list[dict[str, str]]
+
+
+def preference_from_dialogues(chosen: str, rejected: str) -> PreferencePair:
+    """Split two HH-RLHF transcripts sharing a prefix into prompt + chosen/rejected continuations.
+
+    Raises:
+        ValueError: a transcript does not parse, or one continuation is empty (identical dialogues).
+    """
+    a, b = parse_dialogue(chosen), parse_dialogue(rejected)
+    k = 0
+    while k < min(len(a), len(b)) - 1 and a[k] == b[k]:
+        k += 1
+    if a[k:] == b[k:]:
+        raise ValueError("chosen and rejected dialogues are identical")
+    return PreferencePair(a[:k], a[k:], b[k:])

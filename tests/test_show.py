@@ -1,0 +1,41 @@
+"""``prefect-tinker show-example``: rendered examples with the trained tokens highlighted."""
+
+from __future__ import annotations
+
+import json
+
+from recipes.show import format_example
+from tests.renderer_tokenizers import TOKENIZER_DIR, needs_smollm2
+
+
+class CharTokenizer:
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(i) for i in ids)
+
+
+def test_format_example_brackets_and_colour():
+    tokens = [ord(c) for c in "Q: hi A: yo!"]
+    weights = [0.0] * 9 + [1.0] * 3
+    assert format_example(CharTokenizer(), tokens, weights, color=False) == "Q: hi A: [[yo!]]"
+    assert format_example(CharTokenizer(), tokens, weights, color=True) == "Q: hi A: \x1b[1;32myo!\x1b[0m"
+
+
+@needs_smollm2
+def test_show_example_command(tmp_path, capsys):
+    from flows.cli import main
+
+    data = tmp_path / "d.jsonl"
+    rows = [{"instruction": f"Say {w}", "output": w} for w in ("one", "two", "three")]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["show-example", str(data), "--format", "alpaca", "--tokenizer", str(TOKENIZER_DIR), "--renderer", "smollm2"]
+    assert main([*args, "--index", "1", "--count", "2"]) == 0
+    out = capsys.readouterr().out
+    assert f"== {data}:2 (field 'instruction+output') | renderer smollm2 | all_assistant_messages" in out
+    assert "<|im_start|>user\nSay two<|im_end|>\n<|im_start|>assistant\n[[two<|im_end|>]]\n" in out
+    assert "[[three<|im_end|>]]" in out and "[[one" not in out
+    assert "\x1b[" not in out  # not a terminal: brackets, no colour
+    assert main([*args, "--color", "always", "--max-length", "30", "--train-on-what", "all_tokens"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b[1;32m" in out and "-- 30 tokens, 30 trained (100.0%), cut from" in out
+    assert main([*args, "--field", "output=answer"]) == 2
+    assert f"{data}:1: field 'answer' is missing (record has: instruction, output)" in capsys.readouterr().err
