@@ -95,6 +95,8 @@ class Engine:
         self.dtype = dtype
         self.num_threads = int(num_threads or available_cpus())
         torch.set_num_threads(self.num_threads)
+        # padded tokens per micro-batch; None: 2**26 // vocab_size (<= 64M logits), in [256, 16384]
+        self.max_batch_tokens: int | None = None
         self._lock = threading.RLock()
         self._bases: dict[str, _Base] = {}
         self._models: dict[str, _Train] = {}
@@ -201,7 +203,7 @@ class Engine:
             self._activate(b, st)
             outputs: list[dict[str, np.ndarray]] = [{} for _ in prepared]
             total = 0.0
-            budget = max(256, min(16384, 2**27 // max(spec.vocab_size, 1)))  # tokens per micro-batch
+            budget = self.max_batch_tokens or max(256, min(16384, 2**26 // max(spec.vocab_size, 1)))
             for mb in microbatches([len(p[0]) for p in prepared], budget):
                 with torch.set_grad_enabled(backward):
                     lps = self._logprobs(b, [prepared[i] for i in mb])
