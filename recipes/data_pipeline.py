@@ -200,7 +200,8 @@ class SupervisedDataset:
 
     In memory (no streamed source), sources are read and rendered once; epoch ``e`` is the
     datums in :func:`epoch_permutation` order.  With a streamed source, every epoch re-reads the
-    sources, shuffling through a buffer seeded by ``(seed, epoch)``.
+    sources, shuffling through a buffer seeded by ``(seed, epoch)`` (and :attr:`stats` counts a
+    skipped record again each time it is read).
     """
 
     def __init__(
@@ -249,7 +250,13 @@ class SupervisedDataset:
             self.stats.skip("too_long", f"{conv.source}: longer than max_length={self.max_length} "
                             f"(on_too_long={self.on_too_long!r}) or nothing trained within it")
             return None
-        return datum_from_example(out[0], out[1])
+        try:
+            return datum_from_example(out[0], out[1])
+        except ValueError as exc:  # e.g. a one-token example: nothing to predict
+            if self.on_error == "raise":
+                raise DatasetFormatError(f"{conv.source}: field {conv.field!r}: {exc}") from exc
+            self.stats.skip("render_error", f"{conv.source}: {exc}")
+            return None
 
     def _render_all(self, convs: Iterable[Conversation]) -> list[tinker.Datum]:
         return [d for d in map(self._datum, convs) if d is not None]
