@@ -216,23 +216,25 @@ class Engine:
             return FwdResult(outputs=outputs, metrics={"loss:sum": total})
 
     def _logprobs(self, b: _Base, items) -> list[torch.Tensor]:
-        """One right-padded batch -> per item logprobs (N,) / (N, K) float32 (with grad)."""
+        """One right-padded batch -> per item logprobs (N,) / (N, K) float32 (with grad).
+        The gather runs once over the whole batch: slicing (B, T, V) logits per item would
+        make backward materialise a zero (B, T, V) gradient for every item."""
         lens = [len(it[0]) for it in items]
-        ids = torch.zeros((len(items), max(lens)), dtype=torch.long)
+        B, T = len(items), max(lens)
+        K = max((it[1].shape[1] if it[1].ndim == 2 else 1) for it in items)
+        ids = torch.zeros((B, T), dtype=torch.long)
+        tgt = torch.zeros((B, T, K), dtype=torch.long)
         for r, it in enumerate(items):
             ids[r, : lens[r]] = torch.as_tensor(it[0], dtype=torch.long)
-        ids = ids.to(self.device)
+            tgt[r, : lens[r], : (it[1].shape[1] if it[1].ndim == 2 else 1)] = it[1].reshape(lens[r], -1)
+        ids, tgt = ids.to(self.device), tgt.to(self.device)
         with self._autocast():  # causal attention + right padding: pads never reach real tokens
             logits = fp32_head_logits(b.model, ids)  # (B, T, V) float32
-        lse = torch.logsumexp(logits, dim=-1)  # (B, T)
+        lp = logits.gather(-1, tgt) - torch.logsumexp(logits, dim=-1, keepdim=True)  # (B, T, K)
         out = []
         for r, it in enumerate(items):
-            tgt, n = it[1].to(self.device), lens[r]
-            lg, ls = logits[r, :n], lse[r, :n]
-            if tgt.ndim == 1:
-                out.append(lg.gather(-1, tgt.unsqueeze(-1)).squeeze(-1) - ls)
-            else:
-                out.append(lg.gather(-1, tgt) - ls.unsqueeze(-1))
+            x = lp[r, : lens[r]]
+            out.append(x[:, : it[1].shape[1]] if it[1].ndim == 2 else x[:, 0])
         return out
 
     # ------------------------------------------------------------------ optimizer
