@@ -445,3 +445,22 @@ def test_microbatching_and_threads_give_same_results(engine):
     [t.start() for t in threads]
     [t.join() for t in threads]
     assert not errors and all(v == [expected[m]] * 3 for m, v in got.items())
+
+
+def test_local_model_directory(engine, base_dir, tmp_path):
+    # the tiny preset's cache dir is a plain HF model directory; load it by path
+    info = engine.load_base_model(base_dir)
+    assert info["tokenizer_id"] == base_dir and info["vocab_size"] == VOCAB
+    engine.create_model("local", base_dir, 2, seed=0, train_mlp=False, train_attn=False)
+    assert list(engine._models["local"].params) == ["base_model.model.lm_head.lora_A.weight",
+                                                      "base_model.model.lm_head.lora_B.weight"]
+    d = make_datums(1)
+    a = engine.forward("local", d, "cross_entropy", None).metrics["loss:sum"]
+    engine.create_model("local_tiny", "tiny", 2, seed=0)
+    b = engine.forward("local_tiny", d, "cross_entropy", None).metrics["loss:sum"]
+    assert b == pytest.approx(a, abs=1e-4)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UnknownModelError, match="config.json"):
+        resolve_model(str(tmp_path / "empty"), tmp_path)
+    r = engine.sample(base_dir, None, [1, 2], num_samples=1, max_tokens=2, seed=-5)
+    assert len(r.sequences[0]["tokens"]) <= 2

@@ -63,7 +63,7 @@ def add_adapter(peft_model, model, name: str, cfg, seed: int, device: torch.devi
         warnings.simplefilter("ignore", FutureWarning)
         warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
         warnings.filterwarnings("ignore", message=".*tied.*")
-        torch.manual_seed(seed)
+        torch.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
         if peft_model is None:
             peft_model = peft.get_peft_model(model, cfg, adapter_name=name)
         else:

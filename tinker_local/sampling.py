@@ -127,7 +127,7 @@ def sample_tokens(model, tokenizer, prompt: list[int], *, num_samples: int, max_
 
     if decode_threads and device.type == "cpu":
         torch.set_num_threads(decode_threads)
-    gen = torch.Generator(device="cpu").manual_seed(int(seed))
+    gen = torch.Generator(device="cpu").manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
     toks: list[list[int]] = [[] for _ in range(num_samples)]
     lps: list[list[float]] = [[] for _ in range(num_samples)]
     reasons = ["length"] * num_samples
