@@ -2,7 +2,7 @@
 
 Subcommands::
 
-    prefect-tinker sql [--store ROOT] [--json] "SELECT ..."     query the training store
+    prefect-tinker sql [--store ROOT] [--json] "SELECT ..."     query the stores (folder or s3://)
     prefect-tinker run FLOW [key=value ...] [--config FILE.yaml]  validate a config, run a flow
     prefect-tinker show-config FLOW [--schema]                  defaults (YAML) or JSON schema
     prefect-tinker runs [--store ROOT] [--json]                 runs and their latest status
@@ -403,22 +403,24 @@ def format_table(names: Sequence[str], rows: Sequence[Sequence[Any]], max_width:
 
 
 def _store_connect(root: str):
-    from tinker_blocks.store_io import TRAINING_TABLES, ParquetStore
+    """All stores under ``root`` (a folder or ``s3://bucket/prefix``; S3 credentials and endpoint
+    from the AWS environment variables) as views on one DuckDB connection."""
+    from tinker_blocks.store_io import connect_stores
 
-    return ParquetStore(root, "training", TRAINING_TABLES).connect()
+    return connect_stores(root)
 
 
 def _print_query(root: str, sql: str, params: list[Any], as_json: bool) -> int:
     import duckdb
 
-    from tinker_blocks.store_io import StoreError
+    from tinker_blocks.store_io import StoreAccessError, StoreError, StoreUnavailableError
 
     try:
         con = _store_connect(root)
         cur = con.execute(sql, params)
         names = [d[0] for d in cur.description] if cur.description else []
         rows = cur.fetchall() if cur.description else []
-    except (duckdb.Error, StoreError) as exc:
+    except (duckdb.Error, StoreError, StoreAccessError, StoreUnavailableError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
     if as_json:
@@ -503,7 +505,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     store_help = "store root: a folder or s3:// URL (default: $PREFECT_TINKER_STORE or ~/.prefect-tinker/store)"
 
-    s = sub.add_parser("sql", help="run SQL over the training store (tables: runs, metrics, checkpoints)")
+    s = sub.add_parser("sql", help="run SQL over the stores (tables: runs, metrics, checkpoints, "
+                       "eval_results, eval_samples, captures)")
     s.add_argument("--store", help=store_help)
     s.add_argument("--json", action="store_true", help="print rows as a JSON array")
     s.add_argument("query", help='SQL, e.g. "SELECT step, value FROM metrics WHERE name = \'loss\'"')

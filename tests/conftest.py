@@ -46,3 +46,7 @@ def local_credentials(tmp_path_factory):
     creds = TinkerCredentials(local=True, local_root=str(root))
     yield creds
     creds.stop_local_server()
+
+
+# A real S3 server (SeaweedFS) for the store tests: fixtures s3_server (session) and s3_root.
+from tests.s3_fixtures import s3_root, s3_server  # noqa: E402,F401

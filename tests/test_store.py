@@ -18,7 +18,7 @@ from tinker_blocks.store_io import (
     StoreError,
     make_row_id,
 )
-from tinker_blocks.stores import TrainingStore
+from tinker_blocks.stores import CaptureStore, EvalStore, S3Credentials, TrainingStore
 
 
 def parts(root: Path, table: str) -> list[Path]:
@@ -251,5 +251,9 @@ def test_block_schema_offline():
     import uuid
 
     schema = TrainingStore._to_block_schema(block_type_id=uuid.uuid4())
-    assert list(schema.fields["properties"]) == ["root"]
+    assert list(schema.fields["properties"]) == ["root", "credentials", "retry_seconds"]
+    assert schema.fields["block_schema_references"]["credentials"]["block_type_slug"] == "tinker-s3-credentials"
     assert TrainingStore.get_block_type_slug() == "tinker-training-store"
+    assert EvalStore.get_block_type_slug() == "tinker-eval-store"
+    assert CaptureStore.get_block_type_slug() == "tinker-capture-store"
+    assert "secret" in S3Credentials._to_block_schema(block_type_id=uuid.uuid4()).fields["secret_fields"][0]

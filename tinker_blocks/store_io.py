@@ -1,6 +1,6 @@
 """Append-only Parquet stores queried with DuckDB (no Prefect import; the blocks wrap this).
 
-Layout of a store under ``root`` (a local folder or any fsspec URL such as ``s3://bucket/prefix``)::
+Layout of a store under ``root`` (a local folder or an fsspec URL such as ``s3://bucket/prefix``)::
 
     <root>/<store>/<table>/run_id=<id>/part-<writer>-<seq>-<uuid>.parquet
 
@@ -10,21 +10,20 @@ Every row carries a ``row_id``; readers keep one row per ``(run_id, row_id)`` --
 latest ``time`` -- so re-writing a row (a re-run after a crash) or compacting parts (write the
 merged part, then delete the inputs) never shows duplicates.
 
-Tables are declared as :class:`TableSpec` (a pyarrow schema, a natural key used to derive
-deterministic row ids, the required columns). :data:`TRAINING_TABLES` holds the training store's.
+Remote writes and listings retry transient errors (server down, timeouts, 5xx) with backoff for
+up to ``retry_seconds`` (see :mod:`tinker_blocks.s3`); a retried PUT re-sends the same bytes under
+the same key. ``s3://`` roots without explicit ``storage_options`` use the AWS environment
+variables (:func:`tinker_blocks.s3.s3_storage_options`).
+
+Tables are declared as :class:`TableSpec` (:mod:`tinker_blocks.store_schemas`); :data:`STORES`
+maps each store name (``training``, ``eval``, ``capture``) to its tables.
 """
 
 from __future__ import annotations
 
-import datetime as _dt
-import hashlib
-import json
 import os
-import re
-import time as _time
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping, Sequence
 
 import duckdb
 import fsspec
@@ -32,117 +31,58 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
+from tinker_blocks.s3 import (
+    StoreAccessError,
+    StoreUnavailableError,
+    attach_filesystem,
+    is_access_error,
+    retry_call,
+    s3_storage_options,
+)
+from tinker_blocks.store_schemas import (
+    CAPTURE_TABLES,
+    CAPTURES_SCHEMA,
+    CHECKPOINTS_SCHEMA,
+    EVAL_RESULTS_SCHEMA,
+    EVAL_SAMPLES_SCHEMA,
+    EVAL_TABLES,
+    METRICS_SCHEMA,
+    RUNS_SCHEMA,
+    STORES,
+    TRAINING_TABLES,
+    StoreError,
+    TableSpec,
+    make_row_id,
+    validate_run_id,
+)
+from tinker_blocks.store_writer import StoreWriter, sanitize_writer_id
+
 __all__ = [
     "TableSpec",
+    "STORES",
     "TRAINING_TABLES",
+    "EVAL_TABLES",
+    "CAPTURE_TABLES",
     "METRICS_SCHEMA",
     "CHECKPOINTS_SCHEMA",
     "RUNS_SCHEMA",
+    "EVAL_RESULTS_SCHEMA",
+    "EVAL_SAMPLES_SCHEMA",
+    "CAPTURES_SCHEMA",
     "ParquetStore",
     "StoreWriter",
     "make_row_id",
     "validate_run_id",
     "StoreError",
+    "StoreAccessError",
+    "StoreUnavailableError",
     "default_store_root",
+    "resolve_storage_options",
+    "connect_stores",
 ]
 
-_TS = pa.timestamp("us", tz="UTC")
-
-METRICS_SCHEMA = pa.schema(
-    [
-        pa.field("row_id", pa.string(), nullable=False),
-        pa.field("run_id", pa.string(), nullable=False),
-        pa.field("step", pa.int64(), nullable=False),  # optimizer step (0-based)
-        pa.field("name", pa.string(), nullable=False),  # e.g. "train/loss", "lr"
-        pa.field("value", pa.float64()),  # NaN/inf allowed; unit depends on the metric
-        pa.field("time", _TS, nullable=False),  # UTC, microseconds; when the row was written
-    ]
-)
-CHECKPOINTS_SCHEMA = pa.schema(
-    [
-        pa.field("row_id", pa.string(), nullable=False),
-        pa.field("run_id", pa.string(), nullable=False),
-        pa.field("step", pa.int64(), nullable=False),  # optimizer steps done when saved
-        pa.field("name", pa.string(), nullable=False),  # checkpoint name, e.g. "step-000100"
-        pa.field("kind", pa.string(), nullable=False),  # "state" (weights+optimizer) | "sampler"
-        pa.field("path", pa.string(), nullable=False),  # e.g. "tinker://<model_id>/weights/<name>"
-        pa.field("time", _TS, nullable=False),
-    ]
-)
-RUNS_SCHEMA = pa.schema(
-    [
-        pa.field("row_id", pa.string(), nullable=False),
-        pa.field("run_id", pa.string(), nullable=False),
-        pa.field("base_model", pa.string()),
-        pa.field("backend", pa.string()),  # "hosted" | "base_url" | "local" (free text)
-        pa.field("lora_rank", pa.int64()),
-        pa.field("config_json", pa.string()),  # the flow config, JSON
-        pa.field("status", pa.string()),  # e.g. "running" | "completed" | "failed"
-        pa.field("time", _TS, nullable=False),  # time of this status update
-    ]
-)
-
-
-class StoreError(ValueError):
-    """Bad input to a store: unknown table or column, wrong type, invalid run id."""
-
-
-@dataclass(frozen=True)
-class TableSpec:
-    """One table of a store.
-
-    Attributes:
-        schema: pyarrow schema; must contain ``row_id`` (string), ``run_id`` (string) and
-            ``time`` (timestamp, UTC).
-        natural_key: columns whose values identify a row; when all are present in a written row
-            and no ``row_id`` is given, ``row_id = make_row_id(*values)`` (deterministic, so a
-            re-write dedups). Empty -> a random row id.
-        required: columns that must be present and non-null in every written row.
-        choices: allowed values per column (e.g. ``{"kind": ("state", "sampler")}``).
-    """
-
-    schema: pa.Schema
-    natural_key: tuple[str, ...] = ()
-    required: tuple[str, ...] = ("run_id",)
-    choices: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
-
-
-TRAINING_TABLES: dict[str, TableSpec] = {
-    "metrics": TableSpec(
-        METRICS_SCHEMA,
-        natural_key=("run_id", "step", "name"),
-        required=("run_id", "step", "name"),
-    ),
-    "checkpoints": TableSpec(
-        CHECKPOINTS_SCHEMA,
-        natural_key=("run_id", "kind", "name"),
-        required=("run_id", "step", "name", "kind", "path"),
-        choices={"kind": ("state", "sampler")},
-    ),
-    # one row id per run: each status update replaces the previous one in the view
-    "runs": TableSpec(RUNS_SCHEMA, natural_key=("run_id",), required=("run_id",)),
-}
-
-_RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-
-def validate_run_id(run_id: Any) -> str:
-    """Return ``run_id`` if it is usable as a path segment, else raise :class:`StoreError`.
-
-    Accepted: 1-128 characters from ``A-Z a-z 0-9 . _ -``, starting with a letter or digit.
-    """
-    if not isinstance(run_id, str) or not _RUN_ID_RE.match(run_id):
-        raise StoreError(
-            f"invalid run_id {run_id!r}: use 1-128 characters from A-Z a-z 0-9 . _ - "
-            "starting with a letter or digit"
-        )
-    return run_id
-
-
-def make_row_id(*parts: Any) -> str:
-    """Deterministic row id: hex SHA-1 of the parts' JSON encoding, e.g. ``(run_id, step, name)``."""
-    payload = json.dumps(list(parts), default=str, separators=(",", ":"))
-    return hashlib.sha1(payload.encode("utf-8")).hexdigest()
+#: default seconds a remote write keeps retrying transient errors before giving up
+DEFAULT_RETRY_SECONDS = 300.0
 
 
 def default_store_root() -> str:
@@ -155,48 +95,38 @@ def default_store_root() -> str:
     return os.path.join(home, "store")
 
 
-def _now() -> _dt.datetime:
-    return _dt.datetime.now(_dt.timezone.utc)
+def resolve_storage_options(root: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """fsspec options for ``root``: ``storage_options`` when given; for ``s3://`` roots without
+    them, :func:`~tinker_blocks.s3.s3_storage_options` (the AWS environment variables)."""
+    if storage_options is not None:
+        return dict(storage_options)
+    if str(root).startswith(("s3://", "s3a://")):
+        return s3_storage_options()
+    return {}
 
 
-def _coerce(table: str, col: str, typ: pa.DataType, value: Any) -> Any:
-    """Check/convert one value to the Python type pyarrow expects for ``typ``."""
-    if value is None:
-        return None
-    try:
-        if pa.types.is_string(typ):
-            if isinstance(value, (dict, list)):
-                return json.dumps(value, sort_keys=True, default=str)
-            if not isinstance(value, str):
-                raise TypeError("expected a string")
-            return value
-        if pa.types.is_integer(typ):
-            if isinstance(value, float) and not value.is_integer():
-                raise TypeError("expected an integer")
-            if isinstance(value, str):
-                raise TypeError("expected an integer")
-            return int(value)
-        if pa.types.is_floating(typ):
-            if isinstance(value, str):
-                raise TypeError("expected a number")
-            return float(value)
-        if pa.types.is_timestamp(typ):
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                return _dt.datetime.fromtimestamp(value, _dt.timezone.utc)
-            if not isinstance(value, _dt.datetime):
-                raise TypeError("expected a datetime or a Unix time in seconds")
-            if value.tzinfo is None:  # naive datetimes are taken as UTC
-                value = value.replace(tzinfo=_dt.timezone.utc)
-            return value
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise StoreError(
-            f"table {table!r}, column {col!r}: bad value {value!r} ({type(value).__name__}): {exc}"
-        ) from None
-    return value
+def _sql_str(s: str) -> str:
+    return s.replace("'", "''")
 
 
-def _sanitize(s: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_]", "_", s)[:40] or "w"
+def _duck_type(t: pa.DataType) -> str:
+    if pa.types.is_string(t):
+        return "VARCHAR"
+    if pa.types.is_int64(t):
+        return "BIGINT"
+    if pa.types.is_int32(t):
+        return "INTEGER"
+    if pa.types.is_float64(t):
+        return "DOUBLE"
+    if pa.types.is_float32(t):
+        return "FLOAT"
+    if pa.types.is_boolean(t):
+        return "BOOLEAN"
+    if pa.types.is_timestamp(t):
+        return "TIMESTAMPTZ" if t.tz else "TIMESTAMP"
+    if pa.types.is_list(t):
+        return f"{_duck_type(t.value_type)}[]"
+    raise TypeError(f"no DuckDB type mapping for {t}")
 
 
 class ParquetStore:
@@ -205,25 +135,46 @@ class ParquetStore:
     Args:
         root: local folder or fsspec URL (``s3://bucket/prefix``); created on first write.
         store: store name (``"training"``, ``"eval"``, ``"capture"``).
-        tables: table name -> :class:`TableSpec`.
-        storage_options: keyword arguments for the fsspec filesystem (e.g. ``endpoint_url``, ``key``).
+        tables: table name -> :class:`TableSpec` (default: ``STORES[store]``).
+        storage_options: keyword arguments for the fsspec filesystem (s3fs: ``key``, ``secret``,
+            ``endpoint_url``, ...); default for ``s3://``: the AWS environment variables.
+        retry_seconds: how long remote writes and listings retry transient errors (server down,
+            timeouts, 5xx) before raising :class:`StoreUnavailableError`.
+        retry_max_wait: the longest pause between two tries (they start at 0.2 s and double).
+
+    Raises:
+        StoreError: empty root or unknown store name without ``tables``.
     """
 
     def __init__(
         self,
         root: str,
         store: str,
-        tables: Mapping[str, TableSpec],
+        tables: Mapping[str, TableSpec] | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        *,
+        retry_seconds: float = DEFAULT_RETRY_SECONDS,
+        retry_max_wait: float = 5.0,
     ):
         if not root:
             raise StoreError("store root is empty: give a local folder or an s3:// URL")
+        if tables is None:
+            if store not in STORES:
+                raise StoreError(f"unknown store {store!r}; stores: {sorted(STORES)}")
+            tables = STORES[store]
         self.root = str(root)
         self.store = store
         self.tables = dict(tables)
-        self.fs, base = fsspec.core.url_to_fs(self.root, **dict(storage_options or {}))
+        self.storage_options = resolve_storage_options(self.root, storage_options)
+        self.retry_seconds = float(retry_seconds)
+        self.retry_max_wait = float(retry_max_wait)
+        self.fs, base = fsspec.core.url_to_fs(self.root, **self.storage_options)
         self.is_local = isinstance(self.fs, LocalFileSystem)
-        self.base = f"{base.rstrip('/')}/{store}"  # path inside the filesystem (no protocol)
+        self.bucket_path = base.rstrip("/")
+        self.base = f"{self.bucket_path}/{store}"  # path inside the filesystem (no protocol)
+
+    def __repr__(self) -> str:
+        return f"ParquetStore(root={self.root!r}, store={self.store!r})"
 
     # ----- paths -----------------------------------------------------------------------------
     def spec(self, table: str) -> TableSpec:
@@ -249,13 +200,40 @@ class ParquetStore:
         proto = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
         return f"{proto}://{path}"
 
-    def list_parts(self, table: str, run_id: str | None = None) -> list[str]:
-        """Paths (inside the filesystem) of the table's visible parts, sorted; [] when none."""
-        where = self.partition_dir(table, run_id) if run_id else f"{self.table_dir(table)}/run_id=*"
+    def _where(self) -> str:
+        endpoint = self.storage_options.get("endpoint_url")
+        return f"store {self.root!r}" + (f" (endpoint {endpoint})" if endpoint else "")
+
+    def _remote(self, fn, what: str, deadline_s: float | None = None):
+        """Run a remote call with retries; access errors become :class:`StoreAccessError`."""
+        deadline = self.retry_seconds if deadline_s is None else deadline_s
         try:
-            return sorted(self.fs.glob(f"{where}/*.parquet"))
-        except FileNotFoundError:
-            return []
+            return retry_call(fn, what=f"{what} ({self._where()})", deadline_s=deadline,
+                              max_wait_s=self.retry_max_wait)
+        except StoreAccessError:
+            raise
+        except Exception as exc:
+            if is_access_error(exc):  # e.g. an access error raised as a non-transient type
+                raise StoreAccessError(f"{what} ({self._where()}): access denied: {exc}") from exc
+            raise
+
+    def list_parts(self, table: str, run_id: str | None = None) -> list[str]:
+        """Paths (inside the filesystem) of the table's visible parts, sorted; [] when none.
+
+        Raises :class:`StoreAccessError` (wrong credentials) or :class:`StoreUnavailableError`.
+        """
+        # "**" lists a prefix flat (one LIST per 1,000 keys); "run_id=*/" would list each folder
+        where = f"{self.partition_dir(table, run_id)}/*.parquet" if run_id else f"{self.table_dir(table)}/**/*.parquet"
+
+        def glob() -> list[str]:
+            try:
+                return sorted(p for p in self.fs.glob(where) if p.endswith(".parquet"))
+            except FileNotFoundError:
+                return []
+
+        if self.is_local:
+            return glob()
+        return self._remote(glob, f"listing {table!r}")
 
     # ----- writing ---------------------------------------------------------------------------
     def writer(
@@ -265,7 +243,7 @@ class ParquetStore:
         writer_id: str | None = None,
         flush_rows: int = 1000,
         flush_seconds: float = 30.0,
-    ) -> "StoreWriter":
+    ) -> StoreWriter:
         """A buffered :class:`StoreWriter` for ``table`` (use it as a context manager)."""
         return StoreWriter(
             self, table, writer_id=writer_id, flush_rows=flush_rows, flush_seconds=flush_seconds
@@ -274,10 +252,15 @@ class ParquetStore:
     def write_part(self, table: str, run_id: str, data: pa.Table, *, writer_id: str, seq: int) -> str:
         """Write ``data`` (rows of one run) as one new immutable part; return its path.
 
-        Local: written to ``<final>.tmp`` then renamed (atomic on POSIX); remote: one PUT.
+        Local: written to ``<final>.tmp`` then renamed (atomic on POSIX); remote: one PUT,
+        retried on transient errors under the same key with the same bytes.
+
+        Raises:
+            StoreAccessError: wrong credentials / forbidden.
+            StoreUnavailableError: transient errors until ``retry_seconds`` passed.
         """
         pdir = self.partition_dir(table, run_id)
-        name = f"part-{_sanitize(writer_id)}-{seq:06d}-{uuid.uuid4().hex[:12]}.parquet"
+        name = f"part-{sanitize_writer_id(writer_id)}-{seq:06d}-{uuid.uuid4().hex[:12]}.parquet"
         final = f"{pdir}/{name}"
         buf = pa.BufferOutputStream()
         pq.write_table(data, buf, compression="zstd")
@@ -289,25 +272,88 @@ class ParquetStore:
                 f.write(payload)
             self.fs.mv(tmp, final)
         else:
-            self.fs.pipe_file(final, payload)
+            self._remote(lambda: self.fs.pipe_file(final, payload), f"writing a part of {table!r}")
         return final
 
+    def check_access(self, *, create_bucket: bool = True, deadline_s: float = 30.0) -> None:
+        """Verify the store can be written, listed and read now: PUT a small probe object under
+        ``<root>/<store>/_access_check/``, list it, delete it. Call before long work.
+
+        For S3 a missing bucket is created when ``create_bucket`` (else an error).
+
+        Raises:
+            StoreAccessError: wrong or missing credentials, no permission, missing bucket, or a
+                local root that is not a writable folder. The message names the root and the
+                endpoint, never the secret.
+            StoreUnavailableError: the server did not answer within ``deadline_s`` seconds.
+        """
+        probe_dir = f"{self.base}/_access_check"
+        probe = f"{probe_dir}/probe-{uuid.uuid4().hex}"
+        if self.is_local:
+            try:
+                self.fs.makedirs(probe_dir, exist_ok=True)
+                self.fs.pipe_file(probe, b"ok")
+                self.fs.rm_file(probe)
+            except OSError as exc:
+                raise StoreAccessError(f"{self._where()} is not a writable folder: {exc}") from exc
+            return
+
+        def put() -> None:
+            self.fs.pipe_file(probe, b"ok")
+
+        try:
+            self._remote(put, "writing a probe object", deadline_s)
+        except FileNotFoundError as exc:  # NoSuchBucket
+            bucket = self.bucket_path.split("/", 1)[0]
+            if not create_bucket:
+                raise StoreAccessError(f"{self._where()}: bucket {bucket!r} does not exist") from exc
+            try:
+                self._remote(lambda: self.fs.mkdir(bucket), f"creating bucket {bucket!r}", deadline_s)
+                self._remote(put, "writing a probe object", deadline_s)
+            except (OSError, StoreError) as exc2:
+                if isinstance(exc2, (StoreAccessError, StoreUnavailableError)):
+                    raise
+                raise StoreAccessError(
+                    f"{self._where()}: bucket {bucket!r} does not exist and could not be created: {exc2}"
+                ) from exc2
+        except OSError as exc:
+            if isinstance(exc, (StoreAccessError, StoreUnavailableError)):
+                raise
+            raise StoreAccessError(f"{self._where()}: cannot write: {exc}") from exc
+        listed = self._remote(lambda: self.fs.ls(probe_dir, detail=False), "listing the probe", deadline_s)
+        if probe not in [p.rstrip("/") for p in listed]:
+            raise StoreAccessError(f"{self._where()}: a written probe object is not listed back")
+        try:
+            self.fs.rm_file(probe)
+        except OSError:
+            pass  # write-only/append-only buckets: the probe stays, harmless (not under a table)
+
     # ----- reading ---------------------------------------------------------------------------
-    def view_sql(self, table: str) -> str:
-        """SELECT statement of the deduplicated view of ``table`` (assumes parts exist)."""
+    def view_sql(self, table: str, *, union_by_name: bool = False) -> str:
+        """SELECT statement of the deduplicated view of ``table`` (assumes parts exist).
+
+        ``union_by_name`` reads every part's schema when the view is bound (slow over S3);
+        :meth:`create_views` uses it only when parts of older and newer schemas are mixed."""
         spec = self.spec(table)
-        glob = self._url(f"{self.table_dir(table)}/run_id=*/*.parquet")
+        glob = self._url(f"{self.table_dir(table)}/**/*.parquet")
         cols = ", ".join(
             f'CAST("{f.name}" AS {_duck_type(f.type)}) AS "{f.name}"' for f in spec.schema
         )
         src = (
-            f"read_parquet('{_sql_str(glob)}', hive_partitioning=true, union_by_name=true, "
+            f"read_parquet('{_sql_str(glob)}', hive_partitioning=true, "
+            f"union_by_name={'true' if union_by_name else 'false'}, "
             "filename=true, hive_types={'run_id': VARCHAR})"
         )
-        return (
-            f"SELECT {cols} FROM {src} QUALIFY row_number() OVER "
-            "(PARTITION BY run_id, row_id ORDER BY time DESC, filename DESC) = 1"
-        )
+        return f"SELECT {cols} FROM {src} QUALIFY {self._dedup(table)} = 1"
+
+    def _dedup(self, table: str) -> str:
+        """The window numbering the copies of a row, newest first. Partitioned by the natural key
+        columns as well as the row id (same groups when row ids come from the natural key), so
+        that filters on those columns (``name = 'train/loss'``, ``step > 100``) are pushed below
+        the window instead of deduplicating the whole table first."""
+        keys = ["run_id", *(k for k in self.spec(table).natural_key if k != "run_id"), "row_id"]
+        part = ", ".join(f'"{k}"' for k in keys)
+        return f"row_number() OVER (PARTITION BY {part} ORDER BY time DESC, filename DESC)"
 
     def empty_view_sql(self, table: str) -> str:
         """SELECT statement of a view with the table's columns and zero rows."""
@@ -315,21 +361,39 @@ class ParquetStore:
         cols = ", ".join(f'CAST(NULL AS {_duck_type(f.type)}) AS "{f.name}"' for f in spec.schema)
         return f"SELECT {cols} WHERE false"
 
+    def attach(self, con: duckdb.DuckDBPyConnection) -> str:
+        """Let ``con`` read this store's files; returns ``"local"``, ``"httpfs"`` or ``"fsspec"``."""
+        if self.is_local:
+            return "local"
+        return attach_filesystem(con, self.fs, self._url(self.bucket_path), self.storage_options)
+
+    def create_views(self, con: duckdb.DuckDBPyConnection) -> None:
+        """Create (or replace) one view per table on ``con`` (already :meth:`attach`-ed)."""
+        for table in self.tables:
+            if not self.list_parts(table):
+                con.execute(f'CREATE OR REPLACE VIEW "{table}" AS {self.empty_view_sql(table)}')
+                continue
+            try:
+                con.execute(f'CREATE OR REPLACE VIEW "{table}" AS {self.view_sql(table)}')
+            except duckdb.BinderException:  # the first part lacks a column added later
+                con.execute(f'CREATE OR REPLACE VIEW "{table}" AS {self.view_sql(table, union_by_name=True)}')
+
     def connect(self, con: duckdb.DuckDBPyConnection | None = None) -> duckdb.DuckDBPyConnection:
         """A DuckDB connection (new in-memory one unless ``con``) with one view per table.
 
         Views are deduplicated by ``(run_id, row_id)`` keeping the latest ``time``. A table that
         has no part yet gets an empty view with the right columns; such a view is fixed at connect
         time, so reconnect to see tables created afterwards (views over existing tables always see
-        new parts). Remote roots are read through fsspec (``register_filesystem``).
+        new parts). Remote roots are read through DuckDB's httpfs when it loads, else through
+        fsspec (``register_filesystem``); see :func:`tinker_blocks.s3.attach_filesystem`.
+
+        Raises:
+            StoreAccessError / StoreUnavailableError: listing the store failed.
         """
         con = con if con is not None else duckdb.connect()
         con.execute("SET TimeZone = 'UTC'")
-        if not self.is_local:
-            con.register_filesystem(self.fs)
-        for table in self.tables:
-            sql = self.view_sql(table) if self.list_parts(table) else self.empty_view_sql(table)
-            con.execute(f'CREATE OR REPLACE VIEW "{table}" AS {sql}')
+        self.attach(con)
+        self.create_views(con)
         return con
 
     def compact(self, table: str, run_id: str, *, writer_id: str = "compact") -> str | None:
@@ -344,178 +408,52 @@ class ParquetStore:
             return None
         spec = self.spec(table)
         con = duckdb.connect()
-        if not self.is_local:
-            con.register_filesystem(self.fs)
-        files = ", ".join(f"'{_sql_str(self._url(p))}'" for p in parts)
-        cols = ", ".join(
-            f'CAST("{f.name}" AS {_duck_type(f.type)}) AS "{f.name}"' for f in spec.schema
-        )
-        rel = con.sql(
-            f"SELECT {cols} FROM read_parquet([{files}], union_by_name=true, filename=true) "
-            "QUALIFY row_number() OVER (PARTITION BY row_id ORDER BY time DESC, filename DESC) = 1 "
-            "ORDER BY time"
-        )
-        to_arrow = getattr(rel, "to_arrow_table", None) or rel.arrow  # duckdb 2.x / 1.x
-        data = to_arrow().cast(spec.schema)
-        con.close()
+        try:
+            self.attach(con)
+            files = ", ".join(f"'{_sql_str(self._url(p))}'" for p in parts)
+            cols = ", ".join(
+                f'CAST("{f.name}" AS {_duck_type(f.type)}) AS "{f.name}"' for f in spec.schema
+            )
+            rel = con.sql(
+                f"SELECT {cols} FROM read_parquet([{files}], union_by_name=true, filename=true) "
+                f"QUALIFY {self._dedup(table)} = 1 ORDER BY time"
+            )
+            to_arrow = getattr(rel, "to_arrow_table", None) or rel.arrow  # duckdb 2.x / 1.x
+            data = to_arrow().cast(spec.schema)
+        finally:
+            con.close()
         out = self.write_part(table, run_id, data, writer_id=writer_id, seq=0)
         for p in parts:
-            self.fs.rm_file(p)
+            try:
+                if self.is_local:
+                    self.fs.rm_file(p)
+                else:
+                    self._remote(lambda p=p: self.fs.rm_file(p), f"deleting a compacted part of {table!r}")
+            except FileNotFoundError:
+                pass  # already merged away by a concurrent compaction
         return out
 
 
-def _sql_str(s: str) -> str:
-    return s.replace("'", "''")
-
-
-def _duck_type(t: pa.DataType) -> str:
-    if pa.types.is_string(t):
-        return "VARCHAR"
-    if pa.types.is_int64(t):
-        return "BIGINT"
-    if pa.types.is_int32(t):
-        return "INTEGER"
-    if pa.types.is_float64(t):
-        return "DOUBLE"
-    if pa.types.is_float32(t):
-        return "FLOAT"
-    if pa.types.is_boolean(t):
-        return "BOOLEAN"
-    if pa.types.is_timestamp(t):
-        return "TIMESTAMPTZ" if t.tz else "TIMESTAMP"
-    raise TypeError(f"no DuckDB type mapping for {t}")
-
-
-class StoreWriter:
-    """Buffers rows of one table and writes them as immutable Parquet parts.
-
-    A flush happens when ``flush_rows`` rows are buffered, when a write arrives ``flush_seconds``
-    or more after the oldest buffered row (checked on write, no background thread), on
-    :meth:`flush`, and on :meth:`close` / leaving the ``with`` block (also on an exception, so
-    rows written before a crash are kept). One flush writes one part per run id.
-
-    Rows are dicts keyed by the table's columns. Missing ``time`` -> now (UTC); missing
-    ``row_id`` -> derived from the table's natural key (e.g. metrics:
-    ``make_row_id(run_id, step, name)``), so re-writing the same metric dedups in the views.
-    A row id written twice into one buffer keeps the last row. A flush that fails (e.g. a
-    transient S3 error) keeps the rows buffered; the next flush re-writes them, and parts already
-    written for some runs are harmless duplicates the views drop. Not thread-safe: one writer
-    per thread.
+def connect_stores(
+    root: str,
+    stores: Sequence[str] = ("training", "eval", "capture"),
+    storage_options: Mapping[str, Any] | None = None,
+    con: duckdb.DuckDBPyConnection | None = None,
+) -> duckdb.DuckDBPyConnection:
+    """A DuckDB connection with the views of every table of ``stores`` under one ``root``
+    (training: ``runs``, ``metrics``, ``checkpoints``; eval: ``eval_results``, ``eval_samples``;
+    capture: ``captures``), so one query can join across stores. Used by ``prefect-tinker sql``.
 
     Raises:
-        StoreError: unknown column, missing required column, wrong value type, invalid run id,
-            a value outside a column's choices, or writing after close.
+        StoreError: an unknown store name. StoreAccessError / StoreUnavailableError: as
+        :meth:`ParquetStore.connect`.
     """
-
-    def __init__(
-        self,
-        store: ParquetStore,
-        table: str,
-        *,
-        writer_id: str | None = None,
-        flush_rows: int = 1000,
-        flush_seconds: float = 30.0,
-    ):
-        self.store = store
-        self.table = table
-        self.spec = store.spec(table)
-        self.writer_id = _sanitize(writer_id or uuid.uuid4().hex[:8])
-        if flush_rows < 1:
-            raise StoreError(f"flush_rows must be >= 1, got {flush_rows}")
-        self.flush_rows = int(flush_rows)
-        self.flush_seconds = float(flush_seconds)
-        self._buf: dict[str, dict[str, Any]] = {}
-        self._oldest: float | None = None
-        self._seq = 0
-        self._closed = False
-        self.parts_written: list[str] = []
-        self.rows_written = 0
-
-    # ----- API ---------------------------------------------------------------------------------
-    def write(self, row: Mapping[str, Any] | None = None, **columns: Any) -> str:
-        """Buffer one row (a mapping and/or keyword columns); return its row id."""
-        if self._closed:
-            raise StoreError(f"writer for table {self.table!r} is closed")
-        rec = self._normalize({**(row or {}), **columns})
-        rid = rec["row_id"]
-        self._buf.pop(rid, None)
-        self._buf[rid] = rec
-        now = _time.monotonic()
-        if self._oldest is None:
-            self._oldest = now
-        if len(self._buf) >= self.flush_rows or now - self._oldest >= self.flush_seconds:
-            self.flush()
-        return rid
-
-    def write_many(self, rows: Iterable[Mapping[str, Any]]) -> list[str]:
-        """Buffer several rows; return their row ids."""
-        return [self.write(r) for r in rows]
-
-    def flush(self) -> list[str]:
-        """Write buffered rows now (one part per run id); return the new parts' paths."""
-        if not self._buf:
-            return []
-        by_run: dict[str, list[dict[str, Any]]] = {}
-        for rec in self._buf.values():
-            by_run.setdefault(rec["run_id"], []).append(rec)
-        written = []
-        for run_id, recs in by_run.items():
-            data = pa.Table.from_pylist(recs, schema=self.spec.schema)
-            written.append(
-                self.store.write_part(self.table, run_id, data, writer_id=self.writer_id, seq=self._seq)
-            )
-            self._seq += 1
-            self.rows_written += len(recs)
-        self._buf.clear()
-        self._oldest = None
-        self.parts_written.extend(written)
-        return written
-
-    def close(self) -> None:
-        """Flush and refuse further writes. Idempotent."""
-        if not self._closed:
-            try:
-                self.flush()
-            finally:
-                self._closed = True
-
-    @property
-    def pending(self) -> int:
-        """Number of buffered (not yet written) rows."""
-        return len(self._buf)
-
-    def __enter__(self) -> "StoreWriter":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    # ----- helpers -----------------------------------------------------------------------------
-    def _normalize(self, row: Mapping[str, Any]) -> dict[str, Any]:
-        schema = self.spec.schema
-        unknown = [k for k in row if schema.get_field_index(k) < 0]
-        if unknown:
-            raise StoreError(
-                f"table {self.table!r}: unknown column(s) {unknown}; columns: {schema.names}"
-            )
-        rec: dict[str, Any] = {}
-        for f in schema:
-            rec[f.name] = _coerce(self.table, f.name, f.type, row.get(f.name))
-        for col in self.spec.required:
-            if rec[col] is None:
-                raise StoreError(f"table {self.table!r}: column {col!r} is required (row {dict(row)!r})")
-        validate_run_id(rec["run_id"])
-        for col, allowed in self.spec.choices.items():
-            if rec[col] is not None and rec[col] not in allowed:
-                raise StoreError(
-                    f"table {self.table!r}, column {col!r}: {rec[col]!r} not one of {list(allowed)}"
-                )
-        if rec["time"] is None:
-            rec["time"] = _now()
-        if rec["row_id"] is None:
-            key = self.spec.natural_key
-            if key and all(rec[k] is not None for k in key):
-                rec["row_id"] = make_row_id(*(rec[k] for k in key))
-            else:
-                rec["row_id"] = uuid.uuid4().hex
-        return rec
+    con = con if con is not None else duckdb.connect()
+    con.execute("SET TimeZone = 'UTC'")
+    opts = resolve_storage_options(root, storage_options)
+    for i, name in enumerate(stores):
+        io = ParquetStore(root, name, storage_options=opts)
+        if i == 0:
+            io.attach(con)  # one filesystem / secret for the whole root
+        io.create_views(con)
+    return con

@@ -1,22 +1,36 @@
-"""Store blocks: the training store (runs, metrics, checkpoints) as append-only Parquet + DuckDB.
+"""Store blocks: training, eval and capture stores as append-only Parquet + DuckDB, on a local
+folder or S3 (``s3://bucket/prefix``; AWS or any S3-compatible endpoint).
 
 The I/O lives in :mod:`tinker_blocks.store_io` (no Prefect import, used by the CLI); this module
-wraps it in Prefect blocks so flows and deployments can reference a store by name.
+wraps it in Prefect blocks so flows and deployments can reference a store by name. Every block has
+the same API (``writer``, ``connect``, ``query``, ``check``, ``compact``) and the same SQL for a
+folder and for S3. Schemas: :mod:`tinker_blocks.store_schemas` and the README.
+
+S3 credentials: the block's ``credentials`` (:class:`~tinker_blocks.s3_credentials.S3Credentials`)
+or, without one, the AWS environment variables (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+``AWS_ENDPOINT_URL``, ``AWS_DEFAULT_REGION``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from abc import ABC
+from typing import Any, ClassVar
 
 import duckdb
 from prefect.blocks.core import Block
 from pydantic import Field
 
+from tinker_blocks.s3 import StoreAccessError, StoreUnavailableError
+from tinker_blocks.s3_credentials import S3Credentials
 from tinker_blocks.store_io import (
+    CAPTURES_SCHEMA,
     CHECKPOINTS_SCHEMA,
+    DEFAULT_RETRY_SECONDS,
+    EVAL_RESULTS_SCHEMA,
+    EVAL_SAMPLES_SCHEMA,
     METRICS_SCHEMA,
     RUNS_SCHEMA,
-    TRAINING_TABLES,
+    STORES,
     ParquetStore,
     StoreError,
     StoreWriter,
@@ -26,61 +40,48 @@ from tinker_blocks.store_io import (
 )
 
 __all__ = [
+    "StoreBlock",
     "TrainingStore",
+    "EvalStore",
+    "CaptureStore",
+    "S3Credentials",
     "StoreWriter",
     "StoreError",
+    "StoreAccessError",
+    "StoreUnavailableError",
     "make_row_id",
     "default_store_root",
     "METRICS_SCHEMA",
     "CHECKPOINTS_SCHEMA",
     "RUNS_SCHEMA",
+    "EVAL_RESULTS_SCHEMA",
+    "EVAL_SAMPLES_SCHEMA",
+    "CAPTURES_SCHEMA",
 ]
 
 
-class TrainingStore(Block):
-    """Training store: runs, metrics and checkpoints as append-only Parquet under a local folder
-    (or an fsspec URL such as ``s3://bucket/prefix``), queried with DuckDB.
+class StoreBlock(Block, ABC):
+    """Common fields and API of the store blocks (abstract: use a concrete store).
 
-    Layout: ``<root>/training/<table>/run_id=<id>/part-<writer>-<seq>-<uuid>.parquet``.
-
-    Tables (views from :meth:`connect`, one row per ``(run_id, row_id)``, the latest ``time``):
-
-    - ``metrics(row_id, run_id, step BIGINT, name, value DOUBLE, time TIMESTAMPTZ)``;
-      ``row_id = make_row_id(run_id, step, name)`` unless given.
-    - ``checkpoints(row_id, run_id, step BIGINT, name, kind 'state'|'sampler', path, time)``;
-      ``row_id = make_row_id(run_id, kind, name)``; ``path`` is the ``tinker://`` URI.
-    - ``runs(row_id, run_id, base_model, backend, lora_rank BIGINT, config_json, status, time)``;
-      ``row_id = make_row_id(run_id)``, so the latest status update is the run's row.
-
-    Example:
-        ```python
-        store = TrainingStore(root="/data/pt-store")
-        with store.writer("metrics") as w:
-            w.write(run_id="sft-1", step=3, name="train/loss", value=1.25)
-        store.connect().execute("SELECT * FROM metrics").fetchall()
-        ```
+    Layout: ``<root>/<store>/<table>/run_id=<id>/part-<writer>-<seq>-<uuid>.parquet``.
     """
 
-    _block_type_name = "Tinker Training Store"
-    _block_type_slug = "tinker-training-store"
-    _description = (
-        "Append-only Parquet store of training runs, metrics and checkpoints, queried with DuckDB."
-    )
+    _store: ClassVar[str] = ""
     _documentation_url = "https://github.com/prefect-tinker/prefect-tinker"  # type: ignore[assignment]
-    _code_example = """
-```python
-from tinker_blocks.stores import TrainingStore
-store = TrainingStore(root="s3://bucket/prefix")
-with store.writer("metrics") as w:
-    w.write(run_id="sft-1", step=0, name="train/loss", value=2.1)
-print(store.connect().execute("SELECT * FROM metrics").fetchall())
-```"""
 
     root: str = Field(
         description="Store root: a local folder or an fsspec URL such as s3://bucket/prefix.",
     )
+    credentials: S3Credentials | None = Field(
+        default=None,
+        description="S3 credentials and endpoint for s3:// roots; empty: the AWS_* environment variables.",
+    )
+    retry_seconds: float = Field(
+        default=DEFAULT_RETRY_SECONDS, gt=0,
+        description="How long S3 writes keep retrying transient errors (server down, 5xx) before failing.",
+    )
 
-    def __new__(cls, root: str | None = None, /, **data: Any) -> "TrainingStore":
+    def __new__(cls, root: str | None = None, /, **data: Any) -> "StoreBlock":
         # Block.__new__ takes keywords only; accept the positional root form too.
         return super().__new__(cls, **data)
 
@@ -90,13 +91,34 @@ print(store.connect().execute("SELECT * FROM metrics").fetchall())
         super().__init__(**data)
 
     @classmethod
-    def local_default(cls) -> "TrainingStore":
-        """A store at :func:`default_store_root`."""
+    def local_default(cls) -> "StoreBlock":
+        """A store at :func:`default_store_root` (``$PREFECT_TINKER_STORE`` or ``~/.prefect-tinker/store``)."""
         return cls(root=default_store_root())
+
+    @property
+    def tables(self) -> list[str]:
+        """Names of this store's tables (also its DuckDB view names)."""
+        return list(STORES[self._store])
 
     # ----- internals -------------------------------------------------------------------------
     def _io(self) -> ParquetStore:
-        return ParquetStore(self.root, "training", TRAINING_TABLES)
+        opts = self.credentials.storage_options() if self.credentials is not None else None
+        return ParquetStore(self.root, self._store, storage_options=opts, retry_seconds=self.retry_seconds)
+
+    # ----- checks ----------------------------------------------------------------------------
+    def check(self, *, create_bucket: bool = True) -> None:
+        """Verify now that the store can be written, listed and read (a small probe object is
+        written and deleted). Flows call it before training so that wrong credentials fail at
+        once with a clear message instead of after the first steps.
+
+        Raises:
+            StoreAccessError: wrong/missing credentials, forbidden, missing bucket that could not
+                be created, local root not writable (message names root and endpoint).
+            StoreUnavailableError: the server did not answer within 30 s.
+        """
+        self._io().check_access(create_bucket=create_bucket)
+
+    validate_access = check
 
     # ----- writing ---------------------------------------------------------------------------
     def writer(
@@ -107,14 +129,79 @@ print(store.connect().execute("SELECT * FROM metrics").fetchall())
         flush_rows: int = 1000,
         flush_seconds: float = 30.0,
     ) -> StoreWriter:
-        """Buffered writer for ``table`` (``"metrics"``, ``"checkpoints"`` or ``"runs"``).
+        """Buffered writer for ``table`` (one of :attr:`tables`).
 
-        Use as a context manager; see :class:`~tinker_blocks.store_io.StoreWriter` for flush
-        rules and row-id derivation. Raises ``StoreError`` for an unknown table.
+        Use as a context manager; see :class:`~tinker_blocks.store_writer.StoreWriter` for flush
+        rules, retries and row-id derivation. Raises ``StoreError`` for an unknown table.
         """
         return self._io().writer(
             table, writer_id=writer_id, flush_rows=flush_rows, flush_seconds=flush_seconds
         )
+
+    def write_rows(self, table: str, rows: list[dict[str, Any]], *, writer_id: str | None = None) -> list[str]:
+        """Write ``rows`` of ``table`` now (one part per run); return their row ids."""
+        with self.writer(table, writer_id=writer_id, flush_rows=max(len(rows), 1)) as w:
+            return w.write_many(rows)
+
+    def compact(self, run_id: str, table: str) -> str | None:
+        """Merge a run's parts of ``table`` into one part, then delete the inputs (safe while
+        readers query). Returns the new part's path, or None when there were fewer than 2 parts."""
+        return self._io().compact(table, run_id)
+
+    # ----- reading ---------------------------------------------------------------------------
+    def connect(self) -> duckdb.DuckDBPyConnection:
+        """New in-memory DuckDB connection with one view per table (deduplicated by row id;
+        empty with the right columns when a table has no part yet)."""
+        return self._io().connect()
+
+    def query(self, sql: str, params: list[Any] | None = None) -> list[dict[str, Any]]:
+        """Run ``sql`` over the views; return rows as dicts (column name -> value)."""
+        con = self.connect()
+        try:
+            cur = con.execute(sql, params or [])
+            if cur.description is None:
+                return []
+            names = [d[0] for d in cur.description]
+            return [dict(zip(names, r)) for r in cur.fetchall()]
+        finally:
+            con.close()
+
+
+class TrainingStore(StoreBlock):
+    """Training store: ``runs``, ``metrics`` and ``checkpoints`` (views from :meth:`connect`, one
+    row per ``(run_id, row_id)``, the latest ``time``):
+
+    - ``metrics(row_id, run_id, step BIGINT, name, value DOUBLE, time TIMESTAMPTZ)``;
+      ``row_id = make_row_id(run_id, step, name)`` unless given.
+    - ``checkpoints(row_id, run_id, step BIGINT, name, kind 'state'|'sampler', path, time)``;
+      ``row_id = make_row_id(run_id, kind, name)``; ``path`` is the ``tinker://`` URI.
+    - ``runs(row_id, run_id, base_model, backend, lora_rank BIGINT, config_json, status, time)``;
+      ``row_id = make_row_id(run_id)``, so the latest status update is the run's row.
+
+    Example:
+        ```python
+        store = TrainingStore(root="/data/pt-store")   # or "s3://bucket/prefix"
+        store.check()
+        with store.writer("metrics") as w:
+            w.write(run_id="sft-1", step=3, name="train/loss", value=1.25)
+        store.connect().execute("SELECT * FROM metrics").fetchall()
+        ```
+    """
+
+    _store: ClassVar[str] = "training"
+    _block_type_name = "Tinker Training Store"
+    _block_type_slug = "tinker-training-store"
+    _description = (
+        "Append-only Parquet store of training runs, metrics and checkpoints (folder or S3), queried with DuckDB."
+    )
+    _code_example = """
+```python
+from tinker_blocks.stores import TrainingStore
+store = TrainingStore(root="s3://bucket/prefix")
+with store.writer("metrics") as w:
+    w.write(run_id="sft-1", step=0, name="train/loss", value=2.1)
+print(store.connect().execute("SELECT * FROM metrics").fetchall())
+```"""
 
     def record_run(
         self,
@@ -148,36 +235,12 @@ print(store.connect().execute("SELECT * FROM metrics").fetchall())
         with self.writer("checkpoints", writer_id="ckpt") as w:
             return w.write(run_id=run_id, step=step, name=name, kind=kind, path=path)
 
-    def compact(self, run_id: str, table: str) -> str | None:
-        """Merge a run's parts of ``table`` into one part, then delete the inputs.
-
-        Returns the new part's path, or None when there was nothing to merge (< 2 parts).
-        """
-        return self._io().compact(table, run_id)
-
-    # ----- reading ---------------------------------------------------------------------------
-    def connect(self) -> duckdb.DuckDBPyConnection:
-        """New in-memory DuckDB connection with views ``runs``, ``metrics``, ``checkpoints``
-        (deduplicated; empty with the right columns when a table has no part yet)."""
-        return self._io().connect()
-
-    def query(self, sql: str, params: list[Any] | None = None) -> list[dict[str, Any]]:
-        """Run ``sql`` over the views; return rows as dicts (column name -> value)."""
-        con = self.connect()
-        try:
-            cur = con.execute(sql, params or [])
-            if cur.description is None:
-                return []
-            names = [d[0] for d in cur.description]
-            return [dict(zip(names, r)) for r in cur.fetchall()]
-        finally:
-            con.close()
-
     def last_checkpoint(self, run_id: str, kind: str = "state") -> dict[str, Any] | None:
         """The run's checkpoint of ``kind`` with the highest step (latest time on ties).
 
         Returns a dict with the ``checkpoints`` columns (``step``, ``name``, ``kind``, ``path``,
-        ``time``, ...) or None. Raises ``StoreError`` for an invalid run id or kind.
+        ``time``, ...) or None. Raises ``StoreError`` for an invalid run id or kind,
+        ``StoreAccessError`` for wrong S3 credentials.
         """
         validate_run_id(run_id)
         if kind not in ("state", "sampler"):
@@ -207,3 +270,63 @@ print(store.connect().execute("SELECT * FROM metrics").fetchall())
             ).df()
         finally:
             con.close()
+
+
+class EvalStore(StoreBlock):
+    """Eval store: ``eval_results`` (one row per run, evaluated weights, eval and metric) and
+    ``eval_samples`` (one row per graded completion). Columns: see
+    :data:`~tinker_blocks.store_schemas.EVAL_RESULTS_SCHEMA` / ``EVAL_SAMPLES_SCHEMA`` and the
+    README. Row ids: ``make_row_id(run_id, eval_name, checkpoint, step, metric)`` and
+    ``make_row_id(run_id, eval_name, checkpoint, step, example_id, sample_index)``, so a
+    re-run evaluation replaces its rows.
+
+    Example:
+        ```python
+        evals = EvalStore(root="s3://bucket/prefix")
+        evals.record_result("sft-1", eval_name="gsm8k", metric="accuracy", value=0.41,
+                            step=200, checkpoint="tinker://m/sampler_weights/step-200")
+        ```
+    """
+
+    _store: ClassVar[str] = "eval"
+    _block_type_name = "Tinker Eval Store"
+    _block_type_slug = "tinker-eval-store"
+    _description = "Append-only Parquet store of evaluation results and graded samples, queried with DuckDB."
+
+    def record_result(
+        self,
+        run_id: str,
+        *,
+        eval_name: str,
+        metric: str,
+        value: float,
+        step: int | None = None,
+        checkpoint: str | None = None,
+        num_samples: int | None = None,
+        config: Any = None,
+    ) -> str:
+        """Write one ``eval_results`` row now; return its row id. ``config`` (dict, JSON string
+        or pydantic model) is stored as ``config_json``. Raises ``StoreError`` on bad values."""
+        if hasattr(config, "model_dump_json"):
+            config = config.model_dump_json()
+        with self.writer("eval_results", writer_id="eval") as w:
+            return w.write(
+                run_id=run_id, eval_name=eval_name, metric=metric, value=value, step=step,
+                checkpoint=checkpoint, num_samples=num_samples, config_json=config,
+            )
+
+
+class CaptureStore(StoreBlock):
+    """Capture store: ``captures``, one row per sampled sequence served to a client (time,
+    client, model / checkpoint, prompt, completion, token counts and ids, logprob summary, stop
+    reason, latency). Columns: :data:`~tinker_blocks.store_schemas.CAPTURES_SCHEMA` and the
+    README. ``row_id = make_row_id(run_id, request_id, sequence_index)``.
+
+    A capture server keeps one writer open (``writer("captures", flush_rows=..., flush_seconds=...)``)
+    and closes it on shutdown; each flush is one part per capture session.
+    """
+
+    _store: ClassVar[str] = "capture"
+    _block_type_name = "Tinker Capture Store"
+    _block_type_slug = "tinker-capture-store"
+    _description = "Append-only Parquet store of captured sampling requests and responses, queried with DuckDB."

@@ -1,0 +1,280 @@
+"""S3 plumbing for the stores (no Prefect import): fsspec options, error classes, retries, DuckDB.
+
+- :func:`s3_storage_options` builds ``s3fs.S3FileSystem`` keyword arguments from explicit values
+  (an :class:`~tinker_blocks.s3_credentials.S3Credentials` block) or, for each value not given,
+  the standard AWS environment: ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+  ``AWS_SESSION_TOKEN``, ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``, ``AWS_DEFAULT_REGION`` /
+  ``AWS_REGION``. With none of them, botocore's own chain applies (``~/.aws``, instance roles).
+- :func:`is_transient` tells network trouble and 5xx/429/408 answers (retry) from wrong
+  credentials, missing buckets and other 4xx answers (fail at once).
+- :func:`retry_call` retries a call on transient errors with exponential backoff and jitter until
+  a deadline, then raises :class:`StoreUnavailableError`.
+- :func:`attach_filesystem` makes a DuckDB connection read the store's URLs: DuckDB's own
+  ``httpfs`` extension when it loads (it is faster), else the fsspec filesystem
+  (``register_filesystem``, works offline). ``$PREFECT_TINKER_DUCKDB_HTTPFS``: ``auto``
+  (default: ``LOAD httpfs``, no download), ``install`` (``INSTALL`` first: needs the internet),
+  ``off`` (always fsspec).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from typing import Any, Callable, Mapping, TypeVar
+from urllib.parse import urlparse
+
+__all__ = [
+    "StoreAccessError",
+    "StoreUnavailableError",
+    "s3_storage_options",
+    "is_transient",
+    "is_access_error",
+    "retry_call",
+    "attach_filesystem",
+    "HTTPFS_ENV",
+]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+HTTPFS_ENV = "PREFECT_TINKER_DUCKDB_HTTPFS"
+#: seconds an S3 listing is reused (see :func:`s3_storage_options`)
+LISTINGS_EXPIRY_S = 5.0
+
+# botocore timeouts and retries: short, so that an outage is handled by retry_call's backoff
+_CONFIG_KWARGS = {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 2, "mode": "standard"}}
+
+
+class StoreAccessError(PermissionError):
+    """The store cannot be used with these credentials/settings: wrong or missing credentials,
+    no permission, a missing bucket that cannot be created. Not retried."""
+
+
+class StoreUnavailableError(ConnectionError):
+    """The store kept failing with transient errors (server down, timeouts, 5xx) until the retry
+    deadline. Retrying later may succeed; buffered rows are kept by the writer."""
+
+
+def _env(env: Mapping[str, str], *names: str) -> str | None:
+    for n in names:
+        v = env.get(n)
+        if v:
+            return v
+    return None
+
+
+def s3_storage_options(
+    *,
+    key: str | None = None,
+    secret: str | None = None,
+    token: str | None = None,
+    endpoint_url: str | None = None,
+    region: str | None = None,
+    env: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """Keyword arguments for ``s3fs.S3FileSystem``; each value not given comes from ``env``
+    (default ``os.environ``: the AWS variables listed in the module docstring).
+
+    Listings are cached for :data:`LISTINGS_EXPIRY_S` seconds: DuckDB asks for each file's size
+    and date several times per query, and without the cache each ask is a HEAD request (6 per
+    file, 5x slower queries); parts are immutable, so only new or compacted-away parts written by
+    *another* process can be missed, for at most that long (this process's writes invalidate
+    the cache at once). Botocore retries are short (:func:`retry_call` handles outages); a
+    custom endpoint uses path-style addressing (what MinIO, SeaweedFS and most S3-compatible
+    servers expect).
+    """
+    env = os.environ if env is None else env
+    key = key or _env(env, "AWS_ACCESS_KEY_ID")
+    secret = secret or _env(env, "AWS_SECRET_ACCESS_KEY")
+    token = token or _env(env, "AWS_SESSION_TOKEN")
+    endpoint_url = endpoint_url or _env(env, "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+    region = region or _env(env, "AWS_DEFAULT_REGION", "AWS_REGION")
+    opts: dict[str, Any] = {"use_listings_cache": True, "listings_expiry_time": LISTINGS_EXPIRY_S}
+    config = dict(_CONFIG_KWARGS)
+    if key and secret:
+        opts["key"], opts["secret"] = key, secret
+        if token:
+            opts["token"] = token
+    if endpoint_url:
+        opts["endpoint_url"] = endpoint_url
+        config["s3"] = {"addressing_style": "path"}
+    if region:
+        opts["client_kwargs"] = {"region_name": region}
+    opts["config_kwargs"] = config
+    return opts
+
+
+def _botocore_classes() -> tuple[tuple[type, ...], type | None]:
+    try:
+        from botocore.exceptions import (
+            ConnectionClosedError,
+            EndpointConnectionError,
+            HTTPClientError,
+            NoCredentialsError,
+        )
+    except ImportError:  # pragma: no cover - s3fs depends on botocore
+        return (), None
+    return (HTTPClientError, EndpointConnectionError, ConnectionClosedError), NoCredentialsError
+
+
+_TRANSIENT_CODES = {
+    "SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "RequestTimeTooSkewed",
+    "Throttling", "ThrottlingException", "RequestLimitExceeded", "503", "500", "502", "504",
+}
+
+
+def _status_and_code(exc: BaseException) -> tuple[int | None, str | None]:
+    resp = getattr(exc, "response", None)
+    if isinstance(resp, dict):
+        err = resp.get("Error") or {}
+        meta = resp.get("ResponseMetadata") or {}
+        return meta.get("HTTPStatusCode"), err.get("Code")
+    return None, None
+
+
+def _chain(exc: BaseException):
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        yield cur
+        cur = cur.__cause__ or cur.__context__
+
+
+def is_access_error(exc: BaseException) -> bool:
+    """True for wrong/missing credentials or a denied request (HTTP 401/403, botocore
+    ``NoCredentialsError``, ``PermissionError``)."""
+    _, no_creds = _botocore_classes()
+    for cur in _chain(exc):
+        if isinstance(cur, PermissionError) or (no_creds and isinstance(cur, no_creds)):
+            return True
+        status, code = _status_and_code(cur)
+        if status in (401, 403) or code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+            return True
+    return False
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True when ``exc`` (or an exception it wraps) may pass on a retry: connection refused or
+    reset, timeouts, HTTP 408/429/5xx, S3 ``SlowDown``/``InternalError``/``ServiceUnavailable``.
+    False for access errors, missing buckets/keys and other 4xx."""
+    if is_access_error(exc):
+        return False
+    http_errors, _ = _botocore_classes()
+    for cur in _chain(exc):
+        if isinstance(cur, FileNotFoundError):
+            return False
+        if http_errors and isinstance(cur, http_errors):
+            return True
+        if isinstance(cur, (ConnectionError, TimeoutError)):
+            return True
+        status, code = _status_and_code(cur)
+        if status is not None:
+            return status in (408, 429) or status >= 500
+        if code in _TRANSIENT_CODES:
+            return True
+        name = type(cur).__name__
+        if name in ("ClientConnectorError", "ServerDisconnectedError", "ClientOSError",
+                    "ServerTimeoutError", "FSTimeoutError", "IncompleteRead", "ResponseParserError"):
+            return True
+        msg = str(cur)
+        if any(c in msg for c in ("SlowDown", "ServiceUnavailable", "InternalError", "Service Unavailable")):
+            return True
+    return False
+
+
+def retry_call(
+    fn: Callable[[], T],
+    *,
+    what: str,
+    deadline_s: float,
+    first_wait_s: float = 0.2,
+    max_wait_s: float = 5.0,
+    sleep: Callable[[float], None] = time.sleep,
+) -> T:
+    """Call ``fn()``; on a transient error (:func:`is_transient`) wait and call again, the waits
+    growing x2 from ``first_wait_s`` up to ``max_wait_s`` (+-25% jitter), until ``deadline_s``
+    seconds have passed since the first call.
+
+    Raises:
+        StoreAccessError: an access error (wrong credentials, forbidden), at once.
+        StoreUnavailableError: still failing transiently at the deadline (chained to the last error).
+        Exception: any other error from ``fn``, at once.
+    """
+    start = time.monotonic()
+    wait = first_wait_s
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return fn()
+        except Exception as exc:
+            if is_access_error(exc):
+                raise StoreAccessError(f"{what}: access denied ({_short(exc)}); check the S3 credentials") from exc
+            if not is_transient(exc):
+                raise
+            elapsed = time.monotonic() - start
+            if elapsed >= deadline_s:
+                raise StoreUnavailableError(
+                    f"{what}: still failing after {attempt} attempts over {elapsed:.1f} s: {_short(exc)}"
+                ) from exc
+            pause = min(wait * random.uniform(0.75, 1.25), max(deadline_s - elapsed, 0.0))
+            log.warning("%s failed (%s); retry %d in %.1f s", what, _short(exc), attempt, pause)
+            sleep(pause)
+            wait = min(wait * 2, max_wait_s)
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
+
+
+# ----- DuckDB ------------------------------------------------------------------------------------
+def _sql_lit(s: str) -> str:
+    return "'" + str(s).replace("'", "''") + "'"
+
+
+def _httpfs_secret(con: Any, scope: str, opts: Mapping[str, Any]) -> None:
+    parts = ["TYPE s3", f"KEY_ID {_sql_lit(opts['key'])}", f"SECRET {_sql_lit(opts['secret'])}"]
+    if opts.get("token"):
+        parts.append(f"SESSION_TOKEN {_sql_lit(opts['token'])}")
+    region = (opts.get("client_kwargs") or {}).get("region_name")
+    if region:
+        parts.append(f"REGION {_sql_lit(region)}")
+    endpoint = opts.get("endpoint_url")
+    if endpoint:
+        u = urlparse(endpoint if "://" in endpoint else f"http://{endpoint}")
+        parts += [f"ENDPOINT {_sql_lit(u.netloc)}", "URL_STYLE 'path'",
+                  f"USE_SSL {'true' if u.scheme == 'https' else 'false'}"]
+    parts.append(f"SCOPE {_sql_lit(scope)}")
+    name = "pt_s3_" + format(abs(hash(scope)) % (1 << 40), "x")
+    con.execute(f"CREATE OR REPLACE SECRET {name} ({', '.join(parts)})")
+
+
+def attach_filesystem(con: Any, fs: Any, scope: str, opts: Mapping[str, Any], mode: str | None = None) -> str:
+    """Let ``con`` read URLs under ``scope`` (e.g. ``s3://bucket/prefix``); return the way used:
+    ``"httpfs"`` or ``"fsspec"``.
+
+    httpfs is used for ``s3://`` scopes with an explicit key and secret when the extension loads
+    (``mode``/``$PREFECT_TINKER_DUCKDB_HTTPFS``: ``auto`` loads an installed extension only,
+    ``install`` tries ``INSTALL httpfs`` first, ``off`` never). Any failure falls back silently
+    to ``con.register_filesystem(fs)``.
+    """
+    import duckdb
+
+    mode = (mode or os.environ.get(HTTPFS_ENV) or "auto").strip().lower()
+    if mode not in ("auto", "install", "off"):
+        mode = "auto"
+    if mode != "off" and scope.startswith("s3://") and opts.get("key") and opts.get("secret"):
+        try:
+            if mode == "install":
+                con.execute("INSTALL httpfs")
+            con.execute("LOAD httpfs")
+            _httpfs_secret(con, scope, opts)
+            return "httpfs"
+        except duckdb.Error as exc:
+            log.debug("DuckDB httpfs unavailable (%s); reading through fsspec", exc)
+    con.register_filesystem(fs)
+    return "fsspec"
