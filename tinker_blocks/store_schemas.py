@@ -31,6 +31,7 @@ __all__ = [
     "METRICS_SCHEMA",
     "CHECKPOINTS_SCHEMA",
     "RUNS_SCHEMA",
+    "TRAJECTORIES_SCHEMA",
     "EVAL_RESULTS_SCHEMA",
     "EVAL_SAMPLES_SCHEMA",
     "CAPTURES_SCHEMA",
@@ -79,6 +80,22 @@ RUNS_SCHEMA = pa.schema([
     _f("config_json", pa.string()),  # the flow config as JSON (never secrets)
     _f("status", pa.string()),  # "running" | "completed" | "failed"
     _TIME,  # time of this status update
+])
+
+TRAJECTORIES_SCHEMA = pa.schema([  # a sample of RL rollouts, for inspection
+    _ROW_ID,
+    _RUN_ID,
+    _f("step", pa.int64(), False),  # optimizer steps of the trainer when the group was trained
+    _f("sampler_step", pa.int64()),  # optimizer steps of the weights that sampled it (async: older)
+    _f("batch_index", pa.int64(), False),  # dataset batch and group the problem came from
+    _f("group_index", pa.int64(), False),
+    _f("member", pa.int64(), False),  # index of the trajectory within its group
+    _f("prompt", pa.string()),  # the rendered observation text
+    _f("response", pa.string()),  # the sampled action text (all turns joined for multi-turn envs)
+    _f("reward", pa.float64()),  # total reward (step rewards + group reward)
+    _f("advantage", pa.float64()),  # group-centred advantage used in training
+    _f("metrics_json", pa.string()),  # env metrics (correct, format, ...) and logs as JSON
+    _TIME,
 ])
 
 # ----- eval store -------------------------------------------------------------------------------
@@ -170,6 +187,11 @@ TRAINING_TABLES: dict[str, TableSpec] = {
     ),
     # one row id per run: each status update replaces the previous one in the view
     "runs": TableSpec(RUNS_SCHEMA, natural_key=("run_id",), required=("run_id",)),
+    "trajectories": TableSpec(
+        TRAJECTORIES_SCHEMA,
+        natural_key=("run_id", "step", "batch_index", "group_index", "member"),
+        required=("run_id", "step", "batch_index", "group_index", "member"),
+    ),
 }
 
 EVAL_TABLES: dict[str, TableSpec] = {
