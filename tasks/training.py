@@ -134,8 +134,11 @@ def open_training_run(
     seed: int | None = None,
     resume_from: str | None = None,
     resume_step: int = 0,
+    init_from: str | None = None,
 ) -> TrainingRun:
-    """Create a LoRA training client (or restore one from ``resume_from`` with its optimizer state).
+    """Create a LoRA training client (or restore one from ``resume_from`` with its optimizer state,
+    or start a new run from the weights of ``init_from`` with a fresh optimizer, e.g. RL after SFT;
+    save a state checkpoint at step 0 then, so the client can be recreated).
 
     Returns the run handle at step ``resume_step`` (0 for a new run). Raises the SDK's errors
     for an unknown model or checkpoint (user errors; not retried).
@@ -154,6 +157,8 @@ def open_training_run(
     service = credentials.get_client()
     if resume_from:
         client = service.create_training_client_from_state_with_optimizer(resume_from).result()
+    elif init_from:
+        client = service.create_training_client_from_state(init_from).result()
     else:
         client = service.create_lora_training_client(base_model=base_model, rank=lora_rank, seed=seed).result()
     return _register(credentials, run, client)
