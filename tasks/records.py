@@ -14,7 +14,7 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.policies import RETRY_OPTIONS
 
-__all__ = ["write_metrics", "record_checkpoint", "record_run"]
+__all__ = ["write_metrics", "write_trajectories", "record_checkpoint", "record_run"]
 
 
 def _store(root: str):
@@ -33,6 +33,15 @@ def write_metrics(store: str, run_id: str, rows: Iterable[tuple[int, str, float]
         for step, name, value in rows:
             w.write(run_id=run_id, step=int(step), name=name, value=float(value))
     return len(rows)
+
+
+@task(name="write-trajectories", cache_policy=NO_CACHE, **RETRY_OPTIONS)
+def write_trajectories(store: str, run_id: str, rows: list[dict]) -> int:
+    """Write rows of the ``trajectories`` table (step, batch_index, group_index, member, prompt,
+    response, reward, ...; ``run_id`` is added) as one part; returns the row count."""
+    if not rows:
+        return 0
+    return len(_store(store).write_rows("trajectories", [dict(r, run_id=run_id) for r in rows]))
 
 
 @task(name="record-checkpoint", cache_policy=NO_CACHE, **RETRY_OPTIONS)
