@@ -14,13 +14,35 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.policies import RETRY_OPTIONS
 
-__all__ = ["write_metrics", "write_trajectories", "record_checkpoint", "record_run"]
+__all__ = ["write_metrics", "write_trajectories", "record_checkpoint", "record_run", "check_store",
+           "compact_run"]
 
 
-def _store(root: str):
+def _store(root):
+    """A ``TrainingStore`` for ``root``: a folder or ``s3://`` URL (S3 credentials from the AWS_*
+    environment variables), or a store block (then used as is: its ``credentials`` apply)."""
     from tinker_blocks.stores import TrainingStore
 
-    return TrainingStore(root=root)
+    return root if isinstance(root, TrainingStore) else TrainingStore(root=root)
+
+
+@task(name="check-store", cache_policy=NO_CACHE, **RETRY_OPTIONS)
+def check_store(store: str) -> None:
+    """Fail now, with a clear message, when the store cannot be written, listed and read (wrong
+    S3 credentials, missing bucket, unwritable folder): call it before training starts.
+
+    Raises ``StoreAccessError`` (not retried) or ``StoreUnavailableError`` (retried: transient).
+    """
+    _store(store).check()
+
+
+@task(name="compact-run", cache_policy=NO_CACHE, **RETRY_OPTIONS)
+def compact_run(store: str, run_id: str, tables: tuple[str, ...] = ("metrics", "checkpoints", "runs")) -> int:
+    """Merge each of the run's ``tables`` into one part (queries over S3 cost a request per part,
+    so a finished run should be one part per table). Safe while others query. Returns the number
+    of tables compacted."""
+    st = _store(store)
+    return sum(st.compact(run_id, t) is not None for t in tables)
 
 
 @task(name="write-metrics", cache_policy=NO_CACHE, **RETRY_OPTIONS)

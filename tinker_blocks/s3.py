@@ -21,9 +21,14 @@ from __future__ import annotations
 import logging
 import os
 import random
+import threading
 import time
+from collections import OrderedDict
 from typing import Any, Callable, Mapping, TypeVar
 from urllib.parse import urlparse
+
+from fsspec import AbstractFileSystem
+from fsspec.implementations.memory import MemoryFile
 
 __all__ = [
     "StoreAccessError",
@@ -33,6 +38,7 @@ __all__ = [
     "is_access_error",
     "retry_call",
     "attach_filesystem",
+    "PartCacheFS",
     "HTTPFS_ENV",
 ]
 
@@ -232,6 +238,71 @@ def _short(exc: BaseException) -> str:
 
 
 # ----- DuckDB ------------------------------------------------------------------------------------
+class PartCacheFS(AbstractFileSystem):
+    """A read-side fsspec filesystem for DuckDB over another one (s3fs) that keeps whole small
+    files in memory.
+
+    DuckDB opens each Parquet file twice per query (schema, then data) and s3fs fetches the
+    whole file on each open, so a query costs two GETs per part and a repeated query as many
+    again. Parts are immutable, so their bytes can be kept: files up to ``max_file_bytes`` are
+    fetched once (one GET) and served from an LRU of at most ``max_total_bytes``; larger files
+    and all other calls go to the wrapped filesystem. Thread-safe.
+    """
+
+    cachable = False  # one per DuckDB connection; never shared through fsspec's instance cache
+
+    def __init__(self, inner: Any, max_file_bytes: int = 16 << 20, max_total_bytes: int = 256 << 20):
+        super().__init__()
+        self.inner = inner
+        self.protocol = inner.protocol
+        self.max_file_bytes = int(max_file_bytes)
+        self.max_total_bytes = int(max_total_bytes)
+        self._lru: OrderedDict[str, bytes] = OrderedDict()
+        self._total = 0
+        self._lock = threading.Lock()
+        self.fetches = 0  # whole-file GETs done (for tests and benchmarks)
+
+    def _strip_protocol(self, path: str) -> str:  # type: ignore[override]
+        return self.inner._strip_protocol(path)
+
+    def open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:  # type: ignore[override]
+        if mode != "rb":
+            return self.inner.open(path, mode, **kwargs)
+        key = self._strip_protocol(path)
+        with self._lock:
+            data = self._lru.get(key)
+            if data is not None:
+                self._lru.move_to_end(key)
+        if data is None:
+            size = self.inner.size(key)
+            if size is None or size > self.max_file_bytes:
+                return self.inner.open(path, mode, **kwargs)
+            data = self.inner.cat_file(key)
+            self.fetches += 1
+            with self._lock:
+                if key not in self._lru:
+                    self._lru[key] = data
+                    self._total += len(data)
+                while self._total > self.max_total_bytes and self._lru:
+                    _, old = self._lru.popitem(last=False)
+                    self._total -= len(old)
+        return MemoryFile(None, key, data)
+
+
+def _delegate(name: str):
+    def method(self: PartCacheFS, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.inner, name)(*args, **kwargs)
+
+    method.__name__ = name
+    return method
+
+
+for _name in ("glob", "info", "ls", "exists", "isfile", "isdir", "size", "modified", "created", "ukey",
+              "checksum", "find", "cat_file", "pipe_file", "rm_file", "rm", "mkdir", "makedirs",
+              "mv", "copy", "put_file", "get_file", "invalidate_cache"):
+    setattr(PartCacheFS, _name, _delegate(_name))
+
+
 def _sql_lit(s: str) -> str:
     return "'" + str(s).replace("'", "''") + "'"
 
@@ -260,7 +331,7 @@ def attach_filesystem(con: Any, fs: Any, scope: str, opts: Mapping[str, Any], mo
     httpfs is used for ``s3://`` scopes with an explicit key and secret when the extension loads
     (``mode``/``$PREFECT_TINKER_DUCKDB_HTTPFS``: ``auto`` loads an installed extension only,
     ``install`` tries ``INSTALL httpfs`` first, ``off`` never). Any failure falls back silently
-    to ``con.register_filesystem(fs)``.
+    to ``con.register_filesystem(PartCacheFS(fs))``.
     """
     import duckdb
 
@@ -276,5 +347,5 @@ def attach_filesystem(con: Any, fs: Any, scope: str, opts: Mapping[str, Any], mo
             return "httpfs"
         except duckdb.Error as exc:
             log.debug("DuckDB httpfs unavailable (%s); reading through fsspec", exc)
-    con.register_filesystem(fs)
+    con.register_filesystem(PartCacheFS(fs))
     return "fsspec"
