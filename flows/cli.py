@@ -34,7 +34,7 @@ from typing import Any, Sequence
 import yaml
 
 #: flow name -> "module:attribute" of a Prefect flow (or plain function) taking ``config``.
-FLOWS: dict[str, str] = {"sft": "flows.sft:sft_flow"}
+FLOWS: dict[str, str] = {"sft": "flows.sft:sft_flow", "rl": "flows.rl:rl_flow"}
 #: extra registrations, ``name=module:attr`` separated by commas (e.g. for plugins and tests).
 FLOWS_ENV = "PREFECT_TINKER_FLOWS"
 

@@ -1,0 +1,37 @@
+"""RL toolkit: environment types, problem envs (arithmetic, GSM8K, generic math), answer grading,
+and the trajectory -> advantage -> datum pipeline (GRPO-style group-centred advantages).
+
+- :mod:`recipes.rl.types`: ``Env``, ``StepResult``, ``EnvGroupBuilder``, ``RLDataset``,
+  ``Transition``, ``Trajectory``, ``TrajectoryGroup``.
+- :mod:`recipes.rl.problem_env`: ``ProblemEnv`` (one question, one graded reply),
+  ``ProblemGroupBuilder``, ``ProblemDataset``.
+- :mod:`recipes.rl.envs`: the ``arithmetic``, ``gsm8k`` and ``math`` recipes (``EnvSpec``,
+  ``build_rl_dataset``, ``load_problems``).
+- :mod:`recipes.rl.grading`: ``answers_match`` and answer extraction (``#### n``, ``\\boxed{}``).
+- :mod:`recipes.rl.advantages`: ``compute_advantages``, ``trajectory_to_datums``, KL penalty,
+  rollout metrics.
+"""
+
+from recipes.rl.advantages import (
+    RLDatum,
+    apply_kl_penalty,
+    compute_advantages,
+    groups_to_datums,
+    remove_constant_reward_groups,
+    rollout_metrics,
+    sample_train_kl,
+    trajectory_to_datums,
+)
+from recipes.rl.envs import ENV_NAMES, EnvSpec, build_rl_dataset, load_problems, write_arithmetic_sft_jsonl
+from recipes.rl.grading import answers_match, extract_boxed, extract_final_answer, extract_hash_answer, parse_number
+from recipes.rl.problem_env import Problem, ProblemDataset, ProblemEnv, ProblemGroupBuilder
+from recipes.rl.types import Env, EnvGroupBuilder, RLDataset, StepResult, Trajectory, TrajectoryGroup, Transition
+
+__all__ = [
+    "ENV_NAMES", "Env", "EnvGroupBuilder", "EnvSpec", "Problem", "ProblemDataset", "ProblemEnv",
+    "ProblemGroupBuilder", "RLDataset", "RLDatum", "StepResult", "Trajectory", "TrajectoryGroup", "Transition",
+    "answers_match", "apply_kl_penalty", "build_rl_dataset", "compute_advantages", "extract_boxed",
+    "extract_final_answer", "extract_hash_answer", "groups_to_datums", "load_problems", "parse_number",
+    "remove_constant_reward_groups", "rollout_metrics", "sample_train_kl", "trajectory_to_datums",
+    "write_arithmetic_sft_jsonl",
+]

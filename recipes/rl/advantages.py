@@ -1,0 +1,224 @@
+"""From trajectory groups to training datums: advantages, datums, KL penalty, rollout statistics.
+
+- :func:`compute_advantages`: group-centred advantages ``A_i = R_i - mean_G(R)`` (GRPO, Shao et
+  al. 2024 "DeepSeekMath", sec. 4.1.2; without the division by the group's standard deviation by
+  default, as in the Tinker cookbook and Dr. GRPO, Liu et al. 2025; ``normalize_std=True``
+  restores it).
+- :func:`remove_constant_reward_groups`: groups whose members all got the same reward have zero
+  advantages and teach nothing; drop them.
+- :func:`trajectory_to_datums`: one ``tinker.Datum`` per run of transitions whose observations
+  extend the previous ones (a single-turn episode -> one datum): model input ``tokens[:-1]``,
+  ``target_tokens = tokens[1:]``, ``logprobs`` = the sampler's logprobs on action tokens (0
+  elsewhere), ``advantages`` = ``A`` on action tokens (0 elsewhere), plus the action mask (not
+  sent). Losses sum over tokens (Tinker docs, "Loss functions"), so observation tokens with zero
+  advantage contribute nothing.
+- :func:`apply_kl_penalty`: per-token penalty against a reference model, folded into the
+  advantages as in the Tinker cookbook: ``A_t += coef * (mean_kl - (q_t - ref_t))`` on action
+  tokens, where ``q_t - ref_t`` is the sampled-token log-ratio (a k1 estimate of KL(sampler||ref)).
+- :func:`rollout_metrics` and :func:`sample_train_kl`: step statistics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import tinker
+
+from recipes.rl.types import Trajectory, TrajectoryGroup
+
+__all__ = [
+    "RLDatum",
+    "compute_advantages",
+    "remove_constant_reward_groups",
+    "trajectory_to_datums",
+    "groups_to_datums",
+    "apply_kl_penalty",
+    "rollout_metrics",
+    "sample_train_kl",
+]
+
+
+@dataclass
+class RLDatum:
+    """A training datum and its bookkeeping.
+
+    Attributes:
+        tokens: the full sequence (L,) the datum was cut from (observation + action tokens).
+        mask: float32 (L-1,), 1.0 where ``target_tokens`` is an action token.
+        sampler_logprobs: float32 (L-1,), the sampler's logprob of each target (0 off the mask).
+        advantages: float32 (L-1,), the per-token advantage (0 off the mask).
+        group_index, member: where the trajectory sits (for logging).
+    """
+
+    tokens: list[int]
+    mask: np.ndarray
+    sampler_logprobs: np.ndarray
+    advantages: np.ndarray
+    group_index: int = 0
+    member: int = 0
+
+    def to_datum(self) -> tinker.Datum:
+        """The ``tinker.Datum`` (inputs ``target_tokens`` int64, ``logprobs`` and ``advantages``
+        float32, all of shape (L-1,)) for the ``importance_sampling``/``ppo``/``cispo`` losses."""
+        return tinker.Datum(
+            model_input=tinker.ModelInput.from_ints(self.tokens[:-1]),
+            loss_fn_inputs={
+                "target_tokens": tinker.TensorData.from_numpy(np.asarray(self.tokens[1:], dtype=np.int64)),
+                "logprobs": tinker.TensorData.from_numpy(np.ascontiguousarray(self.sampler_logprobs, dtype=np.float32)),
+                "advantages": tinker.TensorData.from_numpy(np.ascontiguousarray(self.advantages, dtype=np.float32)),
+            },
+        )
+
+
+def compute_advantages(rewards_G: Sequence[float], normalize_std: bool = False, eps: float = 1e-6) -> np.ndarray:
+    """Group-centred advantages (G,) float64: ``R - mean(R)``, divided by ``std(R) + eps`` when
+    ``normalize_std`` (population std). An empty group gives an empty array."""
+    r = np.asarray(rewards_G, dtype=np.float64)
+    if r.size == 0:
+        return r
+    adv = r - r.mean()
+    if normalize_std:
+        adv = adv / (r.std() + eps)
+    return adv
+
+
+def remove_constant_reward_groups(groups: Sequence[TrajectoryGroup], atol: float = 1e-9) -> tuple[list[TrajectoryGroup], int]:
+    """Groups whose total rewards are not all equal, and how many were removed.
+
+    When every group is constant, returns all of them (training on zero advantages is a no-op
+    but keeps the step's bookkeeping uniform) and the count removed as 0.
+    """
+    kept = [g for g in groups if np.ptp(np.asarray(g.total_rewards() or [0.0])) > atol]
+    if not kept:
+        return list(groups), 0
+    return kept, len(groups) - len(kept)
+
+
+def trajectory_to_datums(traj: Trajectory, advantage: float, group_index: int = 0, member: int = 0) -> list[RLDatum]:
+    """Datums of one trajectory with a scalar ``advantage`` on its action tokens.
+
+    Transitions are merged into one sequence while each observation extends the sequence so far
+    (observation + actions of the previous transitions); otherwise a new datum starts.
+
+    Raises:
+        ValueError: a transition whose logprobs and tokens differ in length.
+    """
+    out: list[RLDatum] = []
+    tokens: list[int] = []
+    lps: list[float] = []
+    mask: list[float] = []
+
+    def flush() -> None:
+        if len(tokens) >= 2 and any(mask[1:]):
+            m = np.asarray(mask[1:], dtype=np.float32)
+            out.append(RLDatum(list(tokens), m, np.asarray(lps[1:], dtype=np.float32) * m,
+                               (m * advantage).astype(np.float32), group_index, member))
+
+    for t in traj.transitions:
+        if len(t.action_logprobs) != len(t.action_tokens):
+            raise ValueError(
+                f"transition has {len(t.action_tokens)} action tokens but {len(t.action_logprobs)} logprobs"
+            )
+        ob = list(t.observation)
+        if tokens and ob[: len(tokens)] == tokens:
+            new_ob = ob[len(tokens):]
+        else:
+            flush()
+            tokens, lps, mask = [], [], []
+            new_ob = ob
+        tokens += new_ob + list(t.action_tokens)
+        lps += [0.0] * len(new_ob) + [float(x) for x in t.action_logprobs]
+        mask += [0.0] * len(new_ob) + [1.0] * len(t.action_tokens)
+    flush()
+    return out
+
+
+def groups_to_datums(groups: Sequence[TrajectoryGroup], normalize_std: bool = False) -> tuple[list[RLDatum], list[np.ndarray]]:
+    """Datums of every trajectory of ``groups`` and the advantages of each group (G,) float64."""
+    datums: list[RLDatum] = []
+    advs: list[np.ndarray] = []
+    for g in groups:
+        adv_G = compute_advantages(g.total_rewards(), normalize_std)
+        advs.append(adv_G)
+        for i, (traj, a) in enumerate(zip(g.trajectories_G, adv_G)):
+            datums.extend(trajectory_to_datums(traj, float(a), g.group_index, i))
+    return datums, advs
+
+
+def apply_kl_penalty(datums: Sequence[RLDatum], ref_logprobs_D: Sequence[np.ndarray], coef: float) -> dict[str, float]:
+    """Fold a KL penalty against a reference model into the datums' advantages (in place).
+
+    Args:
+        datums: D datums.
+        ref_logprobs_D: per datum, the reference model's logprobs of ``target_tokens`` (L-1,).
+        coef: penalty coefficient (0 -> only the metric is computed).
+
+    Returns:
+        ``{"kl_policy_ref": mean over action tokens of (q - ref)}`` (nats per token).
+
+    Raises:
+        ValueError: a reference array of the wrong length.
+    """
+    diffs = []
+    for d, ref in zip(datums, ref_logprobs_D):
+        ref = np.asarray(ref, dtype=np.float64)
+        if ref.shape != d.mask.shape:
+            raise ValueError(f"reference logprobs have shape {ref.shape}, expected {d.mask.shape}")
+        diffs.append((d.sampler_logprobs - ref) * d.mask)
+    n = sum(float(d.mask.sum()) for d in datums)
+    mean_kl = sum(float(x.sum()) for x in diffs) / max(n, 1.0)
+    if coef:
+        for d, diff in zip(datums, diffs):
+            d.advantages = (d.advantages + coef * d.mask * (mean_kl - diff)).astype(np.float32)
+    return {"kl_policy_ref": mean_kl}
+
+
+def sample_train_kl(datums: Sequence[RLDatum], trainer_logprobs_D: Sequence[np.ndarray]) -> dict[str, float]:
+    """Sampler-vs-trainer divergence on action tokens, from the trainer's logprobs p and the
+    sampler's q of the same targets: ``kl_sample_train_v1 = mean(q - p)`` and
+    ``kl_sample_train_v2 = mean(0.5 (q - p)^2)`` (nats per token), and ``entropy`` =
+    ``mean(-q)``, the sampled-token estimate of the sampler's entropy (nats per token)."""
+    n = v1 = v2 = ent = 0.0
+    for d, p in zip(datums, trainer_logprobs_D):
+        p = np.asarray(p, dtype=np.float64).reshape(-1)[: d.mask.shape[0]]
+        diff = (d.sampler_logprobs - p) * d.mask
+        n += float(d.mask.sum())
+        v1 += float(diff.sum())
+        v2 += float((0.5 * diff**2).sum())
+        ent += float((-d.sampler_logprobs * d.mask).sum())
+    n = max(n, 1.0)
+    return {"kl_sample_train_v1": v1 / n, "kl_sample_train_v2": v2 / n, "entropy": ent / n}
+
+
+def rollout_metrics(groups: Sequence[TrajectoryGroup]) -> dict[str, float]:
+    """Step statistics of rollouts: ``reward_mean``/``reward_std`` (over trajectories), the mean
+    of every env metric (``correct``, ``format``, ...), ``tokens_per_turn`` (action tokens per
+    transition), ``turns_per_episode``, ``truncated_rate`` (``stop_reason == "length"``),
+    ``trajectories``, ``groups``."""
+    rewards, turns, tokens, truncated = [], [], [], []
+    env: dict[str, list[float]] = {}
+    for g in groups:
+        rewards += g.total_rewards()
+        for traj, gm in zip(g.trajectories_G, g.metrics_G):
+            turns.append(len(traj.transitions))
+            for t in traj.transitions:
+                tokens.append(len(t.action_tokens))
+                truncated.append(float(t.stop_reason == "length"))
+                for k, v in t.metrics.items():
+                    env.setdefault(k, []).append(float(v))
+            for k, v in gm.items():
+                env.setdefault(k, []).append(float(v))
+    out = {
+        "reward_mean": float(np.mean(rewards)) if rewards else float("nan"),
+        "reward_std": float(np.std(rewards)) if rewards else float("nan"),
+        "tokens_per_turn": float(np.mean(tokens)) if tokens else 0.0,
+        "turns_per_episode": float(np.mean(turns)) if turns else 0.0,
+        "truncated_rate": float(np.mean(truncated)) if truncated else 0.0,
+        "trajectories": float(len(rewards)),
+        "groups": float(len(groups)),
+    }
+    for k, v in env.items():
+        out[f"{k}_rate" if k in ("correct", "format") else k] = float(np.mean(v))
+    return out

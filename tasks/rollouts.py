@@ -1,0 +1,237 @@
+"""Rollouts as Prefect tasks: one task per group, mapped over the groups of a batch.
+
+``rollout_group`` samples the G envs of one :class:`~recipes.rl.types.EnvGroupBuilder` from a
+sampler checkpoint and steps them to the end of their episodes. It is cached across flow runs
+under (sampler checkpoint path, batch index, group index, seed, sampling settings, failure
+policy, the builder's content, the task's source): re-running a step whose sampler checkpoint is
+unchanged (a resumed run continuing from the checkpoint where it stopped) reuses its rollouts.
+
+Failures (an env that raises, a reply the env cannot handle) follow :class:`RolloutPolicy`:
+
+- ``fail_fast``: the first failed trajectory fails the task (and the step);
+- ``retry``: a failed trajectory is re-sampled from a fresh env (new seed) up to ``retries``
+  times, then the task fails;
+- ``min_viable``: failed trajectories are dropped; the group survives with at least
+  ``min_group_size`` members, otherwise it comes back empty (the flow drops it).
+
+Errors are counted in :attr:`TrajectoryGroup.errors`. Transient server errors (HTTP 5xx,
+timeouts) are retried by the SDK and by the task's ``RETRY_OPTIONS`` in every mode.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from collections import OrderedDict
+from typing import Any, Literal
+
+import numpy as np
+import tinker
+from prefect import task
+from prefect.cache_policies import TASK_SOURCE, CacheKeyFnPolicy
+from pydantic import BaseModel, Field
+
+from recipes.rl.types import EnvGroupBuilder, Trajectory, TrajectoryGroup, Transition
+from tasks.policies import RETRY_OPTIONS
+
+__all__ = ["RolloutPolicy", "RolloutError", "group_seed", "run_group_rollout", "rollout_group",
+           "reference_logprobs", "sampling_client"]
+
+#: Most turns an episode may take before the rollout counts it as failed.
+MAX_TURNS = 32
+
+
+class RolloutPolicy(BaseModel):
+    """What a rollout task does when a trajectory fails (see the module docstring)."""
+
+    mode: Literal["fail_fast", "retry", "min_viable"] = Field(default="min_viable", description="fail_fast, retry or min_viable.")
+    retries: int = Field(default=2, ge=0, description="retry: re-samples of a failed trajectory.")
+    min_group_size: int = Field(default=2, ge=1, description="min_viable: fewest surviving members that keep a group.")
+
+
+class RolloutError(RuntimeError):
+    """A trajectory failed under ``fail_fast`` / after ``retry`` retries; names batch, group and member."""
+
+
+def group_seed(seed: int, batch_index: int, group_index: int) -> int:
+    """A 63-bit sampling seed for one group, a pure function of (seed, batch, group)."""
+    digest = hashlib.sha256(f"{seed}:{batch_index}:{group_index}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+_client_lock = threading.Lock()
+_sampling_clients: OrderedDict[tuple[str, str], Any] = OrderedDict()
+
+
+def sampling_client(credentials: Any, path: str) -> Any:
+    """A ``tinker.SamplingClient`` for ``path`` (a ``tinker://.../sampler_weights/...`` path, or
+    ``base:<model>`` for a base model), cached per process (16 most recent)."""
+    key = (repr(getattr(credentials, "local_root", None)) + str(getattr(credentials, "base_url", None)), path)
+    with _client_lock:
+        if key in _sampling_clients:
+            _sampling_clients.move_to_end(key)
+            return _sampling_clients[key]
+    service = credentials.get_client()
+    if path.startswith("base:"):
+        client = service.create_sampling_client(base_model=path[len("base:"):])
+    else:
+        client = service.create_sampling_client(model_path=path)
+    client = client.result() if hasattr(client, "result") else client
+    with _client_lock:
+        _sampling_clients[key] = client
+        while len(_sampling_clients) > 16:
+            _sampling_clients.popitem(last=False)
+    return client
+
+
+def _sample(sampler: Any, prompt: list[int], n: int, stop: Any, seed: int, max_tokens: int,
+            temperature: float) -> list[tuple[list[int], list[float], str]]:
+    params = tinker.SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=int(seed), stop=stop)
+    resp = sampler.sample(prompt=tinker.ModelInput.from_ints(prompt), num_samples=n, sampling_params=params)
+    resp = resp.result() if hasattr(resp, "result") else resp
+    return [(list(s.tokens), [float(x) for x in (s.logprobs or [])], str(s.stop_reason)) for s in resp.sequences]
+
+
+def _run_episode(env: Any, first: tuple[list[int], list[float], str] | None, sampler: Any, seed: int,
+                 max_tokens: int, temperature: float) -> Trajectory:
+    """Step one env to the end; ``first`` is an already sampled first action (or None)."""
+    ob, stop = env.initial_observation()
+    transitions: list[Transition] = []
+    for turn in range(MAX_TURNS):
+        if turn == 0 and first is not None:
+            tokens, lps, reason = first
+        else:
+            tokens, lps, reason = _sample(sampler, list(ob), 1, stop, seed + 104729 * turn, max_tokens, temperature)[0]
+        res = env.step(tokens)
+        transitions.append(Transition(list(ob), tokens, lps, float(res.reward), bool(res.episode_done), reason,
+                                      dict(res.metrics), dict(res.logs)))
+        if res.episode_done:
+            return Trajectory(transitions, [])
+        if res.next_observation is None:
+            raise RuntimeError("env returned episode_done=False without a next observation")
+        ob, stop = list(res.next_observation), res.next_stop_condition
+    raise RuntimeError(f"episode did not end within {MAX_TURNS} turns")
+
+
+def run_group_rollout(
+    sampler: Any, builder: EnvGroupBuilder, *, seed: int, max_tokens: int, temperature: float = 1.0,
+    policy: RolloutPolicy | None = None, batch_index: int = 0, group_index: int = 0,
+    sampler_path: str = "", sampler_step: int = 0,
+) -> TrajectoryGroup:
+    """Roll out the envs of ``builder`` with ``sampler`` (anything with the SDK's ``sample``).
+
+    Members sharing an initial observation are sampled in one request (``num_samples`` = their
+    count, seed ``seed``); later turns and retries are sampled one by one with derived seeds.
+
+    Returns:
+        The group (failed members removed, ``errors`` counted); ``trajectories_G`` empty when
+        ``min_viable`` left fewer than ``min_group_size`` members.
+
+    Raises:
+        RolloutError: ``fail_fast`` or exhausted ``retry`` (the first error chained).
+    """
+    policy = policy or RolloutPolicy()
+    t0 = time.perf_counter()
+    envs = list(builder.make_envs())
+    where = f"batch {batch_index} group {group_index}"
+    firsts: list[Any] = [None] * len(envs)
+    try:
+        obs = [env.initial_observation() for env in envs]
+    except Exception as exc:  # the whole group's envs are broken: no member can run
+        raise RolloutError(f"{where}: initial_observation failed: {exc}") from exc
+    shared: dict[str, list[int]] = {}
+    for i, (ob, stop) in enumerate(obs):
+        shared.setdefault(json.dumps([list(ob), stop]), []).append(i)
+    for k, (key, members) in enumerate(shared.items()):
+        ob, stop = json.loads(key)
+        outs = _sample(sampler, ob, len(members), stop, seed + k, max_tokens, temperature)
+        for i, out in zip(members, outs):
+            firsts[i] = out
+    trajs: list[Trajectory] = []
+    errors, messages = 0, []
+    for i, env in enumerate(envs):
+        attempt = 0
+        while True:
+            try:
+                trajs.append(_run_episode(env, firsts[i], sampler, seed + 7919 * attempt + i, max_tokens, temperature))
+                break
+            except Exception as exc:
+                errors += 1
+                if len(messages) < 5:
+                    messages.append(f"{where} member {i}: {type(exc).__name__}: {exc}")
+                if policy.mode == "fail_fast" or (policy.mode == "retry" and attempt >= policy.retries):
+                    raise RolloutError(f"{where} member {i} failed ({policy.mode}): {exc}") from exc
+                if policy.mode == "min_viable":
+                    break
+                attempt += 1
+                env = builder.make_envs()[i]
+                firsts[i] = None
+    if policy.mode == "min_viable" and len(trajs) < min(policy.min_group_size, len(envs)):
+        trajs = []
+    rewards = builder.compute_group_rewards(trajs) if trajs else []
+    return TrajectoryGroup(
+        trajectories_G=trajs, final_rewards_G=[float(r) for r, _ in rewards], metrics_G=[dict(m) for _, m in rewards],
+        batch_index=batch_index, group_index=group_index, sampler_path=sampler_path, sampler_step=sampler_step,
+        errors=errors, error_messages=messages, seconds=time.perf_counter() - t0,
+    )
+
+
+def _rollout_cache_key(context: Any, params: dict[str, Any]) -> str:
+    keyed = {k: v for k, v in params.items() if k not in ("credentials", "builder", "policy")}
+    keyed["builder"] = params["builder"].cache_key()
+    keyed["policy"] = params["policy"].model_dump() if params.get("policy") else None
+    return hashlib.sha256(json.dumps(keyed, sort_keys=True, default=str).encode()).hexdigest()
+
+
+@task(
+    name="rollout-group",
+    task_run_name="rollout-b{batch_index}-g{group_index}",
+    cache_policy=TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_rollout_cache_key),
+    persist_result=True,
+    **RETRY_OPTIONS,
+)
+def rollout_group(
+    credentials: Any, sampler_path: str, builder: EnvGroupBuilder, batch_index: int, group_index: int,
+    seed: int, max_tokens: int, temperature: float = 1.0, policy: RolloutPolicy | None = None,
+    sampler_step: int = 0,
+) -> TrajectoryGroup:
+    """Roll out one group from the sampler checkpoint ``sampler_path`` (see :func:`run_group_rollout`).
+
+    Args:
+        seed: the run's seed; the group's sampling seed is :func:`group_seed` of (seed, batch, group).
+        max_tokens: most tokens per action; temperature: sampling temperature (the returned
+            logprobs are temperature-1 logprobs: keep 1.0 for unbiased importance ratios).
+    """
+    sampler = sampling_client(credentials, sampler_path)
+    return run_group_rollout(
+        sampler, builder, seed=group_seed(seed, batch_index, group_index), max_tokens=max_tokens,
+        temperature=temperature, policy=policy, batch_index=batch_index, group_index=group_index,
+        sampler_path=sampler_path, sampler_step=sampler_step,
+    )
+
+
+def _ref_cache_key(context: Any, params: dict[str, Any]) -> str:
+    h = hashlib.sha256(params["reference"].encode())
+    for seq in params["sequences"]:
+        h.update(np.asarray(seq, dtype=np.int64).tobytes() + b"|")
+    return h.hexdigest()
+
+
+@task(
+    name="reference-logprobs",
+    cache_policy=TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_ref_cache_key),
+    persist_result=True,
+    **RETRY_OPTIONS,
+)
+def reference_logprobs(credentials: Any, reference: str, sequences: list[list[int]]) -> list[list[float]]:
+    """Logprobs (L-1,) of tokens 1..L-1 of each sequence (L,) under the reference weights
+    (``tinker://.../sampler_weights/...`` or ``base:<model>``), via ``compute_logprobs``."""
+    client = sampling_client(credentials, reference)
+    futures = [client.compute_logprobs(tinker.ModelInput.from_ints(list(s))) for s in sequences]
+    out = []
+    for fut in futures:
+        lp = fut.result() if hasattr(fut, "result") else fut
+        out.append([float(x) if x is not None else 0.0 for x in list(lp)[1:]])
+    return out

@@ -1,0 +1,168 @@
+"""The RL flow end to end: Prefect flow runs -> rollout tasks -> tinker SDK -> local server ->
+training store -> SQL. Kept small (tiny model, a few steps of a few groups)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import pytest
+
+from flows import rl as rl_module
+from flows.cli import main as cli_main
+from flows.rl import RLConfig, rl_flow
+from recipes.rl.types import Env, EnvGroupBuilder, RLDataset, StepResult
+
+REQUIRED = {
+    "env/reward_mean", "env/correct_rate", "env/format_rate", "env/tokens_per_turn", "rollout/errors",
+    "train/kl_sample_train_v1", "train/kl_sample_train_v2", "train/entropy", "train/loss_sum",
+    "train/learning_rate", "time/step_seconds", "time/rollout_seconds", "time/train_seconds",
+}
+
+
+def _config(local_credentials, store, run_name, **kw) -> RLConfig:
+    base = dict(
+        model="tiny", group_size=2, groups_per_batch=2, max_tokens=6, max_steps=2, lora_rank=8,
+        learning_rate=5e-3, save_every=2, run_name=run_name, store=str(store), log_trajectories=3,
+        backend={"local_root": local_credentials.local_root},
+    )
+    base.update(kw)
+    return RLConfig(**base)
+
+
+def _sql(capsys, store, query) -> list[dict]:
+    capsys.readouterr()
+    assert cli_main(["sql", "--store", str(store), "--json", query]) in (0, None)
+    return json.loads(capsys.readouterr().out)
+
+
+def test_rl_flow_on_arithmetic(prefect_api, local_credentials, tmp_path, capsys):
+    store = tmp_path / "store"
+    summary = rl_flow(_config(local_credentials, store, "arith"))
+    assert summary["steps"] == 2 and len(summary["rewards"]) == 2
+    rows = _sql(capsys, store, "SELECT step, name, count(*) AS n FROM metrics WHERE run_id='arith' GROUP BY ALL")
+    assert rows and all(r["n"] == 1 for r in rows)
+    assert REQUIRED <= {r["name"] for r in rows}
+    assert sorted({r["step"] for r in rows}) == [0, 1]
+    traj = _sql(capsys, store, "SELECT step, prompt, response, reward, metrics_json FROM trajectories WHERE run_id='arith' ORDER BY step")
+    assert len(traj) == 6 and "What is" in traj[0]["prompt"]
+    assert {"correct", "format", "reference"} <= set(json.loads(traj[0]["metrics_json"]))
+    ckpts = _sql(capsys, store, "SELECT step, kind FROM checkpoints WHERE run_id='arith' ORDER BY step, kind")
+    assert [(c["step"], c["kind"]) for c in ckpts] == [(0, "sampler"), (2, "sampler"), (2, "state")]
+    assert _sql(capsys, store, "SELECT status FROM runs WHERE run_id='arith'") == [{"status": "completed"}]
+
+
+# ----- a dense-reward env, so every step trains on non-zero advantages --------------------------
+class ParityEnv(Env):
+    """Reward = fraction of even token ids in the reply; member ``fail`` raises (a broken grader)."""
+
+    def __init__(self, prompt: list[int], fail: bool):
+        self.prompt, self.fail = prompt, fail
+
+    def initial_observation(self):
+        return list(self.prompt), []
+
+    def step(self, action):
+        if self.fail:
+            raise RuntimeError("broken grader")
+        r = sum(1 for t in action if t % 2 == 0) / max(len(action), 1)
+        return StepResult(reward=r, episode_done=True, metrics={"correct": float(r > 0.5), "format": 1.0})
+
+
+@dataclass(frozen=True)
+class ParityBuilder(EnvGroupBuilder):
+    prompt: tuple[int, ...]
+    group_size: int
+    fail_member: int = -1
+
+    def make_envs(self):
+        return [ParityEnv(list(self.prompt), i == self.fail_member) for i in range(self.group_size)]
+
+
+class ParityDataset(RLDataset):
+    def __init__(self, group_size: int, groups_per_batch: int, fail: bool):
+        self.group_size, self.groups_per_batch, self.fail = group_size, groups_per_batch, fail
+
+    def get_batch(self, index):
+        return [ParityBuilder((1, 100 + index, 200 + g, 300), self.group_size, 0 if self.fail and g == 0 else -1)
+                for g in range(self.groups_per_batch)]
+
+
+def _use_parity(monkeypatch, fail=False):
+    monkeypatch.setattr(rl_module, "build_rl_dataset",
+                        lambda cfg, **kw: ParityDataset(kw["group_size"], kw["groups_per_batch"], fail))
+
+
+class _Interrupt(RuntimeError):
+    pass
+
+
+def test_interrupted_run_resumes_after_last_checkpoint(prefect_api, local_credentials, tmp_path, capsys, monkeypatch):
+    _use_parity(monkeypatch)
+    store = tmp_path / "store"
+    kw = dict(max_steps=4, save_every=2, group_size=3)
+    straight = rl_flow(_config(local_credentials, store, "straight", **kw))
+
+    def boom(step):
+        if step == 3:
+            raise _Interrupt("simulated crash after step 3")
+
+    monkeypatch.setattr(rl_module, "_after_step", boom)
+    with pytest.raises(_Interrupt):
+        rl_flow(_config(local_credentials, store, "resumed", **kw))
+    monkeypatch.setattr(rl_module, "_after_step", lambda step: None)
+    resumed = rl_flow(_config(local_credentials, store, "resumed", **kw))
+    assert resumed["steps"] == 4 and resumed["steps_this_invocation"] == 2  # steps 2 and 3 again
+
+    dup = _sql(capsys, store, "SELECT run_id, step, name, count(*) n FROM metrics GROUP BY ALL HAVING n > 1")
+    assert dup == []
+    vals = _sql(capsys, store, "SELECT run_id, step, name, value FROM metrics WHERE name IN "
+                "('env/reward_mean', 'train/loss_sum', 'train/entropy') ORDER BY run_id, name, step")
+    by = {(r["run_id"], r["name"], r["step"]): r["value"] for r in vals}
+    keys = [(n, s) for n in ("env/reward_mean", "train/loss_sum", "train/entropy") for s in range(4)]
+    assert all(("resumed", n, s) in by for n, s in keys)
+    assert [by[("resumed", n, s)] for n, s in keys] == pytest.approx([by[("straight", n, s)] for n, s in keys], abs=1e-4)
+    assert straight["rewards"] == pytest.approx(_rewards(by, "straight"))
+    n_traj = _sql(capsys, store, "SELECT count(*) n FROM trajectories WHERE run_id='resumed'")[0]["n"]
+    assert n_traj == 4 * 3  # log_trajectories rows per step, no duplicates
+    assert _cached_rollouts("rollout-b2-g") >= 2  # the resumed step's rollouts came from the cache
+
+
+def _cached_rollouts(prefix: str) -> int:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        TaskRunFilter, TaskRunFilterName, TaskRunFilterState, TaskRunFilterStateName,
+    )
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(task_run_filter=TaskRunFilter(
+            name=TaskRunFilterName(like_=prefix), state=TaskRunFilterState(name=TaskRunFilterStateName(any_=["Cached"]))))
+    return len(runs)
+
+
+def _rewards(by, run):
+    return [by[(run, "env/reward_mean", s)] for s in range(4)]
+
+
+@pytest.mark.parametrize("schedule, extra", [
+    ("streaming", dict(loss_fn="ppo", num_minibatches=2, groups_per_batch=4, kl_penalty_coef=0.1)),
+    ("async", dict(loss_fn="cispo", max_steps_off_policy=1, groups_per_batch=2, num_substeps=2)),
+])
+def test_streaming_and_async_schedules_with_failing_rollouts(prefect_api, local_credentials, tmp_path, capsys,
+                                                             monkeypatch, schedule, extra):
+    _use_parity(monkeypatch, fail=True)
+    store = tmp_path / "store"
+    cfg = _config(local_credentials, store, f"sched-{schedule}", schedule=schedule, group_size=3, **extra)
+    summary = rl_flow(cfg)
+    assert summary["optimizer_steps"] == 2 * cfg.num_substeps
+    rows = _sql(capsys, store, f"SELECT step, name, value FROM metrics WHERE run_id='sched-{schedule}'")
+    names = {r["name"] for r in rows}
+    assert REQUIRED <= names
+    errors = [r["value"] for r in rows if r["name"] == "rollout/errors"]
+    assert len(errors) == 2 and sum(errors) >= 2  # member 0 of group 0 fails in every batch
+    if schedule == "streaming":
+        assert all(e >= 1 for e in errors)  # (async may collect both batches' groups in its first step)
+    if schedule == "async":
+        assert "rollout/staleness_mean" in names and sorted({r["step"] for r in rows}) == [0, 2]
+    else:
+        assert "train/kl_policy_ref" in names
