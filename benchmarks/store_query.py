@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import signal
 import statistics
 import sys
 import tempfile
@@ -99,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--targets", default="local,s3", help="comma list of local, s3")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally: stop SeaweedFS
 
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     results: list[dict[str, Any]] = []

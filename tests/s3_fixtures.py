@@ -121,6 +121,7 @@ class SeaweedS3:
             f"-filer.localSocket={self.data / 'filer.sock'}",
             f"-s3.localSocket={self.data / 's3.sock'}",
             "-volume.preStopSeconds=0",
+            "-s3.autoCreateBucket=false",  # like AWS: a PUT into a missing bucket fails
         ]
 
     def start(self, timeout: float = 60.0) -> "SeaweedS3":

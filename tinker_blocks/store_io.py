@@ -272,8 +272,27 @@ class ParquetStore:
                 f.write(payload)
             self.fs.mv(tmp, final)
         else:
-            self._remote(lambda: self.fs.pipe_file(final, payload), f"writing a part of {table!r}")
+            what = f"writing a part of {table!r}"
+            try:
+                self._remote(lambda: self.fs.pipe_file(final, payload), what)
+            except FileNotFoundError:  # NoSuchBucket: like a local root, created on first write
+                self._create_bucket()
+                self._remote(lambda: self.fs.pipe_file(final, payload), what)
         return final
+
+    def _create_bucket(self, deadline_s: float | None = None) -> None:
+        """Create the root's bucket; :class:`StoreAccessError` when that is refused."""
+        bucket = self.bucket_path.split("/", 1)[0]
+        try:
+            self._remote(lambda: self.fs.mkdir(bucket), f"creating bucket {bucket!r}", deadline_s)
+        except FileExistsError:
+            pass  # created meanwhile by another writer
+        except (StoreAccessError, StoreUnavailableError):
+            raise
+        except OSError as exc:
+            raise StoreAccessError(
+                f"{self._where()}: bucket {bucket!r} does not exist and could not be created: {exc}"
+            ) from exc
 
     def check_access(self, *, create_bucket: bool = True, deadline_s: float = 30.0) -> None:
         """Verify the store can be written, listed and read now: PUT a small probe object under
@@ -302,20 +321,14 @@ class ParquetStore:
             self.fs.pipe_file(probe, b"ok")
 
         try:
-            self._remote(put, "writing a probe object", deadline_s)
-        except FileNotFoundError as exc:  # NoSuchBucket
-            bucket = self.bucket_path.split("/", 1)[0]
-            if not create_bucket:
-                raise StoreAccessError(f"{self._where()}: bucket {bucket!r} does not exist") from exc
             try:
-                self._remote(lambda: self.fs.mkdir(bucket), f"creating bucket {bucket!r}", deadline_s)
                 self._remote(put, "writing a probe object", deadline_s)
-            except (OSError, StoreError) as exc2:
-                if isinstance(exc2, (StoreAccessError, StoreUnavailableError)):
-                    raise
-                raise StoreAccessError(
-                    f"{self._where()}: bucket {bucket!r} does not exist and could not be created: {exc2}"
-                ) from exc2
+            except FileNotFoundError as exc:  # NoSuchBucket
+                if not create_bucket:
+                    bucket = self.bucket_path.split("/", 1)[0]
+                    raise StoreAccessError(f"{self._where()}: bucket {bucket!r} does not exist") from exc
+                self._create_bucket(deadline_s)
+                self._remote(put, "writing a probe object", deadline_s)
         except OSError as exc:
             if isinstance(exc, (StoreAccessError, StoreUnavailableError)):
                 raise
