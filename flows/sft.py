@@ -140,8 +140,6 @@ def _train(config: SFTConfig, credentials: Any, backend: str, run: TrainingRun, 
     log.info("%d train / %d test examples, %d steps (renderer %s)", len(data.train), len(data.test), total, data.renderer)
 
     pending: list[tuple[int, str, float]] = []
-    checkpoints: list[str] = [last["path"]] if last else []
-    first_loss = last_loss = None
     progress = create_progress_artifact(progress=100.0 * run.step / total, description=f"SFT {run_id}: steps done of {total}")
     if run.step == 0 and test_datums:
         pending += [(0, f"test/{k}", v) for k, v in evaluate_nll(credentials, run, test_datums).items()]
@@ -156,8 +154,6 @@ def _train(config: SFTConfig, credentials: Any, backend: str, run: TrainingRun, 
             )
             done = run.step
             pending += [(step, f"train/{k}", v) for k, v in m.items()]
-            first_loss = m["loss"] if first_loss is None else first_loss
-            last_loss = m["loss"]
             _after_step(done)
             if test_datums and config.eval_every and done % config.eval_every == 0 and done < total:
                 pending += [(done, f"test/{k}", v) for k, v in evaluate_nll(credentials, run, test_datums).items()]
@@ -168,7 +164,6 @@ def _train(config: SFTConfig, credentials: Any, backend: str, run: TrainingRun, 
                 write_metrics(config.store, run_id, pending)  # metrics first, then the checkpoint row
                 pending = []
                 record_checkpoint(config.store, run_id, done, path, "state")
-                checkpoints.append(path)
         except ClientRewound as rew:
             rewinds += 1
             if rewinds > 3:
@@ -183,8 +178,8 @@ def _train(config: SFTConfig, credentials: Any, backend: str, run: TrainingRun, 
     samples = _sample(credentials, run, data, config)
     record_run(config.store, run_id, config.model, backend, config.lora_rank, config.model_dump_json(), "completed")
     summary = {
-        "run_name": run_id, "steps": run.step, "first_loss": first_loss, "last_loss": last_loss,
-        "tokens_per_step": None, "checkpoints": checkpoints, "samples": samples, "store": config.store,
+        "run_name": run_id, "steps": run.step, **_run_totals(config.store, run_id),
+        "checkpoints": _checkpoint_paths(config.store, run_id), "samples": samples, "store": config.store,
     }
     _summary_artifact(summary, config)
     return summary
@@ -233,6 +228,36 @@ def _last_state_checkpoint(store: str, run_id: str) -> dict | None:
     return TrainingStore(root=store).last_checkpoint(run_id, kind="state")
 
 
+def _run_totals(store: str, run_id: str) -> dict[str, Any]:
+    """Loss at the first and last step, test NLL at start and end, and trained tokens of the whole
+    run (all invocations), read back from the training store."""
+    from tinker_blocks.stores import TrainingStore
+
+    def ends(name: str) -> tuple[Any, Any]:
+        rows = TrainingStore(root=store).query(
+            "SELECT arg_min(value, step) AS first, arg_max(value, step) AS last FROM metrics "
+            "WHERE run_id = ? AND name = ?", [run_id, name],
+        )
+        return (rows[0]["first"], rows[0]["last"]) if rows else (None, None)
+
+    first_loss, last_loss = ends("train/loss")
+    first_nll, last_nll = ends("test/nll")
+    tokens = TrainingStore(root=store).query(
+        "SELECT coalesce(sum(value), 0) AS t FROM metrics WHERE run_id = ? AND name = 'train/tokens'", [run_id]
+    )[0]["t"]
+    return {"first_loss": first_loss, "last_loss": last_loss, "first_test_nll": first_nll,
+            "last_test_nll": last_nll, "tokens": float(tokens)}
+
+
+def _checkpoint_paths(store: str, run_id: str) -> list[str]:
+    from tinker_blocks.stores import TrainingStore
+
+    rows = TrainingStore(root=store).query(
+        "SELECT path FROM checkpoints WHERE run_id = ? ORDER BY step, kind", [run_id]
+    )
+    return [r["path"] for r in rows]
+
+
 def _summary_artifact(summary: dict, config: SFTConfig) -> None:
     lines = [
         f"# SFT run `{summary['run_name']}`",
@@ -241,8 +266,10 @@ def _summary_artifact(summary: dict, config: SFTConfig) -> None:
         f"| model | `{config.model}` |",
         f"| dataset | `{config.dataset}` |",
         f"| steps | {summary['steps']} |",
-        f"| train loss (first step of this invocation) | {summary['first_loss']} |",
-        f"| train loss (last step) | {summary['last_loss']} |",
+        f"| train loss at start (nats/token) | {summary['first_loss']} |",
+        f"| train loss at end (nats/token) | {summary['last_loss']} |",
+        f"| test NLL start -> end (nats/token) | {summary['first_test_nll']} -> {summary['last_test_nll']} |",
+        f"| trained tokens | {summary['tokens']:.0f} |",
         f"| store | `{summary['store']}` |",
         "", "## Checkpoints", "",
         *[f"- `{p}`" for p in summary["checkpoints"]],

@@ -48,7 +48,8 @@ def test_schedule_and_batches_are_functions_of_step():
 def test_sft_flow_trains_records_and_samples(prefect_api, local_credentials, tmp_path, capsys):
     store = tmp_path / "store"
     summary = sft_flow(_config(local_credentials, store, "e2e"))
-    assert summary["steps"] == 8
+    assert summary["steps"] == 8 and summary["last_loss"] < summary["first_loss"]
+    assert summary["tokens"] > 0 and len(summary["checkpoints"]) == 3
 
     rows = _sql(capsys, store, "SELECT step, name, count(*) AS n FROM metrics WHERE run_id = 'e2e' GROUP BY ALL")
     assert rows and all(r["n"] == 1 for r in rows)
