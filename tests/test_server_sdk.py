@@ -154,7 +154,8 @@ def test_healthz_and_api_key(server):
 def test_training_loss_falls(trained):
     tc, tok, data, losses = trained
     info = tc.get_info()
-    assert info.lora_rank == 8 and info.model_data.model_name == "tiny"
+    assert info.lora_rank == 8 and info.model_name == "tiny"
+    assert info.model_data.model_name == info.model_data.tokenizer_id  # loadable: the preset's dir
     assert ":" not in info.model_data.tokenizer_id and Path(info.model_data.tokenizer_id).is_dir()
     assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.9 * losses[0], losses
     out = tc.forward(data, "cross_entropy").result(timeout=60)

@@ -1,7 +1,8 @@
 """Command line of ``tinker_local``.
 
     python -m tinker_local serve --model tiny [--model M2] --port 8000 --host 127.0.0.1 \
-        --root ~/.prefect-tinker [--dtype auto|float32|bfloat16] [--device cpu|cuda]
+        --root ~/.prefect-tinker [--dtype auto|float32|bfloat16] [--device cpu|cuda] \
+        [--fail-every N] [--drop-every M]
 
 ``main(argv)`` is also what ``prefect-tinker local serve ...`` calls.
 """
@@ -41,6 +42,12 @@ def build_parser(prog: str = "python -m tinker_local") -> argparse.ArgumentParse
     s.add_argument("--device", default=None, help="torch device (default: cuda if present, else cpu)")
     s.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--fail-every", type=int, default=None, metavar="N",
+                   help="fault injection: answer every N-th API request with HTTP 503 "
+                        "(default $TINKER_LOCAL_FAIL_EVERY or 0 = off)")
+    s.add_argument("--drop-every", type=int, default=None, metavar="M",
+                   help="fault injection: run every M-th API request, then drop its connection "
+                        "before the response body (default $TINKER_LOCAL_DROP_EVERY or 0 = off)")
     return parser
 
 
@@ -53,9 +60,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m tinker_local") ->
         if not 0 < args.port < 65536:
             print(f"error: --port must be in 1..65535, got {args.port}", file=sys.stderr)
             return 2
+        from .faults import FaultConfig
         from .server import serve
 
+        try:
+            env = FaultConfig.from_env()
+            faults = FaultConfig(env.fail_every if args.fail_every is None else args.fail_every,
+                                 env.drop_every if args.drop_every is None else args.drop_every)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         serve(args.model, host=args.host, port=args.port, root=args.root or default_root(),
               dtype=DTYPES[args.dtype], device=args.device, num_threads=args.threads,
-              log_level=args.log_level)
+              log_level=args.log_level, faults=faults)
     return 0

@@ -33,21 +33,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from .adapters import LORA_ALPHA, adapter_params, add_adapter, load_sampler_adapter, lora_config
+from .adapters import LORA_ALPHA, adapter_params, add_adapter, lora_config
 from .checkpoints import checkpoint_info, read_adapter, read_optimizer_state, write_checkpoint
 from .compute import available_cpus, bf16_supported, fp32_head_logits
 from .datatypes import Datum, FwdResult, SampleResult
 from .errors import EngineUserError, UnknownModelError
-from .inputs import check_datum, check_name, check_tokens, microbatches
+from .inputs import check_datum, check_name, microbatches
 from .losses import get_loss_fn
+from .engine_sampling import SamplingMixin
 from .models import ModelSpec, resolve_model
-from .sampling import make_stop_spec, sample_tokens
 
 __all__ = ["Engine", "Datum", "FwdResult", "SampleResult", "EngineUserError", "UnknownModelError",
            "checkpoint_info"]
-
-_MAX_SAMPLER_ADAPTERS = 8
-
 
 @dataclass
 class _Base:
@@ -76,8 +73,9 @@ class _Train:
     step: int = 0
 
 
-class Engine:
-    """LoRA training and sampling over local base models; see the module docstring."""
+class Engine(SamplingMixin):
+    """LoRA training and sampling over local base models; see the module docstring.  Sampling
+    (``sample``, ``sample_many``): ``tinker_local.engine_sampling``."""
 
     def __init__(self, root: Path, *, device: str | None = None, dtype: str = "auto",
                  num_threads: int | None = None):
@@ -343,79 +341,6 @@ class Engine:
         return write_checkpoint(final, st.params, cfg, meta,
                                 optimizer=st.optimizer if with_optimizer else None)
 
-    # ------------------------------------------------------------------ sampling
-
-    def sample(self, base_model: str | None, weights_path: Path | None, prompt_tokens: list[int], *,
-               num_samples: int, max_tokens: int, temperature: float = 1.0, top_k: int = -1,
-               top_p: float = 1.0, seed: int | None = None,
-               stop: list[str] | list[int] | str | None = None,
-               include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0) -> SampleResult:
-        """Sample ``num_samples`` continuations of ``prompt_tokens`` (len P >= 1) from the base
-        model, or from sampler/state weights at ``weights_path`` (then ``base_model`` may be None:
-        the checkpoint names it).  fp32; token logprobs as in ``forward`` (temperature 1, before
-        top-k/top-p).  ``temperature`` 0 = greedy; ``top_k`` <= 0 = off; ``stop``: None = the
-        model's EOS ids, ``[]`` = never stop early, strings are matched in the decoded sampled
-        text, ints are token ids (kept as the last token).  ``seed`` None = random.
-        Raises EngineUserError: unknown model/path, base model not matching the weights, token
-        outside the vocabulary, P + max_tokens - 1 beyond the context, bad parameter values."""
-        with self._lock:
-            self._threads()
-            if weights_path is not None:
-                meta = checkpoint_info(Path(weights_path))
-                if base_model and self._canonical(base_model) != self._canonical(meta["base_model"]):
-                    raise EngineUserError(f"weights {str(weights_path)!r} are for base model "
-                                          f"{meta['base_model']!r}, not {base_model!r}")
-                base_model = base_model or meta["base_model"]
-            if not base_model:
-                raise EngineUserError("sample needs base_model or weights_path")
-            b = self._base(base_model)
-            prompt = check_tokens("prompt_tokens", prompt_tokens, b.spec.vocab_size,
-                                  b.spec.max_context, b.spec.name)
-            for k, v in (("num_samples", num_samples), ("max_tokens", max_tokens)):
-                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                    raise EngineUserError(f"{k} must be a positive integer, got {v!r}")
-            if len(prompt) + max_tokens - 1 > b.spec.max_context:  # the last token is not fed back
-                raise EngineUserError(f"prompt length {len(prompt)} + max_tokens {max_tokens} exceeds "
-                                      f"the context of {b.spec.name!r} ({b.spec.max_context} tokens)")
-            if not (0.0 < float(top_p) <= 1.0):
-                raise EngineUserError(f"top_p must be in (0, 1], got {top_p!r}")
-            if not (float(temperature) >= 0.0):
-                raise EngineUserError(f"temperature must be >= 0, got {temperature!r}")
-            stop_spec = make_stop_spec(stop, _eos_ids(b))
-            if weights_path is not None:
-                self._activate_sampler(b, Path(weights_path))
-                ctx = nullcontext()
-            else:
-                ctx = b.peft.disable_adapter() if b.peft is not None else nullcontext()
-            seed = int(seed) if seed is not None else secrets.randbelow(2**63)
-            small = b.n_params * num_samples < 5e7  # multiply-adds per decode step
-            try:
-                with ctx, torch.no_grad():
-                    res = sample_tokens(b.model, b.tokenizer, prompt, num_samples=num_samples,
-                                        max_tokens=max_tokens, temperature=float(temperature),
-                                        top_k=int(top_k), top_p=float(top_p), seed=seed,
-                                        stop=stop_spec, device=self.device,
-                                        prompt_logprobs=include_prompt_logprobs,
-                                        topk_prompt_logprobs=int(topk_prompt_logprobs),
-                                        decode_threads=1 if small else None)
-            finally:
-                self._threads()
-            return SampleResult(res["sequences"], res["prompt_logprobs"], res["topk_prompt_logprobs"])
-
-    def _activate_sampler(self, b: _Base, path: Path) -> None:
-        key = (str(path.resolve()), (path / "adapter_model.safetensors").stat().st_mtime_ns)
-        name = b.sampler_adapters.get(key)
-        if name is None:
-            b.counter += 1
-            name = f"s{b.counter}"
-            b.peft = load_sampler_adapter(b.peft, b.model, name, path, self.device)
-            b.sampler_adapters[key] = name
-            while len(b.sampler_adapters) > _MAX_SAMPLER_ADAPTERS:
-                _, old = b.sampler_adapters.popitem(last=False)
-                b.peft.delete_adapter(old)
-        b.sampler_adapters.move_to_end(key)
-        b.peft.set_adapter(name)
-
     # ------------------------------------------------------------------ internals
 
     def _threads(self) -> None:
@@ -459,14 +384,3 @@ def _new_adamw(params: dict[str, torch.nn.Parameter]) -> torch.optim.AdamW:
     # hyperparameters are set at every optim_step; these are Tinker's defaults
     return torch.optim.AdamW(list(params.values()), lr=0.0, betas=(0.9, 0.95), eps=1e-12,
                              weight_decay=0.0)
-
-
-def _eos_ids(b: _Base) -> set[int]:
-    ids = set()
-    eos = getattr(b.model.generation_config, "eos_token_id", None)
-    for e in (eos if isinstance(eos, (list, tuple)) else [eos]):
-        if e is not None:
-            ids.add(int(e))
-    if b.tokenizer.eos_token_id is not None:
-        ids.add(int(b.tokenizer.eos_token_id))
-    return ids

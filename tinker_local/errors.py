@@ -13,3 +13,14 @@ class EngineUserError(ValueError):
 class UnknownModelError(EngineUserError):
     """``resolve_model`` got a name that is neither a preset, a known hub id, nor a local
     Hugging Face model directory.  Subclass of ``ValueError`` (via ``EngineUserError``)."""
+
+
+class HttpError(Exception):
+    """The HTTP server answers the request with ``status`` and ``{"detail": detail}`` (4xx: the
+    SDK raises its user-category status errors, e.g. ``NotFoundError`` / 404,
+    ``UnprocessableEntityError`` / 422, without retrying)."""
+
+    def __init__(self, status: int, detail: str):
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail

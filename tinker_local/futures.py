@@ -7,8 +7,15 @@ has started; a seq_id that was already submitted returns the original request id
 next seq_id has not arrived after ``gap_timeout_s`` seconds while later ones wait, the lane
 skips ahead (logged) so a client that died mid-submission cannot stall a model forever.
 
+Batching: jobs submitted with a ``batch_key`` (sampling) wait in arrival order like any other;
+when the compute thread reaches one, it lingers while more jobs with that key keep arriving
+(gaps under ``batch_quiet_s``, at most ``batch_max_wait_s``) and then runs all queued jobs with
+that key in one call of their ``batch_fn`` (payloads in, one result per payload out).
+
 Results are ``Outcome``s: JSON dicts, protobuf bytes, or an error with category
-"user" | "server" (the SDK's ``RequestErrorCategory`` values, lower case on the wire).
+"user" | "server" (the SDK's ``RequestErrorCategory`` values, lower case on the wire).  A
+result is kept ``RESULT_TTL_S`` seconds, or ``RETRIEVED_TTL_S`` after it was first delivered
+(re-polls after a lost response still find it).
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ logger = logging.getLogger("tinker_local.futures")
 
 # Completed futures are kept this long (seconds) so that re-polls after a network error work.
 RESULT_TTL_S = 1800.0
+RETRIEVED_TTL_S = 120.0
+MAX_BATCH_JOBS = 256
 
 
 class UserError(ValueError):
@@ -46,15 +55,20 @@ class Outcome:
 
 @dataclass
 class Job:
-    """Work for the compute thread. ``fn`` returns an Outcome, a JSON dict or proto bytes."""
+    """Work for the compute thread. ``fn`` returns an Outcome, a JSON dict or proto bytes; a
+    batchable job has ``batch_key``, ``payload`` and ``batch_fn(list of payloads) -> list of
+    results`` (each an Outcome / dict / bytes, or an Exception failing that job only)."""
 
     request_id: str
     kind: str
-    fn: Callable[[], Any]
+    fn: Callable[[], Any] | None
     model_id: str | None = None
     seq_id: int | None = None
     order: int = 0
     enqueued_at: float = field(default_factory=time.monotonic)
+    batch_key: Any = None
+    payload: Any = None
+    batch_fn: Callable[[list[Any]], list[Any]] | None = None
 
 
 class FutureRecord:
@@ -66,6 +80,7 @@ class FutureRecord:
         self.created = time.time()
         self.outcome: Outcome | None = None
         self.completed_at: float | None = None
+        self.delivered_at: float | None = None
         self._loop = loop
         self.event = asyncio.Event() if loop is not None else None
         self._thread_event = threading.Event()
@@ -97,10 +112,16 @@ class FutureStore:
 
     Args:
         gap_timeout_s: how long a model's lane waits for a missing seq_id before skipping it.
+        batch_quiet_s, batch_max_wait_s: linger of a batchable job (see the module docstring).
     """
 
-    def __init__(self, gap_timeout_s: float = 30.0):
+    def __init__(self, gap_timeout_s: float = 30.0, batch_quiet_s: float = 0.003,
+                 batch_max_wait_s: float = 0.025):
         self.gap_timeout_s = gap_timeout_s
+        self.batch_quiet_s = batch_quiet_s
+        self.batch_max_wait_s = batch_max_wait_s
+        self._last_batchable = 0.0
+        self.stats = {"jobs": 0, "batches": 0, "batched_jobs": 0, "max_batch": 0}
         self._records: dict[str, FutureRecord] = {}
         self._dedupe: dict[tuple[str, int], str] = {}
         self._lanes: dict[str, _Lane] = {}
@@ -141,12 +162,16 @@ class FutureStore:
         with self._cv:
             return self._dedupe.get((model_id, seq_id))
 
-    def submit(self, kind: str, fn: Callable[[], Any], *, model_id: str | None = None,
-               seq_id: int | None = None, dedupe_key: tuple[str, int] | None = None) -> str:
+    def submit(self, kind: str, fn: Callable[[], Any] | None, *, model_id: str | None = None,
+               seq_id: int | None = None, dedupe_key: tuple[str, int] | None = None,
+               batch_key: Any = None, payload: Any = None,
+               batch_fn: Callable[[list[Any]], list[Any]] | None = None) -> str:
         """Queue ``fn`` and return its request id (a repeated dedupe key returns the first id).
 
         With ``model_id`` and ``seq_id`` the job joins that model's ordered lane; otherwise it
         runs in arrival order. ``dedupe_key`` defaults to (model_id, seq_id) when both are set.
+        A job with ``batch_key`` (no lane) runs through ``batch_fn([payload, ...])`` together
+        with the other queued jobs of that key.
         """
         if dedupe_key is None and model_id is not None and seq_id is not None:
             dedupe_key = (model_id, seq_id)
@@ -160,7 +185,10 @@ class FutureStore:
             self._records[rid] = FutureRecord(rid, kind, self._loop)
             if dedupe_key is not None:
                 self._dedupe[dedupe_key] = rid
-            job = Job(rid, kind, fn, model_id, seq_id, next(self._order))
+            job = Job(rid, kind, fn, model_id, seq_id, next(self._order), batch_key=batch_key,
+                      payload=payload, batch_fn=batch_fn)
+            if batch_key is not None:
+                self._last_batchable = time.monotonic()
             if model_id is not None and seq_id is not None:
                 lane = self._lanes.get(model_id)
                 if lane is None:  # unknown model (e.g. after a restart): start where it starts
@@ -175,6 +203,20 @@ class FutureStore:
                 self._fifo.append(job)
             self._cv.notify_all()
             return rid
+
+    def burn(self, model_id: str, seq_id: int, reason: str) -> None:
+        """Consume ``seq_id`` of ``model_id``'s lane without work (its request was refused at
+        submission), so that the model's next request does not wait for it."""
+        if (model_id, seq_id) in self._dedupe:
+            return
+        self.submit("refused", lambda: Outcome(error=reason, category="user"),
+                    model_id=model_id, seq_id=seq_id)
+
+    def mark_delivered(self, request_id: str) -> None:
+        """Note that a result was answered to a poll (it is then kept ``RETRIEVED_TTL_S``)."""
+        rec = self.get(request_id)
+        if rec is not None and rec.delivered_at is None:
+            rec.delivered_at = time.time()
 
     def fail_now(self, kind: str, error: str, category: str = "user") -> str:
         """A request id whose future has already failed (for errors found at submission)."""
@@ -196,7 +238,8 @@ class FutureStore:
     def _purge_locked(self) -> None:
         now = time.time()
         old = [rid for rid, r in self._records.items()
-               if r.completed_at is not None and now - r.completed_at > RESULT_TTL_S]
+               if (r.completed_at is not None and now - r.completed_at > RESULT_TTL_S)
+               or (r.delivered_at is not None and now - r.delivered_at > RETRIEVED_TTL_S)]
         for rid in old:
             del self._records[rid]
         if old:
@@ -249,13 +292,53 @@ class FutureStore:
                     if job is not None:
                         break
                     self._cv.wait(timeout=max(0.05, wait))
+                jobs = self._collect_batch_locked(job) if job.batch_key is not None else [job]
                 self.running = job
-            outcome = self._execute(job)
+                self.stats["jobs"] += len(jobs)
+            outcomes = self._execute_batch(jobs) if job.batch_key is not None else [self._execute(job)]
             with self._cv:
                 self.running = None
-                rec = self._records.get(job.request_id)
-            if rec is not None:
-                rec.complete(outcome)
+                recs = [self._records.get(j.request_id) for j in jobs]
+            for rec, outcome in zip(recs, outcomes):
+                if rec is not None:
+                    rec.complete(outcome)
+
+    def _collect_batch_locked(self, first: Job) -> list[Job]:
+        """Linger while jobs of ``first.batch_key`` keep arriving, then take them all (FIFO)."""
+        deadline = time.monotonic() + self.batch_max_wait_s
+        while not self._stop:
+            now = time.monotonic()
+            quiet = now - self._last_batchable
+            if quiet >= self.batch_quiet_s or now >= deadline:
+                break
+            self._cv.wait(timeout=min(self.batch_quiet_s - quiet, deadline - now))
+        jobs, rest = [first], deque()
+        while self._fifo:
+            j = self._fifo.popleft()
+            if j.batch_key == first.batch_key and len(jobs) < MAX_BATCH_JOBS:
+                jobs.append(j)
+            else:
+                rest.append(j)
+        self._fifo = rest
+        self.stats["batches"] += 1
+        self.stats["batched_jobs"] += len(jobs)
+        self.stats["max_batch"] = max(self.stats["max_batch"], len(jobs))
+        return jobs
+
+    def _execute_batch(self, jobs: list[Job]) -> list[Outcome]:
+        """Run ``jobs`` through their ``batch_fn``; per-job exceptions fail that job only."""
+        head = jobs[0]
+        try:
+            results = head.batch_fn([j.payload for j in jobs])  # type: ignore[misc]
+            if len(results) != len(jobs):
+                raise RuntimeError(f"batch_fn returned {len(results)} results for {len(jobs)} jobs")
+        except Exception as e:
+            results = [e] * len(jobs)
+        outcomes = []
+        for job, res in zip(jobs, results):
+            outcomes.append(self._execute(Job(job.request_id, job.kind, lambda r=res: _raise_or(r),
+                                              job.model_id, job.seq_id)))
+        return outcomes
 
     @staticmethod
     def _execute(job: Job) -> Outcome:
@@ -280,6 +363,12 @@ class FutureStore:
                     f" (model {job.model_id} seq {job.seq_id})" if job.seq_id is not None else "",
                     time.monotonic() - t0, " [error]" if outcome.error else "")
         return outcome
+
+
+def _raise_or(result: Any) -> Any:
+    if isinstance(result, BaseException):
+        raise result
+    return result
 
 
 def _is_user_error(e: BaseException) -> bool:

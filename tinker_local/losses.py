@@ -12,8 +12,16 @@ the scalar loss of that datum.  The engine sums them over datums into ``loss:sum
 | ppo | + clip_low_threshold, clip_high_threshold (config or inputs; 0.8, 1.2) | -min(r A, clip(r) A).sum() |
 | cispo | same as ppo | -(stopgrad(clip(r)) * lp * A).sum() |
 | dro | + beta (config, default 0.05) | -(lp A - 0.5 beta (lp - q)^2).sum() |
+| gspo | + sequence_ratio_mask (optional), clip thresholds as ppo | -min(s_t A, clip(s_t) A).sum() |
 
-Sources: Tinker docs "Loss functions"; PPO (Schulman et al. 2017); CISPO (MiniMax-M1, 2025).
+GSPO-token: the sequence log-ratio is the mean of ``lp - q`` over the tokens marked by
+``sequence_ratio_mask`` (default: the tokens with a non-zero advantage; none marked -> ratio 1);
+every token's ratio ``s_t = exp(sg[seq log-ratio] + lp_t - sg[lp_t])`` carries the sequence
+ratio's value and its own token's gradient.
+
+Sources: Tinker docs "Loss functions" (tinker-docs.thinkingmachines.ai/tinker/losses/); PPO
+(Schulman et al. 2017, arXiv:1707.06347); CISPO (MiniMax-M1, arXiv:2506.13585); GSPO (Zheng et al.
+2025, arXiv:2507.18071).
 """
 
 from __future__ import annotations
@@ -82,12 +90,28 @@ def dro(lp: Tensor, inp: dict[str, Tensor], cfg: dict) -> Tensor:
     return -(lp * adv - 0.5 * beta * (lp - q) ** 2).sum()
 
 
+def gspo(lp: Tensor, inp: dict[str, Tensor], cfg: dict) -> Tensor:
+    """GSPO-token: PPO's clipped objective with every token's ratio set to the sequence ratio
+    ``exp(mean over the masked tokens of (lp - q))`` (value) and its own ``lp`` (gradient)."""
+    q, adv = _ratio_inputs(lp, inp)
+    low, high = _clip_bounds(inp, cfg)
+    mask = inp.get("sequence_ratio_mask")
+    marked = (mask != 0) if mask is not None else (adv != 0)
+    n = marked.sum()
+    lp_sg = lp.detach()
+    seq_log_ratio = torch.where(marked, lp_sg - q, torch.zeros_like(lp_sg)).sum() / n.clamp(min=1)
+    ratio = torch.exp(seq_log_ratio + lp - lp_sg)
+    clipped = _clip(ratio, low, high)
+    return -torch.minimum(ratio * adv, clipped * adv).sum()
+
+
 LOSS_FNS: dict[str, Callable[[Tensor, dict[str, Tensor], dict], Tensor]] = {
     "cross_entropy": cross_entropy,
     "importance_sampling": importance_sampling,
     "ppo": ppo,
     "cispo": cispo,
     "dro": dro,
+    "gspo": gspo,
 }
 
 # loss inputs each function needs besides target_tokens (all shaped like target_tokens)
@@ -97,6 +121,7 @@ REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
     "ppo": ("logprobs", "advantages"),
     "cispo": ("logprobs", "advantages"),
     "dro": ("logprobs", "advantages"),
+    "gspo": ("logprobs", "advantages"),
 }
 # inputs that may be scalars (broadcast) instead of per-token arrays
 SCALAR_OK = {"clip_low_threshold", "clip_high_threshold"}

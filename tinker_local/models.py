@@ -13,6 +13,9 @@ Accepted names (``resolve_model``):
   loads read that directory (~1 s).
 - a local Hugging Face causal-LM directory (holding ``config.json``), or a hub id already present
   in the local HF cache (looked up with ``local_files_only=True``; nothing is downloaded).
+  A preset's own cache directory (``.../tiny``, ``.../smollm2``, ``.../smollm2-tokenizer``, marked
+  by a ``tinker_local_preset.json``) resolves to that preset, so the local directory that
+  ``loadable_name`` hands to SDK clients names the same base model.
 
 Anything else raises ``UnknownModelError`` naming the value and the accepted forms.
 """
@@ -95,6 +98,9 @@ def resolve_model(name: str, cache_dir: Path) -> ModelSpec:
         return _smollm2_spec(cache_dir / "smollm2")
     p = Path(name).expanduser()
     if p.is_dir():
+        preset = _preset_of_dir(p)
+        if preset is not None:
+            return resolve_model(preset, cache_dir)
         if not (p / "config.json").is_file():
             raise UnknownModelError(f"model directory {str(p)!r} has no config.json; "
                                     f"accepted: {ACCEPTED_FORMS}")
@@ -104,6 +110,24 @@ def resolve_model(name: str, cache_dir: Path) -> ModelSpec:
         if local is not None:
             return _spec_from_dir(name, Path(local), cache_dir)
     raise UnknownModelError(f"unknown base model {name!r}; accepted: {ACCEPTED_FORMS}")
+
+
+def loadable_name(name: str, cache_dir: Path) -> str:
+    """A name of base model ``name`` that ``AutoTokenizer.from_pretrained`` loads offline (the
+    SDK's ``SamplingClient.get_tokenizer()`` loads the sampler's base-model name): for the
+    presets their local tokenizer directory (no ``':'``; ``resolve_model`` maps it back to the
+    preset), other names unchanged.  Raises ``UnknownModelError`` like ``resolve_model``."""
+    if name == TINY_NAME or name in SMOLLM2_ALIASES:
+        return resolve_model(name, cache_dir).tokenizer_dir
+    return name
+
+
+def _preset_of_dir(d: Path) -> str | None:
+    try:
+        preset = json.loads((d / _MARKER).read_text()).get("preset")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return preset if preset in (TINY_NAME, "smollm2") else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,6 +214,7 @@ def _smollm2_spec(target: Path) -> ModelSpec:
         spec = _spec_from_dir(SMOLLM2_NAME, target)
         if (tok_dir / "tokenizer_config.json").is_file():
             spec.tokenizer_dir = str(tok_dir)
+            _mark_tokenizer_dir(tok_dir)
         return spec
     gguf_dir = _smollm2_gguf_dir()
     if not (tok_dir / "tokenizer_config.json").is_file():
@@ -200,6 +225,7 @@ def _smollm2_spec(target: Path) -> ModelSpec:
         tok.save_pretrained(str(tmp))
         _install_dir(tmp, tok_dir)
         shutil.rmtree(tmp, ignore_errors=True)
+    _mark_tokenizer_dir(tok_dir)
 
     def loader():
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -276,6 +302,15 @@ def _hf_cache_lookup(repo_id: str) -> str | None:
     except Exception:  # not cached / invalid id / hub lib errors: treat as unknown
         return None
     return path if (Path(path) / "config.json").is_file() else None
+
+
+def _mark_tokenizer_dir(tok_dir: Path) -> None:
+    """Mark SmolLM2's tokenizer dir as the preset's (it is that base model's client name)."""
+    if not (tok_dir / _MARKER).is_file():
+        try:
+            (tok_dir / _MARKER).write_text(json.dumps({"preset": "smollm2", "role": "tokenizer"}))
+        except OSError:  # read-only cache: the directory then names only a tokenizer
+            pass
 
 
 def _marker_ok(d: Path, expected: dict) -> bool:

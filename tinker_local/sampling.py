@@ -1,13 +1,17 @@
 """Autoregressive sampling with a KV cache, in fp32, for the local engine.
 
-``sample_tokens`` runs one prefill over the prompt (batch 1), repeats the cache ``num_samples``
-times and decodes all samples in one batch.  The returned per-token logprobs are those of the
-model's own distribution (temperature 1, before top-k/top-p filtering) — the same numbers a
-``forward`` over the sampled sequence gives (fp32: within ~1e-5) — so they can serve directly as
-the behaviour logprobs ``q`` of importance-sampling losses.
+``sample_batch`` serves several requests (each: a prompt, ``num_samples``, its own sampling
+parameters, seed and stop conditions) with one forward per step: one prefill over all prompts
+(left-padded to the longest, with an attention mask and explicit positions when lengths differ),
+then the cache rows are repeated ``num_samples`` times per request and all samples decode
+together; a request that is done leaves the batch (its cache rows are dropped).
 
-Random draws use a CPU ``torch.Generator`` seeded with ``seed``: the same model, prompt,
-parameters and seed give the same samples on any device.
+The returned per-token logprobs are those of the model's own distribution (temperature 1, before
+top-k/top-p filtering) — the same numbers a ``forward`` over the sampled sequence gives (fp32:
+within ~1e-5) — so they can serve directly as the behaviour logprobs ``q`` of importance-sampling
+losses.  Random draws use one CPU ``torch.Generator`` per request, seeded with its ``seed`` and
+consumed exactly as if the request ran alone: the same model, prompt, parameters and seed give
+the same samples on any device and in any batch (up to float rounding of padded batches, ~1e-6).
 """
 
 from __future__ import annotations
@@ -85,77 +89,149 @@ def _choose(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
     return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
 
 
-@torch.no_grad()
-def sample_tokens(model, tokenizer, prompt: list[int], *, num_samples: int, max_tokens: int,
-                  temperature: float, top_k: int, top_p: float, seed: int, stop: StopSpec,
-                  device: torch.device, prompt_logprobs: bool = False,
-                  topk_prompt_logprobs: int = 0, decode_threads: int | None = None) -> dict:
-    """Sample ``num_samples`` continuations of ``prompt`` (token ids, len P >= 1).
+@dataclass
+class SampleRequest:
+    """One request for ``sample_batch``: ``prompt`` token ids (len P >= 1), ``num_samples`` >= 1,
+    ``max_tokens`` >= 1 new tokens, ``temperature`` (0 = greedy), ``top_k`` (<= 0: off),
+    ``top_p`` in (0, 1], ``seed`` (int), ``stop`` conditions, and whether to return the prompt's
+    logprobs (``prompt_logprobs``) and its top-``topk_prompt_logprobs`` alternatives."""
 
-    Returns ``{"sequences": [{"tokens": [...], "logprobs": [...], "stop_reason": "stop"|"length"}],
-    "prompt_logprobs": list (len P, entry 0 None) | None, "topk_prompt_logprobs": list of
-    (len P, entry 0 None, others [(token_id, logprob)] * k) | None}``.
-    The caller handles autocast (none: fp32) and adapter selection.  ``decode_threads``: torch
-    threads for the token-by-token phase (the prefill keeps the caller's setting); small decode
-    steps run faster on one thread, since OpenMP synchronisation dominates them.
-    """
-    ids = torch.tensor([prompt], dtype=torch.long, device=device)
-    want_prompt = prompt_logprobs or topk_prompt_logprobs > 0
+    prompt: list[int]
+    num_samples: int
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    stop: StopSpec
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+
+    @property
+    def wants_prompt(self) -> bool:
+        return self.prompt_logprobs or self.topk_prompt_logprobs > 0
+
+
+def _prefill(model, ids: torch.Tensor, keep_all: bool, extra: dict):
     try:
-        out = model(input_ids=ids, use_cache=True, logits_to_keep=0 if want_prompt else 1)
+        return model(input_ids=ids, use_cache=True, logits_to_keep=0 if keep_all else 1, **extra)
     except TypeError:  # architectures without logits_to_keep
-        out = model(input_ids=ids, use_cache=True)
-    logits = out.logits[0].float()
-    result: dict = {"prompt_logprobs": None, "topk_prompt_logprobs": None}
-    if want_prompt:
-        logp = torch.log_softmax(logits[:-1], dim=-1)  # (P-1, V): position i predicts prompt[i+1]
-        if prompt_logprobs:
-            tgt = ids[0, 1:].unsqueeze(-1)
-            vals = logp.gather(-1, tgt).squeeze(-1).cpu().tolist()
-            result["prompt_logprobs"] = [None] + vals
-        if topk_prompt_logprobs > 0:
-            k = min(topk_prompt_logprobs, logp.shape[-1])
-            tv, ti = torch.topk(logp, k, dim=-1)
-            tv, ti = tv.cpu().tolist(), ti.cpu().tolist()
-            result["topk_prompt_logprobs"] = [None] + [list(zip(i, v)) for i, v in zip(ti, tv)]
-    last = logits[-1:].expand(num_samples, -1)  # (S, V)
+        return model(input_ids=ids, use_cache=True, **extra)
+
+
+def _prompt_outputs(req: SampleRequest, logits: torch.Tensor) -> dict:
+    """Prompt logprobs from ``logits`` (P, V) of one unpadded prompt."""
+    out: dict = {"prompt_logprobs": None, "topk_prompt_logprobs": None}
+    if not req.wants_prompt:
+        return out
+    logp = torch.log_softmax(logits[:-1].float(), dim=-1)  # (P-1, V): row i predicts prompt[i+1]
+    if req.prompt_logprobs:
+        tgt = torch.tensor(req.prompt[1:], dtype=torch.long, device=logp.device).unsqueeze(-1)
+        out["prompt_logprobs"] = [None] + logp.gather(-1, tgt).squeeze(-1).cpu().tolist()
+    if req.topk_prompt_logprobs > 0:
+        k = min(req.topk_prompt_logprobs, logp.shape[-1])
+        tv, ti = torch.topk(logp, k, dim=-1)
+        out["topk_prompt_logprobs"] = [None] + [list(zip(i, v)) for i, v in
+                                                zip(ti.cpu().tolist(), tv.cpu().tolist())]
+    return out
+
+
+@torch.no_grad()
+def sample_batch(model, tokenizer, reqs: list[SampleRequest], *, device: torch.device,
+                 decode_threads: int | None = None) -> list[dict]:
+    """Serve ``reqs`` together; returns one dict per request, in order:
+    ``{"sequences": [{"tokens": [...], "logprobs": [...], "stop_reason": "stop"|"length"}] *
+    num_samples, "prompt_logprobs": list (len P, entry 0 None) | None, "topk_prompt_logprobs":
+    list (len P, entry 0 None, others [(token_id, logprob)] * k) | None}``.
+
+    The caller handles autocast (none: fp32), adapter selection and batch sizes (the prefill
+    holds ``len(reqs) x max P`` tokens, and all their logits when any request wants prompt
+    logprobs).  ``decode_threads``: torch threads for the token-by-token phase (small decode
+    steps run faster on one thread, since OpenMP synchronisation dominates them).
+    Raises RuntimeError if the model's KV cache cannot select batch rows.
+    """
+    B = len(reqs)
+    lens = [len(r.prompt) for r in reqs]
+    L = max(lens)
+    padded = min(lens) != L
+    ids = torch.zeros((B, L), dtype=torch.long)
+    mask = torch.zeros((B, L), dtype=torch.long)
+    for i, r in enumerate(reqs):
+        ids[i, L - lens[i]:] = torch.tensor(r.prompt, dtype=torch.long)
+        mask[i, L - lens[i]:] = 1
+    extra: dict = {}
+    if padded:  # left padding: masked pads, positions counted from each prompt's first token
+        extra = {"attention_mask": mask.to(device),
+                 "position_ids": (mask.cumsum(-1) - 1).clamp(min=0).to(device)}
+    out = _prefill(model, ids.to(device), any(r.wants_prompt for r in reqs), extra)
+    results = [_prompt_outputs(r, out.logits[i, L - lens[i]:]) for i, r in enumerate(reqs)]
+
+    counts = [r.num_samples for r in reqs]
+    rows = torch.repeat_interleave(torch.arange(B), torch.tensor(counts))
     cache = _out_cache(out)
-    if num_samples > 1 and hasattr(cache, "batch_repeat_interleave"):
-        cache.batch_repeat_interleave(num_samples)
-    elif num_samples > 1:
-        raise RuntimeError("model cache does not support batch_repeat_interleave")
+    if not hasattr(cache, "reorder_cache"):
+        raise RuntimeError("model cache does not support selecting batch rows")
+    if B > 1 or counts[0] > 1:
+        cache.reorder_cache(rows.to(device))
+    last = out.logits[:, -1][rows.to(out.logits.device)]  # (R, V)
+    att = mask[rows] if padded else None  # (R, L + steps)
+    pos = torch.tensor(lens, dtype=torch.long)[rows].unsqueeze(-1) if padded else None  # (R, 1)
 
     if decode_threads and device.type == "cpu":
         torch.set_num_threads(decode_threads)
-    gen = torch.Generator(device="cpu").manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
-    toks: list[list[int]] = [[] for _ in range(num_samples)]
-    lps: list[list[float]] = [[] for _ in range(num_samples)]
-    reasons = ["length"] * num_samples
-    done = [False] * num_samples
-    window = max((len(s) for s in stop.strings), default=0) * 4 + 8
-    for step in range(max_tokens):
+    gens = [torch.Generator(device="cpu").manual_seed(int(r.seed) & 0xFFFF_FFFF_FFFF_FFFF) for r in reqs]
+    toks = [[[] for _ in range(n)] for n in counts]
+    lps = [[[] for _ in range(n)] for n in counts]
+    reasons = [["length"] * n for n in counts]
+    done = [[False] * n for n in counts]
+    windows = [max((len(s) for s in r.stop.strings), default=0) * 4 + 8 for r in reqs]
+    active = list(range(B))  # requests still decoding, in row order
+    kw = _cache_kwarg(model)
+    step = 0
+    while True:
         lf = last.float().cpu()
         logp = torch.log_softmax(lf, dim=-1)
-        nxt = _choose(lf, temperature, top_k, top_p, gen)
-        nlp = logp.gather(-1, nxt.unsqueeze(-1)).squeeze(-1)
-        nxt_l, nlp_l = nxt.tolist(), nlp.tolist()
-        for i in range(num_samples):
-            if done[i]:
-                continue
-            toks[i].append(nxt_l[i])
-            lps[i].append(nlp_l[i])
-            if nxt_l[i] in stop.token_ids:
-                done[i], reasons[i] = True, "stop"
-            elif stop.strings:
-                text = tokenizer.decode(toks[i][-window:], skip_special_tokens=False)
-                if any(s in text for s in stop.strings):
-                    done[i], reasons[i] = True, "stop"
-        if all(done) or step == max_tokens - 1:
+        nxt_rows = torch.empty(lf.shape[0], dtype=torch.long)
+        keep, keep_rows, a = [], [], 0
+        for i in active:
+            r, b = reqs[i], a + counts[i]
+            nxt = _choose(lf[a:b], r.temperature, r.top_k, r.top_p, gens[i])
+            nxt_rows[a:b] = nxt
+            nlp = logp[a:b].gather(-1, nxt.unsqueeze(-1)).squeeze(-1).tolist()
+            for j, (t, v) in enumerate(zip(nxt.tolist(), nlp)):
+                if done[i][j]:
+                    continue
+                toks[i][j].append(t)
+                lps[i][j].append(v)
+                if t in r.stop.token_ids:
+                    done[i][j], reasons[i][j] = True, "stop"
+                elif r.stop.strings:
+                    text = tokenizer.decode(toks[i][j][-windows[i]:], skip_special_tokens=False)
+                    if any(s in text for s in r.stop.strings):
+                        done[i][j], reasons[i][j] = True, "stop"
+            if not (all(done[i]) or step >= r.max_tokens - 1):
+                keep.append(i)
+                keep_rows.extend(range(a, b))
+            a = b
+        if not keep:
             break
-        out = model(input_ids=nxt.to(device).unsqueeze(-1), use_cache=True, **{_cache_kwarg(model): cache})
+        if len(keep) < len(active):  # drop the rows of finished requests from the batch
+            sel = torch.tensor(keep_rows, dtype=torch.long)
+            cache.batch_select_indices(sel.to(device))
+            nxt_rows = nxt_rows[sel]
+            att = att[sel] if att is not None else None
+            pos = pos[sel] if pos is not None else None
+            active = keep
+        step_kw: dict = {kw: cache}
+        if att is not None:
+            att = torch.cat([att, torch.ones((att.shape[0], 1), dtype=att.dtype)], dim=-1)
+            step_kw.update(attention_mask=att.to(device), position_ids=pos.to(device))
+            pos = pos + 1
+        out = model(input_ids=nxt_rows.to(device).unsqueeze(-1), use_cache=True, **step_kw)
         cache = _out_cache(out)
         last = out.logits[:, -1]
-    result["sequences"] = [
-        {"tokens": toks[i], "logprobs": lps[i], "stop_reason": reasons[i]} for i in range(num_samples)
-    ]
-    return result
+        step += 1
+    for i, res in enumerate(results):
+        res["sequences"] = [{"tokens": toks[i][j], "logprobs": lps[i][j], "stop_reason": reasons[i][j]}
+                            for j in range(counts[i])]
+    return results

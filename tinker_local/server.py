@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from .faults import FaultConfig, FaultInjector, FaultState
 from .service import HttpError, LocalService
 
 logger = logging.getLogger("tinker_local.server")
@@ -42,7 +43,8 @@ async def _json_body(request: Request) -> dict[str, Any]:
 
 def create_app(engine: Any, root: Path | str | None = None, *, models: list[str] | None = None,
                poll_wait_s: float = 20.0, gap_timeout_s: float = 30.0,
-               datum_cls: type | None = None) -> FastAPI:
+               datum_cls: type | None = None, faults: FaultConfig | None = None,
+               batch_quiet_s: float = 0.003, batch_max_wait_s: float = 0.025) -> FastAPI:
     """Build the FastAPI app speaking the tinker 0.38 protocol in front of ``engine``.
 
     Args:
@@ -53,6 +55,9 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
         poll_wait_s: how long ``retrieve_future`` holds a poll for a pending request before
             answering HTTP 408 ``{"type": "try_again"}`` (the SDK polls again at once).
         gap_timeout_s: how long a model waits for a missing seq_id before skipping it.
+        faults: fault injection (``tinker_local.faults``); None or all zero = off.
+        batch_quiet_s, batch_max_wait_s: how long a sampling request waits for more to batch
+            with it (while they keep arriving less than ``batch_quiet_s`` apart; seconds).
     Raises:
         ValueError: when no root is given and the engine has none.
     """
@@ -61,6 +66,8 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
         raise ValueError("create_app: give root= (the engine has no .root)")
     svc = LocalService(engine, Path(root), models=models, gap_timeout_s=gap_timeout_s,
                        datum_cls=datum_cls)
+    svc.store.batch_quiet_s, svc.store.batch_max_wait_s = batch_quiet_s, batch_max_wait_s
+    fault_state = FaultState(faults or FaultConfig())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -72,6 +79,7 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
 
     app = FastAPI(title="tinker_local", lifespan=lifespan)
     app.state.service = svc
+    app.state.faults = fault_state
 
     @app.middleware("http")
     async def auth_and_log(request: Request, call_next):
@@ -132,7 +140,22 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
 
     @route("GET", "/get_server_capabilities")
     async def get_server_capabilities():
-        return svc.capabilities()
+        return await asyncio.to_thread(svc.capabilities)
+
+    @route("GET", "/local_stats")
+    async def local_stats():
+        # tinker_local only: compute-thread and fault-injection counters (for tests, benchmarks)
+        return {"compute": dict(svc.store.stats), "faults": dict(fault_state.counts),
+                "fault_config": {"fail_every": fault_state.config.fail_every,
+                                 "drop_every": fault_state.config.drop_every}}
+
+    @route("GET", "/sessions")
+    async def list_sessions(limit: int = 20, offset: int = 0):
+        return svc.list_sessions(limit, offset)
+
+    @route("GET", "/sessions/{session_id}")
+    async def get_session(session_id: str):
+        return svc.get_session(session_id)
 
     # -- training ---------------------------------------------------------------------------------
     @route("POST", "/create_model")
@@ -162,7 +185,7 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
 
     @route("GET", "/samplers/{sampler_id}")
     async def get_sampler(sampler_id: str):
-        return svc.get_sampler(sampler_id)
+        return await asyncio.to_thread(svc.get_sampler, sampler_id)
 
     @route("POST", "/retrieve_future")
     async def retrieve_future(request: Request):
@@ -178,6 +201,7 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
         if out is None:
             return JSONResponse({"type": "try_again", "request_id": rid, "queue_state": "active"},
                                 status_code=408)
+        svc.store.mark_delivered(rid)
         if out.error is not None:
             return {"error": out.error, "category": out.category}
         if out.proto is not None:
@@ -209,6 +233,8 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
     async def all_checkpoints(limit: int = 100, offset: int = 0):
         return svc.checkpoints(None, limit, offset)
 
+    if fault_state.config.active:  # outermost: faults hit every route, auth included
+        app.add_middleware(FaultInjector, state=fault_state)
     return app
 
 
@@ -222,10 +248,12 @@ def _add_json_route(app: FastAPI, name: str, handler: Any) -> None:
 
 def serve(model: list[str], host: str = "127.0.0.1", port: int = 8000, root: Path | str = ".",
           *, dtype: str = "auto", device: str | None = None, num_threads: int | None = None,
-          log_level: str = "info") -> None:
+          log_level: str = "info", faults: FaultConfig | None = None) -> None:
     """Build an Engine under ``root``, preload ``model`` names, and serve until interrupted.
 
     Blocking. Models named later in ``create_model`` calls are loaded lazily by the engine.
+    ``faults``: fault injection for reliability tests (default: from the environment,
+    ``TINKER_LOCAL_FAIL_EVERY`` / ``TINKER_LOCAL_DROP_EVERY``).
     Raises whatever the engine raises for an unknown model name (before binding the port).
     """
     import uvicorn
@@ -240,7 +268,11 @@ def serve(model: list[str], host: str = "127.0.0.1", port: int = 8000, root: Pat
         info = engine.load_base_model(name)
         logger.info("preloaded %s in %.1fs (tokenizer %s, context %s)", name,
                     time.monotonic() - t0, info.get("tokenizer_id"), info.get("max_context"))
-    app = create_app(engine, root, models=list(model))
+    faults = faults if faults is not None else FaultConfig.from_env()
+    if faults.active:
+        logger.warning("fault injection on: 503 every %d requests, connection drop every %d",
+                       faults.fail_every, faults.drop_every)
+    app = create_app(engine, root, models=list(model), faults=faults)
     logger.info("tinker_local serving %s on http://%s:%d (root %s)", ", ".join(model) or "-",
                 host, port, root)
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)

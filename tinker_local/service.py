@@ -9,6 +9,7 @@ submission, or fails the request's future with category "user" when found while 
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
@@ -16,37 +17,33 @@ from pathlib import Path
 from typing import Any
 
 from . import protocol as P
+from .errors import HttpError
 from .futures import FutureStore, UserError
 from .registry import CheckpointRecord, Registry, RunRecord, SamplerRecord, dir_size
+from .rest import RestMixin
+from .service_sampling import SamplingServiceMixin, _int, _req
+
+__all__ = ["LocalService", "HttpError"]
 
 logger = logging.getLogger("tinker_local.service")
 
-DEFAULT_MAX_TOKENS = 256
 
+def _burns_seq(handler):
+    """Decorator for the JSON handlers of a model's ordered requests: when the request is refused
+    (``HttpError``, 4xx) its ``seq_id`` is consumed, so the model's next request need not wait
+    for it (the SDK moves on after a failed request)."""
 
-class HttpError(Exception):
-    """Answer the HTTP request with ``status`` and ``{"detail": detail}``."""
+    @functools.wraps(handler)
+    def wrapper(self, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return handler(self, body)
+        except HttpError as e:
+            mid, seq = body.get("model_id"), body.get("seq_id")
+            if isinstance(mid, str) and isinstance(seq, int) and mid in self.registry.runs:
+                self.store.burn(mid, seq, e.detail)
+            raise
 
-    def __init__(self, status: int, detail: str):
-        super().__init__(detail)
-        self.status = status
-        self.detail = detail
-
-
-def _req(body: dict[str, Any], key: str, endpoint: str) -> Any:
-    if body.get(key) is None:
-        raise HttpError(422, f"{endpoint}: field {key!r} is required")
-    return body[key]
-
-
-def _int(body: dict[str, Any], key: str, endpoint: str, default: Any = None) -> Any:
-    v = body.get(key, default)
-    if v is None:
-        return None
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        raise HttpError(422, f"{endpoint}: field {key!r} must be an integer, got {v!r}") from None
+    return wrapper
 
 
 def _engine_datum_cls() -> type:
@@ -58,7 +55,7 @@ def _engine_datum_cls() -> type:
         return P.WireDatum
 
 
-class LocalService:
+class LocalService(SamplingServiceMixin, RestMixin):
     """Endpoint logic. ``engine`` follows the Engine interface; ``root`` holds the registry."""
 
     def __init__(self, engine: Any, root: Path, *, models: list[str] | None = None,
@@ -70,6 +67,23 @@ class LocalService:
         self.registry = Registry(self.root)
         self.datum_cls = datum_cls or _engine_datum_cls()
         self._info: dict[str, dict[str, Any]] = {}  # model_id -> engine.get_info(), cached
+        self._client_names: dict[str, str] = {}  # base model -> name handed to SDK clients
+
+    def client_model_name(self, base_model: str) -> str:
+        """The base-model name handed to SDK clients (``get_info``'s ``model_data.model_name``,
+        ``GET samplers/{id}``): ``SamplingClient.get_tokenizer()`` loads
+        ``AutoTokenizer.from_pretrained`` of it, so presets ("tiny", "smollm2") are named by
+        their local tokenizer directory (which the engine accepts as the same base model)."""
+        name = self._client_names.get(base_model)
+        if name is None:
+            try:
+                from .models import loadable_name
+
+                name = loadable_name(base_model, self.root / "models")
+            except Exception:  # unknown model: the name as given
+                name = base_model
+            self._client_names[base_model] = name
+        return name
 
     # -- sessions ---------------------------------------------------------------------------------
     def create_session(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -148,7 +162,8 @@ class LocalService:
         return {
             "type": "get_info",
             "model_id": model_id,
-            "model_data": {"arch": info.get("arch"), "model_name": base,
+            "model_data": {"arch": info.get("arch"),
+                           "model_name": self.client_model_name(base) if base else base,
                            "tokenizer_id": info.get("tokenizer_id")},
             "is_lora": True,
             "lora_rank": info.get("lora_rank", run.lora_rank if run else None),
@@ -184,6 +199,7 @@ class LocalService:
             return self.store.submit(kind, work)
         return self.store.submit(kind, work, model_id=model_id, seq_id=seq)
 
+    @_burns_seq
     def optim_step(self, body: dict[str, Any]) -> dict[str, Any]:
         ep = "optim_step"
         model_id = str(_req(body, "model_id", ep))
@@ -191,8 +207,11 @@ class LocalService:
         if not isinstance(params, dict):
             raise HttpError(422, f"{ep}: 'adam_params' is required")
         self._check_optimizer(params, ep)
-        kw = {k: float(params[k]) for k in ("learning_rate", "beta1", "beta2", "eps",
-                                            "weight_decay", "grad_clip_norm") if params.get(k) is not None}
+        try:
+            kw = {k: float(params[k]) for k in ("learning_rate", "beta1", "beta2", "eps", "weight_decay",
+                                                "grad_clip_norm") if params.get(k) is not None}
+        except (TypeError, ValueError) as e:
+            raise HttpError(422, f"{ep}: adam_params must be numbers ({e})") from e
 
         def work() -> dict[str, Any]:
             self._run(model_id)
@@ -216,6 +235,7 @@ class LocalService:
         self.registry.add_checkpoint(ck)
         return ck
 
+    @_burns_seq
     def save_weights(self, body: dict[str, Any]) -> dict[str, Any]:
         ep = "save_weights"
         model_id = str(_req(body, "model_id", ep))
@@ -232,6 +252,7 @@ class LocalService:
 
         return {"request_id": self._ordered(ep, work, model_id, seq), "model_id": model_id}
 
+    @_burns_seq
     def save_weights_for_sampler(self, body: dict[str, Any]) -> dict[str, Any]:
         ep = "save_weights_for_sampler"
         model_id = str(_req(body, "model_id", ep))
@@ -256,17 +277,7 @@ class LocalService:
 
         return {"request_id": self._ordered(ep, work, model_id, seq), "model_id": model_id}
 
-    def _checkpoint(self, uri: str, status: int = 404) -> CheckpointRecord:
-        try:
-            P.parse_tinker_path(uri)
-        except P.ProtocolError as e:
-            raise HttpError(422, str(e)) from e
-        ck = self.registry.checkpoints.get(uri)
-        if ck is None:
-            raise HttpError(status, f"unknown checkpoint {uri!r}: not saved on this server "
-                                    f"(root {self.root})")
-        return ck
-
+    @_burns_seq
     def load_weights(self, body: dict[str, Any]) -> dict[str, Any]:
         ep = "load_weights"
         uri = str(_req(body, "path", ep))
@@ -314,128 +325,3 @@ class LocalService:
 
         return {"request_id": self._ordered(ep, load, model_id, _int(body, "seq_id", ep)),
                 "model_id": model_id}
-
-    # -- sampling ---------------------------------------------------------------------------------
-    def create_sampling_session(self, body: dict[str, Any]) -> dict[str, Any]:
-        ep = "create_sampling_session"
-        session_id = str(_req(body, "session_id", ep))
-        seq = _int(body, "sampling_session_seq_id", ep)
-        sid = f"{session_id}:sample:{seq}"
-        self.registry.add_sampler(self._sampler_record(sid, body, ep))
-        return {"type": "create_sampling_session", "sampling_session_id": sid}
-
-    def _sampler_record(self, sid: str, body: dict[str, Any], ep: str) -> SamplerRecord:
-        if body.get("model_path"):
-            ck = self._checkpoint(str(body["model_path"]))
-            run = self.registry.runs.get(ck.model_id)
-            base = body.get("base_model") or (run.base_model if run else None)
-            if base is None:
-                raise HttpError(404, f"{ep}: base model of {ck.uri} is unknown")
-            return SamplerRecord(sid, base, ck.uri, ck.path)
-        if not body.get("base_model"):
-            raise HttpError(422, f"{ep}: give 'model_path' (tinker://...) or 'base_model'")
-        return SamplerRecord(sid, str(body["base_model"]))
-
-    def get_sampler(self, sampler_id: str) -> dict[str, Any]:
-        rec = self.registry.samplers.get(sampler_id)
-        if rec is None:
-            raise HttpError(404, f"unknown sampling session {sampler_id!r}")
-        return {"sampler_id": rec.sampler_id, "base_model": rec.base_model, "model_path": rec.model_path}
-
-    def join_sampling_session(self, body: dict[str, Any]) -> dict[str, Any]:
-        sid = str(_req(body, "sampling_session_id", "join_sampling_session"))
-        n = self.registry.join_sampler(sid)
-        if n is None:
-            raise HttpError(404, f"unknown sampling session {sid!r}")
-        return {"type": "join_sampling_session", "client_counter": n}
-
-    def asample(self, body: dict[str, Any]) -> dict[str, Any]:
-        ep = "asample"
-        n = _int(body, "num_samples", ep, 1)
-        if n < 1:
-            raise HttpError(422, f"{ep}: num_samples must be >= 1, got {n}")
-        sid = body.get("sampling_session_id")
-        if sid is not None:
-            rec = self.registry.samplers.get(str(sid))
-            if rec is None:
-                raise HttpError(404, f"{ep}: unknown sampling session {sid!r}")
-        else:
-            rec = self._sampler_record("adhoc", body, ep)
-        try:
-            prompt = P.prompt_tokens_from_json(_req(body, "prompt", ep))
-            sp = body.get("sampling_params") or {}
-            stop = P.stop_from_json(sp.get("stop"))
-        except P.ProtocolError as e:
-            raise HttpError(422, f"{ep}: {e}") from e
-        unsupported = [k for k in ("topk_sample_logprobs", "prompt_alt_tokens_k") if body.get(k)]
-        unsupported += ["target_prompt_logprobs"] if body.get("target_prompt_logprobs") else []
-        last_n = _int(body, "prompt_logprobs_last_n", ep)
-        topk = _int(body, "topk_prompt_logprobs", ep, 0)
-        want_prompt_lp = bool(body.get("prompt_logprobs")) or topk > 0
-
-        def work() -> bytes:
-            if unsupported:
-                raise UserError(f"{ep}: {', '.join(unsupported)} is not supported by tinker_local")
-            res = self.engine.sample(
-                rec.base_model, Path(rec.weights_path) if rec.weights_path else None, prompt,
-                num_samples=n, max_tokens=_int(sp, "max_tokens", ep, DEFAULT_MAX_TOKENS),
-                temperature=float(sp.get("temperature", 1.0)), top_k=_int(sp, "top_k", ep, -1),
-                top_p=float(sp.get("top_p", 1.0)), seed=_int(sp, "seed", ep), stop=stop,
-                include_prompt_logprobs=want_prompt_lp, topk_prompt_logprobs=topk)
-            return P.sample_response_to_proto(
-                res.sequences,
-                getattr(res, "prompt_logprobs", None) if body.get("prompt_logprobs") else None,
-                getattr(res, "topk_prompt_logprobs", None) if topk > 0 else None,
-                prompt_logprobs_last_n=last_n)
-
-        seq = _int(body, "seq_id", ep)
-        key = (f"sample:{sid}", seq) if sid is not None and seq is not None else None
-        rid = self.store.submit("sample", work, dedupe_key=key)
-        return {"request_id": rid, "sample_sequence_ids": P.sequence_ids(rid, n)}
-
-    # -- REST -------------------------------------------------------------------------------------
-    def capabilities(self) -> dict[str, Any]:
-        names = list(dict.fromkeys(self.models + [r.base_model for r in self.registry.runs.values()]))
-        return {"supported_models": [{"model_name": m, "trainable": True, "sampleable": True}
-                                     for m in names]}
-
-    def training_runs(self, limit: int, offset: int) -> dict[str, Any]:
-        runs = sorted(self.registry.runs.values(), key=lambda r: r.created, reverse=True)
-        page = runs[offset: offset + limit]
-        return {"training_runs": [self.registry.run_to_rest(r) for r in page],
-                "cursor": {"offset": offset, "limit": limit, "total_count": len(runs)}}
-
-    def training_run(self, model_id: str) -> dict[str, Any]:
-        run = self.registry.runs.get(model_id)
-        if run is None:
-            raise HttpError(404, f"unknown training run {model_id!r}")
-        return self.registry.run_to_rest(run)
-
-    def checkpoints(self, model_id: str | None, limit: int | None = None, offset: int = 0) -> dict[str, Any]:
-        if model_id is not None and model_id not in self.registry.runs:
-            raise HttpError(404, f"unknown training run {model_id!r}")
-        cks = self.registry.checkpoints_of(model_id)
-        page = cks[offset: offset + limit] if limit is not None else cks
-        out: dict[str, Any] = {"checkpoints": [c.to_rest() for c in page]}
-        if limit is not None:
-            out["cursor"] = {"offset": offset, "limit": limit, "total_count": len(cks)}
-        return out
-
-    def delete_checkpoint(self, model_id: str, checkpoint_id: str) -> dict[str, Any]:
-        import shutil
-
-        uri = f"tinker://{model_id}/{checkpoint_id}"
-        ck = self.registry.delete_checkpoint(self._checkpoint(uri).uri)
-        if ck is not None:
-            p = Path(ck.path)
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-        return {}
-
-    def weights_info(self, body: dict[str, Any]) -> dict[str, Any]:
-        ck = self._checkpoint(str(_req(body, "tinker_path", "weights_info")))
-        run = self.registry.runs.get(ck.model_id)
-        if run is None:
-            raise HttpError(404, f"weights_info: training run {ck.model_id!r} is unknown")
-        return {"base_model": run.base_model, "is_lora": True, "lora_rank": run.lora_rank,
-                "train_unembed": run.train_unembed, "train_mlp": run.train_mlp,
-                "train_attn": run.train_attn}

@@ -1,0 +1,186 @@
+"""Sampling methods of ``tinker_local.engine.Engine`` (a mixin): validation, batching, adapters.
+
+``Engine.sample_many`` serves several sampling requests at once: requests for the same base
+model and the same weights (the base model alone, or one sampler checkpoint) that agree on
+whether prompt logprobs are wanted share one prefill and one decode loop
+(``tinker_local.sampling.sample_batch``), in chunks bounded by ``MAX_BATCH_ROWS`` sampled rows
+and a prefill budget (``MAX_PREFILL_TOKENS`` tokens; ``MAX_PROMPT_LOGITS`` logits when prompt
+logprobs are computed).  Each request is validated on its own, so one bad request fails alone.
+Sampling always runs in fp32 (no autocast), so sampled logprobs match an fp32 ``forward``.
+"""
+
+from __future__ import annotations
+
+import secrets
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from .adapters import load_sampler_adapter
+from .checkpoints import checkpoint_info
+from .datatypes import SampleResult
+from .errors import EngineUserError
+from .inputs import check_tokens
+from .sampling import SampleRequest, make_stop_spec, sample_batch
+
+MAX_SAMPLER_ADAPTERS = 8  # sampler checkpoints kept loaded per base model (least recently used go)
+MAX_BATCH_ROWS = 256  # sampled sequences decoded together
+MAX_PREFILL_TOKENS = 16384  # padded prompt tokens in one prefill
+MAX_PROMPT_LOGITS = 2**26  # padded prompt tokens x vocab when prompt logprobs are computed
+
+
+class SamplingMixin:
+    """``sample`` / ``sample_many`` for ``Engine`` (uses its lock, bases, device, threads)."""
+
+    def sample(self, base_model: str | None, weights_path: Path | None, prompt_tokens: list[int], *,
+               num_samples: int, max_tokens: int, temperature: float = 1.0, top_k: int = -1,
+               top_p: float = 1.0, seed: int | None = None,
+               stop: list[str] | list[int] | str | None = None,
+               include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0) -> SampleResult:
+        """Sample ``num_samples`` continuations of ``prompt_tokens`` (len P >= 1) from the base
+        model, or from sampler/state weights at ``weights_path`` (then ``base_model`` may be None:
+        the checkpoint names it).  fp32; token logprobs as in ``forward`` (temperature 1, before
+        top-k/top-p).  ``temperature`` 0 = greedy; ``top_k`` <= 0 = off; ``stop``: None = the
+        model's EOS ids, ``[]`` = never stop early, strings are matched in the decoded sampled
+        text, ints are token ids (kept as the last token).  ``seed`` None = random.
+        Raises EngineUserError: unknown model/path, base model not matching the weights, token
+        outside the vocabulary, P + max_tokens - 1 beyond the context, bad parameter values."""
+        (res,) = self.sample_many([dict(
+            base_model=base_model, weights_path=weights_path, prompt_tokens=prompt_tokens,
+            num_samples=num_samples, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+            top_p=top_p, seed=seed, stop=stop, include_prompt_logprobs=include_prompt_logprobs,
+            topk_prompt_logprobs=topk_prompt_logprobs)])
+        if isinstance(res, BaseException):
+            raise res
+        return res
+
+    def sample_many(self, requests: list[dict]) -> list[SampleResult | Exception]:
+        """Serve ``requests`` (each a dict of ``sample``'s keyword arguments, including
+        ``base_model``, ``weights_path`` and ``prompt_tokens``) with as few batched forwards as
+        possible.  Returns, per request in order, its ``SampleResult`` or the exception that
+        failed it (``EngineUserError`` for bad input; anything else fails its whole chunk)."""
+        with self._lock:
+            self._threads()
+            results: list = [None] * len(requests)
+            groups: dict[tuple, list[tuple[int, SampleRequest]]] = {}
+            targets: dict[tuple, tuple] = {}
+            for i, kw in enumerate(requests):
+                try:
+                    b, path, wkey, req = self._prepare_sample(**kw)
+                except EngineUserError as e:
+                    results[i] = e
+                    continue
+                key = (b.spec.name, wkey, req.wants_prompt)
+                groups.setdefault(key, []).append((i, req))
+                targets[key] = (b, path)
+            try:
+                for key, items in groups.items():
+                    b, path = targets[key]
+                    for chunk in _chunks(items, b.spec.vocab_size):
+                        try:
+                            outs = self._sample_chunk(b, path, [req for _, req in chunk])
+                        except Exception as e:  # fails this chunk only
+                            outs = [e] * len(chunk)
+                        for (i, _), out in zip(chunk, outs):
+                            results[i] = out if isinstance(out, Exception) else SampleResult(
+                                out["sequences"], out["prompt_logprobs"], out["topk_prompt_logprobs"])
+            finally:
+                self._threads()
+            return results
+
+    def _prepare_sample(self, base_model, weights_path, prompt_tokens, *, num_samples, max_tokens,
+                        temperature=1.0, top_k=-1, top_p=1.0, seed=None, stop=None,
+                        include_prompt_logprobs=False, topk_prompt_logprobs=0):
+        """Validate one request -> (base, weights path | None, weights cache key, SampleRequest)."""
+        wkey = None
+        if weights_path is not None:
+            weights_path = Path(weights_path)
+            meta = checkpoint_info(weights_path)
+            if base_model and self._canonical(base_model) != self._canonical(meta["base_model"]):
+                raise EngineUserError(f"weights {str(weights_path)!r} are for base model "
+                                      f"{meta['base_model']!r}, not {base_model!r}")
+            base_model = base_model or meta["base_model"]
+            wkey = (str(weights_path.resolve()),
+                    (weights_path / "adapter_model.safetensors").stat().st_mtime_ns)
+        if not base_model:
+            raise EngineUserError("sample needs base_model or weights_path")
+        b = self._base(base_model)
+        prompt = check_tokens("prompt_tokens", prompt_tokens, b.spec.vocab_size,
+                              b.spec.max_context, b.spec.name)
+        for k, v in (("num_samples", num_samples), ("max_tokens", max_tokens)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise EngineUserError(f"{k} must be a positive integer, got {v!r}")
+        if len(prompt) + max_tokens - 1 > b.spec.max_context:  # the last token is not fed back
+            raise EngineUserError(f"prompt length {len(prompt)} + max_tokens {max_tokens} exceeds "
+                                  f"the context of {b.spec.name!r} ({b.spec.max_context} tokens)")
+        if not (0.0 < float(top_p) <= 1.0):
+            raise EngineUserError(f"top_p must be in (0, 1], got {top_p!r}")
+        if not (float(temperature) >= 0.0):
+            raise EngineUserError(f"temperature must be >= 0, got {temperature!r}")
+        if int(topk_prompt_logprobs) < 0:
+            raise EngineUserError(f"topk_prompt_logprobs must be >= 0, got {topk_prompt_logprobs!r}")
+        req = SampleRequest(prompt, num_samples, max_tokens, float(temperature), int(top_k),
+                            float(top_p), int(seed) if seed is not None else secrets.randbelow(2**63),
+                            make_stop_spec(stop, _eos_ids(b)), bool(include_prompt_logprobs),
+                            int(topk_prompt_logprobs))
+        return b, weights_path, wkey, req
+
+    def _sample_chunk(self, b, path: Path | None, reqs: list[SampleRequest]) -> list[dict]:
+        if path is not None:
+            self._activate_sampler(b, path)
+            ctx = nullcontext()
+        else:
+            ctx = b.peft.disable_adapter() if b.peft is not None else nullcontext()
+        rows = sum(r.num_samples for r in reqs)
+        small = b.n_params * rows < 5e7  # multiply-adds per decode step
+        with ctx, torch.no_grad():
+            return sample_batch(b.model, b.tokenizer, reqs, device=self.device,
+                                decode_threads=1 if small else None)
+
+    def _activate_sampler(self, b, path: Path) -> None:
+        key = (str(path.resolve()), (path / "adapter_model.safetensors").stat().st_mtime_ns)
+        name = b.sampler_adapters.get(key)
+        if name is None:
+            b.counter += 1
+            name = f"s{b.counter}"
+            b.peft = load_sampler_adapter(b.peft, b.model, name, path, self.device)
+            b.sampler_adapters[key] = name
+            while len(b.sampler_adapters) > MAX_SAMPLER_ADAPTERS:
+                _, old = b.sampler_adapters.popitem(last=False)
+                b.peft.delete_adapter(old)
+        b.sampler_adapters.move_to_end(key)
+        b.peft.set_adapter(name)
+
+
+def _chunks(items: list[tuple[int, SampleRequest]], vocab: int) -> list[list[tuple[int, SampleRequest]]]:
+    """Split one group into batches within ``MAX_BATCH_ROWS`` rows and the prefill budget
+    (a single request larger than the budget gets its own batch)."""
+    out: list[list] = []
+    cur: list = []
+    rows = longest = 0
+    for item in items:
+        req = item[1]
+        n, p = req.num_samples, len(req.prompt)
+        m = max(longest, p)
+        budget = MAX_PROMPT_LOGITS // max(vocab, 1) if req.wants_prompt else MAX_PREFILL_TOKENS
+        if cur and (rows + n > MAX_BATCH_ROWS or m * (len(cur) + 1) > budget):
+            out.append(cur)
+            cur, rows, m = [], 0, p
+        cur.append(item)
+        rows += n
+        longest = m
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _eos_ids(b) -> set[int]:
+    ids = set()
+    eos = getattr(b.model.generation_config, "eos_token_id", None)
+    for e in (eos if isinstance(eos, (list, tuple)) else [eos]):
+        if e is not None:
+            ids.add(int(e))
+    if b.tokenizer.eos_token_id is not None:
+        ids.add(int(b.tokenizer.eos_token_id))
+    return ids

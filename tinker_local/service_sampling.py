@@ -1,0 +1,148 @@
+"""Sampling endpoints of the local Tinker server (a mixin of ``LocalService``): sampling sessions,
+``GET samplers/{id}``, and ``asample``, whose jobs the compute thread runs in batches through
+``Engine.sample_many`` (see ``tinker_local.futures`` for how queued requests are batched)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from . import protocol as P
+from .errors import HttpError
+from .registry import SamplerRecord
+
+DEFAULT_MAX_TOKENS = 256  # SamplingParams.max_tokens=None
+
+
+def _req(body: dict[str, Any], key: str, endpoint: str) -> Any:
+    if body.get(key) is None:
+        raise HttpError(422, f"{endpoint}: field {key!r} is required")
+    return body[key]
+
+
+def _int(body: dict[str, Any], key: str, endpoint: str, default: Any = None) -> Any:
+    v = body.get(key, default)
+    if v is None:
+        return None
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        raise HttpError(422, f"{endpoint}: field {key!r} must be an integer, got {v!r}") from None
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+class SamplingServiceMixin:
+    """Needs ``self.registry``, ``self.store``, ``self.engine``, ``self._checkpoint`` and
+    ``self.client_model_name``."""
+
+    # -- sampling ---------------------------------------------------------------------------------
+    def create_sampling_session(self, body: dict[str, Any]) -> dict[str, Any]:
+        ep = "create_sampling_session"
+        session_id = str(_req(body, "session_id", ep))
+        seq = _int(body, "sampling_session_seq_id", ep)
+        sid = f"{session_id}:sample:{seq}"
+        self.registry.add_sampler(self._sampler_record(sid, body, ep))
+        return {"type": "create_sampling_session", "sampling_session_id": sid}
+
+    def _sampler_record(self, sid: str, body: dict[str, Any], ep: str) -> SamplerRecord:
+        if body.get("model_path"):
+            ck = self._checkpoint(str(body["model_path"]))
+            run = self.registry.runs.get(ck.model_id)
+            base = body.get("base_model") or (run.base_model if run else None)
+            if base is None:
+                raise HttpError(404, f"{ep}: base model of {ck.uri} is unknown")
+            return SamplerRecord(sid, base, ck.uri, ck.path)
+        if not body.get("base_model"):
+            raise HttpError(422, f"{ep}: give 'model_path' (tinker://...) or 'base_model'")
+        return SamplerRecord(sid, str(body["base_model"]))
+
+    def get_sampler(self, sampler_id: str) -> dict[str, Any]:
+        rec = self.registry.samplers.get(sampler_id)
+        if rec is None:
+            raise HttpError(404, f"unknown sampling session {sampler_id!r}")
+        return {"sampler_id": rec.sampler_id, "base_model": self.client_model_name(rec.base_model),
+                "model_path": rec.model_path}
+
+    def join_sampling_session(self, body: dict[str, Any]) -> dict[str, Any]:
+        sid = str(_req(body, "sampling_session_id", "join_sampling_session"))
+        n = self.registry.join_sampler(sid)
+        if n is None:
+            raise HttpError(404, f"unknown sampling session {sid!r}")
+        return {"type": "join_sampling_session", "client_counter": n}
+
+    def asample(self, body: dict[str, Any]) -> dict[str, Any]:
+        ep = "asample"
+        n = _int(body, "num_samples", ep, 1)
+        if n < 1:
+            raise HttpError(422, f"{ep}: num_samples must be >= 1, got {n}")
+        sid = body.get("sampling_session_id")
+        if sid is not None:
+            rec = self.registry.samplers.get(str(sid))
+            if rec is None:
+                raise HttpError(404, f"{ep}: unknown sampling session {sid!r}")
+        else:
+            rec = self._sampler_record("adhoc", body, ep)
+        try:
+            prompt = P.prompt_tokens_from_json(_req(body, "prompt", ep))
+            sp = body.get("sampling_params") or {}
+            stop = P.stop_from_json(sp.get("stop"))
+        except P.ProtocolError as e:
+            raise HttpError(422, f"{ep}: {e}") from e
+        unsupported = [k for k in ("topk_sample_logprobs", "prompt_alt_tokens_k") if body.get(k)]
+        unsupported += ["target_prompt_logprobs"] if body.get("target_prompt_logprobs") else []
+        topk = _int(body, "topk_prompt_logprobs", ep, 0) or 0
+        max_tokens = _int(sp, "max_tokens", ep)
+        try:
+            job = {"engine": dict(
+                base_model=rec.base_model, prompt_tokens=prompt, num_samples=n,
+                weights_path=Path(rec.weights_path) if rec.weights_path else None,
+                max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+                temperature=float(_or(sp.get("temperature"), 1.0)),
+                top_k=_int(sp, "top_k", ep) if sp.get("top_k") is not None else -1,
+                top_p=float(_or(sp.get("top_p"), 1.0)), seed=_int(sp, "seed", ep), stop=stop,
+                include_prompt_logprobs=bool(body.get("prompt_logprobs")) or topk > 0,
+                topk_prompt_logprobs=topk),
+                "prompt_logprobs": bool(body.get("prompt_logprobs")), "topk": topk,
+                "last_n": _int(body, "prompt_logprobs_last_n", ep)}
+        except (TypeError, ValueError) as e:
+            raise HttpError(422, f"{ep}: sampling_params must be numbers ({e})") from e
+        seq = _int(body, "seq_id", ep)
+        key = (f"sample:{sid}", seq) if sid is not None and seq is not None else None
+        if unsupported:
+            rid = self.store.fail_now("sample", f"{ep}: {', '.join(unsupported)} is not supported "
+                                                "by tinker_local")
+        else:
+            rid = self.store.submit("sample", None, dedupe_key=key, batch_key="sample",
+                                    payload=job, batch_fn=self._sample_batch)
+        return {"request_id": rid, "sample_sequence_ids": P.sequence_ids(rid, n)}
+
+    def _sample_batch(self, jobs: list[dict[str, Any]]) -> list[Any]:
+        """Run queued ``asample`` jobs together (compute thread): one ``SampleResponse`` proto
+        (bytes) or exception per job."""
+        reqs = [j["engine"] for j in jobs]
+        if hasattr(self.engine, "sample_many"):
+            results = self.engine.sample_many(reqs)
+        else:  # an engine without batching
+            results = []
+            for r in reqs:
+                r = dict(r)
+                try:
+                    results.append(self.engine.sample(r.pop("base_model"), r.pop("weights_path"),
+                                                      r.pop("prompt_tokens"), **r))
+                except Exception as e:
+                    results.append(e)
+        out: list[Any] = []
+        for job, res in zip(jobs, results):
+            if isinstance(res, BaseException):
+                out.append(res)
+                continue
+            out.append(P.sample_response_to_proto(
+                res.sequences,
+                getattr(res, "prompt_logprobs", None) if job["prompt_logprobs"] else None,
+                getattr(res, "topk_prompt_logprobs", None) if job["topk"] > 0 else None,
+                prompt_logprobs_last_n=job["last_n"]))
+        return out
+
