@@ -355,7 +355,7 @@ class ParquetStore:
         src = (
             f"read_parquet('{_sql_str(glob)}', hive_partitioning=true, "
             f"union_by_name={'true' if union_by_name else 'false'}, "
-            "filename=true, hive_types={'run_id': VARCHAR})"
+            "hive_types={'run_id': VARCHAR})"
         )
         return f"SELECT {cols} FROM {src} QUALIFY {self._dedup(table)} = 1"
 
@@ -363,10 +363,12 @@ class ParquetStore:
         """The window numbering the copies of a row, newest first. Partitioned by the natural key
         columns as well as the row id (same groups when row ids come from the natural key), so
         that filters on those columns (``name = 'train/loss'``, ``step > 100``) are pushed below
-        the window instead of deduplicating the whole table first."""
+        the window instead of deduplicating the whole table first. Copies with the same
+        ``time`` (a part and its compacted copy) hold the same values; which one is kept does
+        not matter."""
         keys = ["run_id", *(k for k in self.spec(table).natural_key if k != "run_id"), "row_id"]
         part = ", ".join(f'"{k}"' for k in keys)
-        return f"row_number() OVER (PARTITION BY {part} ORDER BY time DESC, filename DESC)"
+        return f"row_number() OVER (PARTITION BY {part} ORDER BY time DESC)"
 
     def empty_view_sql(self, table: str) -> str:
         """SELECT statement of a view with the table's columns and zero rows."""
@@ -428,7 +430,7 @@ class ParquetStore:
                 f'CAST("{f.name}" AS {_duck_type(f.type)}) AS "{f.name}"' for f in spec.schema
             )
             rel = con.sql(
-                f"SELECT {cols} FROM read_parquet([{files}], union_by_name=true, filename=true) "
+                f"SELECT {cols} FROM read_parquet([{files}], union_by_name=true) "
                 f"QUALIFY {self._dedup(table)} = 1 ORDER BY time"
             )
             to_arrow = getattr(rel, "to_arrow_table", None) or rel.arrow  # duckdb 2.x / 1.x
