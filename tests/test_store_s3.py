@@ -444,3 +444,25 @@ def test_sft_flow_with_s3_store(prefect_api, local_credentials, s3_server, s3_ro
     assert TrainingStore(root=s3_root).get_run("s3-sft")["status"] == "completed"
     kinds = {r["kind"] for r in raw_rows(s3_server, s3_root, "training", "checkpoints")}
     assert "state" in kinds
+
+
+def test_s3_credentials_from_prefect_aws_blocks():
+    """prefect-aws blocks convert without prefect-aws installed (duck-typed)."""
+    from types import SimpleNamespace
+
+    from pydantic import SecretStr
+
+    params = SimpleNamespace(endpoint_url="http://127.0.0.1:9000")
+    minio = SimpleNamespace(minio_root_user="admin", minio_root_password=SecretStr("pw"),
+                            region_name="us-east-1", aws_client_parameters=params)
+    c = S3Credentials.from_prefect_aws(minio)
+    o = c.storage_options()
+    assert (o["key"], o["secret"], o["endpoint_url"]) == ("admin", "pw", "http://127.0.0.1:9000")
+    aws = SimpleNamespace(aws_access_key_id="AK", aws_secret_access_key=SecretStr("SK"),
+                          aws_session_token=None, profile_name=None, assume_role_arn=None,
+                          region_name="eu-west-1", aws_client_parameters=SimpleNamespace(endpoint_url=None))
+    c = S3Credentials.from_prefect_aws(aws)
+    assert c.aws_access_key_id == "AK" and c.aws_secret_access_key.get_secret_value() == "SK"
+    assert c.region_name == "eu-west-1" and c.endpoint_url is None
+    with pytest.raises(TypeError, match="AwsCredentials or MinIOCredentials"):
+        S3Credentials.from_prefect_aws(object())
