@@ -293,7 +293,7 @@ def rl_flow(config: RLConfig) -> dict[str, Any]:
         "first_reward": loop.rewards[0][1] if loop.rewards else None,
         "last_reward": loop.rewards[-1][1] if loop.rewards else None,
         "rewards": [r for _, r in loop.rewards], "checkpoints": loop.checkpoints,
-        "sampler_path": loop.sampler_path, "store": config.store,
+        "sampler_path": loop.sampler_path, "tokenizer_id": loop.run.tokenizer_id, "store": config.store,
     }
     _summary_artifact(summary, config)
     return summary

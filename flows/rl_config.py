@@ -41,7 +41,7 @@ class RLConfig(EnvSpec):
     num_substeps: int = Field(default=1, ge=1, description="Optimizer steps per batch (the batch split by groups).")
     schedule: Literal["sync", "streaming", "async"] = Field(default="sync", description="sync on-policy, streaming minibatches, or async off-policy.")
     num_minibatches: int = Field(default=2, ge=1, description="streaming: forward/backward passes per optimizer step, each on the groups that arrived.")
-    max_steps_off_policy: int = Field(default=1, ge=0, description="async: most optimizer steps a group's sampler may lag the trainer.")
+    max_steps_off_policy: int = Field(default=1, ge=0, description="async: most steps (batches) a group's sampler may lag the trainer.")
     stale_groups: Literal["requeue", "drop"] = Field(default="requeue", description="async: what happens to groups older than max_steps_off_policy.")
     rollout: RolloutPolicy = Field(default_factory=RolloutPolicy, description="Failed-rollout strategy.")
     lora_rank: int = Field(default=32, ge=1)

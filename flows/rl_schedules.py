@@ -178,10 +178,10 @@ def run_async(loop: RLLoop) -> None:
     def one_step() -> None:
         step, t0 = loop.run.step, time.perf_counter()
         counters: dict[str, float] = {"groups_stale": 0.0}
-        fresh = [g for g in ready if step - g.sampler_step <= limit]
+        fresh = [g for g in ready if 0 <= step - g.sampler_step <= limit]  # < 0: sampled by weights a rewind undid
         counters["groups_stale"] += len(ready) - len(fresh)
         if c.stale_groups == "requeue":
-            requeued.extend((None, g.batch_index, g.group_index) for g in ready if step - g.sampler_step > limit)
+            requeued.extend((None, g.batch_index, g.group_index) for g in ready if g not in fresh)
         ready[:] = fresh
         while len(ready) < gpb:
             _resolve_requeued()
@@ -191,7 +191,7 @@ def run_async(loop: RLLoop) -> None:
             g = loop.collect(fut, counters)
             if g is None:
                 continue
-            if step - g.sampler_step > limit:
+            if not 0 <= step - g.sampler_step <= limit:
                 counters["groups_stale"] += 1
                 if c.stale_groups == "requeue":
                     requeued.append(work)

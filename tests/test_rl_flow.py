@@ -166,3 +166,20 @@ def test_streaming_and_async_schedules_with_failing_rollouts(prefect_api, local_
         assert "rollout/staleness_mean" in names and sorted({r["step"] for r in rows}) == [0, 2]
     else:
         assert "train/kl_policy_ref" in names
+
+
+def test_config_validation_and_cli_registration():
+    with pytest.raises(ValueError, match="clip_low_threshold"):
+        RLConfig(clip_low_threshold=1.3)
+    with pytest.raises(ValueError, match="streaming needs"):
+        RLConfig(schedule="streaming", groups_per_batch=2, num_minibatches=4)
+    with pytest.raises(ValueError, match="needs dataset"):
+        RLConfig(env="math")
+    with pytest.raises(ValueError, match="min_group_size"):
+        RLConfig(group_size=2, rollout={"min_group_size": 3})
+    cfg = RLConfig(loss_fn="ppo", clip_low_threshold=0.7)
+    assert cfg.loss_fn_config() == {"clip_low_threshold": 0.7, "clip_high_threshold": 1.2}
+    assert RLConfig().loss_fn_config() is None and RLConfig().run_name.startswith("rl-arithmetic-tiny-")
+    from flows.cli import FLOWS
+
+    assert FLOWS["rl"] == "flows.rl:rl_flow"

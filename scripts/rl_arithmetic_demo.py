@@ -1,0 +1,135 @@
+"""Warm up a model by SFT on generated sums, then RL on the ``arithmetic`` env; report rewards.
+
+Runs two Prefect flows through the embedded local server (or ``--base-url``):
+
+1. ``sft`` on ``--sft-examples`` generated ``What is a + b?`` chats (written to a temp dir),
+2. ``rl`` on the ``arithmetic`` env starting from the SFT state (``load_checkpoint_path``),
+
+then evaluates greedy accuracy on ``--eval-problems`` fresh sums before RL (the SFT weights) and
+after, and prints a JSON report: per-step mean reward of the RL run (sampled at temperature 1),
+its first/last-5-step averages, greedy accuracies, and timings.
+
+    python scripts/rl_arithmetic_demo.py --model tiny --store /tmp/demo-store
+    python scripts/rl_arithmetic_demo.py --model smollm2 --sft-steps 0 ...   # a pretrained chat model
+
+Not a test: numbers depend on the machine; see benchmarks/README.md for measured ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+for k, v in {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TINKER_TELEMETRY": "0",
+             "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TOKENIZERS_PARALLELISM": "false"}.items():
+    os.environ.setdefault(k, v)
+
+
+def greedy_accuracy(credentials, sampler_path: str, tokenizer_id: str, n: int, max_operand: int, seed: int) -> float:
+    """Fraction of ``n`` fresh sums answered exactly (temperature 0) by ``sampler_path``."""
+    import numpy as np
+    import tinker
+
+    from recipes.rl.envs import ArithmeticEnv, arithmetic_problem
+    from recipes.rl.problem_env import load_renderer
+
+    renderer = load_renderer("auto", tokenizer_id)
+    client = credentials.get_client().create_sampling_client(model_path=sampler_path).result()
+    rng = np.random.default_rng([seed, 999_999])
+    envs = [ArithmeticEnv(arithmetic_problem(rng, max_operand), renderer) for _ in range(n)]
+    futures = []
+    for env in envs:
+        ob, stop = env.initial_observation()
+        params = tinker.SamplingParams(max_tokens=8, temperature=0.0, seed=0, stop=stop)
+        futures.append(client.sample(tinker.ModelInput.from_ints(ob), 1, params))
+    correct = [env.step(list(f.result().sequences[0].tokens)).metrics["correct"] for env, f in zip(envs, futures)]
+    return float(np.mean(correct))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--store", default=None, help="training store (default: a temp dir)")
+    p.add_argument("--local-root", default=None, help="embedded server folder (default: ~/.prefect-tinker)")
+    p.add_argument("--base-url", default=None, help="a Tinker-compatible server instead of the embedded one")
+    p.add_argument("--max-operand", type=int, default=20)
+    p.add_argument("--sft-examples", type=int, default=2000)
+    p.add_argument("--sft-steps", type=int, default=150)
+    p.add_argument("--sft-batch", type=int, default=32)
+    p.add_argument("--sft-lr", type=float, default=2e-3)
+    p.add_argument("--lora-rank", type=int, default=32)
+    p.add_argument("--rl-steps", type=int, default=30)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--groups-per-batch", type=int, default=16)
+    p.add_argument("--rl-lr", type=float, default=5e-4)
+    p.add_argument("--loss-fn", default="importance_sampling")
+    p.add_argument("--schedule", default="sync")
+    p.add_argument("--eval-problems", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tag", default="demo")
+    args = p.parse_args(argv)
+
+    from flows.config import BackendConfig, resolve_credentials
+    from flows.rl import RLConfig, rl_flow
+    from flows.sft import SFTConfig, sft_flow
+    from recipes.rl.envs import write_arithmetic_sft_jsonl
+    from tinker_blocks.stores import TrainingStore
+
+    tmp = Path(tempfile.mkdtemp(prefix="rl-demo-"))
+    store = args.store or str(tmp / "store")
+    backend = BackendConfig(base_url=args.base_url, local_root=args.local_root)
+    credentials = resolve_credentials(backend)
+    report: dict = {"model": args.model, "args": vars(args)}
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+
+    init = None
+    if args.sft_steps > 0:
+        data = write_arithmetic_sft_jsonl(tmp / "sums.jsonl", args.sft_examples, max_operand=args.max_operand, seed=args.seed)
+        t0 = time.perf_counter()
+        sft = sft_flow(SFTConfig(
+            model=args.model, dataset=str(data), batch_size=args.sft_batch, max_steps=args.sft_steps,
+            learning_rate=args.sft_lr, lr_schedule="constant", lora_rank=args.lora_rank, eval_every=0,
+            save_every=0, test_size=0.05, num_eval_samples=1, sample_max_tokens=8, max_length=64,
+            run_name=f"{args.tag}-sft-{stamp}", store=store, seed=args.seed, backend=backend,
+        ))
+        report["sft"] = {"steps": sft["steps"], "first_loss": sft["first_loss"], "last_loss": sft["last_loss"],
+                         "seconds": time.perf_counter() - t0}
+        init = sft["checkpoints"][-1]
+        sampler0 = TrainingStore(root=store).last_checkpoint(sft["run_name"], kind="sampler")["path"]
+    t0 = time.perf_counter()
+    config = RLConfig(
+        model=args.model, env="arithmetic", max_operand=args.max_operand, group_size=args.group_size,
+        groups_per_batch=args.groups_per_batch, learning_rate=args.rl_lr, max_tokens=8, max_steps=args.rl_steps,
+        lora_rank=args.lora_rank, loss_fn=args.loss_fn, schedule=args.schedule, save_every=10,
+        load_checkpoint_path=init, run_name=f"{args.tag}-rl-{stamp}", store=store, seed=args.seed, backend=backend,
+    )
+    rl = rl_flow(config)
+    rewards = rl["rewards"]
+    k = min(5, len(rewards))
+    report["rl"] = {
+        "run_name": rl["run_name"], "steps": rl["steps"], "seconds": time.perf_counter() - t0,
+        "steps_per_minute": rl["steps_per_minute"], "reward_per_step": [round(r, 4) for r in rewards],
+        f"reward_mean_first_{k}": sum(rewards[:k]) / k, f"reward_mean_last_{k}": sum(rewards[-k:]) / k,
+    }
+    rows = TrainingStore(root=store).query(
+        "SELECT step, value FROM metrics WHERE run_id = ? AND name = 'env/correct_rate' ORDER BY step", [rl["run_name"]])
+    report["rl"]["correct_rate_per_step"] = [round(r["value"], 4) for r in rows]
+    tokenizer_id = rl["tokenizer_id"]
+    if init:
+        report["greedy_accuracy_before_rl"] = greedy_accuracy(
+            credentials, sampler0, tokenizer_id, args.eval_problems, args.max_operand, args.seed)
+    report["greedy_accuracy_after_rl"] = greedy_accuracy(
+        credentials, rl["sampler_path"], tokenizer_id, args.eval_problems, args.max_operand, args.seed)
+    report["store"] = store
+    print(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()
