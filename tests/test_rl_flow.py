@@ -52,6 +52,20 @@ def test_rl_flow_on_arithmetic(prefect_api, local_credentials, tmp_path, capsys)
     assert _sql(capsys, store, "SELECT status FROM runs WHERE run_id='arith'") == [{"status": "completed"}]
 
 
+def test_rl_flow_on_math_jsonl_with_own_field_names(prefect_api, local_credentials, tmp_path, capsys):
+    rows = [{"problem": f"Sam has {a} pens and gets {b} more. How many pens?", "meta": {"final": f"{a + b} pens"}}
+            for a, b in [(3, 4), (10, 5), (7, 7), (2, 9)]]
+    data = tmp_path / "word_problems.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    store = tmp_path / "store"
+    summary = rl_flow(_config(local_credentials, store, "math-run", env="math", dataset=str(data), max_steps=1,
+                              question_field="problem", answer_field="meta.final", save_every=0))
+    assert summary["steps"] == 1
+    traj = _sql(capsys, store, "SELECT prompt, metrics_json FROM trajectories WHERE run_id='math-run'")
+    assert traj and "\\boxed{}" in traj[0]["prompt"]
+    assert json.loads(traj[0]["metrics_json"])["reference"] in {"7 pens", "15 pens", "14 pens", "11 pens"}
+
+
 # ----- a dense-reward env, so every step trains on non-zero advantages --------------------------
 class ParityEnv(Env):
     """Reward = fraction of even token ids in the reply; member ``fail`` raises (a broken grader)."""
