@@ -50,3 +50,6 @@ def local_credentials(tmp_path_factory):
 
 # A real S3 server (SeaweedFS) for the store tests: fixtures s3_server (session) and s3_root.
 from tests.s3_fixtures import s3_root, s3_server  # noqa: E402,F401
+
+# Live tinker_local servers for the protocol tests: fixtures local_servers, hf_model_dir (session).
+from tests.local_server import hf_model_dir, local_servers  # noqa: E402,F401

@@ -5,7 +5,8 @@
 the connection after the response headers, so the client never gets the body and must retry a
 request the server already ran (the server's request-id / ``seq_id`` de-duplication makes the
 retry return the original result).  Counted requests are those under ``/api/v1`` except
-``/api/v1/healthz``; a request that is both N-th and M-th fails with 503.
+``/api/v1/healthz`` and ``/api/v1/local_stats``; a request that is both N-th and M-th fails
+with 503.
 
 Set from the command line (``serve --fail-every N --drop-every M``) or the environment
 (``TINKER_LOCAL_FAIL_EVERY``, ``TINKER_LOCAL_DROP_EVERY``); 0 = off (the default).
@@ -69,7 +70,8 @@ class FaultState:
 
     def decide(self, path: str) -> str | None:
         """"fail", "drop" or None for the next request to ``path`` (counts it)."""
-        if not path.startswith(self.prefix) or path == f"{self.prefix}/healthz":
+        if not path.startswith(self.prefix) or path in (f"{self.prefix}/healthz",
+                                                         f"{self.prefix}/local_stats"):
             return None
         with self._lock:
             self.counts["requests"] += 1

@@ -95,6 +95,9 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
             response = await call_next(request)
         except HttpError as e:  # raised outside a route (should not happen)
             response = JSONResponse({"detail": e.detail}, status_code=e.status)
+        route_ = request.scope.get("route")  # count by route template: bounded number of keys
+        key = getattr(route_, "path", None) or "(no route)"
+        svc.request_counts[key] = svc.request_counts.get(key, 0) + 1
         level = logging.DEBUG if path.endswith(_QUIET) and response.status_code in (200, 408) else logging.INFO
         logger.log(level, "%s %s -> %d (%.1f ms)", request.method, path, response.status_code,
                    (time.monotonic() - t0) * 1000)
@@ -145,7 +148,8 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
     @route("GET", "/local_stats")
     async def local_stats():
         # tinker_local only: compute-thread and fault-injection counters (for tests, benchmarks)
-        return {"compute": dict(svc.store.stats), "faults": dict(fault_state.counts),
+        return {"compute": dict(svc.store.stats), "requests": dict(svc.request_counts),
+                "faults": dict(fault_state.counts),
                 "fault_config": {"fail_every": fault_state.config.fail_every,
                                  "drop_every": fault_state.config.drop_every}}
 

@@ -68,6 +68,7 @@ class LocalService(SamplingServiceMixin, RestMixin):
         self.datum_cls = datum_cls or _engine_datum_cls()
         self._info: dict[str, dict[str, Any]] = {}  # model_id -> engine.get_info(), cached
         self._client_names: dict[str, str] = {}  # base model -> name handed to SDK clients
+        self.request_counts: dict[str, int] = {}  # HTTP path -> requests seen (GET local_stats)
 
     def client_model_name(self, base_model: str) -> str:
         """The base-model name handed to SDK clients (``get_info``'s ``model_data.model_name``,
