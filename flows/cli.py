@@ -9,6 +9,7 @@ Subcommands::
     prefect-tinker checkpoints RUN_ID [--store ROOT] [--json]   a run's checkpoints
     prefect-tinker local serve ...                              the local Tinker-compatible server
     prefect-tinker show-example DATA --tokenizer T [...]        a rendered example, trained tokens highlighted
+    prefect-tinker ops install-automations [--within S]         crash runs whose heartbeats stop (flows/ops.py)
 
 Exit status: 0 success, 1 runtime failure (SQL error, the flow failed), 2 bad usage or an
 invalid config (the message names each bad field and its value; no traceback).
@@ -542,6 +543,9 @@ def build_parser() -> argparse.ArgumentParser:
     from recipes.show import add_parser as add_show_example  # logic lives in recipes/show.py
 
     add_show_example(sub)
+    from flows.ops import add_parser as add_ops  # prefect-tinker ops ...: automations for crashed runs
+
+    add_ops(sub)
     return p
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-__all__ = ["BackendConfig", "AdamConfig", "resolve_credentials"]
+__all__ = ["BackendConfig", "AdamConfig", "resolve_credentials", "default_run_name"]
 
 
 class BackendConfig(BaseModel):
@@ -36,6 +36,23 @@ class AdamConfig(BaseModel):
     eps: float = Field(default=1e-12, gt=0)
     weight_decay: float = Field(default=0.0, ge=0, description="Decoupled weight decay.")
     grad_clip_norm: float = Field(default=0.0, ge=0, description="Global gradient-norm clip; 0 = off.")
+
+
+def default_run_name(prefix: str, config: BaseModel) -> str:
+    """A run name for a config without one: ``<prefix>-<UTC timestamp>``, or, inside a flow run of a
+    deployment (``PREFECT__FLOW_RUN_ID`` set by the worker), ``<prefix>-<first 8 hex digits of the
+    flow run id>-<4 hex digits of the config's hash>``: a retry of that flow run (``prefect flow-run
+    retry``, the UI's Retry, the resume automation of ``flows/ops.py``) gets the same name and so
+    resumes the run after its last checkpoint, while other flow runs and other configs get new names.
+    """
+    import hashlib
+    from datetime import datetime, timezone
+
+    flow_run_id = os.environ.get("PREFECT__FLOW_RUN_ID", "").replace("-", "")
+    if flow_run_id:
+        digest = hashlib.sha256(config.model_dump_json(exclude={"run_name"}).encode()).hexdigest()
+        return f"{prefix}-{flow_run_id[:8]}-{digest[:4]}"
+    return f"{prefix}-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}"
 
 
 def resolve_credentials(backend: BackendConfig) -> Any:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import time
-from datetime import datetime, timezone
 from importlib import resources
 from typing import Any, Literal
 
@@ -24,9 +23,10 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from pydantic import BaseModel, Field, model_validator
 
-from flows.config import AdamConfig, BackendConfig, resolve_credentials
+from flows.config import AdamConfig, BackendConfig, default_run_name, resolve_credentials
 from tasks.data import PreparedDataset, dataset_uri, prepare_sft_dataset
 from tasks.records import record_checkpoint, record_run, write_metrics
+from tasks.reporting import report_run
 from tasks.sampling import sample_completions
 from tasks.training import ClientRewound, TrainingRun, evaluate_nll, open_training_run, save_checkpoint, train_step
 
@@ -67,9 +67,8 @@ class SFTConfig(BaseModel):
 
     @model_validator(mode="after")
     def _name(self) -> "SFTConfig":
-        if self.run_name is None:
-            stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-            self.run_name = f"sft-{self.model.replace('/', '-')}-{stamp}"
+        if self.run_name is None:  # stable across retries of a deployment's flow run (resumes)
+            self.run_name = default_run_name(f"sft-{self.model.replace('/', '-')}", self)
         return self
 
 
@@ -164,6 +163,7 @@ def _train(config: SFTConfig, credentials: Any, backend: str, run: TrainingRun, 
                 write_metrics(config.store, run_id, pending)  # metrics first, then the checkpoint row
                 pending = []
                 record_checkpoint(config.store, run_id, done, path, "state")
+                report_run(config.store, run_id, done)  # latest-metrics table + curves picture
         except ClientRewound as rew:
             rewinds += 1
             if rewinds > 3:

@@ -40,6 +40,13 @@ class S3Credentials(CredentialsBlock):
     _block_type_slug = "tinker-s3-credentials"
     _description = "Key, secret and endpoint of an S3 or S3-compatible object store for the Tinker stores."
     _documentation_url = "https://github.com/prefect-tinker/prefect-tinker"  # type: ignore[assignment]
+    _code_example = """
+```python
+from tinker_blocks import S3Credentials, TrainingStore
+
+s3 = S3Credentials.load("BLOCK_NAME")  # or S3Credentials(aws_access_key_id=..., endpoint_url=...)
+store = TrainingStore(root="s3://bucket/prefix", credentials=s3)
+```"""
 
     aws_access_key_id: str | None = Field(default=None, description="Access key id (AWS_ACCESS_KEY_ID when empty).")
     aws_secret_access_key: SecretStr | None = Field(

@@ -197,7 +197,8 @@ class TrainingStore(StoreBlock):
     _code_example = """
 ```python
 from tinker_blocks.stores import TrainingStore
-store = TrainingStore(root="s3://bucket/prefix")
+
+store = TrainingStore.load("BLOCK_NAME")  # or TrainingStore(root="s3://bucket/prefix")
 with store.writer("metrics") as w:
     w.write(run_id="sft-1", step=0, name="train/loss", value=2.1)
 print(store.connect().execute("SELECT * FROM metrics").fetchall())
@@ -292,6 +293,15 @@ class EvalStore(StoreBlock):
     _block_type_name = "Tinker Eval Store"
     _block_type_slug = "tinker-eval-store"
     _description = "Append-only Parquet store of evaluation results and graded samples, queried with DuckDB."
+    _code_example = """
+```python
+from tinker_blocks.stores import EvalStore
+
+evals = EvalStore.load("BLOCK_NAME")  # or EvalStore(root="s3://bucket/prefix")
+evals.record_result("sft-1", eval_name="gsm8k", metric="accuracy", value=0.41,
+                    step=200, checkpoint="tinker://m/sampler_weights/step-200")
+print(evals.query("SELECT eval_name, metric, value FROM eval_results"))
+```"""
 
     def record_result(
         self,
@@ -330,3 +340,10 @@ class CaptureStore(StoreBlock):
     _block_type_name = "Tinker Capture Store"
     _block_type_slug = "tinker-capture-store"
     _description = "Append-only Parquet store of captured sampling requests and responses, queried with DuckDB."
+    _code_example = """
+```python
+from tinker_blocks.stores import CaptureStore
+
+captures = CaptureStore.load("BLOCK_NAME")  # or CaptureStore(root="s3://bucket/prefix")
+print(captures.query("SELECT prompt, completion FROM captures LIMIT 5"))
+```"""

@@ -1,0 +1,150 @@
+"""Run reports a person reads at a glance in the Prefect UI: the latest metrics as a table artifact
+and the training curves as a PNG picture embedded in a markdown artifact.
+
+Both are read back from the training store (so a resumed run's report covers every invocation)
+and posted under stable artifact keys (``<kind>-<run>-metrics``, ``<kind>-<run>-curves``): the UI
+shows the newest version of each key and keeps the older ones as history. The picture is embedded
+as a ``data:image/png;base64`` URI (the self-hosted UI renders it; no file server needed) and also
+written to ``<store root>/reports/<run_id>/curves.png`` (a local folder or ``s3://``).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+from typing import Any, Sequence
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+
+from tasks.policies import RETRY_OPTIONS
+
+__all__ = ["artifact_key", "latest_metrics", "metric_series", "plot_curves", "report_run", "SFT_CURVES", "RL_CURVES"]
+
+#: Curves of an SFT run (one panel per name; names absent from the store are skipped).
+SFT_CURVES: tuple[str, ...] = ("train/loss", "test/nll", "train/learning_rate")
+#: Curves of an RL run.
+RL_CURVES: tuple[str, ...] = ("env/reward_mean", "env/correct_rate", "train/kl_policy_ref", "train/entropy")
+
+
+def artifact_key(kind: str, run_id: str, what: str) -> str:
+    """A valid Prefect artifact key (lowercase letters, digits, dashes) for ``kind``/``run_id``/``what``."""
+    slug = "".join(c if c.isalnum() else "-" for c in run_id.lower()).strip("-")[:60]
+    return f"{kind}-{slug}-{what}"
+
+
+def _store(store: Any):
+    from tinker_blocks.stores import TrainingStore
+
+    return store if isinstance(store, TrainingStore) else TrainingStore(root=str(store))
+
+
+def latest_metrics(store: Any, run_id: str) -> list[dict[str, Any]]:
+    """The newest value of every metric of ``run_id``: rows ``{"metric", "step", "value"}`` sorted by
+    name (values rounded to 6 significant digits for display; NaN shown as None)."""
+    rows = _store(store).query(
+        "SELECT name, max(step) AS step, arg_max(value, step) AS value FROM metrics "
+        "WHERE run_id = ? GROUP BY name ORDER BY name", [run_id],
+    )
+    out = []
+    for r in rows:
+        v = r["value"]
+        v = None if v is None or (isinstance(v, float) and math.isnan(v)) else float(f"{v:.6g}")
+        out.append({"metric": r["name"], "step": int(r["step"]), "value": v})
+    return out
+
+
+def metric_series(store: Any, run_id: str, names: Sequence[str]) -> dict[str, tuple[list[int], list[float]]]:
+    """``name -> (steps, values)`` for each of ``names`` that ``run_id`` has, in step order."""
+    if not names:
+        return {}
+    marks = ", ".join("?" for _ in names)
+    rows = _store(store).query(
+        f"SELECT name, step, value FROM metrics WHERE run_id = ? AND name IN ({marks}) ORDER BY name, step",
+        [run_id, *names],
+    )
+    series: dict[str, tuple[list[int], list[float]]] = {}
+    for r in rows:
+        steps, values = series.setdefault(r["name"], ([], []))
+        steps.append(int(r["step"]))
+        values.append(float(r["value"]))
+    return {n: series[n] for n in names if n in series}
+
+
+def plot_curves(series: dict[str, tuple[list[int], list[float]]], title: str) -> bytes:
+    """A PNG (bytes) with one panel per metric (x: step). Uses matplotlib's Agg backend (no display).
+
+    Raises:
+        ValueError: ``series`` is empty.
+    """
+    if not series:
+        raise ValueError("no metric series to plot")
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    from matplotlib.figure import Figure  # a bare Figure: no pyplot global state, thread-safe
+
+    n = len(series)
+    fig = Figure(figsize=(3.2 * n, 2.6), dpi=80, layout="constrained")
+    axes = fig.subplots(1, n, squeeze=False)[0]
+    for ax, (name, (steps, values)) in zip(axes, series.items()):
+        ax.plot(steps, values, marker="o" if len(steps) <= 30 else None, markersize=3, linewidth=1.5)
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("step", fontsize=9)
+        ax.tick_params(labelsize=8)
+        ax.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def _write_png(root: str, run_id: str, png: bytes) -> str:
+    """Write ``png`` to ``<root>/reports/<run_id>/curves.png``; returns that path or URL."""
+    import fsspec
+
+    from tinker_blocks.store_io import resolve_storage_options
+
+    url = f"{root.rstrip('/')}/reports/{run_id}/curves.png"
+    fs, path = fsspec.core.url_to_fs(url, **resolve_storage_options(root))
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    fs.pipe_file(path, png)
+    return url
+
+
+@task(name="report-run", task_run_name="report-{run_id}-step-{step}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
+def report_run(store: str, run_id: str, step: int, kind: str = "sft", curves: Sequence[str] = SFT_CURVES,
+               plot: bool = True) -> dict[str, Any]:
+    """Post the run's report artifacts from the training store at ``store``.
+
+    - table artifact ``<kind>-<run>-metrics``: the newest value of every metric;
+    - markdown artifact ``<kind>-<run>-curves`` (``plot=True`` and at least one of ``curves``
+      recorded): the PNG of those curves, embedded, and its path in the store.
+
+    Returns ``{"metrics": n_rows, "png": path or None, "png_bytes": size}``.
+    """
+    rows = latest_metrics(store, run_id)
+    if rows:
+        create_table_artifact(
+            rows, key=artifact_key(kind, run_id, "metrics"),
+            description=f"{kind.upper()} run `{run_id}`: latest value of every metric (step {step})",
+        )
+    if not plot:
+        return {"metrics": len(rows), "png": None, "png_bytes": 0}
+    series = metric_series(store, run_id, list(curves))
+    if not series:
+        return {"metrics": len(rows), "png": None, "png_bytes": 0}
+    png = plot_curves(series, f"{kind.upper()} {run_id} (step {step})")
+    path = _write_png(str(store), run_id, png)
+    data = base64.b64encode(png).decode("ascii")
+    markdown = "\n".join([
+        f"# {kind.upper()} run `{run_id}`: curves at step {step}",
+        "",
+        f"![{kind} curves of {run_id}](data:image/png;base64,{data})",
+        "",
+        f"Picture also at `{path}`. Curves: " + ", ".join(f"`{n}`" for n in series) + ".",
+    ])
+    create_markdown_artifact(markdown, key=artifact_key(kind, run_id, "curves"), description=f"{kind.upper()} curves")
+    return {"metrics": len(rows), "png": path, "png_bytes": len(png)}
