@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
 from typing import Literal
 
 from pydantic import Field, model_validator
 
-from flows.config import AdamConfig, BackendConfig
+from flows.config import AdamConfig, BackendConfig, default_run_name
 from recipes.rl.envs import EnvSpec
 from tasks.rollouts import RolloutPolicy
 
@@ -56,9 +55,8 @@ class RLConfig(EnvSpec):
 
     @model_validator(mode="after")
     def _check(self) -> "RLConfig":
-        if self.run_name is None:
-            stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-            self.run_name = f"rl-{self.env}-{self.model.replace('/', '-')}-{stamp}"
+        if self.run_name is None:  # stable across retries of a deployment's flow run (resumes)
+            self.run_name = default_run_name(f"rl-{self.env}-{self.model.replace('/', '-')}", self)
         if self.clip_low_threshold >= self.clip_high_threshold:
             raise ValueError(f"clip_low_threshold ({self.clip_low_threshold}) must be below clip_high_threshold ({self.clip_high_threshold})")
         if self.num_substeps > self.groups_per_batch:
