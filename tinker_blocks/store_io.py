@@ -32,6 +32,7 @@ import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
 from tinker_blocks.s3 import (
+    PartCacheFS,
     StoreAccessError,
     StoreUnavailableError,
     attach_filesystem,
@@ -172,6 +173,7 @@ class ParquetStore:
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self.bucket_path = base.rstrip("/")
         self.base = f"{self.bucket_path}/{store}"  # path inside the filesystem (no protocol)
+        self._cache: PartCacheFS | None = None  # the read cache of the last attach()
 
     def __repr__(self) -> str:
         return f"ParquetStore(root={self.root!r}, store={self.store!r})"
@@ -377,13 +379,28 @@ class ParquetStore:
         return f"SELECT {cols} WHERE false"
 
     def attach(self, con: duckdb.DuckDBPyConnection) -> str:
-        """Let ``con`` read this store's files; returns ``"local"``, ``"httpfs"`` or ``"fsspec"``."""
+        """Let ``con`` read this store's files; returns ``"local"``, ``"httpfs"`` or ``"fsspec"``
+        (then through a :class:`~tinker_blocks.s3.PartCacheFS` kept for :meth:`create_views`)."""
         if self.is_local:
             return "local"
-        return attach_filesystem(con, self.fs, self._url(self.bucket_path), self.storage_options)
+        cache = PartCacheFS(self.fs)
+        how = attach_filesystem(con, cache, self._url(self.bucket_path), self.storage_options)
+        self._cache = cache if how == "fsspec" else None
+        return how
 
     def create_views(self, con: duckdb.DuckDBPyConnection) -> None:
         """Create (or replace) one view per table on ``con`` (already :meth:`attach`-ed)."""
+        cache = self._cache
+        readahead = cache.readahead_files if cache is not None else 0
+        if cache is not None:
+            cache.readahead_files = 0  # binding a view reads one file: no read-ahead for that
+        try:
+            self._create_views(con)
+        finally:
+            if cache is not None:
+                cache.readahead_files = readahead
+
+    def _create_views(self, con: duckdb.DuckDBPyConnection) -> None:
         for table in self.tables:
             if not self.list_parts(table):
                 con.execute(f'CREATE OR REPLACE VIEW "{table}" AS {self.empty_view_sql(table)}')
@@ -466,9 +483,12 @@ def connect_stores(
     con = con if con is not None else duckdb.connect()
     con.execute("SET TimeZone = 'UTC'")
     opts = resolve_storage_options(root, storage_options)
-    for i, name in enumerate(stores):
+    first: ParquetStore | None = None
+    for name in stores:
         io = ParquetStore(root, name, storage_options=opts)
-        if i == 0:
+        if first is None:
+            first = io
             io.attach(con)  # one filesystem / secret for the whole root
+        io._cache = first._cache
         io.create_views(con)
     return con
