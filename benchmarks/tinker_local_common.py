@@ -1,0 +1,109 @@
+"""Shared parts of the tinker_local benchmarks: the ~10M-parameter model directory, a server
+subprocess, the benchmark batch, and system load / RSS readings.
+
+The model: a random-init Qwen3 causal LM (5 layers, hidden 384, 6 query / 2 kv heads of 64,
+MLP 1152, vocab 2048, untied head, context 2048: 10.18M parameters) with the tiny preset's
+byte-level BPE tokenizer, saved as a plain Hugging Face directory, so that the server
+(``--model DIR``) and the plain torch / transformers baselines load the same files.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+API_KEY = "tml-benchmark"
+
+
+def build_model_dir(path: Path) -> Path:
+    """Write the benchmark model directory at ``path`` (kept if already there)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from tinker_local.tokenizer import save_tiny_tokenizer
+
+    path = Path(path)
+    if (path / "model.safetensors").is_file():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    save_tiny_tokenizer(path, vocab_size=2048, seed=0)
+    cfg = Qwen3Config(vocab_size=2048, hidden_size=384, intermediate_size=1152, num_hidden_layers=5,
+                      num_attention_heads=6, num_key_value_heads=2, head_dim=64,
+                      max_position_embeddings=2048, tie_word_embeddings=False, eos_token_id=2,
+                      pad_token_id=0, bos_token_id=None)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        Qwen3ForCausalLM(cfg).save_pretrained(str(path))
+    return path
+
+
+def batch_tokens(batch: int, seq: int, seed: int = 0) -> np.ndarray:
+    """(batch, seq + 1) random token ids in [3, 2048): inputs are [:, :-1], targets [:, 1:]."""
+    return np.random.default_rng(seed).integers(3, 2048, (batch, seq + 1))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``python -m tinker_local serve --model DIR`` on a free port; ``base_url``, ``pid``;
+    ``stop()`` terminates it.  Blocks in ``__init__`` until ``/api/v1/healthz`` answers."""
+
+    def __init__(self, model_dir: Path, root: Path, *, threads: int, dtype: str = "auto",
+                 extra: list[str] | None = None, log_level: str = "warning"):
+        import httpx
+
+        port = free_port()
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.log = Path(root) / "server.log"
+        Path(root).mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TINKER_TELEMETRY": "0"}
+        with open(self.log, "w") as f:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tinker_local", "serve", "--model", str(model_dir), "--port",
+                 str(port), "--root", str(root), "--threads", str(threads), "--dtype", dtype,
+                 "--log-level", log_level, *(extra or [])], stdout=f, stderr=subprocess.STDOUT, env=env)
+        self.pid = self.proc.pid
+        deadline = time.monotonic() + 300
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited:\n{self.log.read_text()}")
+            try:
+                if httpx.get(f"{self.base_url}/api/v1/healthz", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server not healthy after 300 s:\n{self.log.read_text()}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def rss_mb(pid: int) -> tuple[float, float]:
+    """(current RSS, peak RSS) of process ``pid`` in MiB, from /proc/<pid>/status."""
+    vals = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(("VmRSS:", "VmHWM:")):
+            key, num, _unit = line.split()
+            vals[key] = int(num) / 1024
+    return vals["VmRSS:"], vals["VmHWM:"]
+
+
+def load_average() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"{one:.2f} {five:.2f} {fifteen:.2f} ({os.cpu_count()} CPUs)"
