@@ -277,23 +277,42 @@ class PartCacheFS(AbstractFileSystem):
         self._lock = threading.Lock()  # guards the LRU and the listings
         self._fetch_lock = threading.Lock()  # one read-ahead at a time (each is concurrent inside)
         self._listing: dict[str, tuple[list[str], int]] = {}  # path -> (its glob result, index)
+        self._info: dict[str, dict[str, Any]] = {}  # path -> its entry in the last listing
         self.fetches = 0  # files fetched (for tests and benchmarks)
 
     def _strip_protocol(self, path: str) -> str:  # type: ignore[override]
         return self.inner._strip_protocol(path)
 
     def glob(self, path: str, **kwargs: Any) -> Any:  # type: ignore[override]
-        found = self.inner.glob(path, **kwargs)
-        if isinstance(found, list):
-            order = sorted(self._strip_protocol(p) for p in found)
-            with self._lock:
-                for i, p in enumerate(order):
-                    self._listing[p] = (order, i)
-        return found
+        if kwargs.get("detail"):
+            return self.inner.glob(path, **kwargs)
+        found = self.inner.glob(path, detail=True, **kwargs)
+        entries = {self._strip_protocol(k): v for k, v in found.items()}
+        order = sorted(entries)
+        with self._lock:
+            for i, p in enumerate(order):
+                self._listing[p] = (order, i)
+                self._info[p] = entries[p]
+        return order
+
+    def info(self, path: str, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """From the last listing when the file was in it (parts are immutable), else asked."""
+        key = self._strip_protocol(path)
+        with self._lock:
+            found = self._info.get(key)
+        return dict(found) if found is not None else self.inner.info(path, **kwargs)
+
+    def size(self, path: str) -> int | None:  # type: ignore[override]
+        return self.info(path).get("size")
+
+    def modified(self, path: str) -> Any:  # type: ignore[override]
+        found = self.info(path)
+        when = found.get("LastModified") or found.get("mtime")
+        return when if when is not None else self.inner.modified(path)
 
     def _size(self, key: str) -> int | None:
         try:
-            return self.inner.size(key)
+            return self.size(key)
         except OSError:
             return None
 
@@ -363,7 +382,7 @@ def _delegate(name: str):
     return method
 
 
-for _name in ("info", "ls", "exists", "isfile", "isdir", "size", "modified", "created", "ukey",
+for _name in ("ls", "exists", "isfile", "isdir", "created", "ukey",
               "checksum", "find", "cat_file", "pipe_file", "rm_file", "rm", "mkdir", "makedirs",
               "mv", "copy", "put_file", "get_file", "invalidate_cache"):
     setattr(PartCacheFS, _name, _delegate(_name))
