@@ -31,7 +31,9 @@ from prefect.artifacts import create_markdown_artifact
 
 from flows.config import resolve_credentials
 from flows.rl_config import RLConfig
-from recipes.rl.advantages import apply_kl_penalty, groups_to_datums, remove_constant_reward_groups, rollout_metrics
+from recipes.rl.advantages import (
+    apply_kl_penalty, compute_advantages, groups_to_datums, remove_constant_reward_groups, rollout_metrics,
+)
 from recipes.rl.envs import build_rl_dataset
 from recipes.rl.types import TrajectoryGroup
 from tasks.records import record_checkpoint, record_run, write_metrics, write_trajectories
@@ -175,7 +177,7 @@ class RLLoop:
     def _log_trajectories(self, step: int, groups: list[TrajectoryGroup]) -> None:
         n = self.config.log_trajectories
         for g in groups:
-            adv = groups_to_datums([g])[1][0] if g.trajectories_G else []
+            adv = compute_advantages(g.total_rewards(), self.config.normalize_advantages_std)
             for i, (traj, reward) in enumerate(zip(g.trajectories_G, g.total_rewards())):
                 if n <= 0:
                     return
