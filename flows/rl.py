@@ -37,6 +37,7 @@ from recipes.rl.advantages import (
 from recipes.rl.envs import build_rl_dataset
 from recipes.rl.types import TrajectoryGroup
 from tasks.records import record_checkpoint, record_run, write_metrics, write_trajectories
+from tasks.reporting import RL_CURVES, report_run
 from tasks.rl_training import rl_forward_backward, rl_optim_step, save_sampler_weights
 from tasks.rollouts import reference_logprobs, rollout_group
 from tasks.training import ClientRewound, TrainingRun, open_training_run, save_checkpoint
@@ -216,6 +217,7 @@ class RLLoop:
         self.pending, self.pending_traj = [], []
         record_checkpoint(c.store, c.run_name, done, self.sampler_path, "sampler")
         record_checkpoint(c.store, c.run_name, done, path, "state")
+        report_run(c.store, c.run_name, done, kind="rl", curves=RL_CURVES)  # metrics table + curves picture
         self.checkpoints.append(path)
 
     def rewind(self, rew: ClientRewound) -> None:

@@ -26,7 +26,7 @@ __all__ = ["artifact_key", "latest_metrics", "metric_series", "plot_curves", "re
 #: Curves of an SFT run (one panel per name; names absent from the store are skipped).
 SFT_CURVES: tuple[str, ...] = ("train/loss", "test/nll", "train/learning_rate")
 #: Curves of an RL run.
-RL_CURVES: tuple[str, ...] = ("env/reward_mean", "env/correct_rate", "train/kl_policy_ref", "train/entropy")
+RL_CURVES: tuple[str, ...] = ("env/reward_mean", "env/correct_rate", "train/entropy", "train/kl_sample_train_v1")
 
 
 def artifact_key(kind: str, run_id: str, what: str) -> str:

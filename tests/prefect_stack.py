@@ -90,6 +90,7 @@ class PrefectStack:
         self.server = subprocess.Popen(
             [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
             cwd=self.home, env=self.env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=_default_sigint,
         )
         log.close()
 
@@ -112,6 +113,7 @@ class PrefectStack:
         proc = subprocess.Popen(
             [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--type", "process", "--name", name],
             cwd=self.home, env=self.env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=_default_sigint,
         )
         log.close()
         self.workers.append(proc)
@@ -224,6 +226,12 @@ class PrefectStack:
             resp = c._client.post("/events/filter", json={"filter": flt, "limit": limit})
             resp.raise_for_status()
             return resp.json()["events"]
+
+
+def _default_sigint() -> None:
+    """In the child: SIGINT back to its default (a parent started in the background ignores it, and
+    the child would inherit that), so that :meth:`PrefectStack.stop_worker` can stop workers."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _is_engine(p: Any) -> bool:
