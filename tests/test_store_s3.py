@@ -423,7 +423,7 @@ def test_missing_bucket_created_on_first_write_or_refused(s3_server, s3_root):
     assert store.get_run("r")["status"] == "running"
 
 
-@pytest.mark.slow  # a whole Prefect flow run with the local server: ~15 s alone, more under load
+@pytest.mark.slow  # a whole Prefect flow run on the local server: 30-60 s on 2 shared cores
 def test_sft_flow_with_s3_store(prefect_api, local_credentials, s3_server, s3_root):
     """The SFT flow with ``store=s3://...`` (credentials from the AWS_* environment): its parts,
     read back with a plain DuckDB + s3fs connection, hold one row per (step, name)."""
