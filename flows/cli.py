@@ -459,6 +459,9 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    # Without PREFECT_API_URL a flow starts a temporary Prefect server; on a busy machine it
+    # needs longer than Prefect's 20 s default to answer.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     flow, model = resolve_flow(args.flow)
     config = build_config(model, args.overrides, args.config, args.flow)
     if args.dry_run:

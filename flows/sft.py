@@ -25,7 +25,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from flows.config import AdamConfig, BackendConfig, default_run_name, resolve_credentials
 from tasks.data import PreparedDataset, dataset_uri, prepare_sft_dataset
-from tasks.records import record_checkpoint, record_run, write_metrics
+from tasks.records import check_store, record_checkpoint, record_run, write_metrics
 from tasks.reporting import report_run
 from tasks.sampling import sample_completions
 from tasks.training import ClientRewound, TrainingRun, evaluate_nll, open_training_run, save_checkpoint, train_step
@@ -111,6 +111,7 @@ def sft_flow(config: SFTConfig) -> dict[str, Any]:
     credentials = resolve_credentials(config.backend)
     backend = credentials.backend_name()
     run_id = config.run_name
+    check_store(config.store)  # wrong credentials / unwritable store: fail before any training
     last = _last_state_checkpoint(config.store, run_id)
     run: TrainingRun = open_training_run(
         credentials, run_id, config.model, config.lora_rank, backend, seed=config.seed,
