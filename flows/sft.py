@@ -20,13 +20,14 @@ from typing import Any, Literal
 
 import numpy as np
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
+from prefect.artifacts import create_markdown_artifact
+from prefect.utilities.annotations import quote
 from pydantic import BaseModel, Field, model_validator
 
 from flows.config import AdamConfig, BackendConfig, default_run_name, resolve_credentials
 from tasks.data import PreparedDataset, dataset_uri, prepare_sft_dataset
 from tasks.records import check_store, record_checkpoint, record_run, write_metrics
-from tasks.reporting import report_run
+from tasks.reporting import Progress, report_run
 from tasks.sampling import sample_completions
 from tasks.training import ClientRewound, TrainingRun, evaluate_nll, open_training_run, save_checkpoint, train_step
 
@@ -140,26 +141,26 @@ def _train(config: SFTConfig, credentials: Any, backend: str, run: TrainingRun, 
     log.info("%d train / %d test examples, %d steps (renderer %s)", len(data.train), len(data.test), total, data.renderer)
 
     pending: list[tuple[int, str, float]] = []
-    progress = create_progress_artifact(progress=100.0 * run.step / total, description=f"SFT {run_id}: steps done of {total}")
+    progress = Progress(f"SFT {run_id}: steps done of {total}", total, run.step)
     if run.step == 0 and test_datums:
-        pending += [(0, f"test/{k}", v) for k, v in evaluate_nll(credentials, run, test_datums).items()]
+        pending += [(0, f"test/{k}", v) for k, v in evaluate_nll(credentials, run, quote(test_datums)).items()]
     rewinds = 0
     while run.step < total:
         step = run.step
         batch = [data.train[i] for i in batch_indices(len(data.train), config.batch_size, config.seed, step)]
         try:
             run, m = train_step(
-                credentials, run, step, _datums(data, batch, config.max_length),
+                credentials, run, step, quote(_datums(data, batch, config.max_length)),  # quote: no input walk
                 lr_at(config, step, total), config.adam.model_dump(),
             )
             done = run.step
             pending += [(step, f"train/{k}", v) for k, v in m.items()]
             _after_step(done)
             if test_datums and config.eval_every and done % config.eval_every == 0 and done < total:
-                pending += [(done, f"test/{k}", v) for k, v in evaluate_nll(credentials, run, test_datums).items()]
+                pending += [(done, f"test/{k}", v) for k, v in evaluate_nll(credentials, run, quote(test_datums)).items()]
             if (config.save_every and done % config.save_every == 0) or done == total:
                 if done == total and test_datums:
-                    pending += [(done, f"test/{k}", v) for k, v in evaluate_nll(credentials, run, test_datums).items()]
+                    pending += [(done, f"test/{k}", v) for k, v in evaluate_nll(credentials, run, quote(test_datums)).items()]
                 run, path = _save(credentials, run, f"{run_id}-step-{done:06d}", data, config)
                 write_metrics(config.store, run_id, pending)  # metrics first, then the checkpoint row
                 pending = []
@@ -172,7 +173,7 @@ def _train(config: SFTConfig, credentials: Any, backend: str, run: TrainingRun, 
             log.warning("%s; continuing from step %d", rew, rew.step)
             run = rew.run
             pending = [p for p in pending if p[0] < rew.step]
-        update_progress_artifact(progress, progress=100.0 * run.step / total)
+        progress.update(run.step)
     if pending:
         write_metrics(config.store, run_id, pending)
 
