@@ -55,6 +55,7 @@ class _Base:
     peft: Any = None  # peft.PeftModel once the first adapter exists
     counter: int = 0
     sampler_adapters: "OrderedDict[tuple, str]" = field(default_factory=OrderedDict)
+    active: str | None = None  # adapter last activated by set_adapter (None: unknown)
 
 
 @dataclass
@@ -137,6 +138,7 @@ class Engine(SamplingMixin):
             b.counter += 1
             name = f"t{b.counter}"
             b.peft = add_adapter(b.peft, b.model, name, cfg, seed, self.device)
+            b.active = None
             params = adapter_params(b.peft, name)
             self._models[model_id] = _Train(model_id, base_model, b.spec.name, name, lora_rank,
                                             bool(train_mlp), bool(train_attn), bool(train_unembed),
@@ -147,6 +149,7 @@ class Engine(SamplingMixin):
         with self._lock:
             st = self._train(model_id)
             self._bases[st.base_key].peft.delete_adapter(st.adapter)
+            self._bases[st.base_key].active = None
             del self._models[model_id]
 
     def list_models(self) -> list[str]:
@@ -375,8 +378,10 @@ class Engine(SamplingMixin):
         return st
 
     def _activate(self, b: _Base, st: _Train) -> None:
-        b.peft.set_adapter(st.adapter)
-        for p in st.params.values():  # peft toggles requires_grad in set_adapter
+        if b.active != st.adapter:  # set_adapter walks every module: only when it changes
+            b.peft.set_adapter(st.adapter)
+            b.active = st.adapter
+        for p in st.params.values():  # peft toggles requires_grad (set_adapter, disable_adapter)
             p.requires_grad_(True)
 
 

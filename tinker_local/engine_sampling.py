@@ -201,12 +201,16 @@ class SamplingMixin:
             b.counter += 1
             name = f"s{b.counter}"
             b.peft = load_sampler_adapter(b.peft, b.model, name, path, self.device)
+            b.active = None
             b.sampler_adapters[key] = name
             while len(b.sampler_adapters) > MAX_SAMPLER_ADAPTERS:
                 _, old = b.sampler_adapters.popitem(last=False)
                 b.peft.delete_adapter(old)
+                b.active = None
         b.sampler_adapters.move_to_end(key)
-        b.peft.set_adapter(name)
+        if b.active != name:
+            b.peft.set_adapter(name)
+            b.active = name
 
 
 def _chunks(items: list[tuple[int, SampleRequest]], vocab: int) -> list[list[tuple[int, SampleRequest]]]:
