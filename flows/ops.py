@@ -171,6 +171,15 @@ def remove_automations() -> int:
 # ---------------------------------------------------------------------------------------------- CLI
 
 
+def _server_error(exc: Exception) -> int:
+    """Report a failed API call (no server, wrong URL) as one line, no traceback; exit status 1."""
+    from prefect.settings import PREFECT_API_URL
+
+    print(f"error: the Prefect API at {PREFECT_API_URL.value() or '(no PREFECT_API_URL: an ephemeral server)'} "
+          f"failed: {type(exc).__name__}: {exc}")
+    return 1
+
+
 def _cmd_install(args: argparse.Namespace) -> int:
     tag = None if args.all_runs else args.tag
     autos = [zombie_automation(args.within, tag)]
@@ -182,18 +191,17 @@ def _cmd_install(args: argparse.Namespace) -> int:
     try:
         made = install_automations(args.within, tag, args.resume_crashed)
     except Exception as exc:  # no server, wrong URL: one clear line, no traceback
-        from prefect.settings import PREFECT_API_URL
-
-        print(f"error: could not install the automations on {PREFECT_API_URL.value() or '(no PREFECT_API_URL)'}: "
-              f"{type(exc).__name__}: {exc}")
-        return 1
+        return _server_error(exc)
     for a in made:
         print(f"installed automation {a.name!r} ({a.id})")
     return 0
 
 
 def _cmd_remove(args: argparse.Namespace) -> int:
-    print(f"removed {remove_automations()} automation(s)")
+    try:
+        print(f"removed {remove_automations()} automation(s)")
+    except Exception as exc:
+        return _server_error(exc)
     return 0
 
 

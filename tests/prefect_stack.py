@@ -101,9 +101,21 @@ class PrefectStack:
 
         wait_until(up, timeout, f"the Prefect server on port {self.port}")
 
+    def create_pool(self) -> None:
+        """Create the ``process`` work pool (what ``prefect work-pool create tinker-process --type
+        process`` does, through the API: one CLI start-up less)."""
+        from prefect.client.schemas.actions import WorkPoolCreate
+        from prefect.workers.process import ProcessWorker
+
+        with self.client() as c:
+            c.create_work_pool(WorkPoolCreate(name=POOL, type="process",
+                                              base_job_template=ProcessWorker.get_default_base_job_template()),
+                               overwrite=True)
+
     def deploy_all(self) -> None:
-        """Create the ``process`` work pool and register every deployment of ``prefect.yaml``."""
-        self.cli("work-pool", "create", POOL, "--type", "process", "--overwrite")
+        """Create the ``process`` work pool and register every deployment of ``prefect.yaml``
+        (``prefect --no-prompt deploy --all`` in the repository root)."""
+        self.create_pool()
         self.cli("deploy", "--all")
 
     # ----- workers --------------------------------------------------------------------------

@@ -10,7 +10,8 @@ the embedded local Tinker server (with ``--fail-every`` fault injection: the SDK
    flow completes;
 3. the worker (and the flow-run process) is killed mid-run; a new worker runs the deployment again
    with the same run_name, which resumes after the last checkpoint; the automation marks the killed
-   run Crashed when its heartbeats stop.
+   run Crashed when its heartbeats stop, and the crashed run, re-scheduled (resume automation or
+   ``prefect flow-run retry``), resumes too.
 
 Select with ``pytest -m deployments``.
 """
@@ -30,7 +31,7 @@ pytestmark = [pytest.mark.deployments, pytest.mark.timeout(900)]
 
 BLOCK = "deploy-test"
 HEARTBEAT = 30  # seconds between flow-run heartbeats (Prefect's minimum)
-WITHIN = 55  # the automation marks a run Crashed after this long without a heartbeat
+WITHIN = 50  # the automation marks a run Crashed after this long without a heartbeat
 JOB_VARIABLES = {"env": {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT)}}
 
 
@@ -192,30 +193,51 @@ def test_transient_fault_is_retried_and_the_flow_completes(ctx):
 
 def test_killed_worker_then_rerun_resumes_after_last_checkpoint(ctx):
     store = ctx.training_store()
-    fr = ctx.run("deploy-resume", max_steps=20, save_every=4, eval_every=0, num_eval_samples=0)
+    fr = ctx.run("deploy-resume", max_steps=16, save_every=4, eval_every=0, num_eval_samples=0)
     wait_until(lambda: store.last_checkpoint("deploy-resume"), 300, "the first checkpoint", interval=0.3)
     ctx.stack.kill_worker(ctx.worker)
     last = store.last_checkpoint("deploy-resume")
     k = int(last["step"])
-    assert 4 <= k < 20 and ctx.stack.flow_run(fr.id).state_name == "Running"  # a zombie now
+    assert 4 <= k < 16 and ctx.stack.flow_run(fr.id).state_name == "Running"  # a zombie now
 
     ctx.worker = ctx.stack.start_worker("worker-2")
-    fr2 = ctx.run("deploy-resume", max_steps=20, save_every=4, eval_every=0, num_eval_samples=0)
+    fr2 = ctx.run("deploy-resume", max_steps=16, save_every=4, eval_every=0, num_eval_samples=0)
     ctx.completed(fr2.id)
 
     logs = "\n".join(ctx.stack.logs(fr2.id))
     assert f"resuming run deploy-resume after its checkpoint at step {k}" in logs
     steps = sorted(int(n.split("-")[1]) for n in _names(ctx.stack.task_runs(fr2.id), "step-"))
-    assert steps == list(range(k, 20))
+    assert steps == list(range(k, 16))
     rows = store.query("SELECT step, count(*) AS n FROM metrics WHERE run_id = 'deploy-resume' "
                        "AND name = 'train/loss' GROUP BY step ORDER BY step")
-    assert [(r["step"], r["n"]) for r in rows] == [(s, 1) for s in range(20)]
+    assert [(r["step"], r["n"]) for r in rows] == [(s, 1) for s in range(16)]
     assert store.get_run("deploy-resume")["status"] == "completed"
 
-    # no heartbeat from the killed run for WITHIN seconds: the automation marks it Crashed
-    crashed = wait_until(lambda: (r := ctx.stack.flow_run(fr.id)).state_name == "Crashed" and r, WITHIN + 120,
+    # No heartbeat from the killed run for WITHIN seconds: the automation marks it Crashed; the resume
+    # automation (installed only now, so that the crashed run cannot train alongside the re-run)
+    # re-schedules it, or, when the crash came first, `prefect flow-run retry` does. The same flow
+    # run runs again, gets the same config and resumes from the run's last checkpoint (step 16).
+    if ctx.stack.flow_run(fr.id).state_name == "Running":
+        from flows.ops import resume_automation
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        with temporary_settings({PREFECT_API_URL: ctx.stack.api_url}):
+            resume_automation(max_attempts=2).create()
+
+    def history() -> list:
+        with ctx.stack.client() as c:
+            return c.read_flow_run_states(fr.id)
+
+    crashed = wait_until(lambda: next((s for s in history() if s.name == "Crashed"), None), WITHIN + 120,
                          "the automation to mark the killed run Crashed", interval=2.0)
-    assert "No heartbeat" in crashed.state.message
+    assert "No heartbeat" in crashed.message
+    try:
+        wait_until(lambda: ctx.stack.flow_run(fr.id).state_name != "Crashed", 20, "the resume automation")
+    except TimeoutError:
+        ctx.stack.cli("flow-run", "retry", str(fr.id))
+    ctx.completed(fr.id)
+    assert "resuming run deploy-resume after its checkpoint at step 16" in "\n".join(ctx.stack.logs(fr.id))
+    assert store.get_run("deploy-resume")["status"] == "completed"
 
 
 def test_block_types_registered_and_secret_masked(ctx):
