@@ -104,12 +104,6 @@ def rss_mb(pid: int) -> tuple[float, float]:
     return vals["VmRSS:"], vals["VmHWM:"]
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds used so far by process ``pid`` (all its threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def load_average() -> str:
     one, five, fifteen = os.getloadavg()
     return f"{one:.2f} {five:.2f} {fifteen:.2f} ({os.cpu_count()} CPUs)"

@@ -16,10 +16,7 @@ same batch, the same numerics:
 
 Rounds alternate the two sides (``--rounds`` x ``--steps`` training steps each), so load drift
 hits both; the report gives medians and the ratios ``baseline time / tinker_local time``
-(target >= 0.9) and the load average before and after.  On a shared machine wall times swing
-with other processes, so the report also gives CPU seconds per step (server + this client
-process for tinker_local, this process for the baselines) and their ratio, which load barely
-moves.  The server runs with ``--threads``
+(target >= 0.9) and the load average before and after.  The server runs with ``--threads``
 torch threads (default: all CPUs), the baselines in this process with the same number.
 
     python benchmarks/tinker_local_vs_torch.py                   # defaults above
@@ -43,8 +40,7 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from tinker_local_common import (API_KEY, ServerProcess, batch_tokens, build_model_dir,  # noqa: E402
-                                 cpu_seconds, load_average)
+from tinker_local_common import API_KEY, ServerProcess, batch_tokens, build_model_dir, load_average  # noqa: E402
 
 
 def torch_trainer(model_dir: Path, toks: np.ndarray, dtype: str, device: str):
@@ -74,7 +70,7 @@ def torch_trainer(model_dir: Path, toks: np.ndarray, dtype: str, device: str):
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
+        return float(loss)
 
     return step
 
@@ -131,13 +127,10 @@ def hf_sampler(model_dir: Path, prompts: np.ndarray, samples: int, new_tokens: i
     return run
 
 
-def timed(fn, *args, server_pid: int | None = None) -> tuple[float, float, object]:
-    """(wall seconds, CPU seconds of this process (+ the server's), result of ``fn(*args)``)."""
-    c0 = time.process_time() + (cpu_seconds(server_pid) if server_pid else 0.0)
+def timed(fn, *args) -> tuple[float, object]:
     t0 = time.perf_counter()
     out = fn(*args)
-    wall = time.perf_counter() - t0
-    return wall, time.process_time() + (cpu_seconds(server_pid) if server_pid else 0.0) - c0, out
+    return time.perf_counter() - t0, out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -161,9 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
     threads = args.threads or available_cpus()
     torch.set_num_threads(threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = args.dtype
-    if dtype == "auto":
-        dtype = "bf16" if bf16_supported(torch.device(device)) else "fp32"
+    dtype = args.dtype if args.dtype != "auto" else ("bf16" if bf16_supported(torch.device(device)) else "fp32")
     work = args.workdir or Path(tempfile.mkdtemp(prefix="tl-bench-"))
     model_dir = build_model_dir(work / "model-10m")
     toks = batch_tokens(args.batch, args.seq)
@@ -180,41 +171,29 @@ def main(argv: list[str] | None = None) -> dict:
         sdk_sample(0)
         hf_sample(0)
         t = {"sdk_train": [], "torch_train": [], "sdk_sample": [], "hf_sample": []}
-        cpu = {k: [] for k in t}
-
-        def record(name: str, wall: float, cpu_s: float) -> None:
-            t[name].append(wall)
-            cpu[name].append(cpu_s)
-
         for r in range(args.rounds):
-            for _ in range(args.steps):
-                record("sdk_train", *timed(sdk_step, server_pid=server.pid)[:2])
-            for _ in range(args.steps):
-                record("torch_train", *timed(torch_step)[:2])
-            wall, cpu_s, n_sdk = timed(sdk_sample, 1000 * (r + 1), server_pid=server.pid)
-            record("sdk_sample", wall, cpu_s)
-            wall, cpu_s, n_hf = timed(hf_sample, 1000 * (r + 1))
-            record("hf_sample", wall, cpu_s)
+            t["sdk_train"] += [timed(sdk_step)[0] for _ in range(args.steps)]
+            t["torch_train"] += [timed(torch_step)[0] for _ in range(args.steps)]
+            dt, n_sdk = timed(sdk_sample, 1000 * (r + 1))
+            t["sdk_sample"].append(dt)
+            dt, n_hf = timed(hf_sample, 1000 * (r + 1))
+            t["hf_sample"].append(dt)
             assert n_sdk == n_hf == args.prompts * args.samples * args.new_tokens, (n_sdk, n_hf)
         service.close("success").result()
     finally:
         server.stop()
     med = {k: statistics.median(v) for k, v in t.items()}
-    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     tokens = args.batch * args.seq
     sampled = args.prompts * args.samples * args.new_tokens
     report = {
         "config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                    "threads": threads, "dtype": dtype, "device": device},
         "load_before": load_before, "load_after": load_average(),
-        "median_s": med, "all_s": t, "median_cpu_s": med_cpu, "all_cpu_s": cpu,
+        "median_s": med, "all_s": t,
         "train_tokens_per_s": {"sdk": tokens / med["sdk_train"], "torch": tokens / med["torch_train"]},
-        "sample_tokens_per_s": {"sdk": sampled / med["sdk_sample"],
-                                "hf_generate": sampled / med["hf_sample"]},
+        "sample_tokens_per_s": {"sdk": sampled / med["sdk_sample"], "hf_generate": sampled / med["hf_sample"]},
         "ratio_train": med["torch_train"] / med["sdk_train"],
         "ratio_sample": med["hf_sample"] / med["sdk_sample"],
-        "cpu_ratio_train": med_cpu["torch_train"] / med_cpu["sdk_train"],
-        "cpu_ratio_sample": med_cpu["hf_sample"] / med_cpu["sdk_sample"],
     }
     print(f"load average before {load_before}, after {report['load_after']}; {threads} threads, {dtype}, {device}")
     print(f"train  {args.batch}x{args.seq}: SDK+server {med['sdk_train']:.3f} s/step "
@@ -223,10 +202,6 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"sample {args.prompts}x{args.samples}x{args.new_tokens}: SDK+server {med['sdk_sample']:.3f} s "
           f"({report['sample_tokens_per_s']['sdk']:.0f} tok/s), generate {med['hf_sample']:.3f} s "
           f"({report['sample_tokens_per_s']['hf_generate']:.0f} tok/s), ratio {report['ratio_sample']:.3f}")
-    print(f"CPU seconds (medians): train SDK+server {med_cpu['sdk_train']:.3f} vs torch "
-          f"{med_cpu['torch_train']:.3f} (ratio {report['cpu_ratio_train']:.3f}); sample SDK+server "
-          f"{med_cpu['sdk_sample']:.3f} vs generate {med_cpu['hf_sample']:.3f} (ratio "
-          f"{report['cpu_ratio_sample']:.3f})")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return report

@@ -5,8 +5,7 @@ model and the same weights (the base model alone, or one sampler checkpoint) tha
 whether prompt logprobs are wanted share one prefill and one decode loop
 (``tinker_local.sampling.sample_batch``), in chunks bounded by ``MAX_BATCH_ROWS`` sampled rows
 and a prefill budget (``MAX_PREFILL_TOKENS`` tokens; ``MAX_PROMPT_LOGITS`` logits when prompt
-logprobs are computed).  Requests arriving while a batch decodes can join it between steps
-(``admit``).  Each request is validated on its own, so one bad request fails alone.
+logprobs are computed).  Each request is validated on its own, so one bad request fails alone.
 Sampling always runs in fp32 (no autocast), so sampled logprobs match an fp32 ``forward``.
 """
 
@@ -15,7 +14,6 @@ from __future__ import annotations
 import secrets
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Callable
 
 import torch
 
@@ -57,91 +55,39 @@ class SamplingMixin:
             raise res
         return res
 
-    def sample_many(self, requests: list[dict], *, admit: Callable[[], list[dict]] | None = None,
-                    on_done: Callable[[int, Any], None] | None = None) -> list[SampleResult | Exception]:
+    def sample_many(self, requests: list[dict]) -> list[SampleResult | Exception]:
         """Serve ``requests`` (each a dict of ``sample``'s keyword arguments, including
         ``base_model``, ``weights_path`` and ``prompt_tokens``) with as few batched forwards as
-        possible.  ``admit()`` (optional) is polled between decode steps for more request
-        dicts; those for the running batch's model and weights join it, others run after it.
-        Returns, per request (``requests`` then admitted ones, in order), its ``SampleResult``
-        or the exception that failed it (``EngineUserError`` for bad input; anything else fails
-        its whole chunk); ``on_done(index, result)`` is called as each one completes."""
+        possible.  Returns, per request in order, its ``SampleResult`` or the exception that
+        failed it (``EngineUserError`` for bad input; anything else fails its whole chunk)."""
         with self._lock:
             self._threads()
-            results: list = []
-            pending: list[tuple[int, dict]] = []
-
-            def finish(k: int, res) -> None:
-                results[k] = res
-                if on_done is not None:
-                    on_done(k, res)
-
-            def register(kw: dict) -> int:
-                results.append(None)
-                return len(results) - 1
-
-            pending = [(register(kw), kw) for kw in requests]
-            admitting = admit is not None
+            results: list = [None] * len(requests)
+            groups: dict[tuple, list[tuple[int, SampleRequest]]] = {}
+            targets: dict[tuple, tuple] = {}
+            for i, kw in enumerate(requests):
+                try:
+                    b, path, wkey, req = self._prepare_sample(**kw)
+                except EngineUserError as e:
+                    results[i] = e
+                    continue
+                key = (b.spec.name, wkey, req.wants_prompt)
+                groups.setdefault(key, []).append((i, req))
+                targets[key] = (b, path)
             try:
-                while pending:
-                    groups: dict[tuple, list[tuple[int, SampleRequest]]] = {}
-                    targets: dict[tuple, tuple] = {}
-                    for k, kw in pending:
+                for key, items in groups.items():
+                    b, path = targets[key]
+                    for chunk in _chunks(items, b.spec.vocab_size):
                         try:
-                            b, path, wkey, req = self._prepare_sample(**kw)
-                        except EngineUserError as e:
-                            finish(k, e)
-                            continue
-                        key = (b.spec.name, wkey, req.wants_prompt)
-                        groups.setdefault(key, []).append((k, req))
-                        targets[key] = (b, path)
-                    pending = []
-                    for key, items in groups.items():
-                        for chunk in _chunks(items, targets[key][0].spec.vocab_size):
-                            join = None
-                            if admitting:  # one running batch takes the requests arriving meanwhile
-                                admitting = False
-                                join = self._joiner(key, chunk, admit, register, finish, pending)
-                            self._run_chunk(targets[key], chunk, join, finish)
+                            outs = self._sample_chunk(b, path, [req for _, req in chunk])
+                        except Exception as e:  # fails this chunk only
+                            outs = [e] * len(chunk)
+                        for (i, _), out in zip(chunk, outs):
+                            results[i] = out if isinstance(out, Exception) else SampleResult(
+                                out["sequences"], out["prompt_logprobs"], out["topk_prompt_logprobs"])
             finally:
                 self._threads()
             return results
-
-    def _joiner(self, key, chunk, admit, register, finish, later):
-        """``admit`` for ``sample_batch``: validates newly arrived requests; those for ``key``
-        join (appended to ``chunk``), invalid ones fail, others go to ``later``."""
-        def join() -> list[SampleRequest]:
-            out = []
-            for kw in admit():
-                k = register(kw)
-                try:
-                    b, _path, wkey, req = self._prepare_sample(**kw)
-                except EngineUserError as e:
-                    finish(k, e)
-                    continue
-                if (b.spec.name, wkey, req.wants_prompt) == key:
-                    chunk.append((k, req))
-                    out.append(req)
-                else:
-                    later.append((k, kw))
-            return out
-        return join
-
-    def _run_chunk(self, target, chunk, join, finish) -> None:
-        b, path = target
-        done: set[int] = set()
-
-        def on_done(i: int, out: dict) -> None:
-            done.add(i)
-            finish(chunk[i][0], SampleResult(out["sequences"], out["prompt_logprobs"],
-                                             out["topk_prompt_logprobs"]))
-
-        try:
-            self._sample_chunk(b, path, [req for _, req in chunk], join, on_done)
-        except Exception as e:  # fails the unfinished requests of this chunk only
-            for i, (k, _) in enumerate(chunk):
-                if i not in done:
-                    finish(k, e)
 
     def _prepare_sample(self, base_model, weights_path, prompt_tokens, *, num_samples, max_tokens,
                         temperature=1.0, top_k=-1, top_p=1.0, seed=None, stop=None,
@@ -180,8 +126,7 @@ class SamplingMixin:
                             int(topk_prompt_logprobs))
         return b, weights_path, wkey, req
 
-    def _sample_chunk(self, b, path: Path | None, reqs: list[SampleRequest], join=None,
-                      on_done=None) -> list[dict]:
+    def _sample_chunk(self, b, path: Path | None, reqs: list[SampleRequest]) -> list[dict]:
         if path is not None:
             self._activate_sampler(b, path)
             ctx = nullcontext()
@@ -191,8 +136,7 @@ class SamplingMixin:
         small = b.n_params * rows < 5e7  # multiply-adds per decode step
         with ctx, torch.no_grad():
             return sample_batch(b.model, b.tokenizer, reqs, device=self.device,
-                                decode_threads=1 if small else None, admit=join,
-                                max_rows=MAX_BATCH_ROWS, on_done=on_done)
+                                decode_threads=1 if small else None)
 
     def _activate_sampler(self, b, path: Path) -> None:
         key = (str(path.resolve()), (path / "adapter_model.safetensors").stat().st_mtime_ns)

@@ -8,10 +8,9 @@ next seq_id has not arrived after ``gap_timeout_s`` seconds while later ones wai
 skips ahead (logged) so a client that died mid-submission cannot stall a model forever.
 
 Batching: jobs submitted with a ``batch_key`` (sampling) wait in arrival order like any other;
-when the compute thread reaches one, it lingers while more such requests are still being
-received (``incoming``, counted by the HTTP layer) or keep arriving (gaps under
-``batch_quiet_s``), at most ``batch_max_wait_s``, and then runs all queued jobs with that key in
-one call of their ``batch_fn`` (payloads in, one result per payload out).
+when the compute thread reaches one, it lingers while more jobs with that key keep arriving
+(gaps under ``batch_quiet_s``, at most ``batch_max_wait_s``) and then runs all queued jobs with
+that key in one call of their ``batch_fn`` (payloads in, one result per payload out).
 
 Results are ``Outcome``s: JSON dicts, protobuf bytes, or an error with category
 "user" | "server" (the SDK's ``RequestErrorCategory`` values, lower case on the wire).  A
@@ -57,9 +56,8 @@ class Outcome:
 @dataclass
 class Job:
     """Work for the compute thread. ``fn`` returns an Outcome, a JSON dict or proto bytes; a
-    batchable job has ``batch_key``, ``payload`` and ``batch_fn(payloads, admit, deliver) ->
-    list of results`` (each an Outcome / dict / bytes, or an Exception failing that job only;
-    see ``FutureStore._execute_batch``)."""
+    batchable job has ``batch_key``, ``payload`` and ``batch_fn(list of payloads) -> list of
+    results`` (each an Outcome / dict / bytes, or an Exception failing that job only)."""
 
     request_id: str
     kind: str
@@ -118,13 +116,12 @@ class FutureStore:
     """
 
     def __init__(self, gap_timeout_s: float = 30.0, batch_quiet_s: float = 0.003,
-                 batch_max_wait_s: float = 0.05):
+                 batch_max_wait_s: float = 0.025):
         self.gap_timeout_s = gap_timeout_s
         self.batch_quiet_s = batch_quiet_s
         self.batch_max_wait_s = batch_max_wait_s
         self._last_batchable = 0.0
-        self._incoming = 0  # batchable requests being received by the HTTP layer
-        self.stats = {"jobs": 0, "batches": 0, "batched_jobs": 0, "max_batch": 0, "joined": 0}
+        self.stats = {"jobs": 0, "batches": 0, "batched_jobs": 0, "max_batch": 0}
         self._records: dict[str, FutureRecord] = {}
         self._dedupe: dict[tuple[str, int], str] = {}
         self._lanes: dict[str, _Lane] = {}
@@ -206,14 +203,6 @@ class FutureStore:
                 self._fifo.append(job)
             self._cv.notify_all()
             return rid
-
-    def incoming(self, delta: int) -> None:
-        """The HTTP layer started (+1) or finished (-1) receiving a batchable request; a
-        lingering batch waits for the ones in progress."""
-        with self._cv:
-            self._incoming = max(0, self._incoming + delta)
-            if delta < 0:
-                self._cv.notify_all()
 
     def burn(self, model_id: str, seq_id: int, reason: str) -> None:
         """Consume ``seq_id`` of ``model_id``'s lane without work (its request was refused at
@@ -306,18 +295,13 @@ class FutureStore:
                 jobs = self._collect_batch_locked(job) if job.batch_key is not None else [job]
                 self.running = job
                 self.stats["jobs"] += len(jobs)
-            if job.batch_key is not None:
-                self._execute_batch(jobs)
-            else:
-                self._complete(job, self._execute(job))
+            outcomes = self._execute_batch(jobs) if job.batch_key is not None else [self._execute(job)]
             with self._cv:
                 self.running = None
-
-    def _complete(self, job: Job, outcome: Outcome) -> None:
-        with self._cv:
-            rec = self._records.get(job.request_id)
-        if rec is not None:
-            rec.complete(outcome)
+                recs = [self._records.get(j.request_id) for j in jobs]
+            for rec, outcome in zip(recs, outcomes):
+                if rec is not None:
+                    rec.complete(outcome)
 
     def _collect_batch_locked(self, first: Job) -> list[Job]:
         """Linger while jobs of ``first.batch_key`` keep arriving, then take them all (FIFO)."""
@@ -325,9 +309,9 @@ class FutureStore:
         while not self._stop:
             now = time.monotonic()
             quiet = now - self._last_batchable
-            if (quiet >= self.batch_quiet_s and not self._incoming) or now >= deadline:
+            if quiet >= self.batch_quiet_s or now >= deadline:
                 break
-            self._cv.wait(timeout=min(max(self.batch_quiet_s - quiet, 0.001), deadline - now))
+            self._cv.wait(timeout=min(self.batch_quiet_s - quiet, deadline - now))
         jobs, rest = [first], deque()
         while self._fifo:
             j = self._fifo.popleft()
@@ -341,41 +325,20 @@ class FutureStore:
         self.stats["max_batch"] = max(self.stats["max_batch"], len(jobs))
         return jobs
 
-    def _execute_batch(self, jobs: list[Job]) -> None:
-        """Run ``jobs`` through ``batch_fn(payloads, admit, deliver)``: ``admit()`` hands it the
-        payloads of same-key jobs queued since (they join the running batch), ``deliver(k,
-        result)`` completes job k (``jobs`` then admitted ones) at once; results it returns
-        complete the rest.  An exception fails that job only; one from ``batch_fn`` all."""
-        head, all_jobs, delivered = jobs[0], list(jobs), set()
-
-        def admit() -> list[Any]:
-            with self._cv:
-                new, rest = [], deque()
-                for j in self._fifo:
-                    (new if j.batch_key == head.batch_key and len(all_jobs) + len(new) < MAX_BATCH_JOBS
-                     else rest).append(j)
-                self._fifo = rest
-                self.stats["jobs"] += len(new)
-                self.stats["batched_jobs"] += len(new)
-                self.stats["joined"] += len(new)
-            all_jobs.extend(new)
-            return [j.payload for j in new]
-
-        def deliver(k: int, result: Any) -> None:
-            if k not in delivered and k < len(all_jobs):
-                delivered.add(k)
-                job = all_jobs[k]
-                self._complete(job, self._execute(Job(job.request_id, job.kind, lambda: _raise_or(result))))
-
+    def _execute_batch(self, jobs: list[Job]) -> list[Outcome]:
+        """Run ``jobs`` through their ``batch_fn``; per-job exceptions fail that job only."""
+        head = jobs[0]
         try:
-            results = head.batch_fn([j.payload for j in jobs], admit, deliver)  # type: ignore[misc]
+            results = head.batch_fn([j.payload for j in jobs])  # type: ignore[misc]
+            if len(results) != len(jobs):
+                raise RuntimeError(f"batch_fn returned {len(results)} results for {len(jobs)} jobs")
         except Exception as e:
-            results = [e] * len(all_jobs)
-        for k in range(len(all_jobs)):
-            deliver(k, results[k] if k < len(results) else
-                    RuntimeError(f"batch_fn returned {len(results)} results for {len(all_jobs)} jobs"))
-        with self._cv:
-            self.stats["max_batch"] = max(self.stats["max_batch"], len(all_jobs))
+            results = [e] * len(jobs)
+        outcomes = []
+        for job, res in zip(jobs, results):
+            outcomes.append(self._execute(Job(job.request_id, job.kind, lambda r=res: _raise_or(r),
+                                              job.model_id, job.seq_id)))
+        return outcomes
 
     @staticmethod
     def _execute(job: Job) -> Outcome:

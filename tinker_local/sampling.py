@@ -136,191 +136,102 @@ def _prompt_outputs(req: SampleRequest, logits: torch.Tensor) -> dict:
     return out
 
 
-def _left_pad(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
-    """``x`` padded with zeros at the start of ``dim`` to ``length``."""
-    extra = length - x.shape[dim]
-    if extra <= 0:
-        return x
-    shape = list(x.shape)
-    shape[dim] = extra
-    return torch.cat([x.new_zeros(shape), x], dim=dim)
-
-
-class _Batch:
-    """The decoding state of ``sample_batch``: requests (in admission order), their per-sample
-    tokens / logprobs / stop state, and the rows of the running batch (``active`` requests in
-    row order, ``counts[i]`` rows each): KV ``cache``, next-token logits ``last`` (R, V), and,
-    once any row is left-padded, the attention mask ``att`` (R, L) and next positions ``pos``
-    (R, 1)."""
-
-    def __init__(self, model, tokenizer, device: torch.device, on_done):
-        self.model, self.tokenizer, self.device, self.on_done = model, tokenizer, device, on_done
-        self.reqs: list[SampleRequest] = []
-        self.results: list[dict] = []
-        self.gens, self.toks, self.lps, self.reasons, self.done, self.steps = [], [], [], [], [], []
-        self.active: list[int] = []
-        self.cache = self.last = self.att = self.pos = None
-        self.kw = _cache_kwarg(model)
-
-    @property
-    def rows(self) -> int:
-        return sum(self.reqs[i].num_samples for i in self.active)
-
-    def can_join(self) -> bool:
-        """Whether requests can join now: every cache layer is a plain (full) DynamicLayer."""
-        layers = getattr(self.cache, "layers", None)
-        return bool(layers) and all(type(la).__name__ == "DynamicLayer" for la in layers)
-
-    def add(self, reqs: list[SampleRequest]) -> None:
-        """Prefill ``reqs`` (left-padded together) and append their rows to the batch."""
-        B, lens = len(reqs), [len(r.prompt) for r in reqs]
-        L = max(lens)
-        ids = torch.zeros((B, L), dtype=torch.long)
-        mask = torch.zeros((B, L), dtype=torch.long)
-        for i, r in enumerate(reqs):
-            ids[i, L - lens[i]:] = torch.tensor(r.prompt, dtype=torch.long)
-            mask[i, L - lens[i]:] = 1
-        padded = min(lens) != L
-        extra = {"attention_mask": mask.to(self.device),
-                 "position_ids": (mask.cumsum(-1) - 1).clamp(min=0).to(self.device)} if padded else {}
-        out = _prefill(self.model, ids.to(self.device), any(r.wants_prompt for r in reqs), extra)
-        counts = [r.num_samples for r in reqs]
-        rows = torch.repeat_interleave(torch.arange(B), torch.tensor(counts))
-        cache = _out_cache(out)
-        if not hasattr(cache, "reorder_cache"):
-            raise RuntimeError("model cache does not support selecting batch rows")
-        if B > 1 or counts[0] > 1:
-            cache.reorder_cache(rows.to(self.device))
-        last = out.logits[:, -1][rows.to(out.logits.device)]
-        att = mask[rows] if padded else None
-        pos = torch.tensor(lens, dtype=torch.long)[rows].unsqueeze(-1) if padded else None
-        first = len(self.reqs)
-        for i, r in enumerate(reqs):
-            self.reqs.append(r)
-            self.results.append(_prompt_outputs(r, out.logits[i, L - lens[i]:]))
-            self.gens.append(torch.Generator(device="cpu").manual_seed(int(r.seed) & 0xFFFF_FFFF_FFFF_FFFF))
-            self.toks.append([[] for _ in range(r.num_samples)])
-            self.lps.append([[] for _ in range(r.num_samples)])
-            self.reasons.append(["length"] * r.num_samples)
-            self.done.append([False] * r.num_samples)
-            self.steps.append(0)
-        if self.cache is None:
-            self.cache, self.last, self.att, self.pos = cache, last, att, pos
-        else:
-            self._merge(cache, last, att, pos)
-        self.active += list(range(first, first + B))
-
-    def _merge(self, cache, last, att, pos) -> None:
-        """Append rows with their own cache: left-pad the shorter keys/values and masks."""
-        n1, l1, l2 = self.last.shape[0], self.cache.get_seq_length(), cache.get_seq_length()
-        att1 = self.att if self.att is not None else torch.ones((n1, l1), dtype=torch.long)
-        pos1 = self.pos if self.pos is not None else torch.full((n1, 1), l1, dtype=torch.long)
-        att2 = att if att is not None else torch.ones((last.shape[0], l2), dtype=torch.long)
-        pos2 = pos if pos is not None else torch.full((last.shape[0], 1), l2, dtype=torch.long)
-        length = max(l1, l2)
-        for a, b in zip(self.cache.layers, cache.layers):
-            a.keys = torch.cat([_left_pad(a.keys, length, -2), _left_pad(b.keys, length, -2)], dim=0)
-            a.values = torch.cat([_left_pad(a.values, length, -2), _left_pad(b.values, length, -2)], dim=0)
-        self.att = torch.cat([_left_pad(att1, length, -1), _left_pad(att2, length, -1)], dim=0)
-        self.pos = torch.cat([pos1, pos2], dim=0)
-        self.last = torch.cat([self.last, last.to(self.last.device)], dim=0)
-
-    def sample_step(self) -> torch.Tensor | None:
-        """Draw one token for every active row, finish requests (``on_done``), drop their rows;
-        returns the tokens to feed (R', ) or None when nothing is left."""
-        lf = self.last.float().cpu()
-        logp = torch.log_softmax(lf, dim=-1)
-        nxt_rows = torch.empty(lf.shape[0], dtype=torch.long)
-        keep, keep_rows, a = [], [], 0
-        for i in self.active:
-            r = self.reqs[i]
-            b = a + r.num_samples
-            nxt = _choose(lf[a:b], r.temperature, r.top_k, r.top_p, self.gens[i])
-            nxt_rows[a:b] = nxt
-            nlp = logp[a:b].gather(-1, nxt.unsqueeze(-1)).squeeze(-1).tolist()
-            for j, (t, v) in enumerate(zip(nxt.tolist(), nlp)):
-                if not self.done[i][j]:
-                    self._append(i, j, t, v)
-            self.steps[i] += 1
-            if all(self.done[i]) or self.steps[i] >= r.max_tokens:
-                self._finish(i)
-            else:
-                keep.append(i)
-                keep_rows.extend(range(a, b))
-            a = b
-        if not keep:
-            self.active = []
-            return None
-        if len(keep) < len(self.active):  # drop the rows of finished requests
-            sel = torch.tensor(keep_rows, dtype=torch.long)
-            self.cache.batch_select_indices(sel.to(self.device))
-            nxt_rows = nxt_rows[sel]
-            self.att = self.att[sel] if self.att is not None else None
-            self.pos = self.pos[sel] if self.pos is not None else None
-            self.active = keep
-        return nxt_rows
-
-    def _append(self, i: int, j: int, t: int, v: float) -> None:
-        r = self.reqs[i]
-        self.toks[i][j].append(t)
-        self.lps[i][j].append(v)
-        if t in r.stop.token_ids:
-            self.done[i][j], self.reasons[i][j] = True, "stop"
-        elif r.stop.strings:
-            window = max(len(x) for x in r.stop.strings) * 4 + 8
-            text = self.tokenizer.decode(self.toks[i][j][-window:], skip_special_tokens=False)
-            if any(x in text for x in r.stop.strings):
-                self.done[i][j], self.reasons[i][j] = True, "stop"
-
-    def _finish(self, i: int) -> None:
-        self.results[i]["sequences"] = [
-            {"tokens": self.toks[i][j], "logprobs": self.lps[i][j], "stop_reason": self.reasons[i][j]}
-            for j in range(self.reqs[i].num_samples)]
-        if self.on_done is not None:
-            self.on_done(i, self.results[i])
-
-    def forward(self, nxt_rows: torch.Tensor) -> None:
-        step_kw: dict = {self.kw: self.cache}
-        if self.att is not None:
-            self.att = torch.cat([self.att, torch.ones((self.att.shape[0], 1), dtype=self.att.dtype)], dim=-1)
-            step_kw.update(attention_mask=self.att.to(self.device), position_ids=self.pos.to(self.device))
-            self.pos = self.pos + 1
-        out = self.model(input_ids=nxt_rows.to(self.device).unsqueeze(-1), use_cache=True, **step_kw)
-        self.cache = _out_cache(out)
-        self.last = out.logits[:, -1]
-
-
 @torch.no_grad()
 def sample_batch(model, tokenizer, reqs: list[SampleRequest], *, device: torch.device,
-                 decode_threads: int | None = None, admit=None, max_rows: int = 256,
-                 on_done=None) -> list[dict]:
+                 decode_threads: int | None = None) -> list[dict]:
     """Serve ``reqs`` together; returns one dict per request, in order:
     ``{"sequences": [{"tokens": [...], "logprobs": [...], "stop_reason": "stop"|"length"}] *
     num_samples, "prompt_logprobs": list (len P, entry 0 None) | None, "topk_prompt_logprobs":
     list (len P, entry 0 None, others [(token_id, logprob)] * k) | None}``.
 
-    ``admit()`` (optional) is called between decode steps while the batch has fewer than
-    ``max_rows`` rows and its cache can take rows of another length (plain ``DynamicCache``):
-    the requests it returns are prefilled and join the running batch (continuous batching);
-    their results follow ``reqs``' in the returned list, in admission order.  ``on_done(i,
-    result)`` is called as soon as request ``i`` (that order) has finished.
-    The caller handles autocast (none: fp32), adapter selection and prefill sizes (the prefill
+    The caller handles autocast (none: fp32), adapter selection and batch sizes (the prefill
     holds ``len(reqs) x max P`` tokens, and all their logits when any request wants prompt
     logprobs).  ``decode_threads``: torch threads for the token-by-token phase (small decode
     steps run faster on one thread, since OpenMP synchronisation dominates them).
     Raises RuntimeError if the model's KV cache cannot select batch rows.
     """
-    batch = _Batch(model, tokenizer, device, on_done)
-    batch.add(reqs)
+    B = len(reqs)
+    lens = [len(r.prompt) for r in reqs]
+    L = max(lens)
+    padded = min(lens) != L
+    ids = torch.zeros((B, L), dtype=torch.long)
+    mask = torch.zeros((B, L), dtype=torch.long)
+    for i, r in enumerate(reqs):
+        ids[i, L - lens[i]:] = torch.tensor(r.prompt, dtype=torch.long)
+        mask[i, L - lens[i]:] = 1
+    extra: dict = {}
+    if padded:  # left padding: masked pads, positions counted from each prompt's first token
+        extra = {"attention_mask": mask.to(device),
+                 "position_ids": (mask.cumsum(-1) - 1).clamp(min=0).to(device)}
+    out = _prefill(model, ids.to(device), any(r.wants_prompt for r in reqs), extra)
+    results = [_prompt_outputs(r, out.logits[i, L - lens[i]:]) for i, r in enumerate(reqs)]
+
+    counts = [r.num_samples for r in reqs]
+    rows = torch.repeat_interleave(torch.arange(B), torch.tensor(counts))
+    cache = _out_cache(out)
+    if not hasattr(cache, "reorder_cache"):
+        raise RuntimeError("model cache does not support selecting batch rows")
+    if B > 1 or counts[0] > 1:
+        cache.reorder_cache(rows.to(device))
+    last = out.logits[:, -1][rows.to(out.logits.device)]  # (R, V)
+    att = mask[rows] if padded else None  # (R, L + steps)
+    pos = torch.tensor(lens, dtype=torch.long)[rows].unsqueeze(-1) if padded else None  # (R, 1)
+
     if decode_threads and device.type == "cpu":
         torch.set_num_threads(decode_threads)
+    gens = [torch.Generator(device="cpu").manual_seed(int(r.seed) & 0xFFFF_FFFF_FFFF_FFFF) for r in reqs]
+    toks = [[[] for _ in range(n)] for n in counts]
+    lps = [[[] for _ in range(n)] for n in counts]
+    reasons = [["length"] * n for n in counts]
+    done = [[False] * n for n in counts]
+    windows = [max((len(s) for s in r.stop.strings), default=0) * 4 + 8 for r in reqs]
+    active = list(range(B))  # requests still decoding, in row order
+    kw = _cache_kwarg(model)
+    step = 0
     while True:
-        nxt = batch.sample_step()
-        if nxt is None:
+        lf = last.float().cpu()
+        logp = torch.log_softmax(lf, dim=-1)
+        nxt_rows = torch.empty(lf.shape[0], dtype=torch.long)
+        keep, keep_rows, a = [], [], 0
+        for i in active:
+            r, b = reqs[i], a + counts[i]
+            nxt = _choose(lf[a:b], r.temperature, r.top_k, r.top_p, gens[i])
+            nxt_rows[a:b] = nxt
+            nlp = logp[a:b].gather(-1, nxt.unsqueeze(-1)).squeeze(-1).tolist()
+            for j, (t, v) in enumerate(zip(nxt.tolist(), nlp)):
+                if done[i][j]:
+                    continue
+                toks[i][j].append(t)
+                lps[i][j].append(v)
+                if t in r.stop.token_ids:
+                    done[i][j], reasons[i][j] = True, "stop"
+                elif r.stop.strings:
+                    text = tokenizer.decode(toks[i][j][-windows[i]:], skip_special_tokens=False)
+                    if any(s in text for s in r.stop.strings):
+                        done[i][j], reasons[i][j] = True, "stop"
+            if not (all(done[i]) or step >= r.max_tokens - 1):
+                keep.append(i)
+                keep_rows.extend(range(a, b))
+            a = b
+        if not keep:
             break
-        batch.forward(nxt)
-        if admit is not None and batch.rows < max_rows and batch.can_join():
-            new = admit()
-            if new:
-                batch.add(new)
-    return batch.results
+        if len(keep) < len(active):  # drop the rows of finished requests from the batch
+            sel = torch.tensor(keep_rows, dtype=torch.long)
+            cache.batch_select_indices(sel.to(device))
+            nxt_rows = nxt_rows[sel]
+            att = att[sel] if att is not None else None
+            pos = pos[sel] if pos is not None else None
+            active = keep
+        step_kw: dict = {kw: cache}
+        if att is not None:
+            att = torch.cat([att, torch.ones((att.shape[0], 1), dtype=att.dtype)], dim=-1)
+            step_kw.update(attention_mask=att.to(device), position_ids=pos.to(device))
+            pos = pos + 1
+        out = model(input_ids=nxt_rows.to(device).unsqueeze(-1), use_cache=True, **step_kw)
+        cache = _out_cache(out)
+        last = out.logits[:, -1]
+        step += 1
+    for i, res in enumerate(results):
+        res["sequences"] = [{"tokens": toks[i][j], "logprobs": lps[i][j], "stop_reason": reasons[i][j]}
+                            for j in range(counts[i])]
+    return results

@@ -119,40 +119,30 @@ class SamplingServiceMixin:
                                     payload=job, batch_fn=self._sample_batch)
         return {"request_id": rid, "sample_sequence_ids": P.sequence_ids(rid, n)}
 
-    def _sample_batch(self, jobs: list[dict[str, Any]], admit=None, deliver=None) -> list[Any]:
-        """Run queued ``asample`` jobs together (compute thread; the ``batch_fn`` protocol of
-        ``tinker_local.futures``): one ``SampleResponse`` proto (bytes) or exception per job,
-        ``jobs`` first, then those ``admit()`` handed over while decoding."""
-        all_jobs = list(jobs)
-        if not hasattr(self.engine, "sample_many"):  # an engine without batching
-            return [self._sample_one(j) for j in all_jobs]
+    def _sample_batch(self, jobs: list[dict[str, Any]]) -> list[Any]:
+        """Run queued ``asample`` jobs together (compute thread): one ``SampleResponse`` proto
+        (bytes) or exception per job."""
+        reqs = [j["engine"] for j in jobs]
+        if hasattr(self.engine, "sample_many"):
+            results = self.engine.sample_many(reqs)
+        else:  # an engine without batching
+            results = []
+            for r in reqs:
+                r = dict(r)
+                try:
+                    results.append(self.engine.sample(r.pop("base_model"), r.pop("weights_path"),
+                                                      r.pop("prompt_tokens"), **r))
+                except Exception as e:
+                    results.append(e)
+        out: list[Any] = []
+        for job, res in zip(jobs, results):
+            if isinstance(res, BaseException):
+                out.append(res)
+                continue
+            out.append(P.sample_response_to_proto(
+                res.sequences,
+                getattr(res, "prompt_logprobs", None) if job["prompt_logprobs"] else None,
+                getattr(res, "topk_prompt_logprobs", None) if job["topk"] > 0 else None,
+                prompt_logprobs_last_n=job["last_n"]))
+        return out
 
-        def admit_requests() -> list[dict]:
-            new = admit() if admit is not None else []
-            all_jobs.extend(new)
-            return [j["engine"] for j in new]
-
-        def on_done(k: int, res: Any) -> None:
-            if deliver is not None:
-                deliver(k, self._sample_proto(all_jobs[k], res))
-
-        results = self.engine.sample_many([j["engine"] for j in jobs], admit=admit_requests, on_done=on_done)
-        return [self._sample_proto(j, r) for j, r in zip(all_jobs, results)]
-
-    def _sample_one(self, job: dict[str, Any]) -> Any:
-        r = dict(job["engine"])
-        try:
-            res = self.engine.sample(r.pop("base_model"), r.pop("weights_path"), r.pop("prompt_tokens"), **r)
-        except Exception as e:
-            return e
-        return self._sample_proto(job, res)
-
-    @staticmethod
-    def _sample_proto(job: dict[str, Any], res: Any) -> Any:
-        if isinstance(res, BaseException):
-            return res
-        return P.sample_response_to_proto(
-            res.sequences,
-            getattr(res, "prompt_logprobs", None) if job["prompt_logprobs"] else None,
-            getattr(res, "topk_prompt_logprobs", None) if job["topk"] > 0 else None,
-            prompt_logprobs_last_n=job["last_n"])
