@@ -200,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         stack.close()
         server.terminate()
         server.wait(timeout=30)
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
     load_after = _load()
     med = {k: statistics.median(v) for k, v in results.items()}
     med_out = {k: statistics.median(v) for k, v in outside.items()}
