@@ -209,7 +209,7 @@ def test_forward_backward_custom_dpo_matches_direct_torch(clean, service, start)
     def custom_loss(batch, logprobs):  # what a user passes to forward_backward_custom
         assert len(batch) == len(data)
         loss = dpo(logprobs)
-        return loss, {"dpo_loss": float(loss)}
+        return loss, {"dpo_loss": float(loss.detach())}
 
     tc = service.create_training_client_from_state(path).result(timeout=120)
     fb = tc.forward_backward_custom(data, custom_loss)

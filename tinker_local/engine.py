@@ -15,9 +15,15 @@ the logprobs are always computed in fp32.  Sampling always runs in fp32 (see
 ``tinker_local.sampling``), so sampled logprobs match an fp32 ``forward``.
 
 Threading: public methods take one re-entrant lock, so calls from several threads are
-serialised (safe, not parallel); the intended use is one dedicated compute thread.  The engine
-sets ``torch.set_num_threads(num_threads)`` (default: the CPUs this process may use) and
-restores it at each call; decoding small models uses one thread.
+serialised (safe, not parallel); the intended use is one dedicated compute thread, so training
+and sampling never overlap inside one engine.  The engine sets ``torch.set_num_threads(
+num_threads)`` (default: the CPUs this process may use) and restores it at each call; small
+work runs on one thread (a forward/backward of fewer than ``SMALL_WORK`` parameter x token
+products, a decode step of fewer than 5e7 parameter x row products), where OpenMP barriers cost
+more than a second core gives, and where a thread team stalls badly when another process holds
+the other cores.  The choice depends only on the work's size, so results stay deterministic.
+Several servers (or a server and a torch client) on one machine: give each ``num_threads`` so
+that their sum stays within the cores (``serve --threads``).
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ from .inputs import check_datum, check_name, microbatches
 from .losses import get_loss_fn
 from .engine_sampling import SamplingMixin
 from .models import ModelSpec, resolve_model
+
+SMALL_WORK = 1e9  # parameter x token products below which a forward/backward runs on one thread
 
 __all__ = ["Engine", "Datum", "FwdResult", "SampleResult", "EngineUserError", "UnknownModelError",
            "checkpoint_info"]
@@ -193,7 +201,6 @@ class Engine(SamplingMixin):
 
     def _run(self, model_id, datums, loss_fn, loss_fn_config, backward: bool) -> FwdResult:
         with self._lock:
-            self._threads()
             st = self._train(model_id)
             b = self._bases[st.base_key]
             fn = get_loss_fn(loss_fn)
@@ -202,6 +209,8 @@ class Engine(SamplingMixin):
             prepared = [check_datum(i, d.tokens, d.inputs, loss_fn, spec.vocab_size, spec.max_context,
                                     spec.name, self.device) for i, d in enumerate(datums)]
             self._activate(b, st)
+            work = b.n_params * sum(len(p[0]) for p in prepared)
+            self._threads(1 if work < SMALL_WORK else None)
             outputs: list[dict[str, np.ndarray]] = [{} for _ in prepared]
             total = 0.0
             budget = self.max_batch_tokens or max(256, min(16384, 2**26 // max(spec.vocab_size, 1)))
@@ -252,8 +261,9 @@ class Engine(SamplingMixin):
         before clipping, "learning_rate:mean": lr, "step:max": steps taken so far}``.
         Raises EngineUserError for an unknown id or an out-of-range/NaN hyperparameter."""
         with self._lock:
-            self._threads()
             st = self._train(model_id)
+            # element-wise updates of a LoRA: OpenMP barriers cost more than a second core gives
+            self._threads(1 if sum(p.numel() for p in st.params.values()) < 2e7 else None)
             for k, v in (("learning_rate", learning_rate), ("eps", eps),
                          ("weight_decay", weight_decay), ("grad_clip_norm", grad_clip_norm)):
                 if not (float(v) >= 0.0 and np.isfinite(float(v))):
@@ -346,9 +356,10 @@ class Engine(SamplingMixin):
 
     # ------------------------------------------------------------------ internals
 
-    def _threads(self) -> None:
-        if torch.get_num_threads() != self.num_threads:
-            torch.set_num_threads(self.num_threads)
+    def _threads(self, n: int | None = None) -> None:
+        n = n or self.num_threads
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
 
     def _autocast(self):
         if self.dtype == "bf16":
