@@ -56,7 +56,7 @@ class RLConfig(EnvSpec):
     @model_validator(mode="after")
     def _check(self) -> "RLConfig":
         if self.run_name is None:  # stable across retries of a deployment's flow run (resumes)
-            self.run_name = default_run_name(f"rl-{self.env}-{self.model.replace('/', '-')}", self)
+            self.run_name = default_run_name(f"{self.env}-{self.model.replace('/', '-')}", self)
         if self.clip_low_threshold >= self.clip_high_threshold:
             raise ValueError(f"clip_low_threshold ({self.clip_low_threshold}) must be below clip_high_threshold ({self.clip_high_threshold})")
         if self.num_substeps > self.groups_per_batch:

@@ -69,7 +69,7 @@ class SFTConfig(BaseModel):
     @model_validator(mode="after")
     def _name(self) -> "SFTConfig":
         if self.run_name is None:  # stable across retries of a deployment's flow run (resumes)
-            self.run_name = default_run_name(f"sft-{self.model.replace('/', '-')}", self)
+            self.run_name = default_run_name(self.model.replace("/", "-"), self)
         return self
 
 

@@ -135,7 +135,12 @@ def test_interrupted_run_resumes_after_last_checkpoint(prefect_api, local_creden
     by = {(r["run_id"], r["name"], r["step"]): r["value"] for r in vals}
     keys = [(n, s) for n in ("env/reward_mean", "train/loss_sum", "train/entropy") for s in range(4)]
     assert all(("resumed", n, s) in by for n, s in keys)
-    assert [by[("resumed", n, s)] for n, s in keys] == pytest.approx([by[("straight", n, s)] for n, s in keys], abs=1e-4)
+    # Same sampled tokens, so the same rewards; the loss and entropy agree to fp32 noise only:
+    # concurrent sample requests are batched as they arrive (logprobs differ ~1e-6 with the batch's
+    # padding), and Adam with eps 1e-12 turns such noise in near-zero gradients into full-size steps.
+    for name, tol in (("env/reward_mean", 1e-6), ("train/entropy", 2e-3), ("train/loss_sum", 2e-3)):
+        assert [by[("resumed", name, s)] for s in range(4)] == pytest.approx(
+            [by[("straight", name, s)] for s in range(4)], abs=tol), name
     assert straight["rewards"] == pytest.approx(_rewards(by, "straight"))
     n_traj = _sql(capsys, store, "SELECT count(*) n FROM trajectories WHERE run_id='resumed'")[0]["n"]
     assert n_traj == 4 * 3  # log_trajectories rows per step, no duplicates
@@ -193,7 +198,7 @@ def test_config_validation_and_cli_registration():
         RLConfig(group_size=2, rollout={"min_group_size": 3})
     cfg = RLConfig(loss_fn="ppo", clip_low_threshold=0.7)
     assert cfg.loss_fn_config() == {"clip_low_threshold": 0.7, "clip_high_threshold": 1.2}
-    assert RLConfig().loss_fn_config() is None and RLConfig().run_name.startswith("rl-arithmetic-tiny-")
+    assert RLConfig().loss_fn_config() is None and RLConfig().run_name.startswith("arithmetic-tiny-")
     from flows.cli import FLOWS
 
     assert FLOWS["rl"] == "flows.rl:rl_flow"
