@@ -13,6 +13,13 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Prefect's console log handler keeps the sys.stderr it first sees. Import Prefect (which sets up its
+# logging) now, under pytest's session-wide capture, and not inside a test whose capsys stream is
+# closed when that test ends: later flows in the same process would fail with "I/O operation on
+# closed file" (e.g. tests/test_cli.py followed by tests/test_store_s3.py). The whole suite already
+# did this by collecting tests/test_blocks_standard.py, which imports Prefect at module level.
+import prefect.main  # noqa: E402,F401
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
 

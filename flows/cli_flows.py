@@ -1,0 +1,187 @@
+"""Flows known to ``prefect-tinker`` and their configs: the registry, resolving a flow and its
+pydantic config model, validating a config from a YAML file plus ``key=value`` overrides (one
+line per bad field), and a model's defaults as commented YAML.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import json
+import os
+import typing
+from typing import Any, Sequence
+
+from flows.cli_config import CLIError, deep_merge, jsonable, load_yaml_file, parse_overrides
+
+#: flow name -> "module:attribute" of a Prefect flow (or plain function) taking ``config``.
+FLOWS: dict[str, str] = {"sft": "flows.sft:sft_flow", "rl": "flows.rl:rl_flow"}
+#: extra registrations, ``name=module:attr`` separated by commas (e.g. for plugins and tests).
+FLOWS_ENV = "PREFECT_TINKER_FLOWS"
+
+
+def _dotted_keys(d: dict[str, Any], prefix: str = "") -> set[str]:
+    keys = set()
+    for k, v in d.items():
+        full = f"{prefix}{k}"
+        keys.add(full)
+        if isinstance(v, dict):
+            keys |= _dotted_keys(v, full + ".")
+    return keys
+
+
+def flow_registry() -> dict[str, str]:
+    """:data:`FLOWS` plus registrations from ``$PREFECT_TINKER_FLOWS`` (``name=mod:attr,...``)."""
+    reg = dict(FLOWS)
+    for entry in filter(None, (e.strip() for e in os.environ.get(FLOWS_ENV, "").split(","))):
+        name, sep, target = entry.partition("=")
+        if not sep or ":" not in target:
+            raise CLIError(f"bad entry {entry!r} in ${FLOWS_ENV}: expected name=module:attr")
+        reg[name.strip()] = target.strip()
+    return reg
+
+
+def resolve_flow(name: str) -> tuple[Any, type]:
+    """Import flow ``name`` (a registry name or ``module:attr``); return ``(flow, ConfigModel)``.
+
+    The config model is the pydantic class annotated on the flow's ``config`` parameter (or its
+    only parameter). Raises :class:`CLIError` for an unknown name or a flow without such a parameter.
+    """
+    reg = flow_registry()
+    target = reg.get(name) or (name if ":" in name else None)
+    if target is None:
+        raise CLIError(f"unknown flow {name!r}; known flows: {', '.join(sorted(reg)) or '(none)'}")
+    mod_name, _, attr = target.partition(":")
+    try:
+        module = importlib.import_module(mod_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and mod_name.startswith(exc.name):
+            raise CLIError(f"flow {name!r}: module {mod_name!r} not found") from None
+        raise
+    try:
+        flow = getattr(module, attr)
+    except AttributeError:
+        raise CLIError(f"flow {name!r}: module {mod_name!r} has no attribute {attr!r}") from None
+    return flow, config_model_of(flow, name)
+
+
+def config_model_of(flow: Any, name: str = "?") -> type:
+    """The pydantic model class of ``flow``'s ``config`` parameter (see :func:`resolve_flow`)."""
+    from pydantic import BaseModel
+
+    fn = getattr(flow, "fn", flow)  # a Prefect Flow wraps the function in .fn
+    params = list(inspect.signature(fn).parameters.values())
+    param = next((p for p in params if p.name == "config"), params[0] if len(params) == 1 else None)
+    if param is None:
+        raise CLIError(f"flow {name!r} has no 'config' parameter")
+    try:
+        ann = typing.get_type_hints(fn).get(param.name, param.annotation)
+    except Exception:
+        ann = param.annotation
+    if not (inspect.isclass(ann) and issubclass(ann, BaseModel)):
+        raise CLIError(f"flow {name!r}: parameter {param.name!r} is not annotated with a pydantic model")
+    return ann
+
+
+def _model_of_annotation(ann: Any) -> type | None:
+    """The pydantic model inside ``ann`` (``Model``, ``Model | None``), else None."""
+    from pydantic import BaseModel
+
+    if inspect.isclass(ann) and issubclass(ann, BaseModel):
+        return ann
+    models = [a for a in typing.get_args(ann) if inspect.isclass(a) and issubclass(a, BaseModel)]
+    return models[0] if len(models) == 1 else None
+
+
+def unknown_fields(model: type, data: dict[str, Any], prefix: str = "") -> list[str]:
+    """Messages for keys of ``data`` that are not fields of ``model`` (recursively), with a
+    did-you-mean suggestion. Models that allow extra fields accept any key."""
+    if model.model_config.get("extra") == "allow":
+        return []
+    names: dict[str, str] = {}
+    for fname, finfo in model.model_fields.items():
+        names[fname] = fname
+        if finfo.alias:
+            names[finfo.alias] = fname
+    msgs = []
+    for key, value in data.items():
+        if key not in names:
+            close = difflib.get_close_matches(key, list(names), n=1) or [
+                n for n in names if "".join(w[:1] for w in n.split("_")) == key  # lr -> learning_rate
+            ][:1]
+            hint = f" (did you mean {prefix + close[0]!r}?)" if close else ""
+            msgs.append(f"{prefix}{key}: unknown field{hint}")
+            continue
+        sub = _model_of_annotation(model.model_fields[names[key]].annotation)
+        if sub is not None and isinstance(value, dict):
+            msgs += unknown_fields(sub, value, f"{prefix}{key}.")
+    return msgs
+
+
+def build_config(
+    model: type, overrides: Sequence[str] = (), config_file: str | None = None, flow_name: str = "?"
+) -> Any:
+    """Validate ``overrides`` (``key=value``) merged over ``config_file`` against ``model``.
+
+    Raises:
+        CLIError: bad ``key=value`` syntax, unreadable YAML, unknown fields, or validation
+            errors -- one line per field: ``field = value: reason (source)``.
+    """
+    from pydantic import ValidationError
+
+    base = load_yaml_file(config_file) if config_file else {}
+    cli = parse_overrides(overrides)
+    data = deep_merge(base, cli)
+    cli_keys = _dotted_keys(cli)
+
+    def source(loc: str) -> str:
+        if loc in cli_keys:
+            return "command line"
+        return f"{config_file}" if config_file else "default"
+
+    problems = unknown_fields(model, data)
+    try:
+        config = model.model_validate(data)
+    except ValidationError as exc:
+        for err in exc.errors(include_url=False):
+            loc = ".".join(str(p) for p in err["loc"]) or "(config)"
+            if err["type"] == "extra_forbidden":
+                continue  # already reported by unknown_fields, with a suggestion
+            if err["type"] == "missing":
+                problems.append(f"{loc}: required field missing")
+            else:
+                problems.append(f"{loc} = {err.get('input')!r}: {err['msg']} (from {source(loc)})")
+    else:
+        if not problems:
+            return config
+    lines = "\n".join(f"  {p}" for p in problems)
+    raise CLIError(f"invalid config for flow {flow_name!r} ({model.__name__}):\n{lines}")
+
+
+def defaults_yaml(model: type, indent: int = 0) -> str:
+    """The model's fields as commented YAML (defaults; required fields shown as ``null``)."""
+    from pydantic import BaseModel
+
+    pad = " " * indent
+    lines = []
+    for name, f in model.model_fields.items():
+        desc = f"  # {f.description}" if f.description else ""
+        sub = _model_of_annotation(f.annotation)
+        if f.is_required():
+            if sub is not None:
+                lines.append(f"{pad}{name}:  # required{desc[3:] and ': ' + desc[4:]}")
+                lines.append(defaults_yaml(sub, indent + 2))
+                continue
+            lines.append(f"{pad}{name}: null  # required{desc[3:] and ': ' + desc[4:]}")
+            continue
+        value = f.get_default(call_default_factory=True)
+        if isinstance(value, BaseModel) and sub is not None:
+            lines.append(f"{pad}{name}:{desc}")
+            lines.append(defaults_yaml(sub, indent + 2))
+            continue
+        if isinstance(value, BaseModel):
+            value = value.model_dump(mode="json")
+        dumped = json.dumps(jsonable(value), ensure_ascii=False)
+        lines.append(f"{pad}{name}: {dumped}{desc}")
+    return "\n".join(lines)
