@@ -53,24 +53,13 @@ def format_table(names: Sequence[str], rows: Sequence[Sequence[Any]], max_width:
     return "\n".join(out)
 
 
-def _store_connect(root: str):
-    """All stores under ``root`` (a folder or ``s3://bucket/prefix``; S3 credentials and endpoint
-    from the AWS environment variables) as views on one DuckDB connection."""
-    from tinker_blocks.store_io import connect_stores
-
-    return connect_stores(root)
-
-
 def _print_query(root: str, sql: str, params: list[Any], as_json: bool) -> int:
     import duckdb
 
-    from tinker_blocks.store_io import StoreAccessError, StoreError, StoreUnavailableError
+    from tinker_blocks.store_io import StoreAccessError, StoreError, StoreUnavailableError, query_stores
 
-    try:
-        con = _store_connect(root)
-        cur = con.execute(sql, params)
-        names = [d[0] for d in cur.description] if cur.description else []
-        rows = cur.fetchall() if cur.description else []
+    try:  # re-run on a fresh listing when a concurrent compaction deleted a listed part
+        names, rows = query_stores(root, sql, params)
     except (duckdb.Error, StoreError, StoreAccessError, StoreUnavailableError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED

@@ -9,7 +9,8 @@ batch, group and seed) -> advantages and datums (:mod:`recipes.rl.advantages`; o
 constant-reward groups and KL penalty against a reference) -> ``rl-forward-backward`` +
 ``rl-optim-step`` per substep -> fresh sampler weights (``save-sampler-weights``; every rollout
 after an update samples from them) -> every ``save_every`` steps a state checkpoint, with the
-buffered metrics and trajectory rows written to the store before its row.
+buffered metrics and trajectory rows written to the store before its row. At the end of a successful
+run its store tables are compacted to one part each (``compact-run``).
 
 Step convention (as in SFT): a metric recorded at step ``s`` belongs to the batch trained from
 optimizer step ``s`` (with ``num_substeps = k``, steps are multiples of k); in the async schedule
@@ -37,7 +38,9 @@ from recipes.rl.advantages import (
 )
 from recipes.rl.envs import build_rl_dataset
 from recipes.rl.types import TrajectoryGroup
-from tasks.records import record_checkpoint, record_run, write_metrics, write_trajectories
+from tasks.records import (
+    check_store, compact_finished_run, record_checkpoint, record_run, write_metrics, write_trajectories,
+)
 from tasks.reporting import RL_CURVES, report_run
 from tasks.rl_training import rl_forward_backward, rl_optim_step, save_sampler_weights
 from tasks.rollouts import reference_logprobs, rollout_group
@@ -236,6 +239,11 @@ def _after_step(step: int) -> None:
     """Hook called after every completed step (tests use it to interrupt a run)."""
 
 
+def _before_compaction(run_id: str) -> None:
+    """Hook called when the run's rows are all written, before they are compacted (tests use it
+    to read the parts as written)."""
+
+
 def _checkpoint_rows(store: str, run_id: str) -> list[dict]:
     from tinker_blocks.stores import TrainingStore
 
@@ -252,6 +260,7 @@ def rl_flow(config: RLConfig) -> dict[str, Any]:
     log = get_run_logger()
     credentials = resolve_credentials(config.backend)
     backend, run_id = credentials.backend_name(), config.run_name
+    check_store(config.store)  # wrong credentials / unwritable store: fail before any training
     rows = _checkpoint_rows(config.store, run_id)
     states = [r for r in rows if r["kind"] == "state"]
     samplers = {int(r["step"]): r["path"] for r in rows if r["kind"] == "sampler"}
@@ -291,6 +300,8 @@ def rl_flow(config: RLConfig) -> dict[str, Any]:
         record_run(config.store, run_id, config.model, backend, config.lora_rank, config.model_dump_json(), "failed")
         raise
     record_run(config.store, run_id, config.model, backend, config.lora_rank, config.model_dump_json(), "completed")
+    _before_compaction(run_id)
+    compact_finished_run(config.store, run_id)  # one part per table: S3 queries cost a request per part
     steps_run = len(loop.rewards)
     summary = {
         "run_name": run_id, "steps": loop.run.step // config.num_substeps, "optimizer_steps": loop.run.step,

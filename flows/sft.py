@@ -3,7 +3,8 @@
 Pipeline: resolve the backend -> open (or resume) the training run -> prepare the dataset (cached by
 content) -> loop over steps (``train-step`` tasks; NLL evaluation every ``eval_every``; a state
 checkpoint every ``save_every``, recorded in the training store with the metrics before it) ->
-sampler weights -> sample completions for held-out prompts -> summary artifact.
+sampler weights -> sample completions for held-out prompts -> the run's store tables compacted to one
+part each (``compact-run``) -> summary artifact.
 
 Step convention: a value recorded at step ``s`` was computed by weights that had taken ``s``
 optimizer steps (train loss of the batch at index ``s``; test NLL after ``s`` updates; a checkpoint
@@ -26,7 +27,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from flows.config import AdamConfig, BackendConfig, default_run_name, resolve_credentials
 from tasks.data import PreparedDataset, dataset_uri, prepare_sft_dataset
-from tasks.records import check_store, record_checkpoint, record_run, write_metrics
+from tasks.records import check_store, compact_finished_run, record_checkpoint, record_run, write_metrics
 from tasks.reporting import Progress, report_run
 from tasks.sampling import sample_completions
 from tasks.training import ClientRewound, TrainingRun, evaluate_nll, open_training_run, save_checkpoint, train_step
@@ -179,6 +180,8 @@ def _train(config: SFTConfig, credentials: Any, backend: str, run: TrainingRun, 
 
     samples = _sample(credentials, run, data, config)
     record_run(config.store, run_id, config.model, backend, config.lora_rank, config.model_dump_json(), "completed")
+    _before_compaction(run_id)
+    compact_finished_run(config.store, run_id)  # one part per table: S3 queries cost a request per part
     summary = {
         "run_name": run_id, "steps": run.step, **_run_totals(config.store, run_id),
         "checkpoints": _checkpoint_paths(config.store, run_id), "samples": samples, "store": config.store,
@@ -189,6 +192,11 @@ def _train(config: SFTConfig, credentials: Any, backend: str, run: TrainingRun, 
 
 def _after_step(step: int) -> None:
     """Hook called after every completed step (tests use it to interrupt a run)."""
+
+
+def _before_compaction(run_id: str) -> None:
+    """Hook called when the run's rows are all written, before they are compacted (tests use it
+    to read the parts as written)."""
 
 
 def _save(credentials: Any, run: TrainingRun, name: str, data: PreparedDataset, config: SFTConfig):

@@ -15,7 +15,7 @@ from prefect.cache_policies import NO_CACHE
 from tasks.policies import RETRY_OPTIONS
 
 __all__ = ["write_metrics", "write_trajectories", "record_checkpoint", "record_run", "check_store",
-           "compact_run"]
+           "compact_run", "compact_finished_run"]
 
 
 def _store(root):
@@ -36,13 +36,28 @@ def check_store(store: str) -> None:
     _store(store).check()
 
 
-@task(name="compact-run", cache_policy=NO_CACHE, **RETRY_OPTIONS)
-def compact_run(store: str, run_id: str, tables: tuple[str, ...] = ("metrics", "checkpoints", "runs")) -> int:
-    """Merge each of the run's ``tables`` into one part (queries over S3 cost a request per part,
-    so a finished run should be one part per table). Safe while others query. Returns the number
-    of tables compacted."""
+@task(name="compact-run", task_run_name="compact-{run_id}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
+def compact_run(store: str, run_id: str, tables: tuple[str, ...] | None = None) -> int:
+    """Merge each of the run's ``tables`` (default: every training-store table: runs, metrics,
+    checkpoints, trajectories) into one part; tables with fewer than two parts are left alone.
+    Queries over S3 cost a request per part, so a finished run should be one part per table.
+    Safe while others query (see ``ParquetStore.compact``). Returns the number of tables compacted."""
     st = _store(store)
-    return sum(st.compact(run_id, t) is not None for t in tables)
+    return sum(st.compact(run_id, t) is not None for t in (tables or st.tables))
+
+
+def compact_finished_run(store: str, run_id: str) -> int | None:
+    """Call :func:`compact_run` at the end of a successful flow run. A failure (after the task's
+    retries) is logged as a warning, not raised: the run's rows are intact, only spread over
+    more parts, and ``TrainingStore(root=...).compact(run_id, table)`` can merge them later.
+    Returns the number of tables compacted, or None when compaction failed."""
+    from prefect import get_run_logger
+
+    try:
+        return compact_run(store, run_id)
+    except Exception as exc:
+        get_run_logger().warning("compacting run %s failed (%s); its rows are intact", run_id, exc)
+        return None
 
 
 @task(name="write-metrics", cache_policy=NO_CACHE, **RETRY_OPTIONS)

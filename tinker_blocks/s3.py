@@ -40,6 +40,8 @@ __all__ = [
     "attach_filesystem",
     "PartCacheFS",
     "HTTPFS_ENV",
+    "is_missing_part_error",
+    "execute_retrying",
 ]
 
 log = logging.getLogger(__name__)
@@ -386,6 +388,53 @@ for _name in ("ls", "exists", "isfile", "isdir", "created", "ukey",
               "checksum", "find", "cat_file", "pipe_file", "rm_file", "rm", "mkdir", "makedirs",
               "mv", "copy", "put_file", "get_file", "invalidate_cache"):
     setattr(PartCacheFS, _name, _delegate(_name))
+
+
+#: what DuckDB says (through fsspec, httpfs or the local file system) when a listed file is gone
+_MISSING_PART = ("FileNotFoundError", "No such file or directory", "NoSuchKey", "The specified key does not exist",
+                 "HTTP 404", "No files found that match the pattern")
+
+
+def is_missing_part_error(exc: BaseException) -> bool:
+    """True when a DuckDB query failed because a Parquet part it had listed was deleted before it
+    was read: a compaction merged it into a new part (written first) and removed it. Running the
+    query again lists the parts anew and succeeds. False for SQL errors (catalog, binder, parser)."""
+    import duckdb
+
+    if not isinstance(exc, duckdb.Error) or isinstance(
+        exc, (duckdb.CatalogException, duckdb.BinderException, duckdb.ParserException)
+    ):
+        return False
+    return any(m in str(exc) for m in _MISSING_PART)
+
+
+def execute_retrying(
+    connect: Callable[[], Any], sql: str, params: Any = None, *, attempts: int = 4,
+    before_retry: Callable[[], None] | None = None,
+) -> tuple[list[str], list[tuple]]:
+    """Run ``sql`` on a fresh connection from ``connect()`` and return ``(column names, rows)``;
+    when it fails with :func:`is_missing_part_error` (a concurrent compaction), call
+    ``before_retry`` (drop cached listings), reconnect and run it again, up to ``attempts`` times.
+    Other errors are raised at once; the last missing-part error after ``attempts`` tries."""
+    for attempt in range(1, attempts + 1):
+        con = None
+        try:
+            con = connect()  # binding the views reads a part too
+            cur = con.execute(sql, params or [])
+            if cur.description is None:
+                return [], []
+            return [d[0] for d in cur.description], cur.fetchall()
+        except Exception as exc:
+            if attempt >= attempts or not is_missing_part_error(exc):
+                raise
+            log.info("a part vanished during the query (compacted meanwhile); re-running it (%d)", attempt)
+            if before_retry is not None:
+                before_retry()
+            time.sleep(0.05 * attempt)
+        finally:
+            if con is not None:
+                con.close()
+    raise AssertionError("unreachable")
 
 
 def _sql_lit(s: str) -> str:

@@ -36,7 +36,9 @@ from tinker_blocks.s3 import (
     StoreAccessError,
     StoreUnavailableError,
     attach_filesystem,
+    execute_retrying,
     is_access_error,
+    is_missing_part_error,
     retry_call,
     s3_storage_options,
 )
@@ -59,27 +61,11 @@ from tinker_blocks.store_schemas import (
 from tinker_blocks.store_writer import StoreWriter, sanitize_writer_id
 
 __all__ = [
-    "TableSpec",
-    "STORES",
-    "TRAINING_TABLES",
-    "EVAL_TABLES",
-    "CAPTURE_TABLES",
-    "METRICS_SCHEMA",
-    "CHECKPOINTS_SCHEMA",
-    "RUNS_SCHEMA",
-    "EVAL_RESULTS_SCHEMA",
-    "EVAL_SAMPLES_SCHEMA",
-    "CAPTURES_SCHEMA",
-    "ParquetStore",
-    "StoreWriter",
-    "make_row_id",
-    "validate_run_id",
-    "StoreError",
-    "StoreAccessError",
-    "StoreUnavailableError",
-    "default_store_root",
-    "resolve_storage_options",
-    "connect_stores",
+    "TableSpec", "STORES", "TRAINING_TABLES", "EVAL_TABLES", "CAPTURE_TABLES", "METRICS_SCHEMA",
+    "CHECKPOINTS_SCHEMA", "RUNS_SCHEMA", "EVAL_RESULTS_SCHEMA", "EVAL_SAMPLES_SCHEMA",
+    "CAPTURES_SCHEMA", "ParquetStore", "StoreWriter", "make_row_id", "validate_run_id",
+    "StoreError", "StoreAccessError", "StoreUnavailableError", "default_store_root",
+    "resolve_storage_options", "connect_stores", "query_stores",
 ]
 
 #: default seconds a remote write keeps retrying transient errors before giving up
@@ -402,13 +388,23 @@ class ParquetStore:
 
     def _create_views(self, con: duckdb.DuckDBPyConnection) -> None:
         for table in self.tables:
-            if not self.list_parts(table):
-                con.execute(f'CREATE OR REPLACE VIEW "{table}" AS {self.empty_view_sql(table)}')
-                continue
-            try:
-                con.execute(f'CREATE OR REPLACE VIEW "{table}" AS {self.view_sql(table)}')
-            except duckdb.BinderException:  # the first part lacks a column added later
-                con.execute(f'CREATE OR REPLACE VIEW "{table}" AS {self.view_sql(table, union_by_name=True)}')
+            for attempt in range(4):  # binding reads a part, which a compaction may delete meanwhile
+                try:
+                    self._create_view(con, table)
+                    break
+                except duckdb.Error as exc:
+                    if attempt == 3 or not is_missing_part_error(exc):
+                        raise
+                    self.fs.invalidate_cache()
+
+    def _create_view(self, con: duckdb.DuckDBPyConnection, table: str) -> None:
+        if not self.list_parts(table):
+            con.execute(f'CREATE OR REPLACE VIEW "{table}" AS {self.empty_view_sql(table)}')
+            return
+        try:
+            con.execute(f'CREATE OR REPLACE VIEW "{table}" AS {self.view_sql(table)}')
+        except duckdb.BinderException:  # the first part lacks a column added later
+            con.execute(f'CREATE OR REPLACE VIEW "{table}" AS {self.view_sql(table, union_by_name=True)}')
 
     def connect(self, con: duckdb.DuckDBPyConnection | None = None) -> duckdb.DuckDBPyConnection:
         """A DuckDB connection (new in-memory one unless ``con``) with one view per table.
@@ -428,12 +424,25 @@ class ParquetStore:
         self.create_views(con)
         return con
 
+    def query(self, sql: str, params: Sequence[Any] | None = None) -> tuple[list[str], list[tuple]]:
+        """``(column names, rows)`` of ``sql`` over this store's views, on a new connection.
+
+        A query that lists a part which a concurrent :meth:`compact` then deletes fails in DuckDB
+        ("file not found"); it is run again on a fresh listing (up to 4 times), which sees the
+        merged part instead. Raises ``duckdb.Error`` for bad SQL, StoreAccessError /
+        StoreUnavailableError as :meth:`connect`."""
+        return execute_retrying(self.connect, sql, list(params or []), before_retry=self.fs.invalidate_cache)
+
     def compact(self, table: str, run_id: str, *, writer_id: str = "compact") -> str | None:
         """Merge a run's parts of ``table`` into one deduplicated part, then delete the inputs.
 
-        Safe with concurrent readers (they dedup by row id while both copies exist) and with a
-        concurrent writer (only the parts listed before reading are deleted). Returns the new
-        part's path, or None when there were fewer than two parts.
+        Safe with concurrent readers: the merged part is written before any input is deleted, so
+        every listing holds each row (twice while both copies exist: the views keep one), and a
+        reader whose listed part vanished mid-query re-runs it (:meth:`query`,
+        :func:`query_stores`, ``prefect-tinker sql``; a raw :meth:`connect` connection raises a
+        DuckDB IO error naming the missing file: run the statement again). Safe with a concurrent
+        writer (only the parts listed before reading are deleted). Returns the new part's path,
+        or None when there were fewer than two parts.
         """
         parts = self.list_parts(table, run_id)
         if len(parts) < 2:
@@ -492,3 +501,19 @@ def connect_stores(
         io._cache = first._cache
         io.create_views(con)
     return con
+
+
+def query_stores(
+    root: str,
+    sql: str,
+    params: Sequence[Any] | None = None,
+    stores: Sequence[str] = ("training", "eval", "capture"),
+    storage_options: Mapping[str, Any] | None = None,
+) -> tuple[list[str], list[tuple]]:
+    """``(column names, rows)`` of ``sql`` over :func:`connect_stores` views, re-run on a fresh
+    listing when a concurrent compaction deleted a part it had listed (as
+    :meth:`ParquetStore.query`). Used by ``prefect-tinker sql``."""
+    opts = resolve_storage_options(root, storage_options)
+    fs = fsspec.core.url_to_fs(root, **opts)[0]
+    return execute_retrying(lambda: connect_stores(root, stores, opts), sql, list(params or []),
+                            before_retry=fs.invalidate_cache)

@@ -155,16 +155,10 @@ class StoreBlock(Block, ABC):
         return self._io().connect()
 
     def query(self, sql: str, params: list[Any] | None = None) -> list[dict[str, Any]]:
-        """Run ``sql`` over the views; return rows as dicts (column name -> value)."""
-        con = self.connect()
-        try:
-            cur = con.execute(sql, params or [])
-            if cur.description is None:
-                return []
-            names = [d[0] for d in cur.description]
-            return [dict(zip(names, r)) for r in cur.fetchall()]
-        finally:
-            con.close()
+        """Run ``sql`` over the views; return rows as dicts (column name -> value). Re-run on a
+        fresh listing when a concurrent compaction deleted a part the query had listed."""
+        names, rows = self._io().query(sql, params)
+        return [dict(zip(names, r)) for r in rows]
 
 
 class TrainingStore(StoreBlock):
