@@ -35,6 +35,8 @@ from typing import Any
 from prefect.blocks.abstract import CredentialsBlock
 from pydantic import ConfigDict, Field, SecretStr, field_validator
 
+from tinker_blocks.docs import docs_url
+
 __all__ = [
     "LocalServerError",
     "TinkerCredentials",
@@ -89,7 +91,7 @@ class TinkerCredentials(CredentialsBlock):
         "Connection settings for Tinker: an API key for the hosted service, the URL of a "
         "self-hosted Tinker-compatible server, or an embedded local server started on demand."
     )
-    _documentation_url = "https://tinker-docs.thinkingmachines.ai/"
+    _documentation_url = docs_url("backends")  # type: ignore[assignment]
 
     api_key: SecretStr | None = Field(
         default=None,

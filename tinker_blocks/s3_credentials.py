@@ -15,6 +15,7 @@ from typing import Any
 from prefect.blocks.abstract import CredentialsBlock
 from pydantic import Field, SecretStr
 
+from tinker_blocks.docs import docs_url
 from tinker_blocks.s3 import s3_storage_options
 
 __all__ = ["S3Credentials"]
@@ -39,7 +40,7 @@ class S3Credentials(CredentialsBlock):
     _block_type_name = "Tinker S3 Credentials"
     _block_type_slug = "tinker-s3-credentials"
     _description = "Key, secret and endpoint of an S3 or S3-compatible object store for the Tinker stores."
-    _documentation_url = "https://github.com/prefect-tinker/prefect-tinker"  # type: ignore[assignment]
+    _documentation_url = docs_url("stores")  # type: ignore[assignment]
     _code_example = """
 ```python
 from tinker_blocks import S3Credentials, TrainingStore

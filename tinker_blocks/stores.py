@@ -20,6 +20,7 @@ import duckdb
 from prefect.blocks.core import Block
 from pydantic import Field
 
+from tinker_blocks.docs import docs_url
 from tinker_blocks.s3 import StoreAccessError, StoreUnavailableError
 from tinker_blocks.s3_credentials import S3Credentials
 from tinker_blocks.store_io import (
@@ -67,7 +68,7 @@ class StoreBlock(Block, ABC):
     """
 
     _store: ClassVar[str] = ""
-    _documentation_url = "https://github.com/prefect-tinker/prefect-tinker"  # type: ignore[assignment]
+    _documentation_url = docs_url("stores")  # type: ignore[assignment]
 
     root: str = Field(
         description="Store root: a local folder or an fsspec URL such as s3://bucket/prefix.",
