@@ -18,6 +18,28 @@ __all__ = ["write_metrics", "write_trajectories", "record_checkpoint", "record_r
            "compact_run", "compact_finished_run"]
 
 
+def _steps_run_name(kind: str):
+    """A ``task_run_name`` callable: ``<kind>-<run_id>-step-<a>`` or ``...-steps-<a>-<b>`` from the
+    steps of the task's ``rows`` ((step, ...) tuples or dicts with a ``step`` key)."""
+
+    def name(parameters: dict) -> str:
+        rows = parameters.get("rows")
+        steps = []
+        for r in rows if isinstance(rows, (list, tuple)) else ():  # never consume an iterator
+            step = r.get("step") if isinstance(r, dict) else (r[0] if isinstance(r, (tuple, list)) and r else None)
+            try:
+                steps.append(int(step))
+            except (TypeError, ValueError):
+                pass
+        base = f"{kind}-{parameters.get('run_id')}"
+        if not steps:
+            return base
+        lo, hi = min(steps), max(steps)
+        return f"{base}-step-{lo}" if lo == hi else f"{base}-steps-{lo}-{hi}"
+
+    return name
+
+
 def _store(root):
     """A ``TrainingStore`` for ``root``: a folder or ``s3://`` URL (S3 credentials from the AWS_*
     environment variables), or a store block (then used as is: its ``credentials`` apply)."""
@@ -60,7 +82,7 @@ def compact_finished_run(store: str, run_id: str) -> int | None:
         return None
 
 
-@task(name="write-metrics", cache_policy=NO_CACHE, **RETRY_OPTIONS)
+@task(name="write-metrics", task_run_name=_steps_run_name("metrics"), cache_policy=NO_CACHE, **RETRY_OPTIONS)
 def write_metrics(store: str, run_id: str, rows: Iterable[tuple[int, str, float]]) -> int:
     """Write ``(step, name, value)`` rows of run ``run_id`` as one part; returns the row count."""
     rows = list(rows)
@@ -72,7 +94,7 @@ def write_metrics(store: str, run_id: str, rows: Iterable[tuple[int, str, float]
     return len(rows)
 
 
-@task(name="write-trajectories", cache_policy=NO_CACHE, **RETRY_OPTIONS)
+@task(name="write-trajectories", task_run_name=_steps_run_name("trajectories"), cache_policy=NO_CACHE, **RETRY_OPTIONS)
 def write_trajectories(store: str, run_id: str, rows: list[dict]) -> int:
     """Write rows of the ``trajectories`` table (step, batch_index, group_index, member, prompt,
     response, reward, ...; ``run_id`` is added) as one part; returns the row count."""
@@ -81,7 +103,7 @@ def write_trajectories(store: str, run_id: str, rows: list[dict]) -> int:
     return len(_store(store).write_rows("trajectories", [dict(r, run_id=run_id) for r in rows]))
 
 
-@task(name="record-checkpoint", cache_policy=NO_CACHE, **RETRY_OPTIONS)
+@task(name="record-checkpoint", task_run_name="record-{kind}-{run_id}-step-{step}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
 def record_checkpoint(store: str, run_id: str, step: int, path: str, kind: str) -> None:
     """Record a saved checkpoint (``kind`` 'state' or 'sampler') taken after ``step`` updates."""
     name = path.rstrip("/").rsplit("/", 1)[-1]
@@ -89,7 +111,7 @@ def record_checkpoint(store: str, run_id: str, step: int, path: str, kind: str) 
         w.write(run_id=run_id, step=int(step), name=name, kind=kind, path=path)
 
 
-@task(name="record-run", cache_policy=NO_CACHE, **RETRY_OPTIONS)
+@task(name="record-run", task_run_name="record-run-{run_id}-{status}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
 def record_run(
     store: str, run_id: str, base_model: str, backend: str, lora_rank: int, config_json: str, status: str
 ) -> None:

@@ -33,7 +33,7 @@ def _has_client(credentials: Any, run: TrainingRun) -> bool:
     return entry is not None and entry[1] == run.step
 
 
-@task(name="rl-forward-backward", task_run_name="fwd-bwd-{run.step}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
+@task(name="rl-forward-backward", task_run_name="fwd-bwd-step-{run.step}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
 def rl_forward_backward(
     credentials: Any, run: TrainingRun, datums: list[RLDatum], loss_fn: str = "importance_sampling",
     loss_fn_config: dict[str, float] | None = None, accumulated: int = 0,

@@ -187,7 +187,8 @@ def _rollout_cache_key(context: Any, params: dict[str, Any]) -> str:
 
 @task(
     name="rollout-group",
-    task_run_name="rollout-b{batch_index}-g{group_index}",
+    # batch and group, then the training step of the sampler weights it rolls out (the policy version)
+    task_run_name="rollout-b{batch_index}-g{group_index}-step-{sampler_step}",
     cache_policy=TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_rollout_cache_key),
     persist_result=True,
     **RETRY_OPTIONS,

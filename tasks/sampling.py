@@ -13,8 +13,16 @@ from tasks.policies import RETRY_OPTIONS
 __all__ = ["sample_completions"]
 
 
+def _sample_run_name(parameters: dict[str, Any]) -> str:
+    """``sample-<checkpoint name>``, e.g. ``sample-my-run-step-000006`` for
+    ``tinker://<model>/sampler_weights/my-run-step-000006`` (the name carries run and step)."""
+    path = str(parameters.get("sampler_path") or "")
+    return f"sample-{path.rstrip('/').rsplit('/', 1)[-1] or 'weights'}"
+
+
 @task(
     name="sample-completions",
+    task_run_name=_sample_run_name,
     # A pure function of (sampler weights path, prompts, sampling params incl. seed); the block is
     # excluded from the key (which backend served it does not change the answer).
     cache_policy=(INPUTS - "credentials") + TASK_SOURCE,
