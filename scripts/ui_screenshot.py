@@ -6,8 +6,8 @@ task and the run's artifacts: ``docs/ui-sft-run.png``.
 Starts a Prefect server on 127.0.0.1 (temporary ``PREFECT_HOME``), registers the deployments of
 ``prefect.yaml``, starts a process worker, saves a ``TinkerCredentials`` block for the embedded
 local server and runs ``sft/sft-tiny`` (12 steps). While it runs, the local server's folder for
-sampler weights is blocked by a file (a disk fault) until the ``save-sampler`` task has failed once
-and awaits its retry, so the page shows a retried task. Then headless Chromium (Debian's
+sampler weights is blocked by a file (a disk fault, in place from the model's creation) until the
+``save-sampler`` task has failed once and awaits its retry, so the page shows a retried task. Then headless Chromium (Debian's
 ``chromium``) photographs the flow run (task runs tab), its artifacts, the retried task run and the
 curves artifact, and Pillow stacks the pictures into one PNG. ``--keep`` leaves the stack running
 to browse it (Ctrl-C stops it).
@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.prefect_stack import PrefectStack, wait_until  # noqa: E402
+from tests.prefect_stack import PrefectStack, block_sampler_saves, local_training_runs, wait_until  # noqa: E402
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars"]
@@ -156,7 +156,6 @@ def main(argv: list[str] | None = None) -> int:
         from prefect.settings import PREFECT_API_URL, temporary_settings
 
         from tinker_blocks import TinkerCredentials
-        from tinker_blocks.stores import TrainingStore
 
         with temporary_settings({PREFECT_API_URL: stack.api_url}):
             TinkerCredentials(local=True, local_root=str(local_root), local_models=["tiny"]).save("local-tiny", overwrite=True)
@@ -167,17 +166,21 @@ def main(argv: list[str] | None = None) -> int:
         fr = stack.run_deployment("sft/sft-tiny", {"config": config})
         print(f"flow run {fr.id}: {stack.ui_url}/runs/flow-run/{fr.id}", flush=True)
 
-        ts = TrainingStore(root=str(store))
-        first = wait_until(lambda: ts.last_checkpoint("nightly-demo"), 600, "the first checkpoint", 0.3)
-        model_dir = first["path"].removeprefix("tinker://").split("/")[0].replace(":", ".")
-        blocker = local_root / "checkpoints" / model_dir / "sampler_weights"
-        blocker.write_text("disk fault (ui_screenshot.py)\n")
+        # the fault goes in as soon as the run's model exists (before step 0: no race with training)
+        model_id = wait_until(lambda: next(iter(local_training_runs(local_root) or ()), None), 600,
+                              "the run's model on the local server", 0.2)
+        blocker = block_sampler_saves(local_root, model_id)
+
+        def failed_once() -> bool:  # from the state history: a missed short AwaitingRetry still counts
+            with stack.client() as c:
+                return any(st.name == "AwaitingRetry" for t in stack.task_runs(fr.id)
+                           if t.name.startswith("save-sampler") for st in c.read_task_run_states(t.id))
+
         try:
-            wait_until(lambda: [t for t in stack.task_runs(fr.id) if t.name.startswith("save-sampler")
-                                and t.state_name in ("AwaitingRetry", "Retrying")], 600, "a retry")
+            wait_until(failed_once, 900, "a retry of the sampler save")
         finally:
             blocker.unlink()
-        run = stack.wait_final(fr.id, 600)
+        run = stack.wait_final(fr.id, 900)
         print(f"flow run {run.name}: {run.state_name}", flush=True)
 
         retried = next(t for t in stack.task_runs(fr.id) if t.name.startswith("save-sampler"))

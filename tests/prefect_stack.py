@@ -30,16 +30,70 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _transient(exc: BaseException) -> bool:
+    """An API or network hiccup worth polling through (a loaded machine: timeouts, a busy server's
+    5xx), as opposed to a bug in the predicate."""
+    import httpx
+
+    if isinstance(exc, (httpx.TransportError, ConnectionError, TimeoutError)):
+        return True
+    response = getattr(exc, "response", None)
+    return isinstance(exc, httpx.HTTPStatusError) and response is not None and response.status_code >= 500
+
+
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.5) -> Any:
-    """Poll ``predicate`` until it returns a truthy value (returned); TimeoutError naming ``what``."""
+    """Poll ``predicate`` until it returns a truthy value (returned).
+
+    Transient API errors raised by ``predicate`` (timeouts, refused connections, HTTP 5xx) count as
+    "not yet"; any other exception propagates at once. Raises TimeoutError naming ``what`` (and the
+    last transient error, if any) after ``timeout`` seconds.
+    """
     deadline = time.monotonic() + timeout
+    last_error: BaseException | None = None
     while True:
-        value = predicate()
+        try:
+            value = predicate()
+        except Exception as exc:
+            if not _transient(exc):
+                raise
+            value, last_error = None, exc
         if value:
             return value
         if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+            extra = f" (last error: {type(last_error).__name__}: {last_error})" if last_error else ""
+            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}{extra}")
         time.sleep(interval)
+
+
+def local_training_runs(local_root: Path) -> set[str] | None:
+    """Model ids of the training runs that the local Tinker server under ``local_root`` knows (its
+    REST API ``/api/v1/training_runs``), or None while it is not up. Asks up to 5 times: a server
+    started with ``--fail-every`` answers some requests with 503."""
+    import json
+
+    try:
+        base_url = json.loads((Path(local_root) / "server.json").read_text())["base_url"]
+    except (OSError, ValueError, KeyError):
+        return None
+    req = urllib.request.Request(base_url + "/api/v1/training_runs?limit=1000", headers={"X-API-Key": "tml-local"})
+    for _ in range(5):
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:  # noqa: S310
+                return {r["training_run_id"] for r in json.loads(resp.read())["training_runs"]}
+        except (OSError, ValueError, KeyError):
+            time.sleep(0.2)
+    return None
+
+
+def block_sampler_saves(local_root: Path, model_id: str) -> Path:
+    """Inject a disk fault: a file where the local server keeps model ``model_id``'s sampler weights
+    (``<local_root>/checkpoints/<model_id>/sampler_weights``), so saving sampler weights fails
+    until the returned file is removed; state checkpoints still save."""
+    model_dir = Path(local_root) / "checkpoints" / model_id.replace(":", ".")
+    model_dir.mkdir(parents=True, exist_ok=True)
+    blocker = model_dir / "sampler_weights"
+    blocker.write_text("a file where the server wants a folder: saving sampler weights fails (disk fault)\n")
+    return blocker
 
 
 class PrefectStack:
@@ -69,7 +123,7 @@ class PrefectStack:
         env.update(extra)
         return env
 
-    def cli(self, *args: str, timeout: float = 180, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    def cli(self, *args: str, timeout: float = 400, cwd: Path = ROOT) -> subprocess.CompletedProcess:
         """Run ``prefect <args>`` (``--no-prompt``); AssertionError with its output when it fails."""
         cmd = [sys.executable, "-m", "prefect", "--no-prompt", *args]
         res = subprocess.run(cmd, cwd=cwd, env=self.env(), capture_output=True, text=True, timeout=timeout)
@@ -84,7 +138,7 @@ class PrefectStack:
         except OSError:
             return False
 
-    def start_server(self, timeout: float = 180) -> None:
+    def start_server(self, timeout: float = 300) -> None:
         """``prefect server start --host 127.0.0.1 --port P``; waits for ``/api/health``."""
         log = open(self.home / "server.log", "ab")
         self.server = subprocess.Popen(
