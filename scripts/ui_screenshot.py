@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             flow_page = f"{stack.ui_url}/runs/flow-run/{fr.id}"
             paths = [
-                browser.shoot(flow_page, shots / "task-runs.png", (1400, 960), click="Task Runs", wait_text="step-11"),
+                browser.shoot(flow_page, shots / "task-runs.png", (1400, 1500), click="Task Runs", wait_text="step-11"),
                 browser.shoot(flow_page, shots / "artifacts.png", (1400, 640), click="Artifacts", scroll=True,
                               wait_text="nightly-demo-metrics"),
                 browser.shoot(f"{stack.ui_url}/runs/task-run/{retried.id}", shots / "retried.png", (1400, 500),
