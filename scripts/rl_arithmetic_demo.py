@@ -5,12 +5,13 @@ Runs two Prefect flows through the embedded local server (or ``--base-url``):
 1. ``sft`` on ``--sft-examples`` generated ``What is a + b?`` chats (written to a temp dir),
 2. ``rl`` on the ``arithmetic`` env starting from the SFT state (``load_checkpoint_path``),
 
-then evaluates greedy accuracy on ``--eval-problems`` fresh sums before RL (the SFT weights) and
+then evaluates greedy accuracy on ``--eval-problems`` fresh sums before RL (the starting weights) and
 after, and prints a JSON report: per-step mean reward of the RL run (sampled at temperature 1),
 its first/last-5-step averages, greedy accuracies, and timings.
 
     python scripts/rl_arithmetic_demo.py --model tiny --store /tmp/demo-store
-    python scripts/rl_arithmetic_demo.py --model smollm2 --sft-steps 0 ...   # a pretrained chat model
+    python scripts/rl_arithmetic_demo.py --model smollm2 --sft-steps 0 --few-shot ...   # a pretrained chat model
+    python scripts/rl_arithmetic_demo.py --init-checkpoint tinker://.../weights/... --local-root R ...  # reuse a warm-up
 
 Not a test: numbers depend on the machine; see benchmarks/README.md for measured ones.
 """
@@ -31,8 +32,11 @@ for k, v in {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TINKER_TELEMETR
     os.environ.setdefault(k, v)
 
 
-def greedy_accuracy(credentials, sampler_path: str, tokenizer_id: str, n: int, max_operand: int, seed: int) -> float:
-    """Fraction of ``n`` fresh sums answered exactly (temperature 0) by ``sampler_path``."""
+def greedy_accuracy(credentials, sampler_path: str, tokenizer_id: str, n: int, max_operand: int, seed: int,
+                    max_tokens: int = 8, few_shot: bool = False, system_prompt: str | None = None) -> float:
+    """Fraction of ``n`` fresh sums answered exactly (temperature 0, at most ``max_tokens``
+    tokens) by ``sampler_path``, prompted as the RL env prompts (``system_prompt`` if given, then with
+    ``few_shot`` one solved sum, then the question)."""
     import numpy as np
     import tinker
 
@@ -42,11 +46,14 @@ def greedy_accuracy(credentials, sampler_path: str, tokenizer_id: str, n: int, m
     renderer = load_renderer("auto", tokenizer_id)
     client = credentials.get_client().create_sampling_client(model_path=sampler_path).result()
     rng = np.random.default_rng([seed, 999_999])
-    envs = [ArithmeticEnv(arithmetic_problem(rng, max_operand), renderer) for _ in range(n)]
+    prefix = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    if few_shot:
+        prefix += [{"role": "user", "content": "What is 4 + 5?"}, {"role": "assistant", "content": "9"}]
+    envs = [ArithmeticEnv(arithmetic_problem(rng, max_operand), renderer, convo_prefix=prefix) for _ in range(n)]
     futures = []
     for env in envs:
         ob, stop = env.initial_observation()
-        params = tinker.SamplingParams(max_tokens=8, temperature=0.0, seed=0, stop=stop)
+        params = tinker.SamplingParams(max_tokens=max_tokens, temperature=0.0, seed=0, stop=stop)
         futures.append(client.sample(tinker.ModelInput.from_ints(ob), 1, params))
     correct = [env.step(list(f.result().sequences[0].tokens)).metrics["correct"] for env, f in zip(envs, futures)]
     return float(np.mean(correct))
@@ -56,11 +63,14 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny")
     p.add_argument("--store", default=None, help="training store (default: a temp dir)")
-    p.add_argument("--local-root", default=None, help="embedded server folder (default: ~/.prefect-tinker)")
+    p.add_argument("--local-root", default=None,
+                   help="embedded server folder (default: ~/.prefect-tinker); a server started there is stopped at the end")
     p.add_argument("--base-url", default=None, help="a Tinker-compatible server instead of the embedded one")
     p.add_argument("--max-operand", type=int, default=20)
     p.add_argument("--sft-examples", type=int, default=2000)
     p.add_argument("--sft-steps", type=int, default=150)
+    p.add_argument("--init-checkpoint", default=None,
+                   help="start RL from these weights (tinker://.../weights/..., e.g. an earlier warm-up) instead of SFT")
     p.add_argument("--sft-batch", type=int, default=32)
     p.add_argument("--sft-lr", type=float, default=2e-3)
     p.add_argument("--lora-rank", type=int, default=32)
@@ -68,13 +78,28 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--groups-per-batch", type=int, default=16)
     p.add_argument("--rl-lr", type=float, default=5e-4)
+    p.add_argument("--rl-lr-schedule", default="constant", choices=["constant", "linear", "cosine"])
+    p.add_argument("--max-tokens", type=int, default=8, help="most sampled tokens per reply (RL and eval)")
+    p.add_argument("--few-shot", action="store_true", help="prepend one solved sum to every RL prompt")
+    p.add_argument("--system-prompt", default=None, help="system message of every RL/eval prompt (default: the chat template's)")
+    p.add_argument("--save-every", type=int, default=10)
     p.add_argument("--loss-fn", default="importance_sampling")
     p.add_argument("--schedule", default="sync")
     p.add_argument("--eval-problems", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", default="demo")
     args = p.parse_args(argv)
+    try:
+        return run(args)
+    finally:  # the embedded server outlives its client by design; a private one is stopped here
+        if args.local_root and not args.base_url:
+            from tinker_blocks.credentials import stop_local_server
 
+            stop_local_server(args.local_root)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """SFT warm-up (unless ``args.sft_steps == 0``), RL, greedy evaluation; returns the report."""
     from flows.config import BackendConfig, resolve_credentials
     from flows.rl import RLConfig, rl_flow
     from flows.sft import SFTConfig, sft_flow
@@ -88,8 +113,8 @@ def main(argv: list[str] | None = None) -> dict:
     report: dict = {"model": args.model, "args": vars(args)}
     stamp = time.strftime("%Y%m%d-%H%M%S")
 
-    init = None
-    if args.sft_steps > 0:
+    init, sampler0 = args.init_checkpoint, None
+    if init is None and args.sft_steps > 0:
         data = write_arithmetic_sft_jsonl(tmp / "sums.jsonl", args.sft_examples, max_operand=args.max_operand, seed=args.seed)
         t0 = time.perf_counter()
         sft = sft_flow(SFTConfig(
@@ -105,8 +130,9 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     config = RLConfig(
         model=args.model, env="arithmetic", max_operand=args.max_operand, group_size=args.group_size,
-        groups_per_batch=args.groups_per_batch, learning_rate=args.rl_lr, max_tokens=8, max_steps=args.rl_steps,
-        lora_rank=args.lora_rank, loss_fn=args.loss_fn, schedule=args.schedule, save_every=10,
+        groups_per_batch=args.groups_per_batch, learning_rate=args.rl_lr, lr_schedule=args.rl_lr_schedule,
+        max_tokens=args.max_tokens, max_steps=args.rl_steps, few_shot=args.few_shot, system_prompt=args.system_prompt,
+        lora_rank=args.lora_rank, loss_fn=args.loss_fn, schedule=args.schedule, save_every=args.save_every,
         load_checkpoint_path=init, run_name=f"{args.tag}-rl-{stamp}", store=store, seed=args.seed, backend=backend,
     )
     rl = rl_flow(config)
@@ -121,11 +147,15 @@ def main(argv: list[str] | None = None) -> dict:
         "SELECT step, value FROM metrics WHERE run_id = ? AND name = 'env/correct_rate' ORDER BY step", [rl["run_name"]])
     report["rl"]["correct_rate_per_step"] = [round(r["value"], 4) for r in rows]
     tokenizer_id = rl["tokenizer_id"]
-    if init:
-        report["greedy_accuracy_before_rl"] = greedy_accuracy(
-            credentials, sampler0, tokenizer_id, args.eval_problems, args.max_operand, args.seed)
-    report["greedy_accuracy_after_rl"] = greedy_accuracy(
-        credentials, rl["sampler_path"], tokenizer_id, args.eval_problems, args.max_operand, args.seed)
+    if sampler0 is None:  # no SFT here: the RL run's own step-0 sampler holds the starting weights
+        sampler0 = TrainingStore(root=store).query(
+            "SELECT path FROM checkpoints WHERE run_id = ? AND kind = 'sampler' AND step = 0", [rl["run_name"]])[0]["path"]
+    evaluate = {"n": args.eval_problems, "max_operand": args.max_operand, "seed": args.seed,
+                "max_tokens": args.max_tokens, "few_shot": args.few_shot, "system_prompt": args.system_prompt}
+    t0 = time.perf_counter()
+    report["greedy_accuracy_before_rl"] = greedy_accuracy(credentials, sampler0, tokenizer_id, **evaluate)
+    report["greedy_accuracy_after_rl"] = greedy_accuracy(credentials, rl["sampler_path"], tokenizer_id, **evaluate)
+    report["eval_seconds"] = time.perf_counter() - t0
     report["store"] = store
     print(json.dumps(report, indent=2))
     return report
