@@ -8,9 +8,14 @@ next seq_id has not arrived after ``gap_timeout_s`` seconds while later ones wai
 skips ahead (logged) so a client that died mid-submission cannot stall a model forever.
 
 Batching: jobs submitted with a ``batch_key`` (sampling) wait in arrival order like any other;
-when the compute thread reaches one, it lingers while more jobs with that key keep arriving
-(gaps under ``batch_quiet_s``, at most ``batch_max_wait_s``) and then runs all queued jobs with
-that key in one call of their ``batch_fn`` (payloads in, one result per payload out).
+when the compute thread reaches one, it lingers while more such requests are still being
+received (``incoming``, counted by the HTTP layer) or keep arriving (gaps under the quiet
+window), and then runs all queued jobs with that key in one call of their ``batch_fn``
+(payloads in, one result per payload out).  The linger lasts at most ``batch_max_wait_s``, and
+at most the first job's ``max_linger_s`` (the service sets it in proportion to the work the
+batch will do, so a short request never waits long); the quiet window is ``batch_quiet_s``,
+within that bound.  Which jobs share a batch depends on timing; what each job computes must
+not (the sampling engine draws each request's tokens from its own seeded generator).
 
 Results are ``Outcome``s: JSON dicts, protobuf bytes, or an error with category
 "user" | "server" (the SDK's ``RequestErrorCategory`` values, lower case on the wire).  A
@@ -69,6 +74,8 @@ class Job:
     batch_key: Any = None
     payload: Any = None
     batch_fn: Callable[[list[Any]], list[Any]] | None = None
+    max_linger_s: float | None = None  # batch head: longest wait for more jobs (s; None: no limit
+    # beyond the store's batch_max_wait_s)
 
 
 class FutureRecord:
@@ -115,12 +122,13 @@ class FutureStore:
         batch_quiet_s, batch_max_wait_s: linger of a batchable job (see the module docstring).
     """
 
-    def __init__(self, gap_timeout_s: float = 30.0, batch_quiet_s: float = 0.003,
-                 batch_max_wait_s: float = 0.025):
+    def __init__(self, gap_timeout_s: float = 30.0, batch_quiet_s: float = 0.02,
+                 batch_max_wait_s: float = 0.1):
         self.gap_timeout_s = gap_timeout_s
         self.batch_quiet_s = batch_quiet_s
         self.batch_max_wait_s = batch_max_wait_s
         self._last_batchable = 0.0
+        self._incoming = 0  # batchable requests being received by the HTTP layer
         self.stats = {"jobs": 0, "batches": 0, "batched_jobs": 0, "max_batch": 0}
         self._records: dict[str, FutureRecord] = {}
         self._dedupe: dict[tuple[str, int], str] = {}
@@ -165,13 +173,15 @@ class FutureStore:
     def submit(self, kind: str, fn: Callable[[], Any] | None, *, model_id: str | None = None,
                seq_id: int | None = None, dedupe_key: tuple[str, int] | None = None,
                batch_key: Any = None, payload: Any = None,
-               batch_fn: Callable[[list[Any]], list[Any]] | None = None) -> str:
+               batch_fn: Callable[[list[Any]], list[Any]] | None = None,
+               max_linger_s: float | None = None) -> str:
         """Queue ``fn`` and return its request id (a repeated dedupe key returns the first id).
 
         With ``model_id`` and ``seq_id`` the job joins that model's ordered lane; otherwise it
         runs in arrival order. ``dedupe_key`` defaults to (model_id, seq_id) when both are set.
         A job with ``batch_key`` (no lane) runs through ``batch_fn([payload, ...])`` together
-        with the other queued jobs of that key.
+        with the other queued jobs of that key; ``max_linger_s`` (seconds) lowers the bound on how
+        long it waits for them when it heads a batch (``batch_max_wait_s``).
         """
         if dedupe_key is None and model_id is not None and seq_id is not None:
             dedupe_key = (model_id, seq_id)
@@ -186,7 +196,7 @@ class FutureStore:
             if dedupe_key is not None:
                 self._dedupe[dedupe_key] = rid
             job = Job(rid, kind, fn, model_id, seq_id, next(self._order), batch_key=batch_key,
-                      payload=payload, batch_fn=batch_fn)
+                      payload=payload, batch_fn=batch_fn, max_linger_s=max_linger_s)
             if batch_key is not None:
                 self._last_batchable = time.monotonic()
             if model_id is not None and seq_id is not None:
@@ -203,6 +213,14 @@ class FutureStore:
                 self._fifo.append(job)
             self._cv.notify_all()
             return rid
+
+    def incoming(self, delta: int) -> None:
+        """The HTTP layer started (+1) or finished (-1) receiving a batchable request; a
+        lingering batch waits for the ones in progress (within its bound)."""
+        with self._cv:
+            self._incoming = max(0, self._incoming + delta)
+            if delta < 0:
+                self._cv.notify_all()
 
     def burn(self, model_id: str, seq_id: int, reason: str) -> None:
         """Consume ``seq_id`` of ``model_id``'s lane without work (its request was refused at
@@ -304,14 +322,20 @@ class FutureStore:
                     rec.complete(outcome)
 
     def _collect_batch_locked(self, first: Job) -> list[Job]:
-        """Linger while jobs of ``first.batch_key`` keep arriving, then take them all (FIFO)."""
-        deadline = time.monotonic() + self.batch_max_wait_s
+        """Linger while jobs of ``first.batch_key`` are being received or keep arriving (see the
+        module docstring), then take them all (FIFO)."""
+        bound = self.batch_max_wait_s
+        if first.max_linger_s is not None:
+            bound = min(bound, max(0.0, first.max_linger_s))
+        window = min(self.batch_quiet_s, bound)
+        deadline = time.monotonic() + bound
         while not self._stop:
             now = time.monotonic()
             quiet = now - self._last_batchable
-            if quiet >= self.batch_quiet_s or now >= deadline:
+            if (quiet >= window and not self._incoming) or now >= deadline:
                 break
-            self._cv.wait(timeout=min(self.batch_quiet_s - quiet, deadline - now))
+            # woken early by submit() and by incoming(-1)
+            self._cv.wait(timeout=min(window - quiet if quiet < window else bound, deadline - now))
         jobs, rest = [first], deque()
         while self._fifo:
             j = self._fifo.popleft()

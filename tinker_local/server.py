@@ -44,7 +44,7 @@ async def _json_body(request: Request) -> dict[str, Any]:
 def create_app(engine: Any, root: Path | str | None = None, *, models: list[str] | None = None,
                poll_wait_s: float = 20.0, gap_timeout_s: float = 30.0,
                datum_cls: type | None = None, faults: FaultConfig | None = None,
-               batch_quiet_s: float = 0.003, batch_max_wait_s: float = 0.025) -> FastAPI:
+               batch_quiet_s: float = 0.02, batch_max_wait_s: float = 0.1) -> FastAPI:
     """Build the FastAPI app speaking the tinker 0.38 protocol in front of ``engine``.
 
     Args:
@@ -57,7 +57,9 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
         gap_timeout_s: how long a model waits for a missing seq_id before skipping it.
         faults: fault injection (``tinker_local.faults``); None or all zero = off.
         batch_quiet_s, batch_max_wait_s: how long a sampling request waits for more to batch
-            with it (while they keep arriving less than ``batch_quiet_s`` apart; seconds).
+            with it: while they keep arriving less than ``batch_quiet_s`` apart or are still
+            being received, at most ``batch_max_wait_s`` and at most a tenth of the batch's
+            expected compute time (seconds; ``tinker_local.futures``).
     Raises:
         ValueError: when no root is given and the engine has none.
     """
@@ -81,27 +83,7 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
     app.state.service = svc
     app.state.faults = fault_state
 
-    @app.middleware("http")
-    async def auth_and_log(request: Request, call_next):
-        path = request.url.path
-        t0 = time.monotonic()
-        if path.startswith(API) and path != f"{API}/healthz":
-            key = request.headers.get("x-api-key", "")
-            if not key.startswith("tml-"):
-                logger.info("%s %s -> 401 (missing or malformed X-API-Key)", request.method, path)
-                return JSONResponse({"detail": "X-API-Key header must hold an API key starting "
-                                               "with 'tml-'"}, status_code=401)
-        try:
-            response = await call_next(request)
-        except HttpError as e:  # raised outside a route (should not happen)
-            response = JSONResponse({"detail": e.detail}, status_code=e.status)
-        route_ = request.scope.get("route")  # count by route template: bounded number of keys
-        key = getattr(route_, "path", None) or "(no route)"
-        svc.request_counts[key] = svc.request_counts.get(key, 0) + 1
-        level = logging.DEBUG if path.endswith(_QUIET) and response.status_code in (200, 408) else logging.INFO
-        logger.log(level, "%s %s -> %d (%.1f ms)", request.method, path, response.status_code,
-                   (time.monotonic() - t0) * 1000)
-        return response
+    app.add_middleware(_AuthCountLog, service=svc)
 
     @app.exception_handler(HttpError)
     async def http_error(_request: Request, exc: HttpError):
@@ -240,6 +222,48 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
     if fault_state.config.active:  # outermost: faults hit every route, auth included
         app.add_middleware(FaultInjector, state=fault_state)
     return app
+
+
+class _AuthCountLog:
+    """Pure ASGI middleware (a ``BaseHTTPMiddleware`` costs several ms per request on a busy
+    loop): ``X-API-Key`` check (401 unless it starts with ``tml-``; not for healthz), per-route
+    request counts, the access log (debug level for polls), and the count of ``asample``
+    requests being received (the sampling batcher waits for them)."""
+
+    def __init__(self, app, service: LocalService):
+        self.app = app
+        self.svc = service
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path, t0 = scope["path"], time.monotonic()
+        if path.startswith(API) and path != f"{API}/healthz":
+            key = dict(scope["headers"]).get(b"x-api-key", b"").decode("latin-1")
+            if not key.startswith("tml-"):
+                logger.info("%s %s -> 401 (missing or malformed X-API-Key)", scope["method"], path)
+                return await JSONResponse({"detail": "X-API-Key header must hold an API key "
+                                                     "starting with 'tml-'"}, status_code=401)(scope, receive, send)
+        status = [500]
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        sampling = path == f"{API}/asample"
+        if sampling:
+            self.svc.store.incoming(+1)
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            if sampling:
+                self.svc.store.incoming(-1)
+            key = getattr(scope.get("route"), "path", None) or "(no route)"  # bounded key set
+            self.svc.request_counts[key] = self.svc.request_counts.get(key, 0) + 1
+            quiet = path.endswith(_QUIET) and status[0] in (200, 408)
+            logger.log(logging.DEBUG if quiet else logging.INFO, "%s %s -> %d (%.1f ms)", scope["method"],
+                       path, status[0], (time.monotonic() - t0) * 1000)
 
 
 def _add_json_route(app: FastAPI, name: str, handler: Any) -> None:

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,10 @@ from .errors import HttpError
 from .registry import SamplerRecord
 
 DEFAULT_MAX_TOKENS = 256  # SamplingParams.max_tokens=None
+# A sampling request heading a batch waits for more requests at most this share of its expected
+# compute time (max_tokens x the seconds per decode step measured on the last batch): catching a
+# request that arrives a few ms late saves it a whole decode loop of its own.
+LINGER_FRACTION = 0.1
 
 
 def _req(body: dict[str, Any], key: str, endpoint: str) -> Any:
@@ -37,6 +42,8 @@ def _or(value: Any, default: Any) -> Any:
 class SamplingServiceMixin:
     """Needs ``self.registry``, ``self.store``, ``self.engine``, ``self._checkpoint`` and
     ``self.client_model_name``."""
+
+    _sample_step_s: float | None = None  # wall seconds per decode step of the last batch
 
     # -- sampling ---------------------------------------------------------------------------------
     def create_sampling_session(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -115,14 +122,24 @@ class SamplingServiceMixin:
             rid = self.store.fail_now("sample", f"{ep}: {', '.join(unsupported)} is not supported "
                                                 "by tinker_local")
         else:
+            step_s = self._sample_step_s
+            linger = None if step_s is None else LINGER_FRACTION * step_s * (job["engine"]["max_tokens"] + 1)
             rid = self.store.submit("sample", None, dedupe_key=key, batch_key="sample",
-                                    payload=job, batch_fn=self._sample_batch)
+                                    payload=job, batch_fn=self._sample_batch, max_linger_s=linger)
         return {"request_id": rid, "sample_sequence_ids": P.sequence_ids(rid, n)}
 
     def _sample_batch(self, jobs: list[dict[str, Any]]) -> list[Any]:
         """Run queued ``asample`` jobs together (compute thread): one ``SampleResponse`` proto
         (bytes) or exception per job."""
         reqs = [j["engine"] for j in jobs]
+        t0 = time.monotonic()
+        try:
+            return self._sample_reqs(jobs, reqs)
+        finally:
+            steps = max(int(r.get("max_tokens") or 1) for r in reqs) + 1  # prefill + decode steps
+            self._sample_step_s = (time.monotonic() - t0) / steps
+
+    def _sample_reqs(self, jobs: list[dict[str, Any]], reqs: list[dict[str, Any]]) -> list[Any]:
         if hasattr(self.engine, "sample_many"):
             results = self.engine.sample_many(reqs)
         else:  # an engine without batching
