@@ -70,7 +70,7 @@ def torch_trainer(model_dir: Path, toks: np.ndarray, dtype: str, device: str):
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
     return step
 
