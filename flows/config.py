@@ -1,4 +1,5 @@
-"""Config pieces shared by every flow: which Tinker backend to use, and the optimizer."""
+"""Config pieces shared by every flow: which Tinker backend to use, the optimizer, and the
+default store root."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-__all__ = ["BackendConfig", "AdamConfig", "resolve_credentials", "default_run_name"]
+# The flows' default store root is the one `prefect-tinker sql/runs/checkpoints` read
+# ($PREFECT_TINKER_STORE, else $PREFECT_TINKER_HOME/store, else ~/.prefect-tinker/store).
+from tinker_blocks.store_io import default_store_root
+
+__all__ = ["BackendConfig", "AdamConfig", "resolve_credentials", "default_run_name", "default_store_root"]
 
 
 class BackendConfig(BaseModel):

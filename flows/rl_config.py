@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from flows.config import AdamConfig, BackendConfig, default_run_name
+from flows.config import AdamConfig, BackendConfig, default_run_name, default_store_root
 from recipes.rl.envs import EnvSpec
 from tasks.rollouts import RolloutPolicy
 
@@ -48,7 +48,7 @@ class RLConfig(EnvSpec):
     load_checkpoint_path: str | None = Field(default=None, description="Start from these weights (tinker://.../weights/..., e.g. an SFT checkpoint); fresh optimizer.")
     log_trajectories: int = Field(default=4, ge=0, description="Trajectories per step written to the store's trajectories table.")
     run_name: str | None = Field(default=None, description="Run id; re-running with the same name resumes.")
-    store: str = Field(default="./prefect-tinker-store", description="Training store root: a folder or s3://bucket/prefix.")
+    store: str = Field(default_factory=default_store_root, description="Training store root: a folder or s3://bucket/prefix; default $PREFECT_TINKER_STORE, else ~/.prefect-tinker/store (where prefect-tinker sql/runs look).")
     seed: int = 0
     adam: AdamConfig = Field(default_factory=AdamConfig)
     backend: BackendConfig = Field(default_factory=BackendConfig)

@@ -25,7 +25,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.utilities.annotations import quote
 from pydantic import BaseModel, Field, model_validator
 
-from flows.config import AdamConfig, BackendConfig, default_run_name, resolve_credentials
+from flows.config import AdamConfig, BackendConfig, default_run_name, default_store_root, resolve_credentials
 from tasks.data import PreparedDataset, dataset_uri, prepare_sft_dataset
 from tasks.records import check_store, compact_finished_run, record_checkpoint, record_run, write_metrics
 from tasks.reporting import Progress, report_run
@@ -59,7 +59,7 @@ class SFTConfig(BaseModel):
     eval_every: int = Field(default=10, ge=0, description="Test NLL every n steps (0 = start and end only).")
     save_every: int = Field(default=20, ge=0, description="State checkpoint every n steps (0 = end only).")
     run_name: str | None = Field(default=None, description="Run id; re-running with the same name resumes.")
-    store: str = Field(default="./prefect-tinker-store", description="Training store root: a folder or s3://bucket/prefix.")
+    store: str = Field(default_factory=default_store_root, description="Training store root: a folder or s3://bucket/prefix; default $PREFECT_TINKER_STORE, else ~/.prefect-tinker/store (where prefect-tinker sql/runs look).")
     seed: int = 0
     adam: AdamConfig = Field(default_factory=AdamConfig)
     backend: BackendConfig = Field(default_factory=BackendConfig)

@@ -248,3 +248,29 @@ def test_local_forwards_argv(monkeypatch):
     monkeypatch.setitem(sys.modules, "tinker_local.cli", fake)
     assert cli.main(["local", "serve", "--model", "tiny", "--port", "8123"]) == 0
     assert got["argv"] == ["serve", "--model", "tiny", "--port", "8123"]
+
+
+# ----- defaults and early errors a new user meets ---------------------------------------------------
+def test_flows_default_store_is_the_cli_default(tmp_path, monkeypatch, capsys):
+    """Without store=..., a run writes where `prefect-tinker runs` / `sql` read: $PREFECT_TINKER_STORE,
+    else $PREFECT_TINKER_HOME/store, else ~/.prefect-tinker/store (HOME pointed at tmp_path)."""
+    from flows.rl_config import RLConfig
+    from flows.sft import SFTConfig
+
+    env_root = tmp_path / "env-store"
+    monkeypatch.setenv("PREFECT_TINKER_STORE", str(env_root))
+    assert SFTConfig().store == RLConfig().store == str(env_root)
+    assert cli.main(["run", "sft", "max_steps=1", "--dry-run"]) == 0
+    assert json.loads(capsys.readouterr().out)["store"] == str(env_root)
+    # a run row written at the flow config's default store is what `runs` lists without --store
+    io = ParquetStore(SFTConfig().store, "training", TRAINING_TABLES)
+    with io.writer("runs") as w:
+        w.write(run_id="default-store-run", status="completed", base_model="tiny", lora_rank=4)
+    assert cli.main(["runs", "--json"]) == 0
+    assert [r["run_id"] for r in json.loads(capsys.readouterr().out)] == ["default-store-run"]
+
+    monkeypatch.delenv("PREFECT_TINKER_STORE")
+    monkeypatch.delenv("PREFECT_TINKER_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert SFTConfig().store == RLConfig().store == str(tmp_path / "home" / ".prefect-tinker" / "store")
+
