@@ -126,7 +126,8 @@ def build_config(
 
     Raises:
         CLIError: bad ``key=value`` syntax, unreadable YAML, unknown fields, or validation
-            errors -- one line per field: ``field = value: reason (source)``.
+            errors -- one line per field: ``field = value: reason (source)`` (a single problem
+            on the heading's line).
     """
     from pydantic import ValidationError
 
@@ -151,12 +152,16 @@ def build_config(
             if err["type"] == "missing":
                 problems.append(f"{loc}: required field missing")
             else:
-                problems.append(f"{loc} = {err.get('input')!r}: {err['msg']} (from {source(loc)})")
+                msg = err["msg"].removeprefix("Value error, ")  # a validator's own message
+                problems.append(f"{loc} = {err.get('input')!r}: {msg} (from {source(loc)})")
     else:
         if not problems:
             return config
+    head = f"invalid config for flow {flow_name!r} ({model.__name__}):"
+    if len(problems) == 1:  # one line: `error: invalid config ...: dataset = '...': file not found: ...`
+        raise CLIError(f"{head} {problems[0]}")
     lines = "\n".join(f"  {p}" for p in problems)
-    raise CLIError(f"invalid config for flow {flow_name!r} ({model.__name__}):\n{lines}")
+    raise CLIError(f"{head}\n{lines}")
 
 
 def defaults_yaml(model: type, indent: int = 0) -> str:

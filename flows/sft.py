@@ -23,9 +23,10 @@ import numpy as np
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.utilities.annotations import quote
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from flows.config import AdamConfig, BackendConfig, default_run_name, default_store_root, resolve_credentials
+from recipes.data_reading import check_local_source
 from tasks.data import PreparedDataset, dataset_uri, prepare_sft_dataset
 from tasks.records import check_store, compact_finished_run, record_checkpoint, record_run, write_metrics
 from tasks.reporting import Progress, report_run
@@ -66,6 +67,8 @@ class SFTConfig(BaseModel):
     num_eval_samples: int = Field(default=3, ge=0, description="Held-out prompts to sample completions for at the end.")
     sample_max_tokens: int = Field(default=64, ge=1)
     sample_temperature: float = Field(default=0.7, ge=0)
+
+    _dataset_exists = field_validator("dataset")(check_local_source)  # a missing file fails here
 
     @model_validator(mode="after")
     def _name(self) -> "SFTConfig":

@@ -40,7 +40,10 @@ from recipes.data_sources import (
     validate_messages,
 )
 
-__all__ = ["EXAMPLE_CHAT_PATH", "OnError", "SkipStats", "SourceSpec", "iter_conversations", "iter_records"]
+__all__ = [
+    "EXAMPLE_CHAT_PATH", "OnError", "SkipStats", "SourceSpec", "iter_conversations", "iter_records",
+    "check_local_source", "looks_local", "missing_local_source",
+]
 
 logger = logging.getLogger("recipes.data")
 
@@ -123,11 +126,41 @@ def _is_jsonl(path: Path) -> bool:
     return path.name.lower().endswith(_JSONL)
 
 
+def looks_local(source: str) -> bool:
+    """Whether a dataset ``source`` names a local file rather than a Hugging Face dataset id: it
+    ends in ``.jsonl``/``.ndjson`` (optionally ``.gz``), ``.json``, ``.parquet``, ``.csv`` or
+    ``.arrow``, or starts with ``/``, ``./``, ``../`` or ``~``. ``builtin:`` names are not paths."""
+    if source in _BUILTIN:
+        return False
+    path = Path(source)
+    return _is_jsonl(path) or source.startswith(("/", "./", "../", "~")) or path.suffix.lower() in _BUILDERS
+
+
+def missing_local_source(source: str) -> Path | None:
+    """The absolute path of ``source`` when it looks local (:func:`looks_local`) and does not
+    exist, else None. Flow configs call it to reject a missing file before a run starts."""
+    if not looks_local(source):
+        return None
+    path = Path(source).expanduser()
+    return None if path.exists() else path.absolute()
+
+
+def check_local_source(source: str | None) -> str | None:
+    """``source`` unchanged, for a pydantic ``dataset`` field validator.
+
+    Raises:
+        ValueError: ``source`` looks local and does not exist; the message names the absolute path.
+    """
+    missing = missing_local_source(source) if source else None
+    if missing is not None:
+        raise ValueError(f"file not found: {missing}")
+    return source
+
+
 def _resolve(spec: SourceSpec) -> tuple[str, Path]:
     src = _BUILTIN.get(spec.path, spec.path)
     path = Path(src).expanduser()
-    looks_local = _is_jsonl(path) or src.startswith(("/", "./", "../", "~")) or path.suffix.lower() in _BUILDERS
-    if looks_local and not path.exists():
+    if missing_local_source(src) is not None:
         raise FileNotFoundError(f"dataset file not found: {path}")
     return src, path
 

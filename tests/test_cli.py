@@ -274,3 +274,23 @@ def test_flows_default_store_is_the_cli_default(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert SFTConfig().store == RLConfig().store == str(tmp_path / "home" / ".prefect-tinker" / "store")
 
+
+@pytest.mark.parametrize("flow,extra", [("sft", []), ("rl", ["env=math"])])
+def test_missing_dataset_file_fails_at_config_time(flow, extra, tmp_path, monkeypatch, capsys):
+    """A path-like dataset that does not exist is a config error (rc 2, one line naming the field
+    and the path) before Prefect or a server starts; --dry-run catches it too; HF ids pass."""
+    monkeypatch.setenv("PREFECT_TINKER_STORE", str(tmp_path / "store"))
+    monkeypatch.chdir(tmp_path)
+    model = cli.resolve_flow(flow)[1]
+    for value, shown in [("/tmp/nope/chats.jsonl", "/tmp/nope/chats.jsonl"), ("chats.jsonl", tmp_path / "chats.jsonl"),
+                         ("./data/p.parquet", tmp_path / "data" / "p.parquet"), ("d.json", tmp_path / "d.json")]:
+        for dry in ([], ["--dry-run"]):
+            assert cli.main(["run", flow, *extra, f"dataset={value}", *dry]) == 2
+            out, err = capsys.readouterr()
+            assert out == "" and err == (f"error: invalid config for flow {flow!r} ({model.__name__}): "
+                                         f"dataset = {value!r}: file not found: {shown} (from command line)\n")
+    assert not (tmp_path / "store").exists()  # nothing recorded
+    (tmp_path / "chats.jsonl").write_text("{}\n")
+    for value in ["chats.jsonl", "HuggingFaceH4/no_robots", "openai/gsm8k"]:  # a file that exists, HF ids
+        assert cli.main(["run", flow, *extra, f"dataset={value}", "--dry-run"]) == 0
+        assert json.loads(capsys.readouterr().out)["dataset"] == value

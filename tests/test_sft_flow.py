@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 import tinker
+from pydantic import ValidationError
 
 from flows import sft as sft_module
 from flows.cli import main as cli_main
@@ -129,8 +130,9 @@ def test_bad_dataset_line_is_named(prefect_api, local_credentials, tmp_path):
     with pytest.raises(ValueError, match=r"noasst\.jsonl:4.*assistant"):
         sft_flow(_config(local_credentials, tmp_path / "s", "no-asst", dataset=str(no_assistant)))
 
-    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
-        sft_flow(_config(local_credentials, tmp_path / "s", "missing", dataset=str(tmp_path / "missing.jsonl")))
+    # a missing file is a config error, before the flow (or a server, or a store row) starts
+    with pytest.raises(ValidationError, match=r"dataset\n.*file not found: .*missing\.jsonl"):
+        _config(local_credentials, tmp_path / "s", "missing", dataset=str(tmp_path / "missing.jsonl"))
 
 
 def test_unknown_model_is_a_clear_user_error(prefect_api, local_credentials, tmp_path):

@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
+from recipes.data_reading import check_local_source
 from recipes.rl.grading import answers_match, extract_boxed, extract_final_answer, extract_hash_answer
 from recipes.rl.problem_env import Problem, ProblemDataset, ProblemEnv, ProblemGroupBuilder, freeze_messages
 from recipes.rl.types import EnvGroupBuilder, RLDataset
@@ -108,6 +109,8 @@ class EnvSpec(BaseModel):
     few_shot: bool = Field(default=False, description="Prepend one solved example as a user/assistant turn.")
     system_prompt: str | None = Field(default=None, description="Optional system message.")
     format_coef: float = Field(default=0.1, ge=0, description="Reward penalty for a malformed reply.")
+
+    _dataset_exists = field_validator("dataset")(check_local_source)  # a missing file fails here
 
 
 def arithmetic_problem(rng: np.random.Generator, max_operand: int, id_prefix: str = "") -> Problem:
