@@ -1,7 +1,8 @@
 """Store commands of ``prefect-tinker``: ``sql``, ``runs`` and ``checkpoints`` over the stores
 (a folder or ``s3://bucket/prefix``), printed as an aligned table or JSON.
 
-Exit status: 0 success, 1 a SQL or store error (printed as ``error: ...``).
+Exit status: 0 success, 1 a SQL or store error or a local store root that does not exist
+(printed as ``error: ...``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import datetime as _dt
 import decimal
 import json
 import sys
+from pathlib import Path
 from typing import Any, Sequence
 
 from flows.cli_config import EXIT_FAILED, EXIT_OK, jsonable
@@ -53,8 +55,23 @@ def format_table(names: Sequence[str], rows: Sequence[Sequence[Any]], max_width:
     return "\n".join(out)
 
 
+def _missing_local_root(root: str) -> str | None:
+    """The absolute path of a local store ``root`` that does not exist, else None (URLs such as
+    ``s3://`` are not checked here)."""
+    if "://" in root:
+        return None
+    path = Path(root).expanduser()
+    return None if path.exists() else str(path.absolute())
+
+
 def _print_query(root: str, sql: str, params: list[Any], as_json: bool) -> int:
     import duckdb
+
+    missing = _missing_local_root(root)
+    if missing is not None:  # a typo in --store would otherwise read as an empty store
+        print(f"error: store root {missing} does not exist (no run has written there; "
+              "give --store ROOT or set $PREFECT_TINKER_STORE)", file=sys.stderr)
+        return EXIT_FAILED
 
     from tinker_blocks.store_io import StoreAccessError, StoreError, StoreUnavailableError, query_stores
 

@@ -50,8 +50,18 @@ def test_sql_json_output(store_root, capsys):
 
 
 def test_sql_empty_store_and_errors(tmp_path, capsys):
-    rc = cli.main(["sql", "--store", str(tmp_path / "none"), "--json", "SELECT * FROM checkpoints"])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    rc = cli.main(["sql", "--store", str(empty), "--json", "SELECT * FROM checkpoints"])
     assert rc == 0 and json.loads(capsys.readouterr().out) == []
+    # a local root that does not exist is a mistake (a typo), not an empty store: one line, rc 1
+    for argv in (["sql", "--store", str(tmp_path / "none"), "SELECT * FROM runs"],
+                 ["runs", "--store", str(tmp_path / "none")]):
+        assert cli.main(argv) == 1
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1
+        assert err == (f"error: store root {tmp_path / 'none'} does not exist (no run has written "
+                       "there; give --store ROOT or set $PREFECT_TINKER_STORE)\n")
     rc = cli.main(["sql", "--store", str(tmp_path), "SELECT * FROM nope"])
     err = capsys.readouterr().err
     assert rc == 1 and err.startswith("error:") and "nope" in err
