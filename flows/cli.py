@@ -8,6 +8,7 @@ Subcommands::
     prefect-tinker runs [--store ROOT] [--json]                 runs and their latest status
     prefect-tinker checkpoints RUN_ID [--store ROOT] [--json]   a run's checkpoints
     prefect-tinker local serve ...                              the local Tinker-compatible server
+    prefect-tinker local status|stop [--root DIR]               the embedded server the flows started
     prefect-tinker show-example DATA --tokenizer T [...]        a rendered example, trained tokens highlighted
     prefect-tinker ops install-automations [--within S]         crash runs whose heartbeats stop (flows/ops.py)
 
@@ -93,7 +94,7 @@ def cmd_local(argv: list[str]) -> int:
         from tinker_local.cli import main as local_main
     except ImportError as exc:
         raise CLIError(f"the local server is not available: {exc}", EXIT_FAILED) from None
-    rc = local_main(argv)
+    rc = local_main(argv, prog="prefect-tinker local")
     return int(rc or 0)
 
 
@@ -120,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--schema", action="store_true", help="print the JSON schema instead")
     c.set_defaults(func=cmd_show_config)
 
-    sub.add_parser("local", help="local Tinker-compatible server: local serve --model M --port P",
+    sub.add_parser("local", help="local Tinker-compatible server: local serve|status|stop (local --help)",
                    add_help=False)
 
     from recipes.show import add_parser as add_show_example  # logic lives in recipes/show.py

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -249,15 +252,78 @@ def test_show_config(toy, capsys):
     assert json.loads(capsys.readouterr().out)["title"] == "ToyConfig"
 
 
-def test_local_forwards_argv(monkeypatch):
-    import types
+def test_local_help_names_prefect_tinker(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["local", "--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0 and out.startswith("usage: prefect-tinker local ")
+    assert "status" in out and "stop" in out and "python -m" not in out
 
-    got = {}
-    fake = types.ModuleType("tinker_local.cli")
-    fake.main = lambda argv: got.setdefault("argv", argv) and 0
-    monkeypatch.setitem(sys.modules, "tinker_local.cli", fake)
-    assert cli.main(["local", "serve", "--model", "tiny", "--port", "8123"]) == 0
-    assert got["argv"] == ["serve", "--model", "tiny", "--port", "8123"]
+
+def test_local_status_and_stop_a_real_embedded_server(tmp_path, capsys):
+    """The server a flow starts (TinkerCredentials local mode) is shown by `local status` and
+    stopped by `local stop`: the process exits, server.json is removed."""
+    from tinker_blocks import TinkerCredentials
+    from tinker_blocks.credentials import _healthy, _pid_alive, ensure_local_server
+
+    root = tmp_path / "local"
+    record = ensure_local_server(TinkerCredentials(local=True, local_root=str(root)))
+    try:
+        assert cli.main(["local", "status", "--root", str(root)]) == 0
+        assert capsys.readouterr().out == (f"running: pid {record['pid']}, {record['base_url']} (healthy), "
+                                           f"root {root}, log {root / 'server.log'}\n")
+        assert cli.main(["local", "stop", "--root", str(root)]) == 0
+        assert capsys.readouterr().out == f"stopped local server pid {record['pid']} ({record['base_url']})\n"
+        assert not _pid_alive(record["pid"]) and not _healthy(record["base_url"])
+        assert not (root / "server.json").exists()
+        assert cli.main(["local", "status", "--root", str(root)]) == 1
+        assert cli.main(["local", "stop", "--root", str(root)]) == 0  # nothing to stop: fine
+        assert capsys.readouterr().out == f"no local server recorded in {root / 'server.json'}\n" * 2
+    finally:
+        if _pid_alive(record["pid"]):
+            os.kill(record["pid"], signal.SIGKILL)
+
+
+# answers the health check and ignores SIGTERM: `local stop` must SIGKILL it after 5 s
+STUBBORN = """
+import http.server, signal, sys
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b'{"status": "ok"}')
+    def log_message(self, *a):
+        pass
+srv = http.server.HTTPServer(("127.0.0.1", 0), H)
+print(srv.server_address[1], flush=True)
+srv.serve_forever()
+"""
+
+
+def test_local_stop_kills_a_server_ignoring_sigterm_and_spares_a_reused_pid(tmp_path, capsys):
+    from tinker_blocks.credentials import _pid_alive
+
+    root = tmp_path / "local"
+    root.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", STUBBORN], stdout=subprocess.PIPE, text=True)
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        url = f"http://127.0.0.1:{int(proc.stdout.readline())}"
+        (root / "server.json").write_text(json.dumps({"pid": proc.pid, "base_url": url}))
+        t0 = time.monotonic()
+        assert cli.main(["local", "stop", "--root", str(root)]) == 0
+        assert 4.5 < time.monotonic() - t0 < 15  # SIGTERM ignored for 5 s, then SIGKILL
+        assert not _pid_alive(proc.pid)  # (already reaped by the stop, as our child)
+        assert not (root / "server.json").exists()
+        # a live pid that is neither healthy nor tinker_local (a reused pid) is left alone
+        (root / "server.json").write_text(json.dumps({"pid": other.pid, "base_url": "http://127.0.0.1:9"}))
+        assert cli.main(["local", "stop", "--root", str(root)]) == 1
+        assert "does not look like the local server" in capsys.readouterr().err
+        assert _pid_alive(other.pid) and (root / "server.json").exists()
+    finally:
+        for p in (proc, other):
+            p.kill()
+            p.wait()
+
 
 
 # ----- defaults and early errors a new user meets ---------------------------------------------------

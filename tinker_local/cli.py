@@ -4,7 +4,12 @@
         --root ~/.prefect-tinker [--dtype auto|float32|bfloat16] [--device cpu|cuda] \
         [--fail-every N] [--drop-every M]
 
-``main(argv)`` is also what ``prefect-tinker local serve ...`` calls.
+    python -m tinker_local status [--root DIR]    the server recorded in DIR/server.json (exit 1: none)
+    python -m tinker_local stop [--root DIR]      stop it: SIGTERM, SIGKILL after 5 s; remove the record
+
+``status``/``stop`` act on the server that flows start in embedded-local mode
+(``TinkerCredentials(local=True)``, recorded in ``<local_root>/server.json``).
+``main(argv, prog="prefect-tinker local")`` is what ``prefect-tinker local ...`` calls.
 """
 
 from __future__ import annotations
@@ -48,12 +53,62 @@ def build_parser(prog: str = "python -m tinker_local") -> argparse.ArgumentParse
     s.add_argument("--drop-every", type=int, default=None, metavar="M",
                    help="fault injection: run every M-th API request, then drop its connection "
                         "before the response body (default $TINKER_LOCAL_DROP_EVERY or 0 = off)")
+    for name, text in (("status", "show the server recorded in ROOT/server.json (exit 1 when none runs)"),
+                       ("stop", "stop the server recorded in ROOT/server.json (SIGTERM, SIGKILL after 5 s)")):
+        p = sub.add_parser(name, help=text, description=text)
+        p.add_argument("--root", type=Path, default=None,
+                       help="the server's folder (local_root; default $PREFECT_TINKER_HOME or ~/.prefect-tinker)")
     return parser
+
+
+def _is_server(record: dict) -> bool:
+    """Whether the live pid of ``record`` is still our server (and not a reused pid): it answers
+    the health check, or (Linux) its command line runs ``tinker_local``."""
+    from tinker_blocks.credentials import _healthy
+
+    if _healthy(str(record.get("base_url", "")), timeout=2.0):
+        return True
+    try:
+        return b"tinker_local" in Path(f"/proc/{int(record['pid'])}/cmdline").read_bytes()
+    except (OSError, KeyError, ValueError):
+        return False
+
+
+def status_or_stop(command: str, root: Path | None) -> int:
+    """``status``: print the recorded server (pid, URL, health, log); 0 when it runs, 1 when not.
+    ``stop``: stop it (SIGTERM, then SIGKILL after 5 s), remove ``server.json``; 0 either way,
+    1 when a recorded live pid is not the server (the record is then left for inspection)."""
+    from tinker_blocks.credentials import _healthy, _pid_alive, _read_record, stop_local_server
+
+    root = (root.expanduser() if root else default_root()).resolve()
+    record = _read_record(root)
+    if not record:
+        print(f"no local server recorded in {root / 'server.json'}")
+        return 1 if command == "status" else 0
+    pid, url = int(record.get("pid", -1)), record.get("base_url", "?")
+    alive = pid > 0 and _pid_alive(pid)
+    if command == "status":
+        if not alive:
+            print(f"not running: recorded pid {pid} ({url}) is gone; stale {root / 'server.json'}")
+            return 1
+        health = "healthy" if _healthy(url, timeout=2.0) else "NOT answering /api/v1/healthz"
+        print(f"running: pid {pid}, {url} ({health}), root {root}, log {record.get('log', '?')}")
+        return 0
+    if alive and not _is_server(record):
+        print(f"error: pid {pid} recorded in {root / 'server.json'} does not look like the local "
+              "server (no health answer, not tinker_local); not stopping it", file=sys.stderr)
+        return 1
+    stopped = stop_local_server(root, timeout=5.0)
+    print(f"stopped local server pid {pid} ({url})" if stopped
+          else f"local server pid {pid} ({url}) was not running; removed its stale record")
+    return 0
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m tinker_local") -> int:
     """Parse ``argv`` (without the program name) and run the command; returns an exit code."""
     args = build_parser(prog).parse_args(argv)
+    if args.command in ("status", "stop"):
+        return status_or_stop(args.command, args.root)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
