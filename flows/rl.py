@@ -147,9 +147,15 @@ class RLLoop:
         in) and the metrics of that preparation."""
         c = self.config
         metrics: dict[str, float] = {}
+        constant = sum(np.ptp(np.asarray(g.total_rewards() or [0.0])) <= 1e-9 for g in groups)
+        metrics["rollout/groups_constant"] = float(constant)
+        if groups and constant == len(groups):
+            self.log.warning("no learning signal: all %d groups got constant rewards (zero advantages), "
+                             "so this step leaves the policy unchanged; check the reward (e.g. every reply "
+                             "malformed: try a few-shot prompt, a system prompt, more max_tokens or an SFT warm-up)",
+                             len(groups))
         if c.remove_constant_reward_groups:
-            groups, removed = remove_constant_reward_groups(groups)
-            metrics["rollout/groups_constant"] = float(removed)
+            groups, _ = remove_constant_reward_groups(groups)
         datums, advs = groups_to_datums(groups, c.normalize_advantages_std)
         metrics["train/advantage_abs_mean"] = float(np.mean(np.abs(np.concatenate(advs)))) if advs else 0.0
         if c.kl_penalty_coef > 0 and datums:

@@ -202,3 +202,35 @@ def test_config_validation_and_cli_registration():
     from flows.cli import FLOWS
 
     assert FLOWS["rl"] == "flows.rl:rl_flow"
+
+
+class _ConstantDataset(ParityDataset):
+    """Every reply gets reward 0: no group carries a learning signal."""
+
+    def get_batch(self, index):
+        return [_ConstantBuilder(b.prompt, b.group_size) for b in super().get_batch(index)]
+
+
+class _ConstantEnv(ParityEnv):
+    def step(self, action):
+        return StepResult(reward=0.0, episode_done=True, metrics={"correct": 0.0, "format": 0.0})
+
+
+@dataclass(frozen=True)
+class _ConstantBuilder(ParityBuilder):
+    def make_envs(self):
+        return [_ConstantEnv(list(self.prompt), False) for _ in range(self.group_size)]
+
+
+def test_constant_rewards_are_counted_and_warned(prefect_api, local_credentials, tmp_path, capsys, monkeypatch, caplog):
+    monkeypatch.setattr(rl_module, "build_rl_dataset",
+                        lambda cfg, **kw: _ConstantDataset(kw["group_size"], kw["groups_per_batch"], False))
+    store = tmp_path / "store"
+    with caplog.at_level("WARNING"):
+        rl_flow(_config(local_credentials, store, "flat", max_steps=1, group_size=3, groups_per_batch=2, save_every=0))
+    rows = _sql(capsys, store, "SELECT name, value FROM metrics WHERE run_id='flat' AND name IN "
+                "('rollout/groups_constant', 'train/grad_norm', 'env/reward_mean')")
+    got = {r["name"]: r["value"] for r in rows}
+    assert got["rollout/groups_constant"] == 2 and got["env/reward_mean"] == 0.0
+    assert got["train/grad_norm"] == pytest.approx(0.0, abs=1e-12)  # zero advantages: no gradient
+    assert "no learning signal: all 2 groups got constant rewards" in caplog.text
