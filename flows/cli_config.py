@@ -119,10 +119,12 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
     """Turn ``["a.b=1", "c=x"]`` into ``{"a": {"b": 1}, "c": "x"}`` (values via :func:`parse_value`).
 
     Raises:
-        CLIError: an item without ``=``, an empty key part, or a key set both as a value and as
-            a parent of dotted keys (``a=1 a.b=2``).
+        CLIError: an item without ``=``, an empty key part, a key given twice
+            (``lr=1 lr=2``), or a key set both as a value and as a parent of dotted keys
+            (``a=1 a.b=2``).
     """
     out: dict[str, Any] = {}
+    seen: dict[str, str] = {}  # dotted key -> the item that set it
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep:
@@ -130,6 +132,10 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
         parts = key.strip().split(".")
         if any(not p for p in parts):
             raise CLIError(f"bad key {key!r} in {item!r}: empty part between dots")
+        dotted = ".".join(parts)
+        if dotted in seen:
+            raise CLIError(f"key {dotted!r} given twice on the command line: {seen[dotted]!r} and {item!r}")
+        seen[dotted] = item
         node = out
         for i, part in enumerate(parts[:-1]):
             nxt = node.setdefault(part, {})

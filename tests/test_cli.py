@@ -116,6 +116,22 @@ def test_parse_overrides_nested():
         cli.parse_overrides(["a=1", "a.b=2"])
 
 
+def test_repeated_key_is_an_error(toy, tmp_path, capsys):
+    with pytest.raises(cli.CLIError, match=r"key 'optim.lr' given twice on the command line: "
+                                           r"'optim.lr=1e-3' and 'optim.lr=2e-3'"):
+        cli.parse_overrides(["optim.lr=1e-3", "x=1", "optim.lr=2e-3"])
+    rc = cli.main(["run", "toy", "base_model=m", "lora_rank=4", "lora_rank=8"])
+    assert rc == 2 and toy.CALLS == []
+    assert capsys.readouterr().err == (
+        "error: key 'lora_rank' given twice on the command line: 'lora_rank=4' and 'lora_rank=8'\n")
+    # still allowed: sibling keys of a group, and a YAML value overridden once on the command line
+    assert cli.parse_overrides(["optim.lr=1", "optim.beta2=0.9"]) == {"optim": {"lr": 1, "beta2": 0.9}}
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("base_model: m\nlora_rank: 4\n")
+    assert cli.main(["run", "toy", "--config", str(cfg), "lora_rank=8"]) == 0
+    assert toy.CALLS[-1].lora_rank == 8
+
+
 def test_deep_merge():
     assert cli.deep_merge({"a": {"x": 1, "y": 2}, "b": 1}, {"a": {"y": 3}, "c": 4}) == {
         "a": {"x": 1, "y": 3}, "b": 1, "c": 4}
