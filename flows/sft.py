@@ -142,7 +142,9 @@ def _train(config: SFTConfig, credentials: Any, backend: str, run: TrainingRun, 
     per_epoch = len(data.train) // config.batch_size
     total = config.max_steps or per_epoch * config.num_epochs
     test_datums = _datums(data, data.test, config.max_length)
-    log.info("%d train / %d test examples, %d steps (renderer %s)", len(data.train), len(data.test), total, data.renderer)
+    log.info("%d train / %d test examples, %d steps (renderer %s)%s", len(data.train), len(data.test), total,
+             data.renderer, f"; {data.skipped} conversation(s) skipped: no trained token within max_length="
+             f"{config.max_length}" if getattr(data, "skipped", 0) else "")
 
     pending: list[tuple[int, str, float]] = []
     progress = Progress(f"SFT {run_id}: steps done of {total}", total, run.step)

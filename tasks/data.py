@@ -37,6 +37,7 @@ class PreparedDataset(BaseModel):
     renderer: str
     train: list[Example]
     test: list[Example]
+    skipped: int = 0  # conversations dropped: no trained token within max_length
 
 
 def dataset_uri(source: str) -> str:
@@ -94,6 +95,8 @@ def prepare_sft_dataset(
     conversations = load_conversations(source, messages_field=messages_field)
     train_c, test_c = split_conversations(conversations, test_size=test_size, seed=seed)
 
+    dropped: list[str] = []
+
     def render(convs: list) -> list[Example]:
         out, skipped = [], []
         for conv in convs:
@@ -109,8 +112,9 @@ def prepare_sft_dataset(
                 "skipped %d conversation(s) with no trained token within max_length=%d: %s",
                 len(skipped), max_length, ", ".join(skipped[:5]) + (" ..." if len(skipped) > 5 else ""),
             )
+        dropped.extend(skipped)
         return out
 
-    return PreparedDataset(
-        fingerprint=dataset_fingerprint(source), renderer=renderer, train=render(train_c), test=render(test_c)
-    )
+    train, test = render(train_c), render(test_c)
+    return PreparedDataset(fingerprint=dataset_fingerprint(source), renderer=renderer, train=train, test=test,
+                           skipped=len(dropped))

@@ -1,0 +1,30 @@
+"""The prepare-sft-dataset task counts the conversations it drops (no trained token within
+max_length), so the flow can say how many were skipped."""
+
+from __future__ import annotations
+
+import json
+
+from prefect import flow
+
+from tasks.data import prepare_sft_dataset
+from tests.renderer_tokenizers import TOKENIZER_DIR, needs_smollm2
+
+
+@needs_smollm2
+def test_skipped_conversations_are_counted(prefect_api, tmp_path):
+    long_user = "word " * 300  # the assistant turn starts past max_length tokens
+    rows = [{"messages": [{"role": "user", "content": f"Question {i}?"},
+                          {"role": "assistant", "content": f"Answer {i}."}]} for i in range(8)]
+    rows += [{"messages": [{"role": "user", "content": long_user},
+                           {"role": "assistant", "content": "Too late."}]} for _ in range(3)]
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    @flow
+    def prep():
+        return prepare_sft_dataset(str(path), str(TOKENIZER_DIR), renderer="role_colon", max_length=64,
+                                   test_size=0, seed=0)
+
+    data = prep()
+    assert (data.skipped, len(data.train) + len(data.test)) == (3, 8)
