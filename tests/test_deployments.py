@@ -163,10 +163,17 @@ def test_sft_deployment_run_completes_with_artifacts_and_lineage(ctx):
     assert progress and float(progress[0].data) == pytest.approx(100.0)
 
     # lineage: each checkpoint is an asset materialization with the dataset as its upstream asset
-    mats = ctx.stack.events("prefect.asset.materialization", related=f"prefect.flow-run.{fr.id}")
+    want = {"weights/deploy-basic-step-000003", "weights/deploy-basic-step-000006",
+            "sampler_weights/deploy-basic-step-000006"}
+
+    def materialized():  # events reach the API asynchronously: the last one may land after Completed
+        found = ctx.stack.events("prefect.asset.materialization", related=f"prefect.flow-run.{fr.id}")
+        keys = {"/".join(e["resource"]["prefect.resource.id"].split("/")[-2:]) for e in found}
+        return found if keys >= want else None
+
+    mats = wait_until(materialized, 120, "the asset materialization events", interval=2.0)
     keys = {"/".join(e["resource"]["prefect.resource.id"].split("/")[-2:]) for e in mats}
-    assert keys == {"weights/deploy-basic-step-000003", "weights/deploy-basic-step-000006",
-                    "sampler_weights/deploy-basic-step-000006"}, keys
+    assert keys == want, keys
     for e in mats:
         related = {r["prefect.resource.id"] for r in e["related"]}
         assert f"prefect.flow-run.{fr.id}" in related
@@ -247,8 +254,8 @@ def test_killed_worker_then_rerun_resumes_after_last_checkpoint(ctx):
     fr2 = ctx.run("deploy-resume", **steps)
     ctx.completed(fr2.id)
 
-    logs = "\n".join(ctx.stack.logs(fr2.id))
-    assert f"resuming run deploy-resume after its checkpoint at step {k}" in logs
+    line = f"resuming run deploy-resume after its checkpoint at step {k}"
+    wait_until(lambda: line in "\n".join(ctx.stack.logs(fr2.id)), 120, "the re-run's resume log line", interval=2.0)
     done = sorted(int(n.split("-")[1]) for n in _names(ctx.stack.task_runs(fr2.id), "step-"))
     assert done == list(range(k, 20))
     rows = store.query("SELECT step, count(*) AS n FROM metrics WHERE run_id = 'deploy-resume' "
@@ -289,7 +296,9 @@ def test_killed_worker_then_rerun_resumes_after_last_checkpoint(ctx):
         # a late resume automation may have re-scheduled the run meanwhile: then the retry is refused
         assert res.returncode == 0 or rescheduled(), res.stdout + res.stderr
     ctx.completed(fr.id)
-    assert "resuming run deploy-resume after its checkpoint at step 20" in "\n".join(ctx.stack.logs(fr.id))
+    # flow-run logs are shipped in batches: wait for the re-run's line rather than reading once
+    wait_until(lambda: "resuming run deploy-resume after its checkpoint at step 20" in "\n".join(ctx.stack.logs(fr.id)),
+               120, "the re-run's resume log line", interval=2.0)
     assert store.get_run("deploy-resume")["status"] == "completed"
 
 
