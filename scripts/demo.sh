@@ -15,3 +15,5 @@ prefect-tinker sql --store "$STORE" \
   "SELECT step, round(value, 4) AS train_loss FROM metrics WHERE run_id = '$RUN' AND name = 'train/loss' ORDER BY step"
 prefect-tinker sql --store "$STORE" \
   "SELECT step, kind, path FROM checkpoints WHERE run_id = '$RUN' ORDER BY step, kind"
+echo "Store: $STORE (query it: prefect-tinker sql --store $STORE \"SELECT ...\")."
+echo "The embedded local server keeps running for the next run: 'prefect-tinker local status' / 'prefect-tinker local stop'."
