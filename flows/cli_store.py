@@ -99,10 +99,10 @@ def cmd_sql(args: argparse.Namespace) -> int:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
-    """``prefect-tinker runs``: every run, newest first, with its status and last step."""
+    """``prefect-tinker runs``: every run, newest first, with its status and steps done (metrics are logged at steps 0..n-1)."""
     sql = (
         "SELECT run_id, status, base_model, backend, lora_rank, time AS updated, "
-        "(SELECT max(step) FROM metrics m WHERE m.run_id = r.run_id) AS last_step "
+        "(SELECT max(step) + 1 FROM metrics m WHERE m.run_id = r.run_id) AS steps_done "
         "FROM runs r ORDER BY time DESC"
     )
     return _print_query(args.store or _default_store(), sql, [], args.json)

@@ -73,7 +73,7 @@ def test_sql_empty_store_and_errors(tmp_path, capsys):
 def test_runs_and_checkpoints_helpers(store_root, capsys):
     assert cli.main(["runs", "--store", store_root, "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert rows[0]["run_id"] == "r1" and rows[0]["last_step"] == 2
+    assert rows[0]["run_id"] == "r1" and rows[0]["steps_done"] == 3  # metrics at steps 0..2
     assert cli.main(["checkpoints", "r1", "--store", store_root]) == 0
     assert capsys.readouterr().out.strip().endswith("(0 rows)")
 
