@@ -9,6 +9,7 @@ samples do not depend on its batch is tested end to end in ``test_local_api.py``
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 from tinker_local.futures import FutureStore
 
@@ -27,29 +28,34 @@ def _store(**kw):
     return store, batches, submit
 
 
+@contextmanager
+def _running(**kw):
+    """``_store(**kw)`` with its compute thread started; stopped on exit."""
+    store, batches, submit = _store(**kw)
+    store.start(None)
+    try:
+        yield store, batches, submit
+    finally:
+        store.stop()
+
+
 def _done(store, *rids):
     for rid in rids:
         assert store.get(rid).wait_blocking(10)
 
 
 def test_a_request_arriving_within_the_quiet_window_joins_the_batch():
-    store, batches, submit = _store(batch_quiet_s=0.5, batch_max_wait_s=5.0)
-    store.start(None)
-    try:
+    with _running(batch_quiet_s=0.5, batch_max_wait_s=5.0) as (store, batches, submit):
         a = submit(1)
         time.sleep(0.1)
         b = submit(2)
         _done(store, a, b)
         assert batches == [[1, 2]]
         assert store.get(b).outcome.json == {"payload": 2}
-    finally:
-        store.stop()
 
 
 def test_the_batch_waits_for_requests_still_being_received():
-    store, batches, submit = _store(batch_quiet_s=0.2, batch_max_wait_s=10.0)
-    store.start(None)
-    try:
+    with _running(batch_quiet_s=0.2, batch_max_wait_s=10.0) as (store, batches, submit):
         store.incoming(+1)  # the HTTP layer is reading a sampling request's body
         a = submit(1)
         time.sleep(0.8)  # well past the quiet window
@@ -58,14 +64,10 @@ def test_the_batch_waits_for_requests_still_being_received():
         store.incoming(-1)
         _done(store, a, b)
         assert batches == [[1, 2]]
-    finally:
-        store.stop()
 
 
 def test_max_linger_bounds_the_wait_of_a_short_request():
-    store, batches, submit = _store(batch_quiet_s=5.0, batch_max_wait_s=10.0)
-    store.start(None)
-    try:
+    with _running(batch_quiet_s=5.0, batch_max_wait_s=10.0) as (store, batches, submit):
         t0 = time.monotonic()
         a = submit(1, max_linger_s=0.0)
         _done(store, a)
@@ -73,5 +75,3 @@ def test_max_linger_bounds_the_wait_of_a_short_request():
         b = submit(2, max_linger_s=0.0)
         _done(store, b)
         assert batches == [[1], [2]]
-    finally:
-        store.stop()
