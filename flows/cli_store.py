@@ -73,7 +73,8 @@ def _print_query(root: str, sql: str, params: list[Any], as_json: bool) -> int:
               "give --store ROOT or set $PREFECT_TINKER_STORE)", file=sys.stderr)
         return EXIT_FAILED
 
-    from tinker_blocks.store_io import StoreAccessError, StoreError, StoreUnavailableError, query_stores
+    from tinker_blocks.store_io import StoreAccessError, StoreError, StoreUnavailableError
+    from tinker_blocks.store_sql import query_stores
 
     try:  # re-run on a fresh listing when a concurrent compaction deleted a listed part
         names, rows = query_stores(root, sql, params)

@@ -65,7 +65,7 @@ __all__ = [
     "CHECKPOINTS_SCHEMA", "RUNS_SCHEMA", "EVAL_RESULTS_SCHEMA", "EVAL_SAMPLES_SCHEMA",
     "CAPTURES_SCHEMA", "ParquetStore", "StoreWriter", "make_row_id", "validate_run_id",
     "StoreError", "StoreAccessError", "StoreUnavailableError", "default_store_root",
-    "resolve_storage_options", "connect_stores", "query_stores",
+    "resolve_storage_options",
 ]
 
 #: default seconds a remote write keeps retrying transient errors before giving up
@@ -439,7 +439,7 @@ class ParquetStore:
         Safe with concurrent readers: the merged part is written before any input is deleted, so
         every listing holds each row (twice while both copies exist: the views keep one), and a
         reader whose listed part vanished mid-query re-runs it (:meth:`query`,
-        :func:`query_stores`, ``prefect-tinker sql``; a raw :meth:`connect` connection raises a
+        :func:`tinker_blocks.store_sql.query_stores`, ``prefect-tinker sql``; a raw :meth:`connect` connection raises a
         DuckDB IO error naming the missing file: run the statement again). Safe with a concurrent
         writer (only the parts listed before reading are deleted). Returns the new part's path,
         or None when there were fewer than two parts.
@@ -474,46 +474,3 @@ class ParquetStore:
                 pass  # already merged away by a concurrent compaction
         return out
 
-
-def connect_stores(
-    root: str,
-    stores: Sequence[str] = ("training", "eval", "capture"),
-    storage_options: Mapping[str, Any] | None = None,
-    con: duckdb.DuckDBPyConnection | None = None,
-) -> duckdb.DuckDBPyConnection:
-    """A DuckDB connection with the views of every table of ``stores`` under one ``root``
-    (training: ``runs``, ``metrics``, ``checkpoints``; eval: ``eval_results``, ``eval_samples``;
-    capture: ``captures``), so one query can join across stores. Used by ``prefect-tinker sql``.
-
-    Raises:
-        StoreError: an unknown store name. StoreAccessError / StoreUnavailableError: as
-        :meth:`ParquetStore.connect`.
-    """
-    con = con if con is not None else duckdb.connect()
-    con.execute("SET TimeZone = 'UTC'")
-    opts = resolve_storage_options(root, storage_options)
-    first: ParquetStore | None = None
-    for name in stores:
-        io = ParquetStore(root, name, storage_options=opts)
-        if first is None:
-            first = io
-            io.attach(con)  # one filesystem / secret for the whole root
-        io._cache = first._cache
-        io.create_views(con)
-    return con
-
-
-def query_stores(
-    root: str,
-    sql: str,
-    params: Sequence[Any] | None = None,
-    stores: Sequence[str] = ("training", "eval", "capture"),
-    storage_options: Mapping[str, Any] | None = None,
-) -> tuple[list[str], list[tuple]]:
-    """``(column names, rows)`` of ``sql`` over :func:`connect_stores` views, re-run on a fresh
-    listing when a concurrent compaction deleted a part it had listed (as
-    :meth:`ParquetStore.query`). Used by ``prefect-tinker sql``."""
-    opts = resolve_storage_options(root, storage_options)
-    fs = fsspec.core.url_to_fs(root, **opts)[0]
-    return execute_retrying(lambda: connect_stores(root, stores, opts), sql, list(params or []),
-                            before_retry=fs.invalidate_cache)
