@@ -65,6 +65,12 @@ class _Base:
     sampler_adapters: "OrderedDict[tuple, str]" = field(default_factory=OrderedDict)
     active: str | None = None  # adapter last activated by set_adapter (None: unknown)
 
+    def use(self, adapter: str) -> None:
+        """Make ``adapter`` the active one; ``set_adapter`` walks every module, so only when it changes."""
+        if self.active != adapter:
+            self.peft.set_adapter(adapter)
+            self.active = adapter
+
 
 @dataclass
 class _Train:
@@ -389,9 +395,7 @@ class Engine(SamplingMixin):
         return st
 
     def _activate(self, b: _Base, st: _Train) -> None:
-        if b.active != st.adapter:  # set_adapter walks every module: only when it changes
-            b.peft.set_adapter(st.adapter)
-            b.active = st.adapter
+        b.use(st.adapter)
         for p in st.params.values():  # peft toggles requires_grad (set_adapter, disable_adapter)
             p.requires_grad_(True)
 

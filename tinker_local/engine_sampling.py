@@ -152,9 +152,7 @@ class SamplingMixin:
                 b.peft.delete_adapter(old)
                 b.active = None
         b.sampler_adapters.move_to_end(key)
-        if b.active != name:
-            b.peft.set_adapter(name)
-            b.active = name
+        b.use(name)
 
 
 def _chunks(items: list[tuple[int, SampleRequest]], vocab: int) -> list[list[tuple[int, SampleRequest]]]:
