@@ -42,6 +42,7 @@ __all__ = [
     "HTTPFS_ENV",
     "is_missing_part_error",
     "execute_retrying",
+    "retry_missing_part",
 ]
 
 log = logging.getLogger(__name__)
@@ -408,22 +409,14 @@ def is_missing_part_error(exc: BaseException) -> bool:
     return any(m in str(exc) for m in _MISSING_PART)
 
 
-def execute_retrying(
-    connect: Callable[[], Any], sql: str, params: Any = None, *, attempts: int = 4,
-    before_retry: Callable[[], None] | None = None,
-) -> tuple[list[str], list[tuple]]:
-    """Run ``sql`` on a fresh connection from ``connect()`` and return ``(column names, rows)``;
-    when it fails with :func:`is_missing_part_error` (a concurrent compaction), call
-    ``before_retry`` (drop cached listings), reconnect and run it again, up to ``attempts`` times.
-    Other errors are raised at once; the last missing-part error after ``attempts`` tries."""
+def retry_missing_part(fn: Callable[[], T], *, attempts: int = 4, before_retry: Callable[[], None] | None = None) -> T:
+    """``fn()``, called again (after ``before_retry()``, which drops cached listings) when it fails
+    with :func:`is_missing_part_error` (a concurrent compaction deleted a listed part), up to
+    ``attempts`` times. Other errors are raised at once; the last missing-part error after
+    ``attempts`` tries."""
     for attempt in range(1, attempts + 1):
-        con = None
         try:
-            con = connect()  # binding the views reads a part too
-            cur = con.execute(sql, params or [])
-            if cur.description is None:
-                return [], []
-            return [d[0] for d in cur.description], cur.fetchall()
+            return fn()
         except Exception as exc:
             if attempt >= attempts or not is_missing_part_error(exc):
                 raise
@@ -431,10 +424,26 @@ def execute_retrying(
             if before_retry is not None:
                 before_retry()
             time.sleep(0.05 * attempt)
-        finally:
-            if con is not None:
-                con.close()
     raise AssertionError("unreachable")
+
+
+def execute_retrying(
+    connect: Callable[[], Any], sql: str, params: Any = None, *, attempts: int = 4,
+    before_retry: Callable[[], None] | None = None,
+) -> tuple[list[str], list[tuple]]:
+    """Run ``sql`` on a fresh connection from ``connect()`` and return ``(column names, rows)``,
+    re-connecting and re-running it as :func:`retry_missing_part` when a concurrent compaction
+    deleted a part it had listed (binding the views reads a part too)."""
+
+    def once() -> tuple[list[str], list[tuple]]:
+        con = connect()
+        try:
+            cur = con.execute(sql, params or [])
+            return ([], []) if cur.description is None else ([d[0] for d in cur.description], cur.fetchall())
+        finally:
+            con.close()
+
+    return retry_missing_part(once, attempts=attempts, before_retry=before_retry)
 
 
 def _sql_lit(s: str) -> str:

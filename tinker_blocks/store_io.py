@@ -38,8 +38,8 @@ from tinker_blocks.s3 import (
     attach_filesystem,
     execute_retrying,
     is_access_error,
-    is_missing_part_error,
     retry_call,
+    retry_missing_part,
     s3_storage_options,
 )
 from tinker_blocks.store_schemas import (
@@ -387,15 +387,8 @@ class ParquetStore:
                 cache.readahead_files = readahead
 
     def _create_views(self, con: duckdb.DuckDBPyConnection) -> None:
-        for table in self.tables:
-            for attempt in range(4):  # binding reads a part, which a compaction may delete meanwhile
-                try:
-                    self._create_view(con, table)
-                    break
-                except duckdb.Error as exc:
-                    if attempt == 3 or not is_missing_part_error(exc):
-                        raise
-                    self.fs.invalidate_cache()
+        for table in self.tables:  # binding reads a part, which a compaction may delete meanwhile
+            retry_missing_part(lambda t=table: self._create_view(con, t), before_retry=self.fs.invalidate_cache)
 
     def _create_view(self, con: duckdb.DuckDBPyConnection, table: str) -> None:
         if not self.list_parts(table):
