@@ -149,7 +149,7 @@ def _train(config: SFTConfig, credentials: Any, backend: str, run: TrainingRun, 
     pending: list[tuple[int, str, float]] = []
     progress = Progress(f"SFT {run_id}: steps done of {total}", total, run.step)
     if run.step == 0 and test_datums:
-        pending += [(0, f"test/{k}", v) for k, v in evaluate_nll(credentials, run, quote(test_datums)).items()]
+        pending += _nll_rows(credentials, run, test_datums, 0)
     rewinds = 0
     while run.step < total:
         step = run.step
@@ -163,10 +163,10 @@ def _train(config: SFTConfig, credentials: Any, backend: str, run: TrainingRun, 
             pending += [(step, f"train/{k}", v) for k, v in m.items()]
             _after_step(done)
             if test_datums and config.eval_every and done % config.eval_every == 0 and done < total:
-                pending += [(done, f"test/{k}", v) for k, v in evaluate_nll(credentials, run, quote(test_datums)).items()]
+                pending += _nll_rows(credentials, run, test_datums, done)
             if (config.save_every and done % config.save_every == 0) or done == total:
                 if done == total and test_datums:
-                    pending += [(done, f"test/{k}", v) for k, v in evaluate_nll(credentials, run, quote(test_datums)).items()]
+                    pending += _nll_rows(credentials, run, test_datums, done)
                 run, path = _save(credentials, run, f"{run_id}-step-{done:06d}", data, config)
                 write_metrics(config.store, run_id, pending)  # metrics first, then the checkpoint row
                 pending = []
@@ -197,6 +197,12 @@ def _train(config: SFTConfig, credentials: Any, backend: str, run: TrainingRun, 
 
 def _after_step(step: int) -> None:
     """Hook called after every completed step (tests use it to interrupt a run)."""
+
+
+def _nll_rows(credentials: Any, run: TrainingRun, test_datums: list, step: int) -> list[tuple[int, str, float]]:
+    """``(step, "test/<name>", value)`` metric rows of the test NLL of ``run``'s current weights
+    (quoted: Prefect does not walk the datums looking for futures)."""
+    return [(step, f"test/{k}", v) for k, v in evaluate_nll(credentials, run, quote(test_datums)).items()]
 
 
 def _before_compaction(run_id: str) -> None:
