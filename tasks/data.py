@@ -95,9 +95,7 @@ def prepare_sft_dataset(
     conversations = load_conversations(source, messages_field=messages_field)
     train_c, test_c = split_conversations(conversations, test_size=test_size, seed=seed)
 
-    dropped: list[str] = []
-
-    def render(convs: list) -> list[Example]:
+    def render(convs: list) -> tuple[list[Example], int]:
         out, skipped = [], []
         for conv in convs:
             model_input, weights = rend.build_supervised_example(conv.messages, train_on_what=train_on_what)
@@ -112,9 +110,8 @@ def prepare_sft_dataset(
                 "skipped %d conversation(s) with no trained token within max_length=%d: %s",
                 len(skipped), max_length, ", ".join(skipped[:5]) + (" ..." if len(skipped) > 5 else ""),
             )
-        dropped.extend(skipped)
-        return out
+        return out, len(skipped)
 
-    train, test = render(train_c), render(test_c)
+    (train, n_train), (test, n_test) = render(train_c), render(test_c)
     return PreparedDataset(fingerprint=dataset_fingerprint(source), renderer=renderer, train=train, test=test,
-                           skipped=len(dropped))
+                           skipped=n_train + n_test)
