@@ -10,7 +10,7 @@ What is timed (``time.perf_counter`` between the ends of consecutive steps; the 
 - **direct**: ``forward_backward`` + ``optim_step`` submitted back to back on a
   ``tinker.TrainingClient``, then both awaited; the batch's datums built each step from the same
   rendered examples (what a hand-written training script does);
-- **flow**: ``flows.sft.sft_flow`` against a real ``prefect server start`` API on 127.0.0.1: per
+- **flow**: ``prefect_tinker.flows.sft.sft_flow`` against a real ``prefect server start`` API on 127.0.0.1: per
   step a ``train-step`` task run (state changes, retry policy, result handling), the batch's
   datums, and the progress-artifact update; step ends are marked by the flow's ``_after_step``
   hook. Evaluation, checkpoints and sampling are off (``eval_every=0``, a checkpoint only at the
@@ -87,8 +87,8 @@ def _direct(base_url: str, args, examples: list, lr: float) -> tuple[list[float]
     SDK's forward_backward + optim_step (building the batch's datums)."""
     import tinker
 
-    from flows.sft import batch_indices
-    from recipes.datasets import datum_from_example
+    from prefect_tinker.flows.sft import batch_indices
+    from prefect_tinker.recipes.datasets import datum_from_example
 
     service = tinker.ServiceClient(base_url=base_url, api_key=API_KEY)
     client = service.create_lora_training_client(base_model=args.model, rank=args.lora_rank, seed=0).result()
@@ -111,8 +111,8 @@ def _flow(base_url: str, args, dataset: Path, store: Path, run_name: str) -> tup
     """Step durations (s) of ``sft_flow`` (the ends of steps come from its ``_after_step`` hook), and
     the time of each step spent outside the SDK calls (the step minus the ``train/step_seconds``
     the train-step task measured around forward_backward + optim_step)."""
-    from flows import sft as sft_module
-    from flows.sft import SFTConfig, sft_flow
+    from prefect_tinker.flows import sft as sft_module
+    from prefect_tinker.flows.sft import SFTConfig, sft_flow
 
     ends = []
     sft_module._after_step = lambda step: ends.append(time.perf_counter())
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
 
         import tinker
 
-        from tasks.data import prepare_sft_dataset
+        from prefect_tinker.tasks.data import prepare_sft_dataset
 
         probe = tinker.ServiceClient(base_url=base_url, api_key=API_KEY).create_lora_training_client(
             base_model=args.model, rank=args.lora_rank, seed=0).result()

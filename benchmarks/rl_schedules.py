@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--json", default=None, help="write the results to this file")
     args = p.parse_args(argv)
 
-    from flows.config import BackendConfig
-    from flows.rl import RLConfig, rl_flow
+    from prefect_tinker.flows.config import BackendConfig
+    from prefect_tinker.flows.rl import RLConfig, rl_flow
     from tinker_blocks.stores import TrainingStore
 
     store = str(Path(tempfile.mkdtemp(prefix="rl-bench-")) / "store")

@@ -12,9 +12,9 @@ Subcommands::
     prefect-tinker show-example DATA --tokenizer T [...]        a rendered example, trained tokens highlighted
     prefect-tinker ops install-automations [--within S]         crash runs whose heartbeats stop (flows/ops.py)
 
-Modules: :mod:`flows.cli_config` (errors, YAML values, overrides), :mod:`flows.cli_flows`
-(flow registry, config validation), :mod:`flows.cli_store` (sql / runs / checkpoints),
-:mod:`flows.ops` (ops), :mod:`recipes.show` (show-example).
+Modules: :mod:`prefect_tinker.flows.cli_config` (errors, YAML values, overrides), :mod:`prefect_tinker.flows.cli_flows`
+(flow registry, config validation), :mod:`prefect_tinker.flows.cli_store` (sql / runs / checkpoints),
+:mod:`prefect_tinker.flows.ops` (ops), :mod:`prefect_tinker.recipes.show` (show-example).
 
 Exit status: 0 success, 1 runtime failure (SQL error, the flow failed), 2 bad usage or an
 invalid config (the message names each bad field and its value; no traceback).
@@ -29,7 +29,7 @@ import sys
 from typing import Sequence
 
 # Re-exported: the public helpers of the split modules stay importable from flows.cli.
-from flows.cli_config import (  # noqa: F401
+from prefect_tinker.flows.cli_config import (  # noqa: F401
     EXIT_FAILED,
     EXIT_OK,
     EXIT_USAGE,
@@ -40,7 +40,7 @@ from flows.cli_config import (  # noqa: F401
     parse_overrides,
     parse_value,
 )
-from flows.cli_flows import (  # noqa: F401
+from prefect_tinker.flows.cli_flows import (  # noqa: F401
     FLOWS,
     FLOWS_ENV,
     build_config,
@@ -50,8 +50,8 @@ from flows.cli_flows import (  # noqa: F401
     resolve_flow,
     unknown_fields,
 )
-from flows.cli_store import add_parsers as add_store_parsers
-from flows.cli_store import cmd_checkpoints, cmd_runs, cmd_sql, format_table  # noqa: F401
+from prefect_tinker.flows.cli_store import add_parsers as add_store_parsers
+from prefect_tinker.flows.cli_store import cmd_checkpoints, cmd_runs, cmd_sql, format_table  # noqa: F401
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -124,10 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("local", help="local Tinker-compatible server: local serve|status|stop (local --help)",
                    add_help=False)
 
-    from recipes.show import add_parser as add_show_example  # logic lives in recipes/show.py
+    from prefect_tinker.recipes.show import add_parser as add_show_example  # logic lives in recipes/show.py
 
     add_show_example(sub)
-    from flows.ops import add_parser as add_ops  # prefect-tinker ops ...: automations for crashed runs
+    from prefect_tinker.flows.ops import add_parser as add_ops  # prefect-tinker ops ...: automations for crashed runs
 
     add_ops(sub)
     return p

@@ -13,10 +13,10 @@ import os
 import typing
 from typing import Any, Sequence
 
-from flows.cli_config import CLIError, deep_merge, jsonable, load_yaml_file, parse_overrides
+from prefect_tinker.flows.cli_config import CLIError, deep_merge, jsonable, load_yaml_file, parse_overrides
 
 #: flow name -> "module:attribute" of a Prefect flow (or plain function) taking ``config``.
-FLOWS: dict[str, str] = {"sft": "flows.sft:sft_flow", "rl": "flows.rl:rl_flow"}
+FLOWS: dict[str, str] = {"sft": "prefect_tinker.flows.sft:sft_flow", "rl": "prefect_tinker.flows.rl:rl_flow"}
 #: extra registrations, ``name=module:attr`` separated by commas (e.g. for plugins and tests).
 FLOWS_ENV = "PREFECT_TINKER_FLOWS"
 

@@ -2,10 +2,10 @@
 
 Pipeline: resolve the backend -> open (or resume, or initialise from ``load_checkpoint_path``) the
 training run -> the env's dataset -> sampler weights of the current step -> the schedule's loop
-(:mod:`flows.rl_schedules`: ``sync``, ``streaming`` or ``async``) -> summary artifact.
+(:mod:`prefect_tinker.flows.rl_schedules`: ``sync``, ``streaming`` or ``async``) -> summary artifact.
 
 Each step: ``rollout-group`` tasks (mapped over the batch's groups; cached by sampler checkpoint,
-batch, group and seed) -> advantages and datums (:mod:`recipes.rl.advantages`; optional removal of
+batch, group and seed) -> advantages and datums (:mod:`prefect_tinker.recipes.rl.advantages`; optional removal of
 constant-reward groups and KL penalty against a reference) -> ``rl-forward-backward`` +
 ``rl-optim-step`` per substep -> fresh sampler weights (``save-sampler-weights``; every rollout
 after an update samples from them) -> every ``save_every`` steps a state checkpoint, with the
@@ -31,20 +31,20 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.utilities.annotations import quote
 
-from flows.config import resolve_credentials
-from flows.rl_config import RLConfig
-from recipes.rl.advantages import (
+from prefect_tinker.flows.config import resolve_credentials
+from prefect_tinker.flows.rl_config import RLConfig
+from prefect_tinker.recipes.rl.advantages import (
     apply_kl_penalty, compute_advantages, groups_to_datums, remove_constant_reward_groups, rollout_metrics,
 )
-from recipes.rl.envs import build_rl_dataset
-from recipes.rl.types import TrajectoryGroup
-from tasks.records import (
+from prefect_tinker.recipes.rl.envs import build_rl_dataset
+from prefect_tinker.recipes.rl.types import TrajectoryGroup
+from prefect_tinker.tasks.records import (
     check_store, compact_finished_run, record_checkpoint, record_run, write_metrics, write_trajectories,
 )
-from tasks.reporting import RL_CURVES, report_run
-from tasks.rl_training import rl_forward_backward, rl_optim_step, save_sampler_weights
-from tasks.rollouts import reference_logprobs, rollout_group
-from tasks.training import ClientRewound, TrainingRun, open_training_run, save_checkpoint
+from prefect_tinker.tasks.reporting import RL_CURVES, report_run
+from prefect_tinker.tasks.rl_training import rl_forward_backward, rl_optim_step, save_sampler_weights
+from prefect_tinker.tasks.rollouts import reference_logprobs, rollout_group
+from prefect_tinker.tasks.training import ClientRewound, TrainingRun, open_training_run, save_checkpoint
 
 __all__ = ["RLConfig", "rl_flow", "RLLoop", "rl_lr_at"]
 
@@ -294,7 +294,7 @@ def rl_flow(config: RLConfig) -> dict[str, Any]:
         dataset = build_rl_dataset(config, renderer_name=config.renderer, tokenizer_id=run.tokenizer_id,
                                    group_size=config.group_size, groups_per_batch=config.groups_per_batch, seed=config.seed)
         loop = RLLoop(config, credentials, run, dataset, tokenizer, samplers, reference)
-        from flows.rl_schedules import SCHEDULES
+        from prefect_tinker.flows.rl_schedules import SCHEDULES
 
         t0 = time.perf_counter()
         SCHEDULES[config.schedule](loop)

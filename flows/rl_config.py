@@ -6,9 +6,9 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from flows.config import AdamConfig, BackendConfig, default_run_name, default_store_root
-from recipes.rl.envs import EnvSpec
-from tasks.rollouts import RolloutPolicy
+from prefect_tinker.flows.config import AdamConfig, BackendConfig, default_run_name, default_store_root
+from prefect_tinker.recipes.rl.envs import EnvSpec
+from prefect_tinker.tasks.rollouts import RolloutPolicy
 
 __all__ = ["RLConfig"]
 
@@ -17,7 +17,7 @@ class RLConfig(EnvSpec):
     """Parameters of an RL-with-verifiable-rewards run.
 
     The environment fields (``env``, ``dataset``, ``question_field``, ``answer_field``, ...) come
-    from :class:`recipes.rl.envs.EnvSpec`. A *step* is one batch of ``groups_per_batch`` groups of
+    from :class:`prefect_tinker.recipes.rl.envs.EnvSpec`. A *step* is one batch of ``groups_per_batch`` groups of
     ``group_size`` rollouts, trained with ``num_substeps`` optimizer steps.
     """
 

@@ -1,4 +1,4 @@
-"""The three RL schedules; all share :class:`flows.rl.RLLoop` (rollout tasks, datums, training
+"""The three RL schedules; all share :class:`prefect_tinker.flows.rl.RLLoop` (rollout tasks, datums, training
 tasks, sampler saves, checkpoints) and differ only in when groups are trained.
 
 - ``sync`` (on-policy): map ``rollout-group`` over the batch, wait for every group, train
@@ -27,9 +27,9 @@ from typing import Callable
 import numpy as np
 from prefect.futures import as_completed
 
-from flows.rl import RLLoop, _merge
-from recipes.rl.types import TrajectoryGroup
-from tasks.training import ClientRewound
+from prefect_tinker.flows.rl import RLLoop, _merge
+from prefect_tinker.recipes.rl.types import TrajectoryGroup
+from prefect_tinker.tasks.training import ClientRewound
 
 __all__ = ["SCHEDULES", "run_sync", "run_streaming", "run_async"]
 

@@ -25,19 +25,19 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.utilities.annotations import quote
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from flows.config import AdamConfig, BackendConfig, default_run_name, default_store_root, resolve_credentials
-from recipes.data_reading import check_local_source
-from tasks.data import PreparedDataset, dataset_uri, prepare_sft_dataset
-from tasks.records import check_store, compact_finished_run, record_checkpoint, record_run, write_metrics
-from tasks.reporting import Progress, report_run
-from tasks.sampling import sample_completions
-from tasks.training import ClientRewound, TrainingRun, evaluate_nll, open_training_run, save_checkpoint, train_step
+from prefect_tinker.flows.config import AdamConfig, BackendConfig, default_run_name, default_store_root, resolve_credentials
+from prefect_tinker.recipes.data_reading import check_local_source
+from prefect_tinker.tasks.data import PreparedDataset, dataset_uri, prepare_sft_dataset
+from prefect_tinker.tasks.records import check_store, compact_finished_run, record_checkpoint, record_run, write_metrics
+from prefect_tinker.tasks.reporting import Progress, report_run
+from prefect_tinker.tasks.sampling import sample_completions
+from prefect_tinker.tasks.training import ClientRewound, TrainingRun, evaluate_nll, open_training_run, save_checkpoint, train_step
 
 __all__ = ["SFTConfig", "sft_flow", "lr_at", "batch_indices"]
 
 
 def _example_dataset() -> str:
-    return str(resources.files("recipes") / "data" / "example_chat.jsonl")
+    return str(resources.files("prefect_tinker.recipes") / "data" / "example_chat.jsonl")
 
 
 class SFTConfig(BaseModel):
@@ -103,7 +103,7 @@ def batch_indices(n_examples: int, batch_size: int, seed: int, step: int) -> lis
 
 
 def _datums(data: PreparedDataset, examples: list, max_length: int) -> list:
-    from recipes.datasets import datum_from_example
+    from prefect_tinker.recipes.datasets import datum_from_example
 
     return [datum_from_example(ex.tokens, ex.weights, max_length) for ex in examples]
 
@@ -219,7 +219,7 @@ def _sample(credentials: Any, run: TrainingRun, data: PreparedDataset, config: S
         return []
     from transformers import AutoTokenizer
 
-    from recipes.renderers import get_renderer
+    from prefect_tinker.recipes.renderers import get_renderer
 
     run, sampler_path = save_checkpoint(
         credentials, run, f"{run.run_name}-step-{run.step:06d}", "sampler", upstream=[dataset_uri(config.dataset)]

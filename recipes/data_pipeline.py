@@ -13,7 +13,7 @@
   error), keeping tokens and weights aligned;
 - :func:`batch_datums` cuts datums into batches.
 
-Inputs are shifted against targets by :func:`recipes.datasets.datum_from_example`.
+Inputs are shifted against targets by :func:`prefect_tinker.recipes.datasets.datum_from_example`.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 import tinker
 
-from recipes.data_reading import OnError, SkipStats, SourceSpec, iter_conversations
-from recipes.data_sources import Conversation, DatasetFormatError
-from recipes.datasets import datum_from_example, split_conversations
-from recipes.renderers.base import RendererError
+from prefect_tinker.recipes.data_reading import OnError, SkipStats, SourceSpec, iter_conversations
+from prefect_tinker.recipes.data_sources import Conversation, DatasetFormatError
+from prefect_tinker.recipes.datasets import datum_from_example, split_conversations
+from prefect_tinker.recipes.renderers.base import RendererError
 
 __all__ = [
     "ExampleTooLongError",
@@ -182,8 +182,8 @@ class SupervisedDataset:
     """Batches of ``tinker.Datum`` for supervised training, from one or more sources.
 
     Args:
-        sources: :class:`~recipes.data_reading.SourceSpec` s (or paths / dataset ids) with weights.
-        renderer: a :class:`recipes.renderers.Renderer`.
+        sources: :class:`~prefect_tinker.recipes.data_reading.SourceSpec` s (or paths / dataset ids) with weights.
+        renderer: a :class:`prefect_tinker.recipes.renderers.Renderer`.
         batch_size: datums per batch.
         max_length: tokens per example at most (None: no limit).
         train_on_what: passed to the renderer.

@@ -11,9 +11,9 @@ A source (:class:`SourceSpec`) is one of:
   read lazily (``IterableDataset``), for sets that do not fit in memory.  Errors then name
   ``source[split]:row``.
 
-Records go through a converter (:mod:`recipes.data_sources`, chosen by ``format``) and message
+Records go through a converter (:mod:`prefect_tinker.recipes.data_sources`, chosen by ``format``) and message
 validation.  ``on_error="raise"`` (default) stops at the first bad record with a
-:class:`~recipes.data_sources.DatasetFormatError` naming file, line and field; ``"skip"`` drops it,
+:class:`~prefect_tinker.recipes.data_sources.DatasetFormatError` naming file, line and field; ``"skip"`` drops it,
 counts it in a :class:`SkipStats` by reason and logs the first few.
 """
 
@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from recipes.data_sources import (
+from prefect_tinker.recipes.data_sources import (
     CONVERTERS,
     Conversation,
     DatasetFormatError,
@@ -45,7 +45,7 @@ __all__ = [
     "check_local_source", "looks_local", "missing_local_source",
 ]
 
-logger = logging.getLogger("recipes.data")
+logger = logging.getLogger("prefect_tinker.recipes.data")
 
 #: The chat set shipped with the package (about 40 short conversations written for it).
 EXAMPLE_CHAT_PATH = str(Path(__file__).resolve().parent / "data" / "example_chat.jsonl")

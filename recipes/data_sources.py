@@ -23,7 +23,7 @@ record has none), ``input_separator`` (instruction, default ``"\\n\\n"``),
 ``strip_completion_suffix`` (prompt_completion: an end marker removed from completions, as in
 OpenAI's legacy fine-tuning files), ``role_map`` (messages/sharegpt).
 
-Errors are :class:`RecordError` (field + problem); the readers in :mod:`recipes.data_reading` add
+Errors are :class:`RecordError` (field + problem); the readers in :mod:`prefect_tinker.recipes.data_reading` add
 the file and line.  Sources of the formats: Alpaca (https://github.com/tatsu-lab/stanford_alpaca,
 instruction/input/output), Dolly 15k (instruction/context/response), Anthropic HH-RLHF
 (https://github.com/anthropics/hh-rlhf, ``\\n\\nHuman:``/``\\n\\nAssistant:`` transcripts), Self-Instruct
@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from recipes.renderers.base import _FieldProblem, check_message_list
+from prefect_tinker.recipes.renderers.base import _FieldProblem, check_message_list
 
 __all__ = [
     "CONVERTERS",

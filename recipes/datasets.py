@@ -2,15 +2,15 @@
 
 A conversation is a list of messages ``{"role": "system"|"user"|"assistant"|"tool",
 "content": str, ...}`` with at least one assistant message.  :func:`load_conversations` reads any
-source :mod:`recipes.data_reading` knows (JSONL files, gzipped JSONL, ``builtin:example_chat``, local
+source :mod:`prefect_tinker.recipes.data_reading` knows (JSONL files, gzipped JSONL, ``builtin:example_chat``, local
 dataset files and directories, Hugging Face dataset ids, streamed or not) in any record format
-:mod:`recipes.data_sources` converts (``messages``, ``sharegpt``, ``instruction``/Alpaca/Dolly,
+:mod:`prefect_tinker.recipes.data_sources` converts (``messages``, ``sharegpt``, ``instruction``/Alpaca/Dolly,
 ``prompt_completion``, ``dialogue``/HH, ``self_instruct``).  Errors name ``file:line`` (or
 ``source[split]:row``) and the field.
 
 :func:`datum_from_example` turns a rendered example (tokens + per-token weights) into a
 ``tinker.Datum`` with inputs shifted against targets: position i of the model input predicts
-``target_tokens[i]``.  :mod:`recipes.data_pipeline` builds whole training sets (interleaving,
+``target_tokens[i]``.  :mod:`prefect_tinker.recipes.data_pipeline` builds whole training sets (interleaving,
 splits, epochs, truncation, batches) on top of these.
 """
 
@@ -23,14 +23,14 @@ from typing import Any
 import numpy as np
 import tinker
 
-from recipes.data_reading import (
+from prefect_tinker.recipes.data_reading import (
     EXAMPLE_CHAT_PATH,
     OnError,
     SkipStats,
     SourceSpec,
     iter_conversations,
 )
-from recipes.data_sources import Conversation, DatasetFormatError, validate_messages
+from prefect_tinker.recipes.data_sources import Conversation, DatasetFormatError, validate_messages
 
 __all__ = [
     "EXAMPLE_CHAT_PATH",
@@ -60,15 +60,15 @@ def load_conversations(
     Args:
         source: a ``.jsonl``/``.jsonl.gz`` path, ``"builtin:example_chat"``, a local
             ``.json``/``.parquet``/``.csv`` file or dataset directory, a Hugging Face dataset id,
-            or a :class:`~recipes.data_reading.SourceSpec` (then the other arguments are ignored).
+            or a :class:`~prefect_tinker.recipes.data_reading.SourceSpec` (then the other arguments are ignored).
         messages_field: the field holding the list of messages (``messages`` format).
         split: split for ``datasets.load_dataset`` sources (ignored for JSONL files).
-        format: record format (see :mod:`recipes.data_sources`).
+        format: record format (see :mod:`prefect_tinker.recipes.data_sources`).
         fields: field mapping, converter field -> record path (``{"output": "response"}``).
         options: converter options (``system_prompt``, ``strip_completion_suffix``, ...).
         on_error: ``"raise"`` at the first bad record, or ``"skip"`` it (counted in ``stats``
             and logged).
-        stats: skip counter to fill (see :class:`~recipes.data_reading.SkipStats`).
+        stats: skip counter to fill (see :class:`~prefect_tinker.recipes.data_reading.SkipStats`).
 
     Returns:
         Conversations in file order (a record may give several, e.g. self-instruct instances).
@@ -190,7 +190,7 @@ def build_datums(
 
     Args:
         conversations: conversations (or plain message lists).
-        renderer: a :class:`recipes.renderers.Renderer`.
+        renderer: a :class:`prefect_tinker.recipes.renderers.Renderer`.
         max_length: passed to :func:`datum_from_example`.
         train_on_what: passed to ``renderer.build_supervised_example``.
         skip_empty: drop conversations with no trained token left after truncation instead

@@ -93,8 +93,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    from recipes.data_sources import converter_names
-    from recipes.renderers import TRAIN_ON_CHOICES, renderer_names
+    from prefect_tinker.recipes.data_sources import converter_names
+    from prefect_tinker.recipes.renderers import TRAIN_ON_CHOICES, renderer_names
 
     p.add_argument("dataset", help="JSONL(.gz) file, local dataset file/dir, builtin:example_chat, or HF dataset id")
     p.add_argument("--tokenizer", required=True, help="tokenizer directory, 'tiny', 'smollm2', or a cached HF id")
@@ -124,9 +124,9 @@ def _pairs(items: Sequence[str], what: str) -> dict[str, str]:
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Run ``show-example`` for parsed ``args``; returns the exit status (2 for bad input)."""
-    from recipes.data_reading import SourceSpec, iter_conversations
-    from recipes.data_sources import DatasetFormatError
-    from recipes.renderers import RendererError, get_renderer
+    from prefect_tinker.recipes.data_reading import SourceSpec, iter_conversations
+    from prefect_tinker.recipes.data_sources import DatasetFormatError
+    from prefect_tinker.recipes.renderers import RendererError, get_renderer
 
     out = out or sys.stdout
     color = args.color == "always" or (args.color == "auto" and out.isatty() and not os.environ.get("NO_COLOR"))
@@ -163,7 +163,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m recipes.show DATASET --tokenizer T ...`` (same options as ``prefect-tinker show-example``)."""
+    """``python -m prefect_tinker.recipes.show DATASET --tokenizer T ...`` (same options as ``prefect-tinker show-example``)."""
     p = argparse.ArgumentParser(prog="prefect-tinker show-example", description=__doc__.split("\n")[0])
     _add_arguments(p)
     return run(p.parse_args(argv))

@@ -40,8 +40,8 @@ def greedy_accuracy(credentials, sampler_path: str, tokenizer_id: str, n: int, m
     import numpy as np
     import tinker
 
-    from recipes.rl.envs import ArithmeticEnv, arithmetic_problem
-    from recipes.rl.problem_env import load_renderer
+    from prefect_tinker.recipes.rl.envs import ArithmeticEnv, arithmetic_problem
+    from prefect_tinker.recipes.rl.problem_env import load_renderer
 
     renderer = load_renderer("auto", tokenizer_id)
     client = credentials.get_client().create_sampling_client(model_path=sampler_path).result()
@@ -100,10 +100,10 @@ def main(argv: list[str] | None = None) -> dict:
 
 def run(args: argparse.Namespace) -> dict:
     """SFT warm-up (unless ``args.sft_steps == 0``), RL, greedy evaluation; returns the report."""
-    from flows.config import BackendConfig, resolve_credentials
-    from flows.rl import RLConfig, rl_flow
-    from flows.sft import SFTConfig, sft_flow
-    from recipes.rl.envs import write_arithmetic_sft_jsonl
+    from prefect_tinker.flows.config import BackendConfig, resolve_credentials
+    from prefect_tinker.flows.rl import RLConfig, rl_flow
+    from prefect_tinker.flows.sft import SFTConfig, sft_flow
+    from prefect_tinker.recipes.rl.envs import write_arithmetic_sft_jsonl
     from tinker_blocks.stores import TrainingStore
 
     tmp = Path(tempfile.mkdtemp(prefix="rl-demo-"))

@@ -18,7 +18,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import TASK_SOURCE, CacheKeyFnPolicy
 from pydantic import BaseModel
 
-from tasks.policies import RETRY_OPTIONS, file_sha256
+from prefect_tinker.tasks.policies import RETRY_OPTIONS, file_sha256
 
 __all__ = ["Example", "PreparedDataset", "prepare_sft_dataset", "dataset_fingerprint", "dataset_uri"]
 
@@ -85,8 +85,8 @@ def prepare_sft_dataset(
     """
     from transformers import AutoTokenizer
 
-    from recipes.datasets import load_conversations, split_conversations
-    from recipes.renderers import get_renderer
+    from prefect_tinker.recipes.datasets import load_conversations, split_conversations
+    from prefect_tinker.recipes.renderers import get_renderer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_id)
     if renderer == "auto":

@@ -12,7 +12,7 @@ from typing import Iterable
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.policies import RETRY_OPTIONS
+from prefect_tinker.tasks.policies import RETRY_OPTIONS
 
 __all__ = ["write_metrics", "write_trajectories", "record_checkpoint", "record_run", "check_store",
            "compact_run", "compact_finished_run"]

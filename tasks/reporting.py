@@ -25,7 +25,7 @@ from prefect.artifacts import (
 )
 from prefect.cache_policies import NO_CACHE
 
-from tasks.policies import RETRY_OPTIONS
+from prefect_tinker.tasks.policies import RETRY_OPTIONS
 
 __all__ = ["Progress", "artifact_key", "latest_metrics", "metric_series", "plot_curves", "report_run", "SFT_CURVES", "RL_CURVES"]
 

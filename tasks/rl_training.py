@@ -1,11 +1,11 @@
 """RL training primitives as Prefect tasks: policy-gradient forward/backward, optimizer step,
 sampler weights.
 
-They share the live-client registry of :mod:`tasks.training` (a task receives the credentials
-block and a :class:`~tasks.training.TrainingRun` handle, never a client). ``rl_forward_backward``
+They share the live-client registry of :mod:`prefect_tinker.tasks.training` (a task receives the credentials
+block and a :class:`~prefect_tinker.tasks.training.TrainingRun` handle, never a client). ``rl_forward_backward``
 may run several times before one ``rl_optim_step`` (streaming minibatches accumulate gradients);
 if the client is lost between them the accumulated gradients are gone, so the task raises
-:class:`~tasks.training.ClientRewound` and the flow redoes the step from the last checkpoint.
+:class:`~prefect_tinker.tasks.training.ClientRewound` and the flow redoes the step from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import tinker
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from recipes.rl.advantages import RLDatum, sample_train_kl
-from tasks.policies import RETRY_OPTIONS
-from tasks.training import ClientRewound, TrainingRun, _advance, _client_for, _clients, _forget, _key, _save_checkpoint
+from prefect_tinker.recipes.rl.advantages import RLDatum, sample_train_kl
+from prefect_tinker.tasks.policies import RETRY_OPTIONS
+from prefect_tinker.tasks.training import ClientRewound, TrainingRun, _advance, _client_for, _clients, _forget, _key, _save_checkpoint
 
 __all__ = ["RL_LOSSES", "rl_forward_backward", "rl_optim_step", "save_sampler_weights"]
 
@@ -47,7 +47,7 @@ def rl_forward_backward(
     Returns:
         ``loss_sum`` (summed loss, Tinker's ``loss:sum``), ``action_tokens``, ``datums``,
         ``kl_sample_train_v1``/``_v2`` and ``entropy`` (see
-        :func:`recipes.rl.advantages.sample_train_kl`; trainer logprobs before this update),
+        :func:`prefect_tinker.recipes.rl.advantages.sample_train_kl`; trainer logprobs before this update),
         ``fwd_bwd_seconds``.
 
     Raises:

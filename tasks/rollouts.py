@@ -1,6 +1,6 @@
 """Rollouts as Prefect tasks: one task per group, mapped over the groups of a batch.
 
-``rollout_group`` samples the G envs of one :class:`~recipes.rl.types.EnvGroupBuilder` from a
+``rollout_group`` samples the G envs of one :class:`~prefect_tinker.recipes.rl.types.EnvGroupBuilder` from a
 sampler checkpoint and steps them to the end of their episodes. It is cached across flow runs
 under (sampler checkpoint path, batch index, group index, seed, sampling settings, failure
 policy, the builder's content, the task's source): re-running a step whose sampler checkpoint is
@@ -33,8 +33,8 @@ from prefect import task
 from prefect.cache_policies import TASK_SOURCE, CacheKeyFnPolicy
 from pydantic import BaseModel, Field
 
-from recipes.rl.types import EnvGroupBuilder, Trajectory, TrajectoryGroup, Transition
-from tasks.policies import RETRY_OPTIONS
+from prefect_tinker.recipes.rl.types import EnvGroupBuilder, Trajectory, TrajectoryGroup, Transition
+from prefect_tinker.tasks.policies import RETRY_OPTIONS
 
 __all__ = ["RolloutPolicy", "RolloutError", "group_seed", "run_group_rollout", "rollout_group",
            "reference_logprobs", "sampling_client"]

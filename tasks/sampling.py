@@ -8,7 +8,7 @@ import tinker
 from prefect import task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
-from tasks.policies import RETRY_OPTIONS
+from prefect_tinker.tasks.policies import RETRY_OPTIONS
 
 __all__ = ["sample_completions"]
 

@@ -21,7 +21,7 @@ from prefect.assets import materialize
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, Field
 
-from tasks.policies import RETRY_OPTIONS
+from prefect_tinker.tasks.policies import RETRY_OPTIONS
 
 __all__ = [
     "TrainingRun",

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from flows import cli
+from prefect_tinker.flows import cli
 from tinker_blocks.store_io import TRAINING_TABLES, ParquetStore
 
 
@@ -80,7 +80,7 @@ def test_runs_and_checkpoints_helpers(store_root, capsys):
 
 def test_console_script_subprocess(store_root):
     proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "sql", "--store", store_root, "--json",
+        [sys.executable, "-m", "prefect_tinker.flows.cli", "sql", "--store", store_root, "--json",
          "SELECT count(*) AS n FROM metrics"],
         capture_output=True, text=True, timeout=60,
     )
@@ -346,8 +346,8 @@ def test_local_stop_kills_a_server_ignoring_sigterm_and_spares_a_reused_pid(tmp_
 def test_flows_default_store_is_the_cli_default(tmp_path, monkeypatch, capsys):
     """Without store=..., a run writes where `prefect-tinker runs` / `sql` read: $PREFECT_TINKER_STORE,
     else $PREFECT_TINKER_HOME/store, else ~/.prefect-tinker/store (HOME pointed at tmp_path)."""
-    from flows.rl_config import RLConfig
-    from flows.sft import SFTConfig
+    from prefect_tinker.flows.rl_config import RLConfig
+    from prefect_tinker.flows.sft import SFTConfig
 
     env_root = tmp_path / "env-store"
     monkeypatch.setenv("PREFECT_TINKER_STORE", str(env_root))

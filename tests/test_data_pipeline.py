@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from recipes.data_pipeline import (
+from prefect_tinker.recipes.data_pipeline import (
     ExampleTooLongError,
     SupervisedDataset,
     batch_datums,
@@ -20,9 +20,9 @@ from recipes.data_pipeline import (
     render_example,
     shuffle_buffer,
 )
-from recipes.data_reading import SourceSpec, iter_records
-from recipes.data_sources import Conversation
-from recipes.renderers import get_renderer
+from prefect_tinker.recipes.data_reading import SourceSpec, iter_records
+from prefect_tinker.recipes.data_sources import Conversation
+from prefect_tinker.recipes.renderers import get_renderer
 
 
 class CharTokenizer:

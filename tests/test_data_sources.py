@@ -11,17 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from recipes.data_pipeline import SupervisedDataset
-from recipes.data_reading import SkipStats, SourceSpec
-from recipes.data_sources import (
+from prefect_tinker.recipes.data_pipeline import SupervisedDataset
+from prefect_tinker.recipes.data_reading import SkipStats, SourceSpec
+from prefect_tinker.recipes.data_sources import (
     RecordError,
     convert_record,
     get_field,
     parse_dialogue,
     preference_from_dialogues,
 )
-from recipes.datasets import DatasetFormatError, load_conversations
-from recipes.renderers import get_renderer
+from prefect_tinker.recipes.datasets import DatasetFormatError, load_conversations
+from prefect_tinker.recipes.renderers import get_renderer
 from tests.conftest import shared_file
 from tests.renderer_tokenizers import needs_smollm2, smollm2
 
@@ -106,7 +106,7 @@ def test_bad_input_errors_name_file_line_and_field(tmp_path, caplog):
     with pytest.raises(DatasetFormatError, match=r"r.jsonl:1: field 'messages\[1\].role': unknown role 'robot'"):
         load_conversations(r)
     stats = SkipStats()
-    with caplog.at_level(logging.WARNING, logger="recipes.data"):
+    with caplog.at_level(logging.WARNING, logger="prefect_tinker.recipes.data"):
         convs = load_conversations(p, format="alpaca", on_error="skip", stats=stats)
     assert len(convs) == 2 and stats.total == 4
     assert stats.counts == {"bad_record": 3, "malformed_json": 1}

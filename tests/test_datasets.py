@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tinker
 
-from recipes.datasets import (
+from prefect_tinker.recipes.datasets import (
     EXAMPLE_CHAT_PATH,
     Conversation,
     DatasetFormatError,

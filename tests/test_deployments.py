@@ -79,7 +79,7 @@ class Ctx:
 
 @pytest.fixture(scope="module")
 def ctx(tmp_path_factory):
-    from flows.ops import install_automations
+    from prefect_tinker.flows.ops import install_automations
     from prefect.settings import PREFECT_API_URL, temporary_settings
     from tinker_blocks import TinkerCredentials
 
@@ -269,7 +269,7 @@ def test_killed_worker_then_rerun_resumes_after_last_checkpoint(ctx):
     # run runs again, gets the same config and resumes from the run's last checkpoint (step 20).
     resume_installed = ctx.stack.flow_run(fr.id).state_name == "Running"
     if resume_installed:
-        from flows.ops import resume_automation
+        from prefect_tinker.flows.ops import resume_automation
         from prefect.settings import PREFECT_API_URL, temporary_settings
 
         with temporary_settings({PREFECT_API_URL: ctx.stack.api_url}):

@@ -8,10 +8,10 @@ import os
 
 import pytest
 
-from flows.cli import main as cli_main
-from flows.config import default_run_name
-from flows.ops import RESUME_AUTOMATION, ZOMBIE_AUTOMATION, resume_automation, zombie_automation
-from tasks.reporting import artifact_key, latest_metrics, metric_series, plot_curves, report_run
+from prefect_tinker.flows.cli import main as cli_main
+from prefect_tinker.flows.config import default_run_name
+from prefect_tinker.flows.ops import RESUME_AUTOMATION, ZOMBIE_AUTOMATION, resume_automation, zombie_automation
+from prefect_tinker.tasks.reporting import artifact_key, latest_metrics, metric_series, plot_curves, report_run
 
 
 @pytest.fixture
@@ -104,7 +104,7 @@ def test_ops_cli_dry_run(capsys):
 
 
 def test_default_run_name_is_stable_within_a_deployment_flow_run(monkeypatch):
-    from flows.sft import SFTConfig
+    from prefect_tinker.flows.sft import SFTConfig
 
     monkeypatch.delenv("PREFECT__FLOW_RUN_ID", raising=False)
     assert SFTConfig().run_name.startswith("tiny-20")

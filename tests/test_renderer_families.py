@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from recipes.renderers import RendererError, Termination, get_renderer, parse_tool_calls
+from prefect_tinker.recipes.renderers import RendererError, Termination, get_renderer, parse_tool_calls
 from tests.renderer_tokenizers import (
     decode,
     encode,

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tinker
 
-from recipes.renderers import (
+from prefect_tinker.recipes.renderers import (
     TRAIN_ON_CHOICES,
     RendererError,
     Termination,
@@ -267,7 +267,7 @@ def test_chat_template_requires_a_template():
 
 
 def test_accepts_conversation_objects():
-    from recipes.datasets import Conversation
+    from prefect_tinker.recipes.datasets import Conversation
 
     r = get_renderer("smollm2", smollm2())
     a = r.build_supervised_example(Conversation(messages=CONV, source="x:1"))

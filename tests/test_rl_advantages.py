@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from recipes.rl.advantages import (
+from prefect_tinker.recipes.rl.advantages import (
     apply_kl_penalty,
     compute_advantages,
     groups_to_datums,
@@ -19,8 +19,8 @@ from recipes.rl.advantages import (
     sample_train_kl,
     trajectory_to_datums,
 )
-from recipes.rl.types import Env, EnvGroupBuilder, StepResult, Trajectory, TrajectoryGroup, Transition
-from tasks.rollouts import RolloutError, RolloutPolicy, group_seed, run_group_rollout
+from prefect_tinker.recipes.rl.types import Env, EnvGroupBuilder, StepResult, Trajectory, TrajectoryGroup, Transition
+from prefect_tinker.tasks.rollouts import RolloutError, RolloutPolicy, group_seed, run_group_rollout
 
 
 def _traj(ob, ac, lp, reward=0.0):

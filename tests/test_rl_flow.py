@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from flows import rl as rl_module
-from flows.cli import main as cli_main
-from flows.rl import RLConfig, rl_flow
-from recipes.rl.types import Env, EnvGroupBuilder, RLDataset, StepResult
+from prefect_tinker.flows import rl as rl_module
+from prefect_tinker.flows.cli import main as cli_main
+from prefect_tinker.flows.rl import RLConfig, rl_flow
+from prefect_tinker.recipes.rl.types import Env, EnvGroupBuilder, RLDataset, StepResult
 
 REQUIRED = {
     "env/reward_mean", "env/correct_rate", "env/format_rate", "env/tokens_per_turn", "rollout/errors",
@@ -199,9 +199,9 @@ def test_config_validation_and_cli_registration():
     cfg = RLConfig(loss_fn="ppo", clip_low_threshold=0.7)
     assert cfg.loss_fn_config() == {"clip_low_threshold": 0.7, "clip_high_threshold": 1.2}
     assert RLConfig().loss_fn_config() is None and RLConfig().run_name.startswith("arithmetic-tiny-")
-    from flows.cli import FLOWS
+    from prefect_tinker.flows.cli import FLOWS
 
-    assert FLOWS["rl"] == "flows.rl:rl_flow"
+    assert FLOWS["rl"] == "prefect_tinker.flows.rl:rl_flow"
 
 
 class _ConstantDataset(ParityDataset):

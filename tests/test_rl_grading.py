@@ -8,9 +8,9 @@ import re
 
 import pytest
 
-from recipes.rl.envs import EnvSpec, GSM8KEnv, MathEnv, build_rl_dataset, load_problems
-from recipes.rl.grading import answers_match, extract_boxed, extract_final_answer, extract_hash_answer, parse_number
-from recipes.rl.problem_env import Problem, ProblemGroupBuilder
+from prefect_tinker.recipes.rl.envs import EnvSpec, GSM8KEnv, MathEnv, build_rl_dataset, load_problems
+from prefect_tinker.recipes.rl.grading import answers_match, extract_boxed, extract_final_answer, extract_hash_answer, parse_number
+from prefect_tinker.recipes.rl.problem_env import Problem, ProblemGroupBuilder
 from tests.conftest import shared_file
 
 

@@ -7,7 +7,7 @@ import json
 
 from prefect import flow
 
-from tasks.data import prepare_sft_dataset
+from prefect_tinker.tasks.data import prepare_sft_dataset
 from tests.renderer_tokenizers import TOKENIZER_DIR, needs_smollm2
 
 

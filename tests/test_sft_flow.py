@@ -9,9 +9,9 @@ import pytest
 import tinker
 from pydantic import ValidationError
 
-from flows import sft as sft_module
-from flows.cli import main as cli_main
-from flows.sft import SFTConfig, batch_indices, lr_at, sft_flow
+from prefect_tinker.flows import sft as sft_module
+from prefect_tinker.flows.cli import main as cli_main
+from prefect_tinker.flows.sft import SFTConfig, batch_indices, lr_at, sft_flow
 from tests.conftest import shared_file
 
 

@@ -11,8 +11,8 @@ import time
 import duckdb
 import pytest
 
-from flows import rl as rl_module
-from flows import sft as sft_module
+from prefect_tinker.flows import rl as rl_module
+from prefect_tinker.flows import sft as sft_module
 from tests.s3_fixtures import SeaweedS3
 from tests.test_store_s3 import plain_s3fs
 from tinker_blocks import StoreAccessError, TrainingStore

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 import s3fs
 
-from flows import cli
+from prefect_tinker.flows import cli
 from tests.s3_fixtures import SeaweedS3
 from tinker_blocks import (
     CaptureStore,
@@ -399,7 +399,7 @@ def test_eval_and_capture_rows_validated(tmp_path):
 
 
 def test_record_tasks_check_and_compact(tmp_path):
-    from tasks.records import check_store, compact_run
+    from prefect_tinker.tasks.records import check_store, compact_run
 
     root = str(tmp_path / "st")
     check_store.fn(root)

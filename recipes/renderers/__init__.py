@@ -5,7 +5,7 @@ dicts) and the tokens a model sees.  Every renderer offers:
 
 - ``build_supervised_example(messages, train_on_what)`` -> ``(tinker.ModelInput, weights)``
   where ``weights`` is float32 of shape ``(N,)`` aligned with the N tokens (1.0 = trained);
-  shifting inputs against targets is done by :func:`recipes.datasets.datum_from_example`.
+  shifting inputs against targets is done by :func:`prefect_tinker.recipes.datasets.datum_from_example`.
 - ``build_generation_prompt(messages, prefill=None)`` -> ``tinker.ModelInput`` ending where the
   next assistant reply starts; a token prefix of the supervised example of the conversation
   continued by that reply.
@@ -36,7 +36,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from recipes.renderers.base import (
+from prefect_tinker.recipes.renderers.base import (
     KNOWN_ROLES,
     TRAIN_ON_CHOICES,
     Message,
@@ -49,16 +49,16 @@ from recipes.renderers.base import (
     normalize_messages,
     trained_message_mask,
 )
-from recipes.renderers.chat_template import ChatTemplateRenderer
-from recipes.renderers.chatml import ChatMLRenderer, SmolLM2Renderer
-from recipes.renderers.llama3 import Llama3Renderer
-from recipes.renderers.qwen3 import (
+from prefect_tinker.recipes.renderers.chat_template import ChatTemplateRenderer
+from prefect_tinker.recipes.renderers.chatml import ChatMLRenderer, SmolLM2Renderer
+from prefect_tinker.recipes.renderers.llama3 import Llama3Renderer
+from prefect_tinker.recipes.renderers.qwen3 import (
     Qwen3Renderer,
     format_tool_call,
     parse_tool_calls,
     qwen3_tools_system_prompt,
 )
-from recipes.renderers.role_colon import RoleColonRenderer
+from prefect_tinker.recipes.renderers.role_colon import RoleColonRenderer
 
 __all__ = [
     "KNOWN_ROLES",

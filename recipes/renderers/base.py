@@ -361,7 +361,7 @@ class Renderer:
 
         Returns:
             ``(model_input, weights)``: the N tokens and float32 weights of shape ``(N,)``
-            (1.0 on trained tokens).  Shift with :func:`recipes.datasets.datum_from_example`.
+            (1.0 on trained tokens).  Shift with :func:`prefect_tinker.recipes.datasets.datum_from_example`.
 
         Raises:
             RendererError: invalid messages, unknown ``train_on_what``, no message to train on,

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import tinker
 
-from recipes.renderers.base import (
+from prefect_tinker.recipes.renderers.base import (
     Message,
     Renderer,
     RendererError,
@@ -41,7 +41,7 @@ from recipes.renderers.base import (
     normalize_messages,
     trained_message_mask,
 )
-from recipes.renderers.role_colon import leading_special_tokens
+from prefect_tinker.recipes.renderers.role_colon import leading_special_tokens
 
 __all__ = ["ChatTemplateRenderer"]
 

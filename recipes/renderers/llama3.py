@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from recipes.renderers.base import Message, Renderer, Segment
+from prefect_tinker.recipes.renderers.base import Message, Renderer, Segment
 
 __all__ = ["Llama3Renderer"]
 

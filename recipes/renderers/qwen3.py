@@ -27,8 +27,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from recipes.renderers.base import Message, ParsedResponse, Segment, Termination
-from recipes.renderers.chatml import IM_START, ChatMLRenderer
+from prefect_tinker.recipes.renderers.base import Message, ParsedResponse, Segment, Termination
+from prefect_tinker.recipes.renderers.chatml import IM_START, ChatMLRenderer
 
 __all__ = ["Qwen3Renderer", "format_tool_call", "parse_tool_calls", "qwen3_tools_system_prompt"]
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from recipes.renderers.base import (
+from prefect_tinker.recipes.renderers.base import (
     Message,
     ParsedResponse,
     Renderer,

@@ -1,18 +1,18 @@
 """RL toolkit: environment types, problem envs (arithmetic, GSM8K, generic math), answer grading,
 and the trajectory -> advantage -> datum pipeline (GRPO-style group-centred advantages).
 
-- :mod:`recipes.rl.types`: ``Env``, ``StepResult``, ``EnvGroupBuilder``, ``RLDataset``,
+- :mod:`prefect_tinker.recipes.rl.types`: ``Env``, ``StepResult``, ``EnvGroupBuilder``, ``RLDataset``,
   ``Transition``, ``Trajectory``, ``TrajectoryGroup``.
-- :mod:`recipes.rl.problem_env`: ``ProblemEnv`` (one question, one graded reply),
+- :mod:`prefect_tinker.recipes.rl.problem_env`: ``ProblemEnv`` (one question, one graded reply),
   ``ProblemGroupBuilder``, ``ProblemDataset``.
-- :mod:`recipes.rl.envs`: the ``arithmetic``, ``gsm8k`` and ``math`` recipes (``EnvSpec``,
+- :mod:`prefect_tinker.recipes.rl.envs`: the ``arithmetic``, ``gsm8k`` and ``math`` recipes (``EnvSpec``,
   ``build_rl_dataset``, ``load_problems``).
-- :mod:`recipes.rl.grading`: ``answers_match`` and answer extraction (``#### n``, ``\\boxed{}``).
-- :mod:`recipes.rl.advantages`: ``compute_advantages``, ``trajectory_to_datums``, KL penalty,
+- :mod:`prefect_tinker.recipes.rl.grading`: ``answers_match`` and answer extraction (``#### n``, ``\\boxed{}``).
+- :mod:`prefect_tinker.recipes.rl.advantages`: ``compute_advantages``, ``trajectory_to_datums``, KL penalty,
   rollout metrics.
 """
 
-from recipes.rl.advantages import (
+from prefect_tinker.recipes.rl.advantages import (
     RLDatum,
     apply_kl_penalty,
     compute_advantages,
@@ -22,10 +22,10 @@ from recipes.rl.advantages import (
     sample_train_kl,
     trajectory_to_datums,
 )
-from recipes.rl.envs import ENV_NAMES, EnvSpec, build_rl_dataset, load_problems, write_arithmetic_sft_jsonl
-from recipes.rl.grading import answers_match, extract_boxed, extract_final_answer, extract_hash_answer, parse_number
-from recipes.rl.problem_env import Problem, ProblemDataset, ProblemEnv, ProblemGroupBuilder
-from recipes.rl.types import Env, EnvGroupBuilder, RLDataset, StepResult, Trajectory, TrajectoryGroup, Transition
+from prefect_tinker.recipes.rl.envs import ENV_NAMES, EnvSpec, build_rl_dataset, load_problems, write_arithmetic_sft_jsonl
+from prefect_tinker.recipes.rl.grading import answers_match, extract_boxed, extract_final_answer, extract_hash_answer, parse_number
+from prefect_tinker.recipes.rl.problem_env import Problem, ProblemDataset, ProblemEnv, ProblemGroupBuilder
+from prefect_tinker.recipes.rl.types import Env, EnvGroupBuilder, RLDataset, StepResult, Trajectory, TrajectoryGroup, Transition
 
 __all__ = [
     "ENV_NAMES", "Env", "EnvGroupBuilder", "EnvSpec", "Problem", "ProblemDataset", "ProblemEnv",

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import tinker
 
-from recipes.rl.types import Trajectory, TrajectoryGroup
+from prefect_tinker.recipes.rl.types import Trajectory, TrajectoryGroup
 
 __all__ = [
     "RLDatum",

@@ -10,9 +10,9 @@
 - ``math``: any JSONL (or dataset) of problems, with ``question_field``/``answer_field`` naming
   the columns (dotted paths allowed); references may be plain (``3/4``, ``\\frac{\\pi}{2}``) or
   contain ``\\boxed{}`` / ``####``; replies are graded on their last ``\\boxed{}`` (style
-  ``boxed``), ``####`` (``hash``) or either (``any``) with :func:`recipes.rl.grading.answers_match`.
+  ``boxed``), ``####`` (``hash``) or either (``any``) with :func:`prefect_tinker.recipes.rl.grading.answers_match`.
 
-:func:`build_rl_dataset` turns an :class:`EnvSpec` into an :class:`~recipes.rl.types.RLDataset`.
+:func:`build_rl_dataset` turns an :class:`EnvSpec` into an :class:`~prefect_tinker.recipes.rl.types.RLDataset`.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, Field, field_validator
 
-from recipes.data_reading import check_local_source
-from recipes.rl.grading import answers_match, extract_boxed, extract_final_answer, extract_hash_answer
-from recipes.rl.problem_env import Problem, ProblemDataset, ProblemEnv, ProblemGroupBuilder, freeze_messages
-from recipes.rl.types import EnvGroupBuilder, RLDataset
+from prefect_tinker.recipes.data_reading import check_local_source
+from prefect_tinker.recipes.rl.grading import answers_match, extract_boxed, extract_final_answer, extract_hash_answer
+from prefect_tinker.recipes.rl.problem_env import Problem, ProblemDataset, ProblemEnv, ProblemGroupBuilder, freeze_messages
+from prefect_tinker.recipes.rl.types import EnvGroupBuilder, RLDataset
 
 __all__ = [
     "ENV_NAMES",
@@ -155,8 +155,8 @@ def load_problems(
         ValueError: a malformed line or a missing/empty field; the message names ``file:line``
             and the field.
     """
-    from recipes.data_reading import SourceSpec, iter_records
-    from recipes.data_sources import RecordError, get_field
+    from prefect_tinker.recipes.data_reading import SourceSpec, iter_records
+    from prefect_tinker.recipes.data_sources import RecordError, get_field
 
     spec = SourceSpec(path=source, split=split, config_name=config_name, max_records=max_problems)
     problems = []

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from recipes.rl.types import Env, EnvGroupBuilder, RLDataset, StepResult, StopCondition
+from prefect_tinker.recipes.rl.types import Env, EnvGroupBuilder, RLDataset, StepResult, StopCondition
 
 __all__ = ["Problem", "ProblemEnv", "ProblemGroupBuilder", "ProblemDataset", "load_renderer", "freeze_messages"]
 
@@ -36,7 +36,7 @@ _renderer_lock = threading.Lock()
 def _load_renderer(renderer_name: str, tokenizer_id: str) -> Any:
     from transformers import AutoTokenizer
 
-    from recipes.renderers import get_renderer
+    from prefect_tinker.recipes.renderers import get_renderer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_id)
     return get_renderer(renderer_name, tokenizer)
@@ -68,7 +68,7 @@ class ProblemEnv(Env):
 
     Args:
         problem: the question and its reference answer.
-        renderer: a :class:`recipes.renderers.Renderer`.
+        renderer: a :class:`prefect_tinker.recipes.renderers.Renderer`.
         convo_prefix: messages before the question (system prompt, few-shot turns).
         format_coef: penalty for a malformed reply (reward ``-format_coef`` instead of 0).
         question_suffix: text appended to the question (e.g. an answer-format instruction).

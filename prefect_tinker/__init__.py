@@ -1,0 +1,19 @@
+"""prefect-tinker: LLM post-training as Prefect flows over the Tinker API.
+
+The repository's folders install into this one namespace, so that no generic top-level name
+(``flows``, ``tasks``, ``recipes``) is taken from the user's own project:
+
+- :mod:`prefect_tinker.flows` (folder ``flows/``): one flow per recipe, the run session and the
+  step loop shared by every recipe, the recipe registry and the ``prefect-tinker`` command line;
+- :mod:`prefect_tinker.tasks` (``tasks/``): the Prefect tasks (training primitives, checkpoints,
+  rollouts, evaluation, store writes) with the one retry policy;
+- :mod:`prefect_tinker.recipes` (``recipes/``): renderers, dataset builders, RL environments,
+  losses and evaluators (no Prefect);
+- :mod:`prefect_tinker.configs` (``configs/``): example configs per recipe (YAML).
+
+The Prefect blocks (:mod:`tinker_blocks`) and the local Tinker-compatible server
+(:mod:`tinker_local`) keep their own, specific top-level names: the blocks are the package's
+``prefect.collections`` entry point and the server could ship on its own.
+"""
+
+__version__ = "0.2.0"
