@@ -3,7 +3,9 @@
 Subcommands::
 
     prefect-tinker sql [--store ROOT] [--json] "SELECT ..."     query the stores (folder or s3://)
-    prefect-tinker run FLOW [key=value ...] [--config FILE.yaml]  validate a config, run a flow
+    prefect-tinker run FLOW [key=value ...] [--config FILE.yaml | --example NAME]  run a recipe's flow
+    prefect-tinker ls [--json]                                  recipes, example configs, RL environments
+    prefect-tinker deployments [--write prefect.yaml]           deployments from the recipe registry
     prefect-tinker show-config FLOW [--schema]                  defaults (YAML) or JSON schema
     prefect-tinker runs [--store ROOT] [--json]                 runs and their latest status
     prefect-tinker checkpoints RUN_ID [--store ROOT] [--json]   a run's checkpoints
@@ -41,17 +43,28 @@ from prefect_tinker.flows.cli_config import (  # noqa: F401
     parse_value,
 )
 from prefect_tinker.flows.cli_flows import (  # noqa: F401
-    FLOWS,
-    FLOWS_ENV,
     build_config,
     config_model_of,
     defaults_yaml,
-    flow_registry,
     resolve_flow,
     unknown_fields,
 )
 from prefect_tinker.flows.cli_store import add_parsers as add_store_parsers
 from prefect_tinker.flows.cli_store import cmd_checkpoints, cmd_runs, cmd_sql, format_table  # noqa: F401
+
+
+def _example_file(flow: str, example: str | None, config_file: str | None) -> str | None:
+    """The YAML file of ``--example`` (an example config of the recipe), or ``--config``."""
+    if example is None:
+        return config_file
+    if config_file:
+        raise CLIError("give --example or --config, not both")
+    from prefect_tinker.flows.registry import example_configs
+
+    files = example_configs(flow)
+    if example not in files:
+        raise CLIError(f"recipe {flow!r} has no example config {example!r}; examples: {', '.join(files) or '(none)'}")
+    return str(files[example])
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -60,7 +73,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     # needs longer than Prefect's 20 s default to answer.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     flow, model = resolve_flow(args.flow)
-    config = build_config(model, args.overrides, args.config, args.flow)
+    config = build_config(model, args.overrides, _example_file(args.flow, args.example, args.config), args.flow)
     if args.dry_run:
         print(config.model_dump_json(indent=2))
         return EXIT_OK
@@ -85,6 +98,44 @@ def cmd_show_config(args: argparse.Namespace) -> int:
         print(f"# {model.__name__} for flow {args.flow!r}; use with: prefect-tinker run "
               f"{args.flow} --config FILE.yaml [key=value ...]")
         print(defaults_yaml(model))
+    return EXIT_OK
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    """``prefect-tinker ls``: the recipes, their example configs and the RL environments."""
+    from prefect_tinker.flows.registry import example_configs, recipes
+    from prefect_tinker.recipes.rl.envs import env_names, get_env
+
+    rows = [{"recipe": r.name, "description": r.description,
+             "examples": ", ".join(example_configs(r.name)) or "-"} for r in recipes().values()]
+    envs = [{"env": n, "description": get_env(n).description} for n in env_names()]
+    if args.json:
+        print(json.dumps({"recipes": rows, "envs": envs}, indent=2))
+        return EXIT_OK
+    print(format_table(["recipe", "description", "examples"], [list(r.values()) for r in rows]))
+    print()
+    print(format_table(["env", "description"], [list(e.values()) for e in envs]))
+    print("\nRun one: prefect-tinker run RECIPE --example NAME [key=value ...]; defaults: prefect-tinker show-config RECIPE")
+    return EXIT_OK
+
+
+def cmd_deployments(args: argparse.Namespace) -> int:
+    """``prefect-tinker deployments [--write FILE]``: prefect.yaml with its ``deployments:`` made
+    from the recipe registry (one per recipe and deployed example config)."""
+    from pathlib import Path
+
+    from prefect_tinker.flows.registry import deployments_yaml
+
+    path = Path(args.write or "prefect.yaml")
+    head = path.read_text().split("\ndeployments:", 1)[0] if path.exists() else ""
+    text = (head.rstrip("\n") + "\n\n" if head else "") + deployments_yaml()
+    if args.write:
+        tmp = path.with_suffix(".yaml.tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+        print(f"wrote {path}")
+    else:
+        print(text, end="")
     return EXIT_OK
 
 
@@ -113,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("overrides", nargs="*", metavar="key=value",
                    help="config fields; nested with dots (optimizer.lr=1e-4); values are YAML scalars")
     r.add_argument("--config", metavar="FILE.yaml", help="YAML config; key=value pairs override it")
+    r.add_argument("--example", metavar="NAME", help="an example config of the recipe (prefect-tinker ls lists them)")
     r.add_argument("--dry-run", action="store_true", help="validate and print the config, do not run")
     r.set_defaults(func=cmd_run)
 
@@ -120,6 +172,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("flow")
     c.add_argument("--schema", action="store_true", help="print the JSON schema instead")
     c.set_defaults(func=cmd_show_config)
+
+    ls = sub.add_parser("ls", help="list the recipes, their example configs and the RL environments")
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=cmd_ls)
+
+    d = sub.add_parser("deployments", help="prefect.yaml with one deployment per recipe example (from the registry)")
+    d.add_argument("--write", metavar="FILE", help="write it (default: print); the part before 'deployments:' is kept")
+    d.set_defaults(func=cmd_deployments)
 
     sub.add_parser("local", help="local Tinker-compatible server: local serve|status|stop (local --help)",
                    add_help=False)

@@ -9,16 +9,10 @@ import difflib
 import importlib
 import inspect
 import json
-import os
 import typing
 from typing import Any, Sequence
 
 from prefect_tinker.flows.cli_config import CLIError, deep_merge, jsonable, load_yaml_file, parse_overrides
-
-#: flow name -> "module:attribute" of a Prefect flow (or plain function) taking ``config``.
-FLOWS: dict[str, str] = {"sft": "prefect_tinker.flows.sft:sft_flow", "rl": "prefect_tinker.flows.rl:rl_flow"}
-#: extra registrations, ``name=module:attr`` separated by commas (e.g. for plugins and tests).
-FLOWS_ENV = "PREFECT_TINKER_FLOWS"
 
 
 def _dotted_keys(d: dict[str, Any], prefix: str = "") -> set[str]:
@@ -31,24 +25,19 @@ def _dotted_keys(d: dict[str, Any], prefix: str = "") -> set[str]:
     return keys
 
 
-def flow_registry() -> dict[str, str]:
-    """:data:`FLOWS` plus registrations from ``$PREFECT_TINKER_FLOWS`` (``name=mod:attr,...``)."""
-    reg = dict(FLOWS)
-    for entry in filter(None, (e.strip() for e in os.environ.get(FLOWS_ENV, "").split(","))):
-        name, sep, target = entry.partition("=")
-        if not sep or ":" not in target:
-            raise CLIError(f"bad entry {entry!r} in ${FLOWS_ENV}: expected name=module:attr")
-        reg[name.strip()] = target.strip()
-    return reg
-
-
 def resolve_flow(name: str) -> tuple[Any, type]:
-    """Import flow ``name`` (a registry name or ``module:attr``); return ``(flow, ConfigModel)``.
+    """Import flow ``name`` (a registered recipe, see :mod:`prefect_tinker.flows.registry`, or
+    ``module:attr``); return ``(flow, ConfigModel)``.
 
     The config model is the pydantic class annotated on the flow's ``config`` parameter (or its
     only parameter). Raises :class:`CLIError` for an unknown name or a flow without such a parameter.
     """
-    reg = flow_registry()
+    from prefect_tinker.flows.registry import recipes
+
+    try:
+        reg = {n: r.flow for n, r in recipes().items()}
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
     target = reg.get(name) or (name if ":" in name else None)
     if target is None:
         raise CLIError(f"unknown flow {name!r}; known flows: {', '.join(sorted(reg)) or '(none)'}")

@@ -1,18 +1,20 @@
-"""Config pieces shared by every flow: which Tinker backend to use, the optimizer, and the
-default store root."""
+"""Config pieces shared by every recipe: :class:`RecipeConfig` (the fields every recipe's config
+has), which Tinker backend to use, the optimizer, and the default store root."""
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
+
+from prefect_tinker.recipes.schedule import LRScheduleFields
 
 # The flows' default store root is the one `prefect-tinker sql/runs/checkpoints` read
 # ($PREFECT_TINKER_STORE, else $PREFECT_TINKER_HOME/store, else ~/.prefect-tinker/store).
 from tinker_blocks.store_io import default_store_root
 
-__all__ = ["BackendConfig", "AdamConfig", "resolve_credentials", "default_run_name", "default_store_root"]
+__all__ = ["BackendConfig", "AdamConfig", "RecipeConfig", "resolve_credentials", "default_run_name", "default_store_root"]
 
 
 class BackendConfig(BaseModel):
@@ -78,3 +80,40 @@ def resolve_credentials(backend: BackendConfig) -> Any:
     if backend.base_url:
         return TinkerCredentials(base_url=backend.base_url, api_key=os.environ.get("TINKER_API_KEY"))
     return TinkerCredentials(local=True, local_root=backend.local_root)
+
+
+class RecipeConfig(LRScheduleFields):
+    """The fields every recipe's config shares (each recipe's config subclasses it).
+
+    Class attributes a recipe sets: ``recipe`` (its registry name), ``resume_fields`` (fields
+    that must not change when a run resumes: they would silently alter the data position or the
+    objective; :class:`~prefect_tinker.flows.session.RunSession` compares them with the stored
+    run's config and refuses a change unless it is listed in ``allow_config_change``).
+    """
+
+    recipe: ClassVar[str] = ""
+    resume_fields: ClassVar[tuple[str, ...]] = ("model", "seed", "renderer", "lora_rank")
+
+    model: str = Field(default="tiny", description="Base model: 'tiny', 'smollm2', a local HF directory, or a hosted model name.")
+    renderer: str = Field(default="auto", description="Renderer name; 'auto' resolves from the tokenizer (recorded with the run and its checkpoints).")
+    lora_rank: int = Field(default=32, ge=1, description="LoRA rank.")
+    max_steps: int | None = Field(default=None, ge=1, description="Total optimizer steps of the run (counting earlier invocations).")
+    save_every: int = Field(default=20, ge=0, description="State checkpoint every n steps (0 = end only).")
+    eval_every: int = Field(default=10, ge=0, description="Evaluators every n steps (0 = start and end only).")
+    load_checkpoint_path: str | None = Field(default=None, description="Start from these weights (tinker://.../weights/..., e.g. an SFT checkpoint) with a fresh optimizer.")
+    run_name: str | None = Field(default=None, description="Run id; re-running with the same name resumes after its last checkpoint.")
+    store: str = Field(default_factory=default_store_root, description="Training store root: a folder or s3://bucket/prefix; default $PREFECT_TINKER_STORE, else ~/.prefect-tinker/store (where prefect-tinker sql/runs look).")
+    seed: int = Field(default=0, description="Seed of data order, splits, sampling and LoRA init.")
+    adam: AdamConfig = Field(default_factory=AdamConfig)
+    backend: BackendConfig = Field(default_factory=BackendConfig)
+    allow_config_change: list[str] = Field(default_factory=list, description="Fields allowed to differ from the stored run's config when resuming (e.g. [batch_size]); 'renderer' also allows starting from a checkpoint trained with another renderer.")
+
+    def run_name_prefix(self) -> str:
+        """Prefix of the default run name (``<prefix>-<timestamp>``): the model name by default."""
+        return self.model.replace("/", "-")
+
+    @model_validator(mode="after")
+    def _default_run_name(self) -> "RecipeConfig":
+        if self.run_name is None:  # stable across retries of a deployment's flow run (resumes)
+            self.run_name = default_run_name(self.run_name_prefix(), self)
+        return self

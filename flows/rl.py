@@ -1,65 +1,52 @@
-"""RL with verifiable rewards as one Prefect flow (GRPO-style group-centred advantages).
+"""RL with verifiable rewards as one Prefect flow (GRPO-style group-centred advantages), on the
+recipe skeleton.
 
-Pipeline: resolve the backend -> open (or resume, or initialise from ``load_checkpoint_path``) the
-training run -> the env's dataset -> sampler weights of the current step -> the schedule's loop
-(:mod:`prefect_tinker.flows.rl_schedules`: ``sync``, ``streaming`` or ``async``) -> summary artifact.
+The run session opens (or resumes, or initialises from ``load_checkpoint_path``) the run; the
+registered environment (:mod:`prefect_tinker.recipes.rl.envs`) gives the batches of group
+builders; the schedule (:mod:`prefect_tinker.flows.rl_schedules`: ``sync``, ``streaming`` or
+``async``) is the step function of the shared step loop.
 
 Each step: ``rollout-group`` tasks (mapped over the batch's groups; cached by sampler checkpoint,
-batch, group and seed) -> advantages and datums (:mod:`prefect_tinker.recipes.rl.advantages`; optional removal of
-constant-reward groups and KL penalty against a reference) -> ``rl-forward-backward`` +
-``rl-optim-step`` per substep -> fresh sampler weights (``save-sampler-weights``; every rollout
-after an update samples from them) -> every ``save_every`` steps a state checkpoint, with the
-buffered metrics and trajectory rows written to the store before its row. At the end of a successful
-run its store tables are compacted to one part each (``compact-run``).
+batch, group and seed) -> advantages and datums (:mod:`prefect_tinker.recipes.rl.advantages`;
+optional removal of constant-reward groups and KL penalty against a reference) ->
+``forward-backward`` + ``optim-step`` per substep -> fresh sampler weights (every rollout after an
+update samples from them) -> every ``save_every`` steps a state checkpoint, the buffered metrics
+and trajectory rows written before its row.
 
 Step convention (as in SFT): a metric recorded at step ``s`` belongs to the batch trained from
 optimizer step ``s`` (with ``num_substeps = k``, steps are multiples of k); in the async schedule
-``rollout/staleness_mean`` says how many steps older its samplers were. Re-running with the same
-``run_name`` resumes after the last state checkpoint; the sampler checkpoint recorded with it is
-reused, so the rollouts of the resumed step come from the cache when they had run.
+``rollout/staleness_mean`` says how many steps older its samplers were. A resumed run reuses the
+sampler checkpoint recorded with its last state, so the rollouts of the resumed step come from the
+cache when they had run.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import time
 from typing import Any
 
 import numpy as np
-from prefect import flow, get_run_logger
-from prefect.artifacts import create_markdown_artifact
+from prefect import flow, get_run_logger, unmapped
 from prefect.utilities.annotations import quote
 
-from prefect_tinker.flows.config import resolve_credentials
+from prefect_tinker.flows.loop import StepLoop
 from prefect_tinker.flows.rl_config import RLConfig
+from prefect_tinker.flows.session import RunSession
 from prefect_tinker.recipes.rl.advantages import (
     apply_kl_penalty, compute_advantages, groups_to_datums, remove_constant_reward_groups, rollout_metrics,
+    sample_train_kl,
 )
 from prefect_tinker.recipes.rl.envs import build_rl_dataset
 from prefect_tinker.recipes.rl.types import TrajectoryGroup
-from prefect_tinker.tasks.records import (
-    check_store, compact_finished_run, record_checkpoint, record_run, write_metrics, write_trajectories,
-)
-from prefect_tinker.tasks.reporting import RL_CURVES, report_run
-from prefect_tinker.tasks.rl_training import rl_forward_backward, rl_optim_step, save_sampler_weights
+from prefect_tinker.tasks.clients import tokenizer
 from prefect_tinker.tasks.rollouts import reference_logprobs, rollout_group
-from prefect_tinker.tasks.training import ClientRewound, TrainingRun, open_training_run, save_checkpoint
+from prefect_tinker.tasks.training import forward_backward, optim_step
 
-__all__ = ["RLConfig", "rl_flow", "RLLoop", "rl_lr_at"]
-
-
-def rl_lr_at(config: RLConfig, step: int, total: int) -> float:
-    """Learning rate at optimizer step ``step`` of ``total``: constant, or linear / cosine decay to 0."""
-    frac = min(step / max(total, 1), 1.0)
-    if config.lr_schedule == "linear":
-        return config.learning_rate * (1.0 - frac)
-    if config.lr_schedule == "cosine":
-        return config.learning_rate * 0.5 * (1.0 + math.cos(math.pi * frac))
-    return config.learning_rate
+__all__ = ["RLConfig", "RLLoop", "rl_flow", "merge_metrics"]
 
 
-def _merge(parts: list[dict[str, float]]) -> dict[str, float]:
+def merge_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
     """Merge per-minibatch metrics: sums for counts/seconds, token-weighted means for the rest."""
     if not parts:
         return {}
@@ -77,48 +64,40 @@ def _merge(parts: list[dict[str, float]]) -> dict[str, float]:
 
 
 class RLLoop:
-    """State shared by the schedules: the run handle, the current sampler, buffered store rows.
+    """What the schedules share: rollout tasks on the current sampler, datums, training tasks,
+    sampler saves and the step's metrics, over an open :class:`RunSession`.
 
     Attributes:
-        run: the training run handle (``run.step`` = optimizer steps taken).
         sampler_path: ``tinker://.../sampler_weights/...`` of the current weights.
-        samplers: optimizer step -> sampler path, for every sampler saved (rewinds use it).
-        pending / pending_traj: metric rows ``(step, name, value)`` and trajectory rows not yet written.
+        rewards: ``(step, mean reward)`` of every step of this invocation.
+        k: optimizer steps per step (``num_substeps``); total: optimizer steps of the run.
     """
 
-    def __init__(self, config: RLConfig, credentials: Any, run: TrainingRun, dataset: Any, tokenizer: Any,
-                 samplers: dict[int, str], reference: str):
-        self.config, self.credentials, self.run = config, credentials, run
-        self.dataset, self.tokenizer, self.reference = dataset, tokenizer, reference
-        self.samplers = dict(samplers)
-        self.sampler_path = samplers[run.step]
-        self.pending: list[tuple[int, str, float]] = []
-        self.pending_traj: list[dict] = []
-        self.checkpoints: list[str] = []
+    def __init__(self, session: RunSession, dataset: Any, reference: str):
+        self.session, self.config, self.dataset, self.reference = session, session.config, dataset, reference
+        self.tokenizer = tokenizer(session.tokenizer_id)
+        self.sampler_path = session.sampler_at(session.step)
         self.rewards: list[tuple[int, float]] = []
-        self.k = config.num_substeps
-        self.total = config.max_steps * self.k
+        self.k = self.config.num_substeps
+        self.total = self.config.max_steps * self.k
         self.log = get_run_logger()
 
     # ----- rollouts --------------------------------------------------------------------------
+    def _args(self) -> tuple:
+        c = self.config
+        return c.seed, c.max_tokens, c.temperature, c.rollout, self.session.step
+
     def submit(self, builder: Any, batch_index: int, group_index: int):
         """Submit one ``rollout-group`` task on the current sampler; returns its future."""
-        c = self.config
-        return rollout_group.submit(
-            self.credentials, self.sampler_path, builder, batch_index, group_index, c.seed, c.max_tokens,
-            c.temperature, c.rollout, self.run.step,
-        )
+        return rollout_group.submit(self.session.credentials, self.sampler_path, builder, batch_index, group_index,
+                                    *self._args())
 
     def map_batch(self, batch_index: int) -> list:
         """``rollout-group`` mapped over the groups of batch ``batch_index``; returns the futures."""
-        from prefect import unmapped
-
-        c = self.config
         builders = self.dataset.get_batch(batch_index)
         return list(rollout_group.map(
-            unmapped(self.credentials), unmapped(self.sampler_path), builders, unmapped(batch_index),
-            list(range(len(builders))), unmapped(c.seed), unmapped(c.max_tokens), unmapped(c.temperature),
-            unmapped(c.rollout), unmapped(self.run.step),
+            unmapped(self.session.credentials), unmapped(self.sampler_path), builders, unmapped(batch_index),
+            list(range(len(builders))), *(unmapped(a) for a in self._args()),
         ))
 
     def collect(self, future, counters: dict[str, float]) -> TrajectoryGroup | None:
@@ -159,177 +138,103 @@ class RLLoop:
         datums, advs = groups_to_datums(groups, c.normalize_advantages_std)
         metrics["train/advantage_abs_mean"] = float(np.mean(np.abs(np.concatenate(advs)))) if advs else 0.0
         if c.kl_penalty_coef > 0 and datums:
-            ref = reference_logprobs(self.credentials, self.reference, quote([d.tokens for d in datums]))
+            ref = reference_logprobs(self.session.credentials, self.reference, quote([d.tokens for d in datums]))
             kl = apply_kl_penalty(datums, [np.asarray(r) for r in ref], c.kl_penalty_coef)
             metrics["train/kl_policy_ref"] = kl["kl_policy_ref"]
         return datums, metrics
 
     def forward_backward(self, datums: list, accumulated: int) -> dict[str, float]:
-        c = self.config
+        """The policy-gradient loss over ``datums`` accumulated into the gradients; returns
+        ``loss_sum``, ``action_tokens``, ``datums``, sampler-vs-trainer KL and entropy
+        (:func:`~prefect_tinker.recipes.rl.advantages.sample_train_kl`), ``fwd_bwd_seconds``."""
+        c, s = self.config, self.session
         # quote: Prefect does not walk the datums looking for futures (~10 ms per 1,000 tokens)
-        return rl_forward_backward(self.credentials, self.run, quote(datums), c.loss_fn, c.loss_fn_config(), accumulated)
+        out = forward_backward(s.credentials, s.run, quote([d.to_datum() for d in datums]), c.loss_fn,
+                               c.loss_fn_config(), accumulated)
+        metrics = sample_train_kl(datums, [np.asarray(lp) for lp in out.logprobs])
+        metrics.update({"loss_sum": out.loss_sum, "action_tokens": float(sum(float(d.mask.sum()) for d in datums)),
+                        "datums": float(len(datums)), "fwd_bwd_seconds": out.seconds})
+        return metrics
 
     def optim_step(self) -> dict[str, float]:
-        c = self.config
-        self.run, m = rl_optim_step(self.credentials, self.run, rl_lr_at(c, self.run.step, self.total), c.adam.model_dump())
+        c, s = self.config, self.session
+        s.run, m = optim_step(s.credentials, s.run, c.lr_at(s.step, self.total), c.adam.model_dump())
         return m
 
     # ----- bookkeeping -----------------------------------------------------------------------
-    def step_metrics(self, step: int, groups: list[TrajectoryGroup], extra: dict[str, float]) -> None:
-        """Buffer the step's metrics (one row per name) and its sample of trajectories."""
+    def step_metrics(self, step: int, groups: list[TrajectoryGroup], extra: dict[str, float]) -> dict[str, float]:
+        """The step's metrics (``env/*`` from the groups, plus ``extra``); buffers a sample of the
+        trajectories."""
         env = rollout_metrics(groups)
         rows = {f"env/{k}": v for k, v in env.items()}
         rows.update(extra)
-        self.pending += [(step, k, float(v)) for k, v in rows.items()]
         self.rewards.append((step, env["reward_mean"]))
-        self._log_trajectories(step, groups)
+        self.session.buffer("trajectories", self._trajectories(step, groups))
         self.log.info("step %d: reward %.3f correct %.3f (%d groups)", step, env["reward_mean"],
                       env.get("correct_rate", float("nan")), len(groups))
+        return rows
 
-    def _log_trajectories(self, step: int, groups: list[TrajectoryGroup]) -> None:
-        n = self.config.log_trajectories
+    def _trajectories(self, step: int, groups: list[TrajectoryGroup]) -> list[dict]:
+        n, out = self.config.log_trajectories, []
         for g in groups:
             adv = compute_advantages(g.total_rewards(), self.config.normalize_advantages_std)
             for i, (traj, reward) in enumerate(zip(g.trajectories_G, g.total_rewards())):
-                if n <= 0:
-                    return
-                n -= 1
+                if len(out) >= n:
+                    return out
                 first = traj.transitions[0]
                 info = {**{k: v for t in traj.transitions for k, v in t.metrics.items()},
                         **{k: v for t in traj.transitions for k, v in t.logs.items() if k != "response"}}
-                self.pending_traj.append(dict(
+                out.append(dict(
                     step=step, sampler_step=g.sampler_step, batch_index=g.batch_index, group_index=g.group_index,
                     member=i, prompt=self.tokenizer.decode(first.observation),
                     response="".join(self.tokenizer.decode(t.action_tokens) for t in traj.transitions),
                     reward=float(reward), advantage=float(adv[i]), metrics_json=json.dumps(info, default=str),
                 ))
+        return out
 
-    def end_step(self, t_start: float, step: int) -> None:
-        """After an update: fresh sampler weights; a state checkpoint when due (store rows first)."""
-        c, done = self.config, self.run.step
+    def end_step(self, t_start: float) -> dict[str, float]:
+        """After an update: fresh sampler weights (recorded with the next checkpoint); returns
+        the ``time/*`` metrics of the save and the whole step."""
         t0 = time.perf_counter()
-        name = f"{self.run.run_name}-step-{done:06d}"
-        self.sampler_path = save_sampler_weights(self.credentials, self.run, name)
-        self.samplers[done] = self.sampler_path
-        due = done >= self.total or (c.save_every and (done // self.k) % c.save_every == 0)
-        self.pending += [(step, "time/save_seconds", time.perf_counter() - t0),
-                         (step, "time/step_seconds", time.perf_counter() - t_start)]
-        if due:
-            self.checkpoint(name)
-        _after_step(done)
+        self.sampler_path = self.session.save_sampler()
+        return {"time/save_seconds": time.perf_counter() - t0, "time/step_seconds": time.perf_counter() - t_start}
 
-    def checkpoint(self, name: str) -> None:
-        """State checkpoint at ``run.step``; writes buffered metrics and trajectories, then the
-        sampler row and the state row (the resume marker) to the store."""
-        c, done = self.config, self.run.step
-        self.run, path = save_checkpoint(self.credentials, self.run, name, "state")
-        write_metrics(c.store, c.run_name, self.pending)
-        write_trajectories(c.store, c.run_name, self.pending_traj)
-        self.pending, self.pending_traj = [], []
-        record_checkpoint(c.store, c.run_name, done, self.sampler_path, "sampler")
-        record_checkpoint(c.store, c.run_name, done, path, "state")
-        report_run(c.store, c.run_name, done, kind="rl", curves=RL_CURVES)  # metrics table + curves picture
-        self.checkpoints.append(path)
-
-    def rewind(self, rew: ClientRewound) -> None:
-        """Continue from the checkpoint at ``rew.step`` after the client was lost."""
-        self.log.warning("%s; continuing from step %d", rew, rew.step)
-        self.run = rew.run
-        self.pending = [p for p in self.pending if p[0] < rew.step]
-        self.pending_traj = [p for p in self.pending_traj if p["step"] < rew.step]
-        self.rewards = [r for r in self.rewards if r[0] < rew.step]
-        self.sampler_path = self.samplers[rew.step]
-
-
-def _after_step(step: int) -> None:
-    """Hook called after every completed step (tests use it to interrupt a run)."""
-
-
-def _before_compaction(run_id: str) -> None:
-    """Hook called when the run's rows are all written, before they are compacted (tests use it
-    to read the parts as written)."""
-
-
-def _checkpoint_rows(store: str, run_id: str) -> list[dict]:
-    from tinker_blocks.stores import TrainingStore
-
-    return TrainingStore(root=store).query(
-        "SELECT step, kind, path FROM checkpoints WHERE run_id = ? ORDER BY step, time", [run_id])
+    def rewind(self, step: int) -> None:
+        """After a rewind to ``step``: sample from that step's weights again."""
+        self.rewards = [r for r in self.rewards if r[0] < step]
+        self.sampler_path = self.session.samplers[step]
 
 
 @flow(name="rl", flow_run_name="rl-{config.run_name}", log_prints=True)
 def rl_flow(config: RLConfig) -> dict[str, Any]:
     """Train ``config.model`` with RL on ``config.env``; returns a summary (steps, mean reward of
     the first and last steps of this invocation, checkpoints, store)."""
-    from transformers import AutoTokenizer
+    from prefect_tinker.flows.rl_schedules import SCHEDULES
 
-    log = get_run_logger()
-    credentials = resolve_credentials(config.backend)
-    backend, run_id = credentials.backend_name(), config.run_name
-    check_store(config.store)  # wrong credentials / unwritable store: fail before any training
-    rows = _checkpoint_rows(config.store, run_id)
-    states = [r for r in rows if r["kind"] == "state"]
-    samplers = {int(r["step"]): r["path"] for r in rows if r["kind"] == "sampler"}
-    last = states[-1] if states else None
-    if last and last["step"] % config.num_substeps:
-        raise ValueError(f"run {run_id!r}: last checkpoint at optimizer step {last['step']} is not a multiple of "
-                         f"num_substeps={config.num_substeps}; resume with the num_substeps it was started with")
-    run = open_training_run(
-        credentials, run_id, config.model, config.lora_rank, backend, seed=config.seed,
-        resume_from=last["path"] if last else None, resume_step=last["step"] if last else 0,
-        init_from=None if last else config.load_checkpoint_path,
-    )
-    record_run(config.store, run_id, config.model, backend, config.lora_rank, config.model_dump_json(), "running")
-    try:
-        if last:
-            log.info("resuming run %s after its checkpoint at step %d (%s)", run_id, last["step"], last["path"])
-        elif config.load_checkpoint_path:  # a state at step 0, so a lost client is recreated with these weights
-            run, path = save_checkpoint(credentials, run, f"{run_id}-step-{0:06d}", "state")
-            record_checkpoint(config.store, run_id, 0, path, "state")
-        if run.step not in samplers:
-            samplers[run.step] = save_sampler_weights(credentials, run, f"{run_id}-step-{run.step:06d}")
-            record_checkpoint(config.store, run_id, run.step, samplers[run.step], "sampler")
-        reference = config.kl_reference or samplers.get(0) or f"base:{config.model}"
-        tokenizer = AutoTokenizer.from_pretrained(run.tokenizer_id)
-        dataset = build_rl_dataset(config, renderer_name=config.renderer, tokenizer_id=run.tokenizer_id,
+    with RunSession(config, fingerprint=config.data_fingerprint) as session:
+        last = session.resumed_from
+        if last and last["step"] % config.num_substeps:
+            raise ValueError(f"run {config.run_name!r}: last checkpoint at optimizer step {last['step']} is not a "
+                             f"multiple of num_substeps={config.num_substeps}; resume with the num_substeps it was started with")
+        if session.step not in session.samplers:
+            session.save_sampler(record=True)
+        reference = config.kl_reference or session.samplers.get(0) or f"base:{config.model}"
+        dataset = build_rl_dataset(config, renderer_name=session.renderer, tokenizer_id=session.tokenizer_id,
                                    group_size=config.group_size, groups_per_batch=config.groups_per_batch, seed=config.seed)
-        loop = RLLoop(config, credentials, run, dataset, tokenizer, samplers, reference)
-        from prefect_tinker.flows.rl_schedules import SCHEDULES
-
+        loop = RLLoop(session, dataset, reference)
+        schedule = SCHEDULES[config.schedule](loop)
         t0 = time.perf_counter()
-        SCHEDULES[config.schedule](loop)
-        seconds = time.perf_counter() - t0
-        if loop.pending or loop.pending_traj:
-            write_metrics(config.store, run_id, loop.pending)
-            write_trajectories(config.store, run_id, loop.pending_traj)
-    except BaseException:
-        record_run(config.store, run_id, config.model, backend, config.lora_rank, config.model_dump_json(), "failed")
-        raise
-    record_run(config.store, run_id, config.model, backend, config.lora_rank, config.model_dump_json(), "completed")
-    _before_compaction(run_id)
-    compact_finished_run(config.store, run_id)  # one part per table: S3 queries cost a request per part
-    steps_run = len(loop.rewards)
-    summary = {
-        "run_name": run_id, "steps": loop.run.step // config.num_substeps, "optimizer_steps": loop.run.step,
-        "schedule": config.schedule, "steps_this_invocation": steps_run, "seconds": seconds,
-        "steps_per_minute": 60.0 * steps_run / seconds if seconds > 0 else float("nan"),
-        "first_reward": loop.rewards[0][1] if loop.rewards else None,
-        "last_reward": loop.rewards[-1][1] if loop.rewards else None,
-        "rewards": [r for _, r in loop.rewards], "checkpoints": loop.checkpoints,
-        "sampler_path": loop.sampler_path, "tokenizer_id": loop.run.tokenizer_id, "store": config.store,
-    }
-    _summary_artifact(summary, config)
-    return summary
-
-
-def _summary_artifact(summary: dict, config: RLConfig) -> None:
-    lines = [
-        f"# RL run `{summary['run_name']}`", "", "| field | value |", "|---|---|",
-        f"| model | `{config.model}` |", f"| env | `{config.env}` |", f"| schedule | {config.schedule} |",
-        f"| steps | {summary['steps']} |", f"| steps per minute | {summary['steps_per_minute']:.2f} |",
-        f"| reward (first step of this invocation) | {summary['first_reward']} |",
-        f"| reward (last step) | {summary['last_reward']} |", f"| store | `{summary['store']}` |",
-        "", "## Checkpoints", "", *[f"- `{p}`" for p in summary["checkpoints"]],
-    ]
-    key = "rl-" + "".join(ch if ch.isalnum() else "-" for ch in summary["run_name"].lower())[:60]
-    create_markdown_artifact("\n".join(lines), key=key, description="RL run summary")
+        try:
+            StepLoop(session, loop.total, step_size=loop.k, on_rewind=schedule.rewind).run(schedule.step)
+        finally:
+            schedule.close()
+        seconds, steps_run = time.perf_counter() - t0, len(loop.rewards)
+        return session.finish({
+            "steps": session.step // config.num_substeps, "optimizer_steps": session.step, "schedule": config.schedule,
+            "steps_this_invocation": steps_run, "seconds": seconds,
+            "steps_per_minute": 60.0 * steps_run / seconds if seconds > 0 else float("nan"),
+            "first_reward": loop.rewards[0][1] if loop.rewards else None,
+            "last_reward": loop.rewards[-1][1] if loop.rewards else None,
+            "rewards": [r for _, r in loop.rewards], "sampler_path": loop.sampler_path,
+            "tokenizer_id": session.tokenizer_id,
+        }, title_fields={"env": f"`{config.env}`", "schedule": config.schedule})

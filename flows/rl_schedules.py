@@ -1,5 +1,6 @@
-"""The three RL schedules; all share :class:`prefect_tinker.flows.rl.RLLoop` (rollout tasks, datums, training
-tasks, sampler saves, checkpoints) and differ only in when groups are trained.
+"""The three RL schedules: the step functions the step loop runs. All share
+:class:`prefect_tinker.flows.rl.RLLoop` (rollout tasks, datums, training tasks, sampler saves) and
+differ only in when groups are trained.
 
 - ``sync`` (on-policy): map ``rollout-group`` over the batch, wait for every group, train
   (``num_substeps`` optimizer steps), save fresh sampler weights, repeat.
@@ -14,42 +15,26 @@ tasks, sampler saves, checkpoints) and differ only in when groups are trained.
   ``AsyncConfig``). The data position restarts at ``step x groups_per_batch`` groups on resume
   (groups in flight at a crash are sampled again).
 
-Each step writes ``rollout/*`` (errors, groups dropped / constant / stale, staleness),
-``env/*`` (reward, correct and format rates, tokens per turn), ``train/*`` and ``time/*`` metrics.
+Each step returns ``rollout/*`` (errors, groups dropped / constant / stale, staleness), ``env/*``
+(reward, correct and format rates, tokens per turn), ``train/*`` and ``time/*`` metrics.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable
 
 import numpy as np
 from prefect.futures import as_completed
 
-from prefect_tinker.flows.rl import RLLoop, _merge
+from prefect_tinker.flows.rl import RLLoop, merge_metrics
 from prefect_tinker.recipes.rl.types import TrajectoryGroup
-from prefect_tinker.tasks.training import ClientRewound
 
-__all__ = ["SCHEDULES", "run_sync", "run_streaming", "run_async"]
-
-MAX_REWINDS = 3
+__all__ = ["SCHEDULES", "Schedule", "Sync", "Streaming", "Async"]
 
 
 def _prefixed(prefix: str, m: dict[str, float]) -> dict[str, float]:
     return {f"{prefix}/{k}": float(v) for k, v in m.items()}
-
-
-def _train(loop: RLLoop, groups: list[TrajectoryGroup]) -> dict[str, float]:
-    """``num_substeps`` optimizer steps on ``groups`` (split evenly by group); metrics prefixed."""
-    fb, opt, prep = [], [], []
-    for idx in np.array_split(np.arange(len(groups)), loop.k):
-        datums, pm = loop.prepare([groups[i] for i in idx])
-        prep.append(pm)
-        if datums:
-            fb.append(loop.forward_backward(datums, 0))
-        opt.append(loop.optim_step())
-    return {**_merge_prep(prep), **_prefixed("train", _merge(fb)), **_prefixed("train", _merge(opt))}
 
 
 def _merge_prep(parts: list[dict[str, float]]) -> dict[str, float]:
@@ -70,43 +55,61 @@ def _rollout_counters(counters: dict[str, float], keys=("errors", "groups_droppe
     return {f"rollout/{k}": float(counters.get(k, 0)) for k in keys}
 
 
-def _with_rewinds(loop: RLLoop, body: Callable[[], None]) -> None:
-    rewinds = 0
-    while loop.run.step < loop.total:
-        try:
-            body()
-        except ClientRewound as rew:
-            rewinds += 1
-            if rewinds > MAX_REWINDS:
-                raise
-            loop.rewind(rew)
+class Schedule:
+    """A schedule: ``step(step) -> metrics`` (one batch: rollouts, update(s), fresh sampler),
+    ``rewind(step)`` after a lost client, ``close()`` at the end."""
+
+    def __init__(self, loop: RLLoop):
+        self.loop = loop
+
+    def step(self, step: int) -> dict[str, float]:
+        raise NotImplementedError
+
+    def rewind(self, step: int) -> None:
+        self.loop.rewind(step)
+
+    def close(self) -> None:
+        """Nothing in flight by default."""
+
+    def train(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
+        """``num_substeps`` optimizer steps on ``groups`` (split evenly by group); metrics prefixed."""
+        loop = self.loop
+        fb, opt, prep = [], [], []
+        for idx in np.array_split(np.arange(len(groups)), loop.k):
+            datums, pm = loop.prepare([groups[i] for i in idx])
+            prep.append(pm)
+            if datums:
+                fb.append(loop.forward_backward(datums, 0))
+            opt.append(loop.optim_step())
+        return {**_merge_prep(prep), **_prefixed("train", merge_metrics(fb)), **_prefixed("train", merge_metrics(opt))}
+
+    def finish(self, step: int, t0: float, t_roll: float, groups: list[TrajectoryGroup], metrics: dict) -> dict:
+        metrics.update({"time/rollout_seconds": t_roll, "time/train_seconds": time.perf_counter() - t0 - t_roll})
+        out = self.loop.step_metrics(step, groups, metrics)
+        out.update(self.loop.end_step(t0))
+        return out
 
 
-def run_sync(loop: RLLoop) -> None:
+class Sync(Schedule):
     """Synchronous on-policy schedule (see the module docstring)."""
 
-    def one_step() -> None:
-        step, t0 = loop.run.step, time.perf_counter()
+    def step(self, step: int) -> dict[str, float]:
+        loop, t0 = self.loop, time.perf_counter()
         counters: dict[str, float] = {}
         futures = loop.map_batch(step // loop.k)
         groups = [g for f in futures if (g := loop.collect(f, counters)) is not None]
         _require(groups, step, counters)
         t_roll = time.perf_counter() - t0
-        metrics = _train(loop, groups)
+        metrics = self.train(groups)
         metrics.update(_rollout_counters(counters))
-        metrics.update({"time/rollout_seconds": t_roll, "time/train_seconds": time.perf_counter() - t0 - t_roll})
-        loop.step_metrics(step, groups, metrics)
-        loop.end_step(t0, step)
-
-    _with_rewinds(loop, one_step)
+        return self.finish(step, t0, t_roll, groups, metrics)
 
 
-def run_streaming(loop: RLLoop) -> None:
+class Streaming(Schedule):
     """Streaming-minibatch on-policy schedule (see the module docstring)."""
-    c = loop.config
 
-    def one_step() -> None:
-        step, t0 = loop.run.step, time.perf_counter()
+    def step(self, step: int) -> dict[str, float]:
+        loop, c, t0 = self.loop, self.loop.config, time.perf_counter()
         counters: dict[str, float] = {}
         futures = loop.map_batch(step // loop.k)
         # minibatch j of the batch closes when `bounds[j]` rollouts have finished (dropped ones count)
@@ -116,8 +119,7 @@ def run_streaming(loop: RLLoop) -> None:
         arrived: list[TrajectoryGroup] = []
         fb, opt, prep = [], [], []
         finished = accumulated = mb = 0
-        t_wait = 0.0
-        tw = time.perf_counter()
+        t_wait, tw = 0.0, time.perf_counter()
         for fut in as_completed(futures):
             finished += 1
             g = loop.collect(fut, counters)
@@ -138,88 +140,84 @@ def run_streaming(loop: RLLoop) -> None:
                     opt.append(loop.optim_step())
                     accumulated = 0
                 tw = time.perf_counter()
-        metrics = {**_merge_prep(prep), **_prefixed("train", _merge(fb)), **_prefixed("train", _merge(opt))}
+        metrics = {**_merge_prep(prep), **_prefixed("train", merge_metrics(fb)), **_prefixed("train", merge_metrics(opt))}
         metrics.update(_rollout_counters(counters))
-        metrics.update({"time/rollout_seconds": t_wait, "time/train_seconds": time.perf_counter() - t0 - t_wait})
-        loop.step_metrics(step, groups, metrics)
-        loop.end_step(t0, step)
-
-    _with_rewinds(loop, one_step)
+        return self.finish(step, t0, t_wait, groups, metrics)
 
 
-def run_async(loop: RLLoop) -> None:
+class Async(Schedule):
     """Asynchronous off-policy schedule (see the module docstring)."""
-    c = loop.config
-    gpb, k = c.groups_per_batch, loop.k
-    limit = c.max_steps_off_policy * k  # most optimizer steps a sampler may lag
-    state = {"cursor": (loop.run.step // k) * gpb}
-    batches: dict[int, list] = {}
-    requeued: deque = deque()
-    in_flight: dict = {}
-    ready: list[TrajectoryGroup] = []
-    max_in_flight = gpb * (2 if c.max_steps_off_policy > 0 else 1)
 
-    def next_work():
-        if requeued:
-            return requeued.popleft()
-        b, g = divmod(state["cursor"], gpb)
-        state["cursor"] += 1
-        if b not in batches:
-            batches.clear()
-            batches[b] = loop.dataset.get_batch(b)
-        return batches[b][g], b, g
+    def __init__(self, loop: RLLoop):
+        super().__init__(loop)
+        c = loop.config
+        self.gpb, self.limit = c.groups_per_batch, c.max_steps_off_policy * loop.k  # most optimizer steps a sampler may lag
+        self.cursor = (loop.session.step // loop.k) * self.gpb
+        self.batches: dict[int, list] = {}
+        self.requeued: deque = deque()
+        self.in_flight: dict = {}
+        self.ready: list[TrajectoryGroup] = []
+        self.max_in_flight = self.gpb * (2 if c.max_steps_off_policy > 0 else 1)
 
-    def top_up() -> None:
-        needed = (loop.total - loop.run.step) // k * gpb - len(ready)  # groups the remaining steps still take
-        while len(in_flight) < min(max_in_flight, max(needed, 1)):
-            builder, b, g = work = next_work()
-            in_flight[loop.submit(builder, b, g)] = work
+    def _next_work(self):
+        if self.requeued:
+            builder, b, g = self.requeued.popleft()
+            return (builder if builder is not None else self._batch(b)[g]), b, g
+        b, g = divmod(self.cursor, self.gpb)
+        self.cursor += 1
+        return self._batch(b)[g], b, g
 
-    def one_step() -> None:
-        step, t0 = loop.run.step, time.perf_counter()
+    def _batch(self, b: int) -> list:
+        if b not in self.batches:
+            if len(self.batches) > 4:
+                self.batches.clear()
+            self.batches[b] = self.loop.dataset.get_batch(b)
+        return self.batches[b]
+
+    def _top_up(self) -> None:
+        loop = self.loop
+        needed = (loop.total - loop.session.step) // loop.k * self.gpb - len(self.ready)  # groups the remaining steps take
+        while len(self.in_flight) < min(self.max_in_flight, max(needed, 1)):
+            builder, b, g = work = self._next_work()
+            self.in_flight[loop.submit(builder, b, g)] = work
+
+    def _fresh(self, g: TrajectoryGroup, step: int) -> bool:
+        return 0 <= step - g.sampler_step <= self.limit  # < 0: sampled by weights a rewind undid
+
+    def step(self, step: int) -> dict[str, float]:
+        loop, c, t0 = self.loop, self.loop.config, time.perf_counter()
         counters: dict[str, float] = {"groups_stale": 0.0}
-        fresh = [g for g in ready if 0 <= step - g.sampler_step <= limit]  # < 0: sampled by weights a rewind undid
-        counters["groups_stale"] += len(ready) - len(fresh)
+        fresh = [g for g in self.ready if self._fresh(g, step)]
+        counters["groups_stale"] += len(self.ready) - len(fresh)
         if c.stale_groups == "requeue":
-            requeued.extend((None, g.batch_index, g.group_index) for g in ready if g not in fresh)
-        ready[:] = fresh
-        while len(ready) < gpb:
-            _resolve_requeued()
-            top_up()
-            fut = next(iter(as_completed(list(in_flight))))
-            work = in_flight.pop(fut)
+            self.requeued.extend((None, g.batch_index, g.group_index) for g in self.ready if g not in fresh)
+        self.ready[:] = fresh
+        while len(self.ready) < self.gpb:
+            self._top_up()
+            fut = next(iter(as_completed(list(self.in_flight))))
+            work = self.in_flight.pop(fut)
             g = loop.collect(fut, counters)
             if g is None:
                 continue
-            if not 0 <= step - g.sampler_step <= limit:
+            if not self._fresh(g, step):
                 counters["groups_stale"] += 1
                 if c.stale_groups == "requeue":
-                    requeued.append(work)
+                    self.requeued.append(work)
                 continue
-            ready.append(g)
+            self.ready.append(g)
         t_roll = time.perf_counter() - t0
-        take, ready[:] = ready[:gpb], ready[gpb:]
-        metrics = _train(loop, take)
+        take, self.ready[:] = self.ready[: self.gpb], self.ready[self.gpb:]
+        metrics = self.train(take)
         metrics.update(_rollout_counters(counters, ("errors", "groups_dropped", "groups_stale")))
-        metrics["rollout/staleness_mean"] = float(np.mean([(step - g.sampler_step) / k for g in take]))
-        metrics.update({"time/rollout_seconds": t_roll, "time/train_seconds": time.perf_counter() - t0 - t_roll})
-        loop.step_metrics(step, take, metrics)
-        loop.end_step(t0, step)
+        metrics["rollout/staleness_mean"] = float(np.mean([(step - g.sampler_step) / loop.k for g in take]))
+        return self.finish(step, t0, t_roll, take, metrics)
 
-    def _resolve_requeued() -> None:
-        # requeued groups taken out of `ready` carry no builder: look it up again from the dataset
-        for i, (builder, b, g) in enumerate(requeued):
-            if builder is None:
-                requeued[i] = (loop.dataset.get_batch(b)[g], b, g)
-
-    try:
-        _with_rewinds(loop, one_step)
-    finally:
-        for fut in in_flight:  # let in-flight rollouts finish (results unused); nothing is cancelled mid-request
+    def close(self) -> None:
+        for fut in self.in_flight:  # let in-flight rollouts finish (results unused); nothing is cancelled mid-request
             try:
                 fut.wait()
             except Exception:  # pragma: no cover
                 pass
 
 
-SCHEDULES: dict[str, Callable[[RLLoop], None]] = {"sync": run_sync, "streaming": run_streaming, "async": run_async}
+SCHEDULES: dict[str, type[Schedule]] = {"sync": Sync, "streaming": Streaming, "async": Async}

@@ -9,6 +9,8 @@
   came exactly once (``each_once``: weights set the mixing order only);
 - :func:`shuffle_buffer` shuffles a stream through a bounded buffer (streamed sources);
 - :func:`epoch_permutation` is the order of epoch ``e``: a fresh seeded permutation per epoch;
+- :func:`batch_at` is the example indices of the batch at a training step (a pure function of
+  the step, so a resumed run sees the same batches);
 - :func:`render_example` renders one conversation and applies ``max_length`` (truncate, skip or
   error), keeping tokens and weights aligned;
 - :func:`batch_datums` cuts datums into batches.
@@ -35,6 +37,7 @@ __all__ = [
     "ExampleTooLongError",
     "OnTooLong",
     "SupervisedDataset",
+    "batch_at",
     "batch_datums",
     "epoch_permutation",
     "interleave",
@@ -135,6 +138,22 @@ def epoch_permutation(n: int, epoch: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(n)
 
 
+def batch_at(n: int, batch_size: int, seed: int, step: int) -> list[int]:
+    """Example indices (``batch_size`` of them) of the batch at training step ``step``: epoch
+    ``step // (n // batch_size)`` in :func:`epoch_permutation` order, cut into batches, the last
+    incomplete batch of each epoch dropped.
+
+    Raises:
+        ValueError: ``n < batch_size`` (not even one batch).
+    """
+    per_epoch = n // batch_size
+    if per_epoch == 0:
+        raise ValueError(f"batch_size={batch_size} is larger than the training set ({n} examples)")
+    epoch, index = divmod(step, per_epoch)
+    order = epoch_permutation(n, epoch, seed)
+    return [int(i) for i in order[index * batch_size : (index + 1) * batch_size]]
+
+
 def render_example(
     renderer: Any, conversation: Conversation, *, train_on_what: str = "all_assistant_messages",
     max_length: int | None = None, on_too_long: OnTooLong = "truncate",
@@ -222,8 +241,8 @@ class SupervisedDataset:
         if self.streaming and not (isinstance(test_size, int) and not isinstance(test_size, bool)):
             raise ValueError(f"with streamed sources test_size must be a count, got {test_size!r}")
         self.stats = SkipStats()
-        self._train: list[tinker.Datum] | None = None
-        self._test: list[tinker.Datum] | None = None
+        self._train: list[tuple[list[int], np.ndarray]] | None = None  # rendered (tokens, weights)
+        self._test: list[tuple[list[int], np.ndarray]] | None = None
 
     # ---- conversations ----------------------------------------------------------------
     def _source_iter(self, spec: SourceSpec) -> Callable[[], Iterator[Conversation]]:
@@ -237,7 +256,8 @@ class SupervisedDataset:
         return interleave(srcs, [s.weight for s in self.specs], seed=self.seed, stopping=self.stopping)
 
     # ---- rendering --------------------------------------------------------------------
-    def _datum(self, conv: Conversation) -> tinker.Datum | None:
+    def _example(self, conv: Conversation) -> tuple[list[int], np.ndarray] | None:
+        """``(tokens (N,), weights (N,))`` of one conversation, or None when it is skipped (counted)."""
         try:
             out = render_example(self.renderer, conv, train_on_what=self.train_on_what,
                                  max_length=self.max_length, on_too_long=self.on_too_long)
@@ -250,16 +270,22 @@ class SupervisedDataset:
             self.stats.skip("too_long", f"{conv.source}: longer than max_length={self.max_length} "
                             f"(on_too_long={self.on_too_long!r}) or nothing trained within it")
             return None
-        try:
-            return datum_from_example(out[0], out[1])
-        except ValueError as exc:  # e.g. a one-token example: nothing to predict
+        problem = ("an example needs at least 2 tokens" if len(out[0]) < 2 else
+                   "no trained target token (only the first token has weight)" if not np.asarray(out[1])[1:].any() else None)
+        if problem:  # nothing to predict
+            message = f"{conv.source}: field {conv.field!r}: {problem}"
             if self.on_error == "raise":
-                raise DatasetFormatError(f"{conv.source}: field {conv.field!r}: {exc}") from exc
-            self.stats.skip("render_error", f"{conv.source}: {exc}")
+                raise DatasetFormatError(message)
+            self.stats.skip("render_error", message)
             return None
+        return out
 
-    def _render_all(self, convs: Iterable[Conversation]) -> list[tinker.Datum]:
-        return [d for d in map(self._datum, convs) if d is not None]
+    def _datum(self, conv: Conversation) -> tinker.Datum | None:
+        out = self._example(conv)
+        return None if out is None else datum_from_example(out[0], out[1])
+
+    def _render_all(self, convs: Iterable[Conversation]) -> list[tuple[list[int], np.ndarray]]:
+        return [e for e in map(self._example, convs) if e is not None]
 
     def _load(self) -> None:
         if self._train is not None:
@@ -278,6 +304,18 @@ class SupervisedDataset:
 
     def test_datums(self) -> list[tinker.Datum]:
         """Held-out datums (rendered once)."""
+        return [datum_from_example(t, w) for t, w in self.test_examples()]
+
+    def train_examples(self) -> list[tuple[list[int], np.ndarray]]:
+        """Rendered training examples ``(tokens (N,), weights float32 (N,))`` in source order
+        (in-memory datasets only; rendered once)."""
+        if self.streaming:
+            raise TypeError("a streamed dataset has no in-memory list of examples; iterate batches()")
+        self._load()
+        return list(self._train or [])
+
+    def test_examples(self) -> list[tuple[list[int], np.ndarray]]:
+        """Rendered held-out examples ``(tokens, weights)`` (rendered once)."""
         self._load()
         return list(self._test or [])
 
@@ -299,7 +337,8 @@ class SupervisedDataset:
         self._load()
         if not self.streaming:
             order = epoch_permutation(len(self._train or []), epoch, self.seed)
-            yield from batch_datums([self._train[i] for i in order], self.batch_size, drop_last=self.drop_last)
+            datums = [datum_from_example(*self._train[i]) for i in order]
+            yield from batch_datums(datums, self.batch_size, drop_last=self.drop_last)
             return
         convs = itertools.islice(self.conversations(), int(self.test_size), None)
         rng_seed = int(np.random.default_rng([self.seed, epoch]).integers(2**31))

@@ -42,7 +42,7 @@ from prefect_tinker.recipes.data_sources import (
 
 __all__ = [
     "EXAMPLE_CHAT_PATH", "OnError", "SkipStats", "SourceSpec", "iter_conversations", "iter_records",
-    "check_local_source", "looks_local", "missing_local_source",
+    "check_local_source", "looks_local", "missing_local_source", "resolve_source_path", "source_fingerprint",
 ]
 
 logger = logging.getLogger("prefect_tinker.recipes.data")
@@ -155,6 +155,37 @@ def check_local_source(source: str | None) -> str | None:
     if missing is not None:
         raise ValueError(f"file not found: {missing}")
     return source
+
+
+def resolve_source_path(source: str) -> str:
+    """``source`` with ``builtin:`` names replaced by the bundled file's path (else unchanged)."""
+    return _BUILTIN.get(source, source)
+
+
+def source_fingerprint(spec: SourceSpec | str) -> str:
+    """Content identity of a source: ``sha256:<hex>`` of a local file's bytes (of every file's
+    relative path and bytes for a local directory), or ``hf:<id>[:config]`` for a dataset id
+    (whose content the hub versions; pin a revision in the id to make it exact)."""
+    spec = SourceSpec.coerce(spec)
+    path = Path(resolve_source_path(spec.path)).expanduser()
+    if path.is_file():  # the bytes only: renaming the file keeps its identity
+        return "sha256:" + _sha256_files([path], None)
+    if path.is_dir():
+        return "sha256:" + _sha256_files(sorted(p for p in path.rglob("*") if p.is_file()), path)
+    return f"hf:{spec.path}" + (f":{spec.config_name}" if spec.config_name else "")
+
+
+def _sha256_files(files: list[Path], base: Path | None) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in files:
+        if base is not None:
+            h.update(str(f.relative_to(base)).encode() + b"\0")
+        with open(f, "rb") as fh:
+            while block := fh.read(1 << 20):
+                h.update(block)
+    return h.hexdigest()
 
 
 def _resolve(spec: SourceSpec) -> tuple[str, Path]:

@@ -14,7 +14,7 @@ from prefect.cache_policies import NO_CACHE
 
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
 
-__all__ = ["write_metrics", "write_trajectories", "record_checkpoint", "record_run", "check_store",
+__all__ = ["write_metrics", "write_trajectories", "write_table", "record_checkpoint", "record_run", "check_store",
            "compact_run", "compact_finished_run"]
 
 
@@ -103,24 +103,35 @@ def write_trajectories(store: str, run_id: str, rows: list[dict]) -> int:
     return len(_store(store).write_rows("trajectories", [dict(r, run_id=run_id) for r in rows]))
 
 
+@task(name="write-rows", task_run_name=_steps_run_name("rows"), cache_policy=NO_CACHE, **RETRY_OPTIONS)
+def write_table(store: str, table: str, run_id: str, rows: list[dict]) -> int:
+    """Write ``rows`` of any table of the store (``run_id`` added) as one part; returns the count."""
+    if not rows:
+        return 0
+    return len(_store(store).write_rows(table, [dict(r, run_id=run_id) for r in rows]))
+
+
 @task(name="record-checkpoint", task_run_name="record-{kind}-{run_id}-step-{step}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
-def record_checkpoint(store: str, run_id: str, step: int, path: str, kind: str) -> None:
-    """Record a saved checkpoint (``kind`` 'state' or 'sampler') taken after ``step`` updates."""
+def record_checkpoint(store: str, run_id: str, step: int, path: str, kind: str, renderer: str | None = None) -> None:
+    """Record a saved checkpoint (``kind`` 'state' or 'sampler') taken after ``step`` updates, and
+    the renderer its weights were trained with."""
     name = path.rstrip("/").rsplit("/", 1)[-1]
     with _store(store).writer("checkpoints") as w:
-        w.write(run_id=run_id, step=int(step), name=name, kind=kind, path=path)
+        w.write(run_id=run_id, step=int(step), name=name, kind=kind, path=path, renderer=renderer)
 
 
 @task(name="record-run", task_run_name="record-run-{run_id}-{status}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
 def record_run(
-    store: str, run_id: str, base_model: str, backend: str, lora_rank: int, config_json: str, status: str
+    store: str, run_id: str, base_model: str, backend: str, lora_rank: int, config_json: str, status: str,
+    meta: dict | None = None,
 ) -> None:
     """Write the run's row (one row id per run: the newest status wins in the ``runs`` view).
 
-    ``config_json`` must not contain secrets (flow configs hold none: keys live in blocks).
+    ``config_json`` must not contain secrets (flow configs hold none: keys live in blocks);
+    ``meta`` (``meta_json``): what the run resolved (recipe, renderer, tokenizer, dataset fingerprint).
     """
     with _store(store).writer("runs") as w:
         w.write(
             run_id=run_id, base_model=base_model, backend=backend, lora_rank=int(lora_rank),
-            config_json=config_json, status=status,
+            config_json=config_json, status=status, meta_json=meta,
         )

@@ -35,10 +35,11 @@ SFT_CURVES: tuple[str, ...] = ("train/loss", "test/nll", "train/learning_rate")
 RL_CURVES: tuple[str, ...] = ("env/reward_mean", "env/correct_rate", "train/entropy", "train/kl_sample_train_v1")
 
 
-def artifact_key(kind: str, run_id: str, what: str) -> str:
-    """A valid Prefect artifact key (lowercase letters, digits, dashes) for ``kind``/``run_id``/``what``."""
+def artifact_key(kind: str, run_id: str, what: str = "") -> str:
+    """A valid Prefect artifact key (lowercase letters, digits, dashes) for ``kind``/``run_id``/``what``
+    (``<kind>-<run>`` when ``what`` is empty: the run's summary)."""
     slug = "".join(c if c.isalnum() else "-" for c in run_id.lower()).strip("-")[:60]
-    return f"{kind}-{slug}-{what}"
+    return f"{kind}-{slug}-{what}" if what else f"{kind}-{slug}"
 
 
 class Progress:

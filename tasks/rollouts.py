@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
 import time
-from collections import OrderedDict
 from typing import Any, Literal
 
 import numpy as np
@@ -34,6 +32,7 @@ from prefect.cache_policies import TASK_SOURCE, CacheKeyFnPolicy
 from pydantic import BaseModel, Field
 
 from prefect_tinker.recipes.rl.types import EnvGroupBuilder, Trajectory, TrajectoryGroup, Transition
+from prefect_tinker.tasks.clients import sampling_client
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
 
 __all__ = ["RolloutPolicy", "RolloutError", "group_seed", "run_group_rollout", "rollout_group",
@@ -59,31 +58,6 @@ def group_seed(seed: int, batch_index: int, group_index: int) -> int:
     """A 63-bit sampling seed for one group, a pure function of (seed, batch, group)."""
     digest = hashlib.sha256(f"{seed}:{batch_index}:{group_index}".encode()).digest()
     return int.from_bytes(digest[:8], "big") >> 1
-
-
-_client_lock = threading.Lock()
-_sampling_clients: OrderedDict[tuple[str, str], Any] = OrderedDict()
-
-
-def sampling_client(credentials: Any, path: str) -> Any:
-    """A ``tinker.SamplingClient`` for ``path`` (a ``tinker://.../sampler_weights/...`` path, or
-    ``base:<model>`` for a base model), cached per process (16 most recent)."""
-    key = (repr(getattr(credentials, "local_root", None)) + str(getattr(credentials, "base_url", None)), path)
-    with _client_lock:
-        if key in _sampling_clients:
-            _sampling_clients.move_to_end(key)
-            return _sampling_clients[key]
-    service = credentials.get_client()
-    if path.startswith("base:"):
-        client = service.create_sampling_client(base_model=path[len("base:"):])
-    else:
-        client = service.create_sampling_client(model_path=path)
-    client = client.result() if hasattr(client, "result") else client
-    with _client_lock:
-        _sampling_clients[key] = client
-        while len(_sampling_clients) > 16:
-            _sampling_clients.popitem(last=False)
-    return client
 
 
 def _sample(sampler: Any, prompt: list[int], n: int, stop: Any, seed: int, max_tokens: int,

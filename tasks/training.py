@@ -1,121 +1,254 @@
-"""Training primitives as Prefect tasks.
+"""Training primitives as Prefect tasks, shared by every recipe.
 
-A task never receives a live client. It receives the credentials block (picklable) and a small
-:class:`TrainingRun` handle, and gets the live ``tinker.TrainingClient`` from a per-process
-registry. When the registry has none — a new worker, a crash, or a client poisoned by a failed
-request — the client is recreated from the handle's last checkpoint (weights and optimizer state)
-and :class:`ClientRewound` tells the caller to continue from that checkpoint's step, so no update
-is ever applied twice or lost.
+A task never receives a live client: it receives the credentials block and a
+:class:`~prefect_tinker.tasks.clients.TrainingRun` handle and gets the client from the registry
+(:mod:`prefect_tinker.tasks.clients`), which recreates a lost client from the last checkpoint and
+raises :class:`~prefect_tinker.tasks.clients.ClientRewound` when steps were lost. A failed request
+poisons the SDK client, so every task drops it from the registry before re-raising (the retry then
+gets a fresh one).
+
+- :func:`open_training_run`: create, resume or initialise the run's client;
+- :func:`train_step`: ``forward_backward`` + ``optim_step`` submitted back to back (any built-in
+  loss); :func:`custom_step`: the same with a client-side custom loss (``forward_backward_custom``);
+- :func:`forward_backward` (accumulates gradients) and :func:`optim_step`, for recipes that
+  accumulate several passes per update (RL minibatches);
+- :func:`forward`: logprobs and the loss without gradients (evaluators);
+- :func:`save_checkpoint` (state or sampler weights, as a Prefect asset) and
+  :func:`save_sampler_weights`.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import tinker
 from prefect import task
 from prefect.assets import materialize
 from prefect.cache_policies import NO_CACHE
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
+from prefect_tinker.tasks import clients
+from prefect_tinker.tasks.clients import ClientRewound, TrainingRun
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
 
 __all__ = [
-    "TrainingRun",
     "ClientRewound",
-    "open_training_run",
-    "train_step",
-    "save_checkpoint",
-    "evaluate_nll",
+    "ForwardResult",
+    "TrainingRun",
     "checkpoint_uri",
+    "custom_step",
+    "forward",
+    "forward_backward",
+    "open_training_run",
+    "optim_step",
+    "save_checkpoint",
+    "save_sampler_weights",
+    "train_step",
+    "weights_sum",
 ]
 
 
-class TrainingRun(BaseModel):
-    """A small, picklable handle on one training run (never holds a live client).
+class ForwardResult(BaseModel):
+    """What ``forward`` / ``forward_backward`` returned.
 
-    ``step`` counts completed optimizer steps; ``last_checkpoint`` is the ``tinker://.../weights/...``
-    path of the newest saved state (weights + optimizer), taken at ``last_checkpoint_step``.
+    Attributes:
+        loss_sum: the server's ``loss:sum`` (nats, summed over tokens and datums).
+        logprobs: per datum, the logprobs (N,) of its target tokens (nats) before any update.
+        metrics: every server metric, keys without the ``:reduction`` suffix.
+        seconds: wall time of the request.
     """
 
-    run_name: str
-    base_model: str
-    lora_rank: int
-    backend: str = Field(description="'local', 'remote' or 'hosted'.")
-    seed: int | None = None
-    model_id: str | None = None
-    tokenizer_id: str | None = None
-    step: int = 0
-    last_checkpoint: str | None = None
-    last_checkpoint_step: int = 0
+    loss_sum: float
+    logprobs: list[list[float]]
+    metrics: dict[str, float] = {}
+    seconds: float = 0.0
 
 
-class ClientRewound(RuntimeError):
-    """The live client was lost and was recreated from the checkpoint at ``step``.
+def weights_sum(datums: list[tinker.Datum]) -> float:
+    """Sum of the datums' ``weights`` (trained tokens; the input length when a datum has none)."""
+    total = 0.0
+    for d in datums:
+        w = d.loss_fn_inputs.get("weights")
+        total += float(np.asarray(w.data if hasattr(w, "data") else w, dtype=np.float64).sum()) if w is not None else d.model_input.length
+    return total
 
-    The caller must continue training from ``step`` (the data position is a function of the step).
+
+def _metrics(raw: dict[str, float] | None) -> dict[str, float]:
+    return {k.split(":", 1)[0]: float(v) for k, v in (raw or {}).items()}
+
+
+def _logprobs(out: Any) -> list[list[float]]:
+    return [np.asarray(o["logprobs"].to_numpy() if hasattr(o["logprobs"], "to_numpy") else o["logprobs"].data,
+                       dtype=np.float64).ravel().tolist() for o in out.loss_fn_outputs]
+
+
+def _calling(credentials: Any, run: TrainingRun, fn: Callable[[tinker.TrainingClient], Any]) -> tuple[Any, Any]:
+    """``(client, fn(client))``; a failure drops the (now poisoned) client before re-raising."""
+    client = clients.training_client(credentials, run)
+    try:
+        return client, fn(client)
+    except Exception:
+        clients.forget(credentials, run)
+        raise
+
+
+@task(name="open-training-run", task_run_name="open-{run_name}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
+def open_training_run(
+    credentials: Any, run_name: str, base_model: str, lora_rank: int, backend: str, seed: int | None = None,
+    resume_from: str | None = None, resume_step: int = 0, init_from: str | None = None,
+) -> TrainingRun:
+    """Create a LoRA training client, restore one from ``resume_from`` (a state checkpoint, with
+    its optimizer state, at step ``resume_step``), or start a new run from the weights of
+    ``init_from`` with a fresh optimizer (e.g. RL or DPO after SFT).
+
+    Returns the run handle (``step`` = ``resume_step`` when resuming, else 0). Raises the SDK's
+    errors for an unknown model or checkpoint (user errors; not retried).
     """
-
-    def __init__(self, run: TrainingRun, step: int):
-        super().__init__(f"training client of run {run.run_name!r} was recreated from its checkpoint at step {step}")
-        self.run = run
-        self.step = step
-
-
-_lock = threading.Lock()
-_clients: dict[tuple[str, str], tuple[tinker.TrainingClient, int]] = {}
-
-
-def _key(credentials: Any, run_name: str) -> tuple[str, str]:
-    if getattr(credentials, "local", False):
-        where = f"local:{credentials.resolved_local_root()}"
+    run = TrainingRun(
+        run_name=run_name, base_model=base_model, lora_rank=lora_rank, backend=backend, seed=seed,
+        step=resume_step if resume_from else 0, last_checkpoint=resume_from,
+        last_checkpoint_step=resume_step if resume_from else 0, init_from=init_from,
+    )
+    clients.forget(credentials, run)
+    service = credentials.get_client()
+    if resume_from:
+        client = service.create_training_client_from_state_with_optimizer(resume_from).result()
+    elif init_from:
+        client = service.create_training_client_from_state(init_from).result()
     else:
-        where = f"{credentials.backend_name()}:{credentials.base_url_for_sdk()}"
-    return (where, run_name)
+        client = service.create_lora_training_client(base_model=base_model, rank=lora_rank, seed=seed).result()
+    return clients.register(credentials, run, client)
 
 
-def _register(credentials: Any, run: TrainingRun, client: tinker.TrainingClient) -> TrainingRun:
-    info = client.get_info()
-    with _lock:
-        _clients[_key(credentials, run.run_name)] = (client, run.step)
-    return run.model_copy(update={"model_id": str(client.model_id), "tokenizer_id": info.model_data.tokenizer_id})
+def _adam(learning_rate: float, adam: dict[str, float] | None) -> tinker.AdamParams:
+    return tinker.AdamParams(learning_rate=learning_rate, **(adam or {}))
 
 
-def _client_for(credentials: Any, run: TrainingRun) -> tinker.TrainingClient:
-    """The live client of ``run`` at step ``run.step``, recreating it from the last checkpoint.
+@task(name="train-step", task_run_name="step-{step}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
+def train_step(
+    credentials: Any, run: TrainingRun, step: int, datums: list[tinker.Datum], learning_rate: float,
+    adam: dict[str, float] | None = None, loss_fn: str = "cross_entropy",
+    loss_fn_config: dict[str, float] | None = None,
+) -> tuple[TrainingRun, dict[str, float]]:
+    """One optimizer step: ``forward_backward(datums, loss_fn)`` and ``optim_step`` submitted back to
+    back, then awaited.
+
+    Args:
+        run: handle at ``step`` (the number of steps already taken).
+        datums: the batch (D datums).
+        learning_rate: this step's rate (the caller applies the schedule).
+        adam: other ``tinker.AdamParams`` fields (beta1, beta2, eps, weight_decay, grad_clip_norm).
+
+    Returns:
+        The handle at ``step + 1`` and metrics: ``loss`` (``loss_sum`` / trained tokens, nats per
+        token), ``loss_sum``, ``tokens`` (sum of weights), ``learning_rate``, ``step_seconds``, and
+        the optimizer's metrics (e.g. ``grad_norm``).
 
     Raises:
-        ClientRewound: the client had to be recreated from a checkpoint older than ``run.step``.
+        ValueError: ``run`` is not at ``step``. ClientRewound: the client was lost.
     """
-    with _lock:
-        entry = _clients.get(_key(credentials, run.run_name))
-    if entry is not None and entry[1] == run.step:
-        return entry[0]
-    _forget(credentials, run)
-    service = credentials.get_client()
-    if run.last_checkpoint is None:
-        if run.step != 0:
-            raise ClientRewound(run.model_copy(update={"step": 0}), 0)
-        client = service.create_lora_training_client(base_model=run.base_model, rank=run.lora_rank, seed=run.seed).result()
-    else:
-        client = service.create_training_client_from_state_with_optimizer(run.last_checkpoint).result()
-    new_run = _register(credentials, run.model_copy(update={"step": run.last_checkpoint_step if run.last_checkpoint else 0}), client)
-    if new_run.step != run.step:
-        raise ClientRewound(new_run, new_run.step)
-    return client
+    if run.step != step:
+        raise ValueError(f"run {run.run_name!r} is at step {run.step}, not {step}")
+    t0 = time.perf_counter()
+
+    def call(client):
+        fb = client.forward_backward(datums, loss_fn, loss_fn_config)
+        opt = client.optim_step(_adam(learning_rate, adam))
+        return fb.result(), opt.result()
+
+    client, (out, opt) = _calling(credentials, run, call)
+    clients.advance(credentials, run, client, step + 1)
+    tokens = weights_sum(datums)
+    loss_sum = float(out.metrics.get("loss:sum", float("nan")))
+    metrics = {k: v for k, v in _metrics(getattr(opt, "metrics", None)).items() if k not in ("learning_rate", "step")}
+    metrics.update({"loss": loss_sum / max(tokens, 1e-9), "loss_sum": loss_sum, "tokens": tokens,
+                    "learning_rate": float(learning_rate), "step_seconds": time.perf_counter() - t0})
+    return run.model_copy(update={"step": step + 1}), metrics
 
 
-def _forget(credentials: Any, run: TrainingRun) -> None:
-    with _lock:
-        _clients.pop(_key(credentials, run.run_name), None)
+@task(name="custom-step", task_run_name="step-{step}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
+def custom_step(
+    credentials: Any, run: TrainingRun, step: int, datums: list[tinker.Datum], loss: Any, learning_rate: float,
+    adam: dict[str, float] | None = None,
+) -> tuple[TrainingRun, dict[str, float]]:
+    """One optimizer step with a client-side custom loss: ``forward_backward_custom(datums, loss)``
+    (a forward for the logprobs, ``loss(datums, logprobs_D) -> (loss, metrics)`` in torch on the
+    client, then a backward with the loss's gradient as cross-entropy weights) and ``optim_step``.
+
+    Returns the handle at ``step + 1`` and metrics: the loss's own metrics (``name:reduction``
+    suffix removed), ``loss_sum``, ``learning_rate``, ``step_seconds`` and the optimizer's.
+    """
+    if run.step != step:
+        raise ValueError(f"run {run.run_name!r} is at step {run.step}, not {step}")
+    t0 = time.perf_counter()
+
+    def call(client):
+        fb = client.forward_backward_custom(datums, loss)
+        opt = client.optim_step(_adam(learning_rate, adam))
+        return fb.result(), opt.result()
+
+    client, (out, opt) = _calling(credentials, run, call)
+    clients.advance(credentials, run, client, step + 1)
+    metrics = {k: v for k, v in _metrics(getattr(opt, "metrics", None)).items() if k not in ("learning_rate", "step")}
+    metrics.update({k: v for k, v in _metrics(out.metrics).items() if k != "surrogate_loss"})
+    metrics.update({"learning_rate": float(learning_rate), "step_seconds": time.perf_counter() - t0})
+    return run.model_copy(update={"step": step + 1}), metrics
 
 
-def _advance(credentials: Any, run: TrainingRun, client: tinker.TrainingClient, step: int) -> None:
-    with _lock:
-        _clients[_key(credentials, run.run_name)] = (client, step)
+@task(name="forward-backward", task_run_name="fwd-bwd-step-{run.step}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
+def forward_backward(
+    credentials: Any, run: TrainingRun, datums: list[tinker.Datum], loss_fn: str = "cross_entropy",
+    loss_fn_config: dict[str, float] | None = None, accumulated: int = 0,
+) -> ForwardResult:
+    """Accumulate the gradients of ``loss_fn`` over ``datums`` (no optimizer step).
+
+    Args:
+        accumulated: passes already accumulated since the last optimizer step; if the client is
+            lost meanwhile their gradients are gone, so the step must be redone.
+
+    Raises:
+        ClientRewound: the client was lost (with ``accumulated > 0``, or with steps since the last
+            checkpoint); continue from the returned step.
+    """
+    if accumulated and not clients.has_training_client(credentials, run):
+        clients.training_client(credentials, run)  # recreated at the last checkpoint (may rewind)
+        raise ClientRewound(run, run.step)  # the earlier passes' gradients were lost: redo the step
+    t0 = time.perf_counter()
+    _, out = _calling(credentials, run, lambda c: c.forward_backward(datums, loss_fn, loss_fn_config).result())
+    return ForwardResult(loss_sum=float(out.metrics.get("loss:sum", float("nan"))), logprobs=_logprobs(out),
+                         metrics=_metrics(out.metrics), seconds=time.perf_counter() - t0)
+
+
+@task(name="optim-step", task_run_name="optim-step-{run.step}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
+def optim_step(
+    credentials: Any, run: TrainingRun, learning_rate: float, adam: dict[str, float] | None = None,
+) -> tuple[TrainingRun, dict[str, float]]:
+    """Apply the accumulated gradients (AdamW with Tinker's parameters); returns the handle at
+    ``run.step + 1`` and the optimizer's metrics (e.g. ``grad_norm``) plus ``learning_rate``.
+
+    Raises:
+        ClientRewound: the client (and its gradients) was lost; redo from the returned step.
+    """
+    if not clients.has_training_client(credentials, run):
+        clients.training_client(credentials, run)  # recreated without the accumulated gradients
+        raise ClientRewound(run, run.step)
+    client, res = _calling(credentials, run, lambda c: c.optim_step(_adam(learning_rate, adam)).result())
+    clients.advance(credentials, run, client, run.step + 1)
+    metrics = {k: v for k, v in _metrics(getattr(res, "metrics", None)).items() if k not in ("learning_rate", "step")}
+    metrics["learning_rate"] = float(learning_rate)
+    return run.model_copy(update={"step": run.step + 1}), metrics
+
+
+@task(name="forward", task_run_name="forward-step-{run.step}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
+def forward(credentials: Any, run: TrainingRun, datums: list[tinker.Datum], loss_fn: str = "cross_entropy") -> ForwardResult:
+    """``forward(datums, loss_fn)`` under the run's current weights: the loss and per-datum
+    logprobs, no gradients."""
+    t0 = time.perf_counter()
+    _, out = _calling(credentials, run, lambda c: c.forward(datums, loss_fn).result())
+    return ForwardResult(loss_sum=float(out.metrics.get("loss:sum", float("nan"))), logprobs=_logprobs(out),
+                         metrics=_metrics(out.metrics), seconds=time.perf_counter() - t0)
 
 
 def checkpoint_uri(run: TrainingRun, name: str, kind: str = "state") -> str:
@@ -124,157 +257,46 @@ def checkpoint_uri(run: TrainingRun, name: str, kind: str = "state") -> str:
     return f"tinker://{run.model_id}/{folder}/{name}"
 
 
-@task(name="open-training-run", task_run_name="open-{run_name}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
-def open_training_run(
-    credentials: Any,
-    run_name: str,
-    base_model: str,
-    lora_rank: int,
-    backend: str,
-    seed: int | None = None,
-    resume_from: str | None = None,
-    resume_step: int = 0,
-    init_from: str | None = None,
-) -> TrainingRun:
-    """Create a LoRA training client (or restore one from ``resume_from`` with its optimizer state,
-    or start a new run from the weights of ``init_from`` with a fresh optimizer, e.g. RL after SFT;
-    save a state checkpoint at step 0 then, so the client can be recreated).
-
-    Returns the run handle at step ``resume_step`` (0 for a new run). Raises the SDK's errors
-    for an unknown model or checkpoint (user errors; not retried).
-    """
-    run = TrainingRun(
-        run_name=run_name,
-        base_model=base_model,
-        lora_rank=lora_rank,
-        backend=backend,
-        seed=seed,
-        step=resume_step if resume_from else 0,
-        last_checkpoint=resume_from,
-        last_checkpoint_step=resume_step if resume_from else 0,
-    )
-    _forget(credentials, run)
-    service = credentials.get_client()
-    if resume_from:
-        client = service.create_training_client_from_state_with_optimizer(resume_from).result()
-    elif init_from:
-        client = service.create_training_client_from_state(init_from).result()
-    else:
-        client = service.create_lora_training_client(base_model=base_model, rank=lora_rank, seed=seed).result()
-    return _register(credentials, run, client)
-
-
-def _weights_sum(datums: list[tinker.Datum]) -> float:
-    total = 0.0
-    for d in datums:
-        w = d.loss_fn_inputs.get("weights")
-        total += float(np.asarray(w.data if hasattr(w, "data") else w, dtype=np.float64).sum()) if w is not None else d.model_input.length
-    return total
-
-
-@task(name="train-step", task_run_name="step-{step}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
-def train_step(
-    credentials: Any,
-    run: TrainingRun,
-    step: int,
-    datums: list[tinker.Datum],
-    learning_rate: float,
-    adam: dict[str, float] | None = None,
-    loss_fn: str = "cross_entropy",
-) -> tuple[TrainingRun, dict[str, float]]:
-    """One optimizer step: ``forward_backward`` and ``optim_step`` submitted back to back, then awaited.
-
-    Args:
-        run: handle at ``step`` (the number of steps already taken).
-        datums: the batch (D datums).
-        learning_rate: this step's learning rate (the schedule is applied by the caller).
-        adam: other ``tinker.AdamParams`` fields (beta1, beta2, eps, weight_decay, grad_clip_norm).
-
-    Returns:
-        The handle at ``step + 1`` and metrics: ``loss`` (summed loss / trained tokens, nats per
-        token), ``loss_sum``, ``tokens`` (sum of weights), ``learning_rate``, ``step_seconds``.
-
-    Raises:
-        ClientRewound: the client was lost; continue from the returned step.
-    """
-    if run.step != step:
-        raise ValueError(f"run {run.run_name!r} is at step {run.step}, not {step}")
-    client = _client_for(credentials, run)
-    t0 = time.perf_counter()
-    try:
-        fb = client.forward_backward(datums, loss_fn)
-        opt = client.optim_step(tinker.AdamParams(learning_rate=learning_rate, **(adam or {})))
-        out = fb.result()
-        opt.result()
-    except Exception:
-        _forget(credentials, run)  # a failed request poisons the client; recreate on retry
-        raise
-    _advance(credentials, run, client, step + 1)
-    tokens = _weights_sum(datums)
-    loss_sum = float(out.metrics.get("loss:sum", float("nan")))
-    metrics = {
-        "loss": loss_sum / max(tokens, 1e-9),
-        "loss_sum": loss_sum,
-        "tokens": tokens,
-        "learning_rate": float(learning_rate),
-        "step_seconds": time.perf_counter() - t0,
-    }
-    return run.model_copy(update={"step": step + 1}), metrics
-
-
 def _save_checkpoint(credentials: Any, run: TrainingRun, name: str, kind: str = "state") -> tuple[TrainingRun, str]:
     """Save the run's current weights: ``kind="state"`` (weights + optimizer, resumable) or
-    ``"sampler"`` (weights for a sampling client). Returns the updated handle and the ``tinker://`` path.
+    ``"sampler"`` (weights for a sampling client). Returns the updated handle and the path.
 
     Raises:
-        ClientRewound: the client was lost before the save.
+        ValueError: unknown ``kind``. ClientRewound: the client was lost before the save.
     """
     if kind not in ("state", "sampler"):
         raise ValueError(f"checkpoint kind must be 'state' or 'sampler', got {kind!r}")
-    client = _client_for(credentials, run)
-    try:
-        if kind == "state":
-            path = client.save_state(name).result().path
-        else:
-            path = client.save_weights_for_sampler(name).result().path
-    except Exception:
-        _forget(credentials, run)
-        raise
+    save = (lambda c: c.save_state(name).result().path) if kind == "state" else (
+        lambda c: c.save_weights_for_sampler(name).result().path)
+    _, path = _calling(credentials, run, save)
     if kind == "state":
         run = run.model_copy(update={"last_checkpoint": path, "last_checkpoint_step": run.step})
     return run, path
 
 
 def save_checkpoint(
-    credentials: Any, run: TrainingRun, name: str, kind: str = "state", upstream: list[str] | None = None
+    credentials: Any, run: TrainingRun, name: str, kind: str = "state", upstream: list[str] | None = None,
 ) -> tuple[TrainingRun, str]:
     """Run the ``save-checkpoint`` task as a Prefect asset materialization.
 
-    The asset key is the checkpoint's ``tinker://`` URI; ``upstream`` (e.g. the dataset URI) are
-    recorded as its dependencies, so lineage dataset -> checkpoint shows in Prefect's events.
+    The asset key is the checkpoint's ``tinker://`` URI; ``upstream`` (e.g. the dataset URI, the
+    checkpoint the run started from) are recorded as its dependencies, so the lineage dataset ->
+    checkpoint shows in Prefect's events.
     """
     materializing = materialize(
-        checkpoint_uri(run, name, kind),
-        asset_deps=list(upstream or []),
-        name="save-checkpoint",
-        task_run_name=f"save-{kind}-{name}",
-        cache_policy=NO_CACHE,
-        **RETRY_OPTIONS,
+        checkpoint_uri(run, name, kind), asset_deps=list(upstream or []), name="save-checkpoint",
+        task_run_name=f"save-{kind}-{name}", cache_policy=NO_CACHE, **RETRY_OPTIONS,
     )(_save_checkpoint)
     return materializing(credentials, run, name, kind)
 
 
-@task(name="evaluate-nll", task_run_name="eval-nll-step-{run.step}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
-def evaluate_nll(credentials: Any, run: TrainingRun, datums: list[tinker.Datum]) -> dict[str, float]:
-    """Mean negative log-likelihood (nats per trained token) of ``datums`` under the current weights.
+@task(name="save-sampler-weights", task_run_name="sampler-{name}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
+def save_sampler_weights(credentials: Any, run: TrainingRun, name: str) -> str:
+    """Save the current weights for sampling; returns the ``tinker://.../sampler_weights/<name>``
+    path a sampling client is made from.
 
-    Uses ``forward`` (no gradient). Returns ``{"nll": ..., "tokens": ...}``.
+    Raises:
+        ClientRewound: the client was lost before the save.
     """
-    client = _client_for(credentials, run)
-    try:
-        out = client.forward(datums, "cross_entropy").result()
-    except Exception:
-        _forget(credentials, run)
-        raise
-    tokens = _weights_sum(datums)
-    return {"nll": float(out.metrics["loss:sum"]) / max(tokens, 1e-9), "tokens": tokens}
+    _, path = _save_checkpoint(credentials, run, name, "sampler")
+    return path

@@ -183,7 +183,9 @@ def toy(tmp_path, monkeypatch):
     mod_dir.mkdir()
     (mod_dir / "toy_flows_mod.py").write_text(FLOW_MODULE)
     monkeypatch.syspath_prepend(str(mod_dir))
-    monkeypatch.setitem(cli.FLOWS, "toy", "toy_flows_mod:toy_flow")
+    from prefect_tinker.flows.registry import RECIPES, Recipe
+
+    monkeypatch.setitem(RECIPES, "toy", Recipe("toy", "toy_flows_mod:toy_flow"))
     import toy_flows_mod
 
     toy_flows_mod.CALLS.clear()
@@ -245,7 +247,9 @@ def test_run_dry_run_unknown_flow_and_failure(toy, capsys):
 
 
 def test_run_env_registry(toy, monkeypatch, capsys):
-    monkeypatch.setenv(cli.FLOWS_ENV, "other=toy_flows_mod:toy_flow")
+    from prefect_tinker.flows.registry import RECIPES_ENV
+
+    monkeypatch.setenv(RECIPES_ENV, "other=toy_flows_mod:toy_flow")
     assert cli.main(["run", "other", "base_model=m"]) == 0
     assert toy.CALLS[-1].base_model == "m"
 

@@ -8,9 +8,12 @@ from dataclasses import dataclass
 
 import pytest
 
-from prefect_tinker.flows import rl as rl_module
+from pydantic import BaseModel
+
 from prefect_tinker.flows.cli import main as cli_main
 from prefect_tinker.flows.rl import RLConfig, rl_flow
+from prefect_tinker.flows.session import RunCallbacks, run_callbacks
+from prefect_tinker.recipes.rl.envs import Environment, register_env
 from prefect_tinker.recipes.rl.types import Env, EnvGroupBuilder, RLDataset, StepResult
 
 REQUIRED = {
@@ -102,29 +105,47 @@ class ParityDataset(RLDataset):
                 for g in range(self.groups_per_batch)]
 
 
-def _use_parity(monkeypatch, fail=False):
-    monkeypatch.setattr(rl_module, "build_rl_dataset",
-                        lambda cfg, **kw: ParityDataset(kw["group_size"], kw["groups_per_batch"], fail))
+class _ParityOptions(BaseModel):
+    fail: bool = False
+
+
+@register_env
+class _Parity(Environment):
+    """The test's dense-reward env, registered like any other (``env=parity``)."""
+
+    name = "parity"
+    description = "test: reward = fraction of even token ids"
+    Options = _ParityOptions
+
+    @classmethod
+    def build(cls, spec, ctx):
+        return ParityDataset(ctx.group_size, ctx.groups_per_batch, cls.options(spec).fail)
+
+
+def _parity(fail=False) -> dict:
+    return {"env": "parity", "env_options": {"fail": fail}}
 
 
 class _Interrupt(RuntimeError):
     pass
 
 
-def test_interrupted_run_resumes_after_last_checkpoint(prefect_api, local_credentials, tmp_path, capsys, monkeypatch):
-    _use_parity(monkeypatch)
+class _CrashAfter(RunCallbacks):
+    def __init__(self, step: int):
+        self.step = step
+
+    def after_step(self, run_id, step):
+        if step == self.step:
+            raise _Interrupt(f"simulated crash after step {step}")
+
+
+def test_interrupted_run_resumes_after_last_checkpoint(prefect_api, local_credentials, tmp_path, capsys):
     store = tmp_path / "store"
-    kw = dict(max_steps=4, save_every=2, group_size=3)
+    kw = dict(max_steps=4, save_every=2, group_size=3, **_parity())
     straight = rl_flow(_config(local_credentials, store, "straight", **kw))
 
-    def boom(step):
-        if step == 3:
-            raise _Interrupt("simulated crash after step 3")
-
-    monkeypatch.setattr(rl_module, "_after_step", boom)
-    with pytest.raises(_Interrupt):
+    with run_callbacks(_CrashAfter(3)), pytest.raises(_Interrupt):
         rl_flow(_config(local_credentials, store, "resumed", **kw))
-    monkeypatch.setattr(rl_module, "_after_step", lambda step: None)
     resumed = rl_flow(_config(local_credentials, store, "resumed", **kw))
     assert resumed["steps"] == 4 and resumed["steps_this_invocation"] == 2  # steps 2 and 3 again
 
@@ -168,10 +189,9 @@ def _rewards(by, run):
     ("async", dict(loss_fn="cispo", max_steps_off_policy=1, groups_per_batch=2, num_substeps=2)),
 ])
 def test_streaming_and_async_schedules_with_failing_rollouts(prefect_api, local_credentials, tmp_path, capsys,
-                                                             monkeypatch, schedule, extra):
-    _use_parity(monkeypatch, fail=True)
+                                                             schedule, extra):
     store = tmp_path / "store"
-    cfg = _config(local_credentials, store, f"sched-{schedule}", schedule=schedule, group_size=3, **extra)
+    cfg = _config(local_credentials, store, f"sched-{schedule}", schedule=schedule, group_size=3, **_parity(True), **extra)
     summary = rl_flow(cfg)
     assert summary["optimizer_steps"] == 2 * cfg.num_substeps
     rows = _sql(capsys, store, f"SELECT step, name, value FROM metrics WHERE run_id='sched-{schedule}'")
@@ -199,9 +219,9 @@ def test_config_validation_and_cli_registration():
     cfg = RLConfig(loss_fn="ppo", clip_low_threshold=0.7)
     assert cfg.loss_fn_config() == {"clip_low_threshold": 0.7, "clip_high_threshold": 1.2}
     assert RLConfig().loss_fn_config() is None and RLConfig().run_name.startswith("arithmetic-tiny-")
-    from prefect_tinker.flows.cli import FLOWS
+    from prefect_tinker.flows.registry import RECIPES
 
-    assert FLOWS["rl"] == "prefect_tinker.flows.rl:rl_flow"
+    assert RECIPES["rl"].flow == "prefect_tinker.flows.rl:rl_flow"
 
 
 class _ConstantDataset(ParityDataset):
@@ -222,12 +242,21 @@ class _ConstantBuilder(ParityBuilder):
         return [_ConstantEnv(list(self.prompt), False) for _ in range(self.group_size)]
 
 
-def test_constant_rewards_are_counted_and_warned(prefect_api, local_credentials, tmp_path, capsys, monkeypatch, caplog):
-    monkeypatch.setattr(rl_module, "build_rl_dataset",
-                        lambda cfg, **kw: _ConstantDataset(kw["group_size"], kw["groups_per_batch"], False))
+@register_env
+class _Constant(Environment):
+    name = "constant"
+    description = "test: every reply gets reward 0"
+
+    @classmethod
+    def build(cls, spec, ctx):
+        return _ConstantDataset(ctx.group_size, ctx.groups_per_batch, False)
+
+
+def test_constant_rewards_are_counted_and_warned(prefect_api, local_credentials, tmp_path, capsys, caplog):
     store = tmp_path / "store"
     with caplog.at_level("WARNING"):
-        rl_flow(_config(local_credentials, store, "flat", max_steps=1, group_size=3, groups_per_batch=2, save_every=0))
+        rl_flow(_config(local_credentials, store, "flat", env="constant", max_steps=1, group_size=3,
+                        groups_per_batch=2, save_every=0))
     rows = _sql(capsys, store, "SELECT name, value FROM metrics WHERE run_id='flat' AND name IN "
                 "('rollout/groups_constant', 'train/grad_norm', 'env/reward_mean')")
     got = {r["name"]: r["value"] for r in rows}

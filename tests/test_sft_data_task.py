@@ -1,5 +1,5 @@
-"""The prepare-sft-dataset task counts the conversations it drops (no trained token within
-max_length), so the flow can say how many were skipped."""
+"""The prepare-dataset task (supervised builder) counts the conversations it drops (no trained
+token within max_length), so the flow can say how many were skipped."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import json
 
 from prefect import flow
 
-from prefect_tinker.tasks.data import prepare_sft_dataset
+from prefect_tinker.recipes.builders import SupervisedBuilder
+from prefect_tinker.recipes.data_reading import SourceSpec
+from prefect_tinker.tasks.data import prepare_dataset
 from tests.renderer_tokenizers import TOKENIZER_DIR, needs_smollm2
 
 
@@ -23,8 +25,9 @@ def test_skipped_conversations_are_counted(prefect_api, tmp_path):
 
     @flow
     def prep():
-        return prepare_sft_dataset(str(path), str(TOKENIZER_DIR), renderer="role_colon", max_length=64,
-                                   test_size=0, seed=0)
+        builder = SupervisedBuilder(sources=[SourceSpec(path=str(path))], renderer="role_colon", max_length=64,
+                                    test_size=0, seed=0)
+        return prepare_dataset(builder, str(TOKENIZER_DIR))
 
     data = prep()
     assert (data.skipped, len(data.train) + len(data.test)) == (3, 8)

@@ -9,9 +9,10 @@ import pytest
 import tinker
 from pydantic import ValidationError
 
-from prefect_tinker.flows import sft as sft_module
 from prefect_tinker.flows.cli import main as cli_main
-from prefect_tinker.flows.sft import SFTConfig, batch_indices, lr_at, sft_flow
+from prefect_tinker.flows.session import RunCallbacks, run_callbacks
+from prefect_tinker.flows.sft import SFTConfig, sft_flow
+from prefect_tinker.recipes.data_pipeline import batch_at as batch_indices
 from tests.conftest import shared_file
 
 
@@ -34,10 +35,10 @@ def _sql(capsys, store, query) -> list[dict]:
 
 def test_schedule_and_batches_are_functions_of_step():
     cfg = SFTConfig(learning_rate=1.0, lr_schedule="linear", max_steps=10)
-    assert [lr_at(cfg, s, 10) for s in (0, 5, 9)] == pytest.approx([1.0, 0.5, 0.1])
+    assert [cfg.lr_at(s, 10) for s in (0, 5, 9)] == pytest.approx([1.0, 0.5, 0.1])
     cfg = SFTConfig(learning_rate=1.0, lr_schedule="cosine", warmup_steps=2)
-    assert lr_at(cfg, 0, 10) == pytest.approx(0.5) and lr_at(cfg, 2, 10) == pytest.approx(1.0)
-    assert lr_at(cfg, 6, 10) == pytest.approx(0.5)
+    assert cfg.lr_at(0, 10) == pytest.approx(0.5) and cfg.lr_at(2, 10) == pytest.approx(1.0)
+    assert cfg.lr_at(6, 10) == pytest.approx(0.5)
     a = batch_indices(10, 3, seed=1, step=4)  # epoch 1 (3 batches per epoch), second batch
     assert a == batch_indices(10, 3, seed=1, step=4)
     epoch0 = sum((batch_indices(10, 3, 1, s) for s in range(3)), [])
@@ -83,19 +84,19 @@ class _Interrupt(RuntimeError):
     pass
 
 
-def test_interrupted_run_resumes_to_same_weights(prefect_api, local_credentials, tmp_path, capsys, monkeypatch):
+class _CrashAfter(RunCallbacks):
+    def after_step(self, run_id, step):
+        if step == 3:
+            raise _Interrupt("simulated crash after step 3")
+
+
+def test_interrupted_run_resumes_to_same_weights(prefect_api, local_credentials, tmp_path, capsys):
     store = tmp_path / "store"
     kw = dict(max_steps=6, save_every=2, eval_every=0, num_eval_samples=1)
     sft_flow(_config(local_credentials, store, "straight", **kw))
 
-    def boom(step):
-        if step == 3:
-            raise _Interrupt("simulated crash after step 3")
-
-    monkeypatch.setattr(sft_module, "_after_step", boom)
-    with pytest.raises(_Interrupt):
+    with run_callbacks(_CrashAfter()), pytest.raises(_Interrupt):
         sft_flow(_config(local_credentials, store, "resumed", **kw))
-    monkeypatch.setattr(sft_module, "_after_step", lambda step: None)
     summary = sft_flow(_config(local_credentials, store, "resumed", **kw))
     assert summary["steps"] == 6
 

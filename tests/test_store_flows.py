@@ -13,6 +13,7 @@ import pytest
 
 from prefect_tinker.flows import rl as rl_module
 from prefect_tinker.flows import sft as sft_module
+from prefect_tinker.flows.session import RunCallbacks, run_callbacks
 from tests.s3_fixtures import SeaweedS3
 from tests.test_store_s3 import plain_s3fs
 from tinker_blocks import StoreAccessError, TrainingStore
@@ -84,14 +85,28 @@ def sft_config(local_credentials, store: str, run_name: str, **kw):
 
 
 @pytest.mark.slow  # a whole Prefect flow run on the local server: 30-60 s on 2 shared cores
-def test_sft_flow_on_s3_compacts_its_tables(prefect_api, local_credentials, s3_server, s3_root, monkeypatch):
+class _Hooks(RunCallbacks):
+    """``before_compaction`` / ``after_step`` as plain functions of the test."""
+
+    def __init__(self, before_compaction=None, after_step=None):
+        self._before, self._after = before_compaction, after_step
+
+    def before_compaction(self, run_id):
+        if self._before:
+            self._before(run_id)
+
+    def after_step(self, run_id, step):
+        if self._after:
+            self._after(step)
+
+
+def test_sft_flow_on_s3_compacts_its_tables(prefect_api, local_credentials, s3_server, s3_root):
     """SFT with ``store=s3://...`` (credentials from the AWS_* environment): each step's parts as
     written hold one row per (step, name); at the end every table is one part per run, holding
     the rows a reader saw before (each row id's latest copy)."""
     before: dict[str, list[dict]] = {}
-    monkeypatch.setattr(sft_module, "_before_compaction",
-                        lambda run_id: before.update(snapshot(s3_server, s3_root, run_id)))
-    summary = sft_module.sft_flow(sft_config(local_credentials, s3_root, "s3-sft"))
+    with run_callbacks(_Hooks(lambda run_id: before.update(snapshot(s3_server, s3_root, run_id)))):
+        summary = sft_module.sft_flow(sft_config(local_credentials, s3_root, "s3-sft"))
     assert summary["steps"] == 3
     assert {t: len(run_parts(s3_server, s3_root, t, "s3-sft")) for t in TABLES} == {
         "runs": 1, "metrics": 1, "checkpoints": 1, "trajectories": 0}
@@ -108,18 +123,17 @@ def test_sft_flow_on_s3_compacts_its_tables(prefect_api, local_credentials, s3_s
 
 
 @pytest.mark.slow
-def test_rl_flow_on_s3_compacts_its_tables(prefect_api, local_credentials, s3_server, s3_root, monkeypatch):
+def test_rl_flow_on_s3_compacts_its_tables(prefect_api, local_credentials, s3_server, s3_root):
     """RL to the same kind of store: metrics, trajectories, checkpoints and runs are one part each
     at the end, with the rows unchanged."""
     before: dict[str, list[dict]] = {}
-    monkeypatch.setattr(rl_module, "_before_compaction",
-                        lambda run_id: before.update(snapshot(s3_server, s3_root, run_id)))
     config = rl_module.RLConfig(
         model="tiny", group_size=2, groups_per_batch=2, max_tokens=6, max_steps=2, lora_rank=8,
         learning_rate=5e-3, save_every=1, run_name="s3-rl", store=s3_root, log_trajectories=3,
         backend={"local_root": local_credentials.local_root},
     )
-    summary = rl_module.rl_flow(config)
+    with run_callbacks(_Hooks(lambda run_id: before.update(snapshot(s3_server, s3_root, run_id)))):
+        summary = rl_module.rl_flow(config)
     assert summary["steps"] == 2
     assert all(before[t] for t in TABLES)
     assert len(run_parts(s3_server, s3_root, "metrics", "s3-rl")) == 1
@@ -152,10 +166,8 @@ def test_sft_flow_survives_s3_outage_exactly_once(prefect_api, local_credentials
                 threading.Thread(target=back, daemon=True).start()
 
         before: dict[str, list[dict]] = {}
-        monkeypatch.setattr(sft_module, "_after_step", outage)
-        monkeypatch.setattr(sft_module, "_before_compaction",
-                            lambda run_id: before.update(snapshot(server, root, run_id)))
-        with caplog.at_level("WARNING", logger="tinker_blocks.s3"):
+        hooks = _Hooks(lambda run_id: before.update(snapshot(server, root, run_id)), outage)
+        with run_callbacks(hooks), caplog.at_level("WARNING", logger="tinker_blocks.s3"):
             summary = sft_module.sft_flow(sft_config(local_credentials, root, "outage", save_every=2,
                                                      num_eval_samples=0))
         assert restarted.is_set() and summary["steps"] == 3
@@ -178,14 +190,12 @@ def test_wrong_credentials_fail_flows_before_training(prefect_api, local_credent
     naming the store and endpoint (never the secret), before any training step, writing nothing."""
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
     steps: list[int] = []
-    monkeypatch.setattr(sft_module, "_after_step", steps.append)
-    monkeypatch.setattr(rl_module, "_after_step", steps.append)
     sft = sft_config(local_credentials, s3_root, "bad-creds-sft")
     rl = rl_module.RLConfig(model="tiny", max_steps=1, run_name="bad-creds-rl", store=s3_root,
                             backend={"local_root": local_credentials.local_root})
     for flow, config in ((sft_module.sft_flow, sft), (rl_module.rl_flow, rl)):
         t0 = time.monotonic()
-        with pytest.raises(StoreAccessError) as err:
+        with run_callbacks(_Hooks(after_step=steps.append)), pytest.raises(StoreAccessError) as err:
             flow(config)
         msg = str(err.value)
         assert s3_root in msg and s3_server.endpoint_url in msg and "not-the-secret" not in msg

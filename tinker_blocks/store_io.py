@@ -394,6 +394,9 @@ class ParquetStore:
         if not self.list_parts(table):
             con.execute(f'CREATE OR REPLACE VIEW "{table}" AS {self.empty_view_sql(table)}')
             return
+        if self.spec(table).evolved:  # parts of older and newer schemas may mix
+            con.execute(f'CREATE OR REPLACE VIEW "{table}" AS {self.view_sql(table, union_by_name=True)}')
+            return
         try:
             con.execute(f'CREATE OR REPLACE VIEW "{table}" AS {self.view_sql(table)}')
         except duckdb.BinderException:  # the first part lacks a column added later

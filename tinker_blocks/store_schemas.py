@@ -70,6 +70,7 @@ CHECKPOINTS_SCHEMA = pa.schema([
     _f("kind", pa.string(), False),  # "state" (weights + optimizer) | "sampler" (weights to sample)
     _f("path", pa.string(), False),  # e.g. "tinker://<model_id>/weights/<name>"
     _TIME,
+    _f("renderer", pa.string()),  # renderer the weights were trained with (added in 0.2; null before)
 ])
 RUNS_SCHEMA = pa.schema([
     _ROW_ID,
@@ -80,6 +81,9 @@ RUNS_SCHEMA = pa.schema([
     _f("config_json", pa.string()),  # the flow config as JSON (never secrets)
     _f("status", pa.string()),  # "running" | "completed" | "failed"
     _TIME,  # time of this status update
+    # what the run resolved (added in 0.2; null before): recipe, renderer, tokenizer_id,
+    # dataset fingerprint -- compared with a resumed run's own (see prefect_tinker.flows.session)
+    _f("meta_json", pa.string()),
 ])
 
 TRAJECTORIES_SCHEMA = pa.schema([  # a sample of RL rollouts, for inspection
@@ -167,12 +171,16 @@ class TableSpec:
             deduplicates. Empty -> a random row id.
         required: columns that must be present and non-null in every written row.
         choices: allowed values per column (e.g. ``{"kind": ("state", "sampler")}``).
+        evolved: columns were added after parts of this table were first written, so parts of
+            older and newer schemas may mix: views read every part's schema (``union_by_name``;
+            a missing column reads as null). Only for small tables (one footer read per part).
     """
 
     schema: pa.Schema
     natural_key: tuple[str, ...] = ()
     required: tuple[str, ...] = ("run_id",)
     choices: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
+    evolved: bool = False
 
 
 TRAINING_TABLES: dict[str, TableSpec] = {
@@ -184,9 +192,10 @@ TRAINING_TABLES: dict[str, TableSpec] = {
         natural_key=("run_id", "kind", "name"),
         required=("run_id", "step", "name", "kind", "path"),
         choices={"kind": ("state", "sampler")},
+        evolved=True,
     ),
     # one row id per run: each status update replaces the previous one in the view
-    "runs": TableSpec(RUNS_SCHEMA, natural_key=("run_id",), required=("run_id",)),
+    "runs": TableSpec(RUNS_SCHEMA, natural_key=("run_id",), required=("run_id",), evolved=True),
     "trajectories": TableSpec(
         TRAJECTORIES_SCHEMA,
         natural_key=("run_id", "step", "batch_index", "group_index", "member"),

@@ -168,9 +168,11 @@ class TrainingStore(StoreBlock):
 
     - ``metrics(row_id, run_id, step BIGINT, name, value DOUBLE, time TIMESTAMPTZ)``;
       ``row_id = make_row_id(run_id, step, name)`` unless given.
-    - ``checkpoints(row_id, run_id, step BIGINT, name, kind 'state'|'sampler', path, time)``;
+    - ``checkpoints(row_id, run_id, step BIGINT, name, kind 'state'|'sampler', path, time,
+      renderer)``;
       ``row_id = make_row_id(run_id, kind, name)``; ``path`` is the ``tinker://`` URI.
-    - ``runs(row_id, run_id, base_model, backend, lora_rank BIGINT, config_json, status, time)``;
+    - ``runs(row_id, run_id, base_model, backend, lora_rank BIGINT, config_json, status, time,
+      meta_json)``;
       ``row_id = make_row_id(run_id)``, so the latest status update is the run's row.
 
     Example:
@@ -208,10 +210,13 @@ print(store.connect().execute("SELECT * FROM metrics").fetchall())
         backend: str | None = None,
         lora_rank: int | None = None,
         config: Any = None,
+        meta: dict[str, Any] | None = None,
     ) -> str:
         """Write one ``runs`` row now (one part); return its row id.
 
-        ``config`` may be a pydantic model, a dict or a JSON string (stored as ``config_json``).
+        ``config`` may be a pydantic model, a dict or a JSON string (stored as ``config_json``);
+        ``meta`` (stored as ``meta_json``) what the run resolved: recipe, renderer, tokenizer id,
+        dataset fingerprint.
         The latest row per run wins in the view, so call it again to update the status.
         """
         if hasattr(config, "model_dump_json"):
@@ -219,17 +224,18 @@ print(store.connect().execute("SELECT * FROM metrics").fetchall())
         with self.writer("runs", writer_id="run") as w:
             return w.write(
                 run_id=run_id, status=status, base_model=base_model, backend=backend,
-                lora_rank=lora_rank, config_json=config,
+                lora_rank=lora_rank, config_json=config, meta_json=meta,
             )
 
-    def record_checkpoint(self, run_id: str, *, step: int, name: str, kind: str, path: str) -> str:
+    def record_checkpoint(self, run_id: str, *, step: int, name: str, kind: str, path: str,
+                          renderer: str | None = None) -> str:
         """Write one ``checkpoints`` row now (one part); return its row id.
 
         ``kind`` is ``"state"`` (weights + optimizer) or ``"sampler"``; ``path`` the
         ``tinker://`` URI. Raises ``StoreError`` on bad values.
         """
         with self.writer("checkpoints", writer_id="ckpt") as w:
-            return w.write(run_id=run_id, step=step, name=name, kind=kind, path=path)
+            return w.write(run_id=run_id, step=step, name=name, kind=kind, path=path, renderer=renderer)
 
     def last_checkpoint(self, run_id: str, kind: str = "state") -> dict[str, Any] | None:
         """The run's checkpoint of ``kind`` with the highest step (latest time on ties).

@@ -84,6 +84,7 @@ __all__ = [
     "qwen3_tools_system_prompt",
     "register_renderer",
     "renderer_names",
+    "resolve_renderer_name",
     "trained_message_mask",
 ]
 
@@ -122,13 +123,21 @@ def get_renderer(name: str, tokenizer: Any, **kwargs: Any) -> Renderer:
         RendererError: unknown name (the message lists the accepted names), or the
             tokenizer lacks what the renderer needs (a chat template, special tokens).
     """
+    return _REGISTRY[resolve_renderer_name(name, tokenizer)](tokenizer, **kwargs)
+
+
+def resolve_renderer_name(name: str, tokenizer: Any) -> str:
+    """The one resolver of renderer names: ``"auto"`` -> :func:`guess_renderer_name` of
+    ``tokenizer``; any other name must be registered.
+
+    Raises:
+        RendererError: an unknown name (the message lists the accepted names).
+    """
     if name == "auto":
-        name = guess_renderer_name(tokenizer)
-    try:
-        factory = _REGISTRY[name]
-    except KeyError:
-        raise RendererError(f"unknown renderer {name!r}; accepted: {', '.join(renderer_names())}") from None
-    return factory(tokenizer, **kwargs)
+        return guess_renderer_name(tokenizer)
+    if name not in _REGISTRY:
+        raise RendererError(f"unknown renderer {name!r}; accepted: auto, {', '.join(renderer_names())}")
+    return name
 
 
 def guess_renderer_name(tokenizer: Any) -> str:

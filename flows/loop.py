@@ -1,0 +1,96 @@
+"""The one step loop of every recipe.
+
+``StepLoop(session, total, ...).run(step_fn)`` calls ``step_fn(step)`` while the run has taken
+fewer than ``total`` optimizer steps. ``step_fn`` does the recipe's own work for one step (a
+batch, rollouts, an update: it advances ``session.run``) and returns its metrics; the loop owns
+the rest:
+
+- metrics buffered at the step they belong to (``step`` = optimizer steps taken before it);
+- the ``after_step`` callback;
+- evaluators at the start of a fresh run, every ``eval_every`` steps and at the end;
+- a state checkpoint every ``save_every`` steps and at the end, the buffered rows written first
+  (:meth:`~prefect_tinker.flows.session.RunSession.checkpoint`);
+- lost-client rewinds (:class:`~prefect_tinker.tasks.clients.ClientRewound`): the step is redone
+  from the checkpoint the client was recreated at (at most ``max_rewinds`` times);
+- the progress artifact.
+
+A *loop step* may take several optimizer steps (``step_size``; RL's ``num_substeps``):
+``eval_every`` and ``save_every`` count loop steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from prefect_tinker.flows.session import RunSession, emit
+from prefect_tinker.tasks.clients import ClientRewound
+from prefect_tinker.tasks.evaluators import Evaluator, SamplingClientEvaluator, TrainingClientEvaluator
+from prefect_tinker.tasks.reporting import Progress
+
+__all__ = ["StepLoop"]
+
+
+class StepLoop:
+    """See the module docstring.
+
+    Args:
+        session: the open run session.
+        total: optimizer steps the run ends at (counting earlier invocations).
+        evaluators: run at the start (fresh runs), every ``eval_every`` loop steps and at the end.
+        step_size: optimizer steps per loop step.
+        on_rewind: ``step -> None``, the recipe's own state reset after a rewind to ``step``.
+        max_rewinds: rewinds allowed before the error is raised.
+    """
+
+    def __init__(self, session: RunSession, total: int, *, evaluators: Sequence[Evaluator] = (),
+                 step_size: int = 1, on_rewind: Callable[[int], None] | None = None, max_rewinds: int = 3):
+        self.session, self.total, self.evaluators = session, int(total), list(evaluators)
+        self.step_size, self.on_rewind, self.max_rewinds = int(step_size), on_rewind, max_rewinds
+        c = session.config
+        self.eval_every, self.save_every = c.eval_every, c.save_every
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Run every evaluator on the weights at ``step`` (the current step); buffer and return
+        their metrics."""
+        s, out = self.session, {}
+        for ev in self.evaluators:
+            if isinstance(ev, TrainingClientEvaluator):
+                out.update(ev.evaluate(s.credentials, s.run))
+            elif isinstance(ev, SamplingClientEvaluator):
+                out.update(ev.evaluate(s.credentials, s.sampler_at(step), step))
+            else:
+                raise TypeError(f"{type(ev).__name__} is neither a training- nor a sampling-client evaluator")
+        s.record(step, out)
+        return out
+
+    def _due(self, every: int, done: int) -> bool:
+        return bool(every) and (done // self.step_size) % every == 0
+
+    def run(self, step_fn: Callable[[int], dict[str, Any]]) -> None:
+        """Loop until ``total`` optimizer steps are taken (see the module docstring)."""
+        s = self.session
+        progress = Progress(f"{s.recipe.upper()} {s.run_id}: steps done of {self.total}", self.total, s.step)
+        if s.step == 0 and self.evaluators:
+            self.evaluate(0)
+        rewinds = 0
+        while s.step < self.total:
+            step = s.step
+            try:
+                metrics = step_fn(step)
+                s.record(step, metrics)
+                done = s.step
+                emit("after_step", s.run_id, done)
+                last = done >= self.total
+                if self.evaluators and (last or (self._due(self.eval_every, done))):
+                    self.evaluate(done)
+                if last or self._due(self.save_every, done):
+                    s.checkpoint()
+            except ClientRewound as rew:
+                rewinds += 1
+                if rewinds > self.max_rewinds:
+                    raise
+                s.rewind(rew)
+                if self.on_rewind is not None:
+                    self.on_rewind(rew.step)
+            progress.update(s.step)

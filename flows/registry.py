@@ -1,0 +1,133 @@
+"""The recipe registry: recipe name -> config model, flow, curves, example configs, deployments.
+
+Read by ``prefect-tinker run NAME`` / ``ls`` / ``show-config``, by the run session (curves of the
+report) and by the generator of ``prefect.yaml`` (:func:`deployments_yaml`). A new recipe is one
+:class:`Recipe` in :data:`RECIPES` plus its flow module and its example configs in
+``configs/<name>/*.yaml``. Flows and configs are named by ``module:attribute`` strings, imported
+only when used (listing recipes imports no torch).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RECIPES", "RECIPES_ENV", "Recipe", "deployments_yaml", "example_configs", "get_recipe",
+           "load_example", "recipes"]
+
+#: Extra registrations, ``name=module:flow_attr`` separated by commas (plugins, tests).
+RECIPES_ENV = "PREFECT_TINKER_FLOWS"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One recipe.
+
+    Attributes:
+        name: the registry name (``prefect-tinker run <name>``; run-name and artifact prefix).
+        flow: ``module:attr`` of the Prefect flow taking ``config``.
+        description: one line for ``prefect-tinker ls``.
+        curves: metric names drawn in the run's curves picture.
+        deployments: example config names deployed by ``prefect.yaml`` (as ``<name>-<example>``).
+    """
+
+    name: str
+    flow: str
+    description: str = ""
+    curves: tuple[str, ...] = ()
+    deployments: tuple[str, ...] = field(default=())
+
+    def load_flow(self) -> Any:
+        """The flow object (imports its module).
+
+        Raises:
+            ImportError / AttributeError: the module or attribute does not exist.
+        """
+        mod, _, attr = self.flow.partition(":")
+        return getattr(importlib.import_module(mod), attr)
+
+    @property
+    def entrypoint(self) -> str:
+        """The module-path entrypoint of the flow for ``prefect.yaml`` (``pkg.module.attr``)."""
+        return self.flow.replace(":", ".")
+
+
+RECIPES: dict[str, Recipe] = {r.name: r for r in (
+    Recipe("sft", "prefect_tinker.flows.sft:sft_flow", "supervised fine-tuning on chat data (LoRA)",
+           ("train/loss", "test/nll", "train/learning_rate"), ("tiny",)),
+    Recipe("rl", "prefect_tinker.flows.rl:rl_flow", "RL with verifiable rewards (GRPO-style group advantages)",
+           ("env/reward_mean", "env/correct_rate", "train/entropy", "train/kl_sample_train_v1"), ("arithmetic",)),
+    Recipe("dpo", "prefect_tinker.flows.dpo:dpo_flow", "preference learning: DPO / IPO / hinge on comparisons",
+           ("train/dpo_loss", "train/accuracy", "train/margin", "test/accuracy"), ("tiny",)),
+)}
+
+
+def recipes() -> dict[str, Recipe]:
+    """:data:`RECIPES` plus registrations from ``$PREFECT_TINKER_FLOWS`` (``name=module:attr,...``).
+
+    Raises:
+        ValueError: a malformed entry.
+    """
+    reg = dict(RECIPES)
+    for entry in filter(None, (e.strip() for e in os.environ.get(RECIPES_ENV, "").split(","))):
+        name, sep, target = entry.partition("=")
+        if not sep or ":" not in target:
+            raise ValueError(f"bad entry {entry!r} in ${RECIPES_ENV}: expected name=module:attr")
+        reg[name.strip()] = Recipe(name.strip(), target.strip(), "registered in $" + RECIPES_ENV)
+    return reg
+
+
+def get_recipe(name: str) -> Recipe:
+    """The recipe ``name``; a recipe without a registration (a flow run by ``module:attr``) gets
+    an empty one with no curves.
+
+    Raises:
+        ValueError: a malformed ``$PREFECT_TINKER_FLOWS`` entry.
+    """
+    return recipes().get(name) or Recipe(name, "", "")
+
+
+def _configs_root() -> Path:
+    return Path(str(resources.files("prefect_tinker.configs")))
+
+
+def example_configs(name: str) -> dict[str, Path]:
+    """Example config files of recipe ``name``: ``{example name: path}`` from ``configs/<name>/``."""
+    folder = _configs_root() / name
+    return {p.stem: p for p in sorted(folder.glob("*.yaml"))} if folder.is_dir() else {}
+
+
+def load_example(name: str, example: str) -> dict[str, Any]:
+    """The example config ``example`` of recipe ``name`` as a dict.
+
+    Raises:
+        ValueError: no such example (the message lists the recipe's examples).
+    """
+    import yaml
+
+    files = example_configs(name)
+    if example not in files:
+        raise ValueError(f"recipe {name!r} has no example config {example!r}; examples: {', '.join(files) or '(none)'}")
+    return yaml.safe_load(files[example].read_text()) or {}
+
+
+def deployments_yaml() -> str:
+    """The ``deployments:`` section of ``prefect.yaml``: one deployment per (recipe, example in
+    ``Recipe.deployments``), parameters from the example config, run by the ``tinker-process``
+    work pool (the rest of ``prefect.yaml`` is written by hand)."""
+    import yaml
+
+    items = []
+    for r in RECIPES.values():
+        for ex in r.deployments:
+            items.append({
+                "name": f"{r.name}-{ex}", "description": f"{r.description} (example config configs/{r.name}/{ex}.yaml)",
+                "entrypoint": r.entrypoint, "tags": ["prefect-tinker", r.name],
+                "parameters": {"config": load_example(r.name, ex)}, "work_pool": "*tinker_process",
+            })
+    text = yaml.safe_dump({"deployments": items}, sort_keys=False, width=100)
+    return text.replace("work_pool: '*tinker_process'", "work_pool: *tinker_process")

@@ -1,0 +1,352 @@
+"""The run session: what every recipe's run shares, from the store check to the summary artifact.
+
+A recipe's flow opens one session, trains inside it (usually through
+:class:`~prefect_tinker.flows.loop.StepLoop`), and finishes it::
+
+    with RunSession(config, builder=lambda renderer: config.dataset_builder(renderer)) as session:
+        data = prepare_dataset(session.builder, session.tokenizer_id)
+        StepLoop(session, total, evaluators=[...]).run(one_step)
+        return session.finish({"first_loss": ...})
+
+Opening (:meth:`RunSession.__enter__`):
+
+1. the backend's credentials (:func:`~prefect_tinker.flows.config.resolve_credentials`) and the
+   store check (``check-store``: wrong S3 credentials fail before any training);
+2. the resume point: the run's last state checkpoint in the training store; on resume the stored
+   config is compared with the new one -- a change of a field in the config's ``resume_fields``
+   (batch size, seed, loss, ...), of the dataset's content fingerprint or of the resolved renderer
+   would silently alter the data position or the objective, so it is a
+   :class:`ResumeConfigError` naming the field, unless listed in ``allow_config_change``;
+3. the training client (``open-training-run``: resumed with its optimizer state, or initialised
+   from ``load_checkpoint_path``, whose recorded renderer must match this run's);
+4. ``renderer="auto"`` resolved once (:func:`~prefect_tinker.recipes.renderers.resolve_renderer_name`);
+5. the ``running`` row in ``runs`` with what the run resolved (``meta_json``).
+
+While it runs: buffered store rows (:meth:`record`, :meth:`buffer`) written before each
+checkpoint row (:meth:`checkpoint`), so a resumed run has exactly one row per key; rewinds after a
+lost client (:meth:`rewind`). On an exception the run is recorded ``failed``. :meth:`finish`
+writes what is left, records ``completed``, compacts the run's tables to one part each and posts
+the summary artifact.
+
+Callbacks (:class:`RunCallbacks`, installed with :func:`run_callbacks`) let tests and plugins
+observe every run of the process: ``after_step``, ``after_checkpoint``, ``before_compaction``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+from prefect import get_run_logger
+from prefect.artifacts import create_markdown_artifact
+
+from prefect_tinker.flows.config import RecipeConfig, resolve_credentials
+from prefect_tinker.tasks.clients import ClientRewound, TrainingRun, tokenizer
+from prefect_tinker.tasks.records import (
+    check_store, compact_finished_run, record_checkpoint, record_run, write_metrics, write_table,
+)
+from prefect_tinker.tasks.reporting import artifact_key, report_run
+from prefect_tinker.tasks.training import open_training_run, save_checkpoint, save_sampler_weights
+
+__all__ = ["ResumeConfigError", "RunCallbacks", "RunSession", "run_callbacks"]
+
+
+class ResumeConfigError(ValueError):
+    """A resumed run's config differs from the stored one in a field that changes the data
+    position or the objective (the message names the field, both values and the override)."""
+
+
+class RunCallbacks:
+    """Hooks called for every run of this process (subclass and override what you need)."""
+
+    def after_step(self, run_id: str, step: int) -> None:
+        """After optimizer step ``step`` was taken (before its evaluation and checkpoint)."""
+
+    def after_checkpoint(self, run_id: str, step: int, path: str) -> None:
+        """After the state checkpoint at ``step`` and its store rows were written."""
+
+    def before_compaction(self, run_id: str) -> None:
+        """When every row of the finished run is written, before its tables are compacted."""
+
+
+_callbacks: list[RunCallbacks] = []
+_callbacks_lock = threading.Lock()
+
+
+@contextmanager
+def run_callbacks(*callbacks: RunCallbacks) -> Iterator[None]:
+    """Install ``callbacks`` for the runs started inside the ``with`` block."""
+    with _callbacks_lock:
+        _callbacks.extend(callbacks)
+    try:
+        yield
+    finally:
+        with _callbacks_lock:
+            for cb in callbacks:
+                _callbacks.remove(cb)
+
+
+def emit(hook: str, *args: Any) -> None:
+    """Call ``hook(*args)`` on every installed callback."""
+    with _callbacks_lock:
+        cbs = list(_callbacks)
+    for cb in cbs:
+        getattr(cb, hook)(*args)
+
+
+class RunSession:
+    """The lifecycle of one training run (see the module docstring).
+
+    Args:
+        config: the recipe's config (a :class:`~prefect_tinker.flows.config.RecipeConfig`).
+        builder: ``renderer -> DatasetBuilder`` of the recipe's data (its fingerprint is recorded
+            and compared on resume), or None.
+        fingerprint: ``renderer -> str`` identity of the data when there is no builder (RL envs).
+        upstream: asset URIs the run's checkpoints depend on (besides the data and the start).
+
+    Attributes (after entering): ``credentials``, ``backend``, ``run`` (the
+    :class:`~prefect_tinker.tasks.clients.TrainingRun` handle), ``renderer`` (resolved),
+    ``tokenizer_id``, ``builder``, ``resumed_from`` (the state checkpoint row resumed, or None),
+    ``samplers`` (optimizer step -> sampler path recorded for this run).
+    """
+
+    def __init__(self, config: RecipeConfig, *, builder: Callable[[str], Any] | None = None,
+                 fingerprint: Callable[[str], str] | None = None, upstream: list[str] | None = None):
+        self.config, self.recipe = config, config.recipe or type(config).__name__.lower()
+        self.run_id: str = config.run_name
+        self._make_builder, self._make_fingerprint = builder, fingerprint
+        self.upstream = list(upstream or [])
+        self.pending: dict[str, list] = {"metrics": []}
+        self.samplers: dict[int, str] = {}
+        self._recorded_samplers: set[int] = set()
+        self.checkpoints: list[str] = []
+        self.builder: Any = None
+        self.resumed_from: dict | None = None
+        self._status_recorded = False
+
+    # ----- opening -----------------------------------------------------------------------------
+    def __enter__(self) -> "RunSession":
+        c, log = self.config, get_run_logger()
+        self.credentials = resolve_credentials(c.backend)
+        self.backend = self.credentials.backend_name()
+        check_store(c.store)  # wrong credentials / unwritable store: fail before any training
+        store = self._store()
+        stored = store.get_run(self.run_id)
+        rows = store.query("SELECT step, kind, path FROM checkpoints WHERE run_id = ? ORDER BY step, time", [self.run_id])
+        states = [r for r in rows if r["kind"] == "state"]
+        self.samplers = {int(r["step"]): r["path"] for r in rows if r["kind"] == "sampler"}
+        self._recorded_samplers = set(self.samplers)
+        last = states[-1] if states else None
+        if last and stored:
+            self._check_resume_config(json.loads(stored.get("config_json") or "{}"))
+        self.run: TrainingRun = open_training_run(
+            self.credentials, self.run_id, c.model, c.lora_rank, self.backend, seed=c.seed,
+            resume_from=last["path"] if last else None, resume_step=int(last["step"]) if last else 0,
+            init_from=None if last else c.load_checkpoint_path,
+        )
+        self.tokenizer_id = self.run.tokenizer_id
+        from prefect_tinker.recipes.renderers import resolve_renderer_name
+
+        self.renderer = resolve_renderer_name(c.renderer, tokenizer(self.tokenizer_id))
+        self.builder = self._make_builder(self.renderer) if self._make_builder else None
+        data_fp = (self.builder.fingerprint() if self.builder is not None else
+                   self._make_fingerprint(self.renderer) if self._make_fingerprint else None)
+        self.meta = {"recipe": self.recipe, "renderer": self.renderer, "tokenizer_id": self.tokenizer_id,
+                     "dataset_fingerprint": data_fp, "init_from": c.load_checkpoint_path}
+        if last and stored:
+            self._check_resume_meta(json.loads(stored.get("meta_json") or "null") or {})
+        elif c.load_checkpoint_path:
+            self._check_start_renderer(c.load_checkpoint_path)
+        if last:
+            self.resumed_from = last
+            log.info("resuming run %s after its checkpoint at step %d (%s)", self.run_id, last["step"], last["path"])
+        self._record("running")
+        return self
+
+    def _store(self):
+        from tinker_blocks.stores import TrainingStore
+
+        return TrainingStore(root=self.config.store)
+
+    def _allowed(self, field: str) -> bool:
+        return field in self.config.allow_config_change
+
+    def _refuse(self, field: str, was: Any, now: Any, why: str) -> None:
+        raise ResumeConfigError(
+            f"run {self.run_id!r} was started with {field}={was!r}; this config has {field}={now!r}: "
+            f"resuming would {why}. Use a new run_name, or allow it with allow_config_change=[{field}]")
+
+    def _check_resume_config(self, stored: dict) -> None:
+        new = json.loads(self.config.model_dump_json())
+        for field in type(self.config).resume_fields:
+            if field in stored and field in new and stored[field] != new[field] and not self._allowed(field):
+                self._refuse(field, stored[field], new[field], "change the data position or the objective")
+
+    def _check_resume_meta(self, stored: dict) -> None:
+        for field, key, why in (("renderer", "renderer", "train on tokens rendered another way"),
+                                ("dataset", "dataset_fingerprint", "train on other data at the same position")):
+            was, now = stored.get(key), self.meta.get(key)
+            if was is not None and now is not None and was != now and not self._allowed(field):
+                self._refuse(field, was if field == "renderer" else f"content {was[:19]}",
+                             now if field == "renderer" else f"content {now[:19]}", why)
+
+    def _check_start_renderer(self, path: str) -> None:
+        rows = self._store().query("SELECT renderer FROM checkpoints WHERE path = ? AND renderer IS NOT NULL "
+                                   "ORDER BY time DESC LIMIT 1", [path])
+        if rows and rows[0]["renderer"] != self.renderer and not self._allowed("renderer"):
+            raise ResumeConfigError(
+                f"load_checkpoint_path {path!r} was trained with renderer {rows[0]['renderer']!r}, but this run "
+                f"renders with {self.renderer!r}: set renderer={rows[0]['renderer']!r}, or allow it with "
+                "allow_config_change=[renderer]")
+
+    def _record(self, status: str) -> None:
+        c = self.config
+        record_run(c.store, self.run_id, c.model, self.backend, c.lora_rank, c.model_dump_json(), status, self.meta)
+        self._status_recorded = True
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is not None and self._status_recorded:
+            try:
+                self._record("failed")
+            except Exception as inner:  # the original error matters more; say why the row is missing
+                get_run_logger().error("could not record run %s as failed: %s", self.run_id, inner)
+
+    # ----- while training ----------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken."""
+        return self.run.step
+
+    def record(self, step: int, metrics: dict[str, float]) -> None:
+        """Buffer ``metrics`` (full names, e.g. ``train/loss``) as rows at ``step``."""
+        self.pending["metrics"] += [(int(step), k, float(v)) for k, v in metrics.items()]
+
+    def buffer(self, table: str, rows: list[dict]) -> None:
+        """Buffer rows of another training-store table (each with a ``step``), written with the
+        metrics before the next checkpoint row."""
+        self.pending.setdefault(table, []).extend(rows)
+
+    def flush(self) -> None:
+        """Write every buffered row now (metrics first)."""
+        c = self.config
+        if self.pending["metrics"]:
+            write_metrics(c.store, self.run_id, self.pending["metrics"])
+        for table, rows in self.pending.items():
+            if table != "metrics" and rows:
+                write_table(c.store, table, self.run_id, rows)
+        self.pending = {"metrics": []}
+
+    def rewind(self, rew: ClientRewound) -> None:
+        """Continue from the checkpoint at ``rew.step`` after the client was lost: the handle comes
+        from ``rew``; buffered rows of later steps are dropped (they will be redone)."""
+        get_run_logger().warning("%s; continuing from step %d", rew, rew.step)
+        self.run = rew.run
+        self.pending = {t: [r for r in rows if (r[0] if isinstance(r, tuple) else r["step"]) < rew.step]
+                        for t, rows in self.pending.items()}
+
+    def _upstream(self) -> list[str]:
+        c = self.config
+        return [*(self.builder.uris() if self.builder is not None else []), *self.upstream,
+                *([c.load_checkpoint_path] if c.load_checkpoint_path else [])]
+
+    def save_sampler(self, name: str | None = None, *, record: bool = False, asset: bool = False) -> str:
+        """Save sampler weights of the current step (``save-sampler-weights``, or with ``asset``
+        the ``save-checkpoint`` asset materialization); kept in :attr:`samplers`, and recorded in
+        ``checkpoints`` with the next checkpoint (``record``: now)."""
+        name = name or self.checkpoint_name(self.step)
+        if asset:
+            self.run, path = save_checkpoint(self.credentials, self.run, name, "sampler", upstream=self._upstream())
+        else:
+            path = save_sampler_weights(self.credentials, self.run, name)
+        self.samplers[self.step] = path
+        if record:
+            self._record_sampler(self.step)
+        return path
+
+    def sampler_at(self, step: int) -> str:
+        """The sampler path of ``step``, saving one when the current step has none.
+
+        Raises:
+            KeyError: ``step`` is not the current step and no sampler was saved at it.
+        """
+        if step not in self.samplers and step == self.step:
+            self.save_sampler()
+        return self.samplers[step]
+
+    def _record_sampler(self, step: int) -> None:
+        if step in self.samplers and step not in self._recorded_samplers:
+            record_checkpoint(self.config.store, self.run_id, step, self.samplers[step], "sampler", self.renderer)
+            self._recorded_samplers.add(step)
+
+    def checkpoint_name(self, step: int) -> str:
+        return f"{self.run_id}-step-{step:06d}"
+
+    def checkpoint(self) -> str:
+        """State checkpoint at the current step (weights + optimizer, an asset with the data and
+        the start weights upstream); writes the buffered rows, the sampler row of this step (if
+        any), then the state row -- the resume marker -- and posts the report. Returns the path."""
+        c, done = self.config, self.step
+        self.run, path = save_checkpoint(self.credentials, self.run, self.checkpoint_name(done), "state",
+                                         upstream=self._upstream())
+        self.flush()
+        self._record_sampler(done)
+        record_checkpoint(c.store, self.run_id, done, path, "state", self.renderer)
+        self.checkpoints.append(path)
+        self.report(done)
+        emit("after_checkpoint", self.run_id, done, path)
+        return path
+
+    def report(self, step: int) -> None:
+        """The run's latest-metrics table and curves picture (``report-run``)."""
+        from prefect_tinker.flows.registry import get_recipe
+
+        curves = get_recipe(self.recipe).curves if self.recipe else ()
+        report_run(self.config.store, self.run_id, step, kind=self.recipe, curves=curves)
+
+    def metric_ends(self, name: str) -> tuple[Any, Any]:
+        """``(value at the first step, value at the last step)`` of metric ``name`` over the whole
+        run (every invocation), read back from the store after writing what is buffered."""
+        self.flush()
+        rows = self._store().query("SELECT arg_min(value, step) AS first, arg_max(value, step) AS last FROM metrics "
+                                   "WHERE run_id = ? AND name = ?", [self.run_id, name])
+        return (rows[0]["first"], rows[0]["last"]) if rows else (None, None)
+
+    def metric_sum(self, name: str) -> float:
+        """Sum of metric ``name`` over the whole run (e.g. ``train/tokens``)."""
+        self.flush()
+        rows = self._store().query("SELECT coalesce(sum(value), 0) AS t FROM metrics WHERE run_id = ? AND name = ?",
+                                   [self.run_id, name])
+        return float(rows[0]["t"])
+
+    # ----- the end ---------------------------------------------------------------------------
+    def finish(self, summary: dict[str, Any], *, title_fields: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Write what is buffered, record ``completed``, compact the run's tables (one part per
+        table: S3 queries cost a request per part) and post the summary artifact.
+
+        Returns ``summary`` with ``run_name``, ``steps`` (optimizer steps taken), ``renderer``,
+        ``checkpoints`` (every checkpoint path of the run, all invocations) and ``store`` added.
+        """
+        self.flush()
+        self._record("completed")
+        emit("before_compaction", self.run_id)
+        compact_finished_run(self.config.store, self.run_id)
+        rows = self._store().query("SELECT path FROM checkpoints WHERE run_id = ? ORDER BY step, kind", [self.run_id])
+        out = {"run_name": self.run_id, "steps": self.step, "renderer": self.renderer, **summary,
+               "checkpoints": [r["path"] for r in rows], "store": self.config.store}
+        self._summary_artifact(out, title_fields or {})
+        return out
+
+    def _summary_artifact(self, summary: dict[str, Any], fields: dict[str, Any]) -> None:
+        c = self.config
+        table = {"model": f"`{c.model}`", "renderer": f"`{self.renderer}`", **fields, "steps": summary["steps"],
+                 **{k: v for k, v in summary.items() if isinstance(v, (int, float, str)) and k not in
+                    ("run_name", "steps", "renderer", "store")}, "store": f"`{c.store}`"}
+        lines = [f"# {self.recipe.upper()} run `{self.run_id}`", "", "| field | value |", "|---|---|",
+                 *[f"| {k} | {v} |" for k, v in table.items()], "", "## Checkpoints", "",
+                 *[f"- `{p}`" for p in summary["checkpoints"]]]
+        for s in summary.get("samples") or []:
+            lines += ["", f"**prompt**: `{s['prompt'][-200:]!r}`", "", f"**completion**: `{s['completion']!r}`"]
+        create_markdown_artifact("\n".join(lines), key=artifact_key(self.recipe, self.run_id),
+                                 description=f"{self.recipe.upper()} run summary")

@@ -1,0 +1,178 @@
+"""Dataset builders: pydantic models that say what a recipe trains on, with a fingerprint (the
+cache key of the prepared data) and ``build(tokenizer)`` giving the train and test splits.
+
+- :class:`SourceFields`: the data fields every data-driven recipe config shares (``dataset``,
+  ``format``, ``fields``, ``options``, several weighted ``sources``, ``test_size``,
+  ``max_length``, ``on_error``), turned into :class:`~prefect_tinker.recipes.data_reading.SourceSpec`
+  s by :meth:`SourceFields.source_specs`.
+- :class:`DatasetBuilder`: the interface (``fingerprint()``, ``build(tokenizer)``,
+  ``uris()`` for asset lineage, ``check()`` reading the records before anything runs).
+- :class:`SupervisedBuilder`: chat conversations -> rendered ``(tokens, weights)`` examples
+  through the one supervised pipeline, :class:`~prefect_tinker.recipes.data_pipeline.SupervisedDataset`.
+
+Other builders live with their recipe (preference pairs: :mod:`prefect_tinker.recipes.preference`).
+The renderer a builder gets is a concrete name (the run session resolves ``auto`` once per run).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from prefect_tinker.recipes.data_reading import (
+    EXAMPLE_CHAT_PATH,
+    OnError,
+    SourceSpec,
+    check_local_source,
+    resolve_source_path,
+    source_fingerprint,
+)
+
+__all__ = ["DatasetBuilder", "Example", "SourceFields", "SupervisedBuilder", "SupervisedData"]
+
+
+class Example(BaseModel):
+    """One rendered sequence: ``tokens`` (T,) and ``weights`` (T,) (1.0 on trained tokens)."""
+
+    tokens: list[int]
+    weights: list[float]
+
+
+class SourceFields(BaseModel):
+    """Where a recipe's records come from (fields of the recipe's config).
+
+    One source: ``dataset`` (a JSONL file, local dataset file/dir, ``builtin:example_chat`` or a
+    Hugging Face dataset id) read in ``format`` with the field mapping ``fields``; several
+    weighted sources: ``sources`` (each a full :class:`SourceSpec`; then ``dataset`` must be unset).
+    """
+
+    dataset: str | None = Field(default=None, description="JSONL file, local dataset file/dir, 'builtin:example_chat' or a Hugging Face dataset id.")
+    format: str = Field(default="messages", description="Record format of `dataset` (messages, sharegpt, instruction, prompt_completion, dialogue, self_instruct, preference, ...).")
+    fields: dict[str, str] = Field(default_factory=dict, description="Field mapping of `dataset`: format field -> record path (dotted, e.g. meta.answer).")
+    options: dict[str, Any] = Field(default_factory=dict, description="Converter options of `dataset` (system_prompt, ...).")
+    split: str = Field(default="train", description="Split of a Hugging Face `dataset`.")
+    sources: list[SourceSpec] = Field(default_factory=list, description="Several weighted sources instead of `dataset` (each: path, format, fields, options, weight, ...).")
+    test_size: float = Field(default=0.1, ge=0, description="Held-out fraction (<1) or count (>=1), split with `seed`.")
+    max_length: int = Field(default=512, ge=8, description="Most tokens of one example.")
+    on_error: OnError = Field(default="raise", description="A bad record: 'raise' (error naming file, line and field) or 'skip' (counted).")
+
+    _dataset_exists = field_validator("dataset")(check_local_source)  # a missing file fails here
+
+    @model_validator(mode="after")
+    def _one_way(self) -> "SourceFields":
+        if self.sources and self.dataset is not None:
+            raise ValueError("give either dataset=... or sources=[...], not both")
+        for i, spec in enumerate(self.sources):
+            try:
+                check_local_source(spec.path)
+            except ValueError as exc:
+                raise ValueError(f"sources[{i}].path: {exc}") from None
+        return self
+
+    def source_specs(self, default: str | None = None) -> list[SourceSpec]:
+        """The sources as specs (``dataset`` -> one spec; ``default`` when neither is given).
+
+        Raises:
+            ValueError: no source at all.
+        """
+        if self.sources:
+            return list(self.sources)
+        path = self.dataset or default
+        if path is None:
+            raise ValueError("dataset: required (a JSONL file, dataset directory or Hugging Face id)")
+        return [SourceSpec(path=path, format=self.format, fields=self.fields, options=self.options, split=self.split)]
+
+    def test_count(self) -> float | int:
+        """``test_size`` as the split functions take it: an int count when >= 1, else a fraction."""
+        return int(self.test_size) if self.test_size >= 1 else float(self.test_size)
+
+
+class DatasetBuilder(BaseModel, ABC):
+    """What a recipe trains on: a pure description (hashable into :meth:`fingerprint`) that
+    :meth:`build` turns into data for one tokenizer."""
+
+    sources: list[SourceSpec]
+    renderer: str = Field(description="A concrete renderer name (resolved from 'auto' by the run session).")
+    seed: int = 0
+
+    def fingerprint(self) -> str:
+        """``sha256:<hex>`` of the builder's settings with each local source replaced by the hash
+        of its content (editing a file changes it, renaming it does not)."""
+        body = self.model_dump(mode="json", exclude={"sources"})
+        body["kind"] = type(self).__name__
+        body["sources"] = [dict(s.model_dump(mode="json", exclude={"path"}), content=source_fingerprint(s))
+                           for s in self.sources]
+        return "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+    def uris(self) -> list[str]:
+        """Asset URIs of the sources: ``file:///abs/path`` for local ones, ``hf://datasets/<id>`` else."""
+        out = []
+        for spec in self.sources:
+            path = resolve_source_path(spec.path)
+            out.append(Path(path).resolve().as_uri() if Path(path).exists() else f"hf://datasets/{spec.path}")
+        return out
+
+    @abstractmethod
+    def build(self, tokenizer: Any) -> BaseModel:
+        """Read, validate, split and render the data for ``tokenizer``.
+
+        Raises:
+            DatasetFormatError: a bad record (the message names file, line and field).
+            FileNotFoundError: a missing local source.
+        """
+
+
+class SupervisedData(BaseModel):
+    """Rendered train and held-out examples of a :class:`SupervisedBuilder`."""
+
+    fingerprint: str
+    renderer: str
+    train: list[Example]
+    test: list[Example]
+    skipped: int = 0  # conversations dropped (too long / nothing trained within max_length / bad record)
+    skip_summary: str = "0 skipped"
+
+
+class SupervisedBuilder(DatasetBuilder):
+    """Chat conversations for supervised fine-tuning, through
+    :class:`~prefect_tinker.recipes.data_pipeline.SupervisedDataset` (weighted interleaving of the
+    sources, seeded train/test split, rendering with ``train_on_what``, truncation)."""
+
+    train_on_what: str = "all_assistant_messages"
+    max_length: int = 512
+    on_too_long: Literal["truncate", "skip", "error"] = "truncate"
+    on_error: OnError = "raise"
+    test_size: float | int = 0.1
+    stopping: Literal["first_exhausted", "all_exhausted", "each_once"] = "each_once"
+    renderer_options: dict[str, Any] = Field(default_factory=dict)
+
+    def build(self, tokenizer: Any) -> SupervisedData:
+        from prefect_tinker.recipes.data_pipeline import SupervisedDataset
+        from prefect_tinker.recipes.renderers import get_renderer
+
+        if any(s.streaming for s in self.sources):
+            raise ValueError("streamed sources cannot be prepared in memory for SFT; set streaming=false "
+                             "(and max_records to bound a large set)")
+        rend = get_renderer(self.renderer, tokenizer, **self.renderer_options)
+        ds = SupervisedDataset(
+            self.sources, rend, batch_size=1, max_length=self.max_length, train_on_what=self.train_on_what,
+            on_too_long=self.on_too_long, on_error=self.on_error, test_size=self.test_size, seed=self.seed,
+            stopping=self.stopping,
+        )
+
+        def examples(pairs):
+            return [Example(tokens=list(t), weights=[float(x) for x in w]) for t, w in pairs]
+
+        return SupervisedData(
+            fingerprint=self.fingerprint(), renderer=self.renderer, train=examples(ds.train_examples()),
+            test=examples(ds.test_examples()), skipped=ds.stats.total, skip_summary=ds.stats.summary(),
+        )
+
+
+#: The bundled example chats (the SFT default dataset).
+EXAMPLE_CHATS = EXAMPLE_CHAT_PATH

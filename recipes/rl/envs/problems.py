@@ -1,0 +1,74 @@
+"""Shared parts of the one-step problem environments: loading problems from files or datasets,
+and the prompt prefix (system prompt, one solved example) a spec asks for."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Sequence
+
+from prefect_tinker.recipes.rl.grading import extract_boxed, extract_hash_answer
+from prefect_tinker.recipes.rl.problem_env import Problem, ProblemGroupBuilder, freeze_messages
+
+__all__ = ["convo_prefix", "load_problems", "problem_builder"]
+
+
+def _reference(raw: str) -> str:
+    """The final answer inside a reference field: after ``####``, else the last ``\\boxed{}``, else the field."""
+    return extract_hash_answer(raw) or extract_boxed(raw) or raw.strip()
+
+
+def load_problems(
+    source: str, *, question_field: str = "question", answer_field: str = "answer", split: str = "train",
+    config_name: str | None = None, max_problems: int | None = None,
+) -> list[Problem]:
+    """Problems from a JSONL file (optionally gzipped) or a Hugging Face dataset.
+
+    ``question_field``/``answer_field`` are record paths (``meta.answer``, ``choices[0]``); the
+    reference answer is extracted from the answer field (``#### n``, ``\\boxed{}``, else as is).
+
+    Raises:
+        FileNotFoundError: a path-like source that does not exist.
+        ValueError: a malformed line or a missing/empty field; the message names ``file:line``
+            and the field.
+    """
+    from prefect_tinker.recipes.data_reading import SourceSpec, iter_records
+    from prefect_tinker.recipes.data_sources import RecordError, get_field
+
+    spec = SourceSpec(path=source, split=split, config_name=config_name, max_records=max_problems)
+    problems = []
+    for raw in iter_records(spec):
+        if raw.error:
+            raise ValueError(f"{raw.where}: {raw.error}")
+        try:
+            question, answer = get_field(raw.record, question_field), get_field(raw.record, answer_field)
+        except RecordError as exc:
+            raise ValueError(f"{raw.where}: {exc}") from None
+        if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+            answer = str(answer)
+        for name, value in ((question_field, question), (answer_field, answer)):
+            if not isinstance(value, str) or not value.strip():
+                raise ValueError(f"{raw.where}: field {name!r} must be a non-empty string, got {value!r:.60}")
+        problems.append(Problem(question=question.strip(), answer=_reference(answer), id=raw.where))
+    if not problems:
+        raise ValueError(f"no problems in {source!r}")
+    return problems
+
+
+def convo_prefix(spec: Any, shot: Sequence[dict]) -> list[dict]:
+    """Messages before the question: ``spec.system_prompt`` as a system message, then the solved
+    example ``shot`` (a user and an assistant message) when ``spec.few_shot``."""
+    prefix: list[dict] = []
+    if spec.system_prompt:
+        prefix.append({"role": "system", "content": spec.system_prompt})
+    if spec.few_shot:
+        prefix += [dict(m) for m in shot]
+    return prefix
+
+
+def problem_builder(env_cls: type, spec: Any, ctx: Any, shot: Sequence[dict], suffix: str, tag: str):
+    """``problem -> ProblemGroupBuilder`` for ``env_cls`` with the spec's prompt settings."""
+    return partial(
+        ProblemGroupBuilder, env_cls, group_size=ctx.group_size, renderer_name=ctx.renderer_name,
+        tokenizer_id=ctx.tokenizer_id, format_coef=spec.format_coef,
+        convo_prefix=freeze_messages(convo_prefix(spec, shot)), question_suffix=suffix, tags=(tag,),
+    )

@@ -1,0 +1,208 @@
+"""The per-process client registry: live ``tinker`` training and sampling clients behind
+picklable handles.
+
+A task never receives a live client. It receives the credentials block (picklable, hashable) and a
+small :class:`TrainingRun` handle, and asks this registry for the client:
+
+- :func:`training_client` returns the run's live ``tinker.TrainingClient`` at ``run.step``. When
+  the registry has none -- a new worker, a crash, or a client poisoned by a failed request (the
+  SDK refuses further calls on it) -- it is recreated from the handle's last state checkpoint
+  (weights and optimizer state), and :class:`ClientRewound` tells the caller to continue from that
+  checkpoint's step, so no update is ever applied twice or lost.
+- :func:`sampling_client` returns a cached ``tinker.SamplingClient`` for a ``tinker://`` sampler
+  path or ``base:<model>`` (created once per process, not per call).
+- :func:`reference_client` returns a frozen training client of fixed weights (a base model or a
+  state checkpoint) used only for ``forward``: reference logprobs with the trainer's own numerics.
+- :func:`tokenizer` returns a cached Hugging Face tokenizer for a ``tokenizer_id``.
+
+Keys combine where the server is (local root or base URL) with the run name or path, so two
+backends never share a client.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import tinker
+from pydantic import BaseModel, Field
+
+__all__ = [
+    "ClientRewound",
+    "TrainingRun",
+    "advance",
+    "forget",
+    "has_training_client",
+    "reference_client",
+    "register",
+    "sampling_client",
+    "tokenizer",
+    "training_client",
+]
+
+#: Most sampling clients (and reference clients) kept per process; the least recently used go.
+MAX_SAMPLING_CLIENTS = 16
+
+
+class TrainingRun(BaseModel):
+    """A small, picklable handle on one training run (never holds a live client).
+
+    ``step`` counts completed optimizer steps; ``last_checkpoint`` is the ``tinker://.../weights/...``
+    path of the newest saved state (weights + optimizer), taken at ``last_checkpoint_step``.
+    ``init_from`` is the state the run started from (a fresh optimizer), when not the base model.
+    """
+
+    run_name: str
+    base_model: str
+    lora_rank: int
+    backend: str = Field(description="'local', 'remote' or 'hosted'.")
+    seed: int | None = None
+    model_id: str | None = None
+    tokenizer_id: str | None = None
+    step: int = 0
+    last_checkpoint: str | None = None
+    last_checkpoint_step: int = 0
+    init_from: str | None = None
+
+
+class ClientRewound(RuntimeError):
+    """The live client was lost and was recreated from the checkpoint at ``step``.
+
+    The caller must continue training from ``step`` (the data position is a function of the step).
+    """
+
+    def __init__(self, run: TrainingRun, step: int):
+        super().__init__(f"training client of run {run.run_name!r} was recreated from its checkpoint at step {step}")
+        self.run = run
+        self.step = step
+
+
+_lock = threading.Lock()
+_training: dict[tuple[str, str], tuple[tinker.TrainingClient, int]] = {}
+_sampling: OrderedDict[tuple[str, str], Any] = OrderedDict()
+
+
+def _where(credentials: Any) -> str:
+    if getattr(credentials, "local", False):
+        return f"local:{credentials.resolved_local_root()}"
+    return f"{credentials.backend_name()}:{credentials.base_url_for_sdk()}"
+
+
+def _key(credentials: Any, name: str) -> tuple[str, str]:
+    return (_where(credentials), name)
+
+
+def register(credentials: Any, run: TrainingRun, client: tinker.TrainingClient) -> TrainingRun:
+    """Keep ``client`` as the live client of ``run`` at ``run.step``; returns the handle with the
+    client's ``model_id`` and ``tokenizer_id`` filled in."""
+    info = client.get_info()
+    with _lock:
+        _training[_key(credentials, run.run_name)] = (client, run.step)
+    return run.model_copy(update={"model_id": str(client.model_id), "tokenizer_id": info.model_data.tokenizer_id})
+
+
+def has_training_client(credentials: Any, run: TrainingRun) -> bool:
+    """Whether the registry holds a live client of ``run`` at exactly ``run.step``."""
+    with _lock:
+        entry = _training.get(_key(credentials, run.run_name))
+    return entry is not None and entry[1] == run.step
+
+
+def training_client(credentials: Any, run: TrainingRun) -> tinker.TrainingClient:
+    """The live client of ``run`` at step ``run.step``, recreating it from the last checkpoint
+    (or, with none, from ``run.init_from`` / the base model at step 0).
+
+    Raises:
+        ClientRewound: the client had to be recreated at a step older than ``run.step``.
+    """
+    with _lock:
+        entry = _training.get(_key(credentials, run.run_name))
+    if entry is not None and entry[1] == run.step:
+        return entry[0]
+    forget(credentials, run)
+    service = credentials.get_client()
+    if run.last_checkpoint is not None:
+        client = service.create_training_client_from_state_with_optimizer(run.last_checkpoint).result()
+        step = run.last_checkpoint_step
+    elif run.init_from is not None:
+        client = service.create_training_client_from_state(run.init_from).result()
+        step = 0
+    else:
+        client = service.create_lora_training_client(base_model=run.base_model, rank=run.lora_rank, seed=run.seed).result()
+        step = 0
+    new_run = register(credentials, run.model_copy(update={"step": step}), client)
+    if new_run.step != run.step:
+        raise ClientRewound(new_run, new_run.step)
+    return client
+
+
+def forget(credentials: Any, run: TrainingRun) -> None:
+    """Drop the run's live client (after a failed request poisoned it); the next
+    :func:`training_client` recreates it."""
+    with _lock:
+        _training.pop(_key(credentials, run.run_name), None)
+
+
+def advance(credentials: Any, run: TrainingRun, client: tinker.TrainingClient, step: int) -> None:
+    """Record that ``client`` has taken ``step`` optimizer steps."""
+    with _lock:
+        _training[_key(credentials, run.run_name)] = (client, step)
+
+
+def _cached(key: tuple[str, str], make) -> Any:
+    with _lock:
+        if key in _sampling:
+            _sampling.move_to_end(key)
+            return _sampling[key]
+    client = make()
+    client = client.result() if hasattr(client, "result") else client
+    with _lock:
+        _sampling[key] = client
+        while len(_sampling) > MAX_SAMPLING_CLIENTS:
+            _sampling.popitem(last=False)
+    return client
+
+
+def sampling_client(credentials: Any, path: str) -> Any:
+    """A ``tinker.SamplingClient`` for ``path``: a ``tinker://.../sampler_weights/...`` path, or
+    ``base:<model>`` for a base model; created once per process (LRU of
+    :data:`MAX_SAMPLING_CLIENTS`)."""
+    service = credentials.get_client()
+    if path.startswith("base:"):
+        return _cached(_key(credentials, "sample|" + path), lambda: service.create_sampling_client(base_model=path[5:]))
+    return _cached(_key(credentials, "sample|" + path), lambda: service.create_sampling_client(model_path=path))
+
+
+def reference_client(credentials: Any, reference: str, *, lora_rank: int = 1, seed: int | None = None) -> Any:
+    """A frozen ``tinker.TrainingClient`` holding the weights ``reference`` (``base:<model>``, or a
+    ``tinker://.../weights/...`` state path), used only for ``forward``: its logprobs are computed
+    exactly as the policy's are (same engine, precision and LoRA path), so a policy equal to the
+    reference has a log-ratio of exactly 0. LoRA starts with a zero ``B`` matrix, so a fresh LoRA
+    client of a base model computes the base model. Cached per process.
+
+    Raises:
+        ValueError: ``reference`` is neither ``base:...`` nor a ``tinker://`` state path.
+    """
+    service = credentials.get_client()
+    if reference.startswith("base:"):
+        return _cached(_key(credentials, "ref|" + reference), lambda: service.create_lora_training_client(
+            base_model=reference[5:], rank=lora_rank, seed=seed))
+    if reference.startswith("tinker://") and "/weights/" in reference:
+        return _cached(_key(credentials, "ref|" + reference),
+                       lambda: service.create_training_client_from_state(reference))
+    raise ValueError(f"reference weights must be 'base:<model>' or a tinker://.../weights/... state path, got {reference!r}")
+
+
+@functools.lru_cache(maxsize=8)
+def tokenizer(tokenizer_id: str) -> Any:
+    """The Hugging Face tokenizer ``tokenizer_id`` (a local directory, or a hub id with the hub
+    reachable), cached per process.
+
+    Raises:
+        OSError: the tokenizer cannot be loaded.
+    """
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_id)
