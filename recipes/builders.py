@@ -20,7 +20,7 @@ import hashlib
 import json
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
@@ -143,6 +143,7 @@ class SupervisedBuilder(DatasetBuilder):
     :class:`~prefect_tinker.recipes.data_pipeline.SupervisedDataset` (weighted interleaving of the
     sources, seeded train/test split, rendering with ``train_on_what``, truncation)."""
 
+    kind: ClassVar[str] = "sft"
     train_on_what: str = "all_assistant_messages"
     max_length: int = 512
     on_too_long: Literal["truncate", "skip", "error"] = "truncate"

@@ -16,6 +16,8 @@ format                        fields (default names; first present wins)   messa
 ``dialogue`` (``hh``)         ``text``                                      ``\\n\\nHuman: ...\\n\\nAssistant: ...``
                                                                             turns (content stripped)
 ``self_instruct``             ``instruction``, ``instances``                one conversation per instance
+``preference``                ``prompt`` (optional), ``chosen``,            prompt + the chosen reply (comparisons:
+                              ``rejected``                                  :func:`pairs_from_record`)
 ============================  ===========================================  =====================================
 
 Options (``options=``): ``system_prompt`` (every format: a system message put first when the
@@ -44,12 +46,14 @@ __all__ = [
     "Conversation",
     "Converted",
     "DatasetFormatError",
+    "PAIR_FORMATS",
     "PreferencePair",
     "RecordError",
     "convert_record",
     "converter_names",
     "get_field",
     "parse_dialogue",
+    "pairs_from_record",
     "preference_from_dialogues",
     "register_converter",
     "validate_messages",
@@ -349,16 +353,88 @@ class PreferencePair(NamedTuple):
     rejected: list[dict[str, str]]
 
 
+#: Record formats of comparisons (``pairs_from_record``).
+PAIR_FORMATS = ("preference", "dialogue", "hh")
+
+
+def _as_messages(value: Any, path: str, *, reply: bool) -> list[dict]:
+    """A field value as messages: text -> one message (assistant for replies, user for prompts)."""
+    if isinstance(value, str):
+        return [{"role": "assistant" if reply else "user", "content": value}]
+    if isinstance(value, Mapping):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(m, Mapping) for m in value):
+        raise RecordError(path, f"must be a text, a message or a list of messages, got {_short(value)}")
+    for i, m in enumerate(value):
+        if "role" not in m or "content" not in m:
+            raise RecordError(f"{path}[{i}]", "needs role and content")
+        if not isinstance(m["content"], str):
+            raise RecordError(f"{path}[{i}].content", f"must be a string, got {_short(m['content'])}")
+    return [dict(m) for m in value]
+
+
+def _field(record: Any, fields: Mapping[str, str], name: str, required: bool = True) -> tuple[str, Any]:
+    path = fields.get(name, name)
+    try:
+        return path, get_field(record, path)
+    except RecordError:
+        if required:
+            raise
+        return path, None
+
+
+def pairs_from_record(record: Any, format: str = "preference", fields: Mapping[str, str] | None = None) -> tuple[list[dict], list[dict], list[dict]]:
+    """``(prompt, chosen, rejected)`` message lists of one record (see the module docstring):
+    ``prompt`` is what both continuations share; ``chosen``/``rejected`` what follows it.
+
+    Raises:
+        RecordError: a missing field or a value of the wrong type (names the field's path).
+        ValueError: an unknown format.
+    """
+    fields = dict(fields or {})
+    if format not in PAIR_FORMATS:
+        raise ValueError(f"unknown preference format {format!r}; accepted: {', '.join(PAIR_FORMATS)}")
+    cpath, chosen = _field(record, fields, "chosen")
+    rpath, rejected = _field(record, fields, "rejected")
+    if format in ("dialogue", "hh"):
+        out = []
+        for path, text in ((cpath, chosen), (rpath, rejected)):
+            if not isinstance(text, str):
+                raise RecordError(path, f"must be a '\\n\\nHuman: ...' transcript, got {_short(text)}")
+            try:
+                out.append(parse_dialogue(text))
+            except ValueError as exc:
+                raise RecordError(path, str(exc)) from None
+        return _split_shared([], out[0], out[1])
+    ppath, prompt = _field(record, fields, "prompt", required=False)
+    prompt_msgs = [] if prompt is None else _as_messages(prompt, ppath, reply=False)
+    return _split_shared(prompt_msgs, _as_messages(chosen, cpath, reply=True), _as_messages(rejected, rpath, reply=True))
+
+
+def _split_shared(prompt: list[dict], chosen: list[dict], rejected: list[dict]) -> tuple[list[dict], list[dict], list[dict]]:
+    k = 0
+    while k < min(len(chosen), len(rejected)) - 1 and chosen[k] == rejected[k]:
+        k += 1
+    return prompt + chosen[:k], chosen[k:], rejected[k:]
+
+
 def preference_from_dialogues(chosen: str, rejected: str) -> PreferencePair:
     """Split two HH-RLHF transcripts sharing a prefix into prompt + chosen/rejected continuations.
 
     Raises:
         ValueError: a transcript does not parse, or one continuation is empty (identical dialogues).
     """
-    a, b = parse_dialogue(chosen), parse_dialogue(rejected)
-    k = 0
-    while k < min(len(a), len(b)) - 1 and a[k] == b[k]:
-        k += 1
-    if a[k:] == b[k:]:
+    prompt, a, b = _split_shared([], parse_dialogue(chosen), parse_dialogue(rejected))
+    if a == b:
         raise ValueError("chosen and rejected dialogues are identical")
-    return PreferencePair(a[:k], a[k:], b[k:])
+    return PreferencePair(prompt, a, b)
+
+
+def _preference(record: Any, fields: Mapping[str, str], options: Mapping[str, Any]) -> list[Converted]:
+    """``preference`` records as conversations for SFT: the prompt and the chosen reply."""
+    prompt, chosen, _ = pairs_from_record(record, "preference", fields)
+    used = frozenset(_top(fields.get(k, k)) for k in ("prompt", "chosen", "rejected"))
+    return [Converted(_with_system(prompt + chosen, options.get("system_prompt")), fields.get("chosen", "chosen"), used)]
+
+
+CONVERTERS["preference"] = _preference

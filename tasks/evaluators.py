@@ -23,7 +23,7 @@ from prefect.utilities.annotations import quote
 from prefect_tinker.tasks.clients import TrainingRun
 from prefect_tinker.tasks.training import forward, weights_sum
 
-__all__ = ["Evaluator", "NLLEvaluator", "SamplingClientEvaluator", "TrainingClientEvaluator"]
+__all__ = ["Evaluator", "NLLEvaluator", "PreferenceEvaluator", "SamplingClientEvaluator", "TrainingClientEvaluator"]
 
 
 class Evaluator(ABC):
@@ -71,3 +71,49 @@ class NLLEvaluator(TrainingClientEvaluator):
         out = forward.with_options(task_run_name=f"eval-nll-step-{run.step}")(credentials, run, quote(self.datums))
         tokens = weights_sum(self.datums)
         return {f"{self.prefix}/nll": out.loss_sum / max(tokens, 1e-9), f"{self.prefix}/tokens": tokens}
+
+
+class PreferenceEvaluator(TrainingClientEvaluator):
+    """DPO-family loss and accuracy of held-out comparisons under the current weights.
+
+    Returns ``{prefix}/dpo_loss`` (mean over pairs of ``loss``'s per-pair value),
+    ``{prefix}/accuracy`` (fraction of pairs whose chosen log-ratio exceeds the rejected one, ties
+    one half: :func:`~prefect_tinker.recipes.preference.pair_accuracy`) and
+    ``{prefix}/margin`` (mean ``beta h``); the reference log-probabilities come from the cached
+    ``reference-sequence-logprobs`` task.
+
+    Args:
+        pairs: held-out :class:`~prefect_tinker.recipes.preference.PairExample` s.
+        loss: a :class:`~prefect_tinker.recipes.preference.DPOLoss` template (beta, loss name,
+            label smoothing; its reference values are replaced).
+        reference: the reference weights; via: ``trainer`` or ``sampler`` (see
+            :mod:`prefect_tinker.tasks.reference`).
+    """
+
+    name = "preference"
+
+    def __init__(self, pairs: list, *, beta: float, loss: str, label_smoothing: float, reference: str,
+                 via: str = "trainer", prefix: str = "test", seed: int | None = None):
+        from prefect_tinker.recipes.preference import pair_datums
+
+        self.datums, self.prefix = pair_datums(list(pairs)), prefix
+        self.beta, self.loss, self.label_smoothing = beta, loss, label_smoothing
+        self.reference, self.via, self.seed = reference, via, seed
+
+    def evaluate(self, credentials: Any, run: TrainingRun) -> dict[str, float]:
+        import torch
+
+        from prefect_tinker.recipes.preference import DPOLoss, pair_accuracy
+        from prefect_tinker.tasks.reference import reference_sequence_logprobs
+
+        if not self.datums:
+            return {}
+        ref = reference_sequence_logprobs.with_options(task_run_name=f"reference-{self.prefix}")(
+            credentials, self.reference, quote(self.datums), self.via, self.seed)
+        out = forward.with_options(task_run_name=f"eval-pairs-step-{run.step}")(credentials, run, quote(self.datums))
+        loss = DPOLoss(ref, self.beta, self.loss, self.label_smoothing)
+        with torch.no_grad():
+            h, _, _ = loss.pair_terms(self.datums, [torch.tensor(lp, dtype=torch.float64) for lp in out.logprobs])
+            values = loss.values(h)
+        return {f"{self.prefix}/dpo_loss": float(values.mean()), f"{self.prefix}/accuracy": pair_accuracy(h),
+                f"{self.prefix}/margin": float((self.beta * h).mean()), f"{self.prefix}/pairs": float(len(h))}

@@ -1,0 +1,106 @@
+"""Preference learning (DPO, IPO, hinge) as one Prefect flow, on the recipe skeleton.
+
+The run session opens or resumes the run; comparisons are rendered once by the cached
+``prepare-dataset`` task (:class:`~prefect_tinker.recipes.preference.PreferenceBuilder`); each step
+takes ``batch_size`` pairs (a function of seed and step), gets their reference reply
+log-probabilities from the cached ``reference-sequence-logprobs`` task (the initial weights --
+the base model or ``load_checkpoint_path`` -- frozen), and trains chosen and rejected datums in
+one ``forward_backward_custom`` request with :class:`~prefect_tinker.recipes.preference.DPOLoss`
+(``custom-step``). Held-out loss and accuracy every ``eval_every`` steps; checkpoints, resume,
+store rows and artifacts as for SFT.
+
+Metrics per step: ``train/dpo_loss`` (``ln 2`` at step 0 for ``dpo``: the policy is the
+reference), ``train/accuracy``, ``train/margin``, ``train/chosen_reward``,
+``train/rejected_reward``, ``train/pairs``, ``train/tokens``; ``test/dpo_loss``,
+``test/accuracy``, ``test/margin`` at evaluation steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from prefect import flow, get_run_logger
+from prefect.utilities.annotations import quote
+from pydantic import Field, model_validator
+
+from prefect_tinker.flows.config import RecipeConfig
+from prefect_tinker.flows.loop import StepLoop
+from prefect_tinker.flows.session import RunSession
+from prefect_tinker.recipes.builders import SourceFields
+from prefect_tinker.recipes.data_pipeline import batch_at
+from prefect_tinker.recipes.preference import DPOLoss, LossName, PreferenceBuilder, PreferenceData, pair_datums
+from prefect_tinker.tasks.data import prepare_dataset
+from prefect_tinker.tasks.evaluators import PreferenceEvaluator
+from prefect_tinker.tasks.reference import reference_sequence_logprobs
+from prefect_tinker.tasks.training import custom_step
+
+__all__ = ["DPOConfig", "dpo_flow"]
+
+
+class DPOConfig(SourceFields, RecipeConfig):
+    """Parameters of a preference-learning run (the flow's single parameter)."""
+
+    recipe: ClassVar[str] = "dpo"
+    resume_fields: ClassVar[tuple[str, ...]] = (
+        *RecipeConfig.resume_fields, "batch_size", "max_length", "test_size", "format", "fields", "sources",
+        "dpo_loss", "beta", "label_smoothing", "reference", "reference_via")
+
+    format: str = Field(default="preference", description="Record format: preference ({prompt?, chosen, rejected}) or dialogue (HH-RLHF transcripts).")
+    batch_size: int = Field(default=8, ge=1, description="Comparisons (pairs) per step.")
+    num_epochs: int = Field(default=1, ge=1, description="Epochs when max_steps is not set.")
+    learning_rate: float = Field(default=1e-5, gt=0, description="Peak learning rate.")
+    test_size: float = Field(default=64, ge=0, description="Held-out comparisons: a count (>=1) or a fraction (<1), split with `seed`.")
+    dpo_loss: LossName = Field(default="dpo", description="dpo (sigmoid), ipo or hinge.")
+    beta: float = Field(default=0.1, gt=0, description="Strength of the implicit KL to the reference (scales the log-ratio).")
+    label_smoothing: float = Field(default=0.0, ge=0, lt=0.5, description="dpo: assumed probability of a flipped label (conservative DPO).")
+    reference: str | None = Field(default=None, description="Reference weights: base:<model> or tinker://.../weights/...; default the run's initial weights.")
+    reference_via: Literal["trainer", "sampler"] = Field(default="trainer", description="Reference logprobs from a frozen training client (same numerics as the policy) or a sampling client.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "DPOConfig":
+        if self.format not in ("preference", "dialogue", "hh") and not self.sources:
+            raise ValueError(f"format {self.format!r}: a DPO dataset is 'preference' or 'dialogue' (HH-RLHF)")
+        if self.reference_via == "sampler" and "/weights/" in (self.reference or self.load_checkpoint_path or ""):
+            raise ValueError("reference_via=sampler needs a base:<model> or .../sampler_weights/... reference")
+        return self
+
+    def reference_weights(self) -> str:
+        """The reference: ``reference``, else the initial weights (``load_checkpoint_path`` or the base model)."""
+        return self.reference or self.load_checkpoint_path or f"base:{self.model}"
+
+    def dataset_builder(self, renderer: str) -> PreferenceBuilder:
+        """The comparisons of this run for the (resolved) ``renderer``."""
+        return PreferenceBuilder(sources=self.source_specs(), renderer=renderer, seed=self.seed,
+                                 max_length=self.max_length, on_error=self.on_error, test_size=self.test_count())
+
+
+@flow(name="dpo", flow_run_name="dpo-{config.run_name}", log_prints=True)
+def dpo_flow(config: DPOConfig) -> dict[str, Any]:
+    """Train ``config.model`` on the comparisons of ``config.dataset``; returns a summary (losses,
+    accuracies, steps, checkpoints)."""
+    log = get_run_logger()
+    with RunSession(config, builder=config.dataset_builder) as session:
+        data: PreferenceData = prepare_dataset(session.builder, session.tokenizer_id)
+        total = config.max_steps or len(data.train) // config.batch_size * config.num_epochs
+        reference = config.reference_weights()
+        log.info("%d train / %d test comparisons, %d steps, reference %s (renderer %s); %s", len(data.train),
+                 len(data.test), total, reference, data.renderer, data.skip_summary)
+        evaluators = [PreferenceEvaluator(data.test, beta=config.beta, loss=config.dpo_loss, reference=reference,
+                                          label_smoothing=config.label_smoothing, via=config.reference_via,
+                                          seed=config.seed)] if data.test else []
+
+        def one_step(step: int) -> dict[str, float]:
+            pairs = [data.train[i] for i in batch_at(len(data.train), config.batch_size, config.seed, step)]
+            datums = pair_datums(pairs)
+            ref = reference_sequence_logprobs.with_options(task_run_name=f"reference-step-{step}")(
+                session.credentials, reference, quote(datums), config.reference_via, config.seed)
+            loss = DPOLoss(ref, config.beta, config.dpo_loss, config.label_smoothing)
+            session.run, m = custom_step(session.credentials, session.run, step, quote(datums), loss,
+                                         config.lr_at(step, total), config.adam.model_dump())
+            return {f"train/{k}": v for k, v in m.items()}
+
+        StepLoop(session, total, evaluators=evaluators).run(one_step)
+        (first_loss, last_loss), (first_acc, last_acc) = session.metric_ends("train/dpo_loss"), session.metric_ends("test/accuracy")
+        return session.finish({"first_loss": first_loss, "last_loss": last_loss, "first_test_accuracy": first_acc,
+                               "last_test_accuracy": last_acc, "pairs": session.metric_sum("train/pairs")},
+                              title_fields={"dataset": f"`{config.dataset}`", "loss": config.dpo_loss, "beta": config.beta})

@@ -1,0 +1,78 @@
+"""Reference log-probabilities of whole replies, as a cached Prefect task (DPO, reward models).
+
+``reference_sequence_logprobs(credentials, reference, datums)`` returns, per datum, the weighted
+sum of its target logprobs (the reply's log-probability, nats) under fixed reference weights. It
+is cached across flow runs under (reference weights, how they are computed, the datums' tokens and
+weights, the task's source), so a resumed or repeated run never asks the reference twice.
+
+``via="trainer"`` (default) computes them with a frozen training client of the reference weights
+(:func:`prefect_tinker.tasks.clients.reference_client`): the same engine, precision and LoRA path
+as the policy, so a policy equal to its reference has log-ratios of exactly 0 (the DPO loss is
+``ln 2`` for every pair at step 0). ``via="sampler"`` uses a sampling client's
+``compute_logprobs`` (cheaper on the hosted service; a sampler that computes in another precision
+than the trainer biases the log-ratios by that difference).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Literal
+
+import numpy as np
+import tinker
+from prefect import task
+from prefect.cache_policies import TASK_SOURCE, CacheKeyFnPolicy
+
+from prefect_tinker.tasks.clients import reference_client, sampling_client
+from prefect_tinker.tasks.policies import RETRY_OPTIONS
+
+__all__ = ["reference_sequence_logprobs"]
+
+
+def _array(x: Any) -> np.ndarray:
+    return np.asarray(x.to_numpy() if hasattr(x, "to_numpy") else x)
+
+
+def _key(context: Any, params: dict[str, Any]) -> str:
+    h = hashlib.sha256(f"{params['reference']}|{params.get('via', 'trainer')}".encode())
+    for d in params["datums"]:
+        h.update(np.asarray(d.model_input.to_ints(), dtype=np.int64).tobytes() + b"|")
+        h.update(_array(d.loss_fn_inputs["target_tokens"]).astype(np.int64).tobytes() + b"|")
+        h.update(_array(d.loss_fn_inputs["weights"]).astype(np.float32).tobytes() + b"#")
+    return h.hexdigest()
+
+
+def _weighted(logprobs: Any, datum: tinker.Datum) -> float:
+    return float((_array(logprobs).astype(np.float64).ravel() * _array(datum.loss_fn_inputs["weights"]).ravel()).sum())
+
+
+@task(
+    name="reference-sequence-logprobs",
+    cache_policy=TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_key),
+    persist_result=True,
+    **RETRY_OPTIONS,
+)
+def reference_sequence_logprobs(
+    credentials: Any, reference: str, datums: list[tinker.Datum], via: Literal["trainer", "sampler"] = "trainer",
+    seed: int | None = None,
+) -> list[float]:
+    """Per datum (D), ``sum(logprob(target) * weight)`` under ``reference`` (``base:<model>``, a
+    ``tinker://.../weights/...`` state, or with ``via="sampler"`` a ``.../sampler_weights/...``
+    path), nats.
+
+    Raises:
+        ValueError: a reference the chosen ``via`` cannot load.
+    """
+    if via == "trainer":
+        out = reference_client(credentials, reference, seed=seed).forward(datums, "cross_entropy").result()
+        return [_weighted(o["logprobs"], d) for o, d in zip(out.loss_fn_outputs, datums)]
+    if via != "sampler":
+        raise ValueError(f"via must be 'trainer' or 'sampler', got {via!r}")
+    client = sampling_client(credentials, reference)
+    seqs = [d.model_input.to_ints() + [int(_array(d.loss_fn_inputs["target_tokens"]).ravel()[-1])] for d in datums]
+    futures = [client.compute_logprobs(tinker.ModelInput.from_ints(s)) for s in seqs]
+    out = []
+    for fut, d in zip(futures, datums):
+        lp = [x if x is not None else 0.0 for x in list(fut.result())[1:]]  # position i predicts token i+1
+        out.append(_weighted(lp, d))
+    return out
