@@ -13,12 +13,15 @@ Mechanism (bubblewrap, https://github.com/containers/bubblewrap, Debian package 
 - The network namespace has only its own loopback: no route to the host or beyond, including
   servers on the host's 127.0.0.1 and abstract Unix sockets.
 - The launcher (:mod:`.launcher`) sets ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_NPROC``,
-  ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE`` and ``RLIMIT_CORE`` inside the namespace, then execs the program
-  with an empty environment (``PATH``, ``HOME=/sandbox``, ``TMPDIR=/sandbox``, ``LANG`` only).
-- The host enforces the wall time and the output limit (SIGKILL to the whole tree: bwrap dies, its
-  PID-1 child dies by ``--die-with-parent``, and the kernel kills every process of the PID namespace)
-  and captures stdout/stderr, keeping the first ``max_output_bytes`` of each.
-- Nothing is left behind: the tmpfs and all processes vanish with the namespaces.
+  ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE`` and ``RLIMIT_CORE`` inside the namespace, then runs the program
+  as ``__main__`` with an empty environment (``PATH``, ``HOME=/sandbox``, ``TMPDIR=/sandbox``,
+  ``LANG`` only).
+- The host enforces the wall time and the output limit (SIGKILL to bwrap: its PID-1 child dies by
+  ``--die-with-parent``, and the kernel kills every process of the PID namespace) and captures
+  stdout/stderr, keeping the first ``max_output_bytes`` of each.
+- Nothing is left behind: the tmpfs and all processes vanish with the namespaces, and a small
+  host-side parent (:mod:`.reaper`, a child subreaper) reaps every process of the tree, so no zombie
+  is left even where the host's PID 1 does not reap.
 
 When bubblewrap is missing or the kernel refuses the namespaces, :class:`SandboxUnavailable` is
 raised; code never runs unsandboxed.
@@ -31,6 +34,7 @@ import math
 import os
 import re
 import secrets
+import select
 import shutil
 import signal
 import stat
@@ -50,7 +54,8 @@ SANDBOX_DIR = "/sandbox"
 UID_BASE = 0x70000000  # per-run uids when started as root: UID_BASE .. UID_BASE + UID_SPAN - 1
 UID_SPAN = 1 << 24
 _INNER_ID = 1000  # uid/gid the program sees inside
-_LAUNCHER = (Path(__file__).with_name("launcher.py")).read_text()
+_LAUNCHER = Path(__file__).with_name("launcher.py").read_text()
+_REAPER = Path(__file__).with_name("reaper.py").read_text()
 FILE_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}$")  # names of files placed in /sandbox
 
 
@@ -212,10 +217,10 @@ def _bwrap_args(bwrap: str, ro_trees: Sequence[str], files: Mapping[str, int], s
 
 def _rlimits(config: SandboxConfig) -> list[tuple[str, int, int]]:
     cpu = max(1, math.ceil(config.cpu_s if config.cpu_s is not None else config.timeout_s))
-    return [("RLIMIT_CPU", cpu, cpu + 1), ("RLIMIT_AS", config.memory_bytes, config.memory_bytes),
-            ("RLIMIT_NPROC", config.max_processes, config.max_processes),
-            ("RLIMIT_FSIZE", config.max_file_bytes, config.max_file_bytes),
-            ("RLIMIT_NOFILE", config.max_open_files, config.max_open_files), ("RLIMIT_CORE", 0, 0)]
+    return [("CPU", cpu, cpu + 1), ("AS", config.memory_bytes, config.memory_bytes),
+            ("NPROC", config.max_processes, config.max_processes),
+            ("FSIZE", config.max_file_bytes, config.max_file_bytes),
+            ("NOFILE", config.max_open_files, config.max_open_files), ("CORE", 0, 0)]
 
 
 def _last_line(text: str) -> str:
@@ -322,23 +327,41 @@ def run_python(code: str, *, files: Mapping[str, str | bytes] | None = None, arg
     fds = {name: _memfd(name, data.encode() if isinstance(data, str) else bytes(data)) for name, data in named.items()}
     status_r, status_w = os.pipe()
     report_r, report_w = os.pipe()
-    spec = {"rlimits": _rlimits(config), "report_fd": report_w,
-            "argv": [python, "-E", "-s", "-B", "-u", main_name, *map(str, args)]}
-    cmd = _bwrap_args(bwrap, trees, fds, status_w, config) + [python, "-E", "-s", "-B", "-c", _LAUNCHER,
-                                                               json.dumps(spec)]
-    user = {"user": uid, "group": uid, "extra_groups": []} if as_root else {}
+    limits = ",".join(f"{name}={soft}:{hard}" for name, soft, hard in _rlimits(config))
+    cmd = _bwrap_args(bwrap, trees, fds, status_w, config) + [
+        python, "-E", "-s", "-B", "-u", "-c", _LAUNCHER, str(report_w), limits, main_name, *map(str, args)]
+    reaper = [sys.executable, "-I", "-S", "-c", _REAPER, str(uid) if as_root else "-", *cmd]
     start = time.monotonic()
     try:
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+        proc = subprocess.Popen(reaper, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={}, close_fds=True,
-                                pass_fds=(*fds.values(), status_w, report_w), start_new_session=True, **user)
+                                pass_fds=(*fds.values(), status_w, report_w), start_new_session=True)
     except OSError as exc:
         for fd in (*fds.values(), status_r, status_w, report_r, report_w):
             os.close(fd)
-        raise SandboxUnavailable(f"cannot start bwrap: {exc}") from None
+        raise SandboxUnavailable(f"cannot start the sandbox: {exc}") from None
     for fd in (*fds.values(), status_w, report_w):
         os.close(fd)
     return _supervise(proc, stdin, config, start, uid, status_r, report_r)
+
+
+def _wait(proc: subprocess.Popen, timeout: float) -> bool:
+    """Wait up to ``timeout`` s for ``proc`` to exit (a pidfd wakes at once; Popen.wait polls every 50 ms)."""
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):
+        try:
+            proc.wait(timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+    try:
+        ready, _, _ = select.select([pidfd], [], [], timeout)
+    finally:
+        os.close(pidfd)
+    if ready:
+        proc.wait()
+    return bool(ready)
 
 
 def _supervise(proc: subprocess.Popen, stdin, config: SandboxConfig, start: float, uid: int,
@@ -351,8 +374,8 @@ def _supervise(proc: subprocess.Popen, stdin, config: SandboxConfig, start: floa
             if not state["killed_by_host"]:
                 state["killed_by_host"] = True
                 state[why] = True
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
+                try:  # the reaper SIGKILLs bwrap, whose death takes the PID namespace down
+                    os.kill(proc.pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
 
@@ -370,12 +393,15 @@ def _supervise(proc: subprocess.Popen, stdin, config: SandboxConfig, start: floa
                 pass
 
         threading.Thread(target=feed, daemon=True).start()
-    try:
-        proc.wait(config.timeout_s + 0.05)  # bwrap's own setup takes a few ms
-        timed_out = False
-    except subprocess.TimeoutExpired:
+    if not _wait(proc, config.timeout_s + 0.05):  # bwrap's own setup takes a few ms
         timed_out = True
         kill("timeout")
+    else:
+        timed_out = False
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:  # the reaper did not stop in time: kill its whole process group
+        os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     wall = time.monotonic() - start
     out.join(5), err.join(5)

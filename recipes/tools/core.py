@@ -99,7 +99,11 @@ class Tool:
         self.timeout_s, self.max_result_chars = timeout_s, max_result_chars
         doc_text, param_docs = _docstring_parts(fn)
         self.description = description if description is not None else doc_text
-        hints = typing.get_type_hints(fn, include_extras=True)
+        try:
+            hints = typing.get_type_hints(fn, include_extras=True)
+        except NameError as exc:
+            raise TypeError(f"tool {self.name!r}: cannot resolve its type hints ({exc}); "
+                            "define the types they name at module level") from None
         fields: dict[str, Any] = {}
         self._params: dict[str, str] = {}  # model field name -> parameter name
         for i, (pname, param) in enumerate(inspect.signature(fn).parameters.items()):
@@ -212,7 +216,8 @@ def tool(fn: Callable | None = None, *, name: str | None = None, description: st
     """Decorator: make a :class:`Tool` of a typed function (``@tool`` or ``@tool(timeout_s=2)``).
 
     Raises:
-        TypeError: a parameter lacks a type hint, or is ``*args``/``**kwargs``/positional-only.
+        TypeError: a parameter lacks a type hint, or is ``*args``/``**kwargs``/positional-only, or a
+            hint names a type that cannot be resolved (string annotations of a function-local class).
     """
     def wrap(f: Callable) -> Tool:
         return Tool(f, name=name, description=description, timeout_s=timeout_s, max_result_chars=max_result_chars)
