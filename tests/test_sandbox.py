@@ -256,23 +256,22 @@ def test_unbounded_allocation_fails_at_the_memory_limit():
 
 
 def test_infinite_loop_hits_the_cpu_limit():
-    r = _run("while True:\n    pass\n", timeout_s=30, cpu_s=1)
+    r = _run("while True:\n    pass\n", timeout_s=60, cpu_s=1)  # CPU seconds, not wall: the machine may be busy
     assert (r.reason, r.signal, r.killed, r.timed_out) == ("cpu_limit", "SIGXCPU", True, False)
-    assert r.exit_code == 128 + signal.SIGXCPU and r.wall_s < 10
+    assert r.exit_code == 128 + signal.SIGXCPU
 
 
 def test_loop_ignoring_sigxcpu_is_killed_at_the_hard_cpu_limit():
     r = _run("import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass\n",
-             timeout_s=30, cpu_s=1)
-    assert (r.reason, r.signal, r.killed) == ("cpu_limit", "SIGKILL", True)
-    assert r.wall_s < 10
+             timeout_s=60, cpu_s=1)
+    assert (r.reason, r.signal, r.killed, r.timed_out) == ("cpu_limit", "SIGKILL", True, False)  # at soft + 1 s
 
 
 def test_sleeping_forever_hits_the_wall_time_limit():
     start = time.monotonic()
     r = _run("import time\ntime.sleep(3600)\n", timeout_s=1)
     assert (r.reason, r.timed_out, r.killed, r.signal) == ("wall_timeout", True, True, "SIGKILL")
-    assert 1.0 <= r.wall_s < 5 and time.monotonic() - start < 8
+    assert 1.0 <= r.wall_s < 10 and time.monotonic() - start < 15
 
 
 def test_printing_without_bound_is_cut_and_killed():
@@ -358,9 +357,12 @@ def test_no_privileges_inside():
         libc = ctypes.CDLL(None, use_errno=True)
         out["new_userns"] = libc.unshare(0x10000000)  # CLONE_NEWUSER: refused (--disable-userns)
         out["uid"] = os.getuid()
+        status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
+        out["caps"], out["no_new_privs"] = status["CapEff"].strip(), status["NoNewPrivs"].strip()
         print(json.dumps(out))
     """)
     seen = _report(r)
+    assert (seen["caps"], seen["no_new_privs"]) == ("0000000000000000", "1")
     assert seen["setuid"] in ("PermissionError", "OSError")  # EPERM, or EINVAL: uid 0 is not mapped
     assert (seen["new_userns"], seen["uid"]) == (-1, 1000)
 

@@ -270,9 +270,14 @@ def _memfd(name: str, data: bytes) -> int:
 
 
 def _read_all(fd: int) -> bytes:
+    """What a pipe holds now (non-blocking: a writer that somehow survived cannot stall the host)."""
+    os.set_blocking(fd, False)
     out = bytearray()
-    while chunk := os.read(fd, 65536):
-        out += chunk
+    try:
+        while chunk := os.read(fd, 65536):
+            out += chunk
+    except BlockingIOError:
+        pass
     return bytes(out)
 
 
