@@ -419,3 +419,36 @@ def test_console_script_runs_a_file(tmp_path):
     assert proc.returncode == 1, proc.stderr
     out = json.loads(proc.stdout)
     assert (out["exit_code"], out["stdout"], out["reason"]) == (4, "45\n", "error")
+
+
+def _with_marker(marker: str) -> list[int]:
+    """Host pids whose command line contains ``marker``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if marker.encode() in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def test_sandbox_dies_with_its_host_process():
+    marker = "host-crash-" + secrets.token_hex(6)
+    host = subprocess.Popen([sys.executable, "-c",
+                             "from prefect_tinker.recipes.sandbox import SandboxConfig, run_python\n"
+                             f"run_python('import time\\ntime.sleep(3600)', args=[{marker!r}],"
+                             " config=SandboxConfig(timeout_s=600))"], cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 60
+        while len(_with_marker(marker)) < 3 and time.monotonic() < deadline:  # reaper, bwrap, program
+            time.sleep(0.1)
+        assert len(_with_marker(marker)) >= 3, "the sandbox did not start"
+    finally:
+        host.kill()  # the host crashes: no cleanup code of ours runs
+        host.wait()
+    deadline = time.monotonic() + 10
+    while _with_marker(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _with_marker(marker) == [], "sandbox processes outlived their host"

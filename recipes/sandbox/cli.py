@@ -28,7 +28,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     r.add_argument("--timeout", type=float, default=10.0, metavar="S", help="wall-time limit, seconds (default 10)")
     r.add_argument("--cpu", type=float, default=None, metavar="S", help="CPU-time limit, seconds (default: timeout)")
     r.add_argument("--memory-mb", type=int, default=512, help="address space per process, MiB (default 512)")
-    r.add_argument("--max-processes", type=int, default=16, help="processes and threads (default 16)")
+    r.add_argument("--max-processes", type=int, default=8, help="processes and threads, the sandbox's PID 1 included (default 8)")
     r.add_argument("--max-output-kb", type=int, default=64, help="output kept per stream, KiB (default 64)")
     r.add_argument("--stdin", metavar="FILE", default=None, help="file to feed as standard input")
     r.set_defaults(func=run)

@@ -76,7 +76,8 @@ class SandboxConfig(BaseModel):
     timeout_s: float = Field(10.0, gt=0, le=3600, description="wall-clock limit, seconds")
     cpu_s: float | None = Field(None, gt=0, le=3600, description="CPU-time limit, seconds (default: timeout_s)")
     memory_bytes: int = Field(512 * MiB, ge=32 * MiB, description="address space per process (RLIMIT_AS)")
-    max_processes: int = Field(16, ge=1, le=4096, description="processes and threads (RLIMIT_NPROC)")
+    max_processes: int = Field(8, ge=2, le=4096, description="processes and threads, the sandbox's PID 1 included "
+                                                          "(RLIMIT_NPROC)")
     max_file_bytes: int = Field(16 * MiB, ge=0, description="largest file it may write (RLIMIT_FSIZE)")
     disk_bytes: int = Field(64 * MiB, ge=MiB, description="size of the writable /sandbox tmpfs")
     max_open_files: int = Field(64, ge=8, le=65536, description="RLIMIT_NOFILE")
@@ -335,7 +336,7 @@ def run_python(code: str, *, files: Mapping[str, str | bytes] | None = None, arg
     limits = ",".join(f"{name}={soft}:{hard}" for name, soft, hard in _rlimits(config))
     cmd = _bwrap_args(bwrap, trees, fds, status_w, config) + [
         python, "-E", "-s", "-B", "-u", "-c", _LAUNCHER, str(report_w), limits, main_name, *map(str, args)]
-    reaper = [sys.executable, "-I", "-S", "-c", _REAPER, str(uid) if as_root else "-", *cmd]
+    reaper = [sys.executable, "-I", "-S", "-c", _REAPER, str(uid) if as_root else "-", str(os.getpid()), *cmd]
     start = time.monotonic()
     try:
         proc = subprocess.Popen(reaper, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
