@@ -13,10 +13,12 @@ Subcommands::
     prefect-tinker local status|stop [--root DIR]               the embedded server the flows started
     prefect-tinker show-example DATA --tokenizer T [...]        a rendered example, trained tokens highlighted
     prefect-tinker ops install-automations [--within S]         crash runs whose heartbeats stop (flows/ops.py)
+    prefect-tinker sandbox run FILE.py [--timeout S]            run a file in the code sandbox, print JSON
 
 Modules: :mod:`prefect_tinker.flows.cli_config` (errors, YAML values, overrides), :mod:`prefect_tinker.flows.cli_flows`
 (flow registry, config validation), :mod:`prefect_tinker.flows.cli_store` (sql / runs / checkpoints),
-:mod:`prefect_tinker.flows.ops` (ops), :mod:`prefect_tinker.recipes.show` (show-example).
+:mod:`prefect_tinker.flows.ops` (ops), :mod:`prefect_tinker.recipes.show` (show-example),
+:mod:`prefect_tinker.recipes.sandbox.cli` (sandbox).
 
 Exit status: 0 success, 1 runtime failure (SQL error, the flow failed), 2 bad usage or an
 invalid config (the message names each bad field and its value; no traceback).
@@ -190,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     from prefect_tinker.flows.ops import add_parser as add_ops  # prefect-tinker ops ...: automations for crashed runs
 
     add_ops(sub)
+    from prefect_tinker.recipes.sandbox.cli import add_parser as add_sandbox  # logic in recipes/sandbox/cli.py
+
+    add_sandbox(sub)
     return p
 
 

@@ -4,6 +4,22 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# The code sandbox (recipes/sandbox) runs untrusted Python under bubblewrap, with /usr/bin/python3 when
+# this Python lives where an unprivileged uid cannot read it (e.g. pyenv under /root). On Debian/Ubuntu as
+# root, install what is missing; elsewhere install `bubblewrap` yourself (the sandbox refuses to run without it).
+SANDBOX_PKGS=""
+command -v bwrap >/dev/null 2>&1 || SANDBOX_PKGS="bubblewrap"
+[ -x /usr/bin/python3 ] || SANDBOX_PKGS="$SANDBOX_PKGS python3"
+if [ -n "$SANDBOX_PKGS" ]; then
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    # shellcheck disable=SC2086
+    (apt-get install -y -qq $SANDBOX_PKGS >/dev/null 2>&1 \
+      || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq $SANDBOX_PKGS >/dev/null 2>&1; }) \
+      || echo "setup.sh: could not install $SANDBOX_PKGS; the code sandbox tests will fail" >&2
+  else
+    echo "setup.sh: the code sandbox needs: $SANDBOX_PKGS (apt-get install $SANDBOX_PKGS)" >&2
+  fi
+fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
 python -m pip install -q -c constraints.txt -e '.[dev]'

@@ -1,0 +1,59 @@
+"""Exact match and token F1 of short text answers, with SQuAD's answer normalisation.
+
+The functions follow the official SQuAD v1.1 evaluation script (``evaluate-v1.1.py``, Rajpurkar et
+al., "SQuAD: 100,000+ Questions for Machine Comprehension of Text", EMNLP 2016): an answer is
+normalised by lowercasing, removing punctuation (``string.punctuation``), removing the articles
+``a``/``an``/``the`` and collapsing whitespace, in that order; exact match compares the normalised
+strings; F1 is the harmonic mean of precision and recall over the bag of normalised tokens; with
+several references, the best score over them counts.  Pure functions, no state.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections import Counter
+from collections.abc import Callable, Iterable
+
+__all__ = ["best_over_references", "exact_match", "normalize_answer", "token_f1"]
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCT = frozenset(string.punctuation)
+
+
+def normalize_answer(text: str) -> str:
+    """Lowercase, drop punctuation, drop articles (a, an, the), collapse whitespace (SQuAD v1.1)."""
+    text = "".join(ch for ch in text.lower() if ch not in _PUNCT)
+    return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+def exact_match(prediction: str, reference: str) -> float:
+    """1.0 when the normalised strings are equal, else 0.0 (SQuAD v1.1 ``exact_match_score``)."""
+    return float(normalize_answer(prediction) == normalize_answer(reference))
+
+
+def token_f1(prediction: str, reference: str) -> float:
+    """Token-level F1 in [0, 1] of the normalised answers (SQuAD v1.1 ``f1_score``).
+
+    Tokens are the whitespace-separated words after normalisation, counted with multiplicity.  As in
+    v1.1, no common token gives 0.0 (so two empty answers score 0.0; use :func:`exact_match` for those).
+    """
+    pred, ref = normalize_answer(prediction).split(), normalize_answer(reference).split()
+    common = sum((Counter(pred) & Counter(ref)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(pred), common / len(ref)
+    return 2 * precision * recall / (precision + recall)
+
+
+def best_over_references(metric: Callable[[str, str], float], prediction: str, references: Iterable[str]) -> float:
+    """The best ``metric(prediction, reference)`` over ``references`` (SQuAD v1.1
+    ``metric_max_over_ground_truths``).
+
+    Raises:
+        ValueError: ``references`` is empty.
+    """
+    scores = [metric(prediction, ref) for ref in references]
+    if not scores:
+        raise ValueError("best_over_references: no reference answers")
+    return max(scores)
