@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import tinker
 
-from prefect_tinker.recipes.renderers.encoding import Piece, Tag, split_tags, text_encoder
+from prefect_tinker.recipes.renderers.encoding import Piece, text_encoder
 
 __all__ = [
     "KNOWN_ROLES",
@@ -364,30 +364,8 @@ class Renderer:
         return runs[0], [t for run in runs[1:] for t in run]
 
     def tag_items(self, tokens: Sequence[int], tags: Sequence[str]) -> list[str]:
-        """Decode sampled ``tokens`` into text items and :class:`Tag` items.
-
-        A tag the tokenizer has as one added token is a :class:`Tag` only where that token was
-        sampled (text spelling it stays text); a tag without its own token is recognised in the
-        decoded text (a text format cannot tell the two apart).
-        """
-        ids = {self.encoder.control_ids[t]: t for t in tags if t in self.encoder.control_ids}
-        literal = [t for t in tags if t not in self.encoder.control_ids]
-        items: list[str] = []
-        run: list[int] = []
-
-        def flush() -> None:
-            if run:
-                items.extend(split_tags(self.tokenizer.decode(run, skip_special_tokens=False), literal))
-                run.clear()
-
-        for tok in tokens:
-            if int(tok) in ids:
-                flush()
-                items.append(Tag(ids[int(tok)]))
-            else:
-                run.append(int(tok))
-        flush()
-        return items
+        """Decode sampled ``tokens`` into text and :class:`Tag` items (see :meth:`TextEncoder.tag_items`)."""
+        return self.encoder.tag_items(tokens, tags)
 
     def special_token_id(self, text: str) -> int:
         """Id of a special token that must exist as one token (e.g. ``<|im_end|>``).

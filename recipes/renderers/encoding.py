@@ -199,6 +199,28 @@ class TextEncoder:
             i = j
         return out
 
+    def tag_items(self, tokens: Sequence[int], tags: Sequence[str]) -> list[str]:
+        """Decode sampled ``tokens`` into text items and :class:`Tag` items.
+
+        A tag the tokenizer has as one added token is a :class:`Tag` only where that token was
+        sampled (text spelling it stays text); a tag without its own token is recognised in the
+        decoded text (a text format cannot tell the two apart).
+        """
+        ids = {self.control_ids[t]: t for t in tags if t in self.control_ids}
+        literal = [t for t in tags if t not in self.control_ids]
+        items: list[str] = []
+        run: list[int] = []
+        for tok in [*map(int, tokens), None]:
+            if tok is None or tok in ids:
+                if run:
+                    items.extend(split_tags(self.tokenizer.decode(run, skip_special_tokens=False), literal))
+                    run = []
+                if tok is not None:
+                    items.append(Tag(ids[tok]))
+            else:
+                run.append(tok)
+        return items
+
 
 _CACHE: dict[int, tuple[Any, int, TextEncoder]] = {}
 _LOCK = threading.Lock()

@@ -9,22 +9,23 @@ the chat templates of Meta-Llama-3-8B-Instruct and Llama-3.1-8B-Instruct::
     <|start_header_id|>assistant<|end_header_id|>\\n\\n{assistant}<|eot_id|>
 
 (one line here; no newlines between the blocks).  Content is trimmed of surrounding whitespace
-as the template does (``| trim``), tool results excepted.  The generation prompt ends with
+as the template does (``| trim``); tool results are written as Llama 3.1's template writes them,
+through ``tojson`` (a quoted JSON string: ``"18\u00b0C"`` becomes ``"\"18\u00b0C\""``), untrimmed.  The generation prompt ends with
 ``<|start_header_id|>assistant<|end_header_id|>\\n\\n``; the sampler stops at ``<|eot_id|>`` (and at
 ``<|eom_id|>`` where the tokenizer has it, Llama 3.1's end of a tool-calling message).  Without
 tools this is Llama 3's format (Llama 3.1's template adds a "Cutting Knowledge Date" system block;
 give it as a system message to reproduce it).
 
 With ``tools=`` the system block is Llama 3.1's, as its template writes it:
-``Environment: ipython\\nCutting Knowledge Date: December 2023\\nToday Date: {date_string}\\n\\n``
+``Environment: ipython\nCutting Knowledge Date: December 2023\nToday Date: {date_string}\n\n``
 then the system prompt; the schemas (JSON with indent 4, each followed by a blank line) go, with
 the template's instruction to answer with a JSON function call, at the start of the first user
 message (``tools_in_user_message=True``, the template's default) or in the system block before
 the system prompt.  A call is the whole assistant reply, ``{"name": <name>, "parameters":
 <arguments>}`` (one call per message, as the template requires); results are ``tool`` messages,
-written as ``ipython`` turns.  :meth:`Llama3Renderer.parse_response` also reads several calls
-separated by ``;``, a ``<|python_tag|>`` before them, and the built-in tool form
-``<|python_tag|>name.call(key="value", ...)``.
+written as ``ipython`` turns.  Rendered text checked against the Llama-3.1-8B-Instruct template.
+:meth:`Llama3Renderer.parse_response` also reads several calls separated by ``;``, a
+``<|python_tag|>`` before them, and the built-in tool form ``<|python_tag|>name.call(key="value")``.
 """
 
 from __future__ import annotations
@@ -187,7 +188,7 @@ class Llama3Renderer(Renderer):
                                         f"call per message (got {len(calls)} call(s) and content {msg['content'][:40]!r})")
                 text = llama3_tool_call_json(calls[0])
             else:
-                text = msg["content"] if role == "tool" else msg["content"].strip()
+                text = tojson(msg["content"]) if role == "tool" else msg["content"].strip()
             segs += self._block(i, role, [self.content(text)], joint=role != "assistant")
         return segs
 
