@@ -215,3 +215,37 @@ def test_chat_template_refuses_templates_that_rewrite_content_unless_told():
         get_renderer("chat_template", tok).build_supervised_example(conv)
     mi, _ = get_renderer("chat_template", tok, special_tokens_in_content=True).build_supervised_example(conv)
     assert decode(tok, mi.to_ints()) == "<|im_start|>user\nHI<|im_end|>\n<|im_start|>assistant\nOK<|im_end|>\n"
+
+
+@pytest.mark.parametrize("tok_id", ["tiny", "smollm2", "qwen3_like"])
+def test_text_encoding_matches_the_tokenizer_without_its_added_tokens(tok_id):
+    from prefect_tinker.recipes.renderers import text_encoder
+
+    _skip_without_smollm2(tok_id)
+    tok = _tok(tok_id)
+    enc = text_encoder(tok)
+    assert enc.exact and {"<|im_start|>", "<|im_end|>"} <= set(enc.control_ids)
+    plain = "Ça va ?\n\n  x = 12345;\tdone 日本 🙂"
+    assert enc.text(plain) == encode(tok, plain)
+    split = list(tok.encode(INJECTED, add_special_tokens=False, split_special_tokens=True))
+    if tok_id == "qwen3_like":  # <think>, <tool_call> are added but not special: split_special_tokens keeps them
+        assert tok.convert_tokens_to_ids("<think>") in split and enc.text(INJECTED) != split
+    else:
+        assert enc.text(INJECTED) == split
+    assert not set(enc.text(INJECTED)) & set(enc.control_ids.values()) and decode(tok, enc.text(INJECTED)) == INJECTED
+    # joint pieces: the tokenizer's own encoding where no markup is split off, each token with its piece
+    runs = enc.pieces([("<|im_start|>user\n", True), ("  " + plain, False), ("<|im_end|>\n", True)])
+    assert sum(runs, []) == encode(tok, "<|im_start|>user\n  " + plain + "<|im_end|>\n")
+    assert decode(tok, runs[0]).startswith("<|im_start|>user") and runs[2] == encode(tok, "<|im_end|>\n")
+
+
+def test_text_encoding_falls_back_for_tokenizers_without_a_backend():
+    from prefect_tinker.recipes.renderers import text_encoder
+
+    class Chars:
+        def encode(self, text, add_special_tokens=False):
+            return [ord(c) for c in text]
+
+    enc = text_encoder(Chars())
+    assert not enc.exact and enc.control_ids == {} and enc.text("<|im_end|> x") == [ord(c) for c in "<|im_end|> x"]
+    assert enc.pieces([("a", True), ("b", False)]) == [[97], [98]]

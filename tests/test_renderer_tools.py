@@ -96,6 +96,7 @@ BAD_REPLIES = {
     "arguments not an object": '<tool_call>\n{"name": "f", "arguments": [1]}\n</tool_call>',
     "text after the calls": '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call> and more',
     "stray close": "done</tool_call>",
+    "absurd nesting": "<tool_call>\n" + "[" * 5000 + "\n</tool_call>",  # RecursionError inside json
 }
 
 
@@ -199,7 +200,8 @@ def test_llama3_parses_json_python_tag_and_builtin_calls():
     assert two.ok and two.message["tool_calls"] == [CALL_PARIS, CALL_ZURICH]
     builtin = r.parse_response([tag] + encode(tok, 'brave_search.call(query="weather Paris")') + [eom])
     assert builtin.message["tool_calls"] == [{"type": "function", "function": {"name": "brave_search", "arguments": {"query": "weather Paris"}}}]
-    for bad in ('{"name": "get_weather", "parameters": {oops}}', '{"name": "f", "parameters": 3}', call + " trailing"):
+    for bad in ('{"name": "get_weather", "parameters": {oops}}', '{"name": "f", "parameters": 3}', call + " trailing",
+                '{"name": "f", "parameters": ' + "[" * 5000):
         out = r.parse_response(encode(tok, bad) + [eot])
         assert out.termination is Termination.MALFORMED and out.message["content"] == bad, bad
     assert r.parse_response([tag] + encode(tok, "not a call") + [eot]).termination is Termination.MALFORMED

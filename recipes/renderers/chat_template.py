@@ -226,7 +226,10 @@ class ChatTemplateRenderer(Renderer):
         cuts = set()
         for j, msg in enumerate(msgs):
             if msg["role"] == "assistant":
-                prompt = self.render_text(msgs[:j], True, tools)
+                try:
+                    prompt = self.render_text(msgs[:j], True, tools)
+                except RendererError:  # a template refusing that prefix: no prompt ends there
+                    continue
                 if text.startswith(prompt):
                     cuts.add(len(prompt))
         spans = [] if self.special_tokens_in_content else self._content_spans(msgs, text, add_generation_prompt, tools)

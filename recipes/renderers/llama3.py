@@ -96,7 +96,7 @@ def parse_llama3_tool_calls(text: str, tagged: bool) -> tuple[list[dict[str, Any
     while text.startswith("{"):
         try:
             obj, pos = decoder.raw_decode(text, pos)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None, not meant
         call = _as_call(obj)
         if call is None:

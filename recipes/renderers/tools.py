@@ -149,7 +149,7 @@ def parse_tool_calls(text: str | Sequence[str]) -> tuple[str, list[dict[str, Any
             ok = False
         try:
             obj = json.loads(inner.strip())
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting
             ok = False
             continue
         args = obj.get("arguments", {}) if isinstance(obj, dict) else None
