@@ -439,7 +439,8 @@ class Renderer:
 
         Args:
             messages: the conversation so far.
-            prefill: text the assistant reply must start with, appended after the header.
+            prefill: text the assistant reply must start with, appended after the header
+                (the recipe's own text: encoded as markup).
             tools: as in :meth:`build_supervised_example`.
 
         Returns:
