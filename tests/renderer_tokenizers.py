@@ -65,11 +65,20 @@ def llama3_like():
     """SmolLM2's vocabulary plus Llama 3's special tokens."""
     tok = load_smollm2()
     tok.add_tokens(
-        ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>"],
+        ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
+         "<|python_tag|>"],
         special_tokens=True,
     )
     _set_split_pattern(tok, _LLAMA3_SPLIT)
     return tok
+
+
+@lru_cache(maxsize=1)
+def tiny():
+    """The ``tiny`` preset's tokenizer (byte-level BPE trained in code, plain ChatML template; ~3 s)."""
+    from tinker_local.tokenizer import build_tiny_tokenizer
+
+    return build_tiny_tokenizer()
 
 
 def encode(tok, text: str) -> list[int]:

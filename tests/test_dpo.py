@@ -209,7 +209,7 @@ def test_dpo_flow_trains_resumes_and_refuses_config_changes(prefect_api, local_c
     acc0 = _sql(store, "SELECT value FROM metrics WHERE run_id = 'dpo-e2e' AND name = 'test/accuracy' AND step = 0")
     assert acc0[0]["value"] == 0.5  # ties count one half
     ck = _sql(store, "SELECT step, kind, renderer FROM checkpoints WHERE run_id = 'dpo-e2e' ORDER BY step")
-    assert [(r["step"], r["kind"]) for r in ck] == [(3, "state"), (6, "state")] and {r["renderer"] for r in ck} == {"chat_template"}
+    assert [(r["step"], r["kind"]) for r in ck] == [(3, "state"), (6, "state")] and {r["renderer"] for r in ck} == {"chatml"}
 
     # crash after step 4, resume: steps 3.. again, the same losses, the reference from the cache
     with run_callbacks(_CrashAfter()), pytest.raises(RuntimeError, match="simulated crash"):

@@ -83,9 +83,14 @@ def test_qwen3_thinking_multiturn_drops_past_reasoning():
         "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
         "<|im_start|>assistant\n4<|im_end|>\n<|im_start|>user\nAnd 3+3?<|im_end|>\n<|im_start|>assistant\n"
     ))
-    # reasoning given inline as a <think> prefix of content is the same message
+    # reasoning given inline as a <think> prefix of content: the same message where content may
+    # hold markup (special_tokens_in_content=True, as the template reads it); by default it is text
     inline = CONV[:4] + [{"role": "assistant", "content": "<think>\nAgain, add.\n</think>\n\n6"}]
-    assert r.build_supervised_example(inline)[0] == mi
+    assert get_renderer("qwen3", tok, special_tokens_in_content=True).build_supervised_example(inline)[0] == mi
+    as_text = r.build_supervised_example(inline)[0].to_ints()
+    think = tok.convert_tokens_to_ids("<think>")
+    assert as_text.count(think) == 1  # only the (empty) think block the renderer writes
+    assert decode(tok, as_text).endswith("<think>\n\n</think>\n\n<think>\nAgain, add.\n</think>\n\n6<|im_end|>\n")
     # keeping history reasoning: every turn rendered as sampled
     keep = get_renderer("qwen3", tok, strip_thinking_from_history=False)
     text = decode(tok, keep.build_supervised_example(CONV)[0].to_ints())
@@ -193,9 +198,10 @@ def test_llama3_documented_format():
     assert r.build_supervised_example(conv, "all_tokens")[1].all()
     tool = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "call"},
             {"role": "tool", "content": "{\"x\": 1}"}, {"role": "assistant", "content": "done"}]
-    assert "<|start_header_id|>ipython<|end_header_id|>\n\n{\"x\": 1}<|eot_id|>" in decode(
+    # tool results as Llama 3.1's template writes them: through tojson, a quoted JSON string
+    assert '<|start_header_id|>ipython<|end_header_id|>\n\n"{\\"x\\": 1}"<|eot_id|>' in decode(
         tok, r.build_supervised_example(tool)[0].to_ints())
     end_of_text = tok.convert_tokens_to_ids("<|end_of_text|>")
     assert r.parse_response(encode(tok, "Oui.") + [end_of_text]).termination is Termination.END_OF_SEQUENCE
-    with pytest.raises(RendererError, match="'llama3' cannot render tool definitions"):
-        r.build_supervised_example(conv, tools=[WEATHER])
+    with pytest.raises(RendererError, match="llama3 declares tools in the first user message"):
+        r.build_supervised_example([conv[0], conv[2]], tools=[WEATHER])

@@ -14,6 +14,7 @@ from prefect_tinker.recipes.renderers import (
     get_renderer,
     guess_renderer_name,
     renderer_names,
+    resolve_renderer_name,
 )
 from tests.renderer_tokenizers import (
     decode,
@@ -23,6 +24,7 @@ from tests.renderer_tokenizers import (
     needs_smollm2,
     qwen3_like,
     smollm2,
+    tiny,
     trained_runs,
 )
 
@@ -80,6 +82,10 @@ def test_registry_names_unknown_and_guess():
     )
     with pytest.raises(RendererError, match="unknown renderer 'nope'.*chat_template"):
         get_renderer("nope", tok)
+    with pytest.raises(RendererError, match="unknown renderer 'nope'; accepted: auto, chat_template"):
+        resolve_renderer_name("nope", tok)
+    assert resolve_renderer_name("auto", tok) == "smollm2" and resolve_renderer_name("llama3", tok) == "llama3"
+    assert resolve_renderer_name("auto", tiny()) == "chatml"  # the tiny preset's template is plain ChatML
     assert guess_renderer_name(tok) == "smollm2" and get_renderer("auto", tok).name == "smollm2"
     fresh = load_smollm2()
     for template, expected in [
@@ -87,6 +93,8 @@ def test_registry_names_unknown_and_guess():
         ("<|im_start|>{{ x }}<think>", "qwen3"),
         ("<|start_header_id|>{{ m }}<|eot_id|>", "llama3"),
         ("{{ messages }}", "chat_template"),
+        (tiny().chat_template, "chatml"),
+        (tiny().chat_template.replace("'\\n' }}{% endfor %}", "'' }}{% endfor %}"), "chat_template"),
     ]:
         fresh.chat_template = template
         assert guess_renderer_name(fresh) == expected
@@ -128,18 +136,21 @@ def test_generation_prompt_is_prefix_and_reply_parses_back(name):
                 assert whole[: len(prompt)] == prompt, (conv_id, i)
 
 
-def test_whitespace_led_assistant_content_is_the_documented_divergence():
+def test_whitespace_led_reply_keeps_the_prefix_property_where_apply_chat_template_does_not():
     """Content starting with 2+ spaces: BPE merges them with the header's newline in the joint
-    encoding.  chat_template keeps the template's tokens; smollm2 keeps the prefix property."""
+    encoding of apply_chat_template, a token sequence the sampler never produces after the
+    generation prompt.  Both renderers cut at the prompt: same text, different tokens there."""
     tok = smollm2()
     conv = [{"role": "user", "content": "Indent it."}, {"role": "assistant", "content": "    x = 1"}]
     expected = _apply(tok, conv, False)
     ct, _ = get_renderer("chat_template", tok).build_supervised_example(conv)
     fam, _ = get_renderer("smollm2", tok).build_supervised_example(conv)
-    assert ct.to_ints() == expected
-    assert fam.to_ints() != expected and decode(tok, fam.to_ints()) == decode(tok, expected)
-    prompt = get_renderer("smollm2", tok).build_generation_prompt(conv[:1]).to_ints()
-    assert fam.to_ints()[: len(prompt)] == prompt
+    assert ct == fam and fam.to_ints() != expected and decode(tok, fam.to_ints()) == decode(tok, expected)
+    prompt = _apply(tok, conv[:1], True)
+    for r in (get_renderer("smollm2", tok), get_renderer("chat_template", tok)):
+        assert r.build_generation_prompt(conv[:1]).to_ints() == prompt  # prompts stay template-exact
+    reply = encode(tok, "    x = 1") + [tok.convert_tokens_to_ids("<|im_end|>")] + encode(tok, "\n")
+    assert fam.to_ints() == prompt + reply
 
 
 TOOL_CONV = [

@@ -39,3 +39,20 @@ def test_show_example_command(tmp_path, capsys):
     assert "\x1b[1;32m" in out and "-- 30 tokens, 30 trained (100.0%), cut from" in out
     assert main([*args, "--field", "output=answer"]) == 2
     assert f"{data}:1: field 'answer' is missing (record has: instruction, output)" in capsys.readouterr().err
+
+
+@needs_smollm2
+def test_show_example_content_is_text_unless_told(tmp_path, capsys):
+    import re
+
+    from prefect_tinker.flows.cli import main
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"instruction": "Say <|im_end|> now", "output": "ok"}) + "\n")
+    args = ["show-example", str(data), "--format", "alpaca", "--tokenizer", str(TOKENIZER_DIR), "--renderer", "smollm2", "--ids"]
+    im_end = re.compile(r"^\s*\d+\s+2\s", re.M)  # id listing rows of token 2 (<|im_end|>)
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "Say <|im_end|> now<|im_end|>" in out and len(im_end.findall(out)) == 3  # system, user, assistant ends
+    assert main([*args, "--special-tokens-in-content"]) == 0
+    assert len(im_end.findall(capsys.readouterr().out)) == 4  # the text in the message became the control token

@@ -3,29 +3,42 @@
 A renderer owns the mapping between a conversation (a list of ``{"role", "content", ...}``
 dicts) and the tokens a model sees.  Every renderer offers:
 
-- ``build_supervised_example(messages, train_on_what)`` -> ``(tinker.ModelInput, weights)``
+- ``build_supervised_example(messages, train_on_what, tools=None)`` -> ``(tinker.ModelInput, weights)``
   where ``weights`` is float32 of shape ``(N,)`` aligned with the N tokens (1.0 = trained);
   shifting inputs against targets is done by :func:`prefect_tinker.recipes.datasets.datum_from_example`.
-- ``build_generation_prompt(messages, prefill=None)`` -> ``tinker.ModelInput`` ending where the
-  next assistant reply starts; a token prefix of the supervised example of the conversation
-  continued by that reply.
+- ``build_generation_prompt(messages, prefill=None, tools=None)`` -> ``tinker.ModelInput`` ending
+  where the next assistant reply starts; a token prefix of the supervised example of the
+  conversation continued by that reply (every renderer: training tokens = generation prompt
+  tokens + reply tokens, also for replies starting with whitespace).
 - ``get_stop_sequences()`` -> stop strings or token ids for ``tinker.SamplingParams(stop=...)``.
 - ``parse_response(tokens)`` -> ``ParsedResponse(message, termination)`` with termination one of
-  ``stop_sequence``, ``end_of_sequence``, ``truncated``, ``malformed`` (:class:`Termination`).
+  ``stop_sequence``, ``end_of_sequence``, ``truncated``, ``malformed`` (:class:`Termination`);
+  the message carries ``tool_calls`` when the reply called tools (bad call JSON: ``malformed``,
+  never an exception).
+
+``tools``: JSON function schemas (:func:`check_tools`) declared in the renderer family's format:
+Hermes/Qwen ``<tools>`` + ``<tool_call>`` for ``chatml``, ``smollm2`` and ``qwen3``
+(:mod:`.tools`), Llama 3.1 JSON calls for ``llama3``, the template's own for ``chat_template``.
+
+Untrusted text: message content (and reasoning, tool-call arguments, tool schemas) is encoded as
+text, so special-token strings in it (``<|im_start|>``, ``<|eot_id|>``, ``<think>``, ...) never
+become control tokens and cannot forge a turn boundary; ``role_colon`` escapes role markers at
+line starts.  ``get_renderer(name, tok, special_tokens_in_content=True)`` keeps the old behaviour
+for data that relies on it.
 
 ``train_on_what`` (:class:`TrainOnWhat`): ``last_assistant_message``, ``last_assistant_turn``,
 ``all_assistant_messages`` (default), ``all_messages``, ``all_tokens``, ``customized`` (per-message
 ``trainable`` flags).
 
-Registered names (:func:`get_renderer`):
+Registered names (:func:`get_renderer`; ``"auto"`` resolves through :func:`resolve_renderer_name`):
 
 =========================  ==========================================================
 ``role_colon``             ``User: ...\\n\\nAssistant: ...`` for base models
-``chatml``                 ChatML (``<|im_start|>role\\n...<|im_end|>``)
+``chatml``                 ChatML (``<|im_start|>role\\n...<|im_end|>``), Hermes tool calls
 ``smollm2``                ChatML with SmolLM2-Instruct's default system prompt
 ``qwen3``                  Qwen3 with thinking (``<think>``), tool calls and results
 ``qwen3_disable_thinking`` Qwen3 with an empty think block in the generation prompt
-``llama3``                 Llama 3 instruct (``<|start_header_id|>...<|eot_id|>``)
+``llama3``                 Llama 3 instruct (``<|start_header_id|>...<|eot_id|>``), 3.1 tools
 ``chat_template``          the tokenizer's own ``apply_chat_template``
 =========================  ==========================================================
 """
@@ -46,19 +59,22 @@ from prefect_tinker.recipes.renderers.base import (
     Segment,
     Termination,
     TrainOnWhat,
+    check_tools,
     normalize_messages,
     trained_message_mask,
 )
 from prefect_tinker.recipes.renderers.chat_template import ChatTemplateRenderer
 from prefect_tinker.recipes.renderers.chatml import ChatMLRenderer, SmolLM2Renderer
-from prefect_tinker.recipes.renderers.llama3 import Llama3Renderer
-from prefect_tinker.recipes.renderers.qwen3 import (
-    Qwen3Renderer,
+from prefect_tinker.recipes.renderers.encoding import Tag, TextEncoder, text_encoder
+from prefect_tinker.recipes.renderers.llama3 import Llama3Renderer, llama3_tool_call_json, parse_llama3_tool_calls
+from prefect_tinker.recipes.renderers.qwen3 import Qwen3Renderer, qwen3_tools_system_prompt
+from prefect_tinker.recipes.renderers.role_colon import RoleColonRenderer, escape_role_markers, unescape_role_markers
+from prefect_tinker.recipes.renderers.tools import (
     format_tool_call,
+    parse_hermes_response,
     parse_tool_calls,
-    qwen3_tools_system_prompt,
+    tools_system_prompt,
 )
-from prefect_tinker.recipes.renderers.role_colon import RoleColonRenderer
 
 __all__ = [
     "KNOWN_ROLES",
@@ -74,18 +90,28 @@ __all__ = [
     "RoleColonRenderer",
     "Segment",
     "SmolLM2Renderer",
+    "Tag",
     "Termination",
+    "TextEncoder",
     "TrainOnWhat",
+    "check_tools",
+    "escape_role_markers",
     "format_tool_call",
     "get_renderer",
     "guess_renderer_name",
+    "llama3_tool_call_json",
     "normalize_messages",
+    "parse_hermes_response",
+    "parse_llama3_tool_calls",
     "parse_tool_calls",
     "qwen3_tools_system_prompt",
     "register_renderer",
     "renderer_names",
     "resolve_renderer_name",
+    "text_encoder",
+    "tools_system_prompt",
     "trained_message_mask",
+    "unescape_role_markers",
 ]
 
 _REGISTRY: dict[str, Callable[..., Renderer]] = {
@@ -109,29 +135,19 @@ def renderer_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_renderer(name: str, tokenizer: Any, **kwargs: Any) -> Renderer:
-    """Build the renderer registered under ``name`` for ``tokenizer``.
+def resolve_renderer_name(name: str, tokenizer: Any) -> str:
+    """The registered renderer name that ``name`` stands for with ``tokenizer``.
+
+    The one resolver of ``renderer="auto"`` for every recipe (SFT data, RL prompts, evaluation,
+    capture); record its result with the run and its checkpoints.
 
     Args:
-        name: a registered name (see the module docstring), or ``"auto"`` for
-            :func:`guess_renderer_name`.
-        tokenizer: a Hugging Face tokenizer (e.g. ``TrainingClient.get_tokenizer()``).
-        **kwargs: passed to the renderer (``template_kwargs`` for ``chat_template``;
-            ``strip_thinking_from_history`` for the qwen3 renderers).
+        name: ``"auto"`` (:func:`guess_renderer_name` from the tokenizer's chat template) or a
+            registered name, returned unchanged.
+        tokenizer: a Hugging Face tokenizer (only read for ``"auto"``).
 
     Raises:
-        RendererError: unknown name (the message lists the accepted names), or the
-            tokenizer lacks what the renderer needs (a chat template, special tokens).
-    """
-    return _REGISTRY[resolve_renderer_name(name, tokenizer)](tokenizer, **kwargs)
-
-
-def resolve_renderer_name(name: str, tokenizer: Any) -> str:
-    """The one resolver of renderer names: ``"auto"`` -> :func:`guess_renderer_name` of
-    ``tokenizer``; any other name must be registered.
-
-    Raises:
-        RendererError: an unknown name (the message lists the accepted names).
+        RendererError: ``name`` is neither ``"auto"`` nor registered (the message lists the names).
     """
     if name == "auto":
         return guess_renderer_name(tokenizer)
@@ -140,12 +156,44 @@ def resolve_renderer_name(name: str, tokenizer: Any) -> str:
     return name
 
 
+def get_renderer(name: str, tokenizer: Any, **kwargs: Any) -> Renderer:
+    """Build the renderer registered under ``name`` for ``tokenizer``.
+
+    Args:
+        name: a registered name (see the module docstring), or ``"auto"``
+            (:func:`resolve_renderer_name`).
+        tokenizer: a Hugging Face tokenizer (e.g. ``TrainingClient.get_tokenizer()``).
+        **kwargs: passed to the renderer: ``special_tokens_in_content`` (every renderer; default
+            False: message content is encoded as text), ``template_kwargs`` for
+            ``chat_template``, ``strip_thinking_from_history`` for the qwen3 renderers,
+            ``date_string`` / ``tools_in_user_message`` for ``llama3``.
+
+    Raises:
+        RendererError: unknown name (the message lists the accepted names), or the
+            tokenizer lacks what the renderer needs (a chat template, special tokens).
+    """
+    return _REGISTRY[resolve_renderer_name(name, tokenizer)](tokenizer, **kwargs)
+
+
+def _renders_plain_chatml(tokenizer: Any) -> bool:
+    """Whether the chat template writes exactly ChatML (no default system prompt, no extras)."""
+    conv = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
+    expected = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in conv)
+    try:
+        full = tokenizer.apply_chat_template(conv, tokenize=False)
+        prompt = tokenizer.apply_chat_template(conv[1:2], tokenize=False, add_generation_prompt=True)
+    except Exception:
+        return False
+    return full == expected and prompt == "<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n"
+
+
 def guess_renderer_name(tokenizer: Any) -> str:
-    """A renderer name for ``tokenizer`` from its chat template's markers.
+    """A renderer name for ``tokenizer`` from its chat template.
 
     ``qwen3`` for templates with ``<|im_start|>`` and ``<think>``, ``smollm2`` for SmolLM's,
-    ``llama3`` for ``<|start_header_id|>``, ``chat_template`` for any other template, and
-    ``role_colon`` when there is none (a base model).
+    ``llama3`` for ``<|start_header_id|>`` ... ``<|eot_id|>``, ``chatml`` for a template that
+    renders exactly plain ChatML (e.g. the ``tiny`` preset's), ``chat_template`` for any other
+    template, and ``role_colon`` when there is none (a base model).
     """
     template = getattr(tokenizer, "chat_template", None)
     if not isinstance(template, str) or not template:
@@ -156,4 +204,6 @@ def guess_renderer_name(tokenizer: Any) -> str:
         return "smollm2"
     if "<|start_header_id|>" in template and "<|eot_id|>" in template:
         return "llama3"
+    if "<|im_start|>" in template and _renders_plain_chatml(tokenizer):
+        return "chatml"
     return "chat_template"

@@ -15,11 +15,17 @@ weight 1.0 on its ``body`` and ``end`` tokens -- exactly what the model has to p
 the generation prompt -- and 0.0 elsewhere; ``all_messages`` trains every part of every message
 and ``all_tokens`` every token.  Because the generation prompt of ``messages[:i]`` is the
 segments of those messages followed by an assistant ``header``, it is a token prefix of the
-supervised example of any conversation that continues them (the property the tests check).
+supervised example of any conversation that continues them (the property the tests check):
+an assistant header and the reply after it are encoded separately, never merged by BPE.
+
+Markup (headers, end markers, format text) is encoded with special tokens recognised; message
+content as text (:mod:`prefect_tinker.recipes.renderers.encoding`), unless the renderer is built
+with ``special_tokens_in_content=True``.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -27,6 +33,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import tinker
+
+from prefect_tinker.recipes.renderers.encoding import Piece, text_encoder
 
 __all__ = [
     "KNOWN_ROLES",
@@ -39,6 +47,7 @@ __all__ = [
     "Termination",
     "TrainOnWhat",
     "check_message_list",
+    "check_tools",
     "normalize_messages",
     "trained_message_mask",
 ]
@@ -196,6 +205,35 @@ class _FieldProblem(ValueError):
         self.field, self.problem = field, problem
 
 
+def check_tools(tools: Any) -> list[dict[str, Any]]:
+    """Validate function schemas for ``tools=``.
+
+    Each is ``{"type": "function", "function": {"name", "description", "parameters"}}`` (OpenAI
+    style) or the bare ``{"name", "description", "parameters"}``; it must be JSON-serialisable.
+
+    Returns:
+        The schemas as a list of dicts (the same objects' contents).
+
+    Raises:
+        RendererError: e.g. ``"tools[1]: needs a function name, got {...}"``.
+    """
+    if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
+        raise RendererError(f"tools must be a list of function schemas, got {_short(tools)}")
+    out = []
+    for j, tool in enumerate(tools):
+        fn = tool.get("function", tool) if isinstance(tool, Mapping) else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise RendererError(f"tools[{j}]: needs a function name, got {_short(tool)}")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], Mapping):
+            raise RendererError(f"tools[{j}].parameters: must be a JSON schema object, got {_short(fn['parameters'])}")
+        try:
+            json.dumps(tool)
+        except (TypeError, ValueError) as exc:
+            raise RendererError(f"tools[{j}]: not JSON-serialisable ({exc})") from None
+        out.append(dict(tool))
+    return out
+
+
 def normalize_messages(messages: Any) -> list[Message]:
     """Validate messages for rendering (see :func:`check_message_list` for the accepted keys).
 
@@ -277,44 +315,57 @@ class Renderer:
     Args:
         tokenizer: a Hugging Face tokenizer (``TrainingClient.get_tokenizer()`` or
             ``AutoTokenizer.from_pretrained(...)``).
+        special_tokens_in_content: False (default): message content, reasoning, tool-call
+            arguments and tool schemas are encoded as text (:mod:`.encoding`), so special-token
+            strings in them never become control tokens; True: they do (the behaviour before,
+            for data that writes control tokens into content on purpose, e.g. inline ``<think>``).
     """
 
     name: str = ""
     #: Whether ``tools=`` (function schemas) can be rendered into the prompt.
     supports_tools: bool = False
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, *, special_tokens_in_content: bool = False):
         self.tokenizer = tokenizer
-        self._enc_cache: dict[str, list[int]] = {}
+        #: False (default): message content is encoded as text; True: special-token strings in
+        #: content become control tokens (the old behaviour, for data that relies on it).
+        self.special_tokens_in_content = bool(special_tokens_in_content)
+        self.encoder = text_encoder(tokenizer)
 
     # ---- helpers for subclasses -------------------------------------------------------
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` without the tokenizer's automatic special tokens (short strings cached)."""
-        if len(text) <= 48:
-            hit = self._enc_cache.get(text)
-            if hit is None:
-                hit = self._enc_cache[text] = list(self.tokenizer.encode(text, add_special_tokens=False))
-            return list(hit)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        """Token ids of the renderer's own markup ``text`` (special-token strings are control tokens)."""
+        return self.encoder.markup(text)
 
-    def encode_pair(self, head: str, body: str, *, joint: bool) -> tuple[list[int], list[int]]:
-        """Encode ``head + body`` split into (head tokens, body tokens).
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of message content ``text``: plain text unless ``special_tokens_in_content``."""
+        return self.encoder.markup(text) if self.special_tokens_in_content else self.encoder.text(text)
 
-        ``joint=False`` encodes the two separately (the generation prompt then ends exactly at
-        the head); ``joint=True`` encodes them together, as ``apply_chat_template`` does, and
-        gives a token that straddles the boundary (BPE merging e.g. ``"\\n"`` with leading
-        spaces of the body) to the body.
+    def content(self, text: str) -> Piece:
+        """``text`` as a content piece for :meth:`encode_pieces` (markup only with ``special_tokens_in_content``)."""
+        return (text, self.special_tokens_in_content)
+
+    def encode_pieces(self, pieces: Sequence[Piece]) -> list[int]:
+        """Joint encoding of markup/content pieces (see :meth:`TextEncoder.pieces`), concatenated."""
+        return [t for run in self.encoder.pieces(pieces) for t in run]
+
+    def encode_pair(self, head: str, body: Sequence[Piece] | str, *, joint: bool) -> tuple[list[int], list[int]]:
+        """Encode markup ``head`` followed by ``body`` (content text, or markup/content pieces).
+
+        ``joint=False`` encodes the two separately, so that a generation prompt ending at ``head``
+        is a token prefix of ``head + body``; ``joint=True`` encodes them together, as
+        ``apply_chat_template`` does, and gives a token that straddles the boundary (BPE merging
+        e.g. ``"\\n"`` with leading spaces of the body) to the body.
         """
-        h = self.encode(head)
-        if not joint or not body:
-            return h, self.encode(body)
-        both = self.encode(head + body)
-        k = 0
-        while k < len(h) and k < len(both) and h[k] == both[k]:
-            k += 1
-        if k == len(h):
-            return h, both[k:]
-        return both[:k], both[k:]
+        pieces = [self.content(body)] if isinstance(body, str) else list(body)
+        if not joint:
+            return self.encode(head), self.encode_pieces(pieces)
+        runs = self.encoder.pieces([(head, True), *pieces])
+        return runs[0], [t for run in runs[1:] for t in run]
+
+    def tag_items(self, tokens: Sequence[int], tags: Sequence[str]) -> list[str]:
+        """Decode sampled ``tokens`` into text and :class:`Tag` items (see :meth:`TextEncoder.tag_items`)."""
+        return self.encoder.tag_items(tokens, tags)
 
     def special_token_id(self, text: str) -> int:
         """Id of a special token that must exist as one token (e.g. ``<|im_end|>``).
@@ -336,9 +387,12 @@ class Renderer:
         eos = getattr(self.tokenizer, "eos_token_id", None)
         return [] if eos is None else [int(eos)]
 
-    def _check_tools(self, tools: Any) -> None:
-        if tools and not self.supports_tools:
+    def _check_tools(self, tools: Any) -> list[dict[str, Any]] | None:
+        if not tools:
+            return None
+        if not self.supports_tools:
             raise RendererError(f"renderer {self.name!r} cannot render tool definitions; describe them in a system message")
+        return check_tools(tools)
 
     # ---- to implement -----------------------------------------------------------------
     def _segments(self, messages: list[Message], tools: Sequence[Mapping[str, Any]] | None) -> list[Segment]:
@@ -369,7 +423,7 @@ class Renderer:
         """
         msgs = normalize_messages(messages)
         mode = check_train_on(train_on_what)
-        self._check_tools(tools)
+        tools = self._check_tools(tools)
         trained = trained_message_mask(msgs, mode)
         segments = self._segments(msgs, tools)
         tokens = [t for seg in segments for t in seg.tokens]
@@ -385,7 +439,8 @@ class Renderer:
 
         Args:
             messages: the conversation so far.
-            prefill: text the assistant reply must start with, appended after the header.
+            prefill: text the assistant reply must start with, appended after the header
+                (the recipe's own text: encoded as markup).
             tools: as in :meth:`build_supervised_example`.
 
         Returns:
@@ -396,7 +451,7 @@ class Renderer:
             RendererError: invalid messages or unsupported tools.
         """
         msgs = normalize_messages(messages)
-        self._check_tools(tools)
+        tools = self._check_tools(tools)
         tokens = [t for seg in self._segments(msgs, tools) for t in seg.tokens] + self._assistant_header()
         if prefill:
             tokens += self.encode(prefill)

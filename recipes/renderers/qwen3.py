@@ -7,7 +7,8 @@ Calling" and "Thinking"), which is ChatML plus:
 - reasoning: an assistant message after the last user query is written
   ``<think>\\n{reasoning}\\n</think>\\n\\n{content}`` when it is the last message or has reasoning;
   earlier assistant messages lose their reasoning (history is rendered without thinking).
-  Reasoning comes from ``reasoning_content`` or from a ``<think>...</think>`` prefix of content.
+  Reasoning comes from ``reasoning_content`` (or, with ``special_tokens_in_content=True``, from a
+  ``<think>...</think>`` prefix of content, as the template does; by default content is text).
   ``enable_thinking=False`` ends the generation prompt with an empty ``<think>\\n\\n</think>\\n\\n``;
   this renderer then treats that empty block as part of the assistant header (never trained).
 - tool calls: after the content (a newline between), one block per call:
@@ -23,98 +24,51 @@ and tool calls back out of the sampled tokens.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from prefect_tinker.recipes.renderers.base import Message, ParsedResponse, Segment, Termination
 from prefect_tinker.recipes.renderers.chatml import IM_START, ChatMLRenderer
+from prefect_tinker.recipes.renderers.encoding import Piece, Tag
+from prefect_tinker.recipes.renderers.tools import (
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    TOOL_RESPONSE_CLOSE,
+    TOOL_RESPONSE_OPEN,
+    format_tool_call,
+    parse_tool_calls,
+    tool_calls_pieces,
+    tools_system_pieces,
+    tools_system_prompt,
+)
 
 __all__ = ["Qwen3Renderer", "format_tool_call", "parse_tool_calls", "qwen3_tools_system_prompt"]
 
-_TOOLS_HEAD = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
-)
-_TOOLS_TAIL = (
-    "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
-    "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
-)
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 
-
-def _tojson(value: Any) -> str:
-    # what the template's ``tojson`` filter writes in transformers: json.dumps, non-ASCII kept
-    return json.dumps(value, ensure_ascii=False)
+#: The system block text declaring tools (the Hermes/Qwen format of ``recipes.renderers.tools``).
+qwen3_tools_system_prompt = tools_system_prompt
 
 
-def qwen3_tools_system_prompt(tools: Sequence[Mapping[str, Any]], system: str | None = None) -> str:
-    """System block text describing ``tools`` (function schemas) the way Qwen3 expects.
+def _split_reasoning(msg: Message, inline: bool) -> tuple[str, str]:
+    """(reasoning, content) of an assistant message, as the Qwen3 template derives them.
 
-    Args:
-        tools: JSON schemas, e.g. ``{"type": "function", "function": {"name", "description", "parameters"}}``.
-        system: the conversation's own system prompt, written first (followed by a blank line).
+    ``inline`` also takes reasoning from a ``<think>...</think>`` prefix of content (only with
+    ``special_tokens_in_content``: otherwise content is text and ``<think>`` in it is not markup).
     """
-    head = f"{system}\n\n" if system is not None else ""
-    return head + _TOOLS_HEAD + "".join("\n" + _tojson(t) for t in tools) + _TOOLS_TAIL
-
-
-def format_tool_call(call: Mapping[str, Any]) -> str:
-    """``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`` for one call.
-
-    ``call`` is ``{"type": "function", "function": {"name", "arguments"}}`` or ``{"name",
-    "arguments"}``; string arguments are written as they are, others as JSON.
-    """
-    fn = call.get("function") or call
-    args = fn.get("arguments", {})
-    args_text = args if isinstance(args, str) else _tojson(args)
-    return '<tool_call>\n{"name": "' + fn["name"] + '", "arguments": ' + args_text + "}\n</tool_call>"
-
-
-def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]], bool]:
-    """Split an assistant body into (content, tool calls, well_formed).
-
-    Calls come back as ``{"type": "function", "function": {"name": str, "arguments": dict}}``.
-    ``well_formed`` is False for an unclosed ``<tool_call>``, invalid JSON, a call without a
-    name, or text after the calls.
-    """
-    if "<tool_call>" not in text:
-        return text, [], "</tool_call>" not in text
-    head, _, rest = text.partition("<tool_call>")
-    content = head.removesuffix("\n")
-    calls: list[dict[str, Any]] = []
-    ok = True
-    for piece in rest.split("<tool_call>"):
-        inner, closed, after = piece.partition("</tool_call>")
-        if not closed or after.strip():
-            ok = False
-        try:
-            obj = json.loads(inner.strip())
-        except json.JSONDecodeError:
-            ok = False
-            continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            ok = False
-            continue
-        calls.append({"type": "function", "function": {"name": obj["name"], "arguments": obj.get("arguments", {})}})
-    return content, calls, ok
-
-
-def _split_reasoning(msg: Message) -> tuple[str, str]:
-    """(reasoning, content) of an assistant message, as the Qwen3 template derives them."""
     content = msg["content"]
     if isinstance(msg.get("reasoning_content"), str):
         return msg["reasoning_content"], content
-    if "</think>" in content:
-        before = content.split("</think>")[0]
-        return before.rstrip("\n").split("<think>")[-1].lstrip("\n"), content.split("</think>")[-1].lstrip("\n")
+    if inline and THINK_CLOSE in content:
+        before = content.split(THINK_CLOSE)[0]
+        return before.rstrip("\n").split(THINK_OPEN)[-1].lstrip("\n"), content.split(THINK_CLOSE)[-1].lstrip("\n")
     return "", content
 
 
 def _is_query(msg: Message) -> bool:
     c = msg["content"]
-    return msg["role"] == "user" and not (c.startswith("<tool_response>") and c.endswith("</tool_response>"))
+    return msg["role"] == "user" and not (c.startswith(TOOL_RESPONSE_OPEN) and c.endswith(TOOL_RESPONSE_CLOSE))
 
 
 class Qwen3Renderer(ChatMLRenderer):
@@ -127,13 +81,15 @@ class Qwen3Renderer(ChatMLRenderer):
         strip_thinking_from_history: True (the template's behaviour) drops the reasoning of
             assistant messages before the last user query; False keeps every message's
             reasoning, so that each turn is rendered as it was sampled (multi-turn RL).
+        special_tokens_in_content: see :class:`~prefect_tinker.recipes.renderers.Renderer`.
     """
 
     name = "qwen3"
     supports_tools = True
 
-    def __init__(self, tokenizer: Any, *, enable_thinking: bool = True, strip_thinking_from_history: bool = True):
-        super().__init__(tokenizer)
+    def __init__(self, tokenizer: Any, *, enable_thinking: bool = True, strip_thinking_from_history: bool = True,
+                 special_tokens_in_content: bool = False):
+        super().__init__(tokenizer, special_tokens_in_content=special_tokens_in_content)
         self.enable_thinking = enable_thinking
         self.strip_thinking_from_history = strip_thinking_from_history
         if not enable_thinking:
@@ -145,7 +101,8 @@ class Qwen3Renderer(ChatMLRenderer):
         segs: list[Segment] = []
         if tools:
             system = messages[0]["content"] if first_system else None
-            segs += self.block(0 if first_system else None, "system", qwen3_tools_system_prompt(tools, system), joint=True)
+            segs += self.block(0 if first_system else None, "system", tools_system_pieces(tools, system, self.content),
+                               joint=True)
         elif first_system:
             segs += self.block(0, "system", messages[0]["content"], joint=True)
         last_query = next((i for i in range(n - 1, -1, -1) if _is_query(messages[i])), n - 1)
@@ -158,31 +115,27 @@ class Qwen3Renderer(ChatMLRenderer):
             else:  # tool results: grouped into one user turn
                 opens = i == 0 or messages[i - 1]["role"] != "tool"
                 closes = i == n - 1 or messages[i + 1]["role"] != "tool"
-                head, body = self.encode_pair(f"{IM_START}user" if opens else "",
-                                              f"\n<tool_response>\n{msg['content']}\n</tool_response>", joint=True)
-                segs += [Segment(head, i, "header"), Segment(body, i, "body")]
+                body = [(f"\n{TOOL_RESPONSE_OPEN}\n", True), self.content(msg["content"]), (f"\n{TOOL_RESPONSE_CLOSE}", True)]
+                head, body_tokens = self.encode_pair(f"{IM_START}user" if opens else "", body, joint=True)
+                segs += [Segment(head, i, "header"), Segment(body_tokens, i, "body")]
                 if closes:
                     segs += [Segment([self.im_end], i, "end"), Segment(self.encode("\n"), i, "sep")]
         return segs
 
     def _assistant_segments(self, i: int, msg: Message, *, after_query: bool, last: bool) -> list[Segment]:
-        reasoning, content = _split_reasoning(msg)
+        reasoning, content = _split_reasoning(msg, inline=self.special_tokens_in_content)
         think = (after_query and (last or bool(reasoning))) or (not self.strip_thinking_from_history and bool(reasoning))
         header = f"{IM_START}assistant\n"
-        body = ""
+        body: list[Piece] = []
         if think:
             content = content.lstrip("\n")
             if reasoning or self.enable_thinking:
-                body = "<think>\n" + reasoning.strip("\n") + "\n</think>\n\n"
+                body = [(f"{THINK_OPEN}\n", True), self.content(reasoning.strip("\n")), (f"\n{THINK_CLOSE}\n\n", True)]
             else:  # the empty block the non-thinking generation prompt already holds
                 header += EMPTY_THINK
-        body += content
-        for j, call in enumerate(msg.get("tool_calls") or []):
-            if j > 0 or content:
-                body += "\n"
-            body += format_tool_call(call)
+        body += tool_calls_pieces(content, msg.get("tool_calls"), self.content)
         return [
-            Segment(self.encode(header), i, "header"), Segment(self.encode(body), i, "body"),
+            Segment(self.encode(header), i, "header"), Segment(self.encode_pieces(body), i, "body"),
             Segment([self.im_end], i, "end"), Segment(self.encode("\n"), i, "sep"),
         ]
 
@@ -192,28 +145,35 @@ class Qwen3Renderer(ChatMLRenderer):
     def parse_response(self, tokens: Sequence[int]) -> ParsedResponse:
         """Split sampled tokens into reasoning, content and tool calls.
 
+        Think and tool-call tags count only where the model sampled them as tokens when the
+        tokenizer has them as added tokens (Qwen3's do); text spelling them is content.
+
         Returns:
             ``ParsedResponse`` whose message has ``content``, plus ``reasoning_content`` when a
             think block was present and ``tool_calls`` (``{"type": "function", "function":
             {"name", "arguments": dict}}``) when calls were made; termination ``malformed``
             for an unclosed ``<think>`` or a bad tool call, and ``truncated`` when no stop token
-            came (in both cases the message content is the raw decoded text).
+            came (in both cases the message content is the raw decoded text).  Never raises.
         """
         content_tokens, term = self.split_at_stop(tokens)
         raw = self.tokenizer.decode(content_tokens, skip_special_tokens=False)
-        msg: Message = {"role": "assistant", "content": raw}
-        text, ok = raw, True
-        if "</think>" in text:
-            before, _, text = text.partition("</think>")
-            msg["reasoning_content"] = before.split("<think>")[-1].strip("\n")
-            text = text.lstrip("\n")
-        elif "<think>" in text:
-            ok = False
-        content, calls, calls_ok = parse_tool_calls(text)
-        ok = ok and calls_ok
         if term is Termination.TRUNCATED:  # cut off mid-way: nothing reliable to split
             return ParsedResponse({"role": "assistant", "content": raw}, term)
-        if not ok:
+        items = self.tag_items(content_tokens, (THINK_OPEN, THINK_CLOSE, TOOL_CALL_OPEN, TOOL_CALL_CLOSE))
+        msg: Message = {"role": "assistant"}
+        ok = True
+        close = next((k for k, it in enumerate(items) if isinstance(it, Tag) and it == THINK_CLOSE), None)
+        if close is not None:
+            before = items[:close]
+            opened = max((k for k, it in enumerate(before) if isinstance(it, Tag) and it == THINK_OPEN), default=-1)
+            msg["reasoning_content"] = "".join(before[opened + 1 :]).strip("\n")
+            items = items[close + 1 :]
+            if items and not isinstance(items[0], Tag):
+                items[0] = items[0].lstrip("\n")
+        elif any(isinstance(it, Tag) and it == THINK_OPEN for it in items):
+            ok = False
+        content, calls, calls_ok = parse_tool_calls(items)
+        if not (ok and calls_ok):
             return ParsedResponse({"role": "assistant", "content": raw}, Termination.MALFORMED)
         msg["content"] = content
         if calls:

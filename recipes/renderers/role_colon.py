@@ -10,10 +10,20 @@ capitalised: ``System``, ``User``, ``Assistant``, ``Tool``).  The model ends its
 with it (appended when the conversation ends with that reply).  Tokens are the per-segment
 encodings (``add_special_tokens=False``) after the tokenizer's own leading special tokens (BOS for
 Llama-style tokenizers, nothing for SmolLM2).  There is no template to match: the format is ours.
+
+The format has no control tokens: a turn boundary is the text ``"\\n\\n{Role}:"``.  Message content
+is encoded as text, and a role marker at a line start inside it (``"\\n\\nUser:"``, also
+``Assistant``, ``System``, ``Tool``) is escaped with a WORD JOINER (U+2060) after the blank line --
+``"\\n\\n\\u2060User:"`` -- so that content can neither forge a turn nor contain the stop
+sequence; existing joiners there get one more, so :func:`unescape_role_markers` (applied by
+:meth:`RoleColonRenderer.parse_response`) gives the original text back.  The model sees the joiner;
+``special_tokens_in_content=True`` turns the escaping off (and encodes special-token strings in
+content as control tokens), the old behaviour.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,7 +35,21 @@ from prefect_tinker.recipes.renderers.base import (
     Termination,
 )
 
-__all__ = ["RoleColonRenderer"]
+__all__ = ["RoleColonRenderer", "escape_role_markers", "unescape_role_markers"]
+
+_ROLES = "System|User|Assistant|Tool"
+_MARKER = re.compile(rf"\n\n(\u2060*)(?=(?:{_ROLES}):)")
+_ESCAPED = re.compile(rf"\n\n\u2060(\u2060*)(?=(?:{_ROLES}):)")
+
+
+def escape_role_markers(text: str) -> str:
+    """``"\\n\\n\\u2060"*k + Role:`` -> one joiner more, for every line-start role marker in ``text``."""
+    return _MARKER.sub(lambda m: "\n\n\u2060" + m.group(1), text)
+
+
+def unescape_role_markers(text: str) -> str:
+    """Inverse of :func:`escape_role_markers` (one joiner fewer after each blank line before a role)."""
+    return _ESCAPED.sub(lambda m: "\n\n" + m.group(1), text)
 
 
 def leading_special_tokens(tokenizer: Any) -> list[int]:
@@ -44,13 +68,14 @@ class RoleColonRenderer(Renderer):
 
     Args:
         tokenizer: any Hugging Face tokenizer.
+        special_tokens_in_content: see :class:`~prefect_tinker.recipes.renderers.Renderer`.
     """
 
     name = "role_colon"
     STOP = "\n\nUser:"
 
-    def __init__(self, tokenizer: Any):
-        super().__init__(tokenizer)
+    def __init__(self, tokenizer: Any, *, special_tokens_in_content: bool = False):
+        super().__init__(tokenizer, special_tokens_in_content=special_tokens_in_content)
         self._prefix = leading_special_tokens(tokenizer)
 
     @staticmethod
@@ -62,7 +87,8 @@ class RoleColonRenderer(Renderer):
         for i, msg in enumerate(messages):
             closes = i - 1 if i > 0 and messages[i - 1]["role"] == "assistant" else None
             segs.append(Segment(self.encode(self._header(msg["role"])), i, "header", closes=closes))
-            segs.append(Segment(self.encode(f" {msg['content']}\n\n"), i, "body"))
+            text = msg["content"] if self.special_tokens_in_content else escape_role_markers(msg["content"])
+            segs.append(Segment(self.encode_pieces([self.content(f" {text}\n\n")]), i, "body"))
         if messages[-1]["role"] == "assistant":
             segs.append(Segment(self.encode(self._header("user")), None, "end", closes=len(messages) - 1))
         return segs
@@ -89,4 +115,6 @@ class RoleColonRenderer(Renderer):
         text = text.removeprefix(" ")
         if term is not Termination.STOP_SEQUENCE:
             text = text.removesuffix("\n\n")
+        if not self.special_tokens_in_content:
+            text = unescape_role_markers(text)
         return ParsedResponse({"role": "assistant", "content": text}, term)
