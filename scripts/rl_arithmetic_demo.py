@@ -40,15 +40,15 @@ def greedy_accuracy(credentials, sampler_path: str, tokenizer_id: str, n: int, m
     import numpy as np
     import tinker
 
-    from prefect_tinker.recipes.rl.envs import ArithmeticEnv, arithmetic_problem
+    from prefect_tinker.recipes.rl.envs import EnvSpec
+    from prefect_tinker.recipes.rl.envs.arithmetic import ARITHMETIC_SHOT, ArithmeticEnv, arithmetic_problem
+    from prefect_tinker.recipes.rl.envs.problems import convo_prefix
     from prefect_tinker.recipes.rl.problem_env import load_renderer
 
     renderer = load_renderer("auto", tokenizer_id)
     client = credentials.get_client().create_sampling_client(model_path=sampler_path).result()
     rng = np.random.default_rng([seed, 999_999])
-    prefix = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    if few_shot:
-        prefix += [{"role": "user", "content": "What is 4 + 5?"}, {"role": "assistant", "content": "9"}]
+    prefix = convo_prefix(EnvSpec(few_shot=few_shot, system_prompt=system_prompt), ARITHMETIC_SHOT)
     envs = [ArithmeticEnv(arithmetic_problem(rng, max_operand), renderer, convo_prefix=prefix) for _ in range(n)]
     futures = []
     for env in envs:
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> dict:
     from prefect_tinker.flows.config import BackendConfig, resolve_credentials
     from prefect_tinker.flows.rl import RLConfig, rl_flow
     from prefect_tinker.flows.sft import SFTConfig, sft_flow
-    from prefect_tinker.recipes.rl.envs import write_arithmetic_sft_jsonl
+    from prefect_tinker.recipes.rl.envs.arithmetic import write_arithmetic_sft_jsonl
     from tinker_blocks.stores import TrainingStore
 
     tmp = Path(tempfile.mkdtemp(prefix="rl-demo-"))

@@ -8,7 +8,10 @@ import re
 
 import pytest
 
-from prefect_tinker.recipes.rl.envs import EnvSpec, GSM8KEnv, MathEnv, build_rl_dataset, load_problems
+from prefect_tinker.recipes.rl.envs import EnvSpec, build_rl_dataset
+from prefect_tinker.recipes.rl.envs.gsm8k import GSM8KEnv
+from prefect_tinker.recipes.rl.envs.math import MathEnv
+from prefect_tinker.recipes.rl.envs.problems import load_problems
 from prefect_tinker.recipes.rl.grading import answers_match, extract_boxed, extract_final_answer, extract_hash_answer, parse_number
 from prefect_tinker.recipes.rl.problem_env import Problem, ProblemGroupBuilder
 from tests.conftest import shared_file
