@@ -361,7 +361,7 @@ class BoundLoss:
                 a = a.astype(np.float32, copy=False)
             elif a.dtype.kind in "iub":
                 a = a.astype(np.int64, copy=False)
-            out[iname] = torch.from_numpy(np.ascontiguousarray(a)).to(device)
+            out[iname] = torch.from_numpy(np.array(a, order="C")).to(device)  # keeps 0-d
         return out
 
     def metrics(self) -> dict[str, float]:
