@@ -16,9 +16,11 @@ import inspect
 import json
 import os
 import shutil
+import urllib.error
 import urllib.request
 import uuid
 import warnings
+
 from pathlib import Path
 
 import numpy as np
@@ -370,6 +372,7 @@ def rc_delete_checkpoint_from_tinker_path(c: Ctx):
 
 
 def rc_export_session_trace(c: Ctx):
+    _sample_tokens(c.sampler, c)
     url = c.rc.export_session_trace(c.session_id).result(timeout=60)
     trace = json.loads(urllib.request.urlopen(url, timeout=30).read())
     reqs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
@@ -609,3 +612,67 @@ def test_sampler_tokenizer_of_a_model_directory_with_two_slashes(ctx, tmp_path):
         assert again.get_tokenizer().encode("12 + 34") == ctx.tok.encode("12 + 34")
     finally:
         shutil.rmtree(top, ignore_errors=True)
+
+
+def test_jwt_auth_mode_serves_whoami_and_refuses_bad_tokens(ctx, tmp_path):
+    import httpx
+
+    server = inproc_server.start(tmp_path / "jwt-root", [ctx.model], jwt_auth=True)
+    try:
+        sc = tinker.ServiceClient(base_url=server.base_url, api_key=KEY)
+        tc = sc.create_lora_training_client(ctx.model, rank=2, seed=0).result(timeout=120)
+        tc.forward_backward(ctx.data, "cross_entropy").result(timeout=60)
+        rc = tinker.RestClient(base_url=server.base_url, api_key=KEY)
+        me = rc.whoami().result(timeout=30)
+        assert (me.user_urn, me.org_urn, me.email) == ("tml:user:local", "tml:organization:local", None)
+        token = sc.holder._default_auth._token
+        assert token.startswith("eyJ")  # the SDK really sends JWTs to this server
+        url = f"{server.base_url}/api/v1/training_runs"
+        assert httpx.get(url, headers={"X-API-Key": token}).status_code == 200
+        assert httpx.get(url, headers={"X-API-Key": KEY}).status_code == 200  # keys stay valid
+        forged = token[:-2] + ("AA" if not token.endswith("AA") else "BB")
+        r = httpx.get(url, headers={"X-API-Key": forged})
+        assert r.status_code == 401 and 'error="invalid_token"' in r.headers["www-authenticate"]
+        server.shift_clock(2 * 3600)  # the client's JWT has expired on the server's clock
+        assert httpx.get(url, headers={"X-API-Key": token}).status_code == 401
+        # the SDK answers invalid_token by fetching a fresh JWT and replaying the request
+        assert tc.model_id in [r.training_run_id for r in rc.list_training_runs().result(timeout=30).training_runs]
+        sc.close("success").result(timeout=30)
+    finally:
+        server.stop()
+
+
+def test_session_trace_lists_each_request_in_order_with_its_times(ctx):
+    sc = tinker.ServiceClient(base_url=ctx.server.base_url, api_key=KEY)
+    tc = sc.create_lora_training_client(ctx.model, rank=2, seed=0).result(timeout=120)
+    for _ in range(3):
+        tc.forward_backward(ctx.data, "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=60)
+    s = tc.save_weights_and_get_sampling_client().result(timeout=60)
+    _sample_tokens(s, ctx)
+    _sample_tokens(s, ctx, seed=6)
+    sid = sc.holder.get_session_id()
+    url = ctx.rc.export_session_trace(sid).result(timeout=60)
+    with urllib.request.urlopen(url, timeout=30) as r:
+        trace = json.loads(r.read())
+    events = trace["traceEvents"]
+    tracks = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    done = [e for e in events if e["ph"] == "X"]
+    train = [e for e in done if tracks[e["tid"]] == tc.model_id]
+    assert [e["name"] for e in train] == ["create_model"] + ["forward_backward", "optim_step"] * 3 \
+        + ["save_weights_for_sampler"]
+    assert [e["args"].get("seq_id") for e in train[1:]] == list(range(1, 8))
+    for a, b in zip(train, train[1:]):  # one compute thread: each starts after the previous ended
+        assert b["ts"] >= a["ts"] + a["dur"]
+    assert all(e["args"]["status"] == "ok" and e["args"]["run_ms"] >= 0 and e["args"]["queue_ms"] >= 0
+               for e in done)
+    assert train[1]["args"]["loss_fn"] == "cross_entropy" and train[1]["args"]["datums"] == 2
+    samples = [e for e in done if e["name"] == "sample"]
+    assert len(samples) == 2 and all(tracks[e["tid"]] == s._sampling_session_id for e in samples)
+    begins = {e["id"] for e in events if e["ph"] == "b"}
+    assert begins == {e["id"] for e in events if e["ph"] == "e"} and len(begins) == len(done)
+    assert {"create_session"} <= {e["name"] for e in events if e["ph"] == "i"}
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(url.split("?")[0], timeout=30)
+    assert e.value.code == 403
+    sc.close("success").result(timeout=30)

@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 
+from .auth import InvalidToken, JwtIssuer, is_api_key, looks_like_jwt
 from .faults import FaultConfig, FaultInjector, FaultState
 from .rest_sessions import account_feature
 from .service import HttpError, LocalService
@@ -47,7 +48,8 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
                poll_wait_s: float = 20.0, gap_timeout_s: float = 30.0,
                datum_cls: type | None = None, faults: FaultConfig | None = None,
                batch_quiet_s: float = 0.02, batch_max_wait_s: float = 0.1,
-               custom_loss_server_side: bool = True, url_ttl_s: float = 3600.0) -> FastAPI:
+               custom_loss_server_side: bool = True, url_ttl_s: float = 3600.0,
+               jwt_auth: bool = False) -> FastAPI:
     """Build the FastAPI app speaking the tinker 0.38 protocol in front of ``engine``.
 
     Args:
@@ -66,6 +68,8 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
         custom_loss_server_side: advertise and run uploaded custom losses (client config flag;
             off: the SDK runs ``create_custom_loss`` losses client-side).
         url_ttl_s: lifetime of signed download URLs (external weights, session traces), seconds.
+        jwt_auth: exchange API keys for short-lived JWTs (``tinker_local.auth``; client config
+            ``pjwt_auth_enabled``), which ``RestClient.whoami`` needs; API keys stay accepted.
     Raises:
         ValueError: when no root is given and the engine has none.
     """
@@ -75,6 +79,7 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
     svc = LocalService(engine, Path(root), models=models, gap_timeout_s=gap_timeout_s,
                        datum_cls=datum_cls, url_ttl_s=url_ttl_s)
     svc.custom_loss_server_side = custom_loss_server_side
+    svc.jwt = JwtIssuer(svc.signer._secret, clock=lambda: svc.clock()) if jwt_auth else None
     svc.store.batch_quiet_s, svc.store.batch_max_wait_s = batch_quiet_s, batch_max_wait_s
     fault_state = FaultState(faults or FaultConfig())
 
@@ -109,13 +114,21 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
     @route("POST", "/client/config")
     async def client_config(request: Request):
         # API-key auth, sampling futures polled one by one; custom losses run here when enabled.
-        return {"pjwt_auth_enabled": False, "sample_use_retrieve_futures": False,
+        return {"pjwt_auth_enabled": svc.jwt is not None, "sample_use_retrieve_futures": False,
                 "custom_loss_server_side": bool(svc.custom_loss_server_side),
                 "sample_join_sampling_session": False}
 
     @route("POST", "/client/dynamic_config")
     async def client_dynamic_config(request: Request):
         return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+
+    @route("POST", "/auth/token")
+    async def auth_token(request: Request):
+        if svc.jwt is None:
+            raise HttpError(404, "JWT auth is off on this server (serve --jwt-auth turns it on)")
+        if not is_api_key(request.headers.get("x-api-key", "")):
+            raise HttpError(401, "auth/token: exchange an API key starting with 'tml-'")
+        return {"jwt": svc.jwt.mint()}
 
     @route("POST", "/telemetry")
     async def telemetry(request: Request):
@@ -321,7 +334,16 @@ class _AuthCountLog:
         path, t0 = scope["path"], time.monotonic()
         if path.startswith(API) and path != f"{API}/healthz":
             key = dict(scope["headers"]).get(b"x-api-key", b"").decode("latin-1")
-            if not key.startswith("tml-"):
+            if self.svc.jwt is not None and looks_like_jwt(key):
+                try:
+                    self.svc.jwt.verify(key)
+                    key = "tml-jwt"
+                except InvalidToken as e:
+                    logger.info("%s %s -> 401 (%s)", scope["method"], path, e)
+                    return await JSONResponse({"detail": str(e)}, status_code=401,
+                                              headers={"WWW-Authenticate": 'Bearer error="invalid_token"'})(
+                        scope, receive, send)
+            if not is_api_key(key):
                 logger.info("%s %s -> 401 (missing or malformed X-API-Key)", scope["method"], path)
                 return await JSONResponse({"detail": "X-API-Key header must hold an API key "
                                                      "starting with 'tml-'"}, status_code=401)(scope, receive, send)
@@ -358,7 +380,7 @@ def _add_json_route(app: FastAPI, name: str, handler: Any) -> None:
 def serve(model: list[str], host: str = "127.0.0.1", port: int = 8000, root: Path | str = ".",
           *, dtype: str = "auto", device: str | None = None, num_threads: int | None = None,
           log_level: str = "info", faults: FaultConfig | None = None,
-          custom_loss_server_side: bool = True) -> None:
+          custom_loss_server_side: bool = True, jwt_auth: bool = False) -> None:
     """Build an Engine under ``root``, preload ``model`` names, and serve until interrupted.
 
     Blocking. Models named later in ``create_model`` calls are loaded lazily by the engine.
@@ -383,7 +405,7 @@ def serve(model: list[str], host: str = "127.0.0.1", port: int = 8000, root: Pat
         logger.warning("fault injection on: 503 every %d requests, connection drop every %d",
                        faults.fail_every, faults.drop_every)
     app = create_app(engine, root, models=list(model), faults=faults,
-                     custom_loss_server_side=custom_loss_server_side)
+                     custom_loss_server_side=custom_loss_server_side, jwt_auth=jwt_auth)
     logger.info("tinker_local serving %s on http://%s:%d (root %s)", ", ".join(model) or "-",
                 host, port, root)
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)

@@ -85,6 +85,7 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
         self._expired: dict[str, float] = {}  # tinker path -> when it expired (clearer 404s)
         self._copies: dict[str, dict[str, Any]] = {}  # copy_weights idempotency key -> answer
         self._losses: dict[str, Any] = {}  # loss_id -> custom_loss.CompiledLoss
+        self.jwt: Any = None  # auth.JwtIssuer when JWT auth is on (create_app(jwt_auth=True))
 
     save_weights_external = _burns_seq(ExportMixin.save_weights_external)
 

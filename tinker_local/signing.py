@@ -52,7 +52,7 @@ class UrlSigner:
     """Makes and checks signed download URLs.  ``clock``: time source (Unix seconds)."""
 
     def __init__(self, secret: bytes, clock=time.time):
-        self._secret = secret
+        self._secret = secret  # also keys the JWTs (auth.JwtIssuer derives its own key)
         self.clock = clock
 
     def _sig(self, kind: str, key: str, file: str, expires: int) -> str:

@@ -13,7 +13,8 @@ Format (the JSON of ``chrome://tracing``, which https://ui.perfetto.dev opens to
 
 Source of the format: "Trace Event Format" (Google, docs.google.com/document/d/
 1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU).  Events are kept in memory, at most
-``MAX_EVENTS_PER_SESSION`` per session (oldest dropped first).
+``MAX_EVENTS_PER_SESSION`` per session (oldest dropped first) for the ``MAX_SESSIONS`` sessions
+that started last.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 MAX_EVENTS_PER_SESSION = 100_000
+MAX_SESSIONS = 1000  # the timelines of the most recently started sessions are kept
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Span:
     """One request: times in Unix seconds (``start``/``end`` None while queued/running)."""
 
@@ -64,6 +66,8 @@ class Tracer:
         with self._lock:
             q = self._events.get(session_id)
             if q is None:
+                if len(self._events) >= MAX_SESSIONS:
+                    del self._events[next(iter(self._events))]  # the oldest timeline
                 q = self._events[session_id] = deque(maxlen=MAX_EVENTS_PER_SESSION)
             q.append(item)
 
