@@ -268,3 +268,18 @@ def test_the_unmodified_graph_uploads_and_compile_graph_checks_structure(env):
         compile_graph("w", inputs, no_output)
     with pytest.raises(CustomLossError, match="out="):
         compile_graph("w", inputs, _edit(graph, kwargs={"out": {"ref": "logprobs"}}))
+
+
+def test_python_values_cannot_be_blown_up_by_repetition_or_huge_powers():
+    inputs = [{"name": "logprobs", "rank": 1}]
+    for args in ([[0], 10 ** 10], [10, 10 ** 9]):
+        target = "operator.mul" if isinstance(args[0], list) else "operator.pow"
+        graph = {"format": 1, "nodes": [
+            {"op": "placeholder", "name": "logprobs", "target": "logprobs"},
+            {"op": "call_function", "name": "boom", "target": target, "args": args},
+            {"op": "call_method", "name": "total", "target": "sum", "args": [{"ref": "logprobs"}]},
+            {"op": "output", "name": "output", "target": "output",
+             "args": [{"tuple": [{"ref": "total"}, {"dict": {}}]}]}]}
+        bound = compile_graph("boom", inputs, graph).bind(1)
+        with pytest.raises(CustomLossError, match="boom"):
+            bound(torch.zeros(3), {"__index__": 0}, {})

@@ -102,9 +102,28 @@ def _allowed_functions() -> dict[str, Callable[..., Any]]:
         table[f"math.{name}"] = getattr(math, name)
     for name in _OPERATOR:
         table[f"operator.{name}"] = getattr(operator, name)
+    table["operator.mul"] = _safe_mul
+    table["operator.pow"] = _safe_pow
     table["getattr"] = _safe_getattr
     table["builtins.getattr"] = _safe_getattr
     return table
+
+
+MAX_INT_EXPONENT = 1024
+
+
+def _safe_mul(a: Any, b: Any) -> Any:
+    """``operator.mul`` without sequence repetition (``[0] * 10**10`` would exhaust memory)."""
+    if isinstance(a, (list, tuple, str, bytes)) or isinstance(b, (list, tuple, str, bytes)):
+        raise CustomLossError("operator.mul on a list, tuple or string is not allowed")
+    return operator.mul(a, b)
+
+
+def _safe_pow(a: Any, b: Any) -> Any:
+    """``operator.pow`` without huge Python-integer powers (``10 ** 10**9`` would run for ages)."""
+    if isinstance(a, int) and isinstance(b, int) and abs(b) > MAX_INT_EXPONENT:
+        raise CustomLossError(f"integer power with exponent {b} is not allowed (at most {MAX_INT_EXPONENT})")
+    return operator.pow(a, b)
 
 
 def _safe_getattr(obj: Any, attr: Any, *default: Any) -> Any:
