@@ -19,6 +19,9 @@ from tinker import types
 from tests import inproc_server
 from tests.local_server import make_hf_model_dir
 
+# peft warns that lm_head (a LoRA target here) is tied to the input embedding; loading is exact
+pytestmark = pytest.mark.filterwarnings("ignore:Model with `tie_word_embeddings=True`:UserWarning")
+
 KEY = "tml-export-tests"
 TEXTS = ["hello world, hello tinker", "the quick brown fox jumps over the lazy dog", "7 * 8 = 56"]
 

@@ -31,6 +31,9 @@ from tinker import types
 from tests import inproc_server
 from tests.local_server import make_hf_model_dir
 
+# the walk calls the SDK's deprecated and experimental methods on purpose (both FutureWarnings)
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
 KEY = "tml-surface-tests"
 CLASSES = {"ServiceClient": tinker.ServiceClient, "TrainingClient": tinker.TrainingClient,
            "SamplingClient": tinker.SamplingClient, "RestClient": tinker.RestClient}
