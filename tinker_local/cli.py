@@ -53,6 +53,12 @@ def build_parser(prog: str = "python -m tinker_local") -> argparse.ArgumentParse
     s.add_argument("--drop-every", type=int, default=None, metavar="M",
                    help="fault injection: run every M-th API request, then drop its connection "
                         "before the response body (default $TINKER_LOCAL_DROP_EVERY or 0 = off)")
+    s.add_argument("--client-side-custom-losses", action="store_true",
+                   help="do not run uploaded custom losses here: the SDK then runs "
+                        "create_custom_loss losses client-side (a forward plus a forward_backward)")
+    s.add_argument("--jwt-auth", action="store_true",
+                   help="exchange API keys for short-lived JWTs (client config pjwt_auth_enabled); "
+                        "RestClient.whoami() needs it")
     for name, text in (("status", "show the server recorded in ROOT/server.json (exit 1 when none runs)"),
                        ("stop", "stop the server recorded in ROOT/server.json (SIGTERM, SIGKILL after 5 s)")):
         p = sub.add_parser(name, help=text, description=text)
@@ -127,5 +133,6 @@ def main(argv: list[str] | None = None, prog: str = "python -m tinker_local") ->
             return 2
         serve(args.model, host=args.host, port=args.port, root=args.root or default_root(),
               dtype=DTYPES[args.dtype], device=args.device, num_threads=args.threads,
-              log_level=args.log_level, faults=faults)
+              log_level=args.log_level, faults=faults,
+              custom_loss_server_side=not args.client_side_custom_losses, jwt_auth=args.jwt_auth)
     return 0

@@ -195,7 +195,10 @@ class Engine(SamplingMixin):
     def forward_backward(self, model_id: str, datums: list[Datum], loss_fn: str,
                          loss_fn_config: dict | None) -> FwdResult:
         """Like ``forward``, and also add d(loss:sum)/d(adapter params) to the gradients (they
-        accumulate over calls until ``optim_step``).
+        accumulate over calls until ``optim_step``).  ``loss_fn``: a name of
+        ``tinker_local.losses`` or a per-datum loss object with ``prepare(i, raw inputs,
+        target_tokens, device) -> inputs`` and ``__call__(lp, inputs, cfg) -> scalar loss``
+        (``tinker_local.custom_loss.BoundLoss``), which validates its own inputs.
 
         Datums may have different lengths (padded internally, in micro-batches of a bounded
         number of logits).  Returns per datum ``{"logprobs": float32 array shaped like
@@ -209,11 +212,16 @@ class Engine(SamplingMixin):
         with self._lock:
             st = self._train(model_id)
             b = self._bases[st.base_key]
-            fn = get_loss_fn(loss_fn)
+            custom = callable(loss_fn)  # a per-datum loss object (tinker_local.custom_loss)
+            fn = loss_fn if custom else get_loss_fn(loss_fn)
             cfg = dict(loss_fn_config or {})
             spec = b.spec
-            prepared = [check_datum(i, d.tokens, d.inputs, loss_fn, spec.vocab_size, spec.max_context,
-                                    spec.name, self.device) for i, d in enumerate(datums)]
+            prepared = []
+            for i, d in enumerate(datums):
+                inputs = {k: v for k, v in d.inputs.items() if k == "target_tokens"} if custom else d.inputs
+                toks, tgt, inp = check_datum(i, d.tokens, inputs, "cross_entropy" if custom else loss_fn,
+                                             spec.vocab_size, spec.max_context, spec.name, self.device)
+                prepared.append((toks, tgt, loss_fn.prepare(i, d.inputs, tgt, self.device) if custom else inp))
             self._activate(b, st)
             work = b.n_params * sum(len(p[0]) for p in prepared)
             self._threads(1 if work < SMALL_WORK else None)
@@ -311,6 +319,22 @@ class Engine(SamplingMixin):
             st = self._train(model_id)
             check_name("checkpoint name", name)
             return self._write_ckpt(st, "sampler_weights", name, with_optimizer=False)
+
+    def save_external_weights(self, model_id: str, name: str) -> Path:
+        """Write the adapter in PEFT format (``adapter_model.safetensors`` +
+        ``adapter_config.json``, loadable by ``peft.PeftModel.from_pretrained`` onto the base
+        model; plus ``tinker_state.json``) to ``root/checkpoints/<model_id>/external_weights/<name>/``;
+        returns the directory."""
+        with self._lock:
+            st = self._train(model_id)
+            check_name("checkpoint name", name)
+            return self._write_ckpt(st, "external_weights", name, with_optimizer=False)
+
+    def base_model_dir(self, base_model: str) -> Path | None:
+        """The local Hugging Face directory of ``base_model`` (config, weights, tokenizer), or
+        None when it has none (a preset not yet built)."""
+        d = resolve_model(base_model, self.root / "models").model_dir
+        return Path(d) if d else None
 
     def load_state(self, model_id: str, path: Path, *, with_optimizer: bool) -> None:
         """Load checkpoint ``path`` (from ``save_state``; adapter-only ``save_sampler_weights``

@@ -101,6 +101,9 @@ def resolve_model(name: str, cache_dir: Path) -> ModelSpec:
         preset = _preset_of_dir(p)
         if preset is not None:
             return resolve_model(preset, cache_dir)
+        owner = _model_dir_of_tokenizer_copy(p)
+        if owner is not None:  # the ':'-free tokenizer copy of a model directory names it
+            return resolve_model(owner, cache_dir)
         if not (p / "config.json").is_file():
             raise UnknownModelError(f"model directory {str(p)!r} has no config.json; "
                                     f"accepted: {ACCEPTED_FORMS}")
@@ -116,9 +119,18 @@ def loadable_name(name: str, cache_dir: Path) -> str:
     """A name of base model ``name`` that ``AutoTokenizer.from_pretrained`` loads offline (the
     SDK's ``SamplingClient.get_tokenizer()`` loads the sampler's base-model name): for the
     presets their local tokenizer directory (no ``':'``; ``resolve_model`` maps it back to the
-    preset), other names unchanged.  Raises ``UnknownModelError`` like ``resolve_model``."""
+    preset); for a local model directory its absolute path in a form the SDK's tokenizer-name
+    heuristics leave intact (no ``':'``, never exactly two ``'/'``); hub ids unchanged.
+    Raises ``UnknownModelError`` like ``resolve_model``."""
     if name == TINY_NAME or name in SMOLLM2_ALIASES:
         return resolve_model(name, cache_dir).tokenizer_dir
+    spec = resolve_model(name, cache_dir)
+    if spec.model_dir is not None and Path(name).expanduser().is_dir():
+        d = spec.tokenizer_dir if ":" in spec.model_dir else spec.model_dir
+        if d.count("/") == 2:  # the SDK reads "/a/b" as "<org>/<model>/<variant>" and drops "b"
+            head, tail = d.rsplit("/", 1)
+            d = f"{head}/./{tail}"
+        return d
     return name
 
 
@@ -277,6 +289,8 @@ def _spec_from_dir(name: str, d: Path, cache_dir: Path | None = None) -> ModelSp
             from transformers import AutoTokenizer
 
             AutoTokenizer.from_pretrained(str(d)).save_pretrained(str(tok_dir))
+        if not (tok_dir / _MARKER).is_file():
+            (tok_dir / _MARKER).write_text(json.dumps({"role": "tokenizer", "model_dir": str(d)}))
     return ModelSpec(name=name, tokenizer_dir=str(tok_dir), max_context=int(max_ctx or 2048),
                      vocab_size=vocab, model_dir=str(d))
 
@@ -302,6 +316,14 @@ def _hf_cache_lookup(repo_id: str) -> str | None:
     except Exception:  # not cached / invalid id / hub lib errors: treat as unknown
         return None
     return path if (Path(path) / "config.json").is_file() else None
+
+
+def _model_dir_of_tokenizer_copy(d: Path) -> str | None:
+    try:
+        owner = json.loads((d / _MARKER).read_text()).get("model_dir")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return owner if isinstance(owner, str) and Path(owner).is_dir() and owner != str(d) else None
 
 
 def _mark_tokenizer_dir(tok_dir: Path) -> None:

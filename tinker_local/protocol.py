@@ -281,15 +281,17 @@ def stop_from_json(stop: Any) -> list[str] | list[int] | None:
 # ---------------------------------------------------------------------------------------------
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9._\-]+$")
-KIND_SEGMENT = {"state": "weights", "sampler": "sampler_weights"}
+KIND_SEGMENT = {"state": "weights", "sampler": "sampler_weights", "external": "external_weights"}
+SEGMENT_KIND = {v: k for k, v in KIND_SEGMENT.items()}
 
 
 @dataclass(frozen=True)
 class TinkerPath:
-    """``tinker://<model_id>/<segment>/<name>`` with segment ``weights`` or ``sampler_weights``."""
+    """``tinker://<model_id>/<segment>/<name>`` with segment ``weights``, ``sampler_weights`` or
+    ``external_weights`` (PEFT export of ``save_weights_external``)."""
 
     model_id: str
-    kind: str  # "state" | "sampler"
+    kind: str  # "state" | "sampler" | "external"
     name: str
 
     @property
@@ -306,12 +308,12 @@ def parse_tinker_path(uri: str) -> TinkerPath:
     if not isinstance(uri, str) or not uri.startswith("tinker://"):
         raise ProtocolError(f"checkpoint path must start with 'tinker://', got {uri!r}")
     parts = uri[len("tinker://"):].split("/")
-    if len(parts) != 3 or parts[1] not in ("weights", "sampler_weights") or not parts[0] or not parts[2]:
+    if len(parts) != 3 or parts[1] not in SEGMENT_KIND or not parts[0] or not parts[2]:
         raise ProtocolError(
-            f"checkpoint path {uri!r} is not of the form tinker://<model_id>/weights/<name> "
-            "or tinker://<model_id>/sampler_weights/<name>"
+            f"checkpoint path {uri!r} is not of the form tinker://<model_id>/weights/<name>, "
+            "tinker://<model_id>/sampler_weights/<name> or tinker://<model_id>/external_weights/<name>"
         )
-    return TinkerPath(parts[0], "state" if parts[1] == "weights" else "sampler", parts[2])
+    return TinkerPath(parts[0], SEGMENT_KIND[parts[1]], parts[2])
 
 
 def check_checkpoint_name(name: Any) -> str:

@@ -1,22 +1,55 @@
 """REST (synchronous) endpoints of the local Tinker server: capabilities, training runs,
-checkpoints, sessions, weights info.  A mixin of ``tinker_local.service.LocalService``; every
-method returns the JSON answer or raises ``HttpError`` (404 for unknown ids / paths, 422 for a
-malformed ``tinker://`` path).  Response shapes follow ``tinker.types`` of SDK 0.38
-(``TrainingRun``, ``Checkpoint``, ``GetSessionResponse``, ...)."""
+checkpoints (listing, deletion, TTL, publish flag, copies, storage usage), weights info.  A mixin
+of ``tinker_local.service.LocalService``; every method returns the JSON answer or raises
+``HttpError`` (404 for unknown ids / paths, 400 for a TTL out of range, 422 for a malformed
+``tinker://`` path).  Response shapes follow ``tinker.types`` of SDK 0.38 (``TrainingRun``,
+``Checkpoint``, ``CopyWeightsResponse``, ...).
+
+Expiry: a checkpoint with a TTL (``ttl_seconds`` of a save, ``set_checkpoint_ttl``, or a copy)
+is deleted, files included, once ``expires_at`` has passed: every lookup and listing sweeps
+first (and the server sweeps once a minute), so an expired checkpoint is never listed, loaded
+or sampled from (404 naming the expiry).
+"""
 
 from __future__ import annotations
 
+import logging
+import os
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
 from . import protocol as P
 from .errors import HttpError
-from .registry import CheckpointRecord
+from .registry import CheckpointRecord, RunRecord, dir_size, iso
+
+logger = logging.getLogger("tinker_local.rest")
+
+MIN_TTL_S = 3600  # the hosted service's bounds: 1 hour to 10 years
+MAX_TTL_S = int(10 * 365.25 * 86400)
+LOCAL_OWNER = "local"
+
+
+def check_ttl(ttl: Any, what: str) -> int | None:
+    """``ttl_seconds`` as an int in [3600, 10 years], or None; HttpError 400 otherwise."""
+    if ttl is None:
+        return None
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or int(ttl) != ttl:
+        raise HttpError(400, f"{what}: ttl_seconds must be an integer number of seconds, got {ttl!r}")
+    if not MIN_TTL_S <= int(ttl) <= MAX_TTL_S:
+        raise HttpError(400, f"{what}: ttl_seconds must be between {MIN_TTL_S} (1 hour) and "
+                             f"{MAX_TTL_S} (10 years), got {ttl}")
+    return int(ttl)
+
+
+def remove_files(path: str | Path) -> None:
+    p = Path(path)
+    shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
 
 class RestMixin:
-    """Needs ``self.registry``, ``self.models``, ``self.root`` and ``self.engine``."""
+    """Needs ``self.registry``, ``self.models``, ``self.root``, ``self.engine`` and ``self._expired``."""
 
     def capabilities(self) -> dict[str, Any]:
         """The base models preloaded at start plus those of known runs, with their contexts."""
@@ -38,8 +71,18 @@ class RestMixin:
         except Exception:  # capabilities never fail because of one model
             return None
 
-    def training_runs(self, limit: int, offset: int) -> dict[str, Any]:
+    # -- runs ---------------------------------------------------------------------------------
+    def project_of(self, run: RunRecord) -> str | None:
+        """A run's project: its own (copies) or its session's."""
+        if run.project_id is not None:
+            return run.project_id
+        return (self.registry.sessions.get(run.session_id or "") or {}).get("project_id")
+
+    def training_runs(self, limit: int, offset: int, project_id: str | None = None) -> dict[str, Any]:
         runs = sorted(self.registry.runs.values(), key=lambda r: r.created, reverse=True)
+        if project_id is not None:
+            runs = [r for r in runs if self.project_of(r) == project_id]
+        self.sweep_expired()
         page = runs[offset: offset + limit]
         return {"training_runs": [self.registry.run_to_rest(r) for r in page],
                 "cursor": {"offset": offset, "limit": limit, "total_count": len(runs)}}
@@ -48,12 +91,26 @@ class RestMixin:
         run = self.registry.runs.get(model_id)
         if run is None:
             raise HttpError(404, f"unknown training run {model_id!r}")
+        self.sweep_expired()
         return self.registry.run_to_rest(run)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def sweep_expired(self) -> int:
+        """Delete the checkpoints whose TTL has passed (records and files); returns how many."""
+        gone = self.registry.pop_expired()
+        for ck in gone:
+            remove_files(ck.path)
+            self._expired[ck.uri] = ck.expires_at
+            logger.info("checkpoint %s expired at %s: deleted", ck.uri, iso(ck.expires_at))
+        return len(gone)
 
     def checkpoints(self, model_id: str | None, limit: int | None = None, offset: int = 0) -> dict[str, Any]:
         if model_id is not None and model_id not in self.registry.runs:
             raise HttpError(404, f"unknown training run {model_id!r}")
+        self.sweep_expired()
         cks = self.registry.checkpoints_of(model_id)
+        if model_id is None:
+            cks = cks[::-1]  # list_user_checkpoints: newest first
         page = cks[offset: offset + limit] if limit is not None else cks
         out: dict[str, Any] = {"checkpoints": [c.to_rest() for c in page]}
         if limit is not None:
@@ -65,18 +122,38 @@ class RestMixin:
             P.parse_tinker_path(uri)
         except P.ProtocolError as e:
             raise HttpError(422, str(e)) from e
+        self.sweep_expired()
         ck = self.registry.checkpoints.get(uri)
         if ck is None:
+            if uri in self._expired:
+                raise HttpError(status, f"checkpoint {uri!r} expired at {iso(self._expired[uri])} "
+                                        "(its TTL passed) and was deleted")
             raise HttpError(status, f"unknown checkpoint {uri!r}: not saved on this server "
                                     f"(root {self.root}), or deleted")
         return ck
 
+    def _checkpoint_of(self, model_id: str, checkpoint_id: str) -> CheckpointRecord:
+        return self._checkpoint(f"tinker://{model_id}/{checkpoint_id}")
+
     def delete_checkpoint(self, model_id: str, checkpoint_id: str) -> dict[str, Any]:
         """Forget ``tinker://<model_id>/<checkpoint_id>`` and delete its files."""
-        ck = self.registry.delete_checkpoint(self._checkpoint(f"tinker://{model_id}/{checkpoint_id}").uri)
+        ck = self.registry.delete_checkpoint(self._checkpoint_of(model_id, checkpoint_id).uri)
         if ck is not None:
-            p = Path(ck.path)
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+            remove_files(ck.path)
+        return {}
+
+    def set_checkpoint_ttl(self, model_id: str, checkpoint_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        """``ttl_seconds`` from now (3600 s .. 10 years), or None to remove the expiry."""
+        ck = self._checkpoint_of(model_id, checkpoint_id)
+        ttl = check_ttl(body.get("ttl_seconds"), "set_checkpoint_ttl")
+        self.registry.update_checkpoint(ck.uri, expires_at=None if ttl is None else self.registry.clock() + ttl)
+        return {}
+
+    def set_published(self, model_id: str, checkpoint_id: str, public: bool) -> dict[str, Any]:
+        """Set the publish flag (single-user server: it is stored and listed, and grants nothing)."""
+        ck = self._checkpoint_of(model_id, checkpoint_id)
+        if ck.public != public:
+            self.registry.update_checkpoint(ck.uri, public=public)
         return {}
 
     def weights_info(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -91,16 +168,93 @@ class RestMixin:
                 "train_unembed": run.train_unembed, "train_mlp": run.train_mlp,
                 "train_attn": run.train_attn}
 
-    def list_sessions(self, limit: int, offset: int) -> dict[str, Any]:
-        """Session ids of this server's lifetime, newest first."""
-        ids = sorted(self.registry.sessions, key=lambda s: self.registry.sessions[s].get("created", 0),
-                     reverse=True)
-        return {"sessions": ids[offset: offset + limit]}
+    # -- copies ---------------------------------------------------------------------------------
+    def copy_weights(self, body: dict[str, Any], idempotency_key: str | None) -> dict[str, Any]:
+        """Copy a checkpoint into a new, untrainable training run (``CopyWeightsRequest``): in
+        session ``session_id`` as run ``model_seq_id``, or in a new session of project
+        ``destination_project_id``.  Files are hard links (no bytes duplicated; each copy has its
+        own lifetime).  A repeated ``X-Idempotency-Key`` returns the first copy."""
+        ep = "copy_weights"
+        if idempotency_key and idempotency_key in self._copies:
+            return self._copies[idempotency_key]
+        src = self._checkpoint(str(body.get("source_path") or ""))
+        src_run = self.registry.runs.get(src.model_id)
+        if src_run is None:
+            raise HttpError(404, f"{ep}: training run {src.model_id!r} of {src.uri} is unknown")
+        ttl = check_ttl(body.get("ttl_seconds"), ep)
+        session_id, project = body.get("session_id"), body.get("destination_project_id")
+        if session_id is not None:
+            if body.get("model_seq_id") is None:
+                raise HttpError(400, f"{ep}: 'model_seq_id' is required with 'session_id'")
+            if session_id not in self.registry.sessions:
+                raise HttpError(404, f"{ep}: unknown session {session_id!r}")
+            project = self.registry.sessions[session_id].get("project_id")
+            model_id = f"{session_id}:train:{int(body['model_seq_id'])}"
+            if model_id in self.registry.runs:
+                raise HttpError(400, f"{ep}: training run {model_id!r} already exists")
+        elif project:
+            session_id = f"copy-{uuid.uuid4().hex[:12]}"
+            self.registry.add_session(session_id, {"tags": ["copy_weights"], "project_id": str(project),
+                                                   "display_name": f"copy of {src.uri}"})
+            self.registry.finish_session(session_id, "success")
+            model_id = f"{session_id}:train:0"
+        else:
+            raise HttpError(400, f"{ep}: give destination_project_id, or session_id and model_seq_id")
+        run = RunRecord(model_id=model_id, base_model=src_run.base_model, lora_rank=src_run.lora_rank,
+                        seed=src_run.seed, train_mlp=src_run.train_mlp, train_attn=src_run.train_attn,
+                        train_unembed=src_run.train_unembed, session_id=session_id,
+                        user_metadata=src_run.user_metadata, project_id=project, trainable=False,
+                        copied_from=src.uri)
+        dest = self.root / "checkpoints" / P.engine_id(model_id) / P.KIND_SEGMENT[src.kind] / src.name
+        _link_tree(Path(src.path), dest)
+        ck = CheckpointRecord(uri=P.TinkerPath(model_id, src.kind, src.name).uri, model_id=model_id,
+                              kind=src.kind, name=src.name, path=str(dest), size_bytes=dir_size(dest),
+                              user_metadata=src.user_metadata,
+                              expires_at=None if ttl is None else self.registry.clock() + ttl)
+        self.registry.add_run(run)
+        self.registry.add_checkpoint(ck)
+        out = {"tinker_path": ck.uri}
+        if idempotency_key:
+            self._copies[idempotency_key] = out
+        return out
 
-    def get_session(self, session_id: str) -> dict[str, Any]:
-        """The training runs and samplers a session created."""
-        if session_id not in self.registry.sessions:
-            raise HttpError(404, f"unknown session {session_id!r}")
-        runs = [r.model_id for r in self.registry.runs.values() if r.session_id == session_id]
-        samplers = [s for s in self.registry.samplers if s.startswith(f"{session_id}:")]
-        return {"training_run_ids": runs, "sampler_ids": samplers}
+    def storage_usage(self, project_id: str | None) -> dict[str, Any]:
+        """Bytes and count of the live checkpoints, by project (``CurrentCheckpointStorageUsageResponse``;
+        no rate or cost: tinker_local bills nothing)."""
+        self.sweep_expired()
+        groups: dict[Any, list[CheckpointRecord]] = {}
+        for ck in self.registry.checkpoints_of(None):
+            run = self.registry.runs.get(ck.model_id)
+            proj = self.project_of(run) if run is not None else None
+            if project_id is None or proj == project_id:
+                groups.setdefault(proj, []).append(ck)
+        data = []
+        for proj, cks in groups.items():
+            size = sum(c.size_bytes or 0 for c in cks)
+            data.append({"project_id": proj, "org_user_urn": f"tml:org_user:{LOCAL_OWNER}",
+                         "user_name": LOCAL_OWNER, "checkpoint_count": len(cks), "size_bytes": size,
+                         "size_gigabytes": size / 1e9, "estimated_monthly_cost_usd": None})
+        return {"effective_rate_usd_per_gigabyte_month": None, "data": data}
+
+
+def _link_tree(src: Path, dest: Path) -> None:
+    """Hard-link every file of ``src`` (a checkpoint folder) under ``dest`` (copied when the
+    filesystem refuses links), through a temporary folder renamed into place."""
+    if not src.is_dir():
+        raise HttpError(404, f"copy_weights: the files of {src} are missing")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.parent / f".{dest.name}.copy-{uuid.uuid4().hex[:8]}"
+    try:
+        for dirpath, _dirs, files in os.walk(src):
+            rel = Path(dirpath).relative_to(src)
+            (tmp / rel).mkdir(parents=True, exist_ok=True)
+            for f in files:
+                try:
+                    os.link(Path(dirpath) / f, tmp / rel / f)
+                except OSError:
+                    shutil.copy2(Path(dirpath) / f, tmp / rel / f)
+        if dest.exists():
+            remove_files(dest)
+        os.rename(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -17,14 +17,17 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 
+from .auth import InvalidToken, JwtIssuer, is_api_key, looks_like_jwt
 from .faults import FaultConfig, FaultInjector, FaultState
+from .rest_sessions import account_feature
 from .service import HttpError, LocalService
 
 logger = logging.getLogger("tinker_local.server")
 
 API = "/api/v1"
+SWEEP_EVERY_S = 60.0  # expired checkpoints are deleted at least this often (and on every lookup)
 _QUIET = ("/retrieve_future", "/session_heartbeat", "/healthz", "/telemetry", "/client/dynamic_config")
 
 
@@ -44,7 +47,9 @@ async def _json_body(request: Request) -> dict[str, Any]:
 def create_app(engine: Any, root: Path | str | None = None, *, models: list[str] | None = None,
                poll_wait_s: float = 20.0, gap_timeout_s: float = 30.0,
                datum_cls: type | None = None, faults: FaultConfig | None = None,
-               batch_quiet_s: float = 0.02, batch_max_wait_s: float = 0.1) -> FastAPI:
+               batch_quiet_s: float = 0.02, batch_max_wait_s: float = 0.1,
+               custom_loss_server_side: bool = True, url_ttl_s: float = 3600.0,
+               jwt_auth: bool = False) -> FastAPI:
     """Build the FastAPI app speaking the tinker 0.38 protocol in front of ``engine``.
 
     Args:
@@ -60,6 +65,11 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
             with it: while they keep arriving less than ``batch_quiet_s`` apart or are still
             being received, at most ``batch_max_wait_s`` and at most a tenth of the batch's
             expected compute time (seconds; ``tinker_local.futures``).
+        custom_loss_server_side: advertise and run uploaded custom losses (client config flag;
+            off: the SDK runs ``create_custom_loss`` losses client-side).
+        url_ttl_s: lifetime of signed download URLs (external weights, session traces), seconds.
+        jwt_auth: exchange API keys for short-lived JWTs (``tinker_local.auth``; client config
+            ``pjwt_auth_enabled``), which ``RestClient.whoami`` needs; API keys stay accepted.
     Raises:
         ValueError: when no root is given and the engine has none.
     """
@@ -67,16 +77,20 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
     if root is None:
         raise ValueError("create_app: give root= (the engine has no .root)")
     svc = LocalService(engine, Path(root), models=models, gap_timeout_s=gap_timeout_s,
-                       datum_cls=datum_cls)
+                       datum_cls=datum_cls, url_ttl_s=url_ttl_s)
+    svc.custom_loss_server_side = custom_loss_server_side
+    svc.jwt = JwtIssuer(svc.signer._secret, clock=lambda: svc.clock()) if jwt_auth else None
     svc.store.batch_quiet_s, svc.store.batch_max_wait_s = batch_quiet_s, batch_max_wait_s
     fault_state = FaultState(faults or FaultConfig())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         svc.store.start(asyncio.get_running_loop())
+        sweeper = asyncio.create_task(_sweep_forever(svc))
         try:
             yield
         finally:
+            sweeper.cancel()
             svc.store.stop()
 
     app = FastAPI(title="tinker_local", lifespan=lifespan)
@@ -99,13 +113,22 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
 
     @route("POST", "/client/config")
     async def client_config(request: Request):
-        # Every flag keeps the SDK default: API-key auth, JSON sampling futures polled one by one.
-        return {"pjwt_auth_enabled": False, "sample_use_retrieve_futures": False,
-                "custom_loss_server_side": False, "sample_join_sampling_session": False}
+        # API-key auth, sampling futures polled one by one; custom losses run here when enabled.
+        return {"pjwt_auth_enabled": svc.jwt is not None, "sample_use_retrieve_futures": False,
+                "custom_loss_server_side": bool(svc.custom_loss_server_side),
+                "sample_join_sampling_session": False}
 
     @route("POST", "/client/dynamic_config")
     async def client_dynamic_config(request: Request):
         return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+
+    @route("POST", "/auth/token")
+    async def auth_token(request: Request):
+        if svc.jwt is None:
+            raise HttpError(404, "JWT auth is off on this server (serve --jwt-auth turns it on)")
+        if not is_api_key(request.headers.get("x-api-key", "")):
+            raise HttpError(401, "auth/token: exchange an API key starting with 'tml-'")
+        return {"jwt": svc.jwt.mint()}
 
     @route("POST", "/telemetry")
     async def telemetry(request: Request):
@@ -139,9 +162,21 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
     async def list_sessions(limit: int = 20, offset: int = 0):
         return svc.list_sessions(limit, offset)
 
+    @route("POST", "/sessions/search")
+    async def search_sessions(request: Request):
+        return svc.search_sessions(await _json_body(request))
+
     @route("GET", "/sessions/{session_id}")
     async def get_session(session_id: str):
         return svc.get_session(session_id)
+
+    @route("PUT", "/sessions/{session_id}/project")
+    async def assign_session_project(session_id: str, request: Request):
+        return svc.assign_session_project(session_id, await _json_body(request))
+
+    @route("GET", "/sessions/{session_id}/trace_export")
+    async def trace_export(session_id: str, request: Request):
+        return await asyncio.to_thread(svc.trace_export, session_id, str(request.base_url))
 
     # -- training ---------------------------------------------------------------------------------
     @route("POST", "/create_model")
@@ -166,7 +201,8 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
         return await _fwd(request, True)
 
     for name in ("optim_step", "save_weights", "save_weights_for_sampler", "load_weights",
-                 "create_sampling_session", "join_sampling_session", "asample", "weights_info"):
+                 "create_sampling_session", "join_sampling_session", "asample", "weights_info",
+                 "save_weights_external", "create_custom_loss"):
         _add_json_route(app, name, getattr(svc, name))
 
     @route("GET", "/samplers/{sampler_id}")
@@ -200,8 +236,8 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
 
     # -- REST -------------------------------------------------------------------------------------
     @route("GET", "/training_runs")
-    async def training_runs(limit: int = 20, offset: int = 0):
-        return svc.training_runs(limit, offset)
+    async def training_runs(limit: int = 20, offset: int = 0, project_id: str | None = None):
+        return svc.training_runs(limit, offset, project_id)
 
     @route("GET", "/training_runs/{model_id}")
     async def training_run(model_id: str):
@@ -211,6 +247,24 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
     async def run_checkpoints(model_id: str):
         return svc.checkpoints(model_id)
 
+    # the routes ending in /ttl, /publish, /external_weights_urls come before the generic DELETE
+    @route("PUT", "/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/ttl")
+    async def checkpoint_ttl(model_id: str, checkpoint_id: str, request: Request):
+        return svc.set_checkpoint_ttl(model_id, checkpoint_id, await _json_body(request))
+
+    @route("POST", "/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish")
+    async def publish_checkpoint(model_id: str, checkpoint_id: str):
+        return svc.set_published(model_id, checkpoint_id, True)
+
+    @route("DELETE", "/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish")
+    async def unpublish_checkpoint(model_id: str, checkpoint_id: str):
+        return svc.set_published(model_id, checkpoint_id, False)
+
+    @route("GET", "/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
+    async def external_weights_urls(model_id: str, checkpoint_id: str, request: Request):
+        return await asyncio.to_thread(svc.external_weights_urls, model_id, checkpoint_id,
+                                       str(request.base_url))
+
     @route("DELETE", "/training_runs/{model_id}/checkpoints/{checkpoint_id:path}")
     async def delete_checkpoint(model_id: str, checkpoint_id: str):
         return svc.delete_checkpoint(model_id, checkpoint_id)
@@ -219,9 +273,49 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
     async def all_checkpoints(limit: int = 100, offset: int = 0):
         return svc.checkpoints(None, limit, offset)
 
+    @route("POST", "/copy_weights")
+    async def copy_weights(request: Request):
+        body = await _json_body(request)
+        return await asyncio.to_thread(svc.copy_weights, body, request.headers.get("x-idempotency-key"))
+
+    @route("GET", "/billing/usage/checkpoints/current")
+    async def checkpoint_storage_usage(project_id: str | None = None):
+        return svc.storage_usage(project_id)
+
+    @route("GET", "/billing/usage/events")
+    async def billing_usage_events():
+        raise account_feature("billing/usage/events")
+
+    @route("GET", "/audit")
+    async def audit_log():
+        raise account_feature("audit")
+
+    # -- signed downloads (no API key: the URL's signature is the credential) --------------------
+    @app.get("/downloads/external/{model_id}/{name}/{file:path}")
+    async def download_external(model_id: str, name: str, file: str, expires: str | None = None,
+                                sig: str | None = None):
+        path = await asyncio.to_thread(svc.external_download, model_id, name, file, expires, sig)
+        return FileResponse(path, filename=Path(file).name)
+
+    @app.get("/downloads/trace/{session_id}/{file}")
+    async def download_trace(session_id: str, file: str, expires: str | None = None,
+                             sig: str | None = None):
+        path = svc.trace_download(session_id, file, expires, sig)
+        return FileResponse(path, media_type="application/json", filename=file)
+
     if fault_state.config.active:  # outermost: faults hit every route, auth included
         app.add_middleware(FaultInjector, state=fault_state)
     return app
+
+
+async def _sweep_forever(svc: LocalService) -> None:
+    """Delete expired checkpoints once a minute (lookups also sweep), off the event loop."""
+    while True:
+        await asyncio.sleep(SWEEP_EVERY_S)
+        try:
+            await asyncio.to_thread(svc.sweep_expired)
+        except Exception:  # never let the sweeper die
+            logger.exception("sweeping expired checkpoints failed")
 
 
 class _AuthCountLog:
@@ -240,7 +334,16 @@ class _AuthCountLog:
         path, t0 = scope["path"], time.monotonic()
         if path.startswith(API) and path != f"{API}/healthz":
             key = dict(scope["headers"]).get(b"x-api-key", b"").decode("latin-1")
-            if not key.startswith("tml-"):
+            if self.svc.jwt is not None and looks_like_jwt(key):
+                try:
+                    self.svc.jwt.verify(key)
+                    key = "tml-jwt"
+                except InvalidToken as e:
+                    logger.info("%s %s -> 401 (%s)", scope["method"], path, e)
+                    return await JSONResponse({"detail": str(e)}, status_code=401,
+                                              headers={"WWW-Authenticate": 'Bearer error="invalid_token"'})(
+                        scope, receive, send)
+            if not is_api_key(key):
                 logger.info("%s %s -> 401 (missing or malformed X-API-Key)", scope["method"], path)
                 return await JSONResponse({"detail": "X-API-Key header must hold an API key "
                                                      "starting with 'tml-'"}, status_code=401)(scope, receive, send)
@@ -276,7 +379,8 @@ def _add_json_route(app: FastAPI, name: str, handler: Any) -> None:
 
 def serve(model: list[str], host: str = "127.0.0.1", port: int = 8000, root: Path | str = ".",
           *, dtype: str = "auto", device: str | None = None, num_threads: int | None = None,
-          log_level: str = "info", faults: FaultConfig | None = None) -> None:
+          log_level: str = "info", faults: FaultConfig | None = None,
+          custom_loss_server_side: bool = True, jwt_auth: bool = False) -> None:
     """Build an Engine under ``root``, preload ``model`` names, and serve until interrupted.
 
     Blocking. Models named later in ``create_model`` calls are loaded lazily by the engine.
@@ -300,7 +404,8 @@ def serve(model: list[str], host: str = "127.0.0.1", port: int = 8000, root: Pat
     if faults.active:
         logger.warning("fault injection on: 503 every %d requests, connection drop every %d",
                        faults.fail_every, faults.drop_every)
-    app = create_app(engine, root, models=list(model), faults=faults)
+    app = create_app(engine, root, models=list(model), faults=faults,
+                     custom_loss_server_side=custom_loss_server_side, jwt_auth=jwt_auth)
     logger.info("tinker_local serving %s on http://%s:%d (root %s)", ", ".join(model) or "-",
                 host, port, root)
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)

@@ -20,8 +20,13 @@ from . import protocol as P
 from .errors import HttpError
 from .futures import FutureStore, UserError
 from .registry import CheckpointRecord, Registry, RunRecord, SamplerRecord, dir_size
-from .rest import RestMixin
+from .rest import RestMixin, check_ttl
+from .rest_sessions import SessionsMixin
+from .service_export import ExportMixin
+from .service_losses import CustomLossMixin
 from .service_sampling import SamplingServiceMixin, _int, _req
+from .signing import DEFAULT_URL_TTL_S, UrlSigner, load_secret
+from .trace import Tracer, session_of
 
 __all__ = ["LocalService", "HttpError"]
 
@@ -55,20 +60,38 @@ def _engine_datum_cls() -> type:
         return P.WireDatum
 
 
-class LocalService(SamplingServiceMixin, RestMixin):
-    """Endpoint logic. ``engine`` follows the Engine interface; ``root`` holds the registry."""
+class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, CustomLossMixin):
+    """Endpoint logic. ``engine`` follows the Engine interface; ``root`` holds the registry.
+
+    ``clock``: the time source (Unix seconds) of checkpoint expiry, signed URLs and traces (tests
+    move it).  ``url_ttl_s``: how long signed download URLs stay valid."""
 
     def __init__(self, engine: Any, root: Path, *, models: list[str] | None = None,
-                 gap_timeout_s: float = 30.0, datum_cls: type | None = None):
+                 gap_timeout_s: float = 30.0, datum_cls: type | None = None,
+                 url_ttl_s: float = DEFAULT_URL_TTL_S, clock=time.time):
         self.engine = engine
         self.root = Path(root)
         self.models = list(models or [])
         self.store = FutureStore(gap_timeout_s=gap_timeout_s)
-        self.registry = Registry(self.root)
+        self.registry = Registry(self.root, clock=lambda: self.clock())
+        self.clock = clock
+        self.tracer = Tracer(clock=lambda: self.clock())
+        self.signer = UrlSigner(load_secret(self.root), clock=lambda: self.clock())
+        self.url_ttl_s = float(url_ttl_s)
         self.datum_cls = datum_cls or _engine_datum_cls()
         self._info: dict[str, dict[str, Any]] = {}  # model_id -> engine.get_info(), cached
         self._client_names: dict[str, str] = {}  # base model -> name handed to SDK clients
         self.request_counts: dict[str, int] = {}  # HTTP path -> requests seen (GET local_stats)
+        self._expired: dict[str, float] = {}  # tinker path -> when it expired (clearer 404s)
+        self._copies: dict[str, dict[str, Any]] = {}  # copy_weights idempotency key -> answer
+        self._losses: dict[str, Any] = {}  # loss_id -> custom_loss.CompiledLoss
+        self.jwt: Any = None  # auth.JwtIssuer when JWT auth is on (create_app(jwt_auth=True))
+
+    save_weights_external = _burns_seq(ExportMixin.save_weights_external)
+
+    def session_of_model(self, model_id: str) -> str | None:
+        run = self.registry.runs.get(model_id)
+        return (run.session_id if run is not None else None) or session_of(model_id)
 
     def client_model_name(self, base_model: str) -> str:
         """The base-model name handed to SDK clients (``get_info``'s ``model_data.model_name``,
@@ -90,7 +113,11 @@ class LocalService(SamplingServiceMixin, RestMixin):
     def create_session(self, body: dict[str, Any]) -> dict[str, Any]:
         sid = f"local-{uuid.uuid4().hex[:12]}"
         self.registry.add_session(sid, {"tags": body.get("tags") or [],
-                                        "sdk_version": body.get("sdk_version")})
+                                        "sdk_version": body.get("sdk_version"),
+                                        "user_metadata": P.as_str_dict(body.get("user_metadata")),
+                                        "project_id": body.get("project_id"),
+                                        "display_name": body.get("display_name")})
+        self.tracer.instant(sid, "create_session", sdk_version=body.get("sdk_version"))
         logger.info("session %s created (sdk %s)", sid, body.get("sdk_version"))
         return {"type": "create_session", "session_id": sid}
 
@@ -103,6 +130,7 @@ class LocalService(SamplingServiceMixin, RestMixin):
     def finish_session(self, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
         reason = (body.get("reason") or {}).get("type") if isinstance(body.get("reason"), dict) else None
         self.registry.finish_session(session_id, reason)
+        self.tracer.instant(session_id, "finish_session", reason=reason)
         logger.info("session %s finished (%s) %s", session_id, reason, body.get("detail") or "")
         return {}
 
@@ -147,7 +175,8 @@ class LocalService(SamplingServiceMixin, RestMixin):
             return {"type": "create_model", "model_id": model_id}
 
         self.store.register_model(model_id, next_seq=1)
-        rid = self.store.submit("create_model", work, dedupe_key=(model_id, 0))
+        rid = self._traced("create_model", work, model_id, None, dedupe_key=(model_id, 0),
+                           base_model=base_model, lora_rank=rank)
         return {"request_id": rid, "model_id": model_id}
 
     def get_info(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -190,15 +219,34 @@ class LocalService(SamplingServiceMixin, RestMixin):
                 raise UserError(f"{kind}: no datums in the request")
             cfg = P.loss_fn_config_from_proto(msg)
             fn = self.engine.forward if forward_only else self.engine.forward_backward
-            res = fn(P.engine_id(model_id), datums, msg.loss_fn, cfg)
+            if msg.loss_fn == "custom":  # an uploaded loss (ServiceClient.create_custom_loss)
+                bound = self.bound_custom_loss(model_id, cfg, len(datums))
+                res = fn(P.engine_id(model_id), datums, bound, None)
+                res.metrics.update(bound.metrics())
+            else:
+                res = fn(P.engine_id(model_id), datums, msg.loss_fn, cfg)
             return P.forward_backward_output_to_proto(res.outputs, res.metrics)
 
-        return {"request_id": self._ordered(kind, work, model_id, seq), "model_id": model_id}
+        return {"request_id": self._ordered(kind, work, model_id, seq, loss_fn=msg.loss_fn,
+                                            datums=len(msg.data)), "model_id": model_id}
 
-    def _ordered(self, kind: str, work: Any, model_id: str, seq: int | None) -> str:
+    def _ordered(self, kind: str, work: Any, model_id: str, seq: int | None, **trace_args: Any) -> str:
         if seq is None:
-            return self.store.submit(kind, work)
-        return self.store.submit(kind, work, model_id=model_id, seq_id=seq)
+            return self._traced(kind, work, model_id, None, **trace_args)
+        return self._traced(kind, work, model_id, seq, model_id=model_id, seq_id=seq, **trace_args)
+
+    def _traced(self, kind: str, work: Any, track: str, seq: int | None, *, model_id: str | None = None,
+                seq_id: int | None = None, dedupe_key: tuple[str, int] | None = None, **args: Any) -> str:
+        """Submit ``work`` to the store, recorded in its session's trace (``tinker_local.trace``)
+        on track ``track`` (the model id); a repeated submission is recorded once."""
+        key = dedupe_key or ((model_id, seq_id) if model_id is not None and seq_id is not None else None)
+        span = None
+        if key is None or self.store.lookup_seq(*key) is None:
+            work, span = self.tracer.wrap(self.session_of_model(track), kind, track, work,
+                                          **({"seq_id": seq} if seq is not None else {}), **args)
+        rid = self.store.submit(kind, work, model_id=model_id, seq_id=seq_id, dedupe_key=dedupe_key)
+        self.tracer.bind(span, rid)
+        return rid
 
     @_burns_seq
     def optim_step(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -222,7 +270,7 @@ class LocalService(SamplingServiceMixin, RestMixin):
         return {"request_id": self._ordered(ep, work, model_id, _int(body, "seq_id", ep)),
                 "model_id": model_id}
 
-    def _save(self, model_id: str, kind: str, name: str, meta: Any) -> CheckpointRecord:
+    def _save(self, model_id: str, kind: str, name: str, meta: Any, ttl: int | None = None) -> CheckpointRecord:
         run = self._run(model_id)
         if kind == "state":
             path = Path(self.engine.save_state(P.engine_id(model_id), name))
@@ -232,7 +280,8 @@ class LocalService(SamplingServiceMixin, RestMixin):
         if uri in self.registry.checkpoints:
             logger.info("overwriting checkpoint %s", uri)
         ck = CheckpointRecord(uri=uri, model_id=model_id, kind=kind, name=name, path=str(path),
-                              size_bytes=dir_size(path), user_metadata=P.as_str_dict(meta))
+                              size_bytes=dir_size(path), user_metadata=P.as_str_dict(meta),
+                              expires_at=None if ttl is None else self.registry.clock() + ttl)
         self.registry.add_checkpoint(ck)
         return ck
 
@@ -246,9 +295,10 @@ class LocalService(SamplingServiceMixin, RestMixin):
             P.check_checkpoint_name(name)
         except P.ProtocolError as e:
             raise HttpError(422, f"{ep}: {e}") from e
+        ttl = check_ttl(body.get("ttl_seconds"), ep)
 
         def work() -> dict[str, Any]:
-            ck = self._save(model_id, "state", name, body.get("user_metadata"))
+            ck = self._save(model_id, "state", name, body.get("user_metadata"), ttl)
             return {"type": "save_weights", "path": ck.uri}
 
         return {"request_id": self._ordered(ep, work, model_id, seq), "model_id": model_id}
@@ -265,9 +315,10 @@ class LocalService(SamplingServiceMixin, RestMixin):
             P.check_checkpoint_name(name)
         except P.ProtocolError as e:
             raise HttpError(422, f"{ep}: {e}") from e
+        ttl = check_ttl(body.get("ttl_seconds"), ep)
 
         def work() -> dict[str, Any]:
-            ck = self._save(model_id, "sampler", name, body.get("user_metadata"))
+            ck = self._save(model_id, "sampler", name, body.get("user_metadata"), ttl)
             out: dict[str, Any] = {"type": "save_weights_for_sampler", "path": ck.uri}
             if ss_seq is not None:
                 run = self.registry.runs[model_id]
@@ -285,7 +336,7 @@ class LocalService(SamplingServiceMixin, RestMixin):
         with_opt = bool(body.get("optimizer", False))
         ck = self._checkpoint(uri)
         if ck.kind != "state":
-            raise HttpError(422, f"{ep}: {uri} is a sampler checkpoint; load a "
+            raise HttpError(422, f"{ep}: {uri} is a {P.KIND_SEGMENT[ck.kind]} checkpoint; load a "
                                  "tinker://<model_id>/weights/<name> state checkpoint")
         src = self.registry.runs.get(ck.model_id)
         if src is None:
@@ -314,7 +365,7 @@ class LocalService(SamplingServiceMixin, RestMixin):
                 return {"type": "load_weights", "path": uri, "model_id": model_id}
 
             self.store.register_model(model_id, next_seq=1)
-            rid = self.store.submit(ep, create_and_load, dedupe_key=(model_id, 0))
+            rid = self._traced(ep, create_and_load, model_id, None, dedupe_key=(model_id, 0), path=uri)
             return {"request_id": rid, "model_id": model_id}
 
         model_id = str(_req(body, "model_id", ep))

@@ -11,6 +11,7 @@ from typing import Any
 from . import protocol as P
 from .errors import HttpError
 from .registry import SamplerRecord
+from .trace import session_of
 
 DEFAULT_MAX_TOKENS = 256  # SamplingParams.max_tokens=None
 # A sampling request heading a batch waits for more requests at most this share of its expected
@@ -35,13 +36,19 @@ def _int(body: dict[str, Any], key: str, endpoint: str, default: Any = None) -> 
         raise HttpError(422, f"{endpoint}: field {key!r} must be an integer, got {v!r}") from None
 
 
+def _is_user_error(e: BaseException) -> bool:
+    from .futures import _is_user_error as is_user
+
+    return is_user(e)
+
+
 def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
 class SamplingServiceMixin:
-    """Needs ``self.registry``, ``self.store``, ``self.engine``, ``self._checkpoint`` and
-    ``self.client_model_name``."""
+    """Needs ``self.registry``, ``self.store``, ``self.engine``, ``self._checkpoint``,
+    ``self.tracer`` and ``self.client_model_name``."""
 
     _sample_step_s: float | None = None  # wall seconds per decode step of the last batch
 
@@ -118,6 +125,12 @@ class SamplingServiceMixin:
             raise HttpError(422, f"{ep}: sampling_params must be numbers ({e})") from e
         seq = _int(body, "seq_id", ep)
         key = (f"sample:{sid}", seq) if sid is not None and seq is not None else None
+        span = None
+        if sid is not None and not unsupported and (key is None or self.store.lookup_seq(*key) is None):
+            span = self.tracer.open_span(session_of(str(sid)), "sample", str(sid), seq_id=seq,
+                                         num_samples=n, prompt_tokens=len(prompt),
+                                         max_tokens=job["engine"]["max_tokens"])
+        job["span"] = span
         if unsupported:
             rid = self.store.fail_now("sample", f"{ep}: {', '.join(unsupported)} is not supported "
                                                 "by tinker_local")
@@ -126,6 +139,7 @@ class SamplingServiceMixin:
             linger = None if step_s is None else LINGER_FRACTION * step_s * (job["engine"]["max_tokens"] + 1)
             rid = self.store.submit("sample", None, dedupe_key=key, batch_key="sample",
                                     payload=job, batch_fn=self._sample_batch, max_linger_s=linger)
+            self.tracer.bind(span, rid)
         return {"request_id": rid, "sample_sequence_ids": P.sequence_ids(rid, n)}
 
     def _sample_batch(self, jobs: list[dict[str, Any]]) -> list[Any]:
@@ -133,11 +147,25 @@ class SamplingServiceMixin:
         (bytes) or exception per job."""
         reqs = [j["engine"] for j in jobs]
         t0 = time.monotonic()
+        spans = [j.get("span") for j in jobs]
+        start = self.tracer.clock()
+        for sp in spans:
+            if sp is not None:
+                sp.start, sp.args["batch_size"] = start, len(jobs)
+        out: list[Any] = []
         try:
-            return self._sample_reqs(jobs, reqs)
+            out = self._sample_reqs(jobs, reqs)
+            return out
         finally:
             steps = max(int(r.get("max_tokens") or 1) for r in reqs) + 1  # prefill + decode steps
             self._sample_step_s = (time.monotonic() - t0) / steps
+            end = self.tracer.clock()
+            for k, sp in enumerate(spans):
+                if sp is not None:
+                    res = out[k] if k < len(out) else None
+                    sp.end = end
+                    sp.status = ("server error" if res is None else "ok" if not isinstance(res, BaseException)
+                                 else "user error" if _is_user_error(res) else "server error")
 
     def _sample_reqs(self, jobs: list[dict[str, Any]], reqs: list[dict[str, Any]]) -> list[Any]:
         if hasattr(self.engine, "sample_many"):
