@@ -115,6 +115,17 @@ def test_damaged_local_parts_are_skipped_everywhere(tmp_path, caplog, capsys):
     assert store.query("SELECT sum(value) AS s FROM metrics WHERE run_id = 'a'") == [{"s": 160.0}]
 
 
+def test_scan_run_names_a_runs_own_damage(tmp_path):
+    root = str(tmp_path / "store")
+    store = TrainingStore(root=root)
+    _fill(store)
+    damaged = Files(__import__("fsspec").filesystem("file"), root).damage()
+    assert store_health.scan_run(store, "d") == []
+    (problem,) = store_health.scan_run(store, "a")
+    assert (problem.kind, problem.path) == ("damaged", damaged["half"]) and "magic bytes" in problem.reason
+    assert store.last_checkpoint("a")["step"] == 10  # resumes from what it can still read
+
+
 def test_a_fresh_process_skips_damage_too(tmp_path):
     """The probe of the issue: a finished run's part cut to half, then a new process lists runs
     and a new run with another name starts (check + queries + writes)."""

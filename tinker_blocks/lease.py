@@ -46,6 +46,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from tinker_blocks.atomic import temp_path
 from tinker_blocks.procs import host_key, pid_alive, pid_start_ticks
 from tinker_blocks.store_schemas import validate_run_id
 
@@ -160,7 +161,7 @@ class _LocalBackend:
         return data, _digest(data)
 
     def _write_tmp(self, data: bytes) -> str:
-        tmp = f"{self.path}.{uuid.uuid4().hex[:8]}.tmp"
+        tmp = temp_path(self.path)  # under the flock: one at a time; a dead writer's is swept by `store repair`
         with open(tmp, "wb") as fh:
             fh.write(data)
         return tmp
@@ -399,7 +400,8 @@ def acquire_lease(store: Any, run_id: str, owner: str | None = None, *, timeout_
         raise ValueError(f"heartbeat_s must be in (0, timeout_s={timeout_s:g}), got {heartbeat_s}")
     backend = _backend(store, run_id)
     deadline = time.monotonic() + max(wait_s, 0.0)
-    while True:
+    races = 0
+    while races < 100:  # each pass returns, raises, waits for a live lease, or lost a race
         now = time.time()
         info = LeaseInfo(
             run_id=run_id, token=uuid.uuid4().hex, owner=owner or _user(), host=socket.gethostname(),
@@ -409,7 +411,7 @@ def acquire_lease(store: Any, run_id: str, owner: str | None = None, *, timeout_
         current = backend.read()
         try:
             if current is None:
-                version = backend.create(info.to_bytes())
+                backend.create(info.to_bytes())
             else:
                 try:
                     holder = LeaseInfo.from_bytes(current[0])
@@ -420,18 +422,21 @@ def acquire_lease(store: Any, run_id: str, owner: str | None = None, *, timeout_
                         time.sleep(min(1.0, heartbeat_s, max(deadline - time.monotonic(), 0.01)))
                         continue
                     raise _held_error(run_id, holder, backend.where)
-                version = backend.replace(info.to_bytes(), current[1])
+                backend.replace(info.to_bytes(), current[1])
                 if holder is not None:
                     log.warning("took over the stale lease of run %r (%s)", run_id, holder.describe(now))
         except _Conflict:
+            races += 1
             continue  # changed since it was read: judge it again
         mine = backend.read()  # verify: a server that ignored a condition lets the last writer win
         if mine is None or LeaseInfo.from_bytes(mine[0]).token != info.token:
             holder = _backend_read_info(backend)
             if holder is None:
+                races += 1
                 continue
             raise _held_error(run_id, holder, backend.where)
         return Lease(backend, info, mine[1], heartbeat_s)
+    raise LeaseError(f"could not take the lease {backend.where} of run {run_id!r}: it kept changing under us")
 
 
 def _user() -> str:

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "QUARANTINE_DIR", "HealthReport", "Problem", "check_root", "find_damaged", "is_damage_error",
-    "known_damaged", "repair_root", "retry_damaged", "scan_parts", "validate_part",
+    "known_damaged", "repair_root", "retry_damaged", "scan_parts", "scan_run", "validate_part",
 ]
 
 log = logging.getLogger(__name__)
@@ -227,6 +227,25 @@ def retry_damaged(fn: Callable[[], T], stores: Sequence["ParquetStore"], *, atte
             if before_retry is not None:
                 before_retry()
     raise AssertionError("unreachable")
+
+
+def scan_run(store: Any, run_id: str) -> list[Problem]:
+    """Read every part of ``run_id`` in every table of ``store`` (a store block or a
+    :class:`~tinker_blocks.store_io.ParquetStore`) not validated yet by this process; return the
+    unreadable ones (then skipped by every read). For a run session to say, when it resumes,
+    that some of the run's rows are lost and it resumes from the last checkpoint it can read."""
+    from tinker_blocks.store_io import validate_run_id
+
+    io = store._io() if hasattr(store, "_io") else store
+    validate_run_id(run_id)
+    entries: dict[str, dict[str, Any]] = {}
+    for table in io.tables:
+        try:
+            hits = io.fs.glob(f"{io.partition_dir(table, run_id)}/*.parquet", detail=True)
+        except FileNotFoundError:
+            continue
+        entries.update({_strip(io.fs, k): v for k, v in hits.items() if k.endswith(".parquet")})
+    return scan_parts(io.fs, entries, io.root)
 
 
 def _stores_of(root: str, storage_options: Mapping[str, Any] | None) -> list["ParquetStore"]:
