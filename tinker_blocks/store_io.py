@@ -262,7 +262,7 @@ class ParquetStore:
             sweep_stale_temps(pdir)
             atomic_write_bytes(None, final, payload, local=True)
         else:
-            what = f"writing a part of {table!r}"
+            what = f"writing the part {self._url(final)}"
             try:
                 self._remote(lambda: self.fs.pipe_file(final, payload), what)
             except FileNotFoundError:  # NoSuchBucket: like a local root, created on first write
@@ -492,7 +492,7 @@ class ParquetStore:
                 if self.is_local:
                     self.fs.rm_file(p)
                 else:
-                    self._remote(lambda p=p: self.fs.rm_file(p), f"deleting a compacted part of {table!r}")
+                    self._remote(lambda p=p: self.fs.rm_file(p), f"deleting the compacted part {self._url(p)}")
             except FileNotFoundError:
                 pass  # already merged away by a concurrent compaction
 
