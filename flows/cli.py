@@ -9,6 +9,7 @@ Subcommands::
     prefect-tinker show-config FLOW [--schema]                  defaults (YAML) or JSON schema
     prefect-tinker runs [--store ROOT] [--json]                 runs and their latest status
     prefect-tinker checkpoints RUN_ID [--store ROOT] [--json]   a run's checkpoints
+    prefect-tinker store check|repair [--store ROOT] [--json]   unreadable parts, leftover temporaries
     prefect-tinker local serve ...                              the local Tinker-compatible server
     prefect-tinker local status|stop [--root DIR]               the embedded server the flows started
     prefect-tinker show-example DATA --tokenizer T [...]        a rendered example, trained tokens highlighted
@@ -16,7 +17,8 @@ Subcommands::
     prefect-tinker sandbox run FILE.py [--timeout S]            run a file in the code sandbox, print JSON
 
 Modules: :mod:`prefect_tinker.flows.cli_config` (errors, YAML values, overrides), :mod:`prefect_tinker.flows.cli_flows`
-(flow registry, config validation), :mod:`prefect_tinker.flows.cli_store` (sql / runs / checkpoints),
+(flow registry, config validation), :mod:`prefect_tinker.flows.cli_store` (sql / runs / checkpoints / store),
+:mod:`prefect_tinker.flows.prefect_api` (the temporary Prefect API of ``run``),
 :mod:`prefect_tinker.flows.ops` (ops), :mod:`prefect_tinker.recipes.show` (show-example),
 :mod:`prefect_tinker.recipes.sandbox.cli` (sandbox).
 
@@ -71,18 +73,25 @@ def _example_file(flow: str, example: str | None, config_file: str | None) -> st
 
 def cmd_run(args: argparse.Namespace) -> int:
     """``prefect-tinker run``: validate the config, run the flow, print its result as JSON."""
-    # Without PREFECT_API_URL a flow starts a temporary Prefect server; on a busy machine it
-    # needs longer than Prefect's 20 s default to answer.
+    # Without PREFECT_API_URL a temporary Prefect server is started (flows/prefect_api.py); on a
+    # busy machine it needs longer than Prefect's 20 s default to answer.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     flow, model = resolve_flow(args.flow)
     config = build_config(model, args.overrides, _example_file(args.flow, args.example, args.config), args.flow)
     if args.dry_run:
         print(config.model_dump_json(indent=2))
         return EXIT_OK
+    from prefect_tinker.flows.prefect_api import PrefectAPIError, temporary_prefect_api
+
     try:
-        result = flow(config=config)
+        # without PREFECT_API_URL: a temporary Prefect API that the kernel kills with this process
+        with temporary_prefect_api():
+            result = flow(config=config)
     except KeyboardInterrupt:
         raise
+    except PrefectAPIError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     except Exception as exc:  # the flow's own logs carry the traceback
         print(f"error: flow {args.flow!r} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_FAILED
@@ -159,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    add_store_parsers(sub)  # sql, runs, checkpoints (flows/cli_store.py)
+    add_store_parsers(sub)  # sql, runs, checkpoints, store (flows/cli_store.py)
 
     r = sub.add_parser("run", help="run a flow with a validated config")
     r.add_argument("flow", help="flow name (e.g. sft) or module:attr")

@@ -1,8 +1,9 @@
-"""Store commands of ``prefect-tinker``: ``sql``, ``runs`` and ``checkpoints`` over the stores
-(a folder or ``s3://bucket/prefix``), printed as an aligned table or JSON.
+"""Store commands of ``prefect-tinker``: ``sql``, ``runs``, ``checkpoints`` and ``store
+check|repair`` over the stores (a folder or ``s3://bucket/prefix``), printed as an aligned table or JSON.
 
-Exit status: 0 success, 1 a SQL or store error or a local store root that does not exist
-(printed as ``error: ...``).
+Unreadable parts are skipped with a warning naming them (:mod:`tinker_blocks.store_health`).
+Exit status: 0 success, 1 a SQL or store error, a local store root that does not exist
+(printed as ``error: ...``), or ``store check`` finding damage.
 """
 
 from __future__ import annotations
@@ -64,7 +65,9 @@ def _missing_local_root(root: str) -> str | None:
     return None if path.exists() else str(path.absolute())
 
 
-def _print_query(root: str, sql: str, params: list[Any], as_json: bool) -> int:
+def _run_query(root: str, sql: str, params: list[Any]) -> tuple[list[str], list[tuple]] | int:
+    """``(names, rows)`` of ``sql`` over the stores at ``root``, or the exit status after
+    printing the error."""
     import duckdb
 
     missing = _missing_local_root(root)
@@ -76,16 +79,24 @@ def _print_query(root: str, sql: str, params: list[Any], as_json: bool) -> int:
     from tinker_blocks.store_io import StoreAccessError, StoreError, StoreUnavailableError
     from tinker_blocks.store_sql import query_stores
 
-    try:  # re-run on a fresh listing when a concurrent compaction deleted a listed part
-        names, rows = query_stores(root, sql, params)
+    try:  # re-run on a fresh listing after a concurrent compaction; damaged parts are skipped
+        return query_stores(root, sql, params)
     except (duckdb.Error, StoreError, StoreAccessError, StoreUnavailableError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
+
+
+def _print_rows(names: Sequence[str], rows: Sequence[Sequence[Any]], as_json: bool) -> int:
     if as_json:
         print(json.dumps([jsonable(dict(zip(names, r))) for r in rows], indent=2, ensure_ascii=False))
     elif names:
         print(format_table(names, rows))
     return EXIT_OK
+
+
+def _print_query(root: str, sql: str, params: list[Any], as_json: bool) -> int:
+    got = _run_query(root, sql, params)
+    return got if isinstance(got, int) else _print_rows(*got, as_json)
 
 
 def _default_store() -> str:
@@ -99,14 +110,85 @@ def cmd_sql(args: argparse.Namespace) -> int:
     return _print_query(args.store or _default_store(), args.query, [], args.json)
 
 
+#: optimizer steps a run took: its train metrics are logged at steps 0..n-1 (the loss of the batch
+#: at index s, before update s+1) and its checkpoints at the number of updates taken; evaluations
+#: after the last update are logged at step n, so max(step) + 1 over all metrics would count n + 1
+RUNS_SQL = (
+    "SELECT run_id, status, base_model, backend, lora_rank, time AS updated, "
+    "greatest((SELECT max(step) + 1 FROM metrics m WHERE m.run_id = r.run_id AND m.name LIKE 'train/%'), "
+    "(SELECT max(step) FROM checkpoints c WHERE c.run_id = r.run_id)) AS steps_done "
+    "FROM runs r ORDER BY time DESC"
+)
+
+
+def stale_statuses(root: str, rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` of ``runs`` with ``status`` ``"stale"`` instead of ``"running"`` for runs whose
+    lease (:mod:`tinker_blocks.lease`) is stale or gone: their process died without recording
+    an end (killed, or the final write failed). Leases that cannot be read leave the row as is."""
+    from tinker_blocks.lease import lease_status
+    from tinker_blocks.store_io import ParquetStore
+
+    io = None
+    out = []
+    for r in rows:
+        if r.get("status") == "running":
+            try:
+                io = io or ParquetStore(root, "training")
+                if lease_status(io, r["run_id"]) != "live":
+                    r = {**r, "status": "stale"}
+            except Exception as exc:  # an unreadable lease must not hide the listing
+                print(f"warning: could not read the lease of run {r['run_id']!r}: {exc}", file=sys.stderr)
+        out.append(r)
+    return out
+
+
 def cmd_runs(args: argparse.Namespace) -> int:
-    """``prefect-tinker runs``: every run, newest first, with its status and steps done (metrics are logged at steps 0..n-1)."""
-    sql = (
-        "SELECT run_id, status, base_model, backend, lora_rank, time AS updated, "
-        "(SELECT max(step) + 1 FROM metrics m WHERE m.run_id = r.run_id) AS steps_done "
-        "FROM runs r ORDER BY time DESC"
-    )
-    return _print_query(args.store or _default_store(), sql, [], args.json)
+    """``prefect-tinker runs``: every run, newest first, with its status (``stale``: marked
+    running but its process is gone) and the optimizer steps it took."""
+    root = args.store or _default_store()
+    got = _run_query(root, RUNS_SQL, [])
+    if isinstance(got, int):
+        return got
+    names, rows = got
+    fixed = stale_statuses(root, [dict(zip(names, r)) for r in rows])
+    return _print_rows(names, [tuple(r[n] for n in names) for r in fixed], args.json)
+
+
+def cmd_store(args: argparse.Namespace) -> int:
+    """``prefect-tinker store check|repair``: list (check) or move into ``<root>/_quarantine/``
+    (repair) the unreadable parts and the temporaries of dead writers. Exit status of check: 0
+    when the store is sound, 1 when it found something (or failed)."""
+    from tinker_blocks.store_health import check_root, repair_root
+    from tinker_blocks.store_io import StoreAccessError, StoreUnavailableError
+
+    root = args.store or _default_store()
+    missing = _missing_local_root(root)
+    if missing is not None:
+        print(f"error: store root {missing} does not exist", file=sys.stderr)
+        return EXIT_FAILED
+    try:
+        if args.action == "check":
+            report, moved_to = check_root(root), None
+        else:
+            report, moved_to = repair_root(root)
+    except (OSError, StoreAccessError, StoreUnavailableError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    rows = [p.as_row() for p in report.problems]
+    if args.json:
+        print(json.dumps({"root": root, "parts_checked": report.parts_checked, "problems": rows,
+                          "quarantine": moved_to}, indent=2))
+    else:
+        if rows:
+            print(format_table(["kind", "path", "size", "reason"], [tuple(r.values()) for r in rows], max_width=120))
+        damaged = sum(r["kind"] == "damaged" for r in rows)
+        print(f"{report.parts_checked} parts read under {root}: {damaged} unreadable, "
+              f"{len(rows) - damaged} temporaries of dead writers")
+        if moved_to:
+            print(f"moved {len(rows)} file(s) to {moved_to} (see manifest.json there; nothing deleted)")
+        elif rows:
+            print(f"'prefect-tinker store repair --store {root}' moves them aside")
+    return EXIT_OK if (report.ok or args.action == "repair") else EXIT_FAILED
 
 
 def cmd_checkpoints(args: argparse.Namespace) -> int:
@@ -128,6 +210,14 @@ def add_parsers(sub: Any) -> None:
     rs.add_argument("--store", help=STORE_HELP)
     rs.add_argument("--json", action="store_true")
     rs.set_defaults(func=cmd_runs)
+
+    st = sub.add_parser("store", help="check a store for unreadable parts and leftover temporaries, "
+                        "or move them aside (repair)")
+    st.add_argument("action", choices=["check", "repair"],
+                    help="check: list them (exit 1 when any); repair: move them to ROOT/_quarantine/")
+    st.add_argument("--store", help=STORE_HELP)
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=cmd_store)
 
     ck = sub.add_parser("checkpoints", help="list a run's checkpoints")
     ck.add_argument("run_id")

@@ -197,12 +197,20 @@ def _resolve(spec: SourceSpec) -> tuple[str, Path]:
 
 
 def _read_jsonl(path: Path) -> Iterator[RawRecord]:
+    """Records of a JSONL file; a line that is not UTF-8 or not JSON becomes a record error
+    naming ``file:line`` and the column (characters for JSON, bytes for an undecodable byte)."""
     opener = gzip.open if path.name.lower().endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
+    with opener(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield RawRecord(where, error=f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at byte column "
+                                             f"{exc.start + 1}: {exc.reason})")
+                continue
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 yield RawRecord(where, json.loads(line))
             except json.JSONDecodeError as exc:

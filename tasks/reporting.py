@@ -134,15 +134,25 @@ def plot_curves(series: dict[str, tuple[list[int], list[float]]], title: str) ->
 
 
 def _write_png(root: str, run_id: str, png: bytes) -> str:
-    """Write ``png`` to ``<root>/reports/<run_id>/curves.png``; returns that path or URL."""
-    import fsspec
+    """Write ``png`` to ``<root>/reports/<run_id>/curves.png`` whole or not at all (a local file
+    goes through a temporary and a rename, S3 is one PUT; a dead writer's leftover temporaries
+    there are removed first); returns that path or URL.
 
+    Raises:
+        WriteError: the write failed (e.g. a full disk); the message names the path.
+    """
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+
+    from tinker_blocks.atomic import atomic_write_bytes, sweep_stale_temps
     from tinker_blocks.store_io import resolve_storage_options
 
     url = f"{root.rstrip('/')}/reports/{run_id}/curves.png"
     fs, path = fsspec.core.url_to_fs(url, **resolve_storage_options(root))
-    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-    fs.pipe_file(path, png)
+    local = isinstance(fs, LocalFileSystem)
+    if local:
+        sweep_stale_temps(path.rsplit("/", 1)[0])
+    atomic_write_bytes(fs, path, png, local=local)
     return url
 
 

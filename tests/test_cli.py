@@ -23,8 +23,8 @@ def store_root(tmp_path):
     io = ParquetStore(str(root), "training", TRAINING_TABLES)
     with io.writer("metrics") as w:
         for step in range(3):
-            w.write(run_id="r1", step=step, name="loss", value=1.0 / (step + 1))
-        w.write(run_id="r2", step=0, name="loss", value=float("nan"))
+            w.write(run_id="r1", step=step, name="train/loss", value=1.0 / (step + 1))
+        w.write(run_id="r2", step=0, name="train/loss", value=float("nan"))
     with io.writer("runs") as w:
         w.write(run_id="r1", status="completed", base_model="tiny", lora_rank=4)
     return str(root)
@@ -73,9 +73,35 @@ def test_sql_empty_store_and_errors(tmp_path, capsys):
 def test_runs_and_checkpoints_helpers(store_root, capsys):
     assert cli.main(["runs", "--store", store_root, "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert rows[0]["run_id"] == "r1" and rows[0]["steps_done"] == 3  # metrics at steps 0..2
+    assert rows[0]["run_id"] == "r1" and rows[0]["steps_done"] == 3  # train metrics at steps 0..2
     assert cli.main(["checkpoints", "r1", "--store", store_root]) == 0
     assert capsys.readouterr().out.strip().endswith("(0 rows)")
+
+
+def test_runs_steps_done_counts_optimizer_steps(tmp_path, capsys):
+    """A 12-step SFT run logs train/* at steps 0..11 (the batch at index s, before update s + 1),
+    test/nll at 0 and 12 (after the last update) and its final checkpoint at 12: 12 steps, not 13.
+    A run killed after 5 updates whose last checkpoint was at 4 took 5."""
+    io = ParquetStore(str(tmp_path), "training", TRAINING_TABLES)
+    with io.writer("metrics") as w:
+        for step in range(12):
+            w.write(run_id="done12", step=step, name="train/loss", value=1.0)
+            w.write(run_id="done12", step=step, name="train/learning_rate", value=1e-3)
+        for step in (0, 12):
+            w.write(run_id="done12", step=step, name="test/nll", value=2.0)
+        for step in range(5):
+            w.write(run_id="killed5", step=step, name="train/loss", value=1.0)
+        w.write(run_id="killed5", step=4, name="time/save_seconds", value=0.1)
+    with io.writer("checkpoints") as w:
+        w.write(run_id="done12", step=12, name="final", kind="state", path="tinker://m/weights/final")
+        w.write(run_id="killed5", step=4, name="s4", kind="state", path="tinker://m/weights/s4")
+        w.write(run_id="ckpt-only", step=7, name="s7", kind="state", path="tinker://m/weights/s7")
+    with io.writer("runs") as w:
+        for run in ("done12", "killed5", "ckpt-only", "fresh"):
+            w.write(run_id=run, status="completed")
+    assert cli.main(["runs", "--store", str(tmp_path), "--json"]) == 0
+    steps = {r["run_id"]: r["steps_done"] for r in json.loads(capsys.readouterr().out)}
+    assert steps == {"done12": 12, "killed5": 5, "ckpt-only": 7, "fresh": None}
 
 
 def test_console_script_subprocess(store_root):

@@ -14,6 +14,7 @@ import uuid
 from urllib.parse import urlparse
 
 import duckdb
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import s3fs
@@ -194,18 +195,19 @@ root, opts = sys.argv[1], __import__("json").loads(sys.argv[2])
 io = ParquetStore(root, "training", storage_options=opts or None)
 target = io.fs
 armed = []  # the first part is written normally; the next write stops half-way
-if io.is_local:
-    real_open = target.open
-    def slow_open(path, mode="rb", **kw):
-        f = real_open(path, mode, **kw)
-        if "w" in mode and armed:
-            real_write = f.write
-            def write(data):
-                real_write(data[: len(data) // 2]); f.flush()
+if io.is_local:  # local parts are written with os.write into a temporary (tinker_blocks/atomic.py)
+    import os
+    import tinker_blocks.atomic as atomic
+    real_write = os.write
+    class SlowOS:
+        def __getattr__(self, name):
+            return getattr(os, name)
+        def write(self, fd, data):
+            if armed:
+                real_write(fd, bytes(data[: len(data) // 2]))
                 print("MID", flush=True); time.sleep(60)
-            f.write = write
-        return f
-    target.open = slow_open
+            return real_write(fd, data)
+    atomic.os = SlowOS()
 else:
     real_pipe = target.pipe_file
     def pipe(path, data, **kw):
@@ -246,8 +248,12 @@ def test_killed_writer_leaves_no_partial_file_local(tmp_path):
     io = ParquetStore(root, "training")
     parts = io.list_parts("metrics")
     assert [p.split("/")[-2] for p in parts] == ["run_id=ok"]  # the half-written part is invisible
-    assert len(list((tmp_path / "store").rglob("*.parquet.tmp"))) == 1
+    (tmp,) = (tmp_path / "store").rglob("*.parquet.*.tmp")
+    assert tmp.parent.name == "run_id=big" and tmp.stat().st_size > 0
     assert io.connect().execute("SELECT count(*) FROM metrics").fetchone()[0] == 1
+    # the next writer into that folder removes the dead writer's temporary
+    io.write_part("metrics", "big", pa.Table.from_pylist([], schema=io.spec("metrics").schema), writer_id="next", seq=0)
+    assert not tmp.exists()
 
 
 def test_killed_writer_leaves_no_partial_file_s3(s3_server, s3_root):

@@ -36,6 +36,8 @@ from prefect.blocks.abstract import CredentialsBlock
 from pydantic import ConfigDict, Field, SecretStr, field_validator
 
 from tinker_blocks.docs import docs_url
+from tinker_blocks.local_env import server_environment
+from tinker_blocks.procs import pid_alive as _pid_alive
 
 __all__ = [
     "LocalServerError",
@@ -220,6 +222,25 @@ class TinkerCredentials(CredentialsBlock):
         """Stop the local server recorded in ``server.json`` (see :func:`stop_local_server`)."""
         return stop_local_server(self.resolved_local_root(), timeout=timeout)
 
+    def restart_local_server(self, timeout: float = 10.0) -> dict:
+        """Replace the embedded server after it died or hung: stop the recorded process if it
+        still exists (SIGTERM, SIGKILL after ``timeout`` s), forget the cached clients of its URL,
+        start a new server. Clients of the old server are useless afterwards: get a new one with
+        :meth:`get_client` and recreate training clients from their last checkpoint (the
+        checkpoints live in ``local_root`` and survive the restart).
+
+        Returns:
+            The new server's record (``pid``, ``port``, ``base_url``, ``log``, ...).
+
+        Raises:
+            ValueError: not local mode. LocalServerError: the new server did not start (the
+                message ends with the tail of ``server.log``).
+        """
+        if not self.local:
+            raise ValueError("restart_local_server() needs local=True (the embedded server)")
+        stop_local_server(self.resolved_local_root(), timeout=timeout)
+        return ensure_local_server(self)
+
     # ------------------------------------------------------------------ helpers
 
     def _remote_api_key(self) -> str:
@@ -254,21 +275,6 @@ def _healthy(base_url: str, timeout: float = 1.0) -> bool:
             return resp.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # a zombie child of this process still "exists"; reap it if it is ours
-    try:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        return done == 0
-    except ChildProcessError:
-        return True
 
 
 def _free_port() -> int:
@@ -359,9 +365,7 @@ def ensure_local_server(block: TinkerCredentials) -> dict:
             )
         log_path = root / _LOG_FILE
         cmd = server_command(block, port, root)
-        env = dict(os.environ)
-        env.setdefault("HF_HUB_OFFLINE", "1")  # local models must not wait on the hub
-        env.setdefault("TINKER_TELEMETRY", "0")
+        env = server_environment()  # no API keys, cloud secrets or tokens (tinker_blocks/local_env.py)
         with open(log_path, "ab") as log:
             log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(cmd)}\n".encode())
             log.flush()

@@ -58,7 +58,9 @@ from tinker_blocks.store_schemas import (
     make_row_id,
     validate_run_id,
 )
+from tinker_blocks.store_health import known_damaged, retry_damaged, warn_skipped
 from tinker_blocks.store_writer import StoreWriter, sanitize_writer_id
+from tinker_blocks.atomic import atomic_write_bytes, sweep_stale_temps
 
 __all__ = [
     "TableSpec", "STORES", "TRAINING_TABLES", "EVAL_TABLES", "CAPTURE_TABLES", "METRICS_SCHEMA",
@@ -240,10 +242,13 @@ class ParquetStore:
     def write_part(self, table: str, run_id: str, data: pa.Table, *, writer_id: str, seq: int) -> str:
         """Write ``data`` (rows of one run) as one new immutable part; return its path.
 
-        Local: written to ``<final>.tmp`` then renamed (atomic on POSIX); remote: one PUT,
-        retried on transient errors under the same key with the same bytes.
+        Local: written to a temporary ``<final>.<host>-<pid>.tmp`` then renamed (atomic on POSIX;
+        see :mod:`tinker_blocks.atomic`); remote: one PUT, retried on transient errors under the
+        same key with the same bytes.
 
         Raises:
+            WriteError: a local write failed (full disk: ``errno.ENOSPC``); names the part's path,
+                no temporary is left.
             StoreAccessError: wrong credentials / forbidden.
             StoreUnavailableError: transient errors until ``retry_seconds`` passed.
         """
@@ -253,14 +258,11 @@ class ParquetStore:
         buf = pa.BufferOutputStream()
         pq.write_table(data, buf, compression="zstd")
         payload = buf.getvalue().to_pybytes()
-        if self.is_local:
-            self.fs.makedirs(pdir, exist_ok=True)
-            tmp = final + ".tmp"  # not matched by the *.parquet globs
-            with self.fs.open(tmp, "wb") as f:
-                f.write(payload)
-            self.fs.mv(tmp, final)
+        if self.is_local:  # temporary + rename; a dead writer's leftovers go on the first write here
+            sweep_stale_temps(pdir)
+            atomic_write_bytes(None, final, payload, local=True)
         else:
-            what = f"writing a part of {table!r}"
+            what = f"writing the part {self._url(final)}"
             try:
                 self._remote(lambda: self.fs.pipe_file(final, payload), what)
             except FileNotFoundError:  # NoSuchBucket: like a local root, created on first write
@@ -330,18 +332,23 @@ class ParquetStore:
             pass  # write-only/append-only buckets: the probe stays, harmless (not under a table)
 
     # ----- reading ---------------------------------------------------------------------------
-    def view_sql(self, table: str, *, union_by_name: bool = False) -> str:
+    def view_sql(self, table: str, *, union_by_name: bool = False, files: Sequence[str] | None = None) -> str:
         """SELECT statement of the deduplicated view of ``table`` (assumes parts exist).
 
         ``union_by_name`` reads every part's schema when the view is bound (slow over S3);
-        :meth:`create_views` uses it only when parts of older and newer schemas are mixed."""
+        :meth:`create_views` uses it only when parts of older and newer schemas are mixed.
+        ``files`` (paths inside the filesystem): read these parts instead of globbing the table
+        (used to leave damaged parts out)."""
         spec = self.spec(table)
-        glob = self._url(f"{self.table_dir(table)}/**/*.parquet")
+        if files is None:
+            where = f"'{_sql_str(self._url(f'{self.table_dir(table)}/**/*.parquet'))}'"
+        else:
+            where = "[" + ", ".join(f"'{_sql_str(self._url(p))}'" for p in files) + "]"
         cols = ", ".join(
             f'CAST("{f.name}" AS {_duck_type(f.type)}) AS "{f.name}"' for f in spec.schema
         )
         src = (
-            f"read_parquet('{_sql_str(glob)}', hive_partitioning=true, "
+            f"read_parquet({where}, hive_partitioning=true, "
             f"union_by_name={'true' if union_by_name else 'false'}, "
             "hive_types={'run_id': VARCHAR})"
         )
@@ -388,19 +395,26 @@ class ParquetStore:
 
     def _create_views(self, con: duckdb.DuckDBPyConnection) -> None:
         for table in self.tables:  # binding reads a part, which a compaction may delete meanwhile
-            retry_missing_part(lambda t=table: self._create_view(con, t), before_retry=self.fs.invalidate_cache)
+            retry_damaged(lambda t=table: retry_missing_part(
+                lambda: self._create_view(con, t), before_retry=self.fs.invalidate_cache), [self])
 
     def _create_view(self, con: duckdb.DuckDBPyConnection, table: str) -> None:
-        if not self.list_parts(table):
+        parts = self.list_parts(table)
+        damaged = known_damaged(parts)
+        files = None
+        if damaged:  # list the readable parts instead of globbing the table
+            warn_skipped(damaged, self.root)
+            parts = files = [p for p in parts if p not in damaged]
+        if not parts:
             con.execute(f'CREATE OR REPLACE VIEW "{table}" AS {self.empty_view_sql(table)}')
             return
         if self.spec(table).evolved:  # parts of older and newer schemas may mix
             con.execute(f'CREATE OR REPLACE VIEW "{table}" AS {self.view_sql(table, union_by_name=True)}')
             return
         try:
-            con.execute(f'CREATE OR REPLACE VIEW "{table}" AS {self.view_sql(table)}')
+            con.execute(f'CREATE OR REPLACE VIEW "{table}" AS {self.view_sql(table, files=files)}')
         except duckdb.BinderException:  # the first part lacks a column added later
-            con.execute(f'CREATE OR REPLACE VIEW "{table}" AS {self.view_sql(table, union_by_name=True)}')
+            con.execute(f'CREATE OR REPLACE VIEW "{table}" AS {self.view_sql(table, union_by_name=True, files=files)}')
 
     def connect(self, con: duckdb.DuckDBPyConnection | None = None) -> duckdb.DuckDBPyConnection:
         """A DuckDB connection (new in-memory one unless ``con``) with one view per table.
@@ -427,7 +441,8 @@ class ParquetStore:
         ("file not found"); it is run again on a fresh listing (up to 4 times), which sees the
         merged part instead. Raises ``duckdb.Error`` for bad SQL, StoreAccessError /
         StoreUnavailableError as :meth:`connect`."""
-        return execute_retrying(self.connect, sql, list(params or []), before_retry=self.fs.invalidate_cache)
+        return retry_damaged(lambda: execute_retrying(self.connect, sql, list(params or []),
+                                                      before_retry=self.fs.invalidate_cache), [self])
 
     def compact(self, table: str, run_id: str, *, writer_id: str = "compact") -> str | None:
         """Merge a run's parts of ``table`` into one deduplicated part, then delete the inputs.
@@ -440,9 +455,23 @@ class ParquetStore:
         writer (only the parts listed before reading are deleted). Returns the new part's path,
         or None when there were fewer than two parts.
         """
-        parts = self.list_parts(table, run_id)
-        if len(parts) < 2:
+        listed = self.list_parts(table, run_id)
+        parts: list[str] = []
+
+        def merge() -> pa.Table:
+            damaged = known_damaged(listed)  # left in place, out of the merge: `store repair` moves them
+            parts[:] = [p for p in listed if p not in damaged]
+            return self._merged(table, parts) if len(parts) >= 2 else None
+
+        data = retry_damaged(merge, [self])
+        if data is None:
             return None
+        out = self.write_part(table, run_id, data, writer_id=writer_id, seq=0)
+        self._delete_parts(table, parts)
+        return out
+
+    def _merged(self, table: str, parts: list[str]) -> pa.Table:
+        """The deduplicated rows of ``parts`` (of one run of ``table``), oldest first."""
         spec = self.spec(table)
         con = duckdb.connect()
         try:
@@ -456,17 +485,17 @@ class ParquetStore:
                 f"QUALIFY {self._dedup(table)} = 1 ORDER BY time"
             )
             to_arrow = getattr(rel, "to_arrow_table", None) or rel.arrow  # duckdb 2.x / 1.x
-            data = to_arrow().cast(spec.schema)
+            return to_arrow().cast(spec.schema)
         finally:
             con.close()
-        out = self.write_part(table, run_id, data, writer_id=writer_id, seq=0)
+
+    def _delete_parts(self, table: str, parts: list[str]) -> None:
         for p in parts:
             try:
                 if self.is_local:
                     self.fs.rm_file(p)
                 else:
-                    self._remote(lambda p=p: self.fs.rm_file(p), f"deleting a compacted part of {table!r}")
+                    self._remote(lambda p=p: self.fs.rm_file(p), f"deleting the compacted part {self._url(p)}")
             except FileNotFoundError:
                 pass  # already merged away by a concurrent compaction
-        return out
 

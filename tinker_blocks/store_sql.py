@@ -9,6 +9,7 @@ import duckdb
 import fsspec
 
 from tinker_blocks.s3 import execute_retrying
+from tinker_blocks.store_health import retry_damaged
 from tinker_blocks.store_io import ParquetStore, resolve_storage_options
 
 __all__ = ["connect_stores", "query_stores"]
@@ -51,8 +52,10 @@ def query_stores(
 ) -> tuple[list[str], list[tuple]]:
     """``(column names, rows)`` of ``sql`` over :func:`connect_stores` views, re-run on a fresh
     listing when a concurrent compaction deleted a part it had listed (as
-    :meth:`ParquetStore.query`). Used by ``prefect-tinker sql``."""
+    :meth:`ParquetStore.query`), and again without a part that turned out unreadable (skipped with
+    a warning naming it: :mod:`tinker_blocks.store_health`). Used by ``prefect-tinker sql``."""
     opts = resolve_storage_options(root, storage_options)
     fs = fsspec.core.url_to_fs(root, **opts)[0]
-    return execute_retrying(lambda: connect_stores(root, stores, opts), sql, list(params or []),
-                            before_retry=fs.invalidate_cache)
+    ios = [ParquetStore(root, name, storage_options=opts) for name in stores]
+    return retry_damaged(lambda: execute_retrying(lambda: connect_stores(root, stores, opts), sql, list(params or []),
+                                                  before_retry=fs.invalidate_cache), ios)

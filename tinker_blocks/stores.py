@@ -21,7 +21,8 @@ from prefect.blocks.core import Block
 from pydantic import Field
 
 from tinker_blocks.docs import docs_url
-from tinker_blocks.s3 import StoreAccessError, StoreUnavailableError
+from tinker_blocks.s3 import StoreAccessError, StoreUnavailableError, retry_missing_part
+from tinker_blocks.store_health import retry_damaged
 from tinker_blocks.s3_credentials import S3Credentials
 from tinker_blocks.store_io import (
     CAPTURES_SCHEMA,
@@ -152,12 +153,16 @@ class StoreBlock(Block, ABC):
     # ----- reading ---------------------------------------------------------------------------
     def connect(self) -> duckdb.DuckDBPyConnection:
         """New in-memory DuckDB connection with one view per table (deduplicated by row id;
-        empty with the right columns when a table has no part yet)."""
+        empty with the right columns when a table has no part yet). Parts found unreadable are
+        left out of the views (:mod:`tinker_blocks.store_health`); a statement run on this raw
+        connection that meets a damaged part not known yet fails naming it: :meth:`query`
+        skips it and runs the statement again."""
         return self._io().connect()
 
     def query(self, sql: str, params: list[Any] | None = None) -> list[dict[str, Any]]:
         """Run ``sql`` over the views; return rows as dicts (column name -> value). Re-run on a
-        fresh listing when a concurrent compaction deleted a part the query had listed."""
+        fresh listing when a concurrent compaction deleted a part the query had listed, and
+        without a part that turned out unreadable (skipped with a warning naming it)."""
         names, rows = self._io().query(sql, params)
         return [dict(zip(names, r)) for r in rows]
 
@@ -264,14 +269,19 @@ print(store.connect().execute("SELECT * FROM metrics").fetchall())
         """The run's metrics as a pandas DataFrame with columns ``step, name, value, time``
         (long format, sorted by step then name; empty frame when none)."""
         validate_run_id(run_id)
-        con = self.connect()
-        try:
-            return con.execute(
-                "SELECT step, name, value, time FROM metrics WHERE run_id = ? ORDER BY step, name",
-                [run_id],
-            ).df()
-        finally:
-            con.close()
+        io = self._io()
+
+        def once():
+            con = io.connect()
+            try:
+                return con.execute(
+                    "SELECT step, name, value, time FROM metrics WHERE run_id = ? ORDER BY step, name",
+                    [run_id],
+                ).df()
+            finally:
+                con.close()
+
+        return retry_damaged(lambda: retry_missing_part(once, before_retry=io.fs.invalidate_cache), [io])
 
 
 class EvalStore(StoreBlock):
