@@ -63,6 +63,9 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
            ("env/reward_mean", "env/correct_rate", "train/entropy", "train/kl_sample_train_v1"), ("arithmetic",)),
     Recipe("dpo", "prefect_tinker.flows.dpo:dpo_flow", "preference learning: DPO / IPO / hinge on comparisons",
            ("train/dpo_loss", "train/accuracy", "train/margin", "test/accuracy")),
+    Recipe("distill", "prefect_tinker.flows.distill:distill_flow",
+           "distillation: on-policy (teacher KL), off-policy (teacher samples / top-K), SDFT, prompt distillation",
+           ("train/teacher_kl", "sdft/kl", "train/soft_ce", "train/loss", "eval/teacher_agreement")),
 )}
 
 

@@ -4,7 +4,8 @@ A source (:class:`SourceSpec`) is one of:
 
 - a local JSONL file (``.jsonl``, ``.ndjson``, optionally gzipped ``.gz``), read line by line so
   errors name ``file:line``;
-- ``"builtin:example_chat"``: the chat set shipped with this package;
+- ``"builtin:example_chat"``: the chat set shipped with this package; ``"builtin:sentiment_sentences"``:
+  raw sentences for prompt distillation;
 - anything else goes to ``datasets.load_dataset`` (the real Hugging Face ``datasets`` code): a
   dataset id on the Hub or in the local cache (``config_name``, ``split``), a local dataset
   directory, or a ``.json``/``.parquet``/``.csv``/``.arrow`` file; with ``streaming=True`` rows are
@@ -49,7 +50,10 @@ logger = logging.getLogger("prefect_tinker.recipes.data")
 
 #: The chat set shipped with the package (about 40 short conversations written for it).
 EXAMPLE_CHAT_PATH = str(Path(__file__).resolve().parent / "data" / "example_chat.jsonl")
-_BUILTIN = {"builtin:example_chat": EXAMPLE_CHAT_PATH}
+#: 64 short sentences written for the package, half plainly positive and half plainly negative
+#: (``{"text", "label"}``): raw inputs for prompt distillation of a classification instruction.
+SENTIMENT_SENTENCES_PATH = str(Path(__file__).resolve().parent / "data" / "sentiment_sentences.jsonl")
+_BUILTIN = {"builtin:example_chat": EXAMPLE_CHAT_PATH, "builtin:sentiment_sentences": SENTIMENT_SENTENCES_PATH}
 _BUILDERS = {".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 _JSONL = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz")
 

@@ -28,6 +28,7 @@ MAX_SAMPLER_ADAPTERS = 8  # sampler checkpoints kept loaded per base model (leas
 MAX_BATCH_ROWS = 256  # sampled sequences decoded together
 MAX_PREFILL_TOKENS = 16384  # padded prompt tokens in one prefill
 MAX_PROMPT_LOGITS = 2**26  # padded prompt tokens x vocab when prompt logprobs are computed
+MAX_TOPK_PROMPT_LOGPROBS = 128  # most alternatives per prompt position (larger K: a user error)
 
 
 class SamplingMixin:
@@ -118,8 +119,9 @@ class SamplingMixin:
             raise EngineUserError(f"top_p must be in (0, 1], got {top_p!r}")
         if not (float(temperature) >= 0.0):
             raise EngineUserError(f"temperature must be >= 0, got {temperature!r}")
-        if int(topk_prompt_logprobs) < 0:
-            raise EngineUserError(f"topk_prompt_logprobs must be >= 0, got {topk_prompt_logprobs!r}")
+        if not 0 <= int(topk_prompt_logprobs) <= MAX_TOPK_PROMPT_LOGPROBS:
+            raise EngineUserError(f"topk_prompt_logprobs must be between 0 and {MAX_TOPK_PROMPT_LOGPROBS} "
+                                  f"(tinker_local's limit), got {topk_prompt_logprobs!r}")
         req = SampleRequest(prompt, num_samples, max_tokens, float(temperature), int(top_k),
                             float(top_p), int(seed) if seed is not None else secrets.randbelow(2**63),
                             make_stop_spec(stop, _eos_ids(b)), bool(include_prompt_logprobs),

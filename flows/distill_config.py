@@ -1,0 +1,175 @@
+"""The distill flow's configuration (its single parameter) and the teacher's spec.
+
+One config serves the four modes; the fields a mode does not read are ignored. It extends the RL
+config (:class:`~prefect_tinker.flows.rl_config.RLConfig`): on-policy distillation and SDFT are
+RL-shaped (the student samples groups of replies on the ``prompts`` environment), and the
+off-policy modes read their prompts from the same ``dataset`` / ``env_options`` fields.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from prefect_tinker.flows.config import BackendConfig
+from prefect_tinker.flows.rl_config import RLConfig
+from prefect_tinker.recipes.data_reading import EXAMPLE_CHAT_PATH, source_fingerprint
+from prefect_tinker.recipes.distill.prompts import DEMO_TEMPLATE, TeacherView
+
+__all__ = ["DistillConfig", "DistillMode", "TeacherSpec"]
+
+DistillMode = Literal["on_policy", "off_policy", "sdft", "prompt"]
+
+
+class TeacherSpec(BaseModel):
+    """One teacher: its weights, how it renders, what it is shown, and (on-policy with several
+    teachers) its own prompts. A plain string is read as ``weights``."""
+
+    weights: str = Field(description="A base model ('smollm2', 'base:tiny') or a checkpoint tinker://.../sampler_weights/... (or .../weights/...).")
+    renderer: str = Field(default="auto", description="The teacher's own renderer ('auto' resolves from its tokenizer); it renders its prompt and end-of-turn marker.")
+    system_prompt: str | None = Field(default=None, description="A system message only the teacher sees (prompt distillation).")
+    prompt_template: str | None = Field(default=None, description="The teacher's user message: {prompt} = the student's, {answer} = the golden answer (sdft default: a demonstration).")
+    backend: BackendConfig | None = Field(default=None, description="Where the teacher runs; default the run's backend.")
+    dataset: str | None = Field(default=None, description="on_policy with several teachers: this teacher's prompts (default the run's dataset).")
+    format: str | None = Field(default=None, description="Record format of this teacher's dataset (default env_options.format).")
+    fields: dict[str, str] = Field(default_factory=dict, description="Field mapping of this teacher's dataset.")
+    weight: float = Field(default=1.0, gt=0, description="on_policy with several teachers: share of the prompts drawn from this teacher's dataset.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, v: Any) -> Any:
+        return {"weights": v} if isinstance(v, str) else v
+
+    @field_validator("weights")
+    @classmethod
+    def _weights(cls, v: str) -> str:
+        v = v.strip()
+        if not v:
+            raise ValueError("teacher weights must name a base model or a tinker:// checkpoint")
+        if v.startswith("tinker://"):
+            if "/weights/" not in v and "/sampler_weights/" not in v:
+                raise ValueError(f"teacher checkpoint {v!r} must be tinker://<run>/sampler_weights/<name> or .../weights/<name>")
+            return v
+        return v if v.startswith("base:") else f"base:{v}"
+
+    def view(self) -> TeacherView:
+        """The teacher's :class:`~prefect_tinker.recipes.distill.prompts.TeacherView`."""
+        return TeacherView(system_prompt=self.system_prompt, prompt_template=self.prompt_template)
+
+
+class DistillConfig(RLConfig):
+    """Parameters of a distillation run.
+
+    Modes:
+
+    - ``on_policy``: the student samples on ``dataset``'s prompts (the ``prompts`` env); each
+      teacher scores the completions in its own format; per-token advantage
+      ``-kl_penalty_coef * (logp_student - logp_teacher)`` (discounted by ``kl_discount_factor``),
+      loss ``loss_fn``; several ``teachers`` each with their dataset and weight.
+    - ``off_policy``: the teacher's replies to the prompts become a chat dataset (``sequences=
+      teacher``) or the dataset's own conversations are used (``sequences=dataset``); the student
+      trains on them with SFT, or with ``soft_targets=true`` on the teacher's top-``topk``
+      distribution at every reply token.
+    - ``sdft``: self-distillation (Shenfeld et al. 2026): the teacher is the frozen initial model
+      shown the question and the golden answer (``teacher.prompt_template``), the student answers
+      the question alone on-policy; forward KL over the teacher's top-``topk`` (skipping
+      ``skip_first_tokens``), or the reverse KL with ``reverse=true``.
+    - ``prompt``: prompt distillation: the teacher answers with its ``system_prompt`` /
+      ``prompt_template``, the student learns the answers without it; held-out agreement with the
+      teacher is ``eval/teacher_agreement``.
+    """
+
+    recipe: ClassVar[str] = "distill"
+    resume_fields: ClassVar[tuple[str, ...]] = (
+        *RLConfig.resume_fields, "mode", "teacher", "teachers", "kl_discount_factor", "topk", "skip_first_tokens",
+        "reverse", "soft_targets", "sequences", "teacher_max_tokens", "teacher_temperature", "samples_per_prompt",
+        "keep_truncated", "batch_size", "test_size", "max_length")
+
+    mode: DistillMode = Field(default="on_policy", description="on_policy, off_policy, sdft or prompt.")
+    env: str = Field(default="prompts", description="The environment the student samples on (on_policy, sdft): 'prompts' serves the dataset's prompts.")
+    dataset: str | None = Field(default=EXAMPLE_CHAT_PATH, description="Prompts (and golden answers, sdft): a JSONL file or dataset; read as env_options.format.")
+    teacher: TeacherSpec | None = Field(default=None, description="The teacher (a string = its weights); sdft default: the frozen initial weights.")
+    teachers: list[TeacherSpec] = Field(default_factory=list, description="on_policy: several teachers, each with its dataset and weight, instead of `teacher`.")
+    kl_penalty_coef: float = Field(default=1.0, gt=0, description="on_policy: advantage = -coef x (logp_student - logp_teacher) per completion token.")
+    kl_discount_factor: float = Field(default=0.0, ge=0, le=1, description="on_policy: advantages summed over later tokens with this discount (0 = per token).")
+    remove_constant_reward_groups: bool = Field(default=False, description="Unused by distillation (its signal is the teacher, not rewards).")
+    topk: int = Field(default=20, ge=1, description="sdft / off_policy soft targets: teacher tokens per position (K).")
+    skip_first_tokens: int = Field(default=3, ge=0, description="sdft: completion tokens at the start left out of the loss.")
+    reverse: bool = Field(default=False, description="sdft: reverse KL over the K slots (client-side custom loss) instead of the forward KL.")
+    soft_targets: bool = Field(default=False, description="off_policy / prompt: train on the teacher's top-K distribution instead of its sampled tokens.")
+    sequences: Literal["teacher", "dataset"] = Field(default="teacher", description="off_policy: supervised sequences are the teacher's samples, or the dataset's own conversations (soft_targets only).")
+    teacher_max_tokens: int = Field(default=128, ge=1, description="off_policy / prompt: most tokens of a teacher reply.")
+    teacher_temperature: float = Field(default=1.0, ge=0, description="off_policy / prompt: temperature of the teacher's training replies (held-out labels are greedy).")
+    samples_per_prompt: int = Field(default=1, ge=1, description="off_policy / prompt: teacher replies per prompt.")
+    keep_truncated: bool = Field(default=False, description="off_policy / prompt: keep teacher replies that hit teacher_max_tokens.")
+    batch_size: int = Field(default=8, ge=1, description="off_policy / prompt: sequences per step.")
+    test_size: float = Field(default=0.1, ge=0, description="off_policy / prompt: held-out prompts (count >= 1 or fraction < 1).")
+    max_length: int = Field(default=512, ge=8, description="off_policy / prompt: most tokens of a training sequence.")
+    eval_max_tokens: int = Field(default=32, ge=1, description="prompt: most tokens of a student reply in the agreement evaluation.")
+    agreement_first_line: bool = Field(default=False, description="prompt: agreement compares only the first non-empty line of the replies.")
+
+    @model_validator(mode="after")
+    def _check_distill(self) -> "DistillConfig":
+        if self.teacher is not None and self.teachers:
+            raise ValueError("give either teacher=... or teachers=[...], not both")
+        if len(self.teachers) > 1 and self.mode != "on_policy":
+            raise ValueError(f"mode={self.mode}: one teacher only (several teachers are an on_policy feature)")
+        if self.mode != "sdft" and self.teacher is None and not self.teachers:
+            raise ValueError(f"mode={self.mode} needs a teacher: teacher=<base model or tinker:// checkpoint>")
+        if self.mode == "prompt" and self.resolved_teachers()[0].view().is_identity:
+            raise ValueError("mode=prompt needs what the student will not see: teacher.system_prompt or teacher.prompt_template")
+        if self.mode == "sdft":
+            if self.num_substeps != 1 or self.schedule != "sync":
+                raise ValueError("mode=sdft trains one optimizer step per batch (num_substeps=1, schedule=sync)")
+            if not self.resolved_teachers()[0].view().needs_answer:
+                raise ValueError("mode=sdft: the teacher's prompt_template must show the golden answer ({answer})")
+        if self.mode == "off_policy" and self.sequences == "dataset" and not self.soft_targets:
+            raise ValueError("off_policy with sequences=dataset and soft_targets=false is plain SFT: use the sft recipe, "
+                             "or set soft_targets=true")
+        return self
+
+    def run_name_prefix(self) -> str:
+        return f"distill-{self.mode}-{self.model.replace('/', '-')}"
+
+    def test_count(self) -> float | int:
+        """``test_size`` as the split functions take it: an int count when >= 1, else a fraction."""
+        return int(self.test_size) if self.test_size >= 1 else float(self.test_size)
+
+    def resolved_teachers(self) -> list[TeacherSpec]:
+        """The teachers of the run: ``teachers``, else ``[teacher]``; for sdft without one, the
+        frozen initial weights with SDFT's demonstration template."""
+        if self.teachers:
+            return list(self.teachers)
+        if self.teacher is not None:
+            t = self.teacher
+            if self.mode == "sdft" and t.prompt_template is None:
+                t = t.model_copy(update={"prompt_template": DEMO_TEMPLATE})
+            return [t]
+        start = self.load_checkpoint_path or f"base:{self.model}"
+        return [TeacherSpec(weights=start, prompt_template=DEMO_TEMPLATE)]
+
+    def prompt_env_options(self) -> dict[str, Any]:
+        """``env_options`` of the ``prompts`` env: each teacher's dataset as a weighted source when
+        there are several teachers, else the config's own."""
+        teachers = self.resolved_teachers()
+        if len(teachers) < 2:
+            return dict(self.env_options)
+        base = dict(self.env_options)
+        fmt = base.get("format", "messages")
+        sources = [{"path": t.dataset or self.dataset, "format": t.format or fmt,
+                    "fields": t.fields or base.get("fields", {}), "options": base.get("options", {}), "weight": t.weight,
+                    "split": self.split, "config_name": self.dataset_config, "max_records": self.max_problems}
+                   for t in teachers]
+        missing = [i for i, s in enumerate(sources) if not s["path"]]
+        if missing:
+            raise ValueError(f"teachers[{missing[0]}]: no dataset (and no run dataset)")
+        return {"sources": sources}
+
+    def data_fingerprint(self, renderer: str) -> str:
+        """The RL fingerprint plus the content of every teacher's dataset."""
+        datasets = [source_fingerprint(t.dataset) if t.dataset else None for t in self.resolved_teachers()]
+        body = {"rl": super().data_fingerprint(renderer), "teacher_datasets": datasets, "mode": self.mode}
+        return "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
