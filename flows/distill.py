@@ -94,7 +94,22 @@ def _on_policy(config: DistillConfig) -> dict[str, Any]:
         }, title_fields={"mode": config.mode, "teachers": ", ".join(f"`{t.weights}`" for t in teachers)})
 
 
+def _check_answers(config: DistillConfig) -> None:
+    """SDFT's teacher is shown each prompt's golden answer: refuse, before training, a dataset
+    whose records have none (naming the first)."""
+    from prefect_tinker.recipes.distill.prompts import load_prompts
+    from prefect_tinker.recipes.rl.envs.prompts import prompt_sources
+
+    spec = config.model_copy(update={"env_options": config.prompt_env_options()})
+    for i, source in enumerate(prompt_sources(spec)):
+        missing = next((r for r in load_prompts(source, source=i) if r.answer is None), None)
+        if missing is not None:
+            raise ValueError(f"mode=sdft: {missing.id} has no golden answer (its last message must be the "
+                             "assistant's reply the teacher is shown)")
+
+
 def _sdft(config: DistillConfig) -> dict[str, Any]:
+    _check_answers(config)
     teachers = open_teachers(config, resolve_credentials(config.backend), topk=config.topk)
     with RunSession(config, fingerprint=config.data_fingerprint, upstream=[teacher_asset(t.weights) for t in teachers]) as session:
         loop = _loop(session, config, teachers)

@@ -5,8 +5,8 @@ student's sampler weights answer the held-out prompts greedily (the cached
 ``sample-completions`` task), each reply is parsed by the student's renderer, and it agrees when
 its normalised text equals the teacher's label for that prompt (the teacher's greedy reply to its
 own view of the prompt). Normalisation: surrounding whitespace removed, runs of whitespace made
-one space, case folded; with ``first_line`` only the first non-empty line counts (a label
-followed by an explanation still agrees).
+one space, trailing punctuation dropped, case folded; with ``first_line`` only the first
+non-empty line counts (a label followed by an explanation still agrees).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def normalise_label(text: str, first_line: bool = False) -> str:
     """``text`` as compared by :class:`TeacherAgreementEvaluator` (see the module docstring)."""
     if first_line:
         text = next((ln for ln in text.splitlines() if ln.strip()), "")
-    return re.sub(r"\s+", " ", text.strip()).casefold()
+    return re.sub(r"\s+", " ", text.strip()).rstrip(".,;:!?").strip().casefold()
 
 
 class TeacherAgreementEvaluator(SamplingClientEvaluator):

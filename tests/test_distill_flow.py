@@ -13,6 +13,7 @@ from prefect_tinker.flows.cli import main as cli_main
 from prefect_tinker.flows.distill import DistillConfig, distill_flow
 from prefect_tinker.flows.session import RunCallbacks, run_callbacks
 from prefect_tinker.flows.sft import SFTConfig, sft_flow
+from prefect_tinker.recipes.data_reading import EXAMPLE_CHAT_PATH
 from prefect_tinker.tasks.teacher import TeacherError, read_samples
 
 SMALL = dict(model="tiny", group_size=2, groups_per_batch=4, max_tokens=12, lora_rank=8)
@@ -53,10 +54,14 @@ def _task_states(prefix: str, flow_run: str) -> list[str]:
 
 
 def test_on_policy_teacher_kl_falls_through_the_cli(teacher, local_credentials, tmp_path, capsys):
-    store = tmp_path / "store"
-    args = ["run", "distill", "mode=on_policy", f"teacher={teacher}", "model=tiny", "group_size=2",
-            "groups_per_batch=4", "max_tokens=12", "lora_rank=8", "learning_rate=0.02", "max_steps=10",
-            "save_every=10", "run_name=op", f"store={store}", f"backend.local_root={local_credentials.local_root}"]
+    """`prefect-tinker run distill mode=on_policy ... max_steps=10`: the same 8 prompts every step
+    (groups_per_batch = all of them), so the per-step KL compares like with like."""
+    store, prompts = tmp_path / "store", tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(open(EXAMPLE_CHAT_PATH).readlines()[:8]))
+    args = ["run", "distill", "mode=on_policy", f"teacher={teacher}", "model=tiny", f"dataset={prompts}",
+            "group_size=4", "groups_per_batch=8", "max_tokens=12", "lora_rank=8", "learning_rate=0.005",
+            "max_steps=10", "save_every=10", "run_name=op", f"store={store}",
+            f"backend.local_root={local_credentials.local_root}"]
     assert cli_main(args) in (0, None)
     rows = _sql(capsys, store, "SELECT step, value FROM metrics WHERE run_id='op' AND name='train/teacher_kl' ORDER BY step")
     kl = [r["value"] for r in rows]

@@ -203,3 +203,40 @@ def test_prompt_records_and_teacher_view(tmp_path):
     bad.write_text(json.dumps({"messages": [{"role": "assistant", "content": "hi"}]}) + "\n")
     with pytest.raises(DatasetFormatError, match=r"bad\.jsonl:1: .*must end with a user message"):
         load_prompts(SourceSpec(path=str(bad)))
+
+
+def test_teacher_logprobs_of_its_own_rendering_through_the_server(local_credentials):
+    """The scored sequence through the SDK and the local server: the teacher-logprobs task's
+    numbers on the aligned positions equal an fp32 transformers forward of the teacher's own
+    rendering (chatml) -- and differ from scoring the student's role_colon text (#796)."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from prefect_tinker.tasks.teacher import teacher_logprobs, weights_tokenizer
+
+    tok = weights_tokenizer(local_credentials, "base:tiny")
+    student, teacher = get_renderer("role_colon", tok), get_renderer("chatml", tok)
+    prompt, reply = _reply(student, "7 plus 5 is 12.")
+    t_prompt = teacher.build_generation_prompt(MSGS).to_ints()
+    al = align_completion(len(prompt), reply, t_prompt, student_renderer=student, teacher_renderer=teacher, same_format=False)
+    (lp,) = teacher_logprobs.fn(local_credentials, "base:tiny", [al.teacher_tokens])
+    values, mask = gather_teacher(al, lp, len(prompt + reply) - 1)
+
+    model = AutoModelForCausalLM.from_pretrained(str(Path(local_credentials.local_root) / "models" / "tiny"), dtype=torch.float32)
+
+    def logprobs(seq):
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=torch.tensor([seq])).logits[0].double(), -1)
+        return [float(logp[i, seq[i + 1]]) for i in range(len(seq) - 1)]
+
+    body, _ = split_reply(student, reply)
+    own = t_prompt + body + [tok.convert_tokens_to_ids("<|im_end|>")]  # written out by hand
+    ref = logprobs(own)
+    n = len(t_prompt) - 1
+    for k in range(len(body) + 1):
+        assert values[len(prompt) - 1 + k] == pytest.approx(ref[n + k], abs=2e-4)
+    assert mask.sum() == len(body) + 1
+    wrong = logprobs(prompt + reply)  # the student's rendering, as the cookbook's #796 scored it
+    biased = [wrong[len(prompt) - 1 + k] for k in range(len(body))]
+    assert max(abs(b - values[len(prompt) - 1 + k]) for k, b in enumerate(biased)) > 1e-3
