@@ -33,6 +33,14 @@ class BackendConfig(BaseModel):
         default=None,
         description="Folder of the embedded local server (models, checkpoints); default ~/.prefect-tinker.",
     )
+    request_deadline_s: float = Field(
+        default=1800.0, gt=0,
+        description="Longest wait for one request's result (seconds); a dead server is noticed sooner (its process and port are checked while waiting).",
+    )
+
+    def is_local(self) -> bool:
+        """Whether this is the embedded local server (no block, no URL)."""
+        return not self.credentials_block and not self.base_url
 
 
 class AdamConfig(BaseModel):
@@ -78,8 +86,9 @@ def resolve_credentials(backend: BackendConfig) -> Any:
                 f"backend.credentials_block: no TinkerCredentials block named {backend.credentials_block!r}"
             ) from exc
     if backend.base_url:
-        return TinkerCredentials(base_url=backend.base_url, api_key=os.environ.get("TINKER_API_KEY"))
-    return TinkerCredentials(local=True, local_root=backend.local_root)
+        return TinkerCredentials(base_url=backend.base_url, api_key=os.environ.get("TINKER_API_KEY"),
+                                 request_deadline_s=backend.request_deadline_s)
+    return TinkerCredentials(local=True, local_root=backend.local_root, request_deadline_s=backend.request_deadline_s)
 
 
 class RecipeConfig(LRScheduleFields):
@@ -114,6 +123,11 @@ class RecipeConfig(LRScheduleFields):
 
     @model_validator(mode="after")
     def _default_run_name(self) -> "RecipeConfig":
+        if self.backend.is_local():  # the embedded server can tell a model it cannot serve, now
+            from tinker_blocks.credentials import default_local_root
+            from tinker_blocks.model_names import check_model_name
+
+            self.model = check_model_name(self.model, self.backend.local_root or default_local_root())
         if self.run_name is None:  # stable across retries of a deployment's flow run (resumes)
             self.run_name = default_run_name(self.run_name_prefix(), self)
         return self

@@ -211,7 +211,7 @@ def rl_flow(config: RLConfig) -> dict[str, Any]:
     the first and last steps of this invocation, checkpoints, store)."""
     from prefect_tinker.flows.rl_schedules import SCHEDULES
 
-    with RunSession(config, fingerprint=config.data_fingerprint) as session:
+    with RunSession(config, fingerprint=config.data_fingerprint, preflight=config.preflight) as session:
         last = session.resumed_from
         if last and last["step"] % config.num_substeps:
             raise ValueError(f"run {config.run_name!r}: last checkpoint at optimizer step {last['step']} is not a "

@@ -71,6 +71,13 @@ class RLConfig(EnvSpec, RecipeConfig):
     def run_name_prefix(self) -> str:
         return f"{self.env}-{self.model.replace('/', '-')}"
 
+    def preflight(self) -> None:
+        """Read and validate the environment's problems before the run starts (see
+        :meth:`~prefect_tinker.recipes.rl.envs.Environment.preflight`)."""
+        from prefect_tinker.recipes.rl.envs import get_env
+
+        get_env(self.env).preflight(self)
+
     def data_fingerprint(self, renderer: str) -> str:
         """``sha256:<hex>`` of what the environment's problems are: the env settings and the
         content of its dataset (recorded with the run; a resumed run must match it)."""

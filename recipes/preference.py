@@ -122,6 +122,10 @@ class PreferenceBuilder(DatasetBuilder):
         return PreferenceData(fingerprint=self.fingerprint(), renderer=self.renderer, train=data_train,
                               test=data_test, skipped=stats.total, skip_summary=stats.summary())
 
+    def _check_source(self, spec: SourceSpec) -> None:
+        for _ in self._read(spec, SkipStats(keep=0)):  # build() logs skips
+            pass
+
     def _read(self, spec: SourceSpec, stats: SkipStats):
         fmt = spec.format if spec.format in PAIR_FORMATS else "preference"
         for raw in iter_records(spec):
