@@ -11,10 +11,12 @@ Subcommands::
     prefect-tinker local status|stop [--root DIR]               the embedded server the flows started
     prefect-tinker show-example DATA --tokenizer T [...]        a rendered example, trained tokens highlighted
     prefect-tinker ops install-automations [--within S]         crash runs whose heartbeats stop (flows/ops.py)
+    prefect-tinker capture serve --model M --store ROOT [...]   OpenAI-compatible endpoint recording every sample
 
 Modules: :mod:`prefect_tinker.flows.cli_config` (errors, YAML values, overrides), :mod:`prefect_tinker.flows.cli_flows`
 (flow registry, config validation), :mod:`prefect_tinker.flows.cli_store` (sql / runs / checkpoints),
-:mod:`prefect_tinker.flows.ops` (ops), :mod:`prefect_tinker.recipes.show` (show-example).
+:mod:`prefect_tinker.flows.ops` (ops), :mod:`prefect_tinker.recipes.show` (show-example),
+:mod:`prefect_tinker.tasks.capture.serve` (capture serve).
 
 Exit status: 0 success, 1 runtime failure (SQL error, the flow failed), 2 bad usage or an
 invalid config (the message names each bad field and its value; no traceback).
@@ -130,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     from prefect_tinker.flows.ops import add_parser as add_ops  # prefect-tinker ops ...: automations for crashed runs
 
     add_ops(sub)
+    from prefect_tinker.tasks.capture.serve import add_parser as add_capture  # capture serve: tasks/capture/
+
+    add_capture(sub)
     return p
 
 

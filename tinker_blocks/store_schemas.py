@@ -151,6 +151,9 @@ CAPTURES_SCHEMA = pa.schema([
     _f("latency_ms", pa.float64()),  # request received -> response ready, milliseconds
     _f("sampling_json", pa.string()),  # temperature, top_p, max_tokens, seed, stop as JSON
     _f("metadata_json", pa.string()),  # client-supplied metadata / tags as JSON
+    _f("finish_reason", pa.string()),  # what the client was told: "stop" | "length" | "tool_calls"
+    _f("tools_json", pa.string()),  # chat: the tool (function) schemas of the request as JSON
+    _f("response_json", pa.string()),  # chat: {"message": the returned assistant message, ...}
     _TIME,  # when the response was sent
 ])
 
