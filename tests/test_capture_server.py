@@ -156,7 +156,7 @@ def test_openai_error_bodies(server):
     assert e.value.param == "temperature" and e.value.type == "invalid_request_error"
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "word " * 2100}], max_tokens=4)
-    assert e.value.code == "context_length_exceeded"
+    assert e.value.code == "context_length_exceeded" and e.value.param == "messages"
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2040)
     assert e.value.code == "context_length_exceeded" and e.value.param == "max_tokens"

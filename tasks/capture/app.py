@@ -77,6 +77,11 @@ def create_app(model: ServedModel, recorder: CaptureRecorder, *, session_id: str
         code = "not_found" if exc.status_code == 404 else None
         return _error(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code))
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("capture request %s %s failed", request.method, request.url.path)
+        return _error(APIError(500, f"internal error: {type(exc).__name__}", type="server_error"))
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         return _error(APIError(400, f"invalid request: {exc.errors()[0].get('msg')}"))

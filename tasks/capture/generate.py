@@ -174,7 +174,7 @@ async def chat_completion(model: ServedModel, req: ChatCompletionRequest, ctx: R
         param = "tools" if tools and "tool" in str(exc) else "messages"
         raise APIError(400, f"cannot render the conversation: {exc}", param=param) from None
     max_tokens = model.max_tokens_for(len(prompt), req.max_new_tokens,
-                                      "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
+                                      param="max_completion_tokens" if req.max_completion_tokens else "max_tokens")
     topk = int(req.top_logprobs or 0) if req.logprobs else 0
     resp = await model.sample(prompt, n=req.n, max_tokens=max_tokens, temperature=req.temperature,
                               top_p=req.top_p, top_k=req.top_k, seed=req.seed,
@@ -240,7 +240,7 @@ async def completion(model: ServedModel, req: CompletionRequest, ctx: RequestCon
     eos = model.eos_ids()
 
     async def one(tokens: list[int]) -> Any:
-        max_tokens = model.max_tokens_for(len(tokens), req.max_tokens)
+        max_tokens = model.max_tokens_for(len(tokens), req.max_tokens, prompt_param="prompt")
         resp = await model.sample(tokens, n=req.n, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                                   top_k=req.top_k, seed=req.seed, stop=stops, topk=k,
                                   prompt_logprobs=req.echo and req.logprobs is not None,

@@ -61,20 +61,21 @@ class ServedModel:
             raise APIError(404, f"The model {name!r} does not exist on this server; it serves "
                                 f"{', '.join(repr(n) for n in self.names)}", param="model", code="model_not_found")
 
-    def max_tokens_for(self, prompt_len: int, requested: int | None, param: str = "max_tokens") -> int:
-        """The ``max_tokens`` to sample with for a prompt of ``prompt_len`` tokens.
+    def max_tokens_for(self, prompt_len: int, requested: int | None, *, param: str = "max_tokens",
+                       prompt_param: str = "messages") -> int:
+        """The ``max_tokens`` to sample with for a prompt of ``prompt_len`` tokens: ``requested``,
+        else :attr:`default_max_tokens` capped by what the context leaves.
 
         Raises:
-            APIError: 400 ``context_length_exceeded`` when the prompt leaves no room or
-                ``requested`` does not fit in :attr:`max_context`.
+            APIError: 400 ``context_length_exceeded`` when the prompt leaves no room (``param`` =
+                ``prompt_param``) or ``requested`` does not fit in :attr:`max_context` (``param``).
         """
         if self.max_context is None:
             return requested or self.default_max_tokens
         room = self.max_context - prompt_len
         if room < 1:
             raise APIError(400, f"This model's maximum context length is {self.max_context} tokens, but the "
-                                f"prompt is {prompt_len} tokens", param="messages" if param != "max_tokens" else None,
-                           code="context_length_exceeded")
+                                f"prompt is {prompt_len} tokens", param=prompt_param, code="context_length_exceeded")
         if requested is not None and requested > room:
             raise APIError(400, f"This model's maximum context length is {self.max_context} tokens. However, you "
                                 f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
