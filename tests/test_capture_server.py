@@ -48,9 +48,15 @@ def client(server, tag: str | None = None, token: str = TOKEN) -> "openai.OpenAI
     return openai.OpenAI(base_url=base, api_key=token, max_retries=0, timeout=120)
 
 
-def rows_of(server, request_id: str) -> list[dict]:
-    return capture_rows(server.store, "SELECT * FROM captures WHERE request_id = ? ORDER BY sequence_index",
-                        [request_id])
+def rows_of(server, request_id: str, timeout: float = 20.0) -> list[dict]:
+    """The request's rows, waiting for the server's next flush."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = capture_rows(server.store, "SELECT * FROM captures WHERE request_id = ? ORDER BY sequence_index",
+                            [request_id])
+        if rows or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.2)
 
 
 def test_chat_stream_n2_and_completion_each_sequence_one_row(server, tokenizer):
@@ -114,6 +120,29 @@ def test_chat_stream_n2_and_completion_each_sequence_one_row(server, tokenizer):
     assert r["endpoint"] == "completions" and r["prompt"] == "Once upon a time"
     assert r["completion"] == comp.choices[0].text and r["completion_tokens"] == comp.usage.completion_tokens
     assert len(comp.choices[0].logprobs.tokens) in (r["completion_tokens"], r["completion_tokens"] - 1)
+
+
+def test_stop_strings_cut_like_openai_and_echo(server, tokenizer):
+    c = client(server)
+    full = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0)
+    text = full.choices[0].message.content
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert len(text) > 6 and stop.strip()
+    cut = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0, stop=[stop, "@@@"])
+    assert cut.choices[0].message.content == text[: text.find(stop)]  # greedy: the same text, cut before the stop
+    assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens < 16
+    (row,) = rows_of(server, cut.id)
+    assert row["completion"] == cut.choices[0].message.content and row["stop_reason"] == "stop"
+    assert json.loads(row["sampling_json"])["stop"] == [stop, "@@@"]
+
+    comp = c.completions.create(model="tiny", prompt="Once upon a time", max_tokens=5, temperature=0, echo=True, logprobs=1)
+    (ch,) = comp.choices
+    n_prompt = len(tokenizer.encode("Once upon a time"))
+    assert ch.text.startswith("Once upon a time") and len(ch.logprobs.tokens) == n_prompt + 5
+    assert ch.logprobs.token_logprobs[0] is None and all(v is not None for v in ch.logprobs.token_logprobs[1:])
+    assert "".join(ch.logprobs.tokens) == ch.text and ch.logprobs.text_offset[n_prompt] == len("Once upon a time")
+    (row,) = rows_of(server, comp.id)
+    assert "Once upon a time" + row["completion"] == ch.text  # the row keeps prompt and completion apart
 
 
 def test_sixteen_concurrent_clients_complete_and_are_batched(server, local_credentials):
@@ -181,7 +210,7 @@ def test_openai_error_bodies(server):
                    json={"model": "tiny", "messages": MESSAGES, "max_tokens": 1})
     assert r.status_code in (400, 404) and "error" in r.json()
     assert [m.id for m in c.models.list()] == ["tiny-chat", "tiny"]
-    assert "token" not in server.log_text().lower() or TOKEN not in server.log_text()
+    assert TOKEN not in server.log_text() and TOKEN not in json.dumps(capture_rows(server.store), default=str)
 
 
 def test_non_loopback_bind_without_token_is_refused(tmp_path, monkeypatch, capsys):
