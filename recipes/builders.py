@@ -111,10 +111,16 @@ class DatasetBuilder(BaseModel, ABC):
 
     def uris(self) -> list[str]:
         """Asset URIs of the sources: ``file:///abs/path`` for local ones, ``hf://datasets/<id>`` else."""
+        from prefect_tinker.recipes.data_reading import is_capture_source
+
         out = []
         for spec in self.sources:
             path = resolve_source_path(spec.path)
-            out.append(Path(path).resolve().as_uri() if Path(path).exists() else f"hf://datasets/{spec.path}")
+            if is_capture_source(path):  # the capture store the conversations came from
+                root = path.removeprefix("capture:").split("::", 1)[0].strip()
+                out.append(root if "://" in root else Path(root).resolve().as_uri())
+            else:
+                out.append(Path(path).resolve().as_uri() if Path(path).exists() else f"hf://datasets/{spec.path}")
         return out
 
     def check(self) -> None:

@@ -192,3 +192,34 @@ def test_parse_capture_source():
     for bad in ("/data/store", "capture:", "capture:::x > 1"):
         with pytest.raises(ValueError):
             parse_capture_source(bad)
+
+
+def test_sft_trains_on_captured_conversations_through_a_filter(prefect_api, local_credentials, tmp_path):
+    """``dataset=capture:<root>::<filter>``: the SFT flow trains on exactly the captured chats the
+    filter selects (counted independently in SQL over the capture store)."""
+    from prefect_tinker.flows.sft import SFTConfig, sft_flow
+    from tinker_blocks.stores import CaptureStore, TrainingStore
+
+    root = str(tmp_path / "captured")
+    rows = []
+    for i in range(12):
+        r = _rows()[i % 3]
+        rows.append(dict(r, request_id=f"r{i}", client=f"agent-{i % 2}",
+                         prompt=json.dumps([{"role": "user", "content": f"Say the number {i}."}]),
+                         response_json=json.dumps({"message": {"role": "assistant", "content": f"The number is {i}."},
+                                                   "finish_reason": "stop"})))
+    _write(root, rows)
+    where = "client = 'agent-1' AND logprob_mean > -0.7"
+    expected = CaptureStore(root=root).query(f"SELECT count(*) AS n FROM captures WHERE {where} AND endpoint = 'chat.completions'")[0]["n"]
+    assert 0 < expected < 12
+    store = tmp_path / "store"
+    summary = sft_flow(SFTConfig(model="tiny", dataset=f"capture:{root}::{where}", batch_size=1, max_steps=2, test_size=0,
+                                 lora_rank=4, num_eval_samples=0, run_name="from-captures", store=str(store),
+                                 backend={"local_root": local_credentials.local_root}))
+    assert summary["steps"] == 2
+    meta = json.loads(TrainingStore(root=str(store)).get_run("from-captures")["meta_json"])
+    assert meta["dataset_fingerprint"].startswith("sha256:")
+    from prefect_tinker.recipes.datasets import load_conversations
+
+    convs = load_conversations(f"capture:{root}::{where}")
+    assert len(convs) == expected and all(c.messages[-1]["content"].startswith("The number is") for c in convs)
