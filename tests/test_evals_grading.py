@@ -331,3 +331,15 @@ def test_code_runner_exception_is_an_errored_sample(tmp_path, role_colon):
     extras = [json.loads(r["extra_json"]) for r in samples]
     assert [e["status"] for e in extras] == ["ok", "errored"] and "sandbox died" in extras[1]["error"]
     assert metrics_dict(results)["pass@2"] == 1.0 and metrics_dict(results)["accuracy"] == 0.5
+
+
+def test_arithmetic_builtin_generates_sums_and_overrides_apply():
+    spec = get_benchmark("arithmetic", limit=5, eval_name="sums-5", num_samples=2, grader={"answer_style": "hash"})
+    assert spec.name == "sums-5" and spec.grader.kind == "number" and spec.grader.answer_style == "hash"
+    exs = load_examples(spec)
+    assert len(exs) == 5 and len({e.id for e in exs}) == 5
+    for e in exs:
+        a, b = (int(x) for x in e.question.removeprefix("What is ").removesuffix("?").split(" + "))
+        assert 0 <= a <= 20 and 0 <= b <= 20 and e.reference == str(a + b)
+    assert [e.question for e in exs] == [e.question for e in load_examples(spec)]  # generator seed, not sampling seed
+    assert get_benchmark("arithmetic", seed=9).fingerprint() != get_benchmark("arithmetic").fingerprint()
