@@ -91,7 +91,9 @@ def test_inspect_eval_command_line_against_the_local_server(local_credentials, t
     assert all(s.output.usage.output_tokens <= 8 for s in log.samples)
 
 
-def test_run_inspect_task_on_a_sampler_checkpoint(local_credentials, tmp_path):
+def test_run_inspect_task_on_a_sampler_checkpoint_of_a_server_by_url(local_credentials, tmp_path, monkeypatch):
+    """A ``tinker://`` sampler path on a server named by ``base_url`` (the self-hosted path; the key
+    from ``TINKER_API_KEY``), through ``run_inspect_task`` in this process."""
     from prefect_tinker.inspect_provider import run_inspect_task
 
     service = local_credentials.get_client()
@@ -102,12 +104,15 @@ def test_run_inspect_task_on_a_sampler_checkpoint(local_credentials, tmp_path):
     targets, expected = _targets(completions)
     task = _write_task(tmp_path / "elsewhere", targets)
     logs = tmp_path / "logs"
-    scores = run_inspect_task(task, path, model_args={"local_root": local_credentials.local_root, "renderer": "chatml"},
+    monkeypatch.setenv("TINKER_API_KEY", "tml-inspect-test")
+    base_url = local_credentials.base_url_for_sdk()
+    scores = run_inspect_task(task, path, model_args={"base_url": base_url, "renderer": "chatml"},
                               log_dir=logs, temperature=0.0, max_tokens=8, max_connections=1, num_choices=2,
                               log_format="json")
     (info,) = list_eval_logs(str(logs))
     log = read_eval_log(info)
     _check_log(log, completions, expected)
+    assert "tml-inspect-test" not in "".join(p.read_text() for p in logs.rglob("*.json"))  # no key in the log
     assert all(len(s.output.choices) == 2 for s in log.samples)  # num_choices -> num_samples
     assert scores["samples"] == len(QUESTIONS)
     assert scores["includes/accuracy"] == pytest.approx(sum(expected) / len(expected))

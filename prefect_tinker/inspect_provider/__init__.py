@@ -5,7 +5,7 @@ against a Tinker sampling client, by default on the embedded local server::
 
     inspect eval task.py --model tinker/tiny -M renderer=chatml
     inspect eval task.py --model tinker/tinker://<run>/sampler_weights/step-000100
-    inspect eval task.py --model tinker/Qwen/Qwen3-8B -M base_url=https://... (TINKER_API_KEY set)
+    inspect eval task.py --model tinker/Qwen/Qwen3-8B --model-base-url https://... (TINKER_API_KEY set)
 
 Model args and the generation config mapping: :mod:`prefect_tinker.inspect_provider.model_api`.
 """
@@ -40,7 +40,8 @@ def run_inspect_task(
         task: a task file (``task.py``, ``task.py@name``) or a registered task name.
         model: a Tinker model: base model name or ``tinker://`` sampler path (``tinker/`` is
             prepended when missing).
-        model_args: provider args (``renderer``, ``local_root``, ``base_url``, ``credentials_block``).
+        model_args: provider args (``renderer``, ``local_root``, ``credentials_block``, and
+            ``base_url``, passed on as inspect's ``model_base_url``).
         task_args / limit / log_dir: as for ``inspect_ai.eval``; ``eval_kwargs``: other
             ``inspect_ai.eval`` arguments (``temperature``, ``max_tokens``, ``seed``, ``epochs`` ...).
 
@@ -57,7 +58,10 @@ def run_inspect_task(
     except ImportError as exc:  # pragma: no cover - depends on the extra
         raise ImportError("run_inspect_task needs inspect-ai: pip install 'prefect-tinker[inspect]'") from exc
     qualified = model if model.startswith("tinker/") else f"tinker/{model}"
-    logs = inspect_eval(_task_spec(task), model=qualified, model_args=model_args or {}, task_args=task_args or {},
+    model_args = dict(model_args or {})
+    if model_args.get("base_url"):  # inspect's own argument: a model arg of that name collides with it
+        eval_kwargs["model_base_url"] = model_args.pop("base_url")
+    logs = inspect_eval(_task_spec(task), model=qualified, model_args=model_args, task_args=task_args or {},
                         limit=limit, log_dir=str(log_dir) if log_dir else None, display="none", **eval_kwargs)
     scores: dict[str, float] = {}
     for log in logs:

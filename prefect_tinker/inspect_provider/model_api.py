@@ -6,8 +6,9 @@ path. Model args (``-M key=value``):
 
 ``renderer``           ``auto`` (default: guessed from the tokenizer's chat template) or a renderer name
 ``credentials_block``  a saved ``TinkerCredentials`` block (takes precedence)
-``base_url``           a self-hosted Tinker-compatible server or the hosted service (also
-                       ``--model-base-url``); the API key from ``TINKER_API_KEY`` (or ``--model-api-key``)
+``--model-base-url``   (inspect's option, not ``-M``: ``-M base_url`` collides with it) a
+                       self-hosted Tinker-compatible server or the hosted service; the API key
+                       from ``TINKER_API_KEY`` (or ``--model-api-key``)
 ``local_root``         folder of the embedded local server (default ``$PREFECT_TINKER_HOME`` or
                        ``~/.prefect-tinker``), the backend when neither of the above is given
 ``max_connections``    requests in flight (default 8)
@@ -119,7 +120,7 @@ class TinkerModelAPI(ModelAPI):
         super().__init__(model_name, base_url, api_key, ["TINKER_API_KEY"], config)
         if model_args:
             raise ValueError(f"unknown model args for tinker/: {sorted(model_args)}; accepted: renderer, "
-                             "credentials_block, base_url, local_root, max_connections")
+                             "credentials_block, local_root, max_connections (the server URL: --model-base-url)")
         from prefect_tinker.recipes.evals.sampler_tokenizer import sampler_tokenizer
         from prefect_tinker.recipes.renderers import get_renderer
 
