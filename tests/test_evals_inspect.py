@@ -117,3 +117,16 @@ def test_run_inspect_task_on_a_sampler_checkpoint_of_a_server_by_url(local_crede
     assert scores["samples"] == len(QUESTIONS)
     assert scores["includes/accuracy"] == pytest.approx(sum(expected) / len(expected))
     assert json.loads(json.dumps(scores)) == scores  # plain floats, ready for eval_results rows
+
+
+def test_stop_seqs_cut_the_reply_on_a_stop_token_renderer(local_credentials):
+    import asyncio
+
+    from inspect_ai.model import GenerateConfig, get_model
+
+    (full,) = _greedy(local_credentials, base_model="tiny")[:1]
+    assert len(full) >= 4
+    stop = full[2:4]
+    model = get_model("tinker/tiny", local_root=local_credentials.local_root, renderer="chatml")
+    out = asyncio.run(model.generate(QUESTIONS[0], config=GenerateConfig(temperature=0.0, max_tokens=8, stop_seqs=[stop])))
+    assert out.completion == full[: full.find(stop)] and out.stop_reason == "stop"
