@@ -26,6 +26,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per example before it counts as errored")
     ap.add_argument("--renderer", default="auto")
     ap.add_argument("--threads", type=int, default=None, help="torch threads of the local server")
     ap.add_argument("--json", default=None)
@@ -43,7 +44,8 @@ def main() -> None:
         client = service.create_sampling_client(base_model=args.model).result()
         renderer = get_renderer(args.renderer, sampler_tokenizer(service, client))
         spec = get_benchmark("gsm8k", dataset=args.dataset, limit=args.limit, num_samples=args.num_samples,
-                             max_tokens=args.max_tokens, temperature=args.temperature, concurrency=args.concurrency)
+                             max_tokens=args.max_tokens, temperature=args.temperature, concurrency=args.concurrency,
+                             timeout_s=args.timeout)
         t0 = time.perf_counter()
         results, samples = run_benchmark(client, renderer, spec, checkpoint=args.model)
         seconds = time.perf_counter() - t0
