@@ -76,13 +76,16 @@ def test_inspect_eval_command_line_against_the_local_server(local_credentials, t
     outside = tmp_path / "user-project"  # a task file outside this repository
     _write_task(outside, targets)
     logs = tmp_path / "logs"
+    default_home = tmp_path / "default-home"  # where a provider built without -M args would start a server
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TINKER_TELEMETRY": "0",
-           "INSPECT_LOG_DIR": str(logs)}
+           "INSPECT_LOG_DIR": str(logs), "PREFECT_TINKER_HOME": str(default_home)}
     cmd = [str(Path(sys.executable).parent / "inspect"), "eval", "tiny_task.py", "--model", "tinker/tiny",
            "-M", f"local_root={local_credentials.local_root}", "-M", "renderer=chatml", "--temperature", "0",
            "--max-tokens", "8", "--max-connections", "1", "--log-format", "json", "--display", "none"]
     proc = subprocess.run(cmd, cwd=outside, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # inspect also builds providers just to look up model info: those must not start servers
+    assert not (default_home / "server.json").exists()
     (info,) = list_eval_logs(str(logs))
     log = read_eval_log(info)
     assert log.eval.model == "tinker/tiny"

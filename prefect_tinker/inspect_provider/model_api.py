@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import threading
 from typing import Any
 
 import anyio
@@ -121,18 +122,32 @@ class TinkerModelAPI(ModelAPI):
         if model_args:
             raise ValueError(f"unknown model args for tinker/: {sorted(model_args)}; accepted: renderer, "
                              "credentials_block, local_root, max_connections (the server URL: --model-base-url)")
-        from prefect_tinker.recipes.evals.sampler_tokenizer import sampler_tokenizer
-        from prefect_tinker.recipes.renderers import get_renderer
-
-        self._credentials = credentials_for(credentials_block, base_url, self.api_key, local_root)
-        service = self._credentials.get_client()
-        if model_name.startswith("tinker://"):
-            future = service.create_sampling_client(model_path=model_name)
-        else:
-            future = service.create_sampling_client(base_model=model_name.removeprefix("base:"))
-        self._client = future.result() if hasattr(future, "result") else future
-        self._renderer = get_renderer(renderer, sampler_tokenizer(service, self._client))
+        # Clients are made on the first generate: inspect also builds providers only to look up model
+        # info (get_model_info), which must not start or connect to a server.
+        self._settings = (credentials_block, base_url, self.api_key, local_root)
+        self._renderer_name = renderer
         self._max_connections = int(max_connections)
+        self._client: Any = None
+        self._renderer: Any = None
+        self._lock = threading.Lock()
+
+    def _ensure(self) -> Any:
+        """The renderer, creating the sampling client and renderer on first use (blocking)."""
+        with self._lock:
+            if self._client is None:
+                from prefect_tinker.recipes.evals.sampler_tokenizer import sampler_tokenizer
+                from prefect_tinker.recipes.renderers import get_renderer
+
+                service = credentials_for(*self._settings).get_client()
+                name = self.model_name
+                if name.startswith("tinker://"):
+                    future = service.create_sampling_client(model_path=name)
+                else:
+                    future = service.create_sampling_client(base_model=name.removeprefix("base:"))
+                client = future.result() if hasattr(future, "result") else future
+                self._renderer = get_renderer(self._renderer_name, sampler_tokenizer(service, client))
+                self._client = client
+            return self._renderer
 
     def max_connections(self) -> int:
         return self._max_connections
@@ -142,7 +157,7 @@ class TinkerModelAPI(ModelAPI):
 
     async def generate(self, input: list[ChatMessage], tools: list[ToolInfo], tool_choice: ToolChoice,
                        config: GenerateConfig) -> ModelOutput:
-        r = self._renderer
+        r = await anyio.to_thread.run_sync(self._ensure)
         schemas = [_tool_schema(t) for t in tools] or None
         prompt = r.build_generation_prompt(to_messages(input), tools=schemas)
         stop = r.get_stop_sequences()
