@@ -58,6 +58,9 @@ class DPOConfig(SourceFields, RecipeConfig):
 
     @model_validator(mode="after")
     def _check(self) -> "DPOConfig":
+        if self.dataset is None and not self.sources:
+            raise ValueError("dataset: required: a JSONL file of comparisons, a dataset directory or a Hugging Face id "
+                             "(or sources=[...])")
         if self.format not in ("preference", "dialogue", "hh") and not self.sources:
             raise ValueError(f"format {self.format!r}: a DPO dataset is 'preference' or 'dialogue' (HH-RLHF)")
         if self.reference_via == "sampler" and "/weights/" in (self.reference or self.load_checkpoint_path or ""):
