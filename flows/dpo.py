@@ -42,14 +42,16 @@ class DPOConfig(SourceFields, RecipeConfig):
 
     recipe: ClassVar[str] = "dpo"
     resume_fields: ClassVar[tuple[str, ...]] = (
-        *RecipeConfig.resume_fields, "batch_size", "max_length", "test_size", "format", "fields", "sources",
+        *RecipeConfig.resume_fields, "batch_size", "max_length", "test_size", "max_test", "format", "fields", "sources",
         "dpo_loss", "beta", "label_smoothing", "reference", "reference_via")
 
+    dataset: str | None = Field(default="builtin:example_prefs", description="Comparisons: a JSONL file, dataset directory, Hugging Face id, or builtin:example_prefs (40 bundled comparisons).")
     format: str = Field(default="preference", description="Record format: preference ({prompt?, chosen, rejected}) or dialogue (HH-RLHF transcripts).")
     batch_size: int = Field(default=8, ge=1, description="Comparisons (pairs) per step.")
     num_epochs: int = Field(default=1, ge=1, description="Epochs when max_steps is not set.")
     learning_rate: float = Field(default=1e-5, gt=0, description="Peak learning rate.")
-    test_size: float = Field(default=64, ge=0, description="Held-out comparisons: a count (>=1) or a fraction (<1), split with `seed`.")
+    test_size: float = Field(default=0.1, ge=0, description="Held-out comparisons: a count (>=1) or a fraction (<1, at most max_test pairs), split with `seed`.")
+    max_test: int = Field(default=64, ge=1, description="Most held-out comparisons a test_size fraction gives (each evaluation scores them all).")
     dpo_loss: LossName = Field(default="dpo", description="dpo (sigmoid), ipo or hinge.")
     beta: float = Field(default=0.1, gt=0, description="Strength of the implicit KL to the reference (scales the log-ratio).")
     label_smoothing: float = Field(default=0.0, ge=0, lt=0.5, description="dpo: assumed probability of a flipped label (conservative DPO).")
@@ -74,7 +76,8 @@ class DPOConfig(SourceFields, RecipeConfig):
     def dataset_builder(self, renderer: str) -> PreferenceBuilder:
         """The comparisons of this run for the (resolved) ``renderer``."""
         return PreferenceBuilder(sources=self.source_specs(), renderer=renderer, seed=self.seed,
-                                 max_length=self.max_length, on_error=self.on_error, test_size=self.test_count())
+                                 max_length=self.max_length, on_error=self.on_error, test_size=self.test_count(),
+                                 max_test=self.max_test)
 
 
 @flow(name="dpo", flow_run_name="dpo-{config.run_name}", log_prints=True)

@@ -4,7 +4,8 @@ A source (:class:`SourceSpec`) is one of:
 
 - a local JSONL file (``.jsonl``, ``.ndjson``, optionally gzipped ``.gz``), read line by line so
   errors name ``file:line``;
-- ``"builtin:example_chat"``: the chat set shipped with this package;
+- ``"builtin:example_chat"``: the chat set shipped with this package; ``"builtin:example_prefs"``:
+  its comparisons (``{"prompt", "chosen", "rejected"}``);
 - anything else goes to ``datasets.load_dataset`` (the real Hugging Face ``datasets`` code): a
   dataset id on the Hub or in the local cache (``config_name``, ``split``), a local dataset
   directory, or a ``.json``/``.parquet``/``.csv``/``.arrow`` file; with ``streaming=True`` rows are
@@ -49,7 +50,9 @@ logger = logging.getLogger("prefect_tinker.recipes.data")
 
 #: The chat set shipped with the package (about 40 short conversations written for it).
 EXAMPLE_CHAT_PATH = str(Path(__file__).resolve().parent / "data" / "example_chat.jsonl")
-_BUILTIN = {"builtin:example_chat": EXAMPLE_CHAT_PATH}
+#: The comparisons shipped with the package (40 prompts with a better and a worse reply, written for it).
+EXAMPLE_PREFS_PATH = str(Path(__file__).resolve().parent / "data" / "example_prefs.jsonl")
+_BUILTIN = {"builtin:example_chat": EXAMPLE_CHAT_PATH, "builtin:example_prefs": EXAMPLE_PREFS_PATH}
 _BUILDERS = {".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 _JSONL = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz")
 
