@@ -210,6 +210,9 @@ class _WatchedFuture:
     def future(self) -> Any:
         return self._future.future() if hasattr(self._future, "future") else self._future
 
+    def __await__(self) -> Any:  # async callers (the capture server) await the SDK future itself
+        return self._future.__await__()
+
 
 class WatchedSampler:
     """A ``tinker.SamplingClient`` whose ``sample`` / ``compute_logprobs`` futures are watched
