@@ -141,3 +141,28 @@ def test_example_configs_validate():
     assert {"arithmetic", "suite"} <= set(example_configs("eval"))
     for name in example_configs("eval"):
         EvalConfig.model_validate(load_example("eval", name))
+
+
+def test_inspect_kind_records_its_scores(prefect_api, local_credentials, tmp_path, capsys):
+    pytest.importorskip("inspect_ai", reason="inspect-ai is not installed (extra 'inspect')")
+    completions, _ = _greedy(local_credentials, max_tokens=6)
+    targets = [completions[0][:3], MISS, completions[2][-2:], MISS]
+    expected = sum(bool(t) and t.lower() in c.lower() for t, c in zip(targets, completions)) / 4
+    samples = ", ".join(f"Sample(input={q!r}, target={t!r}, id={i})" for i, (q, t) in enumerate(zip(QUESTIONS, targets)))
+    task = tmp_path / "user-project" / "inc_task.py"  # a task file outside the repository
+    task.parent.mkdir()
+    task.write_text("from inspect_ai import Task, task\nfrom inspect_ai.dataset import Sample\n"
+                    "from inspect_ai.scorer import includes\nfrom inspect_ai.solver import generate\n\n\n"
+                    f"@task\ndef inc():\n    return Task(dataset=[{samples}], solver=[generate()], scorer=includes())\n")
+    store = tmp_path / "store"
+    cfg = EvalConfig(model="tiny", benchmarks=[{"kind": "inspect", "task": str(task), "name": "inc", "temperature": 0.0,
+                                                "max_tokens": 6, "model_args": {"max_connections": 1}}],
+                     run_name="insp", store=str(store), inspect_log_dir=str(tmp_path / "logs"),
+                     backend={"local_root": local_credentials.local_root})
+    first = eval_flow(cfg)
+    rows = {r["metric"]: r for r in _sql(capsys, store, "SELECT metric, value, num_samples, step, checkpoint "
+                                                        "FROM eval_results WHERE run_id = 'insp' AND eval_name = 'inc'")}
+    assert rows["includes/accuracy"]["value"] == pytest.approx(expected)
+    assert rows["accuracy"]["value"] == pytest.approx(expected) and rows["accuracy"]["num_samples"] == 4
+    assert rows["accuracy"]["checkpoint"] == "tiny" and rows["accuracy"]["step"] is None
+    assert first["evaluated"] == 1 and eval_flow(cfg)["cached"] == 1  # cached like the sampling benchmarks
