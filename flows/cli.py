@@ -8,6 +8,7 @@ Subcommands::
     prefect-tinker deployments [--write prefect.yaml]           deployments from the recipe registry
     prefect-tinker show-config FLOW [--schema]                  defaults (YAML) or JSON schema
     prefect-tinker runs [--store ROOT] [--json]                 runs and their latest status
+    prefect-tinker evals [--store ROOT] [--run R] [--json]      evaluation results (accuracy, 95% interval)
     prefect-tinker checkpoints RUN_ID [--store ROOT] [--json]   a run's checkpoints
     prefect-tinker store check|repair [--store ROOT] [--json]   unreadable parts, leftover temporaries
     prefect-tinker local serve ...                              the local Tinker-compatible server

@@ -29,6 +29,7 @@ from prefect_tinker.flows.session import RunSession
 from prefect_tinker.recipes.builders import SourceFields
 from prefect_tinker.recipes.data_pipeline import batch_at
 from prefect_tinker.recipes.preference import DPOLoss, LossName, PreferenceBuilder, PreferenceData, pair_datums
+from prefect_tinker.tasks.benchmark_evaluator import benchmark_evaluators
 from prefect_tinker.tasks.data import prepare_dataset
 from prefect_tinker.tasks.evaluators import PreferenceEvaluator
 from prefect_tinker.tasks.reference import reference_sequence_logprobs
@@ -105,7 +106,7 @@ def dpo_flow(config: DPOConfig) -> dict[str, Any]:
                                          config.lr_at(step, total), config.adam.model_dump())
             return {f"train/{k}": v for k, v in m.items()}
 
-        StepLoop(session, total, evaluators=evaluators).run(one_step)
+        StepLoop(session, total, evaluators=[*evaluators, *benchmark_evaluators(session)]).run(one_step)
         (first_loss, last_loss), (first_acc, last_acc) = session.metric_ends("train/dpo_loss"), session.metric_ends("test/accuracy")
         return session.finish({"first_loss": first_loss, "last_loss": last_loss, "first_test_accuracy": first_acc,
                                "last_test_accuracy": last_acc, "pairs": session.metric_sum("train/pairs")},

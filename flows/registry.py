@@ -63,6 +63,8 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
            ("env/reward_mean", "env/correct_rate", "train/entropy", "train/kl_sample_train_v1"), ("arithmetic",)),
     Recipe("dpo", "prefect_tinker.flows.dpo:dpo_flow", "preference learning: DPO / IPO / hinge on comparisons",
            ("train/dpo_loss", "train/accuracy", "train/margin", "test/accuracy"), ("tiny",)),
+    Recipe("eval", "prefect_tinker.flows.eval:eval_flow",
+           "benchmarks and inspect-ai tasks on base models, sampler paths or every checkpoint of a run (cached)"),
 )}
 
 

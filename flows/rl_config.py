@@ -12,16 +12,18 @@ from prefect_tinker.flows.config import RecipeConfig
 from prefect_tinker.recipes.data_reading import source_fingerprint
 from prefect_tinker.recipes.rl.envs import EnvSpec
 from prefect_tinker.tasks.rollouts import RolloutPolicy
+from prefect_tinker.tasks.runners import TaskRunnerFields
 
 __all__ = ["RLConfig"]
 
 
-class RLConfig(EnvSpec, RecipeConfig):
+class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
     """Parameters of an RL-with-verifiable-rewards run.
 
     The environment fields (``env``, ``dataset``, ``question_field``, ``answer_field``, ...) come
     from :class:`prefect_tinker.recipes.rl.envs.EnvSpec`. A *step* is one batch of ``groups_per_batch`` groups of
-    ``group_size`` rollouts, trained with ``num_substeps`` optimizer steps.
+    ``group_size`` rollouts, trained with ``num_substeps`` optimizer steps. ``task_runner``
+    (:class:`~prefect_tinker.tasks.runners.TaskRunnerFields`) says where the rollout tasks run.
     """
 
     recipe: ClassVar[str] = "rl"

@@ -27,7 +27,7 @@ from prefect_tinker.recipes.evals import (
 from prefect_tinker.recipes.evals.choice import parse_choice, parse_options, resolve_reference_letter
 from prefect_tinker.recipes.evals.examples import Example, build_messages
 from prefect_tinker.recipes.evals.graders import GraderSpec, extract_code
-from prefect_tinker.recipes.evals.text_grading import exact_match, normalize_answer, token_f1
+from prefect_tinker.recipes.grading_text import exact_match, normalize_answer, token_f1
 
 
 # ----- statistics -------------------------------------------------------------------------------

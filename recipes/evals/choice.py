@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from prefect_tinker.recipes.evals.text_grading import normalize_answer
+from prefect_tinker.recipes.grading_text import normalize_answer
 
 __all__ = ["Choices", "parse_options", "resolve_reference_letter", "parse_choice"]
 

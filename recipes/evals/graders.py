@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 from pydantic import BaseModel, Field, field_validator
 
 from prefect_tinker.recipes.evals.choice import parse_choice
-from prefect_tinker.recipes.evals.text_grading import best_exact_match, best_token_f1
+from prefect_tinker.recipes.grading_text import best_exact_match, best_token_f1
 from prefect_tinker.recipes.rl.grading import (
     answers_match,
     extract_boxed,
