@@ -53,6 +53,7 @@ def _task_states(prefix: str, flow_run: str) -> list[str]:
     return [r.state_name for r in runs]
 
 
+@pytest.mark.timeout(1500)  # 10 steps of 32 rollouts: ~2 min alone, ~10 min on 2 cores shared by 7 agents
 def test_on_policy_teacher_kl_falls_through_the_cli(teacher, local_credentials, tmp_path, capsys):
     """`prefect-tinker run distill mode=on_policy ... max_steps=10`: the same 8 prompts every step
     (groups_per_batch = all of them), so the per-step KL compares like with like."""
