@@ -63,6 +63,8 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
            ("env/reward_mean", "env/correct_rate", "train/entropy", "train/kl_sample_train_v1"), ("arithmetic",)),
     Recipe("dpo", "prefect_tinker.flows.dpo:dpo_flow", "preference learning: DPO / IPO / hinge on comparisons",
            ("train/dpo_loss", "train/accuracy", "train/margin", "test/accuracy")),
+    Recipe("export", "prefect_tinker.flows.export:export_flow",
+           "a checkpoint as a merged Hugging Face model or a PEFT adapter, verified by logprobs"),
 )}
 
 
