@@ -77,7 +77,10 @@ def _summary(config: ExportConfig, meta: dict[str, Any]) -> None:
             "LoRA": f"rank {meta['lora']['rank']}, alpha {meta['lora']['alpha']:g}, {meta['lora']['targets']} targets",
             "tied embeddings": ", ".join(f"{k}={v}" for k, v in meta["embeddings"].items()) or "-",
             "verified against": f"`{v['reference']}` compute_logprobs",
-            "max / mean abs logprob diff": f"{v['max_abs_diff']:.2e} / {v['mean_abs_diff']:.2e} (tolerance {v['tolerance']:g})",
+            "max / mean abs logprob diff": f"{v['max_abs_diff']:.2e} / {v['mean_abs_diff']:.2e} (tolerance {v['tolerance']:g}"
+                                           + (f" / {v['mean_tolerance']:g})" if v.get("mean_tolerance") is not None else ")"),
+            **({"float32 stage (before the cast)": f"{v['float32']['max_abs_diff']:.2e} / {v['float32']['mean_abs_diff']:.2e} "
+                                                   f"(tolerance {v['float32']['tolerance']:g})"} if "float32" in v else {}),
             "tokens compared": f"{v['tokens']} in {v['sequences']} sequences",
             "adapter effect (max abs)": f"{v['adapter_effect_max_abs']:.3g}"}
     lines = [f"# Export of `{name}` ({meta['format']}, {meta['dtype']})", "", "| field | value |", "|---|---|",

@@ -121,6 +121,47 @@ def test_sft_checkpoint_exports_both_ways_and_matches_the_server(sft_run, local_
     # a sampler path: exported from its state twin, verified against the sampler itself
     assert peft_meta["state_path"] == sft_run["state"] and peft_meta["verification"]["reference"] == sft_run["sampler"]
 
+    # lineage: the export is an asset materialization with the checkpoint as its upstream
+    want = {(tmp_path / "merged").resolve().as_uri(): sft_run["state"],
+            (tmp_path / "peft").resolve().as_uri(): sft_run["sampler"]}
+    events = _wait_for_materializations(set(want))
+    for e in events:
+        related = {r["prefect.resource.id"]: r.get("prefect.resource.role") for r in e["related"]}
+        assert related.get(want[e["resource"]["prefect.resource.id"]]) == "asset", related
+
+
+def _wait_for_materializations(keys: set[str], timeout: float = 60.0) -> list[dict]:
+    import time
+
+    from prefect.client.orchestration import get_client
+
+    deadline = time.monotonic() + timeout
+    while True:  # events reach the API asynchronously
+        with get_client(sync_client=True) as c:
+            flt = {"event": {"prefix": ["prefect.asset.materialization"]}, "resource": {"id": sorted(keys)}}
+            resp = c._client.post("/events/filter", json={"filter": flt, "limit": 50})
+        found = [e for e in resp.json()["events"] if e["resource"]["prefect.resource.id"] in keys]
+        if {e["resource"]["prefect.resource.id"] for e in found} >= keys or time.monotonic() > deadline:
+            assert {e["resource"]["prefect.resource.id"] for e in found} >= keys, found
+            return found
+        time.sleep(1.0)
+
+
+def test_cli_runs_an_export_and_refuses_bad_paths(sft_run, local_credentials, tmp_path, capsys):
+    from prefect_tinker.flows.cli import main as cli_main
+
+    out = tmp_path / "cli-peft"
+    rc = cli_main(["run", "export", f"checkpoint={sft_run['sampler']}", "format=peft", f"out={out}",
+                   f"backend.local_root={local_credentials.local_root}"])
+    printed = json.loads(capsys.readouterr().out)
+    assert rc == 0 and printed["verification"]["passed"] and (out / "adapter_model.safetensors").is_file()
+    for bad, field in (("checkpoint=tinker://r/external_weights/x", "checkpoint"), ("out=gs://bucket/x", "out"),
+                       ("format=gguf", "format")):
+        args = {"checkpoint": "checkpoint=tinker://r/weights/x", "out": f"out={tmp_path / 'o'}", "format": "format=peft"}
+        args[field] = bad
+        assert cli_main(["run", "export", *args.values()]) == 2
+        assert field in capsys.readouterr().err
+
 
 def test_export_is_cached_and_redone_when_the_files_are_gone(sft_run, local_credentials, tmp_path):
     rest = local_credentials.get_client().create_rest_client()
@@ -155,8 +196,8 @@ def test_a_corrupted_merge_is_refused_and_nothing_is_published(sft_run, local_cr
 
     honest = adapter_mod.LoraDelta.delta
     # the classic bug: the delta transposed where it is square (attention q/o projections)
-    monkeypatch.setattr(adapter_mod.LoraDelta, "delta", lambda self: honest(self).T.contiguous()
-                        if honest(self).shape[0] == honest(self).shape[1] else honest(self))
+    monkeypatch.setattr(adapter_mod.LoraDelta, "delta", lambda self, **kw: honest(self, **kw).T.contiguous()
+                        if honest(self, **kw).shape[0] == honest(self, **kw).shape[1] else honest(self, **kw))
     with pytest.raises(ExportVerificationError, match="nothing was published"):
         _export(local_credentials, checkpoint=sft_run["state"], format="merged", out=str(tmp_path / "bad"))
     assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad.export-*"))

@@ -59,11 +59,13 @@ class LoraDelta:
     def rank(self) -> int:
         return int(self.a.shape[0])
 
-    def delta(self) -> torch.Tensor:
+    def delta(self, conv1d: bool = False) -> torch.Tensor:
         """The weight update in the weight's own layout, float32: (out, in) for a Linear, (in, out)
-        for a Conv1D, (vocab, dim) for an embedding."""
+        for a Conv1D (``conv1d``: the module is one, whatever the adapter config says -- PEFT
+        switches ``fan_in_fan_out`` on for such modules without saving it), (vocab, dim) for an
+        embedding."""
         d = (self.b.float() @ self.a.float()) * self.scale
-        return (d.T if (self.embedding or self.fan_in_fan_out) else d).contiguous()
+        return (d.T if (self.embedding or self.fan_in_fan_out or conv1d) else d).contiguous()
 
 
 @dataclass

@@ -51,7 +51,7 @@ def _check_path(rel: object) -> tuple[str, ...]:
             raise UnsafeDownloadError(f"download listing: file name {rel!r} has characters other than "
                                       "letters, digits and . _ - + = @")
         if len(p.encode()) > _MAX_SEGMENT:
-            raise UnsafeDownloadError(f"download listing: a segment of {rel[:80]!r}... is over {_MAX_SEGMENT} bytes")
+            raise UnsafeDownloadError(f"download listing: file name {rel[:80]!r}... has a segment over {_MAX_SEGMENT} bytes")
     return parts
 
 

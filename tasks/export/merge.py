@@ -26,7 +26,7 @@ import torch
 
 from prefect_tinker.tasks.export.adapter import AdapterError, LoraAdapter, LoraDelta
 
-__all__ = ["DTYPES", "MergeReport", "base_weight_files", "merge_into_folder", "model_layout"]
+__all__ = ["DTYPES", "MergeReport", "base_weight_files", "cast_weights", "merge_into_folder", "model_layout"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 INDEX = "model.safetensors.index.json"
@@ -47,12 +47,31 @@ class ModelLayout:
         embed: the input embedding's weight key (``model.embed_tokens.weight``), or None.
         tied: whether ``transformers`` ties the two when it loads this config.
         shapes: every parameter's key -> shape (tied ones under both keys).
+        conv1d: weight keys of GPT-2 style ``Conv1D`` modules (stored (in, out)).
+        renamings / converters: ``transformers`` >= 5's checkpoint-key transforms of this
+            architecture (a checkpoint may name ``embed_out.weight`` what the model calls
+            ``lm_head.weight``); empty with older versions.
+        prefix / meta_keys: the base-model prefix and the model's own keys, for the same lookup.
     """
 
     head: str | None
     embed: str | None
     tied: bool
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    conv1d: set[str] = field(default_factory=set)
+    renamings: list = field(default_factory=list)
+    converters: list = field(default_factory=list)
+    prefix: str | None = None
+
+    def model_key(self, file_key: str) -> tuple[str, bool]:
+        """``(model key, converted)`` of a checkpoint key, renamed as ``transformers`` does on
+        load; ``converted`` when a non-renaming transform (fusing, splitting) applies to it."""
+        if not self.renamings and not self.converters:
+            return file_key, False
+        from transformers.core_model_loading import rename_source_key
+
+        key, pattern = rename_source_key(file_key, self.renamings, self.converters, self.prefix, self.shapes)
+        return key, pattern is not None
 
 
 @dataclass
@@ -69,7 +88,7 @@ class MergeReport:
 
 def model_layout(config: Any) -> ModelLayout:
     """Build ``config``'s causal LM on the ``meta`` device (no memory, no weights) and read its
-    head / embedding keys and whether they are tied.
+    head / embedding keys, whether they are tied, its Conv1D weights and key transforms.
 
     Raises:
         ValueError: ``transformers`` has no causal LM for this config.
@@ -84,7 +103,18 @@ def model_layout(config: Any) -> ModelLayout:
     head_w, embed_w = getattr(head_mod, "weight", None), getattr(embed_mod, "weight", None)
     head = f"{modules[id(head_mod)]}.weight" if head_w is not None else None
     embed = f"{modules[id(embed_mod)]}.weight" if embed_w is not None else None
-    return ModelLayout(head, embed, head_w is not None and head_w is embed_w, shapes)
+    conv1d = {f"{n}.weight" for n, m in model.named_modules() if type(m).__name__ == "Conv1D"}
+    renamings, converters = [], []
+    try:  # transformers >= 5: checkpoint keys may differ from the model's (renamed / fused on load)
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+        for t in get_model_conversion_mapping(model):
+            (converters if isinstance(t, WeightConverter) else renamings if isinstance(t, WeightRenaming) else []).append(t)
+    except ImportError:
+        pass
+    return ModelLayout(head, embed, head_w is not None and head_w is embed_w, shapes, conv1d, renamings, converters,
+                       getattr(model, "base_model_prefix", None) or None)
 
 
 def base_weight_files(base_dir: Path) -> dict[str, str]:
@@ -107,9 +137,9 @@ def base_weight_files(base_dir: Path) -> dict[str, str]:
                             "only safetensors weights can be merged")
 
 
-def _targets(adapter: LoraAdapter, layout: ModelLayout, keys: set[str]) -> dict[str, LoraDelta]:
-    """``{weight key: delta}``: each adapter module mapped to its weight, shapes checked."""
-    known = keys | set(layout.shapes)
+def _targets(adapter: LoraAdapter, layout: ModelLayout, model_keys: set[str]) -> dict[str, LoraDelta]:
+    """``{model weight key: delta}``: each adapter module mapped to its weight, shapes checked."""
+    known = model_keys | set(layout.shapes)
     out: dict[str, LoraDelta] = {}
     for module, d in adapter.deltas.items():
         key = f"{module}.weight"
@@ -119,10 +149,11 @@ def _targets(adapter: LoraAdapter, layout: ModelLayout, keys: set[str]) -> dict[
             raise AdapterError(f"adapter module {module!r} has no weight {key!r} in the base model")
         want = layout.shapes.get(key)
         rows, cols = d.b.shape[0], d.a.shape[1]
-        shape = (cols, rows) if (d.embedding or d.fan_in_fan_out) else (rows, cols)
+        flip = d.embedding or d.fan_in_fan_out or key in layout.conv1d
+        shape = (cols, rows) if flip else (rows, cols)
         if want is not None and tuple(want) != shape:
             raise AdapterError(f"adapter module {module!r}: delta of shape {shape} for weight {key!r} of shape "
-                               f"{tuple(want)} (fan_in_fan_out={d.fan_in_fan_out})")
+                               f"{tuple(want)}")
         out[key] = d
     return out
 
@@ -214,34 +245,41 @@ def merge_into_folder(base_dir: str | Path, adapter: LoraAdapter, out_dir: str |
     config = AutoConfig.from_pretrained(str(base_dir))
     layout = model_layout(config)
     files = base_weight_files(base_dir)
-    targets = _targets(adapter, layout, set(files))
+    model_keys = {fk: layout.model_key(fk) for fk in files}  # file key -> (model key, converted)
+    targets = _targets(adapter, layout, {mk for mk, _ in model_keys.values()})
+    for fk, (mk, converted) in model_keys.items():
+        if converted and mk in targets:
+            raise AdapterError(f"adapter target {mk!r} is stored as {fk!r} and converted on load (fused or split "
+                               "weights): not supported by the exact merge")
     tied_pair = {layout.head, layout.embed} if layout.tied else set()
     untie = layout.tied and bool(tied_pair & set(targets))
-    if untie and layout.embed not in files and layout.head not in files:
+    present = {mk: fk for fk, (mk, _) in model_keys.items()}
+    source = next((present[k] for k in (layout.embed, layout.head) if k in present), None) if untie else None
+    if untie and source is None:
         raise AdapterError(f"{base_dir}: the tied embedding {layout.embed!r} is in no weight file")
-    source = (layout.embed if layout.embed in files else layout.head) if untie else None
     to = DTYPES[dtype]
     writer = _ShardWriter(out_dir, max_shard_bytes)
     done: set[str] = set()
 
-    def emit(key: str, t: torch.Tensor) -> None:
-        copy = adapter.base_copies.get(key)
+    def emit(file_key: str, model_key: str, t: torch.Tensor) -> None:
+        copy = adapter.base_copies.get(model_key)
         if copy is not None and not torch.equal(copy.to(t.dtype), t):
-            raise AdapterError(f"the adapter carries its own base weight for {key!r}, and it differs from the base "
-                               "model's (a resized or retrained embedding): not supported")
-        if key in targets:
-            t = t.float() + targets[key].delta()
-            done.add(key)
-        writer.add(key, t.to(to) if t.is_floating_point() else t)
+            raise AdapterError(f"the adapter carries its own base weight for {model_key!r}, and it differs from the "
+                               "base model's (a resized or retrained embedding): not supported")
+        if model_key in targets:
+            t = t.float() + targets[model_key].delta(conv1d=model_key in layout.conv1d)
+            done.add(model_key)
+        writer.add(file_key, t.to(to) if t.is_floating_point() else t)
 
-    for key, t in _tensors(base_dir, files):
-        if untie and key in tied_pair and key != source:
+    for fk, t in _tensors(base_dir, files):
+        mk = model_keys[fk][0]
+        if untie and mk in tied_pair and fk != source:
             continue  # written from the tie's source below: the loaded model never used this copy
-        if untie and key == source:
-            for k in sorted(tied_pair):
-                emit(k, t.clone())
+        if untie and fk == source:
+            for k in sorted(tied_pair):  # both halves of the tie, each with its own delta
+                emit(fk if k == mk else present.get(k, k), k, t.clone())
             continue
-        emit(key, t)
+        emit(fk, mk, t)
     missing = set(targets) - done
     if missing:
         raise AdapterError(f"adapter targets {sorted(missing)} are tied or computed weights missing from {base_dir}'s files")
@@ -260,3 +298,39 @@ def merge_into_folder(base_dir: str | Path, adapter: LoraAdapter, out_dir: str |
                 and not p.name.endswith(_WEIGHT_SUFFIXES)):
             shutil.copyfile(p, out_dir / p.name)
     return MergeReport(sorted(targets), untie, layout.tied, shards, writer.total)
+
+
+def cast_weights(folder: str | Path, dtype: str) -> None:
+    """Rewrite every ``*.safetensors`` file of ``folder`` in place with its floating-point tensors
+    in ``dtype`` (each file to a temporary, then renamed over it), and the dtype recorded in its
+    ``config.json`` and the index's ``total_size``.
+
+    Raises:
+        ValueError: an unknown ``dtype``.
+    """
+    from safetensors.torch import load_file, save_file
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    folder = Path(folder)
+    total = 0
+    for path in sorted(folder.glob("*.safetensors")):
+        tensors = {k: (t.to(DTYPES[dtype]) if t.is_floating_point() else t).contiguous()
+                   for k, t in load_file(str(path)).items()}
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        tmp = path.with_name(f".{path.name}.tmp")
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        tmp.replace(path)
+        del tensors
+    index = folder / INDEX
+    if index.is_file():
+        data = json.loads(index.read_text())
+        data["metadata"]["total_size"] = total
+        index.write_text(json.dumps(data, indent=2) + "\n")
+    config = folder / "config.json"
+    if config.is_file():
+        cfg = json.loads(config.read_text())
+        for key in ("dtype", "torch_dtype"):
+            if key in cfg or key == "dtype":
+                cfg[key] = dtype
+        config.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

@@ -5,9 +5,10 @@ One call (:func:`run_export`): the server saves external weights
 (:mod:`~prefect_tinker.tasks.export.server`); their files are downloaded from the signed URLs
 into a private temporary folder (:mod:`~prefect_tinker.tasks.export.download`); the export is
 built next to its destination (``merged``: :func:`~prefect_tinker.tasks.export.merge.merge_into_folder`;
-``peft``: the adapter, its tensors in the export dtype), loaded back with plain ``transformers`` /
-``peft`` and compared with the server's ``compute_logprobs`` of the same checkpoint
-(:mod:`~prefect_tinker.tasks.export.verify`); only an export that passed is published
+``peft``: the adapter), loaded back with plain ``transformers`` / ``peft`` and compared with the
+server's ``compute_logprobs`` of the same checkpoint (:mod:`~prefect_tinker.tasks.export.verify`):
+in float32 at 1e-4 first, then, for another dtype, cast and compared again at that dtype's
+tolerance; only an export that passed is published
 (:mod:`~prefect_tinker.tasks.export.output`), with ``export_metadata.json`` (source paths,
 LoRA settings, tied-embedding handling, every file's size and SHA-256, the verification numbers).
 
@@ -77,51 +78,42 @@ def _base_dir(download: Path, base_model: str | None, fallback: str) -> tuple[Pa
                                 f"{str(exc)[:200]}); set base_model to a local Hugging Face folder of it") from exc
 
 
-def _write_peft(download: Path, stage: Path, dtype: str) -> None:
+def _write_peft(download: Path, stage: Path) -> None:
     from safetensors.torch import load_file, save_file
 
-    from prefect_tinker.tasks.export.merge import DTYPES
-
     tensors = load_file(str(download / "adapter_model.safetensors"))
-    save_file({k: (t.to(DTYPES[dtype]) if t.is_floating_point() else t).contiguous() for k, t in tensors.items()},
+    save_file({k: (t.float() if t.is_floating_point() else t).contiguous() for k, t in tensors.items()},
               str(stage / "adapter_model.safetensors"), metadata={"format": "pt"})
     shutil.copyfile(download / "adapter_config.json", stage / "adapter_config.json")
 
 
-def _verify(credentials: Any, stage: Path, fmt: str, dtype: str, base_dir: Path, reference: str) -> dict[str, Any]:
-    import gc
-
-    import tinker
-    from transformers import AutoConfig, AutoTokenizer
-
+def _build_and_verify(credentials: Any, download: Path, base_dir: Path, adapter: Any, stage: Path, fmt: str,
+                      dtype: str, reference: str, max_shard_bytes: int, lap: Any) -> tuple[dict, dict]:
+    """Build the export in float32 and check it at 1e-4, then (other dtypes) cast it and check
+    again at the dtype's tolerance. Returns ``(verification, embeddings)``."""
     from prefect_tinker.tasks.clients import sampling_client
-    from prefect_tinker.tasks.export.verify import (
-        TOLERANCES, ExportVerificationError, compare, fixed_sequences, load_exported, model_logprobs,
-    )
+    from prefect_tinker.tasks.export.merge import DTYPES, cast_weights, merge_into_folder
+    from prefect_tinker.tasks.export.verify import Verifier
 
-    cfg = AutoConfig.from_pretrained(str(base_dir)).get_text_config()
-    tok = AutoTokenizer.from_pretrained(str(stage if fmt == "merged" else base_dir))
-    seqs = fixed_sequences(tok, int(cfg.vocab_size), min(int(getattr(cfg, "max_position_embeddings", 256) or 256), 256))
-    sampler = sampling_client(credentials, reference)
-    futures = [sampler.compute_logprobs(tinker.ModelInput.from_ints(s)) for s in seqs]
-    want = [list(f.result())[1:] for f in futures]
-    model = load_exported(stage, fmt, base_dir)
-    got = model_logprobs(model, seqs)
-    del model
-    gc.collect()
-    result = compare(got, want, TOLERANCES[dtype])
-    base = load_exported(base_dir, "merged", base_dir)  # the base alone: how much the adapter changes
-    effect = compare(model_logprobs(base, seqs), want, 0.0)["max_abs_diff"]
-    del base
-    gc.collect()
+    tied: dict[str, Any] = {}
+    if fmt == "merged":  # shards sized for the final dtype: the float32 ones are cast later
+        rep = merge_into_folder(base_dir, adapter, stage, dtype="float32",
+                                max_shard_bytes=max_shard_bytes * 4 // DTYPES[dtype].itemsize)
+        tied = {"tied_in_base": rep.tied_in_base, "untied": rep.untied}
+    else:
+        _write_peft(download, stage)
+    lap("build")
+    verifier = Verifier(sampling_client(credentials, reference), reference, base_dir)
+    result = verifier.check(stage, fmt, "float32")
+    if dtype != "float32":
+        cast_weights(stage, dtype)
+        exact = {k: result[k] for k in ("max_abs_diff", "mean_abs_diff", "tolerance", "passed")}
+        result = {**verifier.check(stage, fmt, dtype), "float32": exact}
+    effect = verifier.adapter_effect()
     result.update(reference=reference, compute="float32", adapter_effect_max_abs=effect,
                   discriminative=bool(effect > result["tolerance"]))
-    if not result["passed"]:
-        raise ExportVerificationError(
-            f"the {fmt} export ({dtype}) differs from {reference}'s compute_logprobs by up to {result['max_abs_diff']:.3g} "
-            f"nats (tolerance {result['tolerance']:g}, mean {result['mean_abs_diff']:.3g}, over {result['tokens']} tokens); "
-            "nothing was published")
-    return result
+    lap("verify")
+    return result, tied
 
 
 def _versions() -> dict[str, str]:
@@ -157,7 +149,7 @@ def run_export(credentials: Any, checkpoint: str, format: str, dtype: str, out: 
         AdapterError: an adapter that cannot be merged exactly.
     """
     from prefect_tinker.tasks.export.adapter import read_adapter
-    from prefect_tinker.tasks.export.merge import DTYPES, merge_into_folder
+    from prefect_tinker.tasks.export.merge import DTYPES
     from prefect_tinker.tasks.export.server import export_on_server
 
     if format not in FORMATS or dtype not in DTYPES:
@@ -191,22 +183,15 @@ def run_export(credentials: Any, checkpoint: str, format: str, dtype: str, out: 
         adapter = read_adapter(download)  # refuses what cannot be reproduced exactly, for both formats
         stage = output.staging_dir()
         try:
-            tied: dict[str, Any] = {}
-            if format == "merged":
-                rep = merge_into_folder(base_dir, adapter, stage, dtype=dtype, max_shard_bytes=max_shard_bytes)
-                tied = {"tied_in_base": rep.tied_in_base, "untied": rep.untied}
-            else:
-                _write_peft(download, stage, dtype)
-            lap("build")
-            verification = _verify(credentials, stage, format, dtype, base_dir, srv.reference)
-            lap("verify")
+            verification, tied = _build_and_verify(credentials, download, base_dir, adapter, stage, format, dtype,
+                                                   srv.reference, max_shard_bytes, lap)
             files = {n: {"bytes": (stage / n).stat().st_size, "sha256": file_sha256(stage / n)} for n in check_tree(stage)}
+            lora = {"rank": adapter.rank, "alpha": adapter.alpha, "targets": len(adapter.deltas),
+                    "use_rslora": bool(adapter.config.get("use_rslora"))}
             meta = {
-                "export_key": key, "export_id": uuid.uuid4().hex, "format": format, "dtype": dtype, "out": output.uri, "checkpoint": checkpoint,
-                "state_path": srv.state_path, "external_weights": srv.external_path, "base_model": srv.base_model,
-                "base_model_source": base_source,
-                "lora": {"rank": adapter.rank, "alpha": adapter.alpha, "use_rslora": bool(adapter.config.get("use_rslora")),
-                         "targets": len(adapter.deltas)},
+                "export_key": key, "export_id": uuid.uuid4().hex, "format": format, "dtype": dtype, "out": output.uri,
+                "checkpoint": checkpoint, "state_path": srv.state_path, "external_weights": srv.external_path,
+                "base_model": srv.base_model, "base_model_source": base_source, "lora": lora,
                 "embeddings": tied, "files": files, "verification": verification, "seconds": dict(seconds),
                 "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "versions": _versions(),
             }
