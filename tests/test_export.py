@@ -263,3 +263,14 @@ def test_merged_export_to_s3(sft_run, local_credentials, s3_root, s3_server, tmp
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret")
     with pytest.raises(StoreAccessError):
         _export(local_credentials, checkpoint=sft_run["state"], format="peft", out=f"{s3_root}/models/other")
+
+
+@pytest.mark.parametrize("example", ["merged", "peft"])
+def test_example_configs_validate(example, tmp_path, capsys):
+    from prefect_tinker.flows.cli import main as cli_main
+
+    assert cli_main(["run", "export", "--example", example, "checkpoint=tinker://r/weights/x", "--dry-run"]) == 0
+    cfg = json.loads(capsys.readouterr().out)
+    assert cfg["format"] == example and cfg["checkpoint"] == "tinker://r/weights/x"
+    assert cli_main(["run", "export", "--example", example, "--dry-run"]) == 2  # the checkpoint is required
+    assert "checkpoint" in capsys.readouterr().err
