@@ -100,7 +100,7 @@ class SamplingServiceMixin:
         else:
             rec = self._sampler_record("adhoc", body, ep)
         try:
-            prompt = P.prompt_tokens_from_json(_req(body, "prompt", ep))
+            prompt = P.prompt_from_json(_req(body, "prompt", ep))
             sp = body.get("sampling_params") or {}
             stop = P.stop_from_json(sp.get("stop"))
         except P.ProtocolError as e:
