@@ -37,7 +37,7 @@ import tinker
 from pydantic import BaseModel, ConfigDict
 
 __all__ = [
-    "MediaError", "MediaRef", "MediaSpan", "MediaToken", "has_media", "media_dir", "media_key", "media_spans",
+    "MediaError", "MediaRef", "MediaSpan", "MediaToken", "cache_file", "has_media", "media_dir", "media_key", "media_spans",
     "media_tokens", "model_input_from_tokens", "restore_media", "safe_cut", "store_media", "tokens_from_model_input",
 ]
 
@@ -258,15 +258,21 @@ def media_dir() -> Path:
     return d
 
 
-def store_media(data: bytes, kind: str, fmt: str, *, tokens: int, source: str = "", width: int | None = None,
-                height: int | None = None) -> MediaRef:
-    """Write ``data`` into the media cache under its SHA-256 (once; atomic rename) and return its
-    :class:`MediaRef`."""
-    digest = hashlib.sha256(data).hexdigest()
-    path = media_dir() / f"{digest}.{fmt}"
+def cache_file(data: bytes, suffix: str) -> Path:
+    """``data`` written once into the media cache as ``<sha256>.<suffix>`` (atomic rename); its path."""
+    path = media_dir() / f"{hashlib.sha256(data).hexdigest()}.{suffix}"
     if not path.is_file():
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_bytes(data)
         os.replace(tmp, path)
+    return path
+
+
+def store_media(data: bytes, kind: str, fmt: str, *, tokens: int, source: str = "", width: int | None = None,
+                height: int | None = None) -> MediaRef:
+    """Write ``data`` into the media cache under its SHA-256 (:func:`cache_file`) and return its
+    :class:`MediaRef`."""
+    digest = hashlib.sha256(data).hexdigest()
+    path = cache_file(data, fmt)
     return MediaRef(kind=kind, path=str(path), sha256=digest, format=fmt, tokens=int(tokens), width=width,
                     height=height, source=source or "<bytes>")
