@@ -23,7 +23,8 @@ from prefect.utilities.annotations import quote
 from prefect_tinker.tasks.clients import TrainingRun
 from prefect_tinker.tasks.training import forward, weights_sum
 
-__all__ = ["Evaluator", "NLLEvaluator", "PreferenceEvaluator", "SamplingClientEvaluator", "TrainingClientEvaluator"]
+__all__ = ["ClassifierAccuracyEvaluator", "Evaluator", "NLLEvaluator", "PreferenceEvaluator", "SamplingClientEvaluator",
+           "TrainingClientEvaluator", "data_evaluators"]
 
 
 class Evaluator(ABC):
@@ -117,3 +118,74 @@ class PreferenceEvaluator(TrainingClientEvaluator):
             values = loss.values(h)
         return {f"{self.prefix}/dpo_loss": float(values.mean()), f"{self.prefix}/accuracy": pair_accuracy(h),
                 f"{self.prefix}/margin": float((self.beta * h).mean()), f"{self.prefix}/pairs": float(len(h))}
+
+
+class ClassifierAccuracyEvaluator(SamplingClientEvaluator):
+    """Accuracy of a classifier trained to answer ``"{answer_prefix} {label}"`` (e.g. the VLM
+    classifier: "What is the name of the subject in this photo?" / "The subject in this photo is:
+    <label>"), sampled greedily (temperature 0) as in the Tinker cookbook's classifier eval.
+
+    For each held-out example: the prompt is the example up to its first trained token (images
+    and audio kept) followed by ``answer_prefix`` (prefill); the model completes it up to the
+    renderer's stop sequence; the prediction is the text after the last ``:`` of prefix +
+    completion, stripped and lower-cased, and the label is read the same way from the example's
+    trained text.  Returns ``{prefix}/accuracy`` (fraction correct) and ``{prefix}/accuracy_n``.
+
+    Args:
+        examples: held-out :class:`~prefect_tinker.recipes.builders.Example` s (the first
+            ``limit`` are scored).
+        renderer_name, tokenizer_id: the run's renderer and tokenizer.
+        answer_prefix: the text every answer starts with.
+        max_tokens: most sampled tokens per answer.
+    """
+
+    name = "accuracy"
+
+    def __init__(self, examples: list, renderer_name: str, tokenizer_id: str, *, answer_prefix: str,
+                 max_tokens: int = 16, limit: int = 100, prefix: str = "test"):
+        self.examples = list(examples)[:limit]
+        self.renderer_name, self.tokenizer_id = renderer_name, tokenizer_id
+        self.answer_prefix, self.max_tokens, self.prefix = answer_prefix, max_tokens, prefix
+
+    @staticmethod
+    def answer(text: str) -> str:
+        """The class name in an answer: after the last ``:``, stripped, lower case."""
+        return text.split(":")[-1].strip().lower()
+
+    def evaluate(self, credentials: Any, sampler_path: str, step: int) -> dict[str, float]:
+        from prefect_tinker.recipes.rl.problem_env import load_renderer
+        from prefect_tinker.tasks.sampling import sample_completions
+
+        if not self.examples:
+            return {}
+        renderer = load_renderer(self.renderer_name, self.tokenizer_id)
+        prefill = renderer.encode(self.answer_prefix)
+        prompts, labels = [], []
+        for ex in self.examples:
+            prompts.append(ex.prompt() + prefill)
+            trained = [t for t, w in zip(ex.tokens, ex.weights) if w > 0]
+            labels.append(self.answer(renderer.parse_response(trained).message.get("content") or ""))
+        outs = sample_completions.with_options(task_run_name=f"eval-accuracy-step-{step}")(
+            credentials, sampler_path, quote(prompts), max_tokens=self.max_tokens, temperature=0.0,
+            stop=renderer.get_stop_sequences())
+        hits = []
+        for out, label in zip(outs, labels):
+            text = renderer.parse_response(out[0]["tokens"]).message.get("content") or ""
+            hits.append(float(self.answer(self.answer_prefix + text) == label))
+        return {f"{self.prefix}/accuracy": sum(hits) / len(hits), f"{self.prefix}/accuracy_n": float(len(hits))}
+
+
+def data_evaluators(builder: Any, data: Any, tokenizer_id: str) -> list[Evaluator]:
+    """The evaluators a dataset's format asks for besides held-out NLL: a
+    :class:`ClassifierAccuracyEvaluator` for classification formats (``image_folder``,
+    ``image_classification``: option ``answer_prefix``, ``eval_limit`` examples, default 100)."""
+    from prefect_tinker.recipes.media_sources import CLASSIFICATION_FORMATS, CLASSIFIER_ANSWER_PREFIX
+
+    specs = [s for s in getattr(builder, "sources", []) if s.format in CLASSIFICATION_FORMATS]
+    if not specs or not getattr(data, "test", None):
+        return []
+    opts = specs[0].options
+    return [ClassifierAccuracyEvaluator(data.test, data.renderer, tokenizer_id,
+                                        answer_prefix=str(opts.get("answer_prefix", CLASSIFIER_ANSWER_PREFIX)),
+                                        limit=int(opts.get("eval_limit", 100)))]
+
