@@ -15,7 +15,7 @@ import string
 from collections import Counter
 from collections.abc import Callable, Iterable
 
-__all__ = ["best_over_references", "exact_match", "normalize_answer", "token_f1"]
+__all__ = ["best_over_references", "exact_match", "normalize_answer", "normalize_transcript", "token_f1", "word_error_rate"]
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = frozenset(string.punctuation)
@@ -57,3 +57,28 @@ def best_over_references(metric: Callable[[str, str], float], prediction: str, r
     if not scores:
         raise ValueError("best_over_references: no reference answers")
     return max(scores)
+
+
+def normalize_transcript(text: str) -> str:
+    """Lowercase, punctuation removed (apostrophes kept), whitespace collapsed: the usual text
+    normalisation before scoring speech recognition."""
+    text = "".join(ch if ch == "'" or ch not in _PUNCT else " " for ch in text.lower())
+    return " ".join(text.split())
+
+
+def word_error_rate(prediction: str, reference: str) -> float:
+    """Word error rate ``(S + D + I) / N``: the word-level Levenshtein distance between the
+    normalised prediction and reference (:func:`normalize_transcript`) over the reference's word
+    count N (the NIST sclite definition).  An empty reference gives 0.0 for an empty prediction,
+    else 1.0 per inserted word.  Not bounded by 1 (insertions)."""
+    ref, hyp = normalize_transcript(reference).split(), normalize_transcript(prediction).split()
+    if not ref:
+        return float(len(hyp))
+    prev = list(range(len(hyp) + 1))
+    for i, r in enumerate(ref, start=1):
+        cur = [i] + [0] * len(hyp)
+        for j, h in enumerate(hyp, start=1):
+            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (r != h))
+        prev = cur
+    return prev[-1] / len(ref)
+

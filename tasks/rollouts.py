@@ -31,6 +31,7 @@ from prefect import task
 from prefect.cache_policies import TASK_SOURCE, CacheKeyFnPolicy
 from pydantic import BaseModel, Field
 
+from prefect_tinker.recipes.media import has_media, media_key, model_input_from_tokens
 from prefect_tinker.recipes.rl.types import EnvGroupBuilder, Trajectory, TrajectoryGroup, Transition
 from prefect_tinker.tasks.clients import sampling_client
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
@@ -63,7 +64,7 @@ def group_seed(seed: int, batch_index: int, group_index: int) -> int:
 def _sample(sampler: Any, prompt: list[int], n: int, stop: Any, seed: int, max_tokens: int,
             temperature: float) -> list[tuple[list[int], list[float], str]]:
     params = tinker.SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=int(seed), stop=stop)
-    resp = sampler.sample(prompt=tinker.ModelInput.from_ints(prompt), num_samples=n, sampling_params=params)
+    resp = sampler.sample(prompt=model_input_from_tokens(prompt), num_samples=n, sampling_params=params)
     resp = resp.result() if hasattr(resp, "result") else resp
     return [(list(s.tokens), [float(x) for x in (s.logprobs or [])], str(s.stop_reason)) for s in resp.sequences]
 
@@ -116,11 +117,11 @@ def run_group_rollout(
     except Exception as exc:  # the whole group's envs are broken: no member can run
         raise RolloutError(f"{where}: initial_observation failed: {exc}") from exc
     shared: dict[str, list[int]] = {}
-    for i, (ob, stop) in enumerate(obs):
-        shared.setdefault(json.dumps([list(ob), stop]), []).append(i)
+    for i, (ob, stop) in enumerate(obs):  # media_key: observations with different media never share
+        shared.setdefault(json.dumps([media_key(ob), stop]), []).append(i)
     for k, (key, members) in enumerate(shared.items()):
-        ob, stop = json.loads(key)
-        outs = _sample(sampler, ob, len(members), stop, seed + k, max_tokens, temperature)
+        ob, stop = obs[members[0]]
+        outs = _sample(sampler, list(ob), len(members), stop, seed + k, max_tokens, temperature)
         for i, out in zip(members, outs):
             firsts[i] = out
     trajs: list[Trajectory] = []
@@ -191,6 +192,8 @@ def _ref_cache_key(context: Any, params: dict[str, Any]) -> str:
     h = hashlib.sha256(params["reference"].encode())
     for seq in params["sequences"]:
         h.update(np.asarray(seq, dtype=np.int64).tobytes() + b"|")
+        if has_media(seq):
+            h.update(json.dumps(media_key(seq)).encode() + b"|")
     return h.hexdigest()
 
 
@@ -204,7 +207,7 @@ def reference_logprobs(credentials: Any, reference: str, sequences: list[list[in
     """Logprobs (L-1,) of tokens 1..L-1 of each sequence (L,) under the reference weights
     (``tinker://.../sampler_weights/...`` or ``base:<model>``), via ``compute_logprobs``."""
     client = sampling_client(credentials, reference)
-    futures = [client.compute_logprobs(tinker.ModelInput.from_ints(list(s))) for s in sequences]
+    futures = [client.compute_logprobs(model_input_from_tokens(list(s))) for s in sequences]
     out = []
     for fut in futures:
         lp = fut.result() if hasattr(fut, "result") else fut

@@ -11,7 +11,8 @@
 - :class:`Transition`, :class:`Trajectory`, :class:`TrajectoryGroup`: what a rollout produced.
 
 Observations are plain token lists (``list[int]``) here rather than ``tinker.ModelInput`` so that
-rollout results are small, picklable and cacheable; text-only envs lose nothing.
+rollout results are small, picklable and cacheable; text-only envs lose nothing, and images or
+audio ride along as :class:`~prefect_tinker.recipes.media.MediaToken` runs (by reference).
 
 Source: Tinker cookbook ``tinker_cookbook/rl/types.py`` (concepts and names; written anew, with
 synchronous ``initial_observation``/``step`` because rollouts run inside Prefect tasks).
