@@ -94,3 +94,31 @@ def test_classification_jsonl_and_prepared_data_by_reference(tmp_path, monkeypat
     fp = builder.fingerprint()
     jsonl.write_text(jsonl.read_text().replace("digit_0", "zero"))
     assert builder.fingerprint() != fp
+
+
+def test_classification_from_a_hugging_face_image_dataset(tmp_path, monkeypatch):
+    """A Hugging Face image dataset (``Image`` and ``ClassLabel`` features, here a local parquet
+    file): images arrive decoded, go to the media cache as PNG; class ids become class names."""
+    datasets = pytest.importorskip("datasets")
+    from prefect_tinker.recipes.builders import SupervisedBuilder
+    from prefect_tinker.recipes.data_reading import SourceSpec
+    from tinker_local.models import resolve_model
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("PREFECT_TINKER_MEDIA", str(tmp_path / "media"))
+    folder = write_digits(tmp_path / "set", per_class=2)
+    paths = sorted(folder.rglob("*.png"))
+    names = [f"class_{k}" for k in range(10)]
+    ds = datasets.Dataset.from_dict({"image": [str(p) for p in paths], "label": [int(p.parent.name) for p in paths]})
+    ds = ds.cast_column("image", datasets.Image()).cast_column("label", datasets.ClassLabel(names=names))
+    parquet = tmp_path / "digits.parquet"
+    ds.to_parquet(str(parquet))
+    tok = AutoTokenizer.from_pretrained(resolve_model("tiny-vl", tmp_path / "models").tokenizer_dir)
+    data = SupervisedBuilder(sources=[SourceSpec(path=str(parquet), format="image_classification")],
+                             renderer="chatml", test_size=0, max_length=128).build(tok)
+    assert len(data.train) == 20
+    for ex in data.train:
+        ref = ex.media[0].ref
+        assert ref.path.startswith(str(tmp_path / "media")) and ref.format == "png" and ref.tokens == 4
+        text = tok.decode([t for t, w in zip(ex.tokens, ex.weights) if w > 0], skip_special_tokens=True)
+        assert text.startswith("The subject in this photo is: class ")

@@ -111,6 +111,8 @@ class SamplingMixin:
         media = None
         if isinstance(prompt_tokens, list) and any(isinstance(c, (list, MediaChunk)) for c in prompt_tokens):
             prompt_tokens, media = resolve_chunks(self._media(b), prompt_tokens, "prompt", b.spec.name)
+        elif self._media(b) is not None:  # text only: still no media placeholder ids in it
+            prompt_tokens, media = resolve_chunks(self._media(b), [prompt_tokens], "prompt", b.spec.name)
         prompt = check_tokens("prompt_tokens", prompt_tokens, b.spec.vocab_size,
                               b.spec.max_context, b.spec.name)
         for k, v in (("num_samples", num_samples), ("max_tokens", max_tokens)):
