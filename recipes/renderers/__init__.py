@@ -206,6 +206,7 @@ def guess_renderer_name(tokenizer: Any) -> str:
     """A renderer name for ``tokenizer`` from its chat template.
 
     ``qwen3`` for templates with ``<|im_start|>`` and ``<think>``, ``smollm2`` for SmolLM's,
+    ``chatml`` for Qwen-VL templates (``<|vision_start|>``: images as Qwen2-VL places them),
     ``llama3`` for ``<|start_header_id|>`` ... ``<|eot_id|>``, ``chatml`` for a template that
     renders exactly plain ChatML (e.g. the ``tiny`` preset's), ``chat_template`` for any other
     template, and ``role_colon`` when there is none (a base model).
@@ -217,6 +218,8 @@ def guess_renderer_name(tokenizer: Any) -> str:
         return "qwen3"
     if "<|im_start|>" in template and "SmolLM" in template:
         return "smollm2"
+    if "<|im_start|>" in template and "<|vision_start|>" in template:  # local Qwen2-VL / Qwen2.5-VL / Qwen3-VL
+        return "chatml"
     if "<|start_header_id|>" in template and "<|eot_id|>" in template:
         return "llama3"
     if "<|im_start|>" in template and _renders_plain_chatml(tokenizer):

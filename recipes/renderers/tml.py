@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from prefect_tinker.recipes.media import MediaError, MediaRef, cache_file, media_tokens, store_media
 from prefect_tinker.recipes.renderers.base import (
-    Message, ParsedResponse, Renderer, RendererError, Termination, TrainOnWhat, check_train_on, normalize_messages,
+    Message, ParsedResponse, Renderer, RendererError, TrainOnWhat, check_train_on, normalize_messages,
 )
 from prefect_tinker.recipes.renderers.media_parts import MediaContent
 
@@ -112,7 +113,8 @@ class TmlRenderer(Renderer):
         from prefect_tinker.recipes.media_inputs import load_wav
 
         x, rate, label = load_wav(value)
-        path = value if isinstance(value, str) and rate == 16000 else None
+        local = isinstance(value, str) and "://" not in value
+        path = str(Path(value).expanduser().resolve()) if local and rate == 16000 else None
         if path is None:  # resample to 16 kHz into the media cache (tml-renderers needs librosa otherwise)
             y, _, _ = load_wav(value, 16000)
             buf = io.BytesIO()
@@ -234,4 +236,4 @@ class TmlRenderer(Renderer):
     def parse_response(self, tokens: Sequence[int]) -> ParsedResponse:
         content, term = self.split_at_stop(tokens)
         text = self.tokenizer.decode(content)
-        return ParsedResponse({"role": "assistant", "content": text}, term if term else Termination.TRUNCATED)
+        return ParsedResponse({"role": "assistant", "content": text}, term)
