@@ -16,7 +16,8 @@ from prefect_tinker.recipes.builders import Example
 from prefect_tinker.recipes.data_pipeline import render_example
 from prefect_tinker.recipes.data_sources import Conversation
 from prefect_tinker.recipes.datasets import datum_from_example
-from prefect_tinker.recipes.media import MediaError, MediaToken, media_spans, model_input_from_tokens, safe_cut
+from prefect_tinker.recipes.media import (
+    MediaError, MediaToken, media_key, media_spans, model_input_from_tokens, safe_cut, tokens_from_model_input)
 from prefect_tinker.recipes.renderers import RendererError, get_renderer
 from prefect_tinker.recipes.renderers.media_parts import qwen_vl_image_tokens
 
@@ -221,6 +222,11 @@ def test_media_tokens_and_refused_inputs(tiny_vl_dir, tmp_path):
     for value in (raw, "data:image/png;base64," + base64.b64encode(raw).decode()):
         s2 = r.build_generation_sequence([{"role": "user", "content": [{"type": "image", "image": value}]}])
         assert [t.ref.sha256 for t in s2 if isinstance(t, MediaToken)][0] == m[0].ref.sha256
+
+    other = r.build_generation_sequence([{"role": "user", "content": [{"type": "image", "image": _png(tmp_path / "f.png", 32, 32, 1)}]}])
+    assert [int(t) for t in other] == [int(t) for t in seq]  # same placeholders, different image:
+    assert media_key(other) != media_key(seq) and other != seq  # told apart by cache keys and ==
+    assert media_key(tokens_from_model_input(model_input_from_tokens(seq))) == media_key(seq)  # ModelInput round trip
 
     bad = [
         ([{"type": "video", "video": "x"}], "unknown content part type"),
