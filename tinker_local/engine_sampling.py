@@ -41,7 +41,8 @@ class SamplingMixin:
                stop: list[str] | list[int] | str | None = None,
                include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0) -> SampleResult:
         """Sample ``num_samples`` continuations of ``prompt_tokens`` (len P >= 1; or a list of
-        chunks, token lists and ``MediaChunk`` s, for a media model) from the base model, or from sampler/state weights at ``weights_path`` (then ``base_model`` may be None:
+        chunks, token lists and ``MediaChunk`` s, for a media model) from the base model, or from
+        sampler/state weights at ``weights_path`` (then ``base_model`` may be None:
         the checkpoint names it).  fp32; token logprobs as in ``forward`` (temperature 1, before
         top-k/top-p).  ``temperature`` 0 = greedy; ``top_k`` <= 0 = off; ``stop``: None = the
         model's EOS ids, ``[]`` = never stop early, strings are matched in the decoded sampled
