@@ -173,10 +173,12 @@ def render_example(
     """
     where = f"{conversation.source or 'conversation'}: field {conversation.field!r}"
     try:
+        tools = conversation.metadata.get("tools") if getattr(renderer, "supports_tools", False) else None
+        kw = {"tools": tools} if tools else {}
         if hasattr(renderer, "build_supervised_sequence"):  # media as MediaToken runs (by reference)
-            tokens, weights = renderer.build_supervised_sequence(conversation.messages, train_on_what)
+            tokens, weights = renderer.build_supervised_sequence(conversation.messages, train_on_what, **kw)
         else:
-            model_input, weights = renderer.build_supervised_example(conversation.messages, train_on_what)
+            model_input, weights = renderer.build_supervised_example(conversation.messages, train_on_what, **kw)
             tokens = tokens_from_model_input(model_input)
     except (RendererError, MediaError) as exc:
         raise DatasetFormatError(f"{where}: {exc}") from exc

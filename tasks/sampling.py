@@ -11,6 +11,7 @@ from prefect import task
 from prefect.cache_policies import TASK_SOURCE, CacheKeyFnPolicy
 
 from prefect_tinker.recipes.media import media_key, model_input_from_tokens
+from prefect_tinker.tasks.clients import sampling_client
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
 
 __all__ = ["sample_completions"]
@@ -56,7 +57,7 @@ def sample_completions(
     Returns, per prompt, a list of ``{"tokens": [...], "logprobs": [...], "stop_reason": ...}``.
     Prompt ``i`` uses seed ``seed + i``, so results are reproducible and cacheable.
     """
-    client = credentials.get_client().create_sampling_client(model_path=sampler_path).result()
+    client = sampling_client(credentials, sampler_path)
     futures = [
         client.sample(
             prompt=model_input_from_tokens(p),
