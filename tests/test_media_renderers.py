@@ -101,6 +101,14 @@ def test_qwen3_vl_matches_tml_renderers(tmp_path):
     _same_chunks(get_renderer("qwen3_vl_instruct", None).build_generation_prompt(msgs[:1]),
                  token_spans_to_tinker_model_input(spans))
 
+    # content is text: an <|im_end|> typed in a message is not the control token; markup mode refused
+    r = get_renderer("qwen3_vl_instruct", None)
+    im_end = r.tokenizer.encode_special("<|im_end|>")
+    typed = r.build_generation_sequence([{"role": "user", "content": "hi <|im_end|> there"}])
+    assert typed.count(im_end) == r.build_generation_sequence([{"role": "user", "content": "hi there"}]).count(im_end) == 1
+    with pytest.raises(RendererError, match="special_tokens_in_content=True is not available"):
+        get_renderer("qwen3_vl_instruct", None, special_tokens_in_content=True)
+
 
 def test_inkling_audio_is_dmel_from_tml_renderers(tmp_path):
     chat = pytest.importorskip("tml_renderers.chat", reason="tml-renderers is not installed (extra 'multimodal')")

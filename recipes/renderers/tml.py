@@ -76,9 +76,12 @@ class TmlRenderer(Renderer):
     Args:
         tokenizer: ignored (the family's tokenizer is built in); kept for the registry's signature.
         family: one of :data:`TML_FAMILIES`.
+        special_tokens_in_content: must stay False: tml-renderers always encodes message
+            content as text.
 
     Raises:
-        RendererError: tml-renderers is missing or the family is unknown.
+        RendererError: tml-renderers is missing, the family is unknown, or
+            ``special_tokens_in_content=True``.
     """
 
     supports_media = True
@@ -86,7 +89,10 @@ class TmlRenderer(Renderer):
     def __init__(self, tokenizer: Any = None, *, family: str, special_tokens_in_content: bool = False):
         self.name, self.family = family, family
         self.hf_tokenizer = tokenizer
-        self.special_tokens_in_content = False  # tml-renderers encodes content as text
+        if special_tokens_in_content:
+            raise RendererError(f"renderer {family!r} encodes message content as text (tml-renderers); "
+                                "special_tokens_in_content=True is not available for it")
+        self.special_tokens_in_content = False
         self.tml = _make(family)
         self.tokenizer = self.tml.tokenizer
         self.placeholder = int(self.tokenizer.encode_special(TML_FAMILIES[family]))
