@@ -15,6 +15,7 @@ import tinker
 from prefect_tinker.flows.cli import main as cli_main
 from prefect_tinker.recipes.audio_features import DEFAULT_DMEL, dmel_features, tensor_container
 from prefect_tinker.recipes.grading_text import word_error_rate
+from tests.test_vlm_classifier import one_thread_server
 
 WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "yes", "no",
          "stop", "go", "up", "down"]
@@ -78,6 +79,7 @@ def test_speech_recognition_sft_then_rl(prefect_api, local_credentials, tmp_path
     monkeypatch.setenv("PREFECT_TINKER_MEDIA", str(tmp_path / "media"))
     jsonl = speak_clips(tmp_path / "clips")
     store = tmp_path / "store"
+    one_thread_server(local_credentials)
     common = ["model=tiny-audio", f"dataset={jsonl}", f"store={store}", f"backend.local_root={local_credentials.local_root}"]
     capsys.readouterr()
     rc = cli_main(["run", "sft", *common, "format=audio_transcript", "max_steps=8", "batch_size=8",

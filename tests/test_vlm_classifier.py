@@ -32,6 +32,14 @@ def write_digits(root, size: int = 32, per_class: int | None = None):
     return root
 
 
+def one_thread_server(credentials) -> None:
+    """Start the test's local server with one torch thread before the CLI reuses it (from
+    ``server.json``): two threads contend on a loaded 2-core machine, ~10x slower per step."""
+    from tinker_blocks import TinkerCredentials
+
+    TinkerCredentials(local=True, local_root=credentials.local_root, local_threads=1).get_client()
+
+
 def _sql(capsys, store, query):
     capsys.readouterr()
     assert cli_main(["sql", "--store", str(store), "--json", query]) in (0, None)
@@ -43,6 +51,7 @@ def test_vlm_classifier_on_digits(prefect_api, local_credentials, tmp_path, caps
     folder = write_digits(tmp_path / "digits")
     assert sum(1 for _ in folder.rglob("*.png")) == 1797
     store = tmp_path / "store"
+    one_thread_server(local_credentials)
     capsys.readouterr()
     rc = cli_main(["run", "sft", "model=tiny-vl", f"dataset={folder}", "format=image_folder", "max_steps=20",
                    "batch_size=8", "learning_rate=3e-3", "lora_rank=16", "test_size=16", "eval_every=0",
