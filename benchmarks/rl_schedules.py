@@ -88,17 +88,33 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print("|" + "---|" * len(cols))
     for r in table:
         print("| " + " | ".join(str(r[c]) for c in cols) + " |")
-    sync = {}
-    for r in results:
-        if r["schedule"] == "sync":
-            sync.setdefault(r["sampler_workers"], r["rewards"])
-    equal = len(set(map(tuple, sync.values()))) <= 1 if sync else None
-    if len(sync) > 1:
-        print(f"\nsync rewards per step equal across sampler_workers settings: {equal}")
+    same = _sync_agreement(results, TrainingStore(root=store))
+    if same is not None:
+        print(f"\nsync runs across sampler_workers settings: {same}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results, "summary": table,
-                                               "sync_rewards_equal": equal}, indent=2))
+                                               "sync_agreement": same}, indent=2))
     return results
+
+
+def _sync_agreement(results: list[dict], store) -> dict | None:
+    """Compare the sync runs of repeat 0 across worker settings: rewards per step equal, and the
+    largest absolute difference of any other non-timing metric (env/*, train/*, rollout/*) at
+    the same step.  None with fewer than two settings."""
+    runs = [r for r in results if r["schedule"] == "sync" and r["repeat"] == 0]
+    if len(runs) < 2:
+        return None
+    values = []
+    for r in runs:
+        rows = store.query("SELECT name, step, value FROM metrics WHERE run_id = ? AND name NOT LIKE 'time/%' "
+                           "AND name NOT LIKE '%seconds'", [r["run_name"]])
+        values.append({(x["name"], x["step"]): x["value"] for x in rows})
+    keys = set(values[0]).intersection(*values[1:])
+    diffs = {k: max(abs(v[k] - values[0][k]) for v in values[1:]) for k in keys}
+    worst = max(diffs, key=diffs.get) if diffs else None
+    return {"rewards_equal": len({tuple(r["rewards"]) for r in runs}) == 1, "metrics_compared": len(keys),
+            "metrics_bit_equal": sum(1 for d in diffs.values() if d == 0),
+            "max_abs_diff": diffs.get(worst), "max_abs_diff_metric": worst[0] if worst else None}
 
 
 def _settings(args, tmp: Path, stamp: str) -> list[tuple[int | None, object]]:
@@ -166,7 +182,7 @@ def _run(args, schedule: str, backend, store: str, run_name: str, TrainingStore,
         "steps_per_minute": round(summary["steps_per_minute"], 2), "flow_wall_seconds": round(wall, 2),
         "rollout_wait_s_per_step": round(timing.get("time/rollout_seconds", float("nan")), 3),
         "train_s_per_step": round(timing.get("time/train_seconds", float("nan")), 3),
-        "reward_last": summary["last_reward"], "rewards": summary["rewards"],
+        "reward_last": summary["last_reward"], "rewards": summary["rewards"], "run_name": run_name,
     }
 
 

@@ -89,6 +89,17 @@ def test_thread_split_stays_within_the_total():
     assert split_threads(1, 1) == (1, 1)  # oversubscribed: the server warns
 
 
+def test_the_credentials_block_passes_sampler_workers_to_the_real_cli(tmp_path):
+    from tinker_blocks.credentials import TinkerCredentials, server_command
+    from tinker_local.cli import build_parser
+
+    cmd = server_command(TinkerCredentials(local=True, local_threads=4, local_sampler_workers=2), 8123, tmp_path)
+    args = build_parser().parse_args(cmd[3:])
+    assert (args.threads, args.sampler_workers) == (4, 2)
+    assert "--sampler-workers" not in server_command(TinkerCredentials(local=True), 8123, tmp_path)
+    assert build_parser().parse_args(["serve"]).sampler_workers == 0  # default: in-process
+
+
 def test_seeded_sampling_in_workers_equals_in_process(servers):
     started, clients = servers
     base = {k: c.create_sampling_client(base_model="tiny").result(timeout=60) for k, c in clients.items()}
@@ -145,7 +156,7 @@ def test_concurrent_requests_batch_in_the_worker_like_in_process(servers):
                 np.testing.assert_allclose(sa.logprobs, sb.logprobs, atol=1e-4)
 
 
-def _sample_during_forward_backward(sc: tinker.ServiceClient) -> bool:
+def _sample_during_forward_backward(server, sc: tinker.ServiceClient) -> bool:
     """Submit a long forward_backward, then a short sample; whether the forward_backward was
     still running when the sample's result arrived."""
     tc = sc.create_lora_training_client("tiny", rank=4, seed=9).result(timeout=120)
@@ -153,12 +164,18 @@ def _sample_during_forward_backward(sc: tinker.ServiceClient) -> bool:
     sampler.sample(_prompt(7, 4), 1, types.SamplingParams(max_tokens=2, seed=1)).result(timeout=60)  # warm
     rng = np.random.default_rng(4)
     big = []
-    for _ in range(24):
-        seq = rng.integers(3, VOCAB, 513).tolist()
+    for _ in range(8):
+        seq = rng.integers(3, VOCAB, 257).tolist()
         big.append(types.Datum(model_input=types.ModelInput.from_ints(seq[:-1]),
                                loss_fn_inputs={"target_tokens": np.asarray(seq[1:], np.int64)}))
+    route = "/api/v1/forward_backward"
+    seen = _stats(server)["requests"].get(route, 0)
     fb = tc.forward_backward(big, "cross_entropy")
-    time.sleep(0.3)  # the forward_backward reaches the compute thread first
+    deadline = time.monotonic() + 60
+    while _stats(server)["requests"].get(route, 0) == seen:  # counted once it is queued
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    time.sleep(0.2)  # the idle compute thread has taken it
     sampler.sample(_prompt(8, 4), 1, types.SamplingParams(max_tokens=3, seed=2, stop=[])).result(timeout=300)
     running = not _future_done(fb)
     fb.result(timeout=300)
@@ -167,11 +184,11 @@ def _sample_during_forward_backward(sc: tinker.ServiceClient) -> bool:
 
 
 def test_sampling_overlaps_a_running_forward_backward(servers):
-    _, clients = servers
+    started, clients = servers
     # with a worker the sample comes back while the trainer is still busy ...
-    assert _sample_during_forward_backward(clients["pooled"])
+    assert _sample_during_forward_backward(started["pooled"], clients["pooled"])
     # ... in-process it waits behind the forward_backward
-    assert not _sample_during_forward_backward(clients["inproc"])
+    assert not _sample_during_forward_backward(started["inproc"], clients["inproc"])
 
 
 def _future_done(fut) -> bool:
