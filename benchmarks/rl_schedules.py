@@ -15,7 +15,12 @@ schedules on 0 workers, then on 1 worker), each setting on its own embedded serv
 workers one engine serves sampling and training one request at a time, so streaming and async
 only hide Prefect/HTTP waits; with workers the sampling runs in its own process, next to the
 training, which is what streaming and async overlap.  The sync schedule's rewards per step are
-compared across settings (``sync_rewards_equal``): for a fixed seed they must not change.
+compared across settings (``sync_agreement``): for a fixed seed they must not change.
+
+CPU (with ``psutil``): the CPU seconds each run's flow used, split into this process (the flow:
+Prefect tasks, SDK clients), the tinker_local trainer process, its sampler workers and other
+children (the ephemeral Prefect server), and ``cores_used`` = all of them / flow wall seconds:
+on a machine loaded by other jobs, a schedule can only overlap work up to the cores it gets.
 """
 
 from __future__ import annotations
@@ -83,7 +88,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"\nRL schedules: model={args.model} group_size={args.group_size} groups_per_batch={args.groups_per_batch} "
           f"max_tokens={args.max_tokens} steps={args.steps} threads={args.threads} repeats={args.repeats}\n")
     cols = ["sampler_workers", "schedule", "steps_per_minute", "ratio_to_sync", "rollout_wait_s_per_step",
-            "train_s_per_step", "runs"]
+            "train_s_per_step", "cores_used", "cpu_s_per_step", "runs"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in table:
@@ -125,13 +130,38 @@ def _settings(args, tmp: Path, stamp: str) -> list[tuple[int | None, object]]:
     if args.sampler_workers is None:
         return [(None, BackendConfig(base_url=args.base_url, local_root=args.local_root))]
     from tinker_blocks import TinkerCredentials
+    from tinker_blocks.credentials import ensure_local_server
 
     out = []
     for w in (int(x) for x in args.sampler_workers.split(",")):
         name = f"rl-bench-w{w}-{stamp}"
-        TinkerCredentials(local=True, local_root=str(tmp / f"server-w{w}"), local_threads=args.threads,
-                          local_sampler_workers=w, local_models=[args.model]).save(name, overwrite=True)
+        block = TinkerCredentials(local=True, local_root=str(tmp / f"server-w{w}"), local_threads=args.threads,
+                                  local_sampler_workers=w, local_models=[args.model], local_startup_timeout=900)
+        block.save(name, overwrite=True)
+        ensure_local_server(block)  # started now, outside the timed runs
         out.append((w, BackendConfig(credentials_block=name)))
+    return out
+
+
+def _cpu_by_role() -> dict[str, float]:
+    """CPU seconds (user + system) so far of this process and its live descendants, by role:
+    ``flow`` (this process), ``trainer`` (tinker_local serve), ``sampler_workers``, ``other``
+    ({} without psutil).  Processes that exited in between are not counted."""
+    try:
+        import psutil
+    except ImportError:
+        return {}
+    me = psutil.Process()
+    out = {"flow": sum(me.cpu_times()[:2]), "trainer": 0.0, "sampler_workers": 0.0, "other": 0.0}
+    for child in me.children(recursive=True):
+        try:
+            cmd = " ".join(child.cmdline())
+            t = sum(child.cpu_times()[:2])
+        except psutil.Error:
+            continue
+        role = ("sampler_workers" if "tinker_local.sampler_pool" in cmd
+                else "trainer" if "tinker_local serve" in cmd else "other")
+        out[role] += t
     return out
 
 
@@ -159,6 +189,9 @@ def _summary(results: list[dict], schedules: list[str]) -> list[dict]:
                 "ratio_to_sync": round(_median(ratios), 2) if ratios else None,
                 "rollout_wait_s_per_step": round(_median([r["rollout_wait_s_per_step"] for r in mine]), 3),
                 "train_s_per_step": round(_median([r["train_s_per_step"] for r in mine]), 3),
+                "cores_used": round(_median([r["cores_used"] or float("nan") for r in mine]), 2),
+                "cpu_s_per_step": {k: round(_median([r["cpu_s"].get(k, float("nan")) / max(r["steps"], 1)
+                                                     for r in mine]), 2) for k in mine[0]["cpu_s"]},
             })
     return table
 
@@ -171,9 +204,11 @@ def _run(args, schedule: str, backend, store: str, run_name: str, TrainingStore,
         schedule=schedule, num_minibatches=args.num_minibatches, max_steps_off_policy=args.max_steps_off_policy,
         save_every=0, log_trajectories=0, run_name=run_name, store=store, backend=backend,
     )
+    cpu0 = _cpu_by_role()
     t0 = time.perf_counter()
     summary = rl_flow(cfg)
     wall = time.perf_counter() - t0
+    cpu = {k: round(v - cpu0.get(k, 0.0), 2) for k, v in _cpu_by_role().items()}
     timing = {r["name"]: r["v"] for r in TrainingStore(root=store).query(
         "SELECT name, avg(value) AS v FROM metrics WHERE run_id = ? AND name LIKE 'time/%' GROUP BY name",
         [cfg.run_name])}
@@ -183,6 +218,7 @@ def _run(args, schedule: str, backend, store: str, run_name: str, TrainingStore,
         "rollout_wait_s_per_step": round(timing.get("time/rollout_seconds", float("nan")), 3),
         "train_s_per_step": round(timing.get("time/train_seconds", float("nan")), 3),
         "reward_last": summary["last_reward"], "rewards": summary["rewards"], "run_name": run_name,
+        "cpu_s": cpu, "cores_used": round(sum(cpu.values()) / wall, 2) if cpu else None,
     }
 
 

@@ -210,11 +210,14 @@ class SamplerPool:
     def _recv(self, slot: _Slot, timeout: float | None, starting: bool = False) -> Any:
         """The next message of ``slot``'s worker; SamplerWorkerError when it exits first."""
         conn = slot.conn
-        ready = wait([conn], timeout)
+        try:
+            ready = wait([conn], timeout)
+        except (OSError, ValueError):  # closed by close() meanwhile
+            ready = [conn]
         if ready:
             try:
                 kind, payload = conn.recv()
-            except (EOFError, OSError):
+            except (EOFError, OSError, ValueError):
                 kind, payload = None, None
             if kind == "ok":
                 return payload
@@ -226,6 +229,8 @@ class SamplerPool:
 
     def _died(self, slot: _Slot, what: str, starting: bool = False) -> None:
         proc = slot.proc
+        if proc is None:  # close() took it
+            raise SamplerWorkerError(f"sampler worker {slot.index} was stopped (server shutting down)")
         code = _reap(proc, 1.0)
         slot.conn.close()
         with self._lock:
