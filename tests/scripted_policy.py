@@ -50,9 +50,6 @@ class ScriptedSampler:
             seqs.append(SimpleNamespace(tokens=tokens, logprobs=lps, stop_reason=self.stop_reason))
         return SimpleNamespace(sequences=seqs)
 
-    def get_tokenizer(self):
-        return self.tok
-
 
 @pytest.fixture(scope="session")
 def tokenizer_dirs(tmp_path_factory) -> dict[str, str]:

@@ -32,19 +32,23 @@ from prefect_tinker.recipes.rl.problem_env import Problem, ProblemDataset
 from prefect_tinker.recipes.rl.types import RLDataset
 from prefect_tinker.recipes.tools import Toolset, calculator
 
-__all__ = ["Calculator", "CalculatorBuilder", "CalculatorEnv", "CalculatorOptions", "CALCULATOR_SYSTEM"]
+__all__ = ["CALCULATOR_SHOTS", "CALCULATOR_SYSTEM", "Calculator", "CalculatorBuilder", "CalculatorEnv", "CalculatorOptions"]
 
 CALCULATOR_SYSTEM = ("Solve the problem. Use the calculator tool for arithmetic. When you are done, reply "
                      "without a tool call and give the final answer as a number on the last line, as '#### <number>'.")
 
-#: One solved example (few_shot): a tool call, its result, the final answer.
-CALCULATOR_SHOT = (
-    {"role": "user", "content": "A pen costs 3 dollars. Ana buys 14 pens. How much does she pay?"},
-    {"role": "assistant", "content": "",
-     "tool_calls": [{"type": "function", "function": {"name": "calculator", "arguments": {"expression": "14 * 3"}}}]},
-    {"role": "tool", "content": "42", "name": "calculator"},
-    {"role": "assistant", "content": "She pays 14 * 3 = 42 dollars.\n#### 42"},
-)
+def _shot(question: str, expression: str, result: int, unit: str) -> tuple[dict, ...]:
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
+    return ({"role": "user", "content": question}, {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": str(result), "name": "calculator"},
+            {"role": "assistant", "content": f"{expression} = {result} {unit}.\n#### {result}"})
+
+
+#: Two solved examples (few_shot): a tool call, its result, the final answer. (Measured on
+#: SmolLM2-135M-Instruct: with them the exact tool call has a likelihood of about e^-7, more than
+#: a correct direct answer's e^-14; with one example e^-17, so that RL saw no call to reinforce.)
+CALCULATOR_SHOTS = (*_shot("A bag holds 23 marbles. How many marbles are in 41 bags?", "23 * 41", 943, "marbles"),
+                    *_shot("A shop had 58 pens and got 77 more. How many pens does it have now?", "58 + 77", 135, "pens"))
 
 
 class CalculatorOptions(MessageEnvOptions):
@@ -97,7 +101,7 @@ class Calculator(Environment):
                                  split=spec.split, config_name=config, max_problems=spec.max_problems)
         prefix = [{"role": "system", "content": spec.system_prompt or CALCULATOR_SYSTEM}]
         if spec.few_shot:
-            prefix += [dict(m) for m in CALCULATOR_SHOT]
+            prefix += [dict(m) for m in CALCULATOR_SHOTS]
         limits = cls.options(spec).limits()
 
         def make(problem: Problem) -> CalculatorBuilder:

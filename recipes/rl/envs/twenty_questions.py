@@ -5,7 +5,7 @@ Each reply of the policy is one question. When it names the secret word (a whole
 allowed) the game is won (reward 1); otherwise the answerer -- prompted with the secret and the
 question, sampled from ``env_options.answerer`` (``base:<model>`` or a
 ``tinker://.../sampler_weights/...`` path; default ``base:<the run's model>``) through the rollout
-task's client registry -- says ``Yes.``, ``No.`` or ``I don't know.`` (anything but a leading yes or
+task's client registry and rendered for ``answerer_tokenizer`` (default the policy's) -- says ``Yes.``, ``No.`` or ``I don't know.`` (anything but a leading yes or
 no). After ``max_turns`` questions the game is lost (reward 0). Metrics per episode:
 ``env/correct_rate`` (won), ``env/questions``, ``env/answerer_unsure`` (answers that were neither).
 
@@ -17,19 +17,18 @@ and the answerer-as-model setting); written anew.
 from __future__ import annotations
 
 import re
-import threading
 from dataclasses import dataclass
 from typing import Any
 
 import tinker
 from pydantic import Field, field_validator
 
-from prefect_tinker.recipes.renderers import get_renderer
 from prefect_tinker.recipes.rl.envs import EnvContext, Environment, register_env
 from prefect_tinker.recipes.rl.message_env import (
     EpisodeLimits,
     GeneratedDataset, MessageEnv, MessageEnvOptions, MessageGroupBuilder, Reaction, problem_rng,
 )
+from prefect_tinker.recipes.rl.problem_env import load_renderer
 from prefect_tinker.recipes.rl.types import RLDataset, RolloutContext
 
 __all__ = ["Answerer", "TwentyQuestions", "TwentyQuestionsBuilder", "TwentyQuestionsEnv", "TwentyQuestionsOptions",
@@ -55,6 +54,7 @@ class TwentyQuestionsOptions(MessageEnvOptions):
     words: list[str] = Field(default_factory=lambda: list(WORDS), min_length=1, description="Secret words to draw from.")
     answerer: str | None = Field(default=None, description="Answerer weights: 'base:<model>' or a tinker:// sampler path; default base:<the run's model>.")
     answerer_renderer: str = Field(default="auto", description="Renderer of the answerer's prompts ('auto': from its tokenizer).")
+    answerer_tokenizer: str | None = Field(default=None, description="The answerer's tokenizer (a local directory or hub id); default the policy's (an answerer of the same family).")
     answerer_max_tokens: int = Field(default=8, ge=1, description="Most tokens of an answer.")
     answerer_temperature: float = Field(default=0.0, ge=0, description="Answerer sampling temperature (0: greedy).")
 
@@ -67,27 +67,13 @@ class TwentyQuestionsOptions(MessageEnvOptions):
         return [w.strip().lower() for w in v]
 
 
-_renderers: dict[tuple[str, int], tuple[Any, Any]] = {}
-_lock = threading.Lock()
-
-
 class Answerer:
-    """The answering model: a sampling client (the SDK's ``sample`` and ``get_tokenizer``) and
-    the renderer of its prompts.
+    """The answering model: a sampling client (the SDK's ``sample``) and the renderer of its
+    prompts (for the answerer's own tokenizer)."""
 
-    Args:
-        client: the sampling client.
-        renderer_name: renderer for the client's tokenizer (``auto`` guesses from its chat template).
-    """
-
-    def __init__(self, client: Any, renderer_name: str = "auto", *, max_tokens: int = 8, temperature: float = 0.0):
-        self.client, self.max_tokens, self.temperature = client, int(max_tokens), float(temperature)
-        tok = client.get_tokenizer()
-        with _lock:  # one renderer per (name, tokenizer object) and process
-            entry = _renderers.get((renderer_name, id(tok)))
-            if entry is None or entry[0] is not tok:
-                entry = _renderers[(renderer_name, id(tok))] = (tok, get_renderer(renderer_name, tok))
-        self.renderer = entry[1]
+    def __init__(self, client: Any, renderer: Any, *, max_tokens: int = 8, temperature: float = 0.0):
+        self.client, self.renderer = client, renderer
+        self.max_tokens, self.temperature = int(max_tokens), float(temperature)
 
     def answer(self, word: str, question: str, seed: int) -> str:
         """``"Yes."``, ``"No."`` or ``"I don't know."`` for ``question`` about ``word``."""
@@ -141,6 +127,7 @@ class TwentyQuestionsBuilder(MessageGroupBuilder):
     word: str
     answerer: str
     answerer_renderer: str = "auto"
+    answerer_tokenizer: str | None = None
     answerer_max_tokens: int = 8
     answerer_temperature: float = 0.0
 
@@ -148,10 +135,9 @@ class TwentyQuestionsBuilder(MessageGroupBuilder):
         raise RuntimeError("twenty_questions envs need the answerer's sampling client: make them with make_envs_in(ctx)")
 
     def make_envs_in(self, ctx: RolloutContext) -> list[MessageEnv]:
-        from prefect_tinker.recipes.rl.problem_env import load_renderer
-
         renderer = load_renderer(self.renderer_name, self.tokenizer_id)
-        answerer = Answerer(ctx.sampling_client(self.answerer), self.answerer_renderer,
+        answerer_renderer = load_renderer(self.answerer_renderer, self.answerer_tokenizer or self.tokenizer_id)
+        answerer = Answerer(ctx.sampling_client(self.answerer), answerer_renderer,
                             max_tokens=self.answerer_max_tokens, temperature=self.answerer_temperature)
         return [TwentyQuestionsEnv(renderer, self.word, answerer, seed=ctx.seed + 1000 * i, limits=self.limits)
                 for i in range(self.group_size)]
@@ -177,6 +163,7 @@ class TwentyQuestions(Environment):
             word = opts.words[int(problem_rng(ctx.seed, batch, group).integers(len(opts.words)))]
             return TwentyQuestionsBuilder(
                 word=word, answerer=answerer, answerer_renderer=opts.answerer_renderer,
+                answerer_tokenizer=opts.answerer_tokenizer,
                 answerer_max_tokens=opts.answerer_max_tokens, answerer_temperature=opts.answerer_temperature,
                 group_size=ctx.group_size, renderer_name=ctx.renderer_name, tokenizer_id=ctx.tokenizer_id,
                 limits=opts.limits(), tags=(cls.name,))
