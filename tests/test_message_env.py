@@ -242,3 +242,21 @@ def test_builders_pickle_with_a_stable_repr(tokenizer_dirs):
     assert b.cache_key() != _calc_builder(tokenizer_dirs, answer="85").cache_key()
     msgs = [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {"a": [1, 2]}}}]}]
     assert thaw(freeze(msgs)) == msgs and hash(freeze(msgs))
+
+
+def test_a_reply_the_renderer_cannot_write_back_ends_as_a_parse_failure(tokenizer_dirs):
+    from prefect_tinker.recipes.renderers import ChatMLRenderer, RendererError
+
+    class Strict(ChatMLRenderer):  # a format that refuses tool results (as llama3 refuses text + call)
+        def _segments(self, messages, tools):
+            if any(m["role"] == "tool" for m in messages):
+                raise RendererError("no tool results here")
+            return super()._segments(messages, tools)
+
+    renderer = Strict(load_renderer("chatml", tokenizer_dirs["tiny"]).tokenizer)
+    env = _ToolsEnv(renderer, [{"role": "user", "content": "go"}], toolset=Toolset([calculator]),
+                    limits=EpisodeLimits(failed_parse_reward=-0.4))
+    env.initial_observation()
+    res = env.step(renderer.tokenizer.encode(CALL.format("1 + 1"), add_special_tokens=False))
+    assert res.episode_done and res.reward == -0.4 and res.metrics["parse_failed"] == 1.0
+    assert res.metrics["tool_calls"] == 1.0 and "no tool results here" in res.logs["detail"]

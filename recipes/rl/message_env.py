@@ -6,7 +6,8 @@ An episode of a :class:`MessageEnv`:
 1. the first observation is ``renderer.build_generation_prompt(messages, tools=schemas)``;
 2. each sampled reply is parsed (``renderer.parse_response``) and appended to the conversation;
    a reply that does not parse (malformed tool-call JSON, an unclosed think block, or cut off at
-   ``max_tokens``) ends the episode with ``failed_parse_reward``;
+   ``max_tokens``, or one the renderer cannot write back into the conversation) ends the episode
+   with ``failed_parse_reward``;
 3. :meth:`MessageEnv.react` answers it: by default its tool calls are run (:class:`Toolset`:
    unknown tools, bad arguments, exceptions and timeouts come back as ``Error: ...`` tool
    results, never as exceptions) and the episode goes on; a reply without tool calls is the final
@@ -42,7 +43,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from prefect_tinker.recipes.renderers import normalize_messages
+from prefect_tinker.recipes.renderers import RendererError, normalize_messages
 from prefect_tinker.recipes.rl.problem_env import load_renderer
 from prefect_tinker.recipes.rl.types import Env, EnvGroupBuilder, RLDataset, StepResult, StopCondition
 
@@ -282,7 +283,11 @@ class MessageEnv(Env):
 
     # ---- internals --------------------------------------------------------------------------
     def _next(self, reward: float) -> StepResult:
-        obs = self.observe()
+        try:
+            obs = self.observe()
+        except RendererError as exc:  # a parsed reply the format cannot write back (llama3: text + call)
+            return self._end(Reaction(done=True, reward=self.limits.failed_parse_reward, logs={"detail": str(exc)[:200]}),
+                             "parse_failure", parse_failed=1.0)
         if len(obs) > self.limits.max_trajectory_tokens:
             self._observation = None
             return self._end(Reaction(done=True, reward=self.limits.context_overflow_reward), "context_overflow",

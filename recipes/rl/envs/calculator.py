@@ -90,7 +90,7 @@ class CalculatorBuilder(MessageGroupBuilder):
 @register_env
 class Calculator(Environment):
     name = "calculator"
-    description = "word problems (GSM8K default) with a calculator tool over several turns; reward: correct '#### n'."
+    description = "Word problems (GSM8K default) with a calculator tool over several turns; reward: correct '#### n'."
     Options = CalculatorOptions
 
     @classmethod

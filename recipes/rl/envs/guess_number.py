@@ -93,7 +93,7 @@ class GuessNumberBuilder(MessageGroupBuilder):
 @register_env
 class GuessNumber(Environment):
     name = "guess_number"
-    description = "multi-turn game: guess a hidden integer from 'higher'/'lower' answers; reward 1 when found."
+    description = "Multi-turn game: guess a hidden integer from 'higher'/'lower' answers; reward 1 when found."
     Options = GuessNumberOptions
 
     @classmethod

@@ -107,7 +107,7 @@ class HumanEvalBuilder(MessageGroupBuilder):
 @register_env
 class HumanEval(Environment):
     name = "humaneval"
-    description = "code RL: HumanEval-style {prompt, tests, entry_point} JSONL, the last code block run in the sandbox."
+    description = "Code RL: HumanEval-style {prompt, tests, entry_point} JSONL, the last code block run in the sandbox."
     Options = HumanEvalOptions
 
     @classmethod

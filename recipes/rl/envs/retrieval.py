@@ -159,7 +159,7 @@ class RetrievalBuilder(MessageGroupBuilder):
 @register_env
 class Retrieval(Environment):
     name = "retrieval"
-    description = "questions answered with a BM25 search tool over a JSONL {id, text} collection; reward: F1 / exact match."
+    description = "Questions answered with a BM25 search tool over a JSONL {id, text} collection; reward: F1 / exact match."
     Options = RetrievalOptions
 
     @classmethod

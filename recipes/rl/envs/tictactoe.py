@@ -218,7 +218,7 @@ class TicTacToeBuilder(MessageGroupBuilder):
 @register_env
 class TicTacToe(Environment):
     name = "tictactoe"
-    description = "two-player self-play tic-tac-toe (zero-sum group advantages), or games against random/minimax players."
+    description = "Two-player self-play tic-tac-toe (zero-sum group advantages), or games against random/minimax players."
     Options = TicTacToeOptions
 
     @classmethod

@@ -146,7 +146,7 @@ class TwentyQuestionsBuilder(MessageGroupBuilder):
 @register_env
 class TwentyQuestions(Environment):
     name = "twenty_questions"
-    description = "multi-agent: ask yes/no questions to find a secret word; another model (base or checkpoint) answers."
+    description = "Multi-agent: ask yes/no questions to find a secret word; another model (base or checkpoint) answers."
     Options = TwentyQuestionsOptions
 
     @classmethod
