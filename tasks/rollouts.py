@@ -14,6 +14,12 @@ Failures (an env that raises, a reply the env cannot handle) follow :class:`Roll
 - ``min_viable``: failed trajectories are dropped; the group survives with at least
   ``min_group_size`` members, otherwise it comes back empty (the flow drops it).
 
+Builders may take part (:class:`~prefect_tinker.recipes.rl.types.RolloutContext`): envs made by
+``make_envs_in(ctx)`` can sample other weights through the task's client registry (an answerer),
+and a ``shared_episode`` builder steps its envs itself in ``run_group(envs, ctx)`` (the two players
+of one game); a failure there fails the whole episode (``retry`` replays it, ``min_viable`` drops
+the group).
+
 Errors are counted in :attr:`TrajectoryGroup.errors`. Transient server errors (HTTP 5xx,
 timeouts) are retried by the SDK and by the task's ``RETRY_OPTIONS`` in every mode.
 """
