@@ -62,7 +62,9 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe("rl", "prefect_tinker.flows.rl:rl_flow", "RL with verifiable rewards (GRPO-style group advantages)",
            ("env/reward_mean", "env/correct_rate", "train/entropy", "train/kl_sample_train_v1"), ("arithmetic",)),
     Recipe("dpo", "prefect_tinker.flows.dpo:dpo_flow", "preference learning: DPO / IPO / hinge on comparisons",
-           ("train/dpo_loss", "train/accuracy", "train/margin", "test/accuracy")),
+           ("train/dpo_loss", "train/accuracy", "train/margin", "test/accuracy"), ("tiny",)),
+    Recipe("eval", "prefect_tinker.flows.eval:eval_flow",
+           "benchmarks and inspect-ai tasks on base models, sampler paths or every checkpoint of a run (cached)"),
 )}
 
 
