@@ -22,9 +22,10 @@ def _sql(capsys, store, query) -> list[dict]:
     return json.loads(capsys.readouterr().out)
 
 
-def _run(capsys, local_credentials, store, run, *args) -> tuple[dict[tuple[str, int], float], dict]:
-    """``prefect-tinker run rl ...``: the metrics ``{(name, step): value}`` it stored, and its summary."""
-    argv = ["run", "rl", f"run_name={run}", "model=tiny", "max_steps=2", "group_size=2", "groups_per_batch=2",
+def _run(capsys, local_credentials, store, run, *args, groups: int = 2) -> tuple[dict[tuple[str, int], float], dict]:
+    """``prefect-tinker run rl ...`` with ``groups`` groups per batch: the metrics ``{(name, step): value}`` it
+    stored, and its summary."""
+    argv = ["run", "rl", f"run_name={run}", "model=tiny", "max_steps=2", "group_size=2", f"groups_per_batch={groups}",
             "lora_rank=8", "save_every=2", "learning_rate=5e-3", f"store={store}", "log_trajectories=2",
             f"backend.local_root={local_credentials.local_root}", *args]
     capsys.readouterr()
@@ -80,14 +81,12 @@ def test_calculator_and_humaneval_runs(prefect_api, local_credentials, tmp_path,
     store = tmp_path / "store"
     gsm8k = shared_file("math/gsm8k_train.jsonl")
     m, _ = _run(capsys, local_credentials, store, "calc", "env=calculator", f"dataset={gsm8k}", "max_problems=4",
-                "groups_per_batch=1",
-                "max_tokens=12", "env_options.max_turns=2")
+                "max_tokens=12", "env_options.max_turns=2", groups=1)
     _has(m, "env/reward_mean", "env/tool_calls", "env/correct_rate", "env/parse_failed", "train/loss_sum")
     assert all(0.0 <= m[("env/tool_calls", s)] <= 2.0 for s in (0, 1))
 
     humaneval = shared_file("code/humaneval.jsonl.gz")
     m, _ = _run(capsys, local_credentials, store, "code", "env=humaneval", f"dataset={humaneval}", "max_problems=4",
-                "groups_per_batch=1",
-                "max_tokens=12")
+                "max_tokens=12", groups=1)
     _has(m, "env/reward_mean", "env/all_passed", "env/format_rate", "train/loss_sum")
     assert all(-0.1 - 1e-9 <= m[("env/reward_mean", s)] <= 1.0 for s in (0, 1))

@@ -123,3 +123,25 @@ def test_code_pass_is_the_eval_code_hook(humaneval):
     assert code_pass(rec["canonical_solution"], {"prompt": rec["prompt"], "tests": rec["tests"], "entry_point": rec["entry_point"]})
     with pytest.raises(ValueError, match="entry_point"):
         code_pass("x", {"prompt": "", "tests": ""})
+
+
+def test_humaneval_benchmark_graded_in_the_sandbox_by_the_eval_code_grader(humaneval):
+    """The eval flow's path: HumanEval read as a benchmark (its own field names), graded by the
+    ``code`` grader with ``code_runner`` naming :func:`code_pass` (a fenced canonical solution
+    passes, a wrong body fails, a reply without code is unparsable)."""
+    from prefect_tinker.recipes.evals import load_examples
+    from prefect_tinker.recipes.evals.benchmarks import BenchmarkSpec
+    from prefect_tinker.recipes.evals.graders import GraderSpec, grade
+
+    spec = BenchmarkSpec(
+        name="humaneval", source=str(shared_file("code/humaneval.jsonl.gz")), limit=2,
+        fields={"question": "prompt", "id": "task_id", "prompt": "prompt", "test": "test", "entry_point": "entry_point"},
+        grader=GraderSpec(kind="code", code_runner="prefect_tinker.recipes.code_grading:code_pass"))
+    examples = load_examples(spec)
+    assert [ex.id for ex in examples] == [rec["task_id"] for rec in humaneval[:2]]
+    for ex, rec in zip(examples, humaneval):
+        right = grade(spec.grader, _fenced(rec["prompt"] + rec["canonical_solution"]), ex)
+        assert right.correct and right.score == 1.0
+        wrong = grade(spec.grader, _fenced(rec["prompt"] + "    return None\n"), ex)
+        assert not wrong.correct and wrong.score == 0.0
+    assert grade(spec.grader, "", examples[0]).answer is None
