@@ -145,3 +145,34 @@ def test_humaneval_benchmark_graded_in_the_sandbox_by_the_eval_code_grader(human
         wrong = grade(spec.grader, _fenced(rec["prompt"] + "    return None\n"), ex)
         assert not wrong.correct and wrong.score == 0.0
     assert grade(spec.grader, "", examples[0]).answer is None
+
+
+def test_preflight_names_the_bad_record_before_a_run(dolly_corpus, tmp_path):
+    """``Environment.preflight`` (run by the session before any server starts) reads each data
+    file of calculator, humaneval and retrieval; a bad record fails there, naming file and line."""
+    from prefect_tinker.recipes.rl.envs import get_env
+
+    docs, questions, _ = dolly_corpus
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps({"question": "What is 2 + 3?", "answer": "#### 5"}) + "\n")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "What is 2 + 3?", "answer": "#### 5"}) + "\n{not json\n")
+    get_env("calculator").preflight(EnvSpec(env="calculator", dataset=str(good)))
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2"):
+        get_env("calculator").preflight(EnvSpec(env="calculator", dataset=str(bad)))
+
+    code = tmp_path / "code.jsonl"
+    code.write_text(json.dumps({"prompt": "def f():\n", "tests": "def check(c):\n    pass\n", "entry_point": "f"}) + "\n"
+                    + json.dumps({"prompt": "def g():\n", "entry_point": "g"}) + "\n")
+    with pytest.raises(ValueError, match=r"code\.jsonl:2.*test"):
+        get_env("humaneval").preflight(EnvSpec(env="humaneval", dataset=str(code)))
+
+    get_env("retrieval").preflight(EnvSpec(env="retrieval", env_options={"documents": docs, "questions": questions}))
+    bad_docs = tmp_path / "docs.jsonl"
+    bad_docs.write_text(json.dumps({"id": 1, "text": "a"}) + "\n" + json.dumps({"id": 1, "text": "b"}) + "\n")
+    with pytest.raises(ValueError, match=r"docs\.jsonl:2: id '1' repeats line 1"):
+        get_env("retrieval").preflight(EnvSpec(env="retrieval", env_options={"documents": str(bad_docs), "questions": questions}))
+    bad_q = tmp_path / "q.jsonl"
+    bad_q.write_text(json.dumps({"question": "Who?", "answer": 3}) + "\n")
+    with pytest.raises(ValueError, match=r"q\.jsonl:1.*'answer'"):
+        get_env("retrieval").preflight(EnvSpec(env="retrieval", env_options={"documents": docs, "questions": str(bad_q)}))

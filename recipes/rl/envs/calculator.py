@@ -24,6 +24,7 @@ from typing import Any
 
 from pydantic import Field
 
+from prefect_tinker.recipes.data_reading import looks_local
 from prefect_tinker.recipes.rl.envs import EnvContext, Environment, register_env
 from prefect_tinker.recipes.rl.envs.problems import load_problems
 from prefect_tinker.recipes.rl.grading import answers_match, extract_final_answer
@@ -92,6 +93,12 @@ class Calculator(Environment):
     name = "calculator"
     description = "Word problems (GSM8K default) with a calculator tool over several turns; reward: correct '#### n'."
     Options = CalculatorOptions
+
+    @classmethod
+    def preflight(cls, spec) -> None:
+        if spec.dataset and looks_local(spec.dataset):
+            load_problems(spec.dataset, question_field=spec.question_field, answer_field=spec.answer_field,
+                          max_problems=spec.max_problems)
 
     @classmethod
     def build(cls, spec, ctx: EnvContext) -> RLDataset:

@@ -117,6 +117,10 @@ class HumanEval(Environment):
                              "e.g. HumanEval's data/HumanEval.jsonl.gz")
 
     @classmethod
+    def preflight(cls, spec) -> None:
+        load_code_problems(spec.dataset)
+
+    @classmethod
     def build(cls, spec, ctx: EnvContext) -> RLDataset:
         opts = cls.options(spec)
         records = load_code_problems(spec.dataset)[: spec.max_problems or None]

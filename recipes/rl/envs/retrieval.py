@@ -163,6 +163,14 @@ class Retrieval(Environment):
     Options = RetrievalOptions
 
     @classmethod
+    def preflight(cls, spec) -> None:
+        from prefect_tinker.recipes.tools.retrieval import load_documents
+
+        opts = cls.options(spec)
+        load_questions(opts.questions, opts.question_field, opts.answer_field)
+        load_documents(Path(opts.documents).expanduser())
+
+    @classmethod
     def build(cls, spec, ctx: EnvContext) -> RLDataset:
         opts = cls.options(spec)
         questions = load_questions(opts.questions, opts.question_field, opts.answer_field)
