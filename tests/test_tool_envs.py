@@ -170,9 +170,28 @@ def test_preflight_names_the_bad_record_before_a_run(dolly_corpus, tmp_path):
     get_env("retrieval").preflight(EnvSpec(env="retrieval", env_options={"documents": docs, "questions": questions}))
     bad_docs = tmp_path / "docs.jsonl"
     bad_docs.write_text(json.dumps({"id": 1, "text": "a"}) + "\n" + json.dumps({"id": 1, "text": "b"}) + "\n")
-    with pytest.raises(ValueError, match=r"docs\.jsonl:2: id '1' repeats line 1"):
+    with pytest.raises(ValueError, match=r"docs\.jsonl:2: id '1' repeats .*docs\.jsonl:1"):
         get_env("retrieval").preflight(EnvSpec(env="retrieval", env_options={"documents": str(bad_docs), "questions": questions}))
     bad_q = tmp_path / "q.jsonl"
     bad_q.write_text(json.dumps({"question": "Who?", "answer": 3}) + "\n")
     with pytest.raises(ValueError, match=r"q\.jsonl:1.*'answer'"):
         get_env("retrieval").preflight(EnvSpec(env="retrieval", env_options={"documents": docs, "questions": str(bad_q)}))
+
+
+def test_collection_from_any_jsonl_by_field(dolly_corpus):
+    """``text_field``/``id_field``: the Dolly slice's own records as the collection (``context``
+    passages, ids ``file:line``, empty contexts left out) give the same BM25 hits as the
+    ``{id, text}`` file written from them."""
+    from prefect_tinker.recipes.rl.envs.retrieval import load_collection, search_index
+
+    docs, _, rows = dolly_corpus
+    source = str(shared_file("sft/dolly_slice_messages.jsonl"))
+    collection = load_collection(source, "context", None)
+    assert [d["id"] for d in collection] == [f"{source}:{i}" for i, _ in rows]
+    assert [d["text"] for d in collection] == [r["context"] for _, r in rows]
+    by_field = search_index(source, "sha", "context", None).search("Suzanne Collins majors", 3)
+    by_file = BM25Index.from_jsonl(docs).search("Suzanne Collins majors", 3)
+    assert [p.id.rsplit(":", 1)[1] for p in by_field] == [p.id.removeprefix("dolly-") for p in by_file]
+    assert [p.score for p in by_field] == pytest.approx([p.score for p in by_file])
+    with pytest.raises(ValueError, match=r"dolly_slice_messages\.jsonl:1.*'passage'"):
+        load_collection(source, "passage", None)

@@ -2,7 +2,8 @@
 
 The model gets one tool, ``search(query)``: BM25 (the ``bm25s`` library, Lucene variant; see
 :mod:`prefect_tinker.recipes.tools.retrieval`) over ``env_options.documents``, a JSONL collection
-``{id, text}``, returning the ``top_k`` passages. It may search over several turns and ends with a
+``{id, text}`` (or any JSONL: ``text_field`` names the passage, ``id_field`` its id, None for
+``file:line``; records with an empty passage are left out), returning the ``top_k`` passages. It may search over several turns and ends with a
 reply without a tool call stating its answer (the text after the last ``Answer:``, else the whole
 reply). Reward:
 
@@ -35,7 +36,7 @@ from prefect_tinker.recipes.rl.problem_env import ProblemDataset
 from prefect_tinker.recipes.rl.types import RLDataset
 
 __all__ = ["Retrieval", "RetrievalBuilder", "RetrievalEnv", "RetrievalOptions", "RETRIEVAL_SYSTEM",
-           "extract_answer", "load_questions", "search_index"]
+           "extract_answer", "load_collection", "load_questions", "search_index"]
 
 RETRIEVAL_SYSTEM = ("Answer the question using the search tool to find the relevant document. When you know "
                     "the answer, reply without a tool call and end with a line 'Answer: <short answer>'.")
@@ -45,6 +46,8 @@ _ANSWER = re.compile(r"answer\s*:\s*(.*)", re.IGNORECASE)
 
 class RetrievalOptions(MessageEnvOptions):
     documents: str = Field(description="JSONL document collection {id, text} (BM25 index).")
+    text_field: str = Field(default="text", description="Document record field holding the passage (empty ones are left out).")
+    id_field: str | None = Field(default="id", description="Document record field holding its id; None: file:line.")
     questions: str = Field(description="JSONL questions with their reference answer(s).")
     question_field: str = Field(default="question", description="Record field holding the question.")
     answer_field: str = Field(default="answer", description="Record field holding the answer (string or list of strings).")
@@ -73,13 +76,50 @@ def _sha256(path: str) -> str:
     return hashlib.sha256(Path(path).expanduser().read_bytes()).hexdigest()
 
 
+def load_collection(path: str, text_field: str = "text", id_field: str | None = "id") -> list[dict[str, str]]:
+    """``[{"id", "text"}, ...]`` from the JSONL records of ``path``: ``text_field`` (a dotted
+    path) is the passage, ``id_field`` the id (a string or integer; None: ``file:line``). Records
+    whose passage is empty or blank are left out.
+
+    Raises:
+        ValueError: malformed JSON, a missing field, a passage that is not a string, a repeated id
+            or no passage at all; the message names ``file:line`` and the field.
+    """
+    from prefect_tinker.recipes.data_reading import SourceSpec, iter_records
+    from prefect_tinker.recipes.data_sources import RecordError, get_field
+
+    docs, seen = [], {}
+    for raw in iter_records(SourceSpec(path=str(Path(path).expanduser()))):
+        if raw.error:
+            raise ValueError(f"{raw.where}: {raw.error}")
+        try:
+            text = get_field(raw.record, text_field)
+            doc_id = raw.where if id_field is None else get_field(raw.record, id_field)
+        except RecordError as exc:
+            raise ValueError(f"{raw.where}: {exc}") from None
+        if not isinstance(text, str):
+            raise ValueError(f"{raw.where}: field {text_field!r} must be a string, got {text!r:.60}")
+        if not isinstance(doc_id, (str, int)) or isinstance(doc_id, bool):
+            raise ValueError(f"{raw.where}: field {id_field!r} must be a string or integer, got {doc_id!r:.60}")
+        if not text.strip():
+            continue
+        if str(doc_id) in seen:
+            raise ValueError(f"{raw.where}: id {str(doc_id)!r} repeats {seen[str(doc_id)]}")
+        seen[str(doc_id)] = raw.where
+        docs.append({"id": str(doc_id), "text": text})
+    if not docs:
+        raise ValueError(f"no non-empty {text_field!r} passages in {path!r}")
+    return docs
+
+
 @functools.lru_cache(maxsize=4)
-def search_index(documents: str, sha256: str) -> Any:
-    """The :class:`~prefect_tinker.recipes.tools.BM25Index` of a JSONL collection, built once per
-    process and content (``sha256`` of the file keys the cache)."""
+def search_index(documents: str, sha256: str, text_field: str = "text", id_field: str | None = "id") -> Any:
+    """The :class:`~prefect_tinker.recipes.tools.BM25Index` of a JSONL collection (see
+    :func:`load_collection`), built once per process, content and fields (``sha256`` of the file
+    keys the cache)."""
     from prefect_tinker.recipes.tools import BM25Index
 
-    return BM25Index.from_jsonl(Path(documents).expanduser())
+    return BM25Index(load_collection(documents, text_field, id_field))
 
 
 def load_questions(path: str, question_field: str = "question", answer_field: str = "answer") -> list[tuple[str, tuple[str, ...], str]]:
@@ -93,7 +133,7 @@ def load_questions(path: str, question_field: str = "question", answer_field: st
     from prefect_tinker.recipes.data_sources import RecordError, get_field
 
     out = []
-    for raw in iter_records(SourceSpec(path=path)):
+    for raw in iter_records(SourceSpec(path=str(Path(path).expanduser()))):
         if raw.error:
             raise ValueError(f"{raw.where}: {raw.error}")
         try:
@@ -139,6 +179,8 @@ class RetrievalBuilder(MessageGroupBuilder):
     answers: tuple[str, ...]
     documents: str
     documents_sha256: str
+    text_field: str = "text"
+    id_field: str | None = "id"
     problem_id: str = ""
     prefix: tuple = ()
     top_k: int = 3
@@ -149,7 +191,7 @@ class RetrievalBuilder(MessageGroupBuilder):
     def make_env(self, renderer: Any) -> RetrievalEnv:
         from prefect_tinker.recipes.tools import Toolset
 
-        index = search_index(self.documents, self.documents_sha256)
+        index = search_index(self.documents, self.documents_sha256, self.text_field, self.id_field)
         toolset = Toolset([index.as_tool(self.top_k, max_passage_chars=self.max_passage_chars)])
         messages = thaw(self.prefix) + [{"role": "user", "content": self.question}]
         return RetrievalEnv(renderer, messages, toolset, self.answers, reward=self.reward, format_coef=self.format_coef,
@@ -164,11 +206,9 @@ class Retrieval(Environment):
 
     @classmethod
     def preflight(cls, spec) -> None:
-        from prefect_tinker.recipes.tools.retrieval import load_documents
-
         opts = cls.options(spec)
         load_questions(opts.questions, opts.question_field, opts.answer_field)
-        load_documents(Path(opts.documents).expanduser())
+        load_collection(opts.documents, opts.text_field, opts.id_field)
 
     @classmethod
     def build(cls, spec, ctx: EnvContext) -> RLDataset:
@@ -177,13 +217,14 @@ class Retrieval(Environment):
         if spec.max_problems:
             questions = questions[: spec.max_problems]
         sha = _sha256(opts.documents)
-        search_index(opts.documents, sha)  # a bad collection fails here, before any rollout
+        search_index(opts.documents, sha, opts.text_field, opts.id_field)  # a bad collection fails here
         prefix = freeze([{"role": "system", "content": spec.system_prompt or RETRIEVAL_SYSTEM}])
         documents = str(Path(opts.documents).expanduser().resolve())
 
         def make(q: tuple[str, tuple[str, ...], str]) -> RetrievalBuilder:
             return RetrievalBuilder(
                 question=q[0], answers=q[1], problem_id=q[2], documents=documents, documents_sha256=sha, prefix=prefix,
+                text_field=opts.text_field, id_field=opts.id_field,
                 top_k=opts.top_k, max_passage_chars=opts.max_passage_chars, reward=opts.reward,
                 format_coef=spec.format_coef, group_size=ctx.group_size, renderer_name=ctx.renderer_name,
                 tokenizer_id=ctx.tokenizer_id, limits=opts.limits(), tags=(cls.name,))
