@@ -5,7 +5,8 @@ e.g. tic-tac-toe games against a random and an optimal player) rolled out on sam
 training rollouts) over one set's builders and reports the means of
 :func:`~prefect_tinker.recipes.rl.advantages.rollout_metrics` as
 ``{prefix}/{set}/{metric}`` (``test/vs_minimax/draw``, ``test/vs_random/reward_mean``, ...).
-:func:`env_evaluators` builds one per set of the run's environment.
+:func:`env_evaluators` builds one per set of the run's environment; :func:`session_env_evaluators`
+does it for an open RL run session (``StepLoop(..., evaluators=[..., *session_env_evaluators(session)])``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from prefect_tinker.recipes.rl.envs import EnvContext, get_env
 from prefect_tinker.tasks.evaluators import SamplingClientEvaluator
 from prefect_tinker.tasks.rollouts import RolloutPolicy, rollout_group
 
-__all__ = ["RolloutEvaluator", "env_evaluators"]
+__all__ = ["RolloutEvaluator", "env_evaluators", "session_env_evaluators"]
 
 
 class RolloutEvaluator(SamplingClientEvaluator):
@@ -56,3 +57,13 @@ def env_evaluators(spec: Any, ctx: EnvContext, *, max_tokens: int, temperature: 
     sets = get_env(spec.env).eval_builders(spec, ctx)
     return [RolloutEvaluator(name, builders, max_tokens=max_tokens, temperature=temperature, seed=seed)
             for name, builders in sets.items()]
+
+
+def session_env_evaluators(session: Any) -> list[RolloutEvaluator]:
+    """:func:`env_evaluators` of an open RL run session: its config's env, resolved renderer and
+    tokenizer, ``group_size``, ``max_tokens``, ``temperature`` and ``seed`` (empty for envs
+    without evaluation sets)."""
+    c = session.config
+    ctx = EnvContext(renderer_name=session.renderer, tokenizer_id=session.tokenizer_id, group_size=c.group_size,
+                     groups_per_batch=c.groups_per_batch, seed=c.seed)
+    return env_evaluators(c, ctx, max_tokens=c.max_tokens, temperature=c.temperature, seed=c.seed)
