@@ -6,7 +6,10 @@ third-party packages add theirs through the ``prefect_tinker.envs`` entry point 
 is a module to import), so a new environment touches one file.
 
 Built in: ``arithmetic`` (generated sums), ``gsm8k`` (grade-school word problems), ``math``
-(any JSONL or dataset of problems with a reference answer).
+(any JSONL or dataset of problems with a reference answer); multi-turn message environments
+(:mod:`prefect_tinker.recipes.rl.message_env`): ``calculator`` and ``retrieval`` (tool use),
+``humaneval`` (code run in the sandbox), ``guess_number``, ``twenty_questions`` (another model
+answers) and ``tictactoe`` (two-player self-play sharing one game per group).
 
 :class:`EnvSpec` holds the fields an RL config shares for every environment (which ``env``, the
 problem source and prompt settings, ``env_options`` validated by the environment's own
@@ -26,7 +29,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from prefect_tinker.recipes.data_reading import check_local_source
-from prefect_tinker.recipes.rl.types import RLDataset
+from prefect_tinker.recipes.rl.types import EnvGroupBuilder, RLDataset
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -96,6 +99,13 @@ class Environment:
             ValueError / FileNotFoundError: bad problem data, naming file, line and field.
         """
         raise NotImplementedError
+
+    @classmethod
+    def eval_builders(cls, spec: "EnvSpec", ctx: EnvContext) -> dict[str, list[EnvGroupBuilder]]:
+        """Evaluation sets of the environment: ``{name: group builders}`` (e.g. games against
+        fixed opponents), rolled out on sampler weights by
+        :class:`prefect_tinker.tasks.rollout_eval.RolloutEvaluator`; none by default."""
+        return {}
 
 
 _ENVS: dict[str, type[Environment]] = {}
