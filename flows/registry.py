@@ -63,6 +63,12 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
            ("env/reward_mean", "env/correct_rate", "train/entropy", "train/kl_sample_train_v1"), ("arithmetic",)),
     Recipe("dpo", "prefect_tinker.flows.dpo:dpo_flow", "preference learning: DPO / IPO / hinge on comparisons",
            ("train/dpo_loss", "train/accuracy", "train/margin", "test/accuracy")),
+    Recipe("reward_model", "prefect_tinker.flows.reward_model:reward_model_flow",
+           "pairwise reward model: which of two completions is better, scored by label probabilities",
+           ("train/loss", "eval/rm_accuracy", "eval/rm_brier")),
+    Recipe("rlhf", "prefect_tinker.flows.rlhf:rlhf_flow",
+           "RLHF: SFT -> reward model -> RL from the reward model, one subflow (and run) per stage",
+           ()),
 )}
 
 

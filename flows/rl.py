@@ -37,7 +37,7 @@ from prefect_tinker.recipes.rl.advantages import (
     apply_kl_penalty, compute_advantages, groups_to_datums, remove_constant_reward_groups, rollout_metrics,
     sample_train_kl,
 )
-from prefect_tinker.recipes.rl.envs import build_rl_dataset
+from prefect_tinker.recipes.rl.envs import build_rl_dataset, build_rl_evaluators
 from prefect_tinker.recipes.rl.types import TrajectoryGroup
 from prefect_tinker.tasks.clients import tokenizer
 from prefect_tinker.tasks.rollouts import reference_logprobs, rollout_group
@@ -221,11 +221,15 @@ def rl_flow(config: RLConfig) -> dict[str, Any]:
         reference = config.kl_reference or session.samplers.get(0) or f"base:{config.model}"
         dataset = build_rl_dataset(config, renderer_name=session.renderer, tokenizer_id=session.tokenizer_id,
                                    group_size=config.group_size, groups_per_batch=config.groups_per_batch, seed=config.seed)
+        evaluators = build_rl_evaluators(config, renderer_name=session.renderer, tokenizer_id=session.tokenizer_id,
+                                         group_size=config.group_size, groups_per_batch=config.groups_per_batch,
+                                         seed=config.seed, initial_sampler=session.samplers.get(0))
         loop = RLLoop(session, dataset, reference)
         schedule = SCHEDULES[config.schedule](loop)
         t0 = time.perf_counter()
         try:
-            StepLoop(session, loop.total, step_size=loop.k, on_rewind=schedule.rewind).run(schedule.step)
+            StepLoop(session, loop.total, evaluators=evaluators, step_size=loop.k,
+                     on_rewind=schedule.rewind).run(schedule.step)
         finally:
             schedule.close()
         seconds, steps_run = time.perf_counter() - t0, len(loop.rewards)
