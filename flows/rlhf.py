@@ -117,10 +117,13 @@ class RLHFConfig(BaseModel):
         reward model's sampler weights, asked with its question and labels)."""
         data = self.rl.model_dump(mode="json")
         opts = dict(data["env_options"])
-        if not data.get("dataset"):  # the prompts of the reward model's comparisons
-            data["dataset"] = self.rm.dataset
-            opts.setdefault("format", self.rm.format if self.rm.format != "hh" else "dialogue")
-            opts.setdefault("fields", dict(self.rm.fields))
+        if not data.get("dataset"):  # the prompts of the reward model's (first source of) comparisons
+            src = self.rm.source_specs()[0]
+            data["dataset"] = src.path
+            if data.get("max_problems") is None:
+                data["max_problems"] = src.max_records
+            opts.setdefault("format", src.format if src.format in ("preference", "dialogue") else "dialogue")
+            opts.setdefault("fields", dict(src.fields))
         opts.update(reward_model=reward_model, question=self.rm.question, labels=list(self.rm.labels))
         return RLConfig.model_validate({**data, **self._shared("rl"), "env_options": opts,
                                         "load_checkpoint_path": sft_state})

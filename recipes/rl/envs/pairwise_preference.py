@@ -248,7 +248,10 @@ class PairwisePreference(Environment):
         opts = cls.options(spec)
         if not spec.dataset or not opts.reward_model:
             raise ValueError("env 'pairwise_preference' needs dataset=... and env_options.reward_model=...")
-        body = {"dataset": spec.dataset, "split": spec.split, "max_problems": spec.max_problems,
+        from prefect_tinker.recipes.data_reading import source_fingerprint
+
+        body = {"dataset": spec.dataset, "content": source_fingerprint(spec.dataset), "split": spec.split,
+                "max_problems": spec.max_problems,
                 "system_prompt": spec.system_prompt, "opts": opts.model_dump(mode="json")}
         return opts, _split_prompts(json.dumps(body, sort_keys=True), ctx.renderer_name, ctx.tokenizer_id, ctx.seed)
 
