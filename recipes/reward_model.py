@@ -203,7 +203,8 @@ class RewardModelBuilder(PreferenceBuilder):
     """Comparisons read like DPO's (:class:`~prefect_tinker.recipes.preference.PreferenceBuilder`:
     formats, field mapping, counted skips), rendered as reward-model examples (see the module
     docstring). A comparison longer than ``max_length`` tokens (prompt, both replies, question,
-    label) is skipped and counted (``too_long``)."""
+    label) is skipped and counted (``too_long``); ``test_size`` comparisons of those left are
+    held out (split with ``seed``)."""
 
     kind: ClassVar[str] = "reward_model"
     orders: Literal["both", "swap"] = "both"
@@ -220,12 +221,6 @@ class RewardModelBuilder(PreferenceBuilder):
         rend = get_renderer(self.renderer, tokenizer, **self.renderer_options)
         fmt, stats = self.format(), SkipStats()
         label_ids = label_token_ids(rend, fmt.labels)
-        comparisons = [c for spec in self.sources for c in self._read(spec, stats)]
-        if not comparisons:
-            raise DatasetFormatError(f"no usable comparison in {', '.join(s.path for s in self.sources)} ({stats.summary()})")
-        train, test = (split_conversations(comparisons, self.test_size, seed=self.seed) if self.test_size
-                       else (comparisons, []))
-
         def rendered(where, prompt, chosen, rejected):
             c, r = chosen[0]["content"], rejected[0]["content"]
             both = (render_comparison(rend, prompt, c, r, fmt, label_ids), render_comparison(rend, prompt, r, c, fmt, label_ids))
@@ -233,21 +228,23 @@ class RewardModelBuilder(PreferenceBuilder):
             if longest > self.max_length:
                 stats.skip("too_long", f"{where}: {longest} tokens, more than max_length={self.max_length}")
                 return None
-            return both
+            return RMComparison(chosen_a=both[0], chosen_b=both[1], source=where)
 
+        # rendered first, then split: test_size counts comparisons that fit max_length
+        comparisons = [r for spec in self.sources for item in self._read(spec, stats) if (r := rendered(*item))]
+        if len(comparisons) < 2 and self.test_size:
+            raise DatasetFormatError(f"fewer than 2 usable comparisons in {', '.join(s.path for s in self.sources)} "
+                                     f"({stats.summary()})")
+        train, data_test = (split_conversations(comparisons, self.test_size, seed=self.seed) if self.test_size
+                            else (comparisons, []))
         data_train = []
-        for index, item in enumerate(train):
-            both = rendered(*item)
-            if both is None:
-                continue
-            examples = [_example(both[0], 0), _example(both[1], 1)]  # chosen as A -> "A"; chosen as B -> "B"
+        for index, c in enumerate(train):
+            examples = [_example(c.chosen_a, 0), _example(c.chosen_b, 1)]  # chosen as A -> "A"; chosen as B -> "B"
             if self.orders == "swap":
                 examples = [examples[int(np.random.default_rng([self.seed, index]).integers(2))]]
-            data_train.append(RMTrainPair(examples=examples, source=item[0]))
-        data_test = [RMComparison(chosen_a=b[0], chosen_b=b[1], source=item[0])
-                     for item in test if (b := rendered(*item)) is not None]
+            data_train.append(RMTrainPair(examples=examples, source=c.source))
         if not data_train:
-            raise DatasetFormatError(f"no training comparison left ({stats.summary()})")
+            raise DatasetFormatError(f"no training comparison ({stats.summary()})")
         return RewardModelData(fingerprint=self.fingerprint(), renderer=self.renderer, train=data_train,
                                test=data_test, skipped=stats.total, skip_summary=stats.summary())
 

@@ -2,12 +2,13 @@
 
 ``label_logprobs(credentials, reward_model, comparisons)`` returns, per rendered comparison, the
 reward model's log-probabilities of its two labels (``log p("A" | prompt)``, ``log p("B" |
-prompt)``; each the sum over the label's tokens, nats) from ``compute_logprobs`` on the sampler
-weights ``reward_model`` (with ``prompt_logprobs_last_n``: only the label is scored, and a server
-with a prefix cache computes the shared prompt once for both labels). Every sequence of the call is submitted before any is awaited (the
-server batches them) and identical sequences are asked once. The task is cached across flow runs
-under (reward-model weights, the comparisons' tokens, the task's source), so a repeated group,
-evaluation or resumed step never asks the reward model twice.
+prompt)``; each the sum over the label's tokens, nats) on the sampler weights ``reward_model``:
+one prompt-logprobs request per comparison when both labels are single tokens (the second read
+from the top-k alternatives at the label position), else one ``compute_logprobs`` per label
+(only the label scored: ``prompt_logprobs_last_n``). Every request of the call is submitted
+before any is awaited (the server batches them) and identical ones are made once. The task is
+cached across flow runs under (reward-model weights, the comparisons' tokens, the task's
+source), so a repeated group, evaluation or resumed step never asks the reward model twice.
 
 Evaluators (:mod:`prefect_tinker.tasks.evaluators` interface, on sampler weights):
 
@@ -61,32 +62,78 @@ def _run_name(parameters: dict[str, Any]) -> str:
     return f"rm-score-{path.rstrip('/').rsplit('/', 1)[-1] or 'weights'}-x{len(parameters.get('comparisons') or ())}"
 
 
+#: Top-k alternatives read at the label position when both labels are single tokens.
+TOPK = 20
+
+
+def _ask_single(client: Any, prompt: list[int], label_a: int, label_b: int) -> Any:
+    """One request for both single-token labels: ``prompt + [label_a]`` with its last prompt
+    logprob (``label_a``) and the top-:data:`TOPK` alternatives at that position (``label_b``
+    when it is among them)."""
+    return client.sample(prompt=tinker.ModelInput.from_ints(prompt + [label_a]), num_samples=1,
+                         sampling_params=tinker.SamplingParams(max_tokens=1, seed=0), include_prompt_logprobs=True,
+                         topk_prompt_logprobs=TOPK, prompt_logprobs_last_n=1)
+
+
+def _ask_sequence(client: Any, prompt: list[int], label: list[int]) -> Any:
+    """``compute_logprobs`` of ``prompt + label``, only the label scored."""
+    return client.compute_logprobs(tinker.ModelInput.from_ints(prompt + label), prompt_logprobs_last_n=len(label))
+
+
+def _result(fut: Any) -> Any:
+    return fut.result() if hasattr(fut, "result") else fut
+
+
 @task(name="reward-label-logprobs", task_run_name=_run_name,
       cache_policy=TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_key), persist_result=True, **RETRY_OPTIONS)
 def label_logprobs(credentials: Any, reward_model: str, comparisons: list[RenderedComparison]) -> list[tuple[float, float]]:
     """Per comparison (C), ``(log p(labels[0] | prompt), log p(labels[1] | prompt))`` under the
     reward model's sampler weights ``reward_model`` (``tinker://.../sampler_weights/...`` or
-    ``base:<model>``), nats, via ``compute_logprobs``.
+    ``base:<model>``), nats.
+
+    Single-token labels take one request per comparison (the first label's prompt logprob and
+    the top-k alternatives at its position; a second request only when the other label is not
+    among the top :data:`TOPK`); longer labels one ``compute_logprobs`` each. Every request is
+    submitted before any is awaited; identical ones are made once.
 
     Raises:
-        ValueError: a comparison without label tokens.
+        ValueError: a comparison with an empty label.
     """
     client = sampling_client(credentials, reward_model)
-    futures: dict[tuple[int, ...], Any] = {}
+    single: dict[tuple, Any] = {}
+    sequences: dict[tuple, Any] = {}
     for c in comparisons:
-        for lab in c.labels:
-            if not lab:
-                raise ValueError("a comparison has an empty label")
-            seq = tuple(c.prompt) + tuple(lab)
-            if seq not in futures:  # score the label only: the server may serve the prompt from its prefix cache
-                futures[seq] = client.compute_logprobs(tinker.ModelInput.from_ints(list(seq)),
-                                                       prompt_logprobs_last_n=len(lab))
-    # entry i of compute_logprobs is log p(token i | tokens before it); the labels follow the prompt
-    logprobs = {seq: list(fut.result() if hasattr(fut, "result") else fut) for seq, fut in futures.items()}
+        if not all(c.labels):
+            raise ValueError("a comparison has an empty label")
+        prompt = tuple(c.prompt)
+        if len(c.labels[0]) == len(c.labels[1]) == 1:
+            key = (prompt, c.labels[0][0], c.labels[1][0])
+            if key not in single:
+                single[key] = _ask_single(client, list(prompt), key[1], key[2])
+        else:
+            for lab in c.labels:
+                if (prompt, tuple(lab)) not in sequences:
+                    sequences[(prompt, tuple(lab))] = _ask_sequence(client, list(prompt), list(lab))
+    pairs: dict[tuple, list[float | None]] = {}
+    missing: dict[tuple, Any] = {}
+    for key, fut in single.items():
+        resp = _result(fut)
+        top = dict((resp.topk_prompt_logprobs or [None])[-1] or [])
+        pairs[key] = [float(resp.prompt_logprobs[-1]), top.get(key[2])]
+        if pairs[key][1] is None:  # the second label is not among the top-k: ask for it
+            missing[key] = _ask_sequence(client, list(key[0]), [key[2]])
+    for key, fut in missing.items():
+        pairs[key][1] = float(list(_result(fut))[-1])
+    # entry i of the prompt logprobs is log p(token i | tokens before it); the labels end the prompt
+    scored = {key: float(sum(float(x) for x in list(_result(fut))[-len(key[1]):])) for key, fut in sequences.items()}
     out = []
     for c in comparisons:
-        a, b = (float(sum(float(x) for x in logprobs[tuple(c.prompt) + tuple(lab)][len(c.prompt):])) for lab in c.labels)
-        out.append((a, b))
+        prompt = tuple(c.prompt)
+        if len(c.labels[0]) == len(c.labels[1]) == 1:
+            a, b = pairs[(prompt, c.labels[0][0], c.labels[1][0])]
+        else:
+            a, b = (scored[(prompt, tuple(lab))] for lab in c.labels)
+        out.append((float(a), float(b)))
     return out
 
 

@@ -15,7 +15,7 @@ import torch
 import tinker
 from prefect_tinker.recipes.data_reading import SourceSpec
 from prefect_tinker.recipes.reward_model import (
-    DEFAULT_QUESTION, RewardModelBuilder, label_token_ids, matchups, render_comparison,
+    DEFAULT_QUESTION, ComparisonFormat, RenderedComparison, RewardModelBuilder, label_token_ids, matchups, render_comparison,
 )
 from prefect_tinker.recipes.rl.envs.pairwise_preference import (
     PairwisePreference, PreferenceGroupBuilder, PreferencePrompt, RewardModelRef,
@@ -168,7 +168,9 @@ def _hand_label_probs(ref: ReferenceLoRA, prompt: list[int], label_a: int, label
     return float(torch.exp(lp[label_b]) / (torch.exp(lp[label_a]) + torch.exp(lp[label_b])))
 
 
-def test_reward_model_probabilities_match_a_forward_by_hand(prefect_api, rm):
+def test_reward_model_probabilities_match_a_forward_by_hand(prefect_api, rm, monkeypatch):
+    from prefect_tinker.recipes.renderers import get_renderer
+    from prefect_tinker.tasks import reward_model as reward_model_tasks
     from prefect_tinker.tasks.reward_model import RewardModelEvaluator, label_logprobs
 
     comparisons = rm["data"].test
@@ -180,6 +182,23 @@ def test_reward_model_probabilities_match_a_forward_by_hand(prefect_api, rm):
         lp = _hand_logprobs(rm["ref"], x.prompt)
         assert (la, lb) == pytest.approx((float(lp[a]), float(lp[b])), abs=1e-4)
     assert min(min(g) for g in got) < -0.5  # real log-probabilities, not 0 by construction
+    # the other label outside the top-k (a second request), and labels of several tokens
+    # (compute_logprobs of each): the same values
+    monkeypatch.setattr(reward_model_tasks, "TOPK", 1)
+    fresh = label_logprobs.with_options(refresh_cache=True)
+    np.testing.assert_allclose(fresh(rm["creds"], rm["path"], flat), got, atol=1e-6)
+    swapped = [RenderedComparison(prompt=x.prompt, labels=(x.labels[1], x.labels[0])) for x in flat]
+    np.testing.assert_allclose(fresh(rm["creds"], rm["path"], swapped), [(y, x) for x, y in got], atol=1e-6)
+    rend = get_renderer("chatml", rm["tok"])
+    fmt = ComparisonFormat(labels=("the first one", "the second one"))
+    long = [render_comparison(rend, [{"role": "user", "content": "Is 3 odd?"}], "Yes.", "No.", fmt)]
+    assert min(len(t) for t in long[0].labels) > 1
+    (la, lb), = fresh(rm["creds"], rm["path"], long)
+    for lab, value in zip(long[0].labels, (la, lb)):
+        seq = long[0].prompt + lab
+        with torch.no_grad():
+            lp = rm["ref"].logprobs(seq[:-1], seq[1:]).double()
+        assert value == pytest.approx(float(lp[-len(lab):].sum()), abs=1e-4)
 
     ev = RewardModelEvaluator(comparisons)
     p, prob_a = ev.probabilities(rm["creds"], rm["path"], step=7)
