@@ -283,7 +283,7 @@ def _cached(name: str) -> int:
 
 
 # ----- the environment on HH-RLHF ------------------------------------------------------------------------
-def test_pairwise_preference_env_on_hh_prompts():
+def test_pairwise_preference_env_on_hh_prompts(tmp_path):
     from prefect_tinker.flows.rl_config import RLConfig
     from prefect_tinker.recipes.renderers import get_renderer
     from prefect_tinker.recipes.rl.envs import EnvContext, build_rl_evaluators
@@ -317,6 +317,11 @@ def test_pairwise_preference_env_on_hh_prompts():
     assert ev.reference == "tinker://run/sampler_weights/step0" and len(ev.prompts) == 5
     held_out = {json.dumps(p) for p in ev.prompts}
     assert not held_out & {json.dumps(b.prompt.as_messages()) for i in range(3) for b in ds.get_batch(i)}
+    PairwisePreference.preflight(cfg)  # reads the records without a tokenizer
+    bad = _write(tmp_path / "bad.jsonl", [{"prompt": "Hi?", "chosen": "Hello.", "rejected": "Go."}, {"prompt": "Hi?"}])
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: field 'chosen' is missing"):
+        PairwisePreference.preflight(RLConfig(env="pairwise_preference", dataset=bad,
+                                              env_options={"reward_model": "base:tiny"}))
     assert render_comparison(rend, ev.prompts[0], "x", "y", PairwisePreference.reward_ref(
         PairwisePreference.options(cfg), ctx).format()).labels[0] == label_token_ids(rend, ("A", "B"))[0]
 

@@ -244,6 +244,19 @@ class PairwisePreference(Environment):
             raise ValueError(f"env_options.reward_model must be tinker://.../sampler_weights/... or base:<model>, got {path!r}")
 
     @classmethod
+    def preflight(cls, spec) -> None:
+        """Read the prompts' local records (no tokenizer, no server): a bad record fails before a
+        run starts, naming file, line and field."""
+        from pathlib import Path
+
+        from prefect_tinker.recipes.data_reading import resolve_source_path
+
+        opts = cls.options(spec)
+        if spec.dataset and Path(resolve_source_path(spec.dataset)).expanduser().exists():
+            load_preference_prompts(spec.dataset, format=opts.format, fields=opts.fields, split=spec.split,
+                                    max_records=spec.max_problems, system_prompt=spec.system_prompt)
+
+    @classmethod
     def _prompts(cls, spec, ctx: EnvContext):
         opts = cls.options(spec)
         if not spec.dataset or not opts.reward_model:
