@@ -8,6 +8,7 @@ Subcommands::
     prefect-tinker deployments [--write prefect.yaml]           deployments from the recipe registry
     prefect-tinker show-config FLOW [--schema]                  defaults (YAML) or JSON schema
     prefect-tinker runs [--store ROOT] [--json]                 runs and their latest status
+    prefect-tinker evals [--store ROOT] [--run R] [--json]      evaluation results (accuracy, 95% interval)
     prefect-tinker checkpoints RUN_ID [--store ROOT] [--json]   a run's checkpoints
     prefect-tinker store check|repair [--store ROOT] [--json]   unreadable parts, leftover temporaries
     prefect-tinker local serve ...                              the local Tinker-compatible server
@@ -15,12 +16,13 @@ Subcommands::
     prefect-tinker show-example DATA --tokenizer T [...]        a rendered example, trained tokens highlighted
     prefect-tinker ops install-automations [--within S]         crash runs whose heartbeats stop (flows/ops.py)
     prefect-tinker sandbox run FILE.py [--timeout S]            run a file in the code sandbox, print JSON
+    prefect-tinker capture serve --model M --store ROOT [...]   OpenAI-compatible endpoint recording every sample
 
 Modules: :mod:`prefect_tinker.flows.cli_config` (errors, YAML values, overrides), :mod:`prefect_tinker.flows.cli_flows`
 (flow registry, config validation), :mod:`prefect_tinker.flows.cli_store` (sql / runs / checkpoints / store),
 :mod:`prefect_tinker.flows.prefect_api` (the temporary Prefect API of ``run``),
 :mod:`prefect_tinker.flows.ops` (ops), :mod:`prefect_tinker.recipes.show` (show-example),
-:mod:`prefect_tinker.recipes.sandbox.cli` (sandbox).
+:mod:`prefect_tinker.recipes.sandbox.cli` (sandbox), :mod:`prefect_tinker.tasks.capture.serve` (capture serve).
 
 Exit status: 0 success, 1 runtime failure (SQL error, the flow failed), 2 bad usage or an
 invalid config (the message names each bad field and its value; no traceback).
@@ -204,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     from prefect_tinker.recipes.sandbox.cli import add_parser as add_sandbox  # logic in recipes/sandbox/cli.py
 
     add_sandbox(sub)
+    from prefect_tinker.tasks.capture.serve import add_parser as add_capture  # capture serve: tasks/capture/
+
+    add_capture(sub)
     return p
 
 

@@ -142,7 +142,10 @@ def build_config(
                 problems.append(f"{loc}: required field missing")
             else:
                 msg = err["msg"].removeprefix("Value error, ")  # a validator's own message
-                problems.append(f"{loc} = {err.get('input')!r}: {msg} (from {source(loc)})")
+                if loc == "(config)":  # a check across fields: its message names them
+                    problems.append(msg)
+                else:
+                    problems.append(f"{loc} = {err.get('input')!r}: {msg} (from {source(loc)})")
     else:
         if not problems:
             return config

@@ -1,4 +1,4 @@
-"""Store commands of ``prefect-tinker``: ``sql``, ``runs``, ``checkpoints`` and ``store
+"""Store commands of ``prefect-tinker``: ``sql``, ``runs``, ``evals``, ``checkpoints`` and ``store
 check|repair`` over the stores (a folder or ``s3://bucket/prefix``), printed as an aligned table or JSON.
 
 Unreadable parts are skipped with a warning naming them (:mod:`tinker_blocks.store_health`).
@@ -154,6 +154,27 @@ def cmd_runs(args: argparse.Namespace) -> int:
     return _print_rows(names, [tuple(r[n] for n in names) for r in fixed], args.json)
 
 
+#: one row per evaluated (run, benchmark, step, checkpoint): accuracy, its 95% interval and the
+#: examples (x samples) it aggregates, newest evaluation time; other metrics counted
+EVALS_SQL = (
+    "SELECT run_id, eval_name, step, checkpoint, "
+    "max(CASE WHEN metric = 'accuracy' THEN value END) AS accuracy, "
+    "max(CASE WHEN metric = 'accuracy_ci95_low' THEN value END) AS ci95_low, "
+    "max(CASE WHEN metric = 'accuracy_ci95_high' THEN value END) AS ci95_high, "
+    "max(CASE WHEN metric = 'accuracy' THEN num_samples END) AS samples, "
+    "count(*) AS metrics, max(time) AS time "
+    "FROM eval_results {where}GROUP BY run_id, eval_name, step, checkpoint "
+    "ORDER BY run_id, eval_name, step NULLS FIRST, checkpoint"
+)
+
+
+def cmd_evals(args: argparse.Namespace) -> int:
+    """``prefect-tinker evals [--run R]``: evaluation results, one row per run, benchmark and
+    evaluated weights (step, checkpoint) with accuracy and its 95% interval."""
+    where, params = ("WHERE run_id = ? ", [args.run]) if args.run else ("", [])
+    return _print_query(args.store or _default_store(), EVALS_SQL.format(where=where), params, args.json)
+
+
 def cmd_store(args: argparse.Namespace) -> int:
     """``prefect-tinker store check|repair``: list (check) or move into ``<root>/_quarantine/``
     (repair) the unreadable parts and the temporaries of dead writers. Exit status of check: 0
@@ -198,7 +219,7 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
 
 
 def add_parsers(sub: Any) -> None:
-    """Register ``sql``, ``runs`` and ``checkpoints`` on the ``prefect-tinker`` subparsers."""
+    """Register ``sql``, ``runs``, ``evals``, ``checkpoints`` and ``store`` on the ``prefect-tinker`` subparsers."""
     s = sub.add_parser("sql", help="run SQL over the stores (tables: runs, metrics, checkpoints, "
                        "eval_results, eval_samples, captures)")
     s.add_argument("--store", help=STORE_HELP)
@@ -210,6 +231,12 @@ def add_parsers(sub: Any) -> None:
     rs.add_argument("--store", help=STORE_HELP)
     rs.add_argument("--json", action="store_true")
     rs.set_defaults(func=cmd_runs)
+
+    ev = sub.add_parser("evals", help="list evaluation results (accuracy and 95%% interval per run, benchmark and checkpoint)")
+    ev.add_argument("--store", help=STORE_HELP)
+    ev.add_argument("--run", metavar="RUN_ID", help="only this run's results")
+    ev.add_argument("--json", action="store_true")
+    ev.set_defaults(func=cmd_evals)
 
     st = sub.add_parser("store", help="check a store for unreadable parts and leftover temporaries, "
                         "or move them aside (repair)")

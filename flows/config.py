@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, Field, model_validator
 
+from prefect_tinker.recipes.evals.specs import EvalSpec
 from prefect_tinker.recipes.schedule import LRScheduleFields
 
 # The flows' default store root is the one `prefect-tinker sql/runs/checkpoints` read
@@ -33,6 +34,14 @@ class BackendConfig(BaseModel):
         default=None,
         description="Folder of the embedded local server (models, checkpoints); default ~/.prefect-tinker.",
     )
+    request_deadline_s: float = Field(
+        default=1800.0, gt=0,
+        description="Longest wait for one request's result (seconds); a dead server is noticed sooner (its process and port are checked while waiting).",
+    )
+
+    def is_local(self) -> bool:
+        """Whether this is the embedded local server (no block, no URL)."""
+        return not self.credentials_block and not self.base_url
 
 
 class AdamConfig(BaseModel):
@@ -78,8 +87,9 @@ def resolve_credentials(backend: BackendConfig) -> Any:
                 f"backend.credentials_block: no TinkerCredentials block named {backend.credentials_block!r}"
             ) from exc
     if backend.base_url:
-        return TinkerCredentials(base_url=backend.base_url, api_key=os.environ.get("TINKER_API_KEY"))
-    return TinkerCredentials(local=True, local_root=backend.local_root)
+        return TinkerCredentials(base_url=backend.base_url, api_key=os.environ.get("TINKER_API_KEY"),
+                                 request_deadline_s=backend.request_deadline_s)
+    return TinkerCredentials(local=True, local_root=backend.local_root, request_deadline_s=backend.request_deadline_s)
 
 
 class RecipeConfig(LRScheduleFields):
@@ -106,6 +116,7 @@ class RecipeConfig(LRScheduleFields):
     seed: int = Field(default=0, description="Seed of data order, splits, sampling and LoRA init.")
     adam: AdamConfig = Field(default_factory=AdamConfig)
     backend: BackendConfig = Field(default_factory=BackendConfig)
+    evaluators: list[EvalSpec] = Field(default_factory=list, description="Benchmarks run on the sampler weights at the start, every eval_every steps and at the end: built-in names (gsm8k), {benchmark: NAME, dataset: ..., limit: ...}, full benchmark specs or {kind: inspect, task: ..., name: ...}; results in the eval store and as eval/<name>/accuracy metrics.")
     allow_config_change: list[str] = Field(default_factory=list, description="Fields allowed to differ from the stored run's config when resuming (e.g. [batch_size]); 'renderer' also allows starting from a checkpoint trained with another renderer.")
 
     def run_name_prefix(self) -> str:
@@ -114,6 +125,11 @@ class RecipeConfig(LRScheduleFields):
 
     @model_validator(mode="after")
     def _default_run_name(self) -> "RecipeConfig":
+        if self.backend.is_local():  # the embedded server can tell a model it cannot serve, now
+            from tinker_blocks.credentials import default_local_root
+            from tinker_blocks.model_names import check_model_name
+
+            self.model = check_model_name(self.model, self.backend.local_root or default_local_root())
         if self.run_name is None:  # stable across retries of a deployment's flow run (resumes)
             self.run_name = default_run_name(self.run_name_prefix(), self)
         return self

@@ -29,6 +29,7 @@ from prefect_tinker.flows.session import RunSession
 from prefect_tinker.recipes.builders import SourceFields
 from prefect_tinker.recipes.data_pipeline import batch_at
 from prefect_tinker.recipes.preference import DPOLoss, LossName, PreferenceBuilder, PreferenceData, pair_datums
+from prefect_tinker.tasks.benchmark_evaluator import benchmark_evaluators
 from prefect_tinker.tasks.data import prepare_dataset
 from prefect_tinker.tasks.evaluators import PreferenceEvaluator
 from prefect_tinker.tasks.reference import reference_sequence_logprobs
@@ -42,14 +43,16 @@ class DPOConfig(SourceFields, RecipeConfig):
 
     recipe: ClassVar[str] = "dpo"
     resume_fields: ClassVar[tuple[str, ...]] = (
-        *RecipeConfig.resume_fields, "batch_size", "max_length", "test_size", "format", "fields", "sources",
+        *RecipeConfig.resume_fields, "batch_size", "max_length", "test_size", "max_test", "format", "fields", "sources",
         "dpo_loss", "beta", "label_smoothing", "reference", "reference_via")
 
+    dataset: str | None = Field(default="builtin:example_prefs", description="Comparisons: a JSONL file, dataset directory, Hugging Face id, or builtin:example_prefs (40 bundled comparisons).")
     format: str = Field(default="preference", description="Record format: preference ({prompt?, chosen, rejected}) or dialogue (HH-RLHF transcripts).")
     batch_size: int = Field(default=8, ge=1, description="Comparisons (pairs) per step.")
     num_epochs: int = Field(default=1, ge=1, description="Epochs when max_steps is not set.")
     learning_rate: float = Field(default=1e-5, gt=0, description="Peak learning rate.")
-    test_size: float = Field(default=64, ge=0, description="Held-out comparisons: a count (>=1) or a fraction (<1), split with `seed`.")
+    test_size: float = Field(default=0.1, ge=0, description="Held-out comparisons: a count (>=1) or a fraction (<1, at most max_test pairs), split with `seed`.")
+    max_test: int = Field(default=64, ge=1, description="Most held-out comparisons a test_size fraction gives (each evaluation scores them all).")
     dpo_loss: LossName = Field(default="dpo", description="dpo (sigmoid), ipo or hinge.")
     beta: float = Field(default=0.1, gt=0, description="Strength of the implicit KL to the reference (scales the log-ratio).")
     label_smoothing: float = Field(default=0.0, ge=0, lt=0.5, description="dpo: assumed probability of a flipped label (conservative DPO).")
@@ -58,6 +61,9 @@ class DPOConfig(SourceFields, RecipeConfig):
 
     @model_validator(mode="after")
     def _check(self) -> "DPOConfig":
+        if self.dataset is None and not self.sources:
+            raise ValueError("dataset: required: a JSONL file of comparisons, a dataset directory or a Hugging Face id "
+                             "(or sources=[...])")
         if self.format not in ("preference", "dialogue", "hh") and not self.sources:
             raise ValueError(f"format {self.format!r}: a DPO dataset is 'preference' or 'dialogue' (HH-RLHF)")
         if self.reference_via == "sampler" and "/weights/" in (self.reference or self.load_checkpoint_path or ""):
@@ -71,7 +77,8 @@ class DPOConfig(SourceFields, RecipeConfig):
     def dataset_builder(self, renderer: str) -> PreferenceBuilder:
         """The comparisons of this run for the (resolved) ``renderer``."""
         return PreferenceBuilder(sources=self.source_specs(), renderer=renderer, seed=self.seed,
-                                 max_length=self.max_length, on_error=self.on_error, test_size=self.test_count())
+                                 max_length=self.max_length, on_error=self.on_error, test_size=self.test_count(),
+                                 max_test=self.max_test)
 
 
 @flow(name="dpo", flow_run_name="dpo-{config.run_name}", log_prints=True)
@@ -99,7 +106,7 @@ def dpo_flow(config: DPOConfig) -> dict[str, Any]:
                                          config.lr_at(step, total), config.adam.model_dump())
             return {f"train/{k}": v for k, v in m.items()}
 
-        StepLoop(session, total, evaluators=evaluators).run(one_step)
+        StepLoop(session, total, evaluators=[*evaluators, *benchmark_evaluators(session)]).run(one_step)
         (first_loss, last_loss), (first_acc, last_acc) = session.metric_ends("train/dpo_loss"), session.metric_ends("test/accuracy")
         return session.finish({"first_loss": first_loss, "last_loss": last_loss, "first_test_accuracy": first_acc,
                                "last_test_accuracy": last_acc, "pairs": session.metric_sum("train/pairs")},

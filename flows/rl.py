@@ -39,8 +39,10 @@ from prefect_tinker.recipes.rl.advantages import (
 )
 from prefect_tinker.recipes.rl.envs import build_rl_dataset, build_rl_evaluators
 from prefect_tinker.recipes.rl.types import TrajectoryGroup
+from prefect_tinker.tasks.benchmark_evaluator import benchmark_evaluators
 from prefect_tinker.tasks.clients import tokenizer
 from prefect_tinker.tasks.rollouts import reference_logprobs, rollout_group
+from prefect_tinker.tasks.runners import map_task, submit_task
 from prefect_tinker.tasks.training import forward_backward, optim_step
 
 __all__ = ["RLConfig", "RLLoop", "rl_flow", "merge_metrics"]
@@ -89,15 +91,15 @@ class RLLoop:
 
     def submit(self, builder: Any, batch_index: int, group_index: int):
         """Submit one ``rollout-group`` task on the current sampler; returns its future."""
-        return rollout_group.submit(self.session.credentials, self.sampler_path, builder, batch_index, group_index,
-                                    *self._args())
+        return submit_task(self.config, rollout_group, self.session.credentials, self.sampler_path, builder,
+                           batch_index, group_index, *self._args())
 
     def map_batch(self, batch_index: int) -> list:
         """``rollout-group`` mapped over the groups of batch ``batch_index``; returns the futures."""
         builders = self.dataset.get_batch(batch_index)
-        return list(rollout_group.map(
-            unmapped(self.session.credentials), unmapped(self.sampler_path), builders, unmapped(batch_index),
-            list(range(len(builders))), *(unmapped(a) for a in self._args()),
+        return list(map_task(
+            self.config, rollout_group, unmapped(self.session.credentials), unmapped(self.sampler_path), builders,
+            unmapped(batch_index), list(range(len(builders))), *(unmapped(a) for a in self._args()),
         ))
 
     def collect(self, future, counters: dict[str, float]) -> TrajectoryGroup | None:
@@ -211,7 +213,7 @@ def rl_flow(config: RLConfig) -> dict[str, Any]:
     the first and last steps of this invocation, checkpoints, store)."""
     from prefect_tinker.flows.rl_schedules import SCHEDULES
 
-    with RunSession(config, fingerprint=config.data_fingerprint) as session:
+    with RunSession(config, fingerprint=config.data_fingerprint, preflight=config.preflight) as session:
         last = session.resumed_from
         if last and last["step"] % config.num_substeps:
             raise ValueError(f"run {config.run_name!r}: last checkpoint at optimizer step {last['step']} is not a "
@@ -228,8 +230,8 @@ def rl_flow(config: RLConfig) -> dict[str, Any]:
         schedule = SCHEDULES[config.schedule](loop)
         t0 = time.perf_counter()
         try:
-            StepLoop(session, loop.total, evaluators=evaluators, step_size=loop.k,
-                     on_rewind=schedule.rewind).run(schedule.step)
+            StepLoop(session, loop.total, step_size=loop.k, on_rewind=schedule.rewind,
+                     evaluators=[*evaluators, *benchmark_evaluators(session)]).run(schedule.step)
         finally:
             schedule.close()
         seconds, steps_run = time.perf_counter() - t0, len(loop.rewards)

@@ -12,16 +12,18 @@ from prefect_tinker.flows.config import RecipeConfig
 from prefect_tinker.recipes.data_reading import source_fingerprint
 from prefect_tinker.recipes.rl.envs import EnvSpec
 from prefect_tinker.tasks.rollouts import RolloutPolicy
+from prefect_tinker.tasks.runners import TaskRunnerFields
 
 __all__ = ["RLConfig"]
 
 
-class RLConfig(EnvSpec, RecipeConfig):
+class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
     """Parameters of an RL-with-verifiable-rewards run.
 
     The environment fields (``env``, ``dataset``, ``question_field``, ``answer_field``, ...) come
     from :class:`prefect_tinker.recipes.rl.envs.EnvSpec`. A *step* is one batch of ``groups_per_batch`` groups of
-    ``group_size`` rollouts, trained with ``num_substeps`` optimizer steps.
+    ``group_size`` rollouts, trained with ``num_substeps`` optimizer steps. ``task_runner``
+    (:class:`~prefect_tinker.tasks.runners.TaskRunnerFields`) says where the rollout tasks run.
     """
 
     recipe: ClassVar[str] = "rl"
@@ -70,6 +72,13 @@ class RLConfig(EnvSpec, RecipeConfig):
 
     def run_name_prefix(self) -> str:
         return f"{self.env}-{self.model.replace('/', '-')}"
+
+    def preflight(self) -> None:
+        """Read and validate the environment's problems before the run starts (see
+        :meth:`~prefect_tinker.recipes.rl.envs.Environment.preflight`)."""
+        from prefect_tinker.recipes.rl.envs import get_env
+
+        get_env(self.env).preflight(self)
 
     def data_fingerprint(self, renderer: str) -> str:
         """``sha256:<hex>`` of what the environment's problems are: the env settings and the

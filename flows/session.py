@@ -113,10 +113,12 @@ class RunSession:
     """
 
     def __init__(self, config: RecipeConfig, *, builder: Callable[[str], Any] | None = None,
-                 fingerprint: Callable[[str], str] | None = None, upstream: list[str] | None = None):
+                 fingerprint: Callable[[str], str] | None = None, preflight: Callable[[], None] | None = None,
+                 upstream: list[str] | None = None):
         self.config, self.recipe = config, config.recipe or type(config).__name__.lower()
         self.run_id: str = config.run_name
-        self._make_builder, self._make_fingerprint = builder, fingerprint
+        self._make_builder, self._make_fingerprint, self._preflight = builder, fingerprint, preflight
+        self.lease: Any = None
         self.upstream = list(upstream or [])
         self.pending: dict[str, list] = {"metrics": []}
         self.samplers: dict[int, str] = {}
@@ -128,10 +130,45 @@ class RunSession:
 
     # ----- opening -----------------------------------------------------------------------------
     def __enter__(self) -> "RunSession":
-        c, log = self.config, get_run_logger()
+        c = self.config
+        # bad data fails first: before a server starts, a lease is taken or a row is written
+        if self._make_builder is not None:
+            self._make_builder(c.renderer).check()
+        if self._preflight is not None:
+            self._preflight()
         self.credentials = resolve_credentials(c.backend)
         self.backend = self.credentials.backend_name()
         check_store(c.store)  # wrong credentials / unwritable store: fail before any training
+        self.lease = self._acquire_lease()
+        try:
+            return self._open()
+        except BaseException:
+            self._release()
+            raise
+
+    def _acquire_lease(self) -> Any:
+        """One writer per run name: the run's lease in the store (a second run with this name
+        fails now, naming the holder; a crashed holder's lease is taken over after its timeout)."""
+        from tinker_blocks.lease import acquire_lease
+
+        try:
+            from prefect.runtime import flow_run
+
+            owner = f"flow run {flow_run.name} ({flow_run.id})" if flow_run.id else None
+        except Exception:  # outside a flow run
+            owner = None
+        return acquire_lease(self.config.store, self.run_id, owner=owner)
+
+    def _release(self) -> None:
+        if self.lease is not None:
+            try:
+                self.lease.release()
+            except Exception as exc:  # the lease goes stale on its own; say why it was not released
+                get_run_logger().warning("could not release the lease of run %s: %s", self.run_id, exc)
+            self.lease = None
+
+    def _open(self) -> "RunSession":
+        c, log = self.config, get_run_logger()
         store = self._store()
         stored = store.get_run(self.run_id)
         rows = store.query("SELECT step, kind, path FROM checkpoints WHERE run_id = ? ORDER BY step, time", [self.run_id])
@@ -162,8 +199,17 @@ class RunSession:
         if last:
             self.resumed_from = last
             log.info("resuming run %s after its checkpoint at step %d (%s)", self.run_id, last["step"], last["path"])
+            self._warn_damaged()
         self._record("running")
         return self
+
+    def _warn_damaged(self) -> None:
+        from tinker_blocks.store_health import scan_run
+
+        problems = scan_run(self._store(), self.run_id)
+        for p in problems:
+            get_run_logger().warning("run %s: unreadable part %s (%s); resuming from the last checkpoint that can "
+                                     "still be read (prefect-tinker store repair moves it aside)", self.run_id, p.path, p.reason)
 
     def _store(self):
         from tinker_blocks.stores import TrainingStore
@@ -207,11 +253,14 @@ class RunSession:
         self._status_recorded = True
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc is not None and self._status_recorded:
-            try:
-                self._record("failed")
-            except Exception as inner:  # the original error matters more; say why the row is missing
-                get_run_logger().error("could not record run %s as failed: %s", self.run_id, inner)
+        try:
+            if exc is not None and self._status_recorded:
+                try:
+                    self._record("failed")
+                except Exception as inner:  # the original error matters more; say why the row is missing
+                    get_run_logger().error("could not record run %s as failed: %s", self.run_id, inner)
+        finally:
+            self._release()
 
     # ----- while training ----------------------------------------------------------------------
     @property
@@ -288,6 +337,8 @@ class RunSession:
         the start weights upstream); writes the buffered rows, the sampler row of this step (if
         any), then the state row -- the resume marker -- and posts the report. Returns the path."""
         c, done = self.config, self.step
+        if self.lease is not None:
+            self.lease.check()  # LeaseLostError: another writer took the run over; write nothing more
         self.run, path = save_checkpoint(self.credentials, self.run, self.checkpoint_name(done), "state",
                                          upstream=self._upstream())
         self.flush()

@@ -26,6 +26,7 @@ from prefect_tinker.flows.session import RunSession
 from prefect_tinker.recipes.builders import EXAMPLE_CHATS, SourceFields, SupervisedBuilder, SupervisedData
 from prefect_tinker.recipes.data_pipeline import batch_at
 from prefect_tinker.recipes.datasets import datum_from_example
+from prefect_tinker.tasks.benchmark_evaluator import benchmark_evaluators
 from prefect_tinker.tasks.clients import tokenizer
 from prefect_tinker.tasks.data import prepare_dataset
 from prefect_tinker.tasks.evaluators import NLLEvaluator
@@ -87,7 +88,7 @@ def sft_flow(config: SFTConfig) -> dict[str, Any]:
                                         config.lr_at(step, total), config.adam.model_dump())
             return {f"train/{k}": v for k, v in m.items()}
 
-        StepLoop(session, total, evaluators=[NLLEvaluator(test)] if test else []).run(one_step)
+        StepLoop(session, total, evaluators=[*([NLLEvaluator(test)] if test else []), *benchmark_evaluators(session)]).run(one_step)
         samples = _sample(session, data, config)
         return session.finish({**_totals(session), "samples": samples}, title_fields={"dataset": f"`{config.dataset}`"})
 

@@ -111,11 +111,32 @@ class DatasetBuilder(BaseModel, ABC):
 
     def uris(self) -> list[str]:
         """Asset URIs of the sources: ``file:///abs/path`` for local ones, ``hf://datasets/<id>`` else."""
+        from prefect_tinker.recipes.data_reading import is_capture_source
+
         out = []
         for spec in self.sources:
             path = resolve_source_path(spec.path)
-            out.append(Path(path).resolve().as_uri() if Path(path).exists() else f"hf://datasets/{spec.path}")
+            if is_capture_source(path):  # the capture store the conversations came from
+                root = path.removeprefix("capture:").split("::", 1)[0].strip()
+                out.append(root if "://" in root else Path(root).resolve().as_uri())
+            else:
+                out.append(Path(path).resolve().as_uri() if Path(path).exists() else f"hf://datasets/{spec.path}")
         return out
+
+    def check(self) -> None:
+        """Read and validate every record of the local sources without rendering (no tokenizer,
+        no server): a bad record fails here, naming file, line and field, before a run starts.
+        Hugging Face ids are read by :meth:`build` only (they may be large or remote).
+
+        Raises:
+            DatasetFormatError / FileNotFoundError: as :meth:`build`.
+        """
+        for spec in self.sources:
+            if Path(resolve_source_path(spec.path)).expanduser().exists():
+                self._check_source(spec)
+
+    def _check_source(self, spec: SourceSpec) -> None:
+        """Read one local source's records (subclasses: through their own converter)."""
 
     @abstractmethod
     def build(self, tokenizer: Any) -> BaseModel:
@@ -151,6 +172,12 @@ class SupervisedBuilder(DatasetBuilder):
     test_size: float | int = 0.1
     stopping: Literal["first_exhausted", "all_exhausted", "each_once"] = "each_once"
     renderer_options: dict[str, Any] = Field(default_factory=dict)
+
+    def _check_source(self, spec: SourceSpec) -> None:
+        from prefect_tinker.recipes.data_reading import SkipStats, iter_conversations
+
+        for _ in iter_conversations(spec, on_error=self.on_error, stats=SkipStats(keep=0)):  # build() logs skips
+            pass
 
     def build(self, tokenizer: Any) -> SupervisedData:
         from prefect_tinker.recipes.data_pipeline import SupervisedDataset

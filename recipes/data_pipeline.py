@@ -170,7 +170,9 @@ def render_example(
     """
     where = f"{conversation.source or 'conversation'}: field {conversation.field!r}"
     try:
-        model_input, weights = renderer.build_supervised_example(conversation.messages, train_on_what)
+        tools = conversation.metadata.get("tools") if getattr(renderer, "supports_tools", False) else None
+        model_input, weights = (renderer.build_supervised_example(conversation.messages, train_on_what, tools=tools)
+                                if tools else renderer.build_supervised_example(conversation.messages, train_on_what))
     except RendererError as exc:
         raise DatasetFormatError(f"{where}: {exc}") from exc
     tokens = model_input.to_ints()

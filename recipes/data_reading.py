@@ -4,7 +4,8 @@ A source (:class:`SourceSpec`) is one of:
 
 - a local JSONL file (``.jsonl``, ``.ndjson``, optionally gzipped ``.gz``), read line by line so
   errors name ``file:line``;
-- ``"builtin:example_chat"``: the chat set shipped with this package;
+- ``"builtin:example_chat"``: the chat set shipped with this package; ``"builtin:example_prefs"``:
+  its comparisons (``{"prompt", "chosen", "rejected"}``);
 - anything else goes to ``datasets.load_dataset`` (the real Hugging Face ``datasets`` code): a
   dataset id on the Hub or in the local cache (``config_name``, ``split``), a local dataset
   directory, or a ``.json``/``.parquet``/``.csv``/``.arrow`` file; with ``streaming=True`` rows are
@@ -49,7 +50,9 @@ logger = logging.getLogger("prefect_tinker.recipes.data")
 
 #: The chat set shipped with the package (about 40 short conversations written for it).
 EXAMPLE_CHAT_PATH = str(Path(__file__).resolve().parent / "data" / "example_chat.jsonl")
-_BUILTIN = {"builtin:example_chat": EXAMPLE_CHAT_PATH}
+#: The comparisons shipped with the package (40 prompts with a better and a worse reply, written for it).
+EXAMPLE_PREFS_PATH = str(Path(__file__).resolve().parent / "data" / "example_prefs.jsonl")
+_BUILTIN = {"builtin:example_chat": EXAMPLE_CHAT_PATH, "builtin:example_prefs": EXAMPLE_PREFS_PATH}
 _BUILDERS = {".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 _JSONL = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz")
 
@@ -126,11 +129,17 @@ def _is_jsonl(path: Path) -> bool:
     return path.name.lower().endswith(_JSONL)
 
 
+def is_capture_source(source: str) -> bool:
+    """Whether ``source`` is a ``capture:<root>[::<filter>]`` string: conversations captured by
+    ``prefect-tinker capture serve`` (:mod:`prefect_tinker.recipes.capture_data`)."""
+    return source.startswith("capture:")
+
+
 def looks_local(source: str) -> bool:
     """Whether a dataset ``source`` names a local file rather than a Hugging Face dataset id: it
     ends in ``.jsonl``/``.ndjson`` (optionally ``.gz``), ``.json``, ``.parquet``, ``.csv`` or
     ``.arrow``, or starts with ``/``, ``./``, ``../`` or ``~``. ``builtin:`` names are not paths."""
-    if source in _BUILTIN:
+    if source in _BUILTIN or is_capture_source(source):
         return False
     path = Path(source)
     return _is_jsonl(path) or source.startswith(("/", "./", "../", "~")) or path.suffix.lower() in _BUILDERS
@@ -167,6 +176,11 @@ def source_fingerprint(spec: SourceSpec | str) -> str:
     relative path and bytes for a local directory), or ``hf:<id>[:config]`` for a dataset id
     (whose content the hub versions; pin a revision in the id to make it exact)."""
     spec = SourceSpec.coerce(spec)
+    if is_capture_source(spec.path):  # the captured rows the filter selects, as read now
+        import hashlib
+
+        rows = [[c.messages, c.metadata.get("tools")] for c in _captured(spec)]
+        return "sha256:" + hashlib.sha256(json.dumps(rows, sort_keys=True, default=str).encode()).hexdigest()
     path = Path(resolve_source_path(spec.path)).expanduser()
     if path.is_file():  # the bytes only: renaming the file keeps its identity
         return "sha256:" + _sha256_files([path], None)
@@ -267,6 +281,9 @@ def iter_conversations(
     """
     spec = SourceSpec.coerce(source)
     stats = stats if stats is not None else SkipStats()
+    if is_capture_source(spec.path):
+        yield from _captured(spec)
+        return
     for raw in iter_records(spec):
         if raw.error is not None:
             _fail_or_skip(on_error, stats, "malformed_json", f"{raw.where}: {raw.error}")
@@ -292,6 +309,15 @@ def iter_conversations(
             _fail_or_skip(on_error, stats, "bad_record", str(exc))
             continue
         yield from convs
+
+
+def _captured(spec: SourceSpec) -> list[Conversation]:
+    """The conversations of a ``capture:`` source (request messages + the reply given; tool
+    schemas in ``metadata["tools"]``), at most ``max_records``."""
+    from prefect_tinker.recipes.capture_data import parse_capture_source, read_captured_conversations
+
+    root, where = parse_capture_source(spec.path)
+    return read_captured_conversations(root, where, limit=spec.max_records)
 
 
 def _fail_or_skip(on_error: OnError, stats: SkipStats, reason: str, message: str) -> None:

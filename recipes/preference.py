@@ -87,6 +87,7 @@ class PreferenceBuilder(DatasetBuilder):
     max_length: int = 512
     on_error: OnError = "raise"
     test_size: float | int = 0.1
+    max_test: int | None = None  # a fraction's held-out count is capped here (evaluation cost)
     renderer_options: dict[str, Any] = {}
 
     kind: ClassVar[str] = "preference"
@@ -99,7 +100,10 @@ class PreferenceBuilder(DatasetBuilder):
         comparisons = [c for spec in self.sources for c in self._read(spec, stats)]
         if not comparisons:
             raise DatasetFormatError(f"no usable comparison in {', '.join(s.path for s in self.sources)} ({stats.summary()})")
-        train, test = (split_conversations(comparisons, self.test_size, seed=self.seed) if self.test_size
+        test_size = self.test_size
+        if isinstance(test_size, float) and 0 < test_size < 1 and self.max_test is not None:
+            test_size = min(max(1, round(len(comparisons) * test_size)), self.max_test)
+        train, test = (split_conversations(comparisons, test_size, seed=self.seed) if test_size
                        else (comparisons, []))
 
         def render(items) -> list[PairExample]:
@@ -121,6 +125,10 @@ class PreferenceBuilder(DatasetBuilder):
             raise DatasetFormatError(f"no training comparison left ({stats.summary()})")
         return PreferenceData(fingerprint=self.fingerprint(), renderer=self.renderer, train=data_train,
                               test=data_test, skipped=stats.total, skip_summary=stats.summary())
+
+    def _check_source(self, spec: SourceSpec) -> None:
+        for _ in self._read(spec, SkipStats(keep=0)):  # build() logs skips
+            pass
 
     def _read(self, spec: SourceSpec, stats: SkipStats):
         fmt = spec.format if spec.format in PAIR_FORMATS else "preference"

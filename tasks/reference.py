@@ -23,7 +23,7 @@ import tinker
 from prefect import task
 from prefect.cache_policies import TASK_SOURCE, CacheKeyFnPolicy
 
-from prefect_tinker.tasks.clients import reference_client, sampling_client
+from prefect_tinker.tasks.clients import reference_client, result, sampling_client
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
 
 __all__ = ["reference_sequence_logprobs"]
@@ -64,7 +64,8 @@ def reference_sequence_logprobs(
         ValueError: a reference the chosen ``via`` cannot load.
     """
     if via == "trainer":
-        out = reference_client(credentials, reference, seed=seed).forward(datums, "cross_entropy").result()
+        fut = reference_client(credentials, reference, seed=seed).forward(datums, "cross_entropy")
+        out = result(credentials, fut, f"reference logprobs of {reference}")
         return [_weighted(o["logprobs"], d) for o, d in zip(out.loss_fn_outputs, datums)]
     if via != "sampler":
         raise ValueError(f"via must be 'trainer' or 'sampler', got {via!r}")

@@ -27,7 +27,8 @@ from prefect.cache_policies import NO_CACHE
 
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
 
-__all__ = ["Progress", "artifact_key", "latest_metrics", "metric_series", "plot_curves", "report_run", "SFT_CURVES", "RL_CURVES"]
+__all__ = ["Progress", "artifact_key", "eval_curve_names", "latest_metrics", "metric_series", "plot_curves", "report_run",
+           "write_png", "SFT_CURVES", "RL_CURVES"]
 
 #: Curves of an SFT run (one panel per name; names absent from the store are skipped).
 SFT_CURVES: tuple[str, ...] = ("train/loss", "test/nll", "train/learning_rate")
@@ -136,8 +137,16 @@ def plot_curves(series: dict[str, tuple[list[int], list[float]]], title: str) ->
     return buf.getvalue()
 
 
-def _write_png(root: str, run_id: str, png: bytes) -> str:
-    """Write ``png`` to ``<root>/reports/<run_id>/curves.png`` whole or not at all (a local file
+def eval_curve_names(store: Any, run_id: str) -> list[str]:
+    """The ``eval/<benchmark>/accuracy`` metrics ``run_id`` has in the training store (recorded by
+    the benchmark evaluators during training), sorted."""
+    rows = _store(store).query("SELECT DISTINCT name FROM metrics WHERE run_id = ? AND name LIKE 'eval/%/accuracy' "
+                               "ORDER BY name", [run_id])
+    return [r["name"] for r in rows]
+
+
+def write_png(root: str, run_id: str, png: bytes, name: str = "curves.png") -> str:
+    """Write ``png`` to ``<root>/reports/<run_id>/<name>`` whole or not at all (a local file
     goes through a temporary and a rename, S3 is one PUT; a dead writer's leftover temporaries
     there are removed first); returns that path or URL.
 
@@ -150,7 +159,7 @@ def _write_png(root: str, run_id: str, png: bytes) -> str:
     from tinker_blocks.atomic import atomic_write_bytes, sweep_stale_temps
     from tinker_blocks.store_io import resolve_storage_options
 
-    url = f"{root.rstrip('/')}/reports/{run_id}/curves.png"
+    url = f"{root.rstrip('/')}/reports/{run_id}/{name}"
     fs, path = fsspec.core.url_to_fs(url, **resolve_storage_options(root))
     local = isinstance(fs, LocalFileSystem)
     if local:
@@ -166,7 +175,8 @@ def report_run(store: str, run_id: str, step: int, kind: str = "sft", curves: Se
 
     - table artifact ``<kind>-<run>-metrics``: the newest value of every metric;
     - markdown artifact ``<kind>-<run>-curves`` (``plot=True`` and at least one of ``curves``
-      recorded): the PNG of those curves, embedded, and its path in the store.
+      recorded): the PNG of those curves and of every ``eval/<benchmark>/accuracy`` of the run
+      (:func:`eval_curve_names`), embedded, and its path in the store.
 
     Returns ``{"metrics": n_rows, "png": path or None, "png_bytes": size}``.
     """
@@ -178,11 +188,11 @@ def report_run(store: str, run_id: str, step: int, kind: str = "sft", curves: Se
         )
     if not plot:
         return {"metrics": len(rows), "png": None, "png_bytes": 0}
-    series = metric_series(store, run_id, list(curves))
+    series = metric_series(store, run_id, [*curves, *(n for n in eval_curve_names(store, run_id) if n not in curves)])
     if not series:
         return {"metrics": len(rows), "png": None, "png_bytes": 0}
     png = plot_curves(series, f"{kind.upper()} {run_id} (step {step})")
-    path = _write_png(str(store), run_id, png)
+    path = write_png(str(store), run_id, png)
     data = base64.b64encode(png).decode("ascii")
     markdown = "\n".join([
         f"# {kind.upper()} run `{run_id}`: curves at step {step}",

@@ -8,6 +8,7 @@ import tinker
 from prefect import task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
+from prefect_tinker.tasks.clients import sampling_client
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
 
 __all__ = ["sample_completions"]
@@ -46,7 +47,7 @@ def sample_completions(
     Returns, per prompt, a list of ``{"tokens": [...], "logprobs": [...], "stop_reason": ...}``.
     Prompt ``i`` uses seed ``seed + i``, so results are reproducible and cacheable.
     """
-    client = credentials.get_client().create_sampling_client(model_path=sampler_path).result()
+    client = sampling_client(credentials, sampler_path)
     futures = [
         client.sample(
             prompt=tinker.ModelInput.from_ints(p),

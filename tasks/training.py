@@ -84,11 +84,15 @@ def _logprobs(out: Any) -> list[list[float]]:
                        dtype=np.float64).ravel().tolist() for o in out.loss_fn_outputs]
 
 
-def _calling(credentials: Any, run: TrainingRun, fn: Callable[[tinker.TrainingClient], Any]) -> tuple[Any, Any]:
-    """``(client, fn(client))``; a failure drops the (now poisoned) client before re-raising."""
+def _calling(credentials: Any, run: TrainingRun, fn: Callable[[tinker.TrainingClient, Callable[[Any], Any]], Any],
+             what: str) -> tuple[Any, Any]:
+    """``(client, fn(client, wait))`` where ``wait(future)`` is the future's result, watched for a
+    dead server and bounded by the deadline (:func:`prefect_tinker.tasks.clients.result`); a
+    failure drops the (now poisoned) client before re-raising."""
     client = clients.training_client(credentials, run)
+    label = f"{what} of run {run.run_name!r} at step {run.step}"
     try:
-        return client, fn(client)
+        return client, fn(client, lambda fut: clients.result(credentials, fut, label))
     except Exception:
         clients.forget(credentials, run)
         raise
@@ -114,12 +118,12 @@ def open_training_run(
     clients.forget(credentials, run)
     service = credentials.get_client()
     if resume_from:
-        client = service.create_training_client_from_state_with_optimizer(resume_from).result()
+        fut = service.create_training_client_from_state_with_optimizer(resume_from)
     elif init_from:
-        client = service.create_training_client_from_state(init_from).result()
+        fut = service.create_training_client_from_state(init_from)
     else:
-        client = service.create_lora_training_client(base_model=base_model, rank=lora_rank, seed=seed).result()
-    return clients.register(credentials, run, client)
+        fut = service.create_lora_training_client(base_model=base_model, rank=lora_rank, seed=seed)
+    return clients.register(credentials, run, clients.result(credentials, fut, f"the training client of run {run_name!r}"))
 
 
 def _adam(learning_rate: float, adam: dict[str, float] | None) -> tinker.AdamParams:
@@ -153,12 +157,12 @@ def train_step(
         raise ValueError(f"run {run.run_name!r} is at step {run.step}, not {step}")
     t0 = time.perf_counter()
 
-    def call(client):
+    def call(client, wait):
         fb = client.forward_backward(datums, loss_fn, loss_fn_config)
         opt = client.optim_step(_adam(learning_rate, adam))
-        return fb.result(), opt.result()
+        return wait(fb), wait(opt)
 
-    client, (out, opt) = _calling(credentials, run, call)
+    client, (out, opt) = _calling(credentials, run, call, "forward_backward + optim_step")
     clients.advance(credentials, run, client, step + 1)
     tokens = weights_sum(datums)
     loss_sum = float(out.metrics.get("loss:sum", float("nan")))
@@ -184,12 +188,12 @@ def custom_step(
         raise ValueError(f"run {run.run_name!r} is at step {run.step}, not {step}")
     t0 = time.perf_counter()
 
-    def call(client):
+    def call(client, wait):
         fb = client.forward_backward_custom(datums, loss)
         opt = client.optim_step(_adam(learning_rate, adam))
-        return fb.result(), opt.result()
+        return wait(fb), wait(opt)
 
-    client, (out, opt) = _calling(credentials, run, call)
+    client, (out, opt) = _calling(credentials, run, call, "forward_backward_custom + optim_step")
     clients.advance(credentials, run, client, step + 1)
     metrics = {k: v for k, v in _metrics(getattr(opt, "metrics", None)).items() if k not in ("learning_rate", "step")}
     metrics.update({k: v for k, v in _metrics(out.metrics).items() if k != "surrogate_loss"})
@@ -216,7 +220,8 @@ def forward_backward(
         clients.training_client(credentials, run)  # recreated at the last checkpoint (may rewind)
         raise ClientRewound(run, run.step)  # the earlier passes' gradients were lost: redo the step
     t0 = time.perf_counter()
-    _, out = _calling(credentials, run, lambda c: c.forward_backward(datums, loss_fn, loss_fn_config).result())
+    _, out = _calling(credentials, run, lambda c, wait: wait(c.forward_backward(datums, loss_fn, loss_fn_config)),
+                      "forward_backward")
     return ForwardResult(loss_sum=float(out.metrics.get("loss:sum", float("nan"))), logprobs=_logprobs(out),
                          metrics=_metrics(out.metrics), seconds=time.perf_counter() - t0)
 
@@ -234,7 +239,7 @@ def optim_step(
     if not clients.has_training_client(credentials, run):
         clients.training_client(credentials, run)  # recreated without the accumulated gradients
         raise ClientRewound(run, run.step)
-    client, res = _calling(credentials, run, lambda c: c.optim_step(_adam(learning_rate, adam)).result())
+    client, res = _calling(credentials, run, lambda c, wait: wait(c.optim_step(_adam(learning_rate, adam))), "optim_step")
     clients.advance(credentials, run, client, run.step + 1)
     metrics = {k: v for k, v in _metrics(getattr(res, "metrics", None)).items() if k not in ("learning_rate", "step")}
     metrics["learning_rate"] = float(learning_rate)
@@ -246,7 +251,7 @@ def forward(credentials: Any, run: TrainingRun, datums: list[tinker.Datum], loss
     """``forward(datums, loss_fn)`` under the run's current weights: the loss and per-datum
     logprobs, no gradients."""
     t0 = time.perf_counter()
-    _, out = _calling(credentials, run, lambda c: c.forward(datums, loss_fn).result())
+    _, out = _calling(credentials, run, lambda c, wait: wait(c.forward(datums, loss_fn)), "forward")
     return ForwardResult(loss_sum=float(out.metrics.get("loss:sum", float("nan"))), logprobs=_logprobs(out),
                          metrics=_metrics(out.metrics), seconds=time.perf_counter() - t0)
 
@@ -266,9 +271,9 @@ def _save_checkpoint(credentials: Any, run: TrainingRun, name: str, kind: str = 
     """
     if kind not in ("state", "sampler"):
         raise ValueError(f"checkpoint kind must be 'state' or 'sampler', got {kind!r}")
-    save = (lambda c: c.save_state(name).result().path) if kind == "state" else (
-        lambda c: c.save_weights_for_sampler(name).result().path)
-    _, path = _calling(credentials, run, save)
+    save = (lambda c, wait: wait(c.save_state(name)).path) if kind == "state" else (
+        lambda c, wait: wait(c.save_weights_for_sampler(name)).path)
+    _, path = _calling(credentials, run, save, f"save {kind} checkpoint {name!r}")
     if kind == "state":
         run = run.model_copy(update={"last_checkpoint": path, "last_checkpoint_step": run.step})
     return run, path

@@ -23,12 +23,12 @@ SCENARIO = textwrap.dedent("""
     from pathlib import Path
     from tinker_blocks.atomic import WriteError
     from tinker_blocks.stores import TrainingStore
-    from prefect_tinker.tasks.reporting import _write_png
+    from prefect_tinker.tasks.reporting import write_png
 
     root, big = Path(sys.argv[1]), int(sys.argv[2])
     store = TrainingStore(root=str(root))
     store.record_run("r", status="running")
-    first_png = _write_png(str(root), "r", b"\\x89PNG small picture")
+    first_png = write_png(str(root), "r", b"\\x89PNG small picture")
     codes = {errno.ENOSPC, errno.EFBIG}
     blob = os.urandom(big).hex()  # incompressible: the part cannot fit
     try:
@@ -38,7 +38,7 @@ SCENARIO = textwrap.dedent("""
         assert exc.errno in codes, exc
         assert "/training/runs/run_id=r/part-run-" in str(exc) and str(root) in str(exc), str(exc)
     try:
-        _write_png(str(root), "r", os.urandom(big))
+        write_png(str(root), "r", os.urandom(big))
         raise SystemExit("the oversized picture was written")
     except WriteError as exc:
         assert exc.errno in codes and exc.filename == str(root / "reports" / "r" / "curves.png"), str(exc)

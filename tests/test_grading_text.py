@@ -29,7 +29,7 @@ def test_token_f1_values():
     assert token_f1("the answer is 42", "42") == pytest.approx(0.5)  # p = 1/3, r = 1
     assert token_f1("Paris", "Paris") == 1.0
     assert token_f1("London", "Paris") == 0.0
-    assert token_f1("", "") == 0.0  # v1.1: no common token
+    assert token_f1("", "") == 1.0 and token_f1("x", "") == 0.0  # v2.0: both empty is a match
 
 
 def test_best_over_references():

@@ -139,3 +139,24 @@ def test_bad_dataset_line_is_named(prefect_api, local_credentials, tmp_path):
 def test_unknown_model_is_a_clear_user_error(prefect_api, local_credentials, tmp_path):
     with pytest.raises(Exception, match="no-such-model"):
         sft_flow(_config(local_credentials, tmp_path / "s", "unknown-model", model="no-such-model"))
+
+
+def test_starting_from_a_checkpoint_of_another_renderer_is_refused(prefect_api, local_credentials, tmp_path):
+    """The resolved renderer is recorded with the run and its checkpoints; a run that starts from
+    a checkpoint trained with another renderer fails naming both, unless explicitly allowed."""
+    from prefect_tinker.flows.session import ResumeConfigError
+    from tinker_blocks.stores import TrainingStore
+
+    store = tmp_path / "store"
+    kw = dict(max_steps=1, save_every=1, eval_every=0, num_eval_samples=0, dataset="builtin:example_chat")
+    sft_flow(_config(local_credentials, store, "rc-base", renderer="role_colon", **kw))
+    ck = TrainingStore(root=str(store)).last_checkpoint("rc-base")
+    assert ck["renderer"] == "role_colon"
+    assert json.loads(TrainingStore(root=str(store)).get_run("rc-base")["meta_json"])["renderer"] == "role_colon"
+    with pytest.raises(ResumeConfigError, match=r"trained with renderer 'role_colon'.*renders with 'chatml'"):
+        sft_flow(_config(local_credentials, store, "rc-next", load_checkpoint_path=ck["path"], **kw))
+    ok = sft_flow(_config(local_credentials, store, "rc-next", load_checkpoint_path=ck["path"],
+                          allow_config_change=["renderer"], **kw))
+    assert ok["renderer"] == "chatml" and ok["steps"] == 1
+    same = sft_flow(_config(local_credentials, store, "rc-same", load_checkpoint_path=ck["path"], renderer="role_colon", **kw))
+    assert same["steps"] == 1

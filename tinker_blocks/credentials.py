@@ -137,6 +137,9 @@ class TinkerCredentials(CredentialsBlock):
     local_startup_timeout: float = Field(
         default=120.0, gt=0, description="Seconds to wait for a starting local server to answer its health check."
     )
+    request_deadline_s: float = Field(
+        default=1800.0, gt=0, description="Longest wait in seconds for one request's result before it fails (the server is also checked while waiting)."
+    )
 
     @field_validator("api_key")
     @classmethod

@@ -409,7 +409,7 @@ class ParquetStore:
             con.execute(f'CREATE OR REPLACE VIEW "{table}" AS {self.empty_view_sql(table)}')
             return
         if self.spec(table).evolved:  # parts of older and newer schemas may mix
-            con.execute(f'CREATE OR REPLACE VIEW "{table}" AS {self.view_sql(table, union_by_name=True)}')
+            con.execute(f'CREATE OR REPLACE VIEW "{table}" AS {self.view_sql(table, union_by_name=True, files=files)}')
             return
         try:
             con.execute(f'CREATE OR REPLACE VIEW "{table}" AS {self.view_sql(table, files=files)}')

@@ -139,7 +139,7 @@ CAPTURES_SCHEMA = pa.schema([
     _RUN_ID,  # capture session (e.g. the capture server's name or its flow run)
     _f("request_id", pa.string(), False),  # one per HTTP request; n sequences share it
     _f("sequence_index", pa.int64(), False),  # 0..n-1 within the request
-    _f("client", pa.string()),  # who called: API key name, user agent or address
+    _f("client", pa.string()),  # who called: the /r/<tag>/ path tag, else the request's user, else the User-Agent
     _f("endpoint", pa.string()),  # "chat.completions" | "completions"
     _f("model", pa.string()),  # the model name the client asked for
     _f("checkpoint", pa.string()),  # what was sampled: tinker:// sampler path or base model
@@ -155,6 +155,9 @@ CAPTURES_SCHEMA = pa.schema([
     _f("latency_ms", pa.float64()),  # request received -> response ready, milliseconds
     _f("sampling_json", pa.string()),  # temperature, top_p, max_tokens, seed, stop as JSON
     _f("metadata_json", pa.string()),  # client-supplied metadata / tags as JSON
+    _f("finish_reason", pa.string()),  # what the client was told: "stop" | "length" | "tool_calls"
+    _f("tools_json", pa.string()),  # chat: the tool (function) schemas of the request as JSON
+    _f("response_json", pa.string()),  # chat: {"message": the returned assistant message, ...}
     _TIME,  # when the response was sent
 ])
 

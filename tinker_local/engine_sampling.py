@@ -37,20 +37,23 @@ class SamplingMixin:
                num_samples: int, max_tokens: int, temperature: float = 1.0, top_k: int = -1,
                top_p: float = 1.0, seed: int | None = None,
                stop: list[str] | list[int] | str | None = None,
-               include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0) -> SampleResult:
+               include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0,
+               topk_sample_logprobs: int = 0) -> SampleResult:
         """Sample ``num_samples`` continuations of ``prompt_tokens`` (len P >= 1) from the base
         model, or from sampler/state weights at ``weights_path`` (then ``base_model`` may be None:
         the checkpoint names it).  fp32; token logprobs as in ``forward`` (temperature 1, before
         top-k/top-p).  ``temperature`` 0 = greedy; ``top_k`` <= 0 = off; ``stop``: None = the
         model's EOS ids, ``[]`` = never stop early, strings are matched in the decoded sampled
         text, ints are token ids (kept as the last token).  ``seed`` None = random.
+        ``topk_sample_logprobs`` k > 0: each sequence also gets ``topk_logprobs``, the k most
+        likely (token id, logprob) pairs at every sampled position.
         Raises EngineUserError: unknown model/path, base model not matching the weights, token
         outside the vocabulary, P + max_tokens - 1 beyond the context, bad parameter values."""
         (res,) = self.sample_many([dict(
             base_model=base_model, weights_path=weights_path, prompt_tokens=prompt_tokens,
             num_samples=num_samples, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
             top_p=top_p, seed=seed, stop=stop, include_prompt_logprobs=include_prompt_logprobs,
-            topk_prompt_logprobs=topk_prompt_logprobs)])
+            topk_prompt_logprobs=topk_prompt_logprobs, topk_sample_logprobs=topk_sample_logprobs)])
         if isinstance(res, BaseException):
             raise res
         return res
@@ -91,7 +94,7 @@ class SamplingMixin:
 
     def _prepare_sample(self, base_model, weights_path, prompt_tokens, *, num_samples, max_tokens,
                         temperature=1.0, top_k=-1, top_p=1.0, seed=None, stop=None,
-                        include_prompt_logprobs=False, topk_prompt_logprobs=0):
+                        include_prompt_logprobs=False, topk_prompt_logprobs=0, topk_sample_logprobs=0):
         """Validate one request -> (base, weights path | None, weights cache key, SampleRequest)."""
         wkey = None
         if weights_path is not None:
@@ -118,12 +121,13 @@ class SamplingMixin:
             raise EngineUserError(f"top_p must be in (0, 1], got {top_p!r}")
         if not (float(temperature) >= 0.0):
             raise EngineUserError(f"temperature must be >= 0, got {temperature!r}")
-        if int(topk_prompt_logprobs) < 0:
-            raise EngineUserError(f"topk_prompt_logprobs must be >= 0, got {topk_prompt_logprobs!r}")
+        for k, v in (("topk_prompt_logprobs", topk_prompt_logprobs), ("topk_sample_logprobs", topk_sample_logprobs)):
+            if int(v) < 0:
+                raise EngineUserError(f"{k} must be >= 0, got {v!r}")
         req = SampleRequest(prompt, num_samples, max_tokens, float(temperature), int(top_k),
                             float(top_p), int(seed) if seed is not None else secrets.randbelow(2**63),
                             make_stop_spec(stop, _eos_ids(b)), bool(include_prompt_logprobs),
-                            int(topk_prompt_logprobs))
+                            int(topk_prompt_logprobs), int(topk_sample_logprobs))
         return b, weights_path, wkey, req
 
     def _sample_chunk(self, b, path: Path | None, reqs: list[SampleRequest]) -> list[dict]:

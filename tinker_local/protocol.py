@@ -217,8 +217,9 @@ def sample_response_to_proto(
 ) -> bytes:
     """Encode a sampling result as a serialized ``SampleResponse``.
 
-    sequences: dicts with ``tokens`` (list[int]), ``logprobs`` (list[float] or None) and
-    ``stop_reason`` ("stop" | "length"). prompt_logprobs: one entry per prompt token, None
+    sequences: dicts with ``tokens`` (list[int]), ``logprobs`` (list[float] or None),
+    ``stop_reason`` ("stop" | "length") and optionally ``topk_logprobs`` (one list of
+    ``(token_id, logprob)`` per token; sent as ``topk_sampled_logprobs``). prompt_logprobs: one entry per prompt token, None
     (sent as NaN) where not computed. With ``prompt_logprobs_last_n`` only the last N entries
     are kept (the rest become NaN / None rows).
     """
@@ -232,6 +233,8 @@ def sample_response_to_proto(
         s.tokens = np.asarray(list(seq["tokens"]), dtype=np.int32).tobytes()
         if seq.get("logprobs") is not None:
             s.logprobs = np.asarray(list(seq["logprobs"]), dtype=np.float32).tobytes()
+        if seq.get("topk_logprobs") is not None:
+            _topk_to_proto(list(seq["topk_logprobs"]), s.topk_sampled_logprobs)
     if prompt_logprobs is not None:
         lp = np.array([math.nan if v is None else float(v) for v in prompt_logprobs], dtype=np.float32)
         if prompt_logprobs_last_n is not None:

@@ -93,8 +93,9 @@ def _choose(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
 class SampleRequest:
     """One request for ``sample_batch``: ``prompt`` token ids (len P >= 1), ``num_samples`` >= 1,
     ``max_tokens`` >= 1 new tokens, ``temperature`` (0 = greedy), ``top_k`` (<= 0: off),
-    ``top_p`` in (0, 1], ``seed`` (int), ``stop`` conditions, and whether to return the prompt's
-    logprobs (``prompt_logprobs``) and its top-``topk_prompt_logprobs`` alternatives."""
+    ``top_p`` in (0, 1], ``seed`` (int), ``stop`` conditions, whether to return the prompt's
+    logprobs (``prompt_logprobs``) and its top-``topk_prompt_logprobs`` alternatives, and the
+    top-``topk_sample_logprobs`` alternatives at each sampled position."""
 
     prompt: list[int]
     num_samples: int
@@ -106,6 +107,7 @@ class SampleRequest:
     stop: StopSpec
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
 
     @property
     def wants_prompt(self) -> bool:
@@ -140,8 +142,8 @@ def _prompt_outputs(req: SampleRequest, logits: torch.Tensor) -> dict:
 def sample_batch(model, tokenizer, reqs: list[SampleRequest], *, device: torch.device,
                  decode_threads: int | None = None) -> list[dict]:
     """Serve ``reqs`` together; returns one dict per request, in order:
-    ``{"sequences": [{"tokens": [...], "logprobs": [...], "stop_reason": "stop"|"length"}] *
-    num_samples, "prompt_logprobs": list (len P, entry 0 None) | None, "topk_prompt_logprobs":
+    ``{"sequences": [{"tokens": [...], "logprobs": [...], "stop_reason": "stop"|"length",
+    "topk_logprobs": [[(token_id, logprob)] * k] per token | None}] * num_samples, "prompt_logprobs": list (len P, entry 0 None) | None, "topk_prompt_logprobs":
     list (len P, entry 0 None, others [(token_id, logprob)] * k) | None}``.
 
     The caller handles autocast (none: fp32), adapter selection and batch sizes (the prefill
@@ -182,6 +184,7 @@ def sample_batch(model, tokenizer, reqs: list[SampleRequest], *, device: torch.d
     gens = [torch.Generator(device="cpu").manual_seed(int(r.seed) & 0xFFFF_FFFF_FFFF_FFFF) for r in reqs]
     toks = [[[] for _ in range(n)] for n in counts]
     lps = [[[] for _ in range(n)] for n in counts]
+    tops = [[[] for _ in range(n)] for n in counts]  # top-k (token, logprob) per sampled position
     reasons = [["length"] * n for n in counts]
     done = [[False] * n for n in counts]
     windows = [max((len(s) for s in r.stop.strings), default=0) * 4 + 8 for r in reqs]
@@ -198,11 +201,17 @@ def sample_batch(model, tokenizer, reqs: list[SampleRequest], *, device: torch.d
             nxt = _choose(lf[a:b], r.temperature, r.top_k, r.top_p, gens[i])
             nxt_rows[a:b] = nxt
             nlp = logp[a:b].gather(-1, nxt.unsqueeze(-1)).squeeze(-1).tolist()
+            top = None
+            if r.topk_sample_logprobs > 0:  # same temperature-1 logprobs as the sampled ones
+                tv, ti = torch.topk(logp[a:b], min(r.topk_sample_logprobs, logp.shape[-1]), dim=-1)
+                top = [list(zip(ids, vs)) for ids, vs in zip(ti.tolist(), tv.tolist())]
             for j, (t, v) in enumerate(zip(nxt.tolist(), nlp)):
                 if done[i][j]:
                     continue
                 toks[i][j].append(t)
                 lps[i][j].append(v)
+                if top is not None:
+                    tops[i][j].append(top[j])
                 if t in r.stop.token_ids:
                     done[i][j], reasons[i][j] = True, "stop"
                 elif r.stop.strings:
@@ -232,6 +241,7 @@ def sample_batch(model, tokenizer, reqs: list[SampleRequest], *, device: torch.d
         last = out.logits[:, -1]
         step += 1
     for i, res in enumerate(results):
-        res["sequences"] = [{"tokens": toks[i][j], "logprobs": lps[i][j], "stop_reason": reasons[i][j]}
-                            for j in range(counts[i])]
+        k = reqs[i].topk_sample_logprobs
+        res["sequences"] = [{"tokens": toks[i][j], "logprobs": lps[i][j], "stop_reason": reasons[i][j],
+                             "topk_logprobs": tops[i][j] if k > 0 else None} for j in range(counts[i])]
     return results

@@ -105,7 +105,7 @@ class SamplingServiceMixin:
             stop = P.stop_from_json(sp.get("stop"))
         except P.ProtocolError as e:
             raise HttpError(422, f"{ep}: {e}") from e
-        unsupported = [k for k in ("topk_sample_logprobs", "prompt_alt_tokens_k") if body.get(k)]
+        unsupported = ["prompt_alt_tokens_k"] if body.get("prompt_alt_tokens_k") else []
         unsupported += ["target_prompt_logprobs"] if body.get("target_prompt_logprobs") else []
         topk = _int(body, "topk_prompt_logprobs", ep, 0) or 0
         max_tokens = _int(sp, "max_tokens", ep)
@@ -118,7 +118,7 @@ class SamplingServiceMixin:
                 top_k=_int(sp, "top_k", ep) if sp.get("top_k") is not None else -1,
                 top_p=float(_or(sp.get("top_p"), 1.0)), seed=_int(sp, "seed", ep), stop=stop,
                 include_prompt_logprobs=bool(body.get("prompt_logprobs")) or topk > 0,
-                topk_prompt_logprobs=topk),
+                topk_prompt_logprobs=topk, topk_sample_logprobs=_int(body, "topk_sample_logprobs", ep, 0) or 0),
                 "prompt_logprobs": bool(body.get("prompt_logprobs")), "topk": topk,
                 "last_n": _int(body, "prompt_logprobs_last_n", ep)}
         except (TypeError, ValueError) as e:

@@ -82,6 +82,11 @@ class Environment:
         config is validated, before a run starts)."""
 
     @classmethod
+    def preflight(cls, spec: "EnvSpec") -> None:
+        """Read and validate the environment's data before a run starts (no tokenizer, no
+        server): a bad record fails here, naming file, line and field. Default: nothing to read."""
+
+    @classmethod
     def options(cls, spec: "EnvSpec") -> BaseModel:
         """``spec.env_options`` validated by :attr:`Options`."""
         return cls.Options.model_validate(spec.env_options)

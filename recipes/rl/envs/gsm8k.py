@@ -5,6 +5,7 @@ reference is the number after ``####``; the reply must end with a ``#### n`` lin
 
 from __future__ import annotations
 
+from prefect_tinker.recipes.data_reading import looks_local
 from prefect_tinker.recipes.rl.envs import EnvContext, Environment, register_env
 from prefect_tinker.recipes.rl.envs.problems import load_problems, problem_builder
 from prefect_tinker.recipes.rl.grading import answers_match, extract_final_answer
@@ -33,6 +34,11 @@ class GSM8KEnv(ProblemEnv):
 class GSM8K(Environment):
     name = "gsm8k"
     description = "GSM8K word problems (JSONL with question/answer, or openai/gsm8k); replies end with '#### n'."
+
+    @classmethod
+    def preflight(cls, spec) -> None:
+        if spec.dataset and looks_local(spec.dataset):
+            load_problems(spec.dataset, max_problems=spec.max_problems)
 
     @classmethod
     def build(cls, spec, ctx: EnvContext) -> RLDataset:

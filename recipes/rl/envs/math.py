@@ -6,6 +6,7 @@ contain ``\\boxed{}`` / ``####``; replies are graded on their last ``\\boxed{}``
 
 from __future__ import annotations
 
+from prefect_tinker.recipes.data_reading import looks_local
 from prefect_tinker.recipes.rl.envs import EnvContext, Environment, register_env
 from prefect_tinker.recipes.rl.envs.gsm8k import GSM8K_SUFFIX
 from prefect_tinker.recipes.rl.envs.problems import load_problems, problem_builder
@@ -55,6 +56,12 @@ class Math(Environment):
     def check(cls, spec) -> None:
         if not spec.dataset:
             raise ValueError("env 'math' needs dataset=<JSONL path or dataset id> (and question_field/answer_field)")
+
+    @classmethod
+    def preflight(cls, spec) -> None:
+        if looks_local(spec.dataset):
+            load_problems(spec.dataset, question_field=spec.question_field, answer_field=spec.answer_field,
+                          max_problems=spec.max_problems)
 
     @classmethod
     def build(cls, spec, ctx: EnvContext) -> RLDataset:

@@ -1,0 +1,101 @@
+"""What an evaluation runs: a sampling benchmark (:class:`BenchmarkSpec`) or an inspect-ai task
+(:class:`InspectSpec`), as one config type, :data:`EvalSpec`.
+
+:data:`EvalSpec` is the item type of the eval flow's ``benchmarks`` and of the training recipes'
+``evaluators``. It accepts, in YAML or JSON:
+
+- a built-in name: ``gsm8k``;
+- a built-in with overrides (the flat keys of :func:`~prefect_tinker.recipes.evals.get_benchmark`):
+  ``{benchmark: multiple_choice, dataset: quiz.jsonl, options_field: choices, limit: 50}``;
+- a full :class:`BenchmarkSpec`: ``{name: mine, source: data.jsonl, fields: {...}, grader: {...}}``;
+- an inspect-ai task: ``{kind: inspect, task: tasks/arc.py@arc_easy, name: arc_easy, limit: 100}``.
+
+Validation turns each into a :class:`BenchmarkSpec` or :class:`InspectSpec` (dumped back as the
+full model, so a stored config validates again).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, BeforeValidator, Discriminator, Field, Tag
+
+from prefect_tinker.recipes.evals.benchmarks import BenchmarkSpec, get_benchmark
+
+__all__ = ["EvalSpec", "InspectSpec", "parse_eval_spec", "with_overrides"]
+
+
+class InspectSpec(BaseModel):
+    """An inspect-ai task run against the evaluated weights (through
+    :func:`prefect_tinker.inspect_provider.run_inspect_task`); its scores become ``eval_results``
+    rows ``<scorer>/<metric>`` (plus ``accuracy`` when exactly one scorer reports one).
+
+    ``task`` is a task file (``path/task.py``, ``path/task.py@name``) or a registered task name;
+    a relative file path is read from the working directory of the flow.
+    """
+
+    kind: Literal["inspect"] = "inspect"
+    name: str = Field(description="Eval name in the eval store.", pattern=r"^[A-Za-z0-9][A-Za-z0-9._@/-]{0,127}$")
+    task: str = Field(description="inspect-ai task: a file (task.py, task.py@name) or a registered task name.")
+    task_args: dict[str, Any] = Field(default_factory=dict, description="Arguments of the task function.")
+    limit: int | None = Field(default=None, ge=1, description="Evaluate only the first N samples.")
+    epochs: int | None = Field(default=None, ge=1, description="Times each sample is run (inspect's epochs).")
+    temperature: float | None = Field(default=None, ge=0, description="Sampling temperature (inspect's default when empty).")
+    max_tokens: int | None = Field(default=None, ge=1, description="Most tokens per generation (the provider's default 1024 when empty).")
+    seed: int | None = Field(default=None, description="Sampling seed.")
+    model_args: dict[str, Any] = Field(default_factory=dict, description="Extra provider args (e.g. max_connections); the backend and renderer are set by the flow.")
+
+    def eval_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``inspect_ai.eval`` from the generation settings that are set."""
+        return {k: getattr(self, k) for k in ("epochs", "temperature", "max_tokens", "seed") if getattr(self, k) is not None}
+
+    def fingerprint(self) -> str:
+        """Hex SHA-256 of the settings and, for a local task file, its content."""
+        payload = self.model_dump(mode="json")
+        path = Path(self.task.split("@", 1)[0]).expanduser()
+        payload["task_content"] = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def parse_eval_spec(value: Any) -> Any:
+    """The short forms of an eval spec turned into a model (see the module docstring); anything
+    else is returned for pydantic to validate.
+
+    Raises:
+        ValueError: an unknown built-in name or bad overrides (the message of ``get_benchmark``).
+    """
+    if isinstance(value, str):
+        return get_benchmark(value)
+    if isinstance(value, dict) and "benchmark" in value:
+        rest = {k: v for k, v in value.items() if k not in ("benchmark", "kind")}
+        return get_benchmark(value["benchmark"], **rest)
+    return value
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, InspectSpec) or (isinstance(value, dict) and value.get("kind") == "inspect"):
+        return "inspect"
+    return "sampling"
+
+
+#: One evaluation of a config: a sampling benchmark or an inspect task (see the module docstring).
+EvalSpec = Annotated[
+    Union[Annotated[BenchmarkSpec, Tag("sampling")], Annotated[InspectSpec, Tag("inspect")]],
+    Discriminator(_kind),
+    BeforeValidator(parse_eval_spec),
+]
+
+
+def with_overrides(spec: BenchmarkSpec | InspectSpec, **overrides: Any) -> BenchmarkSpec | InspectSpec:
+    """``spec`` with the settings in ``overrides`` that are not None (``limit``, ``num_samples``,
+    ``temperature``, ``max_tokens``, ``seed``); for an inspect task ``num_samples`` sets
+    ``epochs``. Raises ``ValueError`` (pydantic's) for invalid values."""
+    update = {k: v for k, v in overrides.items() if v is not None}
+    if isinstance(spec, InspectSpec) and "num_samples" in update:
+        update["epochs"] = update.pop("num_samples")
+    fields = type(spec).model_fields
+    update = {k: v for k, v in update.items() if k in fields}
+    return type(spec).model_validate({**spec.model_dump(), **update}) if update else spec
