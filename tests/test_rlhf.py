@@ -131,3 +131,22 @@ def test_rlhf_config_refuses_shared_fields_in_sections(tmp_path):
     assert rl.env_options == {"matchup_size": 2, "format": "dialogue", "fields": {},
                               "reward_model": "tinker://r/sampler_weights/p-rm-step-000002",
                               "question": "Better, A or B?", "labels": ["A", "B"]}
+
+
+@pytest.mark.parametrize("recipe", ["reward_model", "rlhf"])
+def test_show_config_and_hh_example_validate(recipe, capsys):
+    """``show-config`` and ``run --example hh --dry-run`` of both recipes through the CLI entry
+    point: the example's stage sections validate, the data path is the shared HH-RLHF file."""
+    from prefect_tinker.flows.cli import main
+
+    assert main(["show-config", recipe]) == 0 and "run_name" in capsys.readouterr().out
+    if not (Path(__file__).resolve().parents[2] / "shared").exists():
+        pytest.skip("the hh example reads ../shared/data")
+    assert main(["run", recipe, "--example", "hh", "--dry-run"]) == 0
+    cfg = json.loads(capsys.readouterr().out)
+    rm = cfg if recipe == "reward_model" else cfg["rm"]
+    assert cfg["model"] == "tiny" and rm["format"] == "dialogue"
+    assert rm["dataset"].endswith("prefs/hh_rlhf_harmless_base_test.jsonl.gz")
+    if recipe == "rlhf":
+        assert (cfg["sft"]["max_steps"], rm["max_steps"], cfg["rl"]["max_steps"]) == (20, 40, 10)
+        assert cfg["rl"]["env"] == "pairwise_preference" and cfg["sft"]["dataset"]  # default: the bundled chats
