@@ -99,12 +99,16 @@ class DatasetBuilder(BaseModel, ABC):
     sources: list[SourceSpec]
     renderer: str = Field(description="A concrete renderer name (resolved from 'auto' by the run session).")
     seed: int = 0
+    # bumped when build() makes other data from the same settings (a cached dataset is then rebuilt)
+    build_version: ClassVar[int] = 1
 
     def fingerprint(self) -> str:
         """``sha256:<hex>`` of the builder's settings with each local source replaced by the hash
         of its content (editing a file changes it, renaming it does not)."""
         body = self.model_dump(mode="json", exclude={"sources"})
         body["kind"] = type(self).__name__
+        if self.build_version > 1:
+            body["build_version"] = self.build_version
         body["sources"] = [dict(s.model_dump(mode="json", exclude={"path"}), content=source_fingerprint(s))
                            for s in self.sources]
         return "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
