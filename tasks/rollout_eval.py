@@ -59,11 +59,14 @@ def env_evaluators(spec: Any, ctx: EnvContext, *, max_tokens: int, temperature: 
             for name, builders in sets.items()]
 
 
-def session_env_evaluators(session: Any) -> list[RolloutEvaluator]:
-    """:func:`env_evaluators` of an open RL run session: its config's env, resolved renderer and
-    tokenizer, ``group_size``, ``max_tokens``, ``temperature`` and ``seed`` (empty for envs
-    without evaluation sets)."""
+def session_env_evaluators(session: Any) -> list:
+    """The evaluators an open RL run session gets from its environment: one
+    :class:`RolloutEvaluator` per evaluation set (:meth:`Environment.eval_builders`) and the env's
+    own evaluators (:meth:`Environment.evaluators`, e.g. a win rate against the starting weights,
+    which ``EnvContext.initial_sampler`` names), for the config's env, the resolved renderer and
+    tokenizer, ``group_size``, ``max_tokens``, ``temperature`` and ``seed`` (empty for most envs)."""
     c = session.config
     ctx = EnvContext(renderer_name=session.renderer, tokenizer_id=session.tokenizer_id, group_size=c.group_size,
-                     groups_per_batch=c.groups_per_batch, seed=c.seed)
-    return env_evaluators(c, ctx, max_tokens=c.max_tokens, temperature=c.temperature, seed=c.seed)
+                     groups_per_batch=c.groups_per_batch, seed=c.seed, initial_sampler=session.samplers.get(0))
+    return [*env_evaluators(c, ctx, max_tokens=c.max_tokens, temperature=c.temperature, seed=c.seed),
+            *get_env(c.env).evaluators(c, ctx)]

@@ -38,6 +38,7 @@ __all__ = [
     "Environment",
     "NoOptions",
     "build_rl_dataset",
+    "build_rl_evaluators",
     "env_names",
     "get_env",
     "register_env",
@@ -56,13 +57,15 @@ class NoOptions(BaseModel):
 @dataclass(frozen=True)
 class EnvContext:
     """What the run contributes to an environment's dataset: the resolved renderer, the tokenizer
-    (a local directory or hub id), group and batch sizes, and the run's seed."""
+    (a local directory or hub id), group and batch sizes, the run's seed and (for evaluators) the
+    sampler weights of the run's initial policy (its step 0), when known."""
 
     renderer_name: str
     tokenizer_id: str
     group_size: int
     groups_per_batch: int
     seed: int = 0
+    initial_sampler: str | None = None
 
 
 class Environment:
@@ -106,6 +109,12 @@ class Environment:
         fixed opponents), rolled out on sampler weights by
         :class:`prefect_tinker.tasks.rollout_eval.RolloutEvaluator`; none by default."""
         return {}
+
+    @classmethod
+    def evaluators(cls, spec: "EnvSpec", ctx: EnvContext) -> list:
+        """Evaluators the RL run on this environment runs at its start, every ``eval_every``
+        steps and at its end (:mod:`prefect_tinker.tasks.evaluators` objects; default none)."""
+        return []
 
 
 _ENVS: dict[str, type[Environment]] = {}
@@ -203,3 +212,13 @@ def build_rl_dataset(spec: EnvSpec, *, renderer_name: str, tokenizer_id: str, gr
     ctx = EnvContext(renderer_name=renderer_name, tokenizer_id=tokenizer_id, group_size=group_size,
                      groups_per_batch=groups_per_batch, seed=seed)
     return get_env(spec.env).build(spec, ctx)
+
+
+def build_rl_evaluators(spec: EnvSpec, *, renderer_name: str, tokenizer_id: str, group_size: int,
+                        groups_per_batch: int, seed: int = 0, initial_sampler: str | None = None) -> list:
+    """The evaluators of ``spec``'s environment (:meth:`Environment.evaluators`) for an RL run;
+    ``initial_sampler`` is the sampler weights of the run's step 0 (e.g. the SFT policy it
+    started from)."""
+    ctx = EnvContext(renderer_name=renderer_name, tokenizer_id=tokenizer_id, group_size=group_size,
+                     groups_per_batch=groups_per_batch, seed=seed, initial_sampler=initial_sampler)
+    return list(get_env(spec.env).evaluators(spec, ctx))
