@@ -240,7 +240,7 @@ def test_session_env_evaluators_from_the_run_config(tokenizer_dirs):
 
     config = RLConfig(model="tiny", env="tictactoe", env_options={"eval_games": 6}, group_size=2, max_tokens=7,
                       temperature=0.5, seed=11)
-    session = SimpleNamespace(config=config, renderer="chatml", tokenizer_id=tokenizer_dirs["tiny"])
+    session = SimpleNamespace(config=config, renderer="chatml", tokenizer_id=tokenizer_dirs["tiny"], samplers={})
     evaluators = session_env_evaluators(session)
     assert [ev.name for ev in evaluators] == ["vs_random", "vs_minimax"]
     for ev in evaluators:
