@@ -3,14 +3,24 @@
 Each schedule runs the ``rl`` flow for ``--steps`` steps of the ``arithmetic`` env from the same
 base model and seed, through the embedded local server (or ``--base-url``); the rate counts the
 flow's training loop only (client start-up and the first sampler save excluded). Prints a
-markdown table and writes JSON with ``--json``.
+markdown table (medians over ``--repeats``, with each schedule's ratio to sync measured on the
+same server setting) and writes JSON with ``--json``.
 
     python benchmarks/rl_schedules.py --model tiny --steps 6 --group-size 4 --groups-per-batch 8
+    python benchmarks/rl_schedules.py --steps 20 --sampler-workers 0,1 --threads 2 --repeats 2
 
-On the local server one engine serves sampling and training one request at a time, so the
-overlap that streaming and async buy on the hosted service (sampling while training) shows up
-only as the Prefect/HTTP waits they hide; the async schedule also keeps up to two batches of
-rollouts in flight.
+``--sampler-workers 0,1`` runs every schedule once per setting, interleaved (repeat r: all
+schedules on 0 workers, then on 1 worker), each setting on its own embedded server
+(``TinkerCredentials.local_sampler_workers``, ``local_threads=--threads`` in all).  With 0
+workers one engine serves sampling and training one request at a time, so streaming and async
+only hide Prefect/HTTP waits; with workers the sampling runs in its own process, next to the
+training, which is what streaming and async overlap.  The sync schedule's rewards per step are
+compared across settings (``sync_agreement``): for a fixed seed they must not change.
+
+CPU (with ``psutil``): the CPU seconds each run's flow used, split into this process (the flow:
+Prefect tasks, SDK clients), the tinker_local trainer process, its sampler workers and other
+children (the ephemeral Prefect server), and ``cores_used`` = all of them / flow wall seconds:
+on a machine loaded by other jobs, a schedule can only overlap work up to the cores it gets.
 """
 
 from __future__ import annotations
@@ -42,48 +52,174 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--schedules", default="sync,streaming,async")
     p.add_argument("--local-root", default=None)
     p.add_argument("--base-url", default=None)
+    p.add_argument("--sampler-workers", default=None,
+                   help="comma-separated worker counts to compare, e.g. 0,1 (default: the server's default)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads of each embedded server in all")
+    p.add_argument("--repeats", type=int, default=1, help="runs per schedule and setting (medians reported)")
     p.add_argument("--json", default=None, help="write the results to this file")
     args = p.parse_args(argv)
+    if args.sampler_workers is not None and args.base_url:
+        p.error("--sampler-workers needs the embedded server (no --base-url)")
 
-    from prefect_tinker.flows.config import BackendConfig
     from prefect_tinker.flows.rl import RLConfig, rl_flow
     from tinker_blocks.stores import TrainingStore
 
-    store = str(Path(tempfile.mkdtemp(prefix="rl-bench-")) / "store")
-    backend = BackendConfig(base_url=args.base_url, local_root=args.local_root)
-    results = []
+    tmp = Path(tempfile.mkdtemp(prefix="rl-bench-"))
+    store = str(tmp / "store")
     stamp = time.strftime("%H%M%S")
-    for schedule in args.schedules.split(","):
-        cfg = RLConfig(
-            model=args.model, env="arithmetic", group_size=args.group_size, groups_per_batch=args.groups_per_batch,
-            max_tokens=args.max_tokens, max_steps=args.steps, lora_rank=args.lora_rank, learning_rate=1e-3,
-            schedule=schedule, num_minibatches=args.num_minibatches, max_steps_off_policy=args.max_steps_off_policy,
-            save_every=0, log_trajectories=0, run_name=f"bench-{schedule}-{stamp}", store=store, backend=backend,
-        )
-        t0 = time.perf_counter()
-        summary = rl_flow(cfg)
-        wall = time.perf_counter() - t0
-        timing = {r["name"]: r["v"] for r in TrainingStore(root=store).query(
-            "SELECT name, avg(value) AS v FROM metrics WHERE run_id = ? AND name LIKE 'time/%' GROUP BY name",
-            [cfg.run_name])}
-        results.append({
-            "schedule": schedule, "steps": summary["steps"], "loop_seconds": round(summary["seconds"], 2),
-            "steps_per_minute": round(summary["steps_per_minute"], 2), "flow_wall_seconds": round(wall, 2),
-            "rollout_wait_s_per_step": round(timing.get("time/rollout_seconds", float("nan")), 3),
-            "train_s_per_step": round(timing.get("time/train_seconds", float("nan")), 3),
-            "reward_last": summary["last_reward"],
-        })
-    cols = ["schedule", "steps", "steps_per_minute", "loop_seconds", "rollout_wait_s_per_step", "train_s_per_step",
-            "flow_wall_seconds"]
+    settings = _settings(args, tmp, stamp)
+    results = []
+    try:
+        for rep in range(args.repeats):
+            for workers, backend in settings:
+                for schedule in args.schedules.split(","):
+                    r = _run(args, schedule, backend, store, f"bench-{schedule}-w{workers}-r{rep}-{stamp}",
+                             TrainingStore, RLConfig, rl_flow)
+                    results.append({"sampler_workers": workers, "repeat": rep, **r})
+                    print(f"[{time.strftime('%H:%M:%S')}] workers={workers} repeat={rep} {schedule}: "
+                          f"{r['steps_per_minute']} steps/min", flush=True)
+    finally:
+        for _, backend in settings:
+            if backend.credentials_block:
+                from tinker_blocks import TinkerCredentials
+
+                TinkerCredentials.load(backend.credentials_block).stop_local_server()
+    table = _summary(results, args.schedules.split(","))
     print(f"\nRL schedules: model={args.model} group_size={args.group_size} groups_per_batch={args.groups_per_batch} "
-          f"max_tokens={args.max_tokens} steps={args.steps}\n")
+          f"max_tokens={args.max_tokens} steps={args.steps} threads={args.threads} repeats={args.repeats}\n")
+    cols = ["sampler_workers", "schedule", "steps_per_minute", "ratio_to_sync", "rollout_wait_s_per_step",
+            "train_s_per_step", "cores_used", "cpu_s_per_step", "runs"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
-    for r in results:
+    for r in table:
         print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+    same = _sync_agreement(results, TrainingStore(root=store))
+    if same is not None:
+        print(f"\nsync runs across sampler_workers settings: {same}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results, "summary": table,
+                                               "sync_agreement": same}, indent=2))
     return results
+
+
+def _sync_agreement(results: list[dict], store) -> dict | None:
+    """Compare the sync runs of repeat 0 across worker settings: rewards per step equal, and the
+    largest absolute difference of any other non-timing metric (env/*, train/*, rollout/*) at
+    the same step.  None with fewer than two settings."""
+    runs = [r for r in results if r["schedule"] == "sync" and r["repeat"] == 0]
+    if len(runs) < 2:
+        return None
+    values = []
+    for r in runs:
+        rows = store.query("SELECT name, step, value FROM metrics WHERE run_id = ? AND name NOT LIKE 'time/%' "
+                           "AND name NOT LIKE '%seconds'", [r["run_name"]])
+        values.append({(x["name"], x["step"]): x["value"] for x in rows})
+    keys = set(values[0]).intersection(*values[1:])
+    diffs = {k: max(abs(v[k] - values[0][k]) for v in values[1:]) for k in keys}
+    worst = max(diffs, key=diffs.get) if diffs else None
+    return {"rewards_equal": len({tuple(r["rewards"]) for r in runs}) == 1, "metrics_compared": len(keys),
+            "metrics_bit_equal": sum(1 for d in diffs.values() if d == 0),
+            "max_abs_diff": diffs.get(worst), "max_abs_diff_metric": worst[0] if worst else None}
+
+
+def _settings(args, tmp: Path, stamp: str) -> list[tuple[int | None, object]]:
+    """One (workers, BackendConfig) per server setting: a saved local TinkerCredentials block per
+    worker count (own root), or the plain backend when no counts are given."""
+    from prefect_tinker.flows.config import BackendConfig
+
+    if args.sampler_workers is None:
+        return [(None, BackendConfig(base_url=args.base_url, local_root=args.local_root))]
+    from tinker_blocks import TinkerCredentials
+    from tinker_blocks.credentials import ensure_local_server
+
+    out = []
+    for w in (int(x) for x in args.sampler_workers.split(",")):
+        name = f"rl-bench-w{w}-{stamp}"
+        block = TinkerCredentials(local=True, local_root=str(tmp / f"server-w{w}"), local_threads=args.threads,
+                                  local_sampler_workers=w, local_models=[args.model], local_startup_timeout=900)
+        block.save(name, overwrite=True)
+        ensure_local_server(block)  # started now, outside the timed runs
+        out.append((w, BackendConfig(credentials_block=name)))
+    return out
+
+
+def _cpu_by_role() -> dict[str, float]:
+    """CPU seconds (user + system) so far of this process and its live descendants, by role:
+    ``flow`` (this process), ``trainer`` (tinker_local serve), ``sampler_workers``, ``other``
+    ({} without psutil).  Processes that exited in between are not counted."""
+    try:
+        import psutil
+    except ImportError:
+        return {}
+    me = psutil.Process()
+    out = {"flow": sum(me.cpu_times()[:2]), "trainer": 0.0, "sampler_workers": 0.0, "other": 0.0}
+    for child in me.children(recursive=True):
+        try:
+            cmd = " ".join(child.cmdline())
+            t = sum(child.cpu_times()[:2])
+        except psutil.Error:
+            continue
+        role = ("sampler_workers" if "tinker_local.sampler_pool" in cmd
+                else "trainer" if "tinker_local serve" in cmd else "other")
+        out[role] += t
+    return out
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(x for x in xs if x == x)
+    if not xs:
+        return float("nan")
+    m = len(xs) // 2
+    return xs[m] if len(xs) % 2 else 0.5 * (xs[m - 1] + xs[m])
+
+
+def _summary(results: list[dict], schedules: list[str]) -> list[dict]:
+    """Medians per (workers, schedule); ratio_to_sync = median over repeats of the run's rate
+    divided by the sync rate of the same repeat and setting (measured side by side)."""
+    table = []
+    for w in dict.fromkeys(r["sampler_workers"] for r in results):
+        rows = [r for r in results if r["sampler_workers"] == w]
+        sync = {r["repeat"]: r["steps_per_minute"] for r in rows if r["schedule"] == "sync"}
+        for schedule in schedules:
+            mine = [r for r in rows if r["schedule"] == schedule]
+            ratios = [r["steps_per_minute"] / sync[r["repeat"]] for r in mine if sync.get(r["repeat"])]
+            table.append({
+                "sampler_workers": w, "schedule": schedule, "runs": len(mine),
+                "steps_per_minute": round(_median([r["steps_per_minute"] for r in mine]), 2),
+                "ratio_to_sync": round(_median(ratios), 2) if ratios else None,
+                "rollout_wait_s_per_step": round(_median([r["rollout_wait_s_per_step"] for r in mine]), 3),
+                "train_s_per_step": round(_median([r["train_s_per_step"] for r in mine]), 3),
+                "cores_used": round(_median([r["cores_used"] or float("nan") for r in mine]), 2),
+                "cpu_s_per_step": {k: round(_median([r["cpu_s"].get(k, float("nan")) / max(r["steps"], 1)
+                                                     for r in mine]), 2) for k in mine[0]["cpu_s"]},
+            })
+    return table
+
+
+def _run(args, schedule: str, backend, store: str, run_name: str, TrainingStore, RLConfig, rl_flow) -> dict:
+    """One ``rl_flow`` run of ``schedule``: its rate, per-step timings and rewards."""
+    cfg = RLConfig(
+        model=args.model, env="arithmetic", group_size=args.group_size, groups_per_batch=args.groups_per_batch,
+        max_tokens=args.max_tokens, max_steps=args.steps, lora_rank=args.lora_rank, learning_rate=1e-3,
+        schedule=schedule, num_minibatches=args.num_minibatches, max_steps_off_policy=args.max_steps_off_policy,
+        save_every=0, log_trajectories=0, run_name=run_name, store=store, backend=backend,
+    )
+    cpu0 = _cpu_by_role()
+    t0 = time.perf_counter()
+    summary = rl_flow(cfg)
+    wall = time.perf_counter() - t0
+    cpu = {k: round(v - cpu0.get(k, 0.0), 2) for k, v in _cpu_by_role().items()}
+    timing = {r["name"]: r["v"] for r in TrainingStore(root=store).query(
+        "SELECT name, avg(value) AS v FROM metrics WHERE run_id = ? AND name LIKE 'time/%' GROUP BY name",
+        [cfg.run_name])}
+    return {
+        "schedule": schedule, "steps": summary["steps"], "loop_seconds": round(summary["seconds"], 2),
+        "steps_per_minute": round(summary["steps_per_minute"], 2), "flow_wall_seconds": round(wall, 2),
+        "rollout_wait_s_per_step": round(timing.get("time/rollout_seconds", float("nan")), 3),
+        "train_s_per_step": round(timing.get("time/train_seconds", float("nan")), 3),
+        "reward_last": summary["last_reward"], "rewards": summary["rewards"], "run_name": run_name,
+        "cpu_s": cpu, "cores_used": round(sum(cpu.values()) / wall, 2) if cpu else None,
+    }
 
 
 if __name__ == "__main__":

@@ -34,6 +34,10 @@ class BackendConfig(BaseModel):
         default=None,
         description="Folder of the embedded local server (models, checkpoints); default ~/.prefect-tinker.",
     )
+    local_sampler_workers: int = Field(
+        default=0, ge=0,
+        description="Embedded local server: sampling worker processes beside the trainer (tinker_local --sampler-workers), so streaming/async RL overlap rollouts with training.",
+    )
     request_deadline_s: float = Field(
         default=1800.0, gt=0,
         description="Longest wait for one request's result (seconds); a dead server is noticed sooner (its process and port are checked while waiting).",
@@ -89,7 +93,8 @@ def resolve_credentials(backend: BackendConfig) -> Any:
     if backend.base_url:
         return TinkerCredentials(base_url=backend.base_url, api_key=os.environ.get("TINKER_API_KEY"),
                                  request_deadline_s=backend.request_deadline_s)
-    return TinkerCredentials(local=True, local_root=backend.local_root, request_deadline_s=backend.request_deadline_s)
+    return TinkerCredentials(local=True, local_root=backend.local_root, request_deadline_s=backend.request_deadline_s,
+                             local_sampler_workers=backend.local_sampler_workers)
 
 
 class RecipeConfig(LRScheduleFields):

@@ -70,6 +70,12 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
            "benchmarks and inspect-ai tasks on base models, sampler paths or every checkpoint of a run (cached)"),
     Recipe("export", "prefect_tinker.flows.export:export_flow",
            "a checkpoint as a merged Hugging Face model or a PEFT adapter, verified by logprobs"),
+    Recipe("reward_model", "prefect_tinker.flows.reward_model:reward_model_flow",
+           "pairwise reward model: which of two completions is better, scored by label probabilities",
+           ("train/loss", "eval/rm_accuracy", "eval/rm_brier")),
+    Recipe("rlhf", "prefect_tinker.flows.rlhf:rlhf_flow",
+           "RLHF: SFT -> reward model -> RL from the reward model, one subflow (and run) per stage",
+           ()),
 )}
 
 

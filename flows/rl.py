@@ -40,6 +40,7 @@ from prefect_tinker.recipes.rl.advantages import (
 from prefect_tinker.recipes.rl.envs import build_rl_dataset
 from prefect_tinker.recipes.rl.types import TrajectoryGroup
 from prefect_tinker.tasks.benchmark_evaluator import benchmark_evaluators
+from prefect_tinker.tasks.rollout_eval import session_env_evaluators
 from prefect_tinker.tasks.clients import tokenizer
 from prefect_tinker.tasks.rollouts import reference_logprobs, rollout_group
 from prefect_tinker.tasks.runners import map_task, submit_task
@@ -227,7 +228,7 @@ def rl_flow(config: RLConfig) -> dict[str, Any]:
         schedule = SCHEDULES[config.schedule](loop)
         t0 = time.perf_counter()
         try:
-            StepLoop(session, loop.total, step_size=loop.k, on_rewind=schedule.rewind, evaluators=benchmark_evaluators(session)).run(schedule.step)
+            StepLoop(session, loop.total, step_size=loop.k, on_rewind=schedule.rewind, evaluators=[*benchmark_evaluators(session), *session_env_evaluators(session)]).run(schedule.step)
         finally:
             schedule.close()
         seconds, steps_run = time.perf_counter() - t0, len(loop.rewards)

@@ -29,7 +29,7 @@ from prefect_tinker.recipes.datasets import datum_from_example
 from prefect_tinker.tasks.benchmark_evaluator import benchmark_evaluators
 from prefect_tinker.tasks.clients import tokenizer
 from prefect_tinker.tasks.data import prepare_dataset
-from prefect_tinker.tasks.evaluators import NLLEvaluator
+from prefect_tinker.tasks.evaluators import NLLEvaluator, data_evaluators
 from prefect_tinker.tasks.sampling import sample_completions
 from prefect_tinker.tasks.training import train_step
 
@@ -77,18 +77,20 @@ def sft_flow(config: SFTConfig) -> dict[str, Any]:
         data: SupervisedData = prepare_dataset(session.builder, session.tokenizer_id)
         per_epoch = len(data.train) // config.batch_size
         total = config.max_steps or per_epoch * config.num_epochs
-        test = [datum_from_example(ex.tokens, ex.weights) for ex in data.test]
+        test = [datum_from_example(ex) for ex in data.test]  # an Example: its media by reference
         log.info("%d train / %d test examples, %d steps (renderer %s); %s", len(data.train), len(data.test),
                  total, data.renderer, data.skip_summary)
 
         def one_step(step: int) -> dict[str, float]:
             batch = [data.train[i] for i in batch_at(len(data.train), config.batch_size, config.seed, step)]
-            datums = [datum_from_example(ex.tokens, ex.weights) for ex in batch]
+            datums = [datum_from_example(ex) for ex in batch]
             session.run, m = train_step(session.credentials, session.run, step, quote(datums),  # quote: no input walk
                                         config.lr_at(step, total), config.adam.model_dump())
             return {f"train/{k}": v for k, v in m.items()}
 
-        StepLoop(session, total, evaluators=[*([NLLEvaluator(test)] if test else []), *benchmark_evaluators(session)]).run(one_step)
+        evaluators = [*([NLLEvaluator(test)] if test else []), *data_evaluators(session.builder, data, session.tokenizer_id),
+                      *benchmark_evaluators(session)]
+        StepLoop(session, total, evaluators=evaluators).run(one_step)
         samples = _sample(session, data, config)
         return session.finish({**_totals(session), "samples": samples}, title_fields={"dataset": f"`{config.dataset}`"})
 
@@ -105,7 +107,7 @@ def _sample(session: RunSession, data: SupervisedData, config: SFTConfig) -> lis
     prompts, references = [], []
     for ex in data.test[: config.num_eval_samples]:
         first = next(i for i, w in enumerate(ex.weights) if w > 0)
-        prompts.append(ex.tokens[:first])
+        prompts.append(ex.sequence()[:first])  # images / audio kept
         references.append(tok.decode([t for t, w in zip(ex.tokens, ex.weights) if w > 0]))
     outs = sample_completions(
         session.credentials, sampler_path, prompts, max_tokens=config.sample_max_tokens,

@@ -24,6 +24,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from prefect_tinker.recipes.media import MediaSpan, media_spans, restore_media
 from prefect_tinker.recipes.data_reading import (
     EXAMPLE_CHAT_PATH,
     OnError,
@@ -37,10 +38,28 @@ __all__ = ["DatasetBuilder", "Example", "SourceFields", "SupervisedBuilder", "Su
 
 
 class Example(BaseModel):
-    """One rendered sequence: ``tokens`` (T,) and ``weights`` (T,) (1.0 on trained tokens)."""
+    """One rendered sequence: ``tokens`` (T,) and ``weights`` (T,) (1.0 on trained tokens), and
+    its ``media`` by reference (image / audio files with their SHA-256 and the positions they
+    fill; ``tokens`` holds the placeholder ids there): small and picklable, no pixels.  Make its
+    datum with :func:`~prefect_tinker.recipes.datasets.datum_from_example` (``(example)``)."""
 
     tokens: list[int]
     weights: list[float]
+    media: list[MediaSpan] = Field(default_factory=list)
+
+    @classmethod
+    def from_sequence(cls, tokens: Any, weights: Any) -> "Example":
+        """An example from a rendered token list (media as MediaToken runs) and its weights."""
+        return cls(tokens=[int(t) for t in tokens], weights=[float(x) for x in weights], media=media_spans(tokens))
+
+    def sequence(self) -> list[int]:
+        """``tokens`` with the media positions as MediaToken runs again."""
+        return restore_media(self.tokens, self.media) if self.media else list(self.tokens)
+
+    def prompt(self) -> list[int]:
+        """The positions before the first trained token (media kept): what a sampler continues."""
+        first = next((i for i, w in enumerate(self.weights) if w > 0), len(self.tokens))
+        return self.sequence()[:first]
 
 
 class SourceFields(BaseModel):
@@ -99,12 +118,16 @@ class DatasetBuilder(BaseModel, ABC):
     sources: list[SourceSpec]
     renderer: str = Field(description="A concrete renderer name (resolved from 'auto' by the run session).")
     seed: int = 0
+    # bumped when build() makes other data from the same settings (a cached dataset is then rebuilt)
+    build_version: ClassVar[int] = 1
 
     def fingerprint(self) -> str:
         """``sha256:<hex>`` of the builder's settings with each local source replaced by the hash
         of its content (editing a file changes it, renaming it does not)."""
         body = self.model_dump(mode="json", exclude={"sources"})
         body["kind"] = type(self).__name__
+        if self.build_version > 1:
+            body["build_version"] = self.build_version
         body["sources"] = [dict(s.model_dump(mode="json", exclude={"path"}), content=source_fingerprint(s))
                            for s in self.sources]
         return "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
@@ -194,7 +217,7 @@ class SupervisedBuilder(DatasetBuilder):
         )
 
         def examples(pairs):
-            return [Example(tokens=list(t), weights=[float(x) for x in w]) for t, w in pairs]
+            return [Example.from_sequence(t, w) for t, w in pairs]
 
         return SupervisedData(
             fingerprint=self.fingerprint(), renderer=self.renderer, train=examples(ds.train_examples()),

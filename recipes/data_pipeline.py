@@ -31,6 +31,7 @@ import tinker
 from prefect_tinker.recipes.data_reading import OnError, SkipStats, SourceSpec, iter_conversations
 from prefect_tinker.recipes.data_sources import Conversation, DatasetFormatError
 from prefect_tinker.recipes.datasets import datum_from_example, split_conversations
+from prefect_tinker.recipes.media import MediaError, safe_cut, tokens_from_model_input
 from prefect_tinker.recipes.renderers.base import RendererError
 
 __all__ = [
@@ -158,7 +159,9 @@ def render_example(
     renderer: Any, conversation: Conversation, *, train_on_what: str = "all_assistant_messages",
     max_length: int | None = None, on_too_long: OnTooLong = "truncate",
 ) -> tuple[list[int], np.ndarray] | None:
-    """Render one conversation to ``(tokens (N,), weights float32 (N,))`` with ``N <= max_length``.
+    """Render one conversation to ``(tokens (N,), weights float32 (N,))`` with ``N <= max_length``;
+    media are :class:`~prefect_tinker.recipes.media.MediaToken` runs, and truncation ends before
+    a media item it would cut (the item is dropped whole).
 
     Returns None when the example must be skipped: longer than ``max_length`` with
     ``on_too_long="skip"``, or no trained target token left after truncation (``"truncate"``).
@@ -171,11 +174,14 @@ def render_example(
     where = f"{conversation.source or 'conversation'}: field {conversation.field!r}"
     try:
         tools = conversation.metadata.get("tools") if getattr(renderer, "supports_tools", False) else None
-        model_input, weights = (renderer.build_supervised_example(conversation.messages, train_on_what, tools=tools)
-                                if tools else renderer.build_supervised_example(conversation.messages, train_on_what))
-    except RendererError as exc:
+        kw = {"tools": tools} if tools else {}
+        if hasattr(renderer, "build_supervised_sequence"):  # media as MediaToken runs (by reference)
+            tokens, weights = renderer.build_supervised_sequence(conversation.messages, train_on_what, **kw)
+        else:
+            model_input, weights = renderer.build_supervised_example(conversation.messages, train_on_what, **kw)
+            tokens = tokens_from_model_input(model_input)
+    except (RendererError, MediaError) as exc:
         raise DatasetFormatError(f"{where}: {exc}") from exc
-    tokens = model_input.to_ints()
     if max_length is None or len(tokens) <= max_length:
         return tokens, weights
     if on_too_long == "error":
@@ -187,7 +193,8 @@ def render_example(
         return None
     if on_too_long != "truncate":
         raise ValueError(f"on_too_long must be 'truncate', 'skip' or 'error', got {on_too_long!r}")
-    tokens, weights = tokens[:max_length], weights[:max_length]
+    cut = safe_cut(tokens, max_length)  # a media item is dropped whole, never cut
+    tokens, weights = tokens[:cut], weights[:cut]
     return (tokens, weights) if weights[1:].any() else None
 
 

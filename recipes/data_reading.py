@@ -3,7 +3,9 @@
 A source (:class:`SourceSpec`) is one of:
 
 - a local JSONL file (``.jsonl``, ``.ndjson``, optionally gzipped ``.gz``), read line by line so
-  errors name ``file:line``;
+  errors name ``file:line`` (relative image/audio paths in it are taken next to the file);
+- with ``format="image_folder"``: a directory of class folders ``root/<label>/<image>``
+  (:mod:`prefect_tinker.recipes.media_sources`);
 - ``"builtin:example_chat"``: the chat set shipped with this package; ``"builtin:example_prefs"``:
   its comparisons (``{"prompt", "chosen", "rejected"}``); ``"builtin:sentiment_sentences"``: raw
   sentences for prompt distillation;
@@ -32,6 +34,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
+from prefect_tinker.recipes.media_sources import absolutize_media
 from prefect_tinker.recipes.data_sources import (
     CONVERTERS,
     Conversation,
@@ -247,8 +250,18 @@ def _read_hf(src: str, path: Path, spec: SourceSpec) -> Iterator[RawRecord]:
     else:
         ds = datasets.load_dataset(str(path) if path.exists() else src, spec.config_name, **kwargs)
         label = src
+    names = _class_names(ds) if spec.format == "image_classification" else {}
     for i, row in enumerate(ds):
+        for col, classes in names.items():  # ClassLabel ids -> class names
+            if isinstance(row.get(col), int) and 0 <= row[col] < len(classes):
+                row[col] = classes[row[col]]
         yield RawRecord(f"{label}[{spec.split}]:{i}", row)
+
+
+def _class_names(ds: Any) -> dict[str, list[str]]:
+    """``{column: class names}`` of a dataset's ``ClassLabel`` columns."""
+    features = getattr(ds, "features", None) or {}
+    return {k: list(f.names) for k, f in features.items() if type(f).__name__ == "ClassLabel"}
 
 
 def iter_records(source: SourceSpec | str) -> Iterator[RawRecord]:
@@ -259,7 +272,12 @@ def iter_records(source: SourceSpec | str) -> Iterator[RawRecord]:
     """
     spec = SourceSpec.coerce(source)
     src, path = _resolve(spec)
-    it = _read_jsonl(path) if path.is_file() and _is_jsonl(path) else _read_hf(src, path, spec)
+    if spec.format == "image_folder":
+        from prefect_tinker.recipes.media_sources import iter_image_folder
+
+        it = (RawRecord(where, record) for where, record in iter_image_folder(path))
+    else:
+        it = _read_jsonl(path) if path.is_file() and _is_jsonl(path) else _read_hf(src, path, spec)
     for n, raw in enumerate(it):
         if spec.max_records is not None and n >= spec.max_records:
             return
@@ -289,6 +307,8 @@ def iter_conversations(
     if is_capture_source(spec.path):
         yield from _captured(spec)
         return
+    local = Path(resolve_source_path(spec.path)).expanduser()
+    base = local.parent.resolve() if local.is_file() else None  # relative media paths: next to the file
     for raw in iter_records(spec):
         if raw.error is not None:
             _fail_or_skip(on_error, stats, "malformed_json", f"{raw.where}: {raw.error}")
@@ -300,7 +320,8 @@ def iter_conversations(
             converted = convert_record(raw.record, spec.format, spec.fields, spec.options)
             convs = [
                 Conversation(
-                    messages=validate_messages(c.messages, raw.where, c.field, require_assistant=require_assistant),
+                    messages=validate_messages(absolutize_media(c.messages, base), raw.where, c.field,
+                                               require_assistant=require_assistant),
                     source=raw.where,
                     metadata={k: v for k, v in raw.record.items() if k not in c.used},
                     field=c.field,

@@ -438,3 +438,7 @@ def _preference(record: Any, fields: Mapping[str, str], options: Mapping[str, An
 
 
 CONVERTERS["preference"] = _preference
+
+
+# Media formats (image_folder, image_classification, audio_transcript) register themselves.
+from prefect_tinker.recipes import media_sources as _media_sources  # noqa: E402,F401

@@ -31,6 +31,7 @@ from prefect_tinker.recipes.data_reading import (
     iter_conversations,
 )
 from prefect_tinker.recipes.data_sources import Conversation, DatasetFormatError, validate_messages
+from prefect_tinker.recipes.media import MediaToken, model_input_from_tokens, safe_cut, tokens_from_model_input
 
 __all__ = [
     "EXAMPLE_CHAT_PATH",
@@ -133,35 +134,51 @@ def split_conversations(
 
 
 def datum_from_example(
-    model_input: tinker.ModelInput | Sequence[int], weights: Any, max_length: int | None = None
+    model_input: tinker.ModelInput | Sequence[int] | Any, weights: Any = None, max_length: int | None = None
 ) -> tinker.Datum:
     """Make a next-token-prediction datum from a rendered example.
 
-    With the example's N tokens ``t`` and weights ``w`` (after truncation to
-    ``max_length`` tokens), the datum has model input ``t[:-1]`` and ``loss_fn_inputs``
-    ``target_tokens = t[1:]`` (int64, shape (N-1,)) and ``weights = w[1:]`` (float32,
-    shape (N-1,)), so position i of the input predicts ``target_tokens[i]``.
+    With the example's N positions ``t`` and weights ``w`` (after truncation to ``max_length``
+    positions, never inside a media item: :func:`~prefect_tinker.recipes.media.safe_cut`), the
+    datum has model input ``t[:-1]`` (text chunks, and image / DMel chunks for media runs) and
+    ``loss_fn_inputs`` ``target_tokens = t[1:]`` (int64, shape (N-1,); a media position's target
+    is its placeholder id) and ``weights = w[1:]`` (float32, shape (N-1,), 0 at media positions),
+    so position i of the input predicts ``target_tokens[i]``.
 
     Args:
-        model_input: the example's tokens (``tinker.ModelInput`` of token chunks, or ints).
-        weights: per-token weights, shape (N,).
-        max_length: keep at most this many tokens of the example (the model input then has
+        model_input: the example's positions: a ``tinker.ModelInput``, a token list (media as
+            :class:`~prefect_tinker.recipes.media.MediaToken` runs), or a stored example with
+            ``tokens``, ``weights`` and ``media`` (:class:`~prefect_tinker.recipes.builders.Example`;
+            then ``weights`` may be omitted).
+        weights: per-position weights, shape (N,).
+        max_length: keep at most this many positions of the example (the model input then has
             at most ``max_length - 1``); None keeps everything.
 
     Raises:
-        ValueError: weights not of shape (N,), fewer than 2 tokens, ``max_length < 2``, or
-            no positive weight left among the targets after truncation.
+        ValueError: weights not of shape (N,), fewer than 2 positions, ``max_length < 2``, an
+            example ending in a media item, or no positive weight left among the targets after
+            truncation; MediaError (a ValueError) for a missing or changed media file.
     """
-    tokens = model_input.to_ints() if isinstance(model_input, tinker.ModelInput) else [int(t) for t in model_input]
-    w = np.asarray(weights, dtype=np.float32)
+    if hasattr(model_input, "sequence") and hasattr(model_input, "weights"):  # a stored Example
+        weights = model_input.weights if weights is None else weights
+        tokens = model_input.sequence()
+    elif isinstance(model_input, tinker.ModelInput):
+        tokens = tokens_from_model_input(model_input)
+    else:
+        tokens = [t if isinstance(t, MediaToken) else int(t) for t in model_input]
+    w = np.array(weights, dtype=np.float32)
     if w.shape != (len(tokens),):
         raise ValueError(f"weights have shape {w.shape}, expected ({len(tokens)},) to match the tokens")
     if max_length is not None:
         if max_length < 2:
             raise ValueError(f"max_length must be >= 2, got {max_length}")
-        tokens, w = tokens[:max_length], w[:max_length]
+        cut = safe_cut(tokens, max_length)
+        tokens, w = tokens[:cut], w[:cut]
     if len(tokens) < 2:
         raise ValueError(f"an example needs at least 2 tokens to make a datum, got {len(tokens)}")
+    if isinstance(tokens[-1], MediaToken):
+        raise ValueError("the example ends with a media item: nothing follows it to predict")
+    w[[i for i, t in enumerate(tokens) if isinstance(t, MediaToken)]] = 0.0
     target_w = w[1:]
     if not (target_w > 0).any():
         raise ValueError(
@@ -170,9 +187,9 @@ def datum_from_example(
             + "): all target weights are 0"
         )
     return tinker.Datum(
-        model_input=tinker.ModelInput.from_ints(tokens[:-1]),
+        model_input=model_input_from_tokens(tokens[:-1]),
         loss_fn_inputs={
-            "target_tokens": tinker.TensorData.from_numpy(np.asarray(tokens[1:], dtype=np.int64)),
+            "target_tokens": tinker.TensorData.from_numpy(np.asarray([int(t) for t in tokens[1:]], dtype=np.int64)),
             "weights": tinker.TensorData.from_numpy(np.ascontiguousarray(target_w)),
         },
     )

@@ -9,7 +9,7 @@ collapsing whitespace, in that order; exact match compares the normalised string
 harmonic mean of precision and recall over the bag of normalised tokens (duplicates counted); when
 either side normalises to nothing, F1 is 1.0 if both do and 0.0 otherwise (the v2.0 rule, so that
 F1 is 1 whenever exact match is); with several references the best score over them counts.
-Pure functions, no state.
+Also the word error rate of speech recognition (:func:`word_error_rate`). Pure functions, no state.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
 __all__ = ["best_exact_match", "best_over_references", "best_token_f1", "exact_match", "normalize_answer",
-           "token_f1"]
+           "normalize_transcript", "token_f1", "word_error_rate"]
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = str.maketrans("", "", string.punctuation)
@@ -71,3 +71,27 @@ def best_exact_match(prediction: str, references: Sequence[str]) -> bool:
 def best_token_f1(prediction: str, references: Sequence[str]) -> float:
     """Highest :func:`token_f1` over ``references`` (0.0 for none)."""
     return max((token_f1(prediction, r) for r in references), default=0.0)
+
+
+def normalize_transcript(text: str) -> str:
+    """Lowercase, punctuation removed (apostrophes kept), whitespace collapsed: the usual text
+    normalisation before scoring speech recognition."""
+    text = "".join(ch if ch == "'" or ch not in string.punctuation else " " for ch in text.lower())
+    return " ".join(text.split())
+
+
+def word_error_rate(prediction: str, reference: str) -> float:
+    """Word error rate ``(S + D + I) / N``: the word-level Levenshtein distance between the
+    normalised prediction and reference (:func:`normalize_transcript`) over the reference's word
+    count N (the NIST sclite definition).  An empty reference gives 0.0 for an empty prediction,
+    else 1.0 per inserted word.  Not bounded by 1 (insertions)."""
+    ref, hyp = normalize_transcript(reference).split(), normalize_transcript(prediction).split()
+    if not ref:
+        return float(len(hyp))
+    prev = list(range(len(hyp) + 1))
+    for i, r in enumerate(ref, start=1):
+        cur = [i] + [0] * len(hyp)
+        for j, h in enumerate(hyp, start=1):
+            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (r != h))
+        prev = cur
+    return prev[-1] / len(ref)

@@ -91,6 +91,7 @@ class PreferenceBuilder(DatasetBuilder):
     renderer_options: dict[str, Any] = {}
 
     kind: ClassVar[str] = "preference"
+    build_version: ClassVar[int] = 2  # 2: test_size counts the comparisons that fit max_length
 
     def build(self, tokenizer: Any) -> PreferenceData:
         from prefect_tinker.recipes.renderers import get_renderer
@@ -100,31 +101,32 @@ class PreferenceBuilder(DatasetBuilder):
         comparisons = [c for spec in self.sources for c in self._read(spec, stats)]
         if not comparisons:
             raise DatasetFormatError(f"no usable comparison in {', '.join(s.path for s in self.sources)} ({stats.summary()})")
+        pairs = self._render(rend, comparisons, stats)  # the split counts comparisons that fit max_length
         test_size = self.test_size
         if isinstance(test_size, float) and 0 < test_size < 1 and self.max_test is not None:
-            test_size = min(max(1, round(len(comparisons) * test_size)), self.max_test)
-        train, test = (split_conversations(comparisons, test_size, seed=self.seed) if test_size
-                       else (comparisons, []))
-
-        def render(items) -> list[PairExample]:
-            out = []
-            for where, prompt, chosen, rejected in items:
-                pair = []
-                for reply in (chosen, rejected):
-                    model_input, weights = rend.build_supervised_example(prompt + reply, "last_assistant_message")
-                    pair.append(Example(tokens=model_input.to_ints(), weights=[float(w) for w in weights]))
-                longest = max(len(p.tokens) for p in pair)
-                if longest > self.max_length:
-                    stats.skip("too_long", f"{where}: {longest} tokens, more than max_length={self.max_length}")
-                    continue
-                out.append(PairExample(chosen=pair[0], rejected=pair[1], source=where))
-            return out
-
-        data_train, data_test = render(train), render(test)
+            test_size = min(max(1, round(len(pairs) * test_size)), self.max_test)
+        data_train, data_test = (split_conversations(pairs, test_size, seed=self.seed) if test_size and pairs
+                                 else (pairs, []))
         if not data_train:
             raise DatasetFormatError(f"no training comparison left ({stats.summary()})")
         return PreferenceData(fingerprint=self.fingerprint(), renderer=self.renderer, train=data_train,
                               test=data_test, skipped=stats.total, skip_summary=stats.summary())
+
+    def _render(self, rend: Any, comparisons: list, stats: SkipStats) -> list[PairExample]:
+        """Each ``(where, prompt, chosen, rejected)`` as a :class:`PairExample` (the reply's tokens
+        weighted), skipping pairs whose longer sequence exceeds ``max_length`` (counted)."""
+        out = []
+        for where, prompt, chosen, rejected in comparisons:
+            pair = []
+            for reply in (chosen, rejected):
+                model_input, weights = rend.build_supervised_example(prompt + reply, "last_assistant_message")
+                pair.append(Example(tokens=model_input.to_ints(), weights=[float(w) for w in weights]))
+            longest = max(len(p.tokens) for p in pair)
+            if longest > self.max_length:
+                stats.skip("too_long", f"{where}: {longest} tokens, more than max_length={self.max_length}")
+                continue
+            out.append(PairExample(chosen=pair[0], rejected=pair[1], source=where))
+        return out
 
     def _check_source(self, spec: SourceSpec) -> None:
         for _ in self._read(spec, SkipStats(keep=0)):  # build() logs skips

@@ -128,6 +128,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Run ``show-example`` for parsed ``args``; returns the exit status (2 for bad input)."""
     from prefect_tinker.recipes.data_reading import SourceSpec, iter_conversations
     from prefect_tinker.recipes.data_sources import DatasetFormatError
+    from prefect_tinker.recipes.media import safe_cut
     from prefect_tinker.recipes.renderers import RendererError, get_renderer
 
     out = out or sys.stdout
@@ -141,11 +142,13 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         if not convs:
             raise ValueError(f"{args.dataset}: no example at index {args.index}")
         for conv in convs:
-            model_input, weights = renderer.build_supervised_example(conv.messages, args.train_on_what)
-            tokens, n = model_input.to_ints(), model_input.length
+            # media (images, audio) show as their placeholder tokens; truncation never cuts one
+            tokens, weights = renderer.build_supervised_sequence(conv.messages, args.train_on_what)
+            n = len(tokens)
             cut = args.max_length is not None and n > args.max_length
             if cut:
-                tokens, weights = tokens[: args.max_length], weights[: args.max_length]
+                keep = safe_cut(tokens, args.max_length)
+                tokens, weights = tokens[:keep], weights[:keep]
             legend = f"{_GREEN}trained{_RESET}" if color else f"{_OPEN}trained{_CLOSE}"
             head = f"== {conv.source} (field {conv.field!r}) | renderer {renderer.name} | {args.train_on_what} | {legend}"
             print(_DIM + head + _RESET if color else head, file=out)

@@ -20,6 +20,16 @@ if [ -n "$SANDBOX_PKGS" ]; then
     echo "setup.sh: the code sandbox needs: $SANDBOX_PKGS (apt-get install $SANDBOX_PKGS)" >&2
   fi
 fi
+# Speech tests synthesise spoken digits and words with espeak-ng (Debian package); they skip without it.
+if ! command -v espeak-ng >/dev/null 2>&1; then
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get install -y -qq espeak-ng >/dev/null 2>&1 \
+      || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq espeak-ng >/dev/null 2>&1; }) \
+      || echo "setup.sh: could not install espeak-ng; the speech tests will be skipped" >&2
+  else
+    echo "setup.sh: the speech tests need espeak-ng (apt-get install espeak-ng); they are skipped without it" >&2
+  fi
+fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
 # inspect: the inspect-ai provider and its tests; ray, dask: the task runners of the cluster tests (-m cluster)

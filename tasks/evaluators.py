@@ -23,7 +23,8 @@ from prefect.utilities.annotations import quote
 from prefect_tinker.tasks.clients import TrainingRun
 from prefect_tinker.tasks.training import forward, weights_sum
 
-__all__ = ["Evaluator", "NLLEvaluator", "PreferenceEvaluator", "SamplingClientEvaluator", "TrainingClientEvaluator"]
+__all__ = ["ClassifierAccuracyEvaluator", "Evaluator", "NLLEvaluator", "PreferenceEvaluator", "SamplingClientEvaluator",
+           "TrainingClientEvaluator", "TranscriptionEvaluator", "data_evaluators"]
 
 
 class Evaluator(ABC):
@@ -117,3 +118,119 @@ class PreferenceEvaluator(TrainingClientEvaluator):
             values = loss.values(h)
         return {f"{self.prefix}/dpo_loss": float(values.mean()), f"{self.prefix}/accuracy": pair_accuracy(h),
                 f"{self.prefix}/margin": float((self.beta * h).mean()), f"{self.prefix}/pairs": float(len(h))}
+
+
+class ClassifierAccuracyEvaluator(SamplingClientEvaluator):
+    """Accuracy of a classifier trained to answer ``"{answer_prefix} {label}"`` (e.g. the VLM
+    classifier: "What is the name of the subject in this photo?" / "The subject in this photo is:
+    <label>"), sampled greedily (temperature 0) as in the Tinker cookbook's classifier eval.
+
+    For each held-out example: the prompt is the example up to its first trained token (images
+    and audio kept) followed by ``answer_prefix`` (prefill); the model completes it up to the
+    renderer's stop sequence; the prediction is the text after the last ``:`` of prefix +
+    completion, stripped and lower-cased, and the label is read the same way from the example's
+    trained text.  Returns ``{prefix}/accuracy`` (fraction correct) and ``{prefix}/accuracy_n``.
+
+    Args:
+        examples: held-out :class:`~prefect_tinker.recipes.builders.Example` s (the first
+            ``limit`` are scored).
+        renderer_name, tokenizer_id: the run's renderer and tokenizer.
+        answer_prefix: the text every answer starts with.
+        max_tokens: most sampled tokens per answer.
+    """
+
+    name = "accuracy"
+
+    def __init__(self, examples: list, renderer_name: str, tokenizer_id: str, *, answer_prefix: str,
+                 max_tokens: int = 16, limit: int = 100, prefix: str = "test"):
+        self.examples = list(examples)[:limit]
+        self.renderer_name, self.tokenizer_id = renderer_name, tokenizer_id
+        self.answer_prefix, self.max_tokens, self.prefix = answer_prefix, max_tokens, prefix
+
+    @staticmethod
+    def answer(text: str) -> str:
+        """The class name in an answer: after the last ``:``, stripped, lower case."""
+        return text.split(":")[-1].strip().lower()
+
+    def evaluate(self, credentials: Any, sampler_path: str, step: int) -> dict[str, float]:
+        from prefect_tinker.recipes.rl.problem_env import load_renderer
+        from prefect_tinker.tasks.sampling import sample_completions
+
+        if not self.examples:
+            return {}
+        renderer = load_renderer(self.renderer_name, self.tokenizer_id)
+        prefill = renderer.encode(self.answer_prefix)
+        prompts, labels = [], []
+        for ex in self.examples:
+            prompts.append(ex.prompt() + prefill)
+            trained = [t for t, w in zip(ex.tokens, ex.weights) if w > 0]
+            labels.append(self.answer(renderer.parse_response(trained).message.get("content") or ""))
+        outs = sample_completions.with_options(task_run_name=f"eval-accuracy-step-{step}")(
+            credentials, sampler_path, quote(prompts), max_tokens=self.max_tokens, temperature=0.0,
+            stop=renderer.get_stop_sequences())
+        hits = []
+        for out, label in zip(outs, labels):
+            text = renderer.parse_response(out[0]["tokens"]).message.get("content") or ""
+            hits.append(float(self.answer(self.answer_prefix + text) == label))
+        return {f"{self.prefix}/accuracy": sum(hits) / len(hits), f"{self.prefix}/accuracy_n": float(len(hits))}
+
+
+class TranscriptionEvaluator(SamplingClientEvaluator):
+    """Word error rate of greedy transcripts of held-out (audio, transcript) examples.
+
+    The prompt is each example up to its first trained token (the audio kept); the reply, up to
+    the renderer's stop sequence, is compared with the example's trained text by
+    :func:`~prefect_tinker.recipes.grading_text.word_error_rate`.  Returns ``{prefix}/wer``
+    (mean over examples), ``{prefix}/exact`` (fraction with WER 0) and ``{prefix}/wer_n``.
+    """
+
+    name = "wer"
+
+    def __init__(self, examples: list, renderer_name: str, tokenizer_id: str, *, max_tokens: int = 32,
+                 limit: int = 100, prefix: str = "test"):
+        self.examples = list(examples)[:limit]
+        self.renderer_name, self.tokenizer_id = renderer_name, tokenizer_id
+        self.max_tokens, self.prefix = max_tokens, prefix
+
+    def evaluate(self, credentials: Any, sampler_path: str, step: int) -> dict[str, float]:
+        from prefect_tinker.recipes.grading_text import word_error_rate
+        from prefect_tinker.recipes.rl.problem_env import load_renderer
+        from prefect_tinker.tasks.sampling import sample_completions
+
+        if not self.examples:
+            return {}
+        renderer = load_renderer(self.renderer_name, self.tokenizer_id)
+        refs = [renderer.parse_response([t for t, w in zip(ex.tokens, ex.weights) if w > 0]).message.get("content") or ""
+                for ex in self.examples]
+        outs = sample_completions.with_options(task_run_name=f"eval-wer-step-{step}")(
+            credentials, sampler_path, quote([ex.prompt() for ex in self.examples]), max_tokens=self.max_tokens,
+            temperature=0.0, stop=renderer.get_stop_sequences())
+        wers = [word_error_rate(renderer.parse_response(o[0]["tokens"]).message.get("content") or "", r)
+                for o, r in zip(outs, refs)]
+        return {f"{self.prefix}/wer": sum(wers) / len(wers), f"{self.prefix}/exact": sum(w == 0 for w in wers) / len(wers),
+                f"{self.prefix}/wer_n": float(len(wers))}
+
+
+def data_evaluators(builder: Any, data: Any, tokenizer_id: str) -> list[Evaluator]:
+    """The evaluators a dataset's format asks for besides held-out NLL: a
+    :class:`ClassifierAccuracyEvaluator` for classification formats (``image_folder``,
+    ``image_classification``: option ``answer_prefix``), a :class:`TranscriptionEvaluator` for
+    ``audio_transcript``; each on the first ``eval_limit`` (option, default 100) test examples."""
+    from prefect_tinker.recipes.media_sources import CLASSIFICATION_FORMATS, CLASSIFIER_ANSWER_PREFIX
+
+    sources = list(getattr(builder, "sources", []))
+    if not sources or not getattr(data, "test", None):
+        return []
+    out: list[Evaluator] = []
+    classify = [s for s in sources if s.format in CLASSIFICATION_FORMATS]
+    if classify:
+        opts = classify[0].options
+        out.append(ClassifierAccuracyEvaluator(data.test, data.renderer, tokenizer_id,
+                                               answer_prefix=str(opts.get("answer_prefix", CLASSIFIER_ANSWER_PREFIX)),
+                                               limit=int(opts.get("eval_limit", 100))))
+    speech = [s for s in sources if s.format == "audio_transcript"]
+    if speech:
+        out.append(TranscriptionEvaluator(data.test, data.renderer, tokenizer_id,
+                                          limit=int(speech[0].options.get("eval_limit", 100))))
+    return out
+

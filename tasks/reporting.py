@@ -39,7 +39,10 @@ RL_CURVES: tuple[str, ...] = ("env/reward_mean", "env/correct_rate", "train/entr
 def artifact_key(kind: str, run_id: str, what: str = "") -> str:
     """A valid Prefect artifact key (lowercase letters, digits, dashes) for ``kind``/``run_id``/``what``
     (``<kind>-<run>`` when ``what`` is empty: the run's summary)."""
-    slug = "".join(c if c.isalnum() else "-" for c in run_id.lower()).strip("-")[:60]
+    def clean(text: str) -> str:
+        return "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")
+
+    slug, kind = clean(run_id)[:60], clean(kind)  # e.g. recipe reward_model -> reward-model
     return f"{kind}-{slug}-{what}" if what else f"{kind}-{slug}"
 
 

@@ -14,15 +14,24 @@ Failures (an env that raises, a reply the env cannot handle) follow :class:`Roll
 - ``min_viable``: failed trajectories are dropped; the group survives with at least
   ``min_group_size`` members, otherwise it comes back empty (the flow drops it).
 
+Builders may take part (:class:`~prefect_tinker.recipes.rl.types.RolloutContext`): envs made by
+``make_envs_in(ctx)`` can sample other weights through the task's client registry (an answerer),
+and a ``shared_episode`` builder steps its envs itself in ``run_group(envs, ctx)`` (the two players
+of one game); a failure there fails the whole episode (``retry`` replays it, ``min_viable`` drops
+the group).
+
 Errors are counted in :attr:`TrajectoryGroup.errors`. Transient server errors (HTTP 5xx,
 timeouts) are retried by the SDK and by the task's ``RETRY_OPTIONS`` in every mode.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Literal
 
 import numpy as np
@@ -31,7 +40,8 @@ from prefect import task
 from prefect.cache_policies import TASK_SOURCE, CacheKeyFnPolicy
 from pydantic import BaseModel, Field
 
-from prefect_tinker.recipes.rl.types import EnvGroupBuilder, Trajectory, TrajectoryGroup, Transition
+from prefect_tinker.recipes.media import has_media, media_key, model_input_from_tokens
+from prefect_tinker.recipes.rl.types import EnvGroupBuilder, RolloutContext, Trajectory, TrajectoryGroup, Transition
 from prefect_tinker.tasks.clients import sampling_client
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
 
@@ -63,7 +73,7 @@ def group_seed(seed: int, batch_index: int, group_index: int) -> int:
 def _sample(sampler: Any, prompt: list[int], n: int, stop: Any, seed: int, max_tokens: int,
             temperature: float) -> list[tuple[list[int], list[float], str]]:
     params = tinker.SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=int(seed), stop=stop)
-    resp = sampler.sample(prompt=tinker.ModelInput.from_ints(prompt), num_samples=n, sampling_params=params)
+    resp = sampler.sample(prompt=model_input_from_tokens(prompt), num_samples=n, sampling_params=params)
     resp = resp.result() if hasattr(resp, "result") else resp
     return [(list(s.tokens), [float(x) for x in (s.logprobs or [])], str(s.stop_reason)) for s in resp.sequences]
 
@@ -92,12 +102,19 @@ def _run_episode(env: Any, first: tuple[list[int], list[float], str] | None, sam
 def run_group_rollout(
     sampler: Any, builder: EnvGroupBuilder, *, seed: int, max_tokens: int, temperature: float = 1.0,
     policy: RolloutPolicy | None = None, batch_index: int = 0, group_index: int = 0,
-    sampler_path: str = "", sampler_step: int = 0,
+    sampler_path: str = "", sampler_step: int = 0, clients: Callable[[str], Any] | None = None,
 ) -> TrajectoryGroup:
     """Roll out the envs of ``builder`` with ``sampler`` (anything with the SDK's ``sample``).
 
     Members sharing an initial observation are sampled in one request (``num_samples`` = their
     count, seed ``seed``); later turns and retries are sampled one by one with derived seeds.
+    A ``shared_episode`` builder steps its envs itself (:meth:`EnvGroupBuilder.run_group`): a
+    failure there fails the whole episode (counted once), which ``retry`` replays with fresh envs
+    and ``min_viable`` drops.
+
+    Args:
+        clients: ``path -> sampling client`` for other weights the envs use (an answerer), lent
+            to the builder through :class:`~prefect_tinker.recipes.rl.types.RolloutContext`.
 
     Returns:
         The group (failed members removed, ``errors`` counted); ``trajectories_G`` empty when
@@ -108,19 +125,49 @@ def run_group_rollout(
     """
     policy = policy or RolloutPolicy()
     t0 = time.perf_counter()
-    envs = list(builder.make_envs())
+    ctx = RolloutContext(
+        sample=lambda ob, stop, s: _sample(sampler, list(ob), 1, stop, s, max_tokens, temperature)[0],
+        sampling_client=clients or RolloutContext.sampling_client, seed=seed)
     where = f"batch {batch_index} group {group_index}"
+    try:
+        envs = list(builder.make_envs_in(ctx))
+    except Exception as exc:  # the whole group's envs are broken: no member can run
+        raise RolloutError(f"{where}: make_envs failed: {exc}") from exc
+    run = _run_shared if builder.shared_episode else _run_members
+    trajs, errors, messages = run(builder, envs, ctx, sampler, policy, where, max_tokens, temperature)
+    if policy.mode == "min_viable" and len(trajs) < min(policy.min_group_size, len(envs)):
+        trajs = []
+    rewards = builder.compute_group_rewards(trajs) if trajs else []
+    return TrajectoryGroup(
+        trajectories_G=trajs, final_rewards_G=[float(r) for r, _ in rewards], metrics_G=[dict(m) for _, m in rewards],
+        batch_index=batch_index, group_index=group_index, sampler_path=sampler_path, sampler_step=sampler_step,
+        errors=errors, error_messages=messages, seconds=time.perf_counter() - t0,
+    )
+
+
+def _failed(policy: RolloutPolicy, attempt: int, what: str, exc: Exception, messages: list[str]) -> None:
+    """Record a failure; raise RolloutError when the policy gives up on it."""
+    if len(messages) < 5:
+        messages.append(f"{what}: {type(exc).__name__}: {exc}")
+    if policy.mode == "fail_fast" or (policy.mode == "retry" and attempt >= policy.retries):
+        raise RolloutError(f"{what} failed ({policy.mode}): {exc}") from exc
+
+
+def _run_members(builder: EnvGroupBuilder, envs: list, ctx: RolloutContext, sampler: Any, policy: RolloutPolicy,
+                 where: str, max_tokens: int, temperature: float) -> tuple[list[Trajectory], int, list[str]]:
+    """Each env's episode to the end, one env after another (first actions batched)."""
+    seed = ctx.seed
     firsts: list[Any] = [None] * len(envs)
     try:
         obs = [env.initial_observation() for env in envs]
     except Exception as exc:  # the whole group's envs are broken: no member can run
         raise RolloutError(f"{where}: initial_observation failed: {exc}") from exc
     shared: dict[str, list[int]] = {}
-    for i, (ob, stop) in enumerate(obs):
-        shared.setdefault(json.dumps([list(ob), stop]), []).append(i)
+    for i, (ob, stop) in enumerate(obs):  # media_key: observations with different media never share
+        shared.setdefault(json.dumps([media_key(ob), stop]), []).append(i)
     for k, (key, members) in enumerate(shared.items()):
-        ob, stop = json.loads(key)
-        outs = _sample(sampler, ob, len(members), stop, seed + k, max_tokens, temperature)
+        ob, stop = obs[members[0]]
+        outs = _sample(sampler, list(ob), len(members), stop, seed + k, max_tokens, temperature)
         for i, out in zip(members, outs):
             firsts[i] = out
     trajs: list[Trajectory] = []
@@ -133,23 +180,32 @@ def run_group_rollout(
                 break
             except Exception as exc:
                 errors += 1
-                if len(messages) < 5:
-                    messages.append(f"{where} member {i}: {type(exc).__name__}: {exc}")
-                if policy.mode == "fail_fast" or (policy.mode == "retry" and attempt >= policy.retries):
-                    raise RolloutError(f"{where} member {i} failed ({policy.mode}): {exc}") from exc
+                _failed(policy, attempt, f"{where} member {i}", exc, messages)
                 if policy.mode == "min_viable":
                     break
                 attempt += 1
-                env = builder.make_envs()[i]
+                env = builder.make_envs_in(ctx)[i]
                 firsts[i] = None
-    if policy.mode == "min_viable" and len(trajs) < min(policy.min_group_size, len(envs)):
-        trajs = []
-    rewards = builder.compute_group_rewards(trajs) if trajs else []
-    return TrajectoryGroup(
-        trajectories_G=trajs, final_rewards_G=[float(r) for r, _ in rewards], metrics_G=[dict(m) for _, m in rewards],
-        batch_index=batch_index, group_index=group_index, sampler_path=sampler_path, sampler_step=sampler_step,
-        errors=errors, error_messages=messages, seconds=time.perf_counter() - t0,
-    )
+    return trajs, errors, messages
+
+
+def _run_shared(builder: EnvGroupBuilder, envs: list, ctx: RolloutContext, sampler: Any, policy: RolloutPolicy,
+                where: str, max_tokens: int, temperature: float) -> tuple[list[Trajectory], int, list[str]]:
+    """One shared episode of all envs (``builder.run_group``), replayed under ``retry``."""
+    errors, messages, attempt = 0, [], 0
+    while True:
+        try:
+            trajs = list(builder.run_group(envs, replace(ctx, seed=ctx.seed + 7919 * attempt)))
+            if len(trajs) != len(envs):
+                raise RuntimeError(f"run_group returned {len(trajs)} trajectories for {len(envs)} envs")
+            return trajs, errors, messages
+        except Exception as exc:
+            errors += 1
+            _failed(policy, attempt, f"{where} (shared episode)", exc, messages)
+            if policy.mode == "min_viable":
+                return [], errors, messages
+            attempt += 1
+            envs = list(builder.make_envs_in(ctx))
 
 
 def _rollout_cache_key(context: Any, params: dict[str, Any]) -> str:
@@ -183,7 +239,7 @@ def rollout_group(
     return run_group_rollout(
         sampler, builder, seed=group_seed(seed, batch_index, group_index), max_tokens=max_tokens,
         temperature=temperature, policy=policy, batch_index=batch_index, group_index=group_index,
-        sampler_path=sampler_path, sampler_step=sampler_step,
+        sampler_path=sampler_path, sampler_step=sampler_step, clients=functools.partial(sampling_client, credentials),
     )
 
 
@@ -191,6 +247,8 @@ def _ref_cache_key(context: Any, params: dict[str, Any]) -> str:
     h = hashlib.sha256(params["reference"].encode())
     for seq in params["sequences"]:
         h.update(np.asarray(seq, dtype=np.int64).tobytes() + b"|")
+        if has_media(seq):
+            h.update(json.dumps(media_key(seq)).encode() + b"|")
     return h.hexdigest()
 
 
@@ -204,7 +262,7 @@ def reference_logprobs(credentials: Any, reference: str, sequences: list[list[in
     """Logprobs (L-1,) of tokens 1..L-1 of each sequence (L,) under the reference weights
     (``tinker://.../sampler_weights/...`` or ``base:<model>``), via ``compute_logprobs``."""
     client = sampling_client(credentials, reference)
-    futures = [client.compute_logprobs(tinker.ModelInput.from_ints(list(s))) for s in sequences]
+    futures = [client.compute_logprobs(model_input_from_tokens(list(s))) for s in sequences]
     out = []
     for fut in futures:
         lp = fut.result() if hasattr(fut, "result") else fut

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 import tinker
 from prefect import task
-from prefect.cache_policies import INPUTS, TASK_SOURCE
+from prefect.cache_policies import TASK_SOURCE, CacheKeyFnPolicy
 
+from prefect_tinker.recipes.media import media_key, model_input_from_tokens
 from prefect_tinker.tasks.clients import sampling_client
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
 
@@ -21,12 +24,18 @@ def _sample_run_name(parameters: dict[str, Any]) -> str:
     return f"sample-{path.rstrip('/').rsplit('/', 1)[-1] or 'weights'}"
 
 
+def _sample_cache_key(context: Any, params: dict[str, Any]) -> str:
+    keyed = {k: v for k, v in params.items() if k not in ("credentials", "prompts")}
+    keyed["prompts"] = [media_key(p) for p in params["prompts"]]  # media by content, not by placeholder
+    return hashlib.sha256(json.dumps(keyed, sort_keys=True, default=str).encode()).hexdigest()
+
+
 @task(
     name="sample-completions",
     task_run_name=_sample_run_name,
-    # A pure function of (sampler weights path, prompts, sampling params incl. seed); the block is
-    # excluded from the key (which backend served it does not change the answer).
-    cache_policy=(INPUTS - "credentials") + TASK_SOURCE,
+    # A pure function of (sampler weights path, prompts incl. their media, sampling params incl.
+    # seed); the block is excluded from the key (which backend served it does not change the answer).
+    cache_policy=TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_sample_cache_key),
     persist_result=True,
     **RETRY_OPTIONS,
 )
@@ -41,8 +50,9 @@ def sample_completions(
     stop: list[str] | list[int] | None = None,
     num_samples: int = 1,
 ) -> list[list[dict[str, Any]]]:
-    """Sample ``num_samples`` completions for each prompt (token ids) from ``sampler_path``
-    (a ``tinker://.../sampler_weights/...`` path).
+    """Sample ``num_samples`` completions for each prompt (token ids; images / audio as
+    :class:`~prefect_tinker.recipes.media.MediaToken` runs) from ``sampler_path`` (a
+    ``tinker://.../sampler_weights/...`` path).
 
     Returns, per prompt, a list of ``{"tokens": [...], "logprobs": [...], "stop_reason": ...}``.
     Prompt ``i`` uses seed ``seed + i``, so results are reproducible and cacheable.
@@ -50,7 +60,7 @@ def sample_completions(
     client = sampling_client(credentials, sampler_path)
     futures = [
         client.sample(
-            prompt=tinker.ModelInput.from_ints(p),
+            prompt=model_input_from_tokens(p),
             num_samples=num_samples,
             sampling_params=tinker.SamplingParams(
                 max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed + i, stop=stop

@@ -131,6 +131,13 @@ class TinkerCredentials(CredentialsBlock):
     local_threads: int | None = Field(
         default=None, ge=1, description="Torch threads of the local server; empty uses all cores."
     )
+    local_sampler_workers: int = Field(
+        default=0, ge=0,
+        description=(
+            "Sampler worker processes of the local server: sampling runs apart from training, so "
+            "streaming and async RL overlap them; the server's threads are shared between them. 0 = off."
+        ),
+    )
     local_extra_args: list[str] = Field(
         default_factory=list, description="Extra command-line arguments for 'python -m tinker_local serve'."
     )
@@ -298,7 +305,7 @@ def _log_tail(path: Path, lines: int = 30) -> str:
 def server_command(block: TinkerCredentials, port: int, root: Path) -> list[str]:
     """The command starting the local server: ``python -m tinker_local serve --host 127.0.0.1
     --port P --root DIR`` plus ``--model M`` per preloaded model, ``--device``/``--threads`` when
-    set, then ``local_extra_args``."""
+    set, ``--sampler-workers N`` when N > 0, then ``local_extra_args``."""
     cmd = [sys.executable, "-m", "tinker_local", "serve", "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--root", str(root)]
     for model in block.local_models:
@@ -307,6 +314,8 @@ def server_command(block: TinkerCredentials, port: int, root: Path) -> list[str]
         cmd += ["--device", block.local_device]
     if block.local_threads:
         cmd += ["--threads", str(block.local_threads)]
+    if block.local_sampler_workers:
+        cmd += ["--sampler-workers", str(block.local_sampler_workers)]
     return cmd + list(block.local_extra_args)
 
 

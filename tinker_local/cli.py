@@ -2,7 +2,7 @@
 
     python -m tinker_local serve --model tiny [--model M2] --port 8000 --host 127.0.0.1 \
         --root ~/.prefect-tinker [--dtype auto|float32|bfloat16] [--device cpu|cuda] \
-        [--fail-every N] [--drop-every M]
+        [--fail-every N] [--drop-every M] [--threads T] [--sampler-workers N]
 
     python -m tinker_local status [--root DIR]    the server recorded in DIR/server.json (exit 1: none)
     python -m tinker_local stop [--root DIR]      stop it: SIGTERM, SIGKILL after 5 s; remove the record
@@ -45,7 +45,12 @@ def build_parser(prog: str = "python -m tinker_local") -> argparse.ArgumentParse
                    help="training/forward compute dtype (default auto: bf16 autocast where the "
                         "CPU/GPU supports it, else fp32); sampling always runs in fp32")
     s.add_argument("--device", default=None, help="torch device (default: cuda if present, else cpu)")
-    s.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    s.add_argument("--threads", type=int, default=None,
+                   help="torch threads in all, trainer plus sampler workers (default: all cores)")
+    s.add_argument("--sampler-workers", type=int, default=0, metavar="N",
+                   help="run sampling in N worker processes apart from the trainer, so sampling "
+                        "and training overlap (default 0: one engine serves both in turn); "
+                        "each worker gets --threads // (N + 1) torch threads, the trainer the rest")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.add_argument("--fail-every", type=int, default=None, metavar="N",
                    help="fault injection: answer every N-th API request with HTTP 503 "
@@ -118,6 +123,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m tinker_local") ->
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
+        if args.sampler_workers < 0 or (args.threads is not None and args.threads < 1):
+            print("error: --sampler-workers must be >= 0 and --threads >= 1", file=sys.stderr)
+            return 2
         if not 0 < args.port < 65536:
             print(f"error: --port must be in 1..65535, got {args.port}", file=sys.stderr)
             return 2
@@ -134,5 +142,6 @@ def main(argv: list[str] | None = None, prog: str = "python -m tinker_local") ->
         serve(args.model, host=args.host, port=args.port, root=args.root or default_root(),
               dtype=DTYPES[args.dtype], device=args.device, num_threads=args.threads,
               log_level=args.log_level, faults=faults,
-              custom_loss_server_side=not args.client_side_custom_losses, jwt_auth=args.jwt_auth)
+              custom_loss_server_side=not args.client_side_custom_losses, jwt_auth=args.jwt_auth,
+              sampler_workers=args.sampler_workers)
     return 0

@@ -2,10 +2,27 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+
+@dataclass
+class MediaChunk:
+    """A non-text chunk of a model input, as received (decoded by ``tinker_local.media``).
+
+    ``kind``: ``"image"`` (``data``: PNG/JPEG bytes), ``"image_asset_pointer"`` (``location``: a
+    local file path or ``file://`` URI of a PNG/JPEG) or ``"dmel"`` (``data``: TensorContainer
+    bytes of a uint8 DMel tensor (frames, mel bins)).  ``format``: ``"png"`` | ``"jpeg"`` for
+    images.  ``expected_tokens``: the token count the client announced (images; None: not
+    checked)."""
+
+    kind: str
+    data: bytes | None = None
+    location: str | None = None
+    format: str | None = None
+    expected_tokens: int | None = None
 
 
 @dataclass
@@ -13,10 +30,15 @@ class Datum:
     """One training example.  ``tokens``: model input token ids, length N.  ``inputs``: loss-fn
     inputs as numpy arrays: ``target_tokens`` int64 (N,) or (N, K) (position i predicts
     target_tokens[i]); ``weights`` float32 shaped like target_tokens (cross_entropy; default 1);
-    ``logprobs``/``advantages`` float32 (N,) for the RL losses."""
+    ``logprobs``/``advantages`` float32 (N,) for the RL losses.
+
+    ``chunks``: set when the model input holds media: the chunks in order, each a list of token
+    ids or a :class:`MediaChunk` (``tokens`` then holds only the text tokens); N is the length
+    after the media are expanded into their token positions (``tinker_local.media``)."""
 
     tokens: list[int]
     inputs: dict[str, np.ndarray]
+    chunks: list[Any] | None = field(default=None)
 
 
 @dataclass

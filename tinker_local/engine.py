@@ -46,6 +46,7 @@ from .datatypes import Datum, FwdResult, SampleResult
 from .errors import EngineUserError, UnknownModelError
 from .inputs import check_datum, check_name, microbatches
 from .losses import get_loss_fn
+from .media import media_logits, media_support, resolve_chunks
 from .engine_sampling import SamplingMixin
 from .models import ModelSpec, resolve_model
 
@@ -64,6 +65,7 @@ class _Base:
     counter: int = 0
     sampler_adapters: "OrderedDict[tuple, str]" = field(default_factory=OrderedDict)
     active: str | None = None  # adapter last activated by set_adapter (None: unknown)
+    media: Any = False  # tinker_local.media.Support | None once looked up (False: not yet)
 
     def use(self, adapter: str) -> None:
         """Make ``adapter`` the active one; ``set_adapter`` walks every module, so only when it changes."""
@@ -201,11 +203,14 @@ class Engine(SamplingMixin):
         (``tinker_local.custom_loss.BoundLoss``), which validates its own inputs.
 
         Datums may have different lengths (padded internally, in micro-batches of a bounded
-        number of logits).  Returns per datum ``{"logprobs": float32 array shaped like
-        target_tokens}`` and ``{"loss:sum": sum of the per-datum losses}``.  All datums are
-        validated before any compute, so a user error leaves the gradients untouched.
+        number of logits), and media chunks (``Datum.chunks``: images for vision-language
+        models, DMel audio for ``tiny-audio``; ``tinker_local.media``).  Returns per datum
+        ``{"logprobs": float32 array shaped like target_tokens}`` and ``{"loss:sum": sum of the
+        per-datum losses}``.  All datums are validated before any compute, so a user error
+        leaves the gradients untouched.
         Raises EngineUserError: unknown model id or loss fn, empty/too-long sequence, token or
-        target id outside ``[0, vocab_size)``, missing/mis-shaped/non-finite loss inputs."""
+        target id outside ``[0, vocab_size)``, missing/mis-shaped/non-finite loss inputs, media
+        the model cannot take or whose token count differs from ``expected_tokens``."""
         return self._run(model_id, datums, loss_fn, loss_fn_config, backward=True)
 
     def _run(self, model_id, datums, loss_fn, loss_fn_config, backward: bool) -> FwdResult:
@@ -219,9 +224,13 @@ class Engine(SamplingMixin):
             prepared = []
             for i, d in enumerate(datums):
                 inputs = {k: v for k, v in d.inputs.items() if k == "target_tokens"} if custom else d.inputs
-                toks, tgt, inp = check_datum(i, d.tokens, inputs, "cross_entropy" if custom else loss_fn,
+                tokens, media = d.tokens, None
+                if getattr(d, "chunks", None) or self._media(b) is not None:  # images / audio: tinker_local.media
+                    tokens, media = resolve_chunks(self._media(b), getattr(d, "chunks", None) or [d.tokens],
+                                                   f"datum {i}: model_input", spec.name)
+                toks, tgt, inp = check_datum(i, tokens, inputs, "cross_entropy" if custom else loss_fn,
                                              spec.vocab_size, spec.max_context, spec.name, self.device)
-                prepared.append((toks, tgt, loss_fn.prepare(i, d.inputs, tgt, self.device) if custom else inp))
+                prepared.append((toks, tgt, loss_fn.prepare(i, d.inputs, tgt, self.device) if custom else inp, media))
             self._activate(b, st)
             work = b.n_params * sum(len(p[0]) for p in prepared)
             self._threads(1 if work < SMALL_WORK else None)
@@ -252,8 +261,12 @@ class Engine(SamplingMixin):
             ids[r, : lens[r]] = torch.as_tensor(it[0], dtype=torch.long)
             tgt[r, : lens[r], : (it[1].shape[1] if it[1].ndim == 2 else 1)] = it[1].reshape(lens[r], -1)
         ids, tgt = ids.to(self.device), tgt.to(self.device)
+        payloads = [p for it in items for p in (it[3] if len(it) > 3 and it[3] else [])]  # row-major
         with self._autocast():  # causal attention + right padding: pads never reach real tokens
-            logits = fp32_head_logits(b.model, ids)  # (B, T, V) float32
+            if payloads:
+                logits = media_logits(b.model, self._media(b), ids, payloads)  # (B, T, V) float32
+            else:
+                logits = fp32_head_logits(b.model, ids)  # (B, T, V) float32
         lp = logits.gather(-1, tgt) - torch.logsumexp(logits, dim=-1, keepdim=True)  # (B, T, K)
         out = []
         for r, it in enumerate(items):
@@ -411,6 +424,12 @@ class Engine(SamplingMixin):
             n_params = sum(p.numel() for p in model.parameters())
             b = self._bases[spec.name] = _Base(spec, model, tok, n_params)
         return b
+
+    def _media(self, b: _Base):
+        """The media the base model accepts (``tinker_local.media.Support``; None: text only)."""
+        if b.media is False:
+            b.media = media_support(b.model, b.spec.model_dir)
+        return b.media
 
     def _train(self, model_id: str) -> _Train:
         st = self._models.get(model_id)

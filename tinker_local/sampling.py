@@ -108,6 +108,7 @@ class SampleRequest:
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
     topk_sample_logprobs: int = 0
+    media: list | None = None  # payloads of the prompt's media (tinker_local.media); sampled alone
 
     @property
     def wants_prompt(self) -> bool:
@@ -140,7 +141,7 @@ def _prompt_outputs(req: SampleRequest, logits: torch.Tensor) -> dict:
 
 @torch.no_grad()
 def sample_batch(model, tokenizer, reqs: list[SampleRequest], *, device: torch.device,
-                 decode_threads: int | None = None) -> list[dict]:
+                 decode_threads: int | None = None, prefill_extra: dict | None = None) -> list[dict]:
     """Serve ``reqs`` together; returns one dict per request, in order:
     ``{"sequences": [{"tokens": [...], "logprobs": [...], "stop_reason": "stop"|"length",
     "topk_logprobs": [[(token_id, logprob)] * k] per token | None}] * num_samples, "prompt_logprobs": list (len P, entry 0 None) | None, "topk_prompt_logprobs":
@@ -150,6 +151,7 @@ def sample_batch(model, tokenizer, reqs: list[SampleRequest], *, device: torch.d
     holds ``len(reqs) x max P`` tokens, and all their logits when any request wants prompt
     logprobs).  ``decode_threads``: torch threads for the token-by-token phase (small decode
     steps run faster on one thread, since OpenMP synchronisation dominates them).
+    ``prefill_extra``: more keyword arguments of the prefill forward (pixel values, DMel frames).
     Raises RuntimeError if the model's KV cache cannot select batch rows.
     """
     B = len(reqs)
@@ -165,6 +167,7 @@ def sample_batch(model, tokenizer, reqs: list[SampleRequest], *, device: torch.d
     if padded:  # left padding: masked pads, positions counted from each prompt's first token
         extra = {"attention_mask": mask.to(device),
                  "position_ids": (mask.cumsum(-1) - 1).clamp(min=0).to(device)}
+    extra.update(prefill_extra or {})  # media of a single prompt (tinker_local.media.prefill_kwargs)
     out = _prefill(model, ids.to(device), any(r.wants_prompt for r in reqs), extra)
     results = [_prompt_outputs(r, out.logits[i, L - lens[i]:]) for i, r in enumerate(reqs)]
 

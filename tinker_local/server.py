@@ -49,7 +49,7 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
                datum_cls: type | None = None, faults: FaultConfig | None = None,
                batch_quiet_s: float = 0.02, batch_max_wait_s: float = 0.1,
                custom_loss_server_side: bool = True, url_ttl_s: float = 3600.0,
-               jwt_auth: bool = False) -> FastAPI:
+               jwt_auth: bool = False, sampler_pool: Any = None) -> FastAPI:
     """Build the FastAPI app speaking the tinker 0.38 protocol in front of ``engine``.
 
     Args:
@@ -70,6 +70,9 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
         url_ttl_s: lifetime of signed download URLs (external weights, session traces), seconds.
         jwt_auth: exchange API keys for short-lived JWTs (``tinker_local.auth``; client config
             ``pjwt_auth_enabled``), which ``RestClient.whoami`` needs; API keys stay accepted.
+        sampler_pool: a ``tinker_local.sampler_pool.SamplerPool`` serving all sampling in worker
+            processes while the engine trains (None: the engine samples in turn with training);
+            the app closes it at shutdown.
     Raises:
         ValueError: when no root is given and the engine has none.
     """
@@ -81,6 +84,8 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
     svc.custom_loss_server_side = custom_loss_server_side
     svc.jwt = JwtIssuer(svc.signer._secret, clock=lambda: svc.clock()) if jwt_auth else None
     svc.store.batch_quiet_s, svc.store.batch_max_wait_s = batch_quiet_s, batch_max_wait_s
+    if sampler_pool is not None:
+        svc.attach_sampler_pool(sampler_pool)
     fault_state = FaultState(faults or FaultConfig())
 
     @contextlib.asynccontextmanager
@@ -92,6 +97,8 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
         finally:
             sweeper.cancel()
             svc.store.stop()
+            if sampler_pool is not None:
+                sampler_pool.close()
 
     app = FastAPI(title="tinker_local", lifespan=lifespan)
     app.state.service = svc
@@ -156,7 +163,8 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
         return {"compute": dict(svc.store.stats), "requests": dict(svc.request_counts),
                 "faults": dict(fault_state.counts),
                 "fault_config": {"fail_every": fault_state.config.fail_every,
-                                 "drop_every": fault_state.config.drop_every}}
+                                 "drop_every": fault_state.config.drop_every},
+                "sampler_workers": sampler_pool.stats() if sampler_pool is not None else None}
 
     @route("GET", "/sessions")
     async def list_sessions(limit: int = 20, offset: int = 0):
@@ -380,8 +388,14 @@ def _add_json_route(app: FastAPI, name: str, handler: Any) -> None:
 def serve(model: list[str], host: str = "127.0.0.1", port: int = 8000, root: Path | str = ".",
           *, dtype: str = "auto", device: str | None = None, num_threads: int | None = None,
           log_level: str = "info", faults: FaultConfig | None = None,
-          custom_loss_server_side: bool = True, jwt_auth: bool = False) -> None:
+          custom_loss_server_side: bool = True, jwt_auth: bool = False,
+          sampler_workers: int = 0) -> None:
     """Build an Engine under ``root``, preload ``model`` names, and serve until interrupted.
+
+    ``sampler_workers`` N > 0: sampling runs in N worker processes next to the trainer
+    (``tinker_local.sampler_pool``); ``num_threads`` (default: the CPUs this process may use) is
+    then the total, split by ``split_threads`` (each worker ``total // (N + 1)``, the trainer the
+    rest).  The workers are ready before the port is bound.
 
     Blocking. Models named later in ``create_model`` calls are loaded lazily by the engine.
     ``faults``: fault injection for reliability tests (default: from the environment,
@@ -394,18 +408,38 @@ def serve(model: list[str], host: str = "127.0.0.1", port: int = 8000, root: Pat
 
     root = Path(root).expanduser().resolve()
     root.mkdir(parents=True, exist_ok=True)
+    pool = None
+    if sampler_workers > 0:
+        from .compute import available_cpus
+        from .sampler_pool import SamplerPool, split_threads
+
+        total = int(num_threads or available_cpus())
+        num_threads, per_worker = split_threads(total, sampler_workers)
+        if num_threads + sampler_workers * per_worker > total:
+            logger.warning("--threads %d is less than --sampler-workers %d + 1: trainer and workers "
+                           "use %d threads in all, more than asked", total, sampler_workers,
+                           num_threads + sampler_workers * per_worker)
+        logger.info("threads: trainer %d, %d sampler worker(s) x %d", num_threads, sampler_workers,
+                    per_worker)
+        pool = SamplerPool(root, sampler_workers, threads_per_worker=per_worker, device=device,
+                           dtype=dtype, preload=list(model))
     engine = Engine(root, device=device, dtype=dtype, num_threads=num_threads)
     for name in model:
         t0 = time.monotonic()
         info = engine.load_base_model(name)
         logger.info("preloaded %s in %.1fs (tokenizer %s, context %s)", name,
                     time.monotonic() - t0, info.get("tokenizer_id"), info.get("max_context"))
+    if pool is not None:
+        t0 = time.monotonic()
+        pool.start(wait_ready=True)
+        logger.info("%d sampler worker(s) ready in %.1fs", sampler_workers, time.monotonic() - t0)
     faults = faults if faults is not None else FaultConfig.from_env()
     if faults.active:
         logger.warning("fault injection on: 503 every %d requests, connection drop every %d",
                        faults.fail_every, faults.drop_every)
     app = create_app(engine, root, models=list(model), faults=faults,
-                     custom_loss_server_side=custom_loss_server_side, jwt_auth=jwt_auth)
+                     custom_loss_server_side=custom_loss_server_side, jwt_auth=jwt_auth,
+                     sampler_pool=pool)
     logger.info("tinker_local serving %s on http://%s:%d (root %s)", ", ".join(model) or "-",
                 host, port, root)
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)

@@ -1,6 +1,9 @@
 """Sampling endpoints of the local Tinker server (a mixin of ``LocalService``): sampling sessions,
 ``GET samplers/{id}``, and ``asample``, whose jobs the compute thread runs in batches through
-``Engine.sample_many`` (see ``tinker_local.futures`` for how queued requests are batched)."""
+``Engine.sample_many`` (see ``tinker_local.futures`` for how queued requests are batched), or,
+when the service has a ``sampler_pool`` (``serve --sampler-workers N``), the threads of the
+``"sampler"`` executor run them in the pool's worker processes (``tinker_local.sampler_pool``)
+while training continues on the compute thread."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ DEFAULT_MAX_TOKENS = 256  # SamplingParams.max_tokens=None
 # compute time (max_tokens x the seconds per decode step measured on the last batch): catching a
 # request that arrives a few ms late saves it a whole decode loop of its own.
 LINGER_FRACTION = 0.1
+SAMPLER_EXECUTOR = "sampler"  # FutureStore side executor of the sampler worker pool
 
 
 def _req(body: dict[str, Any], key: str, endpoint: str) -> Any:
@@ -51,6 +55,13 @@ class SamplingServiceMixin:
     ``self.tracer`` and ``self.client_model_name``."""
 
     _sample_step_s: float | None = None  # wall seconds per decode step of the last batch
+    sampler_pool: Any = None  # a tinker_local.sampler_pool.SamplerPool, or None: in-process
+
+    def attach_sampler_pool(self, pool: Any) -> None:
+        """Serve sampling through ``pool`` (one ``"sampler"`` executor thread per worker);
+        before the store starts."""
+        self.sampler_pool = pool
+        self.store.add_executor(SAMPLER_EXECUTOR, pool.workers)
 
     # -- sampling ---------------------------------------------------------------------------------
     def create_sampling_session(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -100,7 +111,7 @@ class SamplingServiceMixin:
         else:
             rec = self._sampler_record("adhoc", body, ep)
         try:
-            prompt = P.prompt_tokens_from_json(_req(body, "prompt", ep))
+            prompt = P.prompt_from_json(_req(body, "prompt", ep))
             sp = body.get("sampling_params") or {}
             stop = P.stop_from_json(sp.get("stop"))
         except P.ProtocolError as e:
@@ -138,7 +149,8 @@ class SamplingServiceMixin:
             step_s = self._sample_step_s
             linger = None if step_s is None else LINGER_FRACTION * step_s * (job["engine"]["max_tokens"] + 1)
             rid = self.store.submit("sample", None, dedupe_key=key, batch_key="sample",
-                                    payload=job, batch_fn=self._sample_batch, max_linger_s=linger)
+                                    payload=job, batch_fn=self._sample_batch, max_linger_s=linger,
+                                    executor=SAMPLER_EXECUTOR if self.sampler_pool is not None else None)
             self.tracer.bind(span, rid)
         return {"request_id": rid, "sample_sequence_ids": P.sequence_ids(rid, n)}
 
@@ -168,7 +180,9 @@ class SamplingServiceMixin:
                                  else "user error" if _is_user_error(res) else "server error")
 
     def _sample_reqs(self, jobs: list[dict[str, Any]], reqs: list[dict[str, Any]]) -> list[Any]:
-        if hasattr(self.engine, "sample_many"):
+        if self.sampler_pool is not None:
+            results = self.sampler_pool.sample_many(reqs)
+        elif hasattr(self.engine, "sample_many"):
             results = self.engine.sample_many(reqs)
         else:  # an engine without batching
             results = []

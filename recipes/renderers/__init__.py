@@ -40,7 +40,16 @@ Registered names (:func:`get_renderer`; ``"auto"`` resolves through :func:`resol
 ``qwen3_disable_thinking`` Qwen3 with an empty think block in the generation prompt
 ``llama3``                 Llama 3 instruct (``<|start_header_id|>...<|eot_id|>``), 3.1 tools
 ``chat_template``          the tokenizer's own ``apply_chat_template``
+``qwen3_vl_instruct``      hosted Qwen3-VL instruct, via ``tml-renderers`` (images)
+``qwen3_vl``               hosted Qwen3-VL thinking, via ``tml-renderers`` (images)
+``tml_v0``                 hosted Inkling (TMLv0), via ``tml-renderers`` (images, audio as DMel)
 =========================  ==========================================================
+
+Content parts (``[{"type": "image", "image": ...}, {"type": "text", "text": ...},
+{"type": "audio", "audio": "clip.wav"}]``, :mod:`.media_parts`): ``chatml``, ``smollm2`` and
+``qwen3`` place them as Qwen2-VL does for tokenizers with vision / audio tokens (the ``tiny-vl``
+and ``tiny-audio`` presets, local Qwen-VL directories); the ``tml-renderers`` families as the
+hosted models expect.  Media positions always get weight 0.
 """
 
 from __future__ import annotations
@@ -69,6 +78,7 @@ from prefect_tinker.recipes.renderers.encoding import Tag, TextEncoder, text_enc
 from prefect_tinker.recipes.renderers.llama3 import Llama3Renderer, llama3_tool_call_json, parse_llama3_tool_calls
 from prefect_tinker.recipes.renderers.qwen3 import Qwen3Renderer, qwen3_tools_system_prompt
 from prefect_tinker.recipes.renderers.role_colon import RoleColonRenderer, escape_role_markers, unescape_role_markers
+from prefect_tinker.recipes.renderers.tml import TmlRenderer
 from prefect_tinker.recipes.renderers.tools import (
     format_tool_call,
     parse_hermes_response,
@@ -93,6 +103,7 @@ __all__ = [
     "Tag",
     "Termination",
     "TextEncoder",
+    "TmlRenderer",
     "TrainOnWhat",
     "check_tools",
     "escape_role_markers",
@@ -122,6 +133,10 @@ _REGISTRY: dict[str, Callable[..., Renderer]] = {
     "qwen3_disable_thinking": partial(Qwen3Renderer, enable_thinking=False),
     "llama3": Llama3Renderer,
     "chat_template": ChatTemplateRenderer,
+    # hosted families through tml-renderers (optional extra "multimodal"): images, audio as DMel
+    "qwen3_vl_instruct": partial(TmlRenderer, family="qwen3_vl_instruct"),
+    "qwen3_vl": partial(TmlRenderer, family="qwen3_vl"),
+    "tml_v0": partial(TmlRenderer, family="tml_v0"),
 }
 
 
@@ -191,6 +206,7 @@ def guess_renderer_name(tokenizer: Any) -> str:
     """A renderer name for ``tokenizer`` from its chat template.
 
     ``qwen3`` for templates with ``<|im_start|>`` and ``<think>``, ``smollm2`` for SmolLM's,
+    ``chatml`` for Qwen-VL templates (``<|vision_start|>``: images as Qwen2-VL places them),
     ``llama3`` for ``<|start_header_id|>`` ... ``<|eot_id|>``, ``chatml`` for a template that
     renders exactly plain ChatML (e.g. the ``tiny`` preset's), ``chat_template`` for any other
     template, and ``role_colon`` when there is none (a base model).
@@ -202,6 +218,8 @@ def guess_renderer_name(tokenizer: Any) -> str:
         return "qwen3"
     if "<|im_start|>" in template and "SmolLM" in template:
         return "smollm2"
+    if "<|im_start|>" in template and "<|vision_start|>" in template:  # local Qwen2-VL / Qwen2.5-VL / Qwen3-VL
+        return "chatml"
     if "<|start_header_id|>" in template and "<|eot_id|>" in template:
         return "llama3"
     if "<|im_start|>" in template and _renders_plain_chatml(tokenizer):

@@ -34,7 +34,9 @@ from typing import Any, NamedTuple
 import numpy as np
 import tinker
 
+from prefect_tinker.recipes.media import MediaError, MediaToken, model_input_from_tokens, tokens_from_model_input
 from prefect_tinker.recipes.renderers.encoding import Piece, text_encoder
+from prefect_tinker.recipes.renderers.media_parts import MediaContent, MediaEncoder, MediaRun, PartProblem, check_content
 
 __all__ = [
     "KNOWN_ROLES",
@@ -140,7 +142,8 @@ def _short(value: Any, limit: int = 60) -> str:
 def check_message_list(messages: Any) -> list[Message]:
     """Validate a message list; the primitive behind :func:`normalize_messages` and dataset checks.
 
-    Accepted message keys: ``role`` (one of :data:`KNOWN_ROLES`), ``content`` (str; None or
+    Accepted message keys: ``role`` (one of :data:`KNOWN_ROLES`), ``content`` (str, or a list of
+    text / image / audio parts: :mod:`~prefect_tinker.recipes.renderers.media_parts`; None or
     missing only for an assistant message with ``tool_calls``), optional ``reasoning_content``
     (str), ``tool_calls`` (list of ``{"type": "function", "function": {"name", "arguments"}}``
     or ``{"name", "arguments"}``), ``trainable`` (bool), ``name`` and ``tool_call_id`` (str);
@@ -175,8 +178,13 @@ def check_message_list(messages: Any) -> list[Message]:
         content = msg.get("content")
         if content is None and tool_calls:
             content = ""
-        if not isinstance(content, str):
-            raise _FieldProblem(f"[{i}].content", f"must be a string, got {_short(content)}")
+        if isinstance(content, list):  # content parts: text, image, audio (media_parts)
+            try:
+                content = check_content(content, role)
+            except PartProblem as exc:
+                raise _FieldProblem(f"[{i}].content{exc.field}", exc.problem) from None
+        if not isinstance(content, (str, MediaContent)):
+            raise _FieldProblem(f"[{i}].content", f"must be a string or a list of content parts, got {_short(content)}")
         for key in ("reasoning_content", "name", "tool_call_id"):
             if msg.get(key) is not None and not isinstance(msg[key], str):
                 raise _FieldProblem(f"[{i}].{key}", f"must be a string, got {_short(msg[key])}")
@@ -301,7 +309,7 @@ def segment_weights(segments: Sequence[Segment], trained: Sequence[bool], mode: 
         else:
             own = seg.owner is not None and trained[seg.owner] and seg.part in ("body", "end")
             w = float(own or (seg.closes is not None and trained[seg.closes]))
-        out.extend([w] * len(seg.tokens))
+        out.extend(0.0 if isinstance(t, MediaToken) else w for t in seg.tokens)  # media: never trained
     return np.asarray(out, dtype=np.float32)
 
 
@@ -324,6 +332,8 @@ class Renderer:
     name: str = ""
     #: Whether ``tools=`` (function schemas) can be rendered into the prompt.
     supports_tools: bool = False
+    #: Whether image / audio content parts can be rendered (:mod:`.media_parts`).
+    supports_media: bool = False
 
     def __init__(self, tokenizer: Any, *, special_tokens_in_content: bool = False):
         self.tokenizer = tokenizer
@@ -346,8 +356,47 @@ class Renderer:
         return (text, self.special_tokens_in_content)
 
     def encode_pieces(self, pieces: Sequence[Piece]) -> list[int]:
-        """Joint encoding of markup/content pieces (see :meth:`TextEncoder.pieces`), concatenated."""
-        return [t for run in self.encoder.pieces(pieces) for t in run]
+        """Joint encoding of markup/content pieces (see :meth:`TextEncoder.pieces`), concatenated;
+        media content parts become their token runs (text on either side is encoded apart)."""
+        return [t for run in self._piece_runs(pieces) for t in run]
+
+    @property
+    def media(self) -> MediaEncoder:
+        """The encoder of image / audio parts for this tokenizer (made on first use)."""
+        enc = self.__dict__.get("_media")
+        if enc is None:
+            enc = self.__dict__["_media"] = MediaEncoder(self.tokenizer, self.encode)
+        return enc
+
+    def _piece_runs(self, pieces: Sequence[Any]) -> list[list[int]]:
+        """Token runs of ``pieces``: text pieces encoded jointly between media items, each media
+        item its own run (pieces whose text is :class:`MediaContent` are expanded first)."""
+        flat: list[Any] = []
+        for piece in pieces:
+            if isinstance(piece, MediaRun) or not isinstance(piece[0], MediaContent):
+                flat.append(piece)
+                continue
+            for part in piece[0]:
+                if part["type"] == "text":
+                    flat.append((part["text"], piece[1]))
+                elif not self.supports_media:
+                    raise RendererError(f"renderer {self.name!r} cannot render {part['type']} parts")
+                else:
+                    try:
+                        flat.append(self.media.run(part))
+                    except MediaError as exc:
+                        raise RendererError(str(exc)) from None
+        runs: list[list[int]] = []
+        group: list[Piece] = []
+        for piece in flat:
+            if isinstance(piece, MediaRun):
+                runs.extend(self.encoder.pieces(group) if group else [])
+                runs.append(list(piece))
+                group = []
+            else:
+                group.append(piece)
+        runs.extend(self.encoder.pieces(group) if group else [])
+        return runs
 
     def encode_pair(self, head: str, body: Sequence[Piece] | str, *, joint: bool) -> tuple[list[int], list[int]]:
         """Encode markup ``head`` followed by ``body`` (content text, or markup/content pieces).
@@ -357,10 +406,10 @@ class Renderer:
         ``apply_chat_template`` does, and gives a token that straddles the boundary (BPE merging
         e.g. ``"\\n"`` with leading spaces of the body) to the body.
         """
-        pieces = [self.content(body)] if isinstance(body, str) else list(body)
+        pieces = [self.content(body)] if isinstance(body, (str, MediaContent)) else list(body)
         if not joint:
             return self.encode(head), self.encode_pieces(pieces)
-        runs = self.encoder.pieces([(head, True), *pieces])
+        runs = self._piece_runs([(head, True), *pieces])
         return runs[0], [t for run in runs[1:] for t in run]
 
     def tag_items(self, tokens: Sequence[int], tags: Sequence[str]) -> list[str]:
@@ -414,14 +463,29 @@ class Renderer:
             tools: function schemas to describe in the prompt (renderers with ``supports_tools``).
 
         Returns:
-            ``(model_input, weights)``: the N tokens and float32 weights of shape ``(N,)``
-            (1.0 on trained tokens).  Shift with :func:`prefect_tinker.recipes.datasets.datum_from_example`.
+            ``(model_input, weights)``: the N positions (text tokens, and image / audio chunks
+            for content parts) and float32 weights of shape ``(N,)`` (1.0 on trained tokens,
+            0.0 on every media position).  Shift with :func:`prefect_tinker.recipes.datasets.datum_from_example`.
 
         Raises:
             RendererError: invalid messages, unknown ``train_on_what``, no message to train on,
-                no trained token, or tools given to a renderer without tool support.
+                no trained token, tools given to a renderer without tool support, media parts
+                given to one without media support, or media that cannot be read.
         """
-        msgs = normalize_messages(messages)
+        tokens, weights = self.build_supervised_sequence(messages, train_on_what, tools=tools)
+        return self._model_input(tokens), weights
+
+    def build_supervised_sequence(
+        self, messages: Any, train_on_what: str | TrainOnWhat = "all_assistant_messages", *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> tuple[list[int], np.ndarray]:
+        """Like :meth:`build_supervised_example`, but the positions as a token list in which
+        media are :class:`~prefect_tinker.recipes.media.MediaToken` runs (by reference: what
+        datasets store; :func:`~prefect_tinker.recipes.media.model_input_from_tokens` sends it)."""
+        if type(self)._segments is Renderer._segments:  # a renderer that overrides the public methods
+            model_input, weights = self.build_supervised_example(messages, train_on_what, tools=tools)
+            return tokens_from_model_input(model_input), np.asarray(weights, dtype=np.float32)
+        msgs = self._normalize(messages)
         mode = check_train_on(train_on_what)
         tools = self._check_tools(tools)
         trained = trained_message_mask(msgs, mode)
@@ -430,7 +494,7 @@ class Renderer:
         weights = segment_weights(segments, trained, mode)
         if not weights.any():
             raise RendererError(f"no trainable token: the messages selected by train_on_what={mode.value!r} render to no tokens")
-        return tinker.ModelInput.from_ints(tokens), weights
+        return tokens, weights
 
     def build_generation_prompt(
         self, messages: Any, prefill: str | None = None, *, tools: Sequence[Mapping[str, Any]] | None = None,
@@ -448,14 +512,39 @@ class Renderer:
             ``messages + [reply]`` (when ``prefill`` is None).
 
         Raises:
-            RendererError: invalid messages or unsupported tools.
+            RendererError: invalid messages, unsupported tools or media.
         """
-        msgs = normalize_messages(messages)
+        return self._model_input(self.build_generation_sequence(messages, prefill, tools=tools))
+
+    def build_generation_sequence(
+        self, messages: Any, prefill: str | None = None, *, tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
+        """:meth:`build_generation_prompt` as a token list (media as MediaToken runs)."""
+        if type(self)._segments is Renderer._segments:
+            return tokens_from_model_input(self.build_generation_prompt(messages, prefill, tools=tools))
+        msgs = self._normalize(messages)
         tools = self._check_tools(tools)
         tokens = [t for seg in self._segments(msgs, tools) for t in seg.tokens] + self._assistant_header()
         if prefill:
             tokens += self.encode(prefill)
-        return tinker.ModelInput.from_ints(tokens)
+        return tokens
+
+    def _normalize(self, messages: Any) -> list[Message]:
+        msgs = normalize_messages(messages)
+        if not self.supports_media:
+            for i, m in enumerate(msgs):
+                if isinstance(m["content"], MediaContent):
+                    kinds = sorted({p["type"] for p in m["content"] if p["type"] != "text"})
+                    raise RendererError(f"messages[{i}].content: renderer {self.name!r} cannot render "
+                                        f"{' / '.join(kinds)} parts (use a vision/audio model's renderer)")
+        return msgs
+
+    @staticmethod
+    def _model_input(tokens: list[int]) -> tinker.ModelInput:
+        try:
+            return model_input_from_tokens(tokens)
+        except MediaError as exc:
+            raise RendererError(str(exc)) from None
 
     def get_stop_sequences(self) -> list[str] | list[int]:
         """Stop strings or stop token ids ending an assistant turn (for ``tinker.SamplingParams.stop``)."""

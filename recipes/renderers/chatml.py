@@ -56,6 +56,9 @@ class ChatMLRenderer(Renderer):
 
     name = "chatml"
     supports_tools = True
+    #: Image / audio content parts as in Qwen2-VL (``<|vision_start|>`` + image positions +
+    #: ``<|vision_end|>``; audio alike), for tokenizers with those tokens (:mod:`.media_parts`).
+    supports_media = True
     #: System prompt inserted when the conversation does not start with a system message.
     default_system: str | None = None
 

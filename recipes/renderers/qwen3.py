@@ -68,6 +68,8 @@ def _split_reasoning(msg: Message, inline: bool) -> tuple[str, str]:
 
 def _is_query(msg: Message) -> bool:
     c = msg["content"]
+    if not isinstance(c, str):  # content parts with media: a query
+        return msg["role"] == "user"
     return msg["role"] == "user" and not (c.startswith(TOOL_RESPONSE_OPEN) and c.endswith(TOOL_RESPONSE_CLOSE))
 
 
@@ -86,6 +88,7 @@ class Qwen3Renderer(ChatMLRenderer):
 
     name = "qwen3"
     supports_tools = True
+    supports_media = True  # image / audio parts for Qwen-VL-style tokenizers (media_parts)
 
     def __init__(self, tokenizer: Any, *, enable_thinking: bool = True, strip_thinking_from_history: bool = True,
                  special_tokens_in_content: bool = False):

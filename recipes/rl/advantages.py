@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import tinker
 
+from prefect_tinker.recipes.media import model_input_from_tokens
 from prefect_tinker.recipes.rl.types import Trajectory, TrajectoryGroup
 
 __all__ = [
@@ -63,7 +64,7 @@ class RLDatum:
         """The ``tinker.Datum`` (inputs ``target_tokens`` int64, ``logprobs`` and ``advantages``
         float32, all of shape (L-1,)) for the ``importance_sampling``/``ppo``/``cispo`` losses."""
         return tinker.Datum(
-            model_input=tinker.ModelInput.from_ints(self.tokens[:-1]),
+            model_input=model_input_from_tokens(self.tokens[:-1]),  # media observations: their chunks
             loss_fn_inputs={
                 "target_tokens": tinker.TensorData.from_numpy(np.asarray(self.tokens[1:], dtype=np.int64)),
                 "logprobs": tinker.TensorData.from_numpy(np.ascontiguousarray(self.sampler_logprobs, dtype=np.float32)),

@@ -8,10 +8,17 @@
   rollout task can receive one on any worker (thread, process, Dask, Ray) and its fields can key
   the rollout cache.
 - :class:`RLDataset`: a sequence of batches, each a list of builders (one per group).
+- :class:`RolloutContext`: what a rollout task lends a builder (the policy's sampler, sampling
+  clients of other weights, the group's seed): envs that talk to another model (an answerer) take
+  their client from it in :meth:`EnvGroupBuilder.make_envs_in`, and builders whose envs play one
+  shared episode (the two players of a game, ``shared_episode = True``) step them together in
+  :meth:`EnvGroupBuilder.run_group` instead of the task running each env's episode to the end,
+  one env after another.
 - :class:`Transition`, :class:`Trajectory`, :class:`TrajectoryGroup`: what a rollout produced.
 
 Observations are plain token lists (``list[int]``) here rather than ``tinker.ModelInput`` so that
-rollout results are small, picklable and cacheable; text-only envs lose nothing.
+rollout results are small, picklable and cacheable; text-only envs lose nothing, and images or
+audio ride along as :class:`~prefect_tinker.recipes.media.MediaToken` runs (by reference).
 
 Source: Tinker cookbook ``tinker_cookbook/rl/types.py`` (concepts and names; written anew, with
 synchronous ``initial_observation``/``step`` because rollouts run inside Prefect tasks).
@@ -21,8 +28,9 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 __all__ = [
     "StopCondition",
@@ -33,6 +41,8 @@ __all__ = [
     "TrajectoryGroup",
     "EnvGroupBuilder",
     "RLDataset",
+    "RolloutContext",
+    "SampledAction",
 ]
 
 #: Stop strings or stop token ids for ``tinker.SamplingParams(stop=...)``.
@@ -150,13 +160,60 @@ class TrajectoryGroup:
         return [t.step_reward + r for t, r in zip(self.trajectories_G, self.final_rewards_G)]
 
 
+#: One sampled action: tokens (T,), the sampler's logprobs of them (T,), stop reason ("stop"/"length").
+SampledAction = tuple[list[int], list[float], str]
+
+
+def _no_clients(path: str) -> Any:
+    raise RuntimeError(f"this rollout has no sampling clients besides the policy's (asked for {path!r})")
+
+
+@dataclass(frozen=True)
+class RolloutContext:
+    """What a rollout task lends the builder of the group it rolls out.
+
+    Attributes:
+        sample: ``sample(observation, stop, seed) -> SampledAction``: one action of the policy
+            being trained (the task's ``max_tokens`` and temperature).
+        sampling_client: ``sampling_client(path) -> client`` with the SDK's ``sample`` interface
+            for other weights on the task's backend (``base:<model>`` or
+            ``tinker://.../sampler_weights/...``), created once per process.
+        seed: the group's sampling seed (derive per-action seeds from it).
+    """
+
+    sample: Callable[[list[int], StopCondition, int], SampledAction]
+    sampling_client: Callable[[str], Any] = _no_clients
+    seed: int = 0
+
+
 class EnvGroupBuilder(ABC):
     """Makes the envs of one group. Subclasses should be dataclasses of plain values (picklable,
     with a stable ``repr`` that :meth:`cache_key` hashes)."""
 
+    #: True: the group's envs play one shared episode (e.g. the two players of one game, turns
+    #: kept by a coordinator they share); the rollout task then calls :meth:`run_group` instead of
+    #: running each env's episode to the end, one env after another.
+    shared_episode: ClassVar[bool] = False
+
     @abstractmethod
     def make_envs(self) -> Sequence[Env]:
         """G fresh envs (G >= 1), all for the same problem."""
+
+    def make_envs_in(self, ctx: RolloutContext) -> Sequence[Env]:
+        """The G envs made inside a rollout task (default: :meth:`make_envs`). Envs that talk to
+        another model (an answerer, an opponent checkpoint) take its client from
+        ``ctx.sampling_client``."""
+        return self.make_envs()
+
+    def run_group(self, envs: Sequence[Env], ctx: RolloutContext) -> list[Trajectory]:
+        """``shared_episode`` builders: step ``envs`` together to the end of their shared episode
+        with actions from ``ctx.sample``; one trajectory per env, in env order (G,).
+
+        Raises:
+            Exception: any error fails the whole group (the rollout failure policy then replays
+                the episode with fresh envs or drops the group).
+        """
+        raise NotImplementedError(f"{type(self).__name__} sets shared_episode but does not implement run_group")
 
     def compute_group_rewards(self, trajectories_G: Sequence[Trajectory]) -> list[tuple[float, dict[str, float]]]:
         """Group-level reward and metrics per trajectory, added to the step rewards (default 0)."""

@@ -6,7 +6,10 @@ third-party packages add theirs through the ``prefect_tinker.envs`` entry point 
 is a module to import), so a new environment touches one file.
 
 Built in: ``arithmetic`` (generated sums), ``gsm8k`` (grade-school word problems), ``math``
-(any JSONL or dataset of problems with a reference answer).
+(any JSONL or dataset of problems with a reference answer); multi-turn message environments
+(:mod:`prefect_tinker.recipes.rl.message_env`): ``calculator`` and ``retrieval`` (tool use),
+``humaneval`` (code run in the sandbox), ``guess_number``, ``twenty_questions`` (another model
+answers) and ``tictactoe`` (two-player self-play sharing one game per group).
 
 :class:`EnvSpec` holds the fields an RL config shares for every environment (which ``env``, the
 problem source and prompt settings, ``env_options`` validated by the environment's own
@@ -26,7 +29,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from prefect_tinker.recipes.data_reading import check_local_source
-from prefect_tinker.recipes.rl.types import RLDataset
+from prefect_tinker.recipes.rl.types import EnvGroupBuilder, RLDataset
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -35,6 +38,7 @@ __all__ = [
     "Environment",
     "NoOptions",
     "build_rl_dataset",
+    "build_rl_evaluators",
     "env_names",
     "get_env",
     "register_env",
@@ -53,13 +57,15 @@ class NoOptions(BaseModel):
 @dataclass(frozen=True)
 class EnvContext:
     """What the run contributes to an environment's dataset: the resolved renderer, the tokenizer
-    (a local directory or hub id), group and batch sizes, and the run's seed."""
+    (a local directory or hub id), group and batch sizes, the run's seed and (for evaluators) the
+    sampler weights of the run's initial policy (its step 0), when known."""
 
     renderer_name: str
     tokenizer_id: str
     group_size: int
     groups_per_batch: int
     seed: int = 0
+    initial_sampler: str | None = None
 
 
 class Environment:
@@ -96,6 +102,19 @@ class Environment:
             ValueError / FileNotFoundError: bad problem data, naming file, line and field.
         """
         raise NotImplementedError
+
+    @classmethod
+    def eval_builders(cls, spec: "EnvSpec", ctx: EnvContext) -> dict[str, list[EnvGroupBuilder]]:
+        """Evaluation sets of the environment: ``{name: group builders}`` (e.g. games against
+        fixed opponents), rolled out on sampler weights by
+        :class:`prefect_tinker.tasks.rollout_eval.RolloutEvaluator`; none by default."""
+        return {}
+
+    @classmethod
+    def evaluators(cls, spec: "EnvSpec", ctx: EnvContext) -> list:
+        """Evaluators the RL run on this environment runs at its start, every ``eval_every``
+        steps and at its end (:mod:`prefect_tinker.tasks.evaluators` objects; default none)."""
+        return []
 
 
 _ENVS: dict[str, type[Environment]] = {}
@@ -193,3 +212,13 @@ def build_rl_dataset(spec: EnvSpec, *, renderer_name: str, tokenizer_id: str, gr
     ctx = EnvContext(renderer_name=renderer_name, tokenizer_id=tokenizer_id, group_size=group_size,
                      groups_per_batch=groups_per_batch, seed=seed)
     return get_env(spec.env).build(spec, ctx)
+
+
+def build_rl_evaluators(spec: EnvSpec, *, renderer_name: str, tokenizer_id: str, group_size: int,
+                        groups_per_batch: int, seed: int = 0, initial_sampler: str | None = None) -> list:
+    """The evaluators of ``spec``'s environment (:meth:`Environment.evaluators`) for an RL run;
+    ``initial_sampler`` is the sampler weights of the run's step 0 (e.g. the SFT policy it
+    started from)."""
+    ctx = EnvContext(renderer_name=renderer_name, tokenizer_id=tokenizer_id, group_size=group_size,
+                     groups_per_batch=groups_per_batch, seed=seed, initial_sampler=initial_sampler)
+    return list(get_env(spec.env).evaluators(spec, ctx))

@@ -1,0 +1,72 @@
+"""Evaluation by rollouts: an environment's evaluation sets (:meth:`Environment.eval_builders`,
+e.g. tic-tac-toe games against a random and an optimal player) rolled out on sampler weights.
+
+:class:`RolloutEvaluator` maps the ``rollout-group`` task (cached by sampler path and builder like
+training rollouts) over one set's builders and reports the means of
+:func:`~prefect_tinker.recipes.rl.advantages.rollout_metrics` as
+``{prefix}/{set}/{metric}`` (``test/vs_minimax/draw``, ``test/vs_random/reward_mean``, ...).
+:func:`env_evaluators` builds one per set of the run's environment; :func:`session_env_evaluators`
+does it for an open RL run session (``StepLoop(..., evaluators=[..., *session_env_evaluators(session)])``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import unmapped
+
+from prefect_tinker.recipes.rl.advantages import rollout_metrics
+from prefect_tinker.recipes.rl.envs import EnvContext, get_env
+from prefect_tinker.tasks.evaluators import SamplingClientEvaluator
+from prefect_tinker.tasks.rollouts import RolloutPolicy, rollout_group
+
+__all__ = ["RolloutEvaluator", "env_evaluators", "session_env_evaluators"]
+
+
+class RolloutEvaluator(SamplingClientEvaluator):
+    """Roll out ``builders`` on the evaluated sampler weights; metrics ``{prefix}/{name}/{k}``.
+
+    Args:
+        name: the set's name (``vs_random``).
+        builders: its group builders (picklable).
+        max_tokens, temperature: sampling of each action (temperature 1.0: the policy as trained).
+        seed: sampling seed of the set (group ``i`` samples with ``group_seed(seed, -1, i)``).
+    """
+
+    def __init__(self, name: str, builders: list, *, max_tokens: int, temperature: float = 1.0, seed: int = 0,
+                 prefix: str = "test"):
+        self.name, self.builders, self.prefix = name, list(builders), prefix
+        self.max_tokens, self.temperature, self.seed = int(max_tokens), float(temperature), int(seed)
+
+    def evaluate(self, credentials: Any, sampler_path: str, step: int) -> dict[str, float]:
+        if not self.builders:
+            return {}
+        policy = RolloutPolicy(mode="min_viable", min_group_size=1)
+        futures = rollout_group.with_options(task_run_name=f"eval-{self.name}-b{{batch_index}}-g{{group_index}}-step-{step}").map(
+            unmapped(credentials), unmapped(sampler_path), self.builders, unmapped(-1), list(range(len(self.builders))),
+            unmapped(self.seed), unmapped(self.max_tokens), unmapped(self.temperature), unmapped(policy), unmapped(step))
+        groups = [g for g in (f.result() for f in futures) if g.trajectories_G]
+        out = {f"{self.prefix}/{self.name}/{k}": v for k, v in rollout_metrics(groups).items()}
+        out[f"{self.prefix}/{self.name}/errors"] = float(sum(g.errors for g in (f.result() for f in futures)))
+        return out
+
+
+def env_evaluators(spec: Any, ctx: EnvContext, *, max_tokens: int, temperature: float = 1.0,
+                   seed: int = 0) -> list[RolloutEvaluator]:
+    """One :class:`RolloutEvaluator` per evaluation set of ``spec.env`` (none for most envs)."""
+    sets = get_env(spec.env).eval_builders(spec, ctx)
+    return [RolloutEvaluator(name, builders, max_tokens=max_tokens, temperature=temperature, seed=seed)
+            for name, builders in sets.items()]
+
+
+def session_env_evaluators(session: Any) -> list:
+    """The evaluators an open RL run session gets from its environment: one
+    :class:`RolloutEvaluator` per evaluation set (:meth:`Environment.eval_builders`) and the env's
+    own evaluators (:meth:`Environment.evaluators`, e.g. a win rate against the starting weights,
+    which ``EnvContext.initial_sampler`` names), for the config's env, the resolved renderer and
+    tokenizer, ``group_size``, ``max_tokens``, ``temperature`` and ``seed`` (empty for most envs)."""
+    c = session.config
+    ctx = EnvContext(renderer_name=session.renderer, tokenizer_id=session.tokenizer_id, group_size=c.group_size,
+                     groups_per_batch=c.groups_per_batch, seed=c.seed, initial_sampler=session.samplers.get(0))
+    return [*env_evaluators(c, ctx, max_tokens=c.max_tokens, temperature=c.temperature, seed=c.seed),
+            *get_env(c.env).evaluators(c, ctx)]
