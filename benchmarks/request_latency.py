@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tinker_local_common import API_KEY, ServerProcess, build_model_dir  # noqa: E402
+from tinker_local_common import API_KEY, ServerProcess, build_model_dir, run_seconds, session_trace  # noqa: E402
 
 
 def _median_ms(xs: list[float]) -> float:
@@ -35,15 +35,6 @@ def _median_ms(xs: list[float]) -> float:
 def _datum(tinker, n_tokens: int):
     return tinker.Datum(model_input=tinker.ModelInput.from_ints([5] * n_tokens),
                         loss_fn_inputs={"target_tokens": [6] * n_tokens, "weights": [1.0] * n_tokens})
-
-
-def _run_ms(trace: dict) -> dict[str, list[float]]:
-    """Compute time (seconds) of each request by name, from a Chrome trace of the session."""
-    out: dict[str, list[float]] = {}
-    for ev in trace.get("traceEvents", []):
-        if ev.get("ph") == "X" and "run_ms" in (ev.get("args") or {}):
-            out.setdefault(ev["name"], []).append(ev["args"]["run_ms"] / 1000)
-    return out
 
 
 def measure(base_url: str, model: str, n: int, warmup: int) -> dict:
@@ -81,12 +72,8 @@ def measure(base_url: str, model: str, n: int, warmup: int) -> dict:
         op.result()
         t_pair.append(time.perf_counter() - t0)
 
-    rest = tinker.RestClient(base_url=base_url, api_key=API_KEY)
-    session_id = tc.holder.get_session_id()
-    trace = None
-    if session_id:
-        trace = httpx.get(rest.export_session_trace(session_id).result(timeout=60)).json()
-    compute = _run_ms(trace) if trace else {}
+    trace = session_trace(base_url, tc)
+    compute = run_seconds(trace)
     fwd_c = compute.get("forward", [])[-n:]
     fb_c = compute.get("forward_backward", [])[-n:]
     op_c = compute.get("optim_step", [])[-n:]

@@ -107,3 +107,24 @@ def rss_mb(pid: int) -> tuple[float, float]:
 def load_average() -> str:
     one, five, fifteen = os.getloadavg()
     return f"{one:.2f} {five:.2f} {fifteen:.2f} ({os.cpu_count()} CPUs)"
+
+
+def run_seconds(trace: dict) -> dict[str, list[float]]:
+    """Compute time (seconds) of each request by name, from a Chrome trace of the session."""
+    out: dict[str, list[float]] = {}
+    for ev in trace.get("traceEvents", []):
+        if ev.get("ph") == "X" and "run_ms" in (ev.get("args") or {}):
+            out.setdefault(ev["name"], []).append(ev["args"]["run_ms"] / 1000)
+    return out
+
+
+def session_trace(base_url: str, training_client) -> dict:
+    """The server's Chrome trace of ``training_client``'s session ({} when it has none)."""
+    import httpx
+    import tinker
+
+    session_id = training_client.holder.get_session_id()
+    if not session_id:
+        return {}
+    rest = tinker.RestClient(base_url=base_url, api_key=API_KEY)
+    return httpx.get(rest.export_session_trace(session_id).result(timeout=60)).json()

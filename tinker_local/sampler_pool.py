@@ -279,8 +279,10 @@ def _worker_main(conn: Connection, root: str, device: str | None, dtype: str, th
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when workers stop
     log = logging.getLogger("tinker_local.sampler_worker")
     try:
+        from .compute import keep_freed_memory
         from .engine import Engine
 
+        keep_freed_memory()
         engine = Engine(Path(root), device=device, dtype=dtype, num_threads=threads)
         for name in preload:
             engine.load_base_model(name)

@@ -406,6 +406,9 @@ def serve(model: list[str], host: str = "127.0.0.1", port: int = 8000, root: Pat
 
     from .engine import Engine
 
+    from .compute import keep_freed_memory
+
+    keep_freed_memory()  # no page faults on every step's activations (see its docstring)
     root = Path(root).expanduser().resolve()
     root.mkdir(parents=True, exist_ok=True)
     pool = None
