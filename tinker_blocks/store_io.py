@@ -61,6 +61,7 @@ from tinker_blocks.store_schemas import (
 from tinker_blocks.store_health import known_damaged, retry_damaged, warn_skipped
 from tinker_blocks.store_writer import StoreWriter, sanitize_writer_id
 from tinker_blocks.atomic import atomic_write_bytes, sweep_stale_temps
+from tinker_blocks.view_sql import cast_columns, dedup_window, deduplicated_select, empty_select, sql_str
 
 __all__ = [
     "TableSpec", "STORES", "TRAINING_TABLES", "EVAL_TABLES", "CAPTURE_TABLES", "METRICS_SCHEMA",
@@ -92,30 +93,6 @@ def resolve_storage_options(root: str, storage_options: Mapping[str, Any] | None
     if str(root).startswith(("s3://", "s3a://")):
         return s3_storage_options()
     return {}
-
-
-def _sql_str(s: str) -> str:
-    return s.replace("'", "''")
-
-
-def _duck_type(t: pa.DataType) -> str:
-    if pa.types.is_string(t):
-        return "VARCHAR"
-    if pa.types.is_int64(t):
-        return "BIGINT"
-    if pa.types.is_int32(t):
-        return "INTEGER"
-    if pa.types.is_float64(t):
-        return "DOUBLE"
-    if pa.types.is_float32(t):
-        return "FLOAT"
-    if pa.types.is_boolean(t):
-        return "BOOLEAN"
-    if pa.types.is_timestamp(t):
-        return "TIMESTAMPTZ" if t.tz else "TIMESTAMP"
-    if pa.types.is_list(t):
-        return f"{_duck_type(t.value_type)}[]"
-    raise TypeError(f"no DuckDB type mapping for {t}")
 
 
 class ParquetStore:
@@ -339,37 +316,13 @@ class ParquetStore:
         :meth:`create_views` uses it only when parts of older and newer schemas are mixed.
         ``files`` (paths inside the filesystem): read these parts instead of globbing the table
         (used to leave damaged parts out)."""
-        spec = self.spec(table)
-        if files is None:
-            where = f"'{_sql_str(self._url(f'{self.table_dir(table)}/**/*.parquet'))}'"
-        else:
-            where = "[" + ", ".join(f"'{_sql_str(self._url(p))}'" for p in files) + "]"
-        cols = ", ".join(
-            f'CAST("{f.name}" AS {_duck_type(f.type)}) AS "{f.name}"' for f in spec.schema
-        )
-        src = (
-            f"read_parquet({where}, hive_partitioning=true, "
-            f"union_by_name={'true' if union_by_name else 'false'}, "
-            "hive_types={'run_id': VARCHAR})"
-        )
-        return f"SELECT {cols} FROM {src} QUALIFY {self._dedup(table)} = 1"
-
-    def _dedup(self, table: str) -> str:
-        """The window numbering the copies of a row, newest first. Partitioned by the natural key
-        columns as well as the row id (same groups when row ids come from the natural key), so
-        that filters on those columns (``name = 'train/loss'``, ``step > 100``) are pushed below
-        the window instead of deduplicating the whole table first. Copies with the same
-        ``time`` (a part and its compacted copy) hold the same values; which one is kept does
-        not matter."""
-        keys = ["run_id", *(k for k in self.spec(table).natural_key if k != "run_id"), "row_id"]
-        part = ", ".join(f'"{k}"' for k in keys)
-        return f"row_number() OVER (PARTITION BY {part} ORDER BY time DESC)"
+        pattern = self._url(f"{self.table_dir(table)}/**/*.parquet")
+        urls = [pattern] if files is None else [self._url(p) for p in files]
+        return deduplicated_select(self.spec(table), urls, glob=files is None, union_by_name=union_by_name)
 
     def empty_view_sql(self, table: str) -> str:
         """SELECT statement of a view with the table's columns and zero rows."""
-        spec = self.spec(table)
-        cols = ", ".join(f'CAST(NULL AS {_duck_type(f.type)}) AS "{f.name}"' for f in spec.schema)
-        return f"SELECT {cols} WHERE false"
+        return empty_select(self.spec(table))
 
     def attach(self, con: duckdb.DuckDBPyConnection) -> str:
         """Let ``con`` read this store's files; returns ``"local"``, ``"httpfs"`` or ``"fsspec"``
@@ -476,13 +429,10 @@ class ParquetStore:
         con = duckdb.connect()
         try:
             self.attach(con)
-            files = ", ".join(f"'{_sql_str(self._url(p))}'" for p in parts)
-            cols = ", ".join(
-                f'CAST("{f.name}" AS {_duck_type(f.type)}) AS "{f.name}"' for f in spec.schema
-            )
+            files = ", ".join(f"'{sql_str(self._url(p))}'" for p in parts)
             rel = con.sql(
-                f"SELECT {cols} FROM read_parquet([{files}], union_by_name=true) "
-                f"QUALIFY {self._dedup(table)} = 1 ORDER BY time"
+                f"SELECT {cast_columns(spec)} FROM read_parquet([{files}], union_by_name=true) "
+                f"QUALIFY {dedup_window(spec)} = 1 ORDER BY time"
             )
             to_arrow = getattr(rel, "to_arrow_table", None) or rel.arrow  # duckdb 2.x / 1.x
             return to_arrow().cast(spec.schema)
