@@ -49,9 +49,10 @@ def keep_freed_memory(top_pad_mb: int = 256, trim_threshold_mb: int = 1024) -> b
     """Make glibc malloc keep and reuse freed activation memory instead of returning it.
 
     A training step allocates and frees the same activation and gradient buffers every time;
-    with glibc's defaults buffers over 128 KiB-32 MiB are mmap'd and unmapped per use, and the
-    heap top is trimmed after each step, so every step page-faults its whole working set again
-    (~25 000 minor faults per step of a 10M model on 8 x 256 tokens, measured; ~0 with this).
+    with glibc's defaults, blocks above the mmap threshold (128 KiB, raised dynamically up to
+    32 MiB) are mapped and unmapped per use and the heap top is trimmed as soon as it is free,
+    so every step page-faults much of its working set in again (measured: ~25,000 minor faults
+    per step of a 10M model on 8 x 256 tokens; a few with this).
     Sets ``M_MMAP_THRESHOLD`` to its maximum (32 MiB on 64-bit), ``M_TOP_PAD`` and
     ``M_TRIM_THRESHOLD`` (MiB).  The cost: the process keeps up to ``trim_threshold_mb`` of
     freed memory (its RSS stays near its peak).  Environment ``TINKER_LOCAL_MALLOC=default``

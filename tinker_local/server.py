@@ -404,9 +404,8 @@ def serve(model: list[str], host: str = "127.0.0.1", port: int = 8000, root: Pat
     """
     import uvicorn
 
-    from .engine import Engine
-
     from .compute import keep_freed_memory
+    from .engine import Engine
 
     keep_freed_memory()  # no page faults on every step's activations (see its docstring)
     root = Path(root).expanduser().resolve()
