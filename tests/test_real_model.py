@@ -95,7 +95,9 @@ def test_dpo_on_smollm2_raises_held_out_accuracy_on_hh_rlhf(prefect_api, local_c
     assert loss[0][1] == pytest.approx(np.log(2), abs=1e-3)  # policy = reference at step 0
     acc = _metric(capsys, store, "smol-dpo", "test/accuracy")
     assert [s for s, _ in acc] == [0, 6, 12]
-    assert acc[0][1] == pytest.approx(0.5)  # every held-out pair a tie
+    margin = dict(_metric(capsys, store, "smol-dpo", "test/margin"))
+    # policy = reference at step 0: log-ratios ~0 (bf16 rounding can break a tie or two: accuracy ~0.5)
+    assert abs(margin[0]) < 1e-3 and abs(acc[0][1] - 0.5) <= 2 / 64, (margin, acc)
     assert acc[-1][1] > acc[0][1], acc
     test_loss = _metric(capsys, store, "smol-dpo", "test/dpo_loss")
     assert test_loss[0][1] == pytest.approx(np.log(2), abs=1e-3) and test_loss[-1][1] < test_loss[0][1], test_loss

@@ -448,7 +448,7 @@ def test_sandbox_dies_with_its_host_process():
     finally:
         host.kill()  # the host crashes: no cleanup code of ours runs
         host.wait()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # a liveness bound only: they go at once on a quiet machine
     while _with_marker(marker) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _with_marker(marker) == [], "sandbox processes outlived their host"
