@@ -21,20 +21,15 @@ def sql_str(s: str) -> str:
     return s.replace("'", "''")
 
 
+_SCALARS = ((pa.types.is_string, "VARCHAR"), (pa.types.is_int64, "BIGINT"), (pa.types.is_int32, "INTEGER"),
+            (pa.types.is_float64, "DOUBLE"), (pa.types.is_float32, "FLOAT"), (pa.types.is_boolean, "BOOLEAN"))
+
+
 def duck_type(t: pa.DataType) -> str:
     """The DuckDB type of an Arrow type of the store schemas.  Raises TypeError for others."""
-    if pa.types.is_string(t):
-        return "VARCHAR"
-    if pa.types.is_int64(t):
-        return "BIGINT"
-    if pa.types.is_int32(t):
-        return "INTEGER"
-    if pa.types.is_float64(t):
-        return "DOUBLE"
-    if pa.types.is_float32(t):
-        return "FLOAT"
-    if pa.types.is_boolean(t):
-        return "BOOLEAN"
+    for test, name in _SCALARS:
+        if test(t):
+            return name
     if pa.types.is_timestamp(t):
         return "TIMESTAMPTZ" if t.tz else "TIMESTAMP"
     if pa.types.is_list(t):
