@@ -51,10 +51,10 @@ def test_math_set_in_own_field_names_through_the_eval_store(tmp_path, tiny):
         assert extra["termination"] in ("stop_sequence", "end_of_sequence", "truncated")
         assert (extra["status"] == "truncated") == (extra["termination"] == "truncated")
         assert row["reference"].startswith("\\frac{")
-        if extra["termination"] == "truncated":  # cut at max_tokens: exactly 8 tokens
+        # the sampler ran out of tokens exactly when the renderer found no end: then exactly 8 tokens
+        assert (extra["stop_reason"].lower().endswith("length")) == (extra["termination"] == "truncated"), extra
+        if extra["termination"] == "truncated":
             assert row["completion_tokens"] == 8
-        else:  # ended on a stop sequence / EOS within the budget
-            assert 1 <= row["completion_tokens"] <= 8
         assert row["prompt"].startswith("<|im_start|>user\nWhat is ") and row["prompt"].endswith("<|im_start|>assistant\n")
     m = metrics_dict(results)
     assert m["accuracy"] == pytest.approx(sum(r["correct"] for r in samples) / 12)
