@@ -20,7 +20,7 @@ import hashlib
 import json
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
@@ -34,7 +34,7 @@ from prefect_tinker.recipes.data_reading import (
     source_fingerprint,
 )
 
-__all__ = ["DatasetBuilder", "Example", "SourceFields", "SupervisedBuilder", "SupervisedData"]
+__all__ = ["BuiltData", "DatasetBuilder", "Example", "SourceFields", "SupervisedBuilder", "SupervisedData"]
 
 
 class Example(BaseModel):
@@ -171,15 +171,25 @@ class DatasetBuilder(BaseModel, ABC):
         """
 
 
-class SupervisedData(BaseModel):
-    """Rendered train and held-out examples of a :class:`SupervisedBuilder`."""
+TrainT = TypeVar("TrainT")
+TestT = TypeVar("TestT")
+
+
+class BuiltData(BaseModel, Generic[TrainT, TestT]):
+    """What a builder's ``build`` returns: rendered train and held-out items, the builder's
+    fingerprint and renderer, and the records it dropped (too long, nothing trained within
+    ``max_length``, bad record) with a summary by reason."""
 
     fingerprint: str
     renderer: str
-    train: list[Example]
-    test: list[Example]
-    skipped: int = 0  # conversations dropped (too long / nothing trained within max_length / bad record)
+    train: list[TrainT]
+    test: list[TestT]
+    skipped: int = 0
     skip_summary: str = "0 skipped"
+
+
+class SupervisedData(BuiltData[Example, Example]):
+    """Rendered train and held-out examples of a :class:`SupervisedBuilder`."""
 
 
 class SupervisedBuilder(DatasetBuilder):

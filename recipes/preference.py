@@ -38,7 +38,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 from pydantic import BaseModel
 
-from prefect_tinker.recipes.builders import DatasetBuilder, Example
+from prefect_tinker.recipes.builders import BuiltData, DatasetBuilder, Example
 from prefect_tinker.recipes.data_reading import OnError, SkipStats, SourceSpec, iter_records
 from prefect_tinker.recipes.data_sources import PAIR_FORMATS, DatasetFormatError, RecordError, pairs_from_record
 from prefect_tinker.recipes.datasets import split_conversations
@@ -58,15 +58,8 @@ class PairExample(BaseModel):
     source: str = ""
 
 
-class PreferenceData(BaseModel):
+class PreferenceData(BuiltData[PairExample, PairExample]):
     """Rendered train and held-out comparisons of a :class:`PreferenceBuilder`."""
-
-    fingerprint: str
-    renderer: str
-    train: list[PairExample]
-    test: list[PairExample]
-    skipped: int = 0
-    skip_summary: str = "0 skipped"
 
 
 def _problem(chosen: list[dict], rejected: list[dict]) -> str | None:

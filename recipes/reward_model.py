@@ -36,7 +36,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 from pydantic import BaseModel, Field, field_validator
 
-from prefect_tinker.recipes.builders import Example
+from prefect_tinker.recipes.builders import BuiltData, Example
 from prefect_tinker.recipes.data_reading import SkipStats
 from prefect_tinker.recipes.data_sources import DatasetFormatError
 from prefect_tinker.recipes.datasets import split_conversations
@@ -188,15 +188,8 @@ class RMComparison(BaseModel):
     source: str = ""
 
 
-class RewardModelData(BaseModel):
+class RewardModelData(BuiltData[RMTrainPair, RMComparison]):
     """Rendered train comparisons and held-out comparisons of a :class:`RewardModelBuilder`."""
-
-    fingerprint: str
-    renderer: str
-    train: list[RMTrainPair]
-    test: list[RMComparison]
-    skipped: int = 0
-    skip_summary: str = "0 skipped"
 
 
 class RewardModelBuilder(PreferenceBuilder):

@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel
 
-from prefect_tinker.recipes.builders import DatasetBuilder
+from prefect_tinker.recipes.builders import BuiltData, DatasetBuilder
 from prefect_tinker.recipes.data_pipeline import render_example
 from prefect_tinker.recipes.data_reading import OnError, SkipStats, iter_conversations
 from prefect_tinker.recipes.data_sources import DatasetFormatError
@@ -33,13 +33,8 @@ class SoftExample(BaseModel):
     id: str = ""
 
 
-class SoftData(BaseModel):
-    fingerprint: str
-    renderer: str
-    train: list[SoftExample]
-    test: list[SoftExample]
-    skipped: int = 0
-    skip_summary: str = "0 skipped"
+class SoftData(BuiltData[SoftExample, SoftExample]):
+    """Rendered train and held-out sequences of a :class:`SoftTargetBuilder`."""
 
 
 class SoftTargetBuilder(DatasetBuilder):
