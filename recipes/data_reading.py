@@ -323,7 +323,7 @@ def iter_conversations(
                     messages=validate_messages(absolutize_media(c.messages, base), raw.where, c.field,
                                                require_assistant=require_assistant),
                     source=raw.where,
-                    metadata={k: v for k, v in raw.record.items() if k not in c.used},
+                    metadata={**{k: v for k, v in raw.record.items() if k not in c.used}, **(c.metadata or {})},
                     field=c.field,
                 )
                 for c in converted

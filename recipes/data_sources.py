@@ -18,6 +18,9 @@ format                        fields (default names; first present wins)   messa
 ``self_instruct``             ``instruction``, ``instances``                one conversation per instance
 ``preference``                ``prompt`` (optional), ``chosen``,            prompt + the chosen reply (comparisons:
                               ``rejected``                                  :func:`pairs_from_record`)
+``calculator_solution``       ``question``, ``answer``|``solution``         GSM8K ``<<expr=result>>`` steps as
+                              (``<<expr=result>>`` annotated)               calculator tool calls (tools in metadata;
+                                                                            :mod:`~prefect_tinker.recipes.tools.calculator_traces`)
 ============================  ===========================================  =====================================
 
 Options (``options=``): ``system_prompt`` (every format: a system message put first when the
@@ -93,11 +96,13 @@ class Conversation:
 
 
 class Converted(NamedTuple):
-    """One conversation made by a converter: messages, the field label, the top-level keys used."""
+    """One conversation made by a converter: messages, the field label, the top-level keys used,
+    and metadata the converter adds (e.g. ``tools``: the tool schemas its messages call)."""
 
     messages: list[dict[str, Any]]
     field: str
     used: frozenset[str]
+    metadata: Mapping[str, Any] | None = None
 
 
 def _short(value: Any, limit: int = 60) -> str:
@@ -442,3 +447,6 @@ CONVERTERS["preference"] = _preference
 
 # Media formats (image_folder, image_classification, audio_transcript) register themselves.
 from prefect_tinker.recipes import media_sources as _media_sources  # noqa: E402,F401
+from prefect_tinker.recipes.tools.calculator_traces import _calculator_solution  # noqa: E402
+
+CONVERTERS["calculator_solution"] = _calculator_solution

@@ -247,6 +247,33 @@ def test_sample_logprobs_match_forward_and_seed(engine):
                for i, (t, lp_i) in enumerate(zip(top[1:], lp)))
 
 
+def test_prompt_logprobs_last_n_keeps_fewer_logits(engine):
+    """With ``prompt_logprobs_last_n`` the prefill keeps only the last N + 1 logits: the last N
+    entries (and their top-k) equal an independent forward's, across a left-padded batch of
+    prompts of different lengths and last_n values, and the samples are unchanged."""
+    engine.create_model("lastn", "tiny", 4, seed=8)
+    _train_a_bit(engine, "lastn", steps=2, lr=1e-2)
+    path = engine.save_sampler_weights("lastn", "w")
+    prompts = [[1, 295, 201, 19, 13, 20, 2, 201, 1, 294, 201], [1, 40, 41, 42, 201], [7, 8, 9, 10, 11, 12, 13]]
+    lasts = [2, 4, 1]
+    base = dict(base_model=None, weights_path=path, num_samples=2, max_tokens=5, seed=3, stop=[],
+                include_prompt_logprobs=True, topk_prompt_logprobs=4)
+    cut = engine.sample_many([dict(base, prompt_tokens=p, prompt_logprobs_last_n=n) for p, n in zip(prompts, lasts)])
+    full = engine.sample_many([dict(base, prompt_tokens=p) for p in prompts])
+    for p, n, c, f in zip(prompts, lasts, cut, full):
+        d = Datum(tokens=p[:-1], inputs={"target_tokens": np.array(p[1:], np.int64)})
+        ref = engine.forward("lastn", [d], "cross_entropy", None).outputs[0]["logprobs"]
+        assert len(c.prompt_logprobs) == len(p) and all(v is None for v in c.prompt_logprobs[: len(p) - max(lasts)])
+        np.testing.assert_allclose(c.prompt_logprobs[-n:], ref[-n:], atol=1e-4, rtol=0)
+        for ct, ft in zip(c.topk_prompt_logprobs[-n:], f.topk_prompt_logprobs[-n:]):
+            assert [t for t, _ in ct] == [t for t, _ in ft]
+            np.testing.assert_allclose([v for _, v in ct], [v for _, v in ft], atol=1e-4, rtol=0)
+        assert [s["tokens"] for s in c.sequences] == [s["tokens"] for s in f.sequences]
+    with pytest.raises(EngineUserError, match="prompt_logprobs_last_n"):
+        engine.sample(None, path, prompts[0], num_samples=1, max_tokens=1, include_prompt_logprobs=True,
+                      prompt_logprobs_last_n=-1)
+
+
 def test_sampling_controls_and_stops(engine):
     prompt = [1, 295, 201, 19, 13, 20]
     greedy = engine.sample("tiny", None, prompt, num_samples=2, max_tokens=10, temperature=0.0, stop=[])

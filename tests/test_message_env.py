@@ -260,3 +260,55 @@ def test_a_reply_the_renderer_cannot_write_back_ends_as_a_parse_failure(tokenize
     res = env.step(renderer.tokenizer.encode(CALL.format("1 + 1"), add_special_tokens=False))
     assert res.episode_done and res.reward == -0.4 and res.metrics["parse_failed"] == 1.0
     assert res.metrics["tool_calls"] == 1.0 and "no tool results here" in res.logs["detail"]
+
+
+def test_calculator_solution_transcript_is_an_episode_the_env_rewards(tokenizer_dirs, tmp_path):
+    """A GSM8K-annotated solution read as ``format=calculator_solution`` renders to exactly the
+    tokens of a calculator-env episode whose replies are its assistant turns (prompt, tool
+    results and headers untrained), and that episode gets reward 1; a refused annotation names
+    the file, line and field."""
+    from prefect_tinker.recipes.data_pipeline import render_example
+    from prefect_tinker.recipes.data_reading import SourceSpec, iter_conversations
+    from prefect_tinker.recipes.data_sources import DatasetFormatError
+
+    question = "Natalia sold clips to 48 friends in April and half as many in May. How many in all?"
+    solution = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nShe sold 48+24 = <<48+24=72>>72 clips in all.\n#### 72"
+    path = tmp_path / "gsm.jsonl"
+    path.write_text(f'{{"question": "{question}", "answer": {solution!r}}}\n'.replace("'", '"')
+                    + '{"question": "q", "answer": "3 apples x 2 = <<3x2=6>>6\\n#### 6"}\n')
+    conv = next(iter_conversations(SourceSpec(path=str(path), format="calculator_solution")))
+    call = lambda e: [{"type": "function", "function": {"name": "calculator", "arguments": {"expression": e}}}]  # noqa: E731
+    assert conv.messages == [
+        {"role": "system", "content": CALCULATOR_SYSTEM}, {"role": "user", "content": question},
+        {"role": "assistant", "content": "Natalia sold 48/2 =", "tool_calls": call("48/2")},
+        {"role": "tool", "content": "24", "name": "calculator"},
+        {"role": "assistant", "content": "24 clips in May.\nShe sold 48+24 =", "tool_calls": call("48+24")},
+        {"role": "tool", "content": "72", "name": "calculator"},
+        {"role": "assistant", "content": "72 clips in all.\n#### 72"}]
+    assert conv.metadata["tools"] == Toolset([calculator]).schemas
+    with pytest.raises(DatasetFormatError, match=r"gsm.jsonl:2: field 'answer' annotation <<3x2=6>>"):
+        list(iter_conversations(SourceSpec(path=str(path), format="calculator_solution")))
+
+    renderer = load_renderer("chatml", tokenizer_dirs["tiny"])
+    tokens, weights = render_example(renderer, conv, train_on_what="all_assistant_messages")
+    tok = renderer.tokenizer
+    spans, i = [], 0  # the trained runs: the assistant's replies, each ending on <|im_end|>
+    while i < len(weights):
+        if weights[i] > 0:
+            j = i
+            while j < len(weights) and weights[j] > 0:
+                j += 1
+            spans.append(_text(tok, tokens[i:j]))
+            i = j
+        i += 1
+    assert len(spans) == 3 and all(s.endswith(END) for s in spans)
+    builder = _calc_builder(tokenizer_dirs, G=2, question=question, answer="72")
+    reply = lambda prompt: spans[prompt.count("<tool_response>")]  # noqa: E731  (turn n follows n results)
+    group = run_group_rollout(ScriptedSampler(tok, reply), builder, seed=0, max_tokens=128)
+    assert group.total_rewards() == [1.0, 1.0]
+    for traj in group.trajectories_G:
+        last = traj.transitions[-1]
+        assert len(traj.transitions) == 3 and last.metrics["tool_calls"] == 2.0 and last.metrics["tool_errors"] == 0.0
+        seq = last.observation + last.action_tokens
+        assert list(tokens[: len(seq)]) == seq  # the SFT example is this episode,
+        assert _text(tok, tokens[len(seq):]) == "\n" and not weights[len(seq):].any()  # + ChatML's untrained "\n"

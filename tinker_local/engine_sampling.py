@@ -24,7 +24,7 @@ from .errors import EngineUserError
 from .datatypes import MediaChunk
 from .inputs import check_tokens
 from .media import prefill_kwargs, reset_media_state, resolve_chunks
-from .sampling import SampleRequest, make_stop_spec, sample_batch
+from .sampling import SampleRequest, kept_positions, make_stop_spec, sample_batch
 
 MAX_SAMPLER_ADAPTERS = 8  # sampler checkpoints kept loaded per base model (least recently used go)
 MAX_BATCH_ROWS = 256  # sampled sequences decoded together
@@ -41,7 +41,7 @@ class SamplingMixin:
                top_p: float = 1.0, seed: int | None = None,
                stop: list[str] | list[int] | str | None = None,
                include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0,
-               topk_sample_logprobs: int = 0) -> SampleResult:
+               topk_sample_logprobs: int = 0, prompt_logprobs_last_n: int | None = None) -> SampleResult:
         """Sample ``num_samples`` continuations of ``prompt_tokens`` (len P >= 1; or a list of
         chunks, token lists and ``MediaChunk`` s, for a media model) from the base model, or from
         sampler/state weights at ``weights_path`` (then ``base_model`` may be None:
@@ -50,14 +50,17 @@ class SamplingMixin:
         model's EOS ids, ``[]`` = never stop early, strings are matched in the decoded sampled
         text, ints are token ids (kept as the last token).  ``seed`` None = random.
         ``topk_sample_logprobs`` k > 0: each sequence also gets ``topk_logprobs``, the k most
-        likely (token id, logprob) pairs at every sampled position.
+        likely (token id, logprob) pairs at every sampled position.  ``prompt_logprobs_last_n``
+        N: only the last N prompt logprobs are needed (earlier entries may be None; the prefill
+        then keeps fewer logits).
         Raises EngineUserError: unknown model/path, base model not matching the weights, token
         outside the vocabulary, P + max_tokens - 1 beyond the context, bad parameter values."""
         (res,) = self.sample_many([dict(
             base_model=base_model, weights_path=weights_path, prompt_tokens=prompt_tokens,
             num_samples=num_samples, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
             top_p=top_p, seed=seed, stop=stop, include_prompt_logprobs=include_prompt_logprobs,
-            topk_prompt_logprobs=topk_prompt_logprobs, topk_sample_logprobs=topk_sample_logprobs)])
+            topk_prompt_logprobs=topk_prompt_logprobs, topk_sample_logprobs=topk_sample_logprobs,
+            prompt_logprobs_last_n=prompt_logprobs_last_n)])
         if isinstance(res, BaseException):
             raise res
         return res
@@ -98,7 +101,8 @@ class SamplingMixin:
 
     def _prepare_sample(self, base_model, weights_path, prompt_tokens, *, num_samples, max_tokens,
                         temperature=1.0, top_k=-1, top_p=1.0, seed=None, stop=None,
-                        include_prompt_logprobs=False, topk_prompt_logprobs=0, topk_sample_logprobs=0):
+                        include_prompt_logprobs=False, topk_prompt_logprobs=0, topk_sample_logprobs=0,
+                        prompt_logprobs_last_n=None):
         """Validate one request -> (base, weights path | None, weights cache key, SampleRequest)."""
         wkey = None
         if weights_path is not None:
@@ -133,13 +137,17 @@ class SamplingMixin:
         for k, v in (("topk_prompt_logprobs", topk_prompt_logprobs), ("topk_sample_logprobs", topk_sample_logprobs)):
             if int(v) < 0:
                 raise EngineUserError(f"{k} must be >= 0, got {v!r}")
+        if prompt_logprobs_last_n is not None and (isinstance(prompt_logprobs_last_n, bool) or
+                                                   not isinstance(prompt_logprobs_last_n, int) or prompt_logprobs_last_n < 0):
+            raise EngineUserError(f"prompt_logprobs_last_n must be a non-negative integer, got {prompt_logprobs_last_n!r}")
         if int(topk_prompt_logprobs) > MAX_TOPK_PROMPT_LOGPROBS:
             raise EngineUserError(f"topk_prompt_logprobs must be between 0 and {MAX_TOPK_PROMPT_LOGPROBS} "
                                   f"(tinker_local's limit), got {topk_prompt_logprobs!r}")
         req = SampleRequest(prompt, num_samples, max_tokens, float(temperature), int(top_k),
                             float(top_p), int(seed) if seed is not None else secrets.randbelow(2**63),
                             make_stop_spec(stop, _eos_ids(b)), bool(include_prompt_logprobs),
-                            int(topk_prompt_logprobs), int(topk_sample_logprobs), media=media or None)
+                            int(topk_prompt_logprobs), int(topk_sample_logprobs), prompt_logprobs_last_n,
+                            media=media or None)
         return b, weights_path, wkey, req
 
     def _sample_chunk(self, b, path: Path | None, reqs: list[SampleRequest]) -> list[dict]:
@@ -177,8 +185,10 @@ class SamplingMixin:
 
 
 def _chunks(items: list[tuple[int, SampleRequest]], vocab: int) -> list[list[tuple[int, SampleRequest]]]:
-    """Split one group into batches within ``MAX_BATCH_ROWS`` rows and the prefill budget
-    (a single request larger than the budget gets its own batch)."""
+    """Split one group into batches within ``MAX_BATCH_ROWS`` rows, ``MAX_PREFILL_TOKENS`` padded
+    prompt tokens and ``MAX_PROMPT_LOGITS`` kept prefill logits (all positions of a request that
+    wants its prompt logprobs, its last N + 1 with ``prompt_logprobs_last_n``; else one). A
+    single request larger than the budget gets its own batch."""
     out: list[list] = []
     cur: list = []
     rows = longest = 0
@@ -186,8 +196,9 @@ def _chunks(items: list[tuple[int, SampleRequest]], vocab: int) -> list[list[tup
         req = item[1]
         n, p = req.num_samples, len(req.prompt)
         m = max(longest, p)
-        budget = MAX_PROMPT_LOGITS // max(vocab, 1) if req.wants_prompt else MAX_PREFILL_TOKENS
-        if cur and (rows + n > MAX_BATCH_ROWS or m * (len(cur) + 1) > budget):
+        keep = kept_positions([r for _, r in cur] + [req], m) or m
+        if cur and (rows + n > MAX_BATCH_ROWS or m * (len(cur) + 1) > MAX_PREFILL_TOKENS
+                    or keep * (len(cur) + 1) * vocab > MAX_PROMPT_LOGITS):
             out.append(cur)
             cur, rows, m = [], 0, p
         cur.append(item)

@@ -95,7 +95,9 @@ class SampleRequest:
     ``max_tokens`` >= 1 new tokens, ``temperature`` (0 = greedy), ``top_k`` (<= 0: off),
     ``top_p`` in (0, 1], ``seed`` (int), ``stop`` conditions, whether to return the prompt's
     logprobs (``prompt_logprobs``) and its top-``topk_prompt_logprobs`` alternatives, and the
-    top-``topk_sample_logprobs`` alternatives at each sampled position."""
+    top-``topk_sample_logprobs`` alternatives at each sampled position.
+    ``prompt_logprobs_last_n``: only the last N prompt logprobs are wanted (the prefill keeps the
+    logits of the last N + 1 positions of the batch; earlier entries may come back None)."""
 
     prompt: list[int]
     num_samples: int
@@ -108,6 +110,7 @@ class SampleRequest:
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
     topk_sample_logprobs: int = 0
+    prompt_logprobs_last_n: int | None = None
     media: list | None = None  # payloads of the prompt's media (tinker_local.media); sampled alone
 
     @property
@@ -115,27 +118,46 @@ class SampleRequest:
         return self.prompt_logprobs or self.topk_prompt_logprobs > 0
 
 
-def _prefill(model, ids: torch.Tensor, keep_all: bool, extra: dict):
+def kept_positions(reqs: list[SampleRequest], longest: int) -> int:
+    """Prompt positions (from the end) whose logits the prefill keeps: 1 (the next token's) when
+    no request wants prompt logprobs, ``max(last_n) + 1`` when all that do want only their last
+    N, else 0 (all ``longest``)."""
+    wants = [r for r in reqs if r.wants_prompt]
+    if not wants:
+        return 1
+    if any(r.prompt_logprobs_last_n is None for r in wants):
+        return 0
+    keep = max(int(r.prompt_logprobs_last_n) for r in wants) + 1
+    return 0 if keep >= longest else keep
+
+
+def _prefill(model, ids: torch.Tensor, keep: int, extra: dict) -> tuple:
+    """The prefill forward -> (its output, logits (B, K, V) of the last K positions; K = ``keep``,
+    or all when 0)."""
     try:
-        return model(input_ids=ids, use_cache=True, logits_to_keep=0 if keep_all else 1, **extra)
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=keep, **extra)
     except TypeError:  # architectures without logits_to_keep
-        return model(input_ids=ids, use_cache=True, **extra)
+        out = model(input_ids=ids, use_cache=True, **extra)
+    logits = out.logits if keep == 0 or out.logits.shape[1] == keep else out.logits[:, -keep:]
+    return out, logits
 
 
-def _prompt_outputs(req: SampleRequest, logits: torch.Tensor) -> dict:
-    """Prompt logprobs from ``logits`` (P, V) of one unpadded prompt."""
+def _prompt_outputs(req: SampleRequest, logits: torch.Tensor, first: int) -> dict:
+    """Prompt logprobs from ``logits`` (P - first, V): those of one unpadded prompt's positions
+    ``first .. P-1``; entries ``0 .. first`` are None."""
     out: dict = {"prompt_logprobs": None, "topk_prompt_logprobs": None}
     if not req.wants_prompt:
         return out
-    logp = torch.log_softmax(logits[:-1].float(), dim=-1)  # (P-1, V): row i predicts prompt[i+1]
+    pad = [None] * (first + 1)
+    logp = torch.log_softmax(logits[:-1].float(), dim=-1)  # row i predicts prompt[first + i + 1]
     if req.prompt_logprobs:
-        tgt = torch.tensor(req.prompt[1:], dtype=torch.long, device=logp.device).unsqueeze(-1)
-        out["prompt_logprobs"] = [None] + logp.gather(-1, tgt).squeeze(-1).cpu().tolist()
+        tgt = torch.tensor(req.prompt[first + 1:], dtype=torch.long, device=logp.device).unsqueeze(-1)
+        out["prompt_logprobs"] = pad + logp.gather(-1, tgt).squeeze(-1).cpu().tolist()
     if req.topk_prompt_logprobs > 0:
         k = min(req.topk_prompt_logprobs, logp.shape[-1])
         tv, ti = torch.topk(logp, k, dim=-1)
-        out["topk_prompt_logprobs"] = [None] + [list(zip(i, v)) for i, v in
-                                                zip(ti.cpu().tolist(), tv.cpu().tolist())]
+        out["topk_prompt_logprobs"] = pad + [list(zip(i, v)) for i, v in
+                                             zip(ti.cpu().tolist(), tv.cpu().tolist())]
     return out
 
 
@@ -148,8 +170,8 @@ def sample_batch(model, tokenizer, reqs: list[SampleRequest], *, device: torch.d
     list (len P, entry 0 None, others [(token_id, logprob)] * k) | None}``.
 
     The caller handles autocast (none: fp32), adapter selection and batch sizes (the prefill
-    holds ``len(reqs) x max P`` tokens, and all their logits when any request wants prompt
-    logprobs).  ``decode_threads``: torch threads for the token-by-token phase (small decode
+    holds ``len(reqs) x max P`` tokens, and the logits of every position when any request wants
+    prompt logprobs, of the last ``max(last_n) + 1`` when all those want only their last N).  ``decode_threads``: torch threads for the token-by-token phase (small decode
     steps run faster on one thread, since OpenMP synchronisation dominates them).
     ``prefill_extra``: more keyword arguments of the prefill forward (pixel values, DMel frames).
     Raises RuntimeError if the model's KV cache cannot select batch rows.
@@ -168,8 +190,12 @@ def sample_batch(model, tokenizer, reqs: list[SampleRequest], *, device: torch.d
         extra = {"attention_mask": mask.to(device),
                  "position_ids": (mask.cumsum(-1) - 1).clamp(min=0).to(device)}
     extra.update(prefill_extra or {})  # media of a single prompt (tinker_local.media.prefill_kwargs)
-    out = _prefill(model, ids.to(device), any(r.wants_prompt for r in reqs), extra)
-    results = [_prompt_outputs(r, out.logits[i, L - lens[i]:]) for i, r in enumerate(reqs)]
+    out, logits = _prefill(model, ids.to(device), kept_positions(reqs, L), extra)
+    K = logits.shape[1]  # the kept logits cover padded positions L - K .. L - 1
+    results = []
+    for i, r in enumerate(reqs):
+        start = max(L - K, L - lens[i])  # first kept position of prompt i (padded coordinates)
+        results.append(_prompt_outputs(r, logits[i, start - (L - K):], start - (L - lens[i])))
 
     counts = [r.num_samples for r in reqs]
     rows = torch.repeat_interleave(torch.arange(B), torch.tensor(counts))
@@ -178,7 +204,7 @@ def sample_batch(model, tokenizer, reqs: list[SampleRequest], *, device: torch.d
         raise RuntimeError("model cache does not support selecting batch rows")
     if B > 1 or counts[0] > 1:
         cache.reorder_cache(rows.to(device))
-    last = out.logits[:, -1][rows.to(out.logits.device)]  # (R, V)
+    last = logits[:, -1][rows.to(logits.device)]  # (R, V)
     att = mask[rows] if padded else None  # (R, L + steps)
     pos = torch.tensor(lens, dtype=torch.long)[rows].unsqueeze(-1) if padded else None  # (R, 1)
 

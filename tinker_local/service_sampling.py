@@ -129,7 +129,8 @@ class SamplingServiceMixin:
                 top_k=_int(sp, "top_k", ep) if sp.get("top_k") is not None else -1,
                 top_p=float(_or(sp.get("top_p"), 1.0)), seed=_int(sp, "seed", ep), stop=stop,
                 include_prompt_logprobs=bool(body.get("prompt_logprobs")) or topk > 0,
-                topk_prompt_logprobs=topk, topk_sample_logprobs=_int(body, "topk_sample_logprobs", ep, 0) or 0),
+                topk_prompt_logprobs=topk, topk_sample_logprobs=_int(body, "topk_sample_logprobs", ep, 0) or 0,
+                prompt_logprobs_last_n=_int(body, "prompt_logprobs_last_n", ep)),
                 "prompt_logprobs": bool(body.get("prompt_logprobs")), "topk": topk,
                 "last_n": _int(body, "prompt_logprobs_last_n", ep)}
         except (TypeError, ValueError) as e:

@@ -32,11 +32,10 @@ from prefect_tinker.recipes.rl.message_env import EpisodeLimits, MessageEnv, Mes
 from prefect_tinker.recipes.rl.problem_env import Problem, ProblemDataset
 from prefect_tinker.recipes.rl.types import RLDataset
 from prefect_tinker.recipes.tools import Toolset, calculator
+from prefect_tinker.recipes.tools.calculator_traces import CALCULATOR_SYSTEM
 
 __all__ = ["CALCULATOR_SHOTS", "CALCULATOR_SYSTEM", "Calculator", "CalculatorBuilder", "CalculatorEnv", "CalculatorOptions"]
 
-CALCULATOR_SYSTEM = ("Solve the problem. Use the calculator tool for arithmetic. When you are done, reply "
-                     "without a tool call and give the final answer as a number on the last line, as '#### <number>'.")
 
 def _shot(question: str, expression: str, result: int, unit: str) -> tuple[dict, ...]:
     call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
