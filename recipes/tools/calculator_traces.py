@@ -69,7 +69,7 @@ def calculator_transcript(question: str, solution: str, system: str | None = CAL
 
 
 def _calculator_solution(record: Any, fields: Mapping[str, str], options: Mapping[str, Any]) -> list:
-    from prefect_tinker.recipes.data_sources import Converted, RecordError, _pick
+    from prefect_tinker.recipes.data_sources import Converted, RecordError, _pick, _top
 
     qpath, question = _pick(record, fields, "question", ("question",))
     apath, solution = _pick(record, fields, "answer", ("answer", "solution"))
@@ -81,5 +81,4 @@ def _calculator_solution(record: Any, fields: Mapping[str, str], options: Mappin
         messages = calculator_transcript(question, solution, options.get("system_prompt") or CALCULATOR_SYSTEM)
     except ValueError as exc:
         raise RecordError(apath, str(exc)) from None
-    return [Converted(messages, f"{qpath}+{apath}", frozenset({qpath.split('.')[0], apath.split('.')[0]}),
-                      {"tools": [calculator.schema]})]
+    return [Converted(messages, f"{qpath}+{apath}", frozenset({_top(qpath), _top(apath)}), {"tools": [calculator.schema]})]
