@@ -24,7 +24,7 @@ from .errors import EngineUserError
 from .datatypes import MediaChunk
 from .inputs import check_tokens
 from .media import prefill_kwargs, reset_media_state, resolve_chunks
-from .sampling import SampleRequest, kept_positions, make_stop_spec, sample_batch
+from .sampling import SampleRequest, make_stop_spec, sample_batch
 
 MAX_SAMPLER_ADAPTERS = 8  # sampler checkpoints kept loaded per base model (least recently used go)
 MAX_BATCH_ROWS = 256  # sampled sequences decoded together
@@ -192,18 +192,19 @@ def _chunks(items: list[tuple[int, SampleRequest]], vocab: int) -> list[list[tup
     out: list[list] = []
     cur: list = []
     rows = longest = 0
+    need: int | None = 0  # most kept positions the batch's requests need (None: all)
     for item in items:
         req = item[1]
-        n, p = req.num_samples, len(req.prompt)
+        n, p, own = req.num_samples, len(req.prompt), req.logit_positions
         m = max(longest, p)
-        keep = kept_positions([r for _, r in cur] + [req], m) or m
+        k = None if need is None or own is None else max(need, own)
         if cur and (rows + n > MAX_BATCH_ROWS or m * (len(cur) + 1) > MAX_PREFILL_TOKENS
-                    or keep * (len(cur) + 1) * vocab > MAX_PROMPT_LOGITS):
+                    or min(m, k or m) * (len(cur) + 1) * vocab > MAX_PROMPT_LOGITS):
             out.append(cur)
-            cur, rows, m = [], 0, p
+            cur, rows, m, k = [], 0, p, own
         cur.append(item)
         rows += n
-        longest = m
+        longest, need = m, k
     if cur:
         out.append(cur)
     return out

@@ -117,18 +117,22 @@ class SampleRequest:
     def wants_prompt(self) -> bool:
         return self.prompt_logprobs or self.topk_prompt_logprobs > 0
 
+    @property
+    def logit_positions(self) -> int | None:
+        """Positions (from the end of the prompt) whose prefill logits this request needs: 1 (the
+        next token's), ``last_n + 1``, or None (all: every prompt logprob)."""
+        if not self.wants_prompt:
+            return 1
+        return None if self.prompt_logprobs_last_n is None else self.prompt_logprobs_last_n + 1
+
 
 def kept_positions(reqs: list[SampleRequest], longest: int) -> int:
-    """Prompt positions (from the end) whose logits the prefill keeps: 1 (the next token's) when
-    no request wants prompt logprobs, ``max(last_n) + 1`` when all that do want only their last
-    N, else 0 (all ``longest``)."""
-    wants = [r for r in reqs if r.wants_prompt]
-    if not wants:
-        return 1
-    if any(r.prompt_logprobs_last_n is None for r in wants):
+    """Prompt positions (from the end) whose logits the prefill keeps: the most any request needs
+    (:attr:`SampleRequest.logit_positions`), 0 meaning all ``longest``."""
+    need = [r.logit_positions for r in reqs]
+    if None in need or max(need) >= longest:
         return 0
-    keep = max(int(r.prompt_logprobs_last_n) for r in wants) + 1
-    return 0 if keep >= longest else keep
+    return max(need)
 
 
 def _prefill(model, ids: torch.Tensor, keep: int, extra: dict) -> tuple:
@@ -171,8 +175,9 @@ def sample_batch(model, tokenizer, reqs: list[SampleRequest], *, device: torch.d
 
     The caller handles autocast (none: fp32), adapter selection and batch sizes (the prefill
     holds ``len(reqs) x max P`` tokens, and the logits of every position when any request wants
-    prompt logprobs, of the last ``max(last_n) + 1`` when all those want only their last N).  ``decode_threads``: torch threads for the token-by-token phase (small decode
-    steps run faster on one thread, since OpenMP synchronisation dominates them).
+    prompt logprobs, of the last ``max(last_n) + 1`` when all those want only their last N).
+    ``decode_threads``: torch threads for the token-by-token phase (small decode steps run
+    faster on one thread, since OpenMP synchronisation dominates them).
     ``prefill_extra``: more keyword arguments of the prefill forward (pixel values, DMel frames).
     Raises RuntimeError if the model's KV cache cannot select batch rows.
     """

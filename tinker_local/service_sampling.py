@@ -119,6 +119,7 @@ class SamplingServiceMixin:
         unsupported = ["prompt_alt_tokens_k"] if body.get("prompt_alt_tokens_k") else []
         unsupported += ["target_prompt_logprobs"] if body.get("target_prompt_logprobs") else []
         topk = _int(body, "topk_prompt_logprobs", ep, 0) or 0
+        last_n = _int(body, "prompt_logprobs_last_n", ep)
         max_tokens = _int(sp, "max_tokens", ep)
         try:
             job = {"engine": dict(
@@ -130,9 +131,8 @@ class SamplingServiceMixin:
                 top_p=float(_or(sp.get("top_p"), 1.0)), seed=_int(sp, "seed", ep), stop=stop,
                 include_prompt_logprobs=bool(body.get("prompt_logprobs")) or topk > 0,
                 topk_prompt_logprobs=topk, topk_sample_logprobs=_int(body, "topk_sample_logprobs", ep, 0) or 0,
-                prompt_logprobs_last_n=_int(body, "prompt_logprobs_last_n", ep)),
-                "prompt_logprobs": bool(body.get("prompt_logprobs")), "topk": topk,
-                "last_n": _int(body, "prompt_logprobs_last_n", ep)}
+                prompt_logprobs_last_n=last_n),
+                "prompt_logprobs": bool(body.get("prompt_logprobs")), "topk": topk, "last_n": last_n}
         except (TypeError, ValueError) as e:
             raise HttpError(422, f"{ep}: sampling_params must be numbers ({e})") from e
         seq = _int(body, "seq_id", ep)

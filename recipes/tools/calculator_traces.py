@@ -34,7 +34,7 @@ CALCULATOR_SYSTEM = ("Solve the problem. Use the calculator tool for arithmetic.
                      "without a tool call and give the final answer as a number on the last line, as '#### <number>'.")
 
 _ANNOTATION = re.compile(r"<<([^<>=]*)=([^<>]*)>>")
-_FINAL = re.compile(r"####\s*(\S+)\s*$")
+_FINAL = re.compile(r"####\s*\S+\s*$")
 
 
 def calculator_transcript(question: str, solution: str, system: str | None = CALCULATOR_SYSTEM) -> list[dict]:
