@@ -8,11 +8,14 @@ differ only in when groups are trained.
   as a minibatch worth of groups has finished (``groups_per_batch / (num_substeps x
   num_minibatches)``) its forward/backward runs while the rest are still sampling; an optimizer
   step follows each substep's last minibatch (Tinker cookbook's ``StreamMinibatchConfig``).
-- ``async`` (off-policy): rollouts run continuously (up to two batches in flight) on whatever
-  sampler is newest when they start; the trainer takes the first ``groups_per_batch`` finished
-  groups whose sampler lags the trainer by at most ``max_steps_off_policy`` batches; older ones
-  are re-queued on the current sampler (``stale_groups="requeue"``) or dropped (Tinker cookbook's
-  ``AsyncConfig``). The data position restarts at ``step x groups_per_batch`` groups on resume
+- ``async`` (off-policy): rollouts keep running while the trainer trains (Tinker cookbook's
+  ``AsyncConfig``). Each step first starts as many rollouts as keep two batches (one with
+  ``max_steps_off_policy=0``) ahead of the trainer, finished ones included, all on the sampler the
+  step begins with, so they reach the sampler together and share its batches (mid-step rollouts
+  start only to replace failed or stale ones); then it takes the first ``groups_per_batch``
+  finished groups, those of the oldest sampler first, whose sampler lags the trainer by at most
+  ``max_steps_off_policy`` batches; older ones are re-queued on the current sampler
+  (``stale_groups="requeue"``) or dropped. The data position restarts at ``step x groups_per_batch`` groups on resume
   (groups in flight at a crash are sampled again).
 
 Each step returns ``rollout/*`` (errors, groups dropped / constant / stale, staleness), ``env/*``
@@ -176,10 +179,17 @@ class Async(Schedule):
 
     def _top_up(self) -> None:
         loop = self.loop
-        needed = (loop.total - loop.session.step) // loop.k * self.gpb - len(self.ready)  # groups the remaining steps take
-        while len(self.in_flight) < min(self.max_in_flight, max(needed, 1)):
+        needed = (loop.total - loop.session.step) // loop.k * self.gpb  # groups the remaining steps take
+        # finished (ready) groups count: never more than `max_in_flight` groups ahead of the trainer
+        while len(self.in_flight) + len(self.ready) < min(self.max_in_flight, max(needed, 1)):
             builder, b, g = work = self._next_work()
-            self.in_flight[loop.submit(builder, b, g)] = work
+            self.in_flight[loop.submit(builder, b, g)] = (work, loop.session.step)
+
+    def _next_finished(self):
+        """The next finished in-flight rollout, of those started on the oldest sampler (the first
+        to go stale): a step's groups are collected in the order their cohorts were started."""
+        oldest = min(v for _, v in self.in_flight.values())
+        return next(iter(as_completed([f for f, (_, v) in self.in_flight.items() if v == oldest])))
 
     def _fresh(self, g: TrajectoryGroup, step: int) -> bool:
         return 0 <= step - g.sampler_step <= self.limit  # < 0: sampled by weights a rewind undid
@@ -192,10 +202,12 @@ class Async(Schedule):
         if c.stale_groups == "requeue":
             self.requeued.extend((None, g.batch_index, g.group_index) for g in self.ready if g not in fresh)
         self.ready[:] = fresh
+        self._top_up()  # all of this step's new rollouts start here, on the newest sampler
         while len(self.ready) < self.gpb:
-            self._top_up()
-            fut = next(iter(as_completed(list(self.in_flight))))
-            work = self.in_flight.pop(fut)
+            if len(self.ready) + len(self.in_flight) < self.gpb:  # errors or stale groups: refill
+                self._top_up()
+            fut = self._next_finished()
+            work, _ = self.in_flight.pop(fut)
             g = loop.collect(fut, counters)
             if g is None:
                 continue
