@@ -6,8 +6,11 @@ flow's training loop only (client start-up and the first sampler save excluded).
 markdown table (medians over ``--repeats``, with each schedule's ratio to sync measured on the
 same server setting) and writes JSON with ``--json``.
 
-    python benchmarks/rl_schedules.py --model tiny --steps 6 --group-size 4 --groups-per-batch 8
-    python benchmarks/rl_schedules.py --steps 20 --sampler-workers 0,1 --threads 2 --repeats 2
+    python benchmarks/rl_schedules.py            # 8 steps, 64-token replies, 1 sampler worker, 3 repeats
+    python benchmarks/rl_schedules.py --steps 20 --max-tokens 8 --sampler-workers 0,1 --threads 2 --repeats 2
+
+Defaults: ``tiny``, 8 groups x 4 rollouts of at most 64 tokens, 8 steps, the embedded server with
+one sampler worker (the setting whose sampling and training can overlap), 3 repeats.
 
 ``--sampler-workers 0,1`` runs every schedule once per setting, interleaved (repeat r: all
 schedules on 0 workers, then on 1 worker), each setting on its own embedded server
@@ -42,10 +45,10 @@ for k, v in {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TINKER_TELEMETR
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny")
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=8)
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--groups-per-batch", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--num-minibatches", type=int, default=2)
     p.add_argument("--max-steps-off-policy", type=int, default=1)
@@ -53,11 +56,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--local-root", default=None)
     p.add_argument("--base-url", default=None)
     p.add_argument("--sampler-workers", default=None,
-                   help="comma-separated worker counts to compare, e.g. 0,1 (default: the server's default)")
+                   help="comma-separated worker counts to compare, e.g. 0,1 (default: 1 on the embedded "
+                        "server; with --base-url: that server's own setting)")
     p.add_argument("--threads", type=int, default=None, help="torch threads of each embedded server in all")
-    p.add_argument("--repeats", type=int, default=1, help="runs per schedule and setting (medians reported)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per schedule and setting (medians reported)")
     p.add_argument("--json", default=None, help="write the results to this file")
     args = p.parse_args(argv)
+    if args.sampler_workers is None and not args.base_url:
+        args.sampler_workers = "1"
     if args.sampler_workers is not None and args.base_url:
         p.error("--sampler-workers needs the embedded server (no --base-url)")
 
@@ -135,7 +141,8 @@ def _settings(args, tmp: Path, stamp: str) -> list[tuple[int | None, object]]:
     out = []
     for w in (int(x) for x in args.sampler_workers.split(",")):
         name = f"rl-bench-w{w}-{stamp}"
-        block = TinkerCredentials(local=True, local_root=str(tmp / f"server-w{w}"), local_threads=args.threads,
+        root = Path(args.local_root or tmp) / f"server-w{w}"
+        block = TinkerCredentials(local=True, local_root=str(root), local_threads=args.threads,
                                   local_sampler_workers=w, local_models=[args.model], local_startup_timeout=900)
         block.save(name, overwrite=True)
         ensure_local_server(block)  # started now, outside the timed runs
