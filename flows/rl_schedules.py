@@ -15,8 +15,8 @@ differ only in when groups are trained.
   start only to replace failed or stale ones); then it takes the first ``groups_per_batch``
   finished groups, those of the oldest sampler first, whose sampler lags the trainer by at most
   ``max_steps_off_policy`` batches; older ones are re-queued on the current sampler
-  (``stale_groups="requeue"``) or dropped. The data position restarts at ``step x groups_per_batch`` groups on resume
-  (groups in flight at a crash are sampled again).
+  (``stale_groups="requeue"``) or dropped. The data position restarts at ``step x
+  groups_per_batch`` groups on resume (groups in flight at a crash are sampled again).
 
 Each step returns ``rollout/*`` (errors, groups dropped / constant / stale, staleness), ``env/*``
 (reward, correct and format rates, tokens per turn), ``train/*`` and ``time/*`` metrics.
