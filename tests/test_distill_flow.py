@@ -68,7 +68,9 @@ def test_on_policy_teacher_kl_falls_through_the_cli(teacher, local_credentials, 
     kl = [r["value"] for r in rows]
     assert [r["step"] for r in rows] == list(range(10))
     assert kl[0] > 0.3  # the SFT teacher is far from the fresh student
-    assert np.mean(kl[-3:]) < np.mean(kl[:3]) and kl[-1] < kl[0], kl
+    # steps 0-8 repeat closely run to run; a single step's 32 replies can spike (step 9 gave 0.93-1.35),
+    # so the second half's median: ~0.98-1.04 measured, against ~1.14 for the first three steps
+    assert np.median(kl[5:]) < np.mean(kl[:3]) - 0.05, kl
     names = {r["name"] for r in _sql(capsys, store, "SELECT DISTINCT name FROM metrics WHERE run_id='op'")}
     assert {"train/teacher_tokens", "train/kl_sample_train_v1", "env/tokens_per_turn", "time/step_seconds"} <= names
     traj = _sql(capsys, store, "SELECT prompt FROM trajectories WHERE run_id='op' LIMIT 1")

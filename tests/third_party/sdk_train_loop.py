@@ -80,6 +80,7 @@ def main():
     rl = training.forward_backward(rl_data, loss_fn="importance_sampling").result()
     training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
 
+    final_loss = mean_nll(training.forward(data, loss_fn="cross_entropy").result(), data)
     checkpoint = training.save_state("final").result().path
     resumed = service.create_training_client_from_state_with_optimizer(checkpoint).result()
     resumed_loss = mean_nll(resumed.forward(data, loss_fn="cross_entropy").result(), data)
@@ -88,7 +89,7 @@ def main():
     print(json.dumps({
         "models": models, "losses": losses, "rl_loss": rl.metrics["loss:sum"],
         "sample_lengths": [len(s.tokens) for s in samples.sequences], "sample_text": text,
-        "checkpoint": checkpoint, "resumed_loss": resumed_loss,
+        "checkpoint": checkpoint, "final_loss": final_loss, "resumed_loss": resumed_loss,
         "runs": [r.training_run_id for r in runs.training_runs],
     }))
 
