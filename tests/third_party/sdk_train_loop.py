@@ -52,7 +52,7 @@ def main():
     losses = []
     for _ in range(steps):
         fwd_bwd = training.forward_backward(data, loss_fn="cross_entropy")
-        optim = training.optim_step(types.AdamParams(learning_rate=1e-2))
+        optim = training.optim_step(types.AdamParams(learning_rate=5e-3))
         losses.append(mean_nll(fwd_bwd.result(), data))
         optim.result()
 
