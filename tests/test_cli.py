@@ -310,7 +310,9 @@ def test_local_status_and_stop_a_real_embedded_server(tmp_path, capsys):
     """The server a flow starts (TinkerCredentials local mode) is shown by `local status` and
     stopped by `local stop`: the process exits, server.json is removed."""
     from tinker_blocks import TinkerCredentials
-    from tinker_blocks.credentials import _healthy, _pid_alive, ensure_local_server
+    from tinker_blocks.credentials import ensure_local_server
+    from tinker_local.launcher import healthy
+    from tinker_local.procs import pid_alive
 
     root = tmp_path / "local"
     record = ensure_local_server(TinkerCredentials(local=True, local_root=str(root)))
@@ -320,13 +322,13 @@ def test_local_status_and_stop_a_real_embedded_server(tmp_path, capsys):
                                            f"root {root}, log {root / 'server.log'}\n")
         assert cli.main(["local", "stop", "--root", str(root)]) == 0
         assert capsys.readouterr().out == f"stopped local server pid {record['pid']} ({record['base_url']})\n"
-        assert not _pid_alive(record["pid"]) and not _healthy(record["base_url"])
+        assert not pid_alive(record["pid"]) and not healthy(record["base_url"])
         assert not (root / "server.json").exists()
         assert cli.main(["local", "status", "--root", str(root)]) == 1
         assert cli.main(["local", "stop", "--root", str(root)]) == 0  # nothing to stop: fine
         assert capsys.readouterr().out == f"no local server recorded in {root / 'server.json'}\n" * 2
     finally:
-        if _pid_alive(record["pid"]):
+        if pid_alive(record["pid"]):
             os.kill(record["pid"], signal.SIGKILL)
 
 
@@ -346,7 +348,7 @@ srv.serve_forever()
 
 
 def test_local_stop_kills_a_server_ignoring_sigterm_and_spares_a_reused_pid(tmp_path, capsys):
-    from tinker_blocks.credentials import _pid_alive
+    from tinker_local.procs import pid_alive
 
     root = tmp_path / "local"
     root.mkdir()
@@ -358,13 +360,13 @@ def test_local_stop_kills_a_server_ignoring_sigterm_and_spares_a_reused_pid(tmp_
         t0 = time.monotonic()
         assert cli.main(["local", "stop", "--root", str(root)]) == 0
         assert 4.5 < time.monotonic() - t0 < 15  # SIGTERM ignored for 5 s, then SIGKILL
-        assert not _pid_alive(proc.pid)  # (already reaped by the stop, as our child)
+        assert not pid_alive(proc.pid)  # (already reaped by the stop, as our child)
         assert not (root / "server.json").exists()
         # a live pid that is neither healthy nor tinker_local (a reused pid) is left alone
         (root / "server.json").write_text(json.dumps({"pid": other.pid, "base_url": "http://127.0.0.1:9"}))
         assert cli.main(["local", "stop", "--root", str(root)]) == 1
         assert "does not look like the local server" in capsys.readouterr().err
-        assert _pid_alive(other.pid) and (root / "server.json").exists()
+        assert pid_alive(other.pid) and (root / "server.json").exists()
     finally:
         for p in (proc, other):
             p.kill()

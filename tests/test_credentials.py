@@ -23,6 +23,7 @@ from prefect.testing.standard_test_suites import BlockStandardTestSuite
 from pydantic import ValidationError
 
 import tinker_blocks.credentials as cred
+from tinker_local import launcher, procs
 from tinker_blocks import LocalServerError, TinkerCredentials
 
 KEY = "tml-very-secret-key-0123456789"
@@ -105,7 +106,7 @@ def test_local_start_wait_record_and_cached_client(stand_in):
     record = json.loads((stand_in / "server.json").read_text())
     assert record["base_url"] == f"http://127.0.0.1:{record['port']}"
     assert record["pid"] == _starts(stand_in)[0]
-    assert cred._healthy(record["base_url"])
+    assert launcher.healthy(record["base_url"])
     # same settings -> same cached client, even from another block instance
     assert block.get_client() is client
     assert TinkerCredentials(local=True, local_root=str(stand_in)).get_client() is client
@@ -121,8 +122,8 @@ def test_local_reuses_recorded_server_and_restarts_dead_one(stand_in):
     assert len(_starts(stand_in)) == 1
     # the recorded server dies -> the next call starts a new one (and the client is renewed)
     client = block.get_client()
-    cred._terminate(first["pid"], timeout=5)
-    assert not cred._healthy(first["base_url"])
+    launcher.terminate(first["pid"], timeout=5)
+    assert not launcher.healthy(first["base_url"])
     client2 = block.get_client()
     assert client2 is not client
     assert len(_starts(stand_in)) == 2
@@ -133,7 +134,7 @@ def test_local_reuses_recorded_server_and_restarts_dead_one(stand_in):
 
 
 def test_local_fixed_port(stand_in):
-    port = cred._free_port()
+    port = launcher.free_port()
     block = TinkerCredentials(local=True, local_root=str(stand_in), local_port=port)
     assert block.base_url_for_sdk() == f"http://127.0.0.1:{port}"
     # a different block pointed at the same (now busy) port but another root refuses to clash
@@ -156,7 +157,7 @@ def test_local_server_timeout_stops_it_and_reports_log_tail(stand_in):
     with pytest.raises(LocalServerError, match=r"within 1.5 s(.|\n)*stuck loading weights"):
         block.get_client()
     (pid,) = _starts(stand_in)
-    assert not cred._pid_alive(pid)
+    assert not procs.pid_alive(pid)
 
 
 def test_server_command_names_the_real_cli(tmp_path):

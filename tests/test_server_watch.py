@@ -19,7 +19,8 @@ import tinker
 
 import tinker_blocks.credentials as cred
 from tinker_blocks import TinkerCredentials
-from tinker_blocks.local_env import server_environment
+from tinker_local.launcher import healthy
+from tinker_local.server_env import server_environment
 from tinker_blocks.server_watch import ServerDeadline, ServerGone, ServerProbe, wait_result
 
 SECRETS = {
@@ -109,7 +110,7 @@ def test_kill_9_while_a_future_is_pending_then_restart(server):
     assert isinstance(err.value, ConnectionError)  # transient for the task retry policy
 
     new = block.restart_local_server()
-    assert new["pid"] != record["pid"] and cred._healthy(new["base_url"])
+    assert new["pid"] != record["pid"] and healthy(new["base_url"])
     service2 = block.get_client()
     assert service2 is not service
     resumed = service2.create_training_client_from_state_with_optimizer(state).result()

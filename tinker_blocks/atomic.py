@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Any
 
-from tinker_blocks.procs import host_slug, pid_alive
+from tinker_local.procs import host_slug, pid_alive
 
 __all__ = [
     "STALE_TEMP_AGE_S", "WriteError", "atomic_write_bytes", "is_orphan", "parse_temp_name", "sweep_stale_temps",

@@ -19,16 +19,8 @@ client for a server that does not answer: the SDK would retry a dead port for ~5
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +28,9 @@ from prefect.blocks.abstract import CredentialsBlock
 from pydantic import ConfigDict, Field, SecretStr, field_validator
 
 from tinker_blocks.docs import docs_url
-from tinker_blocks.local_env import server_environment
-from tinker_blocks.procs import pid_alive as _pid_alive
+from tinker_local import launcher
+from tinker_local.launcher import LocalServerError
+from tinker_local.launcher import default_root as default_local_root
 
 __all__ = [
     "LocalServerError",
@@ -49,23 +42,9 @@ __all__ = [
 ]
 
 LOCAL_API_KEY = "tml-local"
-HEALTH_PATH = "/api/v1/healthz"
-_SERVER_FILE = "server.json"
-_LOG_FILE = "server.log"
-_LOCK_FILE = "server.lock"
 
 _clients: dict[tuple, Any] = {}
 _clients_lock = threading.Lock()
-
-
-class LocalServerError(RuntimeError):
-    """The embedded local server could not be started or did not become healthy."""
-
-
-def default_local_root() -> Path:
-    """``$PREFECT_TINKER_HOME`` if set, else ``~/.prefect-tinker``."""
-    env = os.environ.get("PREFECT_TINKER_HOME")
-    return Path(env).expanduser() if env else Path.home() / ".prefect-tinker"
 
 
 class TinkerCredentials(CredentialsBlock):
@@ -213,7 +192,7 @@ class TinkerCredentials(CredentialsBlock):
             key = self._cache_key()
             with _clients_lock:
                 cached = _clients.get(key)
-            if cached is not None and _healthy(cached[0]):
+            if cached is not None and launcher.healthy(cached[0]):
                 return cached[1]
             info = ensure_local_server(self)
             api_key = self.api_key.get_secret_value() if self.api_key else LOCAL_API_KEY
@@ -276,79 +255,22 @@ class TinkerCredentials(CredentialsBlock):
 
 
 # ---------------------------------------------------------------------- local server management
-
-
-def _healthy(base_url: str, timeout: float = 1.0) -> bool:
-    """True when ``GET {base_url}/api/v1/healthz`` answers 200."""
-    try:
-        with urllib.request.urlopen(base_url + HEALTH_PATH, timeout=timeout) as resp:  # noqa: S310
-            return resp.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _log_tail(path: Path, lines: int = 30) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return "(no server log)"
-    tail = text.splitlines()[-lines:]
-    return "\n".join(tail) if tail else "(server log is empty)"
+# The process launcher itself is tinker_local.launcher; these bind it to a block's settings.
 
 
 def server_command(block: TinkerCredentials, port: int, root: Path) -> list[str]:
-    """The command starting the local server: ``python -m tinker_local serve --host 127.0.0.1
-    --port P --root DIR`` plus ``--model M`` per preloaded model, ``--device``/``--threads`` when
-    set, ``--sampler-workers N`` when N > 0, then ``local_extra_args``."""
-    cmd = [sys.executable, "-m", "tinker_local", "serve", "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--root", str(root)]
-    for model in block.local_models:
-        cmd += ["--model", model]
-    if block.local_device:
-        cmd += ["--device", block.local_device]
-    if block.local_threads:
-        cmd += ["--threads", str(block.local_threads)]
-    if block.local_sampler_workers:
-        cmd += ["--sampler-workers", str(block.local_sampler_workers)]
-    return cmd + list(block.local_extra_args)
-
-
-def _read_record(root: Path) -> dict | None:
-    try:
-        return json.loads((root / _SERVER_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-class _FileLock:
-    """Exclusive ``flock`` on ``path`` (no-op where fcntl is unavailable)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.fh = None
-
-    def __enter__(self) -> "_FileLock":
-        self.fh = open(self.path, "a+")
-        try:
-            import fcntl
-
-            fcntl.flock(self.fh.fileno(), fcntl.LOCK_EX)
-        except ImportError:
-            pass
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.fh.close()  # closing releases the lock
+    """The command starting the local server for ``block`` (:func:`tinker_local.launcher.serve_command`
+    with the block's ``local_models``, ``local_device``, ``local_threads``, ``local_sampler_workers``
+    and ``local_extra_args``)."""
+    return launcher.serve_command(
+        port, root, models=block.local_models, device=block.local_device, threads=block.local_threads,
+        sampler_workers=block.local_sampler_workers, extra_args=block.local_extra_args,
+    )
 
 
 def ensure_local_server(block: TinkerCredentials) -> dict:
-    """Reuse the healthy server recorded in ``<local_root>/server.json`` or start a new one.
+    """Reuse the healthy server recorded in ``<local_root>/server.json`` or start a new one
+    (:func:`tinker_local.launcher.ensure_server` with :func:`server_command`).
 
     Returns:
         The record ``{"pid", "port", "base_url", "log", "started_at", "command"}``.
@@ -358,102 +280,24 @@ def ensure_local_server(block: TinkerCredentials) -> dict:
             ``block.local_startup_timeout`` seconds; the message includes the log's tail.
     """
     root = block.resolved_local_root()
-    root.mkdir(parents=True, exist_ok=True)
-    with _FileLock(root / _LOCK_FILE):
-        record = _read_record(root)
-        if (
-            record
-            and (block.local_port is None or record.get("port") == block.local_port)
-            and _pid_alive(int(record.get("pid", -1)))
-            and _healthy(record["base_url"])
-        ):
-            return record
-        port = block.local_port or _free_port()
-        base_url = f"http://127.0.0.1:{port}"
-        if _healthy(base_url):
-            raise LocalServerError(
-                f"port {port} already serves something not recorded in {root / _SERVER_FILE}; "
-                "choose another local_port or leave it empty"
-            )
-        log_path = root / _LOG_FILE
-        cmd = server_command(block, port, root)
-        env = server_environment()  # no API keys, cloud secrets or tokens (tinker_blocks/local_env.py)
-        with open(log_path, "ab") as log:
-            log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(cmd)}\n".encode())
-            log.flush()
-            proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                cwd=str(root), env=env, start_new_session=True,
-            )
-        block.logger.info("Starting local Tinker server on %s (pid %d, log %s)", base_url, proc.pid, log_path)
-        deadline = time.monotonic() + block.local_startup_timeout
-        while not _healthy(base_url, timeout=0.5):
-            if proc.poll() is not None:
-                raise LocalServerError(
-                    f"local Tinker server exited with code {proc.returncode} before answering "
-                    f"{base_url}{HEALTH_PATH}; last lines of {log_path}:\n{_log_tail(log_path)}"
-                )
-            if time.monotonic() > deadline:
-                _terminate(proc.pid, timeout=5.0)
-                raise LocalServerError(
-                    f"local Tinker server did not answer {base_url}{HEALTH_PATH} within "
-                    f"{block.local_startup_timeout:g} s (stopped it); last lines of {log_path}:\n{_log_tail(log_path)}"
-                )
-            time.sleep(0.1)
-        record = {
-            "pid": proc.pid, "port": port, "base_url": base_url, "log": str(log_path),
-            "started_at": time.time(), "command": cmd,
-        }
-        tmp = root / (_SERVER_FILE + ".tmp")
-        tmp.write_text(json.dumps(record, indent=2))
-        tmp.replace(root / _SERVER_FILE)
-        return record
-
-
-def _terminate(pid: int, timeout: float) -> None:
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not _pid_alive(pid):
-            return
-        time.sleep(0.05)
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        return
-    while _pid_alive(pid) and time.monotonic() < deadline + 5:
-        time.sleep(0.05)
+    return launcher.ensure_server(
+        root, lambda port: server_command(block, port, root), port=block.local_port,
+        startup_timeout=block.local_startup_timeout, logger=block.logger,
+    )
 
 
 def stop_local_server(local_root: str | os.PathLike[str] | None = None, timeout: float = 10.0) -> bool:
-    """Stop the server recorded in ``<local_root>/server.json`` (SIGTERM, then SIGKILL) and
-    remove the record.
+    """Stop the server recorded in ``<local_root>/server.json`` (SIGTERM, then SIGKILL), remove the
+    record and forget this process's cached clients of it.
 
     Returns:
         True if a live server was stopped, False if none was recorded or it was already gone.
     """
     root = Path(local_root).expanduser().resolve() if local_root else default_local_root().resolve()
-    with _FileLock(root / _LOCK_FILE) if root.exists() else _NullCtx():
-        record = _read_record(root)
-        if not record:
-            return False
-        pid = int(record.get("pid", -1))
-        alive = pid > 0 and _pid_alive(pid)
-        if alive:
-            _terminate(pid, timeout)
-        (root / _SERVER_FILE).unlink(missing_ok=True)
-        with _clients_lock:
-            for key in [k for k, v in _clients.items() if v[0] == record.get("base_url")]:
-                del _clients[key]
-        return alive
-
-
-class _NullCtx:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
+    record = launcher.stop_server(root, timeout=timeout)
+    if record is None:
+        return False
+    with _clients_lock:
+        for key in [k for k, v in _clients.items() if v[0] == record.get("base_url")]:
+            del _clients[key]
+    return bool(record["stopped"])

@@ -6,7 +6,7 @@ heartbeat thread; a second run with the same name, while the lease is live, fail
 run) is *stale* and the next run takes it over, so crash-and-resume needs nobody's help:
 
 - at once when the holder was a process of this machine (same host, kernel boot and pid
-  namespace: :func:`tinker_blocks.procs.host_key`) that no longer exists (pid gone, or reused by
+  namespace: :func:`tinker_local.procs.host_key`) that no longer exists (pid gone, or reused by
   a process with another start time);
 - otherwise ``timeout_s`` seconds after its last heartbeat (default 60 s; heartbeats every
   ``timeout_s / 6``).
@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from tinker_blocks.atomic import temp_path
-from tinker_blocks.procs import host_key, pid_alive, pid_start_ticks
+from tinker_local.procs import host_key, pid_alive, pid_start_ticks
 from tinker_blocks.store_schemas import validate_run_id
 
 __all__ = [

@@ -41,7 +41,7 @@ def check_model_name(model: str, local_root: str | Path | None) -> str:
     if local_root is None:
         return model
     from tinker_local.models import (
-        ACCEPTED_FORMS, MEDIA_PRESETS, SMOLLM2_ALIASES, TINY_NAME, _hf_cache_lookup, _preset_of_dir)
+        ACCEPTED_FORMS, MEDIA_PRESETS, SMOLLM2_ALIASES, TINY_NAME, hf_cache_lookup, preset_of_dir)
 
     if model == TINY_NAME or model in MEDIA_PRESETS:
         return model
@@ -52,12 +52,12 @@ def check_model_name(model: str, local_root: str | Path | None) -> str:
         return model
     path = Path(model).expanduser()
     if path.is_dir():
-        if _preset_of_dir(path) is None and not (path / "config.json").is_file():
+        if preset_of_dir(path) is None and not (path / "config.json").is_file():
             raise UnknownModelName(f"model directory {str(path.absolute())!r} has no config.json")
         return str(path.resolve())
     looks_like_path = model.startswith(("/", ".", "~")) or model.count("/") > 1
     if looks_like_path:
         raise UnknownModelName(f"base model directory {str(path.absolute())!r} does not exist")
-    if model.count("/") == 1 and _hf_cache_lookup(model) is not None:
+    if model.count("/") == 1 and hf_cache_lookup(model) is not None:
         return model
     raise UnknownModelName(f"unknown base model {model!r} for the local server; accepted: {ACCEPTED_FORMS}")

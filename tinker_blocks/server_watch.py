@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tinker_blocks.procs import pid_alive
+from tinker_local.launcher import HEALTH_PATH, read_record
+from tinker_local.procs import pid_alive
 
 __all__ = ["DEFAULT_DEADLINE_S", "ServerDeadline", "ServerGone", "ServerProbe", "server_answers", "wait_result"]
 
@@ -38,7 +39,6 @@ log = logging.getLogger(__name__)
 
 #: default longest wait for one result (seconds): far above a step of a large model
 DEFAULT_DEADLINE_S = 1800.0
-HEALTH_PATH = "/api/v1/healthz"
 
 
 class ServerGone(ConnectionError):
@@ -99,10 +99,8 @@ class ServerProbe:
             ServerGone: local mode and no server is recorded.
         """
         if getattr(credentials, "local", False):
-            from tinker_blocks.credentials import _read_record
-
             root = credentials.resolved_local_root()
-            record = _read_record(root)
+            record = read_record(root)
             if not record:
                 raise ServerGone(f"no local Tinker server is recorded in {root / 'server.json'}",
                                  url="(none)", reason="not recorded", log_path=str(root / "server.log"))

@@ -16,17 +16,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
 
+from .launcher import default_root, healthy, read_record, stop_server
+from .procs import pid_alive
 
 DTYPES = {"auto": "auto", "fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
-
-
-def default_root() -> Path:
-    """``$PREFECT_TINKER_HOME`` or ``~/.prefect-tinker``."""
-    return Path(os.environ.get("PREFECT_TINKER_HOME") or Path.home() / ".prefect-tinker")
 
 
 def build_parser(prog: str = "python -m tinker_local") -> argparse.ArgumentParser:
@@ -75,9 +71,7 @@ def build_parser(prog: str = "python -m tinker_local") -> argparse.ArgumentParse
 def _is_server(record: dict) -> bool:
     """Whether the live pid of ``record`` is still our server (and not a reused pid): it answers
     the health check, or (Linux) its command line runs ``tinker_local``."""
-    from tinker_blocks.credentials import _healthy
-
-    if _healthy(str(record.get("base_url", "")), timeout=2.0):
+    if healthy(str(record.get("base_url", "")), timeout=2.0):
         return True
     try:
         return b"tinker_local" in Path(f"/proc/{int(record['pid'])}/cmdline").read_bytes()
@@ -89,27 +83,25 @@ def status_or_stop(command: str, root: Path | None) -> int:
     """``status``: print the recorded server (pid, URL, health, log); 0 when it runs, 1 when not.
     ``stop``: stop it (SIGTERM, then SIGKILL after 5 s), remove ``server.json``; 0 either way,
     1 when a recorded live pid is not the server (the record is then left for inspection)."""
-    from tinker_blocks.credentials import _healthy, _pid_alive, _read_record, stop_local_server
-
     root = (root.expanduser() if root else default_root()).resolve()
-    record = _read_record(root)
+    record = read_record(root)
     if not record:
         print(f"no local server recorded in {root / 'server.json'}")
         return 1 if command == "status" else 0
     pid, url = int(record.get("pid", -1)), record.get("base_url", "?")
-    alive = pid > 0 and _pid_alive(pid)
+    alive = pid > 0 and pid_alive(pid)
     if command == "status":
         if not alive:
             print(f"not running: recorded pid {pid} ({url}) is gone; stale {root / 'server.json'}")
             return 1
-        health = "healthy" if _healthy(url, timeout=2.0) else "NOT answering /api/v1/healthz"
+        health = "healthy" if healthy(url, timeout=2.0) else "NOT answering /api/v1/healthz"
         print(f"running: pid {pid}, {url} ({health}), root {root}, log {record.get('log', '?')}")
         return 0
     if alive and not _is_server(record):
         print(f"error: pid {pid} recorded in {root / 'server.json'} does not look like the local "
               "server (no health answer, not tinker_local); not stopping it", file=sys.stderr)
         return 1
-    stopped = stop_local_server(root, timeout=5.0)
+    stopped = bool((stop_server(root, timeout=5.0) or {}).get("stopped"))
     print(f"stopped local server pid {pid} ({url})" if stopped
           else f"local server pid {pid} ({url}) was not running; removed its stale record")
     return 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class EngineUserError(ValueError):
     """A request the engine cannot serve because of the caller's input (unknown model or model id,
@@ -24,3 +26,29 @@ class HttpError(Exception):
         super().__init__(detail)
         self.status = status
         self.detail = detail
+
+
+def required_field(body: dict[str, Any], key: str, endpoint: str) -> Any:
+    """``body[key]`` of a JSON request body.
+
+    Raises:
+        HttpError: 422 naming ``endpoint`` and ``key`` when the field is missing or null.
+    """
+    if body.get(key) is None:
+        raise HttpError(422, f"{endpoint}: field {key!r} is required")
+    return body[key]
+
+
+def int_field(body: dict[str, Any], key: str, endpoint: str, default: Any = None) -> int | None:
+    """``int(body[key])`` (``default`` when missing; None stays None).
+
+    Raises:
+        HttpError: 422 naming ``endpoint``, ``key`` and the value when it is not an integer.
+    """
+    v = body.get(key, default)
+    if v is None:
+        return None
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        raise HttpError(422, f"{endpoint}: field {key!r} must be an integer, got {v!r}") from None

@@ -440,7 +440,7 @@ class FutureStore:
             else:
                 outcome = Outcome(json=result)
         except Exception as e:  # mapped to the SDK's error categories
-            if _is_user_error(e):
+            if is_user_error(e):
                 outcome = Outcome(error=f"{type(e).__name__}: {e}", category="user")
                 logger.info("%s %s failed (user error): %s", job.kind, job.request_id, e)
             else:
@@ -459,7 +459,7 @@ def _raise_or(result: Any) -> Any:
     return result
 
 
-def _is_user_error(e: BaseException) -> bool:
+def is_user_error(e: BaseException) -> bool:
     """UserError, ProtocolError and the engine's EngineUserError count as user errors."""
     if isinstance(e, UserError):
         return True

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from .model_dirs import install_dir
+
 TINY_VL_NAME = "tiny-vl"
 TINY_AUDIO_NAME = "tiny-audio"
 MEDIA_PRESETS = (TINY_VL_NAME, TINY_AUDIO_NAME)
@@ -223,9 +225,7 @@ def ensure_media_preset(name: str, target: Path) -> Path:
         model.save_pretrained(str(tmp))
         tok.save_pretrained(str(tmp))
         (tmp / _MARKER).write_text(json.dumps(marker))
-        from .models import _install_dir
-
-        _install_dir(tmp, target)
+        install_dir(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .errors import UnknownModelError
+from .model_dirs import install_dir
 from .media_models import MEDIA_PRESETS, ensure_media_preset
 
 logger = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ def resolve_model(name: str, cache_dir: Path) -> ModelSpec:
         return _smollm2_spec(cache_dir / "smollm2")
     p = Path(name).expanduser()
     if p.is_dir():
-        preset = _preset_of_dir(p)
+        preset = preset_of_dir(p)
         if preset is not None:
             return resolve_model(preset, cache_dir)
         owner = _model_dir_of_tokenizer_copy(p)
@@ -114,7 +115,7 @@ def resolve_model(name: str, cache_dir: Path) -> ModelSpec:
                                     f"accepted: {ACCEPTED_FORMS}")
         return _spec_from_dir(str(p.resolve()), p.resolve(), cache_dir)
     if name.count("/") == 1 and not name.startswith(("/", ".")):
-        local = _hf_cache_lookup(name)
+        local = hf_cache_lookup(name)
         if local is not None:
             return _spec_from_dir(name, Path(local), cache_dir)
     raise UnknownModelError(f"unknown base model {name!r}; accepted: {ACCEPTED_FORMS}")
@@ -139,7 +140,8 @@ def loadable_name(name: str, cache_dir: Path) -> str:
     return name
 
 
-def _preset_of_dir(d: Path) -> str | None:
+def preset_of_dir(d: Path) -> str | None:
+    """The preset (``tiny``, ``smollm2`` or a media preset) whose marker file is in ``d``, else None."""
     try:
         preset = json.loads((d / _MARKER).read_text()).get("preset")
     except (OSError, ValueError, AttributeError):
@@ -202,7 +204,7 @@ def ensure_tiny(target: Path) -> Path:
         save_tiny_tokenizer(tmp, vocab_size=2048, seed=0)
         build_tiny_model(seed=0).save_pretrained(str(tmp))
         (tmp / _MARKER).write_text(json.dumps({"preset": TINY_NAME, "format": _TINY_FORMAT}))
-        _install_dir(tmp, target)
+        install_dir(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
@@ -240,7 +242,7 @@ def _smollm2_spec(target: Path) -> ModelSpec:
         tok = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=SMOLLM2_GGUF)
         tmp = target.parent / f".smollm2-tokenizer.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tok.save_pretrained(str(tmp))
-        _install_dir(tmp, tok_dir)
+        install_dir(tmp, tok_dir)
         shutil.rmtree(tmp, ignore_errors=True)
     _mark_tokenizer_dir(tok_dir)
 
@@ -261,7 +263,7 @@ def _smollm2_spec(target: Path) -> ModelSpec:
             model.save_pretrained(str(tmp))
             tok.save_pretrained(str(tmp))
             (tmp / _MARKER).write_text(json.dumps(marker))
-            _install_dir(tmp, target)
+            install_dir(tmp, target)
         except Exception as e:  # the cache is an optimisation only
             logger.warning("could not cache SmolLM2 weights in %s: %s", target, e)
         finally:
@@ -323,7 +325,9 @@ def _load_dir(d: str | None):
     return model.eval(), tok
 
 
-def _hf_cache_lookup(repo_id: str) -> str | None:
+def hf_cache_lookup(repo_id: str) -> str | None:
+    """The local folder of ``repo_id`` in the Hugging Face cache (no download), or None when it is
+    not cached or holds no ``config.json``."""
     try:
         from huggingface_hub import snapshot_download
 
@@ -355,19 +359,3 @@ def _marker_ok(d: Path, expected: dict) -> bool:
         return json.loads((d / _MARKER).read_text()) == expected and (d / "config.json").is_file()
     except (OSError, ValueError):
         return False
-
-
-def _install_dir(tmp: Path, target: Path) -> None:
-    """Move the finished ``tmp`` directory to ``target`` (replacing an outdated one)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if target.exists():
-        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
-        try:
-            os.rename(target, old)
-        except OSError:
-            return
-        shutil.rmtree(old, ignore_errors=True)
-    try:
-        os.rename(tmp, target)
-    except OSError:  # another process installed it first
-        pass

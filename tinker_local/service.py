@@ -18,13 +18,15 @@ from typing import Any
 
 from . import protocol as P
 from .errors import HttpError
+from .errors import int_field as _int
+from .errors import required_field as _req
 from .futures import FutureStore, UserError
 from .registry import CheckpointRecord, Registry, RunRecord, SamplerRecord, dir_size
 from .rest import RestMixin, check_ttl
 from .rest_sessions import SessionsMixin
 from .service_export import ExportMixin
 from .service_losses import CustomLossMixin
-from .service_sampling import SamplingServiceMixin, _int, _req
+from .service_sampling import SamplingServiceMixin
 from .signing import DEFAULT_URL_TTL_S, UrlSigner, load_secret
 from .trace import Tracer, session_of
 

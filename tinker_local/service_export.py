@@ -28,9 +28,10 @@ from typing import Any
 
 from . import protocol as P
 from .errors import HttpError
+from .errors import int_field as _int
+from .errors import required_field as _req
 from .registry import CheckpointRecord, iso
 from .rest import check_ttl
-from .service_sampling import _int, _req
 from .signing import SignatureError
 
 logger = logging.getLogger("tinker_local.export")

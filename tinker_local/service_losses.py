@@ -14,8 +14,9 @@ from typing import Any
 
 from .custom_loss import BoundLoss, CompiledLoss, CustomLossError, compile_graph
 from .errors import HttpError
+from .errors import int_field as _int
+from .errors import required_field as _req
 from .futures import UserError
-from .service_sampling import _int, _req
 from .trace import session_of
 
 

@@ -13,6 +13,9 @@ from typing import Any
 
 from . import protocol as P
 from .errors import HttpError
+from .errors import int_field as _int
+from .errors import required_field as _req
+from .futures import is_user_error as _is_user_error
 from .registry import SamplerRecord
 from .trace import session_of
 
@@ -22,28 +25,6 @@ DEFAULT_MAX_TOKENS = 256  # SamplingParams.max_tokens=None
 # request that arrives a few ms late saves it a whole decode loop of its own.
 LINGER_FRACTION = 0.1
 SAMPLER_EXECUTOR = "sampler"  # FutureStore side executor of the sampler worker pool
-
-
-def _req(body: dict[str, Any], key: str, endpoint: str) -> Any:
-    if body.get(key) is None:
-        raise HttpError(422, f"{endpoint}: field {key!r} is required")
-    return body[key]
-
-
-def _int(body: dict[str, Any], key: str, endpoint: str, default: Any = None) -> Any:
-    v = body.get(key, default)
-    if v is None:
-        return None
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        raise HttpError(422, f"{endpoint}: field {key!r} must be an integer, got {v!r}") from None
-
-
-def _is_user_error(e: BaseException) -> bool:
-    from .futures import _is_user_error as is_user
-
-    return is_user(e)
 
 
 def _or(value: Any, default: Any) -> Any:

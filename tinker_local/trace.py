@@ -166,6 +166,6 @@ def _us(t: float) -> int:
 
 
 def _status_of_exception(e: BaseException) -> str:
-    from .futures import _is_user_error
+    from .futures import is_user_error
 
-    return "user error" if _is_user_error(e) else "server error"
+    return "user error" if is_user_error(e) else "server error"

@@ -1,6 +1,7 @@
 """The environment of the embedded local server: only what it needs, never the caller's secrets.
 
-The server (``python -m tinker_local serve``, started by ``TinkerCredentials(local=True)``) lives
+The server (``python -m tinker_local serve``, started by :mod:`tinker_local.launcher` for
+``TinkerCredentials(local=True)``) lives
 longer than the run that started it, and ``/proc/<pid>/environ`` shows its environment to anyone
 allowed to read that file. So it gets only:
 

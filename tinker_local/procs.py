@@ -1,9 +1,9 @@
 """Facts about processes of this machine (no Prefect import): liveness, start times, and which
 processes can see each other's pids.
 
-Used by the leases (:mod:`tinker_blocks.lease`: a lease of a dead process of this machine is
-stale at once), the temporaries (:mod:`tinker_blocks.atomic`) and the embedded server watch
-(:mod:`tinker_blocks.server_watch`).
+Used by the server launcher (:mod:`tinker_local.launcher`), the leases (:mod:`tinker_blocks.lease`:
+a lease of a dead process of this machine is stale at once), the temporaries
+(:mod:`tinker_blocks.atomic`) and the embedded server watch (:mod:`tinker_blocks.server_watch`).
 """
 
 from __future__ import annotations

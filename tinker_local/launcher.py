@@ -1,0 +1,251 @@
+"""Start, check and stop the embedded local server as a detached process (no Prefect import).
+
+The server keeps its state in a folder ``root`` (default ``$PREFECT_TINKER_HOME`` or
+``~/.prefect-tinker``): ``server.json`` (the record: pid, port, base_url, log, start time and
+command of the running server), ``server.log`` (its output) and ``server.lock`` (an ``flock``
+serialising starts and stops across processes). A recorded server is reused when its process is
+alive and ``GET /api/v1/healthz`` answers 200; otherwise a new one starts.
+
+Used by ``TinkerCredentials(local=True)`` (:mod:`tinker_blocks.credentials`) and by
+``python -m tinker_local status|stop`` (:mod:`tinker_local.cli`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+from tinker_local.procs import pid_alive
+from tinker_local.server_env import server_environment
+
+__all__ = [
+    "HEALTH_PATH",
+    "LOG_FILE",
+    "SERVER_FILE",
+    "LocalServerError",
+    "default_root",
+    "ensure_server",
+    "free_port",
+    "healthy",
+    "read_record",
+    "serve_command",
+    "stop_server",
+    "terminate",
+]
+
+HEALTH_PATH = "/api/v1/healthz"
+SERVER_FILE = "server.json"
+LOG_FILE = "server.log"
+LOCK_FILE = "server.lock"
+
+_log = logging.getLogger(__name__)
+
+
+class LocalServerError(RuntimeError):
+    """The embedded local server could not be started or did not become healthy."""
+
+
+def default_root() -> Path:
+    """``$PREFECT_TINKER_HOME`` if set, else ``~/.prefect-tinker`` (user folder expanded)."""
+    env = os.environ.get("PREFECT_TINKER_HOME")
+    return Path(env).expanduser() if env else Path.home() / ".prefect-tinker"
+
+
+def healthy(base_url: str, timeout: float = 1.0) -> bool:
+    """True when ``GET {base_url}/api/v1/healthz`` answers 200 within ``timeout`` seconds."""
+    try:
+        with urllib.request.urlopen(base_url + HEALTH_PATH, timeout=timeout) as resp:  # noqa: S310
+            return bool(resp.status == 200)
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that was free a moment ago (the OS's pick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def read_record(root: Path) -> dict[str, Any] | None:
+    """The record ``<root>/server.json`` of the last server started there, or None when there is
+    none or it cannot be read."""
+    try:
+        record = json.loads((root / SERVER_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def serve_command(
+    port: int,
+    root: Path,
+    *,
+    models: Sequence[str] = (),
+    device: str | None = None,
+    threads: int | None = None,
+    sampler_workers: int = 0,
+    extra_args: Sequence[str] = (),
+) -> list[str]:
+    """The command starting the server: ``python -m tinker_local serve --host 127.0.0.1 --port P
+    --root DIR`` plus ``--model M`` per preloaded model, ``--device``/``--threads`` when set,
+    ``--sampler-workers N`` when N > 0, then ``extra_args``."""
+    cmd = [sys.executable, "-m", "tinker_local", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--root", str(root)]
+    for model in models:
+        cmd += ["--model", model]
+    if device:
+        cmd += ["--device", device]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    if sampler_workers:
+        cmd += ["--sampler-workers", str(sampler_workers)]
+    return cmd + list(extra_args)
+
+
+def _log_tail(path: Path, lines: int = 30) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no server log)"
+    tail = text.splitlines()[-lines:]
+    return "\n".join(tail) if tail else "(server log is empty)"
+
+
+@contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """Exclusive ``flock`` on ``path`` while the block runs (no-op where fcntl is unavailable)."""
+    with open(path, "a+") as fh:  # closing releases the lock
+        try:
+            import fcntl
+
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        except ImportError:
+            pass
+        yield
+
+
+def ensure_server(
+    root: Path,
+    command: Callable[[int], list[str]],
+    *,
+    port: int | None = None,
+    startup_timeout: float = 120.0,
+    logger: logging.Logger | logging.LoggerAdapter[Any] | None = None,
+) -> dict[str, Any]:
+    """Reuse the healthy server recorded in ``<root>/server.json`` (on ``port`` when given) or
+    start ``command(port)`` (on ``port`` or a free port) as a detached process with the secret-free
+    environment of :func:`tinker_local.server_env.server_environment`, and wait for its health check.
+
+    Returns:
+        The record ``{"pid", "port", "base_url", "log", "started_at", "command"}``.
+
+    Raises:
+        LocalServerError: the port serves something unrecorded, or the server exited early or did
+            not answer ``/api/v1/healthz`` within ``startup_timeout`` seconds (it is then stopped);
+            the message includes the tail of ``server.log``.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    with _file_lock(root / LOCK_FILE):
+        record = read_record(root)
+        if (
+            record
+            and (port is None or record.get("port") == port)
+            and pid_alive(int(record.get("pid", -1)))
+            and healthy(record["base_url"])
+        ):
+            return record
+        port = port or free_port()
+        base_url = f"http://127.0.0.1:{port}"
+        if healthy(base_url):
+            raise LocalServerError(
+                f"port {port} already serves something not recorded in {root / SERVER_FILE}; "
+                "choose another local_port or leave it empty"
+            )
+        log_path = root / LOG_FILE
+        cmd = command(port)
+        env = server_environment()  # no API keys, cloud secrets or tokens (tinker_local/server_env.py)
+        log: IO[bytes]
+        with open(log_path, "ab") as log:
+            log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(cmd)}\n".encode())
+            log.flush()
+            proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                cwd=str(root), env=env, start_new_session=True,
+            )
+        (logger or _log).info("Starting local Tinker server on %s (pid %d, log %s)", base_url, proc.pid, log_path)
+        deadline = time.monotonic() + startup_timeout
+        while not healthy(base_url, timeout=0.5):
+            if proc.poll() is not None:
+                raise LocalServerError(
+                    f"local Tinker server exited with code {proc.returncode} before answering "
+                    f"{base_url}{HEALTH_PATH}; last lines of {log_path}:\n{_log_tail(log_path)}"
+                )
+            if time.monotonic() > deadline:
+                terminate(proc.pid, timeout=5.0)
+                raise LocalServerError(
+                    f"local Tinker server did not answer {base_url}{HEALTH_PATH} within "
+                    f"{startup_timeout:g} s (stopped it); last lines of {log_path}:\n{_log_tail(log_path)}"
+                )
+            time.sleep(0.1)
+        record = {
+            "pid": proc.pid, "port": port, "base_url": base_url, "log": str(log_path),
+            "started_at": time.time(), "command": cmd,
+        }
+        tmp = root / (SERVER_FILE + ".tmp")
+        tmp.write_text(json.dumps(record, indent=2))
+        tmp.replace(root / SERVER_FILE)
+        return record
+
+
+def terminate(pid: int, timeout: float) -> None:
+    """Stop process ``pid``: SIGTERM, then SIGKILL when it still lives after ``timeout`` seconds;
+    returns when it is gone (or 5 s after the SIGKILL)."""
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not pid_alive(pid):
+            return
+        time.sleep(0.05)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    while pid_alive(pid) and time.monotonic() < deadline + 5:
+        time.sleep(0.05)
+
+
+def stop_server(root: Path, timeout: float = 10.0) -> dict[str, Any] | None:
+    """Stop the server recorded in ``<root>/server.json`` (:func:`terminate`) and remove the record.
+
+    Returns:
+        The removed record with ``"stopped"`` set (True when a live server was stopped, False when
+        its process was already gone), or None when no server was recorded.
+    """
+    if not root.exists():
+        return None
+    with _file_lock(root / LOCK_FILE):
+        record = read_record(root)
+        if not record:
+            return None
+        pid = int(record.get("pid", -1))
+        alive = pid > 0 and pid_alive(pid)
+        if alive:
+            terminate(pid, timeout)
+        (root / SERVER_FILE).unlink(missing_ok=True)
+        return {**record, "stopped": alive}
