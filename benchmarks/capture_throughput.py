@@ -65,7 +65,7 @@ def main() -> None:
     from prefect_tinker.recipes.renderers import get_renderer
 
     sampler = creds.get_client().create_sampling_client(base_model="tiny").result()
-    from prefect_tinker.recipes.show import resolve_tokenizer
+    from prefect_tinker.recipes.tokenizers import resolve_tokenizer
 
     renderer = get_renderer("auto", resolve_tokenizer("tiny", str(tmp / "local")))
     prompts = [renderer.build_generation_prompt(m) for m in msgs]

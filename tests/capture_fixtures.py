@@ -48,7 +48,7 @@ class CaptureProcess:
 
 
 def capture_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "prefect_tinker.flows.cli", "capture", "serve", *args]
+    return [sys.executable, "-m", "prefect_tinker.cli.main", "capture", "serve", *args]
 
 
 def start_capture(tmp: Path, local_root: str, *, session: str, token: bool = True, extra: tuple[str, ...] = (),

@@ -216,7 +216,7 @@ def test_openai_error_bodies(server):
 def test_non_loopback_bind_without_token_is_refused(tmp_path, monkeypatch, capsys):
     import subprocess
 
-    from prefect_tinker.flows.cli import main
+    from prefect_tinker.cli.main import main
 
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_TINKER_CAPTURE_TOKEN"}
     out = subprocess.run(capture_command("--model", "tiny", "--store", str(tmp_path / "s"), "--host", "0.0.0.0"),
@@ -235,7 +235,7 @@ def test_non_loopback_bind_without_token_is_refused(tmp_path, monkeypatch, capsy
 
 
 def test_is_loopback():
-    from prefect_tinker.tasks.capture.serve import is_loopback
+    from prefect_tinker.cli.capture import is_loopback
 
     assert all(is_loopback(h) for h in ("127.0.0.1", "127.5.0.1", "::1", "[::1]", "localhost"))
     assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "10.0.0.1", "192.168.1.4", "no-such-host.invalid"))

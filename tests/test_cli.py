@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from prefect_tinker.flows import cli
+from prefect_tinker.cli import main as cli
 from tinker_blocks.store_io import TRAINING_TABLES, ParquetStore
 
 
@@ -106,7 +106,7 @@ def test_runs_steps_done_counts_optimizer_steps(tmp_path, capsys):
 
 def test_console_script_subprocess(store_root):
     proc = subprocess.run(
-        [sys.executable, "-m", "prefect_tinker.flows.cli", "sql", "--store", store_root, "--json",
+        [sys.executable, "-m", "prefect_tinker.cli.main", "sql", "--store", store_root, "--json",
          "SELECT count(*) AS n FROM metrics"],
         capture_output=True, text=True, timeout=60,
     )

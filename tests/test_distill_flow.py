@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from prefect_tinker.flows.cli import main as cli_main
+from prefect_tinker.cli.main import main as cli_main
 from prefect_tinker.flows.distill import DistillConfig, distill_flow
 from prefect_tinker.flows.session import RunCallbacks, run_callbacks
 from prefect_tinker.flows.sft import SFTConfig, sft_flow

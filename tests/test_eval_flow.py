@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import tinker
 
-from prefect_tinker.flows.cli import main as cli_main
+from prefect_tinker.cli.main import main as cli_main
 from prefect_tinker.flows.eval import EvalConfig, eval_flow
 from prefect_tinker.recipes.evals.sampler_tokenizer import sampler_tokenizer
 from prefect_tinker.recipes.renderers import get_renderer, resolve_renderer_name

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from prefect_tinker.flows.cli import main as cli_main
+from prefect_tinker.cli.main import main as cli_main
 from prefect_tinker.flows.eval import EvalConfig, eval_flow
 from prefect_tinker.flows.sft import SFTConfig, sft_flow
 from tests.conftest import ROOT, shared_file

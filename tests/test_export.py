@@ -148,7 +148,7 @@ def _wait_for_materializations(keys: set[str], timeout: float = 60.0) -> list[di
 
 
 def test_cli_runs_an_export_and_refuses_bad_paths(sft_run, local_credentials, tmp_path, capsys):
-    from prefect_tinker.flows.cli import main as cli_main
+    from prefect_tinker.cli.main import main as cli_main
 
     out = tmp_path / "cli-peft"
     rc = cli_main(["run", "export", f"checkpoint={sft_run['sampler']}", "format=peft", f"out={out}",
@@ -267,7 +267,7 @@ def test_merged_export_to_s3(sft_run, local_credentials, s3_root, s3_server, tmp
 
 @pytest.mark.parametrize("example", ["merged", "peft"])
 def test_example_configs_validate(example, tmp_path, capsys):
-    from prefect_tinker.flows.cli import main as cli_main
+    from prefect_tinker.cli.main import main as cli_main
 
     assert cli_main(["run", "export", "--example", example, "checkpoint=tinker://r/weights/x", "--dry-run"]) == 0
     cfg = json.loads(capsys.readouterr().out)

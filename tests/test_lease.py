@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from prefect_tinker.flows import cli
+from prefect_tinker.cli import main as cli
 from tinker_blocks.lease import LeaseHeldError, LeaseLostError, acquire_lease, lease_status, read_lease
 from tinker_blocks.stores import TrainingStore
 

@@ -60,7 +60,7 @@ def test_cli_and_flow_run_from_a_users_project(prefect_api, local_credentials, t
 
 @pytest.mark.parametrize("recipe", ["sft", "rl", "dpo"])
 def test_show_config_and_examples_from_the_registry(recipe, tmp_path, capsys):
-    from prefect_tinker.flows.cli import main
+    from prefect_tinker.cli.main import main
     from prefect_tinker.flows.registry import example_configs
 
     assert main(["show-config", recipe]) == 0 and "run_name" in capsys.readouterr().out
@@ -73,7 +73,7 @@ def test_show_config_and_examples_from_the_registry(recipe, tmp_path, capsys):
 
 def test_prefect_yaml_deployments_come_from_the_registry(capsys):
     """The committed prefect.yaml is what `prefect-tinker deployments` makes from the registry."""
-    from prefect_tinker.flows.cli import main
+    from prefect_tinker.cli.main import main
 
     root = Path(__file__).resolve().parents[1]
     cwd = os.getcwd()

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from prefect_tinker.flows.cli import main as cli_main
+from prefect_tinker.cli.main import main as cli_main
 from prefect_tinker.flows.config import default_run_name
 from prefect_tinker.flows.ops import RESUME_AUTOMATION, ZOMBIE_AUTOMATION, resume_automation, zombie_automation
 from prefect_tinker.tasks.reporting import artifact_key, latest_metrics, metric_series, plot_curves, report_run

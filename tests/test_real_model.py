@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from prefect_tinker.flows.cli import main as cli_main
+from prefect_tinker.cli.main import main as cli_main
 from prefect_tinker.flows.dpo import DPOConfig, dpo_flow
 from prefect_tinker.flows.sft import SFTConfig, sft_flow
 from tests.conftest import shared_file

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from prefect_tinker.flows.cli import main as cli_main
+from prefect_tinker.cli.main import main as cli_main
 from prefect_tinker.recipes.rl.envs import EnvContext, EnvSpec
 from prefect_tinker.tasks.rollout_eval import env_evaluators
 from tests.conftest import shared_file

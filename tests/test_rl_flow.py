@@ -10,7 +10,7 @@ import pytest
 
 from pydantic import BaseModel
 
-from prefect_tinker.flows.cli import main as cli_main
+from prefect_tinker.cli.main import main as cli_main
 from prefect_tinker.flows.rl import RLConfig, rl_flow
 from prefect_tinker.flows.session import RunCallbacks, run_callbacks
 from prefect_tinker.recipes.rl.envs import Environment, register_env

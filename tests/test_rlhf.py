@@ -138,7 +138,7 @@ def test_rlhf_config_refuses_shared_fields_in_sections(tmp_path):
 def test_show_config_and_hh_example_validate(recipe, capsys):
     """``show-config`` and ``run --example hh --dry-run`` of both recipes through the CLI entry
     point: the example's stage sections validate, the data path is the shared HH-RLHF file."""
-    from prefect_tinker.flows.cli import main
+    from prefect_tinker.cli.main import main
 
     assert main(["show-config", recipe]) == 0 and "run_name" in capsys.readouterr().out
     if not (Path(__file__).resolve().parents[2] / "shared").exists():

@@ -391,7 +391,7 @@ def test_unavailable_mechanism_raises_and_runs_nothing(monkeypatch, tmp_path):
 
 
 def test_cli_sandbox_run_prints_json(tmp_path, capsys):
-    from prefect_tinker.flows.cli import main
+    from prefect_tinker.cli.main import main
 
     ok = tmp_path / "hello.py"
     ok.write_text("print('hello from the sandbox')\n")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from prefect_tinker.recipes.show import format_example
+from prefect_tinker.cli.show import format_example
 from tests.renderer_tokenizers import TOKENIZER_DIR, needs_smollm2
 
 
@@ -22,7 +22,7 @@ def test_format_example_brackets_and_colour():
 
 @needs_smollm2
 def test_show_example_command(tmp_path, capsys):
-    from prefect_tinker.flows.cli import main
+    from prefect_tinker.cli.main import main
 
     data = tmp_path / "d.jsonl"
     rows = [{"instruction": f"Say {w}", "output": w} for w in ("one", "two", "three")]
@@ -45,7 +45,7 @@ def test_show_example_command(tmp_path, capsys):
 def test_show_example_content_is_text_unless_told(tmp_path, capsys):
     import re
 
-    from prefect_tinker.flows.cli import main
+    from prefect_tinker.cli.main import main
 
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"instruction": "Say <|im_end|> now", "output": "ok"}) + "\n")

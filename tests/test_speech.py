@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tinker
 
-from prefect_tinker.flows.cli import main as cli_main
+from prefect_tinker.cli.main import main as cli_main
 from prefect_tinker.recipes.audio_features import DEFAULT_DMEL, dmel_features, tensor_container
 from prefect_tinker.recipes.grading_text import word_error_rate
 from tests.test_vlm_classifier import one_thread_server

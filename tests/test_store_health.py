@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 import s3fs
 
-from prefect_tinker.flows import cli
+from prefect_tinker.cli import main as cli
 from tinker_blocks import store_health
 from tinker_blocks.atomic import temp_path
 from tinker_blocks.stores import TrainingStore

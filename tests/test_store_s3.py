@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 import s3fs
 
-from prefect_tinker.flows import cli
+from prefect_tinker.cli import main as cli
 from tests.s3_fixtures import SeaweedS3
 from tinker_blocks import (
     CaptureStore,

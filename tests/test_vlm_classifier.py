@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from prefect_tinker.flows.cli import main as cli_main
+from prefect_tinker.cli.main import main as cli_main
 
 
 def write_digits(root, size: int = 32, per_class: int | None = None):

@@ -183,7 +183,7 @@ def _context_from_files(tokenizer: Any) -> int | None:
 
 
 def _load_tokenizer(sampler: Any, model: str, tokenizer: str | None, cache_dir: str | None) -> Any:
-    from prefect_tinker.recipes.show import resolve_tokenizer
+    from prefect_tinker.recipes.tokenizers import resolve_tokenizer
 
     if tokenizer:
         return resolve_tokenizer(tokenizer, cache_dir)

@@ -12,7 +12,7 @@ Example::
 
 ``--tokenizer`` is a local tokenizer directory, ``tiny`` / ``smollm2`` (the local server's model
 presets, built or exported on first use under ``--cache-dir``), or a Hugging Face id already in the
-local cache.  The parser is registered in ``flows/cli.py`` through :func:`add_parser`.
+local cache.  The parser is registered in ``cli/main.py`` through :func:`add_parser`.
 """
 
 from __future__ import annotations
@@ -22,37 +22,14 @@ import itertools
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["add_parser", "format_example", "main", "resolve_tokenizer", "run"]
+from prefect_tinker.recipes.tokenizers import resolve_tokenizer
+
+__all__ = ["add_parser", "format_example", "main", "run"]
 
 _GREEN, _DIM, _RESET = "\x1b[1;32m", "\x1b[2m", "\x1b[0m"
 _OPEN, _CLOSE = "[[", "]]"
-
-
-def resolve_tokenizer(name: str, cache_dir: str | None = None) -> Any:
-    """A tokenizer from a local directory, a local-server preset (``tiny``, ``smollm2``) or a cached HF id.
-
-    Raises:
-        ValueError: it cannot be loaded (the message says what was tried).
-    """
-    from transformers import AutoTokenizer
-
-    if Path(name).expanduser().is_dir():
-        return AutoTokenizer.from_pretrained(str(Path(name).expanduser()))
-    if name in ("tiny", "smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct"):
-        from tinker_local.models import resolve_model  # optional: only for the presets
-
-        root = Path(cache_dir or os.environ.get("PREFECT_TINKER_HOME") or Path.home() / ".prefect-tinker") / "models"
-        return AutoTokenizer.from_pretrained(resolve_model(name, root).tokenizer_dir)
-    try:
-        return AutoTokenizer.from_pretrained(name)
-    except Exception as exc:
-        raise ValueError(
-            f"cannot load tokenizer {name!r}: not a local directory, not a preset (tiny, smollm2), "
-            f"and not loadable from the Hugging Face cache ({type(exc).__name__}: {exc})"
-        ) from None
 
 
 def _runs(tokens: Sequence[int], weights: Sequence[float]) -> list[tuple[list[int], bool]]:
@@ -168,7 +145,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m prefect_tinker.recipes.show DATASET --tokenizer T ...`` (same options as ``prefect-tinker show-example``)."""
+    """``python -m prefect_tinker.cli.show DATASET --tokenizer T ...`` (same options as ``prefect-tinker show-example``)."""
     p = argparse.ArgumentParser(prog="prefect-tinker show-example", description=__doc__.split("\n")[0])
     _add_arguments(p)
     return run(p.parse_args(argv))

@@ -12,7 +12,7 @@ import json
 import typing
 from typing import Any, Sequence
 
-from prefect_tinker.flows.cli_config import CLIError, deep_merge, jsonable, load_yaml_file, parse_overrides
+from prefect_tinker.cli.config import CLIError, deep_merge, jsonable, load_yaml_file, parse_overrides
 
 
 def _dotted_keys(d: dict[str, Any], prefix: str = "") -> set[str]:

@@ -2,7 +2,7 @@
 ``key=value`` overrides, and JSON-safe conversion of results.
 
 YAML follows the YAML 1.2 core rules (``1e-4`` is a float, only true/false are booleans,
-``no``/``on`` stay strings). Used by :mod:`prefect_tinker.flows.cli` and :mod:`prefect_tinker.flows.cli_flows`.
+``no``/``on`` stay strings). Used by :mod:`prefect_tinker.cli.main` and :mod:`prefect_tinker.cli.flows`.
 """
 
 from __future__ import annotations

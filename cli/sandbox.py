@@ -3,7 +3,7 @@
 Prints the :class:`~prefect_tinker.recipes.sandbox.SandboxResult` (``exit_code``, ``stdout``,
 ``stderr``, ``timed_out``, ``killed``, ``reason``, ``detail``, ...) as one JSON object.  Exit status:
 0 when the program exited 0 on its own, 1 when it failed or hit a limit or the sandbox is unavailable
-(``error: ...`` on stderr), 2 for bad usage.  The parser is registered in ``flows/cli.py`` through
+(``error: ...`` on stderr), 2 for bad usage.  The parser is registered in ``cli/main.py`` through
 :func:`add_parser`.
 """
 

@@ -14,7 +14,7 @@ embedded local server (``--local-root``). The store is ``--store ROOT`` (a folde
 
 Security: bound to anything but loopback, the server refuses to start without a bearer token
 (``--token-file F``, first line, or ``$PREFECT_TINKER_CAPTURE_TOKEN``); tokens never go on the
-command line, in logs or in the store. The parser is registered in ``flows/cli.py`` through
+command line, in logs or in the store. The parser is registered in ``cli/main.py`` through
 :func:`add_parser`. Exit status: 0 after a clean shutdown, 2 for bad usage (refused bind, bad
 options), 1 when the backend or the store cannot be reached.
 """

@@ -18,11 +18,11 @@ Subcommands::
     prefect-tinker sandbox run FILE.py [--timeout S]            run a file in the code sandbox, print JSON
     prefect-tinker capture serve --model M --store ROOT [...]   OpenAI-compatible endpoint recording every sample
 
-Modules: :mod:`prefect_tinker.flows.cli_config` (errors, YAML values, overrides), :mod:`prefect_tinker.flows.cli_flows`
-(flow registry, config validation), :mod:`prefect_tinker.flows.cli_store` (sql / runs / checkpoints / store),
+Modules: :mod:`prefect_tinker.cli.config` (errors, YAML values, overrides), :mod:`prefect_tinker.cli.flows`
+(flow registry, config validation), :mod:`prefect_tinker.cli.store` (sql / runs / checkpoints / store),
 :mod:`prefect_tinker.flows.prefect_api` (the temporary Prefect API of ``run``),
-:mod:`prefect_tinker.flows.ops` (ops), :mod:`prefect_tinker.recipes.show` (show-example),
-:mod:`prefect_tinker.recipes.sandbox.cli` (sandbox), :mod:`prefect_tinker.tasks.capture.serve` (capture serve).
+:mod:`prefect_tinker.flows.ops` (ops), :mod:`prefect_tinker.cli.show` (show-example),
+:mod:`prefect_tinker.cli.sandbox` (sandbox), :mod:`prefect_tinker.cli.capture` (capture serve).
 
 Exit status: 0 success, 1 runtime failure (SQL error, the flow failed), 2 bad usage or an
 invalid config (the message names each bad field and its value; no traceback).
@@ -36,8 +36,8 @@ import os
 import sys
 from typing import Sequence
 
-# Re-exported: the public helpers of the split modules stay importable from flows.cli.
-from prefect_tinker.flows.cli_config import (  # noqa: F401
+# Re-exported: the public helpers of the split modules stay importable from cli.main.
+from prefect_tinker.cli.config import (  # noqa: F401
     EXIT_FAILED,
     EXIT_OK,
     EXIT_USAGE,
@@ -48,15 +48,15 @@ from prefect_tinker.flows.cli_config import (  # noqa: F401
     parse_overrides,
     parse_value,
 )
-from prefect_tinker.flows.cli_flows import (  # noqa: F401
+from prefect_tinker.cli.flows import (  # noqa: F401
     build_config,
     config_model_of,
     defaults_yaml,
     resolve_flow,
     unknown_fields,
 )
-from prefect_tinker.flows.cli_store import add_parsers as add_store_parsers
-from prefect_tinker.flows.cli_store import cmd_checkpoints, cmd_runs, cmd_sql, format_table  # noqa: F401
+from prefect_tinker.cli.store import add_parsers as add_store_parsers
+from prefect_tinker.cli.store import cmd_checkpoints, cmd_runs, cmd_sql, format_table  # noqa: F401
 
 
 def _example_file(flow: str, example: str | None, config_file: str | None) -> str | None:
@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    add_store_parsers(sub)  # sql, runs, checkpoints, store (flows/cli_store.py)
+    add_store_parsers(sub)  # sql, runs, checkpoints, store (cli/store.py)
 
     r = sub.add_parser("run", help="run a flow with a validated config")
     r.add_argument("flow", help="flow name (e.g. sft) or module:attr")
@@ -197,16 +197,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("local", help="local Tinker-compatible server: local serve|status|stop (local --help)",
                    add_help=False)
 
-    from prefect_tinker.recipes.show import add_parser as add_show_example  # logic lives in recipes/show.py
+    from prefect_tinker.cli.show import add_parser as add_show_example  # logic lives in cli/show.py
 
     add_show_example(sub)
     from prefect_tinker.flows.ops import add_parser as add_ops  # prefect-tinker ops ...: automations for crashed runs
 
     add_ops(sub)
-    from prefect_tinker.recipes.sandbox.cli import add_parser as add_sandbox  # logic in recipes/sandbox/cli.py
+    from prefect_tinker.cli.sandbox import add_parser as add_sandbox  # logic in cli/sandbox.py
 
     add_sandbox(sub)
-    from prefect_tinker.tasks.capture.serve import add_parser as add_capture  # capture serve: tasks/capture/
+    from prefect_tinker.cli.capture import add_parser as add_capture  # capture serve: tasks/capture/
 
     add_capture(sub)
     return p

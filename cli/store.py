@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from prefect_tinker.flows.cli_config import EXIT_FAILED, EXIT_OK, jsonable
+from prefect_tinker.cli.config import EXIT_FAILED, EXIT_OK, jsonable
 
 STORE_HELP = "store root: a folder or s3:// URL (default: $PREFECT_TINKER_STORE or ~/.prefect-tinker/store)"
 
