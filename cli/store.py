@@ -179,7 +179,7 @@ def cmd_store(args: argparse.Namespace) -> int:
     """``prefect-tinker store check|repair``: list (check) or move into ``<root>/_quarantine/``
     (repair) the unreadable parts and the temporaries of dead writers. Exit status of check: 0
     when the store is sound, 1 when it found something (or failed)."""
-    from tinker_blocks.store_health import check_root, repair_root
+    from tinker_blocks.store_repair import check_root, repair_root
     from tinker_blocks.store_io import StoreAccessError, StoreUnavailableError
 
     root = args.store or _default_store()

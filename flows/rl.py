@@ -32,6 +32,7 @@ from prefect.utilities.annotations import quote
 
 from prefect_tinker.flows.loop import StepLoop
 from prefect_tinker.flows.rl_config import RLConfig
+from prefect_tinker.flows.rl_schedules import SCHEDULES
 from prefect_tinker.flows.session import RunSession
 from prefect_tinker.recipes.rl.advantages import (
     apply_kl_penalty, compute_advantages, groups_to_datums, remove_constant_reward_groups, rollout_metrics,
@@ -46,24 +47,7 @@ from prefect_tinker.tasks.rollouts import reference_logprobs, rollout_group
 from prefect_tinker.tasks.runners import map_task, submit_task
 from prefect_tinker.tasks.training import forward_backward, optim_step
 
-__all__ = ["RLConfig", "RLLoop", "rl_flow", "merge_metrics"]
-
-
-def merge_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
-    """Merge per-minibatch metrics: sums for counts/seconds, token-weighted means for the rest."""
-    if not parts:
-        return {}
-    out: dict[str, float] = {}
-    weights = [p.get("action_tokens", 1.0) for p in parts]
-    for k in parts[0]:
-        vals = [p.get(k, 0.0) for p in parts]
-        if k in ("loss_sum", "action_tokens", "datums") or k.endswith("seconds"):
-            out[k] = float(sum(vals))
-        elif k == "learning_rate":
-            out[k] = float(vals[-1])
-        else:
-            out[k] = float(np.average(vals, weights=weights)) if sum(weights) > 0 else float(np.mean(vals))
-    return out
+__all__ = ["RLConfig", "RLLoop", "rl_flow"]
 
 
 class RLLoop:
@@ -212,8 +196,6 @@ class RLLoop:
 def rl_flow(config: RLConfig) -> dict[str, Any]:
     """Train ``config.model`` with RL on ``config.env``; returns a summary (steps, mean reward of
     the first and last steps of this invocation, checkpoints, store)."""
-    from prefect_tinker.flows.rl_schedules import SCHEDULES
-
     with RunSession(config, fingerprint=config.data_fingerprint, preflight=config.preflight) as session:
         last = session.resumed_from
         if last and last["step"] % config.num_substeps:

@@ -26,14 +26,34 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 import numpy as np
 from prefect.futures import as_completed
 
-from prefect_tinker.flows.rl import RLLoop, merge_metrics
 from prefect_tinker.recipes.rl.types import TrajectoryGroup
 
-__all__ = ["SCHEDULES", "Schedule", "Sync", "Streaming", "Async"]
+if TYPE_CHECKING:  # the loop hands itself to its schedule: annotations only
+    from prefect_tinker.flows.rl import RLLoop
+
+__all__ = ["SCHEDULES", "Schedule", "Sync", "Streaming", "Async", "merge_metrics"]
+
+
+def merge_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Merge per-minibatch metrics: sums for counts/seconds, token-weighted means for the rest."""
+    if not parts:
+        return {}
+    out: dict[str, float] = {}
+    weights = [p.get("action_tokens", 1.0) for p in parts]
+    for k in parts[0]:
+        vals = [p.get(k, 0.0) for p in parts]
+        if k in ("loss_sum", "action_tokens", "datums") or k.endswith("seconds"):
+            out[k] = float(sum(vals))
+        elif k == "learning_rate":
+            out[k] = float(vals[-1])
+        else:
+            out[k] = float(np.average(vals, weights=weights)) if sum(weights) > 0 else float(np.mean(vals))
+    return out
 
 
 def _prefixed(prefix: str, m: dict[str, float]) -> dict[str, float]:

@@ -204,7 +204,7 @@ class RunSession:
         return self
 
     def _warn_damaged(self) -> None:
-        from tinker_blocks.store_health import scan_run
+        from tinker_blocks.store_repair import scan_run
 
         problems = scan_run(self._store(), self.run_id)
         for p in problems:

@@ -42,7 +42,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from prefect_tinker.recipes.renderers.messages import _FieldProblem, check_message_list
+from prefect_tinker.recipes.media_sources import MEDIA_CONVERTERS
+from prefect_tinker.recipes.record_fields import Converted, RecordError, get_field
+from prefect_tinker.recipes.record_fields import pick_text as _pick
+from prefect_tinker.recipes.record_fields import short_repr as _short
+from prefect_tinker.recipes.record_fields import top_key as _top
+from prefect_tinker.recipes.record_fields import with_system as _with_system
+from prefect_tinker.recipes.renderers.messages import FieldProblem, check_message_list
+from prefect_tinker.recipes.tools.calculator_traces import calculator_solution
 
 __all__ = [
     "CONVERTERS",
@@ -67,14 +74,6 @@ class DatasetFormatError(ValueError):
     """A dataset record is malformed; the message names ``file:line`` (or row) and the field."""
 
 
-class RecordError(ValueError):
-    """A record lacks a field or holds a bad value (``field``: its path; ``problem``: what is wrong)."""
-
-    def __init__(self, field: str, problem: str):
-        super().__init__(f"field {field!r} {problem}")
-        self.field, self.problem = field, problem
-
-
 @dataclass(frozen=True)
 class Conversation:
     """One validated conversation.
@@ -93,79 +92,6 @@ class Conversation:
 
     def __len__(self) -> int:
         return len(self.messages)
-
-
-class Converted(NamedTuple):
-    """One conversation made by a converter: messages, the field label, the top-level keys used,
-    and metadata the converter adds (e.g. ``tools``: the tool schemas its messages call)."""
-
-    messages: list[dict[str, Any]]
-    field: str
-    used: frozenset[str]
-    metadata: Mapping[str, Any] | None = None
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-_PATH_PART = re.compile(r"[^.\[\]]+|\[(\d+)\]")
-
-
-def get_field(record: Any, path: str) -> Any:
-    """The value at ``path`` in ``record``: keys separated by dots, list indices as ``[i]`` or ``.i``.
-
-    Raises:
-        RecordError: a key is missing or an index is out of range (message lists what exists).
-    """
-    value = record
-    walked = ""
-    for m in _PATH_PART.finditer(path):
-        key = m.group(1) if m.group(1) is not None else m.group(0)
-        if isinstance(value, Mapping):
-            if key not in value:
-                have = ", ".join(map(str, value)) or "no fields"
-                raise RecordError(path, f"is missing ({'record' if not walked else repr(walked)} has: {have})")
-            value = value[key]
-        elif isinstance(value, list) and key.isdigit():
-            if int(key) >= len(value):
-                raise RecordError(path, f"is missing ({walked!r} has {len(value)} items)")
-            value = value[int(key)]
-        else:
-            raise RecordError(path, f"is missing ({walked or 'record'!r} is {_short(value)}, not an object)")
-        walked = f"{walked}[{key}]" if m.group(1) is not None else (f"{walked}.{key}" if walked else key)
-    return value
-
-
-def _top(path: str) -> str:
-    return re.split(r"[.\[]", path, maxsplit=1)[0]
-
-
-def _pick(record: Mapping[str, Any], fields: Mapping[str, str], name: str, defaults: tuple[str, ...],
-          *, required: bool = True) -> tuple[str | None, str | None]:
-    """(path, string value) of logical field ``name``: the mapped path or the first default present."""
-    if name in fields:
-        path = fields[name]
-    else:
-        path = next((d for d in defaults if isinstance(record, Mapping) and d in record), None)
-        if path is None:
-            if not required:
-                return None, None
-            have = ", ".join(map(str, record)) if isinstance(record, Mapping) else "not an object"
-            raise RecordError(defaults[0], f"is missing (record has: {have or 'no fields'})")
-    value = get_field(record, path)
-    if value is None and not required:
-        return path, None
-    if not isinstance(value, str):
-        raise RecordError(path, f"must be a string, got {_short(value)}")
-    return path, value
-
-
-def _with_system(messages: list[dict[str, Any]], system: str | None) -> list[dict[str, Any]]:
-    if system and (not messages or messages[0].get("role") != "system"):
-        return [{"role": "system", "content": system}, *messages]
-    return messages
 
 
 def _messages(record: Any, fields: Mapping[str, str], options: Mapping[str, Any], *,
@@ -293,6 +219,8 @@ CONVERTERS: dict[str, Converter] = {
     "dialogue": _dialogue,
     "hh": _dialogue,
     "self_instruct": _self_instruct,
+    **MEDIA_CONVERTERS,  # image_folder, image_classification, audio_transcript
+    "calculator_solution": calculator_solution,
 }
 
 
@@ -342,7 +270,7 @@ def validate_messages(messages: Any, where: str, field_name: str = "messages", *
         )
     try:
         out = check_message_list(messages)
-    except _FieldProblem as exc:
+    except FieldProblem as exc:
         sep = " " if exc.problem.startswith(("is ", "must ", "needs ", "only ")) else ": "
         raise DatasetFormatError(f"{where}: field '{field_name}{exc.field}'{sep}{exc.problem}") from None
     if require_assistant and not any(m["role"] == "assistant" for m in out):
@@ -444,9 +372,3 @@ def _preference(record: Any, fields: Mapping[str, str], options: Mapping[str, An
 
 CONVERTERS["preference"] = _preference
 
-
-# Media formats (image_folder, image_classification, audio_transcript) register themselves.
-from prefect_tinker.recipes import media_sources as _media_sources  # noqa: E402,F401
-from prefect_tinker.recipes.tools.calculator_traces import _calculator_solution  # noqa: E402
-
-CONVERTERS["calculator_solution"] = _calculator_solution

@@ -25,7 +25,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from prefect_tinker.recipes.data_sources import Converted, RecordError, get_field, register_converter
+from prefect_tinker.recipes.record_fields import Converted, RecordError, get_field
 
 __all__ = ["CLASSIFICATION_FORMATS", "IMAGE_SUFFIXES", "absolutize_media", "clean_label", "iter_image_folder",
            "CLASSIFIER_PROMPT", "CLASSIFIER_ANSWER_PREFIX", "TRANSCRIBE_PROMPT"]
@@ -94,9 +94,9 @@ def _transcript(record: Any, fields: Mapping[str, str], options: Mapping[str, An
     return [Converted(messages, apath, frozenset({apath.split(".")[0], tpath.split(".")[0]}))]
 
 
-register_converter("image_classification", _classification)
-register_converter("image_folder", _classification)
-register_converter("audio_transcript", _transcript)
+#: the converters of this module's formats (registered by :mod:`prefect_tinker.recipes.data_sources`)
+MEDIA_CONVERTERS = {"image_classification": _classification, "image_folder": _classification,
+                    "audio_transcript": _transcript}
 
 
 def iter_image_folder(root: Path) -> Iterator[tuple[str, dict[str, str]]]:

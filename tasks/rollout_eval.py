@@ -18,6 +18,7 @@ from prefect import unmapped
 from prefect_tinker.recipes.rl.advantages import rollout_metrics
 from prefect_tinker.recipes.rl.envs import EnvContext, get_env
 from prefect_tinker.tasks.evaluators import SamplingClientEvaluator
+from prefect_tinker.tasks.reward_model import WinRateEvaluator
 from prefect_tinker.tasks.rollouts import RolloutPolicy, rollout_group
 
 __all__ = ["RolloutEvaluator", "env_evaluators", "session_env_evaluators"]
@@ -67,6 +68,7 @@ def session_env_evaluators(session: Any) -> list:
     tokenizer, ``group_size``, ``max_tokens``, ``temperature`` and ``seed`` (empty for most envs)."""
     c = session.config
     ctx = EnvContext(renderer_name=session.renderer, tokenizer_id=session.tokenizer_id, group_size=c.group_size,
-                     groups_per_batch=c.groups_per_batch, seed=c.seed, initial_sampler=session.samplers.get(0))
+                     groups_per_batch=c.groups_per_batch, seed=c.seed, initial_sampler=session.samplers.get(0),
+                     win_rate_evaluator=WinRateEvaluator)
     return [*env_evaluators(c, ctx, max_tokens=c.max_tokens, temperature=c.temperature, seed=c.seed),
             *get_env(c.env).evaluators(c, ctx)]

@@ -41,9 +41,11 @@ from prefect.cache_policies import TASK_SOURCE, CacheKeyFnPolicy
 from pydantic import BaseModel, Field
 
 from prefect_tinker.recipes.media import has_media, media_key, model_input_from_tokens
-from prefect_tinker.recipes.rl.types import EnvGroupBuilder, RolloutContext, Trajectory, TrajectoryGroup, Transition
+from prefect_tinker.recipes.rl.types import (
+    EnvGroupBuilder, PairPreferences, RolloutContext, Trajectory, TrajectoryGroup, Transition)
 from prefect_tinker.tasks.clients import sampling_client
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
+from prefect_tinker.tasks.reward_model import pair_preferences
 
 __all__ = ["RolloutPolicy", "RolloutError", "group_seed", "run_group_rollout", "rollout_group",
            "reference_logprobs", "sampling_client"]
@@ -103,6 +105,7 @@ def run_group_rollout(
     sampler: Any, builder: EnvGroupBuilder, *, seed: int, max_tokens: int, temperature: float = 1.0,
     policy: RolloutPolicy | None = None, batch_index: int = 0, group_index: int = 0,
     sampler_path: str = "", sampler_step: int = 0, clients: Callable[[str], Any] | None = None,
+    pair_preferences: PairPreferences | None = None,
 ) -> TrajectoryGroup:
     """Roll out the envs of ``builder`` with ``sampler`` (anything with the SDK's ``sample``).
 
@@ -115,6 +118,8 @@ def run_group_rollout(
     Args:
         clients: ``path -> sampling client`` for other weights the envs use (an answerer), lent
             to the builder through :class:`~prefect_tinker.recipes.rl.types.RolloutContext`.
+        pair_preferences: the reward model client lent to the builder the same way (group rewards
+            of ``pairwise_preference``).
 
     Returns:
         The group (failed members removed, ``errors`` counted); ``trajectories_G`` empty when
@@ -127,7 +132,8 @@ def run_group_rollout(
     t0 = time.perf_counter()
     ctx = RolloutContext(
         sample=lambda ob, stop, s: _sample(sampler, list(ob), 1, stop, s, max_tokens, temperature)[0],
-        sampling_client=clients or RolloutContext.sampling_client, seed=seed)
+        sampling_client=clients or RolloutContext.sampling_client, seed=seed,
+        pair_preferences=pair_preferences or RolloutContext.pair_preferences)
     where = f"batch {batch_index} group {group_index}"
     try:
         envs = list(builder.make_envs_in(ctx))
@@ -137,7 +143,7 @@ def run_group_rollout(
     trajs, errors, messages = run(builder, envs, ctx, sampler, policy, where, max_tokens, temperature)
     if policy.mode == "min_viable" and len(trajs) < min(policy.min_group_size, len(envs)):
         trajs = []
-    rewards = builder.compute_group_rewards(trajs) if trajs else []
+    rewards = builder.compute_group_rewards_in(ctx, trajs) if trajs else []
     return TrajectoryGroup(
         trajectories_G=trajs, final_rewards_G=[float(r) for r, _ in rewards], metrics_G=[dict(m) for _, m in rewards],
         batch_index=batch_index, group_index=group_index, sampler_path=sampler_path, sampler_step=sampler_step,
@@ -240,6 +246,7 @@ def rollout_group(
         sampler, builder, seed=group_seed(seed, batch_index, group_index), max_tokens=max_tokens,
         temperature=temperature, policy=policy, batch_index=batch_index, group_index=group_index,
         sampler_path=sampler_path, sampler_step=sampler_step, clients=functools.partial(sampling_client, credentials),
+        pair_preferences=functools.partial(pair_preferences, credentials),
     )
 
 

@@ -5,6 +5,7 @@ the cached scoring task, the win-rate evaluator, and the pairwise_preference env
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 
@@ -21,7 +22,8 @@ from prefect_tinker.recipes.rl.envs.pairwise_preference import (
     PairwisePreference, PreferenceGroupBuilder, PreferencePrompt, RewardModelRef,
 )
 from prefect_tinker.recipes.rl.problem_env import freeze_messages
-from prefect_tinker.recipes.rl.types import Trajectory, Transition
+from prefect_tinker.recipes.rl.types import RolloutContext, Trajectory, Transition
+from prefect_tinker.tasks.reward_model import WinRateEvaluator, pair_preferences
 from tests.conftest import shared_file
 from tests.local_server import API_KEY, ReferenceLoRA
 
@@ -234,8 +236,11 @@ def test_group_rewards_from_the_reward_model_match_a_forward_by_hand(prefect_api
     stop = rend.get_stop_sequences()
     trajs = [_traj(tok.encode(t, add_special_tokens=False) + (list(stop) if e else [])) for t, e in zip(texts, ends)]
     b = PreferenceGroupBuilder(PreferencePrompt(freeze_messages(prompt)), 3, "chatml", tiny,
-                               RewardModelRef(rm["path"], "chatml", tiny), format_coef=0.25, credentials=rm["creds"])
-    got = b.compute_group_rewards(trajs)
+                               RewardModelRef(rm["path"], "chatml", tiny), format_coef=0.25)
+    with pytest.raises(RuntimeError, match="need a reward model client"):
+        b.compute_group_rewards(trajs)
+    ctx = RolloutContext(sample=None, pair_preferences=functools.partial(pair_preferences, rm["creds"]))
+    got = b.compute_group_rewards_in(ctx, trajs)
 
     (a,), (bb,) = label_token_ids(rend, ("A", "B"))
     assert tok.decode([a]) == "A" and tok.decode([bb]) == "B"
@@ -313,8 +318,11 @@ def test_pairwise_preference_env_on_hh_prompts(tmp_path):
             seen.append(b.prompt.id)
     assert ds.get_batch(1) == PairwisePreference.build(cfg, ctx).get_batch(1)  # a pure function of the index
     assert build_rl_evaluators(cfg, renderer_name="chatml", tokenizer_id=tok_dir, group_size=3, groups_per_batch=4) == []
+    assert build_rl_evaluators(cfg, renderer_name="chatml", tokenizer_id=tok_dir, group_size=3, groups_per_batch=4,
+                               seed=1, initial_sampler="tinker://run/sampler_weights/step0") == []  # no evaluator class
     (ev,) = build_rl_evaluators(cfg, renderer_name="chatml", tokenizer_id=tok_dir, group_size=3, groups_per_batch=4,
-                                seed=1, initial_sampler="tinker://run/sampler_weights/step0")
+                                seed=1, initial_sampler="tinker://run/sampler_weights/step0",
+                                win_rate_evaluator=WinRateEvaluator)
     assert ev.reference == "tinker://run/sampler_weights/step0" and len(ev.prompts) == 5
     held_out = {json.dumps(p) for p in ev.prompts}
     assert not held_out & {json.dumps(b.prompt.as_messages()) for i in range(3) for b in ds.get_batch(i)}

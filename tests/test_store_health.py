@@ -19,7 +19,7 @@ import pytest
 import s3fs
 
 from prefect_tinker.cli import main as cli
-from tinker_blocks import store_health
+from tinker_blocks import store_health, store_repair
 from tinker_blocks.atomic import temp_path
 from tinker_blocks.stores import TrainingStore
 
@@ -120,8 +120,8 @@ def test_scan_run_names_a_runs_own_damage(tmp_path):
     store = TrainingStore(root=root)
     _fill(store)
     damaged = Files(__import__("fsspec").filesystem("file"), root).damage()
-    assert store_health.scan_run(store, "d") == []
-    (problem,) = store_health.scan_run(store, "a")
+    assert store_repair.scan_run(store, "d") == []
+    (problem,) = store_repair.scan_run(store, "a")
     assert (problem.kind, problem.path) == ("damaged", damaged["half"]) and "magic bytes" in problem.reason
     assert store.last_checkpoint("a")["step"] == 10  # resumes from what it can still read
 

@@ -10,10 +10,10 @@ and still survive such a part:
   process's list of damaged parts (:func:`known_damaged`), a warning names it, and the work is
   run again without it (:func:`retry_damaged`). Views over a table with a damaged part list the
   other parts explicitly instead of globbing;
-- :func:`check_root` (``prefect-tinker store check``) reads every part of every table of a root
-  and lists the unreadable ones and the leftover temporaries of dead writers
-  (:func:`tinker_blocks.atomic.is_orphan`); :func:`repair_root` (``store repair``) moves them into
-  ``<root>/_quarantine/<time>/`` under their relative paths, with a ``manifest.json`` (nothing is
+- :func:`~tinker_blocks.store_repair.check_root` (``prefect-tinker store check``) reads every part
+  of every table of a root and lists the unreadable ones and the leftover temporaries of dead
+  writers (:func:`tinker_blocks.atomic.is_orphan`); :func:`~tinker_blocks.store_repair.repair_root`
+  (``store repair``) moves them into ``<root>/_quarantine/<time>/`` under their relative paths, with a ``manifest.json`` (nothing is
   deleted), after which the store reads as before the damage minus those rows.
 
 When a failing read names no file, every part not validated yet by this process is read;
@@ -23,8 +23,6 @@ part each time. Works for local folders and ``s3://`` roots alike (fsspec).
 
 from __future__ import annotations
 
-import datetime as _dt
-import json
 import logging
 import re
 import threading
@@ -34,14 +32,13 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence, Ty
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tinker_blocks.atomic import is_orphan
 
 if TYPE_CHECKING:
     from tinker_blocks.store_io import ParquetStore
 
 __all__ = [
-    "QUARANTINE_DIR", "HealthReport", "Problem", "check_root", "find_damaged", "is_damage_error",
-    "known_damaged", "repair_root", "retry_damaged", "scan_parts", "scan_run", "validate_part",
+    "QUARANTINE_DIR", "HealthReport", "Problem", "find_damaged", "forget_parts", "fs_path", "is_damage_error",
+    "known_damaged", "list_parts", "retry_damaged", "scan_parts", "validate_part",
 ]
 
 log = logging.getLogger(__name__)
@@ -153,8 +150,19 @@ def is_damage_error(exc: BaseException) -> bool:
     return bool(_QUOTED_PARQUET.search(msg)) or "parquet" in msg.lower() or "magic bytes" in msg.lower()
 
 
-def _strip(fs: Any, url: str) -> str:
+def fs_path(fs: Any, url: str) -> str:
+    """``url`` as a path of the filesystem ``fs`` (protocol stripped; local paths unchanged)."""
     return fs._strip_protocol(url) if "://" in url else url
+
+
+def forget_parts(paths: Iterable[str]) -> None:
+    """Forget what this process found about the parts ``paths`` (damaged or validated): the next
+    scan reads them again."""
+    paths = set(paths)
+    with _lock:
+        for path in paths:
+            _damaged.pop(path, None)
+        _good.difference_update({k for k in _good if k[0] in paths})
 
 
 def scan_parts(fs: Any, entries: Mapping[str, Mapping[str, Any]], root: str) -> list[Problem]:
@@ -178,14 +186,15 @@ def scan_parts(fs: Any, entries: Mapping[str, Mapping[str, Any]], root: str) -> 
     return problems
 
 
-def _listing(io: "ParquetStore") -> dict[str, dict[str, Any]]:
+def list_parts(io: "ParquetStore") -> dict[str, dict[str, Any]]:
+    """Every ``.parquet`` part of every table of ``io``: fs path -> its listing entry."""
     found: dict[str, dict[str, Any]] = {}
     for table in io.tables:
         try:
             hits = io.fs.glob(f"{io.table_dir(table)}/**/*.parquet", detail=True)
         except FileNotFoundError:
             continue
-        found.update({_strip(io.fs, k): v for k, v in hits.items() if k.endswith(".parquet")})
+        found.update({fs_path(io.fs, k): v for k, v in hits.items() if k.endswith(".parquet")})
     return found
 
 
@@ -196,7 +205,7 @@ def find_damaged(exc: BaseException, stores: Sequence["ParquetStore"]) -> list[s
     if not stores or not is_damage_error(exc):
         return []
     fs, root = stores[0].fs, stores[0].root
-    named = [_strip(fs, m) for m in _QUOTED_PARQUET.findall(str(exc))]
+    named = [fs_path(fs, m) for m in _QUOTED_PARQUET.findall(str(exc))]
     if named:
         new = []
         for path in dict.fromkeys(named):
@@ -208,7 +217,7 @@ def find_damaged(exc: BaseException, stores: Sequence["ParquetStore"]) -> list[s
         return new
     entries: dict[str, dict[str, Any]] = {}
     for io in stores:
-        entries.update(_listing(io))
+        entries.update(list_parts(io))
     return [p.path for p in scan_parts(fs, entries, root)]
 
 
@@ -227,117 +236,3 @@ def retry_damaged(fn: Callable[[], T], stores: Sequence["ParquetStore"], *, atte
             if before_retry is not None:
                 before_retry()
     raise AssertionError("unreachable")
-
-
-def scan_run(store: Any, run_id: str) -> list[Problem]:
-    """Read every part of ``run_id`` in every table of ``store`` (a store block or a
-    :class:`~tinker_blocks.store_io.ParquetStore`) not validated yet by this process; return the
-    unreadable ones (then skipped by every read). For a run session to say, when it resumes,
-    that some of the run's rows are lost and it resumes from the last checkpoint it can read."""
-    from tinker_blocks.store_io import validate_run_id
-
-    io = store._io() if hasattr(store, "_io") else store
-    validate_run_id(run_id)
-    entries: dict[str, dict[str, Any]] = {}
-    for table in io.tables:
-        try:
-            hits = io.fs.glob(f"{io.partition_dir(table, run_id)}/*.parquet", detail=True)
-        except FileNotFoundError:
-            continue
-        entries.update({_strip(io.fs, k): v for k, v in hits.items() if k.endswith(".parquet")})
-    return scan_parts(io.fs, entries, io.root)
-
-
-def _stores_of(root: str, storage_options: Mapping[str, Any] | None) -> list["ParquetStore"]:
-    from tinker_blocks.store_io import STORES, ParquetStore, resolve_storage_options
-
-    opts = resolve_storage_options(root, storage_options)
-    return [ParquetStore(root, name, storage_options=opts) for name in STORES]
-
-
-def _orphans(io: "ParquetStore") -> list[Problem]:
-    try:
-        found = io.fs.find(io.bucket_path, detail=True)
-    except FileNotFoundError:
-        return []
-    out = []
-    quarantine = f"{io.bucket_path}/{QUARANTINE_DIR}/"
-    for path, info in sorted(found.items()):
-        path = _strip(io.fs, path)
-        if path.startswith(quarantine) or not path.endswith(".tmp"):
-            continue
-        mtime = info.get("mtime") or info.get("LastModified")
-        if isinstance(mtime, _dt.datetime):
-            mtime = mtime.timestamp()
-        if is_orphan(path.rsplit("/", 1)[-1], mtime):
-            out.append(Problem("orphan", path, info.get("size"), "temporary of a dead or long-gone writer"))
-    return out
-
-
-def check_root(root: str, storage_options: Mapping[str, Any] | None = None) -> HealthReport:
-    """Read every part of every table of the training, eval and capture stores under ``root``
-    and find the leftover temporaries; return a :class:`HealthReport` (nothing is changed).
-
-    Raises:
-        StoreAccessError / StoreUnavailableError: the root cannot be listed.
-    """
-    stores = _stores_of(root, storage_options)
-    report = HealthReport(root=root)
-    entries: dict[str, dict[str, Any]] = {}
-    for io in stores:
-        entries.update(_listing(io))
-    report.parts_checked = len(entries)
-    # every part again, even those validated before by this process: a check is a full read
-    report.problems = _rescan(stores[0].fs, entries, root) + _orphans(stores[0])
-    return report
-
-
-def _rescan(fs: Any, entries: Mapping[str, Mapping[str, Any]], root: str) -> list[Problem]:
-    with _lock:
-        for path in entries:
-            _damaged.pop(path, None)
-        _good.difference_update({k for k in _good if k[0] in entries})
-    return scan_parts(fs, entries, root)
-
-
-def repair_root(root: str, storage_options: Mapping[str, Any] | None = None,
-                report: HealthReport | None = None) -> tuple[HealthReport, str | None]:
-    """Move what :func:`check_root` finds (``report`` when given) into
-    ``<root>/_quarantine/<UTC time>/<path relative to root>`` and write a ``manifest.json``
-    there (original path, kind, size, reason of each). Nothing is deleted. Returns the report and
-    the quarantine folder (None when there was nothing to move).
-
-    Raises:
-        WriteError / OSError: a move failed (the message names the path); what moved stays moved.
-    """
-    stores = _stores_of(root, storage_options)
-    report = report if report is not None else check_root(root, storage_options)
-    if report.ok:
-        return report, None
-    io = stores[0]
-    fs, base = io.fs, io.bucket_path
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
-    dest_root = f"{base}/{QUARANTINE_DIR}/{stamp}"
-    moved = []
-    for p in report.problems:
-        rel = p.path[len(base) + 1:] if p.path.startswith(base + "/") else p.path.lstrip("/")
-        dest = f"{dest_root}/{rel}"
-        try:
-            fs.makedirs(dest.rsplit("/", 1)[0], exist_ok=True)
-            fs.mv(p.path, dest)
-        except FileNotFoundError:
-            continue  # gone meanwhile (compacted, or removed by its next writer)
-        except OSError as exc:
-            raise OSError(exc.errno, f"moving {p.path} to {dest}: {exc.strerror or exc}", p.path) from exc
-        with _lock:
-            _damaged.pop(p.path, None)
-        moved.append({**p.as_row(), "moved_to": dest})
-    if not moved:
-        return report, None
-    manifest = json.dumps({"root": root, "time": stamp, "moved": moved}, indent=2).encode()
-    from tinker_blocks.atomic import atomic_write_bytes
-
-    atomic_write_bytes(fs, f"{dest_root}/manifest.json", manifest, local=io.is_local)
-    for s in stores:
-        s.fs.invalidate_cache()
-    return report, (dest_root if io.is_local else io._url(dest_root))

@@ -25,7 +25,8 @@ from typing import Any
 from pydantic import BaseModel, Field, field_validator
 
 from prefect_tinker.recipes.data_reading import OnError, SkipStats, SourceSpec, iter_conversations
-from prefect_tinker.recipes.data_sources import Converted, DatasetFormatError, _pick, _top, _with_system, register_converter
+from prefect_tinker.recipes.data_sources import DatasetFormatError, register_converter
+from prefect_tinker.recipes.record_fields import Converted, pick_text, top_key, with_system
 
 __all__ = ["DEMO_TEMPLATE", "PromptRecord", "TeacherView", "freeze", "load_prompts", "thaw"]
 
@@ -66,13 +67,13 @@ class PromptRecord:
 def _prompt_only(record: Any, fields: Mapping[str, str], options: Mapping[str, Any]) -> list[Converted]:
     """Converter ``prompt``: one text field (``prompt``, ``text``, ``input`` or ``question``) as the
     user message; an ``answer`` (``answer``, ``completion``, ``response``, ``output``) when present."""
-    ppath, prompt = _pick(record, fields, "prompt", ("prompt", "text", "input", "question"))
-    apath, answer = _pick(record, fields, "answer", ("answer", "completion", "response", "output"), required=False)
+    ppath, prompt = pick_text(record, fields, "prompt", ("prompt", "text", "input", "question"))
+    apath, answer = pick_text(record, fields, "answer", ("answer", "completion", "response", "output"), required=False)
     msgs = [{"role": "user", "content": prompt}]
     if answer is not None:
         msgs.append({"role": "assistant", "content": answer})
-    used = frozenset(_top(p) for p in (ppath, apath) if p)
-    return [Converted(_with_system(msgs, options.get("system_prompt")), ppath or "prompt", used)]
+    used = frozenset(top_key(p) for p in (ppath, apath) if p)
+    return [Converted(with_system(msgs, options.get("system_prompt")), ppath or "prompt", used)]
 
 
 register_converter("prompt", _prompt_only)

@@ -39,13 +39,14 @@ __all__ = ["BUILTIN_BENCHMARKS", "BenchmarkSpec", "GeneratedSpec", "PromptTempla
 GSM8K_INSTRUCTION = "Solve it step by step, then give the final answer as a number on the last line, as '#### <number>'."
 MATH_INSTRUCTION = "Write the final answer inside \\boxed{}."
 CHOICE_INSTRUCTION = "Answer with the letter of the correct option."
-_PLACEHOLDER = re.compile(r"\{\{|\}\}|\{([A-Za-z_]\w*)\}")
+#: a ``{name}`` placeholder of a prompt template (``{{`` and ``}}`` are literal braces)
+PLACEHOLDER = re.compile(r"\{\{|\}\}|\{([A-Za-z_]\w*)\}")
 
 
 def template_fields(template: str) -> list[str]:
     """Placeholder names of a question template: ``{name}`` with ``name`` an identifier; ``{{`` and
     ``}}`` are literal braces, and other braces (``\\boxed{}``, ``{0}``) are kept as they are."""
-    return [m.group(1) for m in _PLACEHOLDER.finditer(template) if m.group(1) is not None]
+    return [m.group(1) for m in PLACEHOLDER.finditer(template) if m.group(1) is not None]
 
 
 class PromptTemplate(BaseModel):

@@ -21,7 +21,7 @@ import numpy as np
 
 from prefect_tinker.recipes.data_reading import iter_records
 from prefect_tinker.recipes.data_sources import RecordError, get_field
-from prefect_tinker.recipes.evals.benchmarks import _PLACEHOLDER, BenchmarkSpec
+from prefect_tinker.recipes.evals.benchmarks import PLACEHOLDER, BenchmarkSpec
 from prefect_tinker.recipes.evals.choice import Choices, parse_options, resolve_reference_letter
 from prefect_tinker.recipes.evals.graders import reference_answer
 
@@ -161,7 +161,7 @@ def fill_template(template: str, values: Mapping[str, Any], choices: Choices | N
             raise KeyError(f"question_template needs {{{name}}}, which this example lacks")
         return _text(values[name])
 
-    return _PLACEHOLDER.sub(sub, template)
+    return PLACEHOLDER.sub(sub, template)
 
 
 def build_messages(spec: BenchmarkSpec, example: Example) -> list[dict[str, str]]:

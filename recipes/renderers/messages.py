@@ -45,28 +45,28 @@ def check_message_list(messages: Any) -> list[Message]:
         New dicts (content None replaced by ``""``).
 
     Raises:
-        _FieldProblem: ``(field, problem)``, field relative to the list, e.g. ``"[1].role"``.
+        FieldProblem: ``(field, problem)``, field relative to the list, e.g. ``"[1].role"``.
     """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-        raise _FieldProblem("", f"must be a list of messages, got {_short(messages)}")
+        raise FieldProblem("", f"must be a list of messages, got {_short(messages)}")
     if not messages:
-        raise _FieldProblem("", "is empty: a conversation needs at least one message")
+        raise FieldProblem("", "is empty: a conversation needs at least one message")
     out: list[Message] = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, Mapping):
-            raise _FieldProblem(f"[{i}]", f"must be an object with role and content, got {_short(msg)}")
+            raise FieldProblem(f"[{i}]", f"must be an object with role and content, got {_short(msg)}")
         if "role" not in msg:
-            raise _FieldProblem(f"[{i}].role", "is missing")
+            raise FieldProblem(f"[{i}].role", "is missing")
         role = msg["role"]
         if role not in KNOWN_ROLES:
-            raise _FieldProblem(f"[{i}].role", f"unknown role {_short(role)} (expected one of {', '.join(KNOWN_ROLES)})")
+            raise FieldProblem(f"[{i}].role", f"unknown role {_short(role)} (expected one of {', '.join(KNOWN_ROLES)})")
         tool_calls = msg.get("tool_calls")
         if tool_calls is not None:
             if role != "assistant":
-                raise _FieldProblem(f"[{i}].tool_calls", f"only assistant messages make tool calls (role is {role!r})")
+                raise FieldProblem(f"[{i}].tool_calls", f"only assistant messages make tool calls (role is {role!r})")
             _check_tool_calls(tool_calls, i)
         if "content" not in msg and not tool_calls:
-            raise _FieldProblem(f"[{i}].content", "is missing")
+            raise FieldProblem(f"[{i}].content", "is missing")
         content = msg.get("content")
         if content is None and tool_calls:
             content = ""
@@ -74,31 +74,31 @@ def check_message_list(messages: Any) -> list[Message]:
             try:
                 content = check_content(content, role)
             except PartProblem as exc:
-                raise _FieldProblem(f"[{i}].content{exc.field}", exc.problem) from None
+                raise FieldProblem(f"[{i}].content{exc.field}", exc.problem) from None
         if not isinstance(content, (str, MediaContent)):
-            raise _FieldProblem(f"[{i}].content", f"must be a string or a list of content parts, got {_short(content)}")
+            raise FieldProblem(f"[{i}].content", f"must be a string or a list of content parts, got {_short(content)}")
         for key in ("reasoning_content", "name", "tool_call_id"):
             if msg.get(key) is not None and not isinstance(msg[key], str):
-                raise _FieldProblem(f"[{i}].{key}", f"must be a string, got {_short(msg[key])}")
+                raise FieldProblem(f"[{i}].{key}", f"must be a string, got {_short(msg[key])}")
         if "trainable" in msg and not isinstance(msg["trainable"], bool):
-            raise _FieldProblem(f"[{i}].trainable", f"must be true or false, got {_short(msg['trainable'])}")
+            raise FieldProblem(f"[{i}].trainable", f"must be true or false, got {_short(msg['trainable'])}")
         out.append({**msg, "role": role, "content": content})
     return out
 
 
 def _check_tool_calls(tool_calls: Any, i: int) -> None:
     if not isinstance(tool_calls, list):
-        raise _FieldProblem(f"[{i}].tool_calls", f"must be a list, got {_short(tool_calls)}")
+        raise FieldProblem(f"[{i}].tool_calls", f"must be a list, got {_short(tool_calls)}")
     for j, call in enumerate(tool_calls):
         fn = call.get("function", call) if isinstance(call, Mapping) else None
         if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
-            raise _FieldProblem(f"[{i}].tool_calls[{j}]", f"needs a function name, got {_short(call)}")
+            raise FieldProblem(f"[{i}].tool_calls[{j}]", f"needs a function name, got {_short(call)}")
         if not isinstance(fn.get("arguments", {}), (str, Mapping)):
-            raise _FieldProblem(f"[{i}].tool_calls[{j}].arguments", "must be an object or a JSON string")
+            raise FieldProblem(f"[{i}].tool_calls[{j}].arguments", "must be an object or a JSON string")
 
 
-class _FieldProblem(ValueError):
-    """Internal: a problem at ``field`` (relative path) of a message list."""
+class FieldProblem(ValueError):
+    """A problem at ``field`` (relative path) of a message list (raised by :func:`check_message_list`)."""
 
     def __init__(self, field: str, problem: str):
         super().__init__(f"{field}: {problem}")
@@ -147,5 +147,5 @@ def normalize_messages(messages: Any) -> list[Message]:
     messages = getattr(messages, "messages", messages)
     try:
         return check_message_list(messages)
-    except _FieldProblem as exc:
+    except FieldProblem as exc:
         raise RendererError(f"messages{exc.field}: {exc.problem}") from None

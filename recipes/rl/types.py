@@ -168,6 +168,17 @@ def _no_clients(path: str) -> Any:
     raise RuntimeError(f"this rollout has no sampling clients besides the policy's (asked for {path!r})")
 
 
+#: ``pair_preferences(reward model sampler path, [(comparison, swapped comparison), ...])`` ->
+#: the reward model's preference in [0, 1] per pair (one float each); see
+#: :func:`prefect_tinker.tasks.reward_model.pair_preferences`.
+PairPreferences = Callable[[str, list[tuple[Any, Any]]], list[float]]
+
+
+def _no_reward_model(path: str, comparisons: list[tuple[Any, Any]]) -> list[float]:
+    raise RuntimeError(f"this rollout has no reward model client (asked to score {len(comparisons)} pairs "
+                       f"with {path!r}): roll out inside a rollout task, or give run_group_rollout pair_preferences=")
+
+
 @dataclass(frozen=True)
 class RolloutContext:
     """What a rollout task lends the builder of the group it rolls out.
@@ -179,11 +190,14 @@ class RolloutContext:
             for other weights on the task's backend (``base:<model>`` or
             ``tinker://.../sampler_weights/...``), created once per process.
         seed: the group's sampling seed (derive per-action seeds from it).
+        pair_preferences: the reward model client of the task's backend (:data:`PairPreferences`),
+            for builders rewarded by a pairwise reward model.
     """
 
     sample: Callable[[list[int], StopCondition, int], SampledAction]
     sampling_client: Callable[[str], Any] = _no_clients
     seed: int = 0
+    pair_preferences: PairPreferences = _no_reward_model
 
 
 class EnvGroupBuilder(ABC):
@@ -218,6 +232,12 @@ class EnvGroupBuilder(ABC):
     def compute_group_rewards(self, trajectories_G: Sequence[Trajectory]) -> list[tuple[float, dict[str, float]]]:
         """Group-level reward and metrics per trajectory, added to the step rewards (default 0)."""
         return [(0.0, {}) for _ in trajectories_G]
+
+    def compute_group_rewards_in(self, ctx: RolloutContext,
+                                 trajectories_G: Sequence[Trajectory]) -> list[tuple[float, dict[str, float]]]:
+        """The group rewards computed inside a rollout task (default: :meth:`compute_group_rewards`).
+        Builders rewarded by another model (a pairwise reward model) take its client from ``ctx``."""
+        return self.compute_group_rewards(trajectories_G)
 
     def logging_tags(self) -> list[str]:
         """Tags (e.g. the env name) under which metrics may also be reported."""

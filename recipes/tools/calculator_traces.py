@@ -26,9 +26,10 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from prefect_tinker.recipes.record_fields import Converted, RecordError, pick_text, top_key
 from prefect_tinker.recipes.tools.calculator import CalculatorError, calculator, evaluate_expression, format_number
 
-__all__ = ["CALCULATOR_SYSTEM", "calculator_transcript"]
+__all__ = ["CALCULATOR_SYSTEM", "calculator_solution", "calculator_transcript"]
 
 CALCULATOR_SYSTEM = ("Solve the problem. Use the calculator tool for arithmetic. When you are done, reply "
                      "without a tool call and give the final answer as a number on the last line, as '#### <number>'.")
@@ -68,11 +69,15 @@ def calculator_transcript(question: str, solution: str, system: str | None = CAL
     return messages
 
 
-def _calculator_solution(record: Any, fields: Mapping[str, str], options: Mapping[str, Any]) -> list:
-    from prefect_tinker.recipes.data_sources import Converted, RecordError, _pick, _top
+def calculator_solution(record: Any, fields: Mapping[str, str], options: Mapping[str, Any]) -> list[Converted]:
+    """The ``calculator_solution`` dataset format: ``question`` and a ``<<expr=result>>`` annotated
+    ``answer``/``solution`` as one :func:`calculator_transcript` (tools in the metadata).
 
-    qpath, question = _pick(record, fields, "question", ("question",))
-    apath, solution = _pick(record, fields, "answer", ("answer", "solution"))
+    Raises:
+        RecordError: a missing or empty field, or an annotation the calculator cannot check.
+    """
+    qpath, question = pick_text(record, fields, "question", ("question",))
+    apath, solution = pick_text(record, fields, "answer", ("answer", "solution"))
     if not isinstance(question, str) or not question.strip():
         raise RecordError(qpath, "is empty: no question")
     if not isinstance(solution, str):
@@ -81,4 +86,4 @@ def _calculator_solution(record: Any, fields: Mapping[str, str], options: Mappin
         messages = calculator_transcript(question, solution, options.get("system_prompt") or CALCULATOR_SYSTEM)
     except ValueError as exc:
         raise RecordError(apath, str(exc)) from None
-    return [Converted(messages, f"{qpath}+{apath}", frozenset({_top(qpath), _top(apath)}), {"tools": [calculator.schema]})]
+    return [Converted(messages, f"{qpath}+{apath}", frozenset({top_key(qpath), top_key(apath)}), {"tools": [calculator.schema]})]

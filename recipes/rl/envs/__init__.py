@@ -24,6 +24,7 @@ import pkgutil
 import threading
 from dataclasses import dataclass
 from importlib.metadata import entry_points
+from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -66,6 +67,9 @@ class EnvContext:
     groups_per_batch: int
     seed: int = 0
     initial_sampler: str | None = None
+    #: the task layer's win-rate evaluator class (:class:`prefect_tinker.tasks.reward_model.WinRateEvaluator`),
+    #: lent to envs judged by a reward model; None: such envs have no evaluator
+    win_rate_evaluator: Callable[..., Any] | None = None
 
 
 class Environment:
@@ -215,10 +219,12 @@ def build_rl_dataset(spec: EnvSpec, *, renderer_name: str, tokenizer_id: str, gr
 
 
 def build_rl_evaluators(spec: EnvSpec, *, renderer_name: str, tokenizer_id: str, group_size: int,
-                        groups_per_batch: int, seed: int = 0, initial_sampler: str | None = None) -> list:
+                        groups_per_batch: int, seed: int = 0, initial_sampler: str | None = None,
+                        win_rate_evaluator: Callable[..., Any] | None = None) -> list:
     """The evaluators of ``spec``'s environment (:meth:`Environment.evaluators`) for an RL run;
     ``initial_sampler`` is the sampler weights of the run's step 0 (e.g. the SFT policy it
-    started from)."""
+    started from); ``win_rate_evaluator`` as in :class:`EnvContext`."""
     ctx = EnvContext(renderer_name=renderer_name, tokenizer_id=tokenizer_id, group_size=group_size,
-                     groups_per_batch=groups_per_batch, seed=seed, initial_sampler=initial_sampler)
+                     groups_per_batch=groups_per_batch, seed=seed, initial_sampler=initial_sampler,
+                     win_rate_evaluator=win_rate_evaluator)
     return list(get_env(spec.env).evaluators(spec, ctx))

@@ -10,10 +10,12 @@ matchups within the group, each scored in both orders
 for a reply that did not end on a stop sequence. Metrics: ``env/win_minus_loss``,
 ``env/format_rate``.
 
-Reward-model calls go through the cached ``reward-label-logprobs`` task, one call per group
-(every matchup, both orders, both labels), with the credentials of the rollout task that runs
-the group. ``test_prompts`` prompts are held out for the win-rate evaluator
-(:class:`~prefect_tinker.tasks.reward_model.WinRateEvaluator`, ``eval/win_rate``) against
+Reward-model calls go through the reward model client the rollout task lends the builder
+(``RolloutContext.pair_preferences``: the cached ``reward-label-logprobs`` task on the rollout
+task's backend), one call per group (every matchup, both orders, both labels); this module
+imports no Prefect. ``test_prompts`` prompts are held out for the win-rate evaluator (the task
+layer's :class:`~prefect_tinker.tasks.reward_model.WinRateEvaluator`, lent through
+``EnvContext.win_rate_evaluator``; ``eval/win_rate``) against
 ``win_rate_reference``, by default the run's step-0 sampler (the policy it started from, e.g.
 the SFT model).
 
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal
 
@@ -37,7 +39,7 @@ from prefect_tinker.recipes.reward_model import (
 )
 from prefect_tinker.recipes.rl.envs import EnvContext, Environment, register_env
 from prefect_tinker.recipes.rl.problem_env import ProblemDataset, freeze_messages, load_renderer
-from prefect_tinker.recipes.rl.types import Env, EnvGroupBuilder, RLDataset, StepResult, Trajectory
+from prefect_tinker.recipes.rl.types import Env, EnvGroupBuilder, RLDataset, RolloutContext, StepResult, Trajectory
 
 __all__ = ["PairwisePreference", "PairwisePreferenceOptions", "PreferenceEnv", "PreferenceGroupBuilder",
            "PreferencePrompt", "RewardModelRef", "load_preference_prompts"]
@@ -101,19 +103,11 @@ class PreferenceEnv(Env):
                           logs={"response": parsed.message.get("content") or "", "termination": parsed.termination.value})
 
 
-def _task_credentials() -> Any:
-    """The ``credentials`` parameter of the Prefect task this runs in (the rollout task)."""
-    from prefect.context import TaskRunContext
-
-    ctx = TaskRunContext.get()
-    return ctx.parameters.get("credentials") if ctx is not None else None
-
-
 @dataclass(frozen=True)
 class PreferenceGroupBuilder(EnvGroupBuilder):
     """``group_size`` replies to one prompt, rewarded by the reward model ``reward`` (module
-    docstring). ``credentials`` (not part of the builder's identity) defaults to those of the
-    rollout task calling :meth:`compute_group_rewards`."""
+    docstring), scored by the reward model client of the rollout task
+    (:attr:`~prefect_tinker.recipes.rl.types.RolloutContext.pair_preferences`)."""
 
     prompt: PreferencePrompt
     group_size: int
@@ -123,7 +117,6 @@ class PreferenceGroupBuilder(EnvGroupBuilder):
     matchup_size: int | None = None
     format_coef: float = 0.1
     tags: tuple[str, ...] = ("pairwise_preference",)
-    credentials: Any = field(default=None, repr=False, compare=False)
 
     def make_envs(self) -> list[PreferenceEnv]:
         renderer = load_renderer(self.renderer_name, self.tokenizer_id)
@@ -139,12 +132,10 @@ class PreferenceGroupBuilder(EnvGroupBuilder):
         return out
 
     def compute_group_rewards(self, trajectories_G):
-        from prefect_tinker.tasks.reward_model import pair_preferences  # the cached scoring task
+        raise RuntimeError("pairwise_preference: group rewards need a reward model client; they are computed in a "
+                           "rollout (compute_group_rewards_in, RolloutContext.pair_preferences)")
 
-        credentials = self.credentials if self.credentials is not None else _task_credentials()
-        if credentials is None:
-            raise RuntimeError("pairwise_preference: no credentials for the reward model (run inside a rollout task, "
-                               "or give the builder credentials=...)")
+    def compute_group_rewards_in(self, ctx: RolloutContext, trajectories_G):
         replies = self.replies(list(trajectories_G))
         pairs = matchups(len(replies), self.matchup_size)
         rend = load_renderer(self.reward.renderer_name, self.reward.tokenizer_id)
@@ -152,7 +143,7 @@ class PreferenceGroupBuilder(EnvGroupBuilder):
         labels = label_token_ids(rend, fmt.labels)
         rendered = [(render_comparison(rend, prompt, replies[i][0], replies[j][0], fmt, labels),
                      render_comparison(rend, prompt, replies[j][0], replies[i][0], fmt, labels)) for i, j in pairs]
-        scores = [2.0 * p - 1.0 for p in pair_preferences(credentials, self.reward.path, rendered)]
+        scores = [2.0 * p - 1.0 for p in ctx.pair_preferences(self.reward.path, rendered)]
         return self.rewards_from_scores(replies, pairs, scores)
 
     def rewards_from_scores(self, replies: list[tuple[str, bool]], pairs: list[tuple[int, int]],
@@ -283,14 +274,12 @@ class PairwisePreference(Environment):
 
     @classmethod
     def evaluators(cls, spec, ctx: EnvContext) -> list:
-        from prefect_tinker.tasks.reward_model import WinRateEvaluator
-
         opts, (_, test) = cls._prompts(spec, ctx)
         reference = opts.win_rate_reference or ctx.initial_sampler
-        if not test or not reference:
+        if not test or not reference or ctx.win_rate_evaluator is None:
             return []
         ref = cls.reward_ref(opts, ctx)
-        return [WinRateEvaluator([p.as_messages() for p in test], reference, ref.path, renderer_name=ctx.renderer_name,
+        return [ctx.win_rate_evaluator([p.as_messages() for p in test], reference, ref.path, renderer_name=ctx.renderer_name,
                                  tokenizer_id=ctx.tokenizer_id, fmt=ref.format(), reward_renderer=ref.renderer_name,
                                  reward_tokenizer=ref.tokenizer_id, max_tokens=getattr(spec, "max_tokens", 64),
                                  temperature=getattr(spec, "temperature", 1.0), seed=ctx.seed)]
