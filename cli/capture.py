@@ -112,9 +112,9 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tinker_blocks.store_schemas import StoreError, validate_run_id
-    from prefect_tinker.tasks.capture.app import create_app
-    from prefect_tinker.tasks.capture.model import open_served_model
-    from prefect_tinker.tasks.capture.recorder import CaptureRecorder
+    from prefect_tinker.capture.app import create_app
+    from prefect_tinker.capture.model import open_served_model
+    from prefect_tinker.capture.recorder import CaptureRecorder
 
     try:
         if bool(args.store) == bool(args.store_block):

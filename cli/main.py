@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     from prefect_tinker.cli.sandbox import add_parser as add_sandbox  # logic in cli/sandbox.py
 
     add_sandbox(sub)
-    from prefect_tinker.cli.capture import add_parser as add_capture  # capture serve: tasks/capture/
+    from prefect_tinker.cli.capture import add_parser as add_capture  # capture serve: prefect_tinker/capture/
 
     add_capture(sub)
     return p

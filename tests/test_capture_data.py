@@ -79,9 +79,9 @@ def test_tool_calls_come_back_as_openai_tool_calls_and_train_back(tmp_path, loca
     from tinker_blocks import CaptureStore
 
     from prefect_tinker.recipes.renderers import get_renderer
-    from prefect_tinker.tasks.capture.app import create_app
-    from prefect_tinker.tasks.capture.model import open_served_model
-    from prefect_tinker.tasks.capture.recorder import CaptureRecorder
+    from prefect_tinker.capture.app import create_app
+    from prefect_tinker.capture.model import open_served_model
+    from prefect_tinker.capture.recorder import CaptureRecorder
 
     root = str(tmp_path / "store")
     served = open_served_model(local_credentials, tool_sampler_path, renderer="qwen3", names=["agent-model"])

@@ -191,8 +191,8 @@ def test_export_is_cached_and_redone_when_the_files_are_gone(sft_run, local_cred
 
 
 def test_a_corrupted_merge_is_refused_and_nothing_is_published(sft_run, local_credentials, tmp_path, monkeypatch):
-    from prefect_tinker.tasks.export import adapter as adapter_mod
-    from prefect_tinker.tasks.export.verify import ExportVerificationError
+    from prefect_tinker.export import adapter as adapter_mod
+    from prefect_tinker.export.verify import ExportVerificationError
 
     honest = adapter_mod.LoraDelta.delta
     # the classic bug: the delta transposed where it is square (attention q/o projections)

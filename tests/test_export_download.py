@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from prefect_tinker.tasks.export.download import (
+from prefect_tinker.export.download import (
     DownloadError, UnsafeDownloadError, check_listing, check_tree, download_listing,
 )
 
@@ -117,11 +117,11 @@ def test_trees_with_links_are_refused(tmp_path):
 
 def test_flow_refuses_a_hand_crafted_listing_from_the_server(prefect_api, tmp_path, monkeypatch):
     from prefect_tinker.flows.export import ExportConfig, export_flow
-    from prefect_tinker.tasks.export import server
+    from prefect_tinker.export import server
 
     asked = []
 
-    def fake(credentials, checkpoint, *, ttl_s=None):
+    def fake(credentials, checkpoint, *, wait, ttl_s=None):
         asked.append(checkpoint)
         return server.ServerExport(checkpoint, checkpoint, "tinker://r/sampler_weights/n", "tinker://r/external_weights/n",
                                    "tiny", 4, {"adapter_config.json": GOOD, "/tmp/evil": GOOD}, "2030-01-01T00:00:00")

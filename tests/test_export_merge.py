@@ -14,8 +14,8 @@ import json
 import pytest
 import torch
 
-from prefect_tinker.tasks.export.adapter import AdapterError, read_adapter
-from prefect_tinker.tasks.export.merge import merge_into_folder
+from prefect_tinker.export.adapter import AdapterError, read_adapter
+from prefect_tinker.export.merge import merge_into_folder
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 

@@ -2,14 +2,14 @@
 PEFT adapter, a Prefect asset with the checkpoint as its upstream.
 
 One call (:func:`run_export`): the server saves external weights
-(:mod:`~prefect_tinker.tasks.export.server`); their files are downloaded from the signed URLs
-into a private temporary folder (:mod:`~prefect_tinker.tasks.export.download`); the export is
-built next to its destination (``merged``: :func:`~prefect_tinker.tasks.export.merge.merge_into_folder`;
+(:mod:`~prefect_tinker.export.server`); their files are downloaded from the signed URLs
+into a private temporary folder (:mod:`~prefect_tinker.export.download`); the export is
+built next to its destination (``merged``: :func:`~prefect_tinker.export.merge.merge_into_folder`;
 ``peft``: the adapter), loaded back with plain ``transformers`` / ``peft`` and compared with the
-server's ``compute_logprobs`` of the same checkpoint (:mod:`~prefect_tinker.tasks.export.verify`):
+server's ``compute_logprobs`` of the same checkpoint (:mod:`~prefect_tinker.export.verify`):
 in float32 at 1e-4 first, then, for another dtype, cast and compared again at that dtype's
 tolerance; only an export that passed is published
-(:mod:`~prefect_tinker.tasks.export.output`), with ``export_metadata.json`` (source paths,
+(:mod:`~prefect_tinker.export.output`), with ``export_metadata.json`` (source paths,
 LoRA settings, tied-embedding handling, every file's size and SHA-256, the verification numbers).
 
 The base model: the server's ``base_model/`` files when it sends them (``tinker_local``), else
@@ -23,6 +23,7 @@ size) and the task's source; a destination that already holds the same export (s
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import shutil
@@ -37,8 +38,9 @@ from prefect import get_run_logger
 from prefect.assets import add_asset_metadata, materialize
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
-from prefect_tinker.tasks.export.download import check_tree, download_listing
-from prefect_tinker.tasks.export.output import METADATA_FILE, ExportOutput
+from prefect_tinker.export.download import check_tree, download_listing
+from prefect_tinker.export.output import METADATA_FILE, ExportOutput
+from prefect_tinker.tasks import clients
 from prefect_tinker.tasks.policies import RETRY_OPTIONS, file_sha256
 
 __all__ = ["FORMATS", "export_checkpoint", "export_key", "run_export"]
@@ -92,8 +94,8 @@ def _build_and_verify(credentials: Any, download: Path, base_dir: Path, adapter:
     """Build the export in float32 and check it at 1e-4, then (other dtypes) cast it and check
     again at the dtype's tolerance. Returns ``(verification, embeddings)``."""
     from prefect_tinker.tasks.clients import sampling_client
-    from prefect_tinker.tasks.export.merge import DTYPES, cast_weights, merge_into_folder
-    from prefect_tinker.tasks.export.verify import Verifier
+    from prefect_tinker.export.merge import DTYPES, cast_weights, merge_into_folder
+    from prefect_tinker.export.verify import Verifier
 
     tied: dict[str, Any] = {}
     if fmt == "merged":  # shards sized for the final dtype: the float32 ones are cast later
@@ -148,9 +150,9 @@ def run_export(credentials: Any, checkpoint: str, format: str, dtype: str, out: 
         ExportVerificationError: the export's logprobs differ from the server's (nothing published).
         AdapterError: an adapter that cannot be merged exactly.
     """
-    from prefect_tinker.tasks.export.adapter import read_adapter
-    from prefect_tinker.tasks.export.merge import DTYPES
-    from prefect_tinker.tasks.export.server import export_on_server
+    from prefect_tinker.export.adapter import read_adapter
+    from prefect_tinker.export.merge import DTYPES
+    from prefect_tinker.export.server import export_on_server
 
     if format not in FORMATS or dtype not in DTYPES:
         raise ValueError(f"format must be one of {FORMATS} and dtype one of {sorted(DTYPES)}; got {format!r}, {dtype!r}")
@@ -170,7 +172,7 @@ def run_export(credentials: Any, checkpoint: str, format: str, dtype: str, out: 
         seconds[what] = round(now - clock, 3)
         clock = now
 
-    srv = export_on_server(credentials, checkpoint, ttl_s=server_ttl_s)
+    srv = export_on_server(credentials, checkpoint, wait=functools.partial(clients.result, credentials), ttl_s=server_ttl_s)
     lap("server")
     log.info("external weights %s: %d files", srv.external_path, len(srv.urls))
     if any(n.endswith(".age") for n in srv.urls):

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import tinker
 
 from prefect_tinker.recipes.renderers import Renderer, get_renderer
-from prefect_tinker.tasks.capture.requests import APIError
+from prefect_tinker.capture.requests import APIError
 
 __all__ = ["ServedModel", "backend_error", "open_served_model"]
 
@@ -217,7 +217,7 @@ def open_served_model(
         ValueError / RendererError: unknown renderer, tokenizer not loadable; SDK errors for an
         unreachable backend or an unknown checkpoint.
     """
-    from prefect_tinker.tasks.rollouts import sampling_client
+    from prefect_tinker.tasks.clients import sampling_client
 
     sampler = sampling_client(credentials, model if model.startswith("tinker://") else f"base:{model}")
     cache_dir = str(getattr(credentials, "resolved_local_root", lambda: None)() or "") or None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any, Iterator
 
-from prefect_tinker.tasks.capture.generate import Generation
+from prefect_tinker.capture.generate import Generation
 
 __all__ = ["response_body", "sse_events"]
 

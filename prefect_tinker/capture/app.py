@@ -27,11 +27,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from prefect_tinker.tasks.capture.generate import RequestContext, chat_completion, completion
-from prefect_tinker.tasks.capture.model import ServedModel
-from prefect_tinker.tasks.capture.recorder import CaptureRecorder
-from prefect_tinker.tasks.capture.requests import APIError, ChatCompletionRequest, CompletionRequest, parse_body
-from prefect_tinker.tasks.capture.responses import response_body, sse_events
+from prefect_tinker.capture.generate import RequestContext, chat_completion, completion
+from prefect_tinker.capture.model import ServedModel
+from prefect_tinker.capture.recorder import CaptureRecorder
+from prefect_tinker.capture.requests import APIError, ChatCompletionRequest, CompletionRequest, parse_body
+from prefect_tinker.capture.responses import response_body, sse_events
 
 __all__ = ["MAX_BODY_BYTES", "create_app"]
 
@@ -51,7 +51,7 @@ def create_app(model: ServedModel, recorder: CaptureRecorder, *, session_id: str
     """The ASGI app serving ``model`` and recording every returned sequence with ``recorder``.
 
     Args:
-        model: what to sample from (:func:`~prefect_tinker.tasks.capture.model.open_served_model`).
+        model: what to sample from (:func:`~prefect_tinker.capture.model.open_served_model`).
         recorder: where rows go; closed (flushed) when the app shuts down.
         session_id: the capture session, the ``run_id`` of every row.
         token: bearer token required on ``/v1`` routes (None: no auth, for loopback binds only;

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from prefect_tinker.recipes.renderers import RendererError, Termination
-from prefect_tinker.tasks.capture.model import ServedModel
-from prefect_tinker.tasks.capture.requests import (
+from prefect_tinker.capture.model import ServedModel
+from prefect_tinker.capture.requests import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,

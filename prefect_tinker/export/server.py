@@ -21,11 +21,14 @@ from __future__ import annotations
 import re
 import warnings
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
-from prefect_tinker.tasks import clients
+__all__ = ["ServerExport", "Wait", "export_on_server", "parse_checkpoint", "paired_state", "rest_client"]
 
-__all__ = ["ServerExport", "export_on_server", "parse_checkpoint", "paired_state", "rest_client"]
+#: ``wait(future, what) -> result``: the caller's wait for an SDK future (deadline, dead-server
+#: check; ``what`` names the request in errors), e.g. ``functools.partial(tasks.clients.result, credentials)``
+Wait = Callable[[Any, str], Any]
 
 _PATH = re.compile(r"^tinker://(?P<run>[^/\s]+)/(?P<kind>weights|sampler_weights)/(?P<name>[^/\s]+)$")
 
@@ -73,14 +76,14 @@ def rest_client(credentials: Any) -> Any:
         return credentials.get_client().create_rest_client()
 
 
-def paired_state(credentials: Any, run: str, name: str) -> str:
+def paired_state(credentials: Any, run: str, name: str, *, wait: Wait) -> str:
     """The state path ``tinker://<run>/weights/<name>`` when the server lists it.
 
     Raises:
         ValueError: the run has no state checkpoint of that name (the message says what to do).
     """
     want = f"tinker://{run}/weights/{name}"
-    listed = clients.result(credentials, rest_client(credentials).list_checkpoints(run), f"the checkpoints of {run}")
+    listed = wait(rest_client(credentials).list_checkpoints(run), f"the checkpoints of {run}")
     if any(c.tinker_path == want for c in listed.checkpoints):
         return want
     raise ValueError(f"sampler checkpoint tinker://{run}/sampler_weights/{name} has no state checkpoint {want}: "
@@ -92,27 +95,25 @@ def _name(prefix: str, name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "-", f"{prefix}-{name}")[:100]
 
 
-def export_on_server(credentials: Any, checkpoint: str, *, ttl_s: int | None = None) -> ServerExport:
-    """Steps 1-4 of the module docstring.
+def export_on_server(credentials: Any, checkpoint: str, *, wait: Wait, ttl_s: int | None = None) -> ServerExport:
+    """Steps 1-4 of the module docstring; every SDK future is awaited with ``wait``.
 
     Raises:
         ValueError: a malformed path or a sampler path without its state. SDK errors: an unknown
             checkpoint (user errors, not retried) or server trouble (retried by the task).
     """
     run, kind, name = parse_checkpoint(checkpoint)
-    state = checkpoint if kind == "weights" else paired_state(credentials, run, name)
+    state = checkpoint if kind == "weights" else paired_state(credentials, run, name, wait=wait)
     service = credentials.get_client()
-    tc = clients.result(credentials, service.create_training_client_from_state(state), f"a training client from {state}")
-    external = clients.result(credentials, tc.save_weights_external(_name("export", name), ttl_seconds=ttl_s),
-                              f"external weights of {state}").path
+    tc = wait(service.create_training_client_from_state(state), f"a training client from {state}")
+    external = wait(tc.save_weights_external(_name("export", name), ttl_seconds=ttl_s), f"external weights of {state}").path
     if kind == "sampler_weights":
         reference = checkpoint
     else:
-        reference = clients.result(credentials, tc.save_weights_for_sampler(_name("export-ref", name), ttl_seconds=ttl_s),
-                                   f"reference sampler weights of {state}").path
+        reference = wait(tc.save_weights_for_sampler(_name("export-ref", name), ttl_seconds=ttl_s),
+                         f"reference sampler weights of {state}").path
     info = tc.get_info()
-    listing = clients.result(credentials, rest_client(credentials).get_external_weights_urls(external),
-                             f"the download URLs of {external}")
+    listing = wait(rest_client(credentials).get_external_weights_urls(external), f"the download URLs of {external}")
     return ServerExport(checkpoint=checkpoint, state_path=state, reference=reference, external_path=external,
                         base_model=str(info.model_data.model_name), lora_rank=int(info.lora_rank or 0),
                         urls=dict(listing.urls), expires=listing.expires.isoformat())

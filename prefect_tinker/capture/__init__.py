@@ -5,6 +5,6 @@ Modules: :mod:`.requests` (request validation, OpenAI errors, chat messages for 
 :mod:`.model` (sampling client, tokenizer, renderer, context), :mod:`.generate` (chat and
 completions -> choices, usage, capture rows), :mod:`.responses` (JSON and SSE bodies),
 :mod:`.recorder` (the timed-flush writer thread), :mod:`.app` (FastAPI routes and auth),
-:mod:`.serve` (the command line). Reading captures back as training conversations:
+:mod:`prefect_tinker.cli.capture` (the command line). Reading captures back as training conversations:
 :func:`prefect_tinker.recipes.capture_data.read_captured_conversations`.
 """

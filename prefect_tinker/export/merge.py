@@ -1,6 +1,6 @@
 """Merging a LoRA adapter into its base model's weights: a Hugging Face model folder.
 
-``W' = W + delta`` per target (:meth:`~prefect_tinker.tasks.export.adapter.LoraDelta.delta`),
+``W' = W + delta`` per target (:meth:`~prefect_tinker.export.adapter.LoraDelta.delta`),
 in float32, then cast to the export dtype, streamed shard by shard (one base shard and one output
 shard in memory at a time) into ``model-XXXXX-of-YYYYY.safetensors`` files with a
 ``model.safetensors.index.json``, next to ``config.json``, ``generation_config.json`` and the
@@ -24,7 +24,7 @@ from typing import Any, Iterator
 
 import torch
 
-from prefect_tinker.tasks.export.adapter import AdapterError, LoraAdapter, LoraDelta
+from prefect_tinker.export.adapter import AdapterError, LoraAdapter, LoraDelta
 
 __all__ = ["DTYPES", "MergeReport", "base_weight_files", "cast_weights", "merge_into_folder", "model_layout"]
 
