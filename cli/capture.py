@@ -29,7 +29,7 @@ import secrets
 import signal
 import socket
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +86,7 @@ def read_token(token_file: str | None) -> str | None:
 
 def default_session_id() -> str:
     """``capture-<UTC time>-<4 hex>``, e.g. ``capture-20250101-120000-3fa2``."""
-    return f"capture-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    return f"capture-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
 def _credentials(args: argparse.Namespace) -> Any:
@@ -111,10 +111,10 @@ def run(args: argparse.Namespace) -> int:
     """Run the server until SIGINT/SIGTERM (then flush the captures and exit 0)."""
     import uvicorn
 
-    from tinker_blocks.store_schemas import StoreError, validate_run_id
     from prefect_tinker.capture.app import create_app
     from prefect_tinker.capture.model import open_served_model
     from prefect_tinker.capture.recorder import CaptureRecorder
+    from tinker_blocks.store_schemas import StoreError, validate_run_id
 
     try:
         if bool(args.store) == bool(args.store_block):

@@ -11,8 +11,9 @@ import datetime as _dt
 import decimal
 import math
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import yaml
 
@@ -64,7 +65,7 @@ def _construct_int(loader: yaml.SafeLoader, node: yaml.Node) -> int:
 
 def _construct_float(loader: yaml.SafeLoader, node: yaml.Node) -> float:
     v = str(loader.construct_scalar(node)).lower().lstrip("+")
-    if v.endswith(("inf")):
+    if v.endswith("inf"):
         return -math.inf if v.startswith("-") else math.inf
     if v.endswith("nan"):
         return math.nan

@@ -10,7 +10,8 @@ import importlib
 import inspect
 import json
 import typing
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from prefect_tinker.cli.config import CLIError, deep_merge, jsonable, load_yaml_file, parse_overrides
 

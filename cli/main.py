@@ -34,7 +34,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 # Re-exported: the public helpers of the split modules stay importable from cli.main.
 from prefect_tinker.cli.config import (  # noqa: F401

@@ -13,8 +13,9 @@ import datetime as _dt
 import decimal
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from prefect_tinker.cli.config import EXIT_FAILED, EXIT_OK, jsonable
 
@@ -179,8 +180,8 @@ def cmd_store(args: argparse.Namespace) -> int:
     """``prefect-tinker store check|repair``: list (check) or move into ``<root>/_quarantine/``
     (repair) the unreadable parts and the temporaries of dead writers. Exit status of check: 0
     when the store is sound, 1 when it found something (or failed)."""
-    from tinker_blocks.store_repair import check_root, repair_root
     from tinker_blocks.store_io import StoreAccessError, StoreUnavailableError
+    from tinker_blocks.store_repair import check_root, repair_root
 
     root = args.store or _default_store()
     missing = _missing_local_root(root)

@@ -4,6 +4,7 @@ has), which Tinker backend to use, the optimizer, and the default store root."""
 from __future__ import annotations
 
 import os
+from datetime import UTC
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, Field, model_validator
@@ -66,13 +67,13 @@ def default_run_name(prefix: str, config: BaseModel) -> str:
     resumes the run after its last checkpoint, while other flow runs and other configs get new names.
     """
     import hashlib
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     flow_run_id = os.environ.get("PREFECT__FLOW_RUN_ID", "").replace("-", "")
     if flow_run_id:
         digest = hashlib.sha256(config.model_dump_json(exclude={"run_name"}).encode()).hexdigest()
         return f"{prefix}-{flow_run_id[:8]}-{digest[:4]}"
-    return f"{prefix}-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}"
+    return f"{prefix}-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}"
 
 
 def resolve_credentials(backend: BackendConfig) -> Any:
@@ -129,7 +130,7 @@ class RecipeConfig(LRScheduleFields):
         return self.model.replace("/", "-")
 
     @model_validator(mode="after")
-    def _default_run_name(self) -> "RecipeConfig":
+    def _default_run_name(self) -> RecipeConfig:
         if self.backend.is_local():  # the embedded server can tell a model it cannot serve, now
             from tinker_blocks.credentials import default_local_root
             from tinker_blocks.model_names import check_model_name

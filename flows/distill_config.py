@@ -112,7 +112,7 @@ class DistillConfig(RLConfig):
     agreement_first_line: bool = Field(default=False, description="prompt: agreement compares only the first non-empty line of the replies.")
 
     @model_validator(mode="after")
-    def _check_distill(self) -> "DistillConfig":
+    def _check_distill(self) -> DistillConfig:
         if self.teacher is not None and self.teachers:
             raise ValueError("give either teacher=... or teachers=[...], not both")
         if len(self.teachers) > 1 and self.mode != "on_policy":

@@ -60,7 +60,7 @@ class DPOConfig(SourceFields, RecipeConfig):
     reference_via: Literal["trainer", "sampler"] = Field(default="trainer", description="Reference logprobs from a frozen training client (same numerics as the policy) or a sampling client.")
 
     @model_validator(mode="after")
-    def _check(self) -> "DPOConfig":
+    def _check(self) -> DPOConfig:
         if self.dataset is None and not self.sources:
             raise ValueError("dataset: required: a JSONL file of comparisons, a dataset directory or a Hugging Face id "
                              "(or sources=[...])")

@@ -30,7 +30,11 @@ from prefect_tinker.flows.eval_config import EvalConfig
 from prefect_tinker.recipes.evals.specs import InspectSpec
 from prefect_tinker.tasks.eval_report import report_eval
 from prefect_tinker.tasks.eval_tasks import (
-    EvalTarget, evaluate_benchmark, evaluate_inspect, inspect_backend_args, sampler_from_state,
+    EvalTarget,
+    evaluate_benchmark,
+    evaluate_inspect,
+    inspect_backend_args,
+    sampler_from_state,
 )
 from prefect_tinker.tasks.records import check_store, record_checkpoint
 

@@ -76,7 +76,7 @@ class EvalConfig(TaskRunnerFields):
         return v
 
     @model_validator(mode="after")
-    def _check(self) -> "EvalConfig":
+    def _check(self) -> EvalConfig:
         if self.backend.is_local():  # the embedded server can tell a model it cannot serve, now
             from tinker_blocks.credentials import default_local_root
             from tinker_blocks.model_names import check_model_name

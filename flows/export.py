@@ -19,10 +19,10 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, Field, field_validator
 
-from prefect_tinker.flows.config import BackendConfig, resolve_credentials
-from prefect_tinker.tasks.export import export_checkpoint, export_key
 from prefect_tinker.export.output import ExportOutput
 from prefect_tinker.export.server import parse_checkpoint
+from prefect_tinker.flows.config import BackendConfig, resolve_credentials
+from prefect_tinker.tasks.export import export_checkpoint, export_key
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
 from prefect_tinker.tasks.reporting import artifact_key
 

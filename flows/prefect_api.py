@@ -26,8 +26,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 __all__ = ["PrefectAPIError", "supported", "temporary_prefect_api"]
 

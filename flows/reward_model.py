@@ -57,7 +57,7 @@ class RewardModelConfig(SourceFields, RecipeConfig):
     labels: tuple[str, str] = Field(default=("A", "B"), description="The answers meaning 'A is better' and 'B is better'.")
 
     @model_validator(mode="after")
-    def _check(self) -> "RewardModelConfig":
+    def _check(self) -> RewardModelConfig:
         if self.format not in ("preference", "dialogue", "hh") and not self.sources:
             raise ValueError(f"format {self.format!r}: a reward model's dataset is 'preference' or 'dialogue' (HH-RLHF)")
         ComparisonFormat(question=self.question, labels=self.labels)

@@ -35,14 +35,18 @@ from prefect_tinker.flows.rl_config import RLConfig
 from prefect_tinker.flows.rl_schedules import SCHEDULES
 from prefect_tinker.flows.session import RunSession
 from prefect_tinker.recipes.rl.advantages import (
-    apply_kl_penalty, compute_advantages, groups_to_datums, remove_constant_reward_groups, rollout_metrics,
+    apply_kl_penalty,
+    compute_advantages,
+    groups_to_datums,
+    remove_constant_reward_groups,
+    rollout_metrics,
     sample_train_kl,
 )
 from prefect_tinker.recipes.rl.envs import build_rl_dataset
 from prefect_tinker.recipes.rl.types import TrajectoryGroup
 from prefect_tinker.tasks.benchmark_evaluator import benchmark_evaluators
-from prefect_tinker.tasks.rollout_eval import session_env_evaluators
 from prefect_tinker.tasks.clients import tokenizer
+from prefect_tinker.tasks.rollout_eval import session_env_evaluators
 from prefect_tinker.tasks.rollouts import reference_logprobs, rollout_group
 from prefect_tinker.tasks.runners import map_task, submit_task
 from prefect_tinker.tasks.training import forward_backward, optim_step

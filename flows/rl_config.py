@@ -58,7 +58,7 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
     log_trajectories: int = Field(default=4, ge=0, description="Trajectories per step written to the store's trajectories table.")
 
     @model_validator(mode="after")
-    def _check(self) -> "RLConfig":
+    def _check(self) -> RLConfig:
         if self.clip_low_threshold >= self.clip_high_threshold:
             raise ValueError(f"clip_low_threshold ({self.clip_low_threshold}) must be below clip_high_threshold ({self.clip_high_threshold})")
         if self.num_substeps > self.groups_per_batch:

@@ -92,7 +92,7 @@ class RLHFConfig(BaseModel):
         return data
 
     @model_validator(mode="after")
-    def _check(self) -> "RLHFConfig":
+    def _check(self) -> RLHFConfig:
         if self.rl.env != "pairwise_preference":
             raise ValueError(f"rl.env={self.rl.env!r}: the RL stage of RLHF uses env pairwise_preference")
         if self.rm.dataset is None and not self.rm.sources:

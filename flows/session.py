@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
@@ -45,7 +46,12 @@ from prefect.artifacts import create_markdown_artifact
 from prefect_tinker.flows.config import RecipeConfig, resolve_credentials
 from prefect_tinker.tasks.clients import ClientRewound, TrainingRun, tokenizer
 from prefect_tinker.tasks.records import (
-    check_store, compact_finished_run, record_checkpoint, record_run, write_metrics, write_table,
+    check_store,
+    compact_finished_run,
+    record_checkpoint,
+    record_run,
+    write_metrics,
+    write_table,
 )
 from prefect_tinker.tasks.reporting import artifact_key, report_run
 from prefect_tinker.tasks.training import open_training_run, save_checkpoint, save_sampler_weights
@@ -129,7 +135,7 @@ class RunSession:
         self._status_recorded = False
 
     # ----- opening -----------------------------------------------------------------------------
-    def __enter__(self) -> "RunSession":
+    def __enter__(self) -> RunSession:
         c = self.config
         # bad data fails first: before a server starts, a lease is taken or a row is written
         if self._make_builder is not None:
@@ -167,7 +173,7 @@ class RunSession:
                 get_run_logger().warning("could not release the lease of run %s: %s", self.run_id, exc)
             self.lease = None
 
-    def _open(self) -> "RunSession":
+    def _open(self) -> RunSession:
         c, log = self.config, get_run_logger()
         store = self._store()
         stored = store.get_run(self.run_id)

@@ -24,7 +24,6 @@ from typing import Any, ClassVar, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from prefect_tinker.recipes.media import MediaSpan, media_spans, restore_media
 from prefect_tinker.recipes.data_reading import (
     EXAMPLE_CHAT_PATH,
     OnError,
@@ -33,6 +32,7 @@ from prefect_tinker.recipes.data_reading import (
     resolve_source_path,
     source_fingerprint,
 )
+from prefect_tinker.recipes.media import MediaSpan, media_spans, restore_media
 
 __all__ = ["BuiltData", "DatasetBuilder", "Example", "SourceFields", "SupervisedBuilder", "SupervisedData"]
 
@@ -48,7 +48,7 @@ class Example(BaseModel):
     media: list[MediaSpan] = Field(default_factory=list)
 
     @classmethod
-    def from_sequence(cls, tokens: Any, weights: Any) -> "Example":
+    def from_sequence(cls, tokens: Any, weights: Any) -> Example:
         """An example from a rendered token list (media as MediaToken runs) and its weights."""
         return cls(tokens=[int(t) for t in tokens], weights=[float(x) for x in weights], media=media_spans(tokens))
 
@@ -83,7 +83,7 @@ class SourceFields(BaseModel):
     _dataset_exists = field_validator("dataset")(check_local_source)  # a missing file fails here
 
     @model_validator(mode="after")
-    def _one_way(self) -> "SourceFields":
+    def _one_way(self) -> SourceFields:
         if self.sources and self.dataset is not None:
             raise ValueError("give either dataset=... or sources=[...], not both")
         for i, spec in enumerate(self.sources):

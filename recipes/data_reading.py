@@ -34,7 +34,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from prefect_tinker.recipes.media_sources import absolutize_media
 from prefect_tinker.recipes.data_sources import (
     CONVERTERS,
     Conversation,
@@ -44,6 +43,7 @@ from prefect_tinker.recipes.data_sources import (
     converter_names,
     validate_messages,
 )
+from prefect_tinker.recipes.media_sources import absolutize_media
 
 __all__ = [
     "EXAMPLE_CHAT_PATH", "OnError", "SkipStats", "SourceSpec", "iter_conversations", "iter_records",

@@ -27,7 +27,7 @@ __all__ = ["ClassifierAccuracyEvaluator", "Evaluator", "NLLEvaluator", "Preferen
            "TrainingClientEvaluator", "TranscriptionEvaluator", "data_evaluators"]
 
 
-class Evaluator(ABC):
+class Evaluator(ABC):  # noqa: B024 -- a marker base: its two kinds below declare evaluate()
     """Base class of evaluators (see the module docstring). ``name`` prefixes nothing by itself:
     :meth:`evaluate` returns full metric names."""
 

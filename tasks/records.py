@@ -7,7 +7,7 @@ from natural keys (run, step, name), so re-writing a step after a resume dedupli
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE

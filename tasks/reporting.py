@@ -14,7 +14,8 @@ import base64
 import io
 import math
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from prefect import task
 from prefect.artifacts import (

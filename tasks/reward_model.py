@@ -37,7 +37,13 @@ from prefect.utilities.annotations import quote
 
 from prefect_tinker.recipes.renderers.base import Termination
 from prefect_tinker.recipes.reward_model import (
-    ComparisonFormat, RenderedComparison, RMComparison, brier, debiased_prob, label_token_ids, prob_second,
+    ComparisonFormat,
+    RenderedComparison,
+    RMComparison,
+    brier,
+    debiased_prob,
+    label_token_ids,
+    prob_second,
     render_comparison,
 )
 from prefect_tinker.tasks.clients import sampling_client

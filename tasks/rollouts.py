@@ -42,7 +42,13 @@ from pydantic import BaseModel, Field
 
 from prefect_tinker.recipes.media import has_media, media_key, model_input_from_tokens
 from prefect_tinker.recipes.rl.types import (
-    EnvGroupBuilder, PairPreferences, RolloutContext, Trajectory, TrajectoryGroup, Transition)
+    EnvGroupBuilder,
+    PairPreferences,
+    RolloutContext,
+    Trajectory,
+    TrajectoryGroup,
+    Transition,
+)
 from prefect_tinker.tasks.clients import sampling_client
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
 from prefect_tinker.tasks.reward_model import pair_preferences
@@ -171,7 +177,7 @@ def _run_members(builder: EnvGroupBuilder, envs: list, ctx: RolloutContext, samp
     shared: dict[str, list[int]] = {}
     for i, (ob, stop) in enumerate(obs):  # media_key: observations with different media never share
         shared.setdefault(json.dumps([media_key(ob), stop]), []).append(i)
-    for k, (key, members) in enumerate(shared.items()):
+    for k, members in enumerate(shared.values()):
         ob, stop = obs[members[0]]
         outs = _sample(sampler, list(ob), len(members), stop, seed + k, max_tokens, temperature)
         for i, out in zip(members, outs):

@@ -149,7 +149,7 @@ class TinkerCredentials(CredentialsBlock):
     # ------------------------------------------------------------------ public API
 
     @classmethod
-    def local_default(cls, **kwargs: Any) -> "TinkerCredentials":
+    def local_default(cls, **kwargs: Any) -> TinkerCredentials:
         """A block for the embedded local server with default settings (overridable by kwargs)."""
         return cls(local=True, **kwargs)
 

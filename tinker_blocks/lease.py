@@ -47,8 +47,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from tinker_blocks.atomic import temp_path
-from tinker_local.procs import host_key, pid_alive, pid_start_ticks
 from tinker_blocks.store_schemas import validate_run_id
+from tinker_local.procs import host_key, pid_alive, pid_start_ticks
 
 __all__ = [
     "DEFAULT_LEASE_TIMEOUT_S", "Lease", "LeaseError", "LeaseHeldError", "LeaseInfo", "LeaseLostError",
@@ -69,7 +69,7 @@ class LeaseError(RuntimeError):
 class LeaseHeldError(LeaseError):
     """A live lease of another run holds the run id; ``holder`` is its :class:`LeaseInfo`."""
 
-    def __init__(self, message: str, holder: "LeaseInfo"):
+    def __init__(self, message: str, holder: LeaseInfo):
         super().__init__(message)
         self.holder = holder
 
@@ -95,7 +95,7 @@ class LeaseInfo:
     timeout_s: float
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "LeaseInfo":
+    def from_bytes(cls, data: bytes) -> LeaseInfo:
         """Parse a lease object; ValueError when it is not one (e.g. a field is missing)."""
         raw = json.loads(data)
         if not isinstance(raw, dict):
@@ -126,7 +126,7 @@ class LeaseInfo:
     def describe(self, now: float | None = None) -> str:
         """``owner 'u' on host h (pid 12), since 2026-01-02 10:11:12 UTC, last heartbeat 3 s ago``."""
         now = time.time() if now is None else now
-        since = _dt.datetime.fromtimestamp(float(self.since), _dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+        since = _dt.datetime.fromtimestamp(float(self.since), _dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
         return (f"owner {self.owner!r} on host {self.host} (pid {self.pid}), since {since}, "
                 f"last heartbeat {max(now - float(self.heartbeat), 0):.0f} s ago")
 
@@ -347,7 +347,7 @@ class Lease:
             except Exception as exc:
                 log.warning("releasing the lease of run %r at %s failed: %s", self.run_id, self.where, exc)
 
-    def __enter__(self) -> "Lease":
+    def __enter__(self) -> Lease:
         return self
 
     def __exit__(self, *exc: Any) -> None:

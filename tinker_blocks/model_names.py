@@ -41,7 +41,13 @@ def check_model_name(model: str, local_root: str | Path | None) -> str:
     if local_root is None:
         return model
     from tinker_local.models import (
-        ACCEPTED_FORMS, MEDIA_PRESETS, SMOLLM2_ALIASES, TINY_NAME, hf_cache_lookup, preset_of_dir)
+        ACCEPTED_FORMS,
+        MEDIA_PRESETS,
+        SMOLLM2_ALIASES,
+        TINY_NAME,
+        hf_cache_lookup,
+        preset_of_dir,
+    )
 
     if model == TINY_NAME or model in MEDIA_PRESETS:
         return model

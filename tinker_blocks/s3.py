@@ -24,7 +24,8 @@ import random
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Callable, Mapping, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 from fsspec import AbstractFileSystem

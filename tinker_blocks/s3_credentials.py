@@ -79,7 +79,7 @@ store = TrainingStore(root="s3://bucket/prefix", credentials=s3)
         return s3fs.S3FileSystem(**self.storage_options())
 
     @classmethod
-    def from_prefect_aws(cls, block: Any) -> "S3Credentials":
+    def from_prefect_aws(cls, block: Any) -> S3Credentials:
         """Convert a prefect-aws ``AwsCredentials`` or ``MinIOCredentials`` block (duck-typed).
 
         ``AwsCredentials`` with ``profile_name`` or ``assume_role_arn`` is resolved once through

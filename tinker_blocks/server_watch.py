@@ -90,7 +90,7 @@ class ServerProbe:
     log_path: str | None = None
 
     @classmethod
-    def of(cls, credentials: Any) -> "ServerProbe":
+    def of(cls, credentials: Any) -> ServerProbe:
         """The probe of ``credentials``' server: for ``local=True`` the server recorded in its
         ``server.json`` (not started here), else the block's ``base_url`` (the SDK's default
         hosted URL when empty).

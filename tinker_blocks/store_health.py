@@ -26,12 +26,12 @@ from __future__ import annotations
 import logging
 import re
 import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-
 
 if TYPE_CHECKING:
     from tinker_blocks.store_io import ParquetStore
@@ -186,7 +186,7 @@ def scan_parts(fs: Any, entries: Mapping[str, Mapping[str, Any]], root: str) -> 
     return problems
 
 
-def list_parts(io: "ParquetStore") -> dict[str, dict[str, Any]]:
+def list_parts(io: ParquetStore) -> dict[str, dict[str, Any]]:
     """Every ``.parquet`` part of every table of ``io``: fs path -> its listing entry."""
     found: dict[str, dict[str, Any]] = {}
     for table in io.tables:
@@ -198,7 +198,7 @@ def list_parts(io: "ParquetStore") -> dict[str, dict[str, Any]]:
     return found
 
 
-def find_damaged(exc: BaseException, stores: Sequence["ParquetStore"]) -> list[str]:
+def find_damaged(exc: BaseException, stores: Sequence[ParquetStore]) -> list[str]:
     """The parts newly found damaged after ``exc`` (a failed read of ``stores``, which share one
     filesystem): the ``.parquet`` files the error names, each read whole; when it names none,
     every part of the stores not validated yet. [] when the error does not come from a part."""
@@ -221,7 +221,7 @@ def find_damaged(exc: BaseException, stores: Sequence["ParquetStore"]) -> list[s
     return [p.path for p in scan_parts(fs, entries, root)]
 
 
-def retry_damaged(fn: Callable[[], T], stores: Sequence["ParquetStore"], *, attempts: int = 32,
+def retry_damaged(fn: Callable[[], T], stores: Sequence[ParquetStore], *, attempts: int = 32,
                   before_retry: Callable[[], None] | None = None) -> T:
     """``fn()``, run again (after ``before_retry()``) each time it fails on a part that
     :func:`find_damaged` then finds unreadable: ``fn`` must read through views or listings that

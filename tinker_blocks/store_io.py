@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import os
 import uuid
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import duckdb
 import fsspec
@@ -31,6 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
+from tinker_blocks.atomic import atomic_write_bytes, sweep_stale_temps
 from tinker_blocks.s3 import (
     PartCacheFS,
     StoreAccessError,
@@ -42,6 +44,7 @@ from tinker_blocks.s3 import (
     retry_missing_part,
     s3_storage_options,
 )
+from tinker_blocks.store_health import known_damaged, retry_damaged, warn_skipped
 from tinker_blocks.store_schemas import (
     CAPTURE_TABLES,
     CAPTURES_SCHEMA,
@@ -58,9 +61,7 @@ from tinker_blocks.store_schemas import (
     make_row_id,
     validate_run_id,
 )
-from tinker_blocks.store_health import known_damaged, retry_damaged, warn_skipped
 from tinker_blocks.store_writer import StoreWriter, sanitize_writer_id
-from tinker_blocks.atomic import atomic_write_bytes, sweep_stale_temps
 from tinker_blocks.view_sql import cast_columns, dedup_window, deduplicated_select, empty_select, sql_str
 
 __all__ = [

@@ -17,7 +17,14 @@ from typing import Any
 
 from tinker_blocks.atomic import atomic_write_bytes, is_orphan
 from tinker_blocks.store_health import (
-    QUARANTINE_DIR, HealthReport, Problem, forget_parts, fs_path, list_parts, scan_parts)
+    QUARANTINE_DIR,
+    HealthReport,
+    Problem,
+    forget_parts,
+    fs_path,
+    list_parts,
+    scan_parts,
+)
 from tinker_blocks.store_io import STORES, ParquetStore, resolve_storage_options, validate_run_id
 
 __all__ = ["check_root", "repair_root", "scan_run"]
@@ -103,7 +110,7 @@ def repair_root(root: str, storage_options: Mapping[str, Any] | None = None,
         return report, None
     io = stores[0]
     fs, base = io.fs, io.bucket_path
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+    stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%S%fZ")
     dest_root = f"{base}/{QUARANTINE_DIR}/{stamp}"
     moved = []
     for p in report.problems:

@@ -16,8 +16,9 @@ import hashlib
 import json
 import re
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import pyarrow as pa
 
@@ -287,11 +288,11 @@ def _coerce(table: str, col: str, typ: pa.DataType, value: Any) -> Any:
             return float(value)
         if pa.types.is_timestamp(typ):
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                return _dt.datetime.fromtimestamp(value, _dt.timezone.utc)
+                return _dt.datetime.fromtimestamp(value, _dt.UTC)
             if not isinstance(value, _dt.datetime):
                 raise TypeError("expected a datetime or a Unix time in seconds")
             if value.tzinfo is None:  # naive datetimes are taken as UTC
-                value = value.replace(tzinfo=_dt.timezone.utc)
+                value = value.replace(tzinfo=_dt.UTC)
             return value
         if pa.types.is_list(typ):
             if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
@@ -325,7 +326,7 @@ def normalize_row(table: str, spec: TableSpec, row: Mapping[str, Any]) -> dict[s
         if rec[col] is not None and rec[col] not in allowed:
             raise StoreError(f"table {table!r}, column {col!r}: {rec[col]!r} not one of {list(allowed)}")
     if rec["time"] is None:
-        rec["time"] = _dt.datetime.now(_dt.timezone.utc)
+        rec["time"] = _dt.datetime.now(_dt.UTC)
     if rec["row_id"] is None:
         key = spec.natural_key
         rec["row_id"] = make_row_id(*(rec[k] for k in key)) if key else uuid.uuid4().hex

@@ -3,7 +3,8 @@ the training, eval and capture stores, so one query can join them (``prefect-tin
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import duckdb
 import fsspec

@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 import time as _time
 import uuid
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
@@ -50,7 +51,7 @@ class StoreWriter:
 
     def __init__(
         self,
-        store: "ParquetStore",
+        store: ParquetStore,
         table: str,
         *,
         writer_id: str | None = None,
@@ -129,7 +130,7 @@ class StoreWriter:
         """Number of buffered (not yet written) rows."""
         return len(self._buf)
 
-    def __enter__(self) -> "StoreWriter":
+    def __enter__(self) -> StoreWriter:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -22,8 +22,8 @@ from pydantic import Field
 
 from tinker_blocks.docs import docs_url
 from tinker_blocks.s3 import StoreAccessError, StoreUnavailableError, retry_missing_part
-from tinker_blocks.store_health import retry_damaged
 from tinker_blocks.s3_credentials import S3Credentials
+from tinker_blocks.store_health import retry_damaged
 from tinker_blocks.store_io import (
     CAPTURES_SCHEMA,
     CHECKPOINTS_SCHEMA,
@@ -83,7 +83,7 @@ class StoreBlock(Block, ABC):
         description="How long S3 writes keep retrying transient errors (server down, 5xx) before failing.",
     )
 
-    def __new__(cls, root: str | None = None, /, **data: Any) -> "StoreBlock":
+    def __new__(cls, root: str | None = None, /, **data: Any) -> StoreBlock:
         # Block.__new__ takes keywords only; accept the positional root form too.
         return super().__new__(cls, **data)
 
@@ -93,7 +93,7 @@ class StoreBlock(Block, ABC):
         super().__init__(**data)
 
     @classmethod
-    def local_default(cls) -> "StoreBlock":
+    def local_default(cls) -> StoreBlock:
         """A store at :func:`default_store_root` (``$PREFECT_TINKER_STORE`` or ``~/.prefect-tinker/store``)."""
         return cls(root=default_store_root())
 

@@ -75,7 +75,7 @@ def add_adapter(peft_model, model, name: str, cfg, seed: int, device: torch.devi
     return peft_model
 
 
-def adapter_params(peft_model, name: str) -> "OrderedDict[str, torch.nn.Parameter]":
+def adapter_params(peft_model, name: str) -> OrderedDict[str, torch.nn.Parameter]:
     """The parameters of adapter ``name`` keyed as in peft's saved state dict
     (``base_model.model.<module>.lora_A.weight``), in module order."""
     out = OrderedDict()

@@ -27,8 +27,9 @@ from __future__ import annotations
 import math
 import operator
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -210,7 +211,7 @@ class CompiledLoss:
     loss_ref: Any
     metric_refs: dict[str, Any]
 
-    def bind(self, n_datums: int) -> "BoundLoss":
+    def bind(self, n_datums: int) -> BoundLoss:
         return BoundLoss(self, n_datums)
 
 

@@ -43,11 +43,11 @@ from .adapters import LORA_ALPHA, adapter_params, add_adapter, lora_config
 from .checkpoints import checkpoint_info, read_adapter, read_optimizer_state, write_checkpoint
 from .compute import available_cpus, bf16_supported, fp32_head_logits
 from .datatypes import Datum, FwdResult, SampleResult
+from .engine_sampling import SamplingMixin
 from .errors import EngineUserError, UnknownModelError
 from .inputs import check_datum, check_name, microbatches
 from .losses import get_loss_fn
 from .media import media_logits, media_support, resolve_chunks
-from .engine_sampling import SamplingMixin
 from .models import ModelSpec, resolve_model
 
 SMALL_WORK = 1e9  # parameter x token products below which a forward/backward runs on one thread
@@ -63,7 +63,7 @@ class _Base:
     n_params: int
     peft: Any = None  # peft.PeftModel once the first adapter exists
     counter: int = 0
-    sampler_adapters: "OrderedDict[tuple, str]" = field(default_factory=OrderedDict)
+    sampler_adapters: OrderedDict[tuple, str] = field(default_factory=OrderedDict)
     active: str | None = None  # adapter last activated by set_adapter (None: unknown)
     media: Any = False  # tinker_local.media.Support | None once looked up (False: not yet)
 
@@ -85,7 +85,7 @@ class _Train:
     train_attn: bool
     train_unembed: bool
     seed: int
-    params: "OrderedDict[str, torch.nn.Parameter]"  # peft state-dict key -> parameter
+    params: OrderedDict[str, torch.nn.Parameter]  # peft state-dict key -> parameter
     optimizer: torch.optim.AdamW
     step: int = 0
 

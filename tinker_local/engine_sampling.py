@@ -19,9 +19,8 @@ import torch
 
 from .adapters import load_sampler_adapter
 from .checkpoints import checkpoint_info
-from .datatypes import SampleResult
+from .datatypes import MediaChunk, SampleResult
 from .errors import EngineUserError
-from .datatypes import MediaChunk
 from .inputs import check_tokens
 from .media import prefill_kwargs, reset_media_state, resolve_chunks
 from .sampling import SampleRequest, make_stop_spec, sample_batch

@@ -45,7 +45,7 @@ class FaultConfig:
         return bool(self.fail_every or self.drop_every)
 
     @classmethod
-    def from_env(cls, environ: dict | None = None) -> "FaultConfig":
+    def from_env(cls, environ: dict | None = None) -> FaultConfig:
         """Read ``TINKER_LOCAL_FAIL_EVERY`` / ``TINKER_LOCAL_DROP_EVERY``; ValueError naming the
         variable if one is not an integer >= 0."""
         env = os.environ if environ is None else environ

@@ -40,8 +40,9 @@ import time
 import traceback
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 logger = logging.getLogger("tinker_local.futures")
 

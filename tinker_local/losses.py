@@ -26,7 +26,7 @@ Sources: Tinker docs "Loss functions" (tinker-docs.thinkingmachines.ai/tinker/lo
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

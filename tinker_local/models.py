@@ -31,13 +31,14 @@ import os
 import shutil
 import uuid
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .errors import UnknownModelError
-from .model_dirs import install_dir
 from .media_models import MEDIA_PRESETS, ensure_media_preset
+from .model_dirs import install_dir
 
 logger = logging.getLogger(__name__)
 

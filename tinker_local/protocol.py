@@ -13,8 +13,9 @@ from __future__ import annotations
 import base64
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 from tinker.proto import tinker_public_pb2 as pb

@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ logger = logging.getLogger("tinker_local.registry")
 
 def iso(ts: float) -> str:
     """Unix seconds -> ISO 8601 UTC string (what the REST types parse as datetime)."""
-    return datetime.fromtimestamp(ts, tz=timezone.utc).isoformat()
+    return datetime.fromtimestamp(ts, tz=UTC).isoformat()
 
 
 @dataclass

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Mapping
+from collections.abc import Mapping
 
 __all__ = ["server_environment"]
 

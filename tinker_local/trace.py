@@ -22,8 +22,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 MAX_EVENTS_PER_SESSION = 100_000
 MAX_SESSIONS = 1000  # the timelines of the most recently started sessions are kept

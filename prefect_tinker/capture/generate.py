@@ -18,10 +18,10 @@ import json
 import math
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
-from prefect_tinker.recipes.renderers import RendererError, Termination
 from prefect_tinker.capture.model import ServedModel
 from prefect_tinker.capture.requests import (
     APIError,
@@ -29,6 +29,7 @@ from prefect_tinker.capture.requests import (
     CompletionRequest,
     to_renderer_messages,
 )
+from prefect_tinker.recipes.renderers import RendererError, Termination
 
 __all__ = ["Generation", "RequestContext", "chat_completion", "completion"]
 

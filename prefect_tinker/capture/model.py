@@ -12,14 +12,15 @@ import json
 import logging
 import re
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import tinker
 
-from prefect_tinker.recipes.renderers import Renderer, get_renderer
 from prefect_tinker.capture.requests import APIError
+from prefect_tinker.recipes.renderers import Renderer, get_renderer
 
 __all__ = ["ServedModel", "backend_error", "open_served_model"]
 

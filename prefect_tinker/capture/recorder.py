@@ -17,7 +17,8 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 __all__ = ["CaptureRecorder"]
 

@@ -10,7 +10,8 @@ token logprobs), one chunk per tool call, then a chunk with the ``finish_reason`
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from prefect_tinker.capture.generate import Generation
 

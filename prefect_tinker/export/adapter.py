@@ -94,14 +94,14 @@ def _read_config(path: Path) -> dict[str, Any]:
         raise AdapterError(f"{path}: not a readable adapter config ({exc})") from exc
     if not isinstance(cfg, dict) or str(cfg.get("peft_type", "LORA")).upper() != "LORA":
         raise AdapterError(f"{path}: peft_type must be 'LORA', got {cfg.get('peft_type') if isinstance(cfg, dict) else cfg!r}")
-    for field in ("r", "lora_alpha"):
-        if not isinstance(cfg.get(field), (int, float)) or isinstance(cfg.get(field), bool) or cfg[field] <= 0:
-            raise AdapterError(f"{path}: field {field!r} must be a positive number, got {cfg.get(field)!r}")
+    for key in ("r", "lora_alpha"):
+        if not isinstance(cfg.get(key), (int, float)) or isinstance(cfg.get(key), bool) or cfg[key] <= 0:
+            raise AdapterError(f"{path}: field {key!r} must be a positive number, got {cfg.get(key)!r}")
     refused = {"use_dora": "DoRA", "alpha_pattern": "per-module alphas", "lora_bias": "LoRA biases",
                "modules_to_save": "fully trained extra modules"}
-    for field, what in refused.items():
-        if cfg.get(field):
-            raise AdapterError(f"{path}: {field}={cfg[field]!r} ({what}) is not supported by the exact merge")
+    for key, what in refused.items():
+        if cfg.get(key):
+            raise AdapterError(f"{path}: {key}={cfg[key]!r} ({what}) is not supported by the exact merge")
     return cfg
 
 

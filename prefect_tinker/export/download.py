@@ -16,8 +16,8 @@ from __future__ import annotations
 import os
 import re
 import stat
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 __all__ = ["DownloadError", "UnsafeDownloadError", "check_listing", "check_tree", "download_listing"]
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import re
 import warnings
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["ServerExport", "Wait", "export_on_server", "parse_checkpoint", "paired_state", "rest_client"]

@@ -20,8 +20,9 @@ both about 6.6 unit roundoffs on average), leaving room for deeper models.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch

@@ -115,7 +115,7 @@ class TinkerModelAPI(ModelAPI):
     """inspect-ai model API for Tinker (see the module docstring for model args)."""
 
     def __init__(self, model_name: str, base_url: str | None = None, api_key: str | None = None,
-                 config: GenerateConfig = GenerateConfig(), *, renderer: str = "auto",
+                 config: GenerateConfig = GenerateConfig(), *, renderer: str = "auto",  # noqa: B008 (inspect-ai API)
                  credentials_block: str | None = None, local_root: str | None = None,
                  max_connections: int = 8, **model_args: Any) -> None:
         super().__init__(model_name, base_url, api_key, ["TINKER_API_KEY"], config)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, Discriminator, Field, Tag
 
@@ -83,7 +83,7 @@ def _kind(value: Any) -> str:
 
 #: One evaluation of a config: a sampling benchmark or an inspect task (see the module docstring).
 EvalSpec = Annotated[
-    Union[Annotated[BenchmarkSpec, Tag("sampling")], Annotated[InspectSpec, Tag("inspect")]],
+    Annotated[BenchmarkSpec, Tag("sampling")] | Annotated[InspectSpec, Tag("inspect")],
     Discriminator(_kind),
     BeforeValidator(parse_eval_spec),
 ]

@@ -36,8 +36,14 @@ import tinker
 from prefect_tinker.recipes.media import MediaError, MediaToken, model_input_from_tokens, tokens_from_model_input
 from prefect_tinker.recipes.renderers.encoding import Piece, text_encoder
 from prefect_tinker.recipes.renderers.media_parts import MediaContent, MediaEncoder, MediaRun
-from prefect_tinker.recipes.renderers.messages import (KNOWN_ROLES, Message, RendererError,
-                                                       check_message_list, check_tools, normalize_messages)
+from prefect_tinker.recipes.renderers.messages import (
+    KNOWN_ROLES,
+    Message,
+    RendererError,
+    check_message_list,
+    check_tools,
+    normalize_messages,
+)
 
 __all__ = [
     "KNOWN_ROLES",

@@ -37,7 +37,13 @@ import numpy as np
 
 from prefect_tinker.recipes.media import MediaError, MediaRef, cache_file, media_tokens, store_media
 from prefect_tinker.recipes.renderers.base import (
-    Message, ParsedResponse, Renderer, RendererError, TrainOnWhat, check_train_on, normalize_messages,
+    Message,
+    ParsedResponse,
+    Renderer,
+    RendererError,
+    TrainOnWhat,
+    check_train_on,
+    normalize_messages,
 )
 from prefect_tinker.recipes.renderers.media_parts import MediaContent
 

@@ -23,12 +23,26 @@ from prefect_tinker.recipes.rl.advantages import (
     sample_train_kl,
     trajectory_to_datums,
 )
-from prefect_tinker.recipes.rl.envs import EnvSpec, Environment, build_rl_dataset, env_names, get_env, register_env
+from prefect_tinker.recipes.rl.envs import Environment, EnvSpec, build_rl_dataset, env_names, get_env, register_env
 from prefect_tinker.recipes.rl.envs.arithmetic import write_arithmetic_sft_jsonl
 from prefect_tinker.recipes.rl.envs.problems import load_problems
-from prefect_tinker.recipes.rl.grading import answers_match, extract_boxed, extract_final_answer, extract_hash_answer, parse_number
+from prefect_tinker.recipes.rl.grading import (
+    answers_match,
+    extract_boxed,
+    extract_final_answer,
+    extract_hash_answer,
+    parse_number,
+)
 from prefect_tinker.recipes.rl.problem_env import Problem, ProblemDataset, ProblemEnv, ProblemGroupBuilder
-from prefect_tinker.recipes.rl.types import Env, EnvGroupBuilder, RLDataset, StepResult, Trajectory, TrajectoryGroup, Transition
+from prefect_tinker.recipes.rl.types import (
+    Env,
+    EnvGroupBuilder,
+    RLDataset,
+    StepResult,
+    Trajectory,
+    TrajectoryGroup,
+    Transition,
+)
 
 __all__ = [
     "Env", "EnvGroupBuilder", "EnvSpec", "Environment", "env_names", "get_env", "register_env", "Problem", "ProblemDataset", "ProblemEnv",

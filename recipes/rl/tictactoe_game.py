@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import re
+
 import numpy as np
 
 __all__ = ["EMPTY", "LINES", "Game", "board_text", "legal_moves", "minimax_move", "minimax_value", "parse_move",
@@ -50,7 +51,7 @@ def play(board: str, cell: int) -> str:
     return board[: cell - 1] + to_move(board) + board[cell:]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def minimax_value(board: str) -> int:
     """Value of ``board`` for the player to move under perfect play: ``+(10 - plies)`` win,
     0 draw, ``-(10 - plies)`` loss (plies = marks on the final board)."""

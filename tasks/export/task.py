@@ -30,7 +30,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -93,9 +93,9 @@ def _build_and_verify(credentials: Any, download: Path, base_dir: Path, adapter:
                       dtype: str, reference: str, max_shard_bytes: int, lap: Any) -> tuple[dict, dict]:
     """Build the export in float32 and check it at 1e-4, then (other dtypes) cast it and check
     again at the dtype's tolerance. Returns ``(verification, embeddings)``."""
-    from prefect_tinker.tasks.clients import sampling_client
     from prefect_tinker.export.merge import DTYPES, cast_weights, merge_into_folder
     from prefect_tinker.export.verify import Verifier
+    from prefect_tinker.tasks.clients import sampling_client
 
     tied: dict[str, Any] = {}
     if fmt == "merged":  # shards sized for the final dtype: the float32 ones are cast later
@@ -195,7 +195,7 @@ def run_export(credentials: Any, checkpoint: str, format: str, dtype: str, out: 
                 "checkpoint": checkpoint, "state_path": srv.state_path, "external_weights": srv.external_path,
                 "base_model": srv.base_model, "base_model_source": base_source, "lora": lora,
                 "embeddings": tied, "files": files, "verification": verification, "seconds": dict(seconds),
-                "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "versions": _versions(),
+                "created": datetime.now(UTC).isoformat(timespec="seconds"), "versions": _versions(),
             }
             (stage / METADATA_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
             output.publish(stage, overwrite)

@@ -22,9 +22,9 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -84,22 +84,22 @@ class Environment:
     Options: ClassVar[type[BaseModel]] = NoOptions
 
     @classmethod
-    def check(cls, spec: "EnvSpec") -> None:
+    def check(cls, spec: EnvSpec) -> None:
         """Raise ValueError when ``spec`` cannot work with this environment (checked when the
         config is validated, before a run starts)."""
 
     @classmethod
-    def preflight(cls, spec: "EnvSpec") -> None:
+    def preflight(cls, spec: EnvSpec) -> None:
         """Read and validate the environment's data before a run starts (no tokenizer, no
         server): a bad record fails here, naming file, line and field. Default: nothing to read."""
 
     @classmethod
-    def options(cls, spec: "EnvSpec") -> BaseModel:
+    def options(cls, spec: EnvSpec) -> BaseModel:
         """``spec.env_options`` validated by :attr:`Options`."""
         return cls.Options.model_validate(spec.env_options)
 
     @classmethod
-    def build(cls, spec: "EnvSpec", ctx: EnvContext) -> RLDataset:
+    def build(cls, spec: EnvSpec, ctx: EnvContext) -> RLDataset:
         """The training dataset (batches of group builders) of ``spec``.
 
         Raises:
@@ -108,14 +108,14 @@ class Environment:
         raise NotImplementedError
 
     @classmethod
-    def eval_builders(cls, spec: "EnvSpec", ctx: EnvContext) -> dict[str, list[EnvGroupBuilder]]:
+    def eval_builders(cls, spec: EnvSpec, ctx: EnvContext) -> dict[str, list[EnvGroupBuilder]]:
         """Evaluation sets of the environment: ``{name: group builders}`` (e.g. games against
         fixed opponents), rolled out on sampler weights by
         :class:`prefect_tinker.tasks.rollout_eval.RolloutEvaluator`; none by default."""
         return {}
 
     @classmethod
-    def evaluators(cls, spec: "EnvSpec", ctx: EnvContext) -> list:
+    def evaluators(cls, spec: EnvSpec, ctx: EnvContext) -> list:
         """Evaluators the RL run on this environment runs at its start, every ``eval_every``
         steps and at its end (:mod:`prefect_tinker.tasks.evaluators` objects; default none)."""
         return []
@@ -194,7 +194,7 @@ class EnvSpec(BaseModel):
     _dataset_exists = field_validator("dataset")(check_local_source)  # a missing file fails here
 
     @model_validator(mode="after")
-    def _check_env(self) -> "EnvSpec":
+    def _check_env(self) -> EnvSpec:
         env = get_env(self.env)
         try:
             env.options(self)

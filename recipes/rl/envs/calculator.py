@@ -28,7 +28,15 @@ from prefect_tinker.recipes.data_reading import looks_local
 from prefect_tinker.recipes.rl.envs import EnvContext, Environment, register_env
 from prefect_tinker.recipes.rl.envs.problems import load_problems
 from prefect_tinker.recipes.rl.grading import answers_match, extract_final_answer
-from prefect_tinker.recipes.rl.message_env import EpisodeLimits, MessageEnv, MessageEnvOptions, MessageGroupBuilder, Reaction, freeze, thaw
+from prefect_tinker.recipes.rl.message_env import (
+    EpisodeLimits,
+    MessageEnv,
+    MessageEnvOptions,
+    MessageGroupBuilder,
+    Reaction,
+    freeze,
+    thaw,
+)
 from prefect_tinker.recipes.rl.problem_env import Problem, ProblemDataset
 from prefect_tinker.recipes.rl.types import RLDataset
 from prefect_tinker.recipes.tools import Toolset, calculator

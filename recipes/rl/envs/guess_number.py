@@ -21,7 +21,12 @@ from pydantic import Field, model_validator
 from prefect_tinker.recipes.rl.envs import EnvContext, Environment, register_env
 from prefect_tinker.recipes.rl.message_env import (
     EpisodeLimits,
-    GeneratedDataset, MessageEnv, MessageEnvOptions, MessageGroupBuilder, Reaction, problem_rng,
+    GeneratedDataset,
+    MessageEnv,
+    MessageEnvOptions,
+    MessageGroupBuilder,
+    Reaction,
+    problem_rng,
 )
 from prefect_tinker.recipes.rl.types import RLDataset
 
@@ -42,7 +47,7 @@ class GuessNumberOptions(MessageEnvOptions):
     max_turns: int = Field(default=8, ge=1, le=32, description="Guesses allowed.")
 
     @model_validator(mode="after")
-    def _range(self) -> "GuessNumberOptions":
+    def _range(self) -> GuessNumberOptions:
         if self.low >= self.high:
             raise ValueError(f"low ({self.low}) must be below high ({self.high})")
         return self

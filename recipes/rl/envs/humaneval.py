@@ -25,7 +25,15 @@ from pydantic import Field
 
 from prefect_tinker.recipes.code_grading import solution_program
 from prefect_tinker.recipes.rl.envs import EnvContext, Environment, register_env
-from prefect_tinker.recipes.rl.message_env import EpisodeLimits, MessageEnv, MessageEnvOptions, MessageGroupBuilder, Reaction, freeze, thaw
+from prefect_tinker.recipes.rl.message_env import (
+    EpisodeLimits,
+    MessageEnv,
+    MessageEnvOptions,
+    MessageGroupBuilder,
+    Reaction,
+    freeze,
+    thaw,
+)
 from prefect_tinker.recipes.rl.problem_env import ProblemDataset
 from prefect_tinker.recipes.rl.types import RLDataset
 from prefect_tinker.recipes.sandbox import last_code_block, load_code_problems, run_tests

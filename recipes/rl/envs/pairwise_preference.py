@@ -35,7 +35,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from prefect_tinker.recipes.renderers.base import Termination
 from prefect_tinker.recipes.reward_model import (
-    DEFAULT_QUESTION, ComparisonFormat, group_rewards, label_token_ids, matchups, render_comparison, win_minus_loss,
+    DEFAULT_QUESTION,
+    ComparisonFormat,
+    group_rewards,
+    label_token_ids,
+    matchups,
+    render_comparison,
+    win_minus_loss,
 )
 from prefect_tinker.recipes.rl.envs import EnvContext, Environment, register_env
 from prefect_tinker.recipes.rl.problem_env import ProblemDataset, freeze_messages, load_renderer

@@ -3,8 +3,9 @@ and the prompt prefix (system prompt, one solved example) a spec asks for."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
-from typing import Any, Sequence
+from typing import Any
 
 from prefect_tinker.recipes.rl.grading import extract_boxed, extract_hash_answer
 from prefect_tinker.recipes.rl.problem_env import Problem, ProblemGroupBuilder, freeze_messages

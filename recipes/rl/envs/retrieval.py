@@ -31,7 +31,14 @@ from pydantic import Field, field_validator
 
 from prefect_tinker.recipes.grading_text import best_over_references, exact_match, token_f1
 from prefect_tinker.recipes.rl.envs import EnvContext, Environment, register_env
-from prefect_tinker.recipes.rl.message_env import MessageEnv, MessageEnvOptions, MessageGroupBuilder, Reaction, freeze, thaw
+from prefect_tinker.recipes.rl.message_env import (
+    MessageEnv,
+    MessageEnvOptions,
+    MessageGroupBuilder,
+    Reaction,
+    freeze,
+    thaw,
+)
 from prefect_tinker.recipes.rl.problem_env import ProblemDataset
 from prefect_tinker.recipes.rl.types import RLDataset
 

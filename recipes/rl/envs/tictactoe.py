@@ -30,7 +30,13 @@ from pydantic import Field
 
 from prefect_tinker.recipes.rl.envs import EnvContext, Environment, register_env
 from prefect_tinker.recipes.rl.message_env import (
-    EpisodeLimits, GeneratedDataset, MessageEnv, MessageEnvOptions, MessageGroupBuilder, Reaction, problem_rng,
+    EpisodeLimits,
+    GeneratedDataset,
+    MessageEnv,
+    MessageEnvOptions,
+    MessageGroupBuilder,
+    Reaction,
+    problem_rng,
 )
 from prefect_tinker.recipes.rl.tictactoe_game import Game, board_text, minimax_move, parse_move, random_move
 from prefect_tinker.recipes.rl.types import RLDataset, RolloutContext, StepResult, Trajectory, Transition

@@ -26,7 +26,12 @@ from pydantic import Field, field_validator
 from prefect_tinker.recipes.rl.envs import EnvContext, Environment, register_env
 from prefect_tinker.recipes.rl.message_env import (
     EpisodeLimits,
-    GeneratedDataset, MessageEnv, MessageEnvOptions, MessageGroupBuilder, Reaction, problem_rng,
+    GeneratedDataset,
+    MessageEnv,
+    MessageEnvOptions,
+    MessageGroupBuilder,
+    Reaction,
+    problem_rng,
 )
 from prefect_tinker.recipes.rl.problem_env import load_renderer
 from prefect_tinker.recipes.rl.types import RLDataset, RolloutContext
