@@ -9,7 +9,6 @@ only when used (listing recipes imports no torch).
 
 from __future__ import annotations
 
-import importlib
 import os
 from dataclasses import dataclass, field
 from importlib import resources
@@ -40,15 +39,6 @@ class Recipe:
     description: str = ""
     curves: tuple[str, ...] = ()
     deployments: tuple[str, ...] = field(default=())
-
-    def load_flow(self) -> Any:
-        """The flow object (imports its module).
-
-        Raises:
-            ImportError / AttributeError: the module or attribute does not exist.
-        """
-        mod, _, attr = self.flow.partition(":")
-        return getattr(importlib.import_module(mod), attr)
 
     @property
     def entrypoint(self) -> str:

@@ -66,9 +66,6 @@ class RewardModelConfig(SourceFields, RecipeConfig):
     def run_name_prefix(self) -> str:
         return f"rm-{self.model.replace('/', '-')}"
 
-    def comparison_format(self) -> ComparisonFormat:
-        return ComparisonFormat(question=self.question, labels=self.labels)
-
     def dataset_builder(self, renderer: str) -> RewardModelBuilder:
         """The comparisons of this run for the (resolved) ``renderer``."""
         return RewardModelBuilder(sources=self.source_specs(), renderer=renderer, seed=self.seed,

@@ -78,15 +78,14 @@ def pick_text(record: Mapping[str, Any], fields: Mapping[str, str], name: str, d
     Raises:
         RecordError: required and missing, or not a string.
     """
-    if name in fields:
-        path = fields[name]
-    else:
-        path = next((d for d in defaults if isinstance(record, Mapping) and d in record), None)
-        if path is None:
-            if not required:
-                return None, None
-            have = ", ".join(map(str, record)) if isinstance(record, Mapping) else "not an object"
-            raise RecordError(defaults[0], f"is missing (record has: {have or 'no fields'})")
+    found = fields[name] if name in fields else next(
+        (d for d in defaults if isinstance(record, Mapping) and d in record), None)
+    if found is None:
+        if not required:
+            return None, None
+        have = ", ".join(map(str, record)) if isinstance(record, Mapping) else "not an object"
+        raise RecordError(defaults[0], f"is missing (record has: {have or 'no fields'})")
+    path: str = found
     value = get_field(record, path)
     if value is None and not required:
         return path, None

@@ -9,6 +9,7 @@ cd "$(dirname "$0")/.."
 WITH_SMOLLM2=${WITH_SMOLLM2:-1} bash scripts/setup.sh
 . .venv/bin/activate
 . scripts/env.sh
+bash scripts/lint.sh  # import layers, ruff, mypy, vulture: before any test
 python -m pytest -q -m "not deployments and not cluster" "$@"
 python -m pytest -q -m deployments "$@"
 # real local Ray and Dask clusters (~5 min, start-up dominated): a process of their own, so that

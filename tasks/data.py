@@ -55,6 +55,3 @@ def prepare_dataset(builder: DatasetBuilder, tokenizer_id: str) -> Any:
         get_run_logger().warning("%s: %s", type(builder).__name__, getattr(data, "skip_summary", f"{skipped} skipped"))
     return data
 
-
-#: Backwards-compatible name of the supervised result.
-PreparedDataset = SupervisedData

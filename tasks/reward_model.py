@@ -72,7 +72,7 @@ def _run_name(parameters: dict[str, Any]) -> str:
 TOPK = 20
 
 
-def _ask_single(client: Any, prompt: list[int], label_a: int, label_b: int) -> Any:
+def _ask_single(client: Any, prompt: list[int], label_a: int) -> Any:
     """One request for both single-token labels: ``prompt + [label_a]`` with its last prompt
     logprob (``label_a``) and the top-:data:`TOPK` alternatives at that position (``label_b``
     when it is among them)."""
@@ -115,7 +115,7 @@ def label_logprobs(credentials: Any, reward_model: str, comparisons: list[Render
         if len(c.labels[0]) == len(c.labels[1]) == 1:
             key = (prompt, c.labels[0][0], c.labels[1][0])
             if key not in single:
-                single[key] = _ask_single(client, list(prompt), key[1], key[2])
+                single[key] = _ask_single(client, list(prompt), key[1])
         else:
             for lab in c.labels:
                 if (prompt, tuple(lab)) not in sequences:

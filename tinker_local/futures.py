@@ -283,11 +283,6 @@ class FutureStore:
         with self._cv:
             return self._records.get(request_id)
 
-    def queue_depth(self) -> int:
-        with self._cv:
-            return (len(self._fifo) + sum(len(lane.pending) for lane in self._lanes.values())
-                    + sum(len(f) for f in self._side.values()))
-
     # -- compute thread --------------------------------------------------------------------------
     def _purge_locked(self) -> None:
         now = time.time()

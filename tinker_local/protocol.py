@@ -272,18 +272,6 @@ def sample_response_to_proto(
 # ---------------------------------------------------------------------------------------------
 
 
-def prompt_tokens_from_json(prompt: dict[str, Any]) -> list[int]:
-    """Flatten a JSON ``ModelInput`` of text chunks (``{"chunks": [{"type": "encoded_text",
-    "tokens": [...]}]}``); ProtocolError for any other chunk type."""
-    tokens: list[int] = []
-    for i, chunk in enumerate(prompt.get("chunks") or []):
-        kind = chunk.get("type", "encoded_text")
-        if kind != "encoded_text":
-            raise ProtocolError(f"prompt chunk {i}: type {kind!r} is not supported (text only)")
-        tokens.extend(int(t) for t in chunk.get("tokens") or [])
-    return tokens
-
-
 def prompt_from_json(prompt: dict[str, Any]) -> list[int] | list[Any]:
     """A JSON ``ModelInput``: its token ids when it is all text, else its chunks in order (token
     lists and ``MediaChunk`` s: ``image`` with base64 ``data``, ``image_asset_pointer`` with a

@@ -220,10 +220,6 @@ class Renderer:
         """Token ids of the renderer's own markup ``text`` (special-token strings are control tokens)."""
         return self.encoder.markup(text)
 
-    def encode_text(self, text: str) -> list[int]:
-        """Token ids of message content ``text``: plain text unless ``special_tokens_in_content``."""
-        return self.encoder.markup(text) if self.special_tokens_in_content else self.encoder.text(text)
-
     def content(self, text: str) -> Piece:
         """``text`` as a content piece for :meth:`encode_pieces` (markup only with ``special_tokens_in_content``)."""
         return (text, self.special_tokens_in_content)
