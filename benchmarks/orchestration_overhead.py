@@ -87,15 +87,15 @@ def _direct(base_url: str, args, examples: list, lr: float) -> tuple[list[float]
     SDK's forward_backward + optim_step (building the batch's datums)."""
     import tinker
 
-    from prefect_tinker.flows.sft import batch_indices
+    from prefect_tinker.recipes.data_pipeline import batch_at
     from prefect_tinker.recipes.datasets import datum_from_example
 
     service = tinker.ServiceClient(base_url=base_url, api_key=API_KEY)
     client = service.create_lora_training_client(base_model=args.model, rank=args.lora_rank, seed=0).result()
     ends, sdk = [time.perf_counter()], []
     for step in range(args.steps):
-        batch = [examples[i] for i in batch_indices(len(examples), args.batch, 0, step)]
-        datums = [datum_from_example(ex.tokens, ex.weights, args.seq) for ex in batch]
+        batch = [examples[i] for i in batch_at(len(examples), args.batch, 0, step)]  # the flow's order (seed 0)
+        datums = [datum_from_example(ex) for ex in batch]
         t0 = time.perf_counter()
         fb = client.forward_backward(datums, "cross_entropy")
         opt = client.optim_step(tinker.AdamParams(learning_rate=lr))
@@ -108,14 +108,18 @@ def _direct(base_url: str, args, examples: list, lr: float) -> tuple[list[float]
 
 
 def _flow(base_url: str, args, dataset: Path, store: Path, run_name: str) -> tuple[list[float], list[float]]:
-    """Step durations (s) of ``sft_flow`` (the ends of steps come from its ``_after_step`` hook), and
+    """Step durations (s) of ``sft_flow`` (the ends of steps come from its ``after_step`` callback), and
     the time of each step spent outside the SDK calls (the step minus the ``train/step_seconds``
     the train-step task measured around forward_backward + optim_step)."""
-    from prefect_tinker.flows import sft as sft_module
+    from prefect_tinker.flows.session import RunCallbacks, run_callbacks
     from prefect_tinker.flows.sft import SFTConfig, sft_flow
 
     ends = []
-    sft_module._after_step = lambda step: ends.append(time.perf_counter())
+
+    class StepEnds(RunCallbacks):
+        def after_step(self, run_id: str, step: int) -> None:
+            ends.append(time.perf_counter())
+
     config = SFTConfig(
         model=args.model, dataset=str(dataset), batch_size=args.batch, max_length=args.seq, test_size=0,
         lora_rank=args.lora_rank, learning_rate=1e-3, lr_schedule="constant", max_steps=args.steps,
@@ -124,7 +128,7 @@ def _flow(base_url: str, args, dataset: Path, store: Path, run_name: str) -> tup
     )
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    with temporary_settings({PREFECT_API_URL: os.environ["PREFECT_API_URL"]}):
+    with temporary_settings({PREFECT_API_URL: os.environ["PREFECT_API_URL"]}), run_callbacks(StepEnds()):
         sft_flow(config)
     from tinker_blocks.stores import TrainingStore
 
@@ -169,12 +173,15 @@ def main(argv: list[str] | None = None) -> int:
 
         import tinker
 
-        from prefect_tinker.tasks.data import prepare_sft_dataset
+        from prefect_tinker.flows.sft import SFTConfig
+        from prefect_tinker.recipes.renderers import resolve_renderer_name
+        from prefect_tinker.tasks.clients import tokenizer
 
         probe = tinker.ServiceClient(base_url=base_url, api_key=API_KEY).create_lora_training_client(
             base_model=args.model, rank=args.lora_rank, seed=0).result()
-        tokenizer_id = probe.get_info().model_data.tokenizer_id
-        data = prepare_sft_dataset.fn(str(dataset), tokenizer_id, "auto", args.seq, 0, 0)
+        tok = tokenizer(probe.get_info().model_data.tokenizer_id)
+        config = SFTConfig(model=args.model, dataset=str(dataset), max_length=args.seq, test_size=0)
+        data = config.dataset_builder(resolve_renderer_name("auto", tok)).build(tok)  # the flow's examples
         lengths = sorted(len(ex.tokens) for ex in data.train)
         print(f"{len(data.train)} examples of {lengths[0]}-{lengths[-1]} tokens; batch {args.batch}; "
               f"{args.steps} steps x {args.repeats} runs per loop", flush=True)
