@@ -42,6 +42,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from prefect_tinker.recipes.registry import Registry
 from prefect_tinker.recipes.renderers.messages import _FieldProblem, check_message_list
 
 __all__ = [
@@ -283,7 +284,23 @@ def _self_instruct(record: Any, fields: Mapping[str, str], options: Mapping[str,
 
 Converter = Callable[[Any, Mapping[str, str], Mapping[str, Any]], list[Converted]]
 
-CONVERTERS: dict[str, Converter] = {
+#: Record formats by name: ``converter(record, fields, options) -> list[Converted]``. The media
+#: formats (:mod:`~prefect_tinker.recipes.media_sources`), ``calculator_solution``
+#: (:mod:`~prefect_tinker.recipes.tools.calculator_traces`) and ``prompt``
+#: (:mod:`~prefect_tinker.recipes.distill.prompts`) register in their own modules, imported when the
+#: registry is first read; plugins add formats through the ``prefect_tinker.formats`` entry-point group.
+CONVERTERS: Registry[Converter] = Registry("dataset format", "prefect_tinker.formats", builtins=(
+    "prefect_tinker.recipes.media_sources", "prefect_tinker.recipes.tools.calculator_traces",
+    "prefect_tinker.recipes.distill.prompts"))
+
+
+def register_converter(name: str, converter: Converter) -> Converter:
+    """Register ``converter(record, fields, options) -> list[Converted]`` under ``name``
+    (overwrites); the same as an entry point of group ``prefect_tinker.formats``."""
+    return CONVERTERS.register(name, converter)
+
+
+for _name, _converter in {
     "messages": _messages,
     "sharegpt": _sharegpt,
     "instruction": _instruction,
@@ -293,17 +310,13 @@ CONVERTERS: dict[str, Converter] = {
     "dialogue": _dialogue,
     "hh": _dialogue,
     "self_instruct": _self_instruct,
-}
-
-
-def register_converter(name: str, converter: Converter) -> None:
-    """Register ``converter(record, fields, options) -> list[Converted]`` under ``name`` (overwrites)."""
-    CONVERTERS[name] = converter
+}.items():
+    register_converter(_name, _converter)
 
 
 def converter_names() -> list[str]:
     """Accepted ``format`` names, sorted."""
-    return sorted(CONVERTERS)
+    return CONVERTERS.names()
 
 
 def convert_record(record: Any, format: str = "messages", fields: Mapping[str, str] | None = None,
@@ -314,10 +327,7 @@ def convert_record(record: Any, format: str = "messages", fields: Mapping[str, s
         ValueError: unknown format (lists the accepted ones).
         RecordError: a missing field or a bad value.
     """
-    try:
-        conv = CONVERTERS[format]
-    except KeyError:
-        raise ValueError(f"unknown dataset format {format!r}; accepted: {', '.join(converter_names())}") from None
+    conv = CONVERTERS.get_or_raise(format)
     if not isinstance(record, Mapping):
         raise RecordError("(record)", f"must be a JSON object, got {_short(record)}")
     return conv(record, dict(fields or {}), dict(options or {}))
@@ -442,11 +452,4 @@ def _preference(record: Any, fields: Mapping[str, str], options: Mapping[str, An
     return [Converted(_with_system(prompt + chosen, options.get("system_prompt")), fields.get("chosen", "chosen"), used)]
 
 
-CONVERTERS["preference"] = _preference
-
-
-# Media formats (image_folder, image_classification, audio_transcript) register themselves.
-from prefect_tinker.recipes import media_sources as _media_sources  # noqa: E402,F401
-from prefect_tinker.recipes.tools.calculator_traces import _calculator_solution  # noqa: E402
-
-CONVERTERS["calculator_solution"] = _calculator_solution
+register_converter("preference", _preference)

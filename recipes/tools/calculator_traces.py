@@ -26,6 +26,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from prefect_tinker.recipes.data_sources import Converted, RecordError, _pick, _top, register_converter
 from prefect_tinker.recipes.tools.calculator import CalculatorError, calculator, evaluate_expression, format_number
 
 __all__ = ["CALCULATOR_SYSTEM", "calculator_transcript"]
@@ -69,8 +70,6 @@ def calculator_transcript(question: str, solution: str, system: str | None = CAL
 
 
 def _calculator_solution(record: Any, fields: Mapping[str, str], options: Mapping[str, Any]) -> list:
-    from prefect_tinker.recipes.data_sources import Converted, RecordError, _pick, _top
-
     qpath, question = _pick(record, fields, "question", ("question",))
     apath, solution = _pick(record, fields, "answer", ("answer", "solution"))
     if not isinstance(question, str) or not question.strip():
@@ -82,3 +81,6 @@ def _calculator_solution(record: Any, fields: Mapping[str, str], options: Mappin
     except ValueError as exc:
         raise RecordError(apath, str(exc)) from None
     return [Converted(messages, f"{qpath}+{apath}", frozenset({_top(qpath), _top(apath)}), {"tools": [calculator.schema]})]
+
+
+register_converter("calculator_solution", _calculator_solution)

@@ -1,9 +1,10 @@
 """RL environments: one registered class per environment, and the spec that picks one.
 
 An environment is a subclass of :class:`Environment` decorated with :func:`register_env`, in its
-own module: every module of this package is imported when the registry is first read, and
-third-party packages add theirs through the ``prefect_tinker.envs`` entry point group (the value
-is a module to import), so a new environment touches one file.
+own module: every module of this package is imported when the registry (:data:`ENVS`, a
+:class:`~prefect_tinker.recipes.registry.Registry`) is first read, and third-party packages add
+theirs through the ``prefect_tinker.envs`` entry point group (``name = "pkg.module:EnvClass"``, or
+a module to import whose classes register themselves), so a new environment touches one file.
 
 Built in: ``arithmetic`` (generated sums), ``gsm8k`` (grade-school word problems), ``math``
 (any JSONL or dataset of problems with a reference answer); multi-turn message environments
@@ -19,20 +20,20 @@ problem source and prompt settings, ``env_options`` validated by the environment
 
 from __future__ import annotations
 
-import importlib
 import pkgutil
-import threading
 from dataclasses import dataclass
-from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from prefect_tinker.recipes.data_reading import check_local_source
+from prefect_tinker.recipes.registry import Registry
 from prefect_tinker.recipes.rl.types import EnvGroupBuilder, RLDataset
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "ENVS",
     "EnvContext",
     "EnvSpec",
     "Environment",
@@ -117,40 +118,26 @@ class Environment:
         return []
 
 
-_ENVS: dict[str, type[Environment]] = {}
-_loaded = False
-_load_lock = threading.Lock()
+#: Registered environments by name: the modules of this package, then the entry points.
+ENVS: Registry[type[Environment]] = Registry("env", ENTRY_POINT_GROUP, builtins=[
+    f"{__name__}.{m.name}" for m in pkgutil.iter_modules([str(Path(__file__).parent)])])
 
 
 def register_env(cls: type[Environment]) -> type[Environment]:
-    """Class decorator: register ``cls`` under ``cls.name`` (a later registration of the same name
-    replaces the earlier one: tests and plugins may override).
+    """Class decorator: register ``cls`` under ``cls.name`` in :data:`ENVS` (a later registration
+    of the same name replaces the earlier one: tests and plugins may override).
 
     Raises:
         ValueError: ``cls.name`` is empty.
     """
     if not cls.name:
         raise ValueError(f"{cls.__name__}: an environment needs a non-empty `name`")
-    _ENVS[cls.name] = cls
-    return cls
-
-
-def _load() -> None:
-    global _loaded
-    with _load_lock:
-        if _loaded:
-            return
-        _loaded = True
-        for mod in pkgutil.iter_modules(__path__):
-            importlib.import_module(f"{__name__}.{mod.name}")
-        for ep in entry_points(group=ENTRY_POINT_GROUP):
-            importlib.import_module(ep.value.split(":", 1)[0])
+    return ENVS.register(cls.name, cls)
 
 
 def env_names() -> list[str]:
     """Registered environment names, sorted."""
-    _load()
-    return sorted(_ENVS)
+    return ENVS.names()
 
 
 def get_env(name: str) -> type[Environment]:
@@ -159,11 +146,7 @@ def get_env(name: str) -> type[Environment]:
     Raises:
         ValueError: unknown name (the message lists the registered ones).
     """
-    _load()
-    try:
-        return _ENVS[name]
-    except KeyError:
-        raise ValueError(f"unknown env {name!r}; registered: {', '.join(sorted(_ENVS))}") from None
+    return ENVS.get_or_raise(name)
 
 
 class EnvSpec(BaseModel):
@@ -188,6 +171,16 @@ class EnvSpec(BaseModel):
     format_coef: float = Field(default=0.1, ge=0, description="Reward penalty for a malformed reply.")
 
     _dataset_exists = field_validator("dataset")(check_local_source)  # a missing file fails here
+
+    #: Fields naming where the problems come from: a resumed run may change them as long as the
+    #: problems' content (the run's data fingerprint) stays the same.
+    source_fields: ClassVar[tuple[str, ...]] = ("dataset", "dataset_config", "split", "max_problems")
+
+    @classmethod
+    def resume_fields(cls) -> tuple[str, ...]:
+        """The fields a resumed run must keep: every field of the spec (``env_options`` as a
+        whole, so every option of every environment) except :attr:`source_fields`."""
+        return tuple(f for f in cls.model_fields if f not in cls.source_fields)
 
     @model_validator(mode="after")
     def _check_env(self) -> "EnvSpec":
