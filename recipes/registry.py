@@ -45,7 +45,7 @@ class Registry(MutableMapping[str, T], Generic[T]):
     """Components of one kind by name, filled by built-in modules, entry points and
     :meth:`register` (see the module docstring).
 
-    A mutable mapping (``reg[name]``, ``name in reg``, iteration in sorted name order), so tests
+    A mutable mapping (``reg[name]``, ``name in reg``, iteration in registration order), so tests
     may ``monkeypatch.setitem`` it; :meth:`get_or_raise` is the lookup with a readable error.
 
     Args:
@@ -127,7 +127,8 @@ class Registry(MutableMapping[str, T], Generic[T]):
         del self._items[name]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.names())
+        self.load()
+        return iter(list(self._items))
 
     def __len__(self) -> int:
         self.load()
