@@ -95,7 +95,9 @@ class Environment:
     def options(cls, spec: "EnvSpec") -> BaseModel:
         """``spec.env_options`` validated by :attr:`Options` (the spec's own environment's options are
         validated once: :attr:`EnvSpec.typed_env_options`)."""
-        return spec.typed_env_options if spec.env == cls.name else cls.Options.model_validate(spec.env_options)
+        if isinstance(spec, EnvSpec) and spec.env == cls.name:
+            return spec.typed_env_options
+        return cls.Options.model_validate(spec.env_options)
 
     @classmethod
     def build(cls, spec: "EnvSpec", ctx: EnvContext) -> RLDataset:
