@@ -59,7 +59,8 @@ def plugin_cli(tmp_path_factory, local_credentials, prefect_api):
         args = [*argv, local_root] if argv[0] == "run" else list(argv)
         proc = subprocess.run([sys.executable, "-m", "prefect_tinker.flows.cli", *args], env=env, cwd=home,
                               capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, f"prefect-tinker {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        assert proc.returncode == 0, \
+            f"prefect-tinker {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         return proc.stdout
 
     def sql(query: str) -> list[dict]:  # reading the store needs no plugin: in this process
@@ -95,7 +96,7 @@ def test_plugin_env_loss_and_estimator_run_rl(plugin_cli):
                "AND name NOT LIKE 'time/%' AND name NOT LIKE '%seconds%' AND name NOT LIKE '%per_s%' ORDER BY ALL")
     by_run = {r: {(x["step"], x["name"]): x["value"] for x in rows if x["run_id"] == r} for r in ("plugin", "builtin")}
     assert by_run["plugin"] and by_run["plugin"] == by_run["builtin"]
-    assert ("env/reward_mean" in {n for _, n in by_run["plugin"]}) and ("train/loss_sum" in {n for _, n in by_run["plugin"]})
+    assert {"env/reward_mean", "train/loss_sum"} <= {n for _, n in by_run["plugin"]}
     prompts = sql("SELECT prompt FROM trajectories WHERE run_id = 'plugin'")
     assert prompts and all(" - " in p["prompt"] for p in prompts)  # the plugin's problems
     stored = sql("SELECT config_json FROM runs WHERE run_id = 'plugin' AND config_json IS NOT NULL")

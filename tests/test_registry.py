@@ -25,7 +25,8 @@ def test_entry_points_builtins_and_overrides(tmp_path, monkeypatch):
     group = "prefect_tinker.test_registry_kind"
     reg: Registry[int] = Registry("widget", group, builtins=["reg_builtin_mod"])
     _distribution(tmp_path, group, {"seven": "reg_plugin_mod:SEVEN", "self_registering": "reg_self_mod"}, {
-        "reg_builtin_mod": "import reg_holder\nreg_holder.REG.register('one', 1)\nreg_holder.REG.register('seven', 0)\n",
+        "reg_builtin_mod": ("import reg_holder\nreg_holder.REG.register('one', 1)\n"
+                            "reg_holder.REG.register('seven', 0)\n"),
         "reg_plugin_mod": "SEVEN = 7\n",
         "reg_self_mod": "import reg_holder\nreg_holder.REG.register('eight', 8)\n",
         "reg_holder": "",

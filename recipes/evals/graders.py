@@ -80,7 +80,8 @@ class GraderSpec(BaseModel):
     """How replies are graded (see the module docstring)."""
 
     kind: str = Field(
-        default="exact_match", description="A registered grader: number, math, choice, exact_match, code (or a plugin's).")
+        default="exact_match",
+        description="A registered grader: number, math, choice, exact_match, code (or a plugin's).")
     answer_style: AnswerStyle | None = Field(
         default=None, description="number/math: where the reply states its answer (default: any for number, boxed for math).")
     answer_regex: str | None = Field(

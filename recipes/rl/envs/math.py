@@ -57,7 +57,8 @@ class MathOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     question_field: str = Field(default="question", description="Record field holding the problem text.")
     answer_field: str = Field(default="answer", description="Record field holding the reference answer.")
-    answer_style: Literal["boxed", "hash", "any"] = Field(default="boxed", description="Where replies state the answer.")
+    answer_style: Literal["boxed", "hash", "any"] = Field(default="boxed",
+                                                          description="Where replies state the answer.")
 
 
 @register_env

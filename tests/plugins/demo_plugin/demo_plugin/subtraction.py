@@ -32,7 +32,8 @@ class SubtractionDataset(RLDataset):
         out = []
         for g in range(self.groups_per_batch):
             a, b = sorted(int(x) for x in rng.integers(0, self.max_operand + 1, size=2))[::-1]
-            out.append(self.make_builder(Problem(question=f"What is {a} - {b}?", answer=str(a - b), id=f"b{index}-{g}")))
+            problem = Problem(question=f"What is {a} - {b}?", answer=str(a - b), id=f"b{index}-{g}")
+            out.append(self.make_builder(problem))
         return out
 
 
