@@ -37,7 +37,7 @@ def resolve_flow(name: str) -> tuple[Any, type]:
 
     try:
         reg = {n: r.flow for n, r in recipes().items()}
-    except ValueError as exc:
+    except (ImportError, AttributeError) as exc:  # a plugin's entry point that does not import
         raise CLIError(str(exc)) from None
     target = reg.get(name) or (name if ":" in name else None)
     if target is None:

@@ -2,24 +2,23 @@
 
 Read by ``prefect-tinker run NAME`` / ``ls`` / ``show-config``, by the run session (curves of the
 report) and by the generator of ``prefect.yaml`` (:func:`deployments_yaml`). A new recipe is one
-:class:`Recipe` in :data:`RECIPES` plus its flow module and its example configs in
-``configs/<name>/*.yaml``. Flows and configs are named by ``module:attribute`` strings, imported
-only when used (listing recipes imports no torch).
+:class:`Recipe` registered in :data:`RECIPES` (a :class:`~prefect_tinker.recipes.registry.Registry`;
+a plugin package declares it as an entry point of group ``prefect_tinker.recipes``,
+``name = "pkg.module:RECIPE"``) plus its flow module and its example configs (in
+``configs/<name>/*.yaml`` here, or the folder named by ``Recipe.configs``). Flows and configs are
+named by ``module:attribute`` strings, imported only when used (listing recipes imports no torch).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RECIPES", "RECIPES_ENV", "Recipe", "deployments_yaml", "example_configs", "get_recipe",
-           "load_example", "recipes"]
+from prefect_tinker.recipes.registry import Registry
 
-#: Extra registrations, ``name=module:flow_attr`` separated by commas (plugins, tests).
-RECIPES_ENV = "PREFECT_TINKER_FLOWS"
+__all__ = ["RECIPES", "Recipe", "deployments_yaml", "example_configs", "get_recipe", "load_example", "recipes"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +31,8 @@ class Recipe:
         description: one line for ``prefect-tinker ls``.
         curves: metric names drawn in the run's curves picture.
         deployments: example config names deployed by ``prefect.yaml`` (as ``<name>-<example>``).
+        configs: ``package:folder`` of the recipe's example configs (``*.yaml``) inside an
+            installed package (a plugin's own); default ``configs/<name>/`` of this package.
     """
 
     name: str
@@ -39,6 +40,7 @@ class Recipe:
     description: str = ""
     curves: tuple[str, ...] = ()
     deployments: tuple[str, ...] = field(default=())
+    configs: str | None = None
 
     @property
     def entrypoint(self) -> str:
@@ -46,7 +48,9 @@ class Recipe:
         return self.flow.replace(":", ".")
 
 
-RECIPES: dict[str, Recipe] = {r.name: r for r in (
+#: The recipes by name; plugins add theirs through the ``prefect_tinker.recipes`` entry-point group.
+RECIPES: Registry[Recipe] = Registry("recipe", "prefect_tinker.recipes")
+for _recipe in (
     Recipe("sft", "prefect_tinker.flows.sft:sft_flow", "supervised fine-tuning on chat data (LoRA)",
            ("train/loss", "test/nll", "train/learning_rate"), ("tiny",)),
     Recipe("rl", "prefect_tinker.flows.rl:rl_flow", "RL with verifiable rewards (GRPO-style group advantages)",
@@ -66,41 +70,33 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe("rlhf", "prefect_tinker.flows.rlhf:rlhf_flow",
            "RLHF: SFT -> reward model -> RL from the reward model, one subflow (and run) per stage",
            ()),
-)}
+):
+    RECIPES.register(_recipe.name, _recipe)
 
 
 def recipes() -> dict[str, Recipe]:
-    """:data:`RECIPES` plus registrations from ``$PREFECT_TINKER_FLOWS`` (``name=module:attr,...``).
-
-    Raises:
-        ValueError: a malformed entry.
-    """
-    reg = dict(RECIPES)
-    for entry in filter(None, (e.strip() for e in os.environ.get(RECIPES_ENV, "").split(","))):
-        name, sep, target = entry.partition("=")
-        if not sep or ":" not in target:
-            raise ValueError(f"bad entry {entry!r} in ${RECIPES_ENV}: expected name=module:attr")
-        reg[name.strip()] = Recipe(name.strip(), target.strip(), "registered in $" + RECIPES_ENV)
-    return reg
+    """Every registered recipe (built-in and plugins'), by name."""
+    return dict(RECIPES)
 
 
 def get_recipe(name: str) -> Recipe:
     """The recipe ``name``; a recipe without a registration (a flow run by ``module:attr``) gets
-    an empty one with no curves.
-
-    Raises:
-        ValueError: a malformed ``$PREFECT_TINKER_FLOWS`` entry.
-    """
-    return recipes().get(name) or Recipe(name, "", "")
+    an empty one with no curves."""
+    return RECIPES.get(name) or Recipe(name, "", "")
 
 
-def _configs_root() -> Path:
-    return Path(str(resources.files("prefect_tinker.configs")))
+def _configs_folder(name: str) -> Path:
+    recipe = RECIPES.get(name)
+    if recipe is not None and recipe.configs:
+        package, _, folder = recipe.configs.partition(":")
+        return Path(str(resources.files(package))) / folder
+    return Path(str(resources.files("prefect_tinker.configs"))) / name
 
 
 def example_configs(name: str) -> dict[str, Path]:
-    """Example config files of recipe ``name``: ``{example name: path}`` from ``configs/<name>/``."""
-    folder = _configs_root() / name
+    """Example config files of recipe ``name``: ``{example name: path}`` from ``configs/<name>/``
+    (or the recipe's own ``configs`` folder)."""
+    folder = _configs_folder(name)
     return {p.stem: p for p in sorted(folder.glob("*.yaml"))} if folder.is_dir() else {}
 
 

@@ -36,7 +36,6 @@ from prefect_tinker.flows.rl_schedules import SCHEDULES
 from prefect_tinker.flows.session import RunSession
 from prefect_tinker.recipes.rl.advantages import (
     apply_kl_penalty,
-    compute_advantages,
     groups_to_datums,
     remove_constant_reward_groups,
     rollout_metrics,
@@ -71,6 +70,8 @@ class RLLoop:
         self.rewards: list[tuple[int, float]] = []
         self.k = self.config.num_substeps
         self.total = self.config.max_steps * self.k
+        self.loss, self.loss_fn_config = self.config.loss(), self.config.loss_fn_config()
+        self.estimator = self.config.estimator()
         self.log = get_run_logger()
 
     # ----- rollouts --------------------------------------------------------------------------
@@ -126,7 +127,7 @@ class RLLoop:
                              len(groups))
         if c.remove_constant_reward_groups:
             groups, _ = remove_constant_reward_groups(groups)
-        datums, advs = groups_to_datums(groups, c.normalize_advantages_std)
+        datums, advs = groups_to_datums(groups, estimator=self.estimator)
         metrics["train/advantage_abs_mean"] = float(np.mean(np.abs(np.concatenate(advs)))) if advs else 0.0
         if c.kl_penalty_coef > 0 and datums:
             ref = reference_logprobs(self.session.credentials, self.reference, quote([d.tokens for d in datums]))
@@ -138,10 +139,10 @@ class RLLoop:
         """The policy-gradient loss over ``datums`` accumulated into the gradients; returns
         ``loss_sum``, ``action_tokens``, ``datums``, sampler-vs-trainer KL and entropy
         (:func:`~prefect_tinker.recipes.rl.advantages.sample_train_kl`), ``fwd_bwd_seconds``."""
-        c, s = self.config, self.session
+        s = self.session
         # quote: Prefect does not walk the datums looking for futures (~10 ms per 1,000 tokens)
-        out = forward_backward(s.credentials, s.run, quote([d.to_datum() for d in datums]), c.loss_fn,
-                               c.loss_fn_config(), accumulated)
+        out = forward_backward(s.credentials, s.run, quote([d.to_datum() for d in datums]), self.loss.loss_fn,
+                               self.loss_fn_config, accumulated)
         metrics = sample_train_kl(datums, [np.asarray(lp) for lp in out.logprobs])
         metrics.update({"loss_sum": out.loss_sum, "action_tokens": float(sum(float(d.mask.sum()) for d in datums)),
                         "datums": float(len(datums)), "fwd_bwd_seconds": out.seconds})
@@ -168,7 +169,7 @@ class RLLoop:
     def _trajectories(self, step: int, groups: list[TrajectoryGroup]) -> list[dict]:
         n, out = self.config.log_trajectories, []
         for g in groups:
-            adv = compute_advantages(g.total_rewards(), self.config.normalize_advantages_std)
+            adv = self.estimator(g.total_rewards())
             for i, (traj, reward) in enumerate(zip(g.trajectories_G, g.total_rewards())):
                 if len(out) >= n:
                     return out

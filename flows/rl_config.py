@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
 from prefect_tinker.flows.config import RecipeConfig
 from prefect_tinker.recipes.data_reading import source_fingerprint
+from prefect_tinker.recipes.rl.advantages import ADVANTAGE_ESTIMATORS, AdvantageEstimator
 from prefect_tinker.recipes.rl.envs import EnvSpec
+from prefect_tinker.recipes.rl.losses import LOSSES, ClipThresholds, RLLoss
 from prefect_tinker.tasks.rollouts import RolloutPolicy
 from prefect_tinker.tasks.runners import TaskRunnerFields
 
@@ -28,10 +30,9 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
 
     recipe: ClassVar[str] = "rl"
     resume_fields: ClassVar[tuple[str, ...]] = (
-        *RecipeConfig.resume_fields, "env", "env_options", "question_field", "answer_field", "answer_style",
-        "max_operand", "few_shot", "system_prompt", "format_coef", "group_size", "groups_per_batch", "loss_fn",
-        "clip_low_threshold", "clip_high_threshold", "kl_penalty_coef", "kl_reference",
-        "remove_constant_reward_groups", "normalize_advantages_std", "num_substeps")
+        *RecipeConfig.resume_fields, *EnvSpec.resume_fields(), "group_size", "groups_per_batch", "loss_fn",
+        "loss_options", "advantage_estimator", "clip_low_threshold", "clip_high_threshold", "kl_penalty_coef",
+        "kl_reference", "remove_constant_reward_groups", "normalize_advantages_std", "num_substeps")
 
     group_size: int = Field(default=4, ge=2, description="Rollouts per problem (advantages are centred within a group).")
     groups_per_batch: int = Field(default=8, ge=1, description="Problems per step.")
@@ -41,7 +42,11 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
     temperature: float = Field(default=1.0, gt=0, description="Sampling temperature (1.0 keeps importance ratios unbiased).")
     max_steps: int = Field(default=20, ge=1, description="Steps (batches) of the run, counting those of earlier invocations.")
     eval_every: int = Field(default=0, ge=0, description="Evaluators every n steps (0 = start and end only).")
-    loss_fn: Literal["importance_sampling", "ppo", "cispo"] = Field(default="importance_sampling", description="Policy-gradient loss.")
+    loss_fn: str = Field(default="importance_sampling", description=(
+        "Policy-gradient loss, a registered RL loss: importance_sampling, ppo, cispo (plugins add more)."))
+    loss_options: dict[str, Any] = Field(default_factory=dict, description="Options of the loss (its own fields).")
+    advantage_estimator: str = Field(default="group_mean", description=(
+        "Registered advantage estimator: group_mean (R - group mean), leave_one_out (RLOO); plugins add more."))
     clip_low_threshold: float = Field(default=0.8, gt=0, description="ppo/cispo: lower bound of the importance ratio.")
     clip_high_threshold: float = Field(default=1.2, gt=0, description="ppo/cispo: upper bound of the importance ratio.")
     kl_penalty_coef: float = Field(default=0.0, ge=0, description="Per-token KL penalty against the reference model (0 = off).")
@@ -59,6 +64,8 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
 
     @model_validator(mode="after")
     def _check(self) -> RLConfig:
+        self.loss()  # an unknown loss or a bad loss option fails here
+        ADVANTAGE_ESTIMATORS.get_or_raise(self.advantage_estimator)
         if self.clip_low_threshold >= self.clip_high_threshold:
             raise ValueError(f"clip_low_threshold ({self.clip_low_threshold}) must be below clip_high_threshold ({self.clip_high_threshold})")
         if self.num_substeps > self.groups_per_batch:
@@ -84,12 +91,23 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
         """``sha256:<hex>`` of what the environment's problems are: the env settings and the
         content of its dataset (recorded with the run; a resumed run must match it)."""
         body = {k: getattr(self, k) for k in EnvSpec.model_fields}
+        body["env_options"] = self.typed_env_options.model_dump(mode="json")  # the options in force, defaults too
         body["dataset"] = source_fingerprint(self.dataset) if self.dataset else None
         body["renderer"] = renderer
         return "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
 
+    def loss(self) -> RLLoss:
+        """The registered loss ``loss_fn`` with its ``loss_options``.
+
+        Raises:
+            ValueError: an unknown loss (lists the registered ones) or a bad option.
+        """
+        return LOSSES.get_or_raise(self.loss_fn).from_options(self.loss_options)
+
     def loss_fn_config(self) -> dict[str, float] | None:
-        """``loss_fn_config`` for the server: clip thresholds for ppo/cispo, None otherwise."""
-        if self.loss_fn in ("ppo", "cispo"):
-            return {"clip_low_threshold": self.clip_low_threshold, "clip_high_threshold": self.clip_high_threshold}
-        return None
+        """``loss_fn_config`` for the server (e.g. clip thresholds for ppo/cispo; None: its defaults)."""
+        return self.loss().loss_fn_config(ClipThresholds(self.clip_low_threshold, self.clip_high_threshold))
+
+    def estimator(self) -> AdvantageEstimator:
+        """The registered advantage estimator ``advantage_estimator``."""
+        return ADVANTAGE_ESTIMATORS.get_or_raise(self.advantage_estimator)(self.normalize_advantages_std)

@@ -112,7 +112,8 @@ class RunSession:
         fingerprint: ``renderer -> str`` identity of the data when there is no builder (RL envs).
         upstream: asset URIs the run's checkpoints depend on (besides the data and the start).
 
-    Attributes (after entering): ``credentials``, ``backend``, ``run`` (the
+    Attributes (after entering): ``credentials``, ``backend``, ``store`` (the run's one
+    :class:`~tinker_blocks.stores.TrainingStore`, for the session's own queries), ``run`` (the
     :class:`~prefect_tinker.tasks.clients.TrainingRun` handle), ``renderer`` (resolved),
     ``tokenizer_id``, ``builder``, ``resumed_from`` (the state checkpoint row resumed, or None),
     ``samplers`` (optimizer step -> sampler path recorded for this run).
@@ -145,6 +146,9 @@ class RunSession:
         self.credentials = resolve_credentials(c.backend)
         self.backend = self.credentials.backend_name()
         check_store(c.store)  # wrong credentials / unwritable store: fail before any training
+        from tinker_blocks.stores import TrainingStore
+
+        self.store = TrainingStore(root=c.store)  # the session's one store object (its queries)
         self.lease = self._acquire_lease()
         try:
             return self._open()
@@ -175,9 +179,8 @@ class RunSession:
 
     def _open(self) -> RunSession:
         c, log = self.config, get_run_logger()
-        store = self._store()
-        stored = store.get_run(self.run_id)
-        rows = store.query("SELECT step, kind, path FROM checkpoints WHERE run_id = ? ORDER BY step, time", [self.run_id])
+        stored = self.store.get_run(self.run_id)
+        rows = self.store.query("SELECT step, kind, path FROM checkpoints WHERE run_id = ? ORDER BY step, time", [self.run_id])
         states = [r for r in rows if r["kind"] == "state"]
         self.samplers = {int(r["step"]): r["path"] for r in rows if r["kind"] == "sampler"}
         self._recorded_samplers = set(self.samplers)
@@ -212,15 +215,10 @@ class RunSession:
     def _warn_damaged(self) -> None:
         from tinker_blocks.store_repair import scan_run
 
-        problems = scan_run(self._store(), self.run_id)
+        problems = scan_run(self.store, self.run_id)
         for p in problems:
             get_run_logger().warning("run %s: unreadable part %s (%s); resuming from the last checkpoint that can "
                                      "still be read (prefect-tinker store repair moves it aside)", self.run_id, p.path, p.reason)
-
-    def _store(self):
-        from tinker_blocks.stores import TrainingStore
-
-        return TrainingStore(root=self.config.store)
 
     def _allowed(self, field: str) -> bool:
         return field in self.config.allow_config_change
@@ -245,7 +243,7 @@ class RunSession:
                              now if field == "renderer" else f"content {now[:19]}", why)
 
     def _check_start_renderer(self, path: str) -> None:
-        rows = self._store().query("SELECT renderer FROM checkpoints WHERE path = ? AND renderer IS NOT NULL "
+        rows = self.store.query("SELECT renderer FROM checkpoints WHERE path = ? AND renderer IS NOT NULL "
                                    "ORDER BY time DESC LIMIT 1", [path])
         if rows and rows[0]["renderer"] != self.renderer and not self._allowed("renderer"):
             raise ResumeConfigError(
@@ -366,14 +364,14 @@ class RunSession:
         """``(value at the first step, value at the last step)`` of metric ``name`` over the whole
         run (every invocation), read back from the store after writing what is buffered."""
         self.flush()
-        rows = self._store().query("SELECT arg_min(value, step) AS first, arg_max(value, step) AS last FROM metrics "
+        rows = self.store.query("SELECT arg_min(value, step) AS first, arg_max(value, step) AS last FROM metrics "
                                    "WHERE run_id = ? AND name = ?", [self.run_id, name])
         return (rows[0]["first"], rows[0]["last"]) if rows else (None, None)
 
     def metric_sum(self, name: str) -> float:
         """Sum of metric ``name`` over the whole run (e.g. ``train/tokens``)."""
         self.flush()
-        rows = self._store().query("SELECT coalesce(sum(value), 0) AS t FROM metrics WHERE run_id = ? AND name = ?",
+        rows = self.store.query("SELECT coalesce(sum(value), 0) AS t FROM metrics WHERE run_id = ? AND name = ?",
                                    [self.run_id, name])
         return float(rows[0]["t"])
 
@@ -389,7 +387,7 @@ class RunSession:
         self._record("completed")
         emit("before_compaction", self.run_id)
         compact_finished_run(self.config.store, self.run_id)
-        rows = self._store().query("SELECT path FROM checkpoints WHERE run_id = ? ORDER BY step, kind", [self.run_id])
+        rows = self.store.query("SELECT path FROM checkpoints WHERE run_id = ? ORDER BY step, kind", [self.run_id])
         out = {"run_name": self.run_id, "steps": self.step, "renderer": self.renderer, **summary,
                "checkpoints": [r["path"] for r in rows], "store": self.config.store}
         self._summary_artifact(out, title_fields or {})

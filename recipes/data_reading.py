@@ -40,7 +40,6 @@ from prefect_tinker.recipes.data_sources import (
     DatasetFormatError,
     RecordError,
     convert_record,
-    converter_names,
     validate_messages,
 )
 from prefect_tinker.recipes.media_sources import absolutize_media
@@ -71,7 +70,9 @@ class SourceSpec(BaseModel):
     """One dataset source and how to read it (usable as a field of a flow's pydantic config)."""
 
     path: str = Field(description="JSONL file, local dataset file/dir, 'builtin:example_chat', or a Hugging Face dataset id.")
-    format: str = Field(default="messages", description=f"Record format: {', '.join(converter_names())}.")
+    format: str = Field(default="messages", description=(
+        "Record format: a registered dataset format (messages, sharegpt, instruction, prompt_completion, dialogue, "
+        "preference, ...; plugins add more)."))
     fields: dict[str, str] = Field(default_factory=dict, description="Field mapping: converter field -> record path.")
     options: dict[str, Any] = Field(default_factory=dict, description="Converter options (system_prompt, ...).")
     split: str = Field(default="train", description="Split for datasets.load_dataset sources.")
@@ -83,8 +84,7 @@ class SourceSpec(BaseModel):
     @field_validator("format")
     @classmethod
     def _known_format(cls, v: str) -> str:
-        if v not in CONVERTERS:
-            raise ValueError(f"unknown dataset format {v!r}; accepted: {', '.join(converter_names())}")
+        CONVERTERS.get_or_raise(v)
         return v
 
     @classmethod

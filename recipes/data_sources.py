@@ -48,6 +48,7 @@ from prefect_tinker.recipes.record_fields import pick_text as _pick
 from prefect_tinker.recipes.record_fields import short_repr as _short
 from prefect_tinker.recipes.record_fields import top_key as _top
 from prefect_tinker.recipes.record_fields import with_system as _with_system
+from prefect_tinker.recipes.registry import Registry
 from prefect_tinker.recipes.renderers.messages import FieldProblem, check_message_list
 from prefect_tinker.recipes.tools.calculator_traces import calculator_solution
 
@@ -209,7 +210,20 @@ def _self_instruct(record: Any, fields: Mapping[str, str], options: Mapping[str,
 
 Converter = Callable[[Any, Mapping[str, str], Mapping[str, Any]], list[Converted]]
 
-CONVERTERS: dict[str, Converter] = {
+#: Record formats by name: ``converter(record, fields, options) -> list[Converted]``. ``prompt``
+#: (:mod:`~prefect_tinker.recipes.distill.prompts`) registers in its own module, imported when the
+#: registry is first read; plugins add formats through the ``prefect_tinker.formats`` entry-point group.
+CONVERTERS: Registry[Converter] = Registry("dataset format", "prefect_tinker.formats",
+                                           builtins=("prefect_tinker.recipes.distill.prompts",))
+
+
+def register_converter(name: str, converter: Converter) -> Converter:
+    """Register ``converter(record, fields, options) -> list[Converted]`` under ``name``
+    (overwrites); the same as an entry point of group ``prefect_tinker.formats``."""
+    return CONVERTERS.register(name, converter)
+
+
+for _name, _converter in {
     "messages": _messages,
     "sharegpt": _sharegpt,
     "instruction": _instruction,
@@ -221,17 +235,13 @@ CONVERTERS: dict[str, Converter] = {
     "self_instruct": _self_instruct,
     **MEDIA_CONVERTERS,  # image_folder, image_classification, audio_transcript
     "calculator_solution": calculator_solution,
-}
-
-
-def register_converter(name: str, converter: Converter) -> None:
-    """Register ``converter(record, fields, options) -> list[Converted]`` under ``name`` (overwrites)."""
-    CONVERTERS[name] = converter
+}.items():
+    register_converter(_name, _converter)
 
 
 def converter_names() -> list[str]:
     """Accepted ``format`` names, sorted."""
-    return sorted(CONVERTERS)
+    return CONVERTERS.names()
 
 
 def convert_record(record: Any, format: str = "messages", fields: Mapping[str, str] | None = None,
@@ -242,10 +252,7 @@ def convert_record(record: Any, format: str = "messages", fields: Mapping[str, s
         ValueError: unknown format (lists the accepted ones).
         RecordError: a missing field or a bad value.
     """
-    try:
-        conv = CONVERTERS[format]
-    except KeyError:
-        raise ValueError(f"unknown dataset format {format!r}; accepted: {', '.join(converter_names())}") from None
+    conv = CONVERTERS.get_or_raise(format)
     if not isinstance(record, Mapping):
         raise RecordError("(record)", f"must be a JSON object, got {_short(record)}")
     return conv(record, dict(fields or {}), dict(options or {}))
@@ -370,5 +377,5 @@ def _preference(record: Any, fields: Mapping[str, str], options: Mapping[str, An
     return [Converted(_with_system(prompt + chosen, options.get("system_prompt")), fields.get("chosen", "chosen"), used)]
 
 
-CONVERTERS["preference"] = _preference
+register_converter("preference", _preference)
 

@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> dict:
         sampler0 = TrainingStore(root=store).last_checkpoint(sft["run_name"], kind="sampler")["path"]
     t0 = time.perf_counter()
     config = RLConfig(
-        model=args.model, env="arithmetic", max_operand=args.max_operand, group_size=args.group_size,
+        model=args.model, env="arithmetic", env_options={"max_operand": args.max_operand}, group_size=args.group_size,
         groups_per_batch=args.groups_per_batch, learning_rate=args.rl_lr, lr_schedule=args.rl_lr_schedule,
         max_tokens=args.max_tokens, max_steps=args.rl_steps, few_shot=args.few_shot, system_prompt=args.system_prompt,
         lora_rank=args.lora_rank, loss_fn=args.loss_fn, schedule=args.schedule, save_every=args.save_every,

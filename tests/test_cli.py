@@ -272,10 +272,10 @@ def test_run_dry_run_unknown_flow_and_failure(toy, capsys):
     assert cli.main(["run", "toy", "base_model=x", "--bogus"]) == 2
 
 
-def test_run_env_registry(toy, monkeypatch, capsys):
-    from prefect_tinker.flows.registry import RECIPES_ENV
+def test_run_registered_recipe(toy, monkeypatch, capsys):
+    from prefect_tinker.flows.registry import RECIPES, Recipe
 
-    monkeypatch.setenv(RECIPES_ENV, "other=toy_flows_mod:toy_flow")
+    monkeypatch.setitem(RECIPES, "other", Recipe("other", "toy_flows_mod:toy_flow"))
     assert cli.main(["run", "other", "base_model=m"]) == 0
     assert toy.CALLS[-1].base_model == "m"
 

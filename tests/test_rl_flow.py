@@ -62,7 +62,7 @@ def test_rl_flow_on_math_jsonl_with_own_field_names(prefect_api, local_credentia
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     store = tmp_path / "store"
     summary = rl_flow(_config(local_credentials, store, "math-run", env="math", dataset=str(data), max_steps=1,
-                              question_field="problem", answer_field="meta.final", save_every=0))
+                              env_options={"question_field": "problem", "answer_field": "meta.final"}, save_every=0))
     assert summary["steps"] == 1
     traj = _sql(capsys, store, "SELECT prompt, metrics_json FROM trajectories WHERE run_id='math-run'")
     assert traj and "\\boxed{}" in traj[0]["prompt"]

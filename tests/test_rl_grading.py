@@ -91,7 +91,8 @@ def test_math_env_on_own_field_names(tmp_path):
     ]
     path = tmp_path / "word.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    spec = EnvSpec(env="math", dataset=str(path), question_field="problem", answer_field="meta.final")
+    spec = EnvSpec(env="math", dataset=str(path),
+                   env_options={"question_field": "problem", "answer_field": "meta.final"})
     ds = build_rl_dataset(spec, renderer_name="auto", tokenizer_id=str(tok_dir), group_size=2, groups_per_batch=3)
     builders = ds.get_batch(0)
     assert all(isinstance(b, ProblemGroupBuilder) for b in builders) and len(builders) == 3

@@ -16,6 +16,11 @@ Kinds (:class:`GraderSpec` ``kind``):
                  :func:`register_code_runner` under ``code_runner``, or a ``"module:function"``
                  import path. The sandbox plugs in here.
 
+Each kind is a function ``grader(spec, reply, example, run_code) -> Grade`` in :data:`GRADERS`;
+a plugin adds a kind with :func:`register_grader` or an entry point of group
+``prefect_tinker.graders``, and code runners with :func:`register_code_runner` or the group
+``prefect_tinker.code_runners``.
+
 ``answer_style`` (number/math): ``hash`` (``####``), ``boxed``, ``any`` (``####`` then
 ``\\boxed{}``) or ``last_number`` (``any``, then the whole reply as a number, then its last number).
 
@@ -35,6 +40,7 @@ from pydantic import BaseModel, Field, field_validator
 
 from prefect_tinker.recipes.evals.choice import parse_choice
 from prefect_tinker.recipes.grading_text import best_exact_match, best_token_f1
+from prefect_tinker.recipes.registry import Registry
 from prefect_tinker.recipes.rl.grading import (
     answers_match,
     extract_boxed,
@@ -47,16 +53,16 @@ if TYPE_CHECKING:
     from prefect_tinker.recipes.evals.examples import Example
 
 __all__ = [
-    "GRADER_KINDS", "Grade", "GraderSpec", "CodeRunner", "grade", "extract_code", "extract_number_answer",
-    "reference_answer", "register_code_runner", "resolve_code_runner",
+    "CODE_RUNNERS", "GRADERS", "Grade", "Grader", "GraderSpec", "CodeRunner", "grade", "extract_code",
+    "extract_number_answer", "reference_answer", "register_code_runner", "register_grader", "resolve_code_runner",
 ]
 
-GRADER_KINDS = ("number", "math", "choice", "exact_match", "code")
 AnswerStyle = Literal["hash", "boxed", "any", "last_number"]
 #: ``run_code(program, example) -> passed``; exceptions count as errored samples.
 CodeRunner = Callable[[str, "Example"], bool]
 
-_CODE_RUNNERS: dict[str, CodeRunner] = {}
+#: Code runners by name (``GraderSpec.code_runner``); plugins: entry-point group ``prefect_tinker.code_runners``.
+CODE_RUNNERS: Registry[CodeRunner] = Registry("code runner", "prefect_tinker.code_runners")
 _NUMBER_IN_TEXT = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
 _FENCE = re.compile(r"```[ \t]*([\w+.-]*)[^\n]*\n(.*?)```", re.S)
 
@@ -73,14 +79,21 @@ class Grade(NamedTuple):
 class GraderSpec(BaseModel):
     """How replies are graded (see the module docstring)."""
 
-    kind: Literal["number", "math", "choice", "exact_match", "code"] = Field(
-        default="exact_match", description="number, math, choice, exact_match or code.")
+    kind: str = Field(
+        default="exact_match",
+        description="A registered grader: number, math, choice, exact_match, code (or a plugin's).")
     answer_style: AnswerStyle | None = Field(
         default=None, description="number/math: where the reply states its answer (default: any for number, boxed for math).")
     answer_regex: str | None = Field(
         default=None, description="exact_match: regex whose last match (group 1 if any) is the answer; default the whole reply.")
     code_runner: str | None = Field(
         default=None, description="code: a registered runner name or 'module:function' (run_code(program, example) -> bool).")
+
+    @field_validator("kind")
+    @classmethod
+    def _registered(cls, v: str) -> str:
+        GRADERS.get_or_raise(v)
+        return v
 
     @field_validator("answer_regex")
     @classmethod
@@ -103,8 +116,9 @@ class GraderSpec(BaseModel):
 
 
 def register_code_runner(name: str, runner: CodeRunner) -> None:
-    """Register ``runner(program, example) -> bool`` under ``name`` (overwrites) for code graders."""
-    _CODE_RUNNERS[name] = runner
+    """Register ``runner(program, example) -> bool`` under ``name`` (overwrites) for code graders;
+    the same as an entry point of group ``prefect_tinker.code_runners``."""
+    CODE_RUNNERS.register(name, runner)
 
 
 def resolve_code_runner(name: str | None) -> CodeRunner:
@@ -115,10 +129,10 @@ def resolve_code_runner(name: str | None) -> CodeRunner:
     """
     if not name:
         raise ValueError("grader kind 'code' needs code_runner=<registered name or module:function>")
-    if name in _CODE_RUNNERS:
-        return _CODE_RUNNERS[name]
+    if name in CODE_RUNNERS:
+        return CODE_RUNNERS[name]
     if ":" not in name:
-        raise ValueError(f"unknown code runner {name!r}; registered: {', '.join(sorted(_CODE_RUNNERS)) or 'none'} "
+        raise ValueError(f"unknown code runner {name!r}; registered: {', '.join(CODE_RUNNERS.names()) or 'none'} "
                          "(or give 'module:function')")
     module, _, attr = name.partition(":")
     try:
@@ -163,42 +177,69 @@ def _references(example: Example) -> list[str]:
     return [str(r) for r in ref] if isinstance(ref, (list, tuple)) else [str(ref)]
 
 
+#: ``grader(spec, reply, example, run_code) -> Grade`` of one ``GraderSpec.kind``.
+Grader = Callable[[GraderSpec, str, "Example", "CodeRunner | None"], Grade]
+
+#: Graders by kind; plugins: :func:`register_grader` or entry-point group ``prefect_tinker.graders``.
+GRADERS: Registry[Grader] = Registry("grader", "prefect_tinker.graders")
+
+
+def register_grader(kind: str, grader: Grader) -> Grader:
+    """Register ``grader(spec, reply, example, run_code) -> Grade`` as grader ``kind`` (overwrites)."""
+    return GRADERS.register(kind, grader)
+
+
 def grade(spec: GraderSpec, reply: str, example: Example, *, run_code: CodeRunner | None = None) -> Grade:
-    """Grade one reply text against ``example`` (its reference, options, fields).
+    """Grade one reply text against ``example`` (its reference, options, fields) with the grader
+    registered as ``spec.kind``.
 
     Args:
         run_code: code graders: overrides ``spec.code_runner``.
 
     Raises:
-        ValueError: a choice grader on an example without options; a code grader without a runner.
+        ValueError: an unknown kind; a choice grader on an example without options; a code grader
+            without a runner.
         Exception: whatever a code runner raises (the runner counts the sample as errored).
     """
-    refs = _references(example)
-    if spec.kind in ("number", "math"):
-        answer = extract_number_answer(reply, spec.style())
-        ok = answer is not None and any(answers_match(answer, r) for r in refs)
-        return Grade(ok, float(ok), answer)
-    if spec.kind == "choice":
-        if example.choices is None:
-            raise ValueError(f"example {example.id!r}: the choice grader needs options (map the 'options' field)")
-        letter = parse_choice(reply, example.choices)
-        ok = letter is not None and letter in refs
-        return Grade(ok, float(ok), letter)
-    if spec.kind == "exact_match":
-        answer: str | None = reply.strip()
-        if spec.answer_regex is not None:
-            matches = list(re.finditer(spec.answer_regex, reply))
-            last = matches[-1] if matches else None
-            answer = None if last is None else (last.group(1) if last.re.groups else last.group(0)).strip()
-        if answer is None:
-            return Grade(False, 0.0, None)
-        return Grade(best_exact_match(answer, refs), best_token_f1(answer, refs), answer)
-    if spec.kind == "code":
-        runner = run_code or resolve_code_runner(spec.code_runner)
-        program = extract_code(reply)
-        if program is None:
-            return Grade(False, 0.0, None)
-        ok = bool(runner(program, example))
-        return Grade(ok, float(ok), program)
-    raise ValueError(f"unknown grader kind {spec.kind!r}; accepted: {', '.join(GRADER_KINDS)}")
+    return GRADERS.get_or_raise(spec.kind)(spec, reply, example, run_code)
 
+
+def _grade_number(spec: GraderSpec, reply: str, example: Example, run_code: CodeRunner | None) -> Grade:
+    refs = _references(example)
+    answer = extract_number_answer(reply, spec.style())
+    ok = answer is not None and any(answers_match(answer, r) for r in refs)
+    return Grade(ok, float(ok), answer)
+
+
+def _grade_choice(spec: GraderSpec, reply: str, example: Example, run_code: CodeRunner | None) -> Grade:
+    if example.choices is None:
+        raise ValueError(f"example {example.id!r}: the choice grader needs options (map the 'options' field)")
+    letter = parse_choice(reply, example.choices)
+    ok = letter is not None and letter in _references(example)
+    return Grade(ok, float(ok), letter)
+
+
+def _grade_exact_match(spec: GraderSpec, reply: str, example: Example, run_code: CodeRunner | None) -> Grade:
+    answer: str | None = reply.strip()
+    if spec.answer_regex is not None:
+        matches = list(re.finditer(spec.answer_regex, reply))
+        last = matches[-1] if matches else None
+        answer = None if last is None else (last.group(1) if last.re.groups else last.group(0)).strip()
+    if answer is None:
+        return Grade(False, 0.0, None)
+    refs = _references(example)
+    return Grade(best_exact_match(answer, refs), best_token_f1(answer, refs), answer)
+
+
+def _grade_code(spec: GraderSpec, reply: str, example: Example, run_code: CodeRunner | None) -> Grade:
+    runner = run_code or resolve_code_runner(spec.code_runner)
+    program = extract_code(reply)
+    if program is None:
+        return Grade(False, 0.0, None)
+    ok = bool(runner(program, example))
+    return Grade(ok, float(ok), program)
+
+
+for _kind, _grader in (("number", _grade_number), ("math", _grade_number), ("choice", _grade_choice),
+                       ("exact_match", _grade_exact_match), ("code", _grade_code)):
+    register_grader(_kind, _grader)

@@ -58,6 +58,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+from prefect_tinker.recipes.registry import Registry
 from prefect_tinker.recipes.renderers.base import (
     KNOWN_ROLES,
     TRAIN_ON_CHOICES,
@@ -96,6 +97,7 @@ __all__ = [
     "ParsedResponse",
     "Qwen3Renderer",
     "Renderer",
+    "RENDERERS",
     "RendererError",
     "RoleColonRenderer",
     "Segment",
@@ -125,7 +127,10 @@ __all__ = [
     "unescape_role_markers",
 ]
 
-_REGISTRY: dict[str, Callable[..., Renderer]] = {
+#: Renderer factories ``factory(tokenizer, **kwargs) -> Renderer`` by name; plugins add theirs
+#: through the ``prefect_tinker.renderers`` entry-point group.
+RENDERERS: Registry[Callable[..., Renderer]] = Registry("renderer", "prefect_tinker.renderers")
+for _name, _factory in {
     "role_colon": RoleColonRenderer,
     "chatml": ChatMLRenderer,
     "smollm2": SmolLM2Renderer,
@@ -137,17 +142,19 @@ _REGISTRY: dict[str, Callable[..., Renderer]] = {
     "qwen3_vl_instruct": partial(TmlRenderer, family="qwen3_vl_instruct"),
     "qwen3_vl": partial(TmlRenderer, family="qwen3_vl"),
     "tml_v0": partial(TmlRenderer, family="tml_v0"),
-}
+}.items():
+    RENDERERS.register(_name, _factory)
 
 
 def register_renderer(name: str, factory: Callable[..., Renderer]) -> None:
-    """Register ``factory(tokenizer, **kwargs) -> Renderer`` under ``name`` (overwrites)."""
-    _REGISTRY[name] = factory
+    """Register ``factory(tokenizer, **kwargs) -> Renderer`` under ``name`` (overwrites); the same
+    as ``RENDERERS.register`` or an entry point of group ``prefect_tinker.renderers``."""
+    RENDERERS.register(name, factory)
 
 
 def renderer_names() -> list[str]:
     """Names accepted by :func:`get_renderer`, sorted."""
-    return sorted(_REGISTRY)
+    return RENDERERS.names()
 
 
 def resolve_renderer_name(name: str, tokenizer: Any) -> str:
@@ -166,7 +173,7 @@ def resolve_renderer_name(name: str, tokenizer: Any) -> str:
     """
     if name == "auto":
         return guess_renderer_name(tokenizer)
-    if name not in _REGISTRY:
+    if name not in RENDERERS:
         raise RendererError(f"unknown renderer {name!r}; accepted: auto, {', '.join(renderer_names())}")
     return name
 
@@ -187,7 +194,7 @@ def get_renderer(name: str, tokenizer: Any, **kwargs: Any) -> Renderer:
         RendererError: unknown name (the message lists the accepted names), or the
             tokenizer lacks what the renderer needs (a chat template, special tokens).
     """
-    return _REGISTRY[resolve_renderer_name(name, tokenizer)](tokenizer, **kwargs)
+    return RENDERERS[resolve_renderer_name(name, tokenizer)](tokenizer, **kwargs)
 
 
 def _renders_plain_chatml(tokenizer: Any) -> bool:

@@ -1,5 +1,10 @@
 """From trajectory groups to training datums: advantages, datums, KL penalty, rollout statistics.
 
+- advantage estimators (:class:`AdvantageEstimator`, registered in :data:`ADVANTAGE_ESTIMATORS`,
+  selected by the RL config's ``advantage_estimator``; plugins add theirs with
+  :func:`register_advantage_estimator` or the entry-point group ``prefect_tinker.advantages``):
+  ``group_mean`` (the default, :func:`compute_advantages`) and ``leave_one_out`` (RLOO: the baseline
+  of each member is the mean reward of the others, Ahmadian et al. 2024 "Back to Basics", sec. 3.2).
 - :func:`compute_advantages`: group-centred advantages ``A_i = R_i - mean_G(R)`` (GRPO, Shao et
   al. 2024 "DeepSeekMath", sec. 4.1.2; without the division by the group's standard deviation by
   default, as in the Tinker cookbook and Dr. GRPO, Liu et al. 2025; ``normalize_std=True``
@@ -22,15 +27,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import tinker
 
 from prefect_tinker.recipes.media import model_input_from_tokens
+from prefect_tinker.recipes.registry import Registry
 from prefect_tinker.recipes.rl.types import Trajectory, TrajectoryGroup
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AdvantageEstimator",
+    "GroupMeanBaseline",
+    "LeaveOneOutBaseline",
     "RLDatum",
+    "register_advantage_estimator",
     "compute_advantages",
     "remove_constant_reward_groups",
     "trajectory_to_datums",
@@ -85,6 +97,63 @@ def compute_advantages(rewards_G: Sequence[float], normalize_std: bool = False, 
     return adv
 
 
+class AdvantageEstimator:
+    """Per-trajectory advantages of one group from its total rewards.
+
+    Subclasses set ``name`` and ``description`` and implement :meth:`__call__`.
+
+    Args:
+        normalize_std: divide the advantages by the group's reward std (+1e-6), as in the
+            original GRPO (the config's ``normalize_advantages_std``).
+    """
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+
+    def __init__(self, normalize_std: bool = False):
+        self.normalize_std = normalize_std
+
+    def __call__(self, rewards_G: Sequence[float]) -> np.ndarray:
+        """Advantages (G,) float64 of a group's total rewards (G,)."""
+        raise NotImplementedError
+
+
+#: Advantage estimators by name; plugins add theirs through the ``prefect_tinker.advantages`` group.
+ADVANTAGE_ESTIMATORS: Registry[type[AdvantageEstimator]] = Registry("advantage estimator", "prefect_tinker.advantages")
+
+
+def register_advantage_estimator(cls: type[AdvantageEstimator]) -> type[AdvantageEstimator]:
+    """Class decorator: register ``cls`` under ``cls.name`` in :data:`ADVANTAGE_ESTIMATORS`."""
+    return ADVANTAGE_ESTIMATORS.register(cls.name, cls)
+
+
+@register_advantage_estimator
+class GroupMeanBaseline(AdvantageEstimator):
+    """``group_mean``: ``R_i - mean_G(R)`` (:func:`compute_advantages`)."""
+
+    name = "group_mean"
+    description = "reward minus the group's mean reward (GRPO / Dr. GRPO)"
+
+    def __call__(self, rewards_G: Sequence[float]) -> np.ndarray:
+        return compute_advantages(rewards_G, self.normalize_std)
+
+
+@register_advantage_estimator
+class LeaveOneOutBaseline(AdvantageEstimator):
+    """``leave_one_out``: ``R_i - mean_{j != i} R_j = G/(G-1) (R_i - mean_G(R))`` (RLOO); a group
+    of one gets advantage 0."""
+
+    name = "leave_one_out"
+    description = "reward minus the mean reward of the other group members (RLOO)"
+
+    def __call__(self, rewards_G: Sequence[float]) -> np.ndarray:
+        r = np.asarray(rewards_G, dtype=np.float64)
+        if r.size <= 1:
+            return np.zeros_like(r)
+        adv = (r - r.mean()) * (r.size / (r.size - 1))
+        return adv / (r.std() + 1e-6) if self.normalize_std else adv
+
+
 def remove_constant_reward_groups(groups: Sequence[TrajectoryGroup], atol: float = 1e-9) -> tuple[list[TrajectoryGroup], int]:
     """Groups whose total rewards are not all equal, and how many were removed.
 
@@ -136,12 +205,15 @@ def trajectory_to_datums(traj: Trajectory, advantage: float, group_index: int = 
     return out
 
 
-def groups_to_datums(groups: Sequence[TrajectoryGroup], normalize_std: bool = False) -> tuple[list[RLDatum], list[np.ndarray]]:
-    """Datums of every trajectory of ``groups`` and the advantages of each group (G,) float64."""
+def groups_to_datums(groups: Sequence[TrajectoryGroup], normalize_std: bool = False,
+                     estimator: AdvantageEstimator | None = None) -> tuple[list[RLDatum], list[np.ndarray]]:
+    """Datums of every trajectory of ``groups`` and the advantages of each group (G,) float64,
+    from ``estimator`` (default :class:`GroupMeanBaseline` with ``normalize_std``)."""
+    estimator = estimator or GroupMeanBaseline(normalize_std)
     datums: list[RLDatum] = []
     advs: list[np.ndarray] = []
     for g in groups:
-        adv_G = compute_advantages(g.total_rewards(), normalize_std)
+        adv_G = estimator(g.total_rewards())
         advs.append(adv_G)
         for i, (traj, a) in enumerate(zip(g.trajectories_G, adv_G)):
             datums.extend(trajectory_to_datums(traj, float(a), g.group_index, i))

@@ -1,9 +1,10 @@
 """RL environments: one registered class per environment, and the spec that picks one.
 
 An environment is a subclass of :class:`Environment` decorated with :func:`register_env`, in its
-own module: every module of this package is imported when the registry is first read, and
-third-party packages add theirs through the ``prefect_tinker.envs`` entry point group (the value
-is a module to import), so a new environment touches one file.
+own module: every module of this package is imported when the registry (:data:`ENVS`, a
+:class:`~prefect_tinker.recipes.registry.Registry`) is first read, and third-party packages add
+theirs through the ``prefect_tinker.envs`` entry point group (``name = "pkg.module:EnvClass"``, or
+a module to import whose classes register themselves), so a new environment touches one file.
 
 Built in: ``arithmetic`` (generated sums), ``gsm8k`` (grade-school word problems), ``math``
 (any JSONL or dataset of problems with a reference answer); multi-turn message environments
@@ -19,21 +20,22 @@ problem source and prompt settings, ``env_options`` validated by the environment
 
 from __future__ import annotations
 
-import importlib
 import pkgutil
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib.metadata import entry_points
-from typing import Any, ClassVar, Literal
+from pathlib import Path
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from prefect_tinker.recipes.data_reading import check_local_source
+from prefect_tinker.recipes.registry import Registry
 from prefect_tinker.recipes.rl.types import EnvGroupBuilder, RLDataset
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "ENVS",
+    "MOVED_TO_ENV_OPTIONS",
     "EnvContext",
     "EnvSpec",
     "Environment",
@@ -95,7 +97,10 @@ class Environment:
 
     @classmethod
     def options(cls, spec: EnvSpec) -> BaseModel:
-        """``spec.env_options`` validated by :attr:`Options`."""
+        """``spec.env_options`` validated by :attr:`Options` (the spec's own environment's options are
+        validated once: :attr:`EnvSpec.typed_env_options`)."""
+        if isinstance(spec, EnvSpec) and spec.env == cls.name:
+            return spec.typed_env_options
         return cls.Options.model_validate(spec.env_options)
 
     @classmethod
@@ -121,40 +126,26 @@ class Environment:
         return []
 
 
-_ENVS: dict[str, type[Environment]] = {}
-_loaded = False
-_load_lock = threading.Lock()
+#: Registered environments by name: the modules of this package, then the entry points.
+ENVS: Registry[type[Environment]] = Registry("env", ENTRY_POINT_GROUP, builtins=[
+    f"{__name__}.{m.name}" for m in pkgutil.iter_modules([str(Path(__file__).parent)])])
 
 
 def register_env(cls: type[Environment]) -> type[Environment]:
-    """Class decorator: register ``cls`` under ``cls.name`` (a later registration of the same name
-    replaces the earlier one: tests and plugins may override).
+    """Class decorator: register ``cls`` under ``cls.name`` in :data:`ENVS` (a later registration
+    of the same name replaces the earlier one: tests and plugins may override).
 
     Raises:
         ValueError: ``cls.name`` is empty.
     """
     if not cls.name:
         raise ValueError(f"{cls.__name__}: an environment needs a non-empty `name`")
-    _ENVS[cls.name] = cls
-    return cls
-
-
-def _load() -> None:
-    global _loaded
-    with _load_lock:
-        if _loaded:
-            return
-        _loaded = True
-        for mod in pkgutil.iter_modules(__path__):
-            importlib.import_module(f"{__name__}.{mod.name}")
-        for ep in entry_points(group=ENTRY_POINT_GROUP):
-            importlib.import_module(ep.value.split(":", 1)[0])
+    return ENVS.register(cls.name, cls)
 
 
 def env_names() -> list[str]:
     """Registered environment names, sorted."""
-    _load()
-    return sorted(_ENVS)
+    return ENVS.names()
 
 
 def get_env(name: str) -> type[Environment]:
@@ -163,18 +154,22 @@ def get_env(name: str) -> type[Environment]:
     Raises:
         ValueError: unknown name (the message lists the registered ones).
     """
-    _load()
-    try:
-        return _ENVS[name]
-    except KeyError:
-        raise ValueError(f"unknown env {name!r}; registered: {', '.join(sorted(_ENVS))}") from None
+    return ENVS.get_or_raise(name)
+
+
+#: Fields an RL config once held at the top level, now options of their environment.
+MOVED_TO_ENV_OPTIONS = {"max_operand": "arithmetic", "question_field": "math, calculator",
+                        "answer_field": "math, calculator", "answer_style": "math"}
 
 
 class EnvSpec(BaseModel):
     """Which environment and problems an RL run trains on (fields of the RL flow config).
 
     ``dataset`` .. ``format_coef`` are shared by the problem environments (arithmetic, gsm8k,
-    math and their kin); anything specific to one environment goes in ``env_options``.
+    math and their kin); everything specific to one environment is one of its options,
+    ``env_options``, validated once by the environment's own ``Options`` model into
+    :attr:`typed_env_options` (so the config holds one typed option model per environment, chosen by
+    ``env``, including the environments of plugins).
     """
 
     env: str = Field(default="arithmetic", description="Registered environment (prefect-tinker ls shows them): arithmetic, gsm8k, math, ...")
@@ -182,27 +177,58 @@ class EnvSpec(BaseModel):
     dataset: str | None = Field(default=None, description="gsm8k/math: JSONL path or Hugging Face dataset id (gsm8k default: openai/gsm8k).")
     dataset_config: str | None = Field(default=None, description="Hugging Face dataset configuration (gsm8k default: main).")
     split: str = Field(default="train", description="Split of a Hugging Face dataset.")
-    question_field: str = Field(default="question", description="math: record field holding the problem text.")
-    answer_field: str = Field(default="answer", description="math: record field holding the reference answer.")
-    answer_style: Literal["boxed", "hash", "any"] = Field(default="boxed", description="math: where replies state the answer.")
     max_problems: int | None = Field(default=None, ge=1, description="Use at most this many problems.")
-    max_operand: int = Field(default=20, ge=1, description="arithmetic: operands are drawn from [0, max_operand].")
     few_shot: bool = Field(default=False, description="Prepend one solved example as a user/assistant turn.")
     system_prompt: str | None = Field(default=None, description="Optional system message.")
     format_coef: float = Field(default=0.1, ge=0, description="Reward penalty for a malformed reply.")
 
     _dataset_exists = field_validator("dataset")(check_local_source)  # a missing file fails here
+    _options: tuple[dict[str, Any], BaseModel] | None = PrivateAttr(default=None)
+
+    #: Fields naming where the problems come from: a resumed run may change them as long as the
+    #: problems' content (the run's data fingerprint) stays the same.
+    source_fields: ClassVar[tuple[str, ...]] = ("dataset", "dataset_config", "split", "max_problems")
+
+    @classmethod
+    def resume_fields(cls) -> tuple[str, ...]:
+        """The fields a resumed run must keep: every field of the spec (``env_options`` as a
+        whole, so every option of every environment) except :attr:`source_fields`."""
+        return tuple(f for f in cls.model_fields if f not in cls.source_fields)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key in MOVED_TO_ENV_OPTIONS.keys() & data.keys():
+                raise ValueError(f"{key} is an option of its environment ({MOVED_TO_ENV_OPTIONS[key]}): "
+                                 f"write env_options.{key}={data[key]!r}")
+        return data
 
     @model_validator(mode="after")
     def _check_env(self) -> EnvSpec:
-        env = get_env(self.env)
-        try:
-            env.options(self)
-        except ValidationError as exc:
-            problems = "; ".join(f"env_options.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-            raise ValueError(f"env {self.env!r}: {problems}") from None
-        env.check(self)
+        self._validate_options()
+        get_env(self.env).check(self)
         return self
+
+    @property
+    def typed_env_options(self) -> BaseModel:
+        """``env_options`` validated by the environment's ``Options`` model (validated once per
+        distinct ``env_options``: a copy of the spec with other options validates those).
+
+        Raises:
+            ValueError: an unknown env, or a bad option as ``env_options.<field>: <problem>``.
+        """
+        return self._validate_options()
+
+    def _validate_options(self) -> BaseModel:
+        if self._options is None or self._options[0] != self.env_options:
+            try:
+                model = get_env(self.env).Options.model_validate(self.env_options)
+            except ValidationError as exc:
+                problems = "; ".join(f"env_options.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+                raise ValueError(f"env {self.env!r}: {problems}") from None
+            self._options = (dict(self.env_options), model)
+        return self._options[1]
 
 
 def build_rl_dataset(spec: EnvSpec, *, renderer_name: str, tokenizer_id: str, group_size: int,

@@ -9,13 +9,15 @@ import re
 from pathlib import Path
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
 from prefect_tinker.recipes.rl.envs import EnvContext, Environment, register_env
 from prefect_tinker.recipes.rl.envs.problems import problem_builder
 from prefect_tinker.recipes.rl.problem_env import Problem, ProblemEnv
 from prefect_tinker.recipes.rl.types import EnvGroupBuilder, RLDataset
 
-__all__ = ["ArithmeticEnv", "ArithmeticDataset", "Arithmetic", "arithmetic_problem", "write_arithmetic_sft_jsonl",
+__all__ = ["ArithmeticEnv", "ArithmeticDataset", "ArithmeticOptions",
+           "Arithmetic", "arithmetic_problem", "write_arithmetic_sft_jsonl",
            "ARITHMETIC_SHOT"]
 
 #: The solved example of ``few_shot=true``.
@@ -56,15 +58,23 @@ class ArithmeticDataset(RLDataset):
         ]
 
 
+class ArithmeticOptions(BaseModel):
+    """``env_options`` of ``arithmetic``."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_operand: int = Field(default=20, ge=1, description="Operands are drawn from [0, max_operand].")
+
+
 @register_env
 class Arithmetic(Environment):
     name = "arithmetic"
-    description = "Generated sums 'What is a + b?' (operands up to max_operand); the reply is the integer."
+    description = "Generated sums 'What is a + b?' (operands up to env_options.max_operand); the reply is the integer."
+    Options = ArithmeticOptions
 
     @classmethod
     def build(cls, spec, ctx: EnvContext) -> RLDataset:
         make = problem_builder(ArithmeticEnv, spec, ctx, ARITHMETIC_SHOT, "", cls.name)
-        return ArithmeticDataset(ctx.groups_per_batch, make, spec.max_operand, ctx.seed)
+        return ArithmeticDataset(ctx.groups_per_batch, make, cls.options(spec).max_operand, ctx.seed)
 
 
 def write_arithmetic_sft_jsonl(path: str | Path, n: int, *, max_operand: int = 20, seed: int = 0) -> Path:

@@ -61,6 +61,8 @@ CALCULATOR_SHOTS = (*_shot("A bag holds 23 marbles. How many marbles are in 41 b
 
 class CalculatorOptions(MessageEnvOptions):
     max_turns: int = Field(default=6, ge=1, le=32, description="Most replies per episode (tool calls + final answer).")
+    question_field: str = Field(default="question", description="Record field holding the problem text.")
+    answer_field: str = Field(default="answer", description="Record field holding the reference answer.")
 
 
 class CalculatorEnv(MessageEnv):
@@ -104,19 +106,21 @@ class Calculator(Environment):
     @classmethod
     def preflight(cls, spec) -> None:
         if spec.dataset and looks_local(spec.dataset):
-            load_problems(spec.dataset, question_field=spec.question_field, answer_field=spec.answer_field,
+            opts = cls.options(spec)
+            load_problems(spec.dataset, question_field=opts.question_field, answer_field=opts.answer_field,
                           max_problems=spec.max_problems)
 
     @classmethod
     def build(cls, spec, ctx: EnvContext) -> RLDataset:
         source = spec.dataset or "openai/gsm8k"
         config = spec.dataset_config or ("main" if source == "openai/gsm8k" else None)
-        problems = load_problems(source, question_field=spec.question_field, answer_field=spec.answer_field,
+        opts = cls.options(spec)
+        problems = load_problems(source, question_field=opts.question_field, answer_field=opts.answer_field,
                                  split=spec.split, config_name=config, max_problems=spec.max_problems)
         prefix = [{"role": "system", "content": spec.system_prompt or CALCULATOR_SYSTEM}]
         if spec.few_shot:
             prefix += [dict(m) for m in CALCULATOR_SHOTS]
-        limits = cls.options(spec).limits()
+        limits = opts.limits()
 
         def make(problem: Problem) -> CalculatorBuilder:
             return CalculatorBuilder(problem=problem, prefix=freeze(prefix), format_coef=spec.format_coef,

@@ -6,6 +6,10 @@ contain ``\\boxed{}`` / ``####``; replies are graded on their last ``\\boxed{}``
 
 from __future__ import annotations
 
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
 from prefect_tinker.recipes.data_reading import looks_local
 from prefect_tinker.recipes.rl.envs import EnvContext, Environment, register_env
 from prefect_tinker.recipes.rl.envs.gsm8k import GSM8K_SUFFIX
@@ -14,7 +18,7 @@ from prefect_tinker.recipes.rl.grading import answers_match, extract_final_answe
 from prefect_tinker.recipes.rl.problem_env import ProblemDataset, ProblemEnv
 from prefect_tinker.recipes.rl.types import RLDataset
 
-__all__ = ["Math", "MathEnv", "MathEnvAny", "MathEnvHash", "MATH_SUFFIX"]
+__all__ = ["Math", "MathOptions", "MathEnv", "MathEnvAny", "MathEnvHash", "MATH_SUFFIX"]
 
 MATH_SUFFIX = " Write the final answer inside \\boxed{}."
 
@@ -47,27 +51,42 @@ class MathEnvAny(MathEnv):
 _STYLES = {"boxed": MathEnv, "hash": MathEnvHash, "any": MathEnvAny}
 
 
+class MathOptions(BaseModel):
+    """``env_options`` of ``math``."""
+
+    model_config = ConfigDict(extra="forbid")
+    question_field: str = Field(default="question", description="Record field holding the problem text.")
+    answer_field: str = Field(default="answer", description="Record field holding the reference answer.")
+    answer_style: Literal["boxed", "hash", "any"] = Field(default="boxed",
+                                                          description="Where replies state the answer.")
+
+
 @register_env
 class Math(Environment):
     name = "math"
-    description = "Any JSONL/dataset of problems (question_field, answer_field); graded on \\boxed{} (answer_style)."
+    description = ("Any JSONL/dataset of problems (env_options.question_field, answer_field); graded on \\boxed{} "
+                   "(answer_style).")
+    Options = MathOptions
 
     @classmethod
     def check(cls, spec) -> None:
         if not spec.dataset:
-            raise ValueError("env 'math' needs dataset=<JSONL path or dataset id> (and question_field/answer_field)")
+            raise ValueError("env 'math' needs dataset=<JSONL path or dataset id> "
+                             "(and env_options.question_field/answer_field)")
 
     @classmethod
     def preflight(cls, spec) -> None:
         if looks_local(spec.dataset):
-            load_problems(spec.dataset, question_field=spec.question_field, answer_field=spec.answer_field,
+            opts = cls.options(spec)
+            load_problems(spec.dataset, question_field=opts.question_field, answer_field=opts.answer_field,
                           max_problems=spec.max_problems)
 
     @classmethod
     def build(cls, spec, ctx: EnvContext) -> RLDataset:
         cls.check(spec)
-        suffix = MATH_SUFFIX if spec.answer_style == "boxed" else GSM8K_SUFFIX
-        problems = load_problems(spec.dataset, question_field=spec.question_field, answer_field=spec.answer_field,
+        opts = cls.options(spec)
+        suffix = MATH_SUFFIX if opts.answer_style == "boxed" else GSM8K_SUFFIX
+        problems = load_problems(spec.dataset, question_field=opts.question_field, answer_field=opts.answer_field,
                                  split=spec.split, config_name=spec.dataset_config, max_problems=spec.max_problems)
-        make = problem_builder(_STYLES[spec.answer_style], spec, ctx, _shot(suffix), suffix, cls.name)
+        make = problem_builder(_STYLES[opts.answer_style], spec, ctx, _shot(suffix), suffix, cls.name)
         return ProblemDataset(problems, ctx.groups_per_batch, make, ctx.seed)

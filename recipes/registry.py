@@ -1,0 +1,142 @@
+"""One registry mechanism for every kind of component a plugin can add.
+
+A :class:`Registry` maps names to components of one kind (recipes, RL environments, renderers,
+dataset formats, graders, code runners, RL losses, advantage estimators). It is filled three ways,
+in this order, the first time it is read:
+
+1. the modules named in ``builtins`` are imported (their module-level ``register`` calls or
+   decorators fill it; importing them lazily keeps this package free of import circles);
+2. every Python entry point of the registry's group (``prefect_tinker.<kind>``) of any installed
+   distribution: an entry point ``name = "pkg.module:attr"`` registers ``attr`` under ``name``;
+   one naming a module only (``name = "pkg.module"``) imports it, and the module registers
+   itself (e.g. with :func:`~prefect_tinker.recipes.rl.envs.register_env`);
+3. direct :meth:`Registry.register` calls at any time (a later registration of a name replaces
+   the earlier one, so tests and plugins may override a built-in).
+
+A plugin package therefore adds a component without touching this repository: it declares, in
+its ``pyproject.toml``::
+
+    [project.entry-points."prefect_tinker.losses"]
+    my_loss = "my_plugin.losses:MyLoss"
+
+The registries and their groups are listed in ``docs/recipes.md``. Entry points are read with
+:func:`importlib.metadata.entry_points` (Python packaging's entry-point specification,
+https://packaging.python.org/en/latest/specifications/entry-points/).
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from collections.abc import Iterable, Iterator, MutableMapping
+from importlib.metadata import entry_points
+from types import ModuleType
+from typing import Generic, TypeVar
+
+__all__ = ["Registry", "UnknownComponentError"]
+
+T = TypeVar("T")
+
+class UnknownComponentError(ValueError):
+    """A name that no registration provides; the message lists the registered names."""
+
+
+class Registry(MutableMapping[str, T], Generic[T]):
+    """Components of one kind by name, filled by built-in modules, entry points and
+    :meth:`register` (see the module docstring).
+
+    A mutable mapping (``reg[name]``, ``name in reg``, iteration in registration order), so tests
+    may ``monkeypatch.setitem`` it; :meth:`get_or_raise` is the lookup with a readable error.
+
+    Args:
+        kind: what is registered, in words, for error messages (``"RL loss"``).
+        group: the entry-point group (``"prefect_tinker.losses"``).
+        builtins: modules imported before the entry points are read (they register the
+            built-in components).
+    """
+
+    def __init__(self, kind: str, group: str, builtins: Iterable[str] = ()):
+        self.kind, self.group = kind, group
+        self._builtins = tuple(builtins)
+        self._items: dict[str, T] = {}
+        self._loaded = False
+        self._lock = threading.RLock()
+
+    def register(self, name: str, component: T) -> T:
+        """Register ``component`` under ``name`` (replacing an earlier one) and return it.
+
+        Raises:
+            ValueError: an empty name.
+        """
+        if not name:
+            raise ValueError(f"a {self.kind} needs a non-empty name")
+        self._items[name] = component
+        return component
+
+    def load(self) -> None:
+        """Import the built-in modules and the entry points of :attr:`group` (once; later calls
+        do nothing).
+
+        Raises:
+            ImportError / AttributeError: a built-in module or an entry point does not import
+                (the error names the entry point).
+        """
+        with self._lock:
+            if self._loaded:
+                return
+            self._loaded = True
+            for module in self._builtins:
+                importlib.import_module(module)
+            for ep in entry_points(group=self.group):
+                try:
+                    obj = ep.load()
+                except (ImportError, AttributeError) as exc:
+                    raise type(exc)(f"entry point {ep.name} = {ep.value!r} of group {self.group}: {exc}") from exc
+                if not isinstance(obj, ModuleType):
+                    self.register(ep.name, obj)
+
+    def names(self) -> list[str]:
+        """Registered names, sorted."""
+        self.load()
+        return sorted(self._items)
+
+    def get_or_raise(self, name: str) -> T:
+        """The component registered as ``name``.
+
+        Raises:
+            UnknownComponentError: unknown name (the message lists the registered names).
+        """
+        self.load()
+        try:
+            return self._items[name]
+        except KeyError:
+            raise UnknownComponentError(
+                f"unknown {self.kind} {name!r}; registered: {', '.join(sorted(self._items)) or '(none)'}") from None
+
+    # ----- the mapping protocol --------------------------------------------------------------
+    def __getitem__(self, name: str) -> T:
+        self.load()
+        return self._items[name]
+
+    def __setitem__(self, name: str, component: T) -> None:
+        self.load()
+        self.register(name, component)
+
+    def __delitem__(self, name: str) -> None:
+        self.load()
+        del self._items[name]
+
+    def __iter__(self) -> Iterator[str]:
+        self.load()
+        return iter(list(self._items))
+
+    def __len__(self) -> int:
+        self.load()
+        return len(self._items)
+
+    def __contains__(self, name: object) -> bool:
+        self.load()
+        return name in self._items
+
+    def __repr__(self) -> str:
+        return f"Registry({self.kind!r}, group={self.group!r}, names={self.names()})"

@@ -1,0 +1,112 @@
+"""A plugin package extends prefect-tinker through entry points only (docs/recipes.md).
+
+``tests/plugins/demo_plugin`` is installed into a temporary folder (its package files plus the
+``.dist-info`` metadata an installer writes: ``METADATA`` and ``entry_points.txt`` from its
+``pyproject.toml``), put on ``PYTHONPATH`` of ``prefect-tinker`` command-line processes, and run:
+a new RL environment (``subtraction``, one file plus an example config), a new loss
+(``symmetric_ppo``, one class), a new advantage estimator (``mean_only``) and a new recipe
+(``memorize``, one folder). The dev environment never sees the plugin.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from prefect_tinker.flows.cli import main as cli_main
+
+PLUGIN = Path(__file__).resolve().parent / "plugins" / "demo_plugin"
+
+
+def install_plugin(target: Path) -> None:
+    """Install the plugin's files into ``target`` as an installer lays out a pure-Python
+    distribution: the package folder and ``<name>-<version>.dist-info`` (``METADATA``,
+    ``entry_points.txt``: the groups of ``[project.entry-points]``)."""
+    project = tomllib.loads((PLUGIN / "pyproject.toml").read_text())["project"]
+    shutil.copytree(PLUGIN / "demo_plugin", target / "demo_plugin")
+    dist = target / f"{project['name'].replace('-', '_')}-{project['version']}.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
+    (dist / "entry_points.txt").write_text("".join(
+        f"[{group}]\n" + "".join(f"{name} = {value}\n" for name, value in eps.items()) + "\n"
+        for group, eps in project["entry-points"].items()))
+
+
+@pytest.fixture(scope="module")
+def plugin_cli(tmp_path_factory, local_credentials, prefect_api):
+    """``run(*argv) -> stdout`` of ``prefect-tinker`` in a process that has the plugin installed,
+    against this session's Prefect API and local server; and the store folder."""
+    from prefect.settings import PREFECT_API_URL
+
+    site = tmp_path_factory.mktemp("plugin-site")
+    install_plugin(site)
+    home = tmp_path_factory.mktemp("plugin-home")
+    store = home / "store"
+    env = {**os.environ, "PYTHONPATH": str(site), "PREFECT_API_URL": PREFECT_API_URL.value(),
+           "PREFECT_TINKER_HOME": str(home), "PREFECT_TINKER_STORE": str(store), "HF_HUB_OFFLINE": "1"}
+    local_root = f"backend.local_root={local_credentials.resolved_local_root()}"
+
+    def run(*argv: str) -> str:
+        args = [*argv, local_root] if argv[0] == "run" else list(argv)
+        proc = subprocess.run([sys.executable, "-m", "prefect_tinker.flows.cli", *args], env=env, cwd=home,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, \
+            f"prefect-tinker {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        return proc.stdout
+
+    def sql(query: str) -> list[dict]:  # reading the store needs no plugin: in this process
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert cli_main(["sql", "--store", str(store), "--json", query]) in (0, None)
+        return json.loads(out.getvalue())
+
+    return run, sql, site
+
+
+def test_plugin_components_are_listed_but_not_installed_here(plugin_cli):
+    run, _, _ = plugin_cli
+    listing = run("ls")
+    assert "memorize" in listing and "subtraction" in listing and "tiny" in listing
+    from prefect_tinker.flows.registry import RECIPES
+    from prefect_tinker.recipes.rl.envs import ENVS
+
+    assert "memorize" not in RECIPES and "subtraction" not in ENVS  # the dev environment is untouched
+
+
+def test_plugin_env_loss_and_estimator_run_rl(plugin_cli):
+    """The plugin's env trains with its loss and estimator; ``symmetric_ppo`` with epsilon 0.25 and
+    ``mean_only`` give the same rows, bit for bit, as the built-in ``ppo`` with clip thresholds
+    0.75/1.25 and ``group_mean`` (the same server loss and config, the same advantages)."""
+    run, sql, site = plugin_cli
+    config = str(site / "demo_plugin" / "subtraction.yaml")
+    run("run", "rl", "--config", config, "run_name=plugin", "loss_fn=symmetric_ppo", "loss_options.epsilon=0.25",
+        "advantage_estimator=mean_only")
+    run("run", "rl", "--config", config, "run_name=builtin", "loss_fn=ppo", "clip_low_threshold=0.75",
+        "clip_high_threshold=1.25")
+    rows = sql("SELECT run_id, step, name, value FROM metrics WHERE run_id IN ('plugin', 'builtin') "
+               "AND name NOT LIKE 'time/%' AND name NOT LIKE '%seconds%' AND name NOT LIKE '%per_s%' ORDER BY ALL")
+    by_run = {r: {(x["step"], x["name"]): x["value"] for x in rows if x["run_id"] == r} for r in ("plugin", "builtin")}
+    assert by_run["plugin"] and by_run["plugin"] == by_run["builtin"]
+    assert {"env/reward_mean", "train/loss_sum"} <= {n for _, n in by_run["plugin"]}
+    prompts = sql("SELECT prompt FROM trajectories WHERE run_id = 'plugin'")
+    assert prompts and all(" - " in p["prompt"] for p in prompts)  # the plugin's problems
+    stored = sql("SELECT config_json FROM runs WHERE run_id = 'plugin' AND config_json IS NOT NULL")
+    assert json.loads(stored[-1]["config_json"])["loss_options"] == {"epsilon": 0.25}
+
+
+def test_plugin_recipe_runs_from_its_example(plugin_cli):
+    run, sql, _ = plugin_cli
+    run("run", "memorize", "--example", "tiny", "run_name=mem")
+    loss = [r["value"] for r in sql("SELECT step, value FROM metrics WHERE run_id = 'mem' AND name = 'train/loss' "
+                                    "ORDER BY step")]
+    assert len(loss) == 4 and loss[-1] < loss[0]  # four steps on one sentence: the loss falls
+    assert sql("SELECT status FROM runs WHERE run_id = 'mem' ORDER BY time DESC LIMIT 1") == [{"status": "completed"}]
