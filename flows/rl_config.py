@@ -31,7 +31,8 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
         *RecipeConfig.resume_fields, "env", "env_options", "question_field", "answer_field", "answer_style",
         "max_operand", "few_shot", "system_prompt", "format_coef", "group_size", "groups_per_batch", "loss_fn",
         "clip_low_threshold", "clip_high_threshold", "kl_penalty_coef", "kl_reference",
-        "remove_constant_reward_groups", "normalize_advantages_std", "num_substeps")
+        "remove_constant_reward_groups", "normalize_advantages_std", "num_substeps", "dro_beta",
+        "stable_reinforce_kl_coeff")
 
     group_size: int = Field(default=4, ge=2, description="Rollouts per problem (advantages are centred within a group).")
     groups_per_batch: int = Field(default=8, ge=1, description="Problems per step.")
@@ -41,9 +42,20 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
     temperature: float = Field(default=1.0, gt=0, description="Sampling temperature (1.0 keeps importance ratios unbiased).")
     max_steps: int = Field(default=20, ge=1, description="Steps (batches) of the run, counting those of earlier invocations.")
     eval_every: int = Field(default=0, ge=0, description="Evaluators every n steps (0 = start and end only).")
-    loss_fn: Literal["importance_sampling", "ppo", "cispo"] = Field(default="importance_sampling", description="Policy-gradient loss.")
-    clip_low_threshold: float = Field(default=0.8, gt=0, description="ppo/cispo: lower bound of the importance ratio.")
-    clip_high_threshold: float = Field(default=1.2, gt=0, description="ppo/cispo: upper bound of the importance ratio.")
+    loss_fn: Literal["importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce"] = Field(
+        default="importance_sampling",
+        description="Policy-gradient loss of the server (Tinker docs, 'Loss functions'); stable_reinforce samples "
+                    "with record_stability_info and sends provenance spans naming the sampled sequences.")
+    clip_low_threshold: float = Field(default=0.8, gt=0, description="ppo/cispo/gspo: lower bound of the importance ratio.")
+    clip_high_threshold: float = Field(default=1.2, gt=0, description="ppo/cispo/gspo: upper bound of the importance ratio.")
+    dro_beta: float = Field(default=0.05, ge=0, description="dro: weight beta of the quadratic penalty 0.5 beta (logp - q)^2.")
+    stable_reinforce_kl_coeff: float | None = Field(
+        default=None, ge=0, description="stable_reinforce: loss_fn_config kl_coeff (None: the server's default).")
+    sampler_kind: Literal["snapshot", "inflight"] = Field(
+        default="snapshot",
+        description="async: 'snapshot' samplers keep the weights they were saved with; 'inflight' samplers "
+                    "(save_weights_and_get_sampling_client(kind='inflight')) move to each newer save, so rollouts "
+                    "in flight continue on new weights without restarting.")
     kl_penalty_coef: float = Field(default=0.0, ge=0, description="Per-token KL penalty against the reference model (0 = off).")
     kl_reference: str | None = Field(default=None, description="Reference weights: a tinker:// sampler path or 'base:<model>'; default the run's initial weights.")
     remove_constant_reward_groups: bool = Field(default=True, description="Drop groups whose rollouts all got the same reward.")
@@ -66,6 +78,9 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
         if self.schedule == "streaming" and self.num_minibatches * self.num_substeps > self.groups_per_batch:
             raise ValueError(f"streaming needs groups_per_batch >= num_minibatches x num_substeps "
                              f"({self.num_minibatches} x {self.num_substeps} > {self.groups_per_batch})")
+        if self.sampler_kind == "inflight" and self.schedule != "async":
+            raise ValueError(f"sampler_kind='inflight' needs schedule='async' (got schedule={self.schedule!r}): "
+                             "on-policy schedules wait for every rollout before training")
         if self.rollout.min_group_size > self.group_size:
             raise ValueError(f"rollout.min_group_size ({self.rollout.min_group_size}) exceeds group_size ({self.group_size})")
         return self
@@ -89,7 +104,18 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
         return "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
 
     def loss_fn_config(self) -> dict[str, float] | None:
-        """``loss_fn_config`` for the server: clip thresholds for ppo/cispo, None otherwise."""
-        if self.loss_fn in ("ppo", "cispo"):
+        """``loss_fn_config`` for the server: clip thresholds for ppo/cispo/gspo, ``beta`` for dro,
+        ``kl_coeff`` for stable_reinforce (when set), None otherwise."""
+        if self.loss_fn in ("ppo", "cispo", "gspo"):
             return {"clip_low_threshold": self.clip_low_threshold, "clip_high_threshold": self.clip_high_threshold}
+        if self.loss_fn == "dro":
+            return {"beta": self.dro_beta}
+        if self.loss_fn == "stable_reinforce" and self.stable_reinforce_kl_coeff is not None:
+            return {"kl_coeff": self.stable_reinforce_kl_coeff}
         return None
+
+    @property
+    def provenance(self) -> bool:
+        """Whether rollouts record stability information and datums carry provenance
+        (``stable_reinforce``)."""
+        return self.loss_fn == "stable_reinforce"
