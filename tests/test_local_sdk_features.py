@@ -209,8 +209,51 @@ def test_stability_info_and_provenance(clean, service, trainer):
             tc2.forward_backward([good], "importance_sampling").result(timeout=60)
     finally:
         other_sc.close("success").result(timeout=30)
-    # the training client still works after the refusals
-    assert trainer.forward_backward([good], "importance_sampling").result(timeout=60).metrics["loss:sum"] != 0.0
+    # the training client still works after the refusals; datums without provenance may sit beside
+    # datums with it (except for stable_reinforce)
+    plain = types.Datum(model_input=good.model_input, loss_fn_inputs=good.loss_fn_inputs)
+    both = trainer.forward_backward([good, plain], "importance_sampling").result(timeout=60)
+    np.testing.assert_allclose(both.loss_fn_outputs[0]["logprobs"].to_numpy(),
+                               both.loss_fn_outputs[1]["logprobs"].to_numpy(), atol=1e-6)
+
+
+def test_recorded_sequences_expire_a_day_after_their_last_use():
+    from tinker.proto import tinker_public_pb2 as pb
+
+    from tinker_local.errors import HttpError
+    from tinker_local.futures import FutureStore
+    from tinker_local.service_stability import STABILITY_TTL_S, StabilityMixin
+
+    class Service(StabilityMixin):
+        now = 1000.0
+
+        def clock(self):
+            return self.now
+
+        store = FutureStore()
+
+    svc = Service()
+    svc.record_stability("sess-a:sample:0", ["r:0"], [5, 6, 7], [{"tokens": [8, 9], "logprobs": [-1.0, -2.0]}])
+    msg = pb.ForwardBackwardRequest(model_id="m", loss_fn="importance_sampling")
+    d = msg.data.add()
+    d.model_input.add().encoded_text.tokens = np.asarray([5, 6, 7, 8], np.int32).tobytes()
+    d.loss_fn_inputs["target_tokens"].dense = np.asarray([6, 7, 8, 9], np.int64).tobytes()
+    d.loss_fn_inputs["target_tokens"].dtype = pb.DTYPE_INT64
+    d.loss_fn_inputs["target_tokens"].shape.append(4)
+    for field, runs in (("model_input_spans", (("prompt_tokens", 0, 3), ("sampled_tokens", 0, 1))),
+                        ("loss_fn_input_spans", (("prompt_tokens", 1, 2), ("sampled_tokens", 0, 2)))):
+        for kind, off, n in runs:
+            span = getattr(getattr(d, field).add(), kind)
+            span.sequence_id, span.offset, span.length = "r:0", off, n
+    svc.now += STABILITY_TTL_S - 1
+    svc.check_provenance(msg, "m", "sess-a")  # valid, and restarts the day
+    svc.now += STABILITY_TTL_S - 1
+    svc.check_provenance(msg, "m", "sess-a")
+    with pytest.raises(HttpError, match="was sampled in session 'sess-a'"):
+        svc.check_provenance(msg, "m", "sess-b")
+    svc.now += STABILITY_TTL_S
+    with pytest.raises(HttpError, match="'r:0' is unknown or expired"):
+        svc.check_provenance(msg, "m", "sess-a")
 
 
 def test_dimuon_is_refused_by_name(service):

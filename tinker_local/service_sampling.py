@@ -212,8 +212,7 @@ class SamplingServiceMixin(StabilityMixin):
             stats["prompt_tokens_cached"] += hit
             stats["prompt_tokens_uncached"] += len(job["engine"]["prompt_tokens"]) - hit
             stats["sampled_tokens"] += sum(len(s["tokens"]) for s in res.sequences)
-            if job["record"]:
-                job["ids"].wait()
+            if job["record"] and job["ids"].wait(30):  # set right after submission
                 self.record_stability(job["sampler_id"], job["sequence_ids"], job["engine"]["prompt_tokens"],
                                       res.sequences)
             out.append(P.sample_response_to_proto(

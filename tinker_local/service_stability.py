@@ -79,32 +79,32 @@ class StabilityMixin:
                 rec = None
             return rec
 
-    def check_provenance(self, msg: Any, model_id: str, session_id: str | None) -> list[Any] | None:
+    def check_provenance(self, msg: Any, model_id: str, session_id: str | None) -> None:
         """Validate the provenance of the datums of ``ForwardBackwardRequest`` ``msg`` (see the
-        module docstring) and restart the day of every sequence named.  Returns one
-        ``(model_input_spans, loss_fn_input_spans)`` pair per datum (lists of ``(kind, record,
-        offset, length)``, kind "prompt" | "sampled"), or None when no datum has provenance.
-        Raises HttpError 400 (with the seq_id of the model consumed, see ``FutureStore.burn``)."""
+        module docstring; datums without spans pass, except for ``stable_reinforce``) and restart
+        the day of every sequence named.  Raises HttpError 400, with the model's ``seq_id``
+        consumed (``FutureStore.burn``) so that its next request need not wait for it."""
         try:
-            return self._provenance(msg, session_id)
+            self._provenance(msg, session_id)
         except HttpError as e:
             if msg.seq_id:
                 self.store.burn(model_id, int(msg.seq_id), e.detail)
             raise
 
-    def _provenance(self, msg: Any, session_id: str | None) -> list[Any] | None:
-        ep = "stable_reinforce" if msg.loss_fn == "stable_reinforce" else msg.loss_fn or "forward_backward"
+    def _provenance(self, msg: Any, session_id: str | None) -> None:
+        needed = msg.loss_fn == "stable_reinforce"
         if not any(len(d.model_input_spans) or len(d.loss_fn_input_spans) for d in msg.data):
-            if msg.loss_fn == "stable_reinforce":
+            if needed:
                 raise HttpError(400, "loss_fn 'stable_reinforce' needs provenance on every datum: build them with "
                                      "Datum.with_provenance(model_input=[...], loss_fn_inputs=[...]) naming sequences "
                                      "sampled with record_stability_info=True")
-            return None
+            return
         used: dict[str, StabilityRecord] = {}
-        out = []
         for i, d in enumerate(msg.data):
-            if not len(d.model_input_spans) and msg.loss_fn == "stable_reinforce":
-                raise HttpError(400, f"{ep}: datum {i} has no provenance (Datum.with_provenance)")
+            if not (len(d.model_input_spans) or len(d.loss_fn_input_spans)):
+                if needed:
+                    raise HttpError(400, f"stable_reinforce: datum {i} has no provenance (Datum.with_provenance)")
+                continue
             tokens = np.concatenate([np.frombuffer(c.encoded_text.tokens, dtype=np.int32) for c in d.model_input
                                      if c.WhichOneof("chunk") == "encoded_text"] or [np.zeros(0, np.int32)])
             tgt = d.loss_fn_inputs.get("target_tokens")
@@ -114,22 +114,18 @@ class StabilityMixin:
                     targets = tensor_from_proto(tgt, name="target_tokens")
                 except ProtocolError as e:
                     raise HttpError(400, f"datum {i}: {e}") from e
-            pair = []
             for field, values in (("model_input_spans", tokens), ("loss_fn_input_spans", targets)):
-                spans = self._spans(i, field, getattr(d, field), values, session_id, used)
-                pair.append(spans)
-            out.append(tuple(pair))
+                self._spans(i, field, getattr(d, field), values, session_id, used)
         now = float(self.clock())
         for rec in used.values():
             rec.expires_at = now + STABILITY_TTL_S
-        return out
 
     def _spans(self, i: int, field: str, spans: Any, values: np.ndarray | None, session_id: str | None,
-               used: dict[str, StabilityRecord]) -> list[tuple[str, StabilityRecord, int, int]]:
+               used: dict[str, StabilityRecord]) -> None:
         where = f"datum {i}: {field}"
         if values is None:
             raise HttpError(400, f"{where}: provenance needs a 1-D target_tokens to tile")
-        out, pos = [], 0
+        pos = 0
         for j, span in enumerate(spans):
             kind = span.WhichOneof("span")
             if kind not in ("prompt_tokens", "sampled_tokens"):
@@ -159,9 +155,7 @@ class StabilityMixin:
                 raise HttpError(400, f"{where}[{j}]: tokens at positions {pos}..{pos + n - 1} differ from the "
                                      f"{what} {off}..{off + n - 1} of sequence {sid!r}")
             used[sid] = rec
-            out.append(("prompt" if kind == "prompt_tokens" else "sampled", rec, off, n))
             pos += n
         if pos != len(values):
             raise HttpError(400, f"{where}: spans cover {pos} positions but the field has {len(values)} "
                                  "(the runs must tile it exactly)")
-        return out
