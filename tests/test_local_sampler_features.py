@@ -111,7 +111,8 @@ def test_shared_prompts_are_prefilled_once(engine, monkeypatch):
 def test_bad_targets_are_user_errors(engine):
     prompt = _prompt(9, 5)
     with pytest.raises(EngineUserError, match=r"\[len\(prompt\) - 1, K\] = \[4, K\]"):
-        engine.sample("tiny", None, prompt, num_samples=1, max_tokens=1, target_prompt_logprobs=np.zeros((5, 2), np.int64))
+        engine.sample("tiny", None, prompt, num_samples=1, max_tokens=1,
+                      target_prompt_logprobs=np.zeros((5, 2), np.int64))
     with pytest.raises(EngineUserError, match="token id 99999"):
         engine.sample("tiny", None, prompt, num_samples=1, max_tokens=1,
                       target_prompt_logprobs=np.full((4, 1), 99999, np.int64))
