@@ -46,9 +46,12 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
         default="importance_sampling",
         description="Policy-gradient loss of the server (Tinker docs, 'Loss functions'); stable_reinforce samples "
                     "with record_stability_info and sends provenance spans naming the sampled sequences.")
-    clip_low_threshold: float = Field(default=0.8, gt=0, description="ppo/cispo/gspo: lower bound of the importance ratio.")
-    clip_high_threshold: float = Field(default=1.2, gt=0, description="ppo/cispo/gspo: upper bound of the importance ratio.")
-    dro_beta: float = Field(default=0.05, ge=0, description="dro: weight beta of the quadratic penalty 0.5 beta (logp - q)^2.")
+    clip_low_threshold: float = Field(default=0.8, gt=0,
+                                      description="ppo/cispo/gspo: lower bound of the importance ratio.")
+    clip_high_threshold: float = Field(default=1.2, gt=0,
+                                       description="ppo/cispo/gspo: upper bound of the importance ratio.")
+    dro_beta: float = Field(default=0.05, ge=0,
+                            description="dro: weight beta of the quadratic penalty 0.5 beta (logp - q)^2.")
     stable_reinforce_kl_coeff: float | None = Field(
         default=None, ge=0, description="stable_reinforce: loss_fn_config kl_coeff (None: the server's default).")
     sampler_kind: Literal["snapshot", "inflight"] = Field(

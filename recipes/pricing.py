@@ -39,7 +39,8 @@ class TokenPrices(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     prefill: float = Field(default=0.0, ge=0, description="USD per million prompt (prefill) tokens.")
-    prefill_cached: float | None = Field(default=None, ge=0, description="USD per million prompt tokens served from a prefix cache (default: the prefill price).")
+    prefill_cached: float | None = Field(
+        default=None, ge=0, description="USD per million prompt tokens served from a prefix cache (default: prefill).")
     sample: float = Field(default=0.0, ge=0, description="USD per million sampled tokens.")
     train: float = Field(default=0.0, ge=0, description="USD per million trained tokens (forward_backward inputs).")
 

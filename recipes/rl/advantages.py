@@ -13,8 +13,9 @@
   sent). With every action's ``sequence_id`` known, the datum also carries its provenance
   (:meth:`RLDatum.to_datum` with ``provenance=True``: ``Datum.with_provenance`` spans naming the
   sampled sequences, as the ``stable_reinforce`` loss needs; Tinker docs, "StableReinforce",
-  https://tinker-docs.thinkingmachines.ai/tinker/losses/stable-reinforce/). Losses sum over tokens (Tinker docs, "Loss functions"), so observation tokens with zero
-  advantage contribute nothing.
+  https://tinker-docs.thinkingmachines.ai/tinker/losses/stable-reinforce/). Losses sum over
+  tokens (Tinker docs, "Loss functions"), so observation tokens with zero advantage contribute
+  nothing.
 - :func:`apply_kl_penalty`: per-token penalty against a reference model, folded into the
   advantages as in the Tinker cookbook: ``A_t += coef * (mean_kl - (q_t - ref_t))`` on action
   tokens, where ``q_t - ref_t`` is the sampled-token log-ratio (a k1 estimate of KL(sampler||ref)).
@@ -89,9 +90,9 @@ class RLDatum:
         if not provenance:
             return datum
         if self.spans is None:
-            raise ValueError(f"group {self.group_index} member {self.member}: provenance needs the sequence_id of every "
-                             "sampled action, and this trajectory has actions without one (an environment that "
-                             "samples on its own, or a server that returns no sequence ids)")
+            raise ValueError(f"group {self.group_index} member {self.member}: provenance needs the sequence_id "
+                             "of every sampled action, and this trajectory has actions without one (an environment "
+                             "that samples on its own, or a server that returns no sequence ids)")
         n = len(self.tokens)
         return datum.with_provenance(model_input=_provenance(self.spans, 0, n - 1),
                                      loss_fn_inputs=_provenance(self.spans, 1, n))

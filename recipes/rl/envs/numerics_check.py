@@ -115,12 +115,18 @@ class NumericsCheckOptions(MessageEnvOptions):
     an option here)."""
 
     num_pages_min: int = Field(default=8, ge=1, le=EPISODE_TURNS_LIMIT - 1, description="Fewest pages of a document.")
-    num_pages_max: int = Field(default=12, ge=1, le=EPISODE_TURNS_LIMIT - 1, description="Most pages of a document (turns = pages + 1).")
+    num_pages_max: int = Field(default=12, ge=1, le=EPISODE_TURNS_LIMIT - 1,
+                               description="Most pages of a document (turns = pages + 1).")
     page_words: int = Field(default=150, ge=1, description="Words per page.")
-    words: tuple[str, ...] = Field(default=DEFAULT_WORDS, min_length=1, description="Words to count (one per problem, drawn at random).")
-    corpus: str | None = Field(default=None, description="UTF-8 text file the pages are cut from (default: generated English-like text).")
-    reward_tolerance: float = Field(default=0.2, gt=0, description="Relative count error at which the reward reaches 0.")
-    max_trajectory_tokens: int = Field(default=32768, ge=8, description="Longest observation (tokens); a longer episode ends with context_overflow_reward.")
+    words: tuple[str, ...] = Field(default=DEFAULT_WORDS, min_length=1,
+                                   description="Words to count (one per problem, drawn at random).")
+    corpus: str | None = Field(default=None,
+                               description="UTF-8 text file the pages are cut from (default: generated text).")
+    reward_tolerance: float = Field(default=0.2, gt=0,
+                                    description="Relative count error at which the reward reaches 0.")
+    max_trajectory_tokens: int = Field(
+        default=32768, ge=8,
+        description="Longest observation (tokens); a longer episode ends with context_overflow_reward.")
 
     @field_validator("words")
     @classmethod
