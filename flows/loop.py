@@ -55,7 +55,7 @@ class StepLoop:
         self.eval_every, self.save_every = c.eval_every, c.save_every
         start = ({**{f"tokens/{k}_total": session.metric_sum(f"tokens/{k}") for k in TOKEN_KINDS},
                   "cost/total_usd": session.metric_sum("cost/step_usd")} if session.resumed_from else None)
-        self.usage = UsageTotals(price_for(getattr(c, "prices", {}), c.model), start)
+        self.usage = UsageTotals(price_for(c.prices, c.model), start)
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Run every evaluator on the weights at ``step`` (the current step); buffer and return

@@ -98,8 +98,8 @@ class RLLoop:
         self.session, self.config, self.dataset, self.reference = session, session.config, dataset, reference
         self.tokenizer = tokenizer(session.tokenizer_id)
         self.sampler_path = session.sampler_at(session.step)
-        self.provenance = bool(getattr(self.config, "provenance", False))
-        self.inflight = getattr(self.config, "sampler_kind", "snapshot") == "inflight"
+        self.provenance = self.config.provenance
+        self.inflight = self.config.sampler_kind == "inflight"
         self.sampler_client: Any = None
         # sequence ids live in one server session, inflight weights move: such rollouts are cached per invocation
         self.cache_scope = uuid.uuid4().hex if (self.provenance or self.inflight) else ""
