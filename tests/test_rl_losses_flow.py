@@ -109,6 +109,7 @@ def test_numerics_check_kl_is_in_the_healthy_range(prefect_api, local_credential
     opts = {"num_pages_min": 4, "num_pages_max": 4, "page_words": 30, "max_trajectory_tokens": 2000}
     rl_flow(_config(local_credentials, store, "numerics", env="numerics_check", env_options=opts, max_steps=1,
                     save_every=0, max_tokens=8))
-    got = {r["name"]: r["value"] for r in _sql(capsys, store, "SELECT name, value FROM metrics WHERE run_id='numerics'")}
+    rows = _sql(capsys, store, "SELECT name, value FROM metrics WHERE run_id='numerics'")
+    got = {r["name"]: r["value"] for r in rows}
     assert got["env/turns_per_episode"] == 5.0 and got["tokens/trained"] > 4 * 4 * 30  # one long datum per episode
     assert abs(got["train/kl_sample_train_v1"]) < 1e-3 and got["train/kl_sample_train_v2"] < 1e-4
