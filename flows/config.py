@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, Field, model_validator
 
 from prefect_tinker.recipes.evals.specs import EvalSpec
+from prefect_tinker.recipes.pricing import TokenPrices
 from prefect_tinker.recipes.schedule import LRScheduleFields
 
 # The flows' default store root is the one `prefect-tinker sql/runs/checkpoints` read
@@ -123,6 +124,10 @@ class RecipeConfig(LRScheduleFields):
     adam: AdamConfig = Field(default_factory=AdamConfig)
     backend: BackendConfig = Field(default_factory=BackendConfig)
     evaluators: list[EvalSpec] = Field(default_factory=list, description="Benchmarks run on the sampler weights at the start, every eval_every steps and at the end: built-in names (gsm8k), {benchmark: NAME, dataset: ..., limit: ...}, full benchmark specs or {kind: inspect, task: ..., name: ...}; results in the eval store and as eval/<name>/accuracy metrics.")
+    prices: dict[str, TokenPrices] = Field(
+        default_factory=dict,
+        description="USD per million tokens by model name ({model: {prefill, prefill_cached, sample, train}}) for the "
+                    "cost/* metrics; a model without an entry costs 0 (the local server, unless priced).")
     allow_config_change: list[str] = Field(default_factory=list, description="Fields allowed to differ from the stored run's config when resuming (e.g. [batch_size]); 'renderer' also allows starting from a checkpoint trained with another renderer.")
 
     def run_name_prefix(self) -> str:

@@ -34,7 +34,7 @@ from prefect_tinker.recipes.distill.targets import ReverseKLLoss, SoftTargets, k
 from prefect_tinker.recipes.rl.advantages import RLDatum, compute_advantages, trajectory_to_datums
 from prefect_tinker.recipes.rl.types import TrajectoryGroup
 from prefect_tinker.tasks.teacher import teacher_logprobs, teacher_topk
-from prefect_tinker.tasks.training import custom_step, train_step
+from prefect_tinker.tasks.training import custom_step, model_input_tokens, train_step
 
 __all__ = ["DistillLoop", "SDFTStep", "Teacher", "soft_datum"]
 
@@ -187,7 +187,9 @@ class SDFTStep:
         datums, m = loop.soft_datums(groups)
         n = max(m["sdft/positions"], 1.0)
         lr = c.lr_at(step, loop.total)
-        if c.reverse:
+        loop.usage["trained"] += float(model_input_tokens(datums))
+        if c.reverse:  # forward_backward_custom: a forward, then the training pass
+            loop.usage["prefill_uncached"] += float(model_input_tokens(datums))
             s.run, out = custom_step(s.credentials, s.run, step, quote(datums), ReverseKLLoss(), lr, c.adam.model_dump())
             m["sdft/kl"] = out.get("kl", 0.0) / n
             m["sdft/student_entropy"] = out.get("student_entropy", 0.0) / n

@@ -46,7 +46,7 @@ from prefect_tinker.tasks.data import prepare_dataset
 from prefect_tinker.tasks.distill_eval import TeacherAgreementEvaluator
 from prefect_tinker.tasks.evaluators import NLLEvaluator
 from prefect_tinker.tasks.teacher import TeacherSamples, read_samples, teacher_asset, teacher_samples, teacher_topk
-from prefect_tinker.tasks.training import train_step
+from prefect_tinker.tasks.training import model_input_tokens, train_step
 
 __all__ = ["run_offline"]
 
@@ -137,7 +137,7 @@ def run_offline(config: DistillConfig, teachers: list[Teacher]) -> dict[str, Any
                 datums = [datum_from_example(ex.tokens, ex.weights) for ex in batch]
                 session.run, m = train_step(session.credentials, session.run, step, quote(datums),
                                             config.lr_at(step, total), config.adam.model_dump())
-                return {f"train/{k}": v for k, v in m.items()}
+                return {**{f"train/{k}": v for k, v in m.items()}, "tokens/trained": float(model_input_tokens(datums))}
             datums, positions, entropy = _soft_batch(config, teacher, batch, student_renderer, session.renderer, step,
                                                      len(student_renderer.tokenizer))
             session.run, m = train_step(session.credentials, session.run, step, quote(datums), config.lr_at(step, total),
@@ -145,7 +145,8 @@ def run_offline(config: DistillConfig, teachers: list[Teacher]) -> dict[str, Any
             n = max(positions, 1)
             out = {f"train/{k}": v for k, v in m.items() if k not in ("loss", "tokens")}
             out.update({"train/soft_ce": m["loss_sum"] / n, "train/soft_kl": (m["loss_sum"] - entropy) / n,
-                        "train/teacher_entropy": entropy / n, "train/positions": float(positions)})
+                        "train/teacher_entropy": entropy / n, "train/positions": float(positions),
+                        "tokens/trained": float(model_input_tokens(datums))})
             return out
 
         StepLoop(session, total, evaluators=evaluators).run(one_step)

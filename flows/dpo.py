@@ -33,7 +33,7 @@ from prefect_tinker.tasks.benchmark_evaluator import benchmark_evaluators
 from prefect_tinker.tasks.data import prepare_dataset
 from prefect_tinker.tasks.evaluators import PreferenceEvaluator
 from prefect_tinker.tasks.reference import reference_sequence_logprobs
-from prefect_tinker.tasks.training import custom_step
+from prefect_tinker.tasks.training import custom_step, model_input_tokens
 
 __all__ = ["DPOConfig", "dpo_flow"]
 
@@ -104,7 +104,8 @@ def dpo_flow(config: DPOConfig) -> dict[str, Any]:
             loss = DPOLoss(ref, config.beta, config.dpo_loss, config.label_smoothing)
             session.run, m = custom_step(session.credentials, session.run, step, quote(datums), loss,
                                          config.lr_at(step, total), config.adam.model_dump())
-            return {f"train/{k}": v for k, v in m.items()}
+            n = float(model_input_tokens(datums))  # forward_backward_custom: a forward, then the training pass
+            return {**{f"train/{k}": v for k, v in m.items()}, "tokens/trained": n, "tokens/prefill_uncached": n}
 
         StepLoop(session, total, evaluators=[*evaluators, *benchmark_evaluators(session)]).run(one_step)
         (first_loss, last_loss), (first_acc, last_acc) = session.metric_ends("train/dpo_loss"), session.metric_ends("test/accuracy")

@@ -10,6 +10,9 @@ the rest:
 - evaluators at the start of a fresh run, every ``eval_every`` steps and at the end;
 - a state checkpoint every ``save_every`` steps and at the end, the buffered rows written first
   (:meth:`~prefect_tinker.flows.session.RunSession.checkpoint`);
+- the usage metrics of steps that report ``tokens/<kind>`` counts: every kind, ``cost/step_usd``
+  from the config's price table and the run's cumulative ``tokens/<kind>_total`` /
+  ``cost/total_usd`` (:mod:`prefect_tinker.recipes.pricing`; totals continue across resumes);
 - lost-client rewinds (:class:`~prefect_tinker.tasks.clients.ClientRewound`): the step is redone
   from the checkpoint the client was recreated at (at most ``max_rewinds`` times);
 - the progress artifact.
@@ -24,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from prefect_tinker.flows.session import RunSession, emit
+from prefect_tinker.recipes.pricing import TOKEN_KINDS, UsageTotals, price_for
 from prefect_tinker.tasks.clients import ClientRewound
 from prefect_tinker.tasks.evaluators import Evaluator, SamplingClientEvaluator, TrainingClientEvaluator
 from prefect_tinker.tasks.reporting import Progress
@@ -49,6 +53,9 @@ class StepLoop:
         self.step_size, self.on_rewind, self.max_rewinds = int(step_size), on_rewind, max_rewinds
         c = session.config
         self.eval_every, self.save_every = c.eval_every, c.save_every
+        start = ({**{f"tokens/{k}_total": session.metric_sum(f"tokens/{k}") for k in TOKEN_KINDS},
+                  "cost/total_usd": session.metric_sum("cost/step_usd")} if session.resumed_from else None)
+        self.usage = UsageTotals(price_for(c.prices, c.model), start)
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Run every evaluator on the weights at ``step`` (the current step); buffer and return
@@ -78,6 +85,8 @@ class StepLoop:
             step = s.step
             try:
                 metrics = step_fn(step)
+                if any(k.startswith("tokens/") for k in metrics):
+                    metrics = {**metrics, **self.usage.add(step, metrics)}
                 s.record(step, metrics)
                 done = s.step
                 emit("after_step", s.run_id, done)
@@ -91,6 +100,7 @@ class StepLoop:
                 if rewinds > self.max_rewinds:
                     raise
                 s.rewind(rew)
+                self.usage.rewind(rew.step)
                 if self.on_rewind is not None:
                     self.on_rewind(rew.step)
             progress.update(s.step)

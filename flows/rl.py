@@ -13,6 +13,19 @@ optional removal of constant-reward groups and KL penalty against a reference) -
 update samples from them) -> every ``save_every`` steps a state checkpoint, the buffered metrics
 and trajectory rows written before its row.
 
+Losses: ``importance_sampling``, ``ppo``, ``cispo``, ``dro``, ``gspo`` and ``stable_reinforce``
+(``RLConfig.loss_fn_config``); with ``stable_reinforce`` the rollouts sample with
+``record_stability_info=True`` clients and every datum carries ``Datum.with_provenance`` spans
+naming the sampled sequences (:meth:`~prefect_tinker.recipes.rl.advantages.RLDatum.to_datum`).
+With ``sampler_kind="inflight"`` (async schedule) each update publishes the weights to the run's
+inflight sampling clients (``save_weights_and_get_sampling_client(kind="inflight")``), so
+rollouts already in flight move to them without restarting.
+
+Usage: each step reports ``tokens/sampled``, ``tokens/prefill_cached`` / ``tokens/prefill_uncached``
+(the sampling requests of the groups it collected, and reference-logprob prompts) and
+``tokens/trained`` (the inputs of its ``forward_backward`` passes); the step loop adds their cost
+and the run's totals (:mod:`prefect_tinker.recipes.pricing`).
+
 Step convention (as in SFT): a metric recorded at step ``s`` belongs to the batch trained from
 optimizer step ``s`` (with ``num_substeps = k``, steps are multiples of k); in the async schedule
 ``rollout/staleness_mean`` says how many steps older its samplers were. A resumed run reuses the
@@ -24,6 +37,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from typing import Any
 
 import numpy as np
@@ -46,9 +60,9 @@ from prefect_tinker.recipes.rl.types import TrajectoryGroup
 from prefect_tinker.tasks.benchmark_evaluator import benchmark_evaluators
 from prefect_tinker.tasks.clients import tokenizer
 from prefect_tinker.tasks.rollout_eval import session_env_evaluators
-from prefect_tinker.tasks.rollouts import reference_logprobs, rollout_group
+from prefect_tinker.tasks.rollouts import new_usage, reference_logprobs, rollout_group
 from prefect_tinker.tasks.runners import map_task, submit_task
-from prefect_tinker.tasks.training import forward_backward, optim_step
+from prefect_tinker.tasks.training import forward_backward, model_input_tokens, optim_step, save_inflight_sampler
 
 __all__ = ["RLConfig", "RLLoop", "rl_flow"]
 
@@ -58,26 +72,45 @@ class RLLoop:
     sampler saves and the step's metrics, over an open :class:`RunSession`.
 
     Attributes:
-        sampler_path: ``tinker://.../sampler_weights/...`` of the current weights.
+        sampler_path: ``tinker://.../sampler_weights/...`` of the current weights (inflight:
+            ``inflight:<model id>/step-<n>``, a label of the publication rollouts start on).
+        sampler_client: the newest inflight sampling client (None for snapshot samplers).
         rewards: ``(step, mean reward)`` of every step of this invocation.
         k: optimizer steps per step (``num_substeps``); total: optimizer steps of the run.
+        usage: tokens of the step so far (``sampled``, ``prefill_cached``, ``prefill_uncached``,
+            ``trained``), reported and reset by :meth:`step_metrics`.
     """
 
     def __init__(self, session: RunSession, dataset: Any, reference: str):
         self.session, self.config, self.dataset, self.reference = session, session.config, dataset, reference
         self.tokenizer = tokenizer(session.tokenizer_id)
         self.sampler_path = session.sampler_at(session.step)
+        self.provenance = self.config.provenance
+        self.inflight = self.config.sampler_kind == "inflight"
+        self.sampler_client: Any = None
+        # sequence ids live in one server session, inflight weights move: such rollouts are cached per invocation
+        self.cache_scope = uuid.uuid4().hex if (self.provenance or self.inflight) else ""
+        if self.inflight:
+            self._publish()
         self.rewards: list[tuple[int, float]] = []
         self.k = self.config.num_substeps
         self.total = self.config.max_steps * self.k
         self.loss, self.loss_fn_config = self.config.loss(), self.config.loss_fn_config()
         self.estimator = self.config.estimator()
+        self.usage = {**new_usage(), "trained": 0.0}
         self.log = get_run_logger()
+
+    def _publish(self) -> None:
+        """Publish the current weights to the run's inflight sampling clients."""
+        s = self.session
+        self.sampler_client = save_inflight_sampler(s.credentials, s.run, self.provenance)
+        self.sampler_path = f"inflight:{s.run.model_id}/step-{s.step}"
 
     # ----- rollouts --------------------------------------------------------------------------
     def _args(self) -> tuple:
         c = self.config
-        return c.seed, c.max_tokens, c.temperature, c.rollout, self.session.step
+        return (c.seed, c.max_tokens, c.temperature, c.rollout, self.session.step, self.provenance, self.sampler_client,
+                self.cache_scope)
 
     def submit(self, builder: Any, batch_index: int, group_index: int):
         """Submit one ``rollout-group`` task on the current sampler; returns its future."""
@@ -104,6 +137,8 @@ class RLLoop:
             counters["groups_dropped"] = counters.get("groups_dropped", 0) + 1
             self.log.warning("rollout failed, group dropped: %s", exc)
             return None
+        for k, v in group.usage.items():  # a collected group's sampling counts, kept or dropped
+            self.usage[k] = self.usage.get(k, 0.0) + float(v)
         counters["errors"] = counters.get("errors", 0) + group.errors
         for msg in group.error_messages[:1]:
             self.log.warning("rollout error (%s policy): %s", self.config.rollout.mode, msg)
@@ -131,6 +166,7 @@ class RLLoop:
         metrics["train/advantage_abs_mean"] = float(np.mean(np.abs(np.concatenate(advs)))) if advs else 0.0
         if c.kl_penalty_coef > 0 and datums:
             ref = reference_logprobs(self.session.credentials, self.reference, quote([d.tokens for d in datums]))
+            self.usage["prefill_uncached"] += float(sum(len(d.tokens) for d in datums))
             kl = apply_kl_penalty(datums, [np.asarray(r) for r in ref], c.kl_penalty_coef)
             metrics["train/kl_policy_ref"] = kl["kl_policy_ref"]
         return datums, metrics
@@ -140,9 +176,11 @@ class RLLoop:
         ``loss_sum``, ``action_tokens``, ``datums``, sampler-vs-trainer KL and entropy
         (:func:`~prefect_tinker.recipes.rl.advantages.sample_train_kl`), ``fwd_bwd_seconds``."""
         s = self.session
+        sdk_datums = [d.to_datum(self.provenance) for d in datums]
         # quote: Prefect does not walk the datums looking for futures (~10 ms per 1,000 tokens)
-        out = forward_backward(s.credentials, s.run, quote([d.to_datum() for d in datums]), self.loss.loss_fn,
-                               self.loss_fn_config, accumulated)
+        out = forward_backward(s.credentials, s.run, quote(sdk_datums), self.loss.loss_fn, self.loss_fn_config,
+                               accumulated)
+        self.usage["trained"] += float(model_input_tokens(sdk_datums))
         metrics = sample_train_kl(datums, [np.asarray(lp) for lp in out.logprobs])
         metrics.update({"loss_sum": out.loss_sum, "action_tokens": float(sum(float(d.mask.sum()) for d in datums)),
                         "datums": float(len(datums)), "fwd_bwd_seconds": out.seconds})
@@ -160,6 +198,8 @@ class RLLoop:
         env = rollout_metrics(groups)
         rows = {f"env/{k}": v for k, v in env.items()}
         rows.update(extra)
+        rows.update({f"tokens/{k}": float(v) for k, v in self.usage.items()})
+        self.usage = {k: 0.0 for k in self.usage}
         self.rewards.append((step, env["reward_mean"]))
         self.session.buffer("trajectories", self._trajectories(step, groups))
         self.log.info("step %d: reward %.3f correct %.3f (%d groups)", step, env["reward_mean"],
@@ -188,13 +228,20 @@ class RLLoop:
         """After an update: fresh sampler weights (recorded with the next checkpoint); returns
         the ``time/*`` metrics of the save and the whole step."""
         t0 = time.perf_counter()
-        self.sampler_path = self.session.save_sampler()
+        if self.inflight:
+            self._publish()
+        else:
+            self.sampler_path = self.session.save_sampler()
         return {"time/save_seconds": time.perf_counter() - t0, "time/step_seconds": time.perf_counter() - t_start}
 
     def rewind(self, step: int) -> None:
         """After a rewind to ``step``: sample from that step's weights again."""
         self.rewards = [r for r in self.rewards if r[0] < step]
-        self.sampler_path = self.session.samplers[step]
+        self.usage = {k: 0.0 for k in self.usage}
+        if self.inflight:
+            self._publish()
+        else:
+            self.sampler_path = self.session.samplers[step]
 
 
 @flow(name="rl", flow_run_name="rl-{config.run_name}", log_prints=True)

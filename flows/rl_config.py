@@ -43,12 +43,17 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
     max_steps: int = Field(default=20, ge=1, description="Steps (batches) of the run, counting those of earlier invocations.")
     eval_every: int = Field(default=0, ge=0, description="Evaluators every n steps (0 = start and end only).")
     loss_fn: str = Field(default="importance_sampling", description=(
-        "Policy-gradient loss, a registered RL loss: importance_sampling, ppo, cispo (plugins add more)."))
+        "Policy-gradient loss, a registered RL loss: importance_sampling, ppo, cispo, gspo, dro, stable_reinforce (plugins add more)."))
     loss_options: dict[str, Any] = Field(default_factory=dict, description="Options of the loss (its own fields).")
     advantage_estimator: str = Field(default="group_mean", description=(
         "Registered advantage estimator: group_mean (R - group mean), leave_one_out (RLOO); plugins add more."))
-    clip_low_threshold: float = Field(default=0.8, gt=0, description="ppo/cispo: lower bound of the importance ratio.")
-    clip_high_threshold: float = Field(default=1.2, gt=0, description="ppo/cispo: upper bound of the importance ratio.")
+    clip_low_threshold: float = Field(default=0.8, gt=0, description="ppo/cispo/gspo: lower bound of the importance ratio.")
+    clip_high_threshold: float = Field(default=1.2, gt=0, description="ppo/cispo/gspo: upper bound of the importance ratio.")
+    sampler_kind: Literal["snapshot", "inflight"] = Field(
+        default="snapshot",
+        description="async: 'snapshot' samplers keep the weights they were saved with; 'inflight' samplers "
+                    "(save_weights_and_get_sampling_client(kind='inflight')) move to each newer save, so rollouts "
+                    "in flight continue on new weights without restarting.")
     kl_penalty_coef: float = Field(default=0.0, ge=0, description="Per-token KL penalty against the reference model (0 = off).")
     kl_reference: str | None = Field(default=None, description="Reference weights: a tinker:// sampler path or 'base:<model>'; default the run's initial weights.")
     remove_constant_reward_groups: bool = Field(default=True, description="Drop groups whose rollouts all got the same reward.")
@@ -73,6 +78,9 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
         if self.schedule == "streaming" and self.num_minibatches * self.num_substeps > self.groups_per_batch:
             raise ValueError(f"streaming needs groups_per_batch >= num_minibatches x num_substeps "
                              f"({self.num_minibatches} x {self.num_substeps} > {self.groups_per_batch})")
+        if self.sampler_kind == "inflight" and self.schedule != "async":
+            raise ValueError(f"sampler_kind='inflight' needs schedule='async' (got schedule={self.schedule!r}): "
+                             "on-policy schedules wait for every rollout before training")
         if self.rollout.min_group_size > self.group_size:
             raise ValueError(f"rollout.min_group_size ({self.rollout.min_group_size}) exceeds group_size ({self.group_size})")
         return self
@@ -111,3 +119,9 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
     def estimator(self) -> AdvantageEstimator:
         """The registered advantage estimator ``advantage_estimator``."""
         return ADVANTAGE_ESTIMATORS.get_or_raise(self.advantage_estimator)(self.normalize_advantages_std)
+
+    @property
+    def provenance(self) -> bool:
+        """Whether rollouts record stability information and datums carry provenance spans
+        (losses that need them, e.g. ``stable_reinforce``)."""
+        return self.loss().provenance

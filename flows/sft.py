@@ -31,7 +31,7 @@ from prefect_tinker.tasks.clients import tokenizer
 from prefect_tinker.tasks.data import prepare_dataset
 from prefect_tinker.tasks.evaluators import NLLEvaluator, data_evaluators
 from prefect_tinker.tasks.sampling import sample_completions
-from prefect_tinker.tasks.training import train_step
+from prefect_tinker.tasks.training import model_input_tokens, train_step
 
 __all__ = ["SFTConfig", "sft_flow"]
 
@@ -86,7 +86,7 @@ def sft_flow(config: SFTConfig) -> dict[str, Any]:
             datums = [datum_from_example(ex) for ex in batch]
             session.run, m = train_step(session.credentials, session.run, step, quote(datums),  # quote: no input walk
                                         config.lr_at(step, total), config.adam.model_dump())
-            return {f"train/{k}": v for k, v in m.items()}
+            return {**{f"train/{k}": v for k, v in m.items()}, "tokens/trained": float(model_input_tokens(datums))}
 
         evaluators = [*([NLLEvaluator(test)] if test else []), *data_evaluators(session.builder, data, session.tokenizer_id),
                       *benchmark_evaluators(session)]

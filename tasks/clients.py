@@ -234,15 +234,19 @@ class WatchedSampler:
         return getattr(self.client, name)
 
 
-def sampling_client(credentials: Any, path: str) -> WatchedSampler:
+def sampling_client(credentials: Any, path: str, record_stability_info: bool = False) -> WatchedSampler:
     """A ``tinker.SamplingClient`` for ``path`` (a ``tinker://.../sampler_weights/...`` path, or
     ``base:<model>`` for a base model), created once per process (LRU of
-    :data:`MAX_SAMPLING_CLIENTS`), its futures watched (:class:`WatchedSampler`)."""
+    :data:`MAX_SAMPLING_CLIENTS`), its futures watched (:class:`WatchedSampler`).
+    ``record_stability_info``: the server records every sampled sequence for StableReinforce
+    training (a separate client of the same weights)."""
     service = credentials.get_client()
+    kw = {"record_stability_info": True} if record_stability_info else {}
+    key = _key(credentials, ("sample+stability|" if record_stability_info else "sample|") + path)
     if path.startswith("base:"):
-        client = _cached(credentials, _key(credentials, "sample|" + path), lambda: service.create_sampling_client(base_model=path[5:]))
+        client = _cached(credentials, key, lambda: service.create_sampling_client(base_model=path[5:], **kw))
     else:
-        client = _cached(credentials, _key(credentials, "sample|" + path), lambda: service.create_sampling_client(model_path=path))
+        client = _cached(credentials, key, lambda: service.create_sampling_client(model_path=path, **kw))
     return WatchedSampler(client, credentials, path)
 
 

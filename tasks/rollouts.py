@@ -53,7 +53,7 @@ from prefect_tinker.tasks.clients import sampling_client
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
 from prefect_tinker.tasks.reward_model import pair_preferences
 
-__all__ = ["RolloutPolicy", "RolloutError", "group_seed", "run_group_rollout", "rollout_group",
+__all__ = ["RolloutPolicy", "RolloutError", "group_seed", "new_usage", "run_group_rollout", "rollout_group",
            "reference_logprobs", "sampling_client"]
 
 #: Most turns an episode may take before the rollout counts it as failed.
@@ -78,27 +78,44 @@ def group_seed(seed: int, batch_index: int, group_index: int) -> int:
     return int.from_bytes(digest[:8], "big") >> 1
 
 
+def new_usage() -> dict[str, float]:
+    """An empty token-usage tally of a rollout: ``sampled``, ``prefill_cached`` and
+    ``prefill_uncached`` tokens (see :mod:`prefect_tinker.recipes.pricing`)."""
+    return {"sampled": 0.0, "prefill_cached": 0.0, "prefill_uncached": 0.0}
+
+
 def _sample(sampler: Any, prompt: list[int], n: int, stop: Any, seed: int, max_tokens: int,
-            temperature: float) -> list[tuple[list[int], list[float], str]]:
+            temperature: float, usage: dict[str, float] | None = None) -> list[tuple[list[int], list[float], str, str]]:
+    """``n`` samples of ``prompt``: ``(tokens, logprobs, stop_reason, sequence_id)`` each (the id is
+    ``""`` when the server sets none); the request's tokens are added to ``usage``: its prompt once
+    (split by the server's ``prompt_cache_hit_tokens``) and every sampled token."""
     params = tinker.SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=int(seed), stop=stop)
-    resp = sampler.sample(prompt=model_input_from_tokens(prompt), num_samples=n, sampling_params=params)
+    model_input = model_input_from_tokens(prompt)
+    resp = sampler.sample(prompt=model_input, num_samples=n, sampling_params=params)
     resp = resp.result() if hasattr(resp, "result") else resp
-    return [(list(s.tokens), [float(x) for x in (s.logprobs or [])], str(s.stop_reason)) for s in resp.sequences]
+    if usage is not None:
+        cached = min(int(getattr(resp, "prompt_cache_hit_tokens", 0) or 0), model_input.length)
+        usage["prefill_cached"] += cached
+        usage["prefill_uncached"] += model_input.length - cached
+        usage["sampled"] += sum(len(s.tokens) for s in resp.sequences)
+    return [(list(s.tokens), [float(x) for x in (s.logprobs or [])], str(s.stop_reason),
+             str(getattr(s, "sequence_id", None) or "")) for s in resp.sequences]
 
 
-def _run_episode(env: Any, first: tuple[list[int], list[float], str] | None, sampler: Any, seed: int,
-                 max_tokens: int, temperature: float) -> Trajectory:
+def _run_episode(env: Any, first: tuple[list[int], list[float], str, str] | None, sampler: Any, seed: int,
+                 max_tokens: int, temperature: float, usage: dict[str, float] | None = None) -> Trajectory:
     """Step one env to the end; ``first`` is an already sampled first action (or None)."""
     ob, stop = env.initial_observation()
     transitions: list[Transition] = []
     for turn in range(MAX_TURNS):
         if turn == 0 and first is not None:
-            tokens, lps, reason = first
+            tokens, lps, reason, sequence_id = first
         else:
-            tokens, lps, reason = _sample(sampler, list(ob), 1, stop, seed + 104729 * turn, max_tokens, temperature)[0]
+            tokens, lps, reason, sequence_id = _sample(sampler, list(ob), 1, stop, seed + 104729 * turn, max_tokens,
+                                                       temperature, usage)[0]
         res = env.step(tokens)
         transitions.append(Transition(list(ob), tokens, lps, float(res.reward), bool(res.episode_done), reason,
-                                      dict(res.metrics), dict(res.logs)))
+                                      dict(res.metrics), dict(res.logs), sequence_id))
         if res.episode_done:
             return Trajectory(transitions, [])
         if res.next_observation is None:
@@ -136,8 +153,9 @@ def run_group_rollout(
     """
     policy = policy or RolloutPolicy()
     t0 = time.perf_counter()
+    usage = new_usage()
     ctx = RolloutContext(
-        sample=lambda ob, stop, s: _sample(sampler, list(ob), 1, stop, s, max_tokens, temperature)[0],
+        sample=lambda ob, stop, s: _sample(sampler, list(ob), 1, stop, s, max_tokens, temperature, usage)[0][:3],
         sampling_client=clients or RolloutContext.sampling_client, seed=seed,
         pair_preferences=pair_preferences or RolloutContext.pair_preferences)
     where = f"batch {batch_index} group {group_index}"
@@ -146,14 +164,14 @@ def run_group_rollout(
     except Exception as exc:  # the whole group's envs are broken: no member can run
         raise RolloutError(f"{where}: make_envs failed: {exc}") from exc
     run = _run_shared if builder.shared_episode else _run_members
-    trajs, errors, messages = run(builder, envs, ctx, sampler, policy, where, max_tokens, temperature)
+    trajs, errors, messages = run(builder, envs, ctx, sampler, policy, where, max_tokens, temperature, usage)
     if policy.mode == "min_viable" and len(trajs) < min(policy.min_group_size, len(envs)):
         trajs = []
     rewards = builder.compute_group_rewards_in(ctx, trajs) if trajs else []
     return TrajectoryGroup(
         trajectories_G=trajs, final_rewards_G=[float(r) for r, _ in rewards], metrics_G=[dict(m) for _, m in rewards],
         batch_index=batch_index, group_index=group_index, sampler_path=sampler_path, sampler_step=sampler_step,
-        errors=errors, error_messages=messages, seconds=time.perf_counter() - t0,
+        errors=errors, error_messages=messages, seconds=time.perf_counter() - t0, usage=usage,
     )
 
 
@@ -166,7 +184,8 @@ def _failed(policy: RolloutPolicy, attempt: int, what: str, exc: Exception, mess
 
 
 def _run_members(builder: EnvGroupBuilder, envs: list, ctx: RolloutContext, sampler: Any, policy: RolloutPolicy,
-                 where: str, max_tokens: int, temperature: float) -> tuple[list[Trajectory], int, list[str]]:
+                 where: str, max_tokens: int, temperature: float,
+                 usage: dict[str, float]) -> tuple[list[Trajectory], int, list[str]]:
     """Each env's episode to the end, one env after another (first actions batched)."""
     seed = ctx.seed
     firsts: list[Any] = [None] * len(envs)
@@ -179,7 +198,7 @@ def _run_members(builder: EnvGroupBuilder, envs: list, ctx: RolloutContext, samp
         shared.setdefault(json.dumps([media_key(ob), stop]), []).append(i)
     for k, members in enumerate(shared.values()):
         ob, stop = obs[members[0]]
-        outs = _sample(sampler, list(ob), len(members), stop, seed + k, max_tokens, temperature)
+        outs = _sample(sampler, list(ob), len(members), stop, seed + k, max_tokens, temperature, usage)
         for i, out in zip(members, outs):
             firsts[i] = out
     trajs: list[Trajectory] = []
@@ -188,7 +207,8 @@ def _run_members(builder: EnvGroupBuilder, envs: list, ctx: RolloutContext, samp
         attempt = 0
         while True:
             try:
-                trajs.append(_run_episode(env, firsts[i], sampler, seed + 7919 * attempt + i, max_tokens, temperature))
+                trajs.append(_run_episode(env, firsts[i], sampler, seed + 7919 * attempt + i, max_tokens, temperature,
+                                          usage))
                 break
             except Exception as exc:
                 errors += 1
@@ -202,7 +222,8 @@ def _run_members(builder: EnvGroupBuilder, envs: list, ctx: RolloutContext, samp
 
 
 def _run_shared(builder: EnvGroupBuilder, envs: list, ctx: RolloutContext, sampler: Any, policy: RolloutPolicy,
-                where: str, max_tokens: int, temperature: float) -> tuple[list[Trajectory], int, list[str]]:
+                where: str, max_tokens: int, temperature: float,
+                usage: dict[str, float]) -> tuple[list[Trajectory], int, list[str]]:
     """One shared episode of all envs (``builder.run_group``), replayed under ``retry``."""
     errors, messages, attempt = 0, [], 0
     while True:
@@ -221,7 +242,7 @@ def _run_shared(builder: EnvGroupBuilder, envs: list, ctx: RolloutContext, sampl
 
 
 def _rollout_cache_key(context: Any, params: dict[str, Any]) -> str:
-    keyed = {k: v for k, v in params.items() if k not in ("credentials", "builder", "policy")}
+    keyed = {k: v for k, v in params.items() if k not in ("credentials", "builder", "policy", "sampler")}
     keyed["builder"] = params["builder"].cache_key()
     keyed["policy"] = params["policy"].model_dump() if params.get("policy") else None
     return hashlib.sha256(json.dumps(keyed, sort_keys=True, default=str).encode()).hexdigest()
@@ -238,7 +259,7 @@ def _rollout_cache_key(context: Any, params: dict[str, Any]) -> str:
 def rollout_group(
     credentials: Any, sampler_path: str, builder: EnvGroupBuilder, batch_index: int, group_index: int,
     seed: int, max_tokens: int, temperature: float = 1.0, policy: RolloutPolicy | None = None,
-    sampler_step: int = 0,
+    sampler_step: int = 0, record_stability_info: bool = False, sampler: Any = None, cache_scope: str = "",
 ) -> TrajectoryGroup:
     """Roll out one group from the sampler checkpoint ``sampler_path`` (see :func:`run_group_rollout`).
 
@@ -246,8 +267,15 @@ def rollout_group(
         seed: the run's seed; the group's sampling seed is :func:`group_seed` of (seed, batch, group).
         max_tokens: most tokens per action; temperature: sampling temperature (the returned
             logprobs are temperature-1 logprobs: keep 1.0 for unbiased importance ratios).
+        record_stability_info: sample with a client that records every sequence (StableReinforce).
+        sampler: a live sampling client to use instead of one made from ``sampler_path`` (an
+            inflight client, which has no path; it pickles to other workers).
+        cache_scope: part of the cache key: ``""`` caches across flow runs; a value unique to one
+            invocation keeps results whose sequence ids belong to one server session, or whose
+            weights an inflight client chose, from being reused by another.
     """
-    sampler = sampling_client(credentials, sampler_path)
+    if sampler is None:
+        sampler = sampling_client(credentials, sampler_path, record_stability_info)
     return run_group_rollout(
         sampler, builder, seed=group_seed(seed, batch_index, group_index), max_tokens=max_tokens,
         temperature=temperature, policy=policy, batch_index=batch_index, group_index=group_index,

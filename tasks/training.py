@@ -42,9 +42,11 @@ __all__ = [
     "custom_step",
     "forward",
     "forward_backward",
+    "model_input_tokens",
     "open_training_run",
     "optim_step",
     "save_checkpoint",
+    "save_inflight_sampler",
     "save_sampler_weights",
     "train_step",
     "weights_sum",
@@ -74,6 +76,13 @@ def weights_sum(datums: list[tinker.Datum]) -> float:
         w = d.loss_fn_inputs.get("weights")
         total += float(np.asarray(w.data if hasattr(w, "data") else w, dtype=np.float64).sum()) if w is not None else d.model_input.length
     return total
+
+
+def model_input_tokens(datums: list[tinker.Datum]) -> int:
+    """Positions of the datums' model inputs (``model_input.length`` summed): the tokens a
+    ``forward`` or ``forward_backward`` over them processes (the unit the service bills training
+    and prefill in), whatever their loss weights."""
+    return int(sum(d.model_input.length for d in datums))
 
 
 def _metrics(raw: dict[str, float] | None) -> dict[str, float]:
@@ -306,3 +315,22 @@ def save_sampler_weights(credentials: Any, run: TrainingRun, name: str) -> str:
     """
     _, path = _save_checkpoint(credentials, run, name, "sampler")
     return path
+
+
+@task(name="save-inflight-sampler", task_run_name="inflight-sampler-step-{run.step}", cache_policy=NO_CACHE,
+      **RETRY_OPTIONS)
+def save_inflight_sampler(credentials: Any, run: TrainingRun, record_stability_info: bool = False) -> Any:
+    """Publish the current weights as the run's *inflight* sampler target
+    (``save_weights_and_get_sampling_client(kind="inflight")``): every inflight sampling client of
+    the run, earlier ones included, moves to these weights; returns a new inflight client (a fresh
+    KV-cache namespace; picklable). See the SDK's ``tinker.types.SamplingClientKind``.
+
+    Raises:
+        ClientRewound: the client was lost before the save.
+    """
+    def save(client, wait):
+        return wait(client.save_weights_and_get_sampling_client(record_stability_info=record_stability_info,
+                                                                kind="inflight"))
+
+    _, sampler = _calling(credentials, run, save, "inflight sampler save")
+    return sampler

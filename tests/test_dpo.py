@@ -224,6 +224,15 @@ def test_dpo_flow_trains_resumes_and_refuses_config_changes(prefect_api, local_c
     by = {(r["run_id"], r["step"]): r["value"] for r in got}
     assert [by[("dpo-resume", s)] for s in range(6)] == pytest.approx([by[("dpo-e2e", s)] for s in range(6)], abs=1e-5)
     assert _cached("reference-step-3") >= 1 and _cached("reference-test") >= 2  # asked the reference once
+    # tokens: a forward and a training pass over every sequence; the run's totals continue across the resume
+    got = _sql(store, "SELECT run_id, step, name, value FROM metrics WHERE name LIKE 'tokens/%' OR name LIKE 'cost/%'")
+    use = {(r["run_id"], r["step"], r["name"]): r["value"] for r in got}
+    for run in ("dpo-e2e", "dpo-resume"):
+        trained = [use[(run, s, "tokens/trained")] for s in range(6)]
+        assert all(t > 0 for t in trained) and trained == [use[(run, s, "tokens/prefill_uncached")] for s in range(6)]
+        assert use[(run, 5, "tokens/trained_total")] == sum(trained) and use[(run, 5, "cost/total_usd")] == 0.0
+    assert [use[("dpo-resume", s, "tokens/trained")] for s in range(6)] == [use[("dpo-e2e", s, "tokens/trained")]
+                                                                           for s in range(6)]
 
 
 def _cached(name: str) -> int:

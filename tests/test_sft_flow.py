@@ -58,6 +58,13 @@ def test_sft_flow_trains_records_and_samples(prefect_api, local_credentials, tmp
     names = {r["name"] for r in rows}
     assert {"train/loss", "train/tokens", "train/learning_rate", "test/nll"} <= names
     assert sorted(r["step"] for r in rows if r["name"] == "train/loss") == list(range(8))
+    use = {(r["step"], r["name"]): r["value"] for r in _sql(
+        capsys, store, "SELECT step, name, value FROM metrics WHERE run_id='e2e' AND name IN "
+                       "('tokens/trained', 'tokens/trained_total', 'train/tokens', 'cost/step_usd')")}
+    # every input position is trained on, weighted or not: at least the weighted tokens
+    assert all(use[(s, "tokens/trained")] >= use[(s, "train/tokens")] > 0 for s in range(8))
+    assert use[(7, "tokens/trained_total")] == sum(use[(s, "tokens/trained")] for s in range(8))
+    assert use[(7, "cost/step_usd")] == 0.0  # the local model has no price
 
     loss = _sql(capsys, store, "SELECT step, value FROM metrics WHERE run_id='e2e' AND name='train/loss' ORDER BY step")
     values = [r["value"] for r in loss]

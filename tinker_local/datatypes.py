@@ -54,8 +54,15 @@ class FwdResult:
 class SampleResult:
     """``sequences``: ``[{"tokens": list[int], "logprobs": list[float], "stop_reason": "stop" |
     "length"}]`` (one per sample); ``prompt_logprobs``: list of length P with entry 0 None, or
-    None; ``topk_prompt_logprobs``: list of length P (entry 0 None) of ``[(token_id, logprob)]``."""
+    None; ``topk_prompt_logprobs``: list of length P (entry 0 None) of ``[(token_id, logprob)]``.
+    ``target_prompt_logprobs``: float32 (P - 1, K) logprobs of the requested ids (0.0 where the
+    id was -1), or None.  ``prompt_alt_tokens``: (token ids int64, logprobs float32), both
+    (P - 1, k), or None.  ``prompt_cache_hit_tokens``: prompt tokens served by another request's
+    prefill in the same batch (``tinker_local.sampling``)."""
 
     sequences: list[dict[str, Any]]
     prompt_logprobs: list[float | None] | None = None
     topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+    target_prompt_logprobs: np.ndarray | None = None
+    prompt_alt_tokens: tuple[np.ndarray, np.ndarray] | None = None
+    prompt_cache_hit_tokens: int = 0

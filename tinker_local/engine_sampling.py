@@ -15,6 +15,7 @@ import secrets
 from contextlib import nullcontext
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .adapters import load_sampler_adapter
@@ -30,6 +31,7 @@ MAX_BATCH_ROWS = 256  # sampled sequences decoded together
 MAX_PREFILL_TOKENS = 16384  # padded prompt tokens in one prefill
 MAX_PROMPT_LOGITS = 2**26  # padded prompt tokens x vocab when prompt logprobs are computed
 MAX_TOPK_PROMPT_LOGPROBS = 128  # most alternatives per prompt position (larger K: a user error)
+MAX_PROMPT_ALT_TOKENS_K = 1024  # most draws per prompt position (prompt_alt_tokens_k)
 
 
 class SamplingMixin:
@@ -40,7 +42,8 @@ class SamplingMixin:
                top_p: float = 1.0, seed: int | None = None,
                stop: list[str] | list[int] | str | None = None,
                include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0,
-               topk_sample_logprobs: int = 0, prompt_logprobs_last_n: int | None = None) -> SampleResult:
+               topk_sample_logprobs: int = 0, prompt_logprobs_last_n: int | None = None,
+               target_prompt_logprobs=None, prompt_alt_tokens_k: int = 0) -> SampleResult:
         """Sample ``num_samples`` continuations of ``prompt_tokens`` (len P >= 1; or a list of
         chunks, token lists and ``MediaChunk`` s, for a media model) from the base model, or from
         sampler/state weights at ``weights_path`` (then ``base_model`` may be None:
@@ -51,7 +54,9 @@ class SamplingMixin:
         ``topk_sample_logprobs`` k > 0: each sequence also gets ``topk_logprobs``, the k most
         likely (token id, logprob) pairs at every sampled position.  ``prompt_logprobs_last_n``
         N: only the last N prompt logprobs are needed (earlier entries may be None; the prefill
-        then keeps fewer logits).
+        then keeps fewer logits).  ``target_prompt_logprobs``: int64 array (P - 1, K) of token ids
+        whose logprob at prompt position ``i + 1`` is wanted (-1: none); ``prompt_alt_tokens_k`` k:
+        k draws per prompt position after the first (``tinker_local.sampling._prompt_outputs``).
         Raises EngineUserError: unknown model/path, base model not matching the weights, token
         outside the vocabulary, P + max_tokens - 1 beyond the context, bad parameter values."""
         (res,) = self.sample_many([dict(
@@ -59,7 +64,8 @@ class SamplingMixin:
             num_samples=num_samples, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
             top_p=top_p, seed=seed, stop=stop, include_prompt_logprobs=include_prompt_logprobs,
             topk_prompt_logprobs=topk_prompt_logprobs, topk_sample_logprobs=topk_sample_logprobs,
-            prompt_logprobs_last_n=prompt_logprobs_last_n)])
+            prompt_logprobs_last_n=prompt_logprobs_last_n, target_prompt_logprobs=target_prompt_logprobs,
+            prompt_alt_tokens_k=prompt_alt_tokens_k)])
         if isinstance(res, BaseException):
             raise res
         return res
@@ -93,7 +99,9 @@ class SamplingMixin:
                             outs = [e] * len(chunk)
                         for (i, _), out in zip(chunk, outs):
                             results[i] = out if isinstance(out, Exception) else SampleResult(
-                                out["sequences"], out["prompt_logprobs"], out["topk_prompt_logprobs"])
+                                out["sequences"], out["prompt_logprobs"], out["topk_prompt_logprobs"],
+                                out["target_prompt_logprobs"], out["prompt_alt_tokens"],
+                                out["prompt_cache_hit_tokens"])
             finally:
                 self._threads()
             return results
@@ -101,7 +109,7 @@ class SamplingMixin:
     def _prepare_sample(self, base_model, weights_path, prompt_tokens, *, num_samples, max_tokens,
                         temperature=1.0, top_k=-1, top_p=1.0, seed=None, stop=None,
                         include_prompt_logprobs=False, topk_prompt_logprobs=0, topk_sample_logprobs=0,
-                        prompt_logprobs_last_n=None):
+                        prompt_logprobs_last_n=None, target_prompt_logprobs=None, prompt_alt_tokens_k=0):
         """Validate one request -> (base, weights path | None, weights cache key, SampleRequest)."""
         wkey = None
         if weights_path is not None:
@@ -142,11 +150,18 @@ class SamplingMixin:
         if int(topk_prompt_logprobs) > MAX_TOPK_PROMPT_LOGPROBS:
             raise EngineUserError(f"topk_prompt_logprobs must be between 0 and {MAX_TOPK_PROMPT_LOGPROBS} "
                                   f"(tinker_local's limit), got {topk_prompt_logprobs!r}")
+        target = _check_target(target_prompt_logprobs, len(prompt), b.spec.vocab_size)
+        if isinstance(prompt_alt_tokens_k, bool) or not isinstance(prompt_alt_tokens_k, int) or not (
+                0 <= prompt_alt_tokens_k <= MAX_PROMPT_ALT_TOKENS_K):
+            raise EngineUserError(f"prompt_alt_tokens_k must be an integer between 0 and {MAX_PROMPT_ALT_TOKENS_K} "
+                                  f"(tinker_local's limit), got {prompt_alt_tokens_k!r}")
+        if (target is not None or prompt_alt_tokens_k) and len(prompt) < 2:
+            raise EngineUserError("target_prompt_logprobs / prompt_alt_tokens_k need a prompt of at least 2 tokens")
         req = SampleRequest(prompt, num_samples, max_tokens, float(temperature), int(top_k),
                             float(top_p), int(seed) if seed is not None else secrets.randbelow(2**63),
                             make_stop_spec(stop, _eos_ids(b)), bool(include_prompt_logprobs),
                             int(topk_prompt_logprobs), int(topk_sample_logprobs), prompt_logprobs_last_n,
-                            media=media or None)
+                            media=media or None, target_prompt=target, prompt_alt_k=prompt_alt_tokens_k)
         return b, weights_path, wkey, req
 
     def _sample_chunk(self, b, path: Path | None, reqs: list[SampleRequest]) -> list[dict]:
@@ -218,3 +233,19 @@ def _eos_ids(b) -> set[int]:
     if b.tokenizer.eos_token_id is not None:
         ids.add(int(b.tokenizer.eos_token_id))
     return ids
+
+
+def _check_target(target, prompt_len: int, vocab: int) -> np.ndarray | None:
+    """``target_prompt_logprobs`` as an int64 (P - 1, K) array; EngineUserError for another
+    shape or an id outside ``[-1, vocab)``."""
+    if target is None:
+        return None
+    arr = np.asarray(target)
+    if arr.ndim != 2 or arr.shape[0] != prompt_len - 1 or arr.dtype.kind not in "iu":
+        raise EngineUserError(f"target_prompt_logprobs must be an integer array of shape [len(prompt) - 1, K] = "
+                              f"[{prompt_len - 1}, K], got {arr.dtype} {list(arr.shape)}")
+    if arr.size and (arr.min() < -1 or arr.max() >= vocab):
+        bad = int(arr.min()) if arr.min() < -1 else int(arr.max())
+        raise EngineUserError(f"target_prompt_logprobs: token id {bad} is outside the vocabulary [0, {vocab}) "
+                              "(-1 requests nothing)")
+    return arr.astype(np.int64)

@@ -127,8 +127,23 @@ REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
 SCALAR_OK = {"clip_low_threshold", "clip_high_threshold"}
 
 
+# Loss types SDK 0.38 declares that this engine refuses by name, with the reason.  ``custom``
+# runs through tinker_local.custom_loss (ServiceClient.create_custom_loss), not through this table.
+REFUSED: dict[str, str] = {
+    "stable_reinforce": (
+        "loss_fn 'stable_reinforce' is not implemented by tinker_local: the Tinker documentation "
+        "(tinker-docs.thinkingmachines.ai/tinker/losses/stable-reinforce/) describes its inputs (provenance "
+        "spans, record_stability_info sampling, loss_fn_config kl_coeff) but not its objective in a form that "
+        "can be reproduced; the provenance of this request was checked and is valid. Use 'importance_sampling', "
+        "'ppo', 'cispo', 'dro' or 'gspo' with the sampled logprobs instead"),
+}
+
+
 def get_loss_fn(name: str):
-    """Return the loss function called ``name``; ``EngineUserError`` naming it if unsupported."""
+    """Return the loss function called ``name``; ``EngineUserError`` naming it if unsupported
+    (with the reason for the names in ``REFUSED``)."""
+    if name in REFUSED:
+        raise EngineUserError(REFUSED[name])
     fn = LOSS_FNS.get(name)
     if fn is None:
         raise EngineUserError(f"unsupported loss_fn {name!r}; supported: {sorted(LOSS_FNS)}")

@@ -227,11 +227,61 @@ def _topk_to_proto(rows: Sequence[Sequence[tuple[int, float]] | None], target: p
     target.length = n
 
 
+def _tensor_to_proto(arr: np.ndarray, target: pb.Tensor, csr: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+    """Fill ``target`` with float32 / int64 ``arr``: dense, or sparse CSR with the row pointers and
+    column indices ``csr`` (values read from ``arr`` at those cells)."""
+    target.dtype = pb.DTYPE_INT64 if arr.dtype.kind in "iu" else pb.DTYPE_FLOAT32
+    arr = arr.astype(np.int64 if arr.dtype.kind in "iu" else np.float32)
+    target.shape.extend(int(d) for d in arr.shape)
+    if csr is None:
+        target.dense = arr.tobytes()
+        return
+    crow, col = csr
+    rows = np.repeat(np.arange(len(crow) - 1), np.diff(crow))
+    target.sparse_csr.values = arr[rows, col].tobytes()
+    target.sparse_csr.crow_indices = crow.astype(np.int64).tobytes()
+    target.sparse_csr.col_indices = col.astype(np.int64).tobytes()
+
+
+def target_ids_from_json(obj: Any, name: str = "target_prompt_logprobs") -> tuple[np.ndarray, Any]:
+    """A JSON ``TensorData`` of token ids (dense, or sparse CSR with ``sparse_crow_indices`` /
+    ``sparse_col_indices``) -> ``(dense int64 array, (crow, col) | None)``; the cells a CSR tensor
+    does not list become -1 ("nothing requested").  Raises ProtocolError naming ``name``."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("data"), list):
+        raise ProtocolError(f"{name} must be a TensorData object with a 'data' list, got {type(obj).__name__}")
+    if obj.get("dtype") != "int64":
+        raise ProtocolError(f"{name} must be an int64 tensor of token ids, got dtype {obj.get('dtype')!r}")
+    shape = obj.get("shape")
+    if not isinstance(shape, list) or len(shape) != 2:
+        raise ProtocolError(f"{name} must be 2-D, [len(prompt) - 1, K], got shape {shape!r}")
+    try:
+        data = np.asarray(obj["data"], dtype=np.int64)
+        crow, col = obj.get("sparse_crow_indices"), obj.get("sparse_col_indices")
+        if crow is None and col is None:
+            return data.reshape(shape), None
+        crow, col = np.asarray(crow, dtype=np.int64), np.asarray(col, dtype=np.int64)
+        if len(crow) != shape[0] + 1 or len(col) != len(data) or crow[-1] != len(data) or (
+                col.size and (col.min() < 0 or col.max() >= shape[1])):
+            raise ProtocolError(f"{name}: sparse CSR indices do not match shape {shape} and {len(data)} values")
+        dense = np.full(shape, -1, dtype=np.int64)
+        dense[np.repeat(np.arange(shape[0]), np.diff(crow)), col] = data
+        return dense, (crow, col)
+    except (TypeError, ValueError) as e:
+        if isinstance(e, ProtocolError):
+            raise
+        raise ProtocolError(f"{name}: data does not match shape {shape}: {e}") from e
+
+
 def sample_response_to_proto(
     sequences: Sequence[dict[str, Any]],
     prompt_logprobs: Sequence[float | None] | None = None,
     topk_prompt_logprobs: Sequence[Sequence[tuple[int, float]] | None] | None = None,
     prompt_logprobs_last_n: int | None = None,
+    *,
+    target_prompt_logprobs: np.ndarray | None = None,
+    target_csr: tuple[np.ndarray, np.ndarray] | None = None,
+    prompt_alt_tokens: tuple[np.ndarray, np.ndarray] | None = None,
+    prompt_cache_hit_tokens: int = 0,
 ) -> bytes:
     """Encode a sampling result as a serialized ``SampleResponse``.
 
@@ -239,7 +289,10 @@ def sample_response_to_proto(
     ``stop_reason`` ("stop" | "length") and optionally ``topk_logprobs`` (one list of
     ``(token_id, logprob)`` per token; sent as ``topk_sampled_logprobs``). prompt_logprobs: one entry per prompt token, None
     (sent as NaN) where not computed. With ``prompt_logprobs_last_n`` only the last N entries
-    are kept (the rest become NaN / None rows).
+    are kept (the rest become NaN / None rows).  ``target_prompt_logprobs``: float32 (P - 1, K),
+    sent dense, or as CSR with the request's layout ``target_csr``.  ``prompt_alt_tokens``: (ids,
+    logprobs), both (P - 1, k).  ``prompt_cache_hit_tokens``: prompt tokens served from a prefix
+    already computed.
     """
     msg = pb.SampleResponse()
     for seq in sequences:
@@ -264,6 +317,13 @@ def sample_response_to_proto(
             cut = max(0, len(rows) - prompt_logprobs_last_n)
             rows = [None] * cut + rows[cut:]
         _topk_to_proto(rows, msg.topk_prompt_logprobs)
+    if target_prompt_logprobs is not None:
+        _tensor_to_proto(np.asarray(target_prompt_logprobs, dtype=np.float32), msg.target_prompt_logprobs,
+                         target_csr)
+    if prompt_alt_tokens is not None:
+        _tensor_to_proto(np.asarray(prompt_alt_tokens[0], dtype=np.int64), msg.prompt_alt_tokens.tokens)
+        _tensor_to_proto(np.asarray(prompt_alt_tokens[1], dtype=np.float32), msg.prompt_alt_tokens.logprobs)
+    msg.prompt_cache_hit_tokens = int(prompt_cache_hit_tokens)
     return msg.SerializeToString()
 
 

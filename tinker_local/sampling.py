@@ -6,6 +6,11 @@ parameters, seed and stop conditions) with one forward per step: one prefill ove
 then the cache rows are repeated ``num_samples`` times per request and all samples decode
 together; a request that is done leaves the batch (its cache rows are dropped).
 
+Prefix reuse: requests of one batch with the same prompt share one prefill row (the
+``num_samples`` of a request always share theirs), so a GRPO group sent as separate requests is
+prefilled once; each result says how many of its prompt tokens were served by another request's
+prefill (``prompt_cache_hit_tokens``, counted once per request, not per sample).
+
 The returned per-token logprobs are those of the model's own distribution (temperature 1, before
 top-k/top-p filtering) — the same numbers a ``forward`` over the sampled sequence gives (fp32:
 within ~1e-5) — so they can serve directly as the behaviour logprobs ``q`` of importance-sampling
@@ -112,10 +117,13 @@ class SampleRequest:
     topk_sample_logprobs: int = 0
     prompt_logprobs_last_n: int | None = None
     media: list | None = None  # payloads of the prompt's media (tinker_local.media); sampled alone
+    target_prompt: np.ndarray | None = None  # int64 (P - 1, K) token ids to score; -1 = none
+    prompt_alt_k: int = 0  # draws per prompt position (SampleRequest.prompt_alt_tokens_k)
 
     @property
     def wants_prompt(self) -> bool:
-        return self.prompt_logprobs or self.topk_prompt_logprobs > 0
+        return (self.prompt_logprobs or self.topk_prompt_logprobs > 0 or self.target_prompt is not None
+                or self.prompt_alt_k > 0)
 
     @property
     def logit_positions(self) -> int | None:
@@ -123,6 +131,8 @@ class SampleRequest:
         next token's), ``last_n + 1``, or None (all: every prompt logprob)."""
         if not self.wants_prompt:
             return 1
+        if self.target_prompt is not None or self.prompt_alt_k > 0:  # every prompt position
+            return None
         return None if self.prompt_logprobs_last_n is None else self.prompt_logprobs_last_n + 1
 
 
@@ -146,10 +156,18 @@ def _prefill(model, ids: torch.Tensor, keep: int, extra: dict) -> tuple:
     return out, logits
 
 
+ALT_SEED_OFFSET = 0x9E3779B97F4A7C15  # prompt_alt draws use their own generator: samples stay as without them
+
+
 def _prompt_outputs(req: SampleRequest, logits: torch.Tensor, first: int) -> dict:
     """Prompt logprobs from ``logits`` (P - first, V): those of one unpadded prompt's positions
-    ``first .. P-1``; entries ``0 .. first`` are None."""
-    out: dict = {"prompt_logprobs": None, "topk_prompt_logprobs": None}
+    ``first .. P-1``; entries ``0 .. first`` are None.  ``target_prompt_logprobs``: float32
+    (P - 1, K), the logprob of each requested id at its position, 0.0 where the id is -1.
+    ``prompt_alt_tokens``: (ids int64, logprobs float32), both (P - 1, k): k independent draws per
+    position at the request's temperature (greedy: the argmax k times), with their temperature-1
+    logprobs; drawn from a generator seeded with ``seed + ALT_SEED_OFFSET``."""
+    out: dict = {"prompt_logprobs": None, "topk_prompt_logprobs": None, "target_prompt_logprobs": None,
+                 "prompt_alt_tokens": None}
     if not req.wants_prompt:
         return out
     pad = [None] * (first + 1)
@@ -162,6 +180,19 @@ def _prompt_outputs(req: SampleRequest, logits: torch.Tensor, first: int) -> dic
         tv, ti = torch.topk(logp, k, dim=-1)
         out["topk_prompt_logprobs"] = pad + [list(zip(i, v)) for i, v in
                                              zip(ti.cpu().tolist(), tv.cpu().tolist())]
+    if req.target_prompt is not None:  # first == 0 here (logit_positions is None)
+        ids = torch.as_tensor(req.target_prompt, dtype=torch.long, device=logp.device)
+        vals = logp.gather(-1, ids.clamp(min=0))
+        out["target_prompt_logprobs"] = torch.where(ids >= 0, vals, torch.zeros_like(vals)).cpu().numpy()
+    if req.prompt_alt_k > 0:
+        lf = logp.cpu()
+        if req.temperature <= 0.0:
+            draws = lf.argmax(dim=-1, keepdim=True).expand(-1, req.prompt_alt_k)
+        else:
+            gen = torch.Generator(device="cpu").manual_seed((int(req.seed) + ALT_SEED_OFFSET) & 0xFFFF_FFFF_FFFF_FFFF)
+            probs = torch.softmax(logits[:-1].float().cpu() / req.temperature, dim=-1)
+            draws = torch.multinomial(probs, req.prompt_alt_k, replacement=True, generator=gen)
+        out["prompt_alt_tokens"] = (draws.numpy().astype(np.int64), lf.gather(-1, draws).numpy())
     return out
 
 
@@ -171,7 +202,10 @@ def sample_batch(model, tokenizer, reqs: list[SampleRequest], *, device: torch.d
     """Serve ``reqs`` together; returns one dict per request, in order:
     ``{"sequences": [{"tokens": [...], "logprobs": [...], "stop_reason": "stop"|"length",
     "topk_logprobs": [[(token_id, logprob)] * k] per token | None}] * num_samples, "prompt_logprobs": list (len P, entry 0 None) | None, "topk_prompt_logprobs":
-    list (len P, entry 0 None, others [(token_id, logprob)] * k) | None}``.
+    list (len P, entry 0 None, others [(token_id, logprob)] * k) | None,
+    "target_prompt_logprobs": float32 (P - 1, K) | None, "prompt_alt_tokens": (int64, float32)
+    (P - 1, k) | None, "prompt_cache_hit_tokens": int}`` (see ``_prompt_outputs`` and the module
+    docstring).
 
     The caller handles autocast (none: fp32), adapter selection and batch sizes (the prefill
     holds ``len(reqs) x max P`` tokens, and the logits of every position when any request wants
@@ -182,14 +216,20 @@ def sample_batch(model, tokenizer, reqs: list[SampleRequest], *, device: torch.d
     Raises RuntimeError if the model's KV cache cannot select batch rows.
     """
     B = len(reqs)
-    lens = [len(r.prompt) for r in reqs]
+    owner: list[int] = []  # request -> its prefill row (requests with one prompt share it)
+    first_of: dict[tuple[int, ...], int] = {}
+    for r in reqs:
+        owner.append(first_of.setdefault(tuple(r.prompt), len(first_of)))
+    uniq = [list(p) for p in first_of]
+    U = len(uniq)
+    lens = [len(p) for p in uniq]
     L = max(lens)
     padded = min(lens) != L
-    ids = torch.zeros((B, L), dtype=torch.long)
-    mask = torch.zeros((B, L), dtype=torch.long)
-    for i, r in enumerate(reqs):
-        ids[i, L - lens[i]:] = torch.tensor(r.prompt, dtype=torch.long)
-        mask[i, L - lens[i]:] = 1
+    ids = torch.zeros((U, L), dtype=torch.long)
+    mask = torch.zeros((U, L), dtype=torch.long)
+    for u, p in enumerate(uniq):
+        ids[u, L - lens[u]:] = torch.tensor(p, dtype=torch.long)
+        mask[u, L - lens[u]:] = 1
     extra: dict = {}
     if padded:  # left padding: masked pads, positions counted from each prompt's first token
         extra = {"attention_mask": mask.to(device),
@@ -198,16 +238,21 @@ def sample_batch(model, tokenizer, reqs: list[SampleRequest], *, device: torch.d
     out, logits = _prefill(model, ids.to(device), kept_positions(reqs, L), extra)
     K = logits.shape[1]  # the kept logits cover padded positions L - K .. L - 1
     results = []
+    seen: set[int] = set()
     for i, r in enumerate(reqs):
-        start = max(L - K, L - lens[i])  # first kept position of prompt i (padded coordinates)
-        results.append(_prompt_outputs(r, logits[i, start - (L - K):], start - (L - lens[i])))
+        u = owner[i]
+        start = max(L - K, L - lens[u])  # first kept position of prompt u (padded coordinates)
+        res = _prompt_outputs(r, logits[u, start - (L - K):], start - (L - lens[u]))
+        res["prompt_cache_hit_tokens"] = lens[u] if u in seen else 0
+        seen.add(u)
+        results.append(res)
 
     counts = [r.num_samples for r in reqs]
-    rows = torch.repeat_interleave(torch.arange(B), torch.tensor(counts))
+    rows = torch.repeat_interleave(torch.tensor(owner, dtype=torch.long), torch.tensor(counts))
     cache = _out_cache(out)
     if not hasattr(cache, "reorder_cache"):
         raise RuntimeError("model cache does not support selecting batch rows")
-    if B > 1 or counts[0] > 1:
+    if not torch.equal(rows, torch.arange(U)):
         cache.reorder_cache(rows.to(device))
     last = logits[:, -1][rows.to(logits.device)]  # (R, V)
     att = mask[rows] if padded else None  # (R, L + steps)

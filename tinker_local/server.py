@@ -161,6 +161,7 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
     async def local_stats():
         # tinker_local only: compute-thread and fault-injection counters (for tests, benchmarks)
         return {"compute": dict(svc.store.stats), "requests": dict(svc.request_counts),
+                "sampling": dict(svc.sampling_stats),
                 "faults": dict(fault_state.counts),
                 "fault_config": {"fail_every": fault_state.config.fail_every,
                                  "drop_every": fault_state.config.drop_every},

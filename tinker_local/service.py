@@ -145,6 +145,11 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
         return run
 
     def _check_optimizer(self, cfg: Any, endpoint: str) -> None:
+        if isinstance(cfg, dict) and cfg.get("type", "adamw") == "dimuon":
+            raise HttpError(422, f"{endpoint}: optimizer 'dimuon' (DimuonOptimizerConfig / DimuonParams) is not "
+                                 "implemented by tinker_local: its update (a damped row/column preconditioner and a "
+                                 "matrix-sign iteration with internal constants) is not published in enough detail "
+                                 "to reproduce; use AdamOptimizerConfig / AdamParams")
         if isinstance(cfg, dict) and cfg.get("type", "adamw") != "adamw":
             raise HttpError(422, f"{endpoint}: optimizer {cfg.get('type')!r} is not supported "
                                  "by tinker_local (only 'adamw')")
@@ -213,6 +218,7 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
         if model_id not in self.registry.runs:
             return {"request_id": self.store.fail_now(kind, f"unknown model_id {model_id!r}"),
                     "model_id": model_id}
+        self.check_provenance(msg, model_id, self.session_of_model(model_id))  # service_stability: 400s
 
         def work() -> bytes:
             self._run(model_id)
@@ -318,15 +324,21 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
         except P.ProtocolError as e:
             raise HttpError(422, f"{ep}: {e}") from e
         ttl = check_ttl(body.get("ttl_seconds"), ep)
+        kind = body.get("kind") or "snapshot"
+        if kind not in ("snapshot", "inflight"):
+            raise HttpError(422, f"{ep}: kind must be 'snapshot' or 'inflight', got {kind!r}")
 
         def work() -> dict[str, Any]:
             ck = self._save(model_id, "sampler", name, body.get("user_metadata"), ttl)
             out: dict[str, Any] = {"type": "save_weights_for_sampler", "path": ck.uri}
+            sid = None
             if ss_seq is not None:
                 run = self.registry.runs[model_id]
                 sid = f"{run.session_id or model_id}:sample:{ss_seq}"
                 self.registry.add_sampler(SamplerRecord(sid, run.base_model, ck.uri, ck.path))
                 out["sampling_session_id"] = sid
+            if kind == "inflight":  # service_sampling: every inflight client of the model moves here
+                self.publish_inflight(model_id, ck.path, sid)
             return out
 
         return {"request_id": self._ordered(ep, work, model_id, seq), "model_id": model_id}

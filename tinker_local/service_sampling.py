@@ -7,6 +7,7 @@ while training continues on the compute thread."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from .errors import int_field as _int
 from .errors import required_field as _req
 from .futures import is_user_error as _is_user_error
 from .registry import SamplerRecord
+from .service_stability import StabilityMixin
 from .trace import session_of
 
 DEFAULT_MAX_TOKENS = 256  # SamplingParams.max_tokens=None
@@ -31,9 +33,11 @@ def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
-class SamplingServiceMixin:
+class SamplingServiceMixin(StabilityMixin):
     """Needs ``self.registry``, ``self.store``, ``self.engine``, ``self._checkpoint``,
-    ``self.tracer`` and ``self.client_model_name``."""
+    ``self.tracer``, ``self.clock`` and ``self.client_model_name``.  Sampling clients of kind
+    "inflight" follow their training model's newest inflight save (``publish_inflight``);
+    ``record_stability_info`` requests record their sequences (``tinker_local.service_stability``)."""
 
     _sample_step_s: float | None = None  # wall seconds per decode step of the last batch
     sampler_pool: Any = None  # a tinker_local.sampler_pool.SamplerPool, or None: in-process
@@ -95,46 +99,49 @@ class SamplingServiceMixin:
             prompt = P.prompt_from_json(_req(body, "prompt", ep))
             sp = body.get("sampling_params") or {}
             stop = P.stop_from_json(sp.get("stop"))
+            target, target_csr = (P.target_ids_from_json(body["target_prompt_logprobs"])
+                                  if body.get("target_prompt_logprobs") is not None else (None, None))
         except P.ProtocolError as e:
             raise HttpError(422, f"{ep}: {e}") from e
-        unsupported = ["prompt_alt_tokens_k"] if body.get("prompt_alt_tokens_k") else []
-        unsupported += ["target_prompt_logprobs"] if body.get("target_prompt_logprobs") else []
+        weights_path = self.inflight_weights(str(sid)) if sid is not None else None
+        weights_path = weights_path or rec.weights_path
         topk = _int(body, "topk_prompt_logprobs", ep, 0) or 0
         last_n = _int(body, "prompt_logprobs_last_n", ep)
         max_tokens = _int(sp, "max_tokens", ep)
         try:
             job = {"engine": dict(
                 base_model=rec.base_model, prompt_tokens=prompt, num_samples=n,
-                weights_path=Path(rec.weights_path) if rec.weights_path else None,
+                weights_path=Path(weights_path) if weights_path else None,
                 max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
                 temperature=float(_or(sp.get("temperature"), 1.0)),
                 top_k=_int(sp, "top_k", ep) if sp.get("top_k") is not None else -1,
                 top_p=float(_or(sp.get("top_p"), 1.0)), seed=_int(sp, "seed", ep), stop=stop,
                 include_prompt_logprobs=bool(body.get("prompt_logprobs")) or topk > 0,
                 topk_prompt_logprobs=topk, topk_sample_logprobs=_int(body, "topk_sample_logprobs", ep, 0) or 0,
-                prompt_logprobs_last_n=last_n),
-                "prompt_logprobs": bool(body.get("prompt_logprobs")), "topk": topk, "last_n": last_n}
+                prompt_logprobs_last_n=last_n, target_prompt_logprobs=target,
+                prompt_alt_tokens_k=_int(body, "prompt_alt_tokens_k", ep, 0) or 0),
+                "prompt_logprobs": bool(body.get("prompt_logprobs")), "topk": topk, "last_n": last_n,
+                "target_csr": target_csr, "sampler_id": None if sid is None else str(sid),
+                "record": bool(body.get("record_stability_info")), "ids": threading.Event()}
         except (TypeError, ValueError) as e:
             raise HttpError(422, f"{ep}: sampling_params must be numbers ({e})") from e
         seq = _int(body, "seq_id", ep)
         key = (f"sample:{sid}", seq) if sid is not None and seq is not None else None
         span = None
-        if sid is not None and not unsupported and (key is None or self.store.lookup_seq(*key) is None):
+        if sid is not None and (key is None or self.store.lookup_seq(*key) is None):
             span = self.tracer.open_span(session_of(str(sid)), "sample", str(sid), seq_id=seq,
                                          num_samples=n, prompt_tokens=len(prompt),
                                          max_tokens=job["engine"]["max_tokens"])
         job["span"] = span
-        if unsupported:
-            rid = self.store.fail_now("sample", f"{ep}: {', '.join(unsupported)} is not supported "
-                                                "by tinker_local")
-        else:
-            step_s = self._sample_step_s
-            linger = None if step_s is None else LINGER_FRACTION * step_s * (job["engine"]["max_tokens"] + 1)
-            rid = self.store.submit("sample", None, dedupe_key=key, batch_key="sample",
-                                    payload=job, batch_fn=self._sample_batch, max_linger_s=linger,
-                                    executor=SAMPLER_EXECUTOR if self.sampler_pool is not None else None)
-            self.tracer.bind(span, rid)
-        return {"request_id": rid, "sample_sequence_ids": P.sequence_ids(rid, n)}
+        step_s = self._sample_step_s
+        linger = None if step_s is None else LINGER_FRACTION * step_s * (job["engine"]["max_tokens"] + 1)
+        rid = self.store.submit("sample", None, dedupe_key=key, batch_key="sample",
+                                payload=job, batch_fn=self._sample_batch, max_linger_s=linger,
+                                executor=SAMPLER_EXECUTOR if self.sampler_pool is not None else None)
+        self.tracer.bind(span, rid)
+        job["sequence_ids"] = P.sequence_ids(rid, n)
+        job["ids"].set()  # the batch may already be running: it waits for the ids to record them
+        return {"request_id": rid, "sample_sequence_ids": job["sequence_ids"]}
 
     def _sample_batch(self, jobs: list[dict[str, Any]]) -> list[Any]:
         """Run queued ``asample`` jobs together (compute thread): one ``SampleResponse`` proto
@@ -176,14 +183,59 @@ class SamplingServiceMixin:
                 except Exception as e:
                     results.append(e)
         out: list[Any] = []
+        stats = self.sampling_stats
         for job, res in zip(jobs, results):
             if isinstance(res, BaseException):
                 out.append(res)
                 continue
+            hit = int(getattr(res, "prompt_cache_hit_tokens", 0))
+            stats["requests"] += 1
+            stats["prompt_tokens_cached"] += hit
+            stats["prompt_tokens_uncached"] += len(job["engine"]["prompt_tokens"]) - hit
+            stats["sampled_tokens"] += sum(len(s["tokens"]) for s in res.sequences)
+            if job["record"] and job["ids"].wait(30):  # set right after submission
+                self.record_stability(job["sampler_id"], job["sequence_ids"], job["engine"]["prompt_tokens"],
+                                      res.sequences)
             out.append(P.sample_response_to_proto(
                 res.sequences,
                 getattr(res, "prompt_logprobs", None) if job["prompt_logprobs"] else None,
                 getattr(res, "topk_prompt_logprobs", None) if job["topk"] > 0 else None,
-                prompt_logprobs_last_n=job["last_n"]))
+                prompt_logprobs_last_n=job["last_n"],
+                target_prompt_logprobs=getattr(res, "target_prompt_logprobs", None), target_csr=job["target_csr"],
+                prompt_alt_tokens=getattr(res, "prompt_alt_tokens", None), prompt_cache_hit_tokens=hit))
         return out
+
+    # -- inflight sampling clients ----------------------------------------------------------------
+    @property
+    def sampling_stats(self) -> dict[str, int]:
+        """Counters since start (``GET local_stats`` -> ``"sampling"``): ``requests`` served,
+        ``prompt_tokens_cached`` (served by another request's prefill in the same batch),
+        ``prompt_tokens_uncached`` (prefilled for the request) and ``sampled_tokens``."""
+        st = self.__dict__.get("_sampling_stats")
+        if st is None:
+            st = self.__dict__.setdefault("_sampling_stats", dict.fromkeys(
+                ("requests", "prompt_tokens_cached", "prompt_tokens_uncached", "sampled_tokens"), 0))
+        return st
+
+    def _inflight_state(self) -> tuple[dict[str, str], dict[str, str]]:
+        st = self.__dict__.get("_inflight_state_")
+        if st is None:
+            st = self.__dict__.setdefault("_inflight_state_", ({}, {}))
+        return st
+
+    def publish_inflight(self, model_id: str, weights_path: str, sampler_id: str | None) -> None:
+        """An inflight save of ``model_id`` (``SamplingClientKind`` "inflight"): its sampler
+        weights at ``weights_path`` become the target of every inflight sampling session of the
+        model, the existing ones and ``sampler_id`` (new); snapshot sessions keep their weights.
+        In memory: after a server restart an inflight session samples the weights of its own save."""
+        targets, sessions = self._inflight_state()
+        targets[model_id] = weights_path
+        if sampler_id is not None:
+            sessions[sampler_id] = model_id
+
+    def inflight_weights(self, sampler_id: str) -> str | None:
+        """The weights folder an inflight sampling session samples now; None for other sessions."""
+        targets, sessions = self._inflight_state()
+        model_id = sessions.get(sampler_id)
+        return None if model_id is None else targets.get(model_id)
 

@@ -15,8 +15,12 @@
   extend the previous ones (a single-turn episode -> one datum): model input ``tokens[:-1]``,
   ``target_tokens = tokens[1:]``, ``logprobs`` = the sampler's logprobs on action tokens (0
   elsewhere), ``advantages`` = ``A`` on action tokens (0 elsewhere), plus the action mask (not
-  sent). Losses sum over tokens (Tinker docs, "Loss functions"), so observation tokens with zero
-  advantage contribute nothing.
+  sent). With every action's ``sequence_id`` known, the datum also carries its provenance
+  (:meth:`RLDatum.to_datum` with ``provenance=True``: ``Datum.with_provenance`` spans naming the
+  sampled sequences, as the ``stable_reinforce`` loss needs; Tinker docs, "StableReinforce",
+  https://tinker-docs.thinkingmachines.ai/tinker/losses/stable-reinforce/). Losses sum over
+  tokens (Tinker docs, "Loss functions"), so observation tokens with zero advantage contribute
+  nothing.
 - :func:`apply_kl_penalty`: per-token penalty against a reference model, folded into the
   advantages as in the Tinker cookbook: ``A_t += coef * (mean_kl - (q_t - ref_t))`` on action
   tokens, where ``q_t - ref_t`` is the sampled-token log-ratio (a k1 estimate of KL(sampler||ref)).
@@ -63,6 +67,10 @@ class RLDatum:
         sampler_logprobs: float32 (L-1,), the sampler's logprob of each target (0 off the mask).
         advantages: float32 (L-1,), the per-token advantage (0 off the mask).
         group_index, member: where the trajectory sits (for logging).
+        spans: where each run of ``tokens`` came from, tiling all L of them: ``("prompt" |
+            "sampled", sequence_id, offset, length)`` (a run of the prompt, or of the sampled
+            tokens, of the sampled sequence ``sequence_id``); None when an action's sequence id
+            is unknown.
     """
 
     tokens: list[int]
@@ -71,11 +79,19 @@ class RLDatum:
     advantages: np.ndarray
     group_index: int = 0
     member: int = 0
+    spans: list[tuple[str, str, int, int]] | None = None
 
-    def to_datum(self) -> tinker.Datum:
+    def to_datum(self, provenance: bool = False) -> tinker.Datum:
         """The ``tinker.Datum`` (inputs ``target_tokens`` int64, ``logprobs`` and ``advantages``
-        float32, all of shape (L-1,)) for the ``importance_sampling``/``ppo``/``cispo`` losses."""
-        return tinker.Datum(
+        float32, all of shape (L-1,)) for the policy-gradient losses; with ``provenance``, its
+        ``Datum.with_provenance`` spans (the model input's tile ``tokens[:-1]``, the loss inputs'
+        tile ``target_tokens = tokens[1:]``).
+
+        Raises:
+            ValueError: ``provenance`` asked for, but the datum's actions have no sequence ids
+                (sampled without them, or by an environment that samples on its own).
+        """
+        datum = tinker.Datum(
             model_input=model_input_from_tokens(self.tokens[:-1]),  # media observations: their chunks
             loss_fn_inputs={
                 "target_tokens": tinker.TensorData.from_numpy(np.asarray(self.tokens[1:], dtype=np.int64)),
@@ -83,6 +99,27 @@ class RLDatum:
                 "advantages": tinker.TensorData.from_numpy(np.ascontiguousarray(self.advantages, dtype=np.float32)),
             },
         )
+        if not provenance:
+            return datum
+        if self.spans is None:
+            raise ValueError(f"group {self.group_index} member {self.member}: provenance needs the sequence_id "
+                             "of every sampled action, and this trajectory has actions without one (an environment "
+                             "that samples on its own, or a server that returns no sequence ids)")
+        n = len(self.tokens)
+        return datum.with_provenance(model_input=_provenance(self.spans, 0, n - 1),
+                                     loss_fn_inputs=_provenance(self.spans, 1, n))
+
+
+def _provenance(spans: Sequence[tuple[str, str, int, int]], start: int, stop: int) -> list:
+    """The SDK spans of positions ``[start, stop)`` of a sequence tiled by ``spans``."""
+    out, pos = [], 0
+    for kind, sequence_id, offset, length in spans:
+        lo, hi = max(pos, start), min(pos + length, stop)
+        if hi > lo:
+            make = tinker.PromptProvenanceSpan if kind == "prompt" else tinker.SampledProvenanceSpan
+            out.append(make(sequence_id=sequence_id, offset=offset + lo - pos, length=hi - lo))
+        pos += length
+    return out
 
 
 def compute_advantages(rewards_G: Sequence[float], normalize_std: bool = False, eps: float = 1e-6) -> np.ndarray:
@@ -179,12 +216,15 @@ def trajectory_to_datums(traj: Trajectory, advantage: float, group_index: int = 
     tokens: list[int] = []
     lps: list[float] = []
     mask: list[float] = []
+    spans: list[tuple[str, str, int, int]] = []
+    traced = all(t.sequence_id for t in traj.transitions)  # provenance only when every action is named
 
     def flush() -> None:
         if len(tokens) >= 2 and any(mask[1:]):
             m = np.asarray(mask[1:], dtype=np.float32)
             out.append(RLDatum(list(tokens), m, np.asarray(lps[1:], dtype=np.float32) * m,
-                               (m * advantage).astype(np.float32), group_index, member))
+                               (m * advantage).astype(np.float32), group_index, member,
+                               list(spans) if traced else None))
 
     for t in traj.transitions:
         if len(t.action_logprobs) != len(t.action_tokens):
@@ -196,8 +236,12 @@ def trajectory_to_datums(traj: Trajectory, advantage: float, group_index: int = 
             new_ob = ob[len(tokens):]
         else:
             flush()
-            tokens, lps, mask = [], [], []
+            tokens, lps, mask, spans = [], [], [], []
             new_ob = ob
+        if new_ob:  # the new observation tokens are the end of this action's prompt
+            spans.append(("prompt", t.sequence_id, len(ob) - len(new_ob), len(new_ob)))
+        if t.action_tokens:
+            spans.append(("sampled", t.sequence_id, 0, len(t.action_tokens)))
         tokens += new_ob + list(t.action_tokens)
         lps += [0.0] * len(new_ob) + [float(x) for x in t.action_logprobs]
         mask += [0.0] * len(new_ob) + [1.0] * len(t.action_tokens)

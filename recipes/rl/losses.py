@@ -27,12 +27,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from prefect_tinker.recipes.registry import Registry
 
-__all__ = ["LOSSES", "ClipThresholds", "CispoLoss", "ImportanceSamplingLoss", "NoLossOptions", "PPOLoss", "RLLoss",
-           "register_loss"]
+__all__ = ["LOSSES", "ClipThresholds", "CispoLoss", "DROLoss", "GSPOLoss", "ImportanceSamplingLoss", "NoLossOptions",
+           "PPOLoss", "RLLoss", "StableReinforceLoss", "register_loss"]
 
 
 class NoLossOptions(BaseModel):
@@ -64,6 +64,8 @@ class RLLoss:
     loss_fn: ClassVar[str] = ""
     description: ClassVar[str] = ""
     Options: ClassVar[type[BaseModel]] = NoLossOptions
+    #: True when rollouts must record stability information and datums carry provenance spans.
+    provenance: ClassVar[bool] = False
 
     def __init__(self, options: BaseModel | None = None):
         self.options = options if options is not None else self.Options()
@@ -131,3 +133,59 @@ class CispoLoss(_ClippedLoss):
     name = "cispo"
     loss_fn = "cispo"
     description = "CISPO clipped importance weights (clip_low_threshold, clip_high_threshold)"
+
+
+@register_loss
+class GSPOLoss(_ClippedLoss):
+    """``gspo``: PPO-style clipping of the sequence-level (length-normalised) importance ratio
+    (Zheng et al. 2025, "Group Sequence Policy Optimization")."""
+
+    name = "gspo"
+    loss_fn = "gspo"
+    description = "GSPO sequence-level clipped ratio (clip_low_threshold, clip_high_threshold)"
+
+
+class DROOptions(BaseModel):
+    """``loss_options`` of ``dro``."""
+
+    model_config = ConfigDict(extra="forbid")
+    beta: float = Field(default=0.05, ge=0, description="Weight beta of the quadratic penalty 0.5 beta (logp - q)^2.")
+
+
+@register_loss
+class DROLoss(RLLoss):
+    """``dro``: direct reward optimisation, a policy-gradient term plus a quadratic penalty on the
+    trainer/sampler log-ratio weighted by ``beta`` (Tinker docs, "Loss functions: DRO")."""
+
+    name = "dro"
+    loss_fn = "dro"
+    description = "DRO with quadratic log-ratio penalty (loss_options.beta, default 0.05)"
+    Options = DROOptions
+
+    def loss_fn_config(self, clip: ClipThresholds) -> dict[str, float] | None:
+        return {"beta": float(self.options.beta)}  # type: ignore[attr-defined]
+
+
+class StableReinforceOptions(BaseModel):
+    """``loss_options`` of ``stable_reinforce``."""
+
+    model_config = ConfigDict(extra="forbid")
+    kl_coeff: float | None = Field(default=None, ge=0, description="loss_fn_config kl_coeff (None: the server's).")
+
+
+@register_loss
+class StableReinforceLoss(RLLoss):
+    """``stable_reinforce``: the Tinker service's off-policy-robust REINFORCE
+    (https://tinker-docs.thinkingmachines.ai/tinker/losses/stable-reinforce/). Rollouts sample with
+    ``record_stability_info=True`` and each datum carries provenance spans naming the sampled
+    ``sequence_id``s."""
+
+    name = "stable_reinforce"
+    loss_fn = "stable_reinforce"
+    description = "StableReinforce (needs provenance; loss_options.kl_coeff)"
+    Options = StableReinforceOptions
+    provenance = True
+
+    def loss_fn_config(self, clip: ClipThresholds) -> dict[str, float] | None:
+        kl = self.options.kl_coeff  # type: ignore[attr-defined]
+        return None if kl is None else {"kl_coeff": float(kl)}

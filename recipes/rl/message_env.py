@@ -194,6 +194,10 @@ class MessageEnv(Env):
     """
 
     outcome_metrics: tuple[str, ...] = ()
+    #: True: a reply that does not parse (cut off at ``max_tokens``, malformed) is kept as plain
+    #: text and the episode goes on, instead of ending with ``failed_parse_reward`` (episodes whose
+    #: length must not depend on the policy's formatting, e.g. ``numerics_check``).
+    keep_unparsed_replies: bool = False
 
     def __init__(self, renderer: Any, messages: Sequence[dict], *, toolset: Any = None,
                  limits: EpisodeLimits = EpisodeLimits()):
@@ -245,7 +249,9 @@ class MessageEnv(Env):
         self._action = [int(t) for t in action]
         self._sequence, self._observation = self._observation + self._action, None
         parsed = self.renderer.parse_response(action)
-        if not parsed.ok:
+        if not parsed.ok and self.keep_unparsed_replies:
+            parsed = parsed._replace(message={"role": "assistant", "content": parsed.message.get("content") or ""})
+        elif not parsed.ok:
             return self._end(Reaction(done=True, reward=self.limits.failed_parse_reward,
                                       logs={"response": parsed.message.get("content") or ""}),
                              "parse_failure", parse_failed=1.0)

@@ -99,6 +99,8 @@ class Transition:
         episode_done: whether the episode ended here.
         stop_reason: the sampler's ``"stop"`` or ``"length"``.
         metrics: the step's env metrics; logs: the step's texts.
+        sequence_id: the server's ``SampledSequence.sequence_id`` of the action (``""`` when unknown,
+            e.g. actions of shared-episode builders); names it in provenance spans.
     """
 
     observation: list[int]
@@ -109,6 +111,7 @@ class Transition:
     stop_reason: str = "stop"
     metrics: dict[str, float] = field(default_factory=dict)
     logs: dict[str, str] = field(default_factory=dict)
+    sequence_id: str = ""
 
 
 @dataclass
@@ -142,6 +145,8 @@ class TrajectoryGroup:
         errors: trajectories that failed (env or sampling errors), dropped from the group.
         error_messages: the first few error messages.
         seconds: wall time of the rollout.
+        usage: tokens the rollout's sampling requests cost: ``sampled``, ``prefill_cached`` and
+            ``prefill_uncached`` (see :mod:`prefect_tinker.recipes.pricing`).
     """
 
     trajectories_G: list[Trajectory]
@@ -154,6 +159,7 @@ class TrajectoryGroup:
     errors: int = 0
     error_messages: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    usage: dict[str, float] = field(default_factory=dict)
 
     def total_rewards(self) -> list[float]:
         """Per-trajectory total reward (G,): sum of step rewards plus the group-level reward."""

@@ -10,7 +10,8 @@ Built in: ``arithmetic`` (generated sums), ``gsm8k`` (grade-school word problems
 (any JSONL or dataset of problems with a reference answer); multi-turn message environments
 (:mod:`prefect_tinker.recipes.rl.message_env`): ``calculator`` and ``retrieval`` (tool use),
 ``humaneval`` (code run in the sandbox), ``guess_number``, ``twenty_questions`` (another model
-answers) and ``tictactoe`` (two-player self-play sharing one game per group).
+answers), ``tictactoe`` (two-player self-play sharing one game per group) and ``numerics_check``
+(long page-by-page episodes for the sampler-vs-trainer KL, ``docs/numerics.md``).
 
 :class:`EnvSpec` holds the fields an RL config shares for every environment (which ``env``, the
 problem source and prompt settings, ``env_options`` validated by the environment's own
