@@ -237,11 +237,28 @@ def test_two_users_see_only_their_own_work(shared):
             ("checkpoint_publish", "alice"), ("checkpoint_load", "bob"), ("model_create", "bob")} <= seen
     with pytest.raises(tinker.PermissionDeniedError, match="admin key"):
         rb.get_audit_log().result(timeout=30)
+    urls = ra.get_external_weights_urls(external).result(timeout=30).urls  # signed URLs: no key needed
+    cfg = httpx.get(urls["adapter_config.json"], verify=shared.ssl, timeout=30).json()
+    assert cfg["r"] == 2 and cfg["peft_type"] == "LORA"
     ra.delete_checkpoint_from_tinker_path(external).result(timeout=30)
-    assert ("checkpoint_delete", "alice") in {(e.event, e.event_details["user"])
-                                              for e in ra.get_audit_log().result(timeout=30).entries}
+    later = {(e.event, e.event_details["user"]) for e in ra.get_audit_log().result(timeout=30).entries}
+    assert {("checkpoint_delete", "alice"), ("checkpoint_download", "alice")} <= later
     for c in (alice, bob):
         c.close("success").result(timeout=30)
+
+
+def test_credentials_block_trusts_its_ca_bundle(shared, monkeypatch):
+    from tinker_blocks.credentials import TinkerCredentials
+
+    monkeypatch.delenv("SSL_CERT_FILE")  # only the block's ca_bundle makes the server's CA trusted
+    creds = TinkerCredentials(base_url=shared.base_url, api_key=shared.keys["bob"], ca_bundle=str(shared.ca))
+    assert "tml-" not in repr(creds) and "tml-" not in creds.model_dump_json()  # the key stays a secret
+    caps = creds.get_client().get_server_capabilities()
+    assert "tiny" in [m.model_name for m in caps.supported_models]
+    bundle = Path(os.environ["SSL_CERT_FILE"])
+    assert shared.ca.read_text() in bundle.read_text()
+    with pytest.raises(ValueError, match="holds no PEM certificate"):
+        TinkerCredentials(base_url=shared.base_url, api_key=shared.keys["bob"], ca_bundle=str(shared.log)).get_client()
 
 
 def test_unknown_and_revoked_keys_get_401_and_no_key_is_written(shared):

@@ -344,7 +344,8 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
     @app.get("/downloads/external/{model_id}/{name}/{file:path}")
     async def download_external(model_id: str, name: str, file: str, expires: str | None = None,
                                 sig: str | None = None):
-        path = await asyncio.to_thread(svc.external_download, model_id, name, file, expires, sig)
+        with ten.acting_for_owner(model_id):
+            path = await asyncio.to_thread(svc.external_download, model_id, name, file, expires, sig)
         return FileResponse(path, filename=Path(file).name)
 
     @app.get("/downloads/trace/{session_id}/{file}")

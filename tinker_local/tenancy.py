@@ -23,6 +23,7 @@ ids involved; never a key.  ``GET /api/v1/audit`` answers it to admin keys.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import ipaddress
 import json
@@ -109,6 +110,16 @@ class Tenancy:
         if owner is None and run is not None:
             return LOCAL_USER
         return owner
+
+    @contextlib.contextmanager
+    def acting_for_owner(self, model_id: str):
+        """Run the block as the owner of ``model_id`` (a signed download URL: its signature, made
+        for the owner, is the credential; the request carries no key)."""
+        token = CURRENT.set(Principal(self.model_owner(model_id) or LOCAL_USER))
+        try:
+            yield
+        finally:
+            CURRENT.reset(token)
 
     def owns_session(self, session_id: str) -> bool:
         return self.session_owner(session_id) == current_user()
