@@ -10,7 +10,9 @@ skips ahead (logged) so a client that died mid-submission cannot stall a model f
 Fair share: every job belongs to the user whose request submitted it; when several users have
 runnable jobs, the compute thread serves them in turn (round-robin over user names), so one
 user's flood of sampling requests delays another user's training step by at most one job (or
-one batch), not by the whole flood.  One user's own jobs keep their arrival order.
+one batch), not by the whole flood.  While another user's jobs wait, a batch does not linger for
+more requests and takes at most ``FAIR_BATCH_JOBS`` jobs, so that one batch stays short.  One
+user's own jobs keep their arrival order.
 
 Batching: jobs submitted with a ``batch_key`` (sampling) wait in arrival order like any other;
 when the compute thread reaches one, it lingers while more such requests are still being
@@ -56,6 +58,7 @@ logger = logging.getLogger("tinker_local.futures")
 RESULT_TTL_S = 1800.0
 RETRIEVED_TTL_S = 120.0
 MAX_BATCH_JOBS = 256
+FAIR_BATCH_JOBS = 8  # batch size bound while another user's jobs wait (fair share)
 
 
 class UserError(ValueError):
@@ -413,7 +416,8 @@ class FutureStore:
     def _collect_batch_locked(self, first: Job, fifo: deque[Job] | None = None) -> list[Job]:
         """Linger while jobs of ``first.batch_key`` are being received or keep arriving (see the
         module docstring), then take them all from ``fifo`` (default: the compute thread's) in
-        FIFO order."""
+        FIFO order; while another user's jobs wait there, at once and at most ``FAIR_BATCH_JOBS``."""
+        fifo = self._fifo if fifo is None else fifo
         bound = self.batch_max_wait_s
         if first.max_linger_s is not None:
             bound = min(bound, max(0.0, first.max_linger_s))
@@ -422,15 +426,16 @@ class FutureStore:
         while not self._stop:
             now = time.monotonic()
             quiet = now - self._last_batchable
-            if (quiet >= window and not self._incoming) or now >= deadline:
+            if (quiet >= window and not self._incoming) or now >= deadline \
+                    or self._others_waiting_locked(first.user, fifo):
                 break
             # woken early by submit() and by incoming(-1)
             self._cv.wait(timeout=min(window - quiet if quiet < window else bound, deadline - now))
-        fifo = self._fifo if fifo is None else fifo
+        cap = FAIR_BATCH_JOBS if self._others_waiting_locked(first.user, fifo) else MAX_BATCH_JOBS
         jobs, rest = [first], deque()
         while fifo:
             j = fifo.popleft()
-            if j.batch_key == first.batch_key and len(jobs) < MAX_BATCH_JOBS:
+            if j.batch_key == first.batch_key and len(jobs) < cap:
                 jobs.append(j)
             else:
                 rest.append(j)
@@ -439,6 +444,14 @@ class FutureStore:
         self.stats["batched_jobs"] += len(jobs)
         self.stats["max_batch"] = max(self.stats["max_batch"], len(jobs))
         return jobs
+
+    def _others_waiting_locked(self, user: str, fifo: deque[Job]) -> bool:
+        """Whether a job of a user other than ``user`` waits in ``fifo`` (or, for the compute
+        thread's FIFO, in a model's lane)."""
+        if any(j.user != user for j in fifo):
+            return True
+        return fifo is self._fifo and any(j.user != user for lane in self._lanes.values()
+                                          for j in lane.pending.values())
 
     def _execute_batch(self, jobs: list[Job]) -> list[Outcome]:
         """Run ``jobs`` through their ``batch_fn``; per-job exceptions fail that job only."""
