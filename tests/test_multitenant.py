@@ -346,3 +346,25 @@ def test_compute_thread_serves_users_round_robin():
     finally:
         store.stop()
     assert order == ["trainer0", "flood0", "trainer1", "flood1", "trainer2", "flood2", "flood3", "flood4", "flood5"]
+
+
+def test_storage_limit_names_its_option_and_usage_is_per_user(tmp_path):
+    from tests import inproc_server
+    from tinker_local.tenancy import Limits
+
+    server = inproc_server.start(tmp_path / "root", ["tiny"], limits=Limits(checkpoint_bytes=1))
+    try:
+        sc = tinker.ServiceClient(base_url=server.base_url, api_key="tml-loopback")
+        tc = sc.create_lora_training_client("tiny", rank=2, seed=0).result(timeout=120)
+        first = tc.save_weights_for_sampler("first").result(timeout=60).path  # 0 bytes stored so far
+        with pytest.raises(tinker.PermissionDeniedError, match="max-checkpoint-bytes-per-user 1"):
+            tc.save_weights_for_sampler("second").result(timeout=60)
+        usage = tinker.RestClient(base_url=server.base_url, api_key="tml-loopback") \
+            .get_current_checkpoint_storage_usage().result(timeout=30)
+        size = server.app.state.service.registry.checkpoints[first].size_bytes
+        assert [(d.user_name, d.checkpoint_count, d.size_bytes) for d in usage.data] == [("local", 1, size)]
+        # the refused save consumed its seq_id: the model's next request is not held up
+        tc.forward([_datum(tc.get_tokenizer(), "hello world")], "cross_entropy").result(timeout=30)
+        sc.close("success").result(timeout=30)
+    finally:
+        server.stop()
