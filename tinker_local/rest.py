@@ -153,7 +153,7 @@ class RestMixin:
         return {}
 
     def set_published(self, model_id: str, checkpoint_id: str, public: bool) -> dict[str, Any]:
-        """Set the publish flag (single-user server: it is stored and listed, and grants nothing)."""
+        """Set the publish flag: a published checkpoint may be loaded and sampled by every user."""
         ck = self._checkpoint_of(model_id, checkpoint_id)
         if ck.public != public:
             self.registry.update_checkpoint(ck.uri, public=public)
