@@ -112,7 +112,8 @@ def shared(tmp_path_factory):
         while True:
             assert proc.poll() is None, log.read_text()
             try:
-                if httpx.get(f"{url}/api/v1/healthz", verify=ssl.create_default_context(cafile=str(ca)), timeout=2).status_code == 200:
+                ctx = ssl.create_default_context(cafile=str(ca))
+                if httpx.get(f"{url}/api/v1/healthz", verify=ctx, timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
@@ -165,6 +166,7 @@ def test_two_users_see_only_their_own_work(shared):
     own_b = bob.create_lora_training_client("tiny", rank=2, seed=1).result(timeout=120)
     runs_b = [r.training_run_id for r in rb.list_training_runs().result(timeout=30).training_runs]
     assert runs_b == [own_b.model_id]
+    assert rb.get_training_run(own_b.model_id).result(timeout=30).model_owner == "bob"
     assert tc.model_id in [r.training_run_id for r in ra.list_training_runs().result(timeout=30).training_runs]
     assert rb.list_user_checkpoints().result(timeout=30).checkpoints == []
     assert alice_sid not in rb.list_sessions().result(timeout=30).sessions

@@ -78,6 +78,10 @@ class RestMixin:
             return run.project_id
         return (self.registry.sessions.get(run.session_id or "") or {}).get("project_id")
 
+    def run_to_rest(self, run: RunRecord) -> dict[str, Any]:
+        """``TrainingRun`` of ``run``, its ``model_owner`` the user who created it."""
+        return {**self.registry.run_to_rest(run), "model_owner": self.tenancy.model_owner(run.model_id)}
+
     def training_runs(self, limit: int, offset: int, project_id: str | None = None) -> dict[str, Any]:
         runs = sorted((r for r in self.registry.runs.values() if self.tenancy.owns_model(r.model_id)),
                       key=lambda r: r.created, reverse=True)
@@ -85,7 +89,7 @@ class RestMixin:
             runs = [r for r in runs if self.project_of(r) == project_id]
         self.sweep_expired()
         page = runs[offset: offset + limit]
-        return {"training_runs": [self.registry.run_to_rest(r) for r in page],
+        return {"training_runs": [self.run_to_rest(r) for r in page],
                 "cursor": {"offset": offset, "limit": limit, "total_count": len(runs)}}
 
     def training_run(self, model_id: str) -> dict[str, Any]:
@@ -93,7 +97,7 @@ class RestMixin:
         if run is None or not self.tenancy.owns_model(model_id):
             raise HttpError(404, f"unknown training run {model_id!r}")
         self.sweep_expired()
-        return self.registry.run_to_rest(run)
+        return self.run_to_rest(run)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def sweep_expired(self) -> int:

@@ -79,7 +79,8 @@ class SessionsMixin:
     def _summary(self, sid: str, s: dict[str, Any]) -> dict[str, Any]:
         run_ids = {r.model_id for r in self.registry.runs.values() if r.session_id == sid}
         cks = [c for c in self.registry.checkpoints.values() if c.model_id in run_ids]
-        return {"session_id": sid, "created_at": iso(s.get("created") or 0), "owner": f"tml:user:{self.tenancy.session_owner(sid)}",
+        return {"session_id": sid, "created_at": iso(s.get("created") or 0),
+                "owner": f"tml:user:{self.tenancy.session_owner(sid)}",
                 "project_id": s.get("project_id") or DEFAULT_PROJECT, "status": self._status(s),
                 "checkpoints_count": len(cks), "display_name": s.get("display_name"),
                 "user_metadata": _str_dict(s.get("user_metadata")),

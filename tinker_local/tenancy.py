@@ -202,7 +202,7 @@ class Tenancy:
         if endpoint in ("asample", "join_sampling_session") and sampler is not None \
                 and not self.owns_sampler(str(sampler)):
             raise HttpError(404, f"{endpoint}: unknown sampling session {sampler!r}")
-        if endpoint in ("forward_backward", "forward", "optim_step", "asample", "save_weights",
+        if endpoint in ("optim_step", "asample", "save_weights",
                         "save_weights_for_sampler", "save_weights_external", "load_weights", "create_model"):
             self._burning(body, self.check_queue)
         if endpoint.startswith("save_weights"):
