@@ -52,8 +52,9 @@ class RestMixin:
     """Needs ``self.registry``, ``self.models``, ``self.root``, ``self.engine`` and ``self._expired``."""
 
     def capabilities(self) -> dict[str, Any]:
-        """The base models preloaded at start plus those of known runs, with their contexts."""
-        names = list(dict.fromkeys(self.models + [r.base_model for r in self.registry.runs.values()]))
+        """The base models preloaded at start plus those of the caller's runs, with their contexts."""
+        names = list(dict.fromkeys(self.models + [r.base_model for r in self.registry.runs.values()
+                                                  if self.tenancy.owns_model(r.model_id)]))
         out = []
         for m in names:
             entry: dict[str, Any] = {"model_name": m, "trainable": True, "sampleable": True}
