@@ -350,6 +350,40 @@ def test_compute_thread_serves_users_round_robin():
     assert order == ["trainer0", "flood0", "trainer1", "flood1", "trainer2", "flood2", "flood3", "flood4", "flood5"]
 
 
+def test_side_executor_serves_users_round_robin():
+    """The sampler workers' queue (a side executor) also lets users take turns."""
+    from tinker_local.futures import FutureStore
+    from tinker_local.tenancy import CURRENT, Principal
+
+    store = FutureStore()
+    store.add_executor("sampler", 1)
+    store.start(None)
+    order: list[str] = []
+    gate = threading.Event()
+
+    def as_user(name: str, fn) -> str:
+        token = CURRENT.set(Principal(name))
+        try:
+            return store.submit("job", fn, executor="sampler")
+        finally:
+            CURRENT.reset(token)
+
+    try:
+        as_user("a-flood", gate.wait)
+        time.sleep(0.05)
+        for i in range(3):
+            as_user("a-flood", lambda i=i: order.append(f"a{i}"))
+        for i in range(2):
+            as_user("b", lambda i=i: order.append(f"b{i}"))
+        gate.set()
+        deadline = time.monotonic() + 10
+        while len(order) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        store.stop()
+    assert order == ["b0", "a0", "b1", "a1", "a2"]
+
+
 def test_storage_limit_names_its_option_and_usage_is_per_user(tmp_path):
     from tests import inproc_server
     from tinker_local.tenancy import Limits

@@ -25,10 +25,10 @@ within that bound.  Which jobs share a batch depends on timing; what each job co
 not (the sampling engine draws each request's tokens from its own seeded generator).
 
 Side executors (``add_executor(name, threads)``): jobs submitted with ``executor=name`` wait in
-that executor's own FIFO and run on its threads instead of the compute thread (the sampler
-worker pool of ``tinker_local.sampler_pool`` uses one thread per worker process, so sampling
-overlaps training).  Batching works there as above; one thread of an executor lingers at a time,
-so concurrent requests still share a batch.  Without side executors (the default) everything
+that executor's own FIFO (users taking turns as on the compute thread) and run on its threads
+instead of the compute thread (the sampler worker pool of ``tinker_local.sampler_pool`` uses one
+thread per worker process, so sampling overlaps training).  Batching works there as above; one
+thread of an executor lingers at a time, so concurrent requests still share a batch.  Without side executors (the default) everything
 runs on the one compute thread.
 
 Results are ``Outcome``s: JSON dicts, protobuf bytes, or an error with category
@@ -157,6 +157,7 @@ class FutureStore:
         self._side: dict[str, deque[Job]] = {}  # side executor name -> its FIFO
         self._collecting: set[str] = set()  # side executors with a thread lingering for a batch
         self._side_n: dict[str, int] = {}  # side executor name -> threads
+        self._side_last: dict[str, str] = {}  # side executor name -> user it served last
         self._side_threads: list[threading.Thread] = []
         self._order = itertools.count()
         self._cv = threading.Condition()
@@ -395,7 +396,7 @@ class FutureStore:
                     self._cv.wait(timeout=0.5)
                 if self._stop:
                     return
-                job = fifo.popleft()
+                job = self._pop_fair_locked(fifo, name)
                 if job.batch_key is not None:
                     self._collecting.add(name)
                     try:
@@ -412,6 +413,18 @@ class FutureStore:
             for rec, outcome in zip(recs, outcomes):
                 if rec is not None:
                     rec.complete(outcome)
+
+    def _pop_fair_locked(self, fifo: deque[Job], name: str) -> Job:
+        """The next job of side executor ``name``: the earliest of the user after the one it
+        served last (round-robin over user names, as on the compute thread)."""
+        users = sorted({j.user for j in fifo})
+        last = self._side_last.get(name)
+        user = ([u for u in users if last is not None and u > last] or users)[0]
+        i = next(k for k, j in enumerate(fifo) if j.user == user)
+        job = fifo[i]
+        del fifo[i]
+        self._side_last[name] = user
+        return job
 
     def _collect_batch_locked(self, first: Job, fifo: deque[Job] | None = None) -> list[Job]:
         """Linger while jobs of ``first.batch_key`` are being received or keep arriving (see the
