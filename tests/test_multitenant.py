@@ -292,6 +292,16 @@ def test_no_keys_no_public_bind(tmp_path):
     assert len(lines) == 1 and "no API keys" in lines[0] and "prefect-tinker local keys add NAME" in lines[0]
 
 
+def test_cli_refuses_bad_keys_and_tls_options_in_one_line(tmp_path):
+    for argv in (["keys", "--root", str(tmp_path), "revoke", "nobody"],
+                 ["serve", "--root", str(tmp_path), "--tls-cert", str(tmp_path / "c.pem")],
+                 ["serve", "--root", str(tmp_path), "--max-models-per-user", "0"]):
+        out = subprocess.run([sys.executable, "-m", "tinker_local", *argv], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, (argv, out.stderr)
+        assert out.stderr.startswith("error: ")
+
+
 def test_key_store_keeps_hashes_only(tmp_path):
     from tinker_local.keys import KeyStore, KeyStoreError
 
