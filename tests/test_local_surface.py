@@ -2,7 +2,7 @@
 ``tinker.ServiceClient``, ``TrainingClient``, ``SamplingClient`` and ``RestClient`` (found by
 ``inspect.getmembers``, so a method added by a new SDK version fails here until it has a handler)
 is called with valid arguments against a live in-process server and its answer checked.  Only
-hosted-account features (billing events, audit log) may be refused, with a 4xx naming them;
+hosted-account features (billing events) may be refused, with a 4xx naming them;
 ``whoami`` needs the server's JWT auth, which tinker_local does not issue (the SDK says so).
 
 Also here: checkpoint expiry (TTL) enforced on a moved server clock, and the tokenizer of a

@@ -4,7 +4,8 @@ Three backends, one client path (the unmodified ``tinker`` SDK):
 
 - hosted Tinker: ``TinkerCredentials(api_key="tml-...")`` (``base_url`` unset);
 - a self-hosted Tinker-compatible server: ``TinkerCredentials(base_url="http://host:8000",
-  api_key="tml-...")``;
+  api_key="tml-...")`` (a shared ``tinker_local``: ``https://...`` with ``ca_bundle`` naming the CA
+  that signed its certificate; docs/shared-server.md);
 - the embedded local server: ``TinkerCredentials(local=True)`` starts (or reuses)
   ``python -m tinker_local serve`` on 127.0.0.1 as a detached process and points the SDK at it.
 
@@ -85,6 +86,14 @@ class TinkerCredentials(CredentialsBlock):
         default=None,
         description="URL of a Tinker-compatible server; leave empty for the hosted Tinker service.",
         examples=["http://gpu-box:8000"],
+    )
+    ca_bundle: str | None = Field(
+        default=None,
+        description=(
+            "PEM file of the CA that signed the server's TLS certificate (an https:// base_url with a "
+            "private CA); trusted in addition to the public CAs."
+        ),
+        examples=["/etc/prefect-tinker/ca.pem"],
     )
     local: bool = Field(
         default=False,
@@ -201,6 +210,8 @@ class TinkerCredentials(CredentialsBlock):
                 _clients[key] = (info["base_url"], client)
             return client
         api_key = self._remote_api_key()
+        if self.ca_bundle:
+            trust_ca_bundle(Path(self.ca_bundle).expanduser())
         key = self._cache_key(api_key)
         with _clients_lock:
             if key not in _clients:
@@ -256,6 +267,42 @@ class TinkerCredentials(CredentialsBlock):
 
 # ---------------------------------------------------------------------- local server management
 # The process launcher itself is tinker_local.launcher; these bind it to a block's settings.
+
+
+def trust_ca_bundle(ca: Path) -> Path:
+    """Make this process's HTTPS clients (the tinker SDK's httpx client among them) trust the
+    CA certificates in PEM file ``ca`` besides the public ones: ``SSL_CERT_FILE`` is pointed at a
+    bundle of certifi's CAs, the file ``SSL_CERT_FILE`` named before, and ``ca`` (httpx reads
+    ``SSL_CERT_FILE`` when it creates a client).  Returns the bundle's path.
+
+    Raises:
+        ValueError: ``ca`` is not a readable file holding a PEM certificate.
+    """
+    import tempfile
+
+    import certifi
+
+    try:
+        extra = ca.read_text()
+    except OSError as e:
+        raise ValueError(f"TinkerCredentials.ca_bundle: cannot read {ca}: {e.strerror}") from None
+    if "-----BEGIN CERTIFICATE-----" not in extra:
+        raise ValueError(f"TinkerCredentials.ca_bundle: {ca} holds no PEM certificate")
+    parts = [Path(certifi.where()).read_text()]
+    current = os.environ.get("SSL_CERT_FILE")
+    if current and Path(current).is_file():
+        parts.append(Path(current).read_text())
+    if extra in "".join(parts):
+        return Path(current or certifi.where())
+    parts.append(extra)
+    text = "\n".join(parts)
+    bundle = Path(tempfile.gettempdir()) / f"prefect-tinker-ca-{hashlib.sha256(text.encode()).hexdigest()[:16]}.pem"
+    if not bundle.is_file():
+        tmp = bundle.with_name(f".{bundle.name}.{os.getpid()}")
+        tmp.write_text(text)
+        os.replace(tmp, bundle)
+    os.environ["SSL_CERT_FILE"] = str(bundle)
+    return bundle
 
 
 def server_command(block: TinkerCredentials, port: int, root: Path) -> list[str]:

@@ -1,11 +1,13 @@
 """API keys and (optional) JWT auth of the local Tinker server.
 
-Default: every ``/api/v1`` request carries ``X-API-Key: tml-...`` (tinker_local has one user and
-checks only the prefix).  With JWT auth on (``serve --jwt-auth``, client config
+Default: every ``/api/v1`` request carries ``X-API-Key: tml-...``: one of the server's keys
+(``tinker_local.keys``, the key names the user), or on a server without keys any ``tml-`` key from
+a loopback caller (user "local").  With JWT auth on (``serve --jwt-auth``, client config
 ``pjwt_auth_enabled``) the SDK first exchanges its key at ``POST /api/v1/auth/token`` for a
 short-lived JWT and then sends that JWT as ``X-API-Key``; ``RestClient.whoami()`` reads the
 caller's identity from it.  The JWTs are HS256 (RFC 7519) signed with the server's URL secret;
-claims: ``iss`` "tinker_local", ``sub`` "tml:user:local", ``org_id`` "local", ``email`` "",
+claims: ``iss`` "tinker_local", ``sub`` "tml:user:<user>" (the user of the exchanged key),
+``org_id`` "local", ``email`` "",
 ``iat``, ``exp`` (``JWT_LIFETIME_S`` later).  A JWT whose signature or expiry fails is answered
 401 with ``WWW-Authenticate: Bearer error="invalid_token"``, on which the SDK fetches a new one.
 """
@@ -19,7 +21,7 @@ import json
 import time
 
 JWT_LIFETIME_S = 3600
-LOCAL_USER_URN = "tml:user:local"
+USER_URN_PREFIX = "tml:user:"
 LOCAL_ORG_ID = "local"
 _HEADER = {"alg": "HS256", "typ": "JWT"}
 
@@ -55,9 +57,10 @@ class JwtIssuer:
     def _sign(self, signing_input: str) -> str:
         return _b64(hmac.new(self._key, signing_input.encode(), hashlib.sha256).digest())
 
-    def mint(self) -> str:
+    def mint(self, user: str) -> str:
+        """A JWT for user name ``user`` (``sub`` = ``tml:user:<user>``)."""
         now = int(self.clock())
-        claims = {"iss": "tinker_local", "sub": LOCAL_USER_URN, "org_id": LOCAL_ORG_ID, "email": "",
+        claims = {"iss": "tinker_local", "sub": USER_URN_PREFIX + user, "org_id": LOCAL_ORG_ID, "email": "",
                   "iat": now, "exp": now + int(self.lifetime_s)}
         head = f"{_b64(json.dumps(_HEADER, separators=(',', ':')).encode())}." \
                f"{_b64(json.dumps(claims, separators=(',', ':')).encode())}"
@@ -76,3 +79,10 @@ class JwtIssuer:
         if not isinstance(claims, dict) or float(claims.get("exp", 0)) <= self.clock():
             raise InvalidToken("JWT has expired")
         return claims
+
+    def user_of(self, token: str) -> str:
+        """The user name a valid ``token`` was minted for; ``InvalidToken`` as ``verify``."""
+        sub = str(self.verify(token).get("sub", ""))
+        if not sub.startswith(USER_URN_PREFIX):
+            raise InvalidToken("JWT names no tinker_local user")
+        return sub[len(USER_URN_PREFIX):]

@@ -2,10 +2,18 @@
 
     python -m tinker_local serve --model tiny [--model M2] --port 8000 --host 127.0.0.1 \
         --root ~/.prefect-tinker [--dtype auto|float32|bfloat16] [--device cpu|cuda] \
-        [--fail-every N] [--drop-every M] [--threads T] [--sampler-workers N]
+        [--fail-every N] [--drop-every M] [--threads T] [--sampler-workers N] \
+        [--tls-cert CERT.pem --tls-key KEY.pem] [--max-models-per-user N] \
+        [--max-queued-per-user N] [--max-checkpoint-bytes-per-user B]
 
     python -m tinker_local status [--root DIR]    the server recorded in DIR/server.json (exit 1: none)
     python -m tinker_local stop [--root DIR]      stop it: SIGTERM, SIGKILL after 5 s; remove the record
+    python -m tinker_local keys add NAME [--admin] [--root DIR]   print a new API key of user NAME once
+    python -m tinker_local keys list [--root DIR]                  users, creation times, admin flags
+    python -m tinker_local keys revoke NAME [--root DIR]           delete NAME's key (next request: 401)
+
+A server on a non-loopback ``--host`` needs at least one key (``tinker_local.keys``); with keys,
+every caller must present one, loopback callers included.
 
 ``status``/``stop`` act on the server that flows start in embedded-local mode
 (``TinkerCredentials(local=True)``, recorded in ``<local_root>/server.json``).
@@ -60,6 +68,25 @@ def build_parser(prog: str = "python -m tinker_local") -> argparse.ArgumentParse
     s.add_argument("--jwt-auth", action="store_true",
                    help="exchange API keys for short-lived JWTs (client config pjwt_auth_enabled); "
                         "RestClient.whoami() needs it")
+    s.add_argument("--tls-cert", type=Path, default=None, metavar="PEM",
+                   help="serve HTTPS with this certificate (chain) file; needs --tls-key")
+    s.add_argument("--tls-key", type=Path, default=None, metavar="PEM", help="private key of --tls-cert")
+    s.add_argument("--max-models-per-user", type=int, default=None, metavar="N",
+                   help="live training models a user may hold (default: no limit; over it: 403)")
+    s.add_argument("--max-queued-per-user", type=int, default=None, metavar="N",
+                   help="requests a user may have queued or running (default: no limit; over it: 429)")
+    s.add_argument("--max-checkpoint-bytes-per-user", type=int, default=None, metavar="BYTES",
+                   help="checkpoint bytes a user may store; saves beyond it are refused (403)")
+    k = sub.add_parser("keys", help="API keys of a shared server (stored hashed in ROOT/server/api_keys.json)")
+    k.add_argument("--root", type=Path, default=None,
+                   help="the server's folder (default $PREFECT_TINKER_HOME or ~/.prefect-tinker)")
+    ksub = k.add_subparsers(dest="keys_command", required=True)
+    add = ksub.add_parser("add", help="create the key of user NAME and print it (shown only this once)")
+    add.add_argument("name")
+    add.add_argument("--admin", action="store_true", help="the key may read the audit log")
+    ksub.add_parser("list", help="list the users that hold keys (never the keys)")
+    rev = ksub.add_parser("revoke", help="delete the key of user NAME")
+    rev.add_argument("name")
     for name, text in (("status", "show the server recorded in ROOT/server.json (exit 1 when none runs)"),
                        ("stop", "stop the server recorded in ROOT/server.json (SIGTERM, SIGKILL after 5 s)")):
         p = sub.add_parser(name, help=text, description=text)
@@ -107,11 +134,37 @@ def status_or_stop(command: str, root: Path | None) -> int:
     return 0
 
 
+def keys_command(args: argparse.Namespace) -> int:
+    """``keys add|list|revoke``; 0 on success, 2 for a bad or duplicate name / unknown user."""
+    from .keys import KeyStore, KeyStoreError
+
+    root = (args.root.expanduser() if args.root else default_root()).resolve()
+    store = KeyStore(root)
+    try:
+        if args.keys_command == "add":
+            key = store.add(args.name, admin=args.admin)
+            print(key)
+            print(f"(key of user {args.name!r}{' (admin)' if args.admin else ''}, stored hashed in {store.path}; "
+                  "it is shown only now)", file=sys.stderr)
+        elif args.keys_command == "revoke":
+            store.revoke(args.name)
+            print(f"revoked the key of {args.name!r}")
+        else:
+            for e in store.entries():
+                print(f"{e.name}\tcreated {e.created}{chr(9) + 'admin' if e.admin else ''}")
+    except KeyStoreError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m tinker_local") -> int:
     """Parse ``argv`` (without the program name) and run the command; returns an exit code."""
     args = build_parser(prog).parse_args(argv)
     if args.command in ("status", "stop"):
         return status_or_stop(args.command, args.root)
+    if args.command == "keys":
+        return keys_command(args)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
@@ -121,8 +174,20 @@ def main(argv: list[str] | None = None, prog: str = "python -m tinker_local") ->
         if not 0 < args.port < 65536:
             print(f"error: --port must be in 1..65535, got {args.port}", file=sys.stderr)
             return 2
+        if (args.tls_cert is None) != (args.tls_key is None):
+            print("error: --tls-cert and --tls-key go together", file=sys.stderr)
+            return 2
+        for flag, f in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
+            if f is not None and not f.is_file():
+                print(f"error: {flag}: no such file {f}", file=sys.stderr)
+                return 2
+        for flag in ("max_models_per_user", "max_queued_per_user", "max_checkpoint_bytes_per_user"):
+            if getattr(args, flag) is not None and getattr(args, flag) < 1:
+                print(f"error: --{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}", file=sys.stderr)
+                return 2
         from .faults import FaultConfig
-        from .server import serve
+        from .server import InsecureBind, serve
+        from .tenancy import Limits
 
         try:
             env = FaultConfig.from_env()
@@ -131,9 +196,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m tinker_local") ->
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        serve(args.model, host=args.host, port=args.port, root=args.root or default_root(),
-              dtype=DTYPES[args.dtype], device=args.device, num_threads=args.threads,
-              log_level=args.log_level, faults=faults,
-              custom_loss_server_side=not args.client_side_custom_losses, jwt_auth=args.jwt_auth,
-              sampler_workers=args.sampler_workers)
+        try:
+            serve(args.model, host=args.host, port=args.port, root=args.root or default_root(),
+                  dtype=DTYPES[args.dtype], device=args.device, num_threads=args.threads,
+                  log_level=args.log_level, faults=faults,
+                  custom_loss_server_side=not args.client_side_custom_losses, jwt_auth=args.jwt_auth,
+                  sampler_workers=args.sampler_workers, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                  limits=Limits(args.max_models_per_user, args.max_queued_per_user,
+                                args.max_checkpoint_bytes_per_user))
+        except InsecureBind as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     return 0

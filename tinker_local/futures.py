@@ -7,6 +7,13 @@ has started; a seq_id that was already submitted returns the original request id
 next seq_id has not arrived after ``gap_timeout_s`` seconds while later ones wait, the lane
 skips ahead (logged) so a client that died mid-submission cannot stall a model forever.
 
+Fair share: every job belongs to the user whose request submitted it; when several users have
+runnable jobs, the compute thread serves them in turn (round-robin over user names), so one
+user's flood of sampling requests delays another user's training step by at most one job (or
+one batch), not by the whole flood.  While another user's jobs wait, a batch does not linger for
+more requests and takes at most ``FAIR_BATCH_JOBS`` jobs, so that one batch stays short.  One
+user's own jobs keep their arrival order.
+
 Batching: jobs submitted with a ``batch_key`` (sampling) wait in arrival order like any other;
 when the compute thread reaches one, it lingers while more such requests are still being
 received (``incoming``, counted by the HTTP layer) or keep arriving (gaps under the quiet
@@ -18,10 +25,10 @@ within that bound.  Which jobs share a batch depends on timing; what each job co
 not (the sampling engine draws each request's tokens from its own seeded generator).
 
 Side executors (``add_executor(name, threads)``): jobs submitted with ``executor=name`` wait in
-that executor's own FIFO and run on its threads instead of the compute thread (the sampler
-worker pool of ``tinker_local.sampler_pool`` uses one thread per worker process, so sampling
-overlaps training).  Batching works there as above; one thread of an executor lingers at a time,
-so concurrent requests still share a batch.  Without side executors (the default) everything
+that executor's own FIFO (users taking turns as on the compute thread) and run on its threads
+instead of the compute thread (the sampler worker pool of ``tinker_local.sampler_pool`` uses one
+thread per worker process, so sampling overlaps training).  Batching works there as above; one
+thread of an executor lingers at a time, so concurrent requests still share a batch.  Without side executors (the default) everything
 runs on the one compute thread.
 
 Results are ``Outcome``s: JSON dicts, protobuf bytes, or an error with category
@@ -44,12 +51,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .tenancy import LOCAL_USER, current_user
+
 logger = logging.getLogger("tinker_local.futures")
 
 # Completed futures are kept this long (seconds) so that re-polls after a network error work.
 RESULT_TTL_S = 1800.0
 RETRIEVED_TTL_S = 120.0
 MAX_BATCH_JOBS = 256
+FAIR_BATCH_JOBS = 8  # batch size bound while another user's jobs wait (fair share)
 
 
 class UserError(ValueError):
@@ -84,14 +94,17 @@ class Job:
     batch_fn: Callable[[list[Any]], list[Any]] | None = None
     max_linger_s: float | None = None  # batch head: longest wait for more jobs (s; None: no limit
     # beyond the store's batch_max_wait_s)
+    user: str = LOCAL_USER  # who submitted it (round-robin turns, per-user queue limits)
 
 
 class FutureRecord:
     """State of one request id; ``event`` fires (on the server loop) when it completes."""
 
-    def __init__(self, request_id: str, kind: str, loop: asyncio.AbstractEventLoop | None):
+    def __init__(self, request_id: str, kind: str, loop: asyncio.AbstractEventLoop | None,
+                 user: str = LOCAL_USER):
         self.request_id = request_id
         self.kind = kind
+        self.user = user  # only this user may poll it
         self.created = time.time()
         self.outcome: Outcome | None = None
         self.completed_at: float | None = None
@@ -145,6 +158,7 @@ class FutureStore:
         self._side: dict[str, deque[Job]] = {}  # side executor name -> its FIFO
         self._collecting: set[str] = set()  # side executors with a thread lingering for a batch
         self._side_n: dict[str, int] = {}  # side executor name -> threads
+        self._side_last: dict[str, str] = {}  # side executor name -> user it served last
         self._side_threads: list[threading.Thread] = []
         self._order = itertools.count()
         self._cv = threading.Condition()
@@ -152,6 +166,7 @@ class FutureStore:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.running: Job | None = None
+        self._last_user: str | None = None  # whose job the compute thread took last (round-robin)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None) -> None:
@@ -212,7 +227,8 @@ class FutureStore:
         with the other queued jobs of that key; ``max_linger_s`` (seconds) lowers the bound on how
         long it waits for them when it heads a batch (``batch_max_wait_s``).  ``executor``: the
         name of a side executor (``add_executor``) to run the job on instead of the compute thread
-        (not with ``model_id``/``seq_id``); KeyError for an undeclared name.
+        (not with ``model_id``/``seq_id``); KeyError for an undeclared name.  The job belongs to
+        the user of the request being handled (``tenancy.current_user``).
         """
         if executor is not None and executor not in self._side:
             raise KeyError(f"unknown executor {executor!r}")
@@ -225,11 +241,12 @@ class FutureStore:
                 return rid
             self._purge_locked()
             rid = uuid.uuid4().hex
-            self._records[rid] = FutureRecord(rid, kind, self._loop)
+            user = current_user()
+            self._records[rid] = FutureRecord(rid, kind, self._loop, user)
             if dedupe_key is not None:
                 self._dedupe[dedupe_key] = rid
             job = Job(rid, kind, fn, model_id, seq_id, next(self._order), batch_key=batch_key,
-                      payload=payload, batch_fn=batch_fn, max_linger_s=max_linger_s)
+                      payload=payload, batch_fn=batch_fn, max_linger_s=max_linger_s, user=user)
             if batch_key is not None:
                 self._last_batchable = time.monotonic()
             if executor is not None:
@@ -275,13 +292,21 @@ class FutureStore:
         """A request id whose future has already failed (for errors found at submission)."""
         with self._cv:
             rid = uuid.uuid4().hex
-            rec = self._records[rid] = FutureRecord(rid, kind, self._loop)
+            rec = self._records[rid] = FutureRecord(rid, kind, self._loop, current_user())
         rec.complete(Outcome(error=error, category=category))
         return rid
 
     def get(self, request_id: str) -> FutureRecord | None:
         with self._cv:
             return self._records.get(request_id)
+
+    def queued_by(self, user: str) -> int:
+        """Jobs of ``user`` waiting or running (the per-user queue limit counts these)."""
+        with self._cv:
+            jobs = list(self._fifo) + [j for lane in self._lanes.values() for j in lane.pending.values()]
+            jobs += [j for f in self._side.values() for j in f]
+            n = sum(1 for j in jobs if j.user == user)
+            return n + (1 if self.running is not None and self.running.user == user else 0)
 
     # -- compute thread --------------------------------------------------------------------------
     def _purge_locked(self) -> None:
@@ -296,13 +321,15 @@ class FutureStore:
             self._dedupe = {k: v for k, v in self._dedupe.items() if v not in gone}
 
     def _pick_locked(self) -> tuple[Job | None, float]:
-        """Next runnable job (lowest arrival order) and how long to wait if none."""
-        best: Job | None = None
-        best_lane: _Lane | None = None
+        """Next runnable job and how long to wait if none.  Users take turns (round-robin in
+        name order, starting after the user served last); within a user's turn the job that
+        arrived first runs (a model's ordered lane offers only its next seq_id)."""
+        heads: dict[str, tuple[Job, _Lane | None]] = {}  # user -> earliest runnable job
         wait = 3600.0
         now = time.monotonic()
-        if self._fifo:
-            best = self._fifo[0]
+        for job in self._fifo:
+            if job.user not in heads:
+                heads[job.user] = (job, None)
         for lane in self._lanes.values():
             if not lane.pending:
                 lane.blocked_since = None
@@ -320,15 +347,19 @@ class FutureStore:
                     wait = min(wait, self.gap_timeout_s - (now - lane.blocked_since))
                     continue
             lane.blocked_since = None
-            if best is None or job.order < best.order:
-                best, best_lane = job, lane
-        if best is None:
+            if job.user not in heads or job.order < heads[job.user][0].order:
+                heads[job.user] = (job, lane)
+        if not heads:
             return None, wait
+        users = sorted(heads)
+        later = [u for u in users if self._last_user is not None and u > self._last_user]
+        best, best_lane = heads[(later or users)[0]]
+        self._last_user = best.user
         if best_lane is not None:
             del best_lane.pending[best.seq_id]  # type: ignore[arg-type]
             best_lane.next_seq = best.seq_id + 1  # type: ignore[operator]
         else:
-            self._fifo.popleft()
+            del self._fifo[next(i for i, j in enumerate(self._fifo) if j is best)]
         return best, 0.0
 
     def _run(self) -> None:
@@ -361,7 +392,7 @@ class FutureStore:
                     self._cv.wait(timeout=0.5)
                 if self._stop:
                     return
-                job = fifo.popleft()
+                job = self._pop_fair_locked(fifo, name)
                 if job.batch_key is not None:
                     self._collecting.add(name)
                     try:
@@ -379,10 +410,23 @@ class FutureStore:
                 if rec is not None:
                     rec.complete(outcome)
 
+    def _pop_fair_locked(self, fifo: deque[Job], name: str) -> Job:
+        """The next job of side executor ``name``: the earliest of the user after the one it
+        served last (round-robin over user names, as on the compute thread)."""
+        users = sorted({j.user for j in fifo})
+        last = self._side_last.get(name)
+        user = ([u for u in users if last is not None and u > last] or users)[0]
+        i = next(k for k, j in enumerate(fifo) if j.user == user)
+        job = fifo[i]
+        del fifo[i]
+        self._side_last[name] = user
+        return job
+
     def _collect_batch_locked(self, first: Job, fifo: deque[Job] | None = None) -> list[Job]:
         """Linger while jobs of ``first.batch_key`` are being received or keep arriving (see the
         module docstring), then take them all from ``fifo`` (default: the compute thread's) in
-        FIFO order."""
+        FIFO order; while another user's jobs wait there, at once and at most ``FAIR_BATCH_JOBS``."""
+        fifo = self._fifo if fifo is None else fifo
         bound = self.batch_max_wait_s
         if first.max_linger_s is not None:
             bound = min(bound, max(0.0, first.max_linger_s))
@@ -391,15 +435,16 @@ class FutureStore:
         while not self._stop:
             now = time.monotonic()
             quiet = now - self._last_batchable
-            if (quiet >= window and not self._incoming) or now >= deadline:
+            if (quiet >= window and not self._incoming) or now >= deadline \
+                    or self._others_waiting_locked(first.user, fifo):
                 break
             # woken early by submit() and by incoming(-1)
             self._cv.wait(timeout=min(window - quiet if quiet < window else bound, deadline - now))
-        fifo = self._fifo if fifo is None else fifo
+        cap = FAIR_BATCH_JOBS if self._others_waiting_locked(first.user, fifo) else MAX_BATCH_JOBS
         jobs, rest = [first], deque()
         while fifo:
             j = fifo.popleft()
-            if j.batch_key == first.batch_key and len(jobs) < MAX_BATCH_JOBS:
+            if j.batch_key == first.batch_key and len(jobs) < cap:
                 jobs.append(j)
             else:
                 rest.append(j)
@@ -408,6 +453,14 @@ class FutureStore:
         self.stats["batched_jobs"] += len(jobs)
         self.stats["max_batch"] = max(self.stats["max_batch"], len(jobs))
         return jobs
+
+    def _others_waiting_locked(self, user: str, fifo: deque[Job]) -> bool:
+        """Whether a job of a user other than ``user`` waits in ``fifo`` (or, for the compute
+        thread's FIFO, in a model's lane)."""
+        if any(j.user != user for j in fifo):
+            return True
+        return fifo is self._fifo and any(j.user != user for lane in self._lanes.values()
+                                          for j in lane.pending.values())
 
     def _execute_batch(self, jobs: list[Job]) -> list[Outcome]:
         """Run ``jobs`` through their ``batch_fn``; per-job exceptions fail that job only."""

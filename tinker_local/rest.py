@@ -23,12 +23,12 @@ from typing import Any
 from . import protocol as P
 from .errors import HttpError
 from .registry import CheckpointRecord, RunRecord, dir_size, iso
+from .tenancy import current_user
 
 logger = logging.getLogger("tinker_local.rest")
 
 MIN_TTL_S = 3600  # the hosted service's bounds: 1 hour to 10 years
 MAX_TTL_S = int(10 * 365.25 * 86400)
-LOCAL_OWNER = "local"
 
 
 def check_ttl(ttl: Any, what: str) -> int | None:
@@ -52,8 +52,9 @@ class RestMixin:
     """Needs ``self.registry``, ``self.models``, ``self.root``, ``self.engine`` and ``self._expired``."""
 
     def capabilities(self) -> dict[str, Any]:
-        """The base models preloaded at start plus those of known runs, with their contexts."""
-        names = list(dict.fromkeys(self.models + [r.base_model for r in self.registry.runs.values()]))
+        """The base models preloaded at start plus those of the caller's runs, with their contexts."""
+        names = list(dict.fromkeys(self.models + [r.base_model for r in self.registry.runs.values()
+                                                  if self.tenancy.owns_model(r.model_id)]))
         out = []
         for m in names:
             entry: dict[str, Any] = {"model_name": m, "trainable": True, "sampleable": True}
@@ -78,21 +79,26 @@ class RestMixin:
             return run.project_id
         return (self.registry.sessions.get(run.session_id or "") or {}).get("project_id")
 
+    def run_to_rest(self, run: RunRecord) -> dict[str, Any]:
+        """``TrainingRun`` of ``run``, its ``model_owner`` the user who created it."""
+        return {**self.registry.run_to_rest(run), "model_owner": self.tenancy.model_owner(run.model_id)}
+
     def training_runs(self, limit: int, offset: int, project_id: str | None = None) -> dict[str, Any]:
-        runs = sorted(self.registry.runs.values(), key=lambda r: r.created, reverse=True)
+        runs = sorted((r for r in self.registry.runs.values() if self.tenancy.owns_model(r.model_id)),
+                      key=lambda r: r.created, reverse=True)
         if project_id is not None:
             runs = [r for r in runs if self.project_of(r) == project_id]
         self.sweep_expired()
         page = runs[offset: offset + limit]
-        return {"training_runs": [self.registry.run_to_rest(r) for r in page],
+        return {"training_runs": [self.run_to_rest(r) for r in page],
                 "cursor": {"offset": offset, "limit": limit, "total_count": len(runs)}}
 
     def training_run(self, model_id: str) -> dict[str, Any]:
         run = self.registry.runs.get(model_id)
-        if run is None:
+        if run is None or not self.tenancy.owns_model(model_id):
             raise HttpError(404, f"unknown training run {model_id!r}")
         self.sweep_expired()
-        return self.registry.run_to_rest(run)
+        return self.run_to_rest(run)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def sweep_expired(self) -> int:
@@ -105,10 +111,10 @@ class RestMixin:
         return len(gone)
 
     def checkpoints(self, model_id: str | None, limit: int | None = None, offset: int = 0) -> dict[str, Any]:
-        if model_id is not None and model_id not in self.registry.runs:
+        if model_id is not None and (model_id not in self.registry.runs or not self.tenancy.owns_model(model_id)):
             raise HttpError(404, f"unknown training run {model_id!r}")
         self.sweep_expired()
-        cks = self.registry.checkpoints_of(model_id)
+        cks = [c for c in self.registry.checkpoints_of(model_id) if self.tenancy.owns_model(c.model_id)]
         if model_id is None:
             cks = cks[::-1]  # list_user_checkpoints: newest first
         page = cks[offset: offset + limit] if limit is not None else cks
@@ -124,6 +130,8 @@ class RestMixin:
             raise HttpError(422, str(e)) from e
         self.sweep_expired()
         ck = self.registry.checkpoints.get(uri)
+        if ck is not None and not self.tenancy.may_read(ck):  # another user's: as if unknown
+            ck = None
         if ck is None:
             if uri in self._expired:
                 raise HttpError(status, f"checkpoint {uri!r} expired at {iso(self._expired[uri])} "
@@ -150,7 +158,7 @@ class RestMixin:
         return {}
 
     def set_published(self, model_id: str, checkpoint_id: str, public: bool) -> dict[str, Any]:
-        """Set the publish flag (single-user server: it is stored and listed, and grants nothing)."""
+        """Set the publish flag: a published checkpoint may be loaded and sampled by every user."""
         ck = self._checkpoint_of(model_id, checkpoint_id)
         if ck.public != public:
             self.registry.update_checkpoint(ck.uri, public=public)
@@ -186,7 +194,7 @@ class RestMixin:
         if session_id is not None:
             if body.get("model_seq_id") is None:
                 raise HttpError(400, f"{ep}: 'model_seq_id' is required with 'session_id'")
-            if session_id not in self.registry.sessions:
+            if session_id not in self.registry.sessions or not self.tenancy.owns_session(session_id):
                 raise HttpError(404, f"{ep}: unknown session {session_id!r}")
             project = self.registry.sessions[session_id].get("project_id")
             model_id = f"{session_id}:train:{int(body['model_seq_id'])}"
@@ -195,7 +203,8 @@ class RestMixin:
         elif project:
             session_id = f"copy-{uuid.uuid4().hex[:12]}"
             self.registry.add_session(session_id, {"tags": ["copy_weights"], "project_id": str(project),
-                                                   "display_name": f"copy of {src.uri}"})
+                                                   "display_name": f"copy of {src.uri}",
+                                                   "owner": current_user()})
             self.registry.finish_session(session_id, "success")
             model_id = f"{session_id}:train:0"
         else:
@@ -219,11 +228,14 @@ class RestMixin:
         return out
 
     def storage_usage(self, project_id: str | None) -> dict[str, Any]:
-        """Bytes and count of the live checkpoints, by project (``CurrentCheckpointStorageUsageResponse``;
-        no rate or cost: tinker_local bills nothing)."""
+        """Bytes and count of the caller's live checkpoints, by project
+        (``CurrentCheckpointStorageUsageResponse``; no rate or cost: tinker_local bills nothing)."""
         self.sweep_expired()
+        user = current_user()
         groups: dict[Any, list[CheckpointRecord]] = {}
         for ck in self.registry.checkpoints_of(None):
+            if not self.tenancy.owns_model(ck.model_id):
+                continue
             run = self.registry.runs.get(ck.model_id)
             proj = self.project_of(run) if run is not None else None
             if project_id is None or proj == project_id:
@@ -231,8 +243,8 @@ class RestMixin:
         data = []
         for proj, cks in groups.items():
             size = sum(c.size_bytes or 0 for c in cks)
-            data.append({"project_id": proj, "org_user_urn": f"tml:org_user:{LOCAL_OWNER}",
-                         "user_name": LOCAL_OWNER, "checkpoint_count": len(cks), "size_bytes": size,
+            data.append({"project_id": proj, "org_user_urn": f"tml:org_user:{user}",
+                         "user_name": user, "checkpoint_count": len(cks), "size_bytes": size,
                          "size_gigabytes": size / 1e9, "estimated_monthly_cost_usd": None})
         return {"effective_rate_usd_per_gigabyte_month": None, "data": data}
 

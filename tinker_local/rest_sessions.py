@@ -1,10 +1,10 @@
 """Session endpoints of the local Tinker server (a mixin of ``LocalService``): list, get, search
 (``SessionSearchRequest``), project assignment, the session trace export, and the refusals of
-hosted-account features (billing usage events, audit logs).
+hosted-account features (billing usage events).
 
-tinker_local has one user: every session is owned by ``LOCAL_OWNER_URN``, and a project is a
-label (``ServiceClient(project_id=...)``, ``assign_session_project``, ``copy_weights``) used to
-filter runs, sessions and storage usage.
+A session belongs to the user who created it (``tinker_local.tenancy``): another user's session
+is answered as unknown and never listed.  A project is a label (``ServiceClient(project_id=...)``,
+``assign_session_project``, ``copy_weights``) used to filter runs, sessions and storage usage.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 
 from .errors import HttpError
 from .registry import iso
+from .tenancy import current_user
 
-LOCAL_OWNER_URN = "tml:user:local"
 DEFAULT_PROJECT = "default"
 ACTIVE_HEARTBEAT_S = 60.0  # a session that heartbeated this recently is "active"
 _SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,199}$")
@@ -27,17 +27,16 @@ _SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,199}$")
 # hosted-account features: answered 403 with a message naming the feature
 ACCOUNT_FEATURES = {
     "billing/usage/events": "billing usage (AdminClient/RestClient.get_billing_usage)",
-    "audit": "the organization audit log (AdminClient/RestClient.get_audit_log)",
 }
 
 
 class SessionsMixin:
-    """Needs ``self.registry``, ``self.tracer``, ``self.signer``, ``self.root`` and
-    ``self.project_of``."""
+    """Needs ``self.registry``, ``self.tracer``, ``self.signer``, ``self.root``, ``self.tenancy``
+    and ``self.project_of``."""
 
     def _session(self, session_id: str) -> dict[str, Any]:
         s = self.registry.sessions.get(session_id)
-        if s is None:
+        if s is None or not self.tenancy.owns_session(session_id):
             raise HttpError(404, f"unknown session {session_id!r}")
         return s
 
@@ -46,7 +45,8 @@ class SessionsMixin:
         return {"sessions": [sid for sid, _ in self._sessions_newest_first()][offset: offset + limit]}
 
     def _sessions_newest_first(self) -> list[tuple[str, dict[str, Any]]]:
-        return sorted(self.registry.sessions.items(), key=lambda kv: (kv[1].get("created") or 0, kv[0]),
+        return sorted(((sid, s) for sid, s in self.registry.sessions.items() if self.tenancy.owns_session(sid)),
+                      key=lambda kv: (kv[1].get("created") or 0, kv[0]),
                       reverse=True)
 
     def get_session(self, session_id: str) -> dict[str, Any]:
@@ -79,7 +79,8 @@ class SessionsMixin:
     def _summary(self, sid: str, s: dict[str, Any]) -> dict[str, Any]:
         run_ids = {r.model_id for r in self.registry.runs.values() if r.session_id == sid}
         cks = [c for c in self.registry.checkpoints.values() if c.model_id in run_ids]
-        return {"session_id": sid, "created_at": iso(s.get("created") or 0), "owner": LOCAL_OWNER_URN,
+        return {"session_id": sid, "created_at": iso(s.get("created") or 0),
+                "owner": f"tml:user:{self.tenancy.session_owner(sid)}",
                 "project_id": s.get("project_id") or DEFAULT_PROJECT, "status": self._status(s),
                 "checkpoints_count": len(cks), "display_name": s.get("display_name"),
                 "user_metadata": _str_dict(s.get("user_metadata")),
@@ -92,7 +93,7 @@ class SessionsMixin:
         if not isinstance(limit, int) or not 1 <= limit <= 200:
             raise HttpError(400, f"search_sessions: limit must be 1..200, got {limit!r}")
         owner = body.get("owner") or {"type": "own"}
-        if owner.get("type") == "user" and LOCAL_OWNER_URN not in (owner.get("owner_urns") or []):
+        if owner.get("type") == "user" and f"tml:user:{current_user()}" not in (owner.get("owner_urns") or []):
             return {"sessions": [], "next_cursor": None}
         cursor = body.get("cursor")
         after = None
@@ -165,8 +166,8 @@ class SessionsMixin:
 def account_feature(route: str) -> HttpError:
     """The refusal of a hosted-account feature (HTTP 403 naming it)."""
     what = ACCOUNT_FEATURES[route]
-    return HttpError(403, f"{what} is a feature of hosted Tinker accounts; tinker_local, a local "
-                          "single-user server, has no billing, organizations or audit trail")
+    return HttpError(403, f"{what} is a feature of hosted Tinker accounts; tinker_local "
+                          "has no billing or organizations")
 
 
 def _status_matches(status: dict[str, Any] | None, want: dict[str, Any]) -> bool:

@@ -2,7 +2,10 @@
 
 Point the unmodified SDK at it with ``tinker.ServiceClient(base_url="http://127.0.0.1:PORT",
 api_key="tml-local")``. Every route lives under ``/api/v1``; every route except
-``GET /api/v1/healthz`` needs an ``X-API-Key`` header starting with ``tml-`` (401 otherwise).
+``GET /api/v1/healthz`` needs an ``X-API-Key`` header: one of the server's keys
+(``prefect-tinker local keys add NAME``; 401 for an unknown or revoked one), or, while the server
+has no keys, any key starting with ``tml-`` from a loopback caller (others: 403).  Each key's user
+sees only what its requests made (``tinker_local.tenancy``).
 See tinker_local/PROTOCOL.md for the protocol facts this relies on.
 """
 
@@ -21,8 +24,10 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 
 from .auth import InvalidToken, JwtIssuer, is_api_key, looks_like_jwt
 from .faults import FaultConfig, FaultInjector, FaultState
+from .keys import KeyStore
 from .rest_sessions import account_feature
 from .service import HttpError, LocalService
+from .tenancy import CURRENT, LOCAL_PRINCIPAL, Limits, Principal, is_loopback
 
 logger = logging.getLogger("tinker_local.server")
 
@@ -49,7 +54,7 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
                datum_cls: type | None = None, faults: FaultConfig | None = None,
                batch_quiet_s: float = 0.02, batch_max_wait_s: float = 0.1,
                custom_loss_server_side: bool = True, url_ttl_s: float = 3600.0,
-               jwt_auth: bool = False, sampler_pool: Any = None) -> FastAPI:
+               jwt_auth: bool = False, sampler_pool: Any = None, limits: Limits | None = None) -> FastAPI:
     """Build the FastAPI app speaking the tinker 0.38 protocol in front of ``engine``.
 
     Args:
@@ -73,6 +78,8 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
         sampler_pool: a ``tinker_local.sampler_pool.SamplerPool`` serving all sampling in worker
             processes while the engine trains (None: the engine samples in turn with training);
             the app closes it at shutdown.
+        limits: per-user limits (``tinker_local.tenancy.Limits``; None: none).  The API keys are
+            read from ``root/server/api_keys.json`` (``tinker_local.keys``) on every change.
     Raises:
         ValueError: when no root is given and the engine has none.
     """
@@ -82,6 +89,8 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
     svc = LocalService(engine, Path(root), models=models, gap_timeout_s=gap_timeout_s,
                        datum_cls=datum_cls, url_ttl_s=url_ttl_s)
     svc.custom_loss_server_side = custom_loss_server_side
+    svc.tenancy.limits = limits or Limits()
+    keys = KeyStore(root)
     svc.jwt = JwtIssuer(svc.signer._secret, clock=lambda: svc.clock()) if jwt_auth else None
     svc.store.batch_quiet_s, svc.store.batch_max_wait_s = batch_quiet_s, batch_max_wait_s
     if sampler_pool is not None:
@@ -104,7 +113,8 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
     app.state.service = svc
     app.state.faults = fault_state
 
-    app.add_middleware(_AuthCountLog, service=svc)
+    app.add_middleware(_AuthCountLog, service=svc, keys=keys)
+    ten = svc.tenancy
 
     @app.exception_handler(HttpError)
     async def http_error(_request: Request, exc: HttpError):
@@ -135,7 +145,7 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
             raise HttpError(404, "JWT auth is off on this server (serve --jwt-auth turns it on)")
         if not is_api_key(request.headers.get("x-api-key", "")):
             raise HttpError(401, "auth/token: exchange an API key starting with 'tml-'")
-        return {"jwt": svc.jwt.mint()}
+        return {"jwt": svc.jwt.mint(CURRENT.get().name)}
 
     @route("POST", "/telemetry")
     async def telemetry(request: Request):
@@ -143,14 +153,21 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
 
     @route("POST", "/create_session")
     async def create_session(request: Request):
-        return svc.create_session(await _json_body(request))
+        out = svc.create_session(await _json_body(request))
+        ten.audit("session_create", session_id=out["session_id"])
+        return out
 
     @route("POST", "/session_heartbeat")
     async def session_heartbeat(request: Request):
-        return svc.heartbeat(await _json_body(request))
+        body = await _json_body(request)
+        if not ten.may_use_session(str(body.get("session_id"))):
+            raise HttpError(404, f"session_heartbeat: unknown session {body.get('session_id')!r}")
+        return svc.heartbeat(body)
 
     @route("POST", "/sessions/{session_id}/finish")
     async def finish_session(session_id: str, request: Request):
+        if not ten.may_use_session(session_id):
+            raise HttpError(404, f"unknown session {session_id!r}")
         return svc.finish_session(session_id, await _json_body(request))
 
     @route("GET", "/get_server_capabilities")
@@ -185,17 +202,25 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
 
     @route("GET", "/sessions/{session_id}/trace_export")
     async def trace_export(session_id: str, request: Request):
-        return await asyncio.to_thread(svc.trace_export, session_id, str(request.base_url))
+        out = await asyncio.to_thread(svc.trace_export, session_id, str(request.base_url))
+        ten.audit("trace_download", session_id=session_id)
+        return out
 
     # -- training ---------------------------------------------------------------------------------
     @route("POST", "/create_model")
     async def create_model(request: Request):
-        return svc.create_model(await _json_body(request))
+        body = await _json_body(request)
+        ten.guard("create_model", body)
+        out = svc.create_model(body)
+        ten.audit("model_create", model_id=out["model_id"], base_model=body.get("base_model"))
+        return out
 
     @route("POST", "/get_info")
     async def get_info(request: Request):
+        body = await _json_body(request)
+        ten.guard("get_info", body)
         # off the loop: the engine lock may be held by a long job on the compute thread
-        return await asyncio.to_thread(svc.get_info, await _json_body(request))
+        return await asyncio.to_thread(svc.get_info, body)
 
     async def _fwd(request: Request, forward_only: bool):
         raw = await request.body()
@@ -212,10 +237,12 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
     for name in ("optim_step", "save_weights", "save_weights_for_sampler", "load_weights",
                  "create_sampling_session", "join_sampling_session", "asample", "weights_info",
                  "save_weights_external", "create_custom_loss"):
-        _add_json_route(app, name, getattr(svc, name))
+        _add_json_route(app, name, getattr(svc, name), ten)
 
     @route("GET", "/samplers/{sampler_id}")
     async def get_sampler(sampler_id: str):
+        if not ten.owns_sampler(sampler_id):
+            raise HttpError(404, f"unknown sampling session {sampler_id!r}")
         return await asyncio.to_thread(svc.get_sampler, sampler_id)
 
     @route("POST", "/retrieve_future")
@@ -223,7 +250,7 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
         body = await _json_body(request)
         rid = str(body.get("request_id", ""))
         rec = svc.store.get(rid)
-        if rec is None:
+        if rec is None or not ten.may_poll(rec):  # another user's future: as if unknown
             return JSONResponse({"detail": f"unknown or expired request_id {rid!r}"}, status_code=410)
         if rec.outcome is None and rec.event is not None:
             with contextlib.suppress(asyncio.TimeoutError):
@@ -259,24 +286,37 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
     # the routes ending in /ttl, /publish, /external_weights_urls come before the generic DELETE
     @route("PUT", "/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/ttl")
     async def checkpoint_ttl(model_id: str, checkpoint_id: str, request: Request):
+        _owner_only(svc, model_id, checkpoint_id)
         return svc.set_checkpoint_ttl(model_id, checkpoint_id, await _json_body(request))
 
     @route("POST", "/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish")
     async def publish_checkpoint(model_id: str, checkpoint_id: str):
-        return svc.set_published(model_id, checkpoint_id, True)
+        _owner_only(svc, model_id, checkpoint_id)
+        out = svc.set_published(model_id, checkpoint_id, True)
+        ten.audit("checkpoint_publish", model_id=model_id, tinker_path=f"tinker://{model_id}/{checkpoint_id}")
+        return out
 
     @route("DELETE", "/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish")
     async def unpublish_checkpoint(model_id: str, checkpoint_id: str):
-        return svc.set_published(model_id, checkpoint_id, False)
+        _owner_only(svc, model_id, checkpoint_id)
+        out = svc.set_published(model_id, checkpoint_id, False)
+        ten.audit("checkpoint_unpublish", model_id=model_id, tinker_path=f"tinker://{model_id}/{checkpoint_id}")
+        return out
 
     @route("GET", "/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
     async def external_weights_urls(model_id: str, checkpoint_id: str, request: Request):
-        return await asyncio.to_thread(svc.external_weights_urls, model_id, checkpoint_id,
-                                       str(request.base_url))
+        _owner_only(svc, model_id, checkpoint_id)
+        out = await asyncio.to_thread(svc.external_weights_urls, model_id, checkpoint_id,
+                                      str(request.base_url))
+        ten.audit("checkpoint_download", model_id=model_id, tinker_path=f"tinker://{model_id}/{checkpoint_id}")
+        return out
 
     @route("DELETE", "/training_runs/{model_id}/checkpoints/{checkpoint_id:path}")
     async def delete_checkpoint(model_id: str, checkpoint_id: str):
-        return svc.delete_checkpoint(model_id, checkpoint_id)
+        _owner_only(svc, model_id, checkpoint_id)
+        out = svc.delete_checkpoint(model_id, checkpoint_id)
+        ten.audit("checkpoint_delete", model_id=model_id, tinker_path=f"tinker://{model_id}/{checkpoint_id}")
+        return out
 
     @route("GET", "/checkpoints")
     async def all_checkpoints(limit: int = 100, offset: int = 0):
@@ -285,7 +325,9 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
     @route("POST", "/copy_weights")
     async def copy_weights(request: Request):
         body = await _json_body(request)
-        return await asyncio.to_thread(svc.copy_weights, body, request.headers.get("x-idempotency-key"))
+        out = await asyncio.to_thread(svc.copy_weights, body, request.headers.get("x-idempotency-key"))
+        ten.audit("checkpoint_copy", source_path=body.get("source_path"), tinker_path=out.get("tinker_path"))
+        return out
 
     @route("GET", "/billing/usage/checkpoints/current")
     async def checkpoint_storage_usage(project_id: str | None = None):
@@ -296,14 +338,15 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
         raise account_feature("billing/usage/events")
 
     @route("GET", "/audit")
-    async def audit_log():
-        raise account_feature("audit")
+    async def audit_log(event_type: str = "all", day: str | None = None):
+        return await asyncio.to_thread(ten.audit_log, event_type, day)
 
     # -- signed downloads (no API key: the URL's signature is the credential) --------------------
     @app.get("/downloads/external/{model_id}/{name}/{file:path}")
     async def download_external(model_id: str, name: str, file: str, expires: str | None = None,
                                 sig: str | None = None):
-        path = await asyncio.to_thread(svc.external_download, model_id, name, file, expires, sig)
+        with ten.acting_for_owner(model_id):
+            path = await asyncio.to_thread(svc.external_download, model_id, name, file, expires, sig)
         return FileResponse(path, filename=Path(file).name)
 
     @app.get("/downloads/trace/{session_id}/{file}")
@@ -315,6 +358,19 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
     if fault_state.config.active:  # outermost: faults hit every route, auth included
         app.add_middleware(FaultInjector, state=fault_state)
     return app
+
+
+def _owner_only(svc: LocalService, model_id: str, checkpoint_id: str) -> None:
+    """Changes to a checkpoint (TTL, publish flag, downloads, deletion) are its owner's: another
+    user gets 404 as for an unknown one, or 403 for a checkpoint published to all."""
+    if svc.tenancy.owns_model(model_id):
+        return
+    uri = f"tinker://{model_id}/{checkpoint_id}"
+    ck = svc.registry.checkpoints.get(uri)
+    if ck is None or not ck.public:
+        raise HttpError(404, f"unknown checkpoint {uri!r}: not saved on this server, or deleted")
+    raise HttpError(403, f"tinker://{model_id}/{checkpoint_id} is published by another user: "
+                         "you may load and sample it, only its owner may change or delete it")
 
 
 async def _sweep_forever(svc: LocalService) -> None:
@@ -329,33 +385,60 @@ async def _sweep_forever(svc: LocalService) -> None:
 
 class _AuthCountLog:
     """Pure ASGI middleware (a ``BaseHTTPMiddleware`` costs several ms per request on a busy
-    loop): ``X-API-Key`` check (401 unless it starts with ``tml-``; not for healthz), per-route
-    request counts, the access log (debug level for polls), and the count of ``asample``
-    requests being received (the sampling batcher waits for them)."""
+    loop): authentication (not for healthz; see ``authenticate``) setting ``tenancy.CURRENT``
+    for the request, per-route request counts, the access log (debug level for polls; never a
+    key), and the count of ``asample`` requests being received (the sampling batcher waits for
+    them)."""
 
-    def __init__(self, app, service: LocalService):
+    def __init__(self, app, service: LocalService, keys: KeyStore):
         self.app = app
         self.svc = service
+        self.keys = keys
+
+    def authenticate(self, scope) -> Principal | JSONResponse:
+        """The caller of ``scope``, or the refusal to answer: 401 for a missing, unknown or revoked
+        key (or an invalid JWT), 403 for a non-loopback caller of a server without keys."""
+        key = dict(scope["headers"]).get(b"x-api-key", b"").decode("latin-1")
+        user = None
+        if self.svc.jwt is not None and looks_like_jwt(key):
+            try:
+                user = self.svc.jwt.user_of(key)
+            except InvalidToken as e:
+                return JSONResponse({"detail": str(e)}, status_code=401,
+                                    headers={"WWW-Authenticate": 'Bearer error="invalid_token"'})
+        if self.keys.any():
+            if user is not None:  # a JWT: its user must still hold a key
+                entry = next((e for e in self.keys.entries() if e.name == user), None)
+            else:
+                entry = self.keys.lookup(key)
+            if entry is None:
+                return JSONResponse({"detail": "unknown or revoked API key (X-API-Key); ask the server's "
+                                               "admin for one: prefect-tinker local keys add NAME"},
+                                    status_code=401, headers={"WWW-Authenticate": 'Bearer error="invalid_token"'}
+                                    if user is not None else None)
+            return Principal(entry.name, admin=entry.admin)
+        client = scope.get("client")
+        if client is not None and not is_loopback(client[0]):
+            return JSONResponse({"detail": "this server has no API keys and answers loopback callers "
+                                           "only; its admin adds one with: prefect-tinker local keys add NAME"},
+                                status_code=403)
+        if user is None and not is_api_key(key):
+            return JSONResponse({"detail": "X-API-Key header must hold an API key starting with 'tml-'"},
+                                status_code=401)
+        return LOCAL_PRINCIPAL
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path, t0 = scope["path"], time.monotonic()
+        token = None
         if path.startswith(API) and path != f"{API}/healthz":
-            key = dict(scope["headers"]).get(b"x-api-key", b"").decode("latin-1")
-            if self.svc.jwt is not None and looks_like_jwt(key):
-                try:
-                    self.svc.jwt.verify(key)
-                    key = "tml-jwt"
-                except InvalidToken as e:
-                    logger.info("%s %s -> 401 (%s)", scope["method"], path, e)
-                    return await JSONResponse({"detail": str(e)}, status_code=401,
-                                              headers={"WWW-Authenticate": 'Bearer error="invalid_token"'})(
-                        scope, receive, send)
-            if not is_api_key(key):
-                logger.info("%s %s -> 401 (missing or malformed X-API-Key)", scope["method"], path)
-                return await JSONResponse({"detail": "X-API-Key header must hold an API key "
-                                                     "starting with 'tml-'"}, status_code=401)(scope, receive, send)
+            who = self.authenticate(scope)
+            if isinstance(who, JSONResponse):
+                logger.info("%s %s -> %d (%s)", scope["method"], path, who.status_code,
+                            json.loads(who.body)["detail"])
+                return await who(scope, receive, send)
+            token = CURRENT.set(who)
         status = [500]
 
         async def send_status(message):
@@ -374,13 +457,33 @@ class _AuthCountLog:
             key = getattr(scope.get("route"), "path", None) or "(no route)"  # bounded key set
             self.svc.request_counts[key] = self.svc.request_counts.get(key, 0) + 1
             quiet = path.endswith(_QUIET) and status[0] in (200, 408)
-            logger.log(logging.DEBUG if quiet else logging.INFO, "%s %s -> %d (%.1f ms)", scope["method"],
-                       path, status[0], (time.monotonic() - t0) * 1000)
+            logger.log(logging.DEBUG if quiet else logging.INFO, "%s %s -> %d (%.1f ms) %s", scope["method"],
+                       path, status[0], (time.monotonic() - t0) * 1000, CURRENT.get().name)
+            if token is not None:
+                CURRENT.reset(token)
 
 
-def _add_json_route(app: FastAPI, name: str, handler: Any) -> None:
+# audit events of the JSON routes: route -> event (``tinker_local.tenancy`` audit log)
+_AUDITED = {"save_weights": "checkpoint_save", "save_weights_for_sampler": "checkpoint_save",
+            "save_weights_external": "checkpoint_save", "load_weights": "checkpoint_load",
+            "create_sampling_session": "checkpoint_load"}
+
+
+def _add_json_route(app: FastAPI, name: str, handler: Any, tenancy: Any) -> None:
     async def endpoint(request: Request):
-        return handler(await _json_body(request))
+        body = await _json_body(request)
+        refused = tenancy.guard(name, body)
+        if refused is not None:
+            return refused
+        out = handler(body)
+        event = _AUDITED.get(name)
+        path = body.get("model_path") if name == "create_sampling_session" else body.get("path")
+        if event is not None and (name != "create_sampling_session" or path):
+            tenancy.audit(event, model_id=out.get("model_id") or body.get("model_id"),
+                          tinker_path=path if event == "checkpoint_load" else None,
+                          name=path if event == "checkpoint_save" else None,
+                          purpose="sampling" if name == "create_sampling_session" else None)
+        return out
 
     endpoint.__name__ = name
     app.add_api_route(f"{API}/{name}", endpoint, methods=["POST"])
@@ -390,7 +493,8 @@ def serve(model: list[str], host: str = "127.0.0.1", port: int = 8000, root: Pat
           *, dtype: str = "auto", device: str | None = None, num_threads: int | None = None,
           log_level: str = "info", faults: FaultConfig | None = None,
           custom_loss_server_side: bool = True, jwt_auth: bool = False,
-          sampler_workers: int = 0) -> None:
+          sampler_workers: int = 0, tls_cert: Path | str | None = None, tls_key: Path | str | None = None,
+          limits: Limits | None = None) -> None:
     """Build an Engine under ``root``, preload ``model`` names, and serve until interrupted.
 
     ``sampler_workers`` N > 0: sampling runs in N worker processes next to the trainer
@@ -401,7 +505,11 @@ def serve(model: list[str], host: str = "127.0.0.1", port: int = 8000, root: Pat
     Blocking. Models named later in ``create_model`` calls are loaded lazily by the engine.
     ``faults``: fault injection for reliability tests (default: from the environment,
     ``TINKER_LOCAL_FAIL_EVERY`` / ``TINKER_LOCAL_DROP_EVERY``).
-    Raises whatever the engine raises for an unknown model name (before binding the port).
+    ``tls_cert``/``tls_key``: PEM files; the server then speaks HTTPS (uvicorn's ``ssl_certfile`` /
+    ``ssl_keyfile``).  ``limits``: per-user limits (``tinker_local.tenancy.Limits``).
+    Raises whatever the engine raises for an unknown model name (before binding the port);
+    ``InsecureBind`` before loading anything when ``host`` is not a loopback address and the
+    server has no API keys.
     """
     import uvicorn
 
@@ -411,6 +519,7 @@ def serve(model: list[str], host: str = "127.0.0.1", port: int = 8000, root: Pat
     keep_freed_memory()  # no page faults on every step's activations (see its docstring)
     root = Path(root).expanduser().resolve()
     root.mkdir(parents=True, exist_ok=True)
+    check_bind(host, root)
     pool = None
     if sampler_workers > 0:
         from .compute import available_cpus
@@ -442,7 +551,22 @@ def serve(model: list[str], host: str = "127.0.0.1", port: int = 8000, root: Pat
                        faults.fail_every, faults.drop_every)
     app = create_app(engine, root, models=list(model), faults=faults,
                      custom_loss_server_side=custom_loss_server_side, jwt_auth=jwt_auth,
-                     sampler_pool=pool)
-    logger.info("tinker_local serving %s on http://%s:%d (root %s)", ", ".join(model) or "-",
-                host, port, root)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
+                     sampler_pool=pool, limits=limits)
+    scheme = "https" if tls_cert else "http"
+    logger.info("tinker_local serving %s on %s://%s:%d (root %s, %d API key(s))", ", ".join(model) or "-",
+                scheme, host, port, root, len(KeyStore(root).entries()))
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False,
+                ssl_certfile=str(tls_cert) if tls_cert else None, ssl_keyfile=str(tls_key) if tls_key else None)
+
+
+class InsecureBind(RuntimeError):
+    """``serve`` on a non-loopback address of a server without API keys."""
+
+
+def check_bind(host: str, root: Path) -> None:
+    """Raise ``InsecureBind`` (one line saying how to add a key) when ``host`` is not a loopback
+    address and ``root`` holds no API keys: anyone reaching the port could use the server."""
+    if not is_loopback(host) and not KeyStore(root).any():
+        raise InsecureBind(f"refusing to serve on {host}: the server in {root} has no API keys, so anyone "
+                           f"who can reach it could use it; add one first: prefect-tinker local keys add NAME "
+                           f"--root {root}")

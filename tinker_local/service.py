@@ -28,6 +28,7 @@ from .service_export import ExportMixin
 from .service_losses import CustomLossMixin
 from .service_sampling import SamplingServiceMixin
 from .signing import DEFAULT_URL_TTL_S, UrlSigner, load_secret
+from .tenancy import Tenancy, current_user
 from .trace import Tracer, session_of
 
 __all__ = ["LocalService", "HttpError"]
@@ -88,6 +89,7 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
         self._copies: dict[str, dict[str, Any]] = {}  # copy_weights idempotency key -> answer
         self._losses: dict[str, Any] = {}  # loss_id -> custom_loss.CompiledLoss
         self.jwt: Any = None  # auth.JwtIssuer when JWT auth is on (create_app(jwt_auth=True))
+        self.tenancy = Tenancy(self.registry, self.store, self.root)  # owners, limits, audit log
 
     save_weights_external = _burns_seq(ExportMixin.save_weights_external)
 
@@ -118,7 +120,8 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
                                         "sdk_version": body.get("sdk_version"),
                                         "user_metadata": P.as_str_dict(body.get("user_metadata")),
                                         "project_id": body.get("project_id"),
-                                        "display_name": body.get("display_name")})
+                                        "display_name": body.get("display_name"),
+                                        "owner": current_user()})
         self.tracer.instant(sid, "create_session", sdk_version=body.get("sdk_version"))
         logger.info("session %s created (sdk %s)", sid, body.get("sdk_version"))
         return {"type": "create_session", "session_id": sid}
@@ -215,10 +218,11 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
         model_id, seq = msg.model_id, int(msg.seq_id)
         forward_only = forward_only or msg.forward_only
         kind = "forward" if forward_only else "forward_backward"
-        if model_id not in self.registry.runs:
+        if model_id not in self.registry.runs or not self.tenancy.owns_model(model_id):
             return {"request_id": self.store.fail_now(kind, f"unknown model_id {model_id!r}"),
                     "model_id": model_id}
         self.check_provenance(msg, model_id, self.session_of_model(model_id))  # service_stability: 400s
+        self.tenancy.check_queue()
 
         def work() -> bytes:
             self._run(model_id)
