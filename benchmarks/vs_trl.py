@@ -24,6 +24,9 @@ token ids:
   (importance_sampling) + ``optim_step``; TRL: ``GRPOTrainer`` (``beta=0``, batch = prompts x
   group, one generation per step, its generation through ``transformers`` ``generate``).
 
+TRL's configs default to gradient checkpointing; it is off here (``--trl-gradient-checkpointing``
+turns it on), since the server keeps activations too and memory is not the constraint.
+
 Runs alternate (``--repeats`` rounds of ``--steps`` steps per side, server first), so that load
 drift hits both.  Step times: the server's from submit to the optimizer's result; TRL's from a
 callback's ``on_step_begin`` to ``on_step_end`` (each ``train()`` call's first step, which builds
@@ -271,15 +274,17 @@ def trl_model(model_dir: Path, rank: int):
     return peft.get_peft_model(model, cfg)
 
 
-def _common_args(work: Path, steps: int, batch: int) -> dict:
+def _common_args(work: Path, steps: int, batch: int, checkpointing: bool = False) -> dict:
     return dict(output_dir=str(work), max_steps=steps, per_device_train_batch_size=batch,
                 gradient_accumulation_steps=1, learning_rate=LR, adam_beta1=BETAS[0], adam_beta2=BETAS[1],
                 weight_decay=0.0, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
                 logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False, fp16=False,
-                dataloader_num_workers=0, seed=0, disable_tqdm=True, max_grad_norm=0.0)
+                dataloader_num_workers=0, seed=0, disable_tqdm=True, max_grad_norm=0.0,
+                gradient_checkpointing=checkpointing)
 
 
-def trl_run(kind: str, model, tok, data, steps: int, work: Path, group: int = 4, reply_tokens: int = 32):
+def trl_run(kind: str, model, tok, data, steps: int, work: Path, group: int = 4, reply_tokens: int = 32,
+            checkpointing: bool = False):
     """One ``train()`` of ``steps`` steps; returns the StepTimer."""
     from datasets import Dataset
 
@@ -287,13 +292,13 @@ def trl_run(kind: str, model, tok, data, steps: int, work: Path, group: int = 4,
     if kind == "sft":
         from trl import SFTConfig, SFTTrainer
 
-        args = SFTConfig(**_common_args(work, steps, len(data)), max_length=None, packing=False)
+        args = SFTConfig(**_common_args(work, steps, len(data), checkpointing), max_length=None, packing=False)
         trainer = SFTTrainer(model=model, args=args, processing_class=tok, callbacks=[timer],
                              train_dataset=Dataset.from_list([{"input_ids": s} for s in data] * steps))
     elif kind == "dpo":
         from trl import DPOConfig, DPOTrainer
 
-        args = DPOConfig(**_common_args(work, steps, len(data)), beta=DPO_BETA, loss_type=["sigmoid"],
+        args = DPOConfig(**_common_args(work, steps, len(data), checkpointing), beta=DPO_BETA, loss_type=["sigmoid"],
                          precompute_ref_log_probs=True, max_length=None)
         rows = [{k: p[k] for k in ("prompt", "chosen", "rejected")} for p in data]
         trainer = DPOTrainer(model=model, args=args, processing_class=tok, callbacks=[timer],
@@ -305,7 +310,7 @@ def trl_run(kind: str, model, tok, data, steps: int, work: Path, group: int = 4,
             return [reward(c[0]["content"] if isinstance(c, list) else c) for c in completions]
 
         n = len(data) * group
-        args = GRPOConfig(**_common_args(work, steps, n), num_generations=group, generation_batch_size=n,
+        args = GRPOConfig(**_common_args(work, steps, n, checkpointing), num_generations=group, generation_batch_size=n,
                           max_completion_length=reply_tokens, temperature=1.0, top_p=1.0, top_k=0, beta=0.0,
                           generation_kwargs={"min_new_tokens": reply_tokens}, num_iterations=1,
                           shuffle_dataset=False, log_completions=False)
@@ -328,6 +333,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--reply-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all CPUs)")
+    ap.add_argument("--trl-gradient-checkpointing", action="store_true",
+                    help="TRL's own default (recomputes activations); off: like the server, which keeps them")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -356,7 +363,7 @@ def main(argv: list[str] | None = None) -> dict:
         model = trl_model(model_dir, args.rank)
         for part in parts:
             tc = service.create_lora_training_client(str(model_dir), rank=args.rank, seed=0,
-                                                     train_unembed=False)
+                                                     train_unembed=False).result()
             if part == "sft":
                 step = server_sft(tc, data["sft"])
             elif part == "dpo":
@@ -372,7 +379,7 @@ def main(argv: list[str] | None = None) -> dict:
                     t_server.append(time.perf_counter() - t0)
                 _reset_lora(model)
                 timer = trl_run(part, model, tok, data[part], args.steps + 1, work / f"trl-{part}-{r}",
-                                args.group, args.reply_tokens)
+                                args.group, args.reply_tokens, args.trl_gradient_checkpointing)
                 t_trl += timer.times[1:]
                 if first_trl is None:
                     first_trl = next((lg.get("loss") for lg in timer.logs if "loss" in lg), None)
