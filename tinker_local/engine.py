@@ -28,6 +28,7 @@ that their sum stays within the cores (``serve --threads``).
 
 from __future__ import annotations
 
+import os
 import secrets
 import threading
 from collections import OrderedDict
@@ -49,6 +50,7 @@ from .inputs import check_datum, check_name, microbatches
 from .losses import get_loss_fn
 from .media import media_logits, media_support, resolve_chunks
 from .models import ModelSpec, resolve_model
+from .packing import pack_microbatches, packed_batch, packing_supported
 
 SMALL_WORK = 1e9  # parameter x token products below which a forward/backward runs on one thread
 
@@ -66,6 +68,7 @@ class _Base:
     sampler_adapters: OrderedDict[tuple, str] = field(default_factory=OrderedDict)
     active: str | None = None  # adapter last activated by set_adapter (None: unknown)
     media: Any = False  # tinker_local.media.Support | None once looked up (False: not yet)
+    packs: bool | None = None  # whether padding-free rows keep datums apart (None: not checked yet)
 
     def use(self, adapter: str) -> None:
         """Make ``adapter`` the active one; ``set_adapter`` walks every module, so only when it changes."""
@@ -113,6 +116,9 @@ class Engine(SamplingMixin):
         # padded tokens per micro-batch; None: 2**27 // vocab_size (<= 128M fp32 logits: 512 MiB), in
         # [256, 16384] (one pass for 8 x 256 tokens of a 49k vocabulary, as a plain torch step does)
         self.max_batch_tokens: int | None = None
+        # padding-free micro-batches (tinker_local.packing) for text-only models that keep packed
+        # datums apart; environment TINKER_LOCAL_PACKING=off turns them off (the padded path)
+        self.packing = os.environ.get("TINKER_LOCAL_PACKING", "on").lower() not in ("0", "off", "false", "no")
         self._lock = threading.RLock()
         self._bases: dict[str, _Base] = {}
         self._models: dict[str, _Train] = {}
@@ -203,8 +209,10 @@ class Engine(SamplingMixin):
         target_tokens, device) -> inputs`` and ``__call__(lp, inputs, cfg) -> scalar loss``
         (``tinker_local.custom_loss.BoundLoss``), which validates its own inputs.
 
-        Datums may have different lengths (padded internally, in micro-batches of a bounded
-        number of logits), and media chunks (``Datum.chunks``: images for vision-language
+        Datums may have different lengths: on text-only models they are packed padding-free
+        into rows with attention kept inside each datum (``tinker_local.packing``; off with
+        ``Engine.packing = False``), else right-padded, in micro-batches of a bounded number of
+        token slots; and media chunks (``Datum.chunks``: images for vision-language
         models, DMel audio for ``tiny-audio``; ``tinker_local.media``).  Returns per datum
         ``{"logprobs": float32 array shaped like target_tokens}`` and ``{"loss:sum": sum of the
         per-datum losses}``.  All datums are validated before any compute, so a user error
@@ -238,9 +246,14 @@ class Engine(SamplingMixin):
             outputs: list[dict[str, np.ndarray]] = [{} for _ in prepared]
             total = 0.0
             budget = self.max_batch_tokens or max(256, min(16384, 2**27 // max(spec.vocab_size, 1)))
-            for mb in microbatches([len(p[0]) for p in prepared], budget):
+            lengths = [len(p[0]) for p in prepared]
+            packed = self.packing and self._packs(b)
+            for group in (pack_microbatches(lengths, budget) if packed else microbatches(lengths, budget)):
                 with torch.set_grad_enabled(backward):
-                    lps = self._logprobs(b, [prepared[i] for i in mb])
+                    if packed:
+                        mb, lps = self._packed_logprobs(b, group, prepared)
+                    else:
+                        mb, lps = group, self._logprobs(b, [prepared[i] for i in group])
                     loss = sum(fn(lp, prepared[i][2], cfg) for i, lp in zip(mb, lps))
                     if backward and isinstance(loss, torch.Tensor) and loss.requires_grad:
                         loss.backward()
@@ -274,6 +287,27 @@ class Engine(SamplingMixin):
             x = lp[r, : lens[r]]
             out.append(x[:, : it[1].shape[1]] if it[1].ndim == 2 else x[:, 0])
         return out
+
+    def _packed_logprobs(self, b: _Base, rows: list[list[int]], prepared) -> tuple[list[int], list[torch.Tensor]]:
+        """One padding-free micro-batch (``rows`` of indices into ``prepared``) -> (the item
+        indices, their logprobs (N,) / (N, K) float32 with grad), gathered once over all real
+        tokens as in ``_logprobs``."""
+        pb = packed_batch(rows, [p[0] for p in prepared])
+        tgts = [prepared[i][1].reshape(len(prepared[i][0]), -1) for i in pb.items]
+        K = max(t.shape[1] for t in tgts)
+        tgt = torch.zeros((len(pb.keep), K), dtype=torch.long)
+        for (a, z), t in zip(pb.spans, tgts):
+            tgt[a:z, : t.shape[1]] = t
+        tgt = tgt.to(self.device)
+        with self._autocast():
+            logits = fp32_head_logits(b.model, pb.ids.to(self.device), pb.position_ids.to(self.device),
+                                      pb.keep.to(self.device))  # (N, V) float32
+        lp = logits.gather(-1, tgt) - torch.logsumexp(logits, dim=-1, keepdim=True)  # (N, K)
+        out = []
+        for i, (a, z) in zip(pb.items, pb.spans):
+            soft = prepared[i][1].ndim == 2
+            out.append(lp[a:z, : prepared[i][1].shape[1]] if soft else lp[a:z, 0])
+        return pb.items, out
 
     # ------------------------------------------------------------------ optimizer
 
@@ -431,6 +465,13 @@ class Engine(SamplingMixin):
         if b.media is False:
             b.media = media_support(b.model, b.spec.model_dir)
         return b.media
+
+    def _packs(self, b: _Base) -> bool:
+        """Whether ``b`` trains padding-free: text-only (media datums take the padded path) and
+        checked once by ``tinker_local.packing.packing_supported``."""
+        if b.packs is None:
+            b.packs = self._media(b) is None and packing_supported(b.model, b.spec.vocab_size, self.device)
+        return b.packs
 
     def _train(self, model_id: str) -> _Train:
         st = self._models.get(model_id)

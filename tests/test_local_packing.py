@@ -1,0 +1,164 @@
+"""Padding-free training in tinker_local's engine (``tinker_local.packing``): the packed path gives
+the padded path's logprobs, losses and gradients (fp32, tiny preset), for every loss function, soft
+targets and several micro-batches; media models fall back to the padded path; a model whose
+attention ignores restarting positions is refused by the probe.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from tinker_local.engine import Datum, Engine  # noqa: E402
+from tinker_local.losses import LOSS_FNS, REQUIRED_INPUTS  # noqa: E402
+from tinker_local.packing import pack_microbatches, packed_batch, packing_supported  # noqa: E402
+
+VOCAB = 2048
+LENGTHS = (17, 1, 30, 9, 25, 3, 14, 40, 8)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    return Engine(tmp_path_factory.mktemp("packing_root"), dtype="fp32", device="cpu")
+
+
+def _datums(seed: int, loss: str = "cross_entropy", soft_k: int = 0, lengths=LENGTHS) -> list[Datum]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in lengths:
+        toks = rng.integers(0, VOCAB, n + 1)
+        shape = (n, soft_k) if soft_k else (n,)
+        inputs = {"target_tokens": rng.integers(0, VOCAB, shape) if soft_k else toks[1:].astype(np.int64)}
+        if loss == "cross_entropy":
+            inputs["weights"] = rng.uniform(-1.0, 2.0, shape).astype(np.float32)
+        for k in REQUIRED_INPUTS[loss]:  # behaviour logprobs near the model's, advantages of both signs
+            inputs[k] = (rng.uniform(-9.0, -6.0, shape) if k == "logprobs" else rng.normal(0, 1, shape)).astype(np.float32)
+        out.append(Datum(tokens=toks[:-1].tolist(), inputs=inputs))
+    return out
+
+
+def _run(engine, model_id, datums, loss, packing: bool, backward: bool = True):
+    """(result, gradients) of one call with packing on or off; the gradients are then cleared."""
+    engine.packing = packing
+    try:
+        call = engine.forward_backward if backward else engine.forward
+        res = call(model_id, datums, loss, None)
+    finally:
+        engine.packing = True
+    st = engine._models[model_id]
+    grads = [p.grad.clone() if p.grad is not None else None for p in st.params.values()]
+    st.optimizer.zero_grad(set_to_none=True)
+    return res, grads
+
+
+def _assert_same(a, b, ga, gb):
+    assert a.metrics["loss:sum"] == pytest.approx(b.metrics["loss:sum"], rel=1e-5, abs=1e-5)
+    for x, y in zip(a.outputs, b.outputs):
+        assert x["logprobs"].shape == y["logprobs"].shape
+        np.testing.assert_allclose(x["logprobs"], y["logprobs"], atol=1e-5, rtol=0)
+    gmax = max(float(g.abs().max()) for g in gb if g is not None)
+    assert gmax > 0
+    for x, y in zip(ga, gb):
+        torch.testing.assert_close(x, y, atol=1e-5 * gmax, rtol=1e-5)
+
+
+def test_layout_packs_longest_first_within_the_budget():
+    lengths = list(LENGTHS)
+    groups = pack_microbatches(lengths, budget=10**6)
+    assert len(groups) == 1
+    rows = groups[0]
+    width = max(lengths)
+    assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in row) <= width for row in rows)
+    assert len(rows) == 4  # 155 tokens in 4 rows of 40 (padded: 9 rows of 40)
+    for budget in (40, 80, 100):
+        groups = pack_microbatches(lengths, budget)
+        assert sorted(i for g in groups for row in g for i in row) == list(range(len(lengths)))
+        for g in groups:
+            w = max(lengths[i] for row in g for i in row)
+            assert len(g) * w <= budget or len(g) == 1
+    assert pack_microbatches([], 100) == []
+
+    toks = [list(range(100, 100 + n)) for n in (3, 1, 4)]
+    pb = packed_batch([[2], [0, 1]], toks)
+    assert pb.ids.tolist() == [[100, 101, 102, 103], [100, 101, 102, 100]]
+    assert pb.position_ids.tolist() == [[0, 1, 2, 3], [0, 1, 2, 0]]
+    assert pb.items == [2, 0, 1] and pb.spans == [(0, 4), (4, 7), (7, 8)]
+    assert pb.keep.tolist() == list(range(8))
+    pb = packed_batch([[0], [1]], toks)  # the tail of a short row continues its positions
+    assert pb.ids.tolist() == [[100, 101, 102], [100, 0, 0]]
+    assert pb.position_ids.tolist() == [[0, 1, 2], [0, 1, 2]] and pb.keep.tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("loss", sorted(LOSS_FNS))
+def test_packed_equals_padded_for_every_loss(engine, loss):
+    mid = f"pk-{loss}"
+    engine.create_model(mid, "tiny", 4, seed=3)
+    assert engine._packs(engine._bases["tiny"]) is True
+    datums = _datums(5, loss)
+    a, ga = _run(engine, mid, datums, loss, packing=True)
+    b, gb = _run(engine, mid, datums, loss, packing=False)
+    _assert_same(a, b, ga, gb)
+    engine.delete_model(mid)
+
+
+def test_soft_targets_forward_and_microbatches(engine):
+    engine.create_model("pk-soft", "tiny", 4, seed=4)
+    datums = _datums(6, soft_k=3)
+    b, gb = _run(engine, "pk-soft", datums, "cross_entropy", packing=False)
+    a, ga = _run(engine, "pk-soft", datums, "cross_entropy", packing=True)
+    _assert_same(a, b, ga, gb)
+    engine.max_batch_tokens = 60  # several packed micro-batches
+    try:
+        c, gc = _run(engine, "pk-soft", datums, "cross_entropy", packing=True)
+    finally:
+        engine.max_batch_tokens = None
+    _assert_same(c, b, gc, gb)
+    mixed = _datums(7, lengths=(5, 12, 2)) + _datums(8, soft_k=2, lengths=(6, 11))
+    f_packed, _ = _run(engine, "pk-soft", mixed, "cross_entropy", packing=True, backward=False)
+    f_padded, _ = _run(engine, "pk-soft", mixed, "cross_entropy", packing=False, backward=False)
+    _assert_same(f_packed, f_padded, gb, gb)
+
+
+def test_probe_refuses_attention_that_ignores_positions(engine):
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def causal_only(module, q, k, v, attention_mask, **kw):  # drops the block-diagonal mask
+        return sdpa_attention_forward(module, q, k, v, None, **{**kw, "is_causal": True})
+
+    AttentionInterface.register("tinker_test_causal_only", causal_only)
+    model = engine._bases["tiny"].model
+    before = model.config._attn_implementation
+    assert packing_supported(model, VOCAB, torch.device("cpu"))
+    try:
+        model.set_attn_implementation("tinker_test_causal_only")
+        assert not packing_supported(model, VOCAB, torch.device("cpu"))
+    finally:
+        model.set_attn_implementation(before)
+    assert packing_supported(model, VOCAB, torch.device("cpu"))
+
+
+def test_media_model_falls_back_to_padding(engine):
+    from prefect_tinker.recipes.audio_features import tensor_container
+    from tinker_local.datatypes import MediaChunk
+
+    engine.create_model("pk-audio", "tiny-audio", 4, seed=5)
+    b = engine._bases[engine._models["pk-audio"].base_key]
+    assert engine._packs(b) is False
+    frames = np.random.default_rng(1).integers(0, 16, (7, 80)).astype(np.uint8)
+    pre, post = [1, 9, 10], [11, 12, 2]
+    n = len(pre) + 7 + len(post)
+    rng = np.random.default_rng(2)
+    media = Datum(tokens=pre + post, inputs={"target_tokens": rng.integers(3, 1000, n)},
+                  chunks=[pre, MediaChunk(kind="dmel", data=tensor_container(frames)), post])
+    datums = [media] + [Datum(tokens=rng.integers(3, 1000, k).tolist(),
+                              inputs={"target_tokens": rng.integers(3, 1000, k)}) for k in (4, 19)]
+    a, ga = _run(engine, "pk-audio", datums, "cross_entropy", packing=True)
+    c, gc = _run(engine, "pk-audio", datums, "cross_entropy", packing=False)
+    _assert_same(a, c, ga, gc)
