@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run a flow with a validated config")
     r.add_argument("flow", help="flow name (e.g. sft) or module:attr")
     r.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="config fields; nested with dots (optimizer.lr=1e-4); values are YAML scalars")
+                   help="config fields; nested with dots (adam.beta2=0.95); values are YAML scalars")
     r.add_argument("--config", metavar="FILE.yaml", help="YAML config; key=value pairs override it")
     r.add_argument("--example", metavar="NAME", help="an example config of the recipe (prefect-tinker ls lists them)")
     r.add_argument("--dry-run", action="store_true", help="validate and print the config, do not run")
