@@ -12,7 +12,8 @@ the rest:
   (:meth:`~prefect_tinker.flows.session.RunSession.checkpoint`);
 - lost-client rewinds (:class:`~prefect_tinker.tasks.clients.ClientRewound`): the step is redone
   from the checkpoint the client was recreated at (at most ``max_rewinds`` times);
-- the progress artifact.
+- the progress artifact, and one line per step in the terminal (:mod:`prefect_tinker.recipes.progress`:
+  the step's key metrics, step/total, elapsed time, ETA); evaluations announce themselves as phases.
 
 A *loop step* may take several optimizer steps (``step_size``; RL's ``num_substeps``):
 ``eval_every`` and ``save_every`` count loop steps.
@@ -24,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from prefect_tinker.flows.session import RunSession, emit
+from prefect_tinker.recipes.progress import StepProgress, phase
 from prefect_tinker.tasks.clients import ClientRewound
 from prefect_tinker.tasks.evaluators import Evaluator, SamplingClientEvaluator, TrainingClientEvaluator
 from prefect_tinker.tasks.reporting import Progress
@@ -54,13 +56,14 @@ class StepLoop:
         """Run every evaluator on the weights at ``step`` (the current step); buffer and return
         their metrics."""
         s, out = self.session, {}
-        for ev in self.evaluators:
-            if isinstance(ev, TrainingClientEvaluator):
-                out.update(ev.evaluate(s.credentials, s.run))
-            elif isinstance(ev, SamplingClientEvaluator):
-                out.update(ev.evaluate(s.credentials, s.sampler_at(step), step))
-            else:
-                raise TypeError(f"{type(ev).__name__} is neither a training- nor a sampling-client evaluator")
+        with phase(s.run_id, f"evaluation at step {step} ({len(self.evaluators)} evaluators)"):
+            for ev in self.evaluators:
+                if isinstance(ev, TrainingClientEvaluator):
+                    out.update(ev.evaluate(s.credentials, s.run))
+                elif isinstance(ev, SamplingClientEvaluator):
+                    out.update(ev.evaluate(s.credentials, s.sampler_at(step), step))
+                else:
+                    raise TypeError(f"{type(ev).__name__} is neither a training- nor a sampling-client evaluator")
         s.record(step, out)
         return out
 
@@ -71,6 +74,7 @@ class StepLoop:
         """Loop until ``total`` optimizer steps are taken (see the module docstring)."""
         s = self.session
         progress = Progress(f"{s.recipe.upper()} {s.run_id}: steps done of {self.total}", self.total, s.step)
+        terminal = StepProgress(s.recipe, s.run_id, self.total, s.step)
         if s.step == 0 and self.evaluators:
             self.evaluate(0)
         rewinds = 0
@@ -83,9 +87,10 @@ class StepLoop:
                 emit("after_step", s.run_id, done)
                 last = done >= self.total
                 if self.evaluators and (last or (self._due(self.eval_every, done))):
-                    self.evaluate(done)
+                    metrics = {**metrics, **self.evaluate(done)}
                 if last or self._due(self.save_every, done):
                     s.checkpoint()
+                terminal.update(done, metrics)
             except ClientRewound as rew:
                 rewinds += 1
                 if rewinds > self.max_rewinds:
