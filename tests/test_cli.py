@@ -417,7 +417,10 @@ def test_missing_dataset_file_fails_at_config_time(flow, extra, tmp_path, monkey
             assert out == "" and err == (f"error: invalid config for flow {flow!r} ({model.__name__}): "
                                          f"dataset = {value!r}: file not found: {shown} (from command line)\n")
     assert not (tmp_path / "store").exists()  # nothing recorded
-    (tmp_path / "chats.jsonl").write_text("{}\n")
+    # a file that exists and holds a valid record (for SFT and for the math env): its data is checked too
+    (tmp_path / "chats.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "1+1?"},
+                                                                  {"role": "assistant", "content": "2"}],
+                                                     "question": "1+1?", "answer": "2"}) + "\n")
     for value in ["chats.jsonl", "HuggingFaceH4/no_robots", "openai/gsm8k"]:  # a file that exists, HF ids
         assert cli.main(["run", flow, *extra, f"dataset={value}", "--dry-run"]) == 0
         assert json.loads(capsys.readouterr().out)["dataset"] == value

@@ -18,6 +18,7 @@ client for a server that does not answer: the SDK would retry a dead port for ~5
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -45,6 +46,7 @@ __all__ = [
     "default_local_root",
     "ensure_local_server",
     "server_command",
+    "server_identity",
     "stop_local_server",
 ]
 
@@ -319,6 +321,70 @@ def server_command(block: TinkerCredentials, port: int, root: Path) -> list[str]
     return cmd + list(block.local_extra_args)
 
 
+@functools.lru_cache(maxsize=1)
+def server_identity() -> dict[str, str]:
+    """What the embedded server started by this process runs: ``python`` (the interpreter, symlinks
+    resolved: virtualenvs over one base Python with the same code share a server), ``version`` (of
+    the prefect-tinker distribution) and ``code`` (``sha256:`` over the path and
+    content of every ``.py`` file of the ``tinker_local`` package, in path order). Recorded in
+    ``server.json``; a recorded server with another identity is stale (another virtualenv, an
+    upgrade, edited server code). Computed once per process."""
+    import importlib.metadata
+    import importlib.util
+
+    try:
+        version = importlib.metadata.version("prefect-tinker")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    spec = importlib.util.find_spec("tinker_local")
+    digest = hashlib.sha256()
+    if spec is not None and spec.submodule_search_locations:
+        pkg = Path(next(iter(spec.submodule_search_locations)))
+        for f in sorted(pkg.rglob("*.py")):
+            digest.update(f.relative_to(pkg).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return {"python": os.path.realpath(sys.executable), "version": version, "code": "sha256:" + digest.hexdigest()}
+
+
+def _identity_change(record: dict) -> str | None:
+    """How the recorded server's identity differs from :func:`server_identity` (``"code
+    sha256:ab.. -> sha256:cd.."``; a record without one: ``"no identity recorded"``), or None."""
+    was, now = record.get("identity"), server_identity()
+    if not isinstance(was, dict):
+        return "no identity recorded (started by an older version)"
+    def shown(key: str, value: Any) -> str:  # code hashes: their first 12 hex digits
+        return str(value)[:19] if key == "code" else str(value)
+
+    diff = [f"{k} {shown(k, was.get(k))} -> {shown(k, now[k])}" for k in now if was.get(k) != now[k]]
+    return ", ".join(diff) or None
+
+
+def _active_sessions(base_url: str, api_key: str) -> int:
+    """Sessions of the server at ``base_url`` in use: whose client heartbeated within the last minute
+    (the server's ``active`` status, ``POST /api/v1/sessions/search``) or, not finished, created
+    within the last minute (the SDK's first heartbeat comes 10 s after); 0 when it cannot tell."""
+    from datetime import datetime
+
+    req = urllib.request.Request(base_url + "/api/v1/sessions/search", data=json.dumps({"limit": 200}).encode(),
+                                 headers={"Content-Type": "application/json", "X-API-Key": api_key}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=5.0) as resp:  # noqa: S310
+            sessions = json.loads(resp.read()).get("sessions") or []
+    except (urllib.error.URLError, OSError, ValueError):
+        return 0
+
+    def live(s: dict) -> bool:
+        status = (s.get("status") or {}).get("type")
+        if status is not None:
+            return status == "active"
+        try:
+            created = datetime.fromisoformat(str(s.get("created_at")).replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            return False
+        return time.time() - created < 60.0
+
+    return sum(1 for s in sessions if live(s))
+
+
 def _read_record(root: Path) -> dict | None:
     try:
         return json.loads((root / _SERVER_FILE).read_text())
@@ -351,11 +417,14 @@ def ensure_local_server(block: TinkerCredentials) -> dict:
     """Reuse the healthy server recorded in ``<local_root>/server.json`` or start a new one.
 
     Returns:
-        The record ``{"pid", "port", "base_url", "log", "started_at", "command"}``.
+        The record ``{"pid", "port", "base_url", "log", "started_at", "command", "identity"}``
+        (:func:`server_identity`). A recorded server with another identity is stopped and replaced,
+        unless a session heartbeated to it within the last minute.
 
     Raises:
         LocalServerError: the server exited early or did not answer ``/api/v1/healthz`` within
-            ``block.local_startup_timeout`` seconds; the message includes the log's tail.
+            ``block.local_startup_timeout`` seconds (the message includes the log's tail), or a
+            stale server is still in use by live sessions (one line saying what differs).
     """
     root = block.resolved_local_root()
     root.mkdir(parents=True, exist_ok=True)
@@ -367,7 +436,25 @@ def ensure_local_server(block: TinkerCredentials) -> dict:
             and _pid_alive(int(record.get("pid", -1)))
             and _healthy(record["base_url"])
         ):
-            return record
+            change = _identity_change(record)
+            if change is None:
+                return record
+            # a stale server (another interpreter, version or server code): replace it unless in use
+            api_key = block.api_key.get_secret_value() if block.api_key else LOCAL_API_KEY
+            busy = _active_sessions(record["base_url"], api_key)
+            if busy:
+                raise LocalServerError(
+                    f"the embedded server at {record['base_url']} (pid {record['pid']}) runs other code ({change}) "
+                    f"and {busy} live session(s) still use it; let them finish, then 'prefect-tinker local stop' "
+                    f"(or give another backend.local_root)"
+                )
+            block.logger.warning("Restarting the embedded local server %s (pid %s): %s",
+                                 record["base_url"], record["pid"], change)
+            _terminate(int(record["pid"]), timeout=10.0)
+            (root / _SERVER_FILE).unlink(missing_ok=True)
+            with _clients_lock:
+                for key in [k for k, v in _clients.items() if v[0] == record["base_url"]]:
+                    del _clients[key]
         port = block.local_port or _free_port()
         base_url = f"http://127.0.0.1:{port}"
         if _healthy(base_url):
@@ -402,7 +489,7 @@ def ensure_local_server(block: TinkerCredentials) -> dict:
             time.sleep(0.1)
         record = {
             "pid": proc.pid, "port": port, "base_url": base_url, "log": str(log_path),
-            "started_at": time.time(), "command": cmd,
+            "started_at": time.time(), "command": cmd, "identity": server_identity(),
         }
         tmp = root / (_SERVER_FILE + ".tmp")
         tmp.write_text(json.dumps(record, indent=2))
