@@ -4,6 +4,7 @@ Subcommands::
 
     prefect-tinker sql [--store ROOT] [--json] "SELECT ..."     query the stores (folder or s3://)
     prefect-tinker run FLOW [key=value ...] [--config FILE.yaml | --example NAME]  run a recipe's flow
+        [--dry-run] [--quiet | --json-progress] [--debug]       validate only; progress lines; tracebacks
     prefect-tinker ls [--json]                                  recipes, example configs, RL environments
     prefect-tinker deployments [--write prefect.yaml]           deployments from the recipe registry
     prefect-tinker show-config FLOW [--schema]                  defaults (YAML) or JSON schema
@@ -24,8 +25,9 @@ Modules: :mod:`prefect_tinker.flows.cli_config` (errors, YAML values, overrides)
 :mod:`prefect_tinker.flows.ops` (ops), :mod:`prefect_tinker.recipes.show` (show-example),
 :mod:`prefect_tinker.recipes.sandbox.cli` (sandbox), :mod:`prefect_tinker.tasks.capture.serve` (capture serve).
 
-Exit status: 0 success, 1 runtime failure (SQL error, the flow failed), 2 bad usage or an
-invalid config (the message names each bad field and its value; no traceback).
+Exit status: 0 success, 1 runtime failure (SQL error, the flow failed), 2 bad usage, an
+invalid config or bad data (the message names each bad field and its value, or the file, line and
+field of a bad record; no traceback without ``--debug``).
 """
 
 from __future__ import annotations
