@@ -183,3 +183,46 @@ def defaults_yaml(model: type, indent: int = 0) -> str:
         dumped = json.dumps(jsonable(value), ensure_ascii=False)
         lines.append(f"{pad}{name}: {dumped}{desc}")
     return "\n".join(lines)
+
+
+def _data_checks(config: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """``(section, check)`` for ``config`` and its nested config sections (RLHF's ``sft``, ``rm``,
+    ``rl``): reading the local dataset files (``dataset_builder(renderer).check()``) and the RL
+    environment's problems (``preflight()``)."""
+    from pydantic import BaseModel
+
+    checks: list[tuple[str, Any]] = []
+    if callable(getattr(config, "dataset_builder", None)):
+        checks.append((prefix, lambda: config.dataset_builder(config.renderer).check()))
+    if callable(getattr(config, "preflight", None)):
+        checks.append((prefix, config.preflight))
+    for name in type(config).model_fields:
+        value = getattr(config, name)
+        if isinstance(value, BaseModel) and (hasattr(value, "dataset_builder") or hasattr(value, "preflight")):
+            checks += _data_checks(value, f"{prefix}{name}.")
+    return checks
+
+
+def check_data(config: Any, flow_name: str = "?") -> None:
+    """Read and validate a run's data before anything starts (no Prefect flow run, no server, no
+    store row): every record of the local dataset files, the RL environment's problems and the
+    record format, as the flow itself would.
+
+    Raises:
+        CLIError: one line (exit status 2) naming the file, line and field of the first bad record
+            (``data.jsonl:2: field 'messages' is missing``), or the setting and its value (an
+            unknown ``format=``); the original exception is its ``__cause__``.
+    """
+    from pydantic import ValidationError
+
+    for section, check in _data_checks(config):
+        try:
+            check()
+        except ValidationError as exc:
+            problems = [f"{section}{'.'.join(str(p) for p in e['loc']) or '(data)'} = {e.get('input')!r}: "
+                        f"{e['msg'].removeprefix('Value error, ')}" for e in exc.errors(include_url=False)]
+            raise CLIError(f"invalid data for flow {flow_name!r}: {'; '.join(problems)}") from exc
+        except (ValueError, FileNotFoundError, KeyError) as exc:  # DatasetFormatError is a ValueError
+            message = " ".join(str(exc).split())  # one line, whatever the message
+            where = f"{section.rstrip('.')}: " if section else ""
+            raise CLIError(f"invalid data for flow {flow_name!r}: {where}{message}") from exc

@@ -4,6 +4,7 @@ Subcommands::
 
     prefect-tinker sql [--store ROOT] [--json] "SELECT ..."     query the stores (folder or s3://)
     prefect-tinker run FLOW [key=value ...] [--config FILE.yaml | --example NAME]  run a recipe's flow
+        [--dry-run] [--quiet | --json-progress] [--debug]       validate only; progress lines; tracebacks
     prefect-tinker ls [--json]                                  recipes, example configs, RL environments
     prefect-tinker deployments [--write prefect.yaml]           deployments from the recipe registry
     prefect-tinker show-config FLOW [--schema]                  defaults (YAML) or JSON schema
@@ -24,17 +25,21 @@ Modules: :mod:`prefect_tinker.cli.config` (errors, YAML values, overrides), :mod
 :mod:`prefect_tinker.flows.ops` (ops), :mod:`prefect_tinker.cli.show` (show-example),
 :mod:`prefect_tinker.cli.sandbox` (sandbox), :mod:`prefect_tinker.cli.capture` (capture serve).
 
-Exit status: 0 success, 1 runtime failure (SQL error, the flow failed), 2 bad usage or an
-invalid config (the message names each bad field and its value; no traceback).
+Exit status: 0 success, 1 runtime failure (SQL error, the flow failed), 2 bad usage, an
+invalid config or bad data (the message names each bad field and its value, or the file, line and
+field of a bad record; no traceback without ``--debug``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
-from collections.abc import Sequence
+import traceback
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 # Re-exported: the public helpers of the split modules stay importable from cli.main.
 from prefect_tinker.cli.config import (  # noqa: F401
@@ -50,6 +55,7 @@ from prefect_tinker.cli.config import (  # noqa: F401
 )
 from prefect_tinker.cli.flows import (  # noqa: F401
     build_config,
+    check_data,
     config_model_of,
     defaults_yaml,
     resolve_flow,
@@ -73,6 +79,45 @@ def _example_file(flow: str, example: str | None, config_file: str | None) -> st
     return str(files[example])
 
 
+class _NoTraceback(logging.Filter):
+    """Drops the traceback of a record on the console (the Prefect API's handler, which runs before
+    the root logger's console handler, keeps it): one line per error unless ``--debug``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info, record.exc_text, record.stack_info = None, None, None
+        return True
+
+
+@contextmanager
+def _terminal_output(quiet: bool, json_progress: bool, debug: bool) -> Iterator[None]:
+    """For the duration of a run: ``--quiet`` (no progress lines; Prefect's console logs from
+    warnings up), ``--json-progress`` (progress as JSON lines), no tracebacks on the console
+    without ``--debug``. The Prefect API (the UI's logs) still gets every record in full."""
+    from prefect_tinker.recipes.progress import PROGRESS_ENV
+
+    before = os.environ.get(PROGRESS_ENV)
+    if quiet or json_progress:
+        os.environ[PROGRESS_ENV] = "off" if quiet else "json"
+    # Prefect's console handler sits on the root logger
+    consoles = [h for h in logging.getLogger().handlers if isinstance(h, logging.StreamHandler)]
+    levels, no_traceback = [h.level for h in consoles], _NoTraceback()
+    for h in consoles:
+        if quiet:
+            h.setLevel(max(h.level, logging.WARNING))
+        if not debug:
+            h.addFilter(no_traceback)
+    try:
+        yield
+    finally:
+        for h, level in zip(consoles, levels):
+            h.setLevel(level)
+            h.removeFilter(no_traceback)
+        if before is None:
+            os.environ.pop(PROGRESS_ENV, None)
+        else:
+            os.environ[PROGRESS_ENV] = before
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """``prefect-tinker run``: validate the config, run the flow, print its result as JSON."""
     # Without PREFECT_API_URL a temporary Prefect server is started (flows/prefect_api.py); on a
@@ -80,6 +125,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     flow, model = resolve_flow(args.flow)
     config = build_config(model, args.overrides, _example_file(args.flow, args.example, args.config), args.flow)
+    try:  # bad data: one line before anything starts (also for --dry-run)
+        check_data(config, args.flow)
+    except CLIError:
+        if args.debug:
+            traceback.print_exc()
+        raise
     if args.dry_run:
         print(config.model_dump_json(indent=2))
         return EXIT_OK
@@ -87,14 +138,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     try:
         # without PREFECT_API_URL: a temporary Prefect API that the kernel kills with this process
-        with temporary_prefect_api():
+        with temporary_prefect_api(), _terminal_output(args.quiet, args.json_progress, args.debug):
             result = flow(config=config)
     except KeyboardInterrupt:
         raise
     except PrefectAPIError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    except Exception as exc:  # the flow's own logs carry the traceback
+    except Exception as exc:  # with --debug, the flow's own logs carry the traceback too
+        if args.debug:
+            traceback.print_exc()
         print(f"error: flow {args.flow!r} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_FAILED
     if result is not None:
@@ -175,10 +228,16 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run a flow with a validated config")
     r.add_argument("flow", help="flow name (e.g. sft) or module:attr")
     r.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="config fields; nested with dots (optimizer.lr=1e-4); values are YAML scalars")
+                   help="config fields; nested with dots (adam.beta2=0.95); values are YAML scalars")
     r.add_argument("--config", metavar="FILE.yaml", help="YAML config; key=value pairs override it")
     r.add_argument("--example", metavar="NAME", help="an example config of the recipe (prefect-tinker ls lists them)")
     r.add_argument("--dry-run", action="store_true", help="validate and print the config, do not run")
+    shown = r.add_mutually_exclusive_group()
+    shown.add_argument("--quiet", action="store_true",
+                       help="no progress lines, and Prefect's own logs only from warnings up")
+    shown.add_argument("--json-progress", action="store_true",
+                       help="progress as one JSON object per line on stderr (steps and phases)")
+    r.add_argument("--debug", action="store_true", help="show the traceback of a failure")
     r.set_defaults(func=cmd_run)
 
     c = sub.add_parser("show-config", help="print a flow's config defaults (YAML) or JSON schema")

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from prefect_tinker.cli.config import EXIT_FAILED, EXIT_OK, jsonable
+from prefect_tinker.cli.config import EXIT_FAILED, EXIT_OK, EXIT_USAGE, jsonable
 
 STORE_HELP = "store root: a folder or s3:// URL (default: $PREFECT_TINKER_STORE or ~/.prefect-tinker/store)"
 
@@ -215,8 +215,20 @@ def cmd_store(args: argparse.Namespace) -> int:
 
 def cmd_checkpoints(args: argparse.Namespace) -> int:
     """``prefect-tinker checkpoints RUN_ID``: the run's checkpoints by step and kind."""
+    root = args.store or _default_store()
     sql = "SELECT step, kind, name, path, time FROM checkpoints WHERE run_id = ? ORDER BY step, kind"
-    return _print_query(args.store or _default_store(), sql, [args.run_id], args.json)
+    got = _run_query(root, sql, [args.run_id])
+    if isinstance(got, int):
+        return got
+    if not got[1]:  # no checkpoint: a run that saved none yet, or a run id that is not in the store
+        known = _run_query(root, "SELECT count(*) FROM runs WHERE run_id = ?", [args.run_id])
+        if isinstance(known, int):
+            return known
+        if not known[1][0][0]:
+            print(f"error: no run {args.run_id!r} in the store {root} (prefect-tinker runs --store {root} lists them)",
+                  file=sys.stderr)
+            return EXIT_USAGE
+    return _print_rows(*got, args.json)
 
 
 def add_parsers(sub: Any) -> None:

@@ -77,6 +77,30 @@ def default_run_name(prefix: str, config: BaseModel) -> str:
     return f"{prefix}-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}"
 
 
+def latest_run_checkpoint(store: str, run_id: str, field: str) -> str:
+    """The ``tinker://`` path of the last checkpoint run ``run_id`` recorded in the training store
+    at ``store``: its sampler weights when saved at that step, else its state (for ``field=run:<id>``
+    settings such as a distillation teacher).
+
+    Raises:
+        ValueError: one line naming ``field``, the run and the store, and how to make the run
+            (the store does not exist, or holds no checkpoint of that run).
+    """
+    from pathlib import Path
+
+    from tinker_blocks.stores import TrainingStore
+
+    make = f"train it first, e.g. prefect-tinker run sft --example tiny run_name={run_id} store={store}"
+    if "://" not in store and not Path(store).expanduser().is_dir():
+        raise ValueError(f"{field}=run:{run_id}: the training store {store} does not exist ({make})")
+    rows = TrainingStore(root=store).query(
+        "SELECT path FROM checkpoints WHERE run_id = ? ORDER BY step DESC, kind = 'sampler' DESC, time DESC LIMIT 1",
+        [run_id])
+    if not rows:
+        raise ValueError(f"{field}=run:{run_id}: the training store {store} has no checkpoint of run {run_id!r} ({make})")
+    return str(rows[0]["path"])
+
+
 def resolve_credentials(backend: BackendConfig) -> Any:
     """The ``TinkerCredentials`` block for ``backend`` (see :class:`BackendConfig` for precedence).
 

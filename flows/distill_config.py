@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from prefect_tinker.flows.config import BackendConfig
+from prefect_tinker.flows.config import BackendConfig, latest_run_checkpoint
 from prefect_tinker.flows.rl_config import RLConfig
 from prefect_tinker.recipes.data_reading import EXAMPLE_CHAT_PATH, source_fingerprint
 from prefect_tinker.recipes.distill.prompts import DEMO_TEMPLATE, TeacherView
@@ -28,7 +28,7 @@ class TeacherSpec(BaseModel):
     """One teacher: its weights, how it renders, what it is shown, and (on-policy with several
     teachers) its own prompts. A plain string is read as ``weights``."""
 
-    weights: str = Field(description="A base model ('smollm2', 'base:tiny') or a checkpoint tinker://.../sampler_weights/... (or .../weights/...).")
+    weights: str = Field(description="A base model ('smollm2', 'base:tiny'), a checkpoint tinker://.../sampler_weights/... (or .../weights/...), or run:<run_id> (that run's last checkpoint in the store).")
     renderer: str = Field(default="auto", description="The teacher's own renderer ('auto' resolves from its tokenizer); it renders its prompt and end-of-turn marker.")
     system_prompt: str | None = Field(default=None, description="A system message only the teacher sees (prompt distillation).")
     prompt_template: str | None = Field(default=None, description="The teacher's user message: {prompt} = the student's, {answer} = the golden answer (sdft default: a demonstration).")
@@ -47,8 +47,10 @@ class TeacherSpec(BaseModel):
     @classmethod
     def _weights(cls, v: str) -> str:
         v = v.strip()
-        if not v:
-            raise ValueError("teacher weights must name a base model or a tinker:// checkpoint")
+        if not v or v == "run:":
+            raise ValueError("teacher weights must name a base model, a tinker:// checkpoint or run:<run_id>")
+        if v.startswith("run:"):  # a training run of the store: its last checkpoint (resolved_teachers)
+            return v
         if v.startswith("tinker://"):
             if "/weights/" not in v and "/sampler_weights/" not in v:
                 raise ValueError(f"teacher checkpoint {v!r} must be tinker://<run>/sampler_weights/<name> or .../weights/<name>")
@@ -118,13 +120,13 @@ class DistillConfig(RLConfig):
         if len(self.teachers) > 1 and self.mode != "on_policy":
             raise ValueError(f"mode={self.mode}: one teacher only (several teachers are an on_policy feature)")
         if self.mode != "sdft" and self.teacher is None and not self.teachers:
-            raise ValueError(f"mode={self.mode} needs a teacher: teacher=<base model or tinker:// checkpoint>")
-        if self.mode == "prompt" and self.resolved_teachers()[0].view().is_identity:
+            raise ValueError(f"mode={self.mode} needs a teacher: teacher=<base model, tinker:// checkpoint or run:<run_id>>")
+        if self.mode == "prompt" and self.resolved_teachers(runs=False)[0].view().is_identity:
             raise ValueError("mode=prompt needs what the student will not see: teacher.system_prompt or teacher.prompt_template")
         if self.mode == "sdft":
             if self.num_substeps != 1 or self.schedule != "sync":
                 raise ValueError("mode=sdft trains one optimizer step per batch (num_substeps=1, schedule=sync)")
-            if not self.resolved_teachers()[0].view().needs_answer:
+            if not self.resolved_teachers(runs=False)[0].view().needs_answer:
                 raise ValueError("mode=sdft: the teacher's prompt_template must show the golden answer ({answer})")
         if self.mode == "off_policy" and self.sequences == "dataset" and not self.soft_targets:
             raise ValueError("off_policy with sequences=dataset and soft_targets=false is plain SFT: use the sft recipe, "
@@ -138,18 +140,40 @@ class DistillConfig(RLConfig):
         """``test_size`` as the split functions take it: an int count when >= 1, else a fraction."""
         return int(self.test_size) if self.test_size >= 1 else float(self.test_size)
 
-    def resolved_teachers(self) -> list[TeacherSpec]:
+    def resolved_teachers(self, runs: bool = True) -> list[TeacherSpec]:
         """The teachers of the run: ``teachers``, else ``[teacher]``; for sdft without one, the
-        frozen initial weights with SDFT's demonstration template."""
+        frozen initial weights with SDFT's demonstration template. With ``runs``, ``run:<id>``
+        weights become that run's last checkpoint in ``store``.
+
+        Raises:
+            ValueError: (``runs``) a ``run:<id>`` teacher without a checkpoint in the store.
+        """
+        resolve = self._from_run if runs else (lambda spec: spec)
         if self.teachers:
-            return list(self.teachers)
+            return [resolve(t) for t in self.teachers]
         if self.teacher is not None:
-            t = self.teacher
+            t = resolve(self.teacher)
             if self.mode == "sdft" and t.prompt_template is None:
                 t = t.model_copy(update={"prompt_template": DEMO_TEMPLATE})
             return [t]
         start = self.load_checkpoint_path or f"base:{self.model}"
         return [TeacherSpec(weights=start, prompt_template=DEMO_TEMPLATE)]
+
+    def _from_run(self, spec: TeacherSpec) -> TeacherSpec:
+        """``spec`` with ``run:<id>`` weights replaced by that run's last checkpoint in ``store``."""
+        if not spec.weights.startswith("run:"):
+            return spec
+        return spec.model_copy(update={"weights": latest_run_checkpoint(self.store, spec.weights[4:], "teacher")})
+
+    def preflight(self) -> None:
+        """The environment's problems (:meth:`RLConfig.preflight`) and every ``run:<id>`` teacher
+        (a run with a checkpoint in the store), before the run starts.
+
+        Raises:
+            ValueError: a bad problem record, or a teacher run that is not in the store (one line).
+        """
+        super().preflight()
+        self.resolved_teachers()
 
     def prompt_env_options(self) -> dict[str, Any]:
         """``env_options`` of the ``prompts`` env: each teacher's dataset as a weighted source when

@@ -29,6 +29,7 @@ from prefect_tinker.flows.session import RunSession
 from prefect_tinker.recipes.builders import SourceFields
 from prefect_tinker.recipes.data_pipeline import batch_at
 from prefect_tinker.recipes.preference import DPOLoss, LossName, PreferenceBuilder, PreferenceData, pair_datums
+from prefect_tinker.recipes.progress import phase
 from prefect_tinker.tasks.benchmark_evaluator import benchmark_evaluators
 from prefect_tinker.tasks.data import prepare_dataset
 from prefect_tinker.tasks.evaluators import PreferenceEvaluator
@@ -87,7 +88,8 @@ def dpo_flow(config: DPOConfig) -> dict[str, Any]:
     accuracies, steps, checkpoints)."""
     log = get_run_logger()
     with RunSession(config, builder=config.dataset_builder) as session:
-        data: PreferenceData = prepare_dataset(session.builder, session.tokenizer_id)
+        with phase(session.run_id, "preparing the dataset (reading, rendering, tokenizing; cached)"):
+            data: PreferenceData = prepare_dataset(session.builder, session.tokenizer_id)
         total = config.max_steps or len(data.train) // config.batch_size * config.num_epochs
         reference = config.reference_weights()
         log.info("%d train / %d test comparisons, %d steps, reference %s (renderer %s); %s", len(data.train),

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field, field_validator, model_validator
 
-from prefect_tinker.flows.config import BackendConfig, default_run_name, default_store_root
+from prefect_tinker.flows.config import BackendConfig, default_run_name, default_store_root, latest_run_checkpoint
 from prefect_tinker.recipes.evals.benchmarks import BenchmarkSpec, get_benchmark
 from prefect_tinker.recipes.evals.specs import EvalSpec, InspectSpec, with_overrides
 from prefect_tinker.tasks.runners import TaskRunnerFields
@@ -74,6 +74,17 @@ class EvalConfig(TaskRunnerFields):
             if not isinstance(m, str) or not m.strip() or m.strip() == "run:":
                 raise ValueError(f"bad model {m!r}: a base model name, a tinker:// path or run:<run_id>")
         return v
+
+    def preflight(self) -> None:
+        """Every ``run:<id>`` model is a run with a checkpoint in the training store (before the
+        evaluation starts).
+
+        Raises:
+            ValueError: one line naming the run and the store.
+        """
+        for m in self.models():
+            if m.startswith("run:"):
+                latest_run_checkpoint(self.store, m[4:], "model")
 
     @model_validator(mode="after")
     def _check(self) -> EvalConfig:

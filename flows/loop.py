@@ -15,7 +15,8 @@ the rest:
   ``cost/total_usd`` (:mod:`prefect_tinker.recipes.pricing`; totals continue across resumes);
 - lost-client rewinds (:class:`~prefect_tinker.tasks.clients.ClientRewound`): the step is redone
   from the checkpoint the client was recreated at (at most ``max_rewinds`` times);
-- the progress artifact.
+- the progress artifact, and one line per step in the terminal (:mod:`prefect_tinker.recipes.progress`:
+  the step's key metrics, step/total, elapsed time, ETA); evaluations announce themselves as phases.
 
 A *loop step* may take several optimizer steps (``step_size``; RL's ``num_substeps``):
 ``eval_every`` and ``save_every`` count loop steps.
@@ -28,6 +29,7 @@ from typing import Any
 
 from prefect_tinker.flows.session import RunSession, emit
 from prefect_tinker.recipes.pricing import TOKEN_KINDS, UsageTotals, price_for
+from prefect_tinker.recipes.progress import StepProgress, phase
 from prefect_tinker.tasks.clients import ClientRewound
 from prefect_tinker.tasks.evaluators import Evaluator, SamplingClientEvaluator, TrainingClientEvaluator
 from prefect_tinker.tasks.reporting import Progress
@@ -61,13 +63,14 @@ class StepLoop:
         """Run every evaluator on the weights at ``step`` (the current step); buffer and return
         their metrics."""
         s, out = self.session, {}
-        for ev in self.evaluators:
-            if isinstance(ev, TrainingClientEvaluator):
-                out.update(ev.evaluate(s.credentials, s.run))
-            elif isinstance(ev, SamplingClientEvaluator):
-                out.update(ev.evaluate(s.credentials, s.sampler_at(step), step))
-            else:
-                raise TypeError(f"{type(ev).__name__} is neither a training- nor a sampling-client evaluator")
+        with phase(s.run_id, f"evaluation at step {step} ({len(self.evaluators)} evaluators)"):
+            for ev in self.evaluators:
+                if isinstance(ev, TrainingClientEvaluator):
+                    out.update(ev.evaluate(s.credentials, s.run))
+                elif isinstance(ev, SamplingClientEvaluator):
+                    out.update(ev.evaluate(s.credentials, s.sampler_at(step), step))
+                else:
+                    raise TypeError(f"{type(ev).__name__} is neither a training- nor a sampling-client evaluator")
         s.record(step, out)
         return out
 
@@ -78,6 +81,7 @@ class StepLoop:
         """Loop until ``total`` optimizer steps are taken (see the module docstring)."""
         s = self.session
         progress = Progress(f"{s.recipe.upper()} {s.run_id}: steps done of {self.total}", self.total, s.step)
+        terminal = StepProgress(s.recipe, s.run_id, self.total, s.step)
         if s.step == 0 and self.evaluators:
             self.evaluate(0)
         rewinds = 0
@@ -92,9 +96,10 @@ class StepLoop:
                 emit("after_step", s.run_id, done)
                 last = done >= self.total
                 if self.evaluators and (last or (self._due(self.eval_every, done))):
-                    self.evaluate(done)
+                    metrics = {**metrics, **self.evaluate(done)}
                 if last or self._due(self.save_every, done):
                     s.checkpoint()
+                terminal.update(done, metrics)
             except ClientRewound as rew:
                 rewinds += 1
                 if rewinds > self.max_rewinds:

@@ -29,6 +29,7 @@ from prefect_tinker.flows.session import RunSession
 from prefect_tinker.recipes.builders import SourceFields
 from prefect_tinker.recipes.data_pipeline import batch_at
 from prefect_tinker.recipes.datasets import datum_from_example
+from prefect_tinker.recipes.progress import phase
 from prefect_tinker.recipes.reward_model import DEFAULT_QUESTION, ComparisonFormat, RewardModelBuilder, RewardModelData
 from prefect_tinker.tasks.data import prepare_dataset
 from prefect_tinker.tasks.reward_model import RewardModelEvaluator
@@ -79,7 +80,8 @@ def reward_model_flow(config: RewardModelConfig) -> dict[str, Any]:
     (losses, held-out accuracy and Brier score at the start and the end, ``sampler_path``)."""
     log = get_run_logger()
     with RunSession(config, builder=config.dataset_builder) as session:
-        data: RewardModelData = prepare_dataset(session.builder, session.tokenizer_id)
+        with phase(session.run_id, "preparing the dataset (reading, rendering, tokenizing; cached)"):
+            data: RewardModelData = prepare_dataset(session.builder, session.tokenizer_id)
         total = config.max_steps or len(data.train) // config.batch_size * config.num_epochs
         log.info("%d train / %d test comparisons (%s orders), %d steps (renderer %s); %s", len(data.train),
                  len(data.test), config.orders, total, data.renderer, data.skip_summary)

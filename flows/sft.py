@@ -26,6 +26,7 @@ from prefect_tinker.flows.session import RunSession
 from prefect_tinker.recipes.builders import EXAMPLE_CHATS, SourceFields, SupervisedBuilder, SupervisedData
 from prefect_tinker.recipes.data_pipeline import batch_at
 from prefect_tinker.recipes.datasets import datum_from_example
+from prefect_tinker.recipes.progress import phase
 from prefect_tinker.tasks.benchmark_evaluator import benchmark_evaluators
 from prefect_tinker.tasks.clients import tokenizer
 from prefect_tinker.tasks.data import prepare_dataset
@@ -74,7 +75,8 @@ def sft_flow(config: SFTConfig) -> dict[str, Any]:
     checkpoint paths, sampled completions)."""
     log = get_run_logger()
     with RunSession(config, builder=config.dataset_builder) as session:
-        data: SupervisedData = prepare_dataset(session.builder, session.tokenizer_id)
+        with phase(session.run_id, "preparing the dataset (reading, rendering, tokenizing; cached)"):
+            data: SupervisedData = prepare_dataset(session.builder, session.tokenizer_id)
         per_epoch = len(data.train) // config.batch_size
         total = config.max_steps or per_epoch * config.num_epochs
         test = [datum_from_example(ex) for ex in data.test]  # an Example: its media by reference
@@ -91,7 +93,8 @@ def sft_flow(config: SFTConfig) -> dict[str, Any]:
         evaluators = [*([NLLEvaluator(test)] if test else []), *data_evaluators(session.builder, data, session.tokenizer_id),
                       *benchmark_evaluators(session)]
         StepLoop(session, total, evaluators=evaluators).run(one_step)
-        samples = _sample(session, data, config)
+        with phase(session.run_id, f"final sampling ({min(config.num_eval_samples, len(data.test))} prompts)"):
+            samples = _sample(session, data, config)
         return session.finish({**_totals(session), "samples": samples}, title_fields={"dataset": f"`{config.dataset}`"})
 
 

@@ -28,7 +28,9 @@ from prefect_tinker.recipes.data_reading import (
     EXAMPLE_CHAT_PATH,
     OnError,
     SourceSpec,
+    check_capture_source,
     check_local_source,
+    is_capture_source,
     resolve_source_path,
     source_fingerprint,
 )
@@ -134,8 +136,6 @@ class DatasetBuilder(BaseModel, ABC):
 
     def uris(self) -> list[str]:
         """Asset URIs of the sources: ``file:///abs/path`` for local ones, ``hf://datasets/<id>`` else."""
-        from prefect_tinker.recipes.data_reading import is_capture_source
-
         out = []
         for spec in self.sources:
             path = resolve_source_path(spec.path)
@@ -149,13 +149,16 @@ class DatasetBuilder(BaseModel, ABC):
     def check(self) -> None:
         """Read and validate every record of the local sources without rendering (no tokenizer,
         no server): a bad record fails here, naming file, line and field, before a run starts.
+        ``capture:`` sources are read too (a filter selecting nothing usable fails here).
         Hugging Face ids are read by :meth:`build` only (they may be large or remote).
 
         Raises:
             DatasetFormatError / FileNotFoundError: as :meth:`build`.
         """
         for spec in self.sources:
-            if Path(resolve_source_path(spec.path)).expanduser().exists():
+            if is_capture_source(spec.path):  # captured conversations: read now, truncated replies counted
+                check_capture_source(spec)
+            elif Path(resolve_source_path(spec.path)).expanduser().exists():
                 self._check_source(spec)
 
     def _check_source(self, spec: SourceSpec) -> None:

@@ -46,7 +46,8 @@ from prefect_tinker.recipes.media_sources import absolutize_media
 
 __all__ = [
     "EXAMPLE_CHAT_PATH", "OnError", "SkipStats", "SourceSpec", "iter_conversations", "iter_records",
-    "check_local_source", "looks_local", "missing_local_source", "resolve_source_path", "source_fingerprint",
+    "check_capture_source", "check_local_source", "is_capture_source", "looks_local", "missing_local_source",
+    "resolve_source_path", "source_fingerprint",
 ]
 
 logger = logging.getLogger("prefect_tinker.recipes.data")
@@ -305,7 +306,7 @@ def iter_conversations(
     spec = SourceSpec.coerce(source)
     stats = stats if stats is not None else SkipStats()
     if is_capture_source(spec.path):
-        yield from _captured(spec)
+        yield from _captured(spec, stats)
         return
     local = Path(resolve_source_path(spec.path)).expanduser()
     base = local.parent.resolve() if local.is_file() else None  # relative media paths: next to the file
@@ -337,13 +338,40 @@ def iter_conversations(
         yield from convs
 
 
-def _captured(spec: SourceSpec) -> list[Conversation]:
+def _captured(spec: SourceSpec, stats: SkipStats | None = None) -> list[Conversation]:
     """The conversations of a ``capture:`` source (request messages + the reply given; tool
-    schemas in ``metadata["tools"]``), at most ``max_records``."""
+    schemas in ``metadata["tools"]``), at most ``max_records``. Replies cut by ``max_tokens``
+    (``finish_reason = 'length'``) are skipped and counted in ``stats`` (reason ``truncated``)
+    unless ``options.include_truncated`` is true."""
     from prefect_tinker.recipes.capture_data import parse_capture_source, read_captured_conversations
 
     root, where = parse_capture_source(spec.path)
-    return read_captured_conversations(root, where, limit=spec.max_records)
+    include = bool(spec.options.get("include_truncated", False))
+    out: list[Conversation] = []
+    for conv in read_captured_conversations(root, where, include_truncated=True):
+        if not include and "length" in (conv.metadata.get("finish_reason"), conv.metadata.get("stop_reason")):
+            if stats is not None:
+                stats.skip("truncated", f"{conv.source}: the reply was cut at max_tokens "
+                                        "(options.include_truncated=true keeps such replies)")
+            continue
+        out.append(conv)
+        if spec.max_records is not None and len(out) >= spec.max_records:
+            break
+    return out
+
+
+def check_capture_source(spec: SourceSpec) -> None:
+    """Read a ``capture:`` source as a run would, before it starts.
+
+    Raises:
+        DatasetFormatError: the filter selects no usable conversation; the message gives the
+            skip counts (e.g. ``3 skipped: 3 truncated``) and how to keep truncated replies.
+        CaptureFilterError: the filter is not one SQL expression, or DuckDB refused it.
+    """
+    stats = SkipStats()
+    if not _captured(spec, stats):
+        hint = "; options.include_truncated=true keeps replies cut at max_tokens" if stats.counts["truncated"] else ""
+        raise DatasetFormatError(f"no conversations in {spec.path} ({stats.summary()}{hint})")
 
 
 def _fail_or_skip(on_error: OnError, stats: SkipStats, reason: str, message: str) -> None:

@@ -2,10 +2,30 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
+
+# Hermetic: the session runs with a throw-away HOME, set before Prefect (or Ray, or Hugging Face) is
+# imported, so that nothing a user or another program left in ~/.prefect (profiles: an API URL or key),
+# ~/.ray (auth_token), ~/.prefect-tinker (an embedded server, stores) or ~/.cache is read, and nothing is
+# left there. Settings naming those places, a user's Prefect API and credentials are dropped too;
+# subprocesses inherit all of it. SmolLM2 comes from its wheel in site-packages and the test data from
+# ../shared/data, so nothing the tests need lives under HOME.
+if Path("~/.pyenv").expanduser().is_dir():  # a pyenv interpreter's shims find their versions through HOME
+    os.environ.setdefault("PYENV_ROOT", str(Path("~/.pyenv").expanduser()))
+SESSION_HOME = tempfile.mkdtemp(prefix="prefect-tinker-tests-home-")
+atexit.register(shutil.rmtree, SESSION_HOME, True)
+os.environ["HOME"] = SESSION_HOME
+for _name in ("PREFECT_HOME", "PREFECT_PROFILES_PATH", "PREFECT_PROFILE", "PREFECT_API_URL", "PREFECT_API_KEY",
+              "PREFECT_TINKER_HOME", "PREFECT_TINKER_STORE", "TINKER_API_KEY", "TINKER_BASE_URL",
+              "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE",
+              "TRANSFORMERS_CACHE", "RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+    os.environ.pop(_name, None)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -4,12 +4,11 @@ entry-point discovery that lets ``prefect block register`` and workers find them
 The suite checks a description, a documentation URL, a description ending with a period on every
 field and a code example with an import and a ``.load("BLOCK_NAME")`` line. Its logo test downloads
 the logo over the network, so it is skipped here (the blocks have no logo yet). The documentation
-links are checked against ``pyproject.toml`` and the headings of ``README.md``.
+links are checked against ``pyproject.toml``, the pages under ``docs/`` and the ``mkdocs.yml`` navigation.
 """
 
 from __future__ import annotations
 
-import re
 import tomllib
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -67,19 +66,13 @@ def test_secrets_are_masked_in_dumps_and_repr():
         assert schema["properties"][field]["anyOf"][0].get("format") == "password"
 
 
-def _github_anchor(heading: str) -> str:
-    """GitHub's anchor of a Markdown heading: lower case, punctuation dropped, spaces -> '-'."""
-    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
-
-
-def test_documentation_urls_are_readme_sections_of_the_project():
+def test_documentation_urls_are_pages_of_the_documentation_site():
     root = Path(__file__).resolve().parents[1]
     homepage = tomllib.loads((root / "pyproject.toml").read_text())["project"]["urls"]["Homepage"]
-    readme = (root / "README.md").read_text()
-    anchors = {_github_anchor(m) for m in re.findall(r"^#{1,6} (.+)$", readme, flags=re.M)}
-    assert {"backends", "stores"} <= anchors
+    nav = (root / "mkdocs.yml").read_text()
+    prefix = f"{homepage}/blob/main/docs/"
     for block in BLOCKS:
         url = block._documentation_url
-        prefix = f"{homepage}/blob/main/README.md#"
-        assert url.startswith(prefix), (block.__name__, url)
-        assert url.removeprefix(prefix) in anchors, (block.__name__, url)
+        assert url.startswith(prefix) and url.endswith(".md"), (block.__name__, url)
+        page = url.removeprefix(prefix)
+        assert (root / "docs" / page).is_file() and f": {page}" in nav, (block.__name__, url)

@@ -223,3 +223,35 @@ def test_sft_trains_on_captured_conversations_through_a_filter(prefect_api, loca
 
     convs = load_conversations(f"capture:{root}::{where}")
     assert len(convs) == expected and all(c.messages[-1]["content"].startswith("The number is") for c in convs)
+
+
+def test_capture_filter_of_the_docs_and_truncated_replies_counted(tmp_path, capsys):
+    """`dataset=capture:STORE::client = 'agent-a'` (the documented syntax) selects agent-a's chat
+    rows; replies cut at max_tokens are skipped and counted (reason `truncated`), kept with
+    `options.include_truncated=true`; a filter selecting only truncated replies fails up front, in
+    one line that says so."""
+    from prefect_tinker.flows import cli
+    from prefect_tinker.recipes.data_reading import SkipStats, SourceSpec, iter_conversations
+
+    root = str(tmp_path / "captured")
+    base = _rows()[0]
+    rows = [dict(base, request_id=f"r{i}", client="agent-a" if i < 3 else "agent-b",
+                 finish_reason="length" if i == 2 else "stop", stop_reason="length" if i == 2 else "stop")
+            for i in range(5)]
+    _write(root, rows)
+    source = f"capture:{root}::client = 'agent-a'"
+    stats = SkipStats()
+    got = list(iter_conversations(source, stats=stats))
+    assert [c.metadata["request_id"] for c in got] == ["r0", "r1"] and stats.summary() == "1 skipped: 1 truncated"
+    keep = list(iter_conversations(SourceSpec(path=source, options={"include_truncated": True})))
+    assert [c.metadata["request_id"] for c in keep] == ["r0", "r1", "r2"]
+    assert cli.main(["run", "sft", "model=tiny", f"dataset={source}", "--dry-run"]) == 0
+    capsys.readouterr()
+
+    only_cut = f"capture:{root}::client = 'agent-a' AND request_id = 'r2'"
+    assert cli.main(["run", "sft", "model=tiny", f"dataset={only_cut}", "--dry-run"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (f"error: invalid data for flow 'sft': no conversations in {only_cut} (1 skipped: "
+                                 "1 truncated; options.include_truncated=true keeps replies cut at max_tokens)\n")
+    assert cli.main(["run", "sft", "model=tiny", f"dataset={only_cut}", "options.include_truncated=true",
+                     "--dry-run"]) == 0

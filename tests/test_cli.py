@@ -76,6 +76,11 @@ def test_runs_and_checkpoints_helpers(store_root, capsys):
     assert rows[0]["run_id"] == "r1" and rows[0]["steps_done"] == 3  # train metrics at steps 0..2
     assert cli.main(["checkpoints", "r1", "--store", store_root]) == 0
     assert capsys.readouterr().out.strip().endswith("(0 rows)")
+    # a run id that is not in the store: one line naming it, exit 2 (not an empty table)
+    assert cli.main(["checkpoints", "nosuchrun", "--store", store_root]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (f"error: no run 'nosuchrun' in the store {store_root} "
+                                 f"(prefect-tinker runs --store {store_root} lists them)\n")
 
 
 def test_runs_steps_done_counts_optimizer_steps(tmp_path, capsys):
@@ -414,7 +419,29 @@ def test_missing_dataset_file_fails_at_config_time(flow, extra, tmp_path, monkey
             assert out == "" and err == (f"error: invalid config for flow {flow!r} ({model.__name__}): "
                                          f"dataset = {value!r}: file not found: {shown} (from command line)\n")
     assert not (tmp_path / "store").exists()  # nothing recorded
-    (tmp_path / "chats.jsonl").write_text("{}\n")
+    # a file that exists and holds a valid record (for SFT and for the math env): its data is checked too
+    (tmp_path / "chats.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "1+1?"},
+                                                                  {"role": "assistant", "content": "2"}],
+                                                     "question": "1+1?", "answer": "2"}) + "\n")
     for value in ["chats.jsonl", "HuggingFaceH4/no_robots", "openai/gsm8k"]:  # a file that exists, HF ids
         assert cli.main(["run", flow, *extra, f"dataset={value}", "--dry-run"]) == 0
         assert json.loads(capsys.readouterr().out)["dataset"] == value
+
+
+def test_local_serve_on_a_busy_port_fails_before_loading_a_model(tmp_path, capsys):
+    """`local serve` on a port another process listens on: one line naming host, port and the OS
+    error, exit 2, at once (no model is loaded first)."""
+    import socket
+    import time
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        t0 = time.monotonic()
+        rc = cli.main(["local", "serve", "--model", "tiny", "--port", str(port), "--root", str(tmp_path)])
+        took = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert rc == 2 and took < 2.0, (rc, took)
+    assert err.count("\n") == 1 and err.startswith(f"error: cannot listen on 127.0.0.1:{port}: ")
+    assert "Address already in use" in err

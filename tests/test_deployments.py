@@ -315,7 +315,7 @@ def test_block_types_registered_and_secret_masked(ctx):
                      "tinker-eval-store", "tinker-capture-store"):
             t = slugs[slug]
             assert t.description and "BLOCK_NAME" in (t.code_example or ""), slug
-            assert str(t.documentation_url).startswith("https://github.com/prefect-tinker/prefect-tinker/blob/main/README.md#"), slug
+            assert str(t.documentation_url).startswith("https://github.com/prefect-tinker/prefect-tinker/blob/main/docs/"), slug
     with temporary_settings({PREFECT_API_URL: ctx.stack.api_url}):
         TinkerCredentials(api_key="tml-very-secret", base_url="http://gpu-box:8000").save("with-key", overwrite=True)
         with ctx.stack.client() as c:

@@ -1,6 +1,6 @@
 """Benchmarks during training and the eval flow over a training run's checkpoints: SFT runs with
 ``evaluators``, ``model=run:<id>`` (sampler checkpoints, and a state without sampler weights),
-incremental re-runs over a growing run, the training curves and the README's SQL join."""
+incremental re-runs over a growing run, the training curves and the SQL join of docs/stores.md."""
 
 from __future__ import annotations
 
@@ -37,9 +37,9 @@ def _samples_sent(local_credentials) -> int:
 
 
 def _readme_sql() -> str:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "stores.md").read_text()
     m = re.search(r'prefect-tinker sql --store s3://bucket/pt "(SELECT r\.run_id.*?)"\n', text, re.S)
-    assert m, "the README's eval_results x runs query is gone"
+    assert m, "the eval_results x runs query of docs/stores.md is gone"
     return " ".join(m.group(1).split())
 
 
@@ -92,7 +92,7 @@ def test_training_evaluators_then_eval_flow_over_the_growing_run(prefect_api, lo
                                "WHERE r.metric = 'accuracy' GROUP BY ALL")
     assert len(rows) == 9 and all(r["value"] == pytest.approx(r["m"]) for r in rows)
 
-    # the README's join of eval_results with runs.config_json, as written
+    # docs/stores.md's join of eval_results with runs.config_json, as written
     joined = _sql(capsys, store, _readme_sql())
     assert [(r["run_id"], r["step"]) for r in joined if r["run_id"] == "sft-a"] == [("sft-a", s) for s in range(4)]
     assert [(r["run_id"], r["step"]) for r in joined if r["run_id"] == "sft-b"] == [("sft-b", 1)]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from prefect_tinker.flows.cli import main as cli_main
+from prefect_tinker.cli.main import main as cli_main
 
 PLUGIN = Path(__file__).resolve().parent / "plugins" / "demo_plugin"
 
@@ -57,7 +57,7 @@ def plugin_cli(tmp_path_factory, local_credentials, prefect_api):
 
     def run(*argv: str) -> str:
         args = [*argv, local_root] if argv[0] == "run" else list(argv)
-        proc = subprocess.run([sys.executable, "-m", "prefect_tinker.flows.cli", *args], env=env, cwd=home,
+        proc = subprocess.run([sys.executable, "-m", "prefect_tinker.cli.main", *args], env=env, cwd=home,
                               capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, \
             f"prefect-tinker {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

@@ -30,7 +30,7 @@ from pydantic import ConfigDict, Field, SecretStr, field_validator
 
 from tinker_blocks.docs import docs_url
 from tinker_local import launcher
-from tinker_local.launcher import LocalServerError
+from tinker_local.launcher import LocalServerError, server_identity
 from tinker_local.launcher import default_root as default_local_root
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "default_local_root",
     "ensure_local_server",
     "server_command",
+    "server_identity",
     "stop_local_server",
 ]
 
@@ -320,17 +321,28 @@ def ensure_local_server(block: TinkerCredentials) -> dict:
     (:func:`tinker_local.launcher.ensure_server` with :func:`server_command`).
 
     Returns:
-        The record ``{"pid", "port", "base_url", "log", "started_at", "command"}``.
+        The record ``{"pid", "port", "base_url", "log", "started_at", "command", "identity"}``
+        (:func:`server_identity`). A recorded server with another identity is stopped and replaced,
+        unless a session heartbeated to it within the last minute.
 
     Raises:
         LocalServerError: the server exited early or did not answer ``/api/v1/healthz`` within
-            ``block.local_startup_timeout`` seconds; the message includes the log's tail.
+            ``block.local_startup_timeout`` seconds (the message includes the log's tail), or a
+            stale server is still in use by live sessions (one line saying what differs).
     """
     root = block.resolved_local_root()
     return launcher.ensure_server(
         root, lambda port: server_command(block, port, root), port=block.local_port,
         startup_timeout=block.local_startup_timeout, logger=block.logger,
+        api_key=block.api_key.get_secret_value() if block.api_key else LOCAL_API_KEY, on_replace=_forget_clients,
     )
+
+
+def _forget_clients(record: dict) -> None:
+    """Drop the cached SDK clients of a server about to be replaced (``record``: its server.json)."""
+    with _clients_lock:
+        for key in [k for k, v in _clients.items() if v[0] == record["base_url"]]:
+            del _clients[key]
 
 
 def stop_local_server(local_root: str | os.PathLike[str] | None = None, timeout: float = 10.0) -> bool:

@@ -158,6 +158,23 @@ def keys_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def port_unavailable(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on (e.g. ``"[Errno 98] Address already in use"``), or None.
+
+    Binds a TCP socket the way uvicorn does (``SO_REUSEADDR``, so a port in ``TIME_WAIT`` counts as
+    free) and closes it again; the family follows ``host`` (IPv6 when it contains ``:``)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            return str(exc)
+    return None
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m tinker_local") -> int:
     """Parse ``argv`` (without the program name) and run the command; returns an exit code."""
     args = build_parser(prog).parse_args(argv)
@@ -185,6 +202,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m tinker_local") ->
             if getattr(args, flag) is not None and getattr(args, flag) < 1:
                 print(f"error: --{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}", file=sys.stderr)
                 return 2
+        busy = port_unavailable(args.host, args.port)
+        if busy:  # before loading any model (seconds to minutes), not after
+            print(f"error: cannot listen on {args.host}:{args.port}: {busy} (pick another --port; "
+                  "'prefect-tinker local status' shows the embedded server)", file=sys.stderr)
+            return 2
         from .faults import FaultConfig
         from .server import InsecureBind, serve
         from .tenancy import Limits

@@ -12,6 +12,9 @@ Used by ``TinkerCredentials(local=True)`` (:mod:`tinker_blocks.credentials`) and
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -24,6 +27,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import IO, Any
 
@@ -32,6 +36,9 @@ from tinker_local.server_env import server_environment
 
 __all__ = [
     "HEALTH_PATH",
+    "active_sessions",
+    "identity_change",
+    "server_identity",
     "LOG_FILE",
     "SERVER_FILE",
     "LocalServerError",
@@ -137,6 +144,65 @@ def _file_lock(path: Path) -> Iterator[None]:
         yield
 
 
+
+@functools.lru_cache(maxsize=1)
+def server_identity() -> dict[str, str]:
+    """What a server started by this process would run: ``python`` (the interpreter, symlinks
+    resolved), ``version`` (of the prefect-tinker distribution) and ``code`` (``sha256:`` over the
+    path and content of every ``.py`` file of the ``tinker_local`` package, in path order).
+    Recorded in ``server.json``; a recorded server with another identity is stale (another
+    virtualenv, an upgrade, edited server code). Computed once per process."""
+    try:
+        version = importlib.metadata.version("prefect-tinker")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    pkg = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for f in sorted(pkg.rglob("*.py")):
+        digest.update(f.relative_to(pkg).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return {"python": os.path.realpath(sys.executable), "version": version, "code": "sha256:" + digest.hexdigest()}
+
+
+def identity_change(record: dict[str, Any]) -> str | None:
+    """How the recorded server's identity differs from :func:`server_identity` (e.g. ``"code
+    sha256:ab.. -> sha256:cd.."``; a record without one: ``"no identity recorded"``), or None."""
+    was, now = record.get("identity"), server_identity()
+    if not isinstance(was, dict):
+        return "no identity recorded (started by an older version)"
+
+    def shown(key: str, value: Any) -> str:  # code hashes: their first 12 hex digits
+        return str(value)[:19] if key == "code" else str(value)
+
+    diff = [f"{k} {shown(k, was.get(k))} -> {shown(k, now[k])}" for k in now if was.get(k) != now[k]]
+    return ", ".join(diff) or None
+
+
+def active_sessions(base_url: str, api_key: str) -> int:
+    """Sessions of the server at ``base_url`` in use: whose client heartbeated within the last
+    minute (the server's ``active`` status, ``POST /api/v1/sessions/search``) or, not finished,
+    created within the last minute (the SDK's first heartbeat comes 10 s after); 0 when it cannot
+    tell."""
+    req = urllib.request.Request(base_url + "/api/v1/sessions/search", data=json.dumps({"limit": 200}).encode(),
+                                 headers={"Content-Type": "application/json", "X-API-Key": api_key}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=5.0) as resp:  # noqa: S310
+            sessions = json.loads(resp.read()).get("sessions") or []
+    except (urllib.error.URLError, OSError, ValueError):
+        return 0
+
+    def live(s: dict[str, Any]) -> bool:
+        status = (s.get("status") or {}).get("type")
+        if status is not None:
+            return bool(status == "active")
+        try:
+            created = datetime.fromisoformat(str(s.get("created_at")).replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            return False
+        return time.time() - created < 60.0
+
+    return sum(1 for s in sessions if live(s))
+
+
 def ensure_server(
     root: Path,
     command: Callable[[int], list[str]],
@@ -144,16 +210,21 @@ def ensure_server(
     port: int | None = None,
     startup_timeout: float = 120.0,
     logger: logging.Logger | logging.LoggerAdapter[Any] | None = None,
+    api_key: str = "tml-local",
+    on_replace: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Reuse the healthy server recorded in ``<root>/server.json`` (on ``port`` when given) or
     start ``command(port)`` (on ``port`` or a free port) as a detached process with the secret-free
     environment of :func:`tinker_local.server_env.server_environment`, and wait for its health check.
+    A recorded server of another :func:`server_identity` (other interpreter, version or server
+    code) is stopped and replaced (``on_replace(record)`` is called first, e.g. to drop cached
+    clients), unless live sessions use it (asked with ``api_key``).
 
     Returns:
         The record ``{"pid", "port", "base_url", "log", "started_at", "command"}``.
 
     Raises:
-        LocalServerError: the port serves something unrecorded, or the server exited early or did
+        LocalServerError: a stale server still in use, the port serves something unrecorded, or the server exited early or did
             not answer ``/api/v1/healthz`` within ``startup_timeout`` seconds (it is then stopped);
             the message includes the tail of ``server.log``.
     """
@@ -166,7 +237,22 @@ def ensure_server(
             and pid_alive(int(record.get("pid", -1)))
             and healthy(record["base_url"])
         ):
-            return record
+            change = identity_change(record)
+            if change is None:
+                return record
+            busy = active_sessions(record["base_url"], api_key)
+            if busy:
+                raise LocalServerError(
+                    f"the embedded server at {record['base_url']} (pid {record['pid']}) runs other code ({change}) "
+                    f"and {busy} live session(s) still use it; let them finish, then 'prefect-tinker local stop' "
+                    f"(or give another backend.local_root)"
+                )
+            (logger or _log).warning("Restarting the embedded local server %s (pid %s): %s",
+                                     record["base_url"], record["pid"], change)
+            if on_replace is not None:
+                on_replace(record)
+            terminate(int(record["pid"]), timeout=10.0)
+            (root / SERVER_FILE).unlink(missing_ok=True)
         port = port or free_port()
         base_url = f"http://127.0.0.1:{port}"
         if healthy(base_url):
@@ -202,7 +288,7 @@ def ensure_server(
             time.sleep(0.1)
         record = {
             "pid": proc.pid, "port": port, "base_url": base_url, "log": str(log_path),
-            "started_at": time.time(), "command": cmd,
+            "started_at": time.time(), "command": cmd, "identity": server_identity(),
         }
         tmp = root / (SERVER_FILE + ".tmp")
         tmp.write_text(json.dumps(record, indent=2))

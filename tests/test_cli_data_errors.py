@@ -1,0 +1,52 @@
+"""Data errors up front: `prefect-tinker run` reads and validates the run's data before anything
+starts (no flow run, no server, no store row) and reports the first bad record in one line naming
+file, line and field, exit status 2; the traceback only with --debug."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from prefect_tinker.flows import cli
+
+GOOD = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
+
+
+@pytest.fixture
+def files(tmp_path):
+    good = json.dumps(GOOD)
+    (tmp_path / "broken.jsonl").write_text(f'{good}\n{{"messages": [broken\n')
+    (tmp_path / "missing.jsonl").write_text(f'{good}\n{good}\n{{"msgs": []}}\n')
+    (tmp_path / "problems.jsonl").write_text('{"question": "1+1?", "answer": "2"}\n{"question": "2+2?"}\n')
+    return tmp_path
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["sft", "dataset={d}/broken.jsonl"], "{d}/broken.jsonl:2: malformed JSON (Expecting value at column 15)"),
+    (["sft", "dataset={d}/missing.jsonl"], "{d}/missing.jsonl:3: field 'messages' is missing (record has: msgs)"),
+    (["dpo", "dataset={d}/missing.jsonl"], "{d}/missing.jsonl:1: field 'chosen'"),
+    (["sft", "dataset={d}/missing.jsonl", "format=nosuch"], "format = 'nosuch': unknown dataset format 'nosuch'; "
+                                                             "accepted: alpaca,"),
+    (["rl", "env=math", "dataset={d}/problems.jsonl"], "{d}/problems.jsonl:2"),
+])
+def test_bad_data_is_one_line_before_anything_starts(files, argv, expected, capsys, monkeypatch):
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # nothing may talk to Prefect
+    store = files / "store"
+    argv = [a.format(d=files) for a in argv]
+    for extra in ([], ["--dry-run"]):
+        assert cli.main(["run", *argv, "model=tiny", f"store={store}", *extra]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1, err
+        assert err.startswith(f"error: invalid data for flow {argv[0]!r}: {expected.format(d=files)}"), err
+        assert "Traceback" not in err
+    assert not store.exists()  # nothing recorded, no server started
+
+
+def test_debug_shows_the_traceback(files, capsys):
+    argv = ["run", "sft", f"dataset={files}/broken.jsonl", "model=tiny", f"store={files}/store", "--debug"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "DatasetFormatError" in err
+    assert err.splitlines()[-1] == f"error: invalid data for flow 'sft': {files}/broken.jsonl:2: malformed JSON " \
+                                   "(Expecting value at column 15)"
