@@ -43,6 +43,7 @@ from pydantic import BaseModel, Field
 from prefect_tinker.recipes.media import has_media, media_key, model_input_from_tokens
 from prefect_tinker.recipes.rl.types import EnvGroupBuilder, RolloutContext, Trajectory, TrajectoryGroup, Transition
 from prefect_tinker.tasks.clients import sampling_client
+from prefect_tinker.tasks.judge import judge_reply
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
 
 __all__ = ["RolloutPolicy", "RolloutError", "group_seed", "run_group_rollout", "rollout_group",
@@ -103,6 +104,7 @@ def run_group_rollout(
     sampler: Any, builder: EnvGroupBuilder, *, seed: int, max_tokens: int, temperature: float = 1.0,
     policy: RolloutPolicy | None = None, batch_index: int = 0, group_index: int = 0,
     sampler_path: str = "", sampler_step: int = 0, clients: Callable[[str], Any] | None = None,
+    judge: Callable[[Any], str] | None = None,
 ) -> TrajectoryGroup:
     """Roll out the envs of ``builder`` with ``sampler`` (anything with the SDK's ``sample``).
 
@@ -115,6 +117,7 @@ def run_group_rollout(
     Args:
         clients: ``path -> sampling client`` for other weights the envs use (an answerer), lent
             to the builder through :class:`~prefect_tinker.recipes.rl.types.RolloutContext`.
+        judge: ``JudgeRequest -> answer text`` for envs graded by a judge model (lent the same way).
 
     Returns:
         The group (failed members removed, ``errors`` counted); ``trajectories_G`` empty when
@@ -127,7 +130,7 @@ def run_group_rollout(
     t0 = time.perf_counter()
     ctx = RolloutContext(
         sample=lambda ob, stop, s: _sample(sampler, list(ob), 1, stop, s, max_tokens, temperature)[0],
-        sampling_client=clients or RolloutContext.sampling_client, seed=seed)
+        sampling_client=clients or RolloutContext.sampling_client, seed=seed, judge=judge or RolloutContext.judge)
     where = f"batch {batch_index} group {group_index}"
     try:
         envs = list(builder.make_envs_in(ctx))
@@ -240,6 +243,7 @@ def rollout_group(
         sampler, builder, seed=group_seed(seed, batch_index, group_index), max_tokens=max_tokens,
         temperature=temperature, policy=policy, batch_index=batch_index, group_index=group_index,
         sampler_path=sampler_path, sampler_step=sampler_step, clients=functools.partial(sampling_client, credentials),
+        judge=functools.partial(judge_reply, credentials),
     )
 
 

@@ -168,6 +168,10 @@ def _no_clients(path: str) -> Any:
     raise RuntimeError(f"this rollout has no sampling clients besides the policy's (asked for {path!r})")
 
 
+def _no_judge(request: Any) -> str:
+    raise RuntimeError("this rollout has no judge (run it inside a rollout task, which lends its cached judge task)")
+
+
 @dataclass(frozen=True)
 class RolloutContext:
     """What a rollout task lends the builder of the group it rolls out.
@@ -179,11 +183,15 @@ class RolloutContext:
             for other weights on the task's backend (``base:<model>`` or
             ``tinker://.../sampler_weights/...``), created once per process.
         seed: the group's sampling seed (derive per-action seeds from it).
+        judge: ``judge(request) -> answer text``: a
+            :class:`~prefect_tinker.recipes.rl.judge.JudgeRequest` graded by its judge model (the
+            rollout task's cached ``judge-reply`` task, on the task's backend).
     """
 
     sample: Callable[[list[int], StopCondition, int], SampledAction]
     sampling_client: Callable[[str], Any] = _no_clients
     seed: int = 0
+    judge: Callable[[Any], str] = _no_judge
 
 
 class EnvGroupBuilder(ABC):
