@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 from prefect import flow, get_run_logger
 from prefect.utilities.annotations import quote
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from prefect_tinker.flows.config import RecipeConfig
 from prefect_tinker.flows.loop import StepLoop
@@ -55,6 +55,13 @@ class DecisionsConfig(SourceFields, RecipeConfig):
     learning_rate: float = Field(default=1e-4, gt=0, description="Peak learning rate.")
     test_size: float = Field(default=0.25, ge=0, description="Held-out fraction (<1) or count (>=1), split with `seed`.")
     calibration_bins: int = Field(default=10, ge=2, description="Confidence bins of the ECE and the reliability diagram.")
+
+    @field_validator("choices")
+    @classmethod
+    def _distinct(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v) or any(not c.strip() for c in v):
+            raise ValueError(f"choices must be distinct non-empty names, got {v}")
+        return v
 
     def dataset_builder(self, renderer: str) -> DecisionBuilder:
         """The decision records of this run for the (resolved) ``renderer``."""

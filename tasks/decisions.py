@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import io
+import threading
 from typing import Any
 
 import numpy as np
@@ -32,15 +33,27 @@ from prefect_tinker.tasks.training import forward
 __all__ = ["DecisionEvaluator", "choice_loss_handle", "plot_reliability"]
 
 
+_handles: dict[int, tuple[Any, Any]] = {}
+_handles_lock = threading.Lock()
+
+
 def choice_loss_handle(credentials: Any) -> Any:
     """The ``LossHandle`` of :func:`~prefect_tinker.recipes.decisions.choice_loss` on the
-    credentials' service client (uploaded once per call; the graph is a few dozen nodes).
+    credentials' service client, uploaded once per service client (the SDK refuses a second upload
+    of the same traced loss in one session) and reused by every later run of the process.
 
     Raises:
         tinker errors: the server refused the graph (a user error naming the op).
     """
-    handle = credentials.get_client().create_custom_loss(choice_loss, CHOICE_LOSS_RANKS)
-    return handle.result() if hasattr(handle, "result") else handle
+    service = credentials.get_client()
+    with _handles_lock:
+        known = _handles.get(id(service))
+        if known is not None and known[0] is service:
+            return known[1]
+        handle = service.create_custom_loss(choice_loss, CHOICE_LOSS_RANKS)
+        handle = handle.result() if hasattr(handle, "result") else handle
+        _handles[id(service)] = (service, handle)
+        return handle
 
 
 def plot_reliability(bins: list[dict[str, float]], title: str) -> bytes:
