@@ -70,6 +70,9 @@ for _recipe in (
     Recipe("rlhf", "prefect_tinker.flows.rlhf:rlhf_flow",
            "RLHF: SFT -> reward model -> RL from the reward model, one subflow (and run) per stage",
            ()),
+    Recipe("decisions", "prefect_tinker.flows.decisions:decisions_flow",
+           "a distribution over named choices from label-token probabilities; cross-entropy / KL, calibration",
+           ("train/ce", "test/accuracy", "test/brier", "test/ece")),
 ):
     RECIPES.register(_recipe.name, _recipe)
 

@@ -8,7 +8,8 @@ A source (:class:`SourceSpec`) is one of:
   (:mod:`prefect_tinker.recipes.media_sources`);
 - ``"builtin:example_chat"``: the chat set shipped with this package; ``"builtin:example_prefs"``:
   its comparisons (``{"prompt", "chosen", "rejected"}``); ``"builtin:sentiment_sentences"``: raw
-  sentences for prompt distillation;
+  sentences for prompt distillation; ``"builtin:forecasting_questions"``: binary questions with
+  their resolution (``{"question", "resolution"}``) for the ``forecasting`` environment;
 - anything else goes to ``datasets.load_dataset`` (the real Hugging Face ``datasets`` code): a
   dataset id on the Hub or in the local cache (``config_name``, ``split``), a local dataset
   directory, or a ``.json``/``.parquet``/``.csv``/``.arrow`` file; with ``streaming=True`` rows are
@@ -59,8 +60,11 @@ EXAMPLE_PREFS_PATH = str(Path(__file__).resolve().parent / "data" / "example_pre
 #: 64 short sentences written for the package, half plainly positive and half plainly negative
 #: (``{"text", "label"}``): raw inputs for prompt distillation of a classification instruction.
 SENTIMENT_SENTENCES_PATH = str(Path(__file__).resolve().parent / "data" / "sentiment_sentences.jsonl")
+#: 40 yes/no questions written for the package, half resolved yes (``{"question", "resolution"}``).
+FORECASTING_QUESTIONS_PATH = str(Path(__file__).resolve().parent / "data" / "forecasting_questions.jsonl")
 _BUILTIN = {"builtin:example_chat": EXAMPLE_CHAT_PATH, "builtin:example_prefs": EXAMPLE_PREFS_PATH,
-            "builtin:sentiment_sentences": SENTIMENT_SENTENCES_PATH}
+            "builtin:sentiment_sentences": SENTIMENT_SENTENCES_PATH,
+            "builtin:forecasting_questions": FORECASTING_QUESTIONS_PATH}
 _BUILDERS = {".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 _JSONL = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz")
 

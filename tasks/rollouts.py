@@ -50,6 +50,7 @@ from prefect_tinker.recipes.rl.types import (
     Transition,
 )
 from prefect_tinker.tasks.clients import sampling_client
+from prefect_tinker.tasks.judge import judge_reply
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
 from prefect_tinker.tasks.reward_model import pair_preferences
 
@@ -129,6 +130,7 @@ def run_group_rollout(
     policy: RolloutPolicy | None = None, batch_index: int = 0, group_index: int = 0,
     sampler_path: str = "", sampler_step: int = 0, clients: Callable[[str], Any] | None = None,
     pair_preferences: PairPreferences | None = None,
+    judge: Callable[[Any], str] | None = None,
 ) -> TrajectoryGroup:
     """Roll out the envs of ``builder`` with ``sampler`` (anything with the SDK's ``sample``).
 
@@ -143,6 +145,7 @@ def run_group_rollout(
             to the builder through :class:`~prefect_tinker.recipes.rl.types.RolloutContext`.
         pair_preferences: the reward model client lent to the builder the same way (group rewards
             of ``pairwise_preference``).
+        judge: ``JudgeRequest -> answer text`` for envs graded by a judge model (lent the same way).
 
     Returns:
         The group (failed members removed, ``errors`` counted); ``trajectories_G`` empty when
@@ -157,7 +160,8 @@ def run_group_rollout(
     ctx = RolloutContext(
         sample=lambda ob, stop, s: _sample(sampler, list(ob), 1, stop, s, max_tokens, temperature, usage)[0][:3],
         sampling_client=clients or RolloutContext.sampling_client, seed=seed,
-        pair_preferences=pair_preferences or RolloutContext.pair_preferences)
+        pair_preferences=pair_preferences or RolloutContext.pair_preferences,
+        judge=judge or RolloutContext.judge)
     where = f"batch {batch_index} group {group_index}"
     try:
         envs = list(builder.make_envs_in(ctx))
@@ -281,6 +285,7 @@ def rollout_group(
         temperature=temperature, policy=policy, batch_index=batch_index, group_index=group_index,
         sampler_path=sampler_path, sampler_step=sampler_step, clients=functools.partial(sampling_client, credentials),
         pair_preferences=functools.partial(pair_preferences, credentials),
+        judge=functools.partial(judge_reply, credentials),
     )
 
 

@@ -185,6 +185,10 @@ def _no_reward_model(path: str, comparisons: list[tuple[Any, Any]]) -> list[floa
                        f"with {path!r}): roll out inside a rollout task, or give run_group_rollout pair_preferences=")
 
 
+def _no_judge(request: Any) -> str:
+    raise RuntimeError("this rollout has no judge (run it inside a rollout task, which lends its cached judge task)")
+
+
 @dataclass(frozen=True)
 class RolloutContext:
     """What a rollout task lends the builder of the group it rolls out.
@@ -198,12 +202,16 @@ class RolloutContext:
         seed: the group's sampling seed (derive per-action seeds from it).
         pair_preferences: the reward model client of the task's backend (:data:`PairPreferences`),
             for builders rewarded by a pairwise reward model.
+        judge: ``judge(request) -> answer text``: a
+            :class:`~prefect_tinker.recipes.rl.judge.JudgeRequest` graded by its judge model (the
+            rollout task's cached ``judge-reply`` task, on the task's backend).
     """
 
     sample: Callable[[list[int], StopCondition, int], SampledAction]
     sampling_client: Callable[[str], Any] = _no_clients
     seed: int = 0
     pair_preferences: PairPreferences = _no_reward_model
+    judge: Callable[[Any], str] = _no_judge
 
 
 class EnvGroupBuilder(ABC):
