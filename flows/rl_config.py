@@ -30,7 +30,7 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
 
     recipe: ClassVar[str] = "rl"
     resume_fields: ClassVar[tuple[str, ...]] = (
-        *RecipeConfig.resume_fields, *EnvSpec.resume_fields(), "group_size", "groups_per_batch", "loss_fn",
+        *RecipeConfig.resume_fields, *EnvSpec.env_resume_fields(), "group_size", "groups_per_batch", "loss_fn",
         "loss_options", "advantage_estimator", "clip_low_threshold", "clip_high_threshold", "kl_penalty_coef",
         "kl_reference", "remove_constant_reward_groups", "normalize_advantages_std", "num_substeps")
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import tinker
@@ -44,6 +44,8 @@ __all__ = [
     "validate_messages",
 ]
 
+
+ItemT = TypeVar("ItemT")  # an item of a split (a Conversation, a decision example, ...)
 
 def load_conversations(
     source: str | os.PathLike[str] | SourceSpec,
@@ -96,8 +98,8 @@ def load_conversations(
 
 
 def split_conversations(
-    conversations: Sequence[Conversation], test_size: int | float, seed: int = 0
-) -> tuple[list[Conversation], list[Conversation]]:
+    conversations: Sequence[ItemT], test_size: int | float, seed: int = 0
+) -> tuple[list[ItemT], list[ItemT]]:
     """Deterministic train/test split.
 
     Args:

@@ -48,6 +48,9 @@ class StabilityRecord:
 class StabilityMixin:
     """Needs ``self.clock`` and ``self.store``; state is created on first use."""
 
+    clock: Any
+    store: Any
+
     def _stability(self) -> tuple[dict[str, StabilityRecord], threading.Lock]:
         st = self.__dict__.get("_stability_state")
         if st is None:

@@ -130,7 +130,7 @@ __all__ = [
 #: Renderer factories ``factory(tokenizer, **kwargs) -> Renderer`` by name; plugins add theirs
 #: through the ``prefect_tinker.renderers`` entry-point group.
 RENDERERS: Registry[Callable[..., Renderer]] = Registry("renderer", "prefect_tinker.renderers")
-for _name, _factory in {
+_BUILTIN_RENDERERS: dict[str, Callable[..., Renderer]] = {
     "role_colon": RoleColonRenderer,
     "chatml": ChatMLRenderer,
     "smollm2": SmolLM2Renderer,
@@ -142,7 +142,8 @@ for _name, _factory in {
     "qwen3_vl_instruct": partial(TmlRenderer, family="qwen3_vl_instruct"),
     "qwen3_vl": partial(TmlRenderer, family="qwen3_vl"),
     "tml_v0": partial(TmlRenderer, family="tml_v0"),
-}.items():
+}
+for _name, _factory in _BUILTIN_RENDERERS.items():
     RENDERERS.register(_name, _factory)
 
 

@@ -165,7 +165,7 @@ class ProblemDataset(RLDataset):
         ValueError: fewer problems than ``groups_per_batch``.
     """
 
-    def __init__(self, problems: Sequence[Problem], groups_per_batch: int, make_builder, seed: int = 0):
+    def __init__(self, problems: Sequence[Any], groups_per_batch: int, make_builder, seed: int = 0):
         if len(problems) < groups_per_batch:
             raise ValueError(f"groups_per_batch={groups_per_batch} is larger than the number of problems ({len(problems)})")
         self.problems = list(problems)

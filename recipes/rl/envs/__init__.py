@@ -97,7 +97,7 @@ class Environment:
         server): a bad record fails here, naming file, line and field. Default: nothing to read."""
 
     @classmethod
-    def options(cls, spec: EnvSpec) -> BaseModel:
+    def options(cls, spec: EnvSpec) -> Any:
         """``spec.env_options`` validated by :attr:`Options` (the spec's own environment's options are
         validated once: :attr:`EnvSpec.typed_env_options`)."""
         if isinstance(spec, EnvSpec) and spec.env == cls.name:
@@ -191,7 +191,7 @@ class EnvSpec(BaseModel):
     source_fields: ClassVar[tuple[str, ...]] = ("dataset", "dataset_config", "split", "max_problems")
 
     @classmethod
-    def resume_fields(cls) -> tuple[str, ...]:
+    def env_resume_fields(cls) -> tuple[str, ...]:
         """The fields a resumed run must keep: every field of the spec (``env_options`` as a
         whole, so every option of every environment) except :attr:`source_fields`."""
         return tuple(f for f in cls.model_fields if f not in cls.source_fields)

@@ -52,6 +52,7 @@ class ForecastingOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    question_field: str = Field(default="question", description="Record field holding the question text.")
     resolution_field: str = Field(default="resolution", description="Record field holding the outcome (true/false, 1/0, yes/no).")
 
 
@@ -152,8 +153,9 @@ class Forecasting(Environment):
 
     @classmethod
     def _load(cls, spec) -> list[Problem]:
-        return load_forecasts(spec.dataset or DEFAULT_DATASET, question_field=spec.question_field,
-                              resolution_field=cls.options(spec).resolution_field, split=spec.split,
+        opts = cls.options(spec)
+        return load_forecasts(spec.dataset or DEFAULT_DATASET, question_field=opts.question_field,
+                              resolution_field=opts.resolution_field, split=spec.split,
                               config_name=spec.dataset_config, max_problems=spec.max_problems)
 
     @classmethod
