@@ -230,7 +230,7 @@ def test_capture_filter_of_the_docs_and_truncated_replies_counted(tmp_path, caps
     rows; replies cut at max_tokens are skipped and counted (reason `truncated`), kept with
     `options.include_truncated=true`; a filter selecting only truncated replies fails up front, in
     one line that says so."""
-    from prefect_tinker.flows import cli
+    from prefect_tinker.cli import main as cli
     from prefect_tinker.recipes.data_reading import SkipStats, SourceSpec, iter_conversations
 
     root = str(tmp_path / "captured")

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from prefect_tinker.flows import cli
+from prefect_tinker.cli import main as cli
 
 GOOD = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from prefect_tinker.flows import cli
+from prefect_tinker.cli import main as cli
 from tinker_blocks.store_io import ParquetStore
 from tinker_blocks.store_schemas import TRAINING_TABLES
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 import json
 
-from prefect_tinker.flows import cli
+from prefect_tinker.cli import main as cli
 from prefect_tinker.recipes.progress import PROGRESS_ENV, StepProgress, phase
 
 
