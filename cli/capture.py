@@ -79,8 +79,10 @@ def read_token(token_file: str | None) -> str | None:
         if not token:
             return None
     if len(token) < 16:
-        raise _UsageError(f"{where}: the token must be at least 16 characters (e.g. `python -c "
-                          "\"import secrets; print(secrets.token_urlsafe(32))\"`)")
+        raise _UsageError(
+            f"{where}: the token must be at least 16 characters (e.g. `python -c "
+            '"import secrets; print(secrets.token_urlsafe(32))"`)'
+        )
     return token
 
 
@@ -121,8 +123,10 @@ def run(args: argparse.Namespace) -> int:
             raise _UsageError("give exactly one of --store ROOT and --store-block NAME")
         token = read_token(args.token_file)
         if token is None and not is_loopback(args.host):
-            raise _UsageError(f"refusing to bind {args.host!r} without a bearer token: anything but loopback "
-                              f"needs --token-file FILE (or ${TOKEN_ENV})")
+            raise _UsageError(
+                f"refusing to bind {args.host!r} without a bearer token: anything but loopback "
+                f"needs --token-file FILE (or ${TOKEN_ENV})"
+            )
         session = args.session or default_session_id()
         try:
             validate_run_id(session)
@@ -137,22 +141,31 @@ def run(args: argparse.Namespace) -> int:
         store = _store(args)
         store.check()
         served = open_served_model(
-            _credentials(args), args.model, renderer=args.renderer, tokenizer=args.tokenizer,
-            names=args.served_model_name or (), max_context=args.max_context,
+            _credentials(args),
+            args.model,
+            renderer=args.renderer,
+            tokenizer=args.tokenizer,
+            names=args.served_model_name or (),
+            max_context=args.max_context,
             default_max_tokens=args.default_max_tokens,
         )
     except Exception as exc:
         print(f"error: cannot start the capture server: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    recorder = CaptureRecorder(store, flush_seconds=args.flush_seconds, flush_rows=args.flush_rows,
-                               writer_id=f"capture_{os.getpid()}")
+    recorder = CaptureRecorder(
+        store, flush_seconds=args.flush_seconds, flush_rows=args.flush_rows, writer_id=f"capture_{os.getpid()}"
+    )
     app = create_app(served, recorder, session_id=session, token=token)
-    print(f"capture server on http://{args.host}:{args.port}/v1 (session {session}, model "
-          f"{', '.join(served.names)}, renderer {served.renderer.name}, store {store.root}, "
-          f"flush every {args.flush_seconds:g} s, auth {'bearer token' if token else 'none (loopback)'})",
-          file=sys.stderr, flush=True)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                            timeout_graceful_shutdown=30)
+    print(
+        f"capture server on http://{args.host}:{args.port}/v1 (session {session}, model "
+        f"{', '.join(served.names)}, renderer {served.renderer.name}, store {store.root}, "
+        f"flush every {args.flush_seconds:g} s, auth {'bearer token' if token else 'none (loopback)'})",
+        file=sys.stderr,
+        flush=True,
+    )
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, access_log=False, timeout_graceful_shutdown=30
+    )
     # uvicorn shuts down gracefully on SIGINT/SIGTERM (the app's lifespan flushes the recorder),
     # then re-raises the signal to the handler it found: make that one a no-op, so a requested
     # shutdown exits 0 instead of dying by the signal.
@@ -170,11 +183,19 @@ def add_parser(sub: Any) -> None:
     """Register ``capture serve`` on the ``prefect-tinker`` subparsers ``sub``."""
     cap = sub.add_parser("capture", help="OpenAI-compatible endpoint recording every sample (capture serve --help)")
     csub = cap.add_subparsers(dest="capture_command", metavar="COMMAND", required=True)
-    s = csub.add_parser("serve", help="serve a model over the OpenAI API and record to the capture store",
-                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    s = csub.add_parser(
+        "serve",
+        help="serve a model over the OpenAI API and record to the capture store",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     s.add_argument("--model", required=True, help="base model (tiny, a HF id or directory) or a tinker:// sampler path")
-    s.add_argument("--served-model-name", action="append", metavar="NAME",
-                   help="name clients use in 'model' (repeatable; the --model value is always accepted)")
+    s.add_argument(
+        "--served-model-name",
+        action="append",
+        metavar="NAME",
+        help="name clients use in 'model' (repeatable; the --model value is always accepted)",
+    )
     s.add_argument("--store", metavar="ROOT", help="capture store root: a folder or s3://bucket/prefix")
     s.add_argument("--store-block", metavar="NAME", help="a saved CaptureStore block instead of --store")
     s.add_argument("--session", help="capture session id, the run_id of the rows (default capture-<time>-<hex>)")

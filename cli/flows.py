@@ -97,9 +97,14 @@ def unknown_fields(model: type, data: dict[str, Any], prefix: str = "") -> list[
     msgs = []
     for key, value in data.items():
         if key not in names:
-            close = difflib.get_close_matches(key, list(names), n=1) or [
-                n for n in names if "".join(w[:1] for w in n.split("_")) == key  # lr -> learning_rate
-            ][:1]
+            close = (
+                difflib.get_close_matches(key, list(names), n=1)
+                or [
+                    n
+                    for n in names
+                    if "".join(w[:1] for w in n.split("_")) == key  # lr -> learning_rate
+                ][:1]
+            )
             hint = f" (did you mean {prefix + close[0]!r}?)" if close else ""
             msgs.append(f"{prefix}{key}: unknown field{hint}")
             continue
@@ -219,8 +224,11 @@ def check_data(config: Any, flow_name: str = "?") -> None:
         try:
             check()
         except ValidationError as exc:
-            problems = [f"{section}{'.'.join(str(p) for p in e['loc']) or '(data)'} = {e.get('input')!r}: "
-                        f"{e['msg'].removeprefix('Value error, ')}" for e in exc.errors(include_url=False)]
+            problems = [
+                f"{section}{'.'.join(str(p) for p in e['loc']) or '(data)'} = {e.get('input')!r}: "
+                f"{e['msg'].removeprefix('Value error, ')}"
+                for e in exc.errors(include_url=False)
+            ]
             raise CLIError(f"invalid data for flow {flow_name!r}: {'; '.join(problems)}") from exc
         except (ValueError, FileNotFoundError, KeyError) as exc:  # DatasetFormatError is a ValueError
             message = " ".join(str(exc).split())  # one line, whatever the message

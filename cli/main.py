@@ -161,8 +161,10 @@ def cmd_show_config(args: argparse.Namespace) -> int:
     if args.schema:
         print(json.dumps(model.model_json_schema(), indent=2))
     else:
-        print(f"# {model.__name__} for flow {args.flow!r}; use with: prefect-tinker run "
-              f"{args.flow} --config FILE.yaml [key=value ...]")
+        print(
+            f"# {model.__name__} for flow {args.flow!r}; use with: prefect-tinker run "
+            f"{args.flow} --config FILE.yaml [key=value ...]"
+        )
         print(defaults_yaml(model))
     return EXIT_OK
 
@@ -172,8 +174,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     from prefect_tinker.flows.registry import example_configs, recipes
     from prefect_tinker.recipes.rl.envs import env_names, get_env
 
-    rows = [{"recipe": r.name, "description": r.description,
-             "examples": ", ".join(example_configs(r.name)) or "-"} for r in recipes().values()]
+    rows = [
+        {"recipe": r.name, "description": r.description, "examples": ", ".join(example_configs(r.name)) or "-"}
+        for r in recipes().values()
+    ]
     envs = [{"env": n, "description": get_env(n).description} for n in env_names()]
     if args.json:
         print(json.dumps({"recipes": rows, "envs": envs}, indent=2))
@@ -181,7 +185,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     print(format_table(["recipe", "description", "examples"], [list(r.values()) for r in rows]))
     print()
     print(format_table(["env", "description"], [list(e.values()) for e in envs]))
-    print("\nRun one: prefect-tinker run RECIPE --example NAME [key=value ...]; defaults: prefect-tinker show-config RECIPE")
+    print(
+        "\nRun one: prefect-tinker run RECIPE --example NAME [key=value ...]; defaults: prefect-tinker show-config RECIPE"
+    )
     return EXIT_OK
 
 
@@ -227,16 +233,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="run a flow with a validated config")
     r.add_argument("flow", help="flow name (e.g. sft) or module:attr")
-    r.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="config fields; nested with dots (adam.beta2=0.95); values are YAML scalars")
+    r.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="config fields; nested with dots (adam.beta2=0.95); values are YAML scalars",
+    )
     r.add_argument("--config", metavar="FILE.yaml", help="YAML config; key=value pairs override it")
     r.add_argument("--example", metavar="NAME", help="an example config of the recipe (prefect-tinker ls lists them)")
     r.add_argument("--dry-run", action="store_true", help="validate and print the config, do not run")
     shown = r.add_mutually_exclusive_group()
-    shown.add_argument("--quiet", action="store_true",
-                       help="no progress lines, and Prefect's own logs only from warnings up")
-    shown.add_argument("--json-progress", action="store_true",
-                       help="progress as one JSON object per line on stderr (steps and phases)")
+    shown.add_argument(
+        "--quiet", action="store_true", help="no progress lines, and Prefect's own logs only from warnings up"
+    )
+    shown.add_argument(
+        "--json-progress", action="store_true", help="progress as one JSON object per line on stderr (steps and phases)"
+    )
     r.add_argument("--debug", action="store_true", help="show the traceback of a failure")
     r.set_defaults(func=cmd_run)
 
@@ -253,8 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--write", metavar="FILE", help="write it (default: print); the part before 'deployments:' is kept")
     d.set_defaults(func=cmd_deployments)
 
-    sub.add_parser("local", help="local Tinker-compatible server: local serve|status|stop (local --help)",
-                   add_help=False)
+    sub.add_parser(
+        "local", help="local Tinker-compatible server: local serve|status|stop (local --help)", add_help=False
+    )
 
     from prefect_tinker.cli.show import add_parser as add_show_example  # logic lives in cli/show.py
 

@@ -28,7 +28,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     r.add_argument("--timeout", type=float, default=10.0, metavar="S", help="wall-time limit, seconds (default 10)")
     r.add_argument("--cpu", type=float, default=None, metavar="S", help="CPU-time limit, seconds (default: timeout)")
     r.add_argument("--memory-mb", type=int, default=512, help="address space per process, MiB (default 512)")
-    r.add_argument("--max-processes", type=int, default=8, help="processes and threads, the sandbox's PID 1 included (default 8)")
+    r.add_argument(
+        "--max-processes", type=int, default=8, help="processes and threads, the sandbox's PID 1 included (default 8)"
+    )
     r.add_argument("--max-output-kb", type=int, default=64, help="output kept per stream, KiB (default 64)")
     r.add_argument("--stdin", metavar="FILE", default=None, help="file to feed as standard input")
     r.set_defaults(func=run)
@@ -50,8 +52,13 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         print(f"error: cannot read {exc.filename if isinstance(exc, OSError) else path}: {exc}", file=sys.stderr)
         return 2
     try:
-        config = SandboxConfig(timeout_s=args.timeout, cpu_s=args.cpu, memory_bytes=args.memory_mb << 20,
-                               max_processes=args.max_processes, max_output_bytes=args.max_output_kb << 10)
+        config = SandboxConfig(
+            timeout_s=args.timeout,
+            cpu_s=args.cpu,
+            memory_bytes=args.memory_mb << 20,
+            max_processes=args.max_processes,
+            max_output_bytes=args.max_output_kb << 10,
+        )
     except ValidationError as exc:
         bad = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         print(f"error: bad sandbox limits: {bad}", file=sys.stderr)
@@ -64,4 +71,3 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         return 1
     print(json.dumps(result.model_dump(), indent=2), file=out)
     return 0 if result.passed else 1
-

@@ -77,8 +77,11 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", required=True, help="tokenizer directory, 'tiny', 'smollm2', or a cached HF id")
     p.add_argument("--renderer", default="auto", help=f"auto or one of: {', '.join(renderer_names())}")
     p.add_argument("--train-on-what", default="all_assistant_messages", choices=TRAIN_ON_CHOICES)
-    p.add_argument("--special-tokens-in-content", action="store_true",
-                   help="let special-token strings in message content become control tokens (default: text)")
+    p.add_argument(
+        "--special-tokens-in-content",
+        action="store_true",
+        help="let special-token strings in message content become control tokens (default: text)",
+    )
     p.add_argument("--format", default="messages", help=f"record format: {', '.join(converter_names())}")
     p.add_argument("--field", action="append", default=[], metavar="NAME=PATH", help="field mapping (repeatable)")
     p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE", help="converter option (repeatable)")
@@ -111,8 +114,13 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
     color = args.color == "always" or (args.color == "auto" and out.isatty() and not os.environ.get("NO_COLOR"))
     try:
-        spec = SourceSpec(path=args.dataset, format=args.format, fields=_pairs(args.field, "field"),
-                          options=_pairs(args.option, "option"), split=args.split)
+        spec = SourceSpec(
+            path=args.dataset,
+            format=args.format,
+            fields=_pairs(args.field, "field"),
+            options=_pairs(args.option, "option"),
+            split=args.split,
+        )
         tok = resolve_tokenizer(args.tokenizer, args.cache_dir)
         renderer = get_renderer(args.renderer, tok, special_tokens_in_content=args.special_tokens_in_content)
         convs = list(itertools.islice(iter_conversations(spec), args.index, args.index + max(args.count, 1)))
@@ -127,7 +135,9 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
                 keep = safe_cut(tokens, args.max_length)
                 tokens, weights = tokens[:keep], weights[:keep]
             legend = f"{_GREEN}trained{_RESET}" if color else f"{_OPEN}trained{_CLOSE}"
-            head = f"== {conv.source} (field {conv.field!r}) | renderer {renderer.name} | {args.train_on_what} | {legend}"
+            head = (
+                f"== {conv.source} (field {conv.field!r}) | renderer {renderer.name} | {args.train_on_what} | {legend}"
+            )
             print(_DIM + head + _RESET if color else head, file=out)
             print(format_example(tok, tokens, weights, color=color), file=out)
             trained = int((weights > 0).sum())

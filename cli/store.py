@@ -42,14 +42,11 @@ def format_table(names: Sequence[str], rows: Sequence[Sequence[Any]], max_width:
     for r in cells:
         widths = [max(w, len(c)) for w, c in zip(widths, r)]
     numeric = [
-        all(isinstance(r[i], (int, float, decimal.Decimal)) or r[i] is None for r in rows)
-        for i in range(len(names))
+        all(isinstance(r[i], (int, float, decimal.Decimal)) or r[i] is None for r in rows) for i in range(len(names))
     ]
 
     def line(vals: Sequence[str]) -> str:
-        return " | ".join(
-            v.rjust(w) if num else v.ljust(w) for v, w, num in zip(vals, widths, numeric)
-        ).rstrip()
+        return " | ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(vals, widths, numeric)).rstrip()
 
     out = [line(names), "-+-".join("-" * w for w in widths)]
     out += [line(r) for r in cells]
@@ -73,8 +70,11 @@ def _run_query(root: str, sql: str, params: list[Any]) -> tuple[list[str], list[
 
     missing = _missing_local_root(root)
     if missing is not None:  # a typo in --store would otherwise read as an empty store
-        print(f"error: store root {missing} does not exist (no run has written there; "
-              "give --store ROOT or set $PREFECT_TINKER_STORE)", file=sys.stderr)
+        print(
+            f"error: store root {missing} does not exist (no run has written there; "
+            "give --store ROOT or set $PREFECT_TINKER_STORE)",
+            file=sys.stderr,
+        )
         return EXIT_FAILED
 
     from tinker_blocks.store_io import StoreAccessError, StoreError, StoreUnavailableError
@@ -198,14 +198,20 @@ def cmd_store(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     rows = [p.as_row() for p in report.problems]
     if args.json:
-        print(json.dumps({"root": root, "parts_checked": report.parts_checked, "problems": rows,
-                          "quarantine": moved_to}, indent=2))
+        print(
+            json.dumps(
+                {"root": root, "parts_checked": report.parts_checked, "problems": rows, "quarantine": moved_to},
+                indent=2,
+            )
+        )
     else:
         if rows:
             print(format_table(["kind", "path", "size", "reason"], [tuple(r.values()) for r in rows], max_width=120))
         damaged = sum(r["kind"] == "damaged" for r in rows)
-        print(f"{report.parts_checked} parts read under {root}: {damaged} unreadable, "
-              f"{len(rows) - damaged} temporaries of dead writers")
+        print(
+            f"{report.parts_checked} parts read under {root}: {damaged} unreadable, "
+            f"{len(rows) - damaged} temporaries of dead writers"
+        )
         if moved_to:
             print(f"moved {len(rows)} file(s) to {moved_to} (see manifest.json there; nothing deleted)")
         elif rows:
@@ -225,19 +231,22 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
         if isinstance(known, int):
             return known
         if not known[1][0][0]:
-            print(f"error: no run {args.run_id!r} in the store {root} (prefect-tinker runs --store {root} lists them)",
-                  file=sys.stderr)
+            print(
+                f"error: no run {args.run_id!r} in the store {root} (prefect-tinker runs --store {root} lists them)",
+                file=sys.stderr,
+            )
             return EXIT_USAGE
     return _print_rows(*got, args.json)
 
 
 def add_parsers(sub: Any) -> None:
     """Register ``sql``, ``runs``, ``evals``, ``checkpoints`` and ``store`` on the ``prefect-tinker`` subparsers."""
-    s = sub.add_parser("sql", help="run SQL over the stores (tables: runs, metrics, checkpoints, "
-                       "eval_results, eval_samples, captures)")
+    s = sub.add_parser(
+        "sql", help="run SQL over the stores (tables: runs, metrics, checkpoints, eval_results, eval_samples, captures)"
+    )
     s.add_argument("--store", help=STORE_HELP)
     s.add_argument("--json", action="store_true", help="print rows as a JSON array")
-    s.add_argument("query", help='SQL, e.g. "SELECT step, value FROM metrics WHERE name = \'loss\'"')
+    s.add_argument("query", help="SQL, e.g. \"SELECT step, value FROM metrics WHERE name = 'loss'\"")
     s.set_defaults(func=cmd_sql)
 
     rs = sub.add_parser("runs", help="list runs in the training store")
@@ -245,16 +254,22 @@ def add_parsers(sub: Any) -> None:
     rs.add_argument("--json", action="store_true")
     rs.set_defaults(func=cmd_runs)
 
-    ev = sub.add_parser("evals", help="list evaluation results (accuracy and 95%% interval per run, benchmark and checkpoint)")
+    ev = sub.add_parser(
+        "evals", help="list evaluation results (accuracy and 95%% interval per run, benchmark and checkpoint)"
+    )
     ev.add_argument("--store", help=STORE_HELP)
     ev.add_argument("--run", metavar="RUN_ID", help="only this run's results")
     ev.add_argument("--json", action="store_true")
     ev.set_defaults(func=cmd_evals)
 
-    st = sub.add_parser("store", help="check a store for unreadable parts and leftover temporaries, "
-                        "or move them aside (repair)")
-    st.add_argument("action", choices=["check", "repair"],
-                    help="check: list them (exit 1 when any); repair: move them to ROOT/_quarantine/")
+    st = sub.add_parser(
+        "store", help="check a store for unreadable parts and leftover temporaries, or move them aside (repair)"
+    )
+    st.add_argument(
+        "action",
+        choices=["check", "repair"],
+        help="check: list them (exit 1 when any); repair: move them to ROOT/_quarantine/",
+    )
     st.add_argument("--store", help=STORE_HELP)
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_store)

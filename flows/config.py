@@ -17,7 +17,14 @@ from prefect_tinker.recipes.schedule import LRScheduleFields
 # ($PREFECT_TINKER_STORE, else $PREFECT_TINKER_HOME/store, else ~/.prefect-tinker/store).
 from tinker_blocks.store_io import default_store_root
 
-__all__ = ["BackendConfig", "AdamConfig", "RecipeConfig", "resolve_credentials", "default_run_name", "default_store_root"]
+__all__ = [
+    "BackendConfig",
+    "AdamConfig",
+    "RecipeConfig",
+    "resolve_credentials",
+    "default_run_name",
+    "default_store_root",
+]
 
 
 class BackendConfig(BaseModel):
@@ -28,20 +35,20 @@ class BackendConfig(BaseModel):
     API key comes from ``TINKER_API_KEY``), else the embedded local server (the default).
     """
 
-    credentials_block: str | None = Field(
-        default=None, description="Name of a saved TinkerCredentials block to load."
-    )
+    credentials_block: str | None = Field(default=None, description="Name of a saved TinkerCredentials block to load.")
     base_url: str | None = Field(default=None, description="URL of a Tinker-compatible server.")
     local_root: str | None = Field(
         default=None,
         description="Folder of the embedded local server (models, checkpoints); default ~/.prefect-tinker.",
     )
     local_sampler_workers: int = Field(
-        default=0, ge=0,
+        default=0,
+        ge=0,
         description="Embedded local server: sampling worker processes beside the trainer (tinker_local --sampler-workers), so streaming/async RL overlap rollouts with training.",
     )
     request_deadline_s: float = Field(
-        default=1800.0, gt=0,
+        default=1800.0,
+        gt=0,
         description="Longest wait for one request's result (seconds); a dead server is noticed sooner (its process and port are checked while waiting).",
     )
 
@@ -95,9 +102,12 @@ def latest_run_checkpoint(store: str, run_id: str, field: str) -> str:
         raise ValueError(f"{field}=run:{run_id}: the training store {store} does not exist ({make})")
     rows = TrainingStore(root=store).query(
         "SELECT path FROM checkpoints WHERE run_id = ? ORDER BY step DESC, kind = 'sampler' DESC, time DESC LIMIT 1",
-        [run_id])
+        [run_id],
+    )
     if not rows:
-        raise ValueError(f"{field}=run:{run_id}: the training store {store} has no checkpoint of run {run_id!r} ({make})")
+        raise ValueError(
+            f"{field}=run:{run_id}: the training store {store} has no checkpoint of run {run_id!r} ({make})"
+        )
     return str(rows[0]["path"])
 
 
@@ -117,10 +127,17 @@ def resolve_credentials(backend: BackendConfig) -> Any:
                 f"backend.credentials_block: no TinkerCredentials block named {backend.credentials_block!r}"
             ) from exc
     if backend.base_url:
-        return TinkerCredentials(base_url=backend.base_url, api_key=os.environ.get("TINKER_API_KEY"),
-                                 request_deadline_s=backend.request_deadline_s)
-    return TinkerCredentials(local=True, local_root=backend.local_root, request_deadline_s=backend.request_deadline_s,
-                             local_sampler_workers=backend.local_sampler_workers)
+        return TinkerCredentials(
+            base_url=backend.base_url,
+            api_key=os.environ.get("TINKER_API_KEY"),
+            request_deadline_s=backend.request_deadline_s,
+        )
+    return TinkerCredentials(
+        local=True,
+        local_root=backend.local_root,
+        request_deadline_s=backend.request_deadline_s,
+        local_sampler_workers=backend.local_sampler_workers,
+    )
 
 
 class RecipeConfig(LRScheduleFields):
@@ -135,24 +152,46 @@ class RecipeConfig(LRScheduleFields):
     recipe: ClassVar[str] = ""
     resume_fields: ClassVar[tuple[str, ...]] = ("model", "seed", "renderer", "lora_rank")
 
-    model: str = Field(default="tiny", description="Base model: 'tiny', 'smollm2', a local HF directory, or a hosted model name.")
-    renderer: str = Field(default="auto", description="Renderer name; 'auto' resolves from the tokenizer (recorded with the run and its checkpoints).")
+    model: str = Field(
+        default="tiny", description="Base model: 'tiny', 'smollm2', a local HF directory, or a hosted model name."
+    )
+    renderer: str = Field(
+        default="auto",
+        description="Renderer name; 'auto' resolves from the tokenizer (recorded with the run and its checkpoints).",
+    )
     lora_rank: int = Field(default=32, ge=1, description="LoRA rank.")
-    max_steps: int | None = Field(default=None, ge=1, description="Total optimizer steps of the run (counting earlier invocations).")
+    max_steps: int | None = Field(
+        default=None, ge=1, description="Total optimizer steps of the run (counting earlier invocations)."
+    )
     save_every: int = Field(default=20, ge=0, description="State checkpoint every n steps (0 = end only).")
     eval_every: int = Field(default=10, ge=0, description="Evaluators every n steps (0 = start and end only).")
-    load_checkpoint_path: str | None = Field(default=None, description="Start from these weights (tinker://.../weights/..., e.g. an SFT checkpoint) with a fresh optimizer.")
-    run_name: str | None = Field(default=None, description="Run id; re-running with the same name resumes after its last checkpoint.")
-    store: str = Field(default_factory=default_store_root, description="Training store root: a folder or s3://bucket/prefix; default $PREFECT_TINKER_STORE, else ~/.prefect-tinker/store (where prefect-tinker sql/runs look).")
+    load_checkpoint_path: str | None = Field(
+        default=None,
+        description="Start from these weights (tinker://.../weights/..., e.g. an SFT checkpoint) with a fresh optimizer.",
+    )
+    run_name: str | None = Field(
+        default=None, description="Run id; re-running with the same name resumes after its last checkpoint."
+    )
+    store: str = Field(
+        default_factory=default_store_root,
+        description="Training store root: a folder or s3://bucket/prefix; default $PREFECT_TINKER_STORE, else ~/.prefect-tinker/store (where prefect-tinker sql/runs look).",
+    )
     seed: int = Field(default=0, description="Seed of data order, splits, sampling and LoRA init.")
     adam: AdamConfig = Field(default_factory=AdamConfig)
     backend: BackendConfig = Field(default_factory=BackendConfig)
-    evaluators: list[EvalSpec] = Field(default_factory=list, description="Benchmarks run on the sampler weights at the start, every eval_every steps and at the end: built-in names (gsm8k), {benchmark: NAME, dataset: ..., limit: ...}, full benchmark specs or {kind: inspect, task: ..., name: ...}; results in the eval store and as eval/<name>/accuracy metrics.")
+    evaluators: list[EvalSpec] = Field(
+        default_factory=list,
+        description="Benchmarks run on the sampler weights at the start, every eval_every steps and at the end: built-in names (gsm8k), {benchmark: NAME, dataset: ..., limit: ...}, full benchmark specs or {kind: inspect, task: ..., name: ...}; results in the eval store and as eval/<name>/accuracy metrics.",
+    )
     prices: dict[str, TokenPrices] = Field(
         default_factory=dict,
         description="USD per million tokens by model name ({model: {prefill, prefill_cached, sample, train}}) for the "
-                    "cost/* metrics; a model without an entry costs 0 (the local server, unless priced).")
-    allow_config_change: list[str] = Field(default_factory=list, description="Fields allowed to differ from the stored run's config when resuming (e.g. [batch_size]); 'renderer' also allows starting from a checkpoint trained with another renderer.")
+        "cost/* metrics; a model without an entry costs 0 (the local server, unless priced).",
+    )
+    allow_config_change: list[str] = Field(
+        default_factory=list,
+        description="Fields allowed to differ from the stored run's config when resuming (e.g. [batch_size]); 'renderer' also allows starting from a checkpoint trained with another renderer.",
+    )
 
     def run_name_prefix(self) -> str:
         """Prefix of the default run name (``<prefix>-<timestamp>``): the model name by default."""

@@ -41,20 +41,42 @@ class DecisionsConfig(SourceFields, RecipeConfig):
 
     recipe: ClassVar[str] = "decisions"
     resume_fields: ClassVar[tuple[str, ...]] = (
-        *RecipeConfig.resume_fields, "batch_size", "max_length", "test_size", "choices", "prompt_field", "label_field",
-        "probs_field", "instruction")
+        *RecipeConfig.resume_fields,
+        "batch_size",
+        "max_length",
+        "test_size",
+        "choices",
+        "prompt_field",
+        "label_field",
+        "probs_field",
+        "instruction",
+    )
 
-    dataset: str | None = Field(default="builtin:sentiment_sentences", description="Records: a JSONL file, dataset directory or Hugging Face id (default: 64 sentences labelled positive/negative).")
-    choices: list[str] = Field(default_factory=lambda: ["positive", "negative"], min_length=2, description="The choice names (their first tokens must differ).")
+    dataset: str | None = Field(
+        default="builtin:sentiment_sentences",
+        description="Records: a JSONL file, dataset directory or Hugging Face id (default: 64 sentences labelled positive/negative).",
+    )
+    choices: list[str] = Field(
+        default_factory=lambda: ["positive", "negative"],
+        min_length=2,
+        description="The choice names (their first tokens must differ).",
+    )
     prompt_field: str = Field(default="text", description="Record field holding the prompt (a string or messages).")
     label_field: str = Field(default="label", description="Record field holding a hard label (one of the choices).")
-    probs_field: str = Field(default="probs", description="Record field holding soft labels ({choice: p} or N probabilities); preferred over label_field when present.")
+    probs_field: str = Field(
+        default="probs",
+        description="Record field holding soft labels ({choice: p} or N probabilities); preferred over label_field when present.",
+    )
     instruction: bool = Field(default=True, description="Append 'Answer with one of: ...' to the prompt.")
     batch_size: int = Field(default=8, ge=1, description="Examples per step.")
     num_epochs: int = Field(default=1, ge=1, description="Epochs when max_steps is not set.")
     learning_rate: float = Field(default=1e-4, gt=0, description="Peak learning rate.")
-    test_size: float = Field(default=0.25, ge=0, description="Held-out fraction (<1) or count (>=1), split with `seed`.")
-    calibration_bins: int = Field(default=10, ge=2, description="Confidence bins of the ECE and the reliability diagram.")
+    test_size: float = Field(
+        default=0.25, ge=0, description="Held-out fraction (<1) or count (>=1), split with `seed`."
+    )
+    calibration_bins: int = Field(
+        default=10, ge=2, description="Confidence bins of the ECE and the reliability diagram."
+    )
 
     @field_validator("choices")
     @classmethod
@@ -65,10 +87,19 @@ class DecisionsConfig(SourceFields, RecipeConfig):
 
     def dataset_builder(self, renderer: str) -> DecisionBuilder:
         """The decision records of this run for the (resolved) ``renderer``."""
-        return DecisionBuilder(sources=self.source_specs(), renderer=renderer, seed=self.seed, choices=self.choices,
-                               prompt_field=self.prompt_field, label_field=self.label_field,
-                               probs_field=self.probs_field, instruction=self.instruction, max_length=self.max_length,
-                               on_error=self.on_error, test_size=self.test_count())
+        return DecisionBuilder(
+            sources=self.source_specs(),
+            renderer=renderer,
+            seed=self.seed,
+            choices=self.choices,
+            prompt_field=self.prompt_field,
+            label_field=self.label_field,
+            probs_field=self.probs_field,
+            instruction=self.instruction,
+            max_length=self.max_length,
+            on_error=self.on_error,
+            test_size=self.test_count(),
+        )
 
 
 @flow(name="decisions", flow_run_name="decisions-{config.run_name}", log_prints=True)
@@ -79,26 +110,58 @@ def decisions_flow(config: DecisionsConfig) -> dict[str, Any]:
     with RunSession(config, builder=config.dataset_builder) as session:
         data: DecisionData = prepare_dataset(session.builder, session.tokenizer_id)
         total = config.max_steps or len(data.train) // config.batch_size * config.num_epochs
-        log.info("%d train / %d test examples over %s (label tokens %s), %d steps; %s", len(data.train),
-                 len(data.test), data.choices, data.label_tokens, total, data.skip_summary)
+        log.info(
+            "%d train / %d test examples over %s (label tokens %s), %d steps; %s",
+            len(data.train),
+            len(data.test),
+            data.choices,
+            data.label_tokens,
+            total,
+            data.skip_summary,
+        )
         loss = choice_loss_handle(session.credentials)
 
         def one_step(step: int) -> dict[str, float]:
             batch = [data.train[i] for i in batch_at(len(data.train), config.batch_size, config.seed, step)]
             datums = [decision_datum(ex, data.label_tokens) for ex in batch]
-            session.run, m = custom_step(session.credentials, session.run, step, quote(datums), loss,
-                                         config.lr_at(step, total), config.adam.model_dump())
+            session.run, m = custom_step(
+                session.credentials,
+                session.run,
+                step,
+                quote(datums),
+                loss,
+                config.lr_at(step, total),
+                config.adam.model_dump(),
+            )
             n = float(len(batch))
             out = {f"train/{k}": v for k, v in m.items() if not k.startswith("custom/")}
-            out.update({"train/ce": m["custom/ce"] / n, "train/kl": m["custom/kl"] / n,
-                        "train/brier": m["custom/brier"] / n, "train/accuracy": m["custom/correct"] / n,
-                        "train/examples": n})
+            out.update(
+                {
+                    "train/ce": m["custom/ce"] / n,
+                    "train/kl": m["custom/kl"] / n,
+                    "train/brier": m["custom/brier"] / n,
+                    "train/accuracy": m["custom/correct"] / n,
+                    "train/examples": n,
+                }
+            )
             return out
 
-        evaluators = [DecisionEvaluator(data.test, data.label_tokens, store=str(config.store), run_id=session.run_id,
-                                        n_bins=config.calibration_bins)] if data.test else []
+        evaluators = (
+            [
+                DecisionEvaluator(
+                    data.test,
+                    data.label_tokens,
+                    store=str(config.store),
+                    run_id=session.run_id,
+                    n_bins=config.calibration_bins,
+                )
+            ]
+            if data.test
+            else []
+        )
         StepLoop(session, total, evaluators=evaluators).run(one_step)
         ends = {name: session.metric_ends(f"test/{name}") for name in ("accuracy", "brier", "ece")}
-        return session.finish({f"{end}_test_{name}": v[i] for name, v in ends.items()
-                               for i, end in enumerate(("first", "last"))},
-                              title_fields={"dataset": f"`{config.dataset}`", "choices": ", ".join(config.choices)})
+        return session.finish(
+            {f"{end}_test_{name}": v[i] for name, v in ends.items() for i, end in enumerate(("first", "last"))},
+            title_fields={"dataset": f"`{config.dataset}`", "choices": ", ".join(config.choices)},
+        )

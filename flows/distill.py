@@ -47,14 +47,18 @@ def open_teachers(config: DistillConfig, student_credentials: Any, *, topk: int 
         RendererError: an unknown teacher renderer.
     """
     from prefect_tinker.recipes.renderers import get_renderer, resolve_renderer_name
+
     student_tok = weights_tokenizer(student_credentials, f"base:{config.model}")
     out = []
     for i, spec in enumerate(config.resolved_teachers()):
         creds = resolve_credentials(spec.backend) if spec.backend is not None else student_credentials
         info = check_teacher.with_options(task_run_name=f"check-teacher-{i}")(
-            creds, spec.weights, quote(student_tok), config.model, topk)
+            creds, spec.weights, quote(student_tok), config.model, topk
+        )
         name = resolve_renderer_name(spec.renderer, student_tok)
-        out.append(Teacher(i, spec.weights, creds, name, get_renderer(name, student_tok), spec.view(), info["vocab_size"]))
+        out.append(
+            Teacher(i, spec.weights, creds, name, get_renderer(name, student_tok), spec.view(), info["vocab_size"])
+        )
     return out
 
 
@@ -65,8 +69,14 @@ def _loop(session: RunSession, config: DistillConfig, teachers: list[Teacher]) -
     if session.step not in session.samplers:
         session.save_sampler(record=True)
     spec = config.model_copy(update={"env_options": config.prompt_env_options()})
-    dataset = build_rl_dataset(spec, renderer_name=session.renderer, tokenizer_id=session.tokenizer_id,
-                               group_size=config.group_size, groups_per_batch=config.groups_per_batch, seed=config.seed)
+    dataset = build_rl_dataset(
+        spec,
+        renderer_name=session.renderer,
+        tokenizer_id=session.tokenizer_id,
+        group_size=config.group_size,
+        groups_per_batch=config.groups_per_batch,
+        seed=config.seed,
+    )
     return DistillLoop(session, dataset, teachers, get_renderer(session.renderer, tokenizer(session.tokenizer_id)))
 
 
@@ -74,11 +84,15 @@ def _on_policy(config: DistillConfig) -> dict[str, Any]:
     from prefect_tinker.flows.rl_schedules import SCHEDULES
 
     teachers = open_teachers(config, resolve_credentials(config.backend))
-    with RunSession(config, fingerprint=config.data_fingerprint, upstream=[teacher_asset(t.weights) for t in teachers]) as session:
+    with RunSession(
+        config, fingerprint=config.data_fingerprint, upstream=[teacher_asset(t.weights) for t in teachers]
+    ) as session:
         last = session.resumed_from
         if last and last["step"] % config.num_substeps:
-            raise ValueError(f"run {config.run_name!r}: last checkpoint at optimizer step {last['step']} is not a "
-                             f"multiple of num_substeps={config.num_substeps}")
+            raise ValueError(
+                f"run {config.run_name!r}: last checkpoint at optimizer step {last['step']} is not a "
+                f"multiple of num_substeps={config.num_substeps}"
+            )
         loop = _loop(session, config, teachers)
         schedule = SCHEDULES[config.schedule](loop)
         t0 = time.perf_counter()
@@ -87,11 +101,18 @@ def _on_policy(config: DistillConfig) -> dict[str, Any]:
         finally:
             schedule.close()
         first, last_kl = session.metric_ends("train/teacher_kl")
-        return session.finish({
-            "mode": config.mode, "first_teacher_kl": first, "last_teacher_kl": last_kl,
-            "teacher_kl": [k for _, k in loop.kl], "seconds": time.perf_counter() - t0,
-            "sampler_path": loop.sampler_path, "teachers": [t.weights for t in teachers],
-        }, title_fields={"mode": config.mode, "teachers": ", ".join(f"`{t.weights}`" for t in teachers)})
+        return session.finish(
+            {
+                "mode": config.mode,
+                "first_teacher_kl": first,
+                "last_teacher_kl": last_kl,
+                "teacher_kl": [k for _, k in loop.kl],
+                "seconds": time.perf_counter() - t0,
+                "sampler_path": loop.sampler_path,
+                "teachers": [t.weights for t in teachers],
+            },
+            title_fields={"mode": config.mode, "teachers": ", ".join(f"`{t.weights}`" for t in teachers)},
+        )
 
 
 def _check_answers(config: DistillConfig) -> None:
@@ -104,23 +125,39 @@ def _check_answers(config: DistillConfig) -> None:
     for i, source in enumerate(prompt_sources(spec)):
         missing = next((r for r in load_prompts(source, source=i) if r.answer is None), None)
         if missing is not None:
-            raise ValueError(f"mode=sdft: {missing.id} has no golden answer (its last message must be the "
-                             "assistant's reply the teacher is shown)")
+            raise ValueError(
+                f"mode=sdft: {missing.id} has no golden answer (its last message must be the "
+                "assistant's reply the teacher is shown)"
+            )
 
 
 def _sdft(config: DistillConfig) -> dict[str, Any]:
     _check_answers(config)
     teachers = open_teachers(config, resolve_credentials(config.backend), topk=config.topk)
-    with RunSession(config, fingerprint=config.data_fingerprint, upstream=[teacher_asset(t.weights) for t in teachers]) as session:
+    with RunSession(
+        config, fingerprint=config.data_fingerprint, upstream=[teacher_asset(t.weights) for t in teachers]
+    ) as session:
         loop = _loop(session, config, teachers)
         step = SDFTStep(loop)
         StepLoop(session, loop.total, on_rewind=step.rewind).run(step.step)
-        (first, last_kl), (first_h, last_h) = session.metric_ends("sdft/kl"), session.metric_ends("sdft/teacher_entropy")
-        return session.finish({
-            "mode": config.mode, "reverse": config.reverse, "first_kl": first, "last_kl": last_kl,
-            "kl": [k for _, k in step.kls], "first_teacher_entropy": first_h, "last_teacher_entropy": last_h,
-            "sampler_path": loop.sampler_path, "teachers": [t.weights for t in teachers],
-        }, title_fields={"mode": "sdft" + (" (reverse KL)" if config.reverse else ""), "topk": config.topk})
+        (first, last_kl), (first_h, last_h) = (
+            session.metric_ends("sdft/kl"),
+            session.metric_ends("sdft/teacher_entropy"),
+        )
+        return session.finish(
+            {
+                "mode": config.mode,
+                "reverse": config.reverse,
+                "first_kl": first,
+                "last_kl": last_kl,
+                "kl": [k for _, k in step.kls],
+                "first_teacher_entropy": first_h,
+                "last_teacher_entropy": last_h,
+                "sampler_path": loop.sampler_path,
+                "teachers": [t.weights for t in teachers],
+            },
+            title_fields={"mode": "sdft" + (" (reverse KL)" if config.reverse else ""), "topk": config.topk},
+        )
 
 
 @flow(name="distill", flow_run_name="distill-{config.mode}-{config.run_name}", log_prints=True)
@@ -134,5 +171,7 @@ def distill_flow(config: DistillConfig) -> dict[str, Any]:
         return _sdft(config)
     from prefect_tinker.flows.distill_offline import run_offline
 
-    return run_offline(config, open_teachers(config, resolve_credentials(config.backend),
-                                             topk=config.topk if config.soft_targets else 0))
+    return run_offline(
+        config,
+        open_teachers(config, resolve_credentials(config.backend), topk=config.topk if config.soft_targets else 0),
+    )

@@ -28,15 +28,35 @@ class TeacherSpec(BaseModel):
     """One teacher: its weights, how it renders, what it is shown, and (on-policy with several
     teachers) its own prompts. A plain string is read as ``weights``."""
 
-    weights: str = Field(description="A base model ('smollm2', 'base:tiny'), a checkpoint tinker://.../sampler_weights/... (or .../weights/...), or run:<run_id> (that run's last checkpoint in the store).")
-    renderer: str = Field(default="auto", description="The teacher's own renderer ('auto' resolves from its tokenizer); it renders its prompt and end-of-turn marker.")
-    system_prompt: str | None = Field(default=None, description="A system message only the teacher sees (prompt distillation).")
-    prompt_template: str | None = Field(default=None, description="The teacher's user message: {prompt} = the student's, {answer} = the golden answer (sdft default: a demonstration).")
-    backend: BackendConfig | None = Field(default=None, description="Where the teacher runs; default the run's backend.")
-    dataset: str | None = Field(default=None, description="on_policy with several teachers: this teacher's prompts (default the run's dataset).")
-    format: str | None = Field(default=None, description="Record format of this teacher's dataset (default env_options.format).")
+    weights: str = Field(
+        description="A base model ('smollm2', 'base:tiny'), a checkpoint tinker://.../sampler_weights/... (or .../weights/...), or run:<run_id> (that run's last checkpoint in the store)."
+    )
+    renderer: str = Field(
+        default="auto",
+        description="The teacher's own renderer ('auto' resolves from its tokenizer); it renders its prompt and end-of-turn marker.",
+    )
+    system_prompt: str | None = Field(
+        default=None, description="A system message only the teacher sees (prompt distillation)."
+    )
+    prompt_template: str | None = Field(
+        default=None,
+        description="The teacher's user message: {prompt} = the student's, {answer} = the golden answer (sdft default: a demonstration).",
+    )
+    backend: BackendConfig | None = Field(
+        default=None, description="Where the teacher runs; default the run's backend."
+    )
+    dataset: str | None = Field(
+        default=None, description="on_policy with several teachers: this teacher's prompts (default the run's dataset)."
+    )
+    format: str | None = Field(
+        default=None, description="Record format of this teacher's dataset (default env_options.format)."
+    )
     fields: dict[str, str] = Field(default_factory=dict, description="Field mapping of this teacher's dataset.")
-    weight: float = Field(default=1.0, gt=0, description="on_policy with several teachers: share of the prompts drawn from this teacher's dataset.")
+    weight: float = Field(
+        default=1.0,
+        gt=0,
+        description="on_policy with several teachers: share of the prompts drawn from this teacher's dataset.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -53,7 +73,9 @@ class TeacherSpec(BaseModel):
             return v
         if v.startswith("tinker://"):
             if "/weights/" not in v and "/sampler_weights/" not in v:
-                raise ValueError(f"teacher checkpoint {v!r} must be tinker://<run>/sampler_weights/<name> or .../weights/<name>")
+                raise ValueError(
+                    f"teacher checkpoint {v!r} must be tinker://<run>/sampler_weights/<name> or .../weights/<name>"
+                )
             return v
         return v if v.startswith("base:") else f"base:{v}"
 
@@ -86,32 +108,94 @@ class DistillConfig(RLConfig):
 
     recipe: ClassVar[str] = "distill"
     resume_fields: ClassVar[tuple[str, ...]] = (
-        *RLConfig.resume_fields, "mode", "teacher", "teachers", "kl_discount_factor", "topk", "skip_first_tokens",
-        "reverse", "soft_targets", "sequences", "teacher_max_tokens", "teacher_temperature", "samples_per_prompt",
-        "keep_truncated", "batch_size", "test_size", "max_length")
+        *RLConfig.resume_fields,
+        "mode",
+        "teacher",
+        "teachers",
+        "kl_discount_factor",
+        "topk",
+        "skip_first_tokens",
+        "reverse",
+        "soft_targets",
+        "sequences",
+        "teacher_max_tokens",
+        "teacher_temperature",
+        "samples_per_prompt",
+        "keep_truncated",
+        "batch_size",
+        "test_size",
+        "max_length",
+    )
 
     mode: DistillMode = Field(default="on_policy", description="on_policy, off_policy, sdft or prompt.")
-    env: str = Field(default="prompts", description="The environment the student samples on (on_policy, sdft): 'prompts' serves the dataset's prompts.")
-    dataset: str | None = Field(default=EXAMPLE_CHAT_PATH, description="Prompts (and golden answers, sdft): a JSONL file or dataset; read as env_options.format.")
-    teacher: TeacherSpec | None = Field(default=None, description="The teacher (a string = its weights); sdft default: the frozen initial weights.")
-    teachers: list[TeacherSpec] = Field(default_factory=list, description="on_policy: several teachers, each with its dataset and weight, instead of `teacher`.")
-    kl_penalty_coef: float = Field(default=1.0, gt=0, description="on_policy: advantage = -coef x (logp_student - logp_teacher) per completion token.")
-    kl_discount_factor: float = Field(default=0.0, ge=0, le=1, description="on_policy: advantages summed over later tokens with this discount (0 = per token).")
-    remove_constant_reward_groups: bool = Field(default=False, description="Unused by distillation (its signal is the teacher, not rewards).")
+    env: str = Field(
+        default="prompts",
+        description="The environment the student samples on (on_policy, sdft): 'prompts' serves the dataset's prompts.",
+    )
+    dataset: str | None = Field(
+        default=EXAMPLE_CHAT_PATH,
+        description="Prompts (and golden answers, sdft): a JSONL file or dataset; read as env_options.format.",
+    )
+    teacher: TeacherSpec | None = Field(
+        default=None, description="The teacher (a string = its weights); sdft default: the frozen initial weights."
+    )
+    teachers: list[TeacherSpec] = Field(
+        default_factory=list,
+        description="on_policy: several teachers, each with its dataset and weight, instead of `teacher`.",
+    )
+    kl_penalty_coef: float = Field(
+        default=1.0,
+        gt=0,
+        description="on_policy: advantage = -coef x (logp_student - logp_teacher) per completion token.",
+    )
+    kl_discount_factor: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description="on_policy: advantages summed over later tokens with this discount (0 = per token).",
+    )
+    remove_constant_reward_groups: bool = Field(
+        default=False, description="Unused by distillation (its signal is the teacher, not rewards)."
+    )
     topk: int = Field(default=20, ge=1, description="sdft / off_policy soft targets: teacher tokens per position (K).")
-    skip_first_tokens: int = Field(default=3, ge=0, description="sdft: completion tokens at the start left out of the loss.")
-    reverse: bool = Field(default=False, description="sdft: reverse KL over the K slots (client-side custom loss) instead of the forward KL.")
-    soft_targets: bool = Field(default=False, description="off_policy / prompt: train on the teacher's top-K distribution instead of its sampled tokens.")
-    sequences: Literal["teacher", "dataset"] = Field(default="teacher", description="off_policy: supervised sequences are the teacher's samples, or the dataset's own conversations (soft_targets only).")
-    teacher_max_tokens: int = Field(default=128, ge=1, description="off_policy / prompt: most tokens of a teacher reply.")
-    teacher_temperature: float = Field(default=1.0, ge=0, description="off_policy / prompt: temperature of the teacher's training replies (held-out labels are greedy).")
+    skip_first_tokens: int = Field(
+        default=3, ge=0, description="sdft: completion tokens at the start left out of the loss."
+    )
+    reverse: bool = Field(
+        default=False,
+        description="sdft: reverse KL over the K slots (client-side custom loss) instead of the forward KL.",
+    )
+    soft_targets: bool = Field(
+        default=False,
+        description="off_policy / prompt: train on the teacher's top-K distribution instead of its sampled tokens.",
+    )
+    sequences: Literal["teacher", "dataset"] = Field(
+        default="teacher",
+        description="off_policy: supervised sequences are the teacher's samples, or the dataset's own conversations (soft_targets only).",
+    )
+    teacher_max_tokens: int = Field(
+        default=128, ge=1, description="off_policy / prompt: most tokens of a teacher reply."
+    )
+    teacher_temperature: float = Field(
+        default=1.0,
+        ge=0,
+        description="off_policy / prompt: temperature of the teacher's training replies (held-out labels are greedy).",
+    )
     samples_per_prompt: int = Field(default=1, ge=1, description="off_policy / prompt: teacher replies per prompt.")
-    keep_truncated: bool = Field(default=False, description="off_policy / prompt: keep teacher replies that hit teacher_max_tokens.")
+    keep_truncated: bool = Field(
+        default=False, description="off_policy / prompt: keep teacher replies that hit teacher_max_tokens."
+    )
     batch_size: int = Field(default=8, ge=1, description="off_policy / prompt: sequences per step.")
-    test_size: float = Field(default=0.1, ge=0, description="off_policy / prompt: held-out prompts (count >= 1 or fraction < 1).")
+    test_size: float = Field(
+        default=0.1, ge=0, description="off_policy / prompt: held-out prompts (count >= 1 or fraction < 1)."
+    )
     max_length: int = Field(default=512, ge=8, description="off_policy / prompt: most tokens of a training sequence.")
-    eval_max_tokens: int = Field(default=32, ge=1, description="prompt: most tokens of a student reply in the agreement evaluation.")
-    agreement_first_line: bool = Field(default=False, description="prompt: agreement compares only the first non-empty line of the replies.")
+    eval_max_tokens: int = Field(
+        default=32, ge=1, description="prompt: most tokens of a student reply in the agreement evaluation."
+    )
+    agreement_first_line: bool = Field(
+        default=False, description="prompt: agreement compares only the first non-empty line of the replies."
+    )
 
     @model_validator(mode="after")
     def _check_distill(self) -> DistillConfig:
@@ -120,17 +204,23 @@ class DistillConfig(RLConfig):
         if len(self.teachers) > 1 and self.mode != "on_policy":
             raise ValueError(f"mode={self.mode}: one teacher only (several teachers are an on_policy feature)")
         if self.mode != "sdft" and self.teacher is None and not self.teachers:
-            raise ValueError(f"mode={self.mode} needs a teacher: teacher=<base model, tinker:// checkpoint or run:<run_id>>")
+            raise ValueError(
+                f"mode={self.mode} needs a teacher: teacher=<base model, tinker:// checkpoint or run:<run_id>>"
+            )
         if self.mode == "prompt" and self.resolved_teachers(runs=False)[0].view().is_identity:
-            raise ValueError("mode=prompt needs what the student will not see: teacher.system_prompt or teacher.prompt_template")
+            raise ValueError(
+                "mode=prompt needs what the student will not see: teacher.system_prompt or teacher.prompt_template"
+            )
         if self.mode == "sdft":
             if self.num_substeps != 1 or self.schedule != "sync":
                 raise ValueError("mode=sdft trains one optimizer step per batch (num_substeps=1, schedule=sync)")
             if not self.resolved_teachers(runs=False)[0].view().needs_answer:
                 raise ValueError("mode=sdft: the teacher's prompt_template must show the golden answer ({answer})")
         if self.mode == "off_policy" and self.sequences == "dataset" and not self.soft_targets:
-            raise ValueError("off_policy with sequences=dataset and soft_targets=false is plain SFT: use the sft recipe, "
-                             "or set soft_targets=true")
+            raise ValueError(
+                "off_policy with sequences=dataset and soft_targets=false is plain SFT: use the sft recipe, "
+                "or set soft_targets=true"
+            )
         return self
 
     def run_name_prefix(self) -> str:
@@ -183,10 +273,19 @@ class DistillConfig(RLConfig):
             return dict(self.env_options)
         base = dict(self.env_options)
         fmt = base.get("format", "messages")
-        sources = [{"path": t.dataset or self.dataset, "format": t.format or fmt,
-                    "fields": t.fields or base.get("fields", {}), "options": base.get("options", {}), "weight": t.weight,
-                    "split": self.split, "config_name": self.dataset_config, "max_records": self.max_problems}
-                   for t in teachers]
+        sources = [
+            {
+                "path": t.dataset or self.dataset,
+                "format": t.format or fmt,
+                "fields": t.fields or base.get("fields", {}),
+                "options": base.get("options", {}),
+                "weight": t.weight,
+                "split": self.split,
+                "config_name": self.dataset_config,
+                "max_records": self.max_problems,
+            }
+            for t in teachers
+        ]
         missing = [i for i, s in enumerate(sources) if not s["path"]]
         if missing:
             raise ValueError(f"teachers[{missing[0]}]: no dataset (and no run dataset)")

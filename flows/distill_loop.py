@@ -56,18 +56,33 @@ class Teacher:
         """The teacher renderer's generation prompt of the teacher's messages for ``record``."""
         return self.renderer.build_generation_prompt(self.view.messages(record)).to_ints()
 
-    def align(self, record: PromptRecord, student_prompt_len: int, completion: list[int],
-              student_renderer: Any, student_renderer_name: str) -> Alignment:
-        return align_completion(student_prompt_len, completion, self.prompt_tokens(record),
-                                student_renderer=student_renderer, teacher_renderer=self.renderer,
-                                same_format=self.renderer_name == student_renderer_name)
+    def align(
+        self,
+        record: PromptRecord,
+        student_prompt_len: int,
+        completion: list[int],
+        student_renderer: Any,
+        student_renderer_name: str,
+    ) -> Alignment:
+        return align_completion(
+            student_prompt_len,
+            completion,
+            self.prompt_tokens(record),
+            student_renderer=student_renderer,
+            teacher_renderer=self.renderer,
+            same_format=self.renderer_name == student_renderer_name,
+        )
 
 
 def soft_datum(tokens: list[int], st: SoftTargets) -> tinker.Datum:
     """The ``cross_entropy`` datum of a sequence (L,) with ``(L-1, K)`` soft targets."""
-    return tinker.Datum(model_input=tinker.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
-        "target_tokens": tinker.TensorData.from_numpy(np.ascontiguousarray(st.target_tokens, dtype=np.int64)),
-        "weights": tinker.TensorData.from_numpy(np.ascontiguousarray(st.weights, dtype=np.float32))})
+    return tinker.Datum(
+        model_input=tinker.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": tinker.TensorData.from_numpy(np.ascontiguousarray(st.target_tokens, dtype=np.int64)),
+            "weights": tinker.TensorData.from_numpy(np.ascontiguousarray(st.weights, dtype=np.float32)),
+        },
+    )
 
 
 class DistillLoop(RLLoop):
@@ -96,8 +111,10 @@ class DistillLoop(RLLoop):
             for i, (traj, a) in enumerate(zip(g.trajectories_G, adv)):
                 ds = trajectory_to_datums(traj, float(a), g.group_index, i)
                 if len(ds) != 1 or len(traj.transitions) != 1:
-                    raise ValueError(f"distillation needs single-turn episodes; batch {g.batch_index} group "
-                                     f"{g.group_index} member {i} gave {len(traj.transitions)} turns")
+                    raise ValueError(
+                        f"distillation needs single-turn episodes; batch {g.batch_index} group "
+                        f"{g.group_index} member {i} gave {len(traj.transitions)} turns"
+                    )
                 yield record, traj.transitions[0], ds[0]
 
     def prepare(self, groups: list[TrajectoryGroup]) -> tuple[list[RLDatum], dict[str, float]]:
@@ -106,19 +123,23 @@ class DistillLoop(RLLoop):
         per: dict[int, list[tuple[RLDatum, Alignment]]] = {}
         for record, t, d in items:
             teacher = self.teachers[record.source]
-            al = teacher.align(record, len(t.observation), list(t.action_tokens), self.student_renderer, self.session.renderer)
+            al = teacher.align(
+                record, len(t.observation), list(t.action_tokens), self.student_renderer, self.session.renderer
+            )
             per.setdefault(teacher.index, []).append((d, al))
         kl_sum, n_sum, metrics = 0.0, 0.0, {}
         for ti, pairs in sorted(per.items()):
             teacher = self.teachers[ti]
             lps = teacher_logprobs.with_options(task_run_name=f"teacher-logprobs-step-{step}-t{ti}")(
-                teacher.credentials, teacher.weights, quote([al.teacher_tokens for _, al in pairs]))
+                teacher.credentials, teacher.weights, quote([al.teacher_tokens for _, al in pairs])
+            )
             t_kl = t_n = 0.0
             for (d, al), lp in zip(pairs, lps):
                 values, aligned = gather_teacher(al, lp, len(d.mask))
                 mask = aligned * d.mask
-                adv, kl = kl_advantages(d.sampler_logprobs, values, mask, coef=c.kl_penalty_coef,
-                                        discount=c.kl_discount_factor)
+                adv, kl = kl_advantages(
+                    d.sampler_logprobs, values, mask, coef=c.kl_penalty_coef, discount=c.kl_discount_factor
+                )
                 d.advantages = (d.advantages + adv).astype(np.float32)
                 t_kl, t_n = t_kl + float(kl.sum()), t_n + float(mask.sum())
             if len(self.teachers) > 1:
@@ -128,8 +149,9 @@ class DistillLoop(RLLoop):
         metrics["train/teacher_tokens"] = n_sum
         self.kl.append((step, metrics["train/teacher_kl"]))
         datums = [d for _, _, d in items]
-        metrics["train/advantage_abs_mean"] = float(np.mean([np.abs(d.advantages[d.mask > 0]).mean() for d in datums
-                                                             if d.mask.any()])) if datums else 0.0
+        metrics["train/advantage_abs_mean"] = (
+            float(np.mean([np.abs(d.advantages[d.mask > 0]).mean() for d in datums if d.mask.any()])) if datums else 0.0
+        )
         return datums, metrics
 
     def soft_datums(self, groups: list[TrajectoryGroup]) -> tuple[list[tinker.Datum], dict[str, float]]:
@@ -141,21 +163,34 @@ class DistillLoop(RLLoop):
         per: dict[int, list[tuple[list[int], Alignment, int]]] = {}
         for record, t, d in items:
             teacher = self.teachers[record.source]
-            al = teacher.align(record, len(t.observation), list(t.action_tokens), self.student_renderer, self.session.renderer)
+            al = teacher.align(
+                record, len(t.observation), list(t.action_tokens), self.student_renderer, self.session.renderer
+            )
             per.setdefault(teacher.index, []).append((d.tokens, al, len(t.observation) - 1))
         datums, positions, entropy, dropped = [], 0, 0.0, 0
         for ti, rows in sorted(per.items()):
             teacher = self.teachers[ti]
             topk = teacher_topk.with_options(task_run_name=f"teacher-topk-step-{step}-t{ti}")(
-                teacher.credentials, teacher.weights, quote([al.teacher_tokens for _, al, _ in rows]), c.topk)
+                teacher.credentials, teacher.weights, quote([al.teacher_tokens for _, al, _ in rows]), c.topk
+            )
             for (tokens, al, s0), (ids, lps) in zip(rows, topk):
                 pairs = [(s, t) for s, t in al.one_to_one() if s - s0 >= c.skip_first_tokens]
-                st = soft_targets(ids, lps, pairs, n_targets=len(tokens) - 1, k=c.topk,
-                                  vocab_size=min(teacher.vocab_size, self.student_vocab))
+                st = soft_targets(
+                    ids,
+                    lps,
+                    pairs,
+                    n_targets=len(tokens) - 1,
+                    k=c.topk,
+                    vocab_size=min(teacher.vocab_size, self.student_vocab),
+                )
                 datums.append(soft_datum(tokens, st))
                 positions, entropy, dropped = positions + st.positions, entropy + st.entropy_sum, dropped + st.dropped
-        return datums, {"sdft/positions": float(positions), "sdft/entropy_sum": entropy,
-                        "sdft/teacher_entropy": entropy / max(positions, 1), "sdft/dropped_ids": float(dropped)}
+        return datums, {
+            "sdft/positions": float(positions),
+            "sdft/entropy_sum": entropy,
+            "sdft/teacher_entropy": entropy / max(positions, 1),
+            "sdft/dropped_ids": float(dropped),
+        }
 
     @property
     def student_vocab(self) -> int:
@@ -190,12 +225,15 @@ class SDFTStep:
         loop.usage["trained"] += float(model_input_tokens(datums))
         if c.reverse:  # forward_backward_custom: a forward, then the training pass
             loop.usage["prefill_uncached"] += float(model_input_tokens(datums))
-            s.run, out = custom_step(s.credentials, s.run, step, quote(datums), ReverseKLLoss(), lr, c.adam.model_dump())
+            s.run, out = custom_step(
+                s.credentials, s.run, step, quote(datums), ReverseKLLoss(), lr, c.adam.model_dump()
+            )
             m["sdft/kl"] = out.get("kl", 0.0) / n
             m["sdft/student_entropy"] = out.get("student_entropy", 0.0) / n
         else:
-            s.run, out = train_step(s.credentials, s.run, step, quote(datums), lr, c.adam.model_dump(),
-                                    loss_fn="cross_entropy")
+            s.run, out = train_step(
+                s.credentials, s.run, step, quote(datums), lr, c.adam.model_dump(), loss_fn="cross_entropy"
+            )
             m["train/soft_ce"] = out["loss_sum"] / n
             m["sdft/kl"] = (out["loss_sum"] - m["sdft/entropy_sum"]) / n
         m.update({f"train/{k}": v for k, v in out.items() if k in ("learning_rate", "grad_norm", "step_seconds")})

@@ -63,12 +63,34 @@ def _sources_uris(sources: list[SourceSpec]) -> list[str]:
     return out
 
 
-def _sample(config: DistillConfig, teacher: Teacher, records: list[PromptRecord], tokenizer_id: str, upstream: list[str],
-            *, temperature: float, num_samples: int, keep_truncated: bool, name: str) -> TeacherSamples:
-    return teacher_samples(teacher.credentials, teacher.weights, records, renderer=teacher.renderer_name,
-                           tokenizer_id=tokenizer_id, view=teacher.view, max_tokens=config.teacher_max_tokens,
-                           temperature=temperature, seed=config.seed, num_samples=num_samples,
-                           keep_truncated=keep_truncated, store=config.store, upstream=upstream, name=name)
+def _sample(
+    config: DistillConfig,
+    teacher: Teacher,
+    records: list[PromptRecord],
+    tokenizer_id: str,
+    upstream: list[str],
+    *,
+    temperature: float,
+    num_samples: int,
+    keep_truncated: bool,
+    name: str,
+) -> TeacherSamples:
+    return teacher_samples(
+        teacher.credentials,
+        teacher.weights,
+        records,
+        renderer=teacher.renderer_name,
+        tokenizer_id=tokenizer_id,
+        view=teacher.view,
+        max_tokens=config.teacher_max_tokens,
+        temperature=temperature,
+        seed=config.seed,
+        num_samples=num_samples,
+        keep_truncated=keep_truncated,
+        store=config.store,
+        upstream=upstream,
+        name=name,
+    )
 
 
 def _labels(uri: str, records: list[PromptRecord]) -> list[str]:
@@ -94,12 +116,30 @@ def run_offline(config: DistillConfig, teachers: list[Teacher]) -> dict[str, Any
         records = [r for i, s in enumerate(sources) for r in load_prompts(s, source=i)]
         if config.mode == "prompt" and config.test_size:
             records, held_out = split_conversations(records, config.test_count(), seed=config.seed)
-        samples = _sample(config, teacher, records, tok_id, upstream, temperature=config.teacher_temperature,
-                          num_samples=config.samples_per_prompt, keep_truncated=config.keep_truncated, name="teacher-samples")
+        samples = _sample(
+            config,
+            teacher,
+            records,
+            tok_id,
+            upstream,
+            temperature=config.teacher_temperature,
+            num_samples=config.samples_per_prompt,
+            keep_truncated=config.keep_truncated,
+            name="teacher-samples",
+        )
         log.info("teacher samples: %d rows (%d truncated dropped) at %s", samples.rows, samples.dropped, samples.uri)
         if held_out:
-            lab = _sample(config, teacher, held_out, tok_id, upstream, temperature=0.0, num_samples=1,
-                          keep_truncated=True, name="teacher-labels")
+            lab = _sample(
+                config,
+                teacher,
+                held_out,
+                tok_id,
+                upstream,
+                temperature=0.0,
+                num_samples=1,
+                keep_truncated=True,
+                name="teacher-labels",
+            )
             labels = _labels(lab.uri, held_out)
         opts = {"system_prompt": config.system_prompt} if config.system_prompt else {}
         data_sources = [SourceSpec(path=read_samples(samples.uri), format="messages", options=opts)]
@@ -108,8 +148,9 @@ def run_offline(config: DistillConfig, teachers: list[Teacher]) -> dict[str, Any
         data_sources, test_size = sources, config.test_count()
 
     def builder(renderer: str) -> DatasetBuilder:
-        kw = dict(sources=data_sources, renderer=renderer, seed=config.seed, max_length=config.max_length,
-                  test_size=test_size)
+        kw = dict(
+            sources=data_sources, renderer=renderer, seed=config.seed, max_length=config.max_length, test_size=test_size
+        )
         return SoftTargetBuilder(**kw) if config.soft_targets else SupervisedBuilder(**kw)
 
     extra = [samples.uri] if samples else []
@@ -119,46 +160,94 @@ def run_offline(config: DistillConfig, teachers: list[Teacher]) -> dict[str, Any
 
         student_renderer = get_renderer(session.renderer, tokenizer(session.tokenizer_id))
         total = config.max_steps
-        log.info("%d train / %d test sequences, %d steps (renderer %s); %s", len(data.train), len(data.test), total,
-                 data.renderer, data.skip_summary)
+        log.info(
+            "%d train / %d test sequences, %d steps (renderer %s); %s",
+            len(data.train),
+            len(data.test),
+            total,
+            data.renderer,
+            data.skip_summary,
+        )
         evaluators: list = []
         test = [_hard_datum(ex) for ex in data.test]
         if test:
             evaluators.append(NLLEvaluator(test))
         if labels:
-            prompts = [student_renderer.build_generation_prompt(PromptEnv(r, None, config.system_prompt).messages()).to_ints()
-                       for r in held_out]
-            evaluators.append(TeacherAgreementEvaluator(prompts, labels, student_renderer, max_tokens=config.eval_max_tokens,
-                                                        first_line=config.agreement_first_line))
+            prompts = [
+                student_renderer.build_generation_prompt(PromptEnv(r, None, config.system_prompt).messages()).to_ints()
+                for r in held_out
+            ]
+            evaluators.append(
+                TeacherAgreementEvaluator(
+                    prompts,
+                    labels,
+                    student_renderer,
+                    max_tokens=config.eval_max_tokens,
+                    first_line=config.agreement_first_line,
+                )
+            )
 
         def one_step(step: int) -> dict[str, float]:
             batch = [data.train[i] for i in batch_at(len(data.train), config.batch_size, config.seed, step)]
             if not config.soft_targets:
                 datums = [datum_from_example(ex.tokens, ex.weights) for ex in batch]
-                session.run, m = train_step(session.credentials, session.run, step, quote(datums),
-                                            config.lr_at(step, total), config.adam.model_dump())
+                session.run, m = train_step(
+                    session.credentials,
+                    session.run,
+                    step,
+                    quote(datums),
+                    config.lr_at(step, total),
+                    config.adam.model_dump(),
+                )
                 return {**{f"train/{k}": v for k, v in m.items()}, "tokens/trained": float(model_input_tokens(datums))}
-            datums, positions, entropy = _soft_batch(config, teacher, batch, student_renderer, session.renderer, step,
-                                                     len(student_renderer.tokenizer))
-            session.run, m = train_step(session.credentials, session.run, step, quote(datums), config.lr_at(step, total),
-                                        config.adam.model_dump(), loss_fn="cross_entropy")
+            datums, positions, entropy = _soft_batch(
+                config, teacher, batch, student_renderer, session.renderer, step, len(student_renderer.tokenizer)
+            )
+            session.run, m = train_step(
+                session.credentials,
+                session.run,
+                step,
+                quote(datums),
+                config.lr_at(step, total),
+                config.adam.model_dump(),
+                loss_fn="cross_entropy",
+            )
             n = max(positions, 1)
             out = {f"train/{k}": v for k, v in m.items() if k not in ("loss", "tokens")}
-            out.update({"train/soft_ce": m["loss_sum"] / n, "train/soft_kl": (m["loss_sum"] - entropy) / n,
-                        "train/teacher_entropy": entropy / n, "train/positions": float(positions),
-                        "tokens/trained": float(model_input_tokens(datums))})
+            out.update(
+                {
+                    "train/soft_ce": m["loss_sum"] / n,
+                    "train/soft_kl": (m["loss_sum"] - entropy) / n,
+                    "train/teacher_entropy": entropy / n,
+                    "train/positions": float(positions),
+                    "tokens/trained": float(model_input_tokens(datums)),
+                }
+            )
             return out
 
         StepLoop(session, total, evaluators=evaluators).run(one_step)
         loss = "train/soft_ce" if config.soft_targets else "train/loss"
         (first, last), (nll0, nll1) = session.metric_ends(loss), session.metric_ends("test/nll")
         (agree0, agree1) = session.metric_ends("eval/teacher_agreement")
-        return session.finish({
-            "mode": config.mode, "first_loss": first, "last_loss": last, "first_test_nll": nll0, "last_test_nll": nll1,
-            "first_agreement": agree0, "last_agreement": agree1, "teacher_samples": samples.uri if samples else None,
-            "teacher_rows": samples.rows if samples else None, "teachers": [teacher.weights],
-        }, title_fields={"mode": config.mode, "teacher": f"`{teacher.weights}`",
-                         "targets": "top-K soft" if config.soft_targets else "teacher tokens"})
+        return session.finish(
+            {
+                "mode": config.mode,
+                "first_loss": first,
+                "last_loss": last,
+                "first_test_nll": nll0,
+                "last_test_nll": nll1,
+                "first_agreement": agree0,
+                "last_agreement": agree1,
+                "teacher_samples": samples.uri if samples else None,
+                "teacher_rows": samples.rows if samples else None,
+                "teachers": [teacher.weights],
+            },
+            title_fields={
+                "mode": config.mode,
+                "teacher": f"`{teacher.weights}`",
+                "targets": "top-K soft" if config.soft_targets else "teacher tokens",
+            },
+        )
 
 
 def _hard_datum(ex: Any):
@@ -169,16 +258,32 @@ def _hard_datum(ex: Any):
     return datum_from_example(ex.tokens, ex.weights)
 
 
-def _soft_batch(config: DistillConfig, teacher: Teacher, batch: list[SoftExample], student_renderer: Any,
-                student_renderer_name: str, step: int, vocab: int) -> tuple[list, int, float]:
-    aligned = [teacher.align(ex.prompt, ex.prompt_len, ex.tokens[ex.prompt_len:], student_renderer, student_renderer_name)
-               for ex in batch]
+def _soft_batch(
+    config: DistillConfig,
+    teacher: Teacher,
+    batch: list[SoftExample],
+    student_renderer: Any,
+    student_renderer_name: str,
+    step: int,
+    vocab: int,
+) -> tuple[list, int, float]:
+    aligned = [
+        teacher.align(ex.prompt, ex.prompt_len, ex.tokens[ex.prompt_len :], student_renderer, student_renderer_name)
+        for ex in batch
+    ]
     rows = teacher_topk.with_options(task_run_name=f"teacher-topk-step-{step}")(
-        teacher.credentials, teacher.weights, quote([al.teacher_tokens for al in aligned]), config.topk)
+        teacher.credentials, teacher.weights, quote([al.teacher_tokens for al in aligned]), config.topk
+    )
     datums, positions, entropy = [], 0, 0.0
     for ex, al, (ids, lps) in zip(batch, aligned, rows):
-        st = soft_targets(ids, lps, al.one_to_one(), n_targets=len(ex.tokens) - 1, k=config.topk,
-                          vocab_size=min(vocab, teacher.vocab_size))
+        st = soft_targets(
+            ids,
+            lps,
+            al.one_to_one(),
+            n_targets=len(ex.tokens) - 1,
+            k=config.topk,
+            vocab_size=min(vocab, teacher.vocab_size),
+        )
         datums.append(soft_datum(ex.tokens, st))
         positions, entropy = positions + st.positions, entropy + st.entropy_sum
     return datums, positions, entropy

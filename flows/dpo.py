@@ -44,27 +44,65 @@ class DPOConfig(SourceFields, RecipeConfig):
 
     recipe: ClassVar[str] = "dpo"
     resume_fields: ClassVar[tuple[str, ...]] = (
-        *RecipeConfig.resume_fields, "batch_size", "max_length", "test_size", "max_test", "format", "fields", "sources",
-        "dpo_loss", "beta", "label_smoothing", "reference", "reference_via")
+        *RecipeConfig.resume_fields,
+        "batch_size",
+        "max_length",
+        "test_size",
+        "max_test",
+        "format",
+        "fields",
+        "sources",
+        "dpo_loss",
+        "beta",
+        "label_smoothing",
+        "reference",
+        "reference_via",
+    )
 
-    dataset: str | None = Field(default="builtin:example_prefs", description="Comparisons: a JSONL file, dataset directory, Hugging Face id, or builtin:example_prefs (40 bundled comparisons).")
-    format: str = Field(default="preference", description="Record format: preference ({prompt?, chosen, rejected}) or dialogue (HH-RLHF transcripts).")
+    dataset: str | None = Field(
+        default="builtin:example_prefs",
+        description="Comparisons: a JSONL file, dataset directory, Hugging Face id, or builtin:example_prefs (40 bundled comparisons).",
+    )
+    format: str = Field(
+        default="preference",
+        description="Record format: preference ({prompt?, chosen, rejected}) or dialogue (HH-RLHF transcripts).",
+    )
     batch_size: int = Field(default=8, ge=1, description="Comparisons (pairs) per step.")
     num_epochs: int = Field(default=1, ge=1, description="Epochs when max_steps is not set.")
     learning_rate: float = Field(default=1e-5, gt=0, description="Peak learning rate.")
-    test_size: float = Field(default=0.1, ge=0, description="Held-out comparisons: a count (>=1) or a fraction (<1, at most max_test pairs), split with `seed`.")
-    max_test: int = Field(default=64, ge=1, description="Most held-out comparisons a test_size fraction gives (each evaluation scores them all).")
+    test_size: float = Field(
+        default=0.1,
+        ge=0,
+        description="Held-out comparisons: a count (>=1) or a fraction (<1, at most max_test pairs), split with `seed`.",
+    )
+    max_test: int = Field(
+        default=64,
+        ge=1,
+        description="Most held-out comparisons a test_size fraction gives (each evaluation scores them all).",
+    )
     dpo_loss: LossName = Field(default="dpo", description="dpo (sigmoid), ipo or hinge.")
-    beta: float = Field(default=0.1, gt=0, description="Strength of the implicit KL to the reference (scales the log-ratio).")
-    label_smoothing: float = Field(default=0.0, ge=0, lt=0.5, description="dpo: assumed probability of a flipped label (conservative DPO).")
-    reference: str | None = Field(default=None, description="Reference weights: base:<model> or tinker://.../weights/...; default the run's initial weights.")
-    reference_via: Literal["trainer", "sampler"] = Field(default="trainer", description="Reference logprobs from a frozen training client (same numerics as the policy) or a sampling client.")
+    beta: float = Field(
+        default=0.1, gt=0, description="Strength of the implicit KL to the reference (scales the log-ratio)."
+    )
+    label_smoothing: float = Field(
+        default=0.0, ge=0, lt=0.5, description="dpo: assumed probability of a flipped label (conservative DPO)."
+    )
+    reference: str | None = Field(
+        default=None,
+        description="Reference weights: base:<model> or tinker://.../weights/...; default the run's initial weights.",
+    )
+    reference_via: Literal["trainer", "sampler"] = Field(
+        default="trainer",
+        description="Reference logprobs from a frozen training client (same numerics as the policy) or a sampling client.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> DPOConfig:
         if self.dataset is None and not self.sources:
-            raise ValueError("dataset: required: a JSONL file of comparisons, a dataset directory or a Hugging Face id "
-                             "(or sources=[...])")
+            raise ValueError(
+                "dataset: required: a JSONL file of comparisons, a dataset directory or a Hugging Face id "
+                "(or sources=[...])"
+            )
         if self.format not in ("preference", "dialogue", "hh") and not self.sources:
             raise ValueError(f"format {self.format!r}: a DPO dataset is 'preference' or 'dialogue' (HH-RLHF)")
         if self.reference_via == "sampler" and "/weights/" in (self.reference or self.load_checkpoint_path or ""):
@@ -77,9 +115,15 @@ class DPOConfig(SourceFields, RecipeConfig):
 
     def dataset_builder(self, renderer: str) -> PreferenceBuilder:
         """The comparisons of this run for the (resolved) ``renderer``."""
-        return PreferenceBuilder(sources=self.source_specs(), renderer=renderer, seed=self.seed,
-                                 max_length=self.max_length, on_error=self.on_error, test_size=self.test_count(),
-                                 max_test=self.max_test)
+        return PreferenceBuilder(
+            sources=self.source_specs(),
+            renderer=renderer,
+            seed=self.seed,
+            max_length=self.max_length,
+            on_error=self.on_error,
+            test_size=self.test_count(),
+            max_test=self.max_test,
+        )
 
 
 @flow(name="dpo", flow_run_name="dpo-{config.run_name}", log_prints=True)
@@ -92,25 +136,62 @@ def dpo_flow(config: DPOConfig) -> dict[str, Any]:
             data: PreferenceData = prepare_dataset(session.builder, session.tokenizer_id)
         total = config.max_steps or len(data.train) // config.batch_size * config.num_epochs
         reference = config.reference_weights()
-        log.info("%d train / %d test comparisons, %d steps, reference %s (renderer %s); %s", len(data.train),
-                 len(data.test), total, reference, data.renderer, data.skip_summary)
-        evaluators = [PreferenceEvaluator(data.test, beta=config.beta, loss=config.dpo_loss, reference=reference,
-                                          label_smoothing=config.label_smoothing, via=config.reference_via,
-                                          seed=config.seed)] if data.test else []
+        log.info(
+            "%d train / %d test comparisons, %d steps, reference %s (renderer %s); %s",
+            len(data.train),
+            len(data.test),
+            total,
+            reference,
+            data.renderer,
+            data.skip_summary,
+        )
+        evaluators = (
+            [
+                PreferenceEvaluator(
+                    data.test,
+                    beta=config.beta,
+                    loss=config.dpo_loss,
+                    reference=reference,
+                    label_smoothing=config.label_smoothing,
+                    via=config.reference_via,
+                    seed=config.seed,
+                )
+            ]
+            if data.test
+            else []
+        )
 
         def one_step(step: int) -> dict[str, float]:
             pairs = [data.train[i] for i in batch_at(len(data.train), config.batch_size, config.seed, step)]
             datums = pair_datums(pairs)
             ref = reference_sequence_logprobs.with_options(task_run_name=f"reference-step-{step}")(
-                session.credentials, reference, quote(datums), config.reference_via, config.seed)
+                session.credentials, reference, quote(datums), config.reference_via, config.seed
+            )
             loss = DPOLoss(ref, config.beta, config.dpo_loss, config.label_smoothing)
-            session.run, m = custom_step(session.credentials, session.run, step, quote(datums), loss,
-                                         config.lr_at(step, total), config.adam.model_dump())
+            session.run, m = custom_step(
+                session.credentials,
+                session.run,
+                step,
+                quote(datums),
+                loss,
+                config.lr_at(step, total),
+                config.adam.model_dump(),
+            )
             n = float(model_input_tokens(datums))  # forward_backward_custom: a forward, then the training pass
             return {**{f"train/{k}": v for k, v in m.items()}, "tokens/trained": n, "tokens/prefill_uncached": n}
 
         StepLoop(session, total, evaluators=[*evaluators, *benchmark_evaluators(session)]).run(one_step)
-        (first_loss, last_loss), (first_acc, last_acc) = session.metric_ends("train/dpo_loss"), session.metric_ends("test/accuracy")
-        return session.finish({"first_loss": first_loss, "last_loss": last_loss, "first_test_accuracy": first_acc,
-                               "last_test_accuracy": last_acc, "pairs": session.metric_sum("train/pairs")},
-                              title_fields={"dataset": f"`{config.dataset}`", "loss": config.dpo_loss, "beta": config.beta})
+        (first_loss, last_loss), (first_acc, last_acc) = (
+            session.metric_ends("train/dpo_loss"),
+            session.metric_ends("test/accuracy"),
+        )
+        return session.finish(
+            {
+                "first_loss": first_loss,
+                "last_loss": last_loss,
+                "first_test_accuracy": first_acc,
+                "last_test_accuracy": last_acc,
+                "pairs": session.metric_sum("train/pairs"),
+            },
+            title_fields={"dataset": f"`{config.dataset}`", "loss": config.dpo_loss, "beta": config.beta},
+        )

@@ -62,7 +62,8 @@ def _training_store(config: EvalConfig) -> Any:
 
 def _run_targets(config: EvalConfig, credentials: Any, run_id: str) -> list[EvalTarget]:
     rows = _training_store(config).query(
-        "SELECT step, kind, name, path, renderer FROM checkpoints WHERE run_id = ? ORDER BY step, time", [run_id])
+        "SELECT step, kind, name, path, renderer FROM checkpoints WHERE run_id = ? ORDER BY step, time", [run_id]
+    )
     if not rows:
         raise ValueError(f"model=run:{run_id}: the training store {config.store} has no checkpoint of run {run_id!r}")
     samplers = {int(r["step"]): r for r in rows if r["kind"] == "sampler"}
@@ -72,14 +73,23 @@ def _run_targets(config: EvalConfig, credentials: Any, run_id: str) -> list[Eval
             path = sampler_from_state(credentials, st["path"], st["name"])
             record_checkpoint(config.store, run_id, step, path, "sampler", st["renderer"])
             samplers[step] = {**st, "kind": "sampler", "path": path}
-    return [EvalTarget(run_id=run_id, step=step, checkpoint=r["path"], sampler=r["path"], label=f"{run_id}@{step}",
-                       renderer=_resolve_renderer(config, credentials, r["path"], r["renderer"]))
-            for step, r in sorted(samplers.items())]
+    return [
+        EvalTarget(
+            run_id=run_id,
+            step=step,
+            checkpoint=r["path"],
+            sampler=r["path"],
+            label=f"{run_id}@{step}",
+            renderer=_resolve_renderer(config, credentials, r["path"], r["renderer"]),
+        )
+        for step, r in sorted(samplers.items())
+    ]
 
 
 def _path_target(config: EvalConfig, credentials: Any, path: str) -> EvalTarget:
     rows = _training_store(config).query(
-        "SELECT run_id, step, name, renderer FROM checkpoints WHERE path = ? ORDER BY time DESC LIMIT 1", [path])
+        "SELECT run_id, step, name, renderer FROM checkpoints WHERE path = ? ORDER BY time DESC LIMIT 1", [path]
+    )
     known = rows[0] if rows else None
     name = path.rstrip("/").rsplit("/", 1)[-1]
     sampler = path
@@ -88,9 +98,14 @@ def _path_target(config: EvalConfig, credentials: Any, path: str) -> EvalTarget:
         if known:
             record_checkpoint(config.store, known["run_id"], int(known["step"]), sampler, "sampler", known["renderer"])
     run_id, step = (known["run_id"], int(known["step"])) if known else (config.run_name, None)
-    return EvalTarget(run_id=run_id, step=step, checkpoint=sampler, sampler=sampler,
-                      label=f"{run_id}@{step}" if known else name,
-                      renderer=_resolve_renderer(config, credentials, sampler, known["renderer"] if known else None))
+    return EvalTarget(
+        run_id=run_id,
+        step=step,
+        checkpoint=sampler,
+        sampler=sampler,
+        label=f"{run_id}@{step}" if known else name,
+        renderer=_resolve_renderer(config, credentials, sampler, known["renderer"] if known else None),
+    )
 
 
 def resolve_targets(config: EvalConfig, credentials: Any) -> list[EvalTarget]:
@@ -107,8 +122,16 @@ def resolve_targets(config: EvalConfig, credentials: Any) -> list[EvalTarget]:
         elif model.startswith("tinker://"):
             out.append(_path_target(config, credentials, model))
         else:
-            out.append(EvalTarget(run_id=config.run_name, step=None, checkpoint=model, sampler=f"base:{model}",
-                                  label=model, renderer=_resolve_renderer(config, credentials, f"base:{model}", None)))
+            out.append(
+                EvalTarget(
+                    run_id=config.run_name,
+                    step=None,
+                    checkpoint=model,
+                    sampler=f"base:{model}",
+                    label=model,
+                    renderer=_resolve_renderer(config, credentials, f"base:{model}", None),
+                )
+            )
     seen, unique = set(), []
     for t in out:
         key = (t.run_id, t.step, t.checkpoint)
@@ -133,18 +156,38 @@ def eval_flow(config: EvalConfig) -> dict[str, Any]:
     check_store(eval_root)  # wrong credentials / unwritable store: fail before sampling anything
     specs = config.specs()
     targets = resolve_targets(config, credentials)
-    log.info("evaluating %d checkpoint(s) x %d benchmark(s): %s", len(targets), len(specs),
-             ", ".join(t.label for t in targets))
+    log.info(
+        "evaluating %d checkpoint(s) x %d benchmark(s): %s",
+        len(targets),
+        len(specs),
+        ", ".join(t.label for t in targets),
+    )
     extra, backend_args = {"eval_run": config.run_name}, inspect_backend_args(config.backend)
     outcomes, failures, cached = [], [], 0
     for target in targets:
         for spec in specs:
             if isinstance(spec, InspectSpec):
-                state = evaluate_inspect(credentials, target, spec, eval_root, backend_args=backend_args,
-                                         log_dir=config.inspect_log_dir, config=extra, return_state=True)
+                state = evaluate_inspect(
+                    credentials,
+                    target,
+                    spec,
+                    eval_root,
+                    backend_args=backend_args,
+                    log_dir=config.inspect_log_dir,
+                    config=extra,
+                    return_state=True,
+                )
             else:
-                state = evaluate_benchmark(credentials, target, spec, eval_root, runner=config,
-                                           batch_size=config.batch_size, config=extra, return_state=True)
+                state = evaluate_benchmark(
+                    credentials,
+                    target,
+                    spec,
+                    eval_root,
+                    runner=config,
+                    batch_size=config.batch_size,
+                    config=extra,
+                    return_state=True,
+                )
             try:
                 outcome = state.result()
             except Exception as exc:  # one broken evaluation must not hide the others
@@ -154,10 +197,22 @@ def eval_flow(config: EvalConfig) -> dict[str, Any]:
             is_cached = state.name == "Cached"
             cached += is_cached
             outcomes.append({**outcome, "cached": is_cached})
-            log.info("%s on %s: %s%s", spec.name, target.label, outcome["metrics"].get("accuracy"),
-                     " (cached)" if is_cached else "")
+            log.info(
+                "%s on %s: %s%s",
+                spec.name,
+                target.label,
+                outcome["metrics"].get("accuracy"),
+                " (cached)" if is_cached else "",
+            )
     report = report_eval(config.run_name, outcomes, eval_root)
     if failures:
         raise RuntimeError(f"{len(failures)} evaluation(s) failed: " + "; ".join(failures))
-    return {"run_name": config.run_name, "evaluated": len(outcomes) - cached, "cached": cached,
-            "results": outcomes, "store": config.store, "eval_store": eval_root, "accuracy_png": report["png"]}
+    return {
+        "run_name": config.run_name,
+        "evaluated": len(outcomes) - cached,
+        "cached": cached,
+        "results": outcomes,
+        "store": config.store,
+        "eval_store": eval_root,
+        "accuracy_png": report["png"],
+    }

@@ -23,8 +23,20 @@ from prefect_tinker.tasks.runners import TaskRunnerFields
 __all__ = ["EvalConfig", "FLAT_BENCHMARK_KEYS"]
 
 #: Flat fields that customise ``benchmark`` (the keys of :func:`~prefect_tinker.recipes.evals.get_benchmark`).
-FLAT_BENCHMARK_KEYS = ("dataset", "split", "dataset_config", "question_field", "answer_field", "options_field",
-                       "id_field", "system_prompt", "question_template", "answer_style", "answer_regex", "eval_name")
+FLAT_BENCHMARK_KEYS = (
+    "dataset",
+    "split",
+    "dataset_config",
+    "question_field",
+    "answer_field",
+    "options_field",
+    "id_field",
+    "system_prompt",
+    "question_template",
+    "answer_style",
+    "answer_regex",
+    "eval_name",
+)
 #: Flat settings applied to every benchmark when set.
 OVERRIDE_KEYS = ("limit", "num_samples", "temperature", "max_tokens", "seed")
 
@@ -36,32 +48,65 @@ class EvalConfig(TaskRunnerFields):
 
     recipe: ClassVar[str] = "eval"
 
-    model: str | list[str] = Field(default="tiny", description="Weights to evaluate: a base model name, a tinker:// sampler (or state) path, run:<run_id> (every sampler checkpoint of that training run; states without sampler weights get them saved), or a list of these.")
-    benchmark: str | None = Field(default=None, description="A built-in benchmark (gsm8k, math, arithmetic, multiple_choice, exact_match), customised by the flat fields below.")
-    dataset: str | None = Field(default=None, description="benchmark: JSONL file or dataset id replacing the built-in source.")
+    model: str | list[str] = Field(
+        default="tiny",
+        description="Weights to evaluate: a base model name, a tinker:// sampler (or state) path, run:<run_id> (every sampler checkpoint of that training run; states without sampler weights get them saved), or a list of these.",
+    )
+    benchmark: str | None = Field(
+        default=None,
+        description="A built-in benchmark (gsm8k, math, arithmetic, multiple_choice, exact_match), customised by the flat fields below.",
+    )
+    dataset: str | None = Field(
+        default=None, description="benchmark: JSONL file or dataset id replacing the built-in source."
+    )
     split: str | None = Field(default=None, description="benchmark: dataset split.")
     dataset_config: str | None = Field(default=None, description="benchmark: dataset config name.")
     question_field: str | None = Field(default=None, description="benchmark: record path of the question (dots, [i]).")
     answer_field: str | None = Field(default=None, description="benchmark: record path of the reference answer.")
-    options_field: str | None = Field(default=None, description="benchmark: record path of the options (multiple choice).")
+    options_field: str | None = Field(
+        default=None, description="benchmark: record path of the options (multiple choice)."
+    )
     id_field: str | None = Field(default=None, description="benchmark: record path of a unique example id.")
     system_prompt: str | None = Field(default=None, description="benchmark: system message.")
-    question_template: str | None = Field(default=None, description="benchmark: user message template ({question}, {options}, ...).")
-    answer_style: str | None = Field(default=None, description="benchmark: how the grader finds the answer (see the grader).")
+    question_template: str | None = Field(
+        default=None, description="benchmark: user message template ({question}, {options}, ...)."
+    )
+    answer_style: str | None = Field(
+        default=None, description="benchmark: how the grader finds the answer (see the grader)."
+    )
     answer_regex: str | None = Field(default=None, description="benchmark: regex whose first group is the answer.")
-    eval_name: str | None = Field(default=None, description="benchmark: name in the eval store (default: the built-in name).")
-    benchmarks: list[EvalSpec] = Field(default_factory=list, description="Several benchmarks: built-in names, {benchmark: NAME, ...overrides}, full specs or {kind: inspect, task: FILE.py, name: N}.")
+    eval_name: str | None = Field(
+        default=None, description="benchmark: name in the eval store (default: the built-in name)."
+    )
+    benchmarks: list[EvalSpec] = Field(
+        default_factory=list,
+        description="Several benchmarks: built-in names, {benchmark: NAME, ...overrides}, full specs or {kind: inspect, task: FILE.py, name: N}.",
+    )
     limit: int | None = Field(default=None, ge=1, description="Override: first N examples of every benchmark.")
-    num_samples: int | None = Field(default=None, ge=1, le=1024, description="Override: completions per example (pass@k); inspect: epochs.")
+    num_samples: int | None = Field(
+        default=None, ge=1, le=1024, description="Override: completions per example (pass@k); inspect: epochs."
+    )
     temperature: float | None = Field(default=None, ge=0, description="Override: sampling temperature.")
     max_tokens: int | None = Field(default=None, ge=1, description="Override: most tokens per completion.")
     seed: int | None = Field(default=None, description="Override: sampling seed.")
-    renderer: str = Field(default="auto", description="Renderer; auto: the one recorded with a checkpoint, else resolved from the tokenizer.")
-    batch_size: int = Field(default=16, ge=1, description="Examples per eval-batch task (the unit spread over task-runner workers).")
-    run_name: str | None = Field(default=None, description="Name of this evaluation (rows of base models and unrecorded paths use it as run_id; artifact keys).")
-    store: str = Field(default_factory=default_store_root, description="Training store root (run:<id> checkpoints are read there).")
+    renderer: str = Field(
+        default="auto",
+        description="Renderer; auto: the one recorded with a checkpoint, else resolved from the tokenizer.",
+    )
+    batch_size: int = Field(
+        default=16, ge=1, description="Examples per eval-batch task (the unit spread over task-runner workers)."
+    )
+    run_name: str | None = Field(
+        default=None,
+        description="Name of this evaluation (rows of base models and unrecorded paths use it as run_id; artifact keys).",
+    )
+    store: str = Field(
+        default_factory=default_store_root, description="Training store root (run:<id> checkpoints are read there)."
+    )
     eval_store: str | None = Field(default=None, description="Eval store root; default: the training store's root.")
-    inspect_log_dir: str | None = Field(default=None, description="inspect-ai log folder; default $PREFECT_TINKER_HOME/inspect-logs.")
+    inspect_log_dir: str | None = Field(
+        default=None, description="inspect-ai log folder; default $PREFECT_TINKER_HOME/inspect-logs."
+    )
     backend: BackendConfig = Field(default_factory=BackendConfig)
 
     @field_validator("model")
@@ -122,8 +167,10 @@ class EvalConfig(TaskRunnerFields):
         """
         flat = {k: getattr(self, k) for k in FLAT_BENCHMARK_KEYS if getattr(self, k) is not None}
         if flat and not self.benchmark:
-            raise ValueError(f"{', '.join(sorted(flat))} given without benchmark=<name> (built-in: gsm8k, math, "
-                             "arithmetic, multiple_choice, exact_match)")
+            raise ValueError(
+                f"{', '.join(sorted(flat))} given without benchmark=<name> (built-in: gsm8k, math, "
+                "arithmetic, multiple_choice, exact_match)"
+            )
         specs: list[Any] = [get_benchmark(self.benchmark, **flat)] if self.benchmark else []
         specs += list(self.benchmarks)
         if not specs:

@@ -34,15 +34,33 @@ class ExportConfig(BaseModel):
 
     recipe: ClassVar[str] = "export"
 
-    checkpoint: str = Field(description="State (tinker://<run>/weights/<name>) or sampler (tinker://<run>/sampler_weights/<name>) checkpoint to export.")
-    format: Literal["merged", "peft"] = Field(default="merged", description="merged: a Hugging Face model folder (LoRA merged into the weights); peft: the adapter for peft.PeftModel.")
-    out: str = Field(description="Destination: a local folder or s3://bucket/prefix (S3 credentials from the AWS_* environment).")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description="Dtype of the saved tensors (the merge itself is float32).")
-    base_model: str | None = Field(default=None, description="The base model's local Hugging Face folder or hub id, when the server sends none (the hosted service); default: the run's base model name.")
+    checkpoint: str = Field(
+        description="State (tinker://<run>/weights/<name>) or sampler (tinker://<run>/sampler_weights/<name>) checkpoint to export."
+    )
+    format: Literal["merged", "peft"] = Field(
+        default="merged",
+        description="merged: a Hugging Face model folder (LoRA merged into the weights); peft: the adapter for peft.PeftModel.",
+    )
+    out: str = Field(
+        description="Destination: a local folder or s3://bucket/prefix (S3 credentials from the AWS_* environment)."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        default="float32", description="Dtype of the saved tensors (the merge itself is float32)."
+    )
+    base_model: str | None = Field(
+        default=None,
+        description="The base model's local Hugging Face folder or hub id, when the server sends none (the hosted service); default: the run's base model name.",
+    )
     max_shard_mb: int = Field(default=5000, ge=1, description="Largest safetensors shard of a merged model (MB).")
     overwrite: bool = Field(default=False, description="Replace what out already holds.")
-    server_ttl_s: int | None = Field(default=86_400, ge=3600, description="Lifetime of the server-side external and reference checkpoints (seconds; null keeps them).")
-    work_dir: str | None = Field(default=None, description="Folder for the downloaded files (default: the system's temp folder).")
+    server_ttl_s: int | None = Field(
+        default=86_400,
+        ge=3600,
+        description="Lifetime of the server-side external and reference checkpoints (seconds; null keeps them).",
+    )
+    work_dir: str | None = Field(
+        default=None, description="Folder for the downloaded files (default: the system's temp folder)."
+    )
     backend: BackendConfig = Field(default_factory=BackendConfig)
 
     @field_validator("checkpoint")
@@ -71,23 +89,48 @@ def check_export_output(out: str, overwrite: bool, key: str) -> None:
 
 def _summary(config: ExportConfig, meta: dict[str, Any]) -> None:
     v, name = meta["verification"], parse_checkpoint(config.checkpoint)[2]
-    rows = {"checkpoint": f"`{meta['checkpoint']}`", "state": f"`{meta['state_path']}`",
-            "external weights": f"`{meta['external_weights']}`", "format": meta["format"], "dtype": meta["dtype"],
-            "out": f"`{meta['out']}`", "base model": f"`{meta['base_model']}` ({meta['base_model_source']})",
-            "LoRA": f"rank {meta['lora']['rank']}, alpha {meta['lora']['alpha']:g}, {meta['lora']['targets']} targets",
-            "tied embeddings": ", ".join(f"{k}={v}" for k, v in meta["embeddings"].items()) or "-",
-            "verified against": f"`{v['reference']}` compute_logprobs",
-            "max / mean abs logprob diff": f"{v['max_abs_diff']:.2e} / {v['mean_abs_diff']:.2e} (tolerance {v['tolerance']:g}"
-                                           + (f" / {v['mean_tolerance']:g})" if v.get("mean_tolerance") is not None else ")"),
-            **({"float32 stage (before the cast)": f"{v['float32']['max_abs_diff']:.2e} / {v['float32']['mean_abs_diff']:.2e} "
-                                                   f"(tolerance {v['float32']['tolerance']:g})"} if "float32" in v else {}),
-            "tokens compared": f"{v['tokens']} in {v['sequences']} sequences",
-            "adapter effect (max abs)": f"{v['adapter_effect_max_abs']:.3g}"}
-    lines = [f"# Export of `{name}` ({meta['format']}, {meta['dtype']})", "", "| field | value |", "|---|---|",
-             *[f"| {k} | {val} |" for k, val in rows.items()], "", "## Files", "", "| file | bytes | sha256 |",
-             "|---|---|---|", *[f"| `{n}` | {f['bytes']} | `{f['sha256'][:16]}` |" for n, f in meta["files"].items()]]
-    create_markdown_artifact("\n".join(lines), key=artifact_key("export", f"{name}-{meta['format']}-{meta['dtype']}"),
-                             description="export summary")
+    rows = {
+        "checkpoint": f"`{meta['checkpoint']}`",
+        "state": f"`{meta['state_path']}`",
+        "external weights": f"`{meta['external_weights']}`",
+        "format": meta["format"],
+        "dtype": meta["dtype"],
+        "out": f"`{meta['out']}`",
+        "base model": f"`{meta['base_model']}` ({meta['base_model_source']})",
+        "LoRA": f"rank {meta['lora']['rank']}, alpha {meta['lora']['alpha']:g}, {meta['lora']['targets']} targets",
+        "tied embeddings": ", ".join(f"{k}={v}" for k, v in meta["embeddings"].items()) or "-",
+        "verified against": f"`{v['reference']}` compute_logprobs",
+        "max / mean abs logprob diff": f"{v['max_abs_diff']:.2e} / {v['mean_abs_diff']:.2e} (tolerance {v['tolerance']:g}"
+        + (f" / {v['mean_tolerance']:g})" if v.get("mean_tolerance") is not None else ")"),
+        **(
+            {
+                "float32 stage (before the cast)": f"{v['float32']['max_abs_diff']:.2e} / {v['float32']['mean_abs_diff']:.2e} "
+                f"(tolerance {v['float32']['tolerance']:g})"
+            }
+            if "float32" in v
+            else {}
+        ),
+        "tokens compared": f"{v['tokens']} in {v['sequences']} sequences",
+        "adapter effect (max abs)": f"{v['adapter_effect_max_abs']:.3g}",
+    }
+    lines = [
+        f"# Export of `{name}` ({meta['format']}, {meta['dtype']})",
+        "",
+        "| field | value |",
+        "|---|---|",
+        *[f"| {k} | {val} |" for k, val in rows.items()],
+        "",
+        "## Files",
+        "",
+        "| file | bytes | sha256 |",
+        "|---|---|---|",
+        *[f"| `{n}` | {f['bytes']} | `{f['sha256'][:16]}` |" for n, f in meta["files"].items()],
+    ]
+    create_markdown_artifact(
+        "\n".join(lines),
+        key=artifact_key("export", f"{name}-{meta['format']}-{meta['dtype']}"),
+        description="export summary",
+    )
 
 
 @flow(name="export", flow_run_name="export-{config.format}-{config.dtype}", log_prints=True)
@@ -99,13 +142,23 @@ def export_flow(config: ExportConfig) -> dict[str, Any]:
     max_shard = config.max_shard_mb * 1_000_000
     key = export_key(config.checkpoint, config.format, config.dtype, config.base_model, max_shard)
     check_export_output(config.out, config.overwrite, key)
-    options = dict(base_model=config.base_model, max_shard_bytes=max_shard, server_ttl_s=config.server_ttl_s,
-                   overwrite=config.overwrite, work_dir=config.work_dir)
+    options = dict(
+        base_model=config.base_model,
+        max_shard_bytes=max_shard,
+        server_ttl_s=config.server_ttl_s,
+        overwrite=config.overwrite,
+        work_dir=config.work_dir,
+    )
     meta = export_checkpoint(credentials, config.checkpoint, config.format, config.dtype, config.out, **options)
     there = ExportOutput(config.out).read_metadata()
-    if not there or there.get("export_id") != meta.get("export_id") or there.get("export_key") != meta.get("export_key"):
+    if (
+        not there
+        or there.get("export_id") != meta.get("export_id")
+        or there.get("export_key") != meta.get("export_key")
+    ):
         log.info("the cached export is no longer at %s; exporting again", config.out)
-        meta = export_checkpoint(credentials, config.checkpoint, config.format, config.dtype, config.out,
-                                 refresh_cache=True, **options)
+        meta = export_checkpoint(
+            credentials, config.checkpoint, config.format, config.dtype, config.out, refresh_cache=True, **options
+        )
     _summary(config, meta)
     return meta

@@ -49,14 +49,28 @@ class StepLoop:
         max_rewinds: rewinds allowed before the error is raised.
     """
 
-    def __init__(self, session: RunSession, total: int, *, evaluators: Sequence[Evaluator] = (),
-                 step_size: int = 1, on_rewind: Callable[[int], None] | None = None, max_rewinds: int = 3):
+    def __init__(
+        self,
+        session: RunSession,
+        total: int,
+        *,
+        evaluators: Sequence[Evaluator] = (),
+        step_size: int = 1,
+        on_rewind: Callable[[int], None] | None = None,
+        max_rewinds: int = 3,
+    ):
         self.session, self.total, self.evaluators = session, int(total), list(evaluators)
         self.step_size, self.on_rewind, self.max_rewinds = int(step_size), on_rewind, max_rewinds
         c = session.config
         self.eval_every, self.save_every = c.eval_every, c.save_every
-        start = ({**{f"tokens/{k}_total": session.metric_sum(f"tokens/{k}") for k in TOKEN_KINDS},
-                  "cost/total_usd": session.metric_sum("cost/step_usd")} if session.resumed_from else None)
+        start = (
+            {
+                **{f"tokens/{k}_total": session.metric_sum(f"tokens/{k}") for k in TOKEN_KINDS},
+                "cost/total_usd": session.metric_sum("cost/step_usd"),
+            }
+            if session.resumed_from
+            else None
+        )
         self.usage = UsageTotals(price_for(c.prices, c.model), start)
 
     def evaluate(self, step: int) -> dict[str, float]:

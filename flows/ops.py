@@ -89,11 +89,13 @@ def zombie_automation(within: float = DEFAULT_WITHIN, tag: str | None = DEFAULT_
             within=timedelta(seconds=within),
             **_scope(tag),
         ),
-        actions=[ChangeFlowRunState(
-            state=StateType.CRASHED,
-            message=f"No heartbeat for {within:g} s: the process running this flow run is gone. "
-                    "Retry the run to resume it from its last checkpoint.",
-        )],
+        actions=[
+            ChangeFlowRunState(
+                state=StateType.CRASHED,
+                message=f"No heartbeat for {within:g} s: the process running this flow run is gone. "
+                "Retry the run to resume it from its last checkpoint.",
+            )
+        ],
     )
 
 
@@ -121,13 +123,20 @@ def resume_automation(max_attempts: int = 3, tag: str | None = DEFAULT_TAG) -> A
             "the flow resumes after its last checkpoint. Installed by `prefect-tinker ops install-automations`."
         ),
         trigger=EventTrigger(
-            expect={"prefect.flow-run.Crashed"}, for_each={"prefect.resource.id"},
-            posture=Posture.Reactive, threshold=1, within=timedelta(seconds=0), **scope,
+            expect={"prefect.flow-run.Crashed"},
+            for_each={"prefect.resource.id"},
+            posture=Posture.Reactive,
+            threshold=1,
+            within=timedelta(seconds=0),
+            **scope,
         ),
-        actions=[ChangeFlowRunState(
-            state=StateType.SCHEDULED, name="AwaitingRetry",
-            message="Re-scheduled after a crash by prefect-tinker: resumes from the last checkpoint.",
-        )],
+        actions=[
+            ChangeFlowRunState(
+                state=StateType.SCHEDULED,
+                name="AwaitingRetry",
+                message="Re-scheduled after a crash by prefect-tinker: resumes from the last checkpoint.",
+            )
+        ],
     )
 
 
@@ -151,8 +160,9 @@ def _delete_named(name: str) -> int:
     return len(found)
 
 
-def install_automations(within: float = DEFAULT_WITHIN, tag: str | None = DEFAULT_TAG,
-                        resume_crashed: int = 0) -> list[Any]:
+def install_automations(
+    within: float = DEFAULT_WITHIN, tag: str | None = DEFAULT_TAG, resume_crashed: int = 0
+) -> list[Any]:
     """Create (or replace, by name) the zombie-run automation and, when ``resume_crashed`` > 0,
     the resume automation, on the server at ``PREFECT_API_URL``. Returns the saved automations."""
     made = [_upsert(zombie_automation(within, tag))]
@@ -175,8 +185,10 @@ def _server_error(exc: Exception) -> int:
     """Report a failed API call (no server, wrong URL) as one line, no traceback; exit status 1."""
     from prefect.settings import PREFECT_API_URL
 
-    print(f"error: the Prefect API at {PREFECT_API_URL.value() or '(no PREFECT_API_URL: an ephemeral server)'} "
-          f"failed: {type(exc).__name__}: {exc}")
+    print(
+        f"error: the Prefect API at {PREFECT_API_URL.value() or '(no PREFECT_API_URL: an ephemeral server)'} "
+        f"failed: {type(exc).__name__}: {exc}"
+    )
     return 1
 
 
@@ -209,14 +221,25 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``ops`` subcommand group to an argparse ``subparsers`` object (sets ``func``)."""
     p = subparsers.add_parser("ops", help="operate on a Prefect server: automations for crashed runs")
     sub = p.add_subparsers(dest="ops_command", metavar="OPS_COMMAND", required=True)
-    i = sub.add_parser("install-automations", help="mark runs whose heartbeats stop as Crashed (and optionally resume them)")
-    i.add_argument("--within", type=float, default=DEFAULT_WITHIN,
-                   help=f"seconds without a heartbeat before a run is marked Crashed (default {DEFAULT_WITHIN:g}; "
-                        "must exceed PREFECT_FLOWS_HEARTBEAT_FREQUENCY of the runs)")
+    i = sub.add_parser(
+        "install-automations", help="mark runs whose heartbeats stop as Crashed (and optionally resume them)"
+    )
+    i.add_argument(
+        "--within",
+        type=float,
+        default=DEFAULT_WITHIN,
+        help=f"seconds without a heartbeat before a run is marked Crashed (default {DEFAULT_WITHIN:g}; "
+        "must exceed PREFECT_FLOWS_HEARTBEAT_FREQUENCY of the runs)",
+    )
     i.add_argument("--tag", default=DEFAULT_TAG, help=f"watch only flow runs with this tag (default {DEFAULT_TAG})")
     i.add_argument("--all-runs", action="store_true", help="watch every flow run that sends heartbeats")
-    i.add_argument("--resume-crashed", type=int, default=0, metavar="N",
-                   help="also re-schedule crashed runs (they resume from their checkpoint), up to N attempts")
+    i.add_argument(
+        "--resume-crashed",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also re-schedule crashed runs (they resume from their checkpoint), up to N attempts",
+    )
     i.add_argument("--dry-run", action="store_true", help="print the automations as JSON, do not install")
     i.set_defaults(func=_cmd_install)
     r = sub.add_parser("remove-automations", help="delete the automations installed by install-automations")

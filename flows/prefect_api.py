@@ -67,16 +67,34 @@ def _api_url_set() -> bool:
 def _server_argv(port: int) -> list[str]:
     import prefect
 
-    return ["-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent), "--factory",
-            "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port),
-            "--log-level", "error", "--lifespan", "on"]
+    return [
+        "-m",
+        "uvicorn",
+        "--app-dir",
+        str(prefect.__module_path__.parent),
+        "--factory",
+        "prefect.server.api.server:create_app",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "error",
+        "--lifespan",
+        "on",
+    ]
 
 
 def _server_env() -> dict[str, str]:
     from prefect.settings import get_current_settings
 
-    return {**os.environ, **get_current_settings().to_environment_variables(exclude_unset=True),
-            "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+    return {
+        **os.environ,
+        **get_current_settings().to_environment_variables(exclude_unset=True),
+        "PREFECT_UI_ENABLED": "0",
+        "PREFECT__SERVER_EPHEMERAL": "1",
+        "PREFECT__SERVER_FINAL": "1",
+    }
 
 
 def _wait_ready(proc: subprocess.Popen, api_url: str, timeout: float, log_path: Path) -> None:
@@ -86,16 +104,20 @@ def _wait_ready(proc: subprocess.Popen, api_url: str, timeout: float, log_path: 
     with httpx.Client(timeout=2.0) as client:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise PrefectAPIError(f"the temporary Prefect API exited with code {proc.returncode}; "
-                                      f"last lines of {log_path}:\n{_tail(log_path)}")
+                raise PrefectAPIError(
+                    f"the temporary Prefect API exited with code {proc.returncode}; "
+                    f"last lines of {log_path}:\n{_tail(log_path)}"
+                )
             try:
                 if client.get(f"{api_url}/health").status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-    raise PrefectAPIError(f"the temporary Prefect API did not answer {api_url}/health within {timeout:g} s; "
-                          f"last lines of {log_path}:\n{_tail(log_path)}")
+    raise PrefectAPIError(
+        f"the temporary Prefect API did not answer {api_url}/health within {timeout:g} s; "
+        f"last lines of {log_path}:\n{_tail(log_path)}"
+    )
 
 
 def _tail(path: Path, lines: int = 20) -> str:
@@ -141,8 +163,9 @@ def _stop(proc: subprocess.Popen, grace: float = 5.0) -> None:
 
 
 @contextlib.contextmanager
-def temporary_prefect_api(log_dir: str | os.PathLike[str] | None = None,
-                          startup_timeout: float | None = None) -> Iterator[str | None]:
+def temporary_prefect_api(
+    log_dir: str | os.PathLike[str] | None = None, startup_timeout: float | None = None
+) -> Iterator[str | None]:
     """Run the body against a temporary Prefect API that dies with this process (see the module
     docstring); yields its API URL, or None when nothing was started (``PREFECT_API_URL`` set, or
     not Linux).
@@ -168,12 +191,17 @@ def temporary_prefect_api(log_dir: str | os.PathLike[str] | None = None,
     port = _free_port()
     api_url = f"http://127.0.0.1:{port}/api"
     with open(log_path, "ab") as log:
-        log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} temporary Prefect API on {api_url} "
-                  f"for pid {os.getpid()}\n".encode())
+        log.write(
+            f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} temporary Prefect API on {api_url} "
+            f"for pid {os.getpid()}\n".encode()
+        )
         log.flush()
         proc = subprocess.Popen(
             [sys.executable, "-c", _LAUNCHER, str(os.getpid()), *_server_argv(port)],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=_server_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=_server_env(),
         )
     try:
         _wait_ready(proc, api_url, timeout, log_path)

@@ -51,28 +51,61 @@ class Recipe:
 #: The recipes by name; plugins add theirs through the ``prefect_tinker.recipes`` entry-point group.
 RECIPES: Registry[Recipe] = Registry("recipe", "prefect_tinker.recipes")
 for _recipe in (
-    Recipe("sft", "prefect_tinker.flows.sft:sft_flow", "supervised fine-tuning on chat data (LoRA)",
-           ("train/loss", "test/nll", "train/learning_rate"), ("tiny",)),
-    Recipe("rl", "prefect_tinker.flows.rl:rl_flow", "RL with verifiable rewards (GRPO-style group advantages)",
-           ("env/reward_mean", "env/correct_rate", "train/entropy", "train/kl_sample_train_v1"), ("arithmetic",)),
-    Recipe("dpo", "prefect_tinker.flows.dpo:dpo_flow", "preference learning: DPO / IPO / hinge on comparisons",
-           ("train/dpo_loss", "train/accuracy", "train/margin", "test/accuracy"), ("tiny",)),
-    Recipe("distill", "prefect_tinker.flows.distill:distill_flow",
-           "distillation: on-policy (teacher KL), off-policy (teacher samples / top-K), SDFT, prompt distillation",
-           ("train/teacher_kl", "sdft/kl", "train/soft_ce", "train/loss", "eval/teacher_agreement")),
-    Recipe("eval", "prefect_tinker.flows.eval:eval_flow",
-           "benchmarks and inspect-ai tasks on base models, sampler paths or every checkpoint of a run (cached)"),
-    Recipe("export", "prefect_tinker.flows.export:export_flow",
-           "a checkpoint as a merged Hugging Face model or a PEFT adapter, verified by logprobs"),
-    Recipe("reward_model", "prefect_tinker.flows.reward_model:reward_model_flow",
-           "pairwise reward model: which of two completions is better, scored by label probabilities",
-           ("train/loss", "eval/rm_accuracy", "eval/rm_brier")),
-    Recipe("rlhf", "prefect_tinker.flows.rlhf:rlhf_flow",
-           "RLHF: SFT -> reward model -> RL from the reward model, one subflow (and run) per stage",
-           ()),
-    Recipe("decisions", "prefect_tinker.flows.decisions:decisions_flow",
-           "a distribution over named choices from label-token probabilities; cross-entropy / KL, calibration",
-           ("train/ce", "test/accuracy", "test/brier", "test/ece")),
+    Recipe(
+        "sft",
+        "prefect_tinker.flows.sft:sft_flow",
+        "supervised fine-tuning on chat data (LoRA)",
+        ("train/loss", "test/nll", "train/learning_rate"),
+        ("tiny",),
+    ),
+    Recipe(
+        "rl",
+        "prefect_tinker.flows.rl:rl_flow",
+        "RL with verifiable rewards (GRPO-style group advantages)",
+        ("env/reward_mean", "env/correct_rate", "train/entropy", "train/kl_sample_train_v1"),
+        ("arithmetic",),
+    ),
+    Recipe(
+        "dpo",
+        "prefect_tinker.flows.dpo:dpo_flow",
+        "preference learning: DPO / IPO / hinge on comparisons",
+        ("train/dpo_loss", "train/accuracy", "train/margin", "test/accuracy"),
+        ("tiny",),
+    ),
+    Recipe(
+        "distill",
+        "prefect_tinker.flows.distill:distill_flow",
+        "distillation: on-policy (teacher KL), off-policy (teacher samples / top-K), SDFT, prompt distillation",
+        ("train/teacher_kl", "sdft/kl", "train/soft_ce", "train/loss", "eval/teacher_agreement"),
+    ),
+    Recipe(
+        "eval",
+        "prefect_tinker.flows.eval:eval_flow",
+        "benchmarks and inspect-ai tasks on base models, sampler paths or every checkpoint of a run (cached)",
+    ),
+    Recipe(
+        "export",
+        "prefect_tinker.flows.export:export_flow",
+        "a checkpoint as a merged Hugging Face model or a PEFT adapter, verified by logprobs",
+    ),
+    Recipe(
+        "reward_model",
+        "prefect_tinker.flows.reward_model:reward_model_flow",
+        "pairwise reward model: which of two completions is better, scored by label probabilities",
+        ("train/loss", "eval/rm_accuracy", "eval/rm_brier"),
+    ),
+    Recipe(
+        "rlhf",
+        "prefect_tinker.flows.rlhf:rlhf_flow",
+        "RLHF: SFT -> reward model -> RL from the reward model, one subflow (and run) per stage",
+        (),
+    ),
+    Recipe(
+        "decisions",
+        "prefect_tinker.flows.decisions:decisions_flow",
+        "a distribution over named choices from label-token probabilities; cross-entropy / KL, calibration",
+        ("train/ce", "test/accuracy", "test/brier", "test/ece"),
+    ),
 ):
     RECIPES.register(_recipe.name, _recipe)
 
@@ -126,10 +159,15 @@ def deployments_yaml() -> str:
     items = []
     for r in RECIPES.values():
         for ex in r.deployments:
-            items.append({
-                "name": f"{r.name}-{ex}", "description": f"{r.description} (example config configs/{r.name}/{ex}.yaml)",
-                "entrypoint": r.entrypoint, "tags": ["prefect-tinker", r.name],
-                "parameters": {"config": load_example(r.name, ex)}, "work_pool": "*tinker_process",
-            })
+            items.append(
+                {
+                    "name": f"{r.name}-{ex}",
+                    "description": f"{r.description} (example config configs/{r.name}/{ex}.yaml)",
+                    "entrypoint": r.entrypoint,
+                    "tags": ["prefect-tinker", r.name],
+                    "parameters": {"config": load_example(r.name, ex)},
+                    "work_pool": "*tinker_process",
+                }
+            )
     text = yaml.safe_dump({"deployments": items}, sort_keys=False, width=100)
     return text.replace("work_pool: '*tinker_process'", "work_pool: *tinker_process")

@@ -43,24 +43,47 @@ class RewardModelConfig(SourceFields, RecipeConfig):
 
     recipe: ClassVar[str] = "reward_model"
     resume_fields: ClassVar[tuple[str, ...]] = (
-        *RecipeConfig.resume_fields, "batch_size", "max_length", "test_size", "format", "fields", "sources",
-        "orders", "question", "labels")
+        *RecipeConfig.resume_fields,
+        "batch_size",
+        "max_length",
+        "test_size",
+        "format",
+        "fields",
+        "sources",
+        "orders",
+        "question",
+        "labels",
+    )
 
-    format: str = Field(default="preference", description="Record format: preference ({prompt?, chosen, rejected}) or dialogue (HH-RLHF transcripts).")
+    format: str = Field(
+        default="preference",
+        description="Record format: preference ({prompt?, chosen, rejected}) or dialogue (HH-RLHF transcripts).",
+    )
     batch_size: int = Field(default=8, ge=1, description="Comparisons per step (each trained in all its orders).")
     num_epochs: int = Field(default=1, ge=1, description="Epochs when max_steps is not set.")
     learning_rate: float = Field(default=3e-4, gt=0, description="Peak learning rate.")
     lr_schedule: Literal["constant", "linear", "cosine"] = "linear"
-    max_length: int = Field(default=1024, ge=8, description="Most tokens of one rendered comparison (longer ones are skipped and counted).")
-    test_size: float = Field(default=64, ge=0, description="Held-out comparisons: a count (>=1) or a fraction (<1), split with `seed`.")
-    orders: Literal["both", "swap"] = Field(default="both", description="Train each comparison in both orders, or in one order drawn with the seed (position bias).")
+    max_length: int = Field(
+        default=1024, ge=8, description="Most tokens of one rendered comparison (longer ones are skipped and counted)."
+    )
+    test_size: float = Field(
+        default=64, ge=0, description="Held-out comparisons: a count (>=1) or a fraction (<1), split with `seed`."
+    )
+    orders: Literal["both", "swap"] = Field(
+        default="both",
+        description="Train each comparison in both orders, or in one order drawn with the seed (position bias).",
+    )
     question: str = Field(default=DEFAULT_QUESTION, description="The question after the two completions.")
-    labels: tuple[str, str] = Field(default=("A", "B"), description="The answers meaning 'A is better' and 'B is better'.")
+    labels: tuple[str, str] = Field(
+        default=("A", "B"), description="The answers meaning 'A is better' and 'B is better'."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> RewardModelConfig:
         if self.format not in ("preference", "dialogue", "hh") and not self.sources:
-            raise ValueError(f"format {self.format!r}: a reward model's dataset is 'preference' or 'dialogue' (HH-RLHF)")
+            raise ValueError(
+                f"format {self.format!r}: a reward model's dataset is 'preference' or 'dialogue' (HH-RLHF)"
+            )
         ComparisonFormat(question=self.question, labels=self.labels)
         return self
 
@@ -69,9 +92,17 @@ class RewardModelConfig(SourceFields, RecipeConfig):
 
     def dataset_builder(self, renderer: str) -> RewardModelBuilder:
         """The comparisons of this run for the (resolved) ``renderer``."""
-        return RewardModelBuilder(sources=self.source_specs(), renderer=renderer, seed=self.seed,
-                                  max_length=self.max_length, on_error=self.on_error, test_size=self.test_count(),
-                                  orders=self.orders, question=self.question, labels=self.labels)
+        return RewardModelBuilder(
+            sources=self.source_specs(),
+            renderer=renderer,
+            seed=self.seed,
+            max_length=self.max_length,
+            on_error=self.on_error,
+            test_size=self.test_count(),
+            orders=self.orders,
+            question=self.question,
+            labels=self.labels,
+        )
 
 
 @flow(name="reward_model", flow_run_name="rm-{config.run_name}", log_prints=True)
@@ -83,14 +114,27 @@ def reward_model_flow(config: RewardModelConfig) -> dict[str, Any]:
         with phase(session.run_id, "preparing the dataset (reading, rendering, tokenizing; cached)"):
             data: RewardModelData = prepare_dataset(session.builder, session.tokenizer_id)
         total = config.max_steps or len(data.train) // config.batch_size * config.num_epochs
-        log.info("%d train / %d test comparisons (%s orders), %d steps (renderer %s); %s", len(data.train),
-                 len(data.test), config.orders, total, data.renderer, data.skip_summary)
+        log.info(
+            "%d train / %d test comparisons (%s orders), %d steps (renderer %s); %s",
+            len(data.train),
+            len(data.test),
+            config.orders,
+            total,
+            data.renderer,
+            data.skip_summary,
+        )
 
         def one_step(step: int) -> dict[str, float]:
             chosen = [data.train[i] for i in batch_at(len(data.train), config.batch_size, config.seed, step)]
             datums = [datum_from_example(ex.tokens, ex.weights) for pair in chosen for ex in pair.examples]
-            session.run, m = train_step(session.credentials, session.run, step, quote(datums),
-                                        config.lr_at(step, total), config.adam.model_dump())
+            session.run, m = train_step(
+                session.credentials,
+                session.run,
+                step,
+                quote(datums),
+                config.lr_at(step, total),
+                config.adam.model_dump(),
+            )
             return {f"train/{k}": v for k, v in m.items()}
 
         evaluators = [RewardModelEvaluator(data.test)] if data.test else []
@@ -99,7 +143,18 @@ def reward_model_flow(config: RewardModelConfig) -> dict[str, Any]:
             session.save_sampler(record=True, asset=True)
         sampler = session.samplers[session.step]
         (first_loss, last_loss) = session.metric_ends("train/loss")
-        (first_acc, last_acc), (_, last_brier) = session.metric_ends("eval/rm_accuracy"), session.metric_ends("eval/rm_brier")
-        return session.finish({"first_loss": first_loss, "last_loss": last_loss, "first_accuracy": first_acc,
-                               "last_accuracy": last_acc, "last_brier": last_brier, "sampler_path": sampler},
-                              title_fields={"dataset": f"`{config.dataset}`", "orders": config.orders})
+        (first_acc, last_acc), (_, last_brier) = (
+            session.metric_ends("eval/rm_accuracy"),
+            session.metric_ends("eval/rm_brier"),
+        )
+        return session.finish(
+            {
+                "first_loss": first_loss,
+                "last_loss": last_loss,
+                "first_accuracy": first_acc,
+                "last_accuracy": last_acc,
+                "last_brier": last_brier,
+                "sampler_path": sampler,
+            },
+            title_fields={"dataset": f"`{config.dataset}`", "orders": config.orders},
+        )

@@ -109,21 +109,45 @@ class RLLoop:
     # ----- rollouts --------------------------------------------------------------------------
     def _args(self) -> tuple:
         c = self.config
-        return (c.seed, c.max_tokens, c.temperature, c.rollout, self.session.step, self.provenance, self.sampler_client,
-                self.cache_scope)
+        return (
+            c.seed,
+            c.max_tokens,
+            c.temperature,
+            c.rollout,
+            self.session.step,
+            self.provenance,
+            self.sampler_client,
+            self.cache_scope,
+        )
 
     def submit(self, builder: Any, batch_index: int, group_index: int):
         """Submit one ``rollout-group`` task on the current sampler; returns its future."""
-        return submit_task(self.config, rollout_group, self.session.credentials, self.sampler_path, builder,
-                           batch_index, group_index, *self._args())
+        return submit_task(
+            self.config,
+            rollout_group,
+            self.session.credentials,
+            self.sampler_path,
+            builder,
+            batch_index,
+            group_index,
+            *self._args(),
+        )
 
     def map_batch(self, batch_index: int) -> list:
         """``rollout-group`` mapped over the groups of batch ``batch_index``; returns the futures."""
         builders = self.dataset.get_batch(batch_index)
-        return list(map_task(
-            self.config, rollout_group, unmapped(self.session.credentials), unmapped(self.sampler_path), builders,
-            unmapped(batch_index), list(range(len(builders))), *(unmapped(a) for a in self._args()),
-        ))
+        return list(
+            map_task(
+                self.config,
+                rollout_group,
+                unmapped(self.session.credentials),
+                unmapped(self.sampler_path),
+                builders,
+                unmapped(batch_index),
+                list(range(len(builders))),
+                *(unmapped(a) for a in self._args()),
+            )
+        )
 
     def collect(self, future, counters: dict[str, float]) -> TrajectoryGroup | None:
         """The group of a finished rollout future, or None when it failed / came back empty
@@ -156,10 +180,12 @@ class RLLoop:
         constant = sum(np.ptp(np.asarray(g.total_rewards() or [0.0])) <= 1e-9 for g in groups)
         metrics["rollout/groups_constant"] = float(constant)
         if groups and constant == len(groups):
-            self.log.warning("no learning signal: all %d groups got constant rewards (zero advantages), "
-                             "so this step leaves the policy unchanged; check the reward (e.g. every reply "
-                             "malformed: try a few-shot prompt, a system prompt, more max_tokens or an SFT warm-up)",
-                             len(groups))
+            self.log.warning(
+                "no learning signal: all %d groups got constant rewards (zero advantages), "
+                "so this step leaves the policy unchanged; check the reward (e.g. every reply "
+                "malformed: try a few-shot prompt, a system prompt, more max_tokens or an SFT warm-up)",
+                len(groups),
+            )
         if c.remove_constant_reward_groups:
             groups, _ = remove_constant_reward_groups(groups)
         datums, advs = groups_to_datums(groups, estimator=self.estimator)
@@ -178,12 +204,19 @@ class RLLoop:
         s = self.session
         sdk_datums = [d.to_datum(self.provenance) for d in datums]
         # quote: Prefect does not walk the datums looking for futures (~10 ms per 1,000 tokens)
-        out = forward_backward(s.credentials, s.run, quote(sdk_datums), self.loss.loss_fn, self.loss_fn_config,
-                               accumulated)
+        out = forward_backward(
+            s.credentials, s.run, quote(sdk_datums), self.loss.loss_fn, self.loss_fn_config, accumulated
+        )
         self.usage["trained"] += float(model_input_tokens(sdk_datums))
         metrics = sample_train_kl(datums, [np.asarray(lp) for lp in out.logprobs])
-        metrics.update({"loss_sum": out.loss_sum, "action_tokens": float(sum(float(d.mask.sum()) for d in datums)),
-                        "datums": float(len(datums)), "fwd_bwd_seconds": out.seconds})
+        metrics.update(
+            {
+                "loss_sum": out.loss_sum,
+                "action_tokens": float(sum(float(d.mask.sum()) for d in datums)),
+                "datums": float(len(datums)),
+                "fwd_bwd_seconds": out.seconds,
+            }
+        )
         return metrics
 
     def optim_step(self) -> dict[str, float]:
@@ -202,8 +235,13 @@ class RLLoop:
         self.usage = {k: 0.0 for k in self.usage}
         self.rewards.append((step, env["reward_mean"]))
         self.session.buffer("trajectories", self._trajectories(step, groups))
-        self.log.info("step %d: reward %.3f correct %.3f (%d groups)", step, env["reward_mean"],
-                      env.get("correct_rate", float("nan")), len(groups))
+        self.log.info(
+            "step %d: reward %.3f correct %.3f (%d groups)",
+            step,
+            env["reward_mean"],
+            env.get("correct_rate", float("nan")),
+            len(groups),
+        )
         return rows
 
     def _trajectories(self, step: int, groups: list[TrajectoryGroup]) -> list[dict]:
@@ -214,14 +252,24 @@ class RLLoop:
                 if len(out) >= n:
                     return out
                 first = traj.transitions[0]
-                info = {**{k: v for t in traj.transitions for k, v in t.metrics.items()},
-                        **{k: v for t in traj.transitions for k, v in t.logs.items() if k != "response"}}
-                out.append(dict(
-                    step=step, sampler_step=g.sampler_step, batch_index=g.batch_index, group_index=g.group_index,
-                    member=i, prompt=self.tokenizer.decode(first.observation),
-                    response="".join(self.tokenizer.decode(t.action_tokens) for t in traj.transitions),
-                    reward=float(reward), advantage=float(adv[i]), metrics_json=json.dumps(info, default=str),
-                ))
+                info = {
+                    **{k: v for t in traj.transitions for k, v in t.metrics.items()},
+                    **{k: v for t in traj.transitions for k, v in t.logs.items() if k != "response"},
+                }
+                out.append(
+                    dict(
+                        step=step,
+                        sampler_step=g.sampler_step,
+                        batch_index=g.batch_index,
+                        group_index=g.group_index,
+                        member=i,
+                        prompt=self.tokenizer.decode(first.observation),
+                        response="".join(self.tokenizer.decode(t.action_tokens) for t in traj.transitions),
+                        reward=float(reward),
+                        advantage=float(adv[i]),
+                        metrics_json=json.dumps(info, default=str),
+                    )
+                )
         return out
 
     def end_step(self, t_start: float) -> dict[str, float]:
@@ -251,27 +299,48 @@ def rl_flow(config: RLConfig) -> dict[str, Any]:
     with RunSession(config, fingerprint=config.data_fingerprint, preflight=config.preflight) as session:
         last = session.resumed_from
         if last and last["step"] % config.num_substeps:
-            raise ValueError(f"run {config.run_name!r}: last checkpoint at optimizer step {last['step']} is not a "
-                             f"multiple of num_substeps={config.num_substeps}; resume with the num_substeps it was started with")
+            raise ValueError(
+                f"run {config.run_name!r}: last checkpoint at optimizer step {last['step']} is not a "
+                f"multiple of num_substeps={config.num_substeps}; resume with the num_substeps it was started with"
+            )
         if session.step not in session.samplers:
             session.save_sampler(record=True)
         reference = config.kl_reference or session.samplers.get(0) or f"base:{config.model}"
-        dataset = build_rl_dataset(config, renderer_name=session.renderer, tokenizer_id=session.tokenizer_id,
-                                   group_size=config.group_size, groups_per_batch=config.groups_per_batch, seed=config.seed)
+        dataset = build_rl_dataset(
+            config,
+            renderer_name=session.renderer,
+            tokenizer_id=session.tokenizer_id,
+            group_size=config.group_size,
+            groups_per_batch=config.groups_per_batch,
+            seed=config.seed,
+        )
         loop = RLLoop(session, dataset, reference)
         schedule = SCHEDULES[config.schedule](loop)
         t0 = time.perf_counter()
         try:
-            StepLoop(session, loop.total, step_size=loop.k, on_rewind=schedule.rewind, evaluators=[*benchmark_evaluators(session), *session_env_evaluators(session)]).run(schedule.step)
+            StepLoop(
+                session,
+                loop.total,
+                step_size=loop.k,
+                on_rewind=schedule.rewind,
+                evaluators=[*benchmark_evaluators(session), *session_env_evaluators(session)],
+            ).run(schedule.step)
         finally:
             schedule.close()
         seconds, steps_run = time.perf_counter() - t0, len(loop.rewards)
-        return session.finish({
-            "steps": session.step // config.num_substeps, "optimizer_steps": session.step, "schedule": config.schedule,
-            "steps_this_invocation": steps_run, "seconds": seconds,
-            "steps_per_minute": 60.0 * steps_run / seconds if seconds > 0 else float("nan"),
-            "first_reward": loop.rewards[0][1] if loop.rewards else None,
-            "last_reward": loop.rewards[-1][1] if loop.rewards else None,
-            "rewards": [r for _, r in loop.rewards], "sampler_path": loop.sampler_path,
-            "tokenizer_id": session.tokenizer_id,
-        }, title_fields={"env": f"`{config.env}`", "schedule": config.schedule})
+        return session.finish(
+            {
+                "steps": session.step // config.num_substeps,
+                "optimizer_steps": session.step,
+                "schedule": config.schedule,
+                "steps_this_invocation": steps_run,
+                "seconds": seconds,
+                "steps_per_minute": 60.0 * steps_run / seconds if seconds > 0 else float("nan"),
+                "first_reward": loop.rewards[0][1] if loop.rewards else None,
+                "last_reward": loop.rewards[-1][1] if loop.rewards else None,
+                "rewards": [r for _, r in loop.rewards],
+                "sampler_path": loop.sampler_path,
+                "tokenizer_id": session.tokenizer_id,
+            },
+            title_fields={"env": f"`{config.env}`", "schedule": config.schedule},
+        )

@@ -30,59 +30,123 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
 
     recipe: ClassVar[str] = "rl"
     resume_fields: ClassVar[tuple[str, ...]] = (
-        *RecipeConfig.resume_fields, *EnvSpec.env_resume_fields(), "group_size", "groups_per_batch", "loss_fn",
-        "loss_options", "advantage_estimator", "clip_low_threshold", "clip_high_threshold", "kl_penalty_coef",
-        "kl_reference", "remove_constant_reward_groups", "normalize_advantages_std", "num_substeps")
+        *RecipeConfig.resume_fields,
+        *EnvSpec.env_resume_fields(),
+        "group_size",
+        "groups_per_batch",
+        "loss_fn",
+        "loss_options",
+        "advantage_estimator",
+        "clip_low_threshold",
+        "clip_high_threshold",
+        "kl_penalty_coef",
+        "kl_reference",
+        "remove_constant_reward_groups",
+        "normalize_advantages_std",
+        "num_substeps",
+    )
 
-    group_size: int = Field(default=4, ge=2, description="Rollouts per problem (advantages are centred within a group).")
+    group_size: int = Field(
+        default=4, ge=2, description="Rollouts per problem (advantages are centred within a group)."
+    )
     groups_per_batch: int = Field(default=8, ge=1, description="Problems per step.")
     learning_rate: float = Field(default=1e-4, gt=0, description="Adam learning rate.")
-    lr_schedule: Literal["constant", "linear", "cosine"] = Field(default="constant", description="Decay over max_steps.")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        default="constant", description="Decay over max_steps."
+    )
     max_tokens: int = Field(default=16, ge=1, description="Most sampled tokens per action.")
-    temperature: float = Field(default=1.0, gt=0, description="Sampling temperature (1.0 keeps importance ratios unbiased).")
-    max_steps: int = Field(default=20, ge=1, description="Steps (batches) of the run, counting those of earlier invocations.")
+    temperature: float = Field(
+        default=1.0, gt=0, description="Sampling temperature (1.0 keeps importance ratios unbiased)."
+    )
+    max_steps: int = Field(
+        default=20, ge=1, description="Steps (batches) of the run, counting those of earlier invocations."
+    )
     eval_every: int = Field(default=0, ge=0, description="Evaluators every n steps (0 = start and end only).")
-    loss_fn: str = Field(default="importance_sampling", description=(
-        "Policy-gradient loss, a registered RL loss: importance_sampling, ppo, cispo, gspo, dro, stable_reinforce (plugins add more)."))
+    loss_fn: str = Field(
+        default="importance_sampling",
+        description=(
+            "Policy-gradient loss, a registered RL loss: importance_sampling, ppo, cispo, gspo, dro, stable_reinforce (plugins add more)."
+        ),
+    )
     loss_options: dict[str, Any] = Field(default_factory=dict, description="Options of the loss (its own fields).")
-    advantage_estimator: str = Field(default="group_mean", description=(
-        "Registered advantage estimator: group_mean (R - group mean), leave_one_out (RLOO); plugins add more."))
-    clip_low_threshold: float = Field(default=0.8, gt=0, description="ppo/cispo/gspo: lower bound of the importance ratio.")
-    clip_high_threshold: float = Field(default=1.2, gt=0, description="ppo/cispo/gspo: upper bound of the importance ratio.")
+    advantage_estimator: str = Field(
+        default="group_mean",
+        description=(
+            "Registered advantage estimator: group_mean (R - group mean), leave_one_out (RLOO); plugins add more."
+        ),
+    )
+    clip_low_threshold: float = Field(
+        default=0.8, gt=0, description="ppo/cispo/gspo: lower bound of the importance ratio."
+    )
+    clip_high_threshold: float = Field(
+        default=1.2, gt=0, description="ppo/cispo/gspo: upper bound of the importance ratio."
+    )
     sampler_kind: Literal["snapshot", "inflight"] = Field(
         default="snapshot",
         description="async: 'snapshot' samplers keep the weights they were saved with; 'inflight' samplers "
-                    "(save_weights_and_get_sampling_client(kind='inflight')) move to each newer save, so rollouts "
-                    "in flight continue on new weights without restarting.")
-    kl_penalty_coef: float = Field(default=0.0, ge=0, description="Per-token KL penalty against the reference model (0 = off).")
-    kl_reference: str | None = Field(default=None, description="Reference weights: a tinker:// sampler path or 'base:<model>'; default the run's initial weights.")
-    remove_constant_reward_groups: bool = Field(default=True, description="Drop groups whose rollouts all got the same reward.")
-    normalize_advantages_std: bool = Field(default=False, description="Divide centred advantages by the group's std (original GRPO).")
+        "(save_weights_and_get_sampling_client(kind='inflight')) move to each newer save, so rollouts "
+        "in flight continue on new weights without restarting.",
+    )
+    kl_penalty_coef: float = Field(
+        default=0.0, ge=0, description="Per-token KL penalty against the reference model (0 = off)."
+    )
+    kl_reference: str | None = Field(
+        default=None,
+        description="Reference weights: a tinker:// sampler path or 'base:<model>'; default the run's initial weights.",
+    )
+    remove_constant_reward_groups: bool = Field(
+        default=True, description="Drop groups whose rollouts all got the same reward."
+    )
+    normalize_advantages_std: bool = Field(
+        default=False, description="Divide centred advantages by the group's std (original GRPO)."
+    )
     num_substeps: int = Field(default=1, ge=1, description="Optimizer steps per batch (the batch split by groups).")
-    schedule: Literal["sync", "streaming", "async"] = Field(default="sync", description="sync on-policy, streaming minibatches, or async off-policy.")
-    num_minibatches: int = Field(default=2, ge=1, description="streaming: forward/backward passes per optimizer step, each on the groups that arrived.")
-    max_steps_off_policy: int = Field(default=1, ge=0, description="async: most steps (batches) a group's sampler may lag the trainer.")
-    stale_groups: Literal["requeue", "drop"] = Field(default="requeue", description="async: what happens to groups older than max_steps_off_policy.")
+    schedule: Literal["sync", "streaming", "async"] = Field(
+        default="sync", description="sync on-policy, streaming minibatches, or async off-policy."
+    )
+    num_minibatches: int = Field(
+        default=2,
+        ge=1,
+        description="streaming: forward/backward passes per optimizer step, each on the groups that arrived.",
+    )
+    max_steps_off_policy: int = Field(
+        default=1, ge=0, description="async: most steps (batches) a group's sampler may lag the trainer."
+    )
+    stale_groups: Literal["requeue", "drop"] = Field(
+        default="requeue", description="async: what happens to groups older than max_steps_off_policy."
+    )
     rollout: RolloutPolicy = Field(default_factory=RolloutPolicy, description="Failed-rollout strategy.")
     save_every: int = Field(default=5, ge=0, description="State checkpoint every n steps (0 = end only).")
-    log_trajectories: int = Field(default=4, ge=0, description="Trajectories per step written to the store's trajectories table.")
+    log_trajectories: int = Field(
+        default=4, ge=0, description="Trajectories per step written to the store's trajectories table."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> RLConfig:
         self.loss()  # an unknown loss or a bad loss option fails here
         ADVANTAGE_ESTIMATORS.get_or_raise(self.advantage_estimator)
         if self.clip_low_threshold >= self.clip_high_threshold:
-            raise ValueError(f"clip_low_threshold ({self.clip_low_threshold}) must be below clip_high_threshold ({self.clip_high_threshold})")
+            raise ValueError(
+                f"clip_low_threshold ({self.clip_low_threshold}) must be below clip_high_threshold ({self.clip_high_threshold})"
+            )
         if self.num_substeps > self.groups_per_batch:
-            raise ValueError(f"num_substeps ({self.num_substeps}) cannot exceed groups_per_batch ({self.groups_per_batch})")
+            raise ValueError(
+                f"num_substeps ({self.num_substeps}) cannot exceed groups_per_batch ({self.groups_per_batch})"
+            )
         if self.schedule == "streaming" and self.num_minibatches * self.num_substeps > self.groups_per_batch:
-            raise ValueError(f"streaming needs groups_per_batch >= num_minibatches x num_substeps "
-                             f"({self.num_minibatches} x {self.num_substeps} > {self.groups_per_batch})")
+            raise ValueError(
+                f"streaming needs groups_per_batch >= num_minibatches x num_substeps "
+                f"({self.num_minibatches} x {self.num_substeps} > {self.groups_per_batch})"
+            )
         if self.sampler_kind == "inflight" and self.schedule != "async":
-            raise ValueError(f"sampler_kind='inflight' needs schedule='async' (got schedule={self.schedule!r}): "
-                             "on-policy schedules wait for every rollout before training")
+            raise ValueError(
+                f"sampler_kind='inflight' needs schedule='async' (got schedule={self.schedule!r}): "
+                "on-policy schedules wait for every rollout before training"
+            )
         if self.rollout.min_group_size > self.group_size:
-            raise ValueError(f"rollout.min_group_size ({self.rollout.min_group_size}) exceeds group_size ({self.group_size})")
+            raise ValueError(
+                f"rollout.min_group_size ({self.rollout.min_group_size}) exceeds group_size ({self.group_size})"
+            )
         return self
 
     def run_name_prefix(self) -> str:

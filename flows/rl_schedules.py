@@ -70,8 +70,10 @@ def _merge_prep(parts: list[dict[str, float]]) -> dict[str, float]:
 
 def _require(groups: list, step: int, counters: dict[str, float]) -> None:
     if not groups:
-        raise RuntimeError(f"step {step}: no rollout group survived ({int(counters.get('errors', 0))} errors); "
-                           "see the rollout-group task logs")
+        raise RuntimeError(
+            f"step {step}: no rollout group survived ({int(counters.get('errors', 0))} errors); "
+            "see the rollout-group task logs"
+        )
 
 
 def _rollout_counters(counters: dict[str, float], keys=("errors", "groups_dropped")) -> dict[str, float]:
@@ -163,7 +165,11 @@ class Streaming(Schedule):
                     opt.append(loop.optim_step())
                     accumulated = 0
                 tw = time.perf_counter()
-        metrics = {**_merge_prep(prep), **_prefixed("train", merge_metrics(fb)), **_prefixed("train", merge_metrics(opt))}
+        metrics = {
+            **_merge_prep(prep),
+            **_prefixed("train", merge_metrics(fb)),
+            **_prefixed("train", merge_metrics(opt)),
+        }
         metrics.update(_rollout_counters(counters))
         return self.finish(step, t0, t_wait, groups, metrics)
 
@@ -174,7 +180,10 @@ class Async(Schedule):
     def __init__(self, loop: RLLoop):
         super().__init__(loop)
         c = loop.config
-        self.gpb, self.limit = c.groups_per_batch, c.max_steps_off_policy * loop.k  # most optimizer steps a sampler may lag
+        self.gpb, self.limit = (
+            c.groups_per_batch,
+            c.max_steps_off_policy * loop.k,
+        )  # most optimizer steps a sampler may lag
         self.cursor = (loop.session.step // loop.k) * self.gpb
         self.batches: dict[int, list] = {}
         self.requeued: deque = deque()
@@ -238,7 +247,7 @@ class Async(Schedule):
                 continue
             self.ready.append(g)
         t_roll = time.perf_counter() - t0
-        take, self.ready[:] = self.ready[: self.gpb], self.ready[self.gpb:]
+        take, self.ready[:] = self.ready[: self.gpb], self.ready[self.gpb :]
         metrics = self.train(take)
         metrics.update(_rollout_counters(counters, ("errors", "groups_dropped", "groups_stale")))
         metrics["rollout/staleness_mean"] = float(np.mean([(step - g.sampler_step) / loop.k for g in take]))

@@ -52,22 +52,40 @@ class RLStageConfig(RLConfig):
 
     env: str = Field(default="pairwise_preference", description="RL environment (pairwise_preference).")
     max_tokens: int = Field(default=64, ge=1, description="Most sampled tokens per reply.")
-    format_coef: float = Field(default=1.0, ge=0, description="Reward penalty for a reply that did not end on a stop sequence.")
+    format_coef: float = Field(
+        default=1.0, ge=0, description="Reward penalty for a reply that did not end on a stop sequence."
+    )
 
 
 class RLHFConfig(BaseModel):
     """Parameters of an RLHF pipeline run (the flow's single parameter); see the module docstring."""
 
-    model: str = Field(default="tiny", description="Base model of every stage: 'tiny', 'smollm2', a local HF directory, or a hosted model name.")
+    model: str = Field(
+        default="tiny",
+        description="Base model of every stage: 'tiny', 'smollm2', a local HF directory, or a hosted model name.",
+    )
     renderer: str = Field(default="auto", description="Renderer of every stage; 'auto' resolves from the tokenizer.")
     lora_rank: int = Field(default=32, ge=1, description="LoRA rank of every stage.")
     seed: int = Field(default=0, description="Seed of every stage.")
-    run_name: str | None = Field(default=None, description="Pipeline run id; the stages are <run_name>-sft, -rm and -rl. Re-running with the same name skips completed stages and resumes the others.")
-    store: str = Field(default_factory=default_store_root, description="Training store root shared by the stages (a folder or s3://bucket/prefix).")
+    run_name: str | None = Field(
+        default=None,
+        description="Pipeline run id; the stages are <run_name>-sft, -rm and -rl. Re-running with the same name skips completed stages and resumes the others.",
+    )
+    store: str = Field(
+        default_factory=default_store_root,
+        description="Training store root shared by the stages (a folder or s3://bucket/prefix).",
+    )
     backend: BackendConfig = Field(default_factory=BackendConfig)
-    sft: SFTConfig = Field(default_factory=SFTConfig, description="The SFT stage (default data: the bundled example chats).")
-    rm: RewardModelConfig = Field(default_factory=RewardModelConfig, description="The reward-model stage (comparisons: dataset=..., format=dialogue for HH-RLHF).")
-    rl: RLStageConfig = Field(default_factory=RLStageConfig, description="The RL stage (pairwise_preference; prompts default to rm.dataset).")
+    sft: SFTConfig = Field(
+        default_factory=SFTConfig, description="The SFT stage (default data: the bundled example chats)."
+    )
+    rm: RewardModelConfig = Field(
+        default_factory=RewardModelConfig,
+        description="The reward-model stage (comparisons: dataset=..., format=dialogue for HH-RLHF).",
+    )
+    rl: RLStageConfig = Field(
+        default_factory=RLStageConfig, description="The RL stage (pairwise_preference; prompts default to rm.dataset)."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -78,15 +96,24 @@ class RLHFConfig(BaseModel):
         problems = []
         for name in ("sft", "rm", "rl"):
             section = data.get(name)
-            given = set(section) if isinstance(section, dict) else (
-                section.model_fields_set - {"run_name"} if isinstance(section, BaseModel) else set())
-            problems += [f"{name}.{f}: set {f} at the top level (shared by every stage)" for f in (*SHARED, "run_name")
-                         if f in given]
+            given = (
+                set(section)
+                if isinstance(section, dict)
+                else (section.model_fields_set - {"run_name"} if isinstance(section, BaseModel) else set())
+            )
+            problems += [
+                f"{name}.{f}: set {f} at the top level (shared by every stage)"
+                for f in (*SHARED, "run_name")
+                if f in given
+            ]
         rl = data.get("rl")
         rl = rl if isinstance(rl, dict) else (rl.model_dump(exclude_unset=True) if isinstance(rl, BaseModel) else {})
         problems += [f"rl.{f}: filled in by the pipeline (the SFT stage's last state)" for f in FILLED if f in rl]
-        problems += [f"rl.env_options.{f}: filled in by the pipeline (from the rm stage)" for f in FILLED_OPTIONS
-                     if f in (rl.get("env_options") or {})]
+        problems += [
+            f"rl.env_options.{f}: filled in by the pipeline (from the rm stage)"
+            for f in FILLED_OPTIONS
+            if f in (rl.get("env_options") or {})
+        ]
         if problems:
             raise ValueError("; ".join(problems))
         return data
@@ -125,8 +152,9 @@ class RLHFConfig(BaseModel):
             opts.setdefault("format", src.format if src.format in ("preference", "dialogue") else "dialogue")
             opts.setdefault("fields", dict(src.fields))
         opts.update(reward_model=reward_model, question=self.rm.question, labels=list(self.rm.labels))
-        return RLConfig.model_validate({**data, **self._shared("rl"), "env_options": opts,
-                                        "load_checkpoint_path": sft_state})
+        return RLConfig.model_validate(
+            {**data, **self._shared("rl"), "env_options": opts, "load_checkpoint_path": sft_state}
+        )
 
 
 @flow(name="rlhf", flow_run_name="rlhf-{config.run_name}", log_prints=True)
@@ -148,10 +176,21 @@ def rlhf_flow(config: RLHFConfig) -> dict[str, Any]:
     results.append(run_stage("rl", rl_flow, rl_cfg, rl_cfg.data_fingerprint))
     rl = results[-1]
     win = rl.metrics.get("eval/win_rate", (None, None))
-    extra = {"policy (RL sampler weights)": f"`{rl.sampler_path}`", "reward model": f"`{rm.sampler_path}`",
-             "SFT state": f"`{sft.state_path}`", "win rate vs SFT (first, last)": win}
+    extra = {
+        "policy (RL sampler weights)": f"`{rl.sampler_path}`",
+        "reward model": f"`{rm.sampler_path}`",
+        "SFT state": f"`{sft.state_path}`",
+        "win rate vs SFT (first, last)": win,
+    }
     stage_summary_artifact(config.run_name, results, extra)
     log.info("RLHF %s: %s", config.run_name, ", ".join(f"{r.stage} {'ran' if r.ran else 'skipped'}" for r in results))
-    return {"run_name": config.run_name, "stages": {r.stage: r.as_dict() for r in results},
-            "policy": rl.sampler_path, "reward_model": rm.sampler_path, "sft_state": sft.state_path,
-            "first_win_rate": win[0], "last_win_rate": win[1], "store": config.store}
+    return {
+        "run_name": config.run_name,
+        "stages": {r.stage: r.as_dict() for r in results},
+        "policy": rl.sampler_path,
+        "reward_model": rm.sampler_path,
+        "sft_state": sft.state_path,
+        "first_win_rate": win[0],
+        "last_win_rate": win[1],
+        "store": config.store,
+    }

@@ -55,10 +55,15 @@ class StageResult:
     metrics: dict[str, tuple[Any, Any]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"run_name": self.run_name, "status": "ran" if self.ran else "skipped", "steps": self.steps,
-                "state_path": self.state_path, "sampler_path": self.sampler_path,
-                **{f"first_{k}": v[0] for k, v in self.metrics.items()},
-                **{f"last_{k}": v[1] for k, v in self.metrics.items()}}
+        return {
+            "run_name": self.run_name,
+            "status": "ran" if self.ran else "skipped",
+            "steps": self.steps,
+            "state_path": self.state_path,
+            "sampler_path": self.sampler_path,
+            **{f"first_{k}": v[0] for k, v in self.metrics.items()},
+            **{f"last_{k}": v[1] for k, v in self.metrics.items()},
+        }
 
 
 def _store(root: str):
@@ -83,15 +88,22 @@ def _result(store, stage: str, run_id: str, ran: bool) -> StageResult:
     state = store.last_checkpoint(run_id, "state")
     if state is None:
         raise RuntimeError(f"stage {stage}: run {run_id!r} has no state checkpoint in the training store")
-    rows = store.query("SELECT path FROM checkpoints WHERE run_id = ? AND kind = 'sampler' AND step = ? "
-                       "ORDER BY time DESC LIMIT 1", [run_id, int(state["step"])])
+    rows = store.query(
+        "SELECT path FROM checkpoints WHERE run_id = ? AND kind = 'sampler' AND step = ? ORDER BY time DESC LIMIT 1",
+        [run_id, int(state["step"])],
+    )
     metrics = {}
     for name in STAGE_METRICS.get(stage, ()):
-        got = store.query("SELECT arg_min(value, step) AS first, arg_max(value, step) AS last FROM metrics "
-                          "WHERE run_id = ? AND name = ?", [run_id, name])
+        got = store.query(
+            "SELECT arg_min(value, step) AS first, arg_max(value, step) AS last FROM metrics "
+            "WHERE run_id = ? AND name = ?",
+            [run_id, name],
+        )
         if got and got[0]["last"] is not None:
             metrics[name] = (got[0]["first"], got[0]["last"])
-    return StageResult(stage, run_id, ran, int(state["step"]), state["path"], rows[0]["path"] if rows else None, metrics)
+    return StageResult(
+        stage, run_id, ran, int(state["step"]), state["path"], rows[0]["path"] if rows else None, metrics
+    )
 
 
 def run_stage(stage: str, flow: Any, config: Any, fingerprint: Callable[[str], str]) -> StageResult:
@@ -133,17 +145,24 @@ def check_upstream(stage: str, config: Any, fields: tuple[str, ...]) -> None:
             raise ValueError(
                 f"stage {stage}: run {config.run_name!r} was started with {f}={_get(stored, f)!r}, but the earlier "
                 f"stages now give {_get(new, f)!r} (an earlier stage was redone); resuming would go on training the "
-                "old policy. Use a new run_name for the whole pipeline")
+                "old policy. Use a new run_name for the whole pipeline"
+            )
 
 
 def stage_summary_artifact(run_name: str, results: list[StageResult], extra: dict[str, Any]) -> str:
     """Post the markdown summary over the stages (one table row each); returns its key."""
-    lines = [f"# RLHF run `{run_name}`", "", "| stage | run | status | steps | final metrics | weights |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"# RLHF run `{run_name}`",
+        "",
+        "| stage | run | status | steps | final metrics | weights |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in results:
         shown = ", ".join(f"{k} {v[1]:.4g}" for k, v in r.metrics.items() if isinstance(v[1], (int, float)))
-        lines.append(f"| {r.stage} | `{r.run_name}` | {'ran' if r.ran else 'skipped'} | {r.steps} | {shown or '-'} | "
-                     f"`{r.sampler_path or r.state_path}` |")
+        lines.append(
+            f"| {r.stage} | `{r.run_name}` | {'ran' if r.ran else 'skipped'} | {r.steps} | {shown or '-'} | "
+            f"`{r.sampler_path or r.state_path}` |"
+        )
     lines += ["", *[f"- {k}: {v}" for k, v in extra.items()]]
     key = artifact_key("rlhf", run_name)
     create_markdown_artifact("\n".join(lines), key=key, description="RLHF summary over the SFT, RM and RL stages")

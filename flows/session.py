@@ -119,9 +119,15 @@ class RunSession:
     ``samplers`` (optimizer step -> sampler path recorded for this run).
     """
 
-    def __init__(self, config: RecipeConfig, *, builder: Callable[[str], Any] | None = None,
-                 fingerprint: Callable[[str], str] | None = None, preflight: Callable[[], None] | None = None,
-                 upstream: list[str] | None = None):
+    def __init__(
+        self,
+        config: RecipeConfig,
+        *,
+        builder: Callable[[str], Any] | None = None,
+        fingerprint: Callable[[str], str] | None = None,
+        preflight: Callable[[], None] | None = None,
+        upstream: list[str] | None = None,
+    ):
         self.config, self.recipe = config, config.recipe or type(config).__name__.lower()
         self.run_id: str = config.run_name
         self._make_builder, self._make_fingerprint, self._preflight = builder, fingerprint, preflight
@@ -180,7 +186,9 @@ class RunSession:
     def _open(self) -> RunSession:
         c, log = self.config, get_run_logger()
         stored = self.store.get_run(self.run_id)
-        rows = self.store.query("SELECT step, kind, path FROM checkpoints WHERE run_id = ? ORDER BY step, time", [self.run_id])
+        rows = self.store.query(
+            "SELECT step, kind, path FROM checkpoints WHERE run_id = ? ORDER BY step, time", [self.run_id]
+        )
         states = [r for r in rows if r["kind"] == "state"]
         self.samplers = {int(r["step"]): r["path"] for r in rows if r["kind"] == "sampler"}
         self._recorded_samplers = set(self.samplers)
@@ -188,8 +196,14 @@ class RunSession:
         if last and stored:
             self._check_resume_config(json.loads(stored.get("config_json") or "{}"))
         self.run: TrainingRun = open_training_run(
-            self.credentials, self.run_id, c.model, c.lora_rank, self.backend, seed=c.seed,
-            resume_from=last["path"] if last else None, resume_step=int(last["step"]) if last else 0,
+            self.credentials,
+            self.run_id,
+            c.model,
+            c.lora_rank,
+            self.backend,
+            seed=c.seed,
+            resume_from=last["path"] if last else None,
+            resume_step=int(last["step"]) if last else 0,
             init_from=None if last else c.load_checkpoint_path,
         )
         self.tokenizer_id = self.run.tokenizer_id
@@ -197,10 +211,20 @@ class RunSession:
 
         self.renderer = resolve_renderer_name(c.renderer, tokenizer(self.tokenizer_id))
         self.builder = self._make_builder(self.renderer) if self._make_builder else None
-        data_fp = (self.builder.fingerprint() if self.builder is not None else
-                   self._make_fingerprint(self.renderer) if self._make_fingerprint else None)
-        self.meta = {"recipe": self.recipe, "renderer": self.renderer, "tokenizer_id": self.tokenizer_id,
-                     "dataset_fingerprint": data_fp, "init_from": c.load_checkpoint_path}
+        data_fp = (
+            self.builder.fingerprint()
+            if self.builder is not None
+            else self._make_fingerprint(self.renderer)
+            if self._make_fingerprint
+            else None
+        )
+        self.meta = {
+            "recipe": self.recipe,
+            "renderer": self.renderer,
+            "tokenizer_id": self.tokenizer_id,
+            "dataset_fingerprint": data_fp,
+            "init_from": c.load_checkpoint_path,
+        }
         if last and stored:
             self._check_resume_meta(json.loads(stored.get("meta_json") or "null") or {})
         elif c.load_checkpoint_path:
@@ -217,8 +241,13 @@ class RunSession:
 
         problems = scan_run(self.store, self.run_id)
         for p in problems:
-            get_run_logger().warning("run %s: unreadable part %s (%s); resuming from the last checkpoint that can "
-                                     "still be read (prefect-tinker store repair moves it aside)", self.run_id, p.path, p.reason)
+            get_run_logger().warning(
+                "run %s: unreadable part %s (%s); resuming from the last checkpoint that can "
+                "still be read (prefect-tinker store repair moves it aside)",
+                self.run_id,
+                p.path,
+                p.reason,
+            )
 
     def _allowed(self, field: str) -> bool:
         return field in self.config.allow_config_change
@@ -226,7 +255,8 @@ class RunSession:
     def _refuse(self, field: str, was: Any, now: Any, why: str) -> None:
         raise ResumeConfigError(
             f"run {self.run_id!r} was started with {field}={was!r}; this config has {field}={now!r}: "
-            f"resuming would {why}. Use a new run_name, or allow it with allow_config_change=[{field}]")
+            f"resuming would {why}. Use a new run_name, or allow it with allow_config_change=[{field}]"
+        )
 
     def _check_resume_config(self, stored: dict) -> None:
         new = json.loads(self.config.model_dump_json())
@@ -235,21 +265,30 @@ class RunSession:
                 self._refuse(field, stored[field], new[field], "change the data position or the objective")
 
     def _check_resume_meta(self, stored: dict) -> None:
-        for field, key, why in (("renderer", "renderer", "train on tokens rendered another way"),
-                                ("dataset", "dataset_fingerprint", "train on other data at the same position")):
+        for field, key, why in (
+            ("renderer", "renderer", "train on tokens rendered another way"),
+            ("dataset", "dataset_fingerprint", "train on other data at the same position"),
+        ):
             was, now = stored.get(key), self.meta.get(key)
             if was is not None and now is not None and was != now and not self._allowed(field):
-                self._refuse(field, was if field == "renderer" else f"content {was[:19]}",
-                             now if field == "renderer" else f"content {now[:19]}", why)
+                self._refuse(
+                    field,
+                    was if field == "renderer" else f"content {was[:19]}",
+                    now if field == "renderer" else f"content {now[:19]}",
+                    why,
+                )
 
     def _check_start_renderer(self, path: str) -> None:
-        rows = self.store.query("SELECT renderer FROM checkpoints WHERE path = ? AND renderer IS NOT NULL "
-                                   "ORDER BY time DESC LIMIT 1", [path])
+        rows = self.store.query(
+            "SELECT renderer FROM checkpoints WHERE path = ? AND renderer IS NOT NULL ORDER BY time DESC LIMIT 1",
+            [path],
+        )
         if rows and rows[0]["renderer"] != self.renderer and not self._allowed("renderer"):
             raise ResumeConfigError(
                 f"load_checkpoint_path {path!r} was trained with renderer {rows[0]['renderer']!r}, but this run "
                 f"renders with {self.renderer!r}: set renderer={rows[0]['renderer']!r}, or allow it with "
-                "allow_config_change=[renderer]")
+                "allow_config_change=[renderer]"
+            )
 
     def _record(self, status: str) -> None:
         c = self.config
@@ -296,13 +335,18 @@ class RunSession:
         from ``rew``; buffered rows of later steps are dropped (they will be redone)."""
         get_run_logger().warning("%s; continuing from step %d", rew, rew.step)
         self.run = rew.run
-        self.pending = {t: [r for r in rows if (r[0] if isinstance(r, tuple) else r["step"]) < rew.step]
-                        for t, rows in self.pending.items()}
+        self.pending = {
+            t: [r for r in rows if (r[0] if isinstance(r, tuple) else r["step"]) < rew.step]
+            for t, rows in self.pending.items()
+        }
 
     def _upstream(self) -> list[str]:
         c = self.config
-        return [*(self.builder.uris() if self.builder is not None else []), *self.upstream,
-                *([c.load_checkpoint_path] if c.load_checkpoint_path else [])]
+        return [
+            *(self.builder.uris() if self.builder is not None else []),
+            *self.upstream,
+            *([c.load_checkpoint_path] if c.load_checkpoint_path else []),
+        ]
 
     def save_sampler(self, name: str | None = None, *, record: bool = False, asset: bool = False) -> str:
         """Save sampler weights of the current step (``save-sampler-weights``, or with ``asset``
@@ -343,8 +387,9 @@ class RunSession:
         c, done = self.config, self.step
         if self.lease is not None:
             self.lease.check()  # LeaseLostError: another writer took the run over; write nothing more
-        self.run, path = save_checkpoint(self.credentials, self.run, self.checkpoint_name(done), "state",
-                                         upstream=self._upstream())
+        self.run, path = save_checkpoint(
+            self.credentials, self.run, self.checkpoint_name(done), "state", upstream=self._upstream()
+        )
         self.flush()
         self._record_sampler(done)
         record_checkpoint(c.store, self.run_id, done, path, "state", self.renderer)
@@ -364,15 +409,19 @@ class RunSession:
         """``(value at the first step, value at the last step)`` of metric ``name`` over the whole
         run (every invocation), read back from the store after writing what is buffered."""
         self.flush()
-        rows = self.store.query("SELECT arg_min(value, step) AS first, arg_max(value, step) AS last FROM metrics "
-                                   "WHERE run_id = ? AND name = ?", [self.run_id, name])
+        rows = self.store.query(
+            "SELECT arg_min(value, step) AS first, arg_max(value, step) AS last FROM metrics "
+            "WHERE run_id = ? AND name = ?",
+            [self.run_id, name],
+        )
         return (rows[0]["first"], rows[0]["last"]) if rows else (None, None)
 
     def metric_sum(self, name: str) -> float:
         """Sum of metric ``name`` over the whole run (e.g. ``train/tokens``)."""
         self.flush()
-        rows = self.store.query("SELECT coalesce(sum(value), 0) AS t FROM metrics WHERE run_id = ? AND name = ?",
-                                   [self.run_id, name])
+        rows = self.store.query(
+            "SELECT coalesce(sum(value), 0) AS t FROM metrics WHERE run_id = ? AND name = ?", [self.run_id, name]
+        )
         return float(rows[0]["t"])
 
     # ----- the end ---------------------------------------------------------------------------
@@ -388,20 +437,46 @@ class RunSession:
         emit("before_compaction", self.run_id)
         compact_finished_run(self.config.store, self.run_id)
         rows = self.store.query("SELECT path FROM checkpoints WHERE run_id = ? ORDER BY step, kind", [self.run_id])
-        out = {"run_name": self.run_id, "steps": self.step, "renderer": self.renderer, **summary,
-               "checkpoints": [r["path"] for r in rows], "store": self.config.store}
+        out = {
+            "run_name": self.run_id,
+            "steps": self.step,
+            "renderer": self.renderer,
+            **summary,
+            "checkpoints": [r["path"] for r in rows],
+            "store": self.config.store,
+        }
         self._summary_artifact(out, title_fields or {})
         return out
 
     def _summary_artifact(self, summary: dict[str, Any], fields: dict[str, Any]) -> None:
         c = self.config
-        table = {"model": f"`{c.model}`", "renderer": f"`{self.renderer}`", **fields, "steps": summary["steps"],
-                 **{k: v for k, v in summary.items() if isinstance(v, (int, float, str)) and k not in
-                    ("run_name", "steps", "renderer", "store")}, "store": f"`{c.store}`"}
-        lines = [f"# {self.recipe.upper()} run `{self.run_id}`", "", "| field | value |", "|---|---|",
-                 *[f"| {k} | {v} |" for k, v in table.items()], "", "## Checkpoints", "",
-                 *[f"- `{p}`" for p in summary["checkpoints"]]]
+        table = {
+            "model": f"`{c.model}`",
+            "renderer": f"`{self.renderer}`",
+            **fields,
+            "steps": summary["steps"],
+            **{
+                k: v
+                for k, v in summary.items()
+                if isinstance(v, (int, float, str)) and k not in ("run_name", "steps", "renderer", "store")
+            },
+            "store": f"`{c.store}`",
+        }
+        lines = [
+            f"# {self.recipe.upper()} run `{self.run_id}`",
+            "",
+            "| field | value |",
+            "|---|---|",
+            *[f"| {k} | {v} |" for k, v in table.items()],
+            "",
+            "## Checkpoints",
+            "",
+            *[f"- `{p}`" for p in summary["checkpoints"]],
+        ]
         for s in summary.get("samples") or []:
             lines += ["", f"**prompt**: `{s['prompt'][-200:]!r}`", "", f"**completion**: `{s['completion']!r}`"]
-        create_markdown_artifact("\n".join(lines), key=artifact_key(self.recipe, self.run_id),
-                                 description=f"{self.recipe.upper()} run summary")
+        create_markdown_artifact(
+            "\n".join(lines),
+            key=artifact_key(self.recipe, self.run_id),
+            description=f"{self.recipe.upper()} run summary",
+        )

@@ -42,15 +42,31 @@ class SFTConfig(SourceFields, RecipeConfig):
 
     recipe: ClassVar[str] = "sft"
     resume_fields: ClassVar[tuple[str, ...]] = (
-        *RecipeConfig.resume_fields, "batch_size", "train_on_what", "max_length", "test_size", "format", "fields",
-        "sources", "messages_field", "on_too_long")
+        *RecipeConfig.resume_fields,
+        "batch_size",
+        "train_on_what",
+        "max_length",
+        "test_size",
+        "format",
+        "fields",
+        "sources",
+        "messages_field",
+        "on_too_long",
+    )
 
-    dataset: str | None = Field(default=EXAMPLE_CHATS, description="JSONL file of {'messages': [...]} (or another format), a dataset directory, 'builtin:example_chat' or a Hugging Face dataset id.")
+    dataset: str | None = Field(
+        default=EXAMPLE_CHATS,
+        description="JSONL file of {'messages': [...]} (or another format), a dataset directory, 'builtin:example_chat' or a Hugging Face dataset id.",
+    )
     messages_field: str = Field(default="messages", description="Field holding the message list (format=messages).")
     train_on_what: str = Field(default="all_assistant_messages", description="Which tokens get loss weight.")
-    on_too_long: Literal["truncate", "skip", "error"] = Field(default="truncate", description="An example longer than max_length: truncate, skip (counted) or error.")
+    on_too_long: Literal["truncate", "skip", "error"] = Field(
+        default="truncate", description="An example longer than max_length: truncate, skip (counted) or error."
+    )
     batch_size: int = Field(default=8, ge=1, description="Conversations per step.")
-    learning_rate: float = Field(default=5e-4, gt=0, description="Peak learning rate (LoRA wants ~10x the full fine-tuning rate).")
+    learning_rate: float = Field(
+        default=5e-4, gt=0, description="Peak learning rate (LoRA wants ~10x the full fine-tuning rate)."
+    )
     lr_schedule: Literal["constant", "linear", "cosine"] = "linear"
     num_epochs: int = Field(default=1, ge=1, description="Epochs when max_steps is not set.")
     num_eval_samples: int = Field(default=3, ge=0, description="Held-out prompts to sample completions for at the end.")
@@ -63,8 +79,13 @@ class SFTConfig(SourceFields, RecipeConfig):
         if self.messages_field != "messages" and not self.sources:
             specs = [specs[0].model_copy(update={"fields": {"messages": self.messages_field, **specs[0].fields}})]
         return SupervisedBuilder(
-            sources=specs, renderer=renderer, seed=self.seed, train_on_what=self.train_on_what,
-            max_length=self.max_length, on_too_long=self.on_too_long, on_error=self.on_error,
+            sources=specs,
+            renderer=renderer,
+            seed=self.seed,
+            train_on_what=self.train_on_what,
+            max_length=self.max_length,
+            on_too_long=self.on_too_long,
+            on_error=self.on_error,
             test_size=self.test_count(),
         )
 
@@ -80,18 +101,33 @@ def sft_flow(config: SFTConfig) -> dict[str, Any]:
         per_epoch = len(data.train) // config.batch_size
         total = config.max_steps or per_epoch * config.num_epochs
         test = [datum_from_example(ex) for ex in data.test]  # an Example: its media by reference
-        log.info("%d train / %d test examples, %d steps (renderer %s); %s", len(data.train), len(data.test),
-                 total, data.renderer, data.skip_summary)
+        log.info(
+            "%d train / %d test examples, %d steps (renderer %s); %s",
+            len(data.train),
+            len(data.test),
+            total,
+            data.renderer,
+            data.skip_summary,
+        )
 
         def one_step(step: int) -> dict[str, float]:
             batch = [data.train[i] for i in batch_at(len(data.train), config.batch_size, config.seed, step)]
             datums = [datum_from_example(ex) for ex in batch]
-            session.run, m = train_step(session.credentials, session.run, step, quote(datums),  # quote: no input walk
-                                        config.lr_at(step, total), config.adam.model_dump())
+            session.run, m = train_step(
+                session.credentials,
+                session.run,
+                step,
+                quote(datums),  # quote: no input walk
+                config.lr_at(step, total),
+                config.adam.model_dump(),
+            )
             return {**{f"train/{k}": v for k, v in m.items()}, "tokens/trained": float(model_input_tokens(datums))}
 
-        evaluators = [*([NLLEvaluator(test)] if test else []), *data_evaluators(session.builder, data, session.tokenizer_id),
-                      *benchmark_evaluators(session)]
+        evaluators = [
+            *([NLLEvaluator(test)] if test else []),
+            *data_evaluators(session.builder, data, session.tokenizer_id),
+            *benchmark_evaluators(session),
+        ]
         StepLoop(session, total, evaluators=evaluators).run(one_step)
         with phase(session.run_id, f"final sampling ({min(config.num_eval_samples, len(data.test))} prompts)"):
             samples = _sample(session, data, config)
@@ -113,16 +149,28 @@ def _sample(session: RunSession, data: SupervisedData, config: SFTConfig) -> lis
         prompts.append(ex.sequence()[:first])  # images / audio kept
         references.append(tok.decode([t for t, w in zip(ex.tokens, ex.weights) if w > 0]))
     outs = sample_completions(
-        session.credentials, sampler_path, prompts, max_tokens=config.sample_max_tokens,
-        temperature=config.sample_temperature, seed=config.seed, stop=get_renderer(data.renderer, tok).get_stop_sequences(),
+        session.credentials,
+        sampler_path,
+        prompts,
+        max_tokens=config.sample_max_tokens,
+        temperature=config.sample_temperature,
+        seed=config.seed,
+        stop=get_renderer(data.renderer, tok).get_stop_sequences(),
     )
-    return [{"prompt": tok.decode(p), "completion": tok.decode(o[0]["tokens"]), "reference": r}
-            for p, o, r in zip(prompts, outs, references)]
+    return [
+        {"prompt": tok.decode(p), "completion": tok.decode(o[0]["tokens"]), "reference": r}
+        for p, o, r in zip(prompts, outs, references)
+    ]
 
 
 def _totals(session: RunSession) -> dict[str, Any]:
     """Loss at the first and last step, test NLL at start and end, and trained tokens of the whole
     run (all invocations), read back from the training store."""
     (first_loss, last_loss), (first_nll, last_nll) = session.metric_ends("train/loss"), session.metric_ends("test/nll")
-    return {"first_loss": first_loss, "last_loss": last_loss, "first_test_nll": first_nll,
-            "last_test_nll": last_nll, "tokens": session.metric_sum("train/tokens")}
+    return {
+        "first_loss": first_loss,
+        "last_loss": last_loss,
+        "first_test_nll": first_nll,
+        "last_test_nll": last_nll,
+        "tokens": session.metric_sum("train/tokens"),
+    }

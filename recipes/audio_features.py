@@ -23,9 +23,18 @@ import numpy as np
 __all__ = ["dmel_features", "mel_filterbank", "tensor_container", "DEFAULT_DMEL"]
 
 #: The settings of ``tiny-audio`` (same as ``tinker_local.media_models.DMEL_CONFIG``).
-DEFAULT_DMEL: dict[str, Any] = {"codec": "dmel", "sample_rate": 16000, "n_fft": 400, "win_length": 400,
-                                "hop_length": 320, "n_mels": 80, "levels": 16, "min_db": -80.0, "fmin": 0.0,
-                                "fmax": 8000.0}
+DEFAULT_DMEL: dict[str, Any] = {
+    "codec": "dmel",
+    "sample_rate": 16000,
+    "n_fft": 400,
+    "win_length": 400,
+    "hop_length": 320,
+    "n_mels": 80,
+    "levels": 16,
+    "min_db": -80.0,
+    "fmin": 0.0,
+    "fmax": 8000.0,
+}
 _UINT8 = 4
 
 

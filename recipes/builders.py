@@ -72,15 +72,31 @@ class SourceFields(BaseModel):
     weighted sources: ``sources`` (each a full :class:`SourceSpec`; then ``dataset`` must be unset).
     """
 
-    dataset: str | None = Field(default=None, description="JSONL file, local dataset file/dir, 'builtin:example_chat' or a Hugging Face dataset id.")
-    format: str = Field(default="messages", description="Record format of `dataset` (messages, sharegpt, instruction, prompt_completion, dialogue, self_instruct, preference, ...).")
-    fields: dict[str, str] = Field(default_factory=dict, description="Field mapping of `dataset`: format field -> record path (dotted, e.g. meta.answer).")
-    options: dict[str, Any] = Field(default_factory=dict, description="Converter options of `dataset` (system_prompt, ...).")
+    dataset: str | None = Field(
+        default=None,
+        description="JSONL file, local dataset file/dir, 'builtin:example_chat' or a Hugging Face dataset id.",
+    )
+    format: str = Field(
+        default="messages",
+        description="Record format of `dataset` (messages, sharegpt, instruction, prompt_completion, dialogue, self_instruct, preference, ...).",
+    )
+    fields: dict[str, str] = Field(
+        default_factory=dict,
+        description="Field mapping of `dataset`: format field -> record path (dotted, e.g. meta.answer).",
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="Converter options of `dataset` (system_prompt, ...)."
+    )
     split: str = Field(default="train", description="Split of a Hugging Face `dataset`.")
-    sources: list[SourceSpec] = Field(default_factory=list, description="Several weighted sources instead of `dataset` (each: path, format, fields, options, weight, ...).")
+    sources: list[SourceSpec] = Field(
+        default_factory=list,
+        description="Several weighted sources instead of `dataset` (each: path, format, fields, options, weight, ...).",
+    )
     test_size: float = Field(default=0.1, ge=0, description="Held-out fraction (<1) or count (>=1), split with `seed`.")
     max_length: int = Field(default=512, ge=8, description="Most tokens of one example.")
-    on_error: OnError = Field(default="raise", description="A bad record: 'raise' (error naming file, line and field) or 'skip' (counted).")
+    on_error: OnError = Field(
+        default="raise", description="A bad record: 'raise' (error naming file, line and field) or 'skip' (counted)."
+    )
 
     _dataset_exists = field_validator("dataset")(check_local_source)  # a missing file fails here
 
@@ -130,8 +146,9 @@ class DatasetBuilder(BaseModel, ABC):
         body["kind"] = type(self).__name__
         if self.build_version > 1:
             body["build_version"] = self.build_version
-        body["sources"] = [dict(s.model_dump(mode="json", exclude={"path"}), content=source_fingerprint(s))
-                           for s in self.sources]
+        body["sources"] = [
+            dict(s.model_dump(mode="json", exclude={"path"}), content=source_fingerprint(s)) for s in self.sources
+        ]
         return "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
     def uris(self) -> list[str]:
@@ -220,12 +237,21 @@ class SupervisedBuilder(DatasetBuilder):
         from prefect_tinker.recipes.renderers import get_renderer
 
         if any(s.streaming for s in self.sources):
-            raise ValueError("streamed sources cannot be prepared in memory for SFT; set streaming=false "
-                             "(and max_records to bound a large set)")
+            raise ValueError(
+                "streamed sources cannot be prepared in memory for SFT; set streaming=false "
+                "(and max_records to bound a large set)"
+            )
         rend = get_renderer(self.renderer, tokenizer, **self.renderer_options)
         ds = SupervisedDataset(
-            self.sources, rend, batch_size=1, max_length=self.max_length, train_on_what=self.train_on_what,
-            on_too_long=self.on_too_long, on_error=self.on_error, test_size=self.test_size, seed=self.seed,
+            self.sources,
+            rend,
+            batch_size=1,
+            max_length=self.max_length,
+            train_on_what=self.train_on_what,
+            on_too_long=self.on_too_long,
+            on_error=self.on_error,
+            test_size=self.test_size,
+            seed=self.seed,
             stopping=self.stopping,
         )
 
@@ -233,8 +259,12 @@ class SupervisedBuilder(DatasetBuilder):
             return [Example.from_sequence(t, w) for t, w in pairs]
 
         return SupervisedData(
-            fingerprint=self.fingerprint(), renderer=self.renderer, train=examples(ds.train_examples()),
-            test=examples(ds.test_examples()), skipped=ds.stats.total, skip_summary=ds.stats.summary(),
+            fingerprint=self.fingerprint(),
+            renderer=self.renderer,
+            train=examples(ds.train_examples()),
+            test=examples(ds.test_examples()),
+            skipped=ds.stats.total,
+            skip_summary=ds.stats.summary(),
         )
 
 

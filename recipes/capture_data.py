@@ -30,9 +30,29 @@ __all__ = ["CAPTURE_SOURCE_PREFIX", "CaptureFilterError", "parse_capture_source"
 #: ``dataset=`` strings of the form ``capture:<root>[::<filter>]`` (see :func:`parse_capture_source`).
 CAPTURE_SOURCE_PREFIX = "capture:"
 
-_COLUMNS = ("run_id", "request_id", "sequence_index", "client", "model", "checkpoint", "prompt", "completion",
-            "prompt_tokens", "completion_tokens", "logprob_sum", "logprob_mean", "logprob_min", "stop_reason",
-            "finish_reason", "latency_ms", "sampling_json", "metadata_json", "tools_json", "response_json", "time")
+_COLUMNS = (
+    "run_id",
+    "request_id",
+    "sequence_index",
+    "client",
+    "model",
+    "checkpoint",
+    "prompt",
+    "completion",
+    "prompt_tokens",
+    "completion_tokens",
+    "logprob_sum",
+    "logprob_mean",
+    "logprob_min",
+    "stop_reason",
+    "finish_reason",
+    "latency_ms",
+    "sampling_json",
+    "metadata_json",
+    "tools_json",
+    "response_json",
+    "time",
+)
 
 
 class CaptureFilterError(ValueError):
@@ -51,7 +71,7 @@ def parse_capture_source(source: str) -> tuple[str, str | None]:
     """
     if not source.startswith(CAPTURE_SOURCE_PREFIX):
         raise ValueError(f"a capture source starts with {CAPTURE_SOURCE_PREFIX!r}, got {source!r}")
-    root, sep, where = source[len(CAPTURE_SOURCE_PREFIX):].partition("::")
+    root, sep, where = source[len(CAPTURE_SOURCE_PREFIX) :].partition("::")
     if not root.strip():
         raise ValueError(f"capture source {source!r} names no store root")
     return root.strip(), (where.strip() or None) if sep else None
@@ -141,6 +161,12 @@ def read_captured_conversations(
         meta = {k: v for k, v in row.items() if k not in ("prompt", "response_json", "tools_json", "metadata_json")}
         meta["tools"] = json.loads(row["tools_json"]) if row.get("tools_json") else None
         meta["metadata"] = json.loads(row["metadata_json"]) if row.get("metadata_json") else None
-        out.append(Conversation(messages=messages, source=f"capture:{row['run_id']}/{row['request_id']}#{row['sequence_index']}",
-                                metadata=meta, field="captures"))
+        out.append(
+            Conversation(
+                messages=messages,
+                source=f"capture:{row['run_id']}/{row['request_id']}#{row['sequence_index']}",
+                metadata=meta,
+                field="captures",
+            )
+        )
     return out

@@ -44,8 +44,9 @@ def problem_fields(example: Any) -> tuple[str, str, str]:
     values = {"prompt": get("prompt"), "tests": tests, "entry_point": get("entry_point")}
     for name, value in values.items():
         if not isinstance(value, str):
-            raise ValueError(f"code problem {getattr(example, 'id', '')!r}: field {name!r} must be a string, "
-                             f"got {value!r:.60}")
+            raise ValueError(
+                f"code problem {getattr(example, 'id', '')!r}: field {name!r} must be a string, got {value!r:.60}"
+            )
     return values["prompt"], values["tests"], values["entry_point"]
 
 

@@ -52,8 +52,11 @@ Stopping = Literal["first_exhausted", "all_exhausted", "each_once"]
 
 
 def interleave(
-    sources: Sequence[Iterable[T] | Callable[[], Iterable[T]]], weights: Sequence[float] | None = None, *,
-    seed: int = 0, stopping: Stopping = "first_exhausted",
+    sources: Sequence[Iterable[T] | Callable[[], Iterable[T]]],
+    weights: Sequence[float] | None = None,
+    *,
+    seed: int = 0,
+    stopping: Stopping = "first_exhausted",
 ) -> Iterator[T]:
     """Items drawn from ``sources`` at random with probability proportional to ``weights``.
 
@@ -156,8 +159,12 @@ def batch_at(n: int, batch_size: int, seed: int, step: int) -> list[int]:
 
 
 def render_example(
-    renderer: Any, conversation: Conversation, *, train_on_what: str = "all_assistant_messages",
-    max_length: int | None = None, on_too_long: OnTooLong = "truncate",
+    renderer: Any,
+    conversation: Conversation,
+    *,
+    train_on_what: str = "all_assistant_messages",
+    max_length: int | None = None,
+    on_too_long: OnTooLong = "truncate",
 ) -> tuple[list[int], np.ndarray] | None:
     """Render one conversation to ``(tokens (N,), weights float32 (N,))`` with ``N <= max_length``;
     media are :class:`~prefect_tinker.recipes.media.MediaToken` runs, and truncation ends before
@@ -198,7 +205,9 @@ def render_example(
     return (tokens, weights) if weights[1:].any() else None
 
 
-def batch_datums(datums: Sequence[tinker.Datum], batch_size: int, *, drop_last: bool = False) -> list[list[tinker.Datum]]:
+def batch_datums(
+    datums: Sequence[tinker.Datum], batch_size: int, *, drop_last: bool = False
+) -> list[list[tinker.Datum]]:
     """Consecutive batches of ``batch_size`` datums (the last one shorter unless ``drop_last``)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -233,10 +242,19 @@ class SupervisedDataset:
     """
 
     def __init__(
-        self, sources: Sequence[SourceSpec | str], renderer: Any, *, batch_size: int,
-        max_length: int | None = None, train_on_what: str = "all_assistant_messages",
-        on_too_long: OnTooLong = "truncate", on_error: OnError = "raise", test_size: int | float = 0,
-        seed: int = 0, stopping: Stopping = "first_exhausted", shuffle_buffer_size: int = 10_000,
+        self,
+        sources: Sequence[SourceSpec | str],
+        renderer: Any,
+        *,
+        batch_size: int,
+        max_length: int | None = None,
+        train_on_what: str = "all_assistant_messages",
+        on_too_long: OnTooLong = "truncate",
+        on_error: OnError = "raise",
+        test_size: int | float = 0,
+        seed: int = 0,
+        stopping: Stopping = "first_exhausted",
+        shuffle_buffer_size: int = 10_000,
         drop_last: bool = False,
     ):
         if not sources:
@@ -268,19 +286,32 @@ class SupervisedDataset:
     def _example(self, conv: Conversation) -> tuple[list[int], np.ndarray] | None:
         """``(tokens (N,), weights (N,))`` of one conversation, or None when it is skipped (counted)."""
         try:
-            out = render_example(self.renderer, conv, train_on_what=self.train_on_what,
-                                 max_length=self.max_length, on_too_long=self.on_too_long)
+            out = render_example(
+                self.renderer,
+                conv,
+                train_on_what=self.train_on_what,
+                max_length=self.max_length,
+                on_too_long=self.on_too_long,
+            )
         except DatasetFormatError as exc:
             if self.on_error == "raise" or isinstance(exc, ExampleTooLongError):
                 raise
             self.stats.skip("render_error", str(exc))
             return None
         if out is None:
-            self.stats.skip("too_long", f"{conv.source}: longer than max_length={self.max_length} "
-                            f"(on_too_long={self.on_too_long!r}) or nothing trained within it")
+            self.stats.skip(
+                "too_long",
+                f"{conv.source}: longer than max_length={self.max_length} "
+                f"(on_too_long={self.on_too_long!r}) or nothing trained within it",
+            )
             return None
-        problem = ("an example needs at least 2 tokens" if len(out[0]) < 2 else
-                   "no trained target token (only the first token has weight)" if not np.asarray(out[1])[1:].any() else None)
+        problem = (
+            "an example needs at least 2 tokens"
+            if len(out[0]) < 2
+            else "no trained target token (only the first token has weight)"
+            if not np.asarray(out[1])[1:].any()
+            else None
+        )
         if problem:  # nothing to predict
             message = f"{conv.source}: field {conv.field!r}: {problem}"
             if self.on_error == "raise":
@@ -305,7 +336,9 @@ class SupervisedDataset:
             return
         convs = list(self.conversations())
         if not convs:
-            raise DatasetFormatError(f"no conversations in {', '.join(s.path for s in self.specs)} ({self.stats.summary()})")
+            raise DatasetFormatError(
+                f"no conversations in {', '.join(s.path for s in self.specs)} ({self.stats.summary()})"
+            )
         train, test = split_conversations(convs, self.test_size, seed=self.seed) if self.test_size else (convs, [])
         self._train, self._test = self._render_all(train), self._render_all(test)
         if not self._train:

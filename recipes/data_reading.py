@@ -46,9 +46,19 @@ from prefect_tinker.recipes.data_sources import (
 from prefect_tinker.recipes.media_sources import absolutize_media
 
 __all__ = [
-    "EXAMPLE_CHAT_PATH", "OnError", "SkipStats", "SourceSpec", "iter_conversations", "iter_records",
-    "check_capture_source", "check_local_source", "is_capture_source", "looks_local", "missing_local_source",
-    "resolve_source_path", "source_fingerprint",
+    "EXAMPLE_CHAT_PATH",
+    "OnError",
+    "SkipStats",
+    "SourceSpec",
+    "iter_conversations",
+    "iter_records",
+    "check_capture_source",
+    "check_local_source",
+    "is_capture_source",
+    "looks_local",
+    "missing_local_source",
+    "resolve_source_path",
+    "source_fingerprint",
 ]
 
 logger = logging.getLogger("prefect_tinker.recipes.data")
@@ -62,9 +72,12 @@ EXAMPLE_PREFS_PATH = str(Path(__file__).resolve().parent / "data" / "example_pre
 SENTIMENT_SENTENCES_PATH = str(Path(__file__).resolve().parent / "data" / "sentiment_sentences.jsonl")
 #: 40 yes/no questions written for the package, half resolved yes (``{"question", "resolution"}``).
 FORECASTING_QUESTIONS_PATH = str(Path(__file__).resolve().parent / "data" / "forecasting_questions.jsonl")
-_BUILTIN = {"builtin:example_chat": EXAMPLE_CHAT_PATH, "builtin:example_prefs": EXAMPLE_PREFS_PATH,
-            "builtin:sentiment_sentences": SENTIMENT_SENTENCES_PATH,
-            "builtin:forecasting_questions": FORECASTING_QUESTIONS_PATH}
+_BUILTIN = {
+    "builtin:example_chat": EXAMPLE_CHAT_PATH,
+    "builtin:example_prefs": EXAMPLE_PREFS_PATH,
+    "builtin:sentiment_sentences": SENTIMENT_SENTENCES_PATH,
+    "builtin:forecasting_questions": FORECASTING_QUESTIONS_PATH,
+}
 _BUILDERS = {".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 _JSONL = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz")
 
@@ -74,10 +87,16 @@ OnError = Literal["raise", "skip"]
 class SourceSpec(BaseModel):
     """One dataset source and how to read it (usable as a field of a flow's pydantic config)."""
 
-    path: str = Field(description="JSONL file, local dataset file/dir, 'builtin:example_chat', or a Hugging Face dataset id.")
-    format: str = Field(default="messages", description=(
-        "Record format: a registered dataset format (messages, sharegpt, instruction, prompt_completion, dialogue, "
-        "preference, ...; plugins add more)."))
+    path: str = Field(
+        description="JSONL file, local dataset file/dir, 'builtin:example_chat', or a Hugging Face dataset id."
+    )
+    format: str = Field(
+        default="messages",
+        description=(
+            "Record format: a registered dataset format (messages, sharegpt, instruction, prompt_completion, dialogue, "
+            "preference, ...; plugins add more)."
+        ),
+    )
     fields: dict[str, str] = Field(default_factory=dict, description="Field mapping: converter field -> record path.")
     options: dict[str, Any] = Field(default_factory=dict, description="Converter options (system_prompt, ...).")
     split: str = Field(default="train", description="Split for datasets.load_dataset sources.")
@@ -233,8 +252,10 @@ def _read_jsonl(path: Path) -> Iterator[RawRecord]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                yield RawRecord(where, error=f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at byte column "
-                                             f"{exc.start + 1}: {exc.reason})")
+                yield RawRecord(
+                    where,
+                    error=f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at byte column {exc.start + 1}: {exc.reason})",
+                )
                 continue
             if not line.strip():
                 continue
@@ -290,7 +311,10 @@ def iter_records(source: SourceSpec | str) -> Iterator[RawRecord]:
 
 
 def iter_conversations(
-    source: SourceSpec | str, *, on_error: OnError = "raise", stats: SkipStats | None = None,
+    source: SourceSpec | str,
+    *,
+    on_error: OnError = "raise",
+    stats: SkipStats | None = None,
     require_assistant: bool = True,
 ) -> Iterator[Conversation]:
     """Validated conversations of a source, in record order.
@@ -325,8 +349,9 @@ def iter_conversations(
             converted = convert_record(raw.record, spec.format, spec.fields, spec.options)
             convs = [
                 Conversation(
-                    messages=validate_messages(absolutize_media(c.messages, base), raw.where, c.field,
-                                               require_assistant=require_assistant),
+                    messages=validate_messages(
+                        absolutize_media(c.messages, base), raw.where, c.field, require_assistant=require_assistant
+                    ),
                     source=raw.where,
                     metadata={**{k: v for k, v in raw.record.items() if k not in c.used}, **(c.metadata or {})},
                     field=c.field,
@@ -355,8 +380,11 @@ def _captured(spec: SourceSpec, stats: SkipStats | None = None) -> list[Conversa
     for conv in read_captured_conversations(root, where, include_truncated=True):
         if not include and "length" in (conv.metadata.get("finish_reason"), conv.metadata.get("stop_reason")):
             if stats is not None:
-                stats.skip("truncated", f"{conv.source}: the reply was cut at max_tokens "
-                                        "(options.include_truncated=true keeps such replies)")
+                stats.skip(
+                    "truncated",
+                    f"{conv.source}: the reply was cut at max_tokens "
+                    "(options.include_truncated=true keeps such replies)",
+                )
             continue
         out.append(conv)
         if spec.max_records is not None and len(out) >= spec.max_records:

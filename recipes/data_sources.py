@@ -95,9 +95,16 @@ class Conversation:
         return len(self.messages)
 
 
-def _messages(record: Any, fields: Mapping[str, str], options: Mapping[str, Any], *,
-              default_field: str = "messages", role_key: str = "role", content_key: str = "content",
-              role_map: Mapping[str, str] | None = None) -> list[Converted]:
+def _messages(
+    record: Any,
+    fields: Mapping[str, str],
+    options: Mapping[str, Any],
+    *,
+    default_field: str = "messages",
+    role_key: str = "role",
+    content_key: str = "content",
+    role_map: Mapping[str, str] | None = None,
+) -> list[Converted]:
     path = fields.get("messages", default_field)
     msgs = get_field(record, path)
     rk, ck = fields.get("role", role_key), fields.get("content", content_key)
@@ -121,9 +128,17 @@ def _messages(record: Any, fields: Mapping[str, str], options: Mapping[str, Any]
 
 
 def _sharegpt(record: Any, fields: Mapping[str, str], options: Mapping[str, Any]) -> list[Converted]:
-    roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system", "tool": "tool"}
-    return _messages(record, fields, options, default_field="conversations", role_key="from",
-                     content_key="value", role_map=roles)
+    roles = {
+        "human": "user",
+        "user": "user",
+        "gpt": "assistant",
+        "assistant": "assistant",
+        "system": "system",
+        "tool": "tool",
+    }
+    return _messages(
+        record, fields, options, default_field="conversations", role_key="from", content_key="value", role_map=roles
+    )
 
 
 def _require_text(path: str | None, value: str | None, what: str) -> str:
@@ -150,8 +165,10 @@ def _prompt_completion(record: Any, fields: Mapping[str, str], options: Mapping[
     suffix = options.get("strip_completion_suffix")
     if suffix and completion.endswith(suffix):
         completion = completion[: -len(suffix)]
-    msgs = [{"role": "user", "content": prompt},
-            {"role": "assistant", "content": _require_text(cpath, completion, "completion")}]
+    msgs = [
+        {"role": "user", "content": prompt},
+        {"role": "assistant", "content": _require_text(cpath, completion, "completion")},
+    ]
     used = frozenset(_top(p) for p in (ppath, cpath, spath) if p)
     return [Converted(_with_system(msgs, system or options.get("system_prompt")), f"{ppath}+{cpath}", used)]
 
@@ -213,8 +230,9 @@ Converter = Callable[[Any, Mapping[str, str], Mapping[str, Any]], list[Converted
 #: Record formats by name: ``converter(record, fields, options) -> list[Converted]``. ``prompt``
 #: (:mod:`~prefect_tinker.recipes.distill.prompts`) registers in its own module, imported when the
 #: registry is first read; plugins add formats through the ``prefect_tinker.formats`` entry-point group.
-CONVERTERS: Registry[Converter] = Registry("dataset format", "prefect_tinker.formats",
-                                           builtins=("prefect_tinker.recipes.distill.prompts",))
+CONVERTERS: Registry[Converter] = Registry(
+    "dataset format", "prefect_tinker.formats", builtins=("prefect_tinker.recipes.distill.prompts",)
+)
 
 
 def register_converter(name: str, converter: Converter) -> Converter:
@@ -244,8 +262,12 @@ def converter_names() -> list[str]:
     return CONVERTERS.names()
 
 
-def convert_record(record: Any, format: str = "messages", fields: Mapping[str, str] | None = None,
-                   options: Mapping[str, Any] | None = None) -> list[Converted]:
+def convert_record(
+    record: Any,
+    format: str = "messages",
+    fields: Mapping[str, str] | None = None,
+    options: Mapping[str, Any] | None = None,
+) -> list[Converted]:
     """Run the converter ``format`` on one record (messages not yet validated).
 
     Raises:
@@ -258,8 +280,9 @@ def convert_record(record: Any, format: str = "messages", fields: Mapping[str, s
     return conv(record, dict(fields or {}), dict(options or {}))
 
 
-def validate_messages(messages: Any, where: str, field_name: str = "messages", *,
-                      require_assistant: bool = True) -> list[dict[str, Any]]:
+def validate_messages(
+    messages: Any, where: str, field_name: str = "messages", *, require_assistant: bool = True
+) -> list[dict[str, Any]]:
     """Check one record's messages and return them as plain dicts.
 
     Args:
@@ -323,7 +346,9 @@ def _field(record: Any, fields: Mapping[str, str], name: str, required: bool = T
         return path, None
 
 
-def pairs_from_record(record: Any, format: str = "preference", fields: Mapping[str, str] | None = None) -> tuple[list[dict], list[dict], list[dict]]:
+def pairs_from_record(
+    record: Any, format: str = "preference", fields: Mapping[str, str] | None = None
+) -> tuple[list[dict], list[dict], list[dict]]:
     """``(prompt, chosen, rejected)`` message lists of one record (see the module docstring):
     ``prompt`` is what both continuations share; ``chosen``/``rejected`` what follows it.
 
@@ -348,10 +373,14 @@ def pairs_from_record(record: Any, format: str = "preference", fields: Mapping[s
         return _split_shared([], out[0], out[1])
     ppath, prompt = _field(record, fields, "prompt", required=False)
     prompt_msgs = [] if prompt is None else _as_messages(prompt, ppath, reply=False)
-    return _split_shared(prompt_msgs, _as_messages(chosen, cpath, reply=True), _as_messages(rejected, rpath, reply=True))
+    return _split_shared(
+        prompt_msgs, _as_messages(chosen, cpath, reply=True), _as_messages(rejected, rpath, reply=True)
+    )
 
 
-def _split_shared(prompt: list[dict], chosen: list[dict], rejected: list[dict]) -> tuple[list[dict], list[dict], list[dict]]:
+def _split_shared(
+    prompt: list[dict], chosen: list[dict], rejected: list[dict]
+) -> tuple[list[dict], list[dict], list[dict]]:
     k = 0
     while k < min(len(chosen), len(rejected)) - 1 and chosen[k] == rejected[k]:
         k += 1
@@ -374,8 +403,9 @@ def _preference(record: Any, fields: Mapping[str, str], options: Mapping[str, An
     """``preference`` records as conversations for SFT: the prompt and the chosen reply."""
     prompt, chosen, _ = pairs_from_record(record, "preference", fields)
     used = frozenset(_top(fields.get(k, k)) for k in ("prompt", "chosen", "rejected"))
-    return [Converted(_with_system(prompt + chosen, options.get("system_prompt")), fields.get("chosen", "chosen"), used)]
+    return [
+        Converted(_with_system(prompt + chosen, options.get("system_prompt")), fields.get("chosen", "chosen"), used)
+    ]
 
 
 register_converter("preference", _preference)
-

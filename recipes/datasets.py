@@ -47,6 +47,7 @@ __all__ = [
 
 ItemT = TypeVar("ItemT")  # an item of a split (a Conversation, a decision example, ...)
 
+
 def load_conversations(
     source: str | os.PathLike[str] | SourceSpec,
     *,
@@ -88,7 +89,9 @@ def load_conversations(
         mapping = dict(fields or {})
         if format in ("messages",) and messages_field != "messages":
             mapping.setdefault("messages", messages_field)
-        spec = SourceSpec(path=os.fspath(source), format=format, fields=mapping, options=dict(options or {}), split=split)
+        spec = SourceSpec(
+            path=os.fspath(source), format=format, fields=mapping, options=dict(options or {}), split=split
+        )
     stats = stats if stats is not None else SkipStats()
     convs = list(iter_conversations(spec, on_error=on_error, stats=stats))
     if not convs:

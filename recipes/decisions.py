@@ -39,8 +39,18 @@ from prefect_tinker.recipes.builders import BuiltData, DatasetBuilder
 from prefect_tinker.recipes.data_reading import SkipStats, SourceSpec, iter_records
 from prefect_tinker.recipes.data_sources import DatasetFormatError
 
-__all__ = ["CHOICE_LOSS_RANKS", "DecisionBuilder", "DecisionData", "DecisionExample", "choice_loss", "choice_probs",
-           "decision_datum", "decision_metrics", "label_tokens", "reliability_bins"]
+__all__ = [
+    "CHOICE_LOSS_RANKS",
+    "DecisionBuilder",
+    "DecisionData",
+    "DecisionExample",
+    "choice_loss",
+    "choice_probs",
+    "decision_datum",
+    "decision_metrics",
+    "label_tokens",
+    "reliability_bins",
+]
 
 #: Ranks of :func:`choice_loss`'s inputs for ``ServiceClient.create_custom_loss``.
 CHOICE_LOSS_RANKS = {"logprobs": 2, "weights": 2}
@@ -77,8 +87,10 @@ def label_tokens(tokenizer: Any, choices: Sequence[str]) -> list[int]:
     seen: dict[int, str] = {}
     for name, tok in zip(choices, out):
         if tok in seen:
-            raise ValueError(f"choices {seen[tok]!r} and {name!r} begin with the same token ({tok}); "
-                             "rename one so that their first tokens differ")
+            raise ValueError(
+                f"choices {seen[tok]!r} and {name!r} begin with the same token ({tok}); "
+                "rename one so that their first tokens differ"
+            )
         seen[tok] = name
     return out
 
@@ -92,9 +104,13 @@ def decision_datum(example: DecisionExample, labels: Sequence[int]) -> Any:
     targets = np.tile(np.asarray(labels, dtype=np.int64), (p, 1))
     weights = np.zeros((p, n), dtype=np.float32)
     weights[-1] = np.asarray(example.target, dtype=np.float32)
-    return tinker.Datum(model_input=tinker.ModelInput.from_ints(list(example.prompt)),
-                        loss_fn_inputs={"target_tokens": tinker.TensorData.from_numpy(targets),
-                                        "weights": tinker.TensorData.from_numpy(weights)})
+    return tinker.Datum(
+        model_input=tinker.ModelInput.from_ints(list(example.prompt)),
+        loss_fn_inputs={
+            "target_tokens": tinker.TensorData.from_numpy(targets),
+            "weights": tinker.TensorData.from_numpy(weights),
+        },
+    )
 
 
 def choice_loss(logprobs, weights):
@@ -132,9 +148,15 @@ def reliability_bins(probs: np.ndarray, targets: np.ndarray, n_bins: int = 10) -
     for b in range(n_bins):
         sel = idx == b
         n = int(sel.sum())
-        out.append({"lo": b / n_bins, "hi": (b + 1) / n_bins, "count": float(n),
-                    "confidence": float(conf[sel].mean()) if n else math.nan,
-                    "accuracy": float(correct[sel].mean()) if n else math.nan})
+        out.append(
+            {
+                "lo": b / n_bins,
+                "hi": (b + 1) / n_bins,
+                "count": float(n),
+                "confidence": float(conf[sel].mean()) if n else math.nan,
+                "accuracy": float(correct[sel].mean()) if n else math.nan,
+            }
+        )
     return out
 
 
@@ -149,12 +171,18 @@ def decision_metrics(probs: np.ndarray, targets: np.ndarray, n_bins: int = 10) -
     if probs.shape != targets.shape or not len(probs):
         raise ValueError(f"probs {probs.shape} and targets {targets.shape} must be the same non-empty (D, N)")
     d = len(probs)
-    ece = sum(b["count"] / d * abs(b["accuracy"] - b["confidence"]) for b in reliability_bins(probs, targets, n_bins)
-              if b["count"])
-    return {"accuracy": float((probs.argmax(1) == targets.argmax(1)).mean()),
-            "brier": float(((probs - targets) ** 2).sum(1).mean()),
-            "nll": float(-(targets * np.log(np.clip(probs, 1e-12, None))).sum(1).mean()),
-            "ece": float(ece), "count": float(d)}
+    ece = sum(
+        b["count"] / d * abs(b["accuracy"] - b["confidence"])
+        for b in reliability_bins(probs, targets, n_bins)
+        if b["count"]
+    )
+    return {
+        "accuracy": float((probs.argmax(1) == targets.argmax(1)).mean()),
+        "brier": float(((probs - targets) ** 2).sum(1).mean()),
+        "nll": float(-(targets * np.log(np.clip(probs, 1e-12, None))).sum(1).mean()),
+        "ece": float(ece),
+        "count": float(d),
+    }
 
 
 def _target(record: dict, choices: list[str], label_field: str, probs_field: str, where: str) -> list[float]:
@@ -165,10 +193,15 @@ def _target(record: dict, choices: list[str], label_field: str, probs_field: str
             if unknown:
                 raise ValueError(f"{where}: field {probs_field!r}: unknown choice(s) {unknown} (choices: {choices})")
             raw = [raw.get(c, 0.0) for c in choices]
-        if not isinstance(raw, list) or len(raw) != len(choices) or not all(
-                isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in raw):
-            raise ValueError(f"{where}: field {probs_field!r} must be {len(choices)} non-negative numbers or "
-                             f"{{choice: probability}}, got {record[probs_field]!r:.80}")
+        if (
+            not isinstance(raw, list)
+            or len(raw) != len(choices)
+            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in raw)
+        ):
+            raise ValueError(
+                f"{where}: field {probs_field!r} must be {len(choices)} non-negative numbers or "
+                f"{{choice: probability}}, got {record[probs_field]!r:.80}"
+            )
         if abs(sum(raw) - 1.0) > 1e-3:
             raise ValueError(f"{where}: field {probs_field!r} sums to {sum(raw):.4f}, not 1")
         return [float(x) / sum(raw) for x in raw]
@@ -185,8 +218,12 @@ def _prompt(record: dict, field: str, where: str) -> list[dict]:
         raise ValueError(f"{where}: no field {field!r} (record has: {', '.join(record) or 'no fields'})")
     value = record[field]
     msgs = [{"role": "user", "content": value}] if isinstance(value, str) else value
-    if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and isinstance(m.get("content"), str)
-                                                         for m in msgs) or msgs[-1].get("role") != "user":
+    if (
+        not isinstance(msgs, list)
+        or not msgs
+        or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in msgs)
+        or msgs[-1].get("role") != "user"
+    ):
         raise ValueError(f"{where}: field {field!r} must be a string or messages ending with a user turn")
     return [dict(m) for m in msgs]
 
@@ -251,10 +288,19 @@ class DecisionBuilder(DatasetBuilder):
                     continue
                 out.append(DecisionExample(prompt=prompt, target=target, source=where))
         if not out:
-            raise DatasetFormatError(f"no usable record in {', '.join(s.path for s in self.sources)} ({stats.summary()})")
+            raise DatasetFormatError(
+                f"no usable record in {', '.join(s.path for s in self.sources)} ({stats.summary()})"
+            )
         train, test = split_conversations(out, self.test_size, seed=self.seed) if self.test_size else (out, [])
         if not train:
             raise DatasetFormatError(f"no training record left after holding out test_size={self.test_size}")
-        return DecisionData(fingerprint=self.fingerprint(), renderer=self.renderer, train=train, test=test,
-                            skipped=stats.total, skip_summary=stats.summary(), choices=list(self.choices),
-                            label_tokens=labels)
+        return DecisionData(
+            fingerprint=self.fingerprint(),
+            renderer=self.renderer,
+            train=train,
+            test=test,
+            skipped=stats.total,
+            skip_summary=stats.summary(),
+            choices=list(self.choices),
+            label_tokens=labels,
+        )

@@ -19,8 +19,16 @@ import string
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
-__all__ = ["best_exact_match", "best_over_references", "best_token_f1", "exact_match", "normalize_answer",
-           "normalize_transcript", "token_f1", "word_error_rate"]
+__all__ = [
+    "best_exact_match",
+    "best_over_references",
+    "best_token_f1",
+    "exact_match",
+    "normalize_answer",
+    "normalize_transcript",
+    "token_f1",
+    "word_error_rate",
+]
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = str.maketrans("", "", string.punctuation)

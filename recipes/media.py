@@ -37,8 +37,21 @@ import tinker
 from pydantic import BaseModel, ConfigDict
 
 __all__ = [
-    "MediaError", "MediaRef", "MediaSpan", "MediaToken", "cache_file", "has_media", "media_dir", "media_key", "media_spans",
-    "media_tokens", "model_input_from_tokens", "restore_media", "safe_cut", "store_media", "tokens_from_model_input",
+    "MediaError",
+    "MediaRef",
+    "MediaSpan",
+    "MediaToken",
+    "cache_file",
+    "has_media",
+    "media_dir",
+    "media_key",
+    "media_spans",
+    "media_tokens",
+    "model_input_from_tokens",
+    "restore_media",
+    "safe_cut",
+    "store_media",
+    "tokens_from_model_input",
 ]
 
 
@@ -75,11 +88,13 @@ class MediaRef(BaseModel):
         try:
             data = Path(self.path).read_bytes()
         except OSError as exc:
-            raise MediaError(f"media file {self.path!r} (from {self.source or self.path!r}) cannot be read: "
-                             f"{exc.strerror or exc}") from None
+            raise MediaError(
+                f"media file {self.path!r} (from {self.source or self.path!r}) cannot be read: {exc.strerror or exc}"
+            ) from None
         if hashlib.sha256(data).hexdigest() != self.sha256:
-            raise MediaError(f"media file {self.path!r} changed since it was rendered (sha256 differs); "
-                             "prepare the dataset again")
+            raise MediaError(
+                f"media file {self.path!r} changed since it was rendered (sha256 differs); prepare the dataset again"
+            )
         return data
 
     def chunk(self, *, pointer: bool = False) -> Any:
@@ -87,7 +102,9 @@ class MediaRef(BaseModel):
         if self.kind == "dmel":
             return tinker.types.DmelChunk(dmel=self.read())
         if pointer:
-            return tinker.types.ImageAssetPointerChunk(location=self.path, format=self.format, expected_tokens=self.tokens)
+            return tinker.types.ImageAssetPointerChunk(
+                location=self.path, format=self.format, expected_tokens=self.tokens
+            )
         return tinker.types.ImageChunk(data=self.read(), format=self.format, expected_tokens=self.tokens)
 
 
@@ -170,8 +187,10 @@ def media_spans(tokens: Sequence[int]) -> list[MediaSpan]:
     out = []
     for start, _, ref, complete in _runs(tokens):
         if not complete:
-            raise MediaError(f"tokens hold a partial {ref.kind} run at position {start} (from {ref.source!r}); "
-                             "cut sequences with safe_cut")
+            raise MediaError(
+                f"tokens hold a partial {ref.kind} run at position {start} (from {ref.source!r}); "
+                "cut sequences with safe_cut"
+            )
         out.append(MediaSpan(start=start, ref=ref))
     return out
 
@@ -268,11 +287,27 @@ def cache_file(data: bytes, suffix: str) -> Path:
     return path
 
 
-def store_media(data: bytes, kind: str, fmt: str, *, tokens: int, source: str = "", width: int | None = None,
-                height: int | None = None) -> MediaRef:
+def store_media(
+    data: bytes,
+    kind: str,
+    fmt: str,
+    *,
+    tokens: int,
+    source: str = "",
+    width: int | None = None,
+    height: int | None = None,
+) -> MediaRef:
     """Write ``data`` into the media cache under its SHA-256 (:func:`cache_file`) and return its
     :class:`MediaRef`."""
     digest = hashlib.sha256(data).hexdigest()
     path = cache_file(data, fmt)
-    return MediaRef(kind=kind, path=str(path), sha256=digest, format=fmt, tokens=int(tokens), width=width,
-                    height=height, source=source or "<bytes>")
+    return MediaRef(
+        kind=kind,
+        path=str(path),
+        sha256=digest,
+        format=fmt,
+        tokens=int(tokens),
+        width=width,
+        height=height,
+        source=source or "<bytes>",
+    )

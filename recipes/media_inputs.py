@@ -161,7 +161,9 @@ def load_wav(value: Any, target_rate: int | None = None) -> tuple[np.ndarray, in
     if width == 1:
         x = (np.frombuffer(frames, dtype=np.uint8).astype(np.float32) - 128.0) / 128.0
     elif width in (2, 4):
-        x = np.frombuffer(frames, dtype=np.int16 if width == 2 else np.int32).astype(np.float32) / float(2 ** (8 * width - 1))
+        x = np.frombuffer(frames, dtype=np.int16 if width == 2 else np.int32).astype(np.float32) / float(
+            2 ** (8 * width - 1)
+        )
     elif width == 3:
         b = np.frombuffer(frames, dtype=np.uint8).reshape(-1, 3).astype(np.int32)
         v = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)

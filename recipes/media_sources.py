@@ -27,8 +27,16 @@ from typing import Any
 
 from prefect_tinker.recipes.record_fields import Converted, RecordError, get_field
 
-__all__ = ["CLASSIFICATION_FORMATS", "IMAGE_SUFFIXES", "absolutize_media", "clean_label", "iter_image_folder",
-           "CLASSIFIER_PROMPT", "CLASSIFIER_ANSWER_PREFIX", "TRANSCRIBE_PROMPT"]
+__all__ = [
+    "CLASSIFICATION_FORMATS",
+    "IMAGE_SUFFIXES",
+    "absolutize_media",
+    "clean_label",
+    "iter_image_folder",
+    "CLASSIFIER_PROMPT",
+    "CLASSIFIER_ANSWER_PREFIX",
+    "TRANSCRIBE_PROMPT",
+]
 
 CLASSIFIER_PROMPT = "What is the name of the subject in this photo?"
 CLASSIFIER_ANSWER_PREFIX = "The subject in this photo is:"
@@ -43,7 +51,9 @@ def clean_label(label: str) -> str:
     return label.replace("_", " ").replace(".", " ").replace("-", " ").lower().strip()
 
 
-def _first(record: Mapping[str, Any], fields: Mapping[str, str], name: str, defaults: tuple[str, ...]) -> tuple[str, Any]:
+def _first(
+    record: Mapping[str, Any], fields: Mapping[str, str], name: str, defaults: tuple[str, ...]
+) -> tuple[str, Any]:
     path = fields.get(name) or next((d for d in defaults if d in record), None)
     if path is None:
         have = ", ".join(map(str, record)) or "no fields"
@@ -69,8 +79,13 @@ def _classification(record: Any, fields: Mapping[str, str], options: Mapping[str
     if options.get("system_prompt"):
         messages.append({"role": "system", "content": str(options["system_prompt"])})
     messages += [
-        {"role": "user", "content": [{"type": "image", "image": image},
-                                     {"type": "text", "text": str(options.get("prompt", CLASSIFIER_PROMPT))}]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": image},
+                {"type": "text", "text": str(options.get("prompt", CLASSIFIER_PROMPT))},
+            ],
+        },
         {"role": "assistant", "content": f"{prefix} {label}"},
     ]
     return [Converted(messages, ipath, frozenset({ipath.split(".")[0], lpath.split(".")[0]}))]
@@ -87,16 +102,24 @@ def _transcript(record: Any, fields: Mapping[str, str], options: Mapping[str, An
     if options.get("system_prompt"):
         messages.append({"role": "system", "content": str(options["system_prompt"])})
     messages += [
-        {"role": "user", "content": [{"type": "audio", "audio": audio},
-                                     {"type": "text", "text": str(options.get("prompt", TRANSCRIBE_PROMPT))}]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "audio", "audio": audio},
+                {"type": "text", "text": str(options.get("prompt", TRANSCRIBE_PROMPT))},
+            ],
+        },
         {"role": "assistant", "content": text.strip()},
     ]
     return [Converted(messages, apath, frozenset({apath.split(".")[0], tpath.split(".")[0]}))]
 
 
 #: the converters of this module's formats (registered by :mod:`prefect_tinker.recipes.data_sources`)
-MEDIA_CONVERTERS = {"image_classification": _classification, "image_folder": _classification,
-                    "audio_transcript": _transcript}
+MEDIA_CONVERTERS = {
+    "image_classification": _classification,
+    "image_folder": _classification,
+    "audio_transcript": _transcript,
+}
 
 
 def iter_image_folder(root: Path) -> Iterator[tuple[str, dict[str, str]]]:
@@ -116,8 +139,9 @@ def iter_image_folder(root: Path) -> Iterator[tuple[str, dict[str, str]]]:
                 n += 1
                 yield str(f), {"image": str(f.resolve()), "label": cls.name}
     if n == 0:
-        raise FileNotFoundError(f"image folder {root.absolute()} has no <label>/<image> files "
-                                f"({', '.join(IMAGE_SUFFIXES)})")
+        raise FileNotFoundError(
+            f"image folder {root.absolute()} has no <label>/<image> files ({', '.join(IMAGE_SUFFIXES)})"
+        )
 
 
 def absolutize_media(messages: list[dict[str, Any]], base: Path | None) -> list[dict[str, Any]]:

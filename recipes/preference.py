@@ -43,8 +43,17 @@ from prefect_tinker.recipes.data_reading import OnError, SkipStats, SourceSpec, 
 from prefect_tinker.recipes.data_sources import PAIR_FORMATS, DatasetFormatError, RecordError, pairs_from_record
 from prefect_tinker.recipes.datasets import split_conversations
 
-__all__ = ["DPOLoss", "LossName", "PairExample", "PreferenceBuilder", "PreferenceData", "pair_accuracy",
-           "pair_datums", "pairs_from_record", "sequence_logprob"]
+__all__ = [
+    "DPOLoss",
+    "LossName",
+    "PairExample",
+    "PreferenceBuilder",
+    "PreferenceData",
+    "pair_accuracy",
+    "pair_datums",
+    "pairs_from_record",
+    "sequence_logprob",
+]
 
 LossName = Literal["dpo", "ipo", "hinge"]
 
@@ -64,7 +73,12 @@ class PreferenceData(BuiltData[PairExample, PairExample]):
 
 def _problem(chosen: list[dict], rejected: list[dict]) -> str | None:
     """Why a comparison cannot be trained on (a skip reason), or None."""
-    if len(chosen) != 1 or len(rejected) != 1 or chosen[0].get("role") != "assistant" or rejected[0].get("role") != "assistant":
+    if (
+        len(chosen) != 1
+        or len(rejected) != 1
+        or chosen[0].get("role") != "assistant"
+        or rejected[0].get("role") != "assistant"
+    ):
         return "differs_before_last_turn"
     if not chosen[0]["content"].strip() or not rejected[0]["content"].strip():
         return "empty_reply"
@@ -93,17 +107,26 @@ class PreferenceBuilder(DatasetBuilder):
         stats = SkipStats()
         comparisons = [c for spec in self.sources for c in self._read(spec, stats)]
         if not comparisons:
-            raise DatasetFormatError(f"no usable comparison in {', '.join(s.path for s in self.sources)} ({stats.summary()})")
+            raise DatasetFormatError(
+                f"no usable comparison in {', '.join(s.path for s in self.sources)} ({stats.summary()})"
+            )
         pairs = self._render(rend, comparisons, stats)  # the split counts comparisons that fit max_length
         test_size = self.test_size
         if isinstance(test_size, float) and 0 < test_size < 1 and self.max_test is not None:
             test_size = min(max(1, round(len(pairs) * test_size)), self.max_test)
-        data_train, data_test = (split_conversations(pairs, test_size, seed=self.seed) if test_size and pairs
-                                 else (pairs, []))
+        data_train, data_test = (
+            split_conversations(pairs, test_size, seed=self.seed) if test_size and pairs else (pairs, [])
+        )
         if not data_train:
             raise DatasetFormatError(f"no training comparison left ({stats.summary()})")
-        return PreferenceData(fingerprint=self.fingerprint(), renderer=self.renderer, train=data_train,
-                              test=data_test, skipped=stats.total, skip_summary=stats.summary())
+        return PreferenceData(
+            fingerprint=self.fingerprint(),
+            renderer=self.renderer,
+            train=data_train,
+            test=data_test,
+            skipped=stats.total,
+            skip_summary=stats.summary(),
+        )
 
     def _render(self, rend: Any, comparisons: list, stats: SkipStats) -> list[PairExample]:
         """Each ``(where, prompt, chosen, rejected)`` as a :class:`PairExample` (the reply's tokens
@@ -205,14 +228,21 @@ class DPOLoss:
             raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
         if len(reference) % 2:
             raise ValueError(f"reference needs one value per datum of whole pairs, got {len(reference)}")
-        self.reference, self.beta, self.loss, self.label_smoothing = [float(r) for r in reference], beta, loss, label_smoothing
+        self.reference, self.beta, self.loss, self.label_smoothing = (
+            [float(r) for r in reference],
+            beta,
+            loss,
+            label_smoothing,
+        )
 
     def pair_terms(self, datums: list, logprobs: list) -> tuple[Any, Any, Any]:
         """``(h (P,), chosen log-ratio (P,), rejected log-ratio (P,))`` as torch tensors."""
         import torch
 
         if len(datums) != len(self.reference) or len(logprobs) != len(datums):
-            raise ValueError(f"{len(datums)} datums / {len(logprobs)} logprobs for {len(self.reference)} reference values")
+            raise ValueError(
+                f"{len(datums)} datums / {len(logprobs)} logprobs for {len(self.reference)} reference values"
+            )
         seq = torch.stack([sequence_logprob(lp, d) for lp, d in zip(logprobs, datums)])
         ratio = seq - torch.as_tensor(self.reference, dtype=seq.dtype)
         chosen, rejected = ratio[0::2], ratio[1::2]
@@ -236,11 +266,13 @@ class DPOLoss:
         loss = losses.mean()
         tokens = sum(float(np.asarray(d.loss_fn_inputs["weights"].to_numpy()).sum()) for d in datums)
         return loss, {
-            "dpo_loss:mean": float(loss.detach()), "accuracy:mean": pair_accuracy(h),
+            "dpo_loss:mean": float(loss.detach()),
+            "accuracy:mean": pair_accuracy(h),
             "margin:mean": float((self.beta * h).detach().mean()),
             "chosen_reward:mean": float((self.beta * chosen).detach().mean()),
             "rejected_reward:mean": float((self.beta * rejected).detach().mean()),
-            "pairs:sum": float(len(h)), "tokens:sum": tokens,
+            "pairs:sum": float(len(h)),
+            "tokens:sum": tokens,
         }
 
 

@@ -40,7 +40,8 @@ class TokenPrices(BaseModel):
 
     prefill: float = Field(default=0.0, ge=0, description="USD per million prompt (prefill) tokens.")
     prefill_cached: float | None = Field(
-        default=None, ge=0, description="USD per million prompt tokens served from a prefix cache (default: prefill).")
+        default=None, ge=0, description="USD per million prompt tokens served from a prefix cache (default: prefill)."
+    )
     sample: float = Field(default=0.0, ge=0, description="USD per million sampled tokens.")
     train: float = Field(default=0.0, ge=0, description="USD per million trained tokens (forward_backward inputs).")
 
@@ -54,8 +55,12 @@ def step_cost(prices: TokenPrices, tokens: Mapping[str, float]) -> float:
     """USD of one step's ``tokens`` (``{kind: count}`` over :data:`TOKEN_KINDS`; missing kinds
     count 0) at ``prices``."""
     cached = prices.prefill if prices.prefill_cached is None else prices.prefill_cached
-    per_million = {"sampled": prices.sample, "prefill_cached": cached, "prefill_uncached": prices.prefill,
-                   "trained": prices.train}
+    per_million = {
+        "sampled": prices.sample,
+        "prefill_cached": cached,
+        "prefill_uncached": prices.prefill,
+        "trained": prices.train,
+    }
     return sum(float(tokens.get(k, 0.0)) * per_million[k] for k in TOKEN_KINDS) / 1e6
 
 

@@ -36,11 +36,19 @@ PROGRESS_MODES = ("lines", "json", "off")
 #: (metric name, label) of the metrics a step line shows when the step reports them, in this order:
 #: the recipe's loss or reward, accuracy, KL terms.
 KEY_METRICS: tuple[tuple[str, str], ...] = (
-    ("train/loss", "loss"), ("train/dpo_loss", "dpo_loss"), ("train/soft_ce", "soft_ce"),
-    ("env/reward_mean", "reward"), ("env/correct_rate", "correct"), ("train/accuracy", "acc"),
-    ("train/margin", "margin"), ("train/teacher_kl", "teacher_kl"), ("sdft/kl", "kl"),
-    ("train/kl_policy_ref", "kl_ref"), ("train/kl_sample_train_v1", "kl_sample_train"),
-    ("test/nll", "test_nll"), ("test/accuracy", "test_acc"),
+    ("train/loss", "loss"),
+    ("train/dpo_loss", "dpo_loss"),
+    ("train/soft_ce", "soft_ce"),
+    ("env/reward_mean", "reward"),
+    ("env/correct_rate", "correct"),
+    ("train/accuracy", "acc"),
+    ("train/margin", "margin"),
+    ("train/teacher_kl", "teacher_kl"),
+    ("sdft/kl", "kl"),
+    ("train/kl_policy_ref", "kl_ref"),
+    ("train/kl_sample_train_v1", "kl_sample_train"),
+    ("test/nll", "test_nll"),
+    ("test/accuracy", "test_acc"),
 )
 
 
@@ -97,15 +105,27 @@ class StepProgress:
         tokens = metrics.get("train/tokens")
         rate = float(tokens) / took if tokens and took > 0 else None
         if self.mode == "json":
-            _emit(json.dumps({"event": "step", "recipe": self.recipe, "run": self.run, "step": step,
-                              "total": self.total, "elapsed_s": round(elapsed, 3),
-                              "eta_s": None if eta is None else round(eta, 3),
-                              "tokens_per_s": None if rate is None else round(rate, 1),
-                              "metrics": {k: float(v) for k, v in metrics.items() if _is_number(v)}}), self.stream)
+            _emit(
+                json.dumps(
+                    {
+                        "event": "step",
+                        "recipe": self.recipe,
+                        "run": self.run,
+                        "step": step,
+                        "total": self.total,
+                        "elapsed_s": round(elapsed, 3),
+                        "eta_s": None if eta is None else round(eta, 3),
+                        "tokens_per_s": None if rate is None else round(rate, 1),
+                        "metrics": {k: float(v) for k, v in metrics.items() if _is_number(v)},
+                    }
+                ),
+                self.stream,
+            )
         elif self.mode == "lines":
             parts = [f"{self.recipe.upper()} {self.run}", f"step {step}/{self.total}"]
-            parts += [f"{label} {float(metrics[name]):.4f}" for name, label in KEY_METRICS
-                      if _is_number(metrics.get(name))]
+            parts += [
+                f"{label} {float(metrics[name]):.4f}" for name, label in KEY_METRICS if _is_number(metrics.get(name))
+            ]
             if rate is not None:
                 parts.append(f"tok/s {rate:.0f}")
             parts.append(f"elapsed {_clock(elapsed)}")
@@ -131,8 +151,10 @@ def phase(run: str, name: str, *, heartbeat_s: float = 15.0, stream: TextIO | No
 
     def say(event: str, text: str) -> None:
         if mode == "json":
-            _emit(json.dumps({"event": event, "run": run, "phase": name,
-                              "elapsed_s": round(time.monotonic() - t0, 3)}), stream)
+            _emit(
+                json.dumps({"event": event, "run": run, "phase": name, "elapsed_s": round(time.monotonic() - t0, 3)}),
+                stream,
+            )
         else:
             _emit(f"{run}: {text}", stream)
 

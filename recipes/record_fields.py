@@ -71,15 +71,19 @@ def top_key(path: str) -> str:
     return re.split(r"[.\[]", path, maxsplit=1)[0]
 
 
-def pick_text(record: Mapping[str, Any], fields: Mapping[str, str], name: str, defaults: tuple[str, ...],
-              *, required: bool = True) -> tuple[str | None, str | None]:
+def pick_text(
+    record: Mapping[str, Any], fields: Mapping[str, str], name: str, defaults: tuple[str, ...], *, required: bool = True
+) -> tuple[str | None, str | None]:
     """(path, string value) of logical field ``name``: the mapped path or the first default present.
 
     Raises:
         RecordError: required and missing, or not a string.
     """
-    found = fields[name] if name in fields else next(
-        (d for d in defaults if isinstance(record, Mapping) and d in record), None)
+    found = (
+        fields[name]
+        if name in fields
+        else next((d for d in defaults if isinstance(record, Mapping) and d in record), None)
+    )
     if found is None:
         if not required:
             return None, None

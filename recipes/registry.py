@@ -37,6 +37,7 @@ __all__ = ["Registry", "UnknownComponentError"]
 
 T = TypeVar("T")
 
+
 class UnknownComponentError(ValueError):
     """A name that no registration provides; the message lists the registered names."""
 
@@ -111,7 +112,8 @@ class Registry(MutableMapping[str, T], Generic[T]):
             return self._items[name]
         except KeyError:
             raise UnknownComponentError(
-                f"unknown {self.kind} {name!r}; registered: {', '.join(sorted(self._items)) or '(none)'}") from None
+                f"unknown {self.kind} {name!r}; registered: {', '.join(sorted(self._items)) or '(none)'}"
+            ) from None
 
     # ----- the mapping protocol --------------------------------------------------------------
     def __getitem__(self, name: str) -> T:

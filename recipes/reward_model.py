@@ -43,9 +43,22 @@ from prefect_tinker.recipes.datasets import split_conversations
 from prefect_tinker.recipes.preference import PreferenceBuilder
 
 __all__ = [
-    "DEFAULT_QUESTION", "ComparisonFormat", "RenderedComparison", "RMComparison", "RMTrainPair",
-    "RewardModelBuilder", "RewardModelData", "brier", "comparison_messages", "debiased_prob",
-    "group_rewards", "label_token_ids", "matchups", "prob_second", "render_comparison", "win_minus_loss",
+    "DEFAULT_QUESTION",
+    "ComparisonFormat",
+    "RenderedComparison",
+    "RMComparison",
+    "RMTrainPair",
+    "RewardModelBuilder",
+    "RewardModelData",
+    "brier",
+    "comparison_messages",
+    "debiased_prob",
+    "group_rewards",
+    "label_token_ids",
+    "matchups",
+    "prob_second",
+    "render_comparison",
+    "win_minus_loss",
 ]
 
 #: The question after the two completions.
@@ -91,14 +104,18 @@ def label_token_ids(renderer: Any, labels: Sequence[str]) -> list[list[int]]:
     prompt = renderer.build_generation_prompt(convo).to_ints()
     out = []
     for label in labels:
-        model_input, _ = renderer.build_supervised_example(convo + [{"role": "assistant", "content": label}],
-                                                           "last_assistant_message")
+        model_input, _ = renderer.build_supervised_example(
+            convo + [{"role": "assistant", "content": label}], "last_assistant_message"
+        )
         tokens = model_input.to_ints()
         if tokens[: len(prompt)] != prompt:
-            raise ValueError(f"renderer {type(renderer).__name__}: the generation prompt is not a prefix of the example")
-        rest = tokens[len(prompt):]
-        k = next((k for k in range(1, len(rest) + 1)
-                  if renderer.tokenizer.decode(rest[:k]).strip() == label.strip()), None)
+            raise ValueError(
+                f"renderer {type(renderer).__name__}: the generation prompt is not a prefix of the example"
+            )
+        rest = tokens[len(prompt) :]
+        k = next(
+            (k for k in range(1, len(rest) + 1) if renderer.tokenizer.decode(rest[:k]).strip() == label.strip()), None
+        )
         if k is None:
             raise ValueError(f"label {label!r}: its tokens cannot be isolated from the end-of-turn marker")
         out.append(rest[:k])
@@ -115,8 +132,14 @@ class RenderedComparison(BaseModel):
     labels: tuple[list[int], list[int]]
 
 
-def render_comparison(renderer: Any, prompt: Sequence[dict], reply_a: str, reply_b: str,
-                      fmt: ComparisonFormat, labels: Sequence[list[int]] | None = None) -> RenderedComparison:
+def render_comparison(
+    renderer: Any,
+    prompt: Sequence[dict],
+    reply_a: str,
+    reply_b: str,
+    fmt: ComparisonFormat,
+    labels: Sequence[list[int]] | None = None,
+) -> RenderedComparison:
     """Tokens of one ordered comparison (``labels``: :func:`label_token_ids`, computed when None)."""
     labels = labels if labels is not None else label_token_ids(renderer, fmt.labels)
     tokens = renderer.build_generation_prompt(comparison_messages(prompt, reply_a, reply_b, fmt.question)).to_ints()
@@ -149,7 +172,12 @@ def matchups(n: int, matchup_size: int | None = None) -> list[tuple[int, int]]:
     within consecutive chunks of ``matchup_size`` members (linear in ``n`` rather than quadratic).
     Each pair is scored in both orders."""
     size = n if not matchup_size or matchup_size >= n else int(matchup_size)
-    return [(s + i, s + j) for s in range(0, n, size) for i in range(min(size, n - s)) for j in range(i + 1, min(size, n - s))]
+    return [
+        (s + i, s + j)
+        for s in range(0, n, size)
+        for i in range(min(size, n - s))
+        for j in range(i + 1, min(size, n - s))
+    ]
 
 
 def win_minus_loss(n: int, pairs: Sequence[tuple[int, int]], scores: Sequence[float]) -> list[float]:
@@ -214,9 +242,13 @@ class RewardModelBuilder(PreferenceBuilder):
         rend = get_renderer(self.renderer, tokenizer, **self.renderer_options)
         fmt, stats = self.format(), SkipStats()
         label_ids = label_token_ids(rend, fmt.labels)
+
         def rendered(where, prompt, chosen, rejected):
             c, r = chosen[0]["content"], rejected[0]["content"]
-            both = (render_comparison(rend, prompt, c, r, fmt, label_ids), render_comparison(rend, prompt, r, c, fmt, label_ids))
+            both = (
+                render_comparison(rend, prompt, c, r, fmt, label_ids),
+                render_comparison(rend, prompt, r, c, fmt, label_ids),
+            )
             longest = max(len(x.prompt) + max(len(t) for t in x.labels) for x in both)
             if longest > self.max_length:
                 stats.skip("too_long", f"{where}: {longest} tokens, more than max_length={self.max_length}")
@@ -226,10 +258,12 @@ class RewardModelBuilder(PreferenceBuilder):
         # rendered first, then split: test_size counts comparisons that fit max_length
         comparisons = [r for spec in self.sources for item in self._read(spec, stats) if (r := rendered(*item))]
         if len(comparisons) < 2 and self.test_size:
-            raise DatasetFormatError(f"fewer than 2 usable comparisons in {', '.join(s.path for s in self.sources)} "
-                                     f"({stats.summary()})")
-        train, data_test = (split_conversations(comparisons, self.test_size, seed=self.seed) if self.test_size
-                            else (comparisons, []))
+            raise DatasetFormatError(
+                f"fewer than 2 usable comparisons in {', '.join(s.path for s in self.sources)} ({stats.summary()})"
+            )
+        train, data_test = (
+            split_conversations(comparisons, self.test_size, seed=self.seed) if self.test_size else (comparisons, [])
+        )
         data_train = []
         for index, c in enumerate(train):
             examples = [_example(c.chosen_a, 0), _example(c.chosen_b, 1)]  # chosen as A -> "A"; chosen as B -> "B"
@@ -238,8 +272,14 @@ class RewardModelBuilder(PreferenceBuilder):
             data_train.append(RMTrainPair(examples=examples, source=c.source))
         if not data_train:
             raise DatasetFormatError(f"no training comparison ({stats.summary()})")
-        return RewardModelData(fingerprint=self.fingerprint(), renderer=self.renderer, train=data_train,
-                               test=data_test, skipped=stats.total, skip_summary=stats.summary())
+        return RewardModelData(
+            fingerprint=self.fingerprint(),
+            renderer=self.renderer,
+            train=data_train,
+            test=data_test,
+            skipped=stats.total,
+            skip_summary=stats.summary(),
+        )
 
 
 def _example(c: RenderedComparison, label: int) -> Example:

@@ -25,8 +25,13 @@ LRScheduleName = Literal["constant", "linear", "cosine"]
 
 
 def lr_at(
-    learning_rate: float, step: int, total: int, *, schedule: LRScheduleName = "constant",
-    warmup_steps: int = 0, min_lr: float = 0.0,
+    learning_rate: float,
+    step: int,
+    total: int,
+    *,
+    schedule: LRScheduleName = "constant",
+    warmup_steps: int = 0,
+    min_lr: float = 0.0,
 ) -> float:
     """Learning rate of optimizer step ``step`` (0-based) of ``total`` (see the module docstring).
 
@@ -51,12 +56,22 @@ def lr_at(
 class LRScheduleFields(BaseModel):
     """Config fields of the schedule (mixed into every recipe's config)."""
 
-    learning_rate: float = Field(default=1e-4, gt=0, description="Peak learning rate (LoRA wants ~10x the full fine-tuning rate).")
-    lr_schedule: LRScheduleName = Field(default="constant", description="Decay after warmup: constant, linear or cosine.")
+    learning_rate: float = Field(
+        default=1e-4, gt=0, description="Peak learning rate (LoRA wants ~10x the full fine-tuning rate)."
+    )
+    lr_schedule: LRScheduleName = Field(
+        default="constant", description="Decay after warmup: constant, linear or cosine."
+    )
     warmup_steps: int = Field(default=0, ge=0, description="Optimizer steps of linear warmup from 0 to learning_rate.")
     min_lr: float = Field(default=0.0, ge=0, description="Floor the linear / cosine decay ends at.")
 
     def lr_at(self, step: int, total: int) -> float:
         """This config's learning rate at optimizer step ``step`` of ``total`` (see :func:`lr_at`)."""
-        return lr_at(self.learning_rate, step, total, schedule=self.lr_schedule,
-                     warmup_steps=self.warmup_steps, min_lr=self.min_lr)
+        return lr_at(
+            self.learning_rate,
+            step,
+            total,
+            schedule=self.lr_schedule,
+            warmup_steps=self.warmup_steps,
+            min_lr=self.min_lr,
+        )

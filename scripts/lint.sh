@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Static checks of the package (configs in pyproject.toml): the import layers (import-linter), ruff,
+# Static checks of the package (configs in pyproject.toml): the import layers (import-linter), ruff (lint, format),
 # mypy and vulture (dead code at >= 80 % confidence outside scripts/vulture_allowlist.py).
 # Run from anywhere: `bash scripts/lint.sh`; exits non-zero on the first failing check.
 set -euo pipefail
@@ -9,6 +9,7 @@ echo "lint: import-linter"
 lint-imports --no-cache
 echo "lint: ruff"
 ruff check "${PACKAGES[@]}"
+ruff format --check "${PACKAGES[@]}"
 echo "lint: mypy"
 mypy
 echo "lint: vulture"

@@ -40,8 +40,17 @@ class BenchmarkEvaluator(SamplingClientEvaluator):
         batch_size: examples per ``eval-batch`` task.
     """
 
-    def __init__(self, spec: BenchmarkSpec | InspectSpec, *, run_id: str, renderer: str, eval_store: str,
-                 runner: Any = None, backend: Any = None, batch_size: int = 16):
+    def __init__(
+        self,
+        spec: BenchmarkSpec | InspectSpec,
+        *,
+        run_id: str,
+        renderer: str,
+        eval_store: str,
+        runner: Any = None,
+        backend: Any = None,
+        batch_size: int = 16,
+    ):
         self.spec, self.run_id, self.renderer, self.eval_store = spec, run_id, renderer, eval_store
         self.runner, self.backend, self.batch_size = runner, backend, batch_size
         self.name = spec.name
@@ -49,15 +58,34 @@ class BenchmarkEvaluator(SamplingClientEvaluator):
     def evaluate(self, credentials: Any, sampler_path: str, step: int) -> dict[str, float]:
         """Run the evaluation on ``sampler_path`` (weights after ``step`` optimizer steps); returns
         ``{"eval/<name>/<metric>": value}``."""
-        target = EvalTarget(run_id=self.run_id, step=step, checkpoint=sampler_path, sampler=sampler_path,
-                            renderer=self.renderer, label=f"step-{step}")
+        target = EvalTarget(
+            run_id=self.run_id,
+            step=step,
+            checkpoint=sampler_path,
+            sampler=sampler_path,
+            renderer=self.renderer,
+            label=f"step-{step}",
+        )
         config = {"training_run": self.run_id}
         if isinstance(self.spec, InspectSpec):
-            out = evaluate_inspect(credentials, target, self.spec, self.eval_store,
-                                   backend_args=inspect_backend_args(self.backend), config=config)
+            out = evaluate_inspect(
+                credentials,
+                target,
+                self.spec,
+                self.eval_store,
+                backend_args=inspect_backend_args(self.backend),
+                config=config,
+            )
         else:
-            out = evaluate_benchmark(credentials, target, self.spec, self.eval_store, runner=self.runner,
-                                     batch_size=self.batch_size, config=config)
+            out = evaluate_benchmark(
+                credentials,
+                target,
+                self.spec,
+                self.eval_store,
+                runner=self.runner,
+                batch_size=self.batch_size,
+                config=config,
+            )
         return {f"eval/{self.name}/{m}": float(v) for m, v in out["metrics"].items() if m not in SKIPPED}
 
 
@@ -66,5 +94,9 @@ def benchmark_evaluators(session: Any) -> list[BenchmarkEvaluator]:
     resolved renderer, store root, backend and -- when the config has one -- task runner)."""
     c = session.config
     runner = c if hasattr(c, "task_runner") else None
-    return [BenchmarkEvaluator(spec, run_id=session.run_id, renderer=session.renderer, eval_store=c.store,
-                               runner=runner, backend=c.backend) for spec in getattr(c, "evaluators", None) or []]
+    return [
+        BenchmarkEvaluator(
+            spec, run_id=session.run_id, renderer=session.renderer, eval_store=c.store, runner=runner, backend=c.backend
+        )
+        for spec in getattr(c, "evaluators", None) or []
+    ]

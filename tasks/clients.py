@@ -113,7 +113,9 @@ def result(credentials: Any, future: Any, what: str) -> Any:
     from tinker_blocks.server_watch import ServerGone, wait_result
 
     try:
-        return wait_result(future, credentials, deadline_s=getattr(credentials, "request_deadline_s", 1800.0), what=what)
+        return wait_result(
+            future, credentials, deadline_s=getattr(credentials, "request_deadline_s", 1800.0), what=what
+        )
     except ServerGone:
         where = _where(credentials)
         with _lock:
@@ -156,14 +158,19 @@ def training_client(credentials: Any, run: TrainingRun) -> tinker.TrainingClient
     service = credentials.get_client()
     what = f"a training client of run {run.run_name!r}"
     if run.last_checkpoint is not None:
-        client = result(credentials, service.create_training_client_from_state_with_optimizer(run.last_checkpoint), what)
+        client = result(
+            credentials, service.create_training_client_from_state_with_optimizer(run.last_checkpoint), what
+        )
         step = run.last_checkpoint_step
     elif run.init_from is not None:
         client = result(credentials, service.create_training_client_from_state(run.init_from), what)
         step = 0
     else:
-        client = result(credentials, service.create_lora_training_client(
-            base_model=run.base_model, rank=run.lora_rank, seed=run.seed), what)
+        client = result(
+            credentials,
+            service.create_lora_training_client(base_model=run.base_model, rank=run.lora_rank, seed=run.seed),
+            what,
+        )
         step = 0
     new_run = register(credentials, run.model_copy(update={"step": step}), client)
     if new_run.step != run.step:
@@ -226,7 +233,9 @@ class WatchedSampler:
         return _WatchedFuture(self.client.sample(*args, **kwargs), self.credentials, f"a sample from {self.path}")
 
     def compute_logprobs(self, *args: Any, **kwargs: Any) -> _WatchedFuture:
-        return _WatchedFuture(self.client.compute_logprobs(*args, **kwargs), self.credentials, f"logprobs from {self.path}")
+        return _WatchedFuture(
+            self.client.compute_logprobs(*args, **kwargs), self.credentials, f"logprobs from {self.path}"
+        )
 
     def __getattr__(self, name: str) -> Any:
         if name in ("client", "credentials", "path"):  # not set yet (unpickling)
@@ -262,12 +271,20 @@ def reference_client(credentials: Any, reference: str, *, lora_rank: int = 1, se
     """
     service = credentials.get_client()
     if reference.startswith("base:"):
-        return _cached(credentials, _key(credentials, "ref|" + reference), lambda: service.create_lora_training_client(
-            base_model=reference[5:], rank=lora_rank, seed=seed))
+        return _cached(
+            credentials,
+            _key(credentials, "ref|" + reference),
+            lambda: service.create_lora_training_client(base_model=reference[5:], rank=lora_rank, seed=seed),
+        )
     if reference.startswith("tinker://") and "/weights/" in reference:
-        return _cached(credentials, _key(credentials, "ref|" + reference),
-                       lambda: service.create_training_client_from_state(reference))
-    raise ValueError(f"reference weights must be 'base:<model>' or a tinker://.../weights/... state path, got {reference!r}")
+        return _cached(
+            credentials,
+            _key(credentials, "ref|" + reference),
+            lambda: service.create_training_client_from_state(reference),
+        )
+    raise ValueError(
+        f"reference weights must be 'base:<model>' or a tinker://.../weights/... state path, got {reference!r}"
+    )
 
 
 @functools.lru_cache(maxsize=8)

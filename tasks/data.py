@@ -54,4 +54,3 @@ def prepare_dataset(builder: DatasetBuilder, tokenizer_id: str) -> Any:
     if skipped:
         get_run_logger().warning("%s: %s", type(builder).__name__, getattr(data, "skip_summary", f"{skipped} skipped"))
     return data
-

@@ -103,15 +103,25 @@ class DecisionEvaluator(TrainingClientEvaluator):
 
     name = "decisions"
 
-    def __init__(self, examples: list[DecisionExample], labels: list[int], *, store: str, run_id: str,
-                 n_bins: int = 10, prefix: str = "test"):
+    def __init__(
+        self,
+        examples: list[DecisionExample],
+        labels: list[int],
+        *,
+        store: str,
+        run_id: str,
+        n_bins: int = 10,
+        prefix: str = "test",
+    ):
         self.labels, self.store, self.run_id, self.n_bins, self.prefix = list(labels), store, run_id, n_bins, prefix
         self.datums = [decision_datum(ex, self.labels) for ex in examples]
         self.targets = np.asarray([ex.target for ex in examples], dtype=np.float64)
 
     def predictions(self, credentials: Any, run: TrainingRun) -> np.ndarray:
         """The choice distributions (D, N) of the held-out examples under the current weights."""
-        out = forward.with_options(task_run_name=f"eval-decisions-step-{run.step}")(credentials, run, quote(self.datums))
+        out = forward.with_options(task_run_name=f"eval-decisions-step-{run.step}")(
+            credentials, run, quote(self.datums)
+        )
         n = len(self.labels)
         return np.stack([choice_probs(np.asarray(lp)[-n:]) for lp in out.logprobs])
 
@@ -121,13 +131,16 @@ class DecisionEvaluator(TrainingClientEvaluator):
         probs = self.predictions(credentials, run)
         metrics = decision_metrics(probs, self.targets, self.n_bins)
         bins = reliability_bins(probs, self.targets, self.n_bins)
-        png = plot_reliability(bins, f"{self.run_id} step {run.step}: ECE {metrics['ece']:.3f}, "
-                                     f"accuracy {metrics['accuracy']:.2f}")
+        png = plot_reliability(
+            bins, f"{self.run_id} step {run.step}: ECE {metrics['ece']:.3f}, accuracy {metrics['accuracy']:.2f}"
+        )
         path = write_png(self.store, self.run_id, png, f"reliability-step-{run.step}.png")
         data = base64.b64encode(png).decode("ascii")
         create_markdown_artifact(
             f"# Reliability diagram of `{self.run_id}` at step {run.step}\n\n"
             f"![reliability](data:image/png;base64,{data})\n\nAlso at `{path}`. "
             + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()),
-            key=artifact_key("decisions", self.run_id, "reliability"), description="reliability diagram")
+            key=artifact_key("decisions", self.run_id, "reliability"),
+            description="reliability diagram",
+        )
         return {f"{self.prefix}/{k}": v for k, v in metrics.items()}

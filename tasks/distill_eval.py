@@ -44,8 +44,16 @@ class TeacherAgreementEvaluator(SamplingClientEvaluator):
 
     name = "teacher_agreement"
 
-    def __init__(self, prompts: list[list[int]], labels: list[str], renderer: Any, *, max_tokens: int = 32,
-                 first_line: bool = False, prefix: str = "eval"):
+    def __init__(
+        self,
+        prompts: list[list[int]],
+        labels: list[str],
+        renderer: Any,
+        *,
+        max_tokens: int = 32,
+        first_line: bool = False,
+        prefix: str = "eval",
+    ):
         if len(prompts) != len(labels):
             raise ValueError(f"{len(prompts)} prompts but {len(labels)} teacher labels")
         self.prompts, self.labels, self.renderer = [list(p) for p in prompts], list(labels), renderer
@@ -56,11 +64,21 @@ class TeacherAgreementEvaluator(SamplingClientEvaluator):
         if not self.prompts:
             return {}
         outs = sample_completions.with_options(task_run_name=f"agreement-step-{step}")(
-            credentials, sampler_path, self.prompts, max_tokens=self.max_tokens, temperature=0.0, seed=0,
-            stop=self.renderer.get_stop_sequences())
+            credentials,
+            sampler_path,
+            self.prompts,
+            max_tokens=self.max_tokens,
+            temperature=0.0,
+            seed=0,
+            stop=self.renderer.get_stop_sequences(),
+        )
         replies = [self.renderer.parse_response(o[0]["tokens"]).message.get("content") or "" for o in outs]
         self.last_replies = replies
-        agree = [normalise_label(r, self.first_line) == normalise_label(t, self.first_line)
-                 for r, t in zip(replies, self.labels)]
-        return {f"{self.prefix}/teacher_agreement": sum(agree) / len(agree),
-                f"{self.prefix}/teacher_agreement_prompts": float(len(agree))}
+        agree = [
+            normalise_label(r, self.first_line) == normalise_label(t, self.first_line)
+            for r, t in zip(replies, self.labels)
+        ]
+        return {
+            f"{self.prefix}/teacher_agreement": sum(agree) / len(agree),
+            f"{self.prefix}/teacher_agreement_prompts": float(len(agree)),
+        }

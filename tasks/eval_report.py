@@ -64,9 +64,14 @@ def report_eval(run_name: str, outcomes: list[dict[str, Any]], eval_root: str) -
     table = results_table(outcomes)
     if table:
         names = sorted({o["eval_name"] for o in outcomes})
-        create_table_artifact([{**{k: r.get(k) for k in ("run", "step", "checkpoint")}, **{n: r.get(n, "") for n in names}}
-                               for r in table], key=artifact_key("eval", run_name, "results"),
-                              description=f"Evaluation `{run_name}`: accuracy [95% interval] (examples) per checkpoint and benchmark")
+        create_table_artifact(
+            [
+                {**{k: r.get(k) for k in ("run", "step", "checkpoint")}, **{n: r.get(n, "") for n in names}}
+                for r in table
+            ],
+            key=artifact_key("eval", run_name, "results"),
+            description=f"Evaluation `{run_name}`: accuracy [95% interval] (examples) per checkpoint and benchmark",
+        )
     series = accuracy_series(outcomes)
     if not series:
         return {"rows": len(table), "png": None}
@@ -74,7 +79,16 @@ def report_eval(run_name: str, outcomes: list[dict[str, Any]], eval_root: str) -
     path = write_png(eval_root, f"eval-{run_name}", png, "accuracy.png")
     data = base64.b64encode(png).decode("ascii")
     create_markdown_artifact(
-        "\n".join([f"# Evaluation `{run_name}`: accuracy against training step", "",
-                   f"![accuracy of {run_name}](data:image/png;base64,{data})", "", f"Picture also at `{path}`."]),
-        key=artifact_key("eval", run_name, "accuracy"), description="accuracy by training step")
+        "\n".join(
+            [
+                f"# Evaluation `{run_name}`: accuracy against training step",
+                "",
+                f"![accuracy of {run_name}](data:image/png;base64,{data})",
+                "",
+                f"Picture also at `{path}`.",
+            ]
+        ),
+        key=artifact_key("eval", run_name, "accuracy"),
+        description="accuracy by training step",
+    )
     return {"rows": len(table), "png": path}

@@ -45,8 +45,16 @@ from prefect_tinker.tasks.clients import sampling_client
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
 from prefect_tinker.tasks.runners import map_task
 
-__all__ = ["EvalTarget", "backend_identity", "eval_batch", "evaluate_benchmark", "evaluate_inspect",
-           "inspect_backend_args", "renderer_for", "sampler_from_state"]
+__all__ = [
+    "EvalTarget",
+    "backend_identity",
+    "eval_batch",
+    "evaluate_benchmark",
+    "evaluate_inspect",
+    "inspect_backend_args",
+    "renderer_for",
+    "sampler_from_state",
+]
 
 #: ``interval`` in ``config_json``: how ``accuracy_ci95_low/high`` were computed.
 INTERVAL = "wilson score 95%, examples as units"
@@ -115,14 +123,26 @@ def renderer_for(credentials: Any, sampler: str, name: str) -> Any:
 
 
 def _batch_key(context: Any, params: dict[str, Any]) -> str:
-    return _digest({"target": params["target"].identity(), "spec": params["spec"].fingerprint(),
-                    "examples": [ex.id for ex in params["examples"]], "where": backend_identity(params["credentials"])})
+    return _digest(
+        {
+            "target": params["target"].identity(),
+            "spec": params["spec"].fingerprint(),
+            "examples": [ex.id for ex in params["examples"]],
+            "where": backend_identity(params["credentials"]),
+        }
+    )
 
 
-@task(name="eval-batch", task_run_name="eval-{spec.name}-{target.label}-batch-{batch_index}",
-      cache_policy=TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_batch_key), persist_result=True, **RETRY_OPTIONS)
-def eval_batch(credentials: Any, target: EvalTarget, spec: BenchmarkSpec, examples: list[Example],
-               batch_index: int = 0) -> list[dict[str, Any]]:
+@task(
+    name="eval-batch",
+    task_run_name="eval-{spec.name}-{target.label}-batch-{batch_index}",
+    cache_policy=TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_batch_key),
+    persist_result=True,
+    **RETRY_OPTIONS,
+)
+def eval_batch(
+    credentials: Any, target: EvalTarget, spec: BenchmarkSpec, examples: list[Example], batch_index: int = 0
+) -> list[dict[str, Any]]:
     """Sample and grade ``examples`` on ``target``; returns their ``eval_samples`` rows
     (examples x ``spec.num_samples``, see :func:`~prefect_tinker.recipes.evals.evaluate_examples`).
 
@@ -132,13 +152,20 @@ def eval_batch(credentials: Any, target: EvalTarget, spec: BenchmarkSpec, exampl
     # the SDK's own client: its futures honour the per-example timeout (``spec.timeout_s``)
     client = sampling_client(credentials, target.sampler).client
     renderer = renderer_for(credentials, target.sampler, target.renderer)
-    return evaluate_examples(client, renderer, spec, examples, run_id=target.run_id, step=target.step,
-                             checkpoint=target.checkpoint)
+    return evaluate_examples(
+        client, renderer, spec, examples, run_id=target.run_id, step=target.step, checkpoint=target.checkpoint
+    )
 
 
 def _eval_key(context: Any, params: dict[str, Any]) -> str:
-    return _digest({"target": params["target"].identity(), "spec": params["spec"].fingerprint(),
-                    "store": str(params["eval_store"]), "where": backend_identity(params["credentials"])})
+    return _digest(
+        {
+            "target": params["target"].identity(),
+            "spec": params["spec"].fingerprint(),
+            "store": str(params["eval_store"]),
+            "where": backend_identity(params["credentials"]),
+        }
+    )
 
 
 def _eval_store(root: str) -> Any:
@@ -148,14 +175,33 @@ def _eval_store(root: str) -> Any:
 
 
 def _outcome(target: EvalTarget, name: str, results: list[dict[str, Any]], n: int) -> dict[str, Any]:
-    return {"run_id": target.run_id, "step": target.step, "checkpoint": target.checkpoint, "eval_name": name,
-            "label": target.label, "metrics": metrics_dict(results), "num_examples": n}
+    return {
+        "run_id": target.run_id,
+        "step": target.step,
+        "checkpoint": target.checkpoint,
+        "eval_name": name,
+        "label": target.label,
+        "metrics": metrics_dict(results),
+        "num_examples": n,
+    }
 
 
-@task(name="evaluate-benchmark", task_run_name="eval-{spec.name}-{target.label}",
-      cache_policy=TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_eval_key), persist_result=True, **RETRY_OPTIONS)
-def evaluate_benchmark(credentials: Any, target: EvalTarget, spec: BenchmarkSpec, eval_store: str,
-                       runner: Any = None, batch_size: int = 16, config: dict[str, Any] | None = None) -> dict[str, Any]:
+@task(
+    name="evaluate-benchmark",
+    task_run_name="eval-{spec.name}-{target.label}",
+    cache_policy=TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_eval_key),
+    persist_result=True,
+    **RETRY_OPTIONS,
+)
+def evaluate_benchmark(
+    credentials: Any,
+    target: EvalTarget,
+    spec: BenchmarkSpec,
+    eval_store: str,
+    runner: Any = None,
+    batch_size: int = 16,
+    config: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Evaluate ``spec`` on ``target``; write its rows to the eval store at ``eval_store``.
 
     Args:
@@ -175,14 +221,29 @@ def evaluate_benchmark(credentials: Any, target: EvalTarget, spec: BenchmarkSpec
     """
     t0 = time.perf_counter()
     examples = load_examples(spec)
-    batches = [examples[i:i + batch_size] for i in range(0, len(examples), max(1, batch_size))]
-    futures = map_task(runner, eval_batch, unmapped(credentials), unmapped(target), unmapped(spec), batches,
-                       list(range(len(batches))))
+    batches = [examples[i : i + batch_size] for i in range(0, len(examples), max(1, batch_size))]
+    futures = map_task(
+        runner, eval_batch, unmapped(credentials), unmapped(target), unmapped(spec), batches, list(range(len(batches)))
+    )
     samples = [row for fut in futures for row in fut.result()]
-    body = {"benchmark": spec.model_dump(mode="json"), "fingerprint": spec.fingerprint(), "renderer": target.renderer,
-            "sampler": target.sampler, "interval": INTERVAL, "batches": len(batches), **(config or {})}
-    results = summarize(spec, samples, run_id=target.run_id, step=target.step, checkpoint=target.checkpoint,
-                        seconds=time.perf_counter() - t0, config=body)
+    body = {
+        "benchmark": spec.model_dump(mode="json"),
+        "fingerprint": spec.fingerprint(),
+        "renderer": target.renderer,
+        "sampler": target.sampler,
+        "interval": INTERVAL,
+        "batches": len(batches),
+        **(config or {}),
+    }
+    results = summarize(
+        spec,
+        samples,
+        run_id=target.run_id,
+        step=target.step,
+        checkpoint=target.checkpoint,
+        seconds=time.perf_counter() - t0,
+        config=body,
+    )
     store = _eval_store(eval_store)
     store.write_rows("eval_samples", samples)  # the samples first: a result row means its samples exist
     store.write_rows("eval_results", results)
@@ -201,9 +262,15 @@ def inspect_backend_args(backend: Any) -> dict[str, Any]:
 
 
 def _inspect_key(context: Any, params: dict[str, Any]) -> str:
-    return _digest({"target": params["target"].identity(), "spec": params["spec"].fingerprint(),
-                    "store": str(params["eval_store"]), "backend": params.get("backend_args"),
-                    "where": backend_identity(params["credentials"])})
+    return _digest(
+        {
+            "target": params["target"].identity(),
+            "spec": params["spec"].fingerprint(),
+            "store": str(params["eval_store"]),
+            "backend": params.get("backend_args"),
+            "where": backend_identity(params["credentials"]),
+        }
+    )
 
 
 def default_inspect_log_dir() -> str:
@@ -212,11 +279,22 @@ def default_inspect_log_dir() -> str:
     return str(Path(home).expanduser() / "inspect-logs")
 
 
-@task(name="evaluate-inspect", task_run_name="inspect-{spec.name}-{target.label}",
-      cache_policy=TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_inspect_key), persist_result=True, **RETRY_OPTIONS)
-def evaluate_inspect(credentials: Any, target: EvalTarget, spec: InspectSpec, eval_store: str,
-                     backend_args: dict[str, Any] | None = None, log_dir: str | None = None,
-                     config: dict[str, Any] | None = None) -> dict[str, Any]:
+@task(
+    name="evaluate-inspect",
+    task_run_name="inspect-{spec.name}-{target.label}",
+    cache_policy=TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_inspect_key),
+    persist_result=True,
+    **RETRY_OPTIONS,
+)
+def evaluate_inspect(
+    credentials: Any,
+    target: EvalTarget,
+    spec: InspectSpec,
+    eval_store: str,
+    backend_args: dict[str, Any] | None = None,
+    log_dir: str | None = None,
+    config: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Run the inspect-ai task of ``spec`` on ``target`` (in this process, through
     :func:`~prefect_tinker.inspect_provider.run_inspect_task`); write one ``eval_results`` row per
     ``<scorer>/<metric>`` (``num_samples`` = samples scored), plus ``accuracy`` when exactly one
@@ -231,17 +309,44 @@ def evaluate_inspect(credentials: Any, target: EvalTarget, spec: InspectSpec, ev
     t0 = time.perf_counter()
     model = target.checkpoint if target.sampler.startswith("base:") else target.sampler
     args = {**(backend_args or {}), **spec.model_args, "renderer": target.renderer}
-    scores = run_inspect_task(spec.task, model, model_args=args, task_args=spec.task_args, limit=spec.limit,
-                              log_dir=log_dir or default_inspect_log_dir(), **spec.eval_kwargs())
+    scores = run_inspect_task(
+        spec.task,
+        model,
+        model_args=args,
+        task_args=spec.task_args,
+        limit=spec.limit,
+        log_dir=log_dir or default_inspect_log_dir(),
+        **spec.eval_kwargs(),
+    )
     n = int(scores.pop("samples", 0))
     accuracies = [v for k, v in scores.items() if k.endswith("/accuracy")]
     if len(accuracies) == 1:
         scores["accuracy"] = accuracies[0]
     scores["seconds"] = time.perf_counter() - t0
-    body = json.dumps({"inspect": spec.model_dump(mode="json"), "fingerprint": spec.fingerprint(),
-                       "renderer": target.renderer, "sampler": target.sampler, **(config or {})}, sort_keys=True, default=str)
-    results = [{"run_id": target.run_id, "step": target.step, "checkpoint": target.checkpoint, "eval_name": spec.name,
-                "metric": m, "value": float(v), "num_samples": n, "config_json": body} for m, v in scores.items()]
+    body = json.dumps(
+        {
+            "inspect": spec.model_dump(mode="json"),
+            "fingerprint": spec.fingerprint(),
+            "renderer": target.renderer,
+            "sampler": target.sampler,
+            **(config or {}),
+        },
+        sort_keys=True,
+        default=str,
+    )
+    results = [
+        {
+            "run_id": target.run_id,
+            "step": target.step,
+            "checkpoint": target.checkpoint,
+            "eval_name": spec.name,
+            "metric": m,
+            "value": float(v),
+            "num_samples": n,
+            "config_json": body,
+        }
+        for m, v in scores.items()
+    ]
     _eval_store(eval_store).write_rows("eval_results", results)
     return _outcome(target, spec.name, results, n)
 
@@ -256,6 +361,7 @@ def sampler_from_state(credentials: Any, state_path: str, name: str) -> str:
         tinker errors: the state does not exist on this backend (a user error, not retried).
     """
     service = credentials.get_client()
-    client = watched_result(credentials, service.create_training_client_from_state(state_path),
-                            f"a training client from {state_path}")
+    client = watched_result(
+        credentials, service.create_training_client_from_state(state_path), f"a training client from {state_path}"
+    )
     return watched_result(credentials, client.save_weights_for_sampler(name), f"sampler weights of {state_path}").path

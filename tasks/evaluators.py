@@ -23,8 +23,16 @@ from prefect.utilities.annotations import quote
 from prefect_tinker.tasks.clients import TrainingRun
 from prefect_tinker.tasks.training import forward, weights_sum
 
-__all__ = ["ClassifierAccuracyEvaluator", "Evaluator", "NLLEvaluator", "PreferenceEvaluator", "SamplingClientEvaluator",
-           "TrainingClientEvaluator", "TranscriptionEvaluator", "data_evaluators"]
+__all__ = [
+    "ClassifierAccuracyEvaluator",
+    "Evaluator",
+    "NLLEvaluator",
+    "PreferenceEvaluator",
+    "SamplingClientEvaluator",
+    "TrainingClientEvaluator",
+    "TranscriptionEvaluator",
+    "data_evaluators",
+]
 
 
 class Evaluator(ABC):  # noqa: B024 -- a marker base: its two kinds below declare evaluate()
@@ -93,8 +101,18 @@ class PreferenceEvaluator(TrainingClientEvaluator):
 
     name = "preference"
 
-    def __init__(self, pairs: list, *, beta: float, loss: str, label_smoothing: float, reference: str,
-                 via: str = "trainer", prefix: str = "test", seed: int | None = None):
+    def __init__(
+        self,
+        pairs: list,
+        *,
+        beta: float,
+        loss: str,
+        label_smoothing: float,
+        reference: str,
+        via: str = "trainer",
+        prefix: str = "test",
+        seed: int | None = None,
+    ):
         from prefect_tinker.recipes.preference import pair_datums
 
         self.datums, self.prefix = pair_datums(list(pairs)), prefix
@@ -110,14 +128,19 @@ class PreferenceEvaluator(TrainingClientEvaluator):
         if not self.datums:
             return {}
         ref = reference_sequence_logprobs.with_options(task_run_name=f"reference-{self.prefix}")(
-            credentials, self.reference, quote(self.datums), self.via, self.seed)
+            credentials, self.reference, quote(self.datums), self.via, self.seed
+        )
         out = forward.with_options(task_run_name=f"eval-pairs-step-{run.step}")(credentials, run, quote(self.datums))
         loss = DPOLoss(ref, self.beta, self.loss, self.label_smoothing)
         with torch.no_grad():
             h, _, _ = loss.pair_terms(self.datums, [torch.tensor(lp, dtype=torch.float64) for lp in out.logprobs])
             values = loss.values(h)
-        return {f"{self.prefix}/dpo_loss": float(values.mean()), f"{self.prefix}/accuracy": pair_accuracy(h),
-                f"{self.prefix}/margin": float((self.beta * h).mean()), f"{self.prefix}/pairs": float(len(h))}
+        return {
+            f"{self.prefix}/dpo_loss": float(values.mean()),
+            f"{self.prefix}/accuracy": pair_accuracy(h),
+            f"{self.prefix}/margin": float((self.beta * h).mean()),
+            f"{self.prefix}/pairs": float(len(h)),
+        }
 
 
 class ClassifierAccuracyEvaluator(SamplingClientEvaluator):
@@ -141,8 +164,17 @@ class ClassifierAccuracyEvaluator(SamplingClientEvaluator):
 
     name = "accuracy"
 
-    def __init__(self, examples: list, renderer_name: str, tokenizer_id: str, *, answer_prefix: str,
-                 max_tokens: int = 16, limit: int = 100, prefix: str = "test"):
+    def __init__(
+        self,
+        examples: list,
+        renderer_name: str,
+        tokenizer_id: str,
+        *,
+        answer_prefix: str,
+        max_tokens: int = 16,
+        limit: int = 100,
+        prefix: str = "test",
+    ):
         self.examples = list(examples)[:limit]
         self.renderer_name, self.tokenizer_id = renderer_name, tokenizer_id
         self.answer_prefix, self.max_tokens, self.prefix = answer_prefix, max_tokens, prefix
@@ -166,8 +198,13 @@ class ClassifierAccuracyEvaluator(SamplingClientEvaluator):
             trained = [t for t, w in zip(ex.tokens, ex.weights) if w > 0]
             labels.append(self.answer(renderer.parse_response(trained).message.get("content") or ""))
         outs = sample_completions.with_options(task_run_name=f"eval-accuracy-step-{step}")(
-            credentials, sampler_path, quote(prompts), max_tokens=self.max_tokens, temperature=0.0,
-            stop=renderer.get_stop_sequences())
+            credentials,
+            sampler_path,
+            quote(prompts),
+            max_tokens=self.max_tokens,
+            temperature=0.0,
+            stop=renderer.get_stop_sequences(),
+        )
         hits = []
         for out, label in zip(outs, labels):
             text = renderer.parse_response(out[0]["tokens"]).message.get("content") or ""
@@ -186,8 +223,16 @@ class TranscriptionEvaluator(SamplingClientEvaluator):
 
     name = "wer"
 
-    def __init__(self, examples: list, renderer_name: str, tokenizer_id: str, *, max_tokens: int = 32,
-                 limit: int = 100, prefix: str = "test"):
+    def __init__(
+        self,
+        examples: list,
+        renderer_name: str,
+        tokenizer_id: str,
+        *,
+        max_tokens: int = 32,
+        limit: int = 100,
+        prefix: str = "test",
+    ):
         self.examples = list(examples)[:limit]
         self.renderer_name, self.tokenizer_id = renderer_name, tokenizer_id
         self.max_tokens, self.prefix = max_tokens, prefix
@@ -200,15 +245,27 @@ class TranscriptionEvaluator(SamplingClientEvaluator):
         if not self.examples:
             return {}
         renderer = load_renderer(self.renderer_name, self.tokenizer_id)
-        refs = [renderer.parse_response([t for t, w in zip(ex.tokens, ex.weights) if w > 0]).message.get("content") or ""
-                for ex in self.examples]
+        refs = [
+            renderer.parse_response([t for t, w in zip(ex.tokens, ex.weights) if w > 0]).message.get("content") or ""
+            for ex in self.examples
+        ]
         outs = sample_completions.with_options(task_run_name=f"eval-wer-step-{step}")(
-            credentials, sampler_path, quote([ex.prompt() for ex in self.examples]), max_tokens=self.max_tokens,
-            temperature=0.0, stop=renderer.get_stop_sequences())
-        wers = [word_error_rate(renderer.parse_response(o[0]["tokens"]).message.get("content") or "", r)
-                for o, r in zip(outs, refs)]
-        return {f"{self.prefix}/wer": sum(wers) / len(wers), f"{self.prefix}/exact": sum(w == 0 for w in wers) / len(wers),
-                f"{self.prefix}/wer_n": float(len(wers))}
+            credentials,
+            sampler_path,
+            quote([ex.prompt() for ex in self.examples]),
+            max_tokens=self.max_tokens,
+            temperature=0.0,
+            stop=renderer.get_stop_sequences(),
+        )
+        wers = [
+            word_error_rate(renderer.parse_response(o[0]["tokens"]).message.get("content") or "", r)
+            for o, r in zip(outs, refs)
+        ]
+        return {
+            f"{self.prefix}/wer": sum(wers) / len(wers),
+            f"{self.prefix}/exact": sum(w == 0 for w in wers) / len(wers),
+            f"{self.prefix}/wer_n": float(len(wers)),
+        }
 
 
 def data_evaluators(builder: Any, data: Any, tokenizer_id: str) -> list[Evaluator]:
@@ -225,12 +282,20 @@ def data_evaluators(builder: Any, data: Any, tokenizer_id: str) -> list[Evaluato
     classify = [s for s in sources if s.format in CLASSIFICATION_FORMATS]
     if classify:
         opts = classify[0].options
-        out.append(ClassifierAccuracyEvaluator(data.test, data.renderer, tokenizer_id,
-                                               answer_prefix=str(opts.get("answer_prefix", CLASSIFIER_ANSWER_PREFIX)),
-                                               limit=int(opts.get("eval_limit", 100))))
+        out.append(
+            ClassifierAccuracyEvaluator(
+                data.test,
+                data.renderer,
+                tokenizer_id,
+                answer_prefix=str(opts.get("answer_prefix", CLASSIFIER_ANSWER_PREFIX)),
+                limit=int(opts.get("eval_limit", 100)),
+            )
+        )
     speech = [s for s in sources if s.format == "audio_transcript"]
     if speech:
-        out.append(TranscriptionEvaluator(data.test, data.renderer, tokenizer_id,
-                                          limit=int(speech[0].options.get("eval_limit", 100))))
+        out.append(
+            TranscriptionEvaluator(
+                data.test, data.renderer, tokenizer_id, limit=int(speech[0].options.get("eval_limit", 100))
+            )
+        )
     return out
-

@@ -58,8 +58,12 @@ def judge_reply(credentials: Any, request: JudgeRequest) -> str:
     """
     renderer = load_renderer(request.renderer_name, request.tokenizer_id)
     prompt = judge_prompt_tokens(request)
-    params = tinker.SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature, seed=0,
-                                   stop=renderer.get_stop_sequences())
-    resp = sampling_client(credentials, request.judge).sample(
-        prompt=tinker.ModelInput.from_ints(prompt), num_samples=1, sampling_params=params).result()
+    params = tinker.SamplingParams(
+        max_tokens=request.max_tokens, temperature=request.temperature, seed=0, stop=renderer.get_stop_sequences()
+    )
+    resp = (
+        sampling_client(credentials, request.judge)
+        .sample(prompt=tinker.ModelInput.from_ints(prompt), num_samples=1, sampling_params=params)
+        .result()
+    )
     return renderer.parse_response(list(resp.sequences[0].tokens)).message.get("content") or ""

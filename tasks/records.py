@@ -14,8 +14,16 @@ from prefect.cache_policies import NO_CACHE
 
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
 
-__all__ = ["write_metrics", "write_trajectories", "write_table", "record_checkpoint", "record_run", "check_store",
-           "compact_run", "compact_finished_run"]
+__all__ = [
+    "write_metrics",
+    "write_trajectories",
+    "write_table",
+    "record_checkpoint",
+    "record_run",
+    "check_store",
+    "compact_run",
+    "compact_finished_run",
+]
 
 
 def _steps_run_name(kind: str):
@@ -111,7 +119,9 @@ def write_table(store: str, table: str, run_id: str, rows: list[dict]) -> int:
     return len(_store(store).write_rows(table, [dict(r, run_id=run_id) for r in rows]))
 
 
-@task(name="record-checkpoint", task_run_name="record-{kind}-{run_id}-step-{step}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
+@task(
+    name="record-checkpoint", task_run_name="record-{kind}-{run_id}-step-{step}", cache_policy=NO_CACHE, **RETRY_OPTIONS
+)
 def record_checkpoint(store: str, run_id: str, step: int, path: str, kind: str, renderer: str | None = None) -> None:
     """Record a saved checkpoint (``kind`` 'state' or 'sampler') taken after ``step`` updates, and
     the renderer its weights were trained with."""
@@ -122,7 +132,13 @@ def record_checkpoint(store: str, run_id: str, step: int, path: str, kind: str, 
 
 @task(name="record-run", task_run_name="record-run-{run_id}-{status}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
 def record_run(
-    store: str, run_id: str, base_model: str, backend: str, lora_rank: int, config_json: str, status: str,
+    store: str,
+    run_id: str,
+    base_model: str,
+    backend: str,
+    lora_rank: int,
+    config_json: str,
+    status: str,
     meta: dict | None = None,
 ) -> None:
     """Write the run's row (one row id per run: the newest status wins in the ``runs`` view).
@@ -132,6 +148,11 @@ def record_run(
     """
     with _store(store).writer("runs") as w:
         w.write(
-            run_id=run_id, base_model=base_model, backend=backend, lora_rank=int(lora_rank),
-            config_json=config_json, status=status, meta_json=meta,
+            run_id=run_id,
+            base_model=base_model,
+            backend=backend,
+            lora_rank=int(lora_rank),
+            config_json=config_json,
+            status=status,
+            meta_json=meta,
         )

@@ -53,7 +53,10 @@ def _weighted(logprobs: Any, datum: tinker.Datum) -> float:
     **RETRY_OPTIONS,
 )
 def reference_sequence_logprobs(
-    credentials: Any, reference: str, datums: list[tinker.Datum], via: Literal["trainer", "sampler"] = "trainer",
+    credentials: Any,
+    reference: str,
+    datums: list[tinker.Datum],
+    via: Literal["trainer", "sampler"] = "trainer",
     seed: int | None = None,
 ) -> list[float]:
     """Per datum (D), ``sum(logprob(target) * weight)`` under ``reference`` (``base:<model>``, a

@@ -28,8 +28,18 @@ from prefect.cache_policies import NO_CACHE
 
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
 
-__all__ = ["Progress", "artifact_key", "eval_curve_names", "latest_metrics", "metric_series", "plot_curves", "report_run",
-           "write_png", "SFT_CURVES", "RL_CURVES"]
+__all__ = [
+    "Progress",
+    "artifact_key",
+    "eval_curve_names",
+    "latest_metrics",
+    "metric_series",
+    "plot_curves",
+    "report_run",
+    "write_png",
+    "SFT_CURVES",
+    "RL_CURVES",
+]
 
 #: Curves of an SFT run (one panel per name; names absent from the store are skipped).
 SFT_CURVES: tuple[str, ...] = ("train/loss", "test/nll", "train/learning_rate")
@@ -40,6 +50,7 @@ RL_CURVES: tuple[str, ...] = ("env/reward_mean", "env/correct_rate", "train/entr
 def artifact_key(kind: str, run_id: str, what: str = "") -> str:
     """A valid Prefect artifact key (lowercase letters, digits, dashes) for ``kind``/``run_id``/``what``
     (``<kind>-<run>`` when ``what`` is empty: the run's summary)."""
+
     def clean(text: str) -> str:
         return "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")
 
@@ -83,7 +94,8 @@ def latest_metrics(store: Any, run_id: str) -> list[dict[str, Any]]:
     name (values rounded to 6 significant digits for display; NaN shown as None)."""
     rows = _store(store).query(
         "SELECT name, max(step) AS step, arg_max(value, step) AS value FROM metrics "
-        "WHERE run_id = ? GROUP BY name ORDER BY name", [run_id],
+        "WHERE run_id = ? GROUP BY name ORDER BY name",
+        [run_id],
     )
     out = []
     for r in rows:
@@ -141,8 +153,9 @@ def plot_curves(series: dict[str, tuple[list[int], list[float]]], title: str) ->
 def eval_curve_names(store: Any, run_id: str) -> list[str]:
     """The ``eval/<benchmark>/accuracy`` metrics ``run_id`` has in the training store (recorded by
     the benchmark evaluators during training), sorted."""
-    rows = _store(store).query("SELECT DISTINCT name FROM metrics WHERE run_id = ? AND name LIKE 'eval/%/accuracy' "
-                               "ORDER BY name", [run_id])
+    rows = _store(store).query(
+        "SELECT DISTINCT name FROM metrics WHERE run_id = ? AND name LIKE 'eval/%/accuracy' ORDER BY name", [run_id]
+    )
     return [r["name"] for r in rows]
 
 
@@ -170,8 +183,9 @@ def write_png(root: str, run_id: str, png: bytes, name: str = "curves.png") -> s
 
 
 @task(name="report-run", task_run_name="report-{run_id}-step-{step}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
-def report_run(store: str, run_id: str, step: int, kind: str = "sft", curves: Sequence[str] = SFT_CURVES,
-               plot: bool = True) -> dict[str, Any]:
+def report_run(
+    store: str, run_id: str, step: int, kind: str = "sft", curves: Sequence[str] = SFT_CURVES, plot: bool = True
+) -> dict[str, Any]:
     """Post the run's report artifacts from the training store at ``store``.
 
     - table artifact ``<kind>-<run>-metrics``: the newest value of every metric;
@@ -184,7 +198,8 @@ def report_run(store: str, run_id: str, step: int, kind: str = "sft", curves: Se
     rows = latest_metrics(store, run_id)
     if rows:
         create_table_artifact(
-            rows, key=artifact_key(kind, run_id, "metrics"),
+            rows,
+            key=artifact_key(kind, run_id, "metrics"),
             description=f"{kind.upper()} run `{run_id}`: latest value of every metric (step {step})",
         )
     if not plot:
@@ -195,12 +210,14 @@ def report_run(store: str, run_id: str, step: int, kind: str = "sft", curves: Se
     png = plot_curves(series, f"{kind.upper()} {run_id} (step {step})")
     path = write_png(str(store), run_id, png)
     data = base64.b64encode(png).decode("ascii")
-    markdown = "\n".join([
-        f"# {kind.upper()} run `{run_id}`: curves at step {step}",
-        "",
-        f"![{kind} curves of {run_id}](data:image/png;base64,{data})",
-        "",
-        f"Picture also at `{path}`. Curves: " + ", ".join(f"`{n}`" for n in series) + ".",
-    ])
+    markdown = "\n".join(
+        [
+            f"# {kind.upper()} run `{run_id}`: curves at step {step}",
+            "",
+            f"![{kind} curves of {run_id}](data:image/png;base64,{data})",
+            "",
+            f"Picture also at `{path}`. Curves: " + ", ".join(f"`{n}`" for n in series) + ".",
+        ]
+    )
     create_markdown_artifact(markdown, key=artifact_key(kind, run_id, "curves"), description=f"{kind.upper()} curves")
     return {"metrics": len(rows), "png": path, "png_bytes": len(png)}

@@ -76,9 +76,14 @@ def _ask_single(client: Any, prompt: list[int], label_a: int) -> Any:
     """One request for both single-token labels: ``prompt + [label_a]`` with its last prompt
     logprob (``label_a``) and the top-:data:`TOPK` alternatives at that position (``label_b``
     when it is among them)."""
-    return client.sample(prompt=tinker.ModelInput.from_ints(prompt + [label_a]), num_samples=1,
-                         sampling_params=tinker.SamplingParams(max_tokens=1, seed=0), include_prompt_logprobs=True,
-                         topk_prompt_logprobs=TOPK, prompt_logprobs_last_n=1)
+    return client.sample(
+        prompt=tinker.ModelInput.from_ints(prompt + [label_a]),
+        num_samples=1,
+        sampling_params=tinker.SamplingParams(max_tokens=1, seed=0),
+        include_prompt_logprobs=True,
+        topk_prompt_logprobs=TOPK,
+        prompt_logprobs_last_n=1,
+    )
 
 
 def _ask_sequence(client: Any, prompt: list[int], label: list[int]) -> Any:
@@ -90,9 +95,16 @@ def _result(fut: Any) -> Any:
     return fut.result() if hasattr(fut, "result") else fut
 
 
-@task(name="reward-label-logprobs", task_run_name=_run_name,
-      cache_policy=TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_key), persist_result=True, **RETRY_OPTIONS)
-def label_logprobs(credentials: Any, reward_model: str, comparisons: list[RenderedComparison]) -> list[tuple[float, float]]:
+@task(
+    name="reward-label-logprobs",
+    task_run_name=_run_name,
+    cache_policy=TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_key),
+    persist_result=True,
+    **RETRY_OPTIONS,
+)
+def label_logprobs(
+    credentials: Any, reward_model: str, comparisons: list[RenderedComparison]
+) -> list[tuple[float, float]]:
     """Per comparison (C), ``(log p(labels[0] | prompt), log p(labels[1] | prompt))`` under the
     reward model's sampler weights ``reward_model`` (``tinker://.../sampler_weights/...`` or
     ``base:<model>``), nats.
@@ -131,7 +143,7 @@ def label_logprobs(credentials: Any, reward_model: str, comparisons: list[Render
     for key, fut in missing.items():
         pairs[key][1] = float(list(_result(fut))[-1])
     # entry i of the prompt logprobs is log p(token i | tokens before it); the labels end the prompt
-    scored = {key: float(sum(float(x) for x in list(_result(fut))[-len(key[1]):])) for key, fut in sequences.items()}
+    scored = {key: float(sum(float(x) for x in list(_result(fut))[-len(key[1]) :])) for key, fut in sequences.items()}
     out = []
     for c in comparisons:
         prompt = tuple(c.prompt)
@@ -143,8 +155,13 @@ def label_logprobs(credentials: Any, reward_model: str, comparisons: list[Render
     return out
 
 
-def pair_preferences(credentials: Any, reward_model: str, pairs: Sequence[tuple[RenderedComparison, RenderedComparison]],
-                     *, task_run_name: str | None = None) -> list[float]:
+def pair_preferences(
+    credentials: Any,
+    reward_model: str,
+    pairs: Sequence[tuple[RenderedComparison, RenderedComparison]],
+    *,
+    task_run_name: str | None = None,
+) -> list[float]:
     """P(y better than x) per pair (:func:`~prefect_tinker.recipes.reward_model.debiased_prob`),
     where each pair is ``(x as A and y as B, y as A and x as B)``; one ``label-logprobs`` call."""
     if not pairs:
@@ -184,8 +201,13 @@ class RewardModelEvaluator(SamplingClientEvaluator):
         p, prob_a = self.probabilities(credentials, sampler_path, step)
         acc = float(np.mean((p > 0.5) + 0.5 * (p == 0.5)))
         n, pre = len(p), self.prefix
-        return {f"{pre}/rm_accuracy": acc, f"{pre}/rm_accuracy_stderr": float(np.sqrt(acc * (1 - acc) / n)),
-                f"{pre}/rm_brier": brier(p), f"{pre}/rm_prob_a": float(np.mean(prob_a)), f"{pre}/rm_pairs": float(n)}
+        return {
+            f"{pre}/rm_accuracy": acc,
+            f"{pre}/rm_accuracy_stderr": float(np.sqrt(acc * (1 - acc) / n)),
+            f"{pre}/rm_brier": brier(p),
+            f"{pre}/rm_prob_a": float(np.mean(prob_a)),
+            f"{pre}/rm_pairs": float(n),
+        }
 
 
 class WinRateEvaluator(SamplingClientEvaluator):
@@ -203,10 +225,22 @@ class WinRateEvaluator(SamplingClientEvaluator):
 
     name = "win_rate"
 
-    def __init__(self, prompts: Sequence[Sequence[dict]], reference: str, reward_model: str, *, renderer_name: str,
-                 tokenizer_id: str, fmt: ComparisonFormat | None = None, reward_renderer: str | None = None,
-                 reward_tokenizer: str | None = None, max_tokens: int = 64, temperature: float = 1.0, seed: int = 0,
-                 prefix: str = "eval"):
+    def __init__(
+        self,
+        prompts: Sequence[Sequence[dict]],
+        reference: str,
+        reward_model: str,
+        *,
+        renderer_name: str,
+        tokenizer_id: str,
+        fmt: ComparisonFormat | None = None,
+        reward_renderer: str | None = None,
+        reward_tokenizer: str | None = None,
+        max_tokens: int = 64,
+        temperature: float = 1.0,
+        seed: int = 0,
+        prefix: str = "eval",
+    ):
         self.prompts = [[dict(m) for m in p] for p in prompts]
         self.reference, self.reward_model, self.fmt = reference, reward_model, fmt or ComparisonFormat()
         self.renderer_name, self.tokenizer_id = renderer_name, tokenizer_id
@@ -220,8 +254,15 @@ class WinRateEvaluator(SamplingClientEvaluator):
 
         rend = load_renderer(self.renderer_name, self.tokenizer_id)
         tokens = [rend.build_generation_prompt(p).to_ints() for p in self.prompts]
-        outs = sample_completions(credentials, sampler_path, tokens, max_tokens=self.max_tokens,
-                                  temperature=self.temperature, seed=self.seed, stop=rend.get_stop_sequences())
+        outs = sample_completions(
+            credentials,
+            sampler_path,
+            tokens,
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            seed=self.seed,
+            stop=rend.get_stop_sequences(),
+        )
         parsed = [rend.parse_response(o[0]["tokens"]) for o in outs]
         return [(p.message.get("content") or "", p.termination == Termination.STOP_SEQUENCE) for p in parsed]
 
@@ -233,10 +274,18 @@ class WinRateEvaluator(SamplingClientEvaluator):
         ours, theirs = self.replies(credentials, sampler_path), self.replies(credentials, self.reference)
         rend = load_renderer(self.reward_renderer, self.reward_tokenizer)
         labels = label_token_ids(rend, self.fmt.labels)
-        pairs = [(render_comparison(rend, p, ref, pol, self.fmt, labels), render_comparison(rend, p, pol, ref, self.fmt, labels))
-                 for p, (pol, _), (ref, _) in zip(self.prompts, ours, theirs)]
+        pairs = [
+            (
+                render_comparison(rend, p, ref, pol, self.fmt, labels),
+                render_comparison(rend, p, pol, ref, self.fmt, labels),
+            )
+            for p, (pol, _), (ref, _) in zip(self.prompts, ours, theirs)
+        ]
         wins = np.array(pair_preferences(credentials, self.reward_model, pairs, task_run_name=f"win-rate-step-{step}"))
         n, pre = len(wins), self.prefix
-        return {f"{pre}/win_rate": float(wins.mean()),
-                f"{pre}/win_rate_stderr": float(wins.std(ddof=1) / np.sqrt(n)) if n > 1 else 0.0,
-                f"{pre}/win_rate_format": float(np.mean([ok for _, ok in ours])), f"{pre}/win_rate_prompts": float(n)}
+        return {
+            f"{pre}/win_rate": float(wins.mean()),
+            f"{pre}/win_rate_stderr": float(wins.std(ddof=1) / np.sqrt(n)) if n > 1 else 0.0,
+            f"{pre}/win_rate_format": float(np.mean([ok for _, ok in ours])),
+            f"{pre}/win_rate_prompts": float(n),
+        }

@@ -34,8 +34,16 @@ class RolloutEvaluator(SamplingClientEvaluator):
         seed: sampling seed of the set (group ``i`` samples with ``group_seed(seed, -1, i)``).
     """
 
-    def __init__(self, name: str, builders: list, *, max_tokens: int, temperature: float = 1.0, seed: int = 0,
-                 prefix: str = "test"):
+    def __init__(
+        self,
+        name: str,
+        builders: list,
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        seed: int = 0,
+        prefix: str = "test",
+    ):
         self.name, self.builders, self.prefix = name, list(builders), prefix
         self.max_tokens, self.temperature, self.seed = int(max_tokens), float(temperature), int(seed)
 
@@ -43,21 +51,35 @@ class RolloutEvaluator(SamplingClientEvaluator):
         if not self.builders:
             return {}
         policy = RolloutPolicy(mode="min_viable", min_group_size=1)
-        futures = rollout_group.with_options(task_run_name=f"eval-{self.name}-b{{batch_index}}-g{{group_index}}-step-{step}").map(
-            unmapped(credentials), unmapped(sampler_path), self.builders, unmapped(-1), list(range(len(self.builders))),
-            unmapped(self.seed), unmapped(self.max_tokens), unmapped(self.temperature), unmapped(policy), unmapped(step))
+        futures = rollout_group.with_options(
+            task_run_name=f"eval-{self.name}-b{{batch_index}}-g{{group_index}}-step-{step}"
+        ).map(
+            unmapped(credentials),
+            unmapped(sampler_path),
+            self.builders,
+            unmapped(-1),
+            list(range(len(self.builders))),
+            unmapped(self.seed),
+            unmapped(self.max_tokens),
+            unmapped(self.temperature),
+            unmapped(policy),
+            unmapped(step),
+        )
         groups = [g for g in (f.result() for f in futures) if g.trajectories_G]
         out = {f"{self.prefix}/{self.name}/{k}": v for k, v in rollout_metrics(groups).items()}
         out[f"{self.prefix}/{self.name}/errors"] = float(sum(g.errors for g in (f.result() for f in futures)))
         return out
 
 
-def env_evaluators(spec: Any, ctx: EnvContext, *, max_tokens: int, temperature: float = 1.0,
-                   seed: int = 0) -> list[RolloutEvaluator]:
+def env_evaluators(
+    spec: Any, ctx: EnvContext, *, max_tokens: int, temperature: float = 1.0, seed: int = 0
+) -> list[RolloutEvaluator]:
     """One :class:`RolloutEvaluator` per evaluation set of ``spec.env`` (none for most envs)."""
     sets = get_env(spec.env).eval_builders(spec, ctx)
-    return [RolloutEvaluator(name, builders, max_tokens=max_tokens, temperature=temperature, seed=seed)
-            for name, builders in sets.items()]
+    return [
+        RolloutEvaluator(name, builders, max_tokens=max_tokens, temperature=temperature, seed=seed)
+        for name, builders in sets.items()
+    ]
 
 
 def session_env_evaluators(session: Any) -> list:
@@ -67,8 +89,16 @@ def session_env_evaluators(session: Any) -> list:
     which ``EnvContext.initial_sampler`` names), for the config's env, the resolved renderer and
     tokenizer, ``group_size``, ``max_tokens``, ``temperature`` and ``seed`` (empty for most envs)."""
     c = session.config
-    ctx = EnvContext(renderer_name=session.renderer, tokenizer_id=session.tokenizer_id, group_size=c.group_size,
-                     groups_per_batch=c.groups_per_batch, seed=c.seed, initial_sampler=session.samplers.get(0),
-                     win_rate_evaluator=WinRateEvaluator)
-    return [*env_evaluators(c, ctx, max_tokens=c.max_tokens, temperature=c.temperature, seed=c.seed),
-            *get_env(c.env).evaluators(c, ctx)]
+    ctx = EnvContext(
+        renderer_name=session.renderer,
+        tokenizer_id=session.tokenizer_id,
+        group_size=c.group_size,
+        groups_per_batch=c.groups_per_batch,
+        seed=c.seed,
+        initial_sampler=session.samplers.get(0),
+        win_rate_evaluator=WinRateEvaluator,
+    )
+    return [
+        *env_evaluators(c, ctx, max_tokens=c.max_tokens, temperature=c.temperature, seed=c.seed),
+        *get_env(c.env).evaluators(c, ctx),
+    ]

@@ -54,8 +54,16 @@ from prefect_tinker.tasks.judge import judge_reply
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
 from prefect_tinker.tasks.reward_model import pair_preferences
 
-__all__ = ["RolloutPolicy", "RolloutError", "group_seed", "new_usage", "run_group_rollout", "rollout_group",
-           "reference_logprobs", "sampling_client"]
+__all__ = [
+    "RolloutPolicy",
+    "RolloutError",
+    "group_seed",
+    "new_usage",
+    "run_group_rollout",
+    "rollout_group",
+    "reference_logprobs",
+    "sampling_client",
+]
 
 #: Most turns an episode may take before the rollout counts it as failed.
 MAX_TURNS = 32
@@ -64,7 +72,9 @@ MAX_TURNS = 32
 class RolloutPolicy(BaseModel):
     """What a rollout task does when a trajectory fails (see the module docstring)."""
 
-    mode: Literal["fail_fast", "retry", "min_viable"] = Field(default="min_viable", description="fail_fast, retry or min_viable.")
+    mode: Literal["fail_fast", "retry", "min_viable"] = Field(
+        default="min_viable", description="fail_fast, retry or min_viable."
+    )
     retries: int = Field(default=2, ge=0, description="retry: re-samples of a failed trajectory.")
     min_group_size: int = Field(default=2, ge=1, description="min_viable: fewest surviving members that keep a group.")
 
@@ -85,8 +95,16 @@ def new_usage() -> dict[str, float]:
     return {"sampled": 0.0, "prefill_cached": 0.0, "prefill_uncached": 0.0}
 
 
-def _sample(sampler: Any, prompt: list[int], n: int, stop: Any, seed: int, max_tokens: int,
-            temperature: float, usage: dict[str, float] | None = None) -> list[tuple[list[int], list[float], str, str]]:
+def _sample(
+    sampler: Any,
+    prompt: list[int],
+    n: int,
+    stop: Any,
+    seed: int,
+    max_tokens: int,
+    temperature: float,
+    usage: dict[str, float] | None = None,
+) -> list[tuple[list[int], list[float], str, str]]:
     """``n`` samples of ``prompt``: ``(tokens, logprobs, stop_reason, sequence_id)`` each (the id is
     ``""`` when the server sets none); the request's tokens are added to ``usage``: its prompt once
     (split by the server's ``prompt_cache_hit_tokens``) and every sampled token."""
@@ -99,12 +117,26 @@ def _sample(sampler: Any, prompt: list[int], n: int, stop: Any, seed: int, max_t
         usage["prefill_cached"] += cached
         usage["prefill_uncached"] += model_input.length - cached
         usage["sampled"] += sum(len(s.tokens) for s in resp.sequences)
-    return [(list(s.tokens), [float(x) for x in (s.logprobs or [])], str(s.stop_reason),
-             str(getattr(s, "sequence_id", None) or "")) for s in resp.sequences]
+    return [
+        (
+            list(s.tokens),
+            [float(x) for x in (s.logprobs or [])],
+            str(s.stop_reason),
+            str(getattr(s, "sequence_id", None) or ""),
+        )
+        for s in resp.sequences
+    ]
 
 
-def _run_episode(env: Any, first: tuple[list[int], list[float], str, str] | None, sampler: Any, seed: int,
-                 max_tokens: int, temperature: float, usage: dict[str, float] | None = None) -> Trajectory:
+def _run_episode(
+    env: Any,
+    first: tuple[list[int], list[float], str, str] | None,
+    sampler: Any,
+    seed: int,
+    max_tokens: int,
+    temperature: float,
+    usage: dict[str, float] | None = None,
+) -> Trajectory:
     """Step one env to the end; ``first`` is an already sampled first action (or None)."""
     ob, stop = env.initial_observation()
     transitions: list[Transition] = []
@@ -112,11 +144,23 @@ def _run_episode(env: Any, first: tuple[list[int], list[float], str, str] | None
         if turn == 0 and first is not None:
             tokens, lps, reason, sequence_id = first
         else:
-            tokens, lps, reason, sequence_id = _sample(sampler, list(ob), 1, stop, seed + 104729 * turn, max_tokens,
-                                                       temperature, usage)[0]
+            tokens, lps, reason, sequence_id = _sample(
+                sampler, list(ob), 1, stop, seed + 104729 * turn, max_tokens, temperature, usage
+            )[0]
         res = env.step(tokens)
-        transitions.append(Transition(list(ob), tokens, lps, float(res.reward), bool(res.episode_done), reason,
-                                      dict(res.metrics), dict(res.logs), sequence_id))
+        transitions.append(
+            Transition(
+                list(ob),
+                tokens,
+                lps,
+                float(res.reward),
+                bool(res.episode_done),
+                reason,
+                dict(res.metrics),
+                dict(res.logs),
+                sequence_id,
+            )
+        )
         if res.episode_done:
             return Trajectory(transitions, [])
         if res.next_observation is None:
@@ -126,9 +170,18 @@ def _run_episode(env: Any, first: tuple[list[int], list[float], str, str] | None
 
 
 def run_group_rollout(
-    sampler: Any, builder: EnvGroupBuilder, *, seed: int, max_tokens: int, temperature: float = 1.0,
-    policy: RolloutPolicy | None = None, batch_index: int = 0, group_index: int = 0,
-    sampler_path: str = "", sampler_step: int = 0, clients: Callable[[str], Any] | None = None,
+    sampler: Any,
+    builder: EnvGroupBuilder,
+    *,
+    seed: int,
+    max_tokens: int,
+    temperature: float = 1.0,
+    policy: RolloutPolicy | None = None,
+    batch_index: int = 0,
+    group_index: int = 0,
+    sampler_path: str = "",
+    sampler_step: int = 0,
+    clients: Callable[[str], Any] | None = None,
     pair_preferences: PairPreferences | None = None,
     judge: Callable[[Any], str] | None = None,
 ) -> TrajectoryGroup:
@@ -159,9 +212,11 @@ def run_group_rollout(
     usage = new_usage()
     ctx = RolloutContext(
         sample=lambda ob, stop, s: _sample(sampler, list(ob), 1, stop, s, max_tokens, temperature, usage)[0][:3],
-        sampling_client=clients or RolloutContext.sampling_client, seed=seed,
+        sampling_client=clients or RolloutContext.sampling_client,
+        seed=seed,
         pair_preferences=pair_preferences or RolloutContext.pair_preferences,
-        judge=judge or RolloutContext.judge)
+        judge=judge or RolloutContext.judge,
+    )
     where = f"batch {batch_index} group {group_index}"
     try:
         envs = list(builder.make_envs_in(ctx))
@@ -173,9 +228,17 @@ def run_group_rollout(
         trajs = []
     rewards = builder.compute_group_rewards_in(ctx, trajs) if trajs else []
     return TrajectoryGroup(
-        trajectories_G=trajs, final_rewards_G=[float(r) for r, _ in rewards], metrics_G=[dict(m) for _, m in rewards],
-        batch_index=batch_index, group_index=group_index, sampler_path=sampler_path, sampler_step=sampler_step,
-        errors=errors, error_messages=messages, seconds=time.perf_counter() - t0, usage=usage,
+        trajectories_G=trajs,
+        final_rewards_G=[float(r) for r, _ in rewards],
+        metrics_G=[dict(m) for _, m in rewards],
+        batch_index=batch_index,
+        group_index=group_index,
+        sampler_path=sampler_path,
+        sampler_step=sampler_step,
+        errors=errors,
+        error_messages=messages,
+        seconds=time.perf_counter() - t0,
+        usage=usage,
     )
 
 
@@ -187,9 +250,17 @@ def _failed(policy: RolloutPolicy, attempt: int, what: str, exc: Exception, mess
         raise RolloutError(f"{what} failed ({policy.mode}): {exc}") from exc
 
 
-def _run_members(builder: EnvGroupBuilder, envs: list, ctx: RolloutContext, sampler: Any, policy: RolloutPolicy,
-                 where: str, max_tokens: int, temperature: float,
-                 usage: dict[str, float]) -> tuple[list[Trajectory], int, list[str]]:
+def _run_members(
+    builder: EnvGroupBuilder,
+    envs: list,
+    ctx: RolloutContext,
+    sampler: Any,
+    policy: RolloutPolicy,
+    where: str,
+    max_tokens: int,
+    temperature: float,
+    usage: dict[str, float],
+) -> tuple[list[Trajectory], int, list[str]]:
     """Each env's episode to the end, one env after another (first actions batched)."""
     seed = ctx.seed
     firsts: list[Any] = [None] * len(envs)
@@ -211,8 +282,9 @@ def _run_members(builder: EnvGroupBuilder, envs: list, ctx: RolloutContext, samp
         attempt = 0
         while True:
             try:
-                trajs.append(_run_episode(env, firsts[i], sampler, seed + 7919 * attempt + i, max_tokens, temperature,
-                                          usage))
+                trajs.append(
+                    _run_episode(env, firsts[i], sampler, seed + 7919 * attempt + i, max_tokens, temperature, usage)
+                )
                 break
             except Exception as exc:
                 errors += 1
@@ -225,9 +297,17 @@ def _run_members(builder: EnvGroupBuilder, envs: list, ctx: RolloutContext, samp
     return trajs, errors, messages
 
 
-def _run_shared(builder: EnvGroupBuilder, envs: list, ctx: RolloutContext, sampler: Any, policy: RolloutPolicy,
-                where: str, max_tokens: int, temperature: float,
-                usage: dict[str, float]) -> tuple[list[Trajectory], int, list[str]]:
+def _run_shared(
+    builder: EnvGroupBuilder,
+    envs: list,
+    ctx: RolloutContext,
+    sampler: Any,
+    policy: RolloutPolicy,
+    where: str,
+    max_tokens: int,
+    temperature: float,
+    usage: dict[str, float],
+) -> tuple[list[Trajectory], int, list[str]]:
     """One shared episode of all envs (``builder.run_group``), replayed under ``retry``."""
     errors, messages, attempt = 0, [], 0
     while True:
@@ -261,9 +341,19 @@ def _rollout_cache_key(context: Any, params: dict[str, Any]) -> str:
     **RETRY_OPTIONS,
 )
 def rollout_group(
-    credentials: Any, sampler_path: str, builder: EnvGroupBuilder, batch_index: int, group_index: int,
-    seed: int, max_tokens: int, temperature: float = 1.0, policy: RolloutPolicy | None = None,
-    sampler_step: int = 0, record_stability_info: bool = False, sampler: Any = None, cache_scope: str = "",
+    credentials: Any,
+    sampler_path: str,
+    builder: EnvGroupBuilder,
+    batch_index: int,
+    group_index: int,
+    seed: int,
+    max_tokens: int,
+    temperature: float = 1.0,
+    policy: RolloutPolicy | None = None,
+    sampler_step: int = 0,
+    record_stability_info: bool = False,
+    sampler: Any = None,
+    cache_scope: str = "",
 ) -> TrajectoryGroup:
     """Roll out one group from the sampler checkpoint ``sampler_path`` (see :func:`run_group_rollout`).
 
@@ -281,9 +371,17 @@ def rollout_group(
     if sampler is None:
         sampler = sampling_client(credentials, sampler_path, record_stability_info)
     return run_group_rollout(
-        sampler, builder, seed=group_seed(seed, batch_index, group_index), max_tokens=max_tokens,
-        temperature=temperature, policy=policy, batch_index=batch_index, group_index=group_index,
-        sampler_path=sampler_path, sampler_step=sampler_step, clients=functools.partial(sampling_client, credentials),
+        sampler,
+        builder,
+        seed=group_seed(seed, batch_index, group_index),
+        max_tokens=max_tokens,
+        temperature=temperature,
+        policy=policy,
+        batch_index=batch_index,
+        group_index=group_index,
+        sampler_path=sampler_path,
+        sampler_step=sampler_step,
+        clients=functools.partial(sampling_client, credentials),
         pair_preferences=functools.partial(pair_preferences, credentials),
         judge=functools.partial(judge_reply, credentials),
     )

@@ -32,7 +32,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-__all__ = ["TaskRunnerFields", "active_task_runner", "make_task_runner", "map_task", "shutdown_task_runners", "submit_task"]
+__all__ = [
+    "TaskRunnerFields",
+    "active_task_runner",
+    "make_task_runner",
+    "map_task",
+    "shutdown_task_runners",
+    "submit_task",
+]
 
 Kind = Literal["thread", "ray", "dask"]
 
@@ -40,9 +47,18 @@ Kind = Literal["thread", "ray", "dask"]
 class TaskRunnerFields(BaseModel):
     """Config fields choosing where the flow's mapped tasks run (see the module docstring)."""
 
-    task_runner: Kind = Field(default="thread", description="Where rollout/eval tasks run: thread (the flow's thread pool), ray or dask.")
-    task_runner_address: str | None = Field(default=None, description="ray: cluster address (127.0.0.1:6379, ray://head:10001, auto); dask: scheduler address (tcp://host:8786); empty: start a local cluster in this process.")
-    task_runner_workers: int | None = Field(default=None, ge=1, description="Local cluster size when no address is given (ray: CPUs, dask: worker processes; default 2); thread: the flow's pool is used as is.")
+    task_runner: Kind = Field(
+        default="thread", description="Where rollout/eval tasks run: thread (the flow's thread pool), ray or dask."
+    )
+    task_runner_address: str | None = Field(
+        default=None,
+        description="ray: cluster address (127.0.0.1:6379, ray://head:10001, auto); dask: scheduler address (tcp://host:8786); empty: start a local cluster in this process.",
+    )
+    task_runner_workers: int | None = Field(
+        default=None,
+        ge=1,
+        description="Local cluster size when no address is given (ray: CPUs, dask: worker processes; default 2); thread: the flow's pool is used as is.",
+    )
 
 
 def make_task_runner(kind: Kind, address: str | None = None, workers: int | None = None) -> Any:
@@ -71,8 +87,14 @@ def make_task_runner(kind: Kind, address: str | None = None, workers: int | None
             raise ImportError("task_runner=dask needs prefect-dask: pip install 'prefect-tinker[dask]'") from exc
         if address:
             return DaskTaskRunner(address=address)
-        return DaskTaskRunner(cluster_kwargs={"n_workers": workers or 2, "threads_per_worker": 1, "processes": True,
-                                              "dashboard_address": None})
+        return DaskTaskRunner(
+            cluster_kwargs={
+                "n_workers": workers or 2,
+                "threads_per_worker": 1,
+                "processes": True,
+                "dashboard_address": None,
+            }
+        )
     raise ValueError(f"task_runner must be thread, ray or dask, got {kind!r}")
 
 
@@ -105,8 +127,10 @@ def active_task_runner(settings: Any) -> Any | None:
         if kind == "ray":
             other = [k for k in _active if k[0] == "ray"]
             if other:
-                raise ValueError(f"this process is connected to the Ray cluster {other[0][1] or '(local)'}; "
-                                 f"task_runner_address={settings.task_runner_address!r} needs another process")
+                raise ValueError(
+                    f"this process is connected to the Ray cluster {other[0][1] or '(local)'}; "
+                    f"task_runner_address={settings.task_runner_address!r} needs another process"
+                )
         runner = make_task_runner(kind, settings.task_runner_address, settings.task_runner_workers)
         runner.__enter__()
         _active[key] = runner

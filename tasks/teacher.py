@@ -33,8 +33,17 @@ from prefect_tinker.tasks.clients import sampling_client
 from prefect_tinker.tasks.policies import RETRY_OPTIONS, is_transient
 from prefect_tinker.tasks.rollouts import reference_logprobs
 
-__all__ = ["TeacherError", "TeacherSamples", "check_teacher", "read_samples", "teacher_asset", "teacher_logprobs",
-           "teacher_samples", "teacher_topk", "weights_tokenizer"]
+__all__ = [
+    "TeacherError",
+    "TeacherSamples",
+    "check_teacher",
+    "read_samples",
+    "teacher_asset",
+    "teacher_logprobs",
+    "teacher_samples",
+    "teacher_topk",
+    "weights_tokenizer",
+]
 
 
 class TeacherError(ValueError):
@@ -96,12 +105,17 @@ def check_teacher(credentials: Any, weights: str, student_tokenizer: Any, studen
         raise TeacherError(
             f"{who} has another tokenizer than the student {student_name!r} ({len(tok)} vs {len(student_tokenizer)} "
             f"tokens, {getattr(tok, 'name_or_path', '?')!r} vs {getattr(student_tokenizer, 'name_or_path', '?')!r}): "
-            "distillation re-uses the student's tokens, so teacher and student must share one tokenizer")
+            "distillation re-uses the student's tokens, so teacher and student must share one tokenizer"
+        )
     if topk > 0:
         try:
-            resp = client.sample(prompt=tinker.ModelInput.from_ints(probe), num_samples=1,
-                                 sampling_params=tinker.SamplingParams(max_tokens=1), include_prompt_logprobs=True,
-                                 topk_prompt_logprobs=int(topk)).result()
+            resp = client.sample(
+                prompt=tinker.ModelInput.from_ints(probe),
+                num_samples=1,
+                sampling_params=tinker.SamplingParams(max_tokens=1),
+                include_prompt_logprobs=True,
+                topk_prompt_logprobs=int(topk),
+            ).result()
         except Exception as exc:
             if is_transient(exc):
                 raise
@@ -109,8 +123,9 @@ def check_teacher(credentials: Any, weights: str, student_tokenizer: Any, studen
         rows = [r for r in (resp.topk_prompt_logprobs or [])[1:] if r is not None]
         got = min((len(r) for r in rows), default=0)
         if got < min(int(topk), len(tok)):
-            raise TeacherError(f"topk={topk}: {who} returned only {got} prompt logprobs per position; "
-                               f"choose topk <= {got}")
+            raise TeacherError(
+                f"topk={topk}: {who} returned only {got} prompt logprobs per position; choose topk <= {got}"
+            )
     return {"weights": weights, "vocab_size": len(tok), "tokenizer": tokenizer_fingerprint(tok)}
 
 
@@ -121,9 +136,15 @@ def _topk_key(context: Any, params: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
-@task(name="teacher-topk", cache_policy=TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_topk_key),
-      persist_result=True, **RETRY_OPTIONS)
-def teacher_topk(credentials: Any, teacher: str, sequences: list[list[int]], k: int) -> list[tuple[np.ndarray, np.ndarray]]:
+@task(
+    name="teacher-topk",
+    cache_policy=TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_topk_key),
+    persist_result=True,
+    **RETRY_OPTIONS,
+)
+def teacher_topk(
+    credentials: Any, teacher: str, sequences: list[list[int]], k: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
     """Top-``k`` teacher logprobs at every target of each sequence (one forward each, through
     ``sample(..., topk_prompt_logprobs=k)``).
 
@@ -132,9 +153,16 @@ def teacher_topk(credentials: Any, teacher: str, sequences: list[list[int]], k: 
     empty slots have id -1 and logprob -inf.
     """
     client = sampling_client(credentials, teacher)
-    futures = [client.sample(prompt=tinker.ModelInput.from_ints([int(t) for t in s]), num_samples=1,
-                             sampling_params=tinker.SamplingParams(max_tokens=1), include_prompt_logprobs=True,
-                             topk_prompt_logprobs=int(k)) for s in sequences]
+    futures = [
+        client.sample(
+            prompt=tinker.ModelInput.from_ints([int(t) for t in s]),
+            num_samples=1,
+            sampling_params=tinker.SamplingParams(max_tokens=1),
+            include_prompt_logprobs=True,
+            topk_prompt_logprobs=int(k),
+        )
+        for s in sequences
+    ]
     out = []
     for seq, fut in zip(sequences, futures):
         rows = (fut.result().topk_prompt_logprobs or [])[1:]
@@ -159,8 +187,10 @@ class TeacherSamples(BaseModel):
 
 
 def _samples_digest(params: dict[str, Any]) -> str:
-    body = {k: params[k] for k in ("teacher", "renderer", "max_tokens", "temperature", "seed", "num_samples",
-                                   "keep_truncated", "store")}
+    body = {
+        k: params[k]
+        for k in ("teacher", "renderer", "max_tokens", "temperature", "seed", "num_samples", "keep_truncated", "store")
+    }
     body["view"] = TeacherView.model_validate(params["view"]).model_dump()
     body["records"] = hashlib.sha256(repr([(r.messages, r.answer) for r in params["records"]]).encode()).hexdigest()
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
@@ -212,18 +242,35 @@ def read_samples(uri: str, cache_dir: str | Path | None = None) -> str:
     return str(local)
 
 
-def _sample_teacher(credentials: Any, teacher: str, records: list[PromptRecord], renderer: str, tokenizer_id: str,
-                    view: dict, max_tokens: int, temperature: float, seed: int, num_samples: int,
-                    keep_truncated: bool, store: str) -> TeacherSamples:
+def _sample_teacher(
+    credentials: Any,
+    teacher: str,
+    records: list[PromptRecord],
+    renderer: str,
+    tokenizer_id: str,
+    view: dict,
+    max_tokens: int,
+    temperature: float,
+    seed: int,
+    num_samples: int,
+    keep_truncated: bool,
+    store: str,
+) -> TeacherSamples:
     from prefect_tinker.recipes.rl.problem_env import load_renderer
 
     rend = load_renderer(renderer, tokenizer_id)
     tview = TeacherView.model_validate(view)
     client = sampling_client(credentials, teacher)
-    futures = [client.sample(prompt=rend.build_generation_prompt(tview.messages(r)), num_samples=num_samples,
-                             sampling_params=tinker.SamplingParams(max_tokens=max_tokens, temperature=temperature,
-                                                                   seed=seed + i, stop=rend.get_stop_sequences()))
-               for i, r in enumerate(records)]
+    futures = [
+        client.sample(
+            prompt=rend.build_generation_prompt(tview.messages(r)),
+            num_samples=num_samples,
+            sampling_params=tinker.SamplingParams(
+                max_tokens=max_tokens, temperature=temperature, seed=seed + i, stop=rend.get_stop_sequences()
+            ),
+        )
+        for i, r in enumerate(records)
+    ]
     lines, dropped, reasons = [], 0, {}
     for r, fut in zip(records, futures):
         for j, seq in enumerate(fut.result().sequences):
@@ -233,22 +280,61 @@ def _sample_teacher(credentials: Any, teacher: str, records: list[PromptRecord],
                 dropped += 1
                 continue
             msgs = r.message_list() + [{"role": "assistant", "content": parsed.message.get("content") or ""}]
-            lines.append(json.dumps({"messages": msgs, "prompt_id": r.id, "sample": j, "source": r.source,
-                                     "termination": parsed.termination.value}, ensure_ascii=False))
+            lines.append(
+                json.dumps(
+                    {
+                        "messages": msgs,
+                        "prompt_id": r.id,
+                        "sample": j,
+                        "source": r.source,
+                        "termination": parsed.termination.value,
+                    },
+                    ensure_ascii=False,
+                )
+            )
     if not lines:
-        raise TeacherError(f"teacher {teacher!r} finished none of its {len(records) * num_samples} replies within "
-                           f"max_tokens={max_tokens} ({reasons}); raise teacher_max_tokens or keep_truncated=true")
-    uri = samples_uri(store, _samples_digest(dict(
-        teacher=teacher, renderer=renderer, max_tokens=max_tokens, temperature=temperature, seed=seed,
-        num_samples=num_samples, keep_truncated=keep_truncated, store=store, view=view, records=records)))
+        raise TeacherError(
+            f"teacher {teacher!r} finished none of its {len(records) * num_samples} replies within "
+            f"max_tokens={max_tokens} ({reasons}); raise teacher_max_tokens or keep_truncated=true"
+        )
+    uri = samples_uri(
+        store,
+        _samples_digest(
+            dict(
+                teacher=teacher,
+                renderer=renderer,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                seed=seed,
+                num_samples=num_samples,
+                keep_truncated=keep_truncated,
+                store=store,
+                view=view,
+                records=records,
+            )
+        ),
+    )
     _write(uri, ("\n".join(lines) + "\n").encode())
     return TeacherSamples(uri=uri, rows=len(lines), dropped=dropped, stop_reasons=reasons)
 
 
-def teacher_samples(credentials: Any, teacher: str, records: list[PromptRecord], *, renderer: str, tokenizer_id: str,
-                    view: TeacherView, max_tokens: int, temperature: float, seed: int, num_samples: int = 1,
-                    keep_truncated: bool = False, store: str, upstream: list[str] | None = None,
-                    name: str = "teacher-samples") -> TeacherSamples:
+def teacher_samples(
+    credentials: Any,
+    teacher: str,
+    records: list[PromptRecord],
+    *,
+    renderer: str,
+    tokenizer_id: str,
+    view: TeacherView,
+    max_tokens: int,
+    temperature: float,
+    seed: int,
+    num_samples: int = 1,
+    keep_truncated: bool = False,
+    store: str,
+    upstream: list[str] | None = None,
+    name: str = "teacher-samples",
+) -> TeacherSamples:
     """Sample the teacher's replies to ``records`` and write them as a chat JSONL dataset (see
     the module docstring), as the ``teacher-samples`` asset materialization.
 
@@ -261,21 +347,57 @@ def teacher_samples(credentials: Any, teacher: str, records: list[PromptRecord],
     Raises:
         TeacherError: no reply finished.
     """
-    params = dict(teacher=teacher, renderer=renderer, max_tokens=max_tokens, temperature=temperature, seed=seed,
-                  num_samples=num_samples, keep_truncated=keep_truncated, store=store, view=view.model_dump(),
-                  records=records)
+    params = dict(
+        teacher=teacher,
+        renderer=renderer,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        seed=seed,
+        num_samples=num_samples,
+        keep_truncated=keep_truncated,
+        store=store,
+        view=view.model_dump(),
+        records=records,
+    )
     uri = samples_uri(store, _samples_digest(params))
     run = materialize(
-        uri, asset_deps=[teacher_asset(teacher), *(upstream or [])], name="teacher-samples", task_run_name=name,
+        uri,
+        asset_deps=[teacher_asset(teacher), *(upstream or [])],
+        name="teacher-samples",
+        task_run_name=name,
         cache_policy=TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=lambda ctx, p: _samples_digest(p)),
-        persist_result=True, **RETRY_OPTIONS,
+        persist_result=True,
+        **RETRY_OPTIONS,
     )(_sample_teacher)
-    out = run(credentials, teacher, records, renderer, tokenizer_id, view.model_dump(), max_tokens, temperature, seed,
-              num_samples, keep_truncated, store)
+    out = run(
+        credentials,
+        teacher,
+        records,
+        renderer,
+        tokenizer_id,
+        view.model_dump(),
+        max_tokens,
+        temperature,
+        seed,
+        num_samples,
+        keep_truncated,
+        store,
+    )
     try:
         read_samples(out.uri)
     except FileNotFoundError:  # a cached result whose file was deleted: sample again
-        out = run.with_options(refresh_cache=True)(credentials, teacher, records, renderer, tokenizer_id,
-                                                   view.model_dump(), max_tokens, temperature, seed, num_samples,
-                                                   keep_truncated, store)
+        out = run.with_options(refresh_cache=True)(
+            credentials,
+            teacher,
+            records,
+            renderer,
+            tokenizer_id,
+            view.model_dump(),
+            max_tokens,
+            temperature,
+            seed,
+            num_samples,
+            keep_truncated,
+            store,
+        )
     return out

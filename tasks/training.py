@@ -74,7 +74,11 @@ def weights_sum(datums: list[tinker.Datum]) -> float:
     total = 0.0
     for d in datums:
         w = d.loss_fn_inputs.get("weights")
-        total += float(np.asarray(w.data if hasattr(w, "data") else w, dtype=np.float64).sum()) if w is not None else d.model_input.length
+        total += (
+            float(np.asarray(w.data if hasattr(w, "data") else w, dtype=np.float64).sum())
+            if w is not None
+            else d.model_input.length
+        )
     return total
 
 
@@ -90,12 +94,19 @@ def _metrics(raw: dict[str, float] | None) -> dict[str, float]:
 
 
 def _logprobs(out: Any) -> list[list[float]]:
-    return [np.asarray(o["logprobs"].to_numpy() if hasattr(o["logprobs"], "to_numpy") else o["logprobs"].data,
-                       dtype=np.float64).ravel().tolist() for o in out.loss_fn_outputs]
+    return [
+        np.asarray(
+            o["logprobs"].to_numpy() if hasattr(o["logprobs"], "to_numpy") else o["logprobs"].data, dtype=np.float64
+        )
+        .ravel()
+        .tolist()
+        for o in out.loss_fn_outputs
+    ]
 
 
-def _calling(credentials: Any, run: TrainingRun, fn: Callable[[tinker.TrainingClient, Callable[[Any], Any]], Any],
-             what: str) -> tuple[Any, Any]:
+def _calling(
+    credentials: Any, run: TrainingRun, fn: Callable[[tinker.TrainingClient, Callable[[Any], Any]], Any], what: str
+) -> tuple[Any, Any]:
     """``(client, fn(client, wait))`` where ``wait(future)`` is the future's result, watched for a
     dead server and bounded by the deadline (:func:`prefect_tinker.tasks.clients.result`); a
     failure drops the (now poisoned) client before re-raising."""
@@ -110,8 +121,15 @@ def _calling(credentials: Any, run: TrainingRun, fn: Callable[[tinker.TrainingCl
 
 @task(name="open-training-run", task_run_name="open-{run_name}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
 def open_training_run(
-    credentials: Any, run_name: str, base_model: str, lora_rank: int, backend: str, seed: int | None = None,
-    resume_from: str | None = None, resume_step: int = 0, init_from: str | None = None,
+    credentials: Any,
+    run_name: str,
+    base_model: str,
+    lora_rank: int,
+    backend: str,
+    seed: int | None = None,
+    resume_from: str | None = None,
+    resume_step: int = 0,
+    init_from: str | None = None,
 ) -> TrainingRun:
     """Create a LoRA training client, restore one from ``resume_from`` (a state checkpoint, with
     its optimizer state, at step ``resume_step``), or start a new run from the weights of
@@ -121,9 +139,15 @@ def open_training_run(
     errors for an unknown model or checkpoint (user errors; not retried).
     """
     run = TrainingRun(
-        run_name=run_name, base_model=base_model, lora_rank=lora_rank, backend=backend, seed=seed,
-        step=resume_step if resume_from else 0, last_checkpoint=resume_from,
-        last_checkpoint_step=resume_step if resume_from else 0, init_from=init_from,
+        run_name=run_name,
+        base_model=base_model,
+        lora_rank=lora_rank,
+        backend=backend,
+        seed=seed,
+        step=resume_step if resume_from else 0,
+        last_checkpoint=resume_from,
+        last_checkpoint_step=resume_step if resume_from else 0,
+        init_from=init_from,
     )
     clients.forget(credentials, run)
     service = credentials.get_client()
@@ -133,7 +157,9 @@ def open_training_run(
         fut = service.create_training_client_from_state(init_from)
     else:
         fut = service.create_lora_training_client(base_model=base_model, rank=lora_rank, seed=seed)
-    return clients.register(credentials, run, clients.result(credentials, fut, f"the training client of run {run_name!r}"))
+    return clients.register(
+        credentials, run, clients.result(credentials, fut, f"the training client of run {run_name!r}")
+    )
 
 
 def _adam(learning_rate: float, adam: dict[str, float] | None) -> tinker.AdamParams:
@@ -142,8 +168,13 @@ def _adam(learning_rate: float, adam: dict[str, float] | None) -> tinker.AdamPar
 
 @task(name="train-step", task_run_name="step-{step}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
 def train_step(
-    credentials: Any, run: TrainingRun, step: int, datums: list[tinker.Datum], learning_rate: float,
-    adam: dict[str, float] | None = None, loss_fn: str = "cross_entropy",
+    credentials: Any,
+    run: TrainingRun,
+    step: int,
+    datums: list[tinker.Datum],
+    learning_rate: float,
+    adam: dict[str, float] | None = None,
+    loss_fn: str = "cross_entropy",
     loss_fn_config: dict[str, float] | None = None,
 ) -> tuple[TrainingRun, dict[str, float]]:
     """One optimizer step: ``forward_backward(datums, loss_fn)`` and ``optim_step`` submitted back to
@@ -177,14 +208,26 @@ def train_step(
     tokens = weights_sum(datums)
     loss_sum = float(out.metrics.get("loss:sum", float("nan")))
     metrics = {k: v for k, v in _metrics(getattr(opt, "metrics", None)).items() if k not in ("learning_rate", "step")}
-    metrics.update({"loss": loss_sum / max(tokens, 1e-9), "loss_sum": loss_sum, "tokens": tokens,
-                    "learning_rate": float(learning_rate), "step_seconds": time.perf_counter() - t0})
+    metrics.update(
+        {
+            "loss": loss_sum / max(tokens, 1e-9),
+            "loss_sum": loss_sum,
+            "tokens": tokens,
+            "learning_rate": float(learning_rate),
+            "step_seconds": time.perf_counter() - t0,
+        }
+    )
     return run.model_copy(update={"step": step + 1}), metrics
 
 
 @task(name="custom-step", task_run_name="step-{step}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
 def custom_step(
-    credentials: Any, run: TrainingRun, step: int, datums: list[tinker.Datum], loss: Any, learning_rate: float,
+    credentials: Any,
+    run: TrainingRun,
+    step: int,
+    datums: list[tinker.Datum],
+    loss: Any,
+    learning_rate: float,
     adam: dict[str, float] | None = None,
 ) -> tuple[TrainingRun, dict[str, float]]:
     """One optimizer step with a client-side custom loss: ``forward_backward_custom(datums, loss)``
@@ -213,8 +256,12 @@ def custom_step(
 
 @task(name="forward-backward", task_run_name="fwd-bwd-step-{run.step}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
 def forward_backward(
-    credentials: Any, run: TrainingRun, datums: list[tinker.Datum], loss_fn: str = "cross_entropy",
-    loss_fn_config: dict[str, float] | None = None, accumulated: int = 0,
+    credentials: Any,
+    run: TrainingRun,
+    datums: list[tinker.Datum],
+    loss_fn: str = "cross_entropy",
+    loss_fn_config: dict[str, float] | None = None,
+    accumulated: int = 0,
 ) -> ForwardResult:
     """Accumulate the gradients of ``loss_fn`` over ``datums`` (no optimizer step).
 
@@ -230,15 +277,23 @@ def forward_backward(
         clients.training_client(credentials, run)  # recreated at the last checkpoint (may rewind)
         raise ClientRewound(run, run.step)  # the earlier passes' gradients were lost: redo the step
     t0 = time.perf_counter()
-    _, out = _calling(credentials, run, lambda c, wait: wait(c.forward_backward(datums, loss_fn, loss_fn_config)),
-                      "forward_backward")
-    return ForwardResult(loss_sum=float(out.metrics.get("loss:sum", float("nan"))), logprobs=_logprobs(out),
-                         metrics=_metrics(out.metrics), seconds=time.perf_counter() - t0)
+    _, out = _calling(
+        credentials, run, lambda c, wait: wait(c.forward_backward(datums, loss_fn, loss_fn_config)), "forward_backward"
+    )
+    return ForwardResult(
+        loss_sum=float(out.metrics.get("loss:sum", float("nan"))),
+        logprobs=_logprobs(out),
+        metrics=_metrics(out.metrics),
+        seconds=time.perf_counter() - t0,
+    )
 
 
 @task(name="optim-step", task_run_name="optim-step-{run.step}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
 def optim_step(
-    credentials: Any, run: TrainingRun, learning_rate: float, adam: dict[str, float] | None = None,
+    credentials: Any,
+    run: TrainingRun,
+    learning_rate: float,
+    adam: dict[str, float] | None = None,
 ) -> tuple[TrainingRun, dict[str, float]]:
     """Apply the accumulated gradients (AdamW with Tinker's parameters); returns the handle at
     ``run.step + 1`` and the optimizer's metrics (e.g. ``grad_norm``) plus ``learning_rate``.
@@ -249,7 +304,9 @@ def optim_step(
     if not clients.has_training_client(credentials, run):
         clients.training_client(credentials, run)  # recreated without the accumulated gradients
         raise ClientRewound(run, run.step)
-    client, res = _calling(credentials, run, lambda c, wait: wait(c.optim_step(_adam(learning_rate, adam))), "optim_step")
+    client, res = _calling(
+        credentials, run, lambda c, wait: wait(c.optim_step(_adam(learning_rate, adam))), "optim_step"
+    )
     clients.advance(credentials, run, client, run.step + 1)
     metrics = {k: v for k, v in _metrics(getattr(res, "metrics", None)).items() if k not in ("learning_rate", "step")}
     metrics["learning_rate"] = float(learning_rate)
@@ -257,13 +314,19 @@ def optim_step(
 
 
 @task(name="forward", task_run_name="forward-step-{run.step}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
-def forward(credentials: Any, run: TrainingRun, datums: list[tinker.Datum], loss_fn: str = "cross_entropy") -> ForwardResult:
+def forward(
+    credentials: Any, run: TrainingRun, datums: list[tinker.Datum], loss_fn: str = "cross_entropy"
+) -> ForwardResult:
     """``forward(datums, loss_fn)`` under the run's current weights: the loss and per-datum
     logprobs, no gradients."""
     t0 = time.perf_counter()
     _, out = _calling(credentials, run, lambda c, wait: wait(c.forward(datums, loss_fn)), "forward")
-    return ForwardResult(loss_sum=float(out.metrics.get("loss:sum", float("nan"))), logprobs=_logprobs(out),
-                         metrics=_metrics(out.metrics), seconds=time.perf_counter() - t0)
+    return ForwardResult(
+        loss_sum=float(out.metrics.get("loss:sum", float("nan"))),
+        logprobs=_logprobs(out),
+        metrics=_metrics(out.metrics),
+        seconds=time.perf_counter() - t0,
+    )
 
 
 def checkpoint_uri(run: TrainingRun, name: str, kind: str = "state") -> str:
@@ -281,8 +344,11 @@ def _save_checkpoint(credentials: Any, run: TrainingRun, name: str, kind: str = 
     """
     if kind not in ("state", "sampler"):
         raise ValueError(f"checkpoint kind must be 'state' or 'sampler', got {kind!r}")
-    save = (lambda c, wait: wait(c.save_state(name)).path) if kind == "state" else (
-        lambda c, wait: wait(c.save_weights_for_sampler(name)).path)
+    save = (
+        (lambda c, wait: wait(c.save_state(name)).path)
+        if kind == "state"
+        else (lambda c, wait: wait(c.save_weights_for_sampler(name)).path)
+    )
     _, path = _calling(credentials, run, save, f"save {kind} checkpoint {name!r}")
     if kind == "state":
         run = run.model_copy(update={"last_checkpoint": path, "last_checkpoint_step": run.step})
@@ -290,7 +356,11 @@ def _save_checkpoint(credentials: Any, run: TrainingRun, name: str, kind: str = 
 
 
 def save_checkpoint(
-    credentials: Any, run: TrainingRun, name: str, kind: str = "state", upstream: list[str] | None = None,
+    credentials: Any,
+    run: TrainingRun,
+    name: str,
+    kind: str = "state",
+    upstream: list[str] | None = None,
 ) -> tuple[TrainingRun, str]:
     """Run the ``save-checkpoint`` task as a Prefect asset materialization.
 
@@ -299,8 +369,12 @@ def save_checkpoint(
     checkpoint shows in Prefect's events.
     """
     materializing = materialize(
-        checkpoint_uri(run, name, kind), asset_deps=list(upstream or []), name="save-checkpoint",
-        task_run_name=f"save-{kind}-{name}", cache_policy=NO_CACHE, **RETRY_OPTIONS,
+        checkpoint_uri(run, name, kind),
+        asset_deps=list(upstream or []),
+        name="save-checkpoint",
+        task_run_name=f"save-{kind}-{name}",
+        cache_policy=NO_CACHE,
+        **RETRY_OPTIONS,
     )(_save_checkpoint)
     return materializing(credentials, run, name, kind)
 
@@ -317,8 +391,12 @@ def save_sampler_weights(credentials: Any, run: TrainingRun, name: str) -> str:
     return path
 
 
-@task(name="save-inflight-sampler", task_run_name="inflight-sampler-step-{run.step}", cache_policy=NO_CACHE,
-      **RETRY_OPTIONS)
+@task(
+    name="save-inflight-sampler",
+    task_run_name="inflight-sampler-step-{run.step}",
+    cache_policy=NO_CACHE,
+    **RETRY_OPTIONS,
+)
 def save_inflight_sampler(credentials: Any, run: TrainingRun, record_stability_info: bool = False) -> Any:
     """Publish the current weights as the run's *inflight* sampler target
     (``save_weights_and_get_sampling_client(kind="inflight")``): every inflight sampling client of
@@ -328,9 +406,11 @@ def save_inflight_sampler(credentials: Any, run: TrainingRun, record_stability_i
     Raises:
         ClientRewound: the client was lost before the save.
     """
+
     def save(client, wait):
-        return wait(client.save_weights_and_get_sampling_client(record_stability_info=record_stability_info,
-                                                                kind="inflight"))
+        return wait(
+            client.save_weights_and_get_sampling_client(record_stability_info=record_stability_info, kind="inflight")
+        )
 
     _, sampler = _calling(credentials, run, save, "inflight sampler save")
     return sampler

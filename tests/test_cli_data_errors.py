@@ -27,7 +27,7 @@ def files(tmp_path):
     (["sft", "dataset={d}/missing.jsonl"], "{d}/missing.jsonl:3: field 'messages' is missing (record has: msgs)"),
     (["dpo", "dataset={d}/missing.jsonl"], "{d}/missing.jsonl:1: field 'chosen'"),
     (["sft", "dataset={d}/missing.jsonl", "format=nosuch"], "format = 'nosuch': unknown dataset format 'nosuch'; "
-                                                             "accepted: alpaca,"),
+                                                             "registered: alpaca,"),
     (["rl", "env=math", "dataset={d}/problems.jsonl"], "{d}/problems.jsonl:2"),
 ])
 def test_bad_data_is_one_line_before_anything_starts(files, argv, expected, capsys, monkeypatch):

@@ -70,7 +70,7 @@ def test_every_kind_is_registered():
     assert {"messages", "preference", "calculator_solution", "prompt", "image_folder"} <= set(CONVERTERS)
     assert {"chatml", "qwen3", "llama3"} <= set(RENDERERS)
     assert set(GRADERS) == {"number", "math", "choice", "exact_match", "code"}
-    assert set(LOSSES) == {"importance_sampling", "ppo", "cispo"}
+    assert set(LOSSES) == {"importance_sampling", "ppo", "cispo", "gspo", "dro", "stable_reinforce"}
     assert set(ADVANTAGE_ESTIMATORS) == {"group_mean", "leave_one_out"}
 
 
@@ -80,12 +80,16 @@ def test_losses_build_the_server_config():
     assert RLConfig(loss_fn="cispo", clip_low_threshold=0.5, clip_high_threshold=2.0).loss_fn_config() == {
         "clip_low_threshold": 0.5, "clip_high_threshold": 2.0}
     assert RLConfig().loss().loss_fn == "importance_sampling" and RLConfig().loss_fn_config() is None
-    with pytest.raises(ValueError, match="unknown RL loss 'grpo'; registered: cispo, importance_sampling, ppo"):
+    with pytest.raises(ValueError, match="unknown RL loss 'grpo'; registered: cispo, dro, gspo, importance_sampling, ppo, stable_reinforce"):
         RLConfig(loss_fn="grpo")
     with pytest.raises(ValueError, match="loss 'ppo': loss_options.epsilon: Extra inputs are not permitted"):
         RLConfig(loss_fn="ppo", loss_options={"epsilon": 0.1})
     with pytest.raises(ValueError, match="unknown advantage estimator 'gae'"):
         RLConfig(advantage_estimator="gae")
+    assert RLConfig(loss_fn="dro", loss_options={"beta": 0.1}).loss_fn_config() == {"beta": 0.1}
+    assert RLConfig(loss_fn="gspo").loss_fn_config() == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+    sr = RLConfig(loss_fn="stable_reinforce", loss_options={"kl_coeff": 0.01})
+    assert sr.provenance and sr.loss_fn_config() == {"kl_coeff": 0.01} and not RLConfig().provenance
 
 
 def test_leave_one_out_baseline_against_the_definition():

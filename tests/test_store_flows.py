@@ -174,7 +174,8 @@ def test_sft_flow_survives_s3_outage_exactly_once(prefect_api, local_credentials
         assert any("retry" in r.getMessage() for r in caplog.records if r.name == "tinker_blocks.s3")
         keys = [(r["step"], r["name"]) for r in before["metrics"]]
         assert len(keys) == len(set(keys))  # no row written twice by a retried PUT
-        train_names = {n for s, n in keys if s == 0 and n.startswith("train/")}
+        # every step's rows: train/*, and the token counts and cost (tokens/*, cost/*)
+        train_names = {n for s, n in keys if s == 0 and n.split("/")[0] in ("train", "tokens", "cost")}
         assert "train/loss" in train_names
         assert set(keys) == {(s, n) for s in range(3) for n in train_names} | {
             (s, f"test/{m}") for s in (0, 3) for m in ("nll", "tokens")}  # no row lost

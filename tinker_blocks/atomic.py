@@ -30,7 +30,12 @@ from typing import Any
 from tinker_local.procs import host_slug, pid_alive
 
 __all__ = [
-    "STALE_TEMP_AGE_S", "WriteError", "atomic_write_bytes", "is_orphan", "parse_temp_name", "sweep_stale_temps",
+    "STALE_TEMP_AGE_S",
+    "WriteError",
+    "atomic_write_bytes",
+    "is_orphan",
+    "parse_temp_name",
+    "sweep_stale_temps",
     "temp_path",
 ]
 
@@ -65,8 +70,7 @@ def parse_temp_name(name: str) -> tuple[str | None, int | None] | None:
     return (m.group("host"), int(m.group("pid"))) if m else (None, None)
 
 
-def is_orphan(name: str, mtime: float | None, *, now: float | None = None,
-              max_age_s: float = STALE_TEMP_AGE_S) -> bool:
+def is_orphan(name: str, mtime: float | None, *, now: float | None = None, max_age_s: float = STALE_TEMP_AGE_S) -> bool:
     """Whether a ``*.tmp`` file is a leftover of a dead writer: written by a process of this host
     that no longer exists, or older than ``max_age_s`` seconds (``mtime`` in epoch seconds; a
     temporary of another host is judged by age only). False for names not ending in ``.tmp`` and
@@ -117,7 +121,7 @@ def atomic_write_bytes(fs: Any, path: str, data: bytes, *, local: bool | None = 
         try:
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
         finally:
             os.close(fd)
         os.replace(tmp, path)

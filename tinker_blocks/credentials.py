@@ -121,7 +121,8 @@ class TinkerCredentials(CredentialsBlock):
         default=None, ge=1, description="Torch threads of the local server; empty uses all cores."
     )
     local_sampler_workers: int = Field(
-        default=0, ge=0,
+        default=0,
+        ge=0,
         description=(
             "Sampler worker processes of the local server: sampling runs apart from training, so "
             "streaming and async RL overlap them; the server's threads are shared between them. 0 = off."
@@ -134,7 +135,9 @@ class TinkerCredentials(CredentialsBlock):
         default=120.0, gt=0, description="Seconds to wait for a starting local server to answer its health check."
     )
     request_deadline_s: float = Field(
-        default=1800.0, gt=0, description="Longest wait in seconds for one request's result before it fails (the server is also checked while waiting)."
+        default=1800.0,
+        gt=0,
+        description="Longest wait in seconds for one request's result before it fails (the server is also checked while waiting).",
     )
 
     @field_validator("api_key")
@@ -311,8 +314,13 @@ def server_command(block: TinkerCredentials, port: int, root: Path) -> list[str]
     with the block's ``local_models``, ``local_device``, ``local_threads``, ``local_sampler_workers``
     and ``local_extra_args``)."""
     return launcher.serve_command(
-        port, root, models=block.local_models, device=block.local_device, threads=block.local_threads,
-        sampler_workers=block.local_sampler_workers, extra_args=block.local_extra_args,
+        port,
+        root,
+        models=block.local_models,
+        device=block.local_device,
+        threads=block.local_threads,
+        sampler_workers=block.local_sampler_workers,
+        extra_args=block.local_extra_args,
     )
 
 
@@ -332,9 +340,13 @@ def ensure_local_server(block: TinkerCredentials) -> dict:
     """
     root = block.resolved_local_root()
     return launcher.ensure_server(
-        root, lambda port: server_command(block, port, root), port=block.local_port,
-        startup_timeout=block.local_startup_timeout, logger=block.logger,
-        api_key=block.api_key.get_secret_value() if block.api_key else LOCAL_API_KEY, on_replace=_forget_clients,
+        root,
+        lambda port: server_command(block, port, root),
+        port=block.local_port,
+        startup_timeout=block.local_startup_timeout,
+        logger=block.logger,
+        api_key=block.api_key.get_secret_value() if block.api_key else LOCAL_API_KEY,
+        on_replace=_forget_clients,
     )
 
 

@@ -51,8 +51,16 @@ from tinker_blocks.store_schemas import validate_run_id
 from tinker_local.procs import host_key, pid_alive, pid_start_ticks
 
 __all__ = [
-    "DEFAULT_LEASE_TIMEOUT_S", "Lease", "LeaseError", "LeaseHeldError", "LeaseInfo", "LeaseLostError",
-    "LeaseState", "acquire_lease", "lease_status", "read_lease",
+    "DEFAULT_LEASE_TIMEOUT_S",
+    "Lease",
+    "LeaseError",
+    "LeaseHeldError",
+    "LeaseInfo",
+    "LeaseLostError",
+    "LeaseState",
+    "acquire_lease",
+    "lease_status",
+    "read_lease",
 ]
 
 log = logging.getLogger(__name__)
@@ -127,8 +135,10 @@ class LeaseInfo:
         """``owner 'u' on host h (pid 12), since 2026-01-02 10:11:12 UTC, last heartbeat 3 s ago``."""
         now = time.time() if now is None else now
         since = _dt.datetime.fromtimestamp(float(self.since), _dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-        return (f"owner {self.owner!r} on host {self.host} (pid {self.pid}), since {since}, "
-                f"last heartbeat {max(now - float(self.heartbeat), 0):.0f} s ago")
+        return (
+            f"owner {self.owner!r} on host {self.host} (pid {self.pid}), since {since}, "
+            f"last heartbeat {max(now - float(self.heartbeat), 0):.0f} s ago"
+        )
 
 
 class _Conflict(Exception):
@@ -248,8 +258,9 @@ class _S3Backend:
             raise _Conflict() from None
 
     def delete(self, version: str) -> None:
-        self._call(lambda: self.fs.call_s3("delete_object", Bucket=self.bucket, Key=self.key, IfMatch=version),
-                   "releasing")
+        self._call(
+            lambda: self.fs.call_s3("delete_object", Bucket=self.bucket, Key=self.key, IfMatch=version), "releasing"
+        )
         self.fs.invalidate_cache(self.path)
 
 
@@ -301,8 +312,13 @@ class Lease:
                 log.error("%s", exc)
                 return
             except Exception as exc:  # a store outage: keep trying until the lease times out
-                log.warning("renewing the lease of run %r at %s failed (%s); retrying in %.0f s",
-                            self.run_id, self.where, exc, self.heartbeat_s)
+                log.warning(
+                    "renewing the lease of run %r at %s failed (%s); retrying in %.0f s",
+                    self.run_id,
+                    self.where,
+                    exc,
+                    self.heartbeat_s,
+                )
 
     def renew(self) -> None:
         """Write a new heartbeat now. Raises :class:`LeaseLostError` when the lease was taken over."""
@@ -325,8 +341,10 @@ class Lease:
         if self.lost:
             now = _backend_read_info(self._backend)
             who = f"; it is now held by {now.describe()}" if now is not None else ""
-            raise LeaseLostError(f"the lease of run {self.run_id!r} at {self.where} was taken over "
-                                 f"after its heartbeats stopped for over {self.info.timeout_s:g} s{who}")
+            raise LeaseLostError(
+                f"the lease of run {self.run_id!r} at {self.where} was taken over "
+                f"after its heartbeats stopped for over {self.info.timeout_s:g} s{who}"
+            )
 
     def release(self) -> None:
         """Stop the heartbeats and delete the lease (if still ours). Idempotent; never raises for
@@ -373,8 +391,15 @@ def _held_error(run_id: str, holder: LeaseInfo, where: str) -> LeaseHeldError:
     )
 
 
-def acquire_lease(store: Any, run_id: str, owner: str | None = None, *, timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
-                  heartbeat_s: float | None = None, wait_s: float = 0.0) -> Lease:
+def acquire_lease(
+    store: Any,
+    run_id: str,
+    owner: str | None = None,
+    *,
+    timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
+    heartbeat_s: float | None = None,
+    wait_s: float = 0.0,
+) -> Lease:
     """Take the lease of ``run_id`` in the training store ``store`` (a store block, a
     :class:`~tinker_blocks.store_io.ParquetStore`, or a root path / ``s3://`` URL).
 
@@ -404,9 +429,16 @@ def acquire_lease(store: Any, run_id: str, owner: str | None = None, *, timeout_
     while races < 100:  # each pass returns, raises, waits for a live lease, or lost a race
         now = time.time()
         info = LeaseInfo(
-            run_id=run_id, token=uuid.uuid4().hex, owner=owner or _user(), host=socket.gethostname(),
-            host_key=host_key(), pid=os.getpid(), pid_start=pid_start_ticks(os.getpid()), since=now,
-            heartbeat=now, timeout_s=float(timeout_s),
+            run_id=run_id,
+            token=uuid.uuid4().hex,
+            owner=owner or _user(),
+            host=socket.gethostname(),
+            host_key=host_key(),
+            pid=os.getpid(),
+            pid_start=pid_start_ticks(os.getpid()),
+            since=now,
+            heartbeat=now,
+            timeout_s=float(timeout_s),
         )
         current = backend.read()
         try:

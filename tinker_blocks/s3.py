@@ -130,8 +130,18 @@ def _botocore_classes() -> tuple[tuple[type, ...], type | None]:
 
 
 _TRANSIENT_CODES = {
-    "SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "RequestTimeTooSkewed",
-    "Throttling", "ThrottlingException", "RequestLimitExceeded", "503", "500", "502", "504",
+    "SlowDown",
+    "ServiceUnavailable",
+    "InternalError",
+    "RequestTimeout",
+    "RequestTimeTooSkewed",
+    "Throttling",
+    "ThrottlingException",
+    "RequestLimitExceeded",
+    "503",
+    "500",
+    "502",
+    "504",
 }
 
 
@@ -186,8 +196,15 @@ def is_transient(exc: BaseException) -> bool:
         if code in _TRANSIENT_CODES:
             return True
         name = type(cur).__name__
-        if name in ("ClientConnectorError", "ServerDisconnectedError", "ClientOSError",
-                    "ServerTimeoutError", "FSTimeoutError", "IncompleteRead", "ResponseParserError"):
+        if name in (
+            "ClientConnectorError",
+            "ServerDisconnectedError",
+            "ClientOSError",
+            "ServerTimeoutError",
+            "FSTimeoutError",
+            "IncompleteRead",
+            "ResponseParserError",
+        ):
             return True
         msg = str(cur)
         if any(c in msg for c in ("SlowDown", "ServiceUnavailable", "InternalError", "Service Unavailable")):
@@ -333,7 +350,7 @@ class PartCacheFS(AbstractFileSystem):
         with self._lock:
             order, i = self._listing.get(key, ([key], 0))
             cached = set(self._lru)
-        for p in order[i + 1:]:
+        for p in order[i + 1 :]:
             if len(batch) > self.readahead_files:
                 break
             if p in cached:
@@ -386,15 +403,39 @@ def _delegate(name: str):
     return method
 
 
-for _name in ("ls", "exists", "isfile", "isdir", "created", "ukey",
-              "checksum", "find", "cat_file", "pipe_file", "rm_file", "rm", "mkdir", "makedirs",
-              "mv", "copy", "put_file", "get_file", "invalidate_cache"):
+for _name in (
+    "ls",
+    "exists",
+    "isfile",
+    "isdir",
+    "created",
+    "ukey",
+    "checksum",
+    "find",
+    "cat_file",
+    "pipe_file",
+    "rm_file",
+    "rm",
+    "mkdir",
+    "makedirs",
+    "mv",
+    "copy",
+    "put_file",
+    "get_file",
+    "invalidate_cache",
+):
     setattr(PartCacheFS, _name, _delegate(_name))
 
 
 #: what DuckDB says (through fsspec, httpfs or the local file system) when a listed file is gone
-_MISSING_PART = ("FileNotFoundError", "No such file or directory", "NoSuchKey", "The specified key does not exist",
-                 "HTTP 404", "No files found that match the pattern")
+_MISSING_PART = (
+    "FileNotFoundError",
+    "No such file or directory",
+    "NoSuchKey",
+    "The specified key does not exist",
+    "HTTP 404",
+    "No files found that match the pattern",
+)
 
 
 def is_missing_part_error(exc: BaseException) -> bool:
@@ -429,7 +470,11 @@ def retry_missing_part(fn: Callable[[], T], *, attempts: int = 4, before_retry: 
 
 
 def execute_retrying(
-    connect: Callable[[], Any], sql: str, params: Any = None, *, attempts: int = 4,
+    connect: Callable[[], Any],
+    sql: str,
+    params: Any = None,
+    *,
+    attempts: int = 4,
     before_retry: Callable[[], None] | None = None,
 ) -> tuple[list[str], list[tuple]]:
     """Run ``sql`` on a fresh connection from ``connect()`` and return ``(column names, rows)``,
@@ -461,8 +506,11 @@ def _httpfs_secret(con: Any, scope: str, opts: Mapping[str, Any]) -> None:
     endpoint = opts.get("endpoint_url")
     if endpoint:
         u = urlparse(endpoint if "://" in endpoint else f"http://{endpoint}")
-        parts += [f"ENDPOINT {_sql_lit(u.netloc)}", "URL_STYLE 'path'",
-                  f"USE_SSL {'true' if u.scheme == 'https' else 'false'}"]
+        parts += [
+            f"ENDPOINT {_sql_lit(u.netloc)}",
+            "URL_STYLE 'path'",
+            f"USE_SSL {'true' if u.scheme == 'https' else 'false'}",
+        ]
     parts.append(f"SCOPE {_sql_lit(scope)}")
     name = "pt_s3_" + format(abs(hash(scope)) % (1 << 40), "x")
     con.execute(f"CREATE OR REPLACE SECRET {name} ({', '.join(parts)})")

@@ -96,7 +96,8 @@ store = TrainingStore(root="s3://bucket/prefix", credentials=s3)
             return cls(
                 aws_access_key_id=block.minio_root_user,
                 aws_secret_access_key=pw.get_secret_value() if pw is not None else None,
-                endpoint_url=endpoint, region_name=region,
+                endpoint_url=endpoint,
+                region_name=region,
             )
         if not hasattr(block, "aws_access_key_id"):
             raise TypeError(
@@ -110,6 +111,9 @@ store = TrainingStore(root="s3://bucket/prefix", credentials=s3)
             secret = block.aws_secret_access_key.get_secret_value() if block.aws_secret_access_key else None
             token = getattr(block, "aws_session_token", None)
         return cls(
-            aws_access_key_id=key, aws_secret_access_key=secret,
-            aws_session_token=token if token else None, endpoint_url=endpoint, region_name=region,
+            aws_access_key_id=key,
+            aws_secret_access_key=secret,
+            aws_session_token=token if token else None,
+            endpoint_url=endpoint,
+            region_name=region,
         )

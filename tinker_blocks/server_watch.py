@@ -102,8 +102,12 @@ class ServerProbe:
             root = credentials.resolved_local_root()
             record = read_record(root)
             if not record:
-                raise ServerGone(f"no local Tinker server is recorded in {root / 'server.json'}",
-                                 url="(none)", reason="not recorded", log_path=str(root / "server.log"))
+                raise ServerGone(
+                    f"no local Tinker server is recorded in {root / 'server.json'}",
+                    url="(none)",
+                    reason="not recorded",
+                    log_path=str(root / "server.log"),
+                )
             return cls(record["base_url"], int(record["pid"]), record.get("log"))
         from tinker.lib.base_url import resolve_base_url  # the SDK's own default and TINKER_BASE_URL
 
@@ -116,8 +120,11 @@ class ServerProbe:
         return None
 
     def gone(self, reason: str, what: str) -> ServerGone:
-        where = f"the local Tinker server at {self.base_url} (pid {self.pid})" if self.pid else \
-            f"the Tinker server at {self.base_url}"
+        where = (
+            f"the local Tinker server at {self.base_url} (pid {self.pid})"
+            if self.pid
+            else f"the Tinker server at {self.base_url}"
+        )
         msg = f"{where} is gone while waiting for {what}: {reason}"
         if self.log_path:
             tail = _tail(self.log_path)
@@ -133,8 +140,15 @@ def _cancel(future: Any) -> None:
         pass
 
 
-def wait_result(future: Any, server: Any, *, deadline_s: float = DEFAULT_DEADLINE_S, poll_s: float = 2.0,
-                unanswered_s: float = 30.0, what: str = "a request") -> Any:
+def wait_result(
+    future: Any,
+    server: Any,
+    *,
+    deadline_s: float = DEFAULT_DEADLINE_S,
+    poll_s: float = 2.0,
+    unanswered_s: float = 30.0,
+    what: str = "a request",
+) -> Any:
     """``future.result()`` of an SDK future (``tinker.APIFuture`` or ``concurrent.futures.Future``),
     watching the server while it is pending (see the module docstring).
 
@@ -173,9 +187,13 @@ def wait_result(future: Any, server: Any, *, deadline_s: float = DEFAULT_DEADLIN
             raise probe.gone(reason, what)
         if now - start > deadline_s:
             _cancel(future)
-            raise ServerDeadline(f"no result for {what} from the Tinker server at {probe.base_url} within "
-                                 f"{deadline_s:g} s (the server answers its health check, but this request "
-                                 "is stuck)", url=probe.base_url, deadline_s=deadline_s)
+            raise ServerDeadline(
+                f"no result for {what} from the Tinker server at {probe.base_url} within "
+                f"{deadline_s:g} s (the server answers its health check, but this request "
+                "is stuck)",
+                url=probe.base_url,
+                deadline_s=deadline_s,
+            )
         if now - last_note >= 60.0:
             log.info("still waiting for %s from %s (%.0f s)", what, probe.base_url, now - start)
             last_note = now

@@ -37,8 +37,18 @@ if TYPE_CHECKING:
     from tinker_blocks.store_io import ParquetStore
 
 __all__ = [
-    "QUARANTINE_DIR", "HealthReport", "Problem", "find_damaged", "forget_parts", "fs_path", "is_damage_error",
-    "known_damaged", "list_parts", "retry_damaged", "scan_parts", "validate_part",
+    "QUARANTINE_DIR",
+    "HealthReport",
+    "Problem",
+    "find_damaged",
+    "forget_parts",
+    "fs_path",
+    "is_damage_error",
+    "known_damaged",
+    "list_parts",
+    "retry_damaged",
+    "scan_parts",
+    "validate_part",
 ]
 
 log = logging.getLogger(__name__)
@@ -82,7 +92,9 @@ class HealthReport:
 
 
 def _short(exc: BaseException) -> str:
-    text = (str(exc).strip().splitlines() or [""])[0].replace("Could not open Parquet input source '<Buffer>': ", "")[:200]
+    text = (str(exc).strip().splitlines() or [""])[0].replace("Could not open Parquet input source '<Buffer>': ", "")[
+        :200
+    ]
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
@@ -121,8 +133,13 @@ def _mark(path: str, reason: str, root: str) -> bool:
         warn = path not in _warned
         _warned.add(path)
     if warn:
-        log.warning("skipping the unreadable part %s (%s); the rest of the store is read as usual. "
-                    "'prefect-tinker store repair --store %s' moves it aside", path, reason, root)
+        log.warning(
+            "skipping the unreadable part %s (%s); the rest of the store is read as usual. "
+            "'prefect-tinker store repair --store %s' moves it aside",
+            path,
+            reason,
+            root,
+        )
     return new
 
 
@@ -142,9 +159,11 @@ def is_damage_error(exc: BaseException) -> bool:
 
     from tinker_blocks.s3 import is_missing_part_error
 
-    if not isinstance(exc, duckdb.Error) or isinstance(
-        exc, (duckdb.CatalogException, duckdb.BinderException, duckdb.ParserException)
-    ) or is_missing_part_error(exc):
+    if (
+        not isinstance(exc, duckdb.Error)
+        or isinstance(exc, (duckdb.CatalogException, duckdb.BinderException, duckdb.ParserException))
+        or is_missing_part_error(exc)
+    ):
         return False
     msg = str(exc)
     return bool(_QUOTED_PARQUET.search(msg)) or "parquet" in msg.lower() or "magic bytes" in msg.lower()
@@ -221,8 +240,13 @@ def find_damaged(exc: BaseException, stores: Sequence[ParquetStore]) -> list[str
     return [p.path for p in scan_parts(fs, entries, root)]
 
 
-def retry_damaged(fn: Callable[[], T], stores: Sequence[ParquetStore], *, attempts: int = 32,
-                  before_retry: Callable[[], None] | None = None) -> T:
+def retry_damaged(
+    fn: Callable[[], T],
+    stores: Sequence[ParquetStore],
+    *,
+    attempts: int = 32,
+    before_retry: Callable[[], None] | None = None,
+) -> T:
     """``fn()``, run again (after ``before_retry()``) each time it fails on a part that
     :func:`find_damaged` then finds unreadable: ``fn`` must read through views or listings that
     leave out :func:`known_damaged` parts. Any other error, or a damage error whose part reads

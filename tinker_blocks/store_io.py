@@ -65,10 +65,25 @@ from tinker_blocks.store_writer import StoreWriter, sanitize_writer_id
 from tinker_blocks.view_sql import cast_columns, dedup_window, deduplicated_select, empty_select, sql_str
 
 __all__ = [
-    "TableSpec", "STORES", "TRAINING_TABLES", "EVAL_TABLES", "CAPTURE_TABLES", "METRICS_SCHEMA",
-    "CHECKPOINTS_SCHEMA", "RUNS_SCHEMA", "EVAL_RESULTS_SCHEMA", "EVAL_SAMPLES_SCHEMA",
-    "CAPTURES_SCHEMA", "ParquetStore", "StoreWriter", "make_row_id", "validate_run_id",
-    "StoreError", "StoreAccessError", "StoreUnavailableError", "default_store_root",
+    "TableSpec",
+    "STORES",
+    "TRAINING_TABLES",
+    "EVAL_TABLES",
+    "CAPTURE_TABLES",
+    "METRICS_SCHEMA",
+    "CHECKPOINTS_SCHEMA",
+    "RUNS_SCHEMA",
+    "EVAL_RESULTS_SCHEMA",
+    "EVAL_SAMPLES_SCHEMA",
+    "CAPTURES_SCHEMA",
+    "ParquetStore",
+    "StoreWriter",
+    "make_row_id",
+    "validate_run_id",
+    "StoreError",
+    "StoreAccessError",
+    "StoreUnavailableError",
+    "default_store_root",
     "resolve_storage_options",
 ]
 
@@ -176,8 +191,7 @@ class ParquetStore:
         """Run a remote call with retries; access errors become :class:`StoreAccessError`."""
         deadline = self.retry_seconds if deadline_s is None else deadline_s
         try:
-            return retry_call(fn, what=f"{what} ({self._where()})", deadline_s=deadline,
-                              max_wait_s=self.retry_max_wait)
+            return retry_call(fn, what=f"{what} ({self._where()})", deadline_s=deadline, max_wait_s=self.retry_max_wait)
         except StoreAccessError:
             raise
         except Exception as exc:
@@ -213,9 +227,7 @@ class ParquetStore:
         flush_seconds: float = 30.0,
     ) -> StoreWriter:
         """A buffered :class:`StoreWriter` for ``table`` (use it as a context manager)."""
-        return StoreWriter(
-            self, table, writer_id=writer_id, flush_rows=flush_rows, flush_seconds=flush_seconds
-        )
+        return StoreWriter(self, table, writer_id=writer_id, flush_rows=flush_rows, flush_seconds=flush_seconds)
 
     def write_part(self, table: str, run_id: str, data: pa.Table, *, writer_id: str, seq: int) -> str:
         """Write ``data`` (rows of one run) as one new immutable part; return its path.
@@ -349,8 +361,12 @@ class ParquetStore:
 
     def _create_views(self, con: duckdb.DuckDBPyConnection) -> None:
         for table in self.tables:  # binding reads a part, which a compaction may delete meanwhile
-            retry_damaged(lambda t=table: retry_missing_part(
-                lambda: self._create_view(con, t), before_retry=self.fs.invalidate_cache), [self])
+            retry_damaged(
+                lambda t=table: retry_missing_part(
+                    lambda: self._create_view(con, t), before_retry=self.fs.invalidate_cache
+                ),
+                [self],
+            )
 
     def _create_view(self, con: duckdb.DuckDBPyConnection, table: str) -> None:
         parts = self.list_parts(table)
@@ -395,8 +411,10 @@ class ParquetStore:
         ("file not found"); it is run again on a fresh listing (up to 4 times), which sees the
         merged part instead. Raises ``duckdb.Error`` for bad SQL, StoreAccessError /
         StoreUnavailableError as :meth:`connect`."""
-        return retry_damaged(lambda: execute_retrying(self.connect, sql, list(params or []),
-                                                      before_retry=self.fs.invalidate_cache), [self])
+        return retry_damaged(
+            lambda: execute_retrying(self.connect, sql, list(params or []), before_retry=self.fs.invalidate_cache),
+            [self],
+        )
 
     def compact(self, table: str, run_id: str, *, writer_id: str = "compact") -> str | None:
         """Merge a run's parts of ``table`` into one deduplicated part, then delete the inputs.
@@ -449,4 +467,3 @@ class ParquetStore:
                     self._remote(lambda p=p: self.fs.rm_file(p), f"deleting the compacted part {self._url(p)}")
             except FileNotFoundError:
                 pass  # already merged away by a concurrent compaction
-

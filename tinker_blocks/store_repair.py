@@ -94,8 +94,9 @@ def _rescan(fs: Any, entries: Mapping[str, Mapping[str, Any]], root: str) -> lis
     return scan_parts(fs, entries, root)
 
 
-def repair_root(root: str, storage_options: Mapping[str, Any] | None = None,
-                report: HealthReport | None = None) -> tuple[HealthReport, str | None]:
+def repair_root(
+    root: str, storage_options: Mapping[str, Any] | None = None, report: HealthReport | None = None
+) -> tuple[HealthReport, str | None]:
     """Move what :func:`check_root` finds (``report`` when given) into
     ``<root>/_quarantine/<UTC time>/<path relative to root>`` and write a ``manifest.json``
     there (original path, kind, size, reason of each). Nothing is deleted. Returns the report and
@@ -114,7 +115,7 @@ def repair_root(root: str, storage_options: Mapping[str, Any] | None = None,
     dest_root = f"{base}/{QUARANTINE_DIR}/{stamp}"
     moved = []
     for p in report.problems:
-        rel = p.path[len(base) + 1:] if p.path.startswith(base + "/") else p.path.lstrip("/")
+        rel = p.path[len(base) + 1 :] if p.path.startswith(base + "/") else p.path.lstrip("/")
         dest = f"{dest_root}/{rel}"
         try:
             fs.makedirs(dest.rsplit("/", 1)[0], exist_ok=True)

@@ -55,112 +55,126 @@ _RUN_ID = _f("run_id", pa.string(), False)
 _TIME = _f("time", TIMESTAMP, False)
 
 # ----- training store ---------------------------------------------------------------------------
-METRICS_SCHEMA = pa.schema([
-    _ROW_ID,
-    _RUN_ID,
-    _f("step", pa.int64(), False),  # optimizer steps taken by the weights that produced the value
-    _f("name", pa.string(), False),  # e.g. "train/loss" (nats per trained token), "test/nll"
-    _f("value", pa.float64()),  # NaN/inf allowed; the unit depends on the metric
-    _TIME,  # when the row was written
-])
-CHECKPOINTS_SCHEMA = pa.schema([
-    _ROW_ID,
-    _RUN_ID,
-    _f("step", pa.int64(), False),  # optimizer steps done when saved
-    _f("name", pa.string(), False),  # checkpoint name, e.g. "step-000100"
-    _f("kind", pa.string(), False),  # "state" (weights + optimizer) | "sampler" (weights to sample)
-    _f("path", pa.string(), False),  # e.g. "tinker://<model_id>/weights/<name>"
-    _TIME,
-    _f("renderer", pa.string()),  # renderer the weights were trained with (added in 0.2; null before)
-])
-RUNS_SCHEMA = pa.schema([
-    _ROW_ID,
-    _RUN_ID,
-    _f("base_model", pa.string()),
-    _f("backend", pa.string()),  # "local" | "remote" | "hosted" (free text)
-    _f("lora_rank", pa.int64()),
-    _f("config_json", pa.string()),  # the flow config as JSON (never secrets)
-    _f("status", pa.string()),  # "running" | "completed" | "failed"
-    _TIME,  # time of this status update
-    # what the run resolved (added in 0.2; null before): recipe, renderer, tokenizer_id,
-    # dataset fingerprint -- compared with a resumed run's own (see prefect_tinker.flows.session)
-    _f("meta_json", pa.string()),
-])
+METRICS_SCHEMA = pa.schema(
+    [
+        _ROW_ID,
+        _RUN_ID,
+        _f("step", pa.int64(), False),  # optimizer steps taken by the weights that produced the value
+        _f("name", pa.string(), False),  # e.g. "train/loss" (nats per trained token), "test/nll"
+        _f("value", pa.float64()),  # NaN/inf allowed; the unit depends on the metric
+        _TIME,  # when the row was written
+    ]
+)
+CHECKPOINTS_SCHEMA = pa.schema(
+    [
+        _ROW_ID,
+        _RUN_ID,
+        _f("step", pa.int64(), False),  # optimizer steps done when saved
+        _f("name", pa.string(), False),  # checkpoint name, e.g. "step-000100"
+        _f("kind", pa.string(), False),  # "state" (weights + optimizer) | "sampler" (weights to sample)
+        _f("path", pa.string(), False),  # e.g. "tinker://<model_id>/weights/<name>"
+        _TIME,
+        _f("renderer", pa.string()),  # renderer the weights were trained with (added in 0.2; null before)
+    ]
+)
+RUNS_SCHEMA = pa.schema(
+    [
+        _ROW_ID,
+        _RUN_ID,
+        _f("base_model", pa.string()),
+        _f("backend", pa.string()),  # "local" | "remote" | "hosted" (free text)
+        _f("lora_rank", pa.int64()),
+        _f("config_json", pa.string()),  # the flow config as JSON (never secrets)
+        _f("status", pa.string()),  # "running" | "completed" | "failed"
+        _TIME,  # time of this status update
+        # what the run resolved (added in 0.2; null before): recipe, renderer, tokenizer_id,
+        # dataset fingerprint -- compared with a resumed run's own (see prefect_tinker.flows.session)
+        _f("meta_json", pa.string()),
+    ]
+)
 
-TRAJECTORIES_SCHEMA = pa.schema([  # a sample of RL rollouts, for inspection
-    _ROW_ID,
-    _RUN_ID,
-    _f("step", pa.int64(), False),  # optimizer steps of the trainer when the group was trained
-    _f("sampler_step", pa.int64()),  # optimizer steps of the weights that sampled it (async: older)
-    _f("batch_index", pa.int64(), False),  # dataset batch and group the problem came from
-    _f("group_index", pa.int64(), False),
-    _f("member", pa.int64(), False),  # index of the trajectory within its group
-    _f("prompt", pa.string()),  # the rendered observation text
-    _f("response", pa.string()),  # the sampled action text (all turns joined for multi-turn envs)
-    _f("reward", pa.float64()),  # total reward (step rewards + group reward)
-    _f("advantage", pa.float64()),  # group-centred advantage used in training
-    _f("metrics_json", pa.string()),  # env metrics (correct, format, ...) and logs as JSON
-    _TIME,
-])
+TRAJECTORIES_SCHEMA = pa.schema(
+    [  # a sample of RL rollouts, for inspection
+        _ROW_ID,
+        _RUN_ID,
+        _f("step", pa.int64(), False),  # optimizer steps of the trainer when the group was trained
+        _f("sampler_step", pa.int64()),  # optimizer steps of the weights that sampled it (async: older)
+        _f("batch_index", pa.int64(), False),  # dataset batch and group the problem came from
+        _f("group_index", pa.int64(), False),
+        _f("member", pa.int64(), False),  # index of the trajectory within its group
+        _f("prompt", pa.string()),  # the rendered observation text
+        _f("response", pa.string()),  # the sampled action text (all turns joined for multi-turn envs)
+        _f("reward", pa.float64()),  # total reward (step rewards + group reward)
+        _f("advantage", pa.float64()),  # group-centred advantage used in training
+        _f("metrics_json", pa.string()),  # env metrics (correct, format, ...) and logs as JSON
+        _TIME,
+    ]
+)
 
 # ----- eval store -------------------------------------------------------------------------------
-EVAL_RESULTS_SCHEMA = pa.schema([
-    _ROW_ID,
-    _RUN_ID,  # the training run whose weights were evaluated (or an eval-only run name)
-    _f("step", pa.int64()),  # optimizer steps of the evaluated weights; null for a base model
-    _f("checkpoint", pa.string()),  # evaluated weights: tinker:// sampler path or a base model name
-    _f("eval_name", pa.string(), False),  # benchmark / task, e.g. "gsm8k", "heldout_nll"
-    _f("metric", pa.string(), False),  # e.g. "accuracy" (fraction 0-1), "nll" (nats per token)
-    _f("value", pa.float64()),
-    _f("num_samples", pa.int64()),  # examples (x samples) the value aggregates
-    _f("config_json", pa.string()),  # eval settings (sampling params, renderer, split) as JSON
-    _TIME,
-])
-EVAL_SAMPLES_SCHEMA = pa.schema([
-    _ROW_ID,
-    _RUN_ID,
-    _f("step", pa.int64()),
-    _f("checkpoint", pa.string()),
-    _f("eval_name", pa.string(), False),
-    _f("example_id", pa.string(), False),  # id or index of the dataset example
-    _f("sample_index", pa.int64()),  # 0.. when several completions are drawn per example
-    _f("prompt", pa.string()),  # the rendered prompt text (or chat messages as JSON)
-    _f("completion", pa.string()),  # the sampled completion text
-    _f("reference", pa.string()),  # the expected answer, when the eval has one
-    _f("score", pa.float64()),  # this sample's score / reward (eval-defined scale)
-    _f("correct", pa.bool_()),  # pass/fail, when the eval grades that way
-    _f("completion_tokens", pa.int64()),
-    _f("extra_json", pa.string()),  # any other per-sample fields as JSON
-    _TIME,
-])
+EVAL_RESULTS_SCHEMA = pa.schema(
+    [
+        _ROW_ID,
+        _RUN_ID,  # the training run whose weights were evaluated (or an eval-only run name)
+        _f("step", pa.int64()),  # optimizer steps of the evaluated weights; null for a base model
+        _f("checkpoint", pa.string()),  # evaluated weights: tinker:// sampler path or a base model name
+        _f("eval_name", pa.string(), False),  # benchmark / task, e.g. "gsm8k", "heldout_nll"
+        _f("metric", pa.string(), False),  # e.g. "accuracy" (fraction 0-1), "nll" (nats per token)
+        _f("value", pa.float64()),
+        _f("num_samples", pa.int64()),  # examples (x samples) the value aggregates
+        _f("config_json", pa.string()),  # eval settings (sampling params, renderer, split) as JSON
+        _TIME,
+    ]
+)
+EVAL_SAMPLES_SCHEMA = pa.schema(
+    [
+        _ROW_ID,
+        _RUN_ID,
+        _f("step", pa.int64()),
+        _f("checkpoint", pa.string()),
+        _f("eval_name", pa.string(), False),
+        _f("example_id", pa.string(), False),  # id or index of the dataset example
+        _f("sample_index", pa.int64()),  # 0.. when several completions are drawn per example
+        _f("prompt", pa.string()),  # the rendered prompt text (or chat messages as JSON)
+        _f("completion", pa.string()),  # the sampled completion text
+        _f("reference", pa.string()),  # the expected answer, when the eval has one
+        _f("score", pa.float64()),  # this sample's score / reward (eval-defined scale)
+        _f("correct", pa.bool_()),  # pass/fail, when the eval grades that way
+        _f("completion_tokens", pa.int64()),
+        _f("extra_json", pa.string()),  # any other per-sample fields as JSON
+        _TIME,
+    ]
+)
 
 # ----- capture store ----------------------------------------------------------------------------
-CAPTURES_SCHEMA = pa.schema([
-    _ROW_ID,
-    _RUN_ID,  # capture session (e.g. the capture server's name or its flow run)
-    _f("request_id", pa.string(), False),  # one per HTTP request; n sequences share it
-    _f("sequence_index", pa.int64(), False),  # 0..n-1 within the request
-    _f("client", pa.string()),  # who called: the /r/<tag>/ path tag, else the request's user, else the User-Agent
-    _f("endpoint", pa.string()),  # "chat.completions" | "completions"
-    _f("model", pa.string()),  # the model name the client asked for
-    _f("checkpoint", pa.string()),  # what was sampled: tinker:// sampler path or base model
-    _f("prompt", pa.string()),  # chat messages as JSON, or the completion prompt text
-    _f("completion", pa.string()),  # generated text of this sequence
-    _f("prompt_tokens", pa.int64()),
-    _f("completion_tokens", pa.int64()),
-    _f("completion_token_ids", pa.list_(pa.int64())),  # sampled token ids (may be null)
-    _f("logprob_sum", pa.float64()),  # sum of sampled-token logprobs, nats
-    _f("logprob_mean", pa.float64()),  # logprob_sum / completion_tokens, nats per token
-    _f("logprob_min", pa.float64()),  # least likely sampled token, nats
-    _f("stop_reason", pa.string()),  # "stop" (stop sequence / EOS) | "length" (max_tokens)
-    _f("latency_ms", pa.float64()),  # request received -> response ready, milliseconds
-    _f("sampling_json", pa.string()),  # temperature, top_p, max_tokens, seed, stop as JSON
-    _f("metadata_json", pa.string()),  # client-supplied metadata / tags as JSON
-    _f("finish_reason", pa.string()),  # what the client was told: "stop" | "length" | "tool_calls"
-    _f("tools_json", pa.string()),  # chat: the tool (function) schemas of the request as JSON
-    _f("response_json", pa.string()),  # chat: {"message": the returned assistant message, ...}
-    _TIME,  # when the response was sent
-])
+CAPTURES_SCHEMA = pa.schema(
+    [
+        _ROW_ID,
+        _RUN_ID,  # capture session (e.g. the capture server's name or its flow run)
+        _f("request_id", pa.string(), False),  # one per HTTP request; n sequences share it
+        _f("sequence_index", pa.int64(), False),  # 0..n-1 within the request
+        _f("client", pa.string()),  # who called: the /r/<tag>/ path tag, else the request's user, else the User-Agent
+        _f("endpoint", pa.string()),  # "chat.completions" | "completions"
+        _f("model", pa.string()),  # the model name the client asked for
+        _f("checkpoint", pa.string()),  # what was sampled: tinker:// sampler path or base model
+        _f("prompt", pa.string()),  # chat messages as JSON, or the completion prompt text
+        _f("completion", pa.string()),  # generated text of this sequence
+        _f("prompt_tokens", pa.int64()),
+        _f("completion_tokens", pa.int64()),
+        _f("completion_token_ids", pa.list_(pa.int64())),  # sampled token ids (may be null)
+        _f("logprob_sum", pa.float64()),  # sum of sampled-token logprobs, nats
+        _f("logprob_mean", pa.float64()),  # logprob_sum / completion_tokens, nats per token
+        _f("logprob_min", pa.float64()),  # least likely sampled token, nats
+        _f("stop_reason", pa.string()),  # "stop" (stop sequence / EOS) | "length" (max_tokens)
+        _f("latency_ms", pa.float64()),  # request received -> response ready, milliseconds
+        _f("sampling_json", pa.string()),  # temperature, top_p, max_tokens, seed, stop as JSON
+        _f("metadata_json", pa.string()),  # client-supplied metadata / tags as JSON
+        _f("finish_reason", pa.string()),  # what the client was told: "stop" | "length" | "tool_calls"
+        _f("tools_json", pa.string()),  # chat: the tool (function) schemas of the request as JSON
+        _f("response_json", pa.string()),  # chat: {"message": the returned assistant message, ...}
+        _TIME,  # when the response was sent
+    ]
+)
 
 
 @dataclass(frozen=True)
@@ -189,7 +203,9 @@ class TableSpec:
 
 TRAINING_TABLES: dict[str, TableSpec] = {
     "metrics": TableSpec(
-        METRICS_SCHEMA, natural_key=("run_id", "step", "name"), required=("run_id", "step", "name"),
+        METRICS_SCHEMA,
+        natural_key=("run_id", "step", "name"),
+        required=("run_id", "step", "name"),
     ),
     "checkpoints": TableSpec(
         CHECKPOINTS_SCHEMA,
@@ -251,8 +267,7 @@ def validate_run_id(run_id: Any) -> str:
     """
     if not isinstance(run_id, str) or not _RUN_ID_RE.match(run_id):
         raise StoreError(
-            f"invalid run_id {run_id!r}: use 1-128 characters from A-Z a-z 0-9 . _ - "
-            "starting with a letter or digit"
+            f"invalid run_id {run_id!r}: use 1-128 characters from A-Z a-z 0-9 . _ - starting with a letter or digit"
         )
     return run_id
 

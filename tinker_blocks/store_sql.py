@@ -58,5 +58,9 @@ def query_stores(
     opts = resolve_storage_options(root, storage_options)
     fs = fsspec.core.url_to_fs(root, **opts)[0]
     ios = [ParquetStore(root, name, storage_options=opts) for name in stores]
-    return retry_damaged(lambda: execute_retrying(lambda: connect_stores(root, stores, opts), sql, list(params or []),
-                                                  before_retry=fs.invalidate_cache), ios)
+    return retry_damaged(
+        lambda: execute_retrying(
+            lambda: connect_stores(root, stores, opts), sql, list(params or []), before_retry=fs.invalidate_cache
+        ),
+        ios,
+    )

@@ -79,7 +79,8 @@ class StoreBlock(Block, ABC):
         description="S3 credentials and endpoint for s3:// roots; empty: the AWS_* environment variables.",
     )
     retry_seconds: float = Field(
-        default=DEFAULT_RETRY_SECONDS, gt=0,
+        default=DEFAULT_RETRY_SECONDS,
+        gt=0,
         description="How long S3 writes keep retrying transient errors (server down, 5xx) before failing.",
     )
 
@@ -136,9 +137,7 @@ class StoreBlock(Block, ABC):
         Use as a context manager; see :class:`~tinker_blocks.store_writer.StoreWriter` for flush
         rules, retries and row-id derivation. Raises ``StoreError`` for an unknown table.
         """
-        return self._io().writer(
-            table, writer_id=writer_id, flush_rows=flush_rows, flush_seconds=flush_seconds
-        )
+        return self._io().writer(table, writer_id=writer_id, flush_rows=flush_rows, flush_seconds=flush_seconds)
 
     def write_rows(self, table: str, rows: list[dict[str, Any]], *, writer_id: str | None = None) -> list[str]:
         """Write ``rows`` of ``table`` now (one part per run); return their row ids."""
@@ -228,12 +227,18 @@ print(store.connect().execute("SELECT * FROM metrics").fetchall())
             config = config.model_dump_json()
         with self.writer("runs", writer_id="run") as w:
             return w.write(
-                run_id=run_id, status=status, base_model=base_model, backend=backend,
-                lora_rank=lora_rank, config_json=config, meta_json=meta,
+                run_id=run_id,
+                status=status,
+                base_model=base_model,
+                backend=backend,
+                lora_rank=lora_rank,
+                config_json=config,
+                meta_json=meta,
             )
 
-    def record_checkpoint(self, run_id: str, *, step: int, name: str, kind: str, path: str,
-                          renderer: str | None = None) -> str:
+    def record_checkpoint(
+        self, run_id: str, *, step: int, name: str, kind: str, path: str, renderer: str | None = None
+    ) -> str:
         """Write one ``checkpoints`` row now (one part); return its row id.
 
         ``kind`` is ``"state"`` (weights + optimizer) or ``"sampler"``; ``path`` the
@@ -253,8 +258,7 @@ print(store.connect().execute("SELECT * FROM metrics").fetchall())
         if kind not in ("state", "sampler"):
             raise StoreError(f"checkpoint kind must be 'state' or 'sampler', got {kind!r}")
         rows = self.query(
-            "SELECT * FROM checkpoints WHERE run_id = ? AND kind = ? "
-            "ORDER BY step DESC, time DESC LIMIT 1",
+            "SELECT * FROM checkpoints WHERE run_id = ? AND kind = ? ORDER BY step DESC, time DESC LIMIT 1",
             [run_id, kind],
         )
         return rows[0] if rows else None
@@ -332,8 +336,14 @@ print(evals.query("SELECT eval_name, metric, value FROM eval_results"))
             config = config.model_dump_json()
         with self.writer("eval_results", writer_id="eval") as w:
             return w.write(
-                run_id=run_id, eval_name=eval_name, metric=metric, value=value, step=step,
-                checkpoint=checkpoint, num_samples=num_samples, config_json=config,
+                run_id=run_id,
+                eval_name=eval_name,
+                metric=metric,
+                value=value,
+                step=step,
+                checkpoint=checkpoint,
+                num_samples=num_samples,
+                config_json=config,
             )
 
 

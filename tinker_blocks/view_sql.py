@@ -21,8 +21,14 @@ def sql_str(s: str) -> str:
     return s.replace("'", "''")
 
 
-_SCALARS = ((pa.types.is_string, "VARCHAR"), (pa.types.is_int64, "BIGINT"), (pa.types.is_int32, "INTEGER"),
-            (pa.types.is_float64, "DOUBLE"), (pa.types.is_float32, "FLOAT"), (pa.types.is_boolean, "BOOLEAN"))
+_SCALARS = (
+    (pa.types.is_string, "VARCHAR"),
+    (pa.types.is_int64, "BIGINT"),
+    (pa.types.is_int32, "INTEGER"),
+    (pa.types.is_float64, "DOUBLE"),
+    (pa.types.is_float32, "FLOAT"),
+    (pa.types.is_boolean, "BOOLEAN"),
+)
 
 
 def duck_type(t: pa.DataType) -> str:
@@ -61,8 +67,10 @@ def deduplicated_select(spec: TableSpec, urls: Sequence[str], *, glob: bool, uni
     parts of older and newer schemas mix).  ``run_id`` comes from the hive partition folders."""
     where = f"'{sql_str(urls[0])}'" if glob else "[" + ", ".join(f"'{sql_str(u)}'" for u in urls) + "]"
     cols = cast_columns(spec)
-    src = (f"read_parquet({where}, hive_partitioning=true, "
-           f"union_by_name={'true' if union_by_name else 'false'}, hive_types={{'run_id': VARCHAR}})")
+    src = (
+        f"read_parquet({where}, hive_partitioning=true, "
+        f"union_by_name={'true' if union_by_name else 'false'}, hive_types={{'run_id': VARCHAR}})"
+    )
     return f"SELECT {cols} FROM {src} QUALIFY {dedup_window(spec)} = 1"
 
 

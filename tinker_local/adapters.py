@@ -46,10 +46,18 @@ def lora_config(model, rank: int, *, mlp: bool, attn: bool, unembed: bool, model
         elif mlp and any(h in p for p in parts for h in _MLP_HINTS):
             targets.append(mname)
     if not targets:
-        raise EngineUserError(f"no LoRA target modules found in {model_name!r} for train_mlp={mlp}, "
-                              f"train_attn={attn}, train_unembed={unembed}")
-    return LoraConfig(r=rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, bias="none",
-                      target_modules=sorted(set(targets)), task_type="CAUSAL_LM")
+        raise EngineUserError(
+            f"no LoRA target modules found in {model_name!r} for train_mlp={mlp}, "
+            f"train_attn={attn}, train_unembed={unembed}"
+        )
+    return LoraConfig(
+        r=rank,
+        lora_alpha=LORA_ALPHA,
+        lora_dropout=0.0,
+        bias="none",
+        target_modules=sorted(set(targets)),
+        task_type="CAUSAL_LM",
+    )
 
 
 def add_adapter(peft_model, model, name: str, cfg, seed: int, device: torch.device):
@@ -103,6 +111,8 @@ def load_sampler_adapter(peft_model, model, name: str, path, device: torch.devic
     missing = [k for k in getattr(res, "missing_keys", []) if f".{name}." in k]
     if missing or getattr(res, "unexpected_keys", []):
         peft_model.delete_adapter(name)
-        raise EngineUserError(f"weights at {str(path)!r} do not fit this base model "
-                              f"(missing {missing[:3]}, unexpected {list(res.unexpected_keys)[:3]})")
+        raise EngineUserError(
+            f"weights at {str(path)!r} do not fit this base model "
+            f"(missing {missing[:3]}, unexpected {list(res.unexpected_keys)[:3]})"
+        )
     return peft_model

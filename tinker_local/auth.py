@@ -60,10 +60,18 @@ class JwtIssuer:
     def mint(self, user: str) -> str:
         """A JWT for user name ``user`` (``sub`` = ``tml:user:<user>``)."""
         now = int(self.clock())
-        claims = {"iss": "tinker_local", "sub": USER_URN_PREFIX + user, "org_id": LOCAL_ORG_ID, "email": "",
-                  "iat": now, "exp": now + int(self.lifetime_s)}
-        head = f"{_b64(json.dumps(_HEADER, separators=(',', ':')).encode())}." \
-               f"{_b64(json.dumps(claims, separators=(',', ':')).encode())}"
+        claims = {
+            "iss": "tinker_local",
+            "sub": USER_URN_PREFIX + user,
+            "org_id": LOCAL_ORG_ID,
+            "email": "",
+            "iat": now,
+            "exp": now + int(self.lifetime_s),
+        }
+        head = (
+            f"{_b64(json.dumps(_HEADER, separators=(',', ':')).encode())}."
+            f"{_b64(json.dumps(claims, separators=(',', ':')).encode())}"
+        )
         return f"{head}.{self._sign(head)}"
 
     def verify(self, token: str) -> dict:
@@ -85,4 +93,4 @@ class JwtIssuer:
         sub = str(self.verify(token).get("sub", ""))
         if not sub.startswith(USER_URN_PREFIX):
             raise InvalidToken("JWT names no tinker_local user")
-        return sub[len(USER_URN_PREFIX):]
+        return sub[len(USER_URN_PREFIX) :]

@@ -30,8 +30,13 @@ ADAPTER_FILE = "adapter_model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 
 
-def write_checkpoint(final: Path, params: dict[str, torch.Tensor], adapter_config: dict, meta: dict,
-                     optimizer: torch.optim.Optimizer | None = None) -> Path:
+def write_checkpoint(
+    final: Path,
+    params: dict[str, torch.Tensor],
+    adapter_config: dict,
+    meta: dict,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> Path:
     """Write a checkpoint directory at ``final`` (replacing an existing one) via a temp dir and
     a rename, so readers never see half-written files.  ``params``: key -> parameter;
     ``optimizer``: the AdamW whose state to store (None: adapter only).  Returns ``final``."""
@@ -91,8 +96,7 @@ def read_adapter(path: Path, params: dict[str, torch.Tensor], model_id: str) -> 
 
     sd = load_file(str(Path(path) / ADAPTER_FILE))
     if set(sd) != set(params) or any(tuple(sd[k].shape) != tuple(params[k].shape) for k in sd):
-        raise EngineUserError(f"checkpoint {str(path)!r} has LoRA rank/targets that do not match "
-                              f"model_id {model_id!r}")
+        raise EngineUserError(f"checkpoint {str(path)!r} has LoRA rank/targets that do not match model_id {model_id!r}")
     return sd
 
 
@@ -104,13 +108,16 @@ def read_optimizer_state(path: Path, params: dict[str, torch.Tensor]) -> dict[to
 
     f = Path(path) / OPTIMIZER_FILE
     if not f.is_file():
-        raise EngineUserError(f"checkpoint {str(path)!r} has no optimizer state "
-                              "(sampler weights?); load it without optimizer")
+        raise EngineUserError(
+            f"checkpoint {str(path)!r} has no optimizer state (sampler weights?); load it without optimizer"
+        )
     osd = load_file(str(f))
     state = {}
     for k, p in params.items():
         if f"{k}::exp_avg" in osd:
-            state[p] = {"step": osd[f"{k}::step"].clone(),
-                        "exp_avg": osd[f"{k}::exp_avg"].to(p.device).clone(),
-                        "exp_avg_sq": osd[f"{k}::exp_avg_sq"].to(p.device).clone()}
+            state[p] = {
+                "step": osd[f"{k}::step"].clone(),
+                "exp_avg": osd[f"{k}::exp_avg"].to(p.device).clone(),
+                "exp_avg_sq": osd[f"{k}::exp_avg_sq"].to(p.device).clone(),
+            }
     return state

@@ -37,49 +37,109 @@ def build_parser(prog: str = "python -m tinker_local") -> argparse.ArgumentParse
     parser = argparse.ArgumentParser(prog=prog, description="Local Tinker-compatible server.")
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="serve the Tinker API on host:port")
-    s.add_argument("--model", action="append", default=[], metavar="M",
-                   help="base model to preload (repeatable): 'tiny', 'smollm2', an HF id or a "
-                        "local HF model directory; others load lazily on create_model")
+    s.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="M",
+        help="base model to preload (repeatable): 'tiny', 'smollm2', an HF id or a "
+        "local HF model directory; others load lazily on create_model",
+    )
     s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
-    s.add_argument("--root", type=Path, default=None,
-                   help="folder for checkpoints, model cache and registry "
-                        "(default $PREFECT_TINKER_HOME or ~/.prefect-tinker)")
-    s.add_argument("--dtype", default="auto", choices=sorted(DTYPES),
-                   help="training/forward compute dtype (default auto: bf16 autocast where the "
-                        "CPU/GPU supports it, else fp32); sampling always runs in fp32")
+    s.add_argument(
+        "--root",
+        type=Path,
+        default=None,
+        help="folder for checkpoints, model cache and registry (default $PREFECT_TINKER_HOME or ~/.prefect-tinker)",
+    )
+    s.add_argument(
+        "--dtype",
+        default="auto",
+        choices=sorted(DTYPES),
+        help="training/forward compute dtype (default auto: bf16 autocast where the "
+        "CPU/GPU supports it, else fp32); sampling always runs in fp32",
+    )
     s.add_argument("--device", default=None, help="torch device (default: cuda if present, else cpu)")
-    s.add_argument("--threads", type=int, default=None,
-                   help="torch threads in all, trainer plus sampler workers (default: all cores)")
-    s.add_argument("--sampler-workers", type=int, default=0, metavar="N",
-                   help="run sampling in N worker processes apart from the trainer, so sampling "
-                        "and training overlap (default 0: one engine serves both in turn); "
-                        "each worker gets --threads // (N + 1) torch threads, the trainer the rest")
+    s.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads in all, trainer plus sampler workers (default: all cores)",
+    )
+    s.add_argument(
+        "--sampler-workers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run sampling in N worker processes apart from the trainer, so sampling "
+        "and training overlap (default 0: one engine serves both in turn); "
+        "each worker gets --threads // (N + 1) torch threads, the trainer the rest",
+    )
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    s.add_argument("--fail-every", type=int, default=None, metavar="N",
-                   help="fault injection: answer every N-th API request with HTTP 503 "
-                        "(default $TINKER_LOCAL_FAIL_EVERY or 0 = off)")
-    s.add_argument("--drop-every", type=int, default=None, metavar="M",
-                   help="fault injection: run every M-th API request, then drop its connection "
-                        "before the response body (default $TINKER_LOCAL_DROP_EVERY or 0 = off)")
-    s.add_argument("--client-side-custom-losses", action="store_true",
-                   help="do not run uploaded custom losses here: the SDK then runs "
-                        "create_custom_loss losses client-side (a forward plus a forward_backward)")
-    s.add_argument("--jwt-auth", action="store_true",
-                   help="exchange API keys for short-lived JWTs (client config pjwt_auth_enabled); "
-                        "RestClient.whoami() needs it")
-    s.add_argument("--tls-cert", type=Path, default=None, metavar="PEM",
-                   help="serve HTTPS with this certificate (chain) file; needs --tls-key")
+    s.add_argument(
+        "--fail-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="fault injection: answer every N-th API request with HTTP 503 "
+        "(default $TINKER_LOCAL_FAIL_EVERY or 0 = off)",
+    )
+    s.add_argument(
+        "--drop-every",
+        type=int,
+        default=None,
+        metavar="M",
+        help="fault injection: run every M-th API request, then drop its connection "
+        "before the response body (default $TINKER_LOCAL_DROP_EVERY or 0 = off)",
+    )
+    s.add_argument(
+        "--client-side-custom-losses",
+        action="store_true",
+        help="do not run uploaded custom losses here: the SDK then runs "
+        "create_custom_loss losses client-side (a forward plus a forward_backward)",
+    )
+    s.add_argument(
+        "--jwt-auth",
+        action="store_true",
+        help="exchange API keys for short-lived JWTs (client config pjwt_auth_enabled); RestClient.whoami() needs it",
+    )
+    s.add_argument(
+        "--tls-cert",
+        type=Path,
+        default=None,
+        metavar="PEM",
+        help="serve HTTPS with this certificate (chain) file; needs --tls-key",
+    )
     s.add_argument("--tls-key", type=Path, default=None, metavar="PEM", help="private key of --tls-cert")
-    s.add_argument("--max-models-per-user", type=int, default=None, metavar="N",
-                   help="live training models a user may hold (default: no limit; over it: 403)")
-    s.add_argument("--max-queued-per-user", type=int, default=None, metavar="N",
-                   help="requests a user may have queued or running (default: no limit; over it: 429)")
-    s.add_argument("--max-checkpoint-bytes-per-user", type=int, default=None, metavar="BYTES",
-                   help="checkpoint bytes a user may store; saves beyond it are refused (403)")
+    s.add_argument(
+        "--max-models-per-user",
+        type=int,
+        default=None,
+        metavar="N",
+        help="live training models a user may hold (default: no limit; over it: 403)",
+    )
+    s.add_argument(
+        "--max-queued-per-user",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests a user may have queued or running (default: no limit; over it: 429)",
+    )
+    s.add_argument(
+        "--max-checkpoint-bytes-per-user",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="checkpoint bytes a user may store; saves beyond it are refused (403)",
+    )
     k = sub.add_parser("keys", help="API keys of a shared server (stored hashed in ROOT/server/api_keys.json)")
-    k.add_argument("--root", type=Path, default=None,
-                   help="the server's folder (default $PREFECT_TINKER_HOME or ~/.prefect-tinker)")
+    k.add_argument(
+        "--root",
+        type=Path,
+        default=None,
+        help="the server's folder (default $PREFECT_TINKER_HOME or ~/.prefect-tinker)",
+    )
     ksub = k.add_subparsers(dest="keys_command", required=True)
     add = ksub.add_parser("add", help="create the key of user NAME and print it (shown only this once)")
     add.add_argument("name")
@@ -87,11 +147,17 @@ def build_parser(prog: str = "python -m tinker_local") -> argparse.ArgumentParse
     ksub.add_parser("list", help="list the users that hold keys (never the keys)")
     rev = ksub.add_parser("revoke", help="delete the key of user NAME")
     rev.add_argument("name")
-    for name, text in (("status", "show the server recorded in ROOT/server.json (exit 1 when none runs)"),
-                       ("stop", "stop the server recorded in ROOT/server.json (SIGTERM, SIGKILL after 5 s)")):
+    for name, text in (
+        ("status", "show the server recorded in ROOT/server.json (exit 1 when none runs)"),
+        ("stop", "stop the server recorded in ROOT/server.json (SIGTERM, SIGKILL after 5 s)"),
+    ):
         p = sub.add_parser(name, help=text, description=text)
-        p.add_argument("--root", type=Path, default=None,
-                       help="the server's folder (local_root; default $PREFECT_TINKER_HOME or ~/.prefect-tinker)")
+        p.add_argument(
+            "--root",
+            type=Path,
+            default=None,
+            help="the server's folder (local_root; default $PREFECT_TINKER_HOME or ~/.prefect-tinker)",
+        )
     return parser
 
 
@@ -125,12 +191,18 @@ def status_or_stop(command: str, root: Path | None) -> int:
         print(f"running: pid {pid}, {url} ({health}), root {root}, log {record.get('log', '?')}")
         return 0
     if alive and not _is_server(record):
-        print(f"error: pid {pid} recorded in {root / 'server.json'} does not look like the local "
-              "server (no health answer, not tinker_local); not stopping it", file=sys.stderr)
+        print(
+            f"error: pid {pid} recorded in {root / 'server.json'} does not look like the local "
+            "server (no health answer, not tinker_local); not stopping it",
+            file=sys.stderr,
+        )
         return 1
     stopped = bool((stop_server(root, timeout=5.0) or {}).get("stopped"))
-    print(f"stopped local server pid {pid} ({url})" if stopped
-          else f"local server pid {pid} ({url}) was not running; removed its stale record")
+    print(
+        f"stopped local server pid {pid} ({url})"
+        if stopped
+        else f"local server pid {pid} ({url}) was not running; removed its stale record"
+    )
     return 0
 
 
@@ -144,8 +216,11 @@ def keys_command(args: argparse.Namespace) -> int:
         if args.keys_command == "add":
             key = store.add(args.name, admin=args.admin)
             print(key)
-            print(f"(key of user {args.name!r}{' (admin)' if args.admin else ''}, stored hashed in {store.path}; "
-                  "it is shown only now)", file=sys.stderr)
+            print(
+                f"(key of user {args.name!r}{' (admin)' if args.admin else ''}, stored hashed in {store.path}; "
+                "it is shown only now)",
+                file=sys.stderr,
+            )
         elif args.keys_command == "revoke":
             store.revoke(args.name)
             print(f"revoked the key of {args.name!r}")
@@ -182,8 +257,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m tinker_local") ->
         return status_or_stop(args.command, args.root)
     if args.command == "keys":
         return keys_command(args)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
         if args.sampler_workers < 0 or (args.threads is not None and args.threads < 1):
             print("error: --sampler-workers must be >= 0 and --threads >= 1", file=sys.stderr)
@@ -204,8 +278,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m tinker_local") ->
                 return 2
         busy = port_unavailable(args.host, args.port)
         if busy:  # before loading any model (seconds to minutes), not after
-            print(f"error: cannot listen on {args.host}:{args.port}: {busy} (pick another --port; "
-                  "'prefect-tinker local status' shows the embedded server)", file=sys.stderr)
+            print(
+                f"error: cannot listen on {args.host}:{args.port}: {busy} (pick another --port; "
+                "'prefect-tinker local status' shows the embedded server)",
+                file=sys.stderr,
+            )
             return 2
         from .faults import FaultConfig
         from .server import InsecureBind, serve
@@ -213,19 +290,31 @@ def main(argv: list[str] | None = None, prog: str = "python -m tinker_local") ->
 
         try:
             env = FaultConfig.from_env()
-            faults = FaultConfig(env.fail_every if args.fail_every is None else args.fail_every,
-                                 env.drop_every if args.drop_every is None else args.drop_every)
+            faults = FaultConfig(
+                env.fail_every if args.fail_every is None else args.fail_every,
+                env.drop_every if args.drop_every is None else args.drop_every,
+            )
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         try:
-            serve(args.model, host=args.host, port=args.port, root=args.root or default_root(),
-                  dtype=DTYPES[args.dtype], device=args.device, num_threads=args.threads,
-                  log_level=args.log_level, faults=faults,
-                  custom_loss_server_side=not args.client_side_custom_losses, jwt_auth=args.jwt_auth,
-                  sampler_workers=args.sampler_workers, tls_cert=args.tls_cert, tls_key=args.tls_key,
-                  limits=Limits(args.max_models_per_user, args.max_queued_per_user,
-                                args.max_checkpoint_bytes_per_user))
+            serve(
+                args.model,
+                host=args.host,
+                port=args.port,
+                root=args.root or default_root(),
+                dtype=DTYPES[args.dtype],
+                device=args.device,
+                num_threads=args.threads,
+                log_level=args.log_level,
+                faults=faults,
+                custom_loss_server_side=not args.client_side_custom_losses,
+                jwt_auth=args.jwt_auth,
+                sampler_workers=args.sampler_workers,
+                tls_cert=args.tls_cert,
+                tls_key=args.tls_key,
+                limits=Limits(args.max_models_per_user, args.max_queued_per_user, args.max_checkpoint_bytes_per_user),
+            )
         except InsecureBind as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -12,8 +12,9 @@ import torch
 logger = logging.getLogger("tinker_local.compute")
 
 
-def fp32_head_logits(model, ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                     keep: torch.Tensor | None = None) -> torch.Tensor:
+def fp32_head_logits(
+    model, ids: torch.Tensor, position_ids: torch.Tensor | None = None, keep: torch.Tensor | None = None
+) -> torch.Tensor:
     """Logits float32 of ``ids`` (B, T): the decoder under the ambient autocast, the output
     projection in fp32 (llama-like models; others: the model's own forward, upcast).
     ``position_ids`` (B, T): passed to the model (packed rows: ``tinker_local.packing``).
@@ -75,8 +76,13 @@ def keep_freed_memory(top_pad_mb: int = 256, trim_threshold_mb: int = 1024) -> b
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     mib = 1 << 20
-    ok = all(mallopt(k, v) == 1 for k, v in ((_M_MMAP_THRESHOLD, 32 * mib),
-                                              (_M_TOP_PAD, top_pad_mb * mib),
-                                              (_M_TRIM_THRESHOLD, trim_threshold_mb * mib)))
+    ok = all(
+        mallopt(k, v) == 1
+        for k, v in (
+            (_M_MMAP_THRESHOLD, 32 * mib),
+            (_M_TOP_PAD, top_pad_mb * mib),
+            (_M_TRIM_THRESHOLD, trim_threshold_mb * mib),
+        )
+    )
     logger.debug("malloc tuning %s", "applied" if ok else "refused")
     return ok

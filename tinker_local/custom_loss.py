@@ -71,17 +71,36 @@ _MATH = """acos asin atan atan2 ceil copysign cos cosh erf erfc exp expm1 fabs f
 isinf isnan lgamma log log10 log1p log2 pow sin sinh sqrt tan tanh trunc""".split()
 _OPERATOR = """abs add and_ eq floordiv ge getitem gt invert le lt matmul mod mul ne neg or_ pos pow
 sub truediv xor""".split()
-TENSOR_METHODS = frozenset("""abs add all amax amin any argmax argmin bool ceil clamp clamp_max
+TENSOR_METHODS = frozenset(
+    """abs add all amax amin any argmax argmin bool ceil clamp clamp_max
 clamp_min clip clone contiguous cos cumsum detach diff dim div double eq exp exp2 expm1 flatten flip
 float floor gather ge gt int isfinite isinf isnan le lerp log log10 log1p log2 log_softmax
 logical_and logical_not logical_or logsumexp long lt masked_fill matmul max maximum mean min
 minimum mul nan_to_num nansum ne neg norm numel permute pow prod reciprocal relu reshape round
 rsqrt sigmoid sign sin size softmax sort sqrt square squeeze std sub sum t tanh topk transpose
-type_as unsqueeze var view view_as where xlogy""".split())
+type_as unsqueeze var view view_as where xlogy""".split()
+)
 TENSOR_ATTRS = frozenset({"shape", "ndim", "dtype", "T", "mT"})
-_DTYPES = {n: getattr(torch, n) for n in ("float32", "float64", "float16", "bfloat16", "int64",
-                                          "int32", "int16", "int8", "uint8", "bool", "long", "int",
-                                          "float", "double", "half")}
+_DTYPES = {
+    n: getattr(torch, n)
+    for n in (
+        "float32",
+        "float64",
+        "float16",
+        "bfloat16",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint8",
+        "bool",
+        "long",
+        "int",
+        "float",
+        "double",
+        "half",
+    )
+}
 _MEMORY_FORMATS = {n: getattr(torch, n) for n in ("contiguous_format", "preserve_format")}
 
 
@@ -129,8 +148,10 @@ def _safe_pow(a: Any, b: Any) -> Any:
 
 def _safe_getattr(obj: Any, attr: Any, *default: Any) -> Any:
     if not isinstance(obj, torch.Tensor) or attr not in TENSOR_ATTRS or default:
-        raise CustomLossError(f"getattr({type(obj).__name__}, {attr!r}) is not allowed; a custom "
-                              f"loss may read {sorted(TENSOR_ATTRS)} of a tensor")
+        raise CustomLossError(
+            f"getattr({type(obj).__name__}, {attr!r}) is not allowed; a custom "
+            f"loss may read {sorted(TENSOR_ATTRS)} of a tensor"
+        )
     return getattr(obj, attr)
 
 
@@ -154,7 +175,7 @@ def _decode(where: str, v: Any) -> Any:
         return [_decode(where, x) for x in v]
     if not isinstance(v, dict) or len(v) != 1:
         raise CustomLossError(f"{where}: cannot decode argument {str(v)[:80]!r}")
-    (key, x), = v.items()
+    ((key, x),) = v.items()
     if key == "ref" and isinstance(x, str):
         return Ref(x)
     if key == "tuple" and isinstance(x, list):
@@ -264,16 +285,22 @@ def compile_graph(name: str, inputs: Any, graph: Any) -> CompiledLoss:
         elif op == "call_function":
             fn = ALLOWED_FUNCTIONS.get(target)
             if fn is None:
-                raise CustomLossError(f"{where}: calls {target!r}, which tinker_local does not run; a "
-                                      "server-side custom loss may call listed torch, "
-                                      "torch.nn.functional, math and operator functions only")
+                raise CustomLossError(
+                    f"{where}: calls {target!r}, which tinker_local does not run; a "
+                    "server-side custom loss may call listed torch, "
+                    "torch.nn.functional, math and operator functions only"
+                )
             if fn is _safe_getattr and (len(args) != 2 or args[1] not in TENSOR_ATTRS):
-                raise CustomLossError(f"{where}: getattr of {args[1:]!r} is not allowed; a custom loss "
-                                      f"may read {sorted(TENSOR_ATTRS)} of a tensor")
+                raise CustomLossError(
+                    f"{where}: getattr of {args[1:]!r} is not allowed; a custom loss "
+                    f"may read {sorted(TENSOR_ATTRS)} of a tensor"
+                )
         elif op == "call_method":
             if target not in TENSOR_METHODS:
-                raise CustomLossError(f"{where}: calls tensor method {target!r}, which tinker_local does "
-                                      "not run (no in-place, autograd, host-transfer or unlisted methods)")
+                raise CustomLossError(
+                    f"{where}: calls tensor method {target!r}, which tinker_local does "
+                    "not run (no in-place, autograd, host-transfer or unlisted methods)"
+                )
             if not args or not isinstance(args[0], Ref):
                 raise CustomLossError(f"{where}: method {target!r} must be called on a node's value")
         elif op == "output":
@@ -283,8 +310,9 @@ def compile_graph(name: str, inputs: Any, graph: Any) -> CompiledLoss:
         seen.add(nname)
         nodes.append(_Node(op, nname, target, fn, args, kwargs))
     if placeholders != [n for n, _ in ins]:
-        raise CustomLossError(f"{who}: the graph's parameters {placeholders} do not match its inputs "
-                              f"{[n for n, _ in ins]}")
+        raise CustomLossError(
+            f"{who}: the graph's parameters {placeholders} do not match its inputs {[n for n, _ in ins]}"
+        )
     if output is None or len(output) != 1 or not isinstance(output[0], (tuple, list)) or len(output[0]) != 2:
         raise CustomLossError(f"{who}: the graph must end in an output node returning (loss, metrics)")
     loss_ref, metrics = output[0]
@@ -292,8 +320,9 @@ def compile_graph(name: str, inputs: Any, graph: Any) -> CompiledLoss:
         raise CustomLossError(f"{who}: the output must be (loss tensor, {{metric: tensor}})")
     for key, ref in metrics.items():
         if not _METRIC_KEY.match(key) or not isinstance(ref, Ref):
-            raise CustomLossError(f"{who}: metric {key!r} must be named custom/<name>:sum or "
-                                  "custom/<name>:mean and be a tensor")
+            raise CustomLossError(
+                f"{who}: metric {key!r} must be named custom/<name>:sum or custom/<name>:mean and be a tensor"
+            )
     return CompiledLoss(str(name), ins, [n for n in nodes if n.op != "output"], loss_ref, metrics)
 
 
@@ -344,8 +373,9 @@ class BoundLoss:
             except CustomLossError as e:
                 raise CustomLossError(f"{who}, node {node.name}: {e}") from None
             except Exception as e:
-                raise CustomLossError(f"{who}, node {node.name} ({node.target}) failed: "
-                                      f"{type(e).__name__}: {e}") from None
+                raise CustomLossError(
+                    f"{who}, node {node.name} ({node.target}) failed: {type(e).__name__}: {e}"
+                ) from None
             env[node.name] = value
         loss = env[self.loss.loss_ref.name]
         if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
@@ -358,25 +388,31 @@ class BoundLoss:
         self._metrics[i] = out
         return loss
 
-    def prepare(self, i: int, raw_inputs: dict[str, np.ndarray], target: torch.Tensor,
-                device: torch.device) -> dict[str, Any]:
+    def prepare(
+        self, i: int, raw_inputs: dict[str, np.ndarray], target: torch.Tensor, device: torch.device
+    ) -> dict[str, Any]:
         """Datum ``i``'s inputs as tensors of their declared ranks (float32 / int64 as sent);
         CustomLossError naming the datum and the field otherwise."""
         out: dict[str, Any] = {"__index__": i}
         lp_rank = self.loss.inputs[0][1]
         if target.ndim != lp_rank:
-            raise CustomLossError(f"datum {i}: target_tokens has rank {target.ndim}, but loss "
-                                  f"{self.loss.name!r} declared logprobs with rank {lp_rank}")
+            raise CustomLossError(
+                f"datum {i}: target_tokens has rank {target.ndim}, but loss "
+                f"{self.loss.name!r} declared logprobs with rank {lp_rank}"
+            )
         for iname, rank in self.loss.inputs[1:]:
             if iname not in raw_inputs:
-                raise CustomLossError(f"datum {i} has no loss_fn_inputs[{iname!r}], which loss "
-                                      f"{self.loss.name!r} takes")
+                raise CustomLossError(
+                    f"datum {i} has no loss_fn_inputs[{iname!r}], which loss {self.loss.name!r} takes"
+                )
             a = np.asarray(raw_inputs[iname])
             if rank == 0 and a.size == 1:
                 a = a.reshape(())
             if a.ndim != rank:
-                raise CustomLossError(f"datum {i}: loss_fn_inputs[{iname!r}] has rank {a.ndim}, but loss "
-                                      f"{self.loss.name!r} declared it with rank {rank}")
+                raise CustomLossError(
+                    f"datum {i}: loss_fn_inputs[{iname!r}] has rank {a.ndim}, but loss "
+                    f"{self.loss.name!r} declared it with rank {rank}"
+                )
             if a.dtype.kind == "f":
                 a = a.astype(np.float32, copy=False)
             elif a.dtype.kind in "iub":

@@ -54,8 +54,8 @@ from .packing import pack_microbatches, packed_batch, packing_supported
 
 SMALL_WORK = 1e9  # parameter x token products below which a forward/backward runs on one thread
 
-__all__ = ["Engine", "Datum", "FwdResult", "SampleResult", "EngineUserError", "UnknownModelError",
-           "checkpoint_info"]
+__all__ = ["Engine", "Datum", "FwdResult", "SampleResult", "EngineUserError", "UnknownModelError", "checkpoint_info"]
+
 
 @dataclass
 class _Base:
@@ -97,8 +97,7 @@ class Engine(SamplingMixin):
     """LoRA training and sampling over local base models; see the module docstring.  Sampling
     (``sample``, ``sample_many``): ``tinker_local.engine_sampling``."""
 
-    def __init__(self, root: Path, *, device: str | None = None, dtype: str = "auto",
-                 num_threads: int | None = None):
+    def __init__(self, root: Path, *, device: str | None = None, dtype: str = "auto", num_threads: int | None = None):
         """``root``: folder for checkpoints and the model cache (created).  ``device``: torch
         device string (default "cuda" when available, else "cpu").  ``dtype``: "auto" | "fp32" |
         "bf16" for training/forward compute (ValueError otherwise).  ``num_threads``: torch
@@ -136,12 +135,24 @@ class Engine(SamplingMixin):
         ``{"base_model", "tokenizer_id", "max_context", "vocab_size"}``.  Raises EngineUserError."""
         with self._lock:
             b = self._base(base_model)
-            return {"base_model": base_model, "tokenizer_id": b.spec.tokenizer_dir,
-                    "max_context": b.spec.max_context, "vocab_size": b.spec.vocab_size}
+            return {
+                "base_model": base_model,
+                "tokenizer_id": b.spec.tokenizer_dir,
+                "max_context": b.spec.max_context,
+                "vocab_size": b.spec.vocab_size,
+            }
 
-    def create_model(self, model_id: str, base_model: str, lora_rank: int, *, seed: int | None,
-                     train_mlp: bool = True, train_attn: bool = True,
-                     train_unembed: bool = True) -> None:
+    def create_model(
+        self,
+        model_id: str,
+        base_model: str,
+        lora_rank: int,
+        *,
+        seed: int | None,
+        train_mlp: bool = True,
+        train_attn: bool = True,
+        train_unembed: bool = True,
+    ) -> None:
         """Create training model ``model_id``: a fresh LoRA adapter of rank ``lora_rank`` over
         ``base_model`` (loaded on first use), with a fresh AdamW state at step 0.  ``seed`` fixes
         the adapter init (None: random).  Raises EngineUserError for a duplicate/invalid id, an
@@ -156,16 +167,27 @@ class Engine(SamplingMixin):
                 raise EngineUserError("at least one of train_mlp, train_attn, train_unembed must be true")
             b = self._base(base_model)
             seed = int(seed) if seed is not None else secrets.randbelow(2**31)
-            cfg = lora_config(b.model, lora_rank, mlp=train_mlp, attn=train_attn,
-                              unembed=train_unembed, model_name=b.spec.name)
+            cfg = lora_config(
+                b.model, lora_rank, mlp=train_mlp, attn=train_attn, unembed=train_unembed, model_name=b.spec.name
+            )
             b.counter += 1
             name = f"t{b.counter}"
             b.peft = add_adapter(b.peft, b.model, name, cfg, seed, self.device)
             b.active = None
             params = adapter_params(b.peft, name)
-            self._models[model_id] = _Train(model_id, base_model, b.spec.name, name, lora_rank,
-                                            bool(train_mlp), bool(train_attn), bool(train_unembed),
-                                            seed, params, _new_adamw(params))
+            self._models[model_id] = _Train(
+                model_id,
+                base_model,
+                b.spec.name,
+                name,
+                lora_rank,
+                bool(train_mlp),
+                bool(train_attn),
+                bool(train_unembed),
+                seed,
+                params,
+                _new_adamw(params),
+            )
 
     def delete_model(self, model_id: str) -> None:
         """Drop ``model_id`` (its adapter and optimizer state); checkpoints on disk stay."""
@@ -187,22 +209,30 @@ class Engine(SamplingMixin):
         with self._lock:
             st = self._train(model_id)
             b = self._bases[st.base_key]
-            return {"model_id": model_id, "base_model": st.base_name, "lora_rank": st.lora_rank,
-                    "arch": getattr(b.model.config, "model_type", None),
-                    "tokenizer_id": b.spec.tokenizer_dir, "max_context": b.spec.max_context,
-                    "vocab_size": b.spec.vocab_size, "train_mlp": st.train_mlp,
-                    "train_attn": st.train_attn, "train_unembed": st.train_unembed, "step": st.step}
+            return {
+                "model_id": model_id,
+                "base_model": st.base_name,
+                "lora_rank": st.lora_rank,
+                "arch": getattr(b.model.config, "model_type", None),
+                "tokenizer_id": b.spec.tokenizer_dir,
+                "max_context": b.spec.max_context,
+                "vocab_size": b.spec.vocab_size,
+                "train_mlp": st.train_mlp,
+                "train_attn": st.train_attn,
+                "train_unembed": st.train_unembed,
+                "step": st.step,
+            }
 
     # ------------------------------------------------------------------ forward / backward
 
-    def forward(self, model_id: str, datums: list[Datum], loss_fn: str,
-                loss_fn_config: dict | None) -> FwdResult:
+    def forward(self, model_id: str, datums: list[Datum], loss_fn: str, loss_fn_config: dict | None) -> FwdResult:
         """Logprobs and loss of ``datums`` under ``model_id`` without touching gradients.
         See ``forward_backward`` for shapes and errors."""
         return self._run(model_id, datums, loss_fn, loss_fn_config, backward=False)
 
-    def forward_backward(self, model_id: str, datums: list[Datum], loss_fn: str,
-                         loss_fn_config: dict | None) -> FwdResult:
+    def forward_backward(
+        self, model_id: str, datums: list[Datum], loss_fn: str, loss_fn_config: dict | None
+    ) -> FwdResult:
         """Like ``forward``, and also add d(loss:sum)/d(adapter params) to the gradients (they
         accumulate over calls until ``optim_step``).  ``loss_fn``: a name of
         ``tinker_local.losses`` or a per-datum loss object with ``prepare(i, raw inputs,
@@ -235,10 +265,19 @@ class Engine(SamplingMixin):
                 inputs = {k: v for k, v in d.inputs.items() if k == "target_tokens"} if custom else d.inputs
                 tokens, media = d.tokens, None
                 if getattr(d, "chunks", None) or self._media(b) is not None:  # images / audio: tinker_local.media
-                    tokens, media = resolve_chunks(self._media(b), getattr(d, "chunks", None) or [d.tokens],
-                                                   f"datum {i}: model_input", spec.name)
-                toks, tgt, inp = check_datum(i, tokens, inputs, "cross_entropy" if custom else loss_fn,
-                                             spec.vocab_size, spec.max_context, spec.name, self.device)
+                    tokens, media = resolve_chunks(
+                        self._media(b), getattr(d, "chunks", None) or [d.tokens], f"datum {i}: model_input", spec.name
+                    )
+                toks, tgt, inp = check_datum(
+                    i,
+                    tokens,
+                    inputs,
+                    "cross_entropy" if custom else loss_fn,
+                    spec.vocab_size,
+                    spec.max_context,
+                    spec.name,
+                    self.device,
+                )
                 prepared.append((toks, tgt, loss_fn.prepare(i, d.inputs, tgt, self.device) if custom else inp, media))
             self._activate(b, st)
             work = b.n_params * sum(len(p[0]) for p in prepared)
@@ -248,7 +287,7 @@ class Engine(SamplingMixin):
             budget = self.max_batch_tokens or max(256, min(16384, 2**27 // max(spec.vocab_size, 1)))
             lengths = [len(p[0]) for p in prepared]
             packed = self.packing and self._packs(b)
-            for group in (pack_microbatches(lengths, budget) if packed else microbatches(lengths, budget)):
+            for group in pack_microbatches(lengths, budget) if packed else microbatches(lengths, budget):
                 with torch.set_grad_enabled(backward):
                     if packed:
                         mb, lps = self._packed_logprobs(b, group, prepared)
@@ -300,8 +339,9 @@ class Engine(SamplingMixin):
             tgt[a:z, : t.shape[1]] = t
         tgt = tgt.to(self.device)
         with self._autocast():
-            logits = fp32_head_logits(b.model, pb.ids.to(self.device), pb.position_ids.to(self.device),
-                                      pb.keep.to(self.device))  # (N, V) float32
+            logits = fp32_head_logits(
+                b.model, pb.ids.to(self.device), pb.position_ids.to(self.device), pb.keep.to(self.device)
+            )  # (N, V) float32
         lp = logits.gather(-1, tgt) - torch.logsumexp(logits, dim=-1, keepdim=True)  # (N, K)
         out = []
         for i, (a, z) in zip(pb.items, pb.spans):
@@ -311,9 +351,17 @@ class Engine(SamplingMixin):
 
     # ------------------------------------------------------------------ optimizer
 
-    def optim_step(self, model_id: str, *, learning_rate: float, beta1: float = 0.9,
-                   beta2: float = 0.95, eps: float = 1e-12, weight_decay: float = 0.0,
-                   grad_clip_norm: float = 0.0) -> dict[str, float]:
+    def optim_step(
+        self,
+        model_id: str,
+        *,
+        learning_rate: float,
+        beta1: float = 0.9,
+        beta2: float = 0.95,
+        eps: float = 1e-12,
+        weight_decay: float = 0.0,
+        grad_clip_norm: float = 0.0,
+    ) -> dict[str, float]:
         """One AdamW step on the accumulated gradients of ``model_id``, then zero them.
 
         Semantics (Tinker ``AdamParams``): if ``grad_clip_norm > 0`` the gradients are scaled by
@@ -326,8 +374,12 @@ class Engine(SamplingMixin):
             st = self._train(model_id)
             # element-wise updates of a LoRA: OpenMP barriers cost more than a second core gives
             self._threads(1 if sum(p.numel() for p in st.params.values()) < 2e7 else None)
-            for k, v in (("learning_rate", learning_rate), ("eps", eps),
-                         ("weight_decay", weight_decay), ("grad_clip_norm", grad_clip_norm)):
+            for k, v in (
+                ("learning_rate", learning_rate),
+                ("eps", eps),
+                ("weight_decay", weight_decay),
+                ("grad_clip_norm", grad_clip_norm),
+            ):
                 if not (float(v) >= 0.0 and np.isfinite(float(v))):
                     raise EngineUserError(f"{k} must be a finite number >= 0, got {v!r}")
             for k, v in (("beta1", beta1), ("beta2", beta2)):
@@ -335,18 +387,24 @@ class Engine(SamplingMixin):
                     raise EngineUserError(f"{k} must be in [0, 1), got {v!r}")
             params = list(st.params.values())
             grads = [p.grad for p in params if p.grad is not None]
-            norm = float(torch.linalg.vector_norm(torch.stack(
-                [torch.linalg.vector_norm(g.float()) for g in grads]))) if grads else 0.0
+            norm = (
+                float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+                if grads
+                else 0.0
+            )
             if grad_clip_norm > 0 and grads:
                 torch.nn.utils.clip_grad_norm_(params, max_norm=float(grad_clip_norm))
             for g in st.optimizer.param_groups:
-                g.update(lr=float(learning_rate), betas=(float(beta1), float(beta2)),
-                         eps=float(eps), weight_decay=float(weight_decay))
+                g.update(
+                    lr=float(learning_rate),
+                    betas=(float(beta1), float(beta2)),
+                    eps=float(eps),
+                    weight_decay=float(weight_decay),
+                )
             st.optimizer.step()
             st.optimizer.zero_grad(set_to_none=True)
             st.step += 1
-            return {"grad_norm:mean": norm, "learning_rate:mean": float(learning_rate),
-                    "step:max": float(st.step)}
+            return {"grad_norm:mean": norm, "learning_rate:mean": float(learning_rate), "step:max": float(st.step)}
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -396,15 +454,23 @@ class Engine(SamplingMixin):
             meta = checkpoint_info(path)
             created = model_id not in self._models
             if created:
-                self.create_model(model_id, meta["base_model"], int(meta["lora_rank"]),
-                                  seed=int(meta.get("seed") or 0), train_mlp=meta["train_mlp"],
-                                  train_attn=meta["train_attn"], train_unembed=meta["train_unembed"])
+                self.create_model(
+                    model_id,
+                    meta["base_model"],
+                    int(meta["lora_rank"]),
+                    seed=int(meta.get("seed") or 0),
+                    train_mlp=meta["train_mlp"],
+                    train_attn=meta["train_attn"],
+                    train_unembed=meta["train_unembed"],
+                )
             st = self._train(model_id)
             try:
                 if self._canonical(meta["base_model"]) != st.base_key:
-                    raise EngineUserError(f"checkpoint {str(path)!r} is for base model "
-                                          f"{meta['base_model']!r}; model_id {model_id!r} uses "
-                                          f"{st.base_name!r}")
+                    raise EngineUserError(
+                        f"checkpoint {str(path)!r} is for base model "
+                        f"{meta['base_model']!r}; model_id {model_id!r} uses "
+                        f"{st.base_name!r}"
+                    )
                 sd = read_adapter(path, st.params, model_id)
                 opt_state = read_optimizer_state(path, st.params) if with_optimizer else {}
             except EngineUserError:
@@ -423,14 +489,23 @@ class Engine(SamplingMixin):
         b = self._bases[st.base_key]
         cfg = b.peft.peft_config[st.adapter].to_dict()
         cfg["base_model_name_or_path"] = b.spec.model_dir or b.spec.name
-        meta = {"format": 1, "kind": kind, "model_id": st.model_id, "name": name,
-                "base_model": st.base_name, "base_model_canonical": st.base_key,
-                "lora_rank": st.lora_rank, "lora_alpha": LORA_ALPHA, "train_mlp": st.train_mlp,
-                "train_attn": st.train_attn, "train_unembed": st.train_unembed,
-                "seed": st.seed, "step": st.step}
+        meta = {
+            "format": 1,
+            "kind": kind,
+            "model_id": st.model_id,
+            "name": name,
+            "base_model": st.base_name,
+            "base_model_canonical": st.base_key,
+            "lora_rank": st.lora_rank,
+            "lora_alpha": LORA_ALPHA,
+            "train_mlp": st.train_mlp,
+            "train_attn": st.train_attn,
+            "train_unembed": st.train_unembed,
+            "seed": st.seed,
+            "step": st.step,
+        }
         final = self.root / "checkpoints" / st.model_id / kind / name
-        return write_checkpoint(final, st.params, cfg, meta,
-                                optimizer=st.optimizer if with_optimizer else None)
+        return write_checkpoint(final, st.params, cfg, meta, optimizer=st.optimizer if with_optimizer else None)
 
     # ------------------------------------------------------------------ internals
 
@@ -487,5 +562,4 @@ class Engine(SamplingMixin):
 
 def _new_adamw(params: dict[str, torch.nn.Parameter]) -> torch.optim.AdamW:
     # hyperparameters are set at every optim_step; these are Tinker's defaults
-    return torch.optim.AdamW(list(params.values()), lr=0.0, betas=(0.9, 0.95), eps=1e-12,
-                             weight_decay=0.0)
+    return torch.optim.AdamW(list(params.values()), lr=0.0, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)

@@ -37,13 +37,26 @@ MAX_PROMPT_ALT_TOKENS_K = 1024  # most draws per prompt position (prompt_alt_tok
 class SamplingMixin:
     """``sample`` / ``sample_many`` for ``Engine`` (uses its lock, bases, device, threads)."""
 
-    def sample(self, base_model: str | None, weights_path: Path | None, prompt_tokens: list[int], *,
-               num_samples: int, max_tokens: int, temperature: float = 1.0, top_k: int = -1,
-               top_p: float = 1.0, seed: int | None = None,
-               stop: list[str] | list[int] | str | None = None,
-               include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0,
-               topk_sample_logprobs: int = 0, prompt_logprobs_last_n: int | None = None,
-               target_prompt_logprobs=None, prompt_alt_tokens_k: int = 0) -> SampleResult:
+    def sample(
+        self,
+        base_model: str | None,
+        weights_path: Path | None,
+        prompt_tokens: list[int],
+        *,
+        num_samples: int,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_k: int = -1,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: list[str] | list[int] | str | None = None,
+        include_prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+        topk_sample_logprobs: int = 0,
+        prompt_logprobs_last_n: int | None = None,
+        target_prompt_logprobs=None,
+        prompt_alt_tokens_k: int = 0,
+    ) -> SampleResult:
         """Sample ``num_samples`` continuations of ``prompt_tokens`` (len P >= 1; or a list of
         chunks, token lists and ``MediaChunk`` s, for a media model) from the base model, or from
         sampler/state weights at ``weights_path`` (then ``base_model`` may be None:
@@ -59,13 +72,28 @@ class SamplingMixin:
         k draws per prompt position after the first (``tinker_local.sampling._prompt_outputs``).
         Raises EngineUserError: unknown model/path, base model not matching the weights, token
         outside the vocabulary, P + max_tokens - 1 beyond the context, bad parameter values."""
-        (res,) = self.sample_many([dict(
-            base_model=base_model, weights_path=weights_path, prompt_tokens=prompt_tokens,
-            num_samples=num_samples, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-            top_p=top_p, seed=seed, stop=stop, include_prompt_logprobs=include_prompt_logprobs,
-            topk_prompt_logprobs=topk_prompt_logprobs, topk_sample_logprobs=topk_sample_logprobs,
-            prompt_logprobs_last_n=prompt_logprobs_last_n, target_prompt_logprobs=target_prompt_logprobs,
-            prompt_alt_tokens_k=prompt_alt_tokens_k)])
+        (res,) = self.sample_many(
+            [
+                dict(
+                    base_model=base_model,
+                    weights_path=weights_path,
+                    prompt_tokens=prompt_tokens,
+                    num_samples=num_samples,
+                    max_tokens=max_tokens,
+                    temperature=temperature,
+                    top_k=top_k,
+                    top_p=top_p,
+                    seed=seed,
+                    stop=stop,
+                    include_prompt_logprobs=include_prompt_logprobs,
+                    topk_prompt_logprobs=topk_prompt_logprobs,
+                    topk_sample_logprobs=topk_sample_logprobs,
+                    prompt_logprobs_last_n=prompt_logprobs_last_n,
+                    target_prompt_logprobs=target_prompt_logprobs,
+                    prompt_alt_tokens_k=prompt_alt_tokens_k,
+                )
+            ]
+        )
         if isinstance(res, BaseException):
             raise res
         return res
@@ -98,29 +126,53 @@ class SamplingMixin:
                         except Exception as e:  # fails this chunk only
                             outs = [e] * len(chunk)
                         for (i, _), out in zip(chunk, outs):
-                            results[i] = out if isinstance(out, Exception) else SampleResult(
-                                out["sequences"], out["prompt_logprobs"], out["topk_prompt_logprobs"],
-                                out["target_prompt_logprobs"], out["prompt_alt_tokens"],
-                                out["prompt_cache_hit_tokens"])
+                            results[i] = (
+                                out
+                                if isinstance(out, Exception)
+                                else SampleResult(
+                                    out["sequences"],
+                                    out["prompt_logprobs"],
+                                    out["topk_prompt_logprobs"],
+                                    out["target_prompt_logprobs"],
+                                    out["prompt_alt_tokens"],
+                                    out["prompt_cache_hit_tokens"],
+                                )
+                            )
             finally:
                 self._threads()
             return results
 
-    def _prepare_sample(self, base_model, weights_path, prompt_tokens, *, num_samples, max_tokens,
-                        temperature=1.0, top_k=-1, top_p=1.0, seed=None, stop=None,
-                        include_prompt_logprobs=False, topk_prompt_logprobs=0, topk_sample_logprobs=0,
-                        prompt_logprobs_last_n=None, target_prompt_logprobs=None, prompt_alt_tokens_k=0):
+    def _prepare_sample(
+        self,
+        base_model,
+        weights_path,
+        prompt_tokens,
+        *,
+        num_samples,
+        max_tokens,
+        temperature=1.0,
+        top_k=-1,
+        top_p=1.0,
+        seed=None,
+        stop=None,
+        include_prompt_logprobs=False,
+        topk_prompt_logprobs=0,
+        topk_sample_logprobs=0,
+        prompt_logprobs_last_n=None,
+        target_prompt_logprobs=None,
+        prompt_alt_tokens_k=0,
+    ):
         """Validate one request -> (base, weights path | None, weights cache key, SampleRequest)."""
         wkey = None
         if weights_path is not None:
             weights_path = Path(weights_path)
             meta = checkpoint_info(weights_path)
             if base_model and self._canonical(base_model) != self._canonical(meta["base_model"]):
-                raise EngineUserError(f"weights {str(weights_path)!r} are for base model "
-                                      f"{meta['base_model']!r}, not {base_model!r}")
+                raise EngineUserError(
+                    f"weights {str(weights_path)!r} are for base model {meta['base_model']!r}, not {base_model!r}"
+                )
             base_model = base_model or meta["base_model"]
-            wkey = (str(weights_path.resolve()),
-                    (weights_path / "adapter_model.safetensors").stat().st_mtime_ns)
+            wkey = (str(weights_path.resolve()), (weights_path / "adapter_model.safetensors").stat().st_mtime_ns)
         if not base_model:
             raise EngineUserError("sample needs base_model or weights_path")
         b = self._base(base_model)
@@ -129,14 +181,15 @@ class SamplingMixin:
             prompt_tokens, media = resolve_chunks(self._media(b), prompt_tokens, "prompt", b.spec.name)
         elif self._media(b) is not None:  # text only: still no media placeholder ids in it
             prompt_tokens, media = resolve_chunks(self._media(b), [prompt_tokens], "prompt", b.spec.name)
-        prompt = check_tokens("prompt_tokens", prompt_tokens, b.spec.vocab_size,
-                              b.spec.max_context, b.spec.name)
+        prompt = check_tokens("prompt_tokens", prompt_tokens, b.spec.vocab_size, b.spec.max_context, b.spec.name)
         for k, v in (("num_samples", num_samples), ("max_tokens", max_tokens)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise EngineUserError(f"{k} must be a positive integer, got {v!r}")
         if len(prompt) + max_tokens - 1 > b.spec.max_context:  # the last token is not fed back
-            raise EngineUserError(f"prompt length {len(prompt)} + max_tokens {max_tokens} exceeds "
-                                  f"the context of {b.spec.name!r} ({b.spec.max_context} tokens)")
+            raise EngineUserError(
+                f"prompt length {len(prompt)} + max_tokens {max_tokens} exceeds "
+                f"the context of {b.spec.name!r} ({b.spec.max_context} tokens)"
+            )
         if not (0.0 < float(top_p) <= 1.0):
             raise EngineUserError(f"top_p must be in (0, 1], got {top_p!r}")
         if not (float(temperature) >= 0.0):
@@ -144,24 +197,48 @@ class SamplingMixin:
         for k, v in (("topk_prompt_logprobs", topk_prompt_logprobs), ("topk_sample_logprobs", topk_sample_logprobs)):
             if int(v) < 0:
                 raise EngineUserError(f"{k} must be >= 0, got {v!r}")
-        if prompt_logprobs_last_n is not None and (isinstance(prompt_logprobs_last_n, bool) or
-                                                   not isinstance(prompt_logprobs_last_n, int) or prompt_logprobs_last_n < 0):
-            raise EngineUserError(f"prompt_logprobs_last_n must be a non-negative integer, got {prompt_logprobs_last_n!r}")
+        if prompt_logprobs_last_n is not None and (
+            isinstance(prompt_logprobs_last_n, bool)
+            or not isinstance(prompt_logprobs_last_n, int)
+            or prompt_logprobs_last_n < 0
+        ):
+            raise EngineUserError(
+                f"prompt_logprobs_last_n must be a non-negative integer, got {prompt_logprobs_last_n!r}"
+            )
         if int(topk_prompt_logprobs) > MAX_TOPK_PROMPT_LOGPROBS:
-            raise EngineUserError(f"topk_prompt_logprobs must be between 0 and {MAX_TOPK_PROMPT_LOGPROBS} "
-                                  f"(tinker_local's limit), got {topk_prompt_logprobs!r}")
+            raise EngineUserError(
+                f"topk_prompt_logprobs must be between 0 and {MAX_TOPK_PROMPT_LOGPROBS} "
+                f"(tinker_local's limit), got {topk_prompt_logprobs!r}"
+            )
         target = _check_target(target_prompt_logprobs, len(prompt), b.spec.vocab_size)
-        if isinstance(prompt_alt_tokens_k, bool) or not isinstance(prompt_alt_tokens_k, int) or not (
-                0 <= prompt_alt_tokens_k <= MAX_PROMPT_ALT_TOKENS_K):
-            raise EngineUserError(f"prompt_alt_tokens_k must be an integer between 0 and {MAX_PROMPT_ALT_TOKENS_K} "
-                                  f"(tinker_local's limit), got {prompt_alt_tokens_k!r}")
+        if (
+            isinstance(prompt_alt_tokens_k, bool)
+            or not isinstance(prompt_alt_tokens_k, int)
+            or not (0 <= prompt_alt_tokens_k <= MAX_PROMPT_ALT_TOKENS_K)
+        ):
+            raise EngineUserError(
+                f"prompt_alt_tokens_k must be an integer between 0 and {MAX_PROMPT_ALT_TOKENS_K} "
+                f"(tinker_local's limit), got {prompt_alt_tokens_k!r}"
+            )
         if (target is not None or prompt_alt_tokens_k) and len(prompt) < 2:
             raise EngineUserError("target_prompt_logprobs / prompt_alt_tokens_k need a prompt of at least 2 tokens")
-        req = SampleRequest(prompt, num_samples, max_tokens, float(temperature), int(top_k),
-                            float(top_p), int(seed) if seed is not None else secrets.randbelow(2**63),
-                            make_stop_spec(stop, _eos_ids(b)), bool(include_prompt_logprobs),
-                            int(topk_prompt_logprobs), int(topk_sample_logprobs), prompt_logprobs_last_n,
-                            media=media or None, target_prompt=target, prompt_alt_k=prompt_alt_tokens_k)
+        req = SampleRequest(
+            prompt,
+            num_samples,
+            max_tokens,
+            float(temperature),
+            int(top_k),
+            float(top_p),
+            int(seed) if seed is not None else secrets.randbelow(2**63),
+            make_stop_spec(stop, _eos_ids(b)),
+            bool(include_prompt_logprobs),
+            int(topk_prompt_logprobs),
+            int(topk_sample_logprobs),
+            prompt_logprobs_last_n,
+            media=media or None,
+            target_prompt=target,
+            prompt_alt_k=prompt_alt_tokens_k,
+        )
         return b, weights_path, wkey, req
 
     def _sample_chunk(self, b, path: Path | None, reqs: list[SampleRequest]) -> list[dict]:
@@ -178,8 +255,9 @@ class SamplingMixin:
             if reqs[0].media:  # a media prompt is sampled alone (one prefill with its payloads)
                 extra = prefill_kwargs(b.model, self._media(b), reqs[0].prompt, reqs[0].media, self.device)
         with ctx, torch.no_grad():
-            return sample_batch(b.model, b.tokenizer, reqs, device=self.device,
-                                decode_threads=1 if small else None, prefill_extra=extra)
+            return sample_batch(
+                b.model, b.tokenizer, reqs, device=self.device, decode_threads=1 if small else None, prefill_extra=extra
+            )
 
     def _activate_sampler(self, b, path: Path) -> None:
         key = (str(path.resolve()), (path / "adapter_model.safetensors").stat().st_mtime_ns)
@@ -212,8 +290,11 @@ def _chunks(items: list[tuple[int, SampleRequest]], vocab: int) -> list[list[tup
         n, p, own = req.num_samples, len(req.prompt), req.logit_positions
         m = max(longest, p)
         k = None if need is None or own is None else max(need, own)
-        if cur and (rows + n > MAX_BATCH_ROWS or m * (len(cur) + 1) > MAX_PREFILL_TOKENS
-                    or min(m, k or m) * (len(cur) + 1) * vocab > MAX_PROMPT_LOGITS):
+        if cur and (
+            rows + n > MAX_BATCH_ROWS
+            or m * (len(cur) + 1) > MAX_PREFILL_TOKENS
+            or min(m, k or m) * (len(cur) + 1) * vocab > MAX_PROMPT_LOGITS
+        ):
             out.append(cur)
             cur, rows, m, k = [], 0, p, own
         cur.append(item)
@@ -227,7 +308,7 @@ def _chunks(items: list[tuple[int, SampleRequest]], vocab: int) -> list[list[tup
 def _eos_ids(b) -> set[int]:
     ids = set()
     eos = getattr(b.model.generation_config, "eos_token_id", None)
-    for e in (eos if isinstance(eos, (list, tuple)) else [eos]):
+    for e in eos if isinstance(eos, (list, tuple)) else [eos]:
         if e is not None:
             ids.add(int(e))
     if b.tokenizer.eos_token_id is not None:
@@ -242,10 +323,13 @@ def _check_target(target, prompt_len: int, vocab: int) -> np.ndarray | None:
         return None
     arr = np.asarray(target)
     if arr.ndim != 2 or arr.shape[0] != prompt_len - 1 or arr.dtype.kind not in "iu":
-        raise EngineUserError(f"target_prompt_logprobs must be an integer array of shape [len(prompt) - 1, K] = "
-                              f"[{prompt_len - 1}, K], got {arr.dtype} {list(arr.shape)}")
+        raise EngineUserError(
+            f"target_prompt_logprobs must be an integer array of shape [len(prompt) - 1, K] = "
+            f"[{prompt_len - 1}, K], got {arr.dtype} {list(arr.shape)}"
+        )
     if arr.size and (arr.min() < -1 or arr.max() >= vocab):
         bad = int(arr.min()) if arr.min() < -1 else int(arr.max())
-        raise EngineUserError(f"target_prompt_logprobs: token id {bad} is outside the vocabulary [0, {vocab}) "
-                              "(-1 requests nothing)")
+        raise EngineUserError(
+            f"target_prompt_logprobs: token id {bad} is outside the vocabulary [0, {vocab}) (-1 requests nothing)"
+        )
     return arr.astype(np.int64)

@@ -69,9 +69,8 @@ class FaultState:
         self._lock = threading.Lock()
 
     def decide(self, path: str) -> str | None:
-        """"fail", "drop" or None for the next request to ``path`` (counts it)."""
-        if not path.startswith(self.prefix) or path in (f"{self.prefix}/healthz",
-                                                         f"{self.prefix}/local_stats"):
+        """The action for the next request to ``path``: "fail", "drop" or None (counts it)."""
+        if not path.startswith(self.prefix) or path in (f"{self.prefix}/healthz", f"{self.prefix}/local_stats"):
             return None
         with self._lock:
             self.counts["requests"] += 1
@@ -100,9 +99,13 @@ class FaultInjector:
         if action == "fail":
             logger.info("fault injection: 503 for %s", scope.get("path"))
             body = json.dumps({"detail": "injected fault (tinker_local --fail-every)"}).encode()
-            await send({"type": "http.response.start", "status": 503,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(body)).encode())]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 503,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+                }
+            )
             await send({"type": "http.response.body", "body": body})
             return None
 

@@ -100,8 +100,7 @@ class Job:
 class FutureRecord:
     """State of one request id; ``event`` fires (on the server loop) when it completes."""
 
-    def __init__(self, request_id: str, kind: str, loop: asyncio.AbstractEventLoop | None,
-                 user: str = LOCAL_USER):
+    def __init__(self, request_id: str, kind: str, loop: asyncio.AbstractEventLoop | None, user: str = LOCAL_USER):
         self.request_id = request_id
         self.kind = kind
         self.user = user  # only this user may poll it
@@ -143,8 +142,7 @@ class FutureStore:
         batch_quiet_s, batch_max_wait_s: linger of a batchable job (see the module docstring).
     """
 
-    def __init__(self, gap_timeout_s: float = 30.0, batch_quiet_s: float = 0.02,
-                 batch_max_wait_s: float = 0.1):
+    def __init__(self, gap_timeout_s: float = 30.0, batch_quiet_s: float = 0.02, batch_max_wait_s: float = 0.1):
         self.gap_timeout_s = gap_timeout_s
         self.batch_quiet_s = batch_quiet_s
         self.batch_max_wait_s = batch_max_wait_s
@@ -177,8 +175,9 @@ class FutureStore:
             self._thread.start()
             for name, n in self._side_n.items():
                 for k in range(n):
-                    t = threading.Thread(target=self._run_side, args=(name,), daemon=True,
-                                         name=f"tinker-local-{name}-{k}")
+                    t = threading.Thread(
+                        target=self._run_side, args=(name,), daemon=True, name=f"tinker-local-{name}-{k}"
+                    )
                     t.start()
                     self._side_threads.append(t)
 
@@ -214,11 +213,20 @@ class FutureStore:
         with self._cv:
             return self._dedupe.get((model_id, seq_id))
 
-    def submit(self, kind: str, fn: Callable[[], Any] | None, *, model_id: str | None = None,
-               seq_id: int | None = None, dedupe_key: tuple[str, int] | None = None,
-               batch_key: Any = None, payload: Any = None,
-               batch_fn: Callable[[list[Any]], list[Any]] | None = None,
-               max_linger_s: float | None = None, executor: str | None = None) -> str:
+    def submit(
+        self,
+        kind: str,
+        fn: Callable[[], Any] | None,
+        *,
+        model_id: str | None = None,
+        seq_id: int | None = None,
+        dedupe_key: tuple[str, int] | None = None,
+        batch_key: Any = None,
+        payload: Any = None,
+        batch_fn: Callable[[list[Any]], list[Any]] | None = None,
+        max_linger_s: float | None = None,
+        executor: str | None = None,
+    ) -> str:
         """Queue ``fn`` and return its request id (a repeated dedupe key returns the first id).
 
         With ``model_id`` and ``seq_id`` the job joins that model's ordered lane; otherwise it
@@ -245,8 +253,19 @@ class FutureStore:
             self._records[rid] = FutureRecord(rid, kind, self._loop, user)
             if dedupe_key is not None:
                 self._dedupe[dedupe_key] = rid
-            job = Job(rid, kind, fn, model_id, seq_id, next(self._order), batch_key=batch_key,
-                      payload=payload, batch_fn=batch_fn, max_linger_s=max_linger_s, user=user)
+            job = Job(
+                rid,
+                kind,
+                fn,
+                model_id,
+                seq_id,
+                next(self._order),
+                batch_key=batch_key,
+                payload=payload,
+                batch_fn=batch_fn,
+                max_linger_s=max_linger_s,
+                user=user,
+            )
             if batch_key is not None:
                 self._last_batchable = time.monotonic()
             if executor is not None:
@@ -256,8 +275,9 @@ class FutureStore:
                 if lane is None:  # unknown model (e.g. after a restart): start where it starts
                     lane = self._lanes[model_id] = _Lane(seq_id)
                 if seq_id < lane.next_seq:
-                    logger.warning("model %s: seq_id %d arrived after %d ran; running it now",
-                                   model_id, seq_id, lane.next_seq - 1)
+                    logger.warning(
+                        "model %s: seq_id %d arrived after %d ran; running it now", model_id, seq_id, lane.next_seq - 1
+                    )
                     self._fifo.append(job)
                 else:
                     lane.pending[seq_id] = job
@@ -279,8 +299,7 @@ class FutureStore:
         submission), so that the model's next request does not wait for it."""
         if (model_id, seq_id) in self._dedupe:
             return
-        self.submit("refused", lambda: Outcome(error=reason, category="user"),
-                    model_id=model_id, seq_id=seq_id)
+        self.submit("refused", lambda: Outcome(error=reason, category="user"), model_id=model_id, seq_id=seq_id)
 
     def mark_delivered(self, request_id: str) -> None:
         """Note that a result was answered to a poll (it is then kept ``RETRIEVED_TTL_S``)."""
@@ -311,9 +330,12 @@ class FutureStore:
     # -- compute thread --------------------------------------------------------------------------
     def _purge_locked(self) -> None:
         now = time.time()
-        old = [rid for rid, r in self._records.items()
-               if (r.completed_at is not None and now - r.completed_at > RESULT_TTL_S)
-               or (r.delivered_at is not None and now - r.delivered_at > RETRIEVED_TTL_S)]
+        old = [
+            rid
+            for rid, r in self._records.items()
+            if (r.completed_at is not None and now - r.completed_at > RESULT_TTL_S)
+            or (r.delivered_at is not None and now - r.delivered_at > RETRIEVED_TTL_S)
+        ]
         for rid in old:
             del self._records[rid]
         if old:
@@ -435,8 +457,11 @@ class FutureStore:
         while not self._stop:
             now = time.monotonic()
             quiet = now - self._last_batchable
-            if (quiet >= window and not self._incoming) or now >= deadline \
-                    or self._others_waiting_locked(first.user, fifo):
+            if (
+                (quiet >= window and not self._incoming)
+                or now >= deadline
+                or self._others_waiting_locked(first.user, fifo)
+            ):
                 break
             # woken early by submit() and by incoming(-1)
             self._cv.wait(timeout=min(window - quiet if quiet < window else bound, deadline - now))
@@ -459,8 +484,9 @@ class FutureStore:
         thread's FIFO, in a model's lane)."""
         if any(j.user != user for j in fifo):
             return True
-        return fifo is self._fifo and any(j.user != user for lane in self._lanes.values()
-                                          for j in lane.pending.values())
+        return fifo is self._fifo and any(
+            j.user != user for lane in self._lanes.values() for j in lane.pending.values()
+        )
 
     def _execute_batch(self, jobs: list[Job]) -> list[Outcome]:
         """Run ``jobs`` through their ``batch_fn``; per-job exceptions fail that job only."""
@@ -473,8 +499,9 @@ class FutureStore:
             results = [e] * len(jobs)
         outcomes = []
         for job, res in zip(jobs, results):
-            outcomes.append(self._execute(Job(job.request_id, job.kind, lambda r=res: _raise_or(r),
-                                              job.model_id, job.seq_id)))
+            outcomes.append(
+                self._execute(Job(job.request_id, job.kind, lambda r=res: _raise_or(r), job.model_id, job.seq_id))
+            )
         return outcomes
 
     @staticmethod
@@ -493,12 +520,16 @@ class FutureStore:
                 outcome = Outcome(error=f"{type(e).__name__}: {e}", category="user")
                 logger.info("%s %s failed (user error): %s", job.kind, job.request_id, e)
             else:
-                outcome = Outcome(error=f"internal error in {job.kind}: {type(e).__name__}: {e}",
-                                  category="server")
+                outcome = Outcome(error=f"internal error in {job.kind}: {type(e).__name__}: {e}", category="server")
                 logger.error("%s %s failed:\n%s", job.kind, job.request_id, traceback.format_exc())
-        logger.info("%s %s%s done in %.3fs%s", job.kind, job.request_id,
-                    f" (model {job.model_id} seq {job.seq_id})" if job.seq_id is not None else "",
-                    time.monotonic() - t0, " [error]" if outcome.error else "")
+        logger.info(
+            "%s %s%s done in %.3fs%s",
+            job.kind,
+            job.request_id,
+            f" (model {job.model_id} seq {job.seq_id})" if job.seq_id is not None else "",
+            time.monotonic() - t0,
+            " [error]" if outcome.error else "",
+        )
         return outcome
 
 

@@ -17,8 +17,9 @@ def check_name(what: str, value) -> None:
     """Names that become path components (model ids, checkpoint names): ``[A-Za-z0-9][A-Za-z0-9._-]*``,
     at most 200 characters, no ``..``; EngineUserError otherwise."""
     if not isinstance(value, str) or not _NAME_RE.match(value) or ".." in value:
-        raise EngineUserError(f"{what} {value!r} must match [A-Za-z0-9][A-Za-z0-9._-]* (no '..', "
-                              "at most 200 characters)")
+        raise EngineUserError(
+            f"{what} {value!r} must match [A-Za-z0-9][A-Za-z0-9._-]* (no '..', at most 200 characters)"
+        )
 
 
 def check_tokens(what: str, tokens, vocab_size: int, max_context: int, model: str) -> list[int]:
@@ -31,18 +32,17 @@ def check_tokens(what: str, tokens, vocab_size: int, max_context: int, model: st
     if not toks:
         raise EngineUserError(f"{what} is empty")
     if len(toks) > max_context:
-        raise EngineUserError(f"{what} has {len(toks)} tokens, longer than the context of "
-                              f"{model!r} ({max_context})")
+        raise EngineUserError(f"{what} has {len(toks)} tokens, longer than the context of {model!r} ({max_context})")
     lo, hi = min(toks), max(toks)
     if lo < 0 or hi >= vocab_size:
         bad = lo if lo < 0 else hi
-        raise EngineUserError(f"{what}: token id {bad} is outside the vocabulary [0, {vocab_size}) "
-                              f"of {model!r}")
+        raise EngineUserError(f"{what}: token id {bad} is outside the vocabulary [0, {vocab_size}) of {model!r}")
     return toks
 
 
-def check_datum(i: int, tokens, inputs: dict, loss_fn: str, vocab_size: int, max_context: int,
-                model: str, device: torch.device):
+def check_datum(
+    i: int, tokens, inputs: dict, loss_fn: str, vocab_size: int, max_context: int, model: str, device: torch.device
+):
     """Validate datum ``i`` and convert it: returns ``(tokens list (N,), target_tokens int64
     tensor (N,) or (N, K) on CPU, {input name: float32 tensor on device})``.  Every loss input
     must be shaped like target_tokens (clip thresholds may be scalars).  Raises EngineUserError
@@ -54,12 +54,15 @@ def check_datum(i: int, tokens, inputs: dict, loss_fn: str, vocab_size: int, max
         raise EngineUserError(f"datum {i}: loss_fn_inputs has no 'target_tokens'")
     tgt = np.asarray(inputs["target_tokens"])
     if tgt.ndim not in (1, 2) or tgt.shape[0] != n or tgt.dtype.kind not in "iu":
-        raise EngineUserError(f"datum {i}: target_tokens must be integer (N,) or (N, K) with N = "
-                              f"{n} (model input length), got {tgt.dtype} {tgt.shape}")
+        raise EngineUserError(
+            f"datum {i}: target_tokens must be integer (N,) or (N, K) with N = "
+            f"{n} (model input length), got {tgt.dtype} {tgt.shape}"
+        )
     if tgt.size and (tgt.min() < 0 or tgt.max() >= vocab_size):
         bad = int(tgt.min()) if tgt.min() < 0 else int(tgt.max())
-        raise EngineUserError(f"datum {i}: target token id {bad} is outside the vocabulary "
-                              f"[0, {vocab_size}) of {model!r}")
+        raise EngineUserError(
+            f"datum {i}: target token id {bad} is outside the vocabulary [0, {vocab_size}) of {model!r}"
+        )
     out = {}
     for k, v in inputs.items():
         if k == "target_tokens":
@@ -72,8 +75,9 @@ def check_datum(i: int, tokens, inputs: dict, loss_fn: str, vocab_size: int, max
             out[k] = torch.tensor(float(a.reshape(())), device=device)
             continue
         if a.shape != tgt.shape:
-            raise EngineUserError(f"datum {i}: loss_fn_inputs[{k!r}] has shape {a.shape}, "
-                                  f"expected {tgt.shape} (like target_tokens)")
+            raise EngineUserError(
+                f"datum {i}: loss_fn_inputs[{k!r}] has shape {a.shape}, expected {tgt.shape} (like target_tokens)"
+            )
         if not np.isfinite(a).all():
             raise EngineUserError(f"datum {i}: loss_fn_inputs[{k!r}] contains NaN or inf")
         out[k] = torch.from_numpy(np.ascontiguousarray(a)).to(device)

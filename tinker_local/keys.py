@@ -74,8 +74,9 @@ class KeyStore:
         if not isinstance(entries, dict):
             raise ValueError(f"{self.path}: expected a JSON object of name -> key record")
         self._entries = entries
-        self._by_digest = {e["sha256"]: KeyEntry(n, e.get("created", ""), bool(e.get("admin")))
-                           for n, e in entries.items()}
+        self._by_digest = {
+            e["sha256"]: KeyEntry(n, e.get("created", ""), bool(e.get("admin"))) for n, e in entries.items()
+        }
         self._stamp = stamp
 
     def _write_locked(self) -> None:
@@ -119,15 +120,19 @@ class KeyStore:
                 or digit), or already has a key (revoke it first).
         """
         if not NAME_RE.match(name):
-            raise KeyStoreError(f"key name {name!r}: use 1-64 letters, digits, '_', '.', '-' "
-                            "(starting with a letter or digit)")
+            raise KeyStoreError(
+                f"key name {name!r}: use 1-64 letters, digits, '_', '.', '-' (starting with a letter or digit)"
+            )
         key = KEY_PREFIX + secrets.token_urlsafe(32)
         with self._lock:
             self._refresh_locked()
             if name in self._entries:
                 raise KeyStoreError(f"a key named {name!r} exists already (revoke it first)")
-            self._entries[name] = {"sha256": _digest(key), "admin": bool(admin),
-                                   "created": datetime.now(UTC).isoformat(timespec="seconds")}
+            self._entries[name] = {
+                "sha256": _digest(key),
+                "admin": bool(admin),
+                "created": datetime.now(UTC).isoformat(timespec="seconds"),
+            }
             self._write_locked()
         return key
 

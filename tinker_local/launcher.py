@@ -144,7 +144,6 @@ def _file_lock(path: Path) -> Iterator[None]:
         yield
 
 
-
 @functools.lru_cache(maxsize=1)
 def server_identity() -> dict[str, str]:
     """What a server started by this process would run: ``python`` (the interpreter, symlinks
@@ -182,8 +181,12 @@ def active_sessions(base_url: str, api_key: str) -> int:
     minute (the server's ``active`` status, ``POST /api/v1/sessions/search``) or, not finished,
     created within the last minute (the SDK's first heartbeat comes 10 s after); 0 when it cannot
     tell."""
-    req = urllib.request.Request(base_url + "/api/v1/sessions/search", data=json.dumps({"limit": 200}).encode(),
-                                 headers={"Content-Type": "application/json", "X-API-Key": api_key}, method="POST")
+    req = urllib.request.Request(
+        base_url + "/api/v1/sessions/search",
+        data=json.dumps({"limit": 200}).encode(),
+        headers={"Content-Type": "application/json", "X-API-Key": api_key},
+        method="POST",
+    )
     try:
         with urllib.request.urlopen(req, timeout=5.0) as resp:  # noqa: S310
             sessions = json.loads(resp.read()).get("sessions") or []
@@ -247,8 +250,9 @@ def ensure_server(
                     f"and {busy} live session(s) still use it; let them finish, then 'prefect-tinker local stop' "
                     f"(or give another backend.local_root)"
                 )
-            (logger or _log).warning("Restarting the embedded local server %s (pid %s): %s",
-                                     record["base_url"], record["pid"], change)
+            (logger or _log).warning(
+                "Restarting the embedded local server %s (pid %s): %s", record["base_url"], record["pid"], change
+            )
             if on_replace is not None:
                 on_replace(record)
             terminate(int(record["pid"]), timeout=10.0)
@@ -268,8 +272,13 @@ def ensure_server(
             log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(cmd)}\n".encode())
             log.flush()
             proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                cwd=str(root), env=env, start_new_session=True,
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=str(root),
+                env=env,
+                start_new_session=True,
             )
         (logger or _log).info("Starting local Tinker server on %s (pid %d, log %s)", base_url, proc.pid, log_path)
         deadline = time.monotonic() + startup_timeout
@@ -287,8 +296,13 @@ def ensure_server(
                 )
             time.sleep(0.1)
         record = {
-            "pid": proc.pid, "port": port, "base_url": base_url, "log": str(log_path),
-            "started_at": time.time(), "command": cmd, "identity": server_identity(),
+            "pid": proc.pid,
+            "port": port,
+            "base_url": base_url,
+            "log": str(log_path),
+            "started_at": time.time(),
+            "command": cmd,
+            "identity": server_identity(),
         }
         tmp = root / (SERVER_FILE + ".tmp")
         tmp.write_text(json.dumps(record, indent=2))

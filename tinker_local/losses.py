@@ -135,7 +135,8 @@ REFUSED: dict[str, str] = {
         "(tinker-docs.thinkingmachines.ai/tinker/losses/stable-reinforce/) describes its inputs (provenance "
         "spans, record_stability_info sampling, loss_fn_config kl_coeff) but not its objective in a form that "
         "can be reproduced; the provenance of this request was checked and is valid. Use 'importance_sampling', "
-        "'ppo', 'cispo', 'dro' or 'gspo' with the sampled logprobs instead"),
+        "'ppo', 'cispo', 'dro' or 'gspo' with the sampled logprobs instead"
+    ),
 }
 
 

@@ -61,8 +61,13 @@ def media_support(model, model_dir: str | None) -> Support | None:
     ``model_dir`` (``preprocessor_config.json``) on first use of a vision model."""
     cfg = model.config
     if getattr(cfg, "model_type", None) == "tinker_local_dmel_qwen3":
-        return Support("audio", int(cfg.audio_token_id), frozenset({int(cfg.audio_token_id)}),
-                       bins=int(cfg.dmel_bins), levels=int(cfg.dmel_levels))
+        return Support(
+            "audio",
+            int(cfg.audio_token_id),
+            frozenset({int(cfg.audio_token_id)}),
+            bins=int(cfg.dmel_bins),
+            levels=int(cfg.dmel_levels),
+        )
     image_id = getattr(cfg, "image_token_id", None)
     if getattr(cfg, "vision_config", None) is None or image_id is None:
         return None
@@ -86,8 +91,10 @@ def _read_location(location: str, what: str) -> bytes:
     elif parsed.scheme == "" or (len(parsed.scheme) == 1 and location[1:3] in (":\\", ":/")):
         path = Path(location).expanduser()
     else:
-        raise EngineUserError(f"{what}: location {location!r} is not a local file (tinker_local reads local "
-                              "paths and file:// URIs only; send remote images as ImageChunk bytes)")
+        raise EngineUserError(
+            f"{what}: location {location!r} is not a local file (tinker_local reads local "
+            "paths and file:// URIs only; send remote images as ImageChunk bytes)"
+        )
     try:
         if path.stat().st_size > MAX_MEDIA_BYTES:
             raise EngineUserError(f"{what}: {str(path)!r} is larger than {MAX_MEDIA_BYTES >> 20} MiB")
@@ -166,8 +173,10 @@ def resolve_chunks(support: Support | None, chunks: list, what: str, model: str)
             run = [int(t) for t in chunk]
             if support is not None and support.reserved.intersection(run):
                 bad = sorted(support.reserved.intersection(run))[0]
-                raise EngineUserError(f"{where}: token id {bad} is the placeholder of a media position of "
-                                      f"{model!r}; send the media as an image/DMel chunk instead")
+                raise EngineUserError(
+                    f"{where}: token id {bad} is the placeholder of a media position of "
+                    f"{model!r}; send the media as an image/DMel chunk instead"
+                )
             tokens.extend(run)
             continue
         kind = "image" if chunk.kind in ("image", "image_asset_pointer") else chunk.kind
@@ -179,8 +188,10 @@ def resolve_chunks(support: Support | None, chunks: list, what: str, model: str)
         else:
             frames = decode_tensor_container(chunk.data or b"", where)
             if frames.shape[0] < 1 or frames.shape[1] != support.bins:
-                raise EngineUserError(f"{where}: DMel tensor has shape {frames.shape}; {model!r} takes "
-                                      f"(frames >= 1, {support.bins} mel bins)")
+                raise EngineUserError(
+                    f"{where}: DMel tensor has shape {frames.shape}; {model!r} takes "
+                    f"(frames >= 1, {support.bins} mel bins)"
+                )
             if int(frames.max()) >= support.levels:
                 raise EngineUserError(f"{where}: DMel value {int(frames.max())} is outside [0, {support.levels})")
             n, payload = int(frames.shape[0]), frames
@@ -191,8 +202,10 @@ def resolve_chunks(support: Support | None, chunks: list, what: str, model: str)
 
 def _image_payload(support: Support, chunk: MediaChunk, where: str, model: str):
     if isinstance(support.processor, Exception) or support.processor is None:
-        raise EngineUserError(f"{where}: {model!r} has no image processor (preprocessor_config.json) "
-                              f"in its directory: {support.processor}")
+        raise EngineUserError(
+            f"{where}: {model!r} has no image processor (preprocessor_config.json) "
+            f"in its directory: {support.processor}"
+        )
     data = chunk.data if chunk.kind == "image" else _read_location(chunk.location or "", where)
     if data is None or len(data) > MAX_MEDIA_BYTES:
         raise EngineUserError(f"{where}: image data missing or larger than {MAX_MEDIA_BYTES >> 20} MiB")
@@ -201,8 +214,10 @@ def _image_payload(support: Support, chunk: MediaChunk, where: str, model: str):
     grid = out["image_grid_thw"].reshape(1, 3)
     n = int(grid.prod()) // support.merge**2
     if chunk.expected_tokens is not None and int(chunk.expected_tokens) != n:
-        raise EngineUserError(f"{where}: expected_tokens={chunk.expected_tokens}, but this {img.width}x{img.height} "
-                              f"image is {n} tokens for {model!r} (grid {grid.tolist()[0]}, merge {support.merge})")
+        raise EngineUserError(
+            f"{where}: expected_tokens={chunk.expected_tokens}, but this {img.width}x{img.height} "
+            f"image is {n} tokens for {model!r} (grid {grid.tolist()[0]}, merge {support.merge})"
+        )
     return n, (out["pixel_values"], grid)
 
 
@@ -211,9 +226,12 @@ def media_kwargs(model, support: Support, ids: torch.Tensor, payloads: list, dev
     row-major order of their positions) into a forward of ``model``'s decoder: pixel values,
     grids and token types for vision models; input embeddings for DMel models."""
     if support.kind == "vision":
-        return {"input_ids": ids, "pixel_values": torch.cat([p[0] for p in payloads]).to(device),
-                "image_grid_thw": torch.cat([p[1] for p in payloads]).to(device),
-                "mm_token_type_ids": (ids == support.placeholder).int()}
+        return {
+            "input_ids": ids,
+            "pixel_values": torch.cat([p[0] for p in payloads]).to(device),
+            "image_grid_thw": torch.cat([p[1] for p in payloads]).to(device),
+            "mm_token_type_ids": (ids == support.placeholder).int(),
+        }
     frames = torch.from_numpy(np.concatenate(payloads)).to(device)
     return {"dmel_frames": frames}
 

@@ -43,10 +43,25 @@ _MARKER = "tinker_local_preset.json"
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 AUDIO_TOKENS = ["<|audio_start|>", "<|audio_end|>", "<|audio_pad|>"]
 #: The DMel feature settings of ``tiny-audio`` (written to its ``dmel_config.json``).
-DMEL_CONFIG = {"codec": "dmel", "sample_rate": 16000, "n_fft": 400, "win_length": 400, "hop_length": 320,
-               "n_mels": 80, "levels": 16, "min_db": -80.0, "fmin": 0.0, "fmax": 8000.0}
-VISION_PROCESSOR = {"patch_size": 8, "merge_size": 2, "temporal_patch_size": 2,
-                    "min_pixels": 32 * 32, "max_pixels": 128 * 128}
+DMEL_CONFIG = {
+    "codec": "dmel",
+    "sample_rate": 16000,
+    "n_fft": 400,
+    "win_length": 400,
+    "hop_length": 320,
+    "n_mels": 80,
+    "levels": 16,
+    "min_db": -80.0,
+    "fmin": 0.0,
+    "fmax": 8000.0,
+}
+VISION_PROCESSOR = {
+    "patch_size": 8,
+    "merge_size": 2,
+    "temporal_patch_size": 2,
+    "min_pixels": 32 * 32,
+    "max_pixels": 128 * 128,
+}
 DMEL_MODEL_TYPE = "tinker_local_dmel_qwen3"
 
 
@@ -85,8 +100,11 @@ def _audio_classes():
         def __init__(self, config):
             super().__init__(config)
             width = config.dmel_bins * config.dmel_levels
-            self.audio_mlp = torch.nn.Sequential(torch.nn.Linear(width, config.hidden_size), torch.nn.GELU(),
-                                                 torch.nn.Linear(config.hidden_size, config.hidden_size))
+            self.audio_mlp = torch.nn.Sequential(
+                torch.nn.Linear(width, config.hidden_size),
+                torch.nn.GELU(),
+                torch.nn.Linear(config.hidden_size, config.hidden_size),
+            )
             self.post_init()
 
         def embed_audio(self, input_ids: torch.Tensor, dmel_frames: torch.Tensor) -> torch.Tensor:
@@ -134,9 +152,20 @@ def _tokenizer(extra: list[str]):
 
 
 def _text_kwargs(vocab: int) -> dict:
-    return dict(vocab_size=vocab, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
-                rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.02, attention_dropout=0.0)
+    return dict(
+        vocab_size=vocab,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        initializer_range=0.02,
+        attention_dropout=0.0,
+    )
 
 
 def _init_weights(model, seed: int) -> None:
@@ -162,17 +191,37 @@ def build_tiny_vl(seed: int = 0):
     ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
     vocab = (len(tok) + 63) // 64 * 64
     text = _text_kwargs(vocab)
-    text.update(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12],
-                                 "mrope_interleaved": True}, eos_token_id=2, pad_token_id=0, bos_token_id=None)
+    text.update(
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [8, 12, 12],
+            "mrope_interleaved": True,
+        },
+        eos_token_id=2,
+        pad_token_id=0,
+        bos_token_id=None,
+    )
     cfg = Qwen3VLConfig(
         text_config=text,
-        vision_config=dict(depth=2, hidden_size=128, intermediate_size=256, num_heads=4,
-                           patch_size=VISION_PROCESSOR["patch_size"], spatial_merge_size=VISION_PROCESSOR["merge_size"],
-                           temporal_patch_size=VISION_PROCESSOR["temporal_patch_size"], out_hidden_size=256,
-                           num_position_embeddings=256, deepstack_visual_indexes=[1]),
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False)
+        vision_config=dict(
+            depth=2,
+            hidden_size=128,
+            intermediate_size=256,
+            num_heads=4,
+            patch_size=VISION_PROCESSOR["patch_size"],
+            spatial_merge_size=VISION_PROCESSOR["merge_size"],
+            temporal_patch_size=VISION_PROCESSOR["temporal_patch_size"],
+            out_hidden_size=256,
+            num_position_embeddings=256,
+            deepstack_visual_indexes=[1],
+        ),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3VLForConditionalGeneration(cfg)
@@ -188,9 +237,16 @@ def build_tiny_audio(seed: int = 0):
     config_cls, model_cls = _audio_classes()
     tok = _tokenizer(AUDIO_TOKENS)
     vocab = (len(tok) + 63) // 64 * 64
-    cfg = config_cls(audio_token_id=tok.convert_tokens_to_ids("<|audio_pad|>"), dmel_bins=DMEL_CONFIG["n_mels"],
-                     dmel_levels=DMEL_CONFIG["levels"], rope_theta=10000.0, bos_token_id=None, eos_token_id=2,
-                     pad_token_id=0, **_text_kwargs(vocab))
+    cfg = config_cls(
+        audio_token_id=tok.convert_tokens_to_ids("<|audio_pad|>"),
+        dmel_bins=DMEL_CONFIG["n_mels"],
+        dmel_levels=DMEL_CONFIG["levels"],
+        rope_theta=10000.0,
+        bos_token_id=None,
+        eos_token_id=2,
+        pad_token_id=0,
+        **_text_kwargs(vocab),
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_cls(cfg)

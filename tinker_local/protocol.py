@@ -62,6 +62,7 @@ def tensor_from_proto(msg: pb.Tensor, *, name: str = "tensor") -> np.ndarray:
     """
     shape = [int(s) for s in msg.shape]
     if msg.dtype == pb.DTYPE_BFLOAT16:
+
         def decode(raw: bytes) -> np.ndarray:
             return (np.frombuffer(raw, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
     elif msg.dtype in _PB_TO_NUMPY:
@@ -114,16 +115,23 @@ def datums_from_proto(msg: pb.ForwardBackwardRequest, datum_cls: type = WireDatu
                 chunks.append(run)
             elif kind == "image":
                 im = chunk.image
-                chunks.append(MediaChunk("image", data=bytes(im.data), format=im.format or None,
-                                         expected_tokens=int(im.expected_tokens) if im.HasField("expected_tokens") else None))
+                chunks.append(
+                    MediaChunk(
+                        "image",
+                        data=bytes(im.data),
+                        format=im.format or None,
+                        expected_tokens=int(im.expected_tokens) if im.HasField("expected_tokens") else None,
+                    )
+                )
             elif kind == "dmel":
                 chunks.append(MediaChunk("dmel", data=bytes(chunk.dmel.dmel)))
             else:
                 raise ProtocolError(f"datum {i}: model_input chunk {j} has no content (type {kind!r})")
         inputs = {name: tensor_from_proto(t, name=name) for name, t in d.loss_fn_inputs.items()}
         media = any(isinstance(c, MediaChunk) for c in chunks)
-        out.append(datum_cls(tokens=tokens, inputs=inputs, chunks=chunks) if media
-                   else datum_cls(tokens=tokens, inputs=inputs))
+        out.append(
+            datum_cls(tokens=tokens, inputs=inputs, chunks=chunks) if media else datum_cls(tokens=tokens, inputs=inputs)
+        )
     return out
 
 
@@ -169,9 +177,7 @@ def _np_to_pb_dtype(arr: np.ndarray) -> tuple[np.ndarray, int]:
     raise ValueError(f"cannot encode array of dtype {arr.dtype}")
 
 
-def forward_backward_output_to_proto(
-    outputs: Sequence[dict[str, Any]], metrics: dict[str, float]
-) -> bytes:
+def forward_backward_output_to_proto(outputs: Sequence[dict[str, Any]], metrics: dict[str, float]) -> bytes:
     """Encode per-datum outputs + metrics as a serialized ``ForwardBackwardOutput``.
 
     outputs[i] maps field name -> array (N_i, *trailing); consecutive datums sharing the same
@@ -260,8 +266,12 @@ def target_ids_from_json(obj: Any, name: str = "target_prompt_logprobs") -> tupl
         if crow is None and col is None:
             return data.reshape(shape), None
         crow, col = np.asarray(crow, dtype=np.int64), np.asarray(col, dtype=np.int64)
-        if len(crow) != shape[0] + 1 or len(col) != len(data) or crow[-1] != len(data) or (
-                col.size and (col.min() < 0 or col.max() >= shape[1])):
+        if (
+            len(crow) != shape[0] + 1
+            or len(col) != len(data)
+            or crow[-1] != len(data)
+            or (col.size and (col.min() < 0 or col.max() >= shape[1]))
+        ):
             raise ProtocolError(f"{name}: sparse CSR indices do not match shape {shape} and {len(data)} values")
         dense = np.full(shape, -1, dtype=np.int64)
         dense[np.repeat(np.arange(shape[0]), np.diff(crow)), col] = data
@@ -318,8 +328,7 @@ def sample_response_to_proto(
             rows = [None] * cut + rows[cut:]
         _topk_to_proto(rows, msg.topk_prompt_logprobs)
     if target_prompt_logprobs is not None:
-        _tensor_to_proto(np.asarray(target_prompt_logprobs, dtype=np.float32), msg.target_prompt_logprobs,
-                         target_csr)
+        _tensor_to_proto(np.asarray(target_prompt_logprobs, dtype=np.float32), msg.target_prompt_logprobs, target_csr)
     if prompt_alt_tokens is not None:
         _tensor_to_proto(np.asarray(prompt_alt_tokens[0], dtype=np.int64), msg.prompt_alt_tokens.tokens)
         _tensor_to_proto(np.asarray(prompt_alt_tokens[1], dtype=np.float32), msg.prompt_alt_tokens.logprobs)
@@ -350,16 +359,29 @@ def prompt_from_json(prompt: dict[str, Any]) -> list[int] | list[Any]:
             exp = chunk.get("expected_tokens")
             exp = None if exp is None else int(exp)
             if kind == "image":
-                chunks.append(MediaChunk("image", data=base64.b64decode(chunk.get("data") or ""),
-                                         format=chunk.get("format"), expected_tokens=exp))
+                chunks.append(
+                    MediaChunk(
+                        "image",
+                        data=base64.b64decode(chunk.get("data") or ""),
+                        format=chunk.get("format"),
+                        expected_tokens=exp,
+                    )
+                )
             elif kind == "image_asset_pointer":
-                chunks.append(MediaChunk("image_asset_pointer", location=str(chunk.get("location") or ""),
-                                         format=chunk.get("format"), expected_tokens=exp))
+                chunks.append(
+                    MediaChunk(
+                        "image_asset_pointer",
+                        location=str(chunk.get("location") or ""),
+                        format=chunk.get("format"),
+                        expected_tokens=exp,
+                    )
+                )
             elif kind == "dmel":
                 chunks.append(MediaChunk("dmel", data=base64.b64decode(chunk.get("dmel") or "")))
             else:
-                raise ProtocolError(f"prompt chunk {i}: unknown type {kind!r} (encoded_text, image, "
-                                    "image_asset_pointer, dmel)")
+                raise ProtocolError(
+                    f"prompt chunk {i}: unknown type {kind!r} (encoded_text, image, image_asset_pointer, dmel)"
+                )
         except (TypeError, ValueError) as e:
             if isinstance(e, ProtocolError):
                 raise
@@ -380,7 +402,9 @@ def stop_from_json(stop: Any) -> list[str] | list[int] | None:
             return list(stop)
         if all(isinstance(s, int) and not isinstance(s, bool) for s in stop):
             return [int(s) for s in stop]
-    raise ProtocolError(f"sampling_params.stop must be a string, a list of strings or a list of token ids; got {stop!r}")
+    raise ProtocolError(
+        f"sampling_params.stop must be a string, a list of strings or a list of token ids; got {stop!r}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -414,7 +438,7 @@ def parse_tinker_path(uri: str) -> TinkerPath:
     """Parse a checkpoint URI; raises ProtocolError with the accepted form on anything else."""
     if not isinstance(uri, str) or not uri.startswith("tinker://"):
         raise ProtocolError(f"checkpoint path must start with 'tinker://', got {uri!r}")
-    parts = uri[len("tinker://"):].split("/")
+    parts = uri[len("tinker://") :].split("/")
     if len(parts) != 3 or parts[1] not in SEGMENT_KIND or not parts[0] or not parts[2]:
         raise ProtocolError(
             f"checkpoint path {uri!r} is not of the form tinker://<model_id>/weights/<name>, "
@@ -426,9 +450,7 @@ def parse_tinker_path(uri: str) -> TinkerPath:
 def check_checkpoint_name(name: Any) -> str:
     """Validate a checkpoint name (letters, digits, '.', '_', '-'; not '.' or '..')."""
     if not isinstance(name, str) or not _NAME_RE.match(name) or name in (".", ".."):
-        raise ProtocolError(
-            f"checkpoint name {name!r} is invalid: use letters, digits, '.', '_' and '-' only"
-        )
+        raise ProtocolError(f"checkpoint name {name!r} is invalid: use letters, digits, '.', '_' and '-' only")
     return name
 
 
@@ -448,4 +470,3 @@ def as_str_dict(meta: dict[str, Any] | None) -> dict[str, str] | None:
     if meta is None:
         return None
     return {str(k): str(v) for k, v in meta.items()}
-

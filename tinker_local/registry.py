@@ -114,8 +114,7 @@ def dir_size(path: Path) -> int | None:
 
 
 # session fields persisted in the log (heartbeats are not)
-_SESSION_FIELDS = ("created", "finished", "tags", "sdk_version", "user_metadata", "project_id",
-                   "display_name")
+_SESSION_FIELDS = ("created", "finished", "tags", "sdk_version", "user_metadata", "project_id", "display_name")
 _CHECKPOINT_UPDATABLE = ("public", "expires_at")
 
 
@@ -173,8 +172,7 @@ class Registry:
         with self._lock:
             now = self.clock()
             s = self.sessions[session_id] = {"created": now, "heartbeat": now, "finished": None, **meta}
-            self._append("session", {"session_id": session_id,
-                                     **{k: s.get(k) for k in _SESSION_FIELDS}})
+            self._append("session", {"session_id": session_id, **{k: s.get(k) for k in _SESSION_FIELDS}})
 
     def update_session(self, session_id: str, **fields: Any) -> None:
         """Change persisted fields of a known session (e.g. ``project_id``)."""
@@ -234,8 +232,7 @@ class Registry:
         that the caller deletes their files."""
         with self._lock:
             now = self.clock()
-            gone = [c for c in self.checkpoints.values()
-                    if c.expires_at is not None and c.expires_at <= now]
+            gone = [c for c in self.checkpoints.values() if c.expires_at is not None and c.expires_at <= now]
             for c in gone:
                 self.delete_checkpoint(c.uri)
             return gone

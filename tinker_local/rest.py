@@ -38,8 +38,9 @@ def check_ttl(ttl: Any, what: str) -> int | None:
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or int(ttl) != ttl:
         raise HttpError(400, f"{what}: ttl_seconds must be an integer number of seconds, got {ttl!r}")
     if not MIN_TTL_S <= int(ttl) <= MAX_TTL_S:
-        raise HttpError(400, f"{what}: ttl_seconds must be between {MIN_TTL_S} (1 hour) and "
-                             f"{MAX_TTL_S} (10 years), got {ttl}")
+        raise HttpError(
+            400, f"{what}: ttl_seconds must be between {MIN_TTL_S} (1 hour) and {MAX_TTL_S} (10 years), got {ttl}"
+        )
     return int(ttl)
 
 
@@ -53,8 +54,11 @@ class RestMixin:
 
     def capabilities(self) -> dict[str, Any]:
         """The base models preloaded at start plus those of the caller's runs, with their contexts."""
-        names = list(dict.fromkeys(self.models + [r.base_model for r in self.registry.runs.values()
-                                                  if self.tenancy.owns_model(r.model_id)]))
+        names = list(
+            dict.fromkeys(
+                self.models + [r.base_model for r in self.registry.runs.values() if self.tenancy.owns_model(r.model_id)]
+            )
+        )
         out = []
         for m in names:
             entry: dict[str, Any] = {"model_name": m, "trainable": True, "sampleable": True}
@@ -84,14 +88,19 @@ class RestMixin:
         return {**self.registry.run_to_rest(run), "model_owner": self.tenancy.model_owner(run.model_id)}
 
     def training_runs(self, limit: int, offset: int, project_id: str | None = None) -> dict[str, Any]:
-        runs = sorted((r for r in self.registry.runs.values() if self.tenancy.owns_model(r.model_id)),
-                      key=lambda r: r.created, reverse=True)
+        runs = sorted(
+            (r for r in self.registry.runs.values() if self.tenancy.owns_model(r.model_id)),
+            key=lambda r: r.created,
+            reverse=True,
+        )
         if project_id is not None:
             runs = [r for r in runs if self.project_of(r) == project_id]
         self.sweep_expired()
-        page = runs[offset: offset + limit]
-        return {"training_runs": [self.run_to_rest(r) for r in page],
-                "cursor": {"offset": offset, "limit": limit, "total_count": len(runs)}}
+        page = runs[offset : offset + limit]
+        return {
+            "training_runs": [self.run_to_rest(r) for r in page],
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(runs)},
+        }
 
     def training_run(self, model_id: str) -> dict[str, Any]:
         run = self.registry.runs.get(model_id)
@@ -117,7 +126,7 @@ class RestMixin:
         cks = [c for c in self.registry.checkpoints_of(model_id) if self.tenancy.owns_model(c.model_id)]
         if model_id is None:
             cks = cks[::-1]  # list_user_checkpoints: newest first
-        page = cks[offset: offset + limit] if limit is not None else cks
+        page = cks[offset : offset + limit] if limit is not None else cks
         out: dict[str, Any] = {"checkpoints": [c.to_rest() for c in page]}
         if limit is not None:
             out["cursor"] = {"offset": offset, "limit": limit, "total_count": len(cks)}
@@ -134,10 +143,12 @@ class RestMixin:
             ck = None
         if ck is None:
             if uri in self._expired:
-                raise HttpError(status, f"checkpoint {uri!r} expired at {iso(self._expired[uri])} "
-                                        "(its TTL passed) and was deleted")
-            raise HttpError(status, f"unknown checkpoint {uri!r}: not saved on this server "
-                                    f"(root {self.root}), or deleted")
+                raise HttpError(
+                    status, f"checkpoint {uri!r} expired at {iso(self._expired[uri])} (its TTL passed) and was deleted"
+                )
+            raise HttpError(
+                status, f"unknown checkpoint {uri!r}: not saved on this server (root {self.root}), or deleted"
+            )
         return ck
 
     def _checkpoint_of(self, model_id: str, checkpoint_id: str) -> CheckpointRecord:
@@ -172,9 +183,14 @@ class RestMixin:
         run = self.registry.runs.get(ck.model_id)
         if run is None:
             raise HttpError(404, f"weights_info: training run {ck.model_id!r} is unknown")
-        return {"base_model": run.base_model, "is_lora": True, "lora_rank": run.lora_rank,
-                "train_unembed": run.train_unembed, "train_mlp": run.train_mlp,
-                "train_attn": run.train_attn}
+        return {
+            "base_model": run.base_model,
+            "is_lora": True,
+            "lora_rank": run.lora_rank,
+            "train_unembed": run.train_unembed,
+            "train_mlp": run.train_mlp,
+            "train_attn": run.train_attn,
+        }
 
     # -- copies ---------------------------------------------------------------------------------
     def copy_weights(self, body: dict[str, Any], idempotency_key: str | None) -> dict[str, Any]:
@@ -202,24 +218,45 @@ class RestMixin:
                 raise HttpError(400, f"{ep}: training run {model_id!r} already exists")
         elif project:
             session_id = f"copy-{uuid.uuid4().hex[:12]}"
-            self.registry.add_session(session_id, {"tags": ["copy_weights"], "project_id": str(project),
-                                                   "display_name": f"copy of {src.uri}",
-                                                   "owner": current_user()})
+            self.registry.add_session(
+                session_id,
+                {
+                    "tags": ["copy_weights"],
+                    "project_id": str(project),
+                    "display_name": f"copy of {src.uri}",
+                    "owner": current_user(),
+                },
+            )
             self.registry.finish_session(session_id, "success")
             model_id = f"{session_id}:train:0"
         else:
             raise HttpError(400, f"{ep}: give destination_project_id, or session_id and model_seq_id")
-        run = RunRecord(model_id=model_id, base_model=src_run.base_model, lora_rank=src_run.lora_rank,
-                        seed=src_run.seed, train_mlp=src_run.train_mlp, train_attn=src_run.train_attn,
-                        train_unembed=src_run.train_unembed, session_id=session_id,
-                        user_metadata=src_run.user_metadata, project_id=project, trainable=False,
-                        copied_from=src.uri)
+        run = RunRecord(
+            model_id=model_id,
+            base_model=src_run.base_model,
+            lora_rank=src_run.lora_rank,
+            seed=src_run.seed,
+            train_mlp=src_run.train_mlp,
+            train_attn=src_run.train_attn,
+            train_unembed=src_run.train_unembed,
+            session_id=session_id,
+            user_metadata=src_run.user_metadata,
+            project_id=project,
+            trainable=False,
+            copied_from=src.uri,
+        )
         dest = self.root / "checkpoints" / P.engine_id(model_id) / P.KIND_SEGMENT[src.kind] / src.name
         _link_tree(Path(src.path), dest)
-        ck = CheckpointRecord(uri=P.TinkerPath(model_id, src.kind, src.name).uri, model_id=model_id,
-                              kind=src.kind, name=src.name, path=str(dest), size_bytes=dir_size(dest),
-                              user_metadata=src.user_metadata,
-                              expires_at=None if ttl is None else self.registry.clock() + ttl)
+        ck = CheckpointRecord(
+            uri=P.TinkerPath(model_id, src.kind, src.name).uri,
+            model_id=model_id,
+            kind=src.kind,
+            name=src.name,
+            path=str(dest),
+            size_bytes=dir_size(dest),
+            user_metadata=src.user_metadata,
+            expires_at=None if ttl is None else self.registry.clock() + ttl,
+        )
         self.registry.add_run(run)
         self.registry.add_checkpoint(ck)
         out = {"tinker_path": ck.uri}
@@ -243,9 +280,17 @@ class RestMixin:
         data = []
         for proj, cks in groups.items():
             size = sum(c.size_bytes or 0 for c in cks)
-            data.append({"project_id": proj, "org_user_urn": f"tml:org_user:{user}",
-                         "user_name": user, "checkpoint_count": len(cks), "size_bytes": size,
-                         "size_gigabytes": size / 1e9, "estimated_monthly_cost_usd": None})
+            data.append(
+                {
+                    "project_id": proj,
+                    "org_user_urn": f"tml:org_user:{user}",
+                    "user_name": user,
+                    "checkpoint_count": len(cks),
+                    "size_bytes": size,
+                    "size_gigabytes": size / 1e9,
+                    "estimated_monthly_cost_usd": None,
+                }
+            )
         return {"effective_rate_usd_per_gigabyte_month": None, "data": data}
 
 

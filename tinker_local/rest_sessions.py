@@ -42,20 +42,26 @@ class SessionsMixin:
 
     def list_sessions(self, limit: int, offset: int) -> dict[str, Any]:
         """Session ids, newest first."""
-        return {"sessions": [sid for sid, _ in self._sessions_newest_first()][offset: offset + limit]}
+        return {"sessions": [sid for sid, _ in self._sessions_newest_first()][offset : offset + limit]}
 
     def _sessions_newest_first(self) -> list[tuple[str, dict[str, Any]]]:
-        return sorted(((sid, s) for sid, s in self.registry.sessions.items() if self.tenancy.owns_session(sid)),
-                      key=lambda kv: (kv[1].get("created") or 0, kv[0]),
-                      reverse=True)
+        return sorted(
+            ((sid, s) for sid, s in self.registry.sessions.items() if self.tenancy.owns_session(sid)),
+            key=lambda kv: (kv[1].get("created") or 0, kv[0]),
+            reverse=True,
+        )
 
     def get_session(self, session_id: str) -> dict[str, Any]:
         """The training runs and samplers a session created, its metadata and display name."""
         s = self._session(session_id)
         runs = [r.model_id for r in self.registry.runs.values() if r.session_id == session_id]
         samplers = [x for x in self.registry.samplers if x.startswith(f"{session_id}:")]
-        return {"training_run_ids": runs, "sampler_ids": samplers,
-                "user_metadata": _str_dict(s.get("user_metadata")), "display_name": s.get("display_name")}
+        return {
+            "training_run_ids": runs,
+            "sampler_ids": samplers,
+            "user_metadata": _str_dict(s.get("user_metadata")),
+            "display_name": s.get("display_name"),
+        }
 
     def assign_session_project(self, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
         """Move a session (its runs and samplers) into project ``project_id``."""
@@ -79,12 +85,17 @@ class SessionsMixin:
     def _summary(self, sid: str, s: dict[str, Any]) -> dict[str, Any]:
         run_ids = {r.model_id for r in self.registry.runs.values() if r.session_id == sid}
         cks = [c for c in self.registry.checkpoints.values() if c.model_id in run_ids]
-        return {"session_id": sid, "created_at": iso(s.get("created") or 0),
-                "owner": f"tml:user:{self.tenancy.session_owner(sid)}",
-                "project_id": s.get("project_id") or DEFAULT_PROJECT, "status": self._status(s),
-                "checkpoints_count": len(cks), "display_name": s.get("display_name"),
-                "user_metadata": _str_dict(s.get("user_metadata")),
-                "checkpoint_storage_bytes": sum(c.size_bytes or 0 for c in cks)}
+        return {
+            "session_id": sid,
+            "created_at": iso(s.get("created") or 0),
+            "owner": f"tml:user:{self.tenancy.session_owner(sid)}",
+            "project_id": s.get("project_id") or DEFAULT_PROJECT,
+            "status": self._status(s),
+            "checkpoints_count": len(cks),
+            "display_name": s.get("display_name"),
+            "user_metadata": _str_dict(s.get("user_metadata")),
+            "checkpoint_storage_bytes": sum(c.size_bytes or 0 for c in cks),
+        }
 
     def search_sessions(self, body: dict[str, Any]) -> dict[str, Any]:
         """One page of ``SessionSearchRequest`` results, newest first (see the SDK type for the
@@ -99,8 +110,10 @@ class SessionsMixin:
         after = None
         if cursor:
             try:
-                after = (datetime.fromisoformat(str(cursor["last_created_at"]).replace("Z", "+00:00")).timestamp(),
-                         str(cursor["last_session_id"]))
+                after = (
+                    datetime.fromisoformat(str(cursor["last_created_at"]).replace("Z", "+00:00")).timestamp(),
+                    str(cursor["last_session_id"]),
+                )
             except (KeyError, TypeError, ValueError) as e:
                 raise HttpError(400, f"search_sessions: malformed cursor {cursor!r} ({e})") from e
         matched = []
@@ -166,8 +179,9 @@ class SessionsMixin:
 def account_feature(route: str) -> HttpError:
     """The refusal of a hosted-account feature (HTTP 403 naming it)."""
     what = ACCOUNT_FEATURES[route]
-    return HttpError(403, f"{what} is a feature of hosted Tinker accounts; tinker_local "
-                          "has no billing or organizations")
+    return HttpError(
+        403, f"{what} is a feature of hosted Tinker accounts; tinker_local has no billing or organizations"
+    )
 
 
 def _status_matches(status: dict[str, Any] | None, want: dict[str, Any]) -> bool:

@@ -91,12 +91,21 @@ class SamplerPool:
         ValueError: ``workers`` < 1 or ``threads_per_worker`` < 1.
     """
 
-    def __init__(self, root: Path | str, workers: int, *, threads_per_worker: int = 1,
-                 device: str | None = None, dtype: str = "auto", preload: list[str] | tuple = (),
-                 start_timeout_s: float = START_TIMEOUT_S):
+    def __init__(
+        self,
+        root: Path | str,
+        workers: int,
+        *,
+        threads_per_worker: int = 1,
+        device: str | None = None,
+        dtype: str = "auto",
+        preload: list[str] | tuple = (),
+        start_timeout_s: float = START_TIMEOUT_S,
+    ):
         if int(workers) < 1 or int(threads_per_worker) < 1:
-            raise ValueError(f"SamplerPool needs workers >= 1 and threads_per_worker >= 1, got "
-                             f"{workers} and {threads_per_worker}")
+            raise ValueError(
+                f"SamplerPool needs workers >= 1 and threads_per_worker >= 1, got {workers} and {threads_per_worker}"
+            )
         self.root = Path(root)
         self.workers = int(workers)
         self.threads_per_worker = int(threads_per_worker)
@@ -143,13 +152,16 @@ class SamplerPool:
         "busy": [bool], "starts": [...], "batches": [...], "requests": [...]}`` (lists: per
         worker; ``requests`` counts sampling requests served, ``deaths`` workers lost)."""
         with self._lock:
-            return {"workers": self.workers, "threads_per_worker": self.threads_per_worker,
-                    "deaths": self.deaths,
-                    "pids": [s.proc.pid if s.proc is not None and s.ready else None for s in self._slots],
-                    "busy": [s.busy for s in self._slots],
-                    "starts": [s.starts for s in self._slots],
-                    "batches": [s.batches for s in self._slots],
-                    "requests": [s.requests for s in self._slots]}
+            return {
+                "workers": self.workers,
+                "threads_per_worker": self.threads_per_worker,
+                "deaths": self.deaths,
+                "pids": [s.proc.pid if s.proc is not None and s.ready else None for s in self._slots],
+                "busy": [s.busy for s in self._slots],
+                "starts": [s.starts for s in self._slots],
+                "batches": [s.batches for s in self._slots],
+                "requests": [s.requests for s in self._slots],
+            }
 
     # -- sampling ---------------------------------------------------------------------------------
     def sample_many(self, requests: list[dict]) -> list[Any]:
@@ -181,19 +193,28 @@ class SamplerPool:
     # -- internals --------------------------------------------------------------------------------
     def _spawn(self, slot: _Slot) -> None:
         parent, child = socket.socketpair()
-        spec = {"root": str(self.root), "device": self.device, "dtype": self.dtype,
-                "threads": self.threads_per_worker, "preload": self.preload, "index": slot.index}
+        spec = {
+            "root": str(self.root),
+            "device": self.device,
+            "dtype": self.dtype,
+            "threads": self.threads_per_worker,
+            "preload": self.preload,
+            "index": slot.index,
+        }
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "tinker_local.sampler_pool", str(child.fileno()), json.dumps(spec)],
-                pass_fds=[child.fileno()], stdin=subprocess.DEVNULL)
+                pass_fds=[child.fileno()],
+                stdin=subprocess.DEVNULL,
+            )
         finally:
             child.close()  # the worker's end lives only in the worker: its death closes it
         with self._lock:
             slot.proc, slot.conn, slot.ready = proc, Connection(parent.detach()), False
             slot.starts += 1
-        logger.info("sampler worker %d starting (pid %d, %d torch threads)", slot.index, proc.pid,
-                    self.threads_per_worker)
+        logger.info(
+            "sampler worker %d starting (pid %d, %d torch threads)", slot.index, proc.pid, self.threads_per_worker
+        )
 
     def _wait_ready(self, slot: _Slot) -> None:
         if slot.ready:
@@ -204,8 +225,7 @@ class SamplerPool:
             raise SamplerWorkerError(f"sampler worker {slot.index} sent {msg!r} instead of 'ready'")
         with self._lock:
             slot.ready = True
-        logger.info("sampler worker %d ready (pid %d) after %.1fs", slot.index, slot.proc.pid,
-                    time.monotonic() - t0)
+        logger.info("sampler worker %d ready (pid %d) after %.1fs", slot.index, slot.proc.pid, time.monotonic() - t0)
 
     def _recv(self, slot: _Slot, timeout: float | None, starting: bool = False) -> Any:
         """The next message of ``slot``'s worker; SamplerWorkerError when it exits first."""
@@ -236,8 +256,10 @@ class SamplerPool:
         with self._lock:
             self.deaths += 1
             slot.proc, slot.conn, slot.ready = None, None, False
-        msg = (f"sampler worker {slot.index} (pid {proc.pid}) {what} with exit code {code}"
-               f"{' while starting' if starting else ' while sampling'}")
+        msg = (
+            f"sampler worker {slot.index} (pid {proc.pid}) {what} with exit code {code}"
+            f"{' while starting' if starting else ' while sampling'}"
+        )
         logger.error("%s; restarting it", msg)
         if not self._closed and not starting:  # a worker that cannot start is retried on next use
             self._spawn(slot)
@@ -272,8 +294,9 @@ def _decode(item: Any) -> Any:
     return item
 
 
-def _worker_main(conn: Connection, root: str, device: str | None, dtype: str, threads: int,
-                 preload: list[str], index: int) -> None:
+def _worker_main(
+    conn: Connection, root: str, device: str | None, dtype: str, threads: int, preload: list[str], index: int
+) -> None:
     """A worker process: build an Engine, preload, answer ``("sample", reqs)`` with
     ``("ok", results)`` until ``("stop", _)`` or the parent's end of the socket closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when workers stop
@@ -307,5 +330,12 @@ def _worker_main(conn: Connection, root: str, device: str | None, dtype: str, th
 
 if __name__ == "__main__":  # python -m tinker_local.sampler_pool FD SPEC_JSON (started by the pool)
     _spec = json.loads(sys.argv[2])
-    _worker_main(Connection(int(sys.argv[1])), _spec["root"], _spec["device"], _spec["dtype"],
-                 int(_spec["threads"]), list(_spec["preload"]), int(_spec["index"]))
+    _worker_main(
+        Connection(int(sys.argv[1])),
+        _spec["root"],
+        _spec["device"],
+        _spec["dtype"],
+        int(_spec["threads"]),
+        list(_spec["preload"]),
+        int(_spec["index"]),
+    )

@@ -73,8 +73,7 @@ def _out_cache(out):
     return cache if cache is not None else getattr(out, "past_key_values", None)
 
 
-def _choose(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-            gen: torch.Generator) -> torch.Tensor:
+def _choose(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator) -> torch.Tensor:
     """Draw one token per row from fp32 CPU ``logits`` (S, V); returns int64 (S,)."""
     if temperature <= 0.0:
         return logits.argmax(dim=-1)
@@ -122,8 +121,12 @@ class SampleRequest:
 
     @property
     def wants_prompt(self) -> bool:
-        return (self.prompt_logprobs or self.topk_prompt_logprobs > 0 or self.target_prompt is not None
-                or self.prompt_alt_k > 0)
+        return (
+            self.prompt_logprobs
+            or self.topk_prompt_logprobs > 0
+            or self.target_prompt is not None
+            or self.prompt_alt_k > 0
+        )
 
     @property
     def logit_positions(self) -> int | None:
@@ -166,20 +169,23 @@ def _prompt_outputs(req: SampleRequest, logits: torch.Tensor, first: int) -> dic
     ``prompt_alt_tokens``: (ids int64, logprobs float32), both (P - 1, k): k independent draws per
     position at the request's temperature (greedy: the argmax k times), with their temperature-1
     logprobs; drawn from a generator seeded with ``seed + ALT_SEED_OFFSET``."""
-    out: dict = {"prompt_logprobs": None, "topk_prompt_logprobs": None, "target_prompt_logprobs": None,
-                 "prompt_alt_tokens": None}
+    out: dict = {
+        "prompt_logprobs": None,
+        "topk_prompt_logprobs": None,
+        "target_prompt_logprobs": None,
+        "prompt_alt_tokens": None,
+    }
     if not req.wants_prompt:
         return out
     pad = [None] * (first + 1)
     logp = torch.log_softmax(logits[:-1].float(), dim=-1)  # row i predicts prompt[first + i + 1]
     if req.prompt_logprobs:
-        tgt = torch.tensor(req.prompt[first + 1:], dtype=torch.long, device=logp.device).unsqueeze(-1)
+        tgt = torch.tensor(req.prompt[first + 1 :], dtype=torch.long, device=logp.device).unsqueeze(-1)
         out["prompt_logprobs"] = pad + logp.gather(-1, tgt).squeeze(-1).cpu().tolist()
     if req.topk_prompt_logprobs > 0:
         k = min(req.topk_prompt_logprobs, logp.shape[-1])
         tv, ti = torch.topk(logp, k, dim=-1)
-        out["topk_prompt_logprobs"] = pad + [list(zip(i, v)) for i, v in
-                                             zip(ti.cpu().tolist(), tv.cpu().tolist())]
+        out["topk_prompt_logprobs"] = pad + [list(zip(i, v)) for i, v in zip(ti.cpu().tolist(), tv.cpu().tolist())]
     if req.target_prompt is not None:  # first == 0 here (logit_positions is None)
         ids = torch.as_tensor(req.target_prompt, dtype=torch.long, device=logp.device)
         vals = logp.gather(-1, ids.clamp(min=0))
@@ -197,8 +203,15 @@ def _prompt_outputs(req: SampleRequest, logits: torch.Tensor, first: int) -> dic
 
 
 @torch.no_grad()
-def sample_batch(model, tokenizer, reqs: list[SampleRequest], *, device: torch.device,
-                 decode_threads: int | None = None, prefill_extra: dict | None = None) -> list[dict]:
+def sample_batch(
+    model,
+    tokenizer,
+    reqs: list[SampleRequest],
+    *,
+    device: torch.device,
+    decode_threads: int | None = None,
+    prefill_extra: dict | None = None,
+) -> list[dict]:
     """Serve ``reqs`` together; returns one dict per request, in order:
     ``{"sequences": [{"tokens": [...], "logprobs": [...], "stop_reason": "stop"|"length",
     "topk_logprobs": [[(token_id, logprob)] * k] per token | None}] * num_samples, "prompt_logprobs": list (len P, entry 0 None) | None, "topk_prompt_logprobs":
@@ -228,12 +241,11 @@ def sample_batch(model, tokenizer, reqs: list[SampleRequest], *, device: torch.d
     ids = torch.zeros((U, L), dtype=torch.long)
     mask = torch.zeros((U, L), dtype=torch.long)
     for u, p in enumerate(uniq):
-        ids[u, L - lens[u]:] = torch.tensor(p, dtype=torch.long)
-        mask[u, L - lens[u]:] = 1
+        ids[u, L - lens[u] :] = torch.tensor(p, dtype=torch.long)
+        mask[u, L - lens[u] :] = 1
     extra: dict = {}
     if padded:  # left padding: masked pads, positions counted from each prompt's first token
-        extra = {"attention_mask": mask.to(device),
-                 "position_ids": (mask.cumsum(-1) - 1).clamp(min=0).to(device)}
+        extra = {"attention_mask": mask.to(device), "position_ids": (mask.cumsum(-1) - 1).clamp(min=0).to(device)}
     extra.update(prefill_extra or {})  # media of a single prompt (tinker_local.media.prefill_kwargs)
     out, logits = _prefill(model, ids.to(device), kept_positions(reqs, L), extra)
     K = logits.shape[1]  # the kept logits cover padded positions L - K .. L - 1
@@ -242,7 +254,7 @@ def sample_batch(model, tokenizer, reqs: list[SampleRequest], *, device: torch.d
     for i, r in enumerate(reqs):
         u = owner[i]
         start = max(L - K, L - lens[u])  # first kept position of prompt u (padded coordinates)
-        res = _prompt_outputs(r, logits[u, start - (L - K):], start - (L - lens[u]))
+        res = _prompt_outputs(r, logits[u, start - (L - K) :], start - (L - lens[u]))
         res["prompt_cache_hit_tokens"] = lens[u] if u in seen else 0
         seen.add(u)
         results.append(res)
@@ -294,7 +306,7 @@ def sample_batch(model, tokenizer, reqs: list[SampleRequest], *, device: torch.d
                 if t in r.stop.token_ids:
                     done[i][j], reasons[i][j] = True, "stop"
                 elif r.stop.strings:
-                    text = tokenizer.decode(toks[i][j][-windows[i]:], skip_special_tokens=False)
+                    text = tokenizer.decode(toks[i][j][-windows[i] :], skip_special_tokens=False)
                     if any(s in text for s in r.stop.strings):
                         done[i][j], reasons[i][j] = True, "stop"
             if not (all(done[i]) or step >= r.max_tokens - 1):
@@ -321,6 +333,13 @@ def sample_batch(model, tokenizer, reqs: list[SampleRequest], *, device: torch.d
         step += 1
     for i, res in enumerate(results):
         k = reqs[i].topk_sample_logprobs
-        res["sequences"] = [{"tokens": toks[i][j], "logprobs": lps[i][j], "stop_reason": reasons[i][j],
-                             "topk_logprobs": tops[i][j] if k > 0 else None} for j in range(counts[i])]
+        res["sequences"] = [
+            {
+                "tokens": toks[i][j],
+                "logprobs": lps[i][j],
+                "stop_reason": reasons[i][j],
+                "topk_logprobs": tops[i][j] if k > 0 else None,
+            }
+            for j in range(counts[i])
+        ]
     return results

@@ -49,12 +49,23 @@ async def _json_body(request: Request) -> dict[str, Any]:
     return body
 
 
-def create_app(engine: Any, root: Path | str | None = None, *, models: list[str] | None = None,
-               poll_wait_s: float = 20.0, gap_timeout_s: float = 30.0,
-               datum_cls: type | None = None, faults: FaultConfig | None = None,
-               batch_quiet_s: float = 0.02, batch_max_wait_s: float = 0.1,
-               custom_loss_server_side: bool = True, url_ttl_s: float = 3600.0,
-               jwt_auth: bool = False, sampler_pool: Any = None, limits: Limits | None = None) -> FastAPI:
+def create_app(
+    engine: Any,
+    root: Path | str | None = None,
+    *,
+    models: list[str] | None = None,
+    poll_wait_s: float = 20.0,
+    gap_timeout_s: float = 30.0,
+    datum_cls: type | None = None,
+    faults: FaultConfig | None = None,
+    batch_quiet_s: float = 0.02,
+    batch_max_wait_s: float = 0.1,
+    custom_loss_server_side: bool = True,
+    url_ttl_s: float = 3600.0,
+    jwt_auth: bool = False,
+    sampler_pool: Any = None,
+    limits: Limits | None = None,
+) -> FastAPI:
     """Build the FastAPI app speaking the tinker 0.38 protocol in front of ``engine``.
 
     Args:
@@ -86,8 +97,9 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
     root = root if root is not None else getattr(engine, "root", None)
     if root is None:
         raise ValueError("create_app: give root= (the engine has no .root)")
-    svc = LocalService(engine, Path(root), models=models, gap_timeout_s=gap_timeout_s,
-                       datum_cls=datum_cls, url_ttl_s=url_ttl_s)
+    svc = LocalService(
+        engine, Path(root), models=models, gap_timeout_s=gap_timeout_s, datum_cls=datum_cls, url_ttl_s=url_ttl_s
+    )
     svc.custom_loss_server_side = custom_loss_server_side
     svc.tenancy.limits = limits or Limits()
     keys = KeyStore(root)
@@ -131,9 +143,12 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
     @route("POST", "/client/config")
     async def client_config(request: Request):
         # API-key auth, sampling futures polled one by one; custom losses run here when enabled.
-        return {"pjwt_auth_enabled": svc.jwt is not None, "sample_use_retrieve_futures": False,
-                "custom_loss_server_side": bool(svc.custom_loss_server_side),
-                "sample_join_sampling_session": False}
+        return {
+            "pjwt_auth_enabled": svc.jwt is not None,
+            "sample_use_retrieve_futures": False,
+            "custom_loss_server_side": bool(svc.custom_loss_server_side),
+            "sample_join_sampling_session": False,
+        }
 
     @route("POST", "/client/dynamic_config")
     async def client_dynamic_config(request: Request):
@@ -177,12 +192,14 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
     @route("GET", "/local_stats")
     async def local_stats():
         # tinker_local only: compute-thread and fault-injection counters (for tests, benchmarks)
-        return {"compute": dict(svc.store.stats), "requests": dict(svc.request_counts),
-                "sampling": dict(svc.sampling_stats),
-                "faults": dict(fault_state.counts),
-                "fault_config": {"fail_every": fault_state.config.fail_every,
-                                 "drop_every": fault_state.config.drop_every},
-                "sampler_workers": sampler_pool.stats() if sampler_pool is not None else None}
+        return {
+            "compute": dict(svc.store.stats),
+            "requests": dict(svc.request_counts),
+            "sampling": dict(svc.sampling_stats),
+            "faults": dict(fault_state.counts),
+            "fault_config": {"fail_every": fault_state.config.fail_every, "drop_every": fault_state.config.drop_every},
+            "sampler_workers": sampler_pool.stats() if sampler_pool is not None else None,
+        }
 
     @route("GET", "/sessions")
     async def list_sessions(limit: int = 20, offset: int = 0):
@@ -234,9 +251,18 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
     async def forward(request: Request):
         return await _fwd(request, True)
 
-    for name in ("optim_step", "save_weights", "save_weights_for_sampler", "load_weights",
-                 "create_sampling_session", "join_sampling_session", "asample", "weights_info",
-                 "save_weights_external", "create_custom_loss"):
+    for name in (
+        "optim_step",
+        "save_weights",
+        "save_weights_for_sampler",
+        "load_weights",
+        "create_sampling_session",
+        "join_sampling_session",
+        "asample",
+        "weights_info",
+        "save_weights_external",
+        "create_custom_loss",
+    ):
         _add_json_route(app, name, getattr(svc, name), ten)
 
     @route("GET", "/samplers/{sampler_id}")
@@ -257,8 +283,7 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
                 await asyncio.wait_for(rec.event.wait(), timeout=poll_wait_s)
         out = rec.outcome
         if out is None:
-            return JSONResponse({"type": "try_again", "request_id": rid, "queue_state": "active"},
-                                status_code=408)
+            return JSONResponse({"type": "try_again", "request_id": rid, "queue_state": "active"}, status_code=408)
         svc.store.mark_delivered(rid)
         if out.error is not None:
             return {"error": out.error, "category": out.category}
@@ -306,8 +331,7 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
     @route("GET", "/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
     async def external_weights_urls(model_id: str, checkpoint_id: str, request: Request):
         _owner_only(svc, model_id, checkpoint_id)
-        out = await asyncio.to_thread(svc.external_weights_urls, model_id, checkpoint_id,
-                                      str(request.base_url))
+        out = await asyncio.to_thread(svc.external_weights_urls, model_id, checkpoint_id, str(request.base_url))
         ten.audit("checkpoint_download", model_id=model_id, tinker_path=f"tinker://{model_id}/{checkpoint_id}")
         return out
 
@@ -343,15 +367,15 @@ def create_app(engine: Any, root: Path | str | None = None, *, models: list[str]
 
     # -- signed downloads (no API key: the URL's signature is the credential) --------------------
     @app.get("/downloads/external/{model_id}/{name}/{file:path}")
-    async def download_external(model_id: str, name: str, file: str, expires: str | None = None,
-                                sig: str | None = None):
+    async def download_external(
+        model_id: str, name: str, file: str, expires: str | None = None, sig: str | None = None
+    ):
         with ten.acting_for_owner(model_id):
             path = await asyncio.to_thread(svc.external_download, model_id, name, file, expires, sig)
         return FileResponse(path, filename=Path(file).name)
 
     @app.get("/downloads/trace/{session_id}/{file}")
-    async def download_trace(session_id: str, file: str, expires: str | None = None,
-                             sig: str | None = None):
+    async def download_trace(session_id: str, file: str, expires: str | None = None, sig: str | None = None):
         path = svc.trace_download(session_id, file, expires, sig)
         return FileResponse(path, media_type="application/json", filename=file)
 
@@ -369,8 +393,11 @@ def _owner_only(svc: LocalService, model_id: str, checkpoint_id: str) -> None:
     ck = svc.registry.checkpoints.get(uri)
     if ck is None or not ck.public:
         raise HttpError(404, f"unknown checkpoint {uri!r}: not saved on this server, or deleted")
-    raise HttpError(403, f"tinker://{model_id}/{checkpoint_id} is published by another user: "
-                         "you may load and sample it, only its owner may change or delete it")
+    raise HttpError(
+        403,
+        f"tinker://{model_id}/{checkpoint_id} is published by another user: "
+        "you may load and sample it, only its owner may change or delete it",
+    )
 
 
 async def _sweep_forever(svc: LocalService) -> None:
@@ -404,27 +431,37 @@ class _AuthCountLog:
             try:
                 user = self.svc.jwt.user_of(key)
             except InvalidToken as e:
-                return JSONResponse({"detail": str(e)}, status_code=401,
-                                    headers={"WWW-Authenticate": 'Bearer error="invalid_token"'})
+                return JSONResponse(
+                    {"detail": str(e)}, status_code=401, headers={"WWW-Authenticate": 'Bearer error="invalid_token"'}
+                )
         if self.keys.any():
             if user is not None:  # a JWT: its user must still hold a key
                 entry = next((e for e in self.keys.entries() if e.name == user), None)
             else:
                 entry = self.keys.lookup(key)
             if entry is None:
-                return JSONResponse({"detail": "unknown or revoked API key (X-API-Key); ask the server's "
-                                               "admin for one: prefect-tinker local keys add NAME"},
-                                    status_code=401, headers={"WWW-Authenticate": 'Bearer error="invalid_token"'}
-                                    if user is not None else None)
+                return JSONResponse(
+                    {
+                        "detail": "unknown or revoked API key (X-API-Key); ask the server's "
+                        "admin for one: prefect-tinker local keys add NAME"
+                    },
+                    status_code=401,
+                    headers={"WWW-Authenticate": 'Bearer error="invalid_token"'} if user is not None else None,
+                )
             return Principal(entry.name, admin=entry.admin)
         client = scope.get("client")
         if client is not None and not is_loopback(client[0]):
-            return JSONResponse({"detail": "this server has no API keys and answers loopback callers "
-                                           "only; its admin adds one with: prefect-tinker local keys add NAME"},
-                                status_code=403)
+            return JSONResponse(
+                {
+                    "detail": "this server has no API keys and answers loopback callers "
+                    "only; its admin adds one with: prefect-tinker local keys add NAME"
+                },
+                status_code=403,
+            )
         if user is None and not is_api_key(key):
-            return JSONResponse({"detail": "X-API-Key header must hold an API key starting with 'tml-'"},
-                                status_code=401)
+            return JSONResponse(
+                {"detail": "X-API-Key header must hold an API key starting with 'tml-'"}, status_code=401
+            )
         return LOCAL_PRINCIPAL
 
     async def __call__(self, scope, receive, send):
@@ -435,8 +472,7 @@ class _AuthCountLog:
         if path.startswith(API) and path != f"{API}/healthz":
             who = self.authenticate(scope)
             if isinstance(who, JSONResponse):
-                logger.info("%s %s -> %d (%s)", scope["method"], path, who.status_code,
-                            json.loads(who.body)["detail"])
+                logger.info("%s %s -> %d (%s)", scope["method"], path, who.status_code, json.loads(who.body)["detail"])
                 return await who(scope, receive, send)
             token = CURRENT.set(who)
         status = [500]
@@ -457,16 +493,27 @@ class _AuthCountLog:
             key = getattr(scope.get("route"), "path", None) or "(no route)"  # bounded key set
             self.svc.request_counts[key] = self.svc.request_counts.get(key, 0) + 1
             quiet = path.endswith(_QUIET) and status[0] in (200, 408)
-            logger.log(logging.DEBUG if quiet else logging.INFO, "%s %s -> %d (%.1f ms) %s", scope["method"],
-                       path, status[0], (time.monotonic() - t0) * 1000, CURRENT.get().name)
+            logger.log(
+                logging.DEBUG if quiet else logging.INFO,
+                "%s %s -> %d (%.1f ms) %s",
+                scope["method"],
+                path,
+                status[0],
+                (time.monotonic() - t0) * 1000,
+                CURRENT.get().name,
+            )
             if token is not None:
                 CURRENT.reset(token)
 
 
 # audit events of the JSON routes: route -> event (``tinker_local.tenancy`` audit log)
-_AUDITED = {"save_weights": "checkpoint_save", "save_weights_for_sampler": "checkpoint_save",
-            "save_weights_external": "checkpoint_save", "load_weights": "checkpoint_load",
-            "create_sampling_session": "checkpoint_load"}
+_AUDITED = {
+    "save_weights": "checkpoint_save",
+    "save_weights_for_sampler": "checkpoint_save",
+    "save_weights_external": "checkpoint_save",
+    "load_weights": "checkpoint_load",
+    "create_sampling_session": "checkpoint_load",
+}
 
 
 def _add_json_route(app: FastAPI, name: str, handler: Any, tenancy: Any) -> None:
@@ -479,22 +526,37 @@ def _add_json_route(app: FastAPI, name: str, handler: Any, tenancy: Any) -> None
         event = _AUDITED.get(name)
         path = body.get("model_path") if name == "create_sampling_session" else body.get("path")
         if event is not None and (name != "create_sampling_session" or path):
-            tenancy.audit(event, model_id=out.get("model_id") or body.get("model_id"),
-                          tinker_path=path if event == "checkpoint_load" else None,
-                          name=path if event == "checkpoint_save" else None,
-                          purpose="sampling" if name == "create_sampling_session" else None)
+            tenancy.audit(
+                event,
+                model_id=out.get("model_id") or body.get("model_id"),
+                tinker_path=path if event == "checkpoint_load" else None,
+                name=path if event == "checkpoint_save" else None,
+                purpose="sampling" if name == "create_sampling_session" else None,
+            )
         return out
 
     endpoint.__name__ = name
     app.add_api_route(f"{API}/{name}", endpoint, methods=["POST"])
 
 
-def serve(model: list[str], host: str = "127.0.0.1", port: int = 8000, root: Path | str = ".",
-          *, dtype: str = "auto", device: str | None = None, num_threads: int | None = None,
-          log_level: str = "info", faults: FaultConfig | None = None,
-          custom_loss_server_side: bool = True, jwt_auth: bool = False,
-          sampler_workers: int = 0, tls_cert: Path | str | None = None, tls_key: Path | str | None = None,
-          limits: Limits | None = None) -> None:
+def serve(
+    model: list[str],
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    root: Path | str = ".",
+    *,
+    dtype: str = "auto",
+    device: str | None = None,
+    num_threads: int | None = None,
+    log_level: str = "info",
+    faults: FaultConfig | None = None,
+    custom_loss_server_side: bool = True,
+    jwt_auth: bool = False,
+    sampler_workers: int = 0,
+    tls_cert: Path | str | None = None,
+    tls_key: Path | str | None = None,
+    limits: Limits | None = None,
+) -> None:
     """Build an Engine under ``root``, preload ``model`` names, and serve until interrupted.
 
     ``sampler_workers`` N > 0: sampling runs in N worker processes next to the trainer
@@ -528,35 +590,66 @@ def serve(model: list[str], host: str = "127.0.0.1", port: int = 8000, root: Pat
         total = int(num_threads or available_cpus())
         num_threads, per_worker = split_threads(total, sampler_workers)
         if num_threads + sampler_workers * per_worker > total:
-            logger.warning("--threads %d is less than --sampler-workers %d + 1: trainer and workers "
-                           "use %d threads in all, more than asked", total, sampler_workers,
-                           num_threads + sampler_workers * per_worker)
-        logger.info("threads: trainer %d, %d sampler worker(s) x %d", num_threads, sampler_workers,
-                    per_worker)
-        pool = SamplerPool(root, sampler_workers, threads_per_worker=per_worker, device=device,
-                           dtype=dtype, preload=list(model))
+            logger.warning(
+                "--threads %d is less than --sampler-workers %d + 1: trainer and workers "
+                "use %d threads in all, more than asked",
+                total,
+                sampler_workers,
+                num_threads + sampler_workers * per_worker,
+            )
+        logger.info("threads: trainer %d, %d sampler worker(s) x %d", num_threads, sampler_workers, per_worker)
+        pool = SamplerPool(
+            root, sampler_workers, threads_per_worker=per_worker, device=device, dtype=dtype, preload=list(model)
+        )
     engine = Engine(root, device=device, dtype=dtype, num_threads=num_threads)
     for name in model:
         t0 = time.monotonic()
         info = engine.load_base_model(name)
-        logger.info("preloaded %s in %.1fs (tokenizer %s, context %s)", name,
-                    time.monotonic() - t0, info.get("tokenizer_id"), info.get("max_context"))
+        logger.info(
+            "preloaded %s in %.1fs (tokenizer %s, context %s)",
+            name,
+            time.monotonic() - t0,
+            info.get("tokenizer_id"),
+            info.get("max_context"),
+        )
     if pool is not None:
         t0 = time.monotonic()
         pool.start(wait_ready=True)
         logger.info("%d sampler worker(s) ready in %.1fs", sampler_workers, time.monotonic() - t0)
     faults = faults if faults is not None else FaultConfig.from_env()
     if faults.active:
-        logger.warning("fault injection on: 503 every %d requests, connection drop every %d",
-                       faults.fail_every, faults.drop_every)
-    app = create_app(engine, root, models=list(model), faults=faults,
-                     custom_loss_server_side=custom_loss_server_side, jwt_auth=jwt_auth,
-                     sampler_pool=pool, limits=limits)
+        logger.warning(
+            "fault injection on: 503 every %d requests, connection drop every %d", faults.fail_every, faults.drop_every
+        )
+    app = create_app(
+        engine,
+        root,
+        models=list(model),
+        faults=faults,
+        custom_loss_server_side=custom_loss_server_side,
+        jwt_auth=jwt_auth,
+        sampler_pool=pool,
+        limits=limits,
+    )
     scheme = "https" if tls_cert else "http"
-    logger.info("tinker_local serving %s on %s://%s:%d (root %s, %d API key(s))", ", ".join(model) or "-",
-                scheme, host, port, root, len(KeyStore(root).entries()))
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False,
-                ssl_certfile=str(tls_cert) if tls_cert else None, ssl_keyfile=str(tls_key) if tls_key else None)
+    logger.info(
+        "tinker_local serving %s on %s://%s:%d (root %s, %d API key(s))",
+        ", ".join(model) or "-",
+        scheme,
+        host,
+        port,
+        root,
+        len(KeyStore(root).entries()),
+    )
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        ssl_certfile=str(tls_cert) if tls_cert else None,
+        ssl_keyfile=str(tls_key) if tls_key else None,
+    )
 
 
 class InsecureBind(RuntimeError):
@@ -567,6 +660,8 @@ def check_bind(host: str, root: Path) -> None:
     """Raise ``InsecureBind`` (one line saying how to add a key) when ``host`` is not a loopback
     address and ``root`` holds no API keys: anyone reaching the port could use the server."""
     if not is_loopback(host) and not KeyStore(root).any():
-        raise InsecureBind(f"refusing to serve on {host}: the server in {root} has no API keys, so anyone "
-                           f"who can reach it could use it; add one first: prefect-tinker local keys add NAME "
-                           f"--root {root}")
+        raise InsecureBind(
+            f"refusing to serve on {host}: the server in {root} has no API keys, so anyone "
+            f"who can reach it could use it; add one first: prefect-tinker local keys add NAME "
+            f"--root {root}"
+        )

@@ -27,14 +27,50 @@ from collections.abc import Mapping
 
 __all__ = ["server_environment"]
 
-_EXACT = frozenset({
-    "PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TEMP", "TMP", "PYTHONPATH",
-    "PYTHONHOME", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE",
-    "XDG_CACHE_HOME", "NVIDIA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "TOKENIZERS_PARALLELISM",
-    "HUGGINGFACE_HUB_CACHE", "PREFECT_TINKER_HOME", "TINKER_TELEMETRY",
-})
-_PREFIXES = ("LC_", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_", "NUMEXPR_", "TORCH_", "PYTORCH_", "CUDA_",
-             "CUBLAS_", "HF_", "TRANSFORMERS_", "TINKER_LOCAL_")
+_EXACT = frozenset(
+    {
+        "PATH",
+        "HOME",
+        "USER",
+        "LOGNAME",
+        "LANG",
+        "LANGUAGE",
+        "TZ",
+        "TMPDIR",
+        "TEMP",
+        "TMP",
+        "PYTHONPATH",
+        "PYTHONHOME",
+        "VIRTUAL_ENV",
+        "LD_LIBRARY_PATH",
+        "SSL_CERT_FILE",
+        "SSL_CERT_DIR",
+        "REQUESTS_CA_BUNDLE",
+        "XDG_CACHE_HOME",
+        "NVIDIA_VISIBLE_DEVICES",
+        "HIP_VISIBLE_DEVICES",
+        "TOKENIZERS_PARALLELISM",
+        "HUGGINGFACE_HUB_CACHE",
+        "PREFECT_TINKER_HOME",
+        "TINKER_TELEMETRY",
+    }
+)
+_PREFIXES = (
+    "LC_",
+    "OMP_",
+    "MKL_",
+    "OPENBLAS_",
+    "KMP_",
+    "GOMP_",
+    "NUMEXPR_",
+    "TORCH_",
+    "PYTORCH_",
+    "CUDA_",
+    "CUBLAS_",
+    "HF_",
+    "TRANSFORMERS_",
+    "TINKER_LOCAL_",
+)
 _SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|KEY|CREDENTIAL|AUTH|COOKIE", re.IGNORECASE)
 _DEFAULTS = {"HF_HUB_OFFLINE": "1", "TINKER_TELEMETRY": "0"}  # local models must not wait on the hub
 
@@ -44,10 +80,7 @@ def server_environment(parent: Mapping[str, str] | None = None) -> dict[str, str
     allowed names of the module docstring, secrets removed, ``HF_HUB_OFFLINE=1`` and
     ``TINKER_TELEMETRY=0`` unless set."""
     parent = os.environ if parent is None else parent
-    env = {
-        k: v for k, v in parent.items()
-        if (k in _EXACT or k.startswith(_PREFIXES)) and not _SECRET.search(k)
-    }
+    env = {k: v for k, v in parent.items() if (k in _EXACT or k.startswith(_PREFIXES)) and not _SECRET.search(k)}
     for k, v in _DEFAULTS.items():
         env.setdefault(k, v)
     return env

@@ -69,9 +69,17 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
     ``clock``: the time source (Unix seconds) of checkpoint expiry, signed URLs and traces (tests
     move it).  ``url_ttl_s``: how long signed download URLs stay valid."""
 
-    def __init__(self, engine: Any, root: Path, *, models: list[str] | None = None,
-                 gap_timeout_s: float = 30.0, datum_cls: type | None = None,
-                 url_ttl_s: float = DEFAULT_URL_TTL_S, clock=time.time):
+    def __init__(
+        self,
+        engine: Any,
+        root: Path,
+        *,
+        models: list[str] | None = None,
+        gap_timeout_s: float = 30.0,
+        datum_cls: type | None = None,
+        url_ttl_s: float = DEFAULT_URL_TTL_S,
+        clock=time.time,
+    ):
         self.engine = engine
         self.root = Path(root)
         self.models = list(models or [])
@@ -116,12 +124,17 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
     # -- sessions ---------------------------------------------------------------------------------
     def create_session(self, body: dict[str, Any]) -> dict[str, Any]:
         sid = f"local-{uuid.uuid4().hex[:12]}"
-        self.registry.add_session(sid, {"tags": body.get("tags") or [],
-                                        "sdk_version": body.get("sdk_version"),
-                                        "user_metadata": P.as_str_dict(body.get("user_metadata")),
-                                        "project_id": body.get("project_id"),
-                                        "display_name": body.get("display_name"),
-                                        "owner": current_user()})
+        self.registry.add_session(
+            sid,
+            {
+                "tags": body.get("tags") or [],
+                "sdk_version": body.get("sdk_version"),
+                "user_metadata": P.as_str_dict(body.get("user_metadata")),
+                "project_id": body.get("project_id"),
+                "display_name": body.get("display_name"),
+                "owner": current_user(),
+            },
+        )
         self.tracer.instant(sid, "create_session", sdk_version=body.get("sdk_version"))
         logger.info("session %s created (sdk %s)", sid, body.get("sdk_version"))
         return {"type": "create_session", "session_id": sid}
@@ -149,13 +162,17 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
 
     def _check_optimizer(self, cfg: Any, endpoint: str) -> None:
         if isinstance(cfg, dict) and cfg.get("type", "adamw") == "dimuon":
-            raise HttpError(422, f"{endpoint}: optimizer 'dimuon' (DimuonOptimizerConfig / DimuonParams) is not "
-                                 "implemented by tinker_local: its update (a damped row/column preconditioner and a "
-                                 "matrix-sign iteration with internal constants) is not published in enough detail "
-                                 "to reproduce; use AdamOptimizerConfig / AdamParams")
+            raise HttpError(
+                422,
+                f"{endpoint}: optimizer 'dimuon' (DimuonOptimizerConfig / DimuonParams) is not "
+                "implemented by tinker_local: its update (a damped row/column preconditioner and a "
+                "matrix-sign iteration with internal constants) is not published in enough detail "
+                "to reproduce; use AdamOptimizerConfig / AdamParams",
+            )
         if isinstance(cfg, dict) and cfg.get("type", "adamw") != "adamw":
-            raise HttpError(422, f"{endpoint}: optimizer {cfg.get('type')!r} is not supported "
-                                 "by tinker_local (only 'adamw')")
+            raise HttpError(
+                422, f"{endpoint}: optimizer {cfg.get('type')!r} is not supported by tinker_local (only 'adamw')"
+            )
 
     def create_model(self, body: dict[str, Any]) -> dict[str, Any]:
         ep = "create_model"
@@ -170,23 +187,36 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
         if rank < 1:
             raise HttpError(422, f"{ep}: lora_config.rank must be >= 1, got {rank}")
         model_id = f"{session_id}:train:{seq}"
-        run = RunRecord(model_id=model_id, base_model=base_model, lora_rank=rank,
-                        seed=lora.get("seed"), train_mlp=bool(lora.get("train_mlp", True)),
-                        train_attn=bool(lora.get("train_attn", True)),
-                        train_unembed=bool(lora.get("train_unembed", True)),
-                        session_id=session_id, user_metadata=P.as_str_dict(body.get("user_metadata")))
+        run = RunRecord(
+            model_id=model_id,
+            base_model=base_model,
+            lora_rank=rank,
+            seed=lora.get("seed"),
+            train_mlp=bool(lora.get("train_mlp", True)),
+            train_attn=bool(lora.get("train_attn", True)),
+            train_unembed=bool(lora.get("train_unembed", True)),
+            session_id=session_id,
+            user_metadata=P.as_str_dict(body.get("user_metadata")),
+        )
 
         def work() -> dict[str, Any]:
-            self.engine.create_model(P.engine_id(model_id), base_model, rank, seed=run.seed,
-                                     train_mlp=run.train_mlp, train_attn=run.train_attn,
-                                     train_unembed=run.train_unembed)
+            self.engine.create_model(
+                P.engine_id(model_id),
+                base_model,
+                rank,
+                seed=run.seed,
+                train_mlp=run.train_mlp,
+                train_attn=run.train_attn,
+                train_unembed=run.train_unembed,
+            )
             self._info[model_id] = self.engine.get_info(P.engine_id(model_id))
             self.registry.add_run(run)
             return {"type": "create_model", "model_id": model_id}
 
         self.store.register_model(model_id, next_seq=1)
-        rid = self._traced("create_model", work, model_id, None, dedupe_key=(model_id, 0),
-                           base_model=base_model, lora_rank=rank)
+        rid = self._traced(
+            "create_model", work, model_id, None, dedupe_key=(model_id, 0), base_model=base_model, lora_rank=rank
+        )
         return {"request_id": rid, "model_id": model_id}
 
     def get_info(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -202,9 +232,11 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
         return {
             "type": "get_info",
             "model_id": model_id,
-            "model_data": {"arch": info.get("arch"),
-                           "model_name": self.client_model_name(base) if base else base,
-                           "tokenizer_id": info.get("tokenizer_id")},
+            "model_data": {
+                "arch": info.get("arch"),
+                "model_name": self.client_model_name(base) if base else base,
+                "tokenizer_id": info.get("tokenizer_id"),
+            },
             "is_lora": True,
             "lora_rank": info.get("lora_rank", run.lora_rank if run else None),
             "model_name": base,
@@ -219,8 +251,7 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
         forward_only = forward_only or msg.forward_only
         kind = "forward" if forward_only else "forward_backward"
         if model_id not in self.registry.runs or not self.tenancy.owns_model(model_id):
-            return {"request_id": self.store.fail_now(kind, f"unknown model_id {model_id!r}"),
-                    "model_id": model_id}
+            return {"request_id": self.store.fail_now(kind, f"unknown model_id {model_id!r}"), "model_id": model_id}
         self.check_provenance(msg, model_id, self.session_of_model(model_id))  # service_stability: 400s
         self.tenancy.check_queue()
 
@@ -239,23 +270,36 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
                 res = fn(P.engine_id(model_id), datums, msg.loss_fn, cfg)
             return P.forward_backward_output_to_proto(res.outputs, res.metrics)
 
-        return {"request_id": self._ordered(kind, work, model_id, seq, loss_fn=msg.loss_fn,
-                                            datums=len(msg.data)), "model_id": model_id}
+        return {
+            "request_id": self._ordered(kind, work, model_id, seq, loss_fn=msg.loss_fn, datums=len(msg.data)),
+            "model_id": model_id,
+        }
 
     def _ordered(self, kind: str, work: Any, model_id: str, seq: int | None, **trace_args: Any) -> str:
         if seq is None:
             return self._traced(kind, work, model_id, None, **trace_args)
         return self._traced(kind, work, model_id, seq, model_id=model_id, seq_id=seq, **trace_args)
 
-    def _traced(self, kind: str, work: Any, track: str, seq: int | None, *, model_id: str | None = None,
-                seq_id: int | None = None, dedupe_key: tuple[str, int] | None = None, **args: Any) -> str:
+    def _traced(
+        self,
+        kind: str,
+        work: Any,
+        track: str,
+        seq: int | None,
+        *,
+        model_id: str | None = None,
+        seq_id: int | None = None,
+        dedupe_key: tuple[str, int] | None = None,
+        **args: Any,
+    ) -> str:
         """Submit ``work`` to the store, recorded in its session's trace (``tinker_local.trace``)
         on track ``track`` (the model id); a repeated submission is recorded once."""
         key = dedupe_key or ((model_id, seq_id) if model_id is not None and seq_id is not None else None)
         span = None
         if key is None or self.store.lookup_seq(*key) is None:
-            work, span = self.tracer.wrap(self.session_of_model(track), kind, track, work,
-                                          **({"seq_id": seq} if seq is not None else {}), **args)
+            work, span = self.tracer.wrap(
+                self.session_of_model(track), kind, track, work, **({"seq_id": seq} if seq is not None else {}), **args
+            )
         rid = self.store.submit(kind, work, model_id=model_id, seq_id=seq_id, dedupe_key=dedupe_key)
         self.tracer.bind(span, rid)
         return rid
@@ -269,8 +313,11 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
             raise HttpError(422, f"{ep}: 'adam_params' is required")
         self._check_optimizer(params, ep)
         try:
-            kw = {k: float(params[k]) for k in ("learning_rate", "beta1", "beta2", "eps", "weight_decay",
-                                                "grad_clip_norm") if params.get(k) is not None}
+            kw = {
+                k: float(params[k])
+                for k in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+                if params.get(k) is not None
+            }
         except (TypeError, ValueError) as e:
             raise HttpError(422, f"{ep}: adam_params must be numbers ({e})") from e
 
@@ -279,8 +326,7 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
             metrics = self.engine.optim_step(P.engine_id(model_id), **kw) or {}
             return {"metrics": {k: float(v) for k, v in metrics.items()}}
 
-        return {"request_id": self._ordered(ep, work, model_id, _int(body, "seq_id", ep)),
-                "model_id": model_id}
+        return {"request_id": self._ordered(ep, work, model_id, _int(body, "seq_id", ep)), "model_id": model_id}
 
     def _save(self, model_id: str, kind: str, name: str, meta: Any, ttl: int | None = None) -> CheckpointRecord:
         run = self._run(model_id)
@@ -291,9 +337,16 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
         uri = P.TinkerPath(run.model_id, kind, name).uri
         if uri in self.registry.checkpoints:
             logger.info("overwriting checkpoint %s", uri)
-        ck = CheckpointRecord(uri=uri, model_id=model_id, kind=kind, name=name, path=str(path),
-                              size_bytes=dir_size(path), user_metadata=P.as_str_dict(meta),
-                              expires_at=None if ttl is None else self.registry.clock() + ttl)
+        ck = CheckpointRecord(
+            uri=uri,
+            model_id=model_id,
+            kind=kind,
+            name=name,
+            path=str(path),
+            size_bytes=dir_size(path),
+            user_metadata=P.as_str_dict(meta),
+            expires_at=None if ttl is None else self.registry.clock() + ttl,
+        )
         self.registry.add_checkpoint(ck)
         return ck
 
@@ -321,8 +374,9 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
         model_id = str(_req(body, "model_id", ep))
         seq = _int(body, "seq_id", ep)
         ss_seq = _int(body, "sampling_session_seq_id", ep)
-        name = body.get("path") or (f"ephemeral-{ss_seq}" if ss_seq is not None
-                                    else f"sampler-{seq if seq is not None else int(time.time())}")
+        name = body.get("path") or (
+            f"ephemeral-{ss_seq}" if ss_seq is not None else f"sampler-{seq if seq is not None else int(time.time())}"
+        )
         try:
             P.check_checkpoint_name(name)
         except P.ProtocolError as e:
@@ -354,8 +408,11 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
         with_opt = bool(body.get("optimizer", False))
         ck = self._checkpoint(uri)
         if ck.kind != "state":
-            raise HttpError(422, f"{ep}: {uri} is a {P.KIND_SEGMENT[ck.kind]} checkpoint; load a "
-                                 "tinker://<model_id>/weights/<name> state checkpoint")
+            raise HttpError(
+                422,
+                f"{ep}: {uri} is a {P.KIND_SEGMENT[ck.kind]} checkpoint; load a "
+                "tinker://<model_id>/weights/<name> state checkpoint",
+            )
         src = self.registry.runs.get(ck.model_id)
         if src is None:
             raise HttpError(404, f"{ep}: the training run {ck.model_id!r} of {uri} is unknown")
@@ -367,16 +424,28 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
                 raise HttpError(422, f"{ep}: 'model_seq_id' is required with 'session_id'")
             session_id = str(body["session_id"])
             model_id = f"{session_id}:train:{seq}"
-            run = RunRecord(model_id=model_id, base_model=body.get("base_model") or src.base_model,
-                            lora_rank=src.lora_rank, seed=src.seed, train_mlp=src.train_mlp,
-                            train_attn=src.train_attn, train_unembed=src.train_unembed,
-                            session_id=session_id,
-                            user_metadata=P.as_str_dict(body.get("user_metadata")))
+            run = RunRecord(
+                model_id=model_id,
+                base_model=body.get("base_model") or src.base_model,
+                lora_rank=src.lora_rank,
+                seed=src.seed,
+                train_mlp=src.train_mlp,
+                train_attn=src.train_attn,
+                train_unembed=src.train_unembed,
+                session_id=session_id,
+                user_metadata=P.as_str_dict(body.get("user_metadata")),
+            )
 
             def create_and_load() -> dict[str, Any]:
-                self.engine.create_model(P.engine_id(model_id), run.base_model, run.lora_rank, seed=run.seed,
-                                         train_mlp=run.train_mlp, train_attn=run.train_attn,
-                                         train_unembed=run.train_unembed)
+                self.engine.create_model(
+                    P.engine_id(model_id),
+                    run.base_model,
+                    run.lora_rank,
+                    seed=run.seed,
+                    train_mlp=run.train_mlp,
+                    train_attn=run.train_attn,
+                    train_unembed=run.train_unembed,
+                )
                 self.engine.load_state(P.engine_id(model_id), Path(ck.path), with_optimizer=with_opt)
                 self._info[model_id] = self.engine.get_info(P.engine_id(model_id))
                 self.registry.add_run(run)
@@ -393,5 +462,4 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
             self.engine.load_state(P.engine_id(model_id), Path(ck.path), with_optimizer=with_opt)
             return {"type": "load_weights", "path": uri, "model_id": model_id}
 
-        return {"request_id": self._ordered(ep, load, model_id, _int(body, "seq_id", ep)),
-                "model_id": model_id}
+        return {"request_id": self._ordered(ep, load, model_id, _int(body, "seq_id", ep)), "model_id": model_id}

@@ -47,21 +47,30 @@ def _recipients(values: Any):
     if not values:
         return None
     if not isinstance(values, list) or len(values) > MAX_RECIPIENTS:
-        raise HttpError(400, f"save_weights_external: age_encryption_recipients must be a list of at "
-                             f"most {MAX_RECIPIENTS} recipients")
+        raise HttpError(
+            400,
+            f"save_weights_external: age_encryption_recipients must be a list of at most {MAX_RECIPIENTS} recipients",
+        )
     try:
         import pyrage
     except ImportError:
-        raise HttpError(400, "save_weights_external: age_encryption_recipients needs the optional "
-                             "'pyrage' package on the server (pip install pyrage)") from None
+        raise HttpError(
+            400,
+            "save_weights_external: age_encryption_recipients needs the optional "
+            "'pyrage' package on the server (pip install pyrage)",
+        ) from None
     out = []
     for r in values:
         try:
-            out.append(pyrage.ssh.Recipient.from_str(r) if str(r).startswith("ssh-")
-                       else pyrage.x25519.Recipient.from_str(str(r)))
+            out.append(
+                pyrage.ssh.Recipient.from_str(r)
+                if str(r).startswith("ssh-")
+                else pyrage.x25519.Recipient.from_str(str(r))
+            )
         except Exception as e:  # pyrage.RecipientError
-            raise HttpError(400, f"save_weights_external: {str(r)[:40]!r} is not an age or SSH "
-                                 f"recipient ({e})") from None
+            raise HttpError(
+                400, f"save_weights_external: {str(r)[:40]!r} is not an age or SSH recipient ({e})"
+            ) from None
     return out
 
 
@@ -98,10 +107,15 @@ class ExportMixin:
             if recipients:
                 _encrypt_in_place(folder, recipients)
             files = self._own_files(folder)
-            ck = CheckpointRecord(uri=P.TinkerPath(model_id, "external", name).uri, model_id=model_id,
-                                  kind="external", name=name, path=str(folder),
-                                  size_bytes=sum(p.stat().st_size for p in files.values()),
-                                  expires_at=None if ttl is None else self.registry.clock() + ttl)
+            ck = CheckpointRecord(
+                uri=P.TinkerPath(model_id, "external", name).uri,
+                model_id=model_id,
+                kind="external",
+                name=name,
+                path=str(folder),
+                size_bytes=sum(p.stat().st_size for p in files.values()),
+                expires_at=None if ttl is None else self.registry.clock() + ttl,
+            )
             self.registry.add_checkpoint(ck)
             return {"type": ep, "path": ck.uri, "size_bytes": ck.size_bytes}
 
@@ -141,16 +155,17 @@ class ExportMixin:
         """``ExternalWeightsUrlsResponse``: one signed URL per file, and when they expire."""
         ck = self._checkpoint_of(model_id, checkpoint_id)
         if ck.kind != "external":
-            raise HttpError(400, f"{ck.uri} is not an external weights checkpoint; save one with "
-                                 "TrainingClient.save_weights_external(name)")
+            raise HttpError(
+                400,
+                f"{ck.uri} is not an external weights checkpoint; save one with "
+                "TrainingClient.save_weights_external(name)",
+            )
         expires = self.signer.expiry(self.url_ttl_s)
         key = f"{ck.model_id}/{ck.name}"
-        urls = {rel: self.signer.url(base_url, "external", key, rel, expires)
-                for rel in self.external_files(ck)}
+        urls = {rel: self.signer.url(base_url, "external", key, rel, expires) for rel in self.external_files(ck)}
         return {"urls": urls, "expires": iso(expires)}
 
-    def external_download(self, model_id: str, name: str, file: str, expires: str | None,
-                          sig: str | None) -> Path:
+    def external_download(self, model_id: str, name: str, file: str, expires: str | None, sig: str | None) -> Path:
         """The file a signed external-weights URL names; HttpError 403 for a tampered or expired
         URL, 404 when the checkpoint or file is gone."""
         try:

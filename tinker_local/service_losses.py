@@ -31,8 +31,11 @@ class CustomLossMixin:
         refused at once (HTTP 400 naming the node and the op)."""
         ep = "create_custom_loss"
         if not self.custom_loss_server_side:
-            raise HttpError(400, f"{ep}: server-side custom losses are switched off on this server "
-                                 "(client config custom_loss_server_side is false)")
+            raise HttpError(
+                400,
+                f"{ep}: server-side custom losses are switched off on this server "
+                "(client config custom_loss_server_side is false)",
+            )
         session_id = str(_req(body, "session_id", ep))
         seq = _int(body, "custom_loss_seq_id", ep)
         if seq is None:
@@ -49,8 +52,7 @@ class CustomLossMixin:
 
         key = (f"loss:{session_id}", seq)
         if self.store.lookup_seq(*key) is None:  # a retried upload is traced once
-            work, span = self.tracer.wrap(session_id, ep, "session", work, loss_id=loss_id,
-                                          name=compiled.name)
+            work, span = self.tracer.wrap(session_id, ep, "session", work, loss_id=loss_id, name=compiled.name)
         else:
             span = None
         rid = self.store.submit(ep, work, dedupe_key=key)
@@ -62,13 +64,16 @@ class CustomLossMixin:
         when the id is missing, unknown or of another session."""
         loss_id = (cfg or {}).get("loss_id")
         if not isinstance(loss_id, str):
-            raise UserError("loss_fn 'custom' needs loss_fn_config {'loss_id': <id from "
-                            "ServiceClient.create_custom_loss>}")
+            raise UserError(
+                "loss_fn 'custom' needs loss_fn_config {'loss_id': <id from ServiceClient.create_custom_loss>}"
+            )
         loss: CompiledLoss | None = self._losses.get(loss_id)
         if loss is None:
-            raise UserError(f"unknown custom loss {loss_id!r}: create it with "
-                            "ServiceClient.create_custom_loss in this session (losses do not "
-                            "survive a server restart)")
+            raise UserError(
+                f"unknown custom loss {loss_id!r}: create it with "
+                "ServiceClient.create_custom_loss in this session (losses do not "
+                "survive a server restart)"
+            )
         if session_of(loss_id) != session_of(model_id):
             raise UserError(f"custom loss {loss_id!r} belongs to another session than model {model_id!r}")
         return loss.bind(n_datums)

@@ -73,8 +73,11 @@ class SamplingServiceMixin(StabilityMixin):
         rec = self.registry.samplers.get(sampler_id)
         if rec is None:
             raise HttpError(404, f"unknown sampling session {sampler_id!r}")
-        return {"sampler_id": rec.sampler_id, "base_model": self.client_model_name(rec.base_model),
-                "model_path": rec.model_path}
+        return {
+            "sampler_id": rec.sampler_id,
+            "base_model": self.client_model_name(rec.base_model),
+            "model_path": rec.model_path,
+        }
 
     def join_sampling_session(self, body: dict[str, Any]) -> dict[str, Any]:
         sid = str(_req(body, "sampling_session_id", "join_sampling_session"))
@@ -99,8 +102,11 @@ class SamplingServiceMixin(StabilityMixin):
             prompt = P.prompt_from_json(_req(body, "prompt", ep))
             sp = body.get("sampling_params") or {}
             stop = P.stop_from_json(sp.get("stop"))
-            target, target_csr = (P.target_ids_from_json(body["target_prompt_logprobs"])
-                                  if body.get("target_prompt_logprobs") is not None else (None, None))
+            target, target_csr = (
+                P.target_ids_from_json(body["target_prompt_logprobs"])
+                if body.get("target_prompt_logprobs") is not None
+                else (None, None)
+            )
         except P.ProtocolError as e:
             raise HttpError(422, f"{ep}: {e}") from e
         weights_path = self.inflight_weights(str(sid)) if sid is not None else None
@@ -109,35 +115,61 @@ class SamplingServiceMixin(StabilityMixin):
         last_n = _int(body, "prompt_logprobs_last_n", ep)
         max_tokens = _int(sp, "max_tokens", ep)
         try:
-            job = {"engine": dict(
-                base_model=rec.base_model, prompt_tokens=prompt, num_samples=n,
-                weights_path=Path(weights_path) if weights_path else None,
-                max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
-                temperature=float(_or(sp.get("temperature"), 1.0)),
-                top_k=_int(sp, "top_k", ep) if sp.get("top_k") is not None else -1,
-                top_p=float(_or(sp.get("top_p"), 1.0)), seed=_int(sp, "seed", ep), stop=stop,
-                include_prompt_logprobs=bool(body.get("prompt_logprobs")) or topk > 0,
-                topk_prompt_logprobs=topk, topk_sample_logprobs=_int(body, "topk_sample_logprobs", ep, 0) or 0,
-                prompt_logprobs_last_n=last_n, target_prompt_logprobs=target,
-                prompt_alt_tokens_k=_int(body, "prompt_alt_tokens_k", ep, 0) or 0),
-                "prompt_logprobs": bool(body.get("prompt_logprobs")), "topk": topk, "last_n": last_n,
-                "target_csr": target_csr, "sampler_id": None if sid is None else str(sid),
-                "record": bool(body.get("record_stability_info")), "ids": threading.Event()}
+            job = {
+                "engine": dict(
+                    base_model=rec.base_model,
+                    prompt_tokens=prompt,
+                    num_samples=n,
+                    weights_path=Path(weights_path) if weights_path else None,
+                    max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+                    temperature=float(_or(sp.get("temperature"), 1.0)),
+                    top_k=_int(sp, "top_k", ep) if sp.get("top_k") is not None else -1,
+                    top_p=float(_or(sp.get("top_p"), 1.0)),
+                    seed=_int(sp, "seed", ep),
+                    stop=stop,
+                    include_prompt_logprobs=bool(body.get("prompt_logprobs")) or topk > 0,
+                    topk_prompt_logprobs=topk,
+                    topk_sample_logprobs=_int(body, "topk_sample_logprobs", ep, 0) or 0,
+                    prompt_logprobs_last_n=last_n,
+                    target_prompt_logprobs=target,
+                    prompt_alt_tokens_k=_int(body, "prompt_alt_tokens_k", ep, 0) or 0,
+                ),
+                "prompt_logprobs": bool(body.get("prompt_logprobs")),
+                "topk": topk,
+                "last_n": last_n,
+                "target_csr": target_csr,
+                "sampler_id": None if sid is None else str(sid),
+                "record": bool(body.get("record_stability_info")),
+                "ids": threading.Event(),
+            }
         except (TypeError, ValueError) as e:
             raise HttpError(422, f"{ep}: sampling_params must be numbers ({e})") from e
         seq = _int(body, "seq_id", ep)
         key = (f"sample:{sid}", seq) if sid is not None and seq is not None else None
         span = None
         if sid is not None and (key is None or self.store.lookup_seq(*key) is None):
-            span = self.tracer.open_span(session_of(str(sid)), "sample", str(sid), seq_id=seq,
-                                         num_samples=n, prompt_tokens=len(prompt),
-                                         max_tokens=job["engine"]["max_tokens"])
+            span = self.tracer.open_span(
+                session_of(str(sid)),
+                "sample",
+                str(sid),
+                seq_id=seq,
+                num_samples=n,
+                prompt_tokens=len(prompt),
+                max_tokens=job["engine"]["max_tokens"],
+            )
         job["span"] = span
         step_s = self._sample_step_s
         linger = None if step_s is None else LINGER_FRACTION * step_s * (job["engine"]["max_tokens"] + 1)
-        rid = self.store.submit("sample", None, dedupe_key=key, batch_key="sample",
-                                payload=job, batch_fn=self._sample_batch, max_linger_s=linger,
-                                executor=SAMPLER_EXECUTOR if self.sampler_pool is not None else None)
+        rid = self.store.submit(
+            "sample",
+            None,
+            dedupe_key=key,
+            batch_key="sample",
+            payload=job,
+            batch_fn=self._sample_batch,
+            max_linger_s=linger,
+            executor=SAMPLER_EXECUTOR if self.sampler_pool is not None else None,
+        )
         self.tracer.bind(span, rid)
         job["sequence_ids"] = P.sequence_ids(rid, n)
         job["ids"].set()  # the batch may already be running: it waits for the ids to record them
@@ -165,8 +197,15 @@ class SamplingServiceMixin(StabilityMixin):
                 if sp is not None:
                     res = out[k] if k < len(out) else None
                     sp.end = end
-                    sp.status = ("server error" if res is None else "ok" if not isinstance(res, BaseException)
-                                 else "user error" if _is_user_error(res) else "server error")
+                    sp.status = (
+                        "server error"
+                        if res is None
+                        else "ok"
+                        if not isinstance(res, BaseException)
+                        else "user error"
+                        if _is_user_error(res)
+                        else "server error"
+                    )
 
     def _sample_reqs(self, jobs: list[dict[str, Any]], reqs: list[dict[str, Any]]) -> list[Any]:
         if self.sampler_pool is not None:
@@ -178,8 +217,9 @@ class SamplingServiceMixin(StabilityMixin):
             for r in reqs:
                 r = dict(r)
                 try:
-                    results.append(self.engine.sample(r.pop("base_model"), r.pop("weights_path"),
-                                                      r.pop("prompt_tokens"), **r))
+                    results.append(
+                        self.engine.sample(r.pop("base_model"), r.pop("weights_path"), r.pop("prompt_tokens"), **r)
+                    )
                 except Exception as e:
                     results.append(e)
         out: list[Any] = []
@@ -194,15 +234,21 @@ class SamplingServiceMixin(StabilityMixin):
             stats["prompt_tokens_uncached"] += len(job["engine"]["prompt_tokens"]) - hit
             stats["sampled_tokens"] += sum(len(s["tokens"]) for s in res.sequences)
             if job["record"] and job["ids"].wait(30):  # set right after submission
-                self.record_stability(job["sampler_id"], job["sequence_ids"], job["engine"]["prompt_tokens"],
-                                      res.sequences)
-            out.append(P.sample_response_to_proto(
-                res.sequences,
-                getattr(res, "prompt_logprobs", None) if job["prompt_logprobs"] else None,
-                getattr(res, "topk_prompt_logprobs", None) if job["topk"] > 0 else None,
-                prompt_logprobs_last_n=job["last_n"],
-                target_prompt_logprobs=getattr(res, "target_prompt_logprobs", None), target_csr=job["target_csr"],
-                prompt_alt_tokens=getattr(res, "prompt_alt_tokens", None), prompt_cache_hit_tokens=hit))
+                self.record_stability(
+                    job["sampler_id"], job["sequence_ids"], job["engine"]["prompt_tokens"], res.sequences
+                )
+            out.append(
+                P.sample_response_to_proto(
+                    res.sequences,
+                    getattr(res, "prompt_logprobs", None) if job["prompt_logprobs"] else None,
+                    getattr(res, "topk_prompt_logprobs", None) if job["topk"] > 0 else None,
+                    prompt_logprobs_last_n=job["last_n"],
+                    target_prompt_logprobs=getattr(res, "target_prompt_logprobs", None),
+                    target_csr=job["target_csr"],
+                    prompt_alt_tokens=getattr(res, "prompt_alt_tokens", None),
+                    prompt_cache_hit_tokens=hit,
+                )
+            )
         return out
 
     # -- inflight sampling clients ----------------------------------------------------------------
@@ -213,8 +259,10 @@ class SamplingServiceMixin(StabilityMixin):
         ``prompt_tokens_uncached`` (prefilled for the request) and ``sampled_tokens``."""
         st = self.__dict__.get("_sampling_stats")
         if st is None:
-            st = self.__dict__.setdefault("_sampling_stats", dict.fromkeys(
-                ("requests", "prompt_tokens_cached", "prompt_tokens_uncached", "sampled_tokens"), 0))
+            st = self.__dict__.setdefault(
+                "_sampling_stats",
+                dict.fromkeys(("requests", "prompt_tokens_cached", "prompt_tokens_uncached", "sampled_tokens"), 0),
+            )
         return st
 
     def _inflight_state(self) -> tuple[dict[str, str], dict[str, str]]:
@@ -238,4 +286,3 @@ class SamplingServiceMixin(StabilityMixin):
         targets, sessions = self._inflight_state()
         model_id = sessions.get(sampler_id)
         return None if model_id is None else targets.get(model_id)
-

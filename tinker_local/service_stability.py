@@ -57,8 +57,9 @@ class StabilityMixin:
             st = self.__dict__.setdefault("_stability_state", ({}, threading.Lock()))
         return st
 
-    def record_stability(self, sampler_id: str | None, sequence_ids: list[str], prompt: Any,
-                         sequences: list[dict[str, Any]]) -> None:
+    def record_stability(
+        self, sampler_id: str | None, sequence_ids: list[str], prompt: Any, sequences: list[dict[str, Any]]
+    ) -> None:
         """Record the sampled ``sequences`` of one request under their ``sequence_ids``."""
         records, lock = self._stability()
         flat = [int(t) for t in prompt] if all(isinstance(t, (int, np.integer)) for t in prompt) else None
@@ -67,10 +68,13 @@ class StabilityMixin:
             for expired in [k for k, r in records.items() if r.expires_at <= now]:
                 del records[expired]
             for sid, seq in zip(sequence_ids, sequences):
-                records[sid] = StabilityRecord(session_of(sampler_id) if sampler_id else None, flat,
-                                               [int(t) for t in seq["tokens"]],
-                                               np.asarray(seq.get("logprobs") or [], dtype=np.float32),
-                                               now + STABILITY_TTL_S)
+                records[sid] = StabilityRecord(
+                    session_of(sampler_id) if sampler_id else None,
+                    flat,
+                    [int(t) for t in seq["tokens"]],
+                    np.asarray(seq.get("logprobs") or [], dtype=np.float32),
+                    now + STABILITY_TTL_S,
+                )
 
     def stability_record(self, sequence_id: str) -> StabilityRecord | None:
         """The unexpired record of ``sequence_id``, or None."""
@@ -98,9 +102,12 @@ class StabilityMixin:
         needed = msg.loss_fn == "stable_reinforce"
         if not any(len(d.model_input_spans) or len(d.loss_fn_input_spans) for d in msg.data):
             if needed:
-                raise HttpError(400, "loss_fn 'stable_reinforce' needs provenance on every datum: build them with "
-                                     "Datum.with_provenance(model_input=[...], loss_fn_inputs=[...]) naming sequences "
-                                     "sampled with record_stability_info=True")
+                raise HttpError(
+                    400,
+                    "loss_fn 'stable_reinforce' needs provenance on every datum: build them with "
+                    "Datum.with_provenance(model_input=[...], loss_fn_inputs=[...]) naming sequences "
+                    "sampled with record_stability_info=True",
+                )
             return
         used: dict[str, StabilityRecord] = {}
         for i, d in enumerate(msg.data):
@@ -108,8 +115,14 @@ class StabilityMixin:
                 if needed:
                     raise HttpError(400, f"stable_reinforce: datum {i} has no provenance (Datum.with_provenance)")
                 continue
-            tokens = np.concatenate([np.frombuffer(c.encoded_text.tokens, dtype=np.int32) for c in d.model_input
-                                     if c.WhichOneof("chunk") == "encoded_text"] or [np.zeros(0, np.int32)])
+            tokens = np.concatenate(
+                [
+                    np.frombuffer(c.encoded_text.tokens, dtype=np.int32)
+                    for c in d.model_input
+                    if c.WhichOneof("chunk") == "encoded_text"
+                ]
+                or [np.zeros(0, np.int32)]
+            )
             tgt = d.loss_fn_inputs.get("target_tokens")
             targets = None
             if tgt is not None and len(tgt.shape) == 1:
@@ -123,8 +136,15 @@ class StabilityMixin:
         for rec in used.values():
             rec.expires_at = now + STABILITY_TTL_S
 
-    def _spans(self, i: int, field: str, spans: Any, values: np.ndarray | None, session_id: str | None,
-               used: dict[str, StabilityRecord]) -> None:
+    def _spans(
+        self,
+        i: int,
+        field: str,
+        spans: Any,
+        values: np.ndarray | None,
+        session_id: str | None,
+        used: dict[str, StabilityRecord],
+    ) -> None:
         where = f"datum {i}: {field}"
         if values is None:
             raise HttpError(400, f"{where}: provenance needs a 1-D target_tokens to tile")
@@ -137,28 +157,48 @@ class StabilityMixin:
             sid, off, n = s.sequence_id, int(s.offset), int(s.length)
             rec = used.get(sid) or self.stability_record(sid)
             if rec is None:
-                raise HttpError(400, f"{where}[{j}]: sequence_id {sid!r} is unknown or expired: provenance must "
-                                     "name a sequence sampled in this session with record_stability_info=True "
-                                     "within the last day")
+                raise HttpError(
+                    400,
+                    f"{where}[{j}]: sequence_id {sid!r} is unknown or expired: provenance must "
+                    "name a sequence sampled in this session with record_stability_info=True "
+                    "within the last day",
+                )
             if rec.session_id != session_id:
-                raise HttpError(400, f"{where}[{j}]: sequence_id {sid!r} was sampled in session "
-                                     f"{rec.session_id!r}, not in this model's session {session_id!r}")
+                raise HttpError(
+                    400,
+                    f"{where}[{j}]: sequence_id {sid!r} was sampled in session "
+                    f"{rec.session_id!r}, not in this model's session {session_id!r}",
+                )
             source = rec.prompt if kind == "prompt_tokens" else rec.tokens
             what = "prompt" if kind == "prompt_tokens" else "sampled tokens"
             if source is None:
-                raise HttpError(400, f"{where}[{j}]: the prompt of sequence {sid!r} held media; name its text "
-                                     "tokens with sampled spans only")
+                raise HttpError(
+                    400,
+                    f"{where}[{j}]: the prompt of sequence {sid!r} held media; name its text "
+                    "tokens with sampled spans only",
+                )
             if off < 0 or n < 0 or off + n > len(source):
-                raise HttpError(400, f"{where}[{j}]: span offset {off} length {n} runs past the {len(source)} "
-                                     f"{what} of sequence {sid!r}")
+                raise HttpError(
+                    400,
+                    f"{where}[{j}]: span offset {off} length {n} runs past the {len(source)} "
+                    f"{what} of sequence {sid!r}",
+                )
             if pos + n > len(values):
-                raise HttpError(400, f"{where}: span lengths sum past the field's {len(values)} positions "
-                                     "(the runs must tile it exactly)")
-            if list(values[pos:pos + n]) != source[off:off + n]:
-                raise HttpError(400, f"{where}[{j}]: tokens at positions {pos}..{pos + n - 1} differ from the "
-                                     f"{what} {off}..{off + n - 1} of sequence {sid!r}")
+                raise HttpError(
+                    400,
+                    f"{where}: span lengths sum past the field's {len(values)} positions "
+                    "(the runs must tile it exactly)",
+                )
+            if list(values[pos : pos + n]) != source[off : off + n]:
+                raise HttpError(
+                    400,
+                    f"{where}[{j}]: tokens at positions {pos}..{pos + n - 1} differ from the "
+                    f"{what} {off}..{off + n - 1} of sequence {sid!r}",
+                )
             used[sid] = rec
             pos += n
         if pos != len(values):
-            raise HttpError(400, f"{where}: spans cover {pos} positions but the field has {len(values)} "
-                                 "(the runs must tile it exactly)")
+            raise HttpError(
+                400,
+                f"{where}: spans cover {pos} positions but the field has {len(values)} (the runs must tile it exactly)",
+            )

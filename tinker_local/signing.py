@@ -62,8 +62,10 @@ class UrlSigner:
     def url(self, base: str, kind: str, key: str, file: str, expires: int) -> str:
         """The signed URL of ``file`` (a relative path with ``/``) of object ``key`` of ``kind``
         (``key`` may hold ``/``: the route names its parts)."""
-        return (f"{base.rstrip('/')}/downloads/{quote(kind, safe='')}/{quote(key, safe='/:')}/"
-                f"{quote(file, safe='/')}?expires={expires}&sig={self._sig(kind, key, file, expires)}")
+        return (
+            f"{base.rstrip('/')}/downloads/{quote(kind, safe='')}/{quote(key, safe='/:')}/"
+            f"{quote(file, safe='/')}?expires={expires}&sig={self._sig(kind, key, file, expires)}"
+        )
 
     def expiry(self, ttl_s: float = DEFAULT_URL_TTL_S) -> int:
         """Unix second at which URLs signed now for ``ttl_s`` seconds expire."""
@@ -76,7 +78,8 @@ class UrlSigner:
         except ValueError:
             raise SignatureError("download URL has no valid 'expires' parameter") from None
         if not sig or not hmac.compare_digest(self._sig(kind, key, file, exp), sig):
-            raise SignatureError("download URL signature does not match (the URL was altered, or "
-                                 "signed by another server)")
+            raise SignatureError(
+                "download URL signature does not match (the URL was altered, or signed by another server)"
+            )
         if exp <= self.clock():
             raise SignatureError("download URL has expired; ask the server for a fresh one")

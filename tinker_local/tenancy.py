@@ -53,8 +53,7 @@ class Principal:
 
 
 LOCAL_PRINCIPAL = Principal(LOCAL_USER, admin=True)
-CURRENT: contextvars.ContextVar[Principal] = contextvars.ContextVar("tinker_local_principal",
-                                                                   default=LOCAL_PRINCIPAL)
+CURRENT: contextvars.ContextVar[Principal] = contextvars.ContextVar("tinker_local_principal", default=LOCAL_PRINCIPAL)
 
 
 def current_user() -> str:
@@ -155,30 +154,40 @@ class Tenancy:
         return n
 
     def storage_bytes(self, user: str) -> int:
-        return sum(ck.size_bytes or 0 for ck in self.registry.checkpoints.values()
-                   if self.model_owner(ck.model_id) == user)
+        return sum(
+            ck.size_bytes or 0 for ck in self.registry.checkpoints.values() if self.model_owner(ck.model_id) == user
+        )
 
     def check_new_model(self) -> None:
         """HttpError 403 when the caller already has ``limits.models`` live training models."""
         cap, user = self.limits.models, current_user()
         if cap is not None and self.live_models(user) >= cap:
-            raise HttpError(403, f"limit reached: user {user!r} has {cap} live training models "
-                                 f"(serve --max-models-per-user {cap}); finish a session first")
+            raise HttpError(
+                403,
+                f"limit reached: user {user!r} has {cap} live training models "
+                f"(serve --max-models-per-user {cap}); finish a session first",
+            )
 
     def check_queue(self) -> None:
         """HttpError 429 when the caller has ``limits.queued`` requests queued or running."""
         cap, user = self.limits.queued, current_user()
         if cap is not None and self.store.queued_by(user) >= cap:
-            raise HttpError(429, f"limit reached: user {user!r} has {cap} requests queued "
-                                 f"(serve --max-queued-per-user {cap}); retry when some have finished")
+            raise HttpError(
+                429,
+                f"limit reached: user {user!r} has {cap} requests queued "
+                f"(serve --max-queued-per-user {cap}); retry when some have finished",
+            )
 
     def check_storage(self) -> None:
         """HttpError 403 when the caller's checkpoints hold ``limits.checkpoint_bytes`` or more."""
         cap, user = self.limits.checkpoint_bytes, current_user()
         if cap is not None and self.storage_bytes(user) >= cap:
-            raise HttpError(403, f"limit reached: user {user!r} stores {self.storage_bytes(user)} bytes "
-                                 f"of checkpoints (serve --max-checkpoint-bytes-per-user {cap}); "
-                                 "delete some first")
+            raise HttpError(
+                403,
+                f"limit reached: user {user!r} stores {self.storage_bytes(user)} bytes "
+                f"of checkpoints (serve --max-checkpoint-bytes-per-user {cap}); "
+                "delete some first",
+            )
 
     # -- request guard -----------------------------------------------------------------------------
     def guard(self, endpoint: str, body: dict[str, Any]) -> dict | None:
@@ -187,8 +196,9 @@ class Tenancy:
         answer to give instead (a request id whose future failed as for an unknown model), or
         None to go on.  A refused ordered request consumes its ``seq_id``."""
         mid, sid = body.get("model_id"), body.get("session_id")
-        if endpoint in ("create_model", "create_sampling_session", "create_custom_loss") or \
-                (endpoint == "load_weights" and sid is not None):
+        if endpoint in ("create_model", "create_sampling_session", "create_custom_loss") or (
+            endpoint == "load_weights" and sid is not None
+        ):
             if not self.may_use_session(str(sid)):
                 raise HttpError(404, f"{endpoint}: unknown session {sid!r}")
             if endpoint in ("create_model", "load_weights"):
@@ -200,11 +210,21 @@ class Tenancy:
                     raise HttpError(404, f"get_info: {msg}")
                 return {"request_id": self.store.fail_now(endpoint, msg), "model_id": mid}
         sampler = body.get("sampling_session_id")
-        if endpoint in ("asample", "join_sampling_session") and sampler is not None \
-                and not self.owns_sampler(str(sampler)):
+        if (
+            endpoint in ("asample", "join_sampling_session")
+            and sampler is not None
+            and not self.owns_sampler(str(sampler))
+        ):
             raise HttpError(404, f"{endpoint}: unknown sampling session {sampler!r}")
-        if endpoint in ("optim_step", "asample", "save_weights",
-                        "save_weights_for_sampler", "save_weights_external", "load_weights", "create_model"):
+        if endpoint in (
+            "optim_step",
+            "asample",
+            "save_weights",
+            "save_weights_for_sampler",
+            "save_weights_external",
+            "load_weights",
+            "create_model",
+        ):
             self._burning(body, self.check_queue)
         if endpoint.startswith("save_weights"):
             self._burning(body, self.check_storage)
@@ -222,8 +242,12 @@ class Tenancy:
     # -- audit log ---------------------------------------------------------------------------------
     def audit(self, event: str, **details: Any) -> None:
         """Append ``event`` (``<resource>_<action>``) by the current user to the audit log."""
-        row = {"timestamp": datetime.now(UTC).isoformat(), "event": event, "user": current_user(),
-               **{k: v for k, v in details.items() if v is not None}}
+        row = {
+            "timestamp": datetime.now(UTC).isoformat(),
+            "event": event,
+            "user": current_user(),
+            **{k: v for k, v in details.items() if v is not None},
+        }
         line = json.dumps(row, default=str) + "\n"
         with self._audit_lock:
             self.audit_path.parent.mkdir(parents=True, exist_ok=True)
@@ -252,6 +276,13 @@ class Tenancy:
             if ts.date() != want_day or (prefix is not None and not row["event"].startswith(prefix)):
                 continue
             details = {k: v for k, v in row.items() if k not in ("timestamp", "event")}
-            entries.append({"timestamp": row["timestamp"], "event": row["event"], "event_details": details,
-                            "model_id": row.get("model_id"), "tinker_path": row.get("tinker_path")})
+            entries.append(
+                {
+                    "timestamp": row["timestamp"],
+                    "event": row["event"],
+                    "event_details": details,
+                    "model_id": row.get("model_id"),
+                    "tinker_path": row.get("tinker_path"),
+                }
+            )
         return {"entries": entries}

@@ -63,8 +63,24 @@ here there where why how what which who whom whose always never often sometimes 
 today tomorrow yesterday morning evening night spring summer autumn winter monday friday
 """.split()
 
-_NAMES = ["Alice", "Bob", "Carol", "Dave", "Eve", "Frank", "Grace", "Heidi", "Ivan", "Judy",
-          "Mallory", "Oscar", "Peggy", "Trent", "Victor", "Walter"]
+_NAMES = [
+    "Alice",
+    "Bob",
+    "Carol",
+    "Dave",
+    "Eve",
+    "Frank",
+    "Grace",
+    "Heidi",
+    "Ivan",
+    "Judy",
+    "Mallory",
+    "Oscar",
+    "Peggy",
+    "Trent",
+    "Victor",
+    "Walter",
+]
 
 _TEMPLATES = [
     "{A} has {n} {w}s and buys {m} more.",
@@ -100,10 +116,20 @@ def build_corpus(seed: int = 0, n_lines: int = 20000) -> list[str]:
         elif kind == 1:  # template sentence
             tpl = rng.choice(_TEMPLATES)
             n, m = rng.randint(1, 99), rng.randint(1, 99)
-            lines.append(tpl.format(
-                A=rng.choice(_NAMES), B=rng.choice(_NAMES), n=n, m=m, k=n + m,
-                w=rng.choice(_WORDS), w2=rng.choice(_WORDS), adj=rng.choice(_WORDS),
-                adj2=rng.choice(_WORDS), t=rng.choice(times)))
+            lines.append(
+                tpl.format(
+                    A=rng.choice(_NAMES),
+                    B=rng.choice(_NAMES),
+                    n=n,
+                    m=m,
+                    k=n + m,
+                    w=rng.choice(_WORDS),
+                    w2=rng.choice(_WORDS),
+                    adj=rng.choice(_WORDS),
+                    adj2=rng.choice(_WORDS),
+                    t=rng.choice(times),
+                )
+            )
         elif kind == 2:  # random word sequence, sentence cased
             words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 14))]
             words[0] = words[0].capitalize()
@@ -128,10 +154,12 @@ def build_tiny_tokenizer(vocab_size: int = 2048, seed: int = 0):
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

@@ -77,8 +77,9 @@ class Tracer:
         if session_id:
             self._add(session_id, ("instant", name, track, self.clock(), args))
 
-    def wrap(self, session_id: str | None, name: str, track: str, fn: Callable[[], Any], /,
-             **args: Any) -> tuple[Callable[[], Any], Span | None]:
+    def wrap(
+        self, session_id: str | None, name: str, track: str, fn: Callable[[], Any], /, **args: Any
+    ) -> tuple[Callable[[], Any], Span | None]:
         """``fn`` wrapped to record its start and end; returns (wrapped fn, span).  Set
         ``span.request_id`` once the request id is known.  Without a session: ``fn`` unchanged."""
         if not session_id:
@@ -138,28 +139,79 @@ class Tracer:
                 args = {"request_id": it.request_id, "status": it.status, **it.args}
                 if it.start is not None:
                     end = it.end if it.end is not None else self.clock()
-                    args.update(queue_ms=round((it.start - it.submitted) * 1e3, 3),
-                                run_ms=round((end - it.start) * 1e3, 3))
-                    events.append({"name": it.name, "cat": "request", "ph": "X", "pid": 1, "tid": t,
-                                   "ts": _us(it.start), "dur": max(_us(end) - _us(it.start), 0),
-                                   "args": args})
+                    args.update(
+                        queue_ms=round((it.start - it.submitted) * 1e3, 3), run_ms=round((end - it.start) * 1e3, 3)
+                    )
+                    events.append(
+                        {
+                            "name": it.name,
+                            "cat": "request",
+                            "ph": "X",
+                            "pid": 1,
+                            "tid": t,
+                            "ts": _us(it.start),
+                            "dur": max(_us(end) - _us(it.start), 0),
+                            "args": args,
+                        }
+                    )
                 qend = it.start if it.start is not None else self.clock()
                 qid = it.request_id or f"span-{id(it)}"
-                events.append({"name": f"queued {it.name}", "cat": "queue", "ph": "b", "id": qid,
-                               "pid": 1, "tid": t, "ts": _us(it.submitted), "args": {"request_id": it.request_id}})
-                events.append({"name": f"queued {it.name}", "cat": "queue", "ph": "e", "id": qid,
-                               "pid": 1, "tid": t, "ts": _us(qend)})
+                events.append(
+                    {
+                        "name": f"queued {it.name}",
+                        "cat": "queue",
+                        "ph": "b",
+                        "id": qid,
+                        "pid": 1,
+                        "tid": t,
+                        "ts": _us(it.submitted),
+                        "args": {"request_id": it.request_id},
+                    }
+                )
+                events.append(
+                    {
+                        "name": f"queued {it.name}",
+                        "cat": "queue",
+                        "ph": "e",
+                        "id": qid,
+                        "pid": 1,
+                        "tid": t,
+                        "ts": _us(qend),
+                    }
+                )
             else:
                 _, name, track, ts, args = it
-                events.append({"name": name, "cat": "session", "ph": "i", "s": "t", "pid": 1,
-                               "tid": tid(track), "ts": _us(ts), "args": args})
-        meta = [{"name": "process_name", "ph": "M", "pid": 1, "tid": 0,
-                 "args": {"name": f"tinker_local session {session_id}"}}]
-        meta += [{"name": "thread_name", "ph": "M", "pid": 1, "tid": n, "args": {"name": track}}
-                 for track, n in tracks.items()]
+                events.append(
+                    {
+                        "name": name,
+                        "cat": "session",
+                        "ph": "i",
+                        "s": "t",
+                        "pid": 1,
+                        "tid": tid(track),
+                        "ts": _us(ts),
+                        "args": args,
+                    }
+                )
+        meta = [
+            {
+                "name": "process_name",
+                "ph": "M",
+                "pid": 1,
+                "tid": 0,
+                "args": {"name": f"tinker_local session {session_id}"},
+            }
+        ]
+        meta += [
+            {"name": "thread_name", "ph": "M", "pid": 1, "tid": n, "args": {"name": track}}
+            for track, n in tracks.items()
+        ]
         events.sort(key=lambda e: e["ts"])
-        return {"traceEvents": meta + events, "displayTimeUnit": "ms",
-                "otherData": {"session_id": session_id, "exporter": "tinker_local"}}
+        return {
+            "traceEvents": meta + events,
+            "displayTimeUnit": "ms",
+            "otherData": {"session_id": session_id, "exporter": "tinker_local"},
+        }
 
 
 def _us(t: float) -> int:

@@ -92,8 +92,9 @@ def create_app(model: ServedModel, recorder: CaptureRecorder, *, session_id: str
         header = request.headers.get("authorization", "")
         scheme, _, given = header.partition(" ")
         if scheme.lower() != "bearer" or not given:
-            raise APIError(401, "You didn't provide an API key: send 'Authorization: Bearer <token>'",
-                           code="invalid_api_key")
+            raise APIError(
+                401, "You didn't provide an API key: send 'Authorization: Bearer <token>'", code="invalid_api_key"
+            )
         if not hmac.compare_digest(given.strip().encode(), token.encode()):
             raise APIError(401, "Incorrect API key provided", code="invalid_api_key")
 
@@ -120,8 +121,11 @@ def create_app(model: ServedModel, recorder: CaptureRecorder, *, session_id: str
         gen = await run(model, req, ctx)
         recorder.record(gen.rows)
         if req.stream:
-            return StreamingResponse(sse_events(gen, req.include_usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(
+                sse_events(gen, req.include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
         return JSONResponse(response_body(gen))
 
     def models_list() -> dict[str, Any]:
@@ -134,6 +138,7 @@ def create_app(model: ServedModel, recorder: CaptureRecorder, *, session_id: str
         return card
 
     for prefix in ("", "/r/{tag}"):
+
         def routes(prefix: str = prefix) -> None:
             @app.post(prefix + "/v1/chat/completions")
             async def chat(request: Request, tag: str | None = None):
@@ -158,7 +163,11 @@ def create_app(model: ServedModel, recorder: CaptureRecorder, *, session_id: str
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "session": session_id, "pending_rows": recorder.pending,
-                "flush_errors": recorder.stats["flush_errors"]}
+        return {
+            "status": "ok",
+            "session": session_id,
+            "pending_rows": recorder.pending,
+            "flush_errors": recorder.stats["flush_errors"],
+        }
 
     return app

@@ -73,20 +73,54 @@ def _cut(text: str, stops: Sequence[str] | None) -> int | None:
 
 
 def _sampling(req: Any, model: ServedModel, max_tokens: int, **extra: Any) -> dict[str, Any]:
-    return {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "max_tokens": max_tokens,
-            "seed": req.seed, "stop": req.stop, "n": req.n, "renderer": model.renderer.name, **extra}
+    return {
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "max_tokens": max_tokens,
+        "seed": req.seed,
+        "stop": req.stop,
+        "n": req.n,
+        "renderer": model.renderer.name,
+        **extra,
+    }
 
 
-def _row(ctx: RequestContext, model: ServedModel, req: Any, *, request_id: str, index: int, endpoint: str,
-         prompt: str, prompt_tokens: int, seq: Any, completion: str, finish_reason: str,
-         sampling: dict[str, Any], tools: Any = None, response: Any = None) -> dict[str, Any]:
+def _row(
+    ctx: RequestContext,
+    model: ServedModel,
+    req: Any,
+    *,
+    request_id: str,
+    index: int,
+    endpoint: str,
+    prompt: str,
+    prompt_tokens: int,
+    seq: Any,
+    completion: str,
+    finish_reason: str,
+    sampling: dict[str, Any],
+    tools: Any = None,
+    response: Any = None,
+) -> dict[str, Any]:
     tokens = list(seq.tokens)
     return {
-        "run_id": ctx.run_id, "request_id": request_id, "sequence_index": index, "client": ctx.client,
-        "endpoint": endpoint, "model": req.model, "checkpoint": model.checkpoint, "prompt": prompt,
-        "completion": completion, "prompt_tokens": prompt_tokens, "completion_tokens": len(tokens),
-        "completion_token_ids": tokens, **_stats(seq.logprobs), "stop_reason": str(seq.stop_reason),
-        "sampling_json": json.dumps(sampling, sort_keys=True), "finish_reason": finish_reason,
+        "run_id": ctx.run_id,
+        "request_id": request_id,
+        "sequence_index": index,
+        "client": ctx.client,
+        "endpoint": endpoint,
+        "model": req.model,
+        "checkpoint": model.checkpoint,
+        "prompt": prompt,
+        "completion": completion,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": len(tokens),
+        "completion_token_ids": tokens,
+        **_stats(seq.logprobs),
+        "stop_reason": str(seq.stop_reason),
+        "sampling_json": json.dumps(sampling, sort_keys=True),
+        "finish_reason": finish_reason,
         "metadata_json": json.dumps(req.metadata, sort_keys=True, default=str) if req.metadata is not None else None,
         "tools_json": json.dumps(tools, sort_keys=True) if tools else None,
         "response_json": json.dumps(response, sort_keys=True, ensure_ascii=False) if response is not None else None,
@@ -102,10 +136,17 @@ def _finalize(rows: list[dict[str, Any]], ctx: RequestContext) -> None:
 # ----- chat -----------------------------------------------------------------------------------
 def _token_entry(model: ServedModel, token: int, logprob: float | None, top: Any) -> dict[str, Any]:
     text = model.token_text(int(token))
-    entry: dict[str, Any] = {"token": text, "logprob": float(logprob) if logprob is not None else None,
-                             "bytes": list(text.encode("utf-8"))}
+    entry: dict[str, Any] = {
+        "token": text,
+        "logprob": float(logprob) if logprob is not None else None,
+        "bytes": list(text.encode("utf-8")),
+    }
     entry["top_logprobs"] = [
-        {"token": model.token_text(int(t)), "logprob": float(v), "bytes": list(model.token_text(int(t)).encode("utf-8"))}
+        {
+            "token": model.token_text(int(t)),
+            "logprob": float(v),
+            "bytes": list(model.token_text(int(t)).encode("utf-8")),
+        }
         for t, v in (top or [])
     ]
     return entry
@@ -116,9 +157,16 @@ def _tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for call in calls:
         fn = call.get("function") or call
         args = fn.get("arguments", {})
-        out.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                    "function": {"name": fn["name"],
-                                 "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}})
+        out.append(
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {
+                    "name": fn["name"],
+                    "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
+                },
+            }
+        )
     return out
 
 
@@ -150,10 +198,18 @@ def _chat_choice(model: ServedModel, req: ChatCompletionRequest, index: int, seq
     if req.logprobs:
         lps = list(seq.logprobs or [None] * len(tokens))
         tops = list(seq.topk_logprobs or []) if req.top_logprobs else []
-        logprobs = {"content": [
-            _token_entry(model, t, lps[i] if i < len(lps) else None, tops[i][: req.top_logprobs] if i < len(tops) and tops[i] else None)
-            for i, t in enumerate(content_tokens)
-        ], "refusal": None}
+        logprobs = {
+            "content": [
+                _token_entry(
+                    model,
+                    t,
+                    lps[i] if i < len(lps) else None,
+                    tops[i][: req.top_logprobs] if i < len(tops) and tops[i] else None,
+                )
+                for i, t in enumerate(content_tokens)
+            ],
+            "refusal": None,
+        }
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}, raw, finish
 
 
@@ -174,12 +230,21 @@ async def chat_completion(model: ServedModel, req: ChatCompletionRequest, ctx: R
     except RendererError as exc:
         param = "tools" if tools and "tool" in str(exc) else "messages"
         raise APIError(400, f"cannot render the conversation: {exc}", param=param) from None
-    max_tokens = model.max_tokens_for(len(prompt), req.max_new_tokens,
-                                      param="max_completion_tokens" if req.max_completion_tokens else "max_tokens")
+    max_tokens = model.max_tokens_for(
+        len(prompt), req.max_new_tokens, param="max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+    )
     topk = int(req.top_logprobs or 0) if req.logprobs else 0
-    resp = await model.sample(prompt, n=req.n, max_tokens=max_tokens, temperature=req.temperature,
-                              top_p=req.top_p, top_k=req.top_k, seed=req.seed,
-                              stop=model.chat_stops(req.stop), topk=topk)
+    resp = await model.sample(
+        prompt,
+        n=req.n,
+        max_tokens=max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        seed=req.seed,
+        stop=model.chat_stops(req.stop),
+        topk=topk,
+    )
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     sampling = _sampling(req, model, max_tokens, logprobs=req.logprobs, top_logprobs=req.top_logprobs)
     prompt_json = json.dumps(messages, ensure_ascii=False)
@@ -187,18 +252,41 @@ async def chat_completion(model: ServedModel, req: ChatCompletionRequest, ctx: R
     for i, seq in enumerate(resp.sequences):
         choice, raw, finish = _chat_choice(model, req, i, seq)
         choices.append(choice)
-        rows.append(_row(ctx, model, req, request_id=rid, index=i, endpoint="chat.completions", prompt=prompt_json,
-                         prompt_tokens=len(prompt), seq=seq, completion=raw, finish_reason=finish, sampling=sampling,
-                         tools=tools, response={"message": choice["message"], "finish_reason": finish}))
+        rows.append(
+            _row(
+                ctx,
+                model,
+                req,
+                request_id=rid,
+                index=i,
+                endpoint="chat.completions",
+                prompt=prompt_json,
+                prompt_tokens=len(prompt),
+                seq=seq,
+                completion=raw,
+                finish_reason=finish,
+                sampling=sampling,
+                tools=tools,
+                response={"message": choice["message"], "finish_reason": finish},
+            )
+        )
     _finalize(rows, ctx)
     used = sum(len(s.tokens) for s in resp.sequences)
-    return Generation(rid, "chat.completion", int(time.time()), req.model, choices,
-                      {"prompt_tokens": len(prompt), "completion_tokens": used, "total_tokens": len(prompt) + used}, rows)
+    return Generation(
+        rid,
+        "chat.completion",
+        int(time.time()),
+        req.model,
+        choices,
+        {"prompt_tokens": len(prompt), "completion_tokens": used, "total_tokens": len(prompt) + used},
+        rows,
+    )
 
 
 # ----- completions ----------------------------------------------------------------------------
-def _completion_logprobs(model: ServedModel, tokens: list[int], lps: list, tops: list, k: int,
-                         offset: int) -> dict[str, list]:
+def _completion_logprobs(
+    model: ServedModel, tokens: list[int], lps: list, tops: list, k: int, offset: int
+) -> dict[str, list]:
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     pos = offset
     for i, t in enumerate(tokens):
@@ -232,8 +320,9 @@ async def completion(model: ServedModel, req: CompletionRequest, ctx: RequestCon
         elif isinstance(item, list) and all(isinstance(t, int) and 0 <= t < vocab for t in item) and item:
             encoded.append(list(item))
         else:
-            raise APIError(400, f"prompt[{p}] must be a string or a non-empty list of token ids in [0, {vocab})",
-                           param="prompt")
+            raise APIError(
+                400, f"prompt[{p}] must be a string or a non-empty list of token ids in [0, {vocab})", param="prompt"
+            )
     if any(not e for e in encoded):
         raise APIError(400, "a prompt encodes to no tokens", param="prompt")
     k = int(req.logprobs or 0)
@@ -242,10 +331,19 @@ async def completion(model: ServedModel, req: CompletionRequest, ctx: RequestCon
 
     async def one(tokens: list[int]) -> Any:
         max_tokens = model.max_tokens_for(len(tokens), req.max_tokens, prompt_param="prompt")
-        resp = await model.sample(tokens, n=req.n, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                  top_k=req.top_k, seed=req.seed, stop=stops, topk=k,
-                                  prompt_logprobs=req.echo and req.logprobs is not None,
-                                  topk_prompt=k if req.echo else 0)
+        resp = await model.sample(
+            tokens,
+            n=req.n,
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            seed=req.seed,
+            stop=stops,
+            topk=k,
+            prompt_logprobs=req.echo and req.logprobs is not None,
+            topk_prompt=k if req.echo else 0,
+        )
         return resp, max_tokens
 
     results = await asyncio.gather(*(one(t) for t in encoded))
@@ -266,19 +364,58 @@ async def completion(model: ServedModel, req: CompletionRequest, ctx: RequestCon
             index = p * req.n + j
             logprobs = None
             if req.logprobs is not None:
-                logprobs = _completion_logprobs(model, shown, list(seq.logprobs or []), list(seq.topk_logprobs or []),
-                                                k, len(prompt_text) if req.echo else 0)
+                logprobs = _completion_logprobs(
+                    model,
+                    shown,
+                    list(seq.logprobs or []),
+                    list(seq.topk_logprobs or []),
+                    k,
+                    len(prompt_text) if req.echo else 0,
+                )
                 if req.echo:
-                    head = _completion_logprobs(model, tokens, list(resp.prompt_logprobs or []),
-                                                list(getattr(resp, "topk_prompt_logprobs", None) or []), k, 0)
+                    head = _completion_logprobs(
+                        model,
+                        tokens,
+                        list(resp.prompt_logprobs or []),
+                        list(getattr(resp, "topk_prompt_logprobs", None) or []),
+                        k,
+                        0,
+                    )
                     logprobs = {key: head[key] + logprobs[key] for key in logprobs}
-            choices.append({"index": index, "text": (prompt_text + text) if req.echo else text,
-                            "logprobs": logprobs, "finish_reason": finish})
-            rows.append(_row(ctx, model, req, request_id=rid, index=index, endpoint="completions", prompt=prompt_text,
-                             prompt_tokens=len(tokens), seq=seq, completion=text, finish_reason=finish,
-                             sampling=sampling, response={"text": text, "finish_reason": finish}))
+            choices.append(
+                {
+                    "index": index,
+                    "text": (prompt_text + text) if req.echo else text,
+                    "logprobs": logprobs,
+                    "finish_reason": finish,
+                }
+            )
+            rows.append(
+                _row(
+                    ctx,
+                    model,
+                    req,
+                    request_id=rid,
+                    index=index,
+                    endpoint="completions",
+                    prompt=prompt_text,
+                    prompt_tokens=len(tokens),
+                    seq=seq,
+                    completion=text,
+                    finish_reason=finish,
+                    sampling=sampling,
+                    response={"text": text, "finish_reason": finish},
+                )
+            )
             used += len(toks)
     _finalize(rows, ctx)
     prompt_total = sum(len(t) for t in encoded)
-    return Generation(rid, "text_completion", int(time.time()), req.model, choices,
-                      {"prompt_tokens": prompt_total, "completion_tokens": used, "total_tokens": prompt_total + used}, rows)
+    return Generation(
+        rid,
+        "text_completion",
+        int(time.time()),
+        req.model,
+        choices,
+        {"prompt_tokens": prompt_total, "completion_tokens": used, "total_tokens": prompt_total + used},
+        rows,
+    )

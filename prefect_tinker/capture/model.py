@@ -59,11 +59,16 @@ class ServedModel:
     def check_model(self, name: str) -> None:
         """Raises APIError 404 ``model_not_found`` unless ``name`` is one of :attr:`names`."""
         if name not in self.names:
-            raise APIError(404, f"The model {name!r} does not exist on this server; it serves "
-                                f"{', '.join(repr(n) for n in self.names)}", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model {name!r} does not exist on this server; it serves {', '.join(repr(n) for n in self.names)}",
+                param="model",
+                code="model_not_found",
+            )
 
-    def max_tokens_for(self, prompt_len: int, requested: int | None, *, param: str = "max_tokens",
-                       prompt_param: str = "messages") -> int:
+    def max_tokens_for(
+        self, prompt_len: int, requested: int | None, *, param: str = "max_tokens", prompt_param: str = "messages"
+    ) -> int:
         """The ``max_tokens`` to sample with for a prompt of ``prompt_len`` tokens: ``requested``,
         else :attr:`default_max_tokens` capped by what the context leaves.
 
@@ -75,12 +80,22 @@ class ServedModel:
             return requested or self.default_max_tokens
         room = self.max_context - prompt_len
         if room < 1:
-            raise APIError(400, f"This model's maximum context length is {self.max_context} tokens, but the "
-                                f"prompt is {prompt_len} tokens", param=prompt_param, code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_context} tokens, but the "
+                f"prompt is {prompt_len} tokens",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
         if requested is not None and requested > room:
-            raise APIError(400, f"This model's maximum context length is {self.max_context} tokens. However, you "
-                                f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
-                                f"{requested} in the completion)", param=param, code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_context} tokens. However, you "
+                f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
+                f"{requested} in the completion)",
+                param=param,
+                code="context_length_exceeded",
+            )
         return requested or min(self.default_max_tokens, room)
 
     def decode(self, tokens: Sequence[int]) -> str:
@@ -119,24 +134,41 @@ class ServedModel:
             return None
         return list(dict.fromkeys(list(user_stops) + [self.token_text(t) for t in sorted(self.eos_ids())]))
 
-    async def sample(self, prompt: list[int], *, n: int, max_tokens: int, temperature: float | None,
-                     top_p: float | None, top_k: int | None, seed: int | None,
-                     stop: list[str] | list[int] | None, topk: int = 0,
-                     prompt_logprobs: bool = False, topk_prompt: int = 0) -> Any:
+    async def sample(
+        self,
+        prompt: list[int],
+        *,
+        n: int,
+        max_tokens: int,
+        temperature: float | None,
+        top_p: float | None,
+        top_k: int | None,
+        seed: int | None,
+        stop: list[str] | list[int] | None,
+        topk: int = 0,
+        prompt_logprobs: bool = False,
+        topk_prompt: int = 0,
+    ) -> Any:
         """Sample ``n`` sequences for ``prompt`` (token ids); returns the SDK's ``SampleResponse``.
 
         Raises:
             APIError: see :func:`backend_error`.
         """
         params = tinker.SamplingParams(
-            max_tokens=max_tokens, temperature=1.0 if temperature is None else float(temperature),
-            top_p=1.0 if top_p is None else float(top_p), top_k=-1 if not top_k else int(top_k),
-            seed=seed, stop=stop,
+            max_tokens=max_tokens,
+            temperature=1.0 if temperature is None else float(temperature),
+            top_p=1.0 if top_p is None else float(top_p),
+            top_k=-1 if not top_k else int(top_k),
+            seed=seed,
+            stop=stop,
         )
         try:
             return await self.sampler.sample(
-                prompt=tinker.ModelInput.from_ints(prompt), num_samples=n, sampling_params=params,
-                include_prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk_prompt,
+                prompt=tinker.ModelInput.from_ints(prompt),
+                num_samples=n,
+                sampling_params=params,
+                include_prompt_logprobs=prompt_logprobs,
+                topk_prompt_logprobs=topk_prompt,
                 topk_sample_logprobs=topk,
             )
         except Exception as exc:
@@ -156,8 +188,12 @@ def backend_error(exc: BaseException) -> APIError:
         code = "context_length_exceeded" if "context" in message and "exceed" in message else None
         return APIError(400, f"the sampler refused the request: {message}", code=code)
     logger.warning("sampling failed: %s: %s", type(exc).__name__, message)
-    return APIError(502, f"sampling failed on the backend: {type(exc).__name__}: {message}",
-                    type="server_error", code="backend_error")
+    return APIError(
+        502,
+        f"sampling failed on the backend: {type(exc).__name__}: {message}",
+        type="server_error",
+        code="backend_error",
+    )
 
 
 def _context_from_capabilities(credentials: Any, base_model: str) -> int | None:
@@ -194,13 +230,19 @@ def _load_tokenizer(sampler: Any, model: str, tokenizer: str | None, cache_dir: 
         try:
             return resolve_tokenizer(sampler.get_base_model() if model.startswith("tinker://") else model, cache_dir)
         except ValueError:
-            raise ValueError(f"cannot load the tokenizer of {model!r} ({type(exc).__name__}: {exc}); "
-                             "give --tokenizer DIR") from None
+            raise ValueError(
+                f"cannot load the tokenizer of {model!r} ({type(exc).__name__}: {exc}); give --tokenizer DIR"
+            ) from None
 
 
 def open_served_model(
-    credentials: Any, model: str, *, renderer: str = "auto", tokenizer: str | None = None,
-    names: Sequence[str] = (), max_context: int | None = None,
+    credentials: Any,
+    model: str,
+    *,
+    renderer: str = "auto",
+    tokenizer: str | None = None,
+    names: Sequence[str] = (),
+    max_context: int | None = None,
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
 ) -> ServedModel:
     """Create the sampling client for ``model`` and resolve tokenizer, renderer and context.
@@ -225,6 +267,12 @@ def open_served_model(
     tok = _load_tokenizer(sampler, model, tokenizer, cache_dir)
     rend = get_renderer(renderer, tok)
     ctx = max_context or _context_from_capabilities(credentials, sampler.get_base_model()) or _context_from_files(tok)
-    return ServedModel(sampler=sampler, tokenizer=tok, renderer=rend, checkpoint=model,
-                       names=tuple(dict.fromkeys([*names, model])) if names else (model,),
-                       max_context=ctx, default_max_tokens=default_max_tokens)
+    return ServedModel(
+        sampler=sampler,
+        tokenizer=tok,
+        renderer=rend,
+        checkpoint=model,
+        names=tuple(dict.fromkeys([*names, model])) if names else (model,),
+        max_context=ctx,
+        default_max_tokens=default_max_tokens,
+    )

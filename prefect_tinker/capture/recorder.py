@@ -46,13 +46,20 @@ class CaptureRecorder:
         if not flush_seconds > 0 or flush_rows < 1:
             raise ValueError(f"flush_seconds must be > 0 and flush_rows >= 1, got {flush_seconds}, {flush_rows}")
         self.flush_seconds = float(flush_seconds)
-        self._writer = store.writer("captures", writer_id=writer_id, flush_rows=int(flush_rows),
-                                    flush_seconds=self.flush_seconds)
+        self._writer = store.writer(
+            "captures", writer_id=writer_id, flush_rows=int(flush_rows), flush_seconds=self.flush_seconds
+        )
         self._queue: queue.Queue = queue.Queue()
         self._oldest: float | None = None
         self._lock = threading.Lock()
-        self.stats = {"rows_recorded": 0, "rows_written": 0, "rows_dropped": 0, "parts_written": 0,
-                      "flush_errors": 0, "last_error": None}
+        self.stats = {
+            "rows_recorded": 0,
+            "rows_written": 0,
+            "rows_dropped": 0,
+            "parts_written": 0,
+            "flush_errors": 0,
+            "last_error": None,
+        }
         self._thread = threading.Thread(target=self._run, name="capture-recorder", daemon=True)
         self._closed = False
         self._thread.start()
@@ -95,8 +102,9 @@ class CaptureRecorder:
             import pyarrow as pa
             import pyarrow.parquet as pq
 
-            pq.write_table(pa.Table.from_pylist([], schema=self._writer.spec.schema), pa.BufferOutputStream(),
-                           compression="zstd")
+            pq.write_table(
+                pa.Table.from_pylist([], schema=self._writer.spec.schema), pa.BufferOutputStream(), compression="zstd"
+            )
         except Exception:  # only an optimisation
             pass
 

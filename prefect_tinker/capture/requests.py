@@ -46,8 +46,15 @@ class APIError(Exception):
         code: e.g. ``"model_not_found"``, ``"context_length_exceeded"``, ``"invalid_api_key"``.
     """
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
@@ -98,12 +105,17 @@ class _Base(BaseModel):
         """Refuse parameters the sampler cannot honour (see the module docstring)."""
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
-                raise APIError(400, f"{name} is not supported by this server (Tinker samplers have no "
-                                    "repetition penalties); leave it unset or 0", param=name,
-                               code="unsupported_parameter")
+                raise APIError(
+                    400,
+                    f"{name} is not supported by this server (Tinker samplers have no "
+                    "repetition penalties); leave it unset or 0",
+                    param=name,
+                    code="unsupported_parameter",
+                )
         if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported by this server", param="logit_bias",
-                           code="unsupported_parameter")
+            raise APIError(
+                400, "logit_bias is not supported by this server", param="logit_bias", code="unsupported_parameter"
+            )
 
     @property
     def include_usage(self) -> bool:
@@ -127,17 +139,32 @@ class ChatCompletionRequest(_Base):
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         if self.tool_choice not in (None, "auto", "none"):
-            raise APIError(400, "tool_choice must be 'auto' or 'none': this server cannot force a tool call",
-                           param="tool_choice", code="unsupported_parameter")
+            raise APIError(
+                400,
+                "tool_choice must be 'auto' or 'none': this server cannot force a tool call",
+                param="tool_choice",
+                code="unsupported_parameter",
+            )
         kind = (self.response_format or {}).get("type", "text")
         if kind != "text":
-            raise APIError(400, f"response_format type {kind!r} is not supported (no constrained decoding); "
-                                "use 'text'", param="response_format", code="unsupported_parameter")
+            raise APIError(
+                400,
+                f"response_format type {kind!r} is not supported (no constrained decoding); use 'text'",
+                param="response_format",
+                code="unsupported_parameter",
+            )
         for i, tool in enumerate(self.tools or []):
             fn = tool.get("function") if isinstance(tool, dict) else None
-            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or tool.get("type", "function") != "function":
-                raise APIError(400, "each tool must be {'type': 'function', 'function': {'name': ..., "
-                                    "'parameters': ...}}", param=f"tools[{i}]")
+            if (
+                not isinstance(fn, dict)
+                or not isinstance(fn.get("name"), str)
+                or tool.get("type", "function") != "function"
+            ):
+                raise APIError(
+                    400,
+                    "each tool must be {'type': 'function', 'function': {'name': ..., 'parameters': ...}}",
+                    param=f"tools[{i}]",
+                )
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -197,8 +224,9 @@ def parse_body(raw: bytes, model_cls: type[_Base]) -> Any:
     except ValidationError as exc:
         err = exc.errors()[0]
         param = _loc(err.get("loc", ()))
-        raise APIError(400, f"{param or 'body'}: {err.get('msg')} (got {_short(err.get('input'))})",
-                       param=param or None) from None
+        raise APIError(
+            400, f"{param or 'body'}: {err.get('msg')} (got {_short(err.get('input'))})", param=param or None
+        ) from None
     req.check_neutral()
     if getattr(req, "n", 1) * len(req.prompts() if isinstance(req, CompletionRequest) else [0]) > MAX_N:
         raise APIError(400, f"n x prompts must be at most {MAX_N}", param="n")
@@ -237,8 +265,9 @@ def _text_content(content: Any, where: str) -> str:
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise APIError(400, f"{where}[{j}]: only text content parts are supported, got {kind!r}",
-                               param=f"{where}[{j}]")
+                raise APIError(
+                    400, f"{where}[{j}]: only text content parts are supported, got {kind!r}", param=f"{where}[{j}]"
+                )
             parts.append(part["text"])
         return "".join(parts)
     raise APIError(400, f"{where} must be a string or a list of text parts", param=where)
@@ -266,8 +295,11 @@ def to_renderer_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]
         role = _ROLES.get(msg.get("role")) if isinstance(msg, dict) else None
         if role is None:
             got = msg.get("role") if isinstance(msg, dict) else msg
-            raise APIError(400, f"{where}.role: unsupported role {_short(got)} (expected one of "
-                                f"{', '.join(_ROLES)})", param=f"{where}.role")
+            raise APIError(
+                400,
+                f"{where}.role: unsupported role {_short(got)} (expected one of {', '.join(_ROLES)})",
+                param=f"{where}.role",
+            )
         m: dict[str, Any] = {"role": role, "content": _text_content(msg.get("content"), f"{where}.content")}
         if role == "assistant" and msg.get("tool_calls"):
             m["tool_calls"] = _tool_calls(msg["tool_calls"], where)
@@ -291,11 +323,13 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
             raise APIError(400, f"{where}.tool_calls[{j}] needs function.name", param=f"{where}.tool_calls[{j}]")
         args = fn.get("arguments", "{}")
         if not isinstance(args, (str, dict)):
-            raise APIError(400, f"{where}.tool_calls[{j}].function.arguments must be a JSON string",
-                           param=f"{where}.tool_calls[{j}].function.arguments")
+            raise APIError(
+                400,
+                f"{where}.tool_calls[{j}].function.arguments must be a JSON string",
+                param=f"{where}.tool_calls[{j}].function.arguments",
+            )
         entry: dict[str, Any] = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
         if call.get("id") is not None:
             entry["id"] = str(call["id"])
         out.append(entry)
     return out
-

@@ -20,8 +20,15 @@ __all__ = ["response_body", "sse_events"]
 
 def response_body(gen: Generation) -> dict[str, Any]:
     """The non-streaming JSON body (``chat.completion`` or ``text_completion``)."""
-    return {"id": gen.id, "object": gen.object, "created": gen.created, "model": gen.model,
-            "system_fingerprint": None, "choices": gen.choices, "usage": gen.usage}
+    return {
+        "id": gen.id,
+        "object": gen.object,
+        "created": gen.created,
+        "model": gen.model,
+        "system_fingerprint": None,
+        "choices": gen.choices,
+        "usage": gen.usage,
+    }
 
 
 def _event(obj: dict[str, Any]) -> bytes:
@@ -54,10 +61,23 @@ def _chat_chunks(gen: Generation) -> Iterator[dict[str, Any]]:
 def _completion_chunks(gen: Generation) -> Iterator[dict[str, Any]]:
     head = _head(gen)
     for choice in gen.choices:
-        yield {**head, "choices": [{"index": choice["index"], "text": choice["text"], "logprobs": choice["logprobs"],
-                                    "finish_reason": None}]}
-        yield {**head, "choices": [{"index": choice["index"], "text": "", "logprobs": None,
-                                    "finish_reason": choice["finish_reason"]}]}
+        yield {
+            **head,
+            "choices": [
+                {
+                    "index": choice["index"],
+                    "text": choice["text"],
+                    "logprobs": choice["logprobs"],
+                    "finish_reason": None,
+                }
+            ],
+        }
+        yield {
+            **head,
+            "choices": [
+                {"index": choice["index"], "text": "", "logprobs": None, "finish_reason": choice["finish_reason"]}
+            ],
+        }
 
 
 def sse_events(gen: Generation, include_usage: bool) -> Iterator[bytes]:

@@ -27,7 +27,9 @@ __all__ = ["AdapterError", "LoraAdapter", "LoraDelta", "read_adapter"]
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
-_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.(?P<part>lora_A\.weight|lora_B\.weight|lora_embedding_A|lora_embedding_B)$")
+_KEY = re.compile(
+    r"^base_model\.model\.(?P<module>.+)\.(?P<part>lora_A\.weight|lora_B\.weight|lora_embedding_A|lora_embedding_B)$"
+)
 _BASE_COPY = re.compile(r"^base_model\.model\.(?P<module>.+)\.base_layer\.weight$")
 
 
@@ -93,12 +95,18 @@ def _read_config(path: Path) -> dict[str, Any]:
     except (OSError, ValueError) as exc:
         raise AdapterError(f"{path}: not a readable adapter config ({exc})") from exc
     if not isinstance(cfg, dict) or str(cfg.get("peft_type", "LORA")).upper() != "LORA":
-        raise AdapterError(f"{path}: peft_type must be 'LORA', got {cfg.get('peft_type') if isinstance(cfg, dict) else cfg!r}")
+        raise AdapterError(
+            f"{path}: peft_type must be 'LORA', got {cfg.get('peft_type') if isinstance(cfg, dict) else cfg!r}"
+        )
     for key in ("r", "lora_alpha"):
         if not isinstance(cfg.get(key), (int, float)) or isinstance(cfg.get(key), bool) or cfg[key] <= 0:
             raise AdapterError(f"{path}: field {key!r} must be a positive number, got {cfg.get(key)!r}")
-    refused = {"use_dora": "DoRA", "alpha_pattern": "per-module alphas", "lora_bias": "LoRA biases",
-               "modules_to_save": "fully trained extra modules"}
+    refused = {
+        "use_dora": "DoRA",
+        "alpha_pattern": "per-module alphas",
+        "lora_bias": "LoRA biases",
+        "modules_to_save": "fully trained extra modules",
+    }
     for key, what in refused.items():
         if cfg.get(key):
             raise AdapterError(f"{path}: {key}={cfg[key]!r} ({what}) is not supported by the exact merge")
@@ -132,11 +140,15 @@ def read_adapter(folder: str | Path) -> LoraAdapter:
             continue
         m = _KEY.match(key)
         if m is None:
-            raise AdapterError(f"{weights}: unexpected tensor {key!r} (expected base_model.model.<module>.lora_A.weight / "
-                               "lora_B.weight or lora_embedding_A / lora_embedding_B)")
+            raise AdapterError(
+                f"{weights}: unexpected tensor {key!r} (expected base_model.model.<module>.lora_A.weight / "
+                "lora_B.weight or lora_embedding_A / lora_embedding_B)"
+            )
         if t.ndim != 2:
-            raise AdapterError(f"{weights}: {key!r} has shape {tuple(t.shape)}; only 2-D LoRA factors can be merged "
-                               "(3-D expert tensors of MoE models are not supported)")
+            raise AdapterError(
+                f"{weights}: {key!r} has shape {tuple(t.shape)}; only 2-D LoRA factors can be merged "
+                "(3-D expert tensors of MoE models are not supported)"
+            )
         parts.setdefault(m["module"], {})[m["part"].split(".")[0].replace("embedding_", "")] = t.float()
     if not parts:
         raise AdapterError(f"{weights}: no LoRA tensors")
@@ -148,8 +160,10 @@ def read_adapter(folder: str | Path) -> LoraAdapter:
         a, b = ab["lora_A"], ab["lora_B"]
         r = a.shape[0]
         if b.shape[1] != r:
-            raise AdapterError(f"{weights}: module {module!r}: lora_A is {tuple(a.shape)} and lora_B {tuple(b.shape)}: "
-                               "their ranks differ")
+            raise AdapterError(
+                f"{weights}: module {module!r}: lora_A is {tuple(a.shape)} and lora_B {tuple(b.shape)}: "
+                "their ranks differ"
+            )
         embedding = any(k.startswith(f"base_model.model.{module}.lora_embedding_") for k in tensors)
         scale = alpha / math.sqrt(r) if rslora else alpha / r
         deltas[module] = LoraDelta(module, a, b, scale, embedding=embedding, fan_in_fan_out=fifo and not embedding)

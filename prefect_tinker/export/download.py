@@ -48,10 +48,13 @@ def _check_path(rel: object) -> tuple[str, ...]:
         if p in ("", ".", ".."):
             raise UnsafeDownloadError(f"download listing: file name {rel!r} has an empty, '.' or '..' segment")
         if not _SEGMENT.match(p):
-            raise UnsafeDownloadError(f"download listing: file name {rel!r} has characters other than "
-                                      "letters, digits and . _ - + = @")
+            raise UnsafeDownloadError(
+                f"download listing: file name {rel!r} has characters other than letters, digits and . _ - + = @"
+            )
         if len(p.encode()) > _MAX_SEGMENT:
-            raise UnsafeDownloadError(f"download listing: file name {rel[:80]!r}... has a segment over {_MAX_SEGMENT} bytes")
+            raise UnsafeDownloadError(
+                f"download listing: file name {rel[:80]!r}... has a segment over {_MAX_SEGMENT} bytes"
+            )
     return parts
 
 
@@ -145,8 +148,9 @@ def _fetch(client, rel: str, url: str, fh, chunk: int) -> int:
     return n
 
 
-def download_listing(urls: Mapping[str, str], dest: str | os.PathLike[str], *, timeout_s: float = 120.0,
-                     chunk: int = 1 << 20) -> dict[str, int]:
+def download_listing(
+    urls: Mapping[str, str], dest: str | os.PathLike[str], *, timeout_s: float = 120.0, chunk: int = 1 << 20
+) -> dict[str, int]:
     """Download every file of a checked listing (:func:`check_listing`) into ``dest``, a folder
     that must not exist yet (it is created with mode 0700).
 

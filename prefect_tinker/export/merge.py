@@ -33,8 +33,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 INDEX = "model.safetensors.index.json"
 #: files of a base folder never copied into a merged folder (weights, its own config, markers)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
-_NOT_COPIED = {"config.json", "generation_config.json", INDEX, "pytorch_model.bin.index.json",
-               "tinker_local_preset.json", "adapter_config.json", "export_metadata.json"}
+_NOT_COPIED = {
+    "config.json",
+    "generation_config.json",
+    INDEX,
+    "pytorch_model.bin.index.json",
+    "tinker_local_preset.json",
+    "adapter_config.json",
+    "export_metadata.json",
+}
 #: adapter module names of the output projection used by other exporters
 _HEAD_ALIASES = ("model.unembed_tokens", "unembed_tokens")
 
@@ -111,11 +118,21 @@ def model_layout(config: Any) -> ModelLayout:
         from transformers.core_model_loading import WeightConverter, WeightRenaming
 
         for t in get_model_conversion_mapping(model):
-            (converters if isinstance(t, WeightConverter) else renamings if isinstance(t, WeightRenaming) else []).append(t)
+            (
+                converters if isinstance(t, WeightConverter) else renamings if isinstance(t, WeightRenaming) else []
+            ).append(t)
     except ImportError:
         pass
-    return ModelLayout(head, embed, head_w is not None and head_w is embed_w, shapes, conv1d, renamings, converters,
-                       getattr(model, "base_model_prefix", None) or None)
+    return ModelLayout(
+        head,
+        embed,
+        head_w is not None and head_w is embed_w,
+        shapes,
+        conv1d,
+        renamings,
+        converters,
+        getattr(model, "base_model_prefix", None) or None,
+    )
 
 
 def base_weight_files(base_dir: Path) -> dict[str, str]:
@@ -134,8 +151,10 @@ def base_weight_files(base_dir: Path) -> dict[str, str]:
         with safe_open(str(single), "pt") as f:
             return {k: single.name for k in f.keys()}
     have = sorted(p.name for p in base_dir.iterdir())[:20] if base_dir.is_dir() else []
-    raise FileNotFoundError(f"base model folder {base_dir} has no model.safetensors or {INDEX} (it has {have}); "
-                            "only safetensors weights can be merged")
+    raise FileNotFoundError(
+        f"base model folder {base_dir} has no model.safetensors or {INDEX} (it has {have}); "
+        "only safetensors weights can be merged"
+    )
 
 
 def _targets(adapter: LoraAdapter, layout: ModelLayout, model_keys: set[str]) -> dict[str, LoraDelta]:
@@ -153,8 +172,9 @@ def _targets(adapter: LoraAdapter, layout: ModelLayout, model_keys: set[str]) ->
         flip = d.embedding or d.fan_in_fan_out or key in layout.conv1d
         shape = (cols, rows) if flip else (rows, cols)
         if want is not None and tuple(want) != shape:
-            raise AdapterError(f"adapter module {module!r}: delta of shape {shape} for weight {key!r} of shape "
-                               f"{tuple(want)}")
+            raise AdapterError(
+                f"adapter module {module!r}: delta of shape {shape} for weight {key!r} of shape {tuple(want)}"
+            )
         out[key] = d
     return out
 
@@ -220,8 +240,14 @@ def _untie_config(config: Any) -> None:
         text.tie_word_embeddings = False
 
 
-def merge_into_folder(base_dir: str | Path, adapter: LoraAdapter, out_dir: str | Path, *, dtype: str = "float32",
-                      max_shard_bytes: int = 5_000_000_000) -> MergeReport:
+def merge_into_folder(
+    base_dir: str | Path,
+    adapter: LoraAdapter,
+    out_dir: str | Path,
+    *,
+    dtype: str = "float32",
+    max_shard_bytes: int = 5_000_000_000,
+) -> MergeReport:
     """Write the merged model of ``base_dir`` (a Hugging Face causal-LM folder with safetensors
     weights) and ``adapter`` into ``out_dir`` (created; must not hold files).
 
@@ -250,8 +276,10 @@ def merge_into_folder(base_dir: str | Path, adapter: LoraAdapter, out_dir: str |
     targets = _targets(adapter, layout, {mk for mk, _ in model_keys.values()})
     for fk, (mk, converted) in model_keys.items():
         if converted and mk in targets:
-            raise AdapterError(f"adapter target {mk!r} is stored as {fk!r} and converted on load (fused or split "
-                               "weights): not supported by the exact merge")
+            raise AdapterError(
+                f"adapter target {mk!r} is stored as {fk!r} and converted on load (fused or split "
+                "weights): not supported by the exact merge"
+            )
     tied_pair = {layout.head, layout.embed} if layout.tied else set()
     untie = layout.tied and bool(tied_pair & set(targets))
     present = {mk: fk for fk, (mk, _) in model_keys.items()}
@@ -265,8 +293,10 @@ def merge_into_folder(base_dir: str | Path, adapter: LoraAdapter, out_dir: str |
     def emit(file_key: str, model_key: str, t: torch.Tensor) -> None:
         copy = adapter.base_copies.get(model_key)
         if copy is not None and not torch.equal(copy.to(t.dtype), t):
-            raise AdapterError(f"the adapter carries its own base weight for {model_key!r}, and it differs from the "
-                               "base model's (a resized or retrained embedding): not supported")
+            raise AdapterError(
+                f"the adapter carries its own base weight for {model_key!r}, and it differs from the "
+                "base model's (a resized or retrained embedding): not supported"
+            )
         if model_key in targets:
             t = t.float() + targets[model_key].delta(conv1d=model_key in layout.conv1d)
             done.add(model_key)
@@ -283,7 +313,9 @@ def merge_into_folder(base_dir: str | Path, adapter: LoraAdapter, out_dir: str |
         emit(fk, mk, t)
     missing = set(targets) - done
     if missing:
-        raise AdapterError(f"adapter targets {sorted(missing)} are tied or computed weights missing from {base_dir}'s files")
+        raise AdapterError(
+            f"adapter targets {sorted(missing)} are tied or computed weights missing from {base_dir}'s files"
+        )
     shards = writer.finish()
     if untie:
         _untie_config(config)
@@ -295,8 +327,13 @@ def merge_into_folder(base_dir: str | Path, adapter: LoraAdapter, out_dir: str |
     else:
         GenerationConfig.from_model_config(config).save_pretrained(str(out_dir))
     for p in sorted(base_dir.iterdir()):
-        if (p.is_file() and not p.is_symlink() and not p.name.startswith(".") and p.name not in _NOT_COPIED
-                and not p.name.endswith(_WEIGHT_SUFFIXES)):
+        if (
+            p.is_file()
+            and not p.is_symlink()
+            and not p.name.startswith(".")
+            and p.name not in _NOT_COPIED
+            and not p.name.endswith(_WEIGHT_SUFFIXES)
+        ):
             shutil.copyfile(p, out_dir / p.name)
     return MergeReport(sorted(targets), untie, layout.tied, shards, writer.total)
 
@@ -316,8 +353,10 @@ def cast_weights(folder: str | Path, dtype: str) -> None:
     folder = Path(folder)
     total = 0
     for path in sorted(folder.glob("*.safetensors")):
-        tensors = {k: (t.to(DTYPES[dtype]) if t.is_floating_point() else t).contiguous()
-                   for k, t in load_file(str(path)).items()}
+        tensors = {
+            k: (t.to(DTYPES[dtype]) if t.is_floating_point() else t).contiguous()
+            for k, t in load_file(str(path)).items()
+        }
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         tmp = path.with_name(f".{path.name}.tmp")
         save_file(tensors, str(tmp), metadata={"format": "pt"})

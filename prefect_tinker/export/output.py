@@ -79,8 +79,11 @@ class ExportOutput:
             found = self._call(lambda: self.fs.find(self.path, detail=True), "listing the export prefix")
         except FileNotFoundError:
             return {}
-        return {f[len(self.path) + 1:]: int(info.get("size") or 0) for f, info in sorted(found.items())
-                if f.startswith(self.path + "/") and info.get("type") != "directory"}
+        return {
+            f[len(self.path) + 1 :]: int(info.get("size") or 0)
+            for f, info in sorted(found.items())
+            if f.startswith(self.path + "/") and info.get("type") != "directory"
+        }
 
     def existing(self) -> list[str]:
         """Relative names of what is already there."""
@@ -97,8 +100,10 @@ class ExportOutput:
         """
         there = self.existing()
         if there and not overwrite:
-            raise FileExistsError(f"out: {self.uri} already holds {len(there)} files ({', '.join(there[:5])}); "
-                                  "choose another out or set overwrite=true")
+            raise FileExistsError(
+                f"out: {self.uri} already holds {len(there)} files ({', '.join(there[:5])}); "
+                "choose another out or set overwrite=true"
+            )
         probe = f".export-probe-{uuid.uuid4().hex}"
         if self.remote:
             self._call(lambda: self.fs.pipe_file(f"{self.path}/{probe}", b"ok"), "writing a probe object")

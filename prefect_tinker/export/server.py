@@ -64,8 +64,10 @@ def parse_checkpoint(path: str) -> tuple[str, str, str]:
     """
     m = _PATH.match(str(path).strip())
     if m is None:
-        raise ValueError(f"checkpoint {path!r}: give a state path tinker://<run>/weights/<name> or a sampler path "
-                         "tinker://<run>/sampler_weights/<name>")
+        raise ValueError(
+            f"checkpoint {path!r}: give a state path tinker://<run>/weights/<name> or a sampler path "
+            "tinker://<run>/sampler_weights/<name>"
+        )
     return m["run"], m["kind"], m["name"]
 
 
@@ -86,9 +88,11 @@ def paired_state(credentials: Any, run: str, name: str, *, wait: Wait) -> str:
     listed = wait(rest_client(credentials).list_checkpoints(run), f"the checkpoints of {run}")
     if any(c.tinker_path == want for c in listed.checkpoints):
         return want
-    raise ValueError(f"sampler checkpoint tinker://{run}/sampler_weights/{name} has no state checkpoint {want}: "
-                     "external weights are saved from a training client, which is made from a state checkpoint; "
-                     "export a tinker://.../weights/... path of the same weights")
+    raise ValueError(
+        f"sampler checkpoint tinker://{run}/sampler_weights/{name} has no state checkpoint {want}: "
+        "external weights are saved from a training client, which is made from a state checkpoint; "
+        "export a tinker://.../weights/... path of the same weights"
+    )
 
 
 def _name(prefix: str, name: str) -> str:
@@ -106,14 +110,25 @@ def export_on_server(credentials: Any, checkpoint: str, *, wait: Wait, ttl_s: in
     state = checkpoint if kind == "weights" else paired_state(credentials, run, name, wait=wait)
     service = credentials.get_client()
     tc = wait(service.create_training_client_from_state(state), f"a training client from {state}")
-    external = wait(tc.save_weights_external(_name("export", name), ttl_seconds=ttl_s), f"external weights of {state}").path
+    external = wait(
+        tc.save_weights_external(_name("export", name), ttl_seconds=ttl_s), f"external weights of {state}"
+    ).path
     if kind == "sampler_weights":
         reference = checkpoint
     else:
-        reference = wait(tc.save_weights_for_sampler(_name("export-ref", name), ttl_seconds=ttl_s),
-                         f"reference sampler weights of {state}").path
+        reference = wait(
+            tc.save_weights_for_sampler(_name("export-ref", name), ttl_seconds=ttl_s),
+            f"reference sampler weights of {state}",
+        ).path
     info = tc.get_info()
     listing = wait(rest_client(credentials).get_external_weights_urls(external), f"the download URLs of {external}")
-    return ServerExport(checkpoint=checkpoint, state_path=state, reference=reference, external_path=external,
-                        base_model=str(info.model_data.model_name), lora_rank=int(info.lora_rank or 0),
-                        urls=dict(listing.urls), expires=listing.expires.isoformat())
+    return ServerExport(
+        checkpoint=checkpoint,
+        state_path=state,
+        reference=reference,
+        external_path=external,
+        base_model=str(info.model_data.model_name),
+        lora_rank=int(info.lora_rank or 0),
+        urls=dict(listing.urls),
+        expires=listing.expires.isoformat(),
+    )

@@ -27,12 +27,23 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["TOLERANCES", "TEXTS", "ExportVerificationError", "Verifier", "compare", "fixed_sequences", "model_logprobs",
-           "load_exported"]
+__all__ = [
+    "TOLERANCES",
+    "TEXTS",
+    "ExportVerificationError",
+    "Verifier",
+    "compare",
+    "fixed_sequences",
+    "model_logprobs",
+    "load_exported",
+]
 
 #: dtype -> (max, mean) tolerance of |exported - reference| logprobs (nats); None: no mean bound
-TOLERANCES: dict[str, tuple[float, float | None]] = {"float32": (1e-4, None), "bfloat16": (0.5, 0.1),
-                                                     "float16": (0.1, 0.02)}
+TOLERANCES: dict[str, tuple[float, float | None]] = {
+    "float32": (1e-4, None),
+    "bfloat16": (0.5, 0.1),
+    "float16": (0.1, 0.02),
+}
 TEXTS = (
     "The quick brown fox jumps over the lazy dog.",
     "user: What is 12 + 34?\nassistant: 12 + 34 = 46.",
@@ -96,8 +107,9 @@ def load_exported(folder: Path, fmt: str, base_dir: Path | str) -> Any:
     return model.eval()
 
 
-def compare(got: Sequence[np.ndarray], want: Sequence[Sequence[float]], tolerance: tuple[float, float | None]
-            ) -> dict[str, Any]:
+def compare(
+    got: Sequence[np.ndarray], want: Sequence[Sequence[float]], tolerance: tuple[float, float | None]
+) -> dict[str, Any]:
     """Token-by-token comparison against ``tolerance`` = (max, mean or None); returns
     ``{"sequences", "tokens", "max_abs_diff", "mean_abs_diff", "tolerance", "mean_tolerance",
     "passed"}`` (differences in nats).
@@ -110,16 +122,24 @@ def compare(got: Sequence[np.ndarray], want: Sequence[Sequence[float]], toleranc
         w = np.asarray(w, dtype=np.float64)
         g = np.asarray(g, dtype=np.float64)
         if g.shape != w.shape:
-            raise ExportVerificationError(f"sequence {i}: {g.shape[0]} exported logprobs vs {w.shape[0]} from the server")
+            raise ExportVerificationError(
+                f"sequence {i}: {g.shape[0]} exported logprobs vs {w.shape[0]} from the server"
+            )
         if not (np.isfinite(g).all() and np.isfinite(w).all()):
             raise ExportVerificationError(f"sequence {i}: non-finite logprobs (exported {g[~np.isfinite(g)][:3]})")
         diffs.append(np.abs(g - w))
     flat = np.concatenate(diffs) if diffs else np.zeros(0)
     mx, mean = (float(flat.max()), float(flat.mean())) if flat.size else (0.0, 0.0)
     tol_max, tol_mean = tolerance
-    return {"sequences": len(diffs), "tokens": int(flat.size), "max_abs_diff": mx, "mean_abs_diff": mean,
-            "tolerance": tol_max, "mean_tolerance": tol_mean,
-            "passed": bool(mx <= tol_max and (tol_mean is None or mean <= tol_mean))}
+    return {
+        "sequences": len(diffs),
+        "tokens": int(flat.size),
+        "max_abs_diff": mx,
+        "mean_abs_diff": mean,
+        "tolerance": tol_max,
+        "mean_tolerance": tol_mean,
+        "passed": bool(mx <= tol_max and (tol_mean is None or mean <= tol_mean)),
+    }
 
 
 class Verifier:
@@ -162,12 +182,16 @@ class Verifier:
         """
         result = self._measure(folder, fmt, TOLERANCES[dtype])
         if not result["passed"]:
-            mean = f", mean {result['mean_abs_diff']:.3g} (tolerance {result['mean_tolerance']:g})" \
-                if result["mean_tolerance"] is not None else f", mean {result['mean_abs_diff']:.3g}"
+            mean = (
+                f", mean {result['mean_abs_diff']:.3g} (tolerance {result['mean_tolerance']:g})"
+                if result["mean_tolerance"] is not None
+                else f", mean {result['mean_abs_diff']:.3g}"
+            )
             raise ExportVerificationError(
                 f"the {fmt} export ({dtype}) differs from {self.reference}'s compute_logprobs by up to "
                 f"{result['max_abs_diff']:.3g} nats (tolerance {result['tolerance']:g}){mean}, over {result['tokens']} "
-                "tokens; nothing was published")
+                "tokens; nothing was published"
+            )
         return {**result, "dtype": dtype}
 
     def adapter_effect(self) -> float:

@@ -30,8 +30,13 @@ def _task_spec(task: str | Path) -> str:
 
 
 def run_inspect_task(
-    task: str | Path, model: str, *, model_args: dict[str, Any] | None = None,
-    task_args: dict[str, Any] | None = None, limit: int | None = None, log_dir: str | Path | None = None,
+    task: str | Path,
+    model: str,
+    *,
+    model_args: dict[str, Any] | None = None,
+    task_args: dict[str, Any] | None = None,
+    limit: int | None = None,
+    log_dir: str | Path | None = None,
     **eval_kwargs: Any,
 ) -> dict[str, float]:
     """Run an inspect-ai task in this process and return its scores.
@@ -61,8 +66,16 @@ def run_inspect_task(
     model_args = dict(model_args or {})
     if model_args.get("base_url"):  # inspect's own argument: a model arg of that name collides with it
         eval_kwargs["model_base_url"] = model_args.pop("base_url")
-    logs = inspect_eval(_task_spec(task), model=qualified, model_args=model_args, task_args=task_args or {},
-                        limit=limit, log_dir=str(log_dir) if log_dir else None, display="none", **eval_kwargs)
+    logs = inspect_eval(
+        _task_spec(task),
+        model=qualified,
+        model_args=model_args,
+        task_args=task_args or {},
+        limit=limit,
+        log_dir=str(log_dir) if log_dir else None,
+        display="none",
+        **eval_kwargs,
+    )
     scores: dict[str, float] = {}
     for log in logs:
         if log.status != "success":

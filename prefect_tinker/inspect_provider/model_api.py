@@ -48,8 +48,12 @@ __all__ = ["TinkerModelAPI", "credentials_for", "to_messages"]
 DEFAULT_MAX_TOKENS = 1024
 
 
-def credentials_for(credentials_block: str | None = None, base_url: str | None = None,
-                    api_key: str | None = None, local_root: str | None = None) -> Any:
+def credentials_for(
+    credentials_block: str | None = None,
+    base_url: str | None = None,
+    api_key: str | None = None,
+    local_root: str | None = None,
+) -> Any:
     """The ``TinkerCredentials`` the flows would use: a saved block, else ``base_url`` (key from
     ``api_key`` or ``TINKER_API_KEY``), else the embedded local server under ``local_root``.
 
@@ -86,8 +90,14 @@ def to_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 def _tool_schema(tool: ToolInfo) -> dict[str, Any]:
-    return {"type": "function", "function": {"name": tool.name, "description": tool.description,
-                                             "parameters": tool.parameters.model_dump(exclude_none=True)}}
+    return {
+        "type": "function",
+        "function": {
+            "name": tool.name,
+            "description": tool.description,
+            "parameters": tool.parameters.model_dump(exclude_none=True),
+        },
+    }
 
 
 def _inspect_tool_calls(calls: list[dict[str, Any]], offset: int) -> list[ToolCall]:
@@ -101,8 +111,14 @@ def _inspect_tool_calls(calls: list[dict[str, Any]], offset: int) -> list[ToolCa
                 args = json.loads(args)
             except json.JSONDecodeError as exc:
                 args, error = {}, f"arguments are not JSON: {exc}"
-        out.append(ToolCall(id=str(call.get("id") or f"call_{offset}_{i}"), function=str(fn.get("name", "")),
-                            arguments=args if isinstance(args, dict) else {"value": args}, parse_error=error))
+        out.append(
+            ToolCall(
+                id=str(call.get("id") or f"call_{offset}_{i}"),
+                function=str(fn.get("name", "")),
+                arguments=args if isinstance(args, dict) else {"value": args},
+                parse_error=error,
+            )
+        )
     return out
 
 
@@ -114,14 +130,25 @@ def _cut_at_stops(text: str, stops: list[str] | None) -> tuple[str, bool]:
 class TinkerModelAPI(ModelAPI):
     """inspect-ai model API for Tinker (see the module docstring for model args)."""
 
-    def __init__(self, model_name: str, base_url: str | None = None, api_key: str | None = None,
-                 config: GenerateConfig = GenerateConfig(), *, renderer: str = "auto",  # noqa: B008 (inspect-ai API)
-                 credentials_block: str | None = None, local_root: str | None = None,
-                 max_connections: int = 8, **model_args: Any) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        config: GenerateConfig = GenerateConfig(),  # noqa: B008 (inspect-ai API)
+        *,
+        renderer: str = "auto",
+        credentials_block: str | None = None,
+        local_root: str | None = None,
+        max_connections: int = 8,
+        **model_args: Any,
+    ) -> None:
         super().__init__(model_name, base_url, api_key, ["TINKER_API_KEY"], config)
         if model_args:
-            raise ValueError(f"unknown model args for tinker/: {sorted(model_args)}; accepted: renderer, "
-                             "credentials_block, local_root, max_connections (the server URL: --model-base-url)")
+            raise ValueError(
+                f"unknown model args for tinker/: {sorted(model_args)}; accepted: renderer, "
+                "credentials_block, local_root, max_connections (the server URL: --model-base-url)"
+            )
         # Clients are made on the first generate: inspect also builds providers only to look up model
         # info (get_model_info), which must not start or connect to a server.
         self._settings = (credentials_block, base_url, self.api_key, local_root)
@@ -155,8 +182,9 @@ class TinkerModelAPI(ModelAPI):
     def _sample(self, prompt: tinker.ModelInput, n: int, params: tinker.SamplingParams) -> Any:
         return self._client.sample(prompt=prompt, num_samples=n, sampling_params=params).result()
 
-    async def generate(self, input: list[ChatMessage], tools: list[ToolInfo], tool_choice: ToolChoice,
-                       config: GenerateConfig) -> ModelOutput:
+    async def generate(
+        self, input: list[ChatMessage], tools: list[ToolInfo], tool_choice: ToolChoice, config: GenerateConfig
+    ) -> ModelOutput:
         r = await anyio.to_thread.run_sync(self._ensure)
         schemas = [_tool_schema(t) for t in tools] or None
         prompt = r.build_generation_prompt(to_messages(input), tools=schemas)
@@ -167,7 +195,10 @@ class TinkerModelAPI(ModelAPI):
             max_tokens=config.max_tokens or DEFAULT_MAX_TOKENS,
             temperature=1.0 if config.temperature is None else config.temperature,
             top_p=1.0 if config.top_p is None else config.top_p,
-            top_k=-1 if config.top_k is None else config.top_k, seed=config.seed, stop=stop)
+            top_k=-1 if config.top_k is None else config.top_k,
+            seed=config.seed,
+            stop=stop,
+        )
         n = config.num_choices or 1
         resp = await anyio.to_thread.run_sync(functools.partial(self._sample, prompt, n, params))
         choices, out_tokens = [], 0
@@ -182,9 +213,13 @@ class TinkerModelAPI(ModelAPI):
                 reason = "max_tokens"
             else:
                 reason = "stop"
-            message = ChatMessageAssistant(content=text, tool_calls=calls or None, model=self.model_name,
-                                           source="generate")
+            message = ChatMessageAssistant(
+                content=text, tool_calls=calls or None, model=self.model_name, source="generate"
+            )
             choices.append(ChatCompletionChoice(message=message, stop_reason=reason))
         n_in = prompt.length
-        return ModelOutput(model=self.model_name, choices=choices,
-                           usage=ModelUsage(input_tokens=n_in, output_tokens=out_tokens, total_tokens=n_in + out_tokens))
+        return ModelOutput(
+            model=self.model_name,
+            choices=choices,
+            usage=ModelUsage(input_tokens=n_in, output_tokens=out_tokens, total_tokens=n_in + out_tokens),
+        )

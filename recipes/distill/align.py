@@ -99,8 +99,15 @@ class Alignment:
         return [(s, t[0]) for s, t in self.pairs if len(t) == 1]
 
 
-def align_completion(student_prompt_len: int, completion: Sequence[int], teacher_prompt: Sequence[int], *,
-                     student_renderer: Any, teacher_renderer: Any, same_format: bool) -> Alignment:
+def align_completion(
+    student_prompt_len: int,
+    completion: Sequence[int],
+    teacher_prompt: Sequence[int],
+    *,
+    student_renderer: Any,
+    teacher_renderer: Any,
+    same_format: bool,
+) -> Alignment:
     """Frame ``completion`` (sampled after ``student_prompt_len`` prompt tokens) for the teacher
     (see the module docstring).
 
@@ -132,7 +139,9 @@ def align_completion(student_prompt_len: int, completion: Sequence[int], teacher
     return Alignment(tokens, pairs, len(teacher_prompt))
 
 
-def gather_teacher(alignment: Alignment, teacher_logprobs: Sequence[float], n_targets: int) -> tuple[np.ndarray, np.ndarray]:
+def gather_teacher(
+    alignment: Alignment, teacher_logprobs: Sequence[float], n_targets: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Teacher logprobs on the student's targets.
 
     Args:

@@ -31,8 +31,10 @@ from prefect_tinker.recipes.record_fields import Converted, pick_text, top_key, 
 __all__ = ["DEMO_TEMPLATE", "PromptRecord", "TeacherView", "freeze", "load_prompts", "thaw"]
 
 #: SDFT's default teacher prompt: the question, one demonstration, then the request for an own answer.
-DEMO_TEMPLATE = ("{prompt}\n\nThis is an example for a response to the question:\n{answer}\n\n"
-                 "Now answer with a response of your own.")
+DEMO_TEMPLATE = (
+    "{prompt}\n\nThis is an example for a response to the question:\n{answer}\n\n"
+    "Now answer with a response of your own."
+)
 
 _SLOT = re.compile(r"\{(prompt|answer)\}")
 
@@ -79,8 +81,9 @@ def _prompt_only(record: Any, fields: Mapping[str, str], options: Mapping[str, A
 register_converter("prompt", _prompt_only)
 
 
-def load_prompts(spec: SourceSpec, *, source: int = 0, on_error: OnError = "raise",
-                 stats: SkipStats | None = None) -> list[PromptRecord]:
+def load_prompts(
+    spec: SourceSpec, *, source: int = 0, on_error: OnError = "raise", stats: SkipStats | None = None
+) -> list[PromptRecord]:
     """The prompt records of one source, in record order.
 
     A conversation ending with an assistant message gives the messages before it as the prompt
@@ -113,8 +116,13 @@ def load_prompts(spec: SourceSpec, *, source: int = 0, on_error: OnError = "rais
 class TeacherView(BaseModel):
     """What the teacher is shown in place of the student's prompt (see the module docstring)."""
 
-    system_prompt: str | None = Field(default=None, description="A system message only the teacher sees (prompt distillation).")
-    prompt_template: str | None = Field(default=None, description="The teacher's last user message: {prompt} = the student's, {answer} = the golden answer (SDFT).")
+    system_prompt: str | None = Field(
+        default=None, description="A system message only the teacher sees (prompt distillation)."
+    )
+    prompt_template: str | None = Field(
+        default=None,
+        description="The teacher's last user message: {prompt} = the student's, {answer} = the golden answer (SDFT).",
+    )
 
     @field_validator("prompt_template")
     @classmethod
@@ -141,8 +149,10 @@ class TeacherView(BaseModel):
         msgs = record.message_list()
         if self.prompt_template:
             if self.needs_answer and record.answer is None:
-                raise ValueError(f"{record.id}: prompt_template uses {{answer}} but the record has no answer "
-                                 "(its last message must be the assistant's golden reply)")
+                raise ValueError(
+                    f"{record.id}: prompt_template uses {{answer}} but the record has no answer "
+                    "(its last message must be the assistant's golden reply)"
+                )
             values = {"prompt": msgs[-1]["content"], "answer": record.answer or ""}
             msgs[-1] = {"role": "user", "content": _SLOT.sub(lambda m: values[m.group(1)], self.prompt_template)}
         if self.system_prompt:

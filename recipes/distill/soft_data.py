@@ -53,7 +53,9 @@ class SoftTargetBuilder(DatasetBuilder):
         stats = SkipStats()
         convs = [c for spec in self.sources for c in iter_conversations(spec, on_error=self.on_error, stats=stats)]
         if not convs:
-            raise DatasetFormatError(f"no conversations in {', '.join(s.path for s in self.sources)} ({stats.summary()})")
+            raise DatasetFormatError(
+                f"no conversations in {', '.join(s.path for s in self.sources)} ({stats.summary()})"
+            )
         train, test = split_conversations(convs, self.test_size, seed=self.seed) if self.test_size else (convs, [])
 
         def examples(items) -> list[SoftExample]:
@@ -62,8 +64,13 @@ class SoftTargetBuilder(DatasetBuilder):
                 if conv.messages[-1]["role"] != "assistant":
                     stats.skip("bad_record", f"{conv.source}: the last message is not an assistant reply")
                     continue
-                rendered = render_example(rend, conv, train_on_what="last_assistant_message",
-                                          max_length=self.max_length, on_too_long=self.on_too_long)
+                rendered = render_example(
+                    rend,
+                    conv,
+                    train_on_what="last_assistant_message",
+                    max_length=self.max_length,
+                    on_too_long=self.on_too_long,
+                )
                 if rendered is None:
                     stats.skip("too_long", f"{conv.source}: longer than max_length={self.max_length}")
                     continue
@@ -71,12 +78,21 @@ class SoftTargetBuilder(DatasetBuilder):
                 trained = [i for i, w in enumerate(weights) if w > 0]
                 prompt = [{k: m[k] for k in ("role", "content")} for m in conv.messages[:-1]]
                 record = PromptRecord(freeze(prompt), str(conv.messages[-1]["content"]), conv.source)
-                out.append(SoftExample(tokens=list(tokens[: trained[-1] + 1]), prompt_len=trained[0],
-                                       prompt=record, id=conv.source))
+                out.append(
+                    SoftExample(
+                        tokens=list(tokens[: trained[-1] + 1]), prompt_len=trained[0], prompt=record, id=conv.source
+                    )
+                )
             return out
 
         data_train, data_test = examples(train), examples(test)
         if not data_train:
             raise DatasetFormatError(f"no training sequence left ({stats.summary()})")
-        return SoftData(fingerprint=self.fingerprint(), renderer=self.renderer, train=data_train, test=data_test,
-                        skipped=stats.total, skip_summary=stats.summary())
+        return SoftData(
+            fingerprint=self.fingerprint(),
+            renderer=self.renderer,
+            train=data_train,
+            test=data_test,
+            skipped=stats.total,
+            skip_summary=stats.summary(),
+        )

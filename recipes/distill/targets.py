@@ -42,8 +42,9 @@ def discounted_future_sum(x: np.ndarray, gamma: float) -> np.ndarray:
     return out
 
 
-def kl_advantages(student_logprobs: np.ndarray, teacher_logprobs: np.ndarray, mask: np.ndarray, *,
-                  coef: float, discount: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+def kl_advantages(
+    student_logprobs: np.ndarray, teacher_logprobs: np.ndarray, mask: np.ndarray, *, coef: float, discount: float = 0.0
+) -> tuple[np.ndarray, np.ndarray]:
     """Per-token distillation advantages of one datum (see the module docstring).
 
     Args:
@@ -86,8 +87,15 @@ class SoftTargets:
     dropped: int = 0
 
 
-def soft_targets(topk_ids: np.ndarray, topk_logprobs: np.ndarray, pairs: Sequence[tuple[int, int]], *,
-                 n_targets: int, k: int, vocab_size: int) -> SoftTargets:
+def soft_targets(
+    topk_ids: np.ndarray,
+    topk_logprobs: np.ndarray,
+    pairs: Sequence[tuple[int, int]],
+    *,
+    n_targets: int,
+    k: int,
+    vocab_size: int,
+) -> SoftTargets:
     """Soft targets from the teacher's top-K rows (see the module docstring).
 
     Args:

@@ -33,10 +33,19 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from prefect_tinker.recipes.data_reading import SourceSpec, looks_local
 from prefect_tinker.recipes.evals.graders import GraderSpec
 
-__all__ = ["BUILTIN_BENCHMARKS", "BenchmarkSpec", "GeneratedSpec", "PromptTemplate", "benchmark_names",
-           "get_benchmark", "template_fields"]
+__all__ = [
+    "BUILTIN_BENCHMARKS",
+    "BenchmarkSpec",
+    "GeneratedSpec",
+    "PromptTemplate",
+    "benchmark_names",
+    "get_benchmark",
+    "template_fields",
+]
 
-GSM8K_INSTRUCTION = "Solve it step by step, then give the final answer as a number on the last line, as '#### <number>'."
+GSM8K_INSTRUCTION = (
+    "Solve it step by step, then give the final answer as a number on the last line, as '#### <number>'."
+)
 MATH_INSTRUCTION = "Write the final answer inside \\boxed{}."
 CHOICE_INSTRUCTION = "Answer with the letter of the correct option."
 #: a ``{name}`` placeholder of a prompt template (``{{`` and ``}}`` are literal braces)
@@ -59,7 +68,9 @@ class PromptTemplate(BaseModel):
     """
 
     system: str | None = Field(default=None, description="System message (none when empty).")
-    question_template: str = Field(default="{question}", description="User message; placeholders {question}, {options}, {letters}, mapped fields.")
+    question_template: str = Field(
+        default="{question}", description="User message; placeholders {question}, {options}, {letters}, mapped fields."
+    )
     few_shot: list[dict[str, Any]] = Field(default_factory=list, description="Solved examples: fields + 'response'.")
 
     @field_validator("few_shot")
@@ -89,11 +100,17 @@ class BenchmarkSpec(BaseModel):
             no mapped field; ``{options}`` or a choice grader without an ``options`` field.
     """
 
-    name: str = Field(description="Eval name in the eval store (e.g. 'gsm8k').", pattern=r"^[A-Za-z0-9][A-Za-z0-9._@/-]{0,127}$")
-    source: SourceSpec | None = Field(default=None, description="Where the examples are (a path / dataset id or a SourceSpec).")
+    name: str = Field(
+        description="Eval name in the eval store (e.g. 'gsm8k').", pattern=r"^[A-Za-z0-9][A-Za-z0-9._@/-]{0,127}$"
+    )
+    source: SourceSpec | None = Field(
+        default=None, description="Where the examples are (a path / dataset id or a SourceSpec)."
+    )
     generate: GeneratedSpec | None = Field(default=None, description="Generated examples instead of a source.")
-    fields: dict[str, str] = Field(default_factory=lambda: {"question": "question", "answer": "answer"},
-                                   description="Logical field -> record path (question, answer, options, id, ...).")
+    fields: dict[str, str] = Field(
+        default_factory=lambda: {"question": "question", "answer": "answer"},
+        description="Logical field -> record path (question, answer, options, id, ...).",
+    )
     prompt: PromptTemplate = Field(default_factory=PromptTemplate)
     grader: GraderSpec = Field(default_factory=GraderSpec)
     num_samples: int = Field(default=1, ge=1, le=1024, description="Completions per example (k of pass@k).")
@@ -103,7 +120,9 @@ class BenchmarkSpec(BaseModel):
     limit: int | None = Field(default=None, ge=1, description="Evaluate only the first N examples.")
     seed: int = Field(default=0, description="Sampling seed; example i gets a seed derived from (seed, example id).")
     concurrency: int = Field(default=8, ge=1, description="Sampling requests in flight at once.")
-    timeout_s: float | None = Field(default=600.0, gt=0, description="Seconds an example's sampling may take; then it counts as errored.")
+    timeout_s: float | None = Field(
+        default=600.0, gt=0, description="Seconds an example's sampling may take; then it counts as errored."
+    )
 
     @field_validator("source", mode="before")
     @classmethod
@@ -123,8 +142,10 @@ class BenchmarkSpec(BaseModel):
         allowed = {"question", *self.fields, *(("options", "letters") if has_options else ())}
         unknown = [n for n in template_fields(self.prompt.question_template) if n not in allowed]
         if unknown:
-            raise ValueError(f"benchmark {self.name!r}: question_template uses {unknown}, which are no mapped fields "
-                             f"(available: {sorted(allowed)}; map options with fields.options)")
+            raise ValueError(
+                f"benchmark {self.name!r}: question_template uses {unknown}, which are no mapped fields "
+                f"(available: {sorted(allowed)}; map options with fields.options)"
+            )
         if self.grader.kind == "choice" and not has_options:
             raise ValueError(f"benchmark {self.name!r}: the choice grader needs fields.options (the record's options)")
         return self

@@ -122,15 +122,18 @@ def resolve_reference_letter(value: Any, choices: Choices, field: str = "answer"
         hits = [letter for letter, t in zip(choices.letters, choices.texts) if normalize_answer(t) == norm]
         if len(hits) == 1:
             return hits[0]
-    raise _fail(field, f"value {str(value)[:60]!r} names none of the options {', '.join(choices.letters)} "
-                       "(give a letter, a 0-based index or the option's text)")
+    raise _fail(
+        field,
+        f"value {str(value)[:60]!r} names none of the options {', '.join(choices.letters)} "
+        "(give a letter, a 0-based index or the option's text)",
+    )
 
 
 def _reads_as_word(text: str, m: re.Match) -> bool:
     """Whether the one-letter match is a word of a sentence ("a number", "I think"), not a letter:
     a lower-case letter, or ``A``/``I``, followed by a lower-case word."""
     char = m.group(1)
-    after = text[m.end():].lstrip(" ")
+    after = text[m.end() :].lstrip(" ")
     return (char.islower() or char in "AI") and after[:1].islower()
 
 
@@ -138,8 +141,11 @@ def parse_choice(reply: str, choices: Choices) -> str | None:
     """The option letter ``reply`` chose, or None (see the module docstring for the rules)."""
     text = reply.replace("**", "").replace("__", "").strip()
     valid = set(choices.letters)
-    explicit = [m.group(1).upper() for m in _EXPLICIT.finditer(text)
-                if m.group(1).upper() in valid and not _reads_as_word(text, m)]
+    explicit = [
+        m.group(1).upper()
+        for m in _EXPLICIT.finditer(text)
+        if m.group(1).upper() in valid and not _reads_as_word(text, m)
+    ]
     if explicit:
         return explicit[-1]
     m = _LEADING.match(text)

@@ -95,7 +95,9 @@ def _from_record(spec: BenchmarkSpec, record: Any, index: int, where: str) -> Ex
             raise ValueError(f"{where}: {exc}") from None
     question = values["question"]
     if not isinstance(question, str) or not question.strip():
-        raise ValueError(f"{where}: field {spec.fields['question']!r} must be a non-empty string, got {str(question)[:60]!r}")
+        raise ValueError(
+            f"{where}: field {spec.fields['question']!r} must be a non-empty string, got {str(question)[:60]!r}"
+        )
     choices = None
     if "options" in values:
         try:
@@ -127,8 +129,10 @@ def load_examples(spec: BenchmarkSpec) -> list[Example]:
             raise ValueError(f"{raw.where}: {raw.error}")
         ex = _from_record(spec, raw.record, i, raw.where)
         if ex.id in seen:
-            raise ValueError(f"{raw.where}: duplicate example id {ex.id!r} (also at {seen[ex.id]}); "
-                             f"field {spec.fields.get('id')!r} must be unique")
+            raise ValueError(
+                f"{raw.where}: duplicate example id {ex.id!r} (also at {seen[ex.id]}); "
+                f"field {spec.fields.get('id')!r} must be unique"
+            )
         seen[ex.id] = raw.where
         examples.append(ex)
     if not examples:
@@ -148,6 +152,7 @@ def fill_template(template: str, values: Mapping[str, Any], choices: Choices | N
     Raises:
         KeyError: a placeholder without a value.
     """
+
     def sub(m: Any) -> str:
         token = m.group(0)
         if token in ("{{", "}}"):

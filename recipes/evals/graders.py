@@ -53,8 +53,19 @@ if TYPE_CHECKING:
     from prefect_tinker.recipes.evals.examples import Example
 
 __all__ = [
-    "CODE_RUNNERS", "GRADERS", "Grade", "Grader", "GraderSpec", "CodeRunner", "grade", "extract_code",
-    "extract_number_answer", "reference_answer", "register_code_runner", "register_grader", "resolve_code_runner",
+    "CODE_RUNNERS",
+    "GRADERS",
+    "Grade",
+    "Grader",
+    "GraderSpec",
+    "CodeRunner",
+    "grade",
+    "extract_code",
+    "extract_number_answer",
+    "reference_answer",
+    "register_code_runner",
+    "register_grader",
+    "resolve_code_runner",
 ]
 
 AnswerStyle = Literal["hash", "boxed", "any", "last_number"]
@@ -81,13 +92,20 @@ class GraderSpec(BaseModel):
 
     kind: str = Field(
         default="exact_match",
-        description="A registered grader: number, math, choice, exact_match, code (or a plugin's).")
+        description="A registered grader: number, math, choice, exact_match, code (or a plugin's).",
+    )
     answer_style: AnswerStyle | None = Field(
-        default=None, description="number/math: where the reply states its answer (default: any for number, boxed for math).")
+        default=None,
+        description="number/math: where the reply states its answer (default: any for number, boxed for math).",
+    )
     answer_regex: str | None = Field(
-        default=None, description="exact_match: regex whose last match (group 1 if any) is the answer; default the whole reply.")
+        default=None,
+        description="exact_match: regex whose last match (group 1 if any) is the answer; default the whole reply.",
+    )
     code_runner: str | None = Field(
-        default=None, description="code: a registered runner name or 'module:function' (run_code(program, example) -> bool).")
+        default=None,
+        description="code: a registered runner name or 'module:function' (run_code(program, example) -> bool).",
+    )
 
     @field_validator("kind")
     @classmethod
@@ -132,8 +150,10 @@ def resolve_code_runner(name: str | None) -> CodeRunner:
     if name in CODE_RUNNERS:
         return CODE_RUNNERS[name]
     if ":" not in name:
-        raise ValueError(f"unknown code runner {name!r}; registered: {', '.join(CODE_RUNNERS.names()) or 'none'} "
-                         "(or give 'module:function')")
+        raise ValueError(
+            f"unknown code runner {name!r}; registered: {', '.join(CODE_RUNNERS.names()) or 'none'} "
+            "(or give 'module:function')"
+        )
     module, _, attr = name.partition(":")
     try:
         fn = getattr(importlib.import_module(module), attr)
@@ -240,6 +260,11 @@ def _grade_code(spec: GraderSpec, reply: str, example: Example, run_code: CodeRu
     return Grade(ok, float(ok), program)
 
 
-for _kind, _grader in (("number", _grade_number), ("math", _grade_number), ("choice", _grade_choice),
-                       ("exact_match", _grade_exact_match), ("code", _grade_code)):
+for _kind, _grader in (
+    ("number", _grade_number),
+    ("math", _grade_number),
+    ("choice", _grade_choice),
+    ("exact_match", _grade_exact_match),
+    ("code", _grade_code),
+):
     register_grader(_kind, _grader)

@@ -59,8 +59,10 @@ def wilson_interval(successes: float, n: int, confidence: float = 0.95) -> tuple
         ValueError: ``n < 1``, ``successes`` outside ``[0, n]`` or ``confidence`` outside (0, 1).
     """
     if n < 1 or not 0 <= successes <= n or not 0 < confidence < 1:
-        raise ValueError(f"wilson_interval needs n >= 1, 0 <= successes <= n, 0 < confidence < 1; "
-                         f"got successes={successes}, n={n}, confidence={confidence}")
+        raise ValueError(
+            f"wilson_interval needs n >= 1, 0 <= successes <= n, 0 < confidence < 1; "
+            f"got successes={successes}, n={n}, confidence={confidence}"
+        )
     z = NormalDist().inv_cdf(0.5 + confidence / 2)
     p = successes / n
     z2n = z * z / n

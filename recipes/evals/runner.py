@@ -59,46 +59,96 @@ def example_seed(seed: int, example_id: str) -> int:
 
 
 def _row_base(spec: BenchmarkSpec, ex: Example, j: int, ident: dict[str, Any], prompt: str) -> dict[str, Any]:
-    return {**ident, "eval_name": spec.name, "example_id": ex.id, "sample_index": j, "prompt": prompt,
-            "reference": ex.reference_text()}
+    return {
+        **ident,
+        "eval_name": spec.name,
+        "example_id": ex.id,
+        "sample_index": j,
+        "prompt": prompt,
+        "reference": ex.reference_text(),
+    }
 
 
-def _graded_rows(spec: BenchmarkSpec, renderer: Any, ex: Example, sequences: Sequence[Any], seed: int,
-                 ident: dict[str, Any], prompt: str, run_code: CodeRunner | None) -> list[dict[str, Any]]:
+def _graded_rows(
+    spec: BenchmarkSpec,
+    renderer: Any,
+    ex: Example,
+    sequences: Sequence[Any],
+    seed: int,
+    ident: dict[str, Any],
+    prompt: str,
+    run_code: CodeRunner | None,
+) -> list[dict[str, Any]]:
     rows = []
     for j, seq in enumerate(sequences):
         tokens = [int(t) for t in seq.tokens]
         parsed = renderer.parse_response(tokens)
         text = parsed.message.get("content") or ""
-        extra = {"termination": parsed.termination.value, "stop_reason": str(seq.stop_reason), "seed": seed,
-                 "where": ex.where}
+        extra = {
+            "termination": parsed.termination.value,
+            "stop_reason": str(seq.stop_reason),
+            "seed": seed,
+            "where": ex.where,
+        }
         try:
             g = grade(spec.grader, text, ex, run_code=run_code)
         except Exception as exc:  # a grader/code-runner failure is this sample's error, not the run's
             extra.update(status="errored", error=f"grader: {type(exc).__name__}: {exc}"[:500], answer=None)
-            rows.append({**_row_base(spec, ex, j, ident, prompt), "completion": text, "score": 0.0,
-                         "correct": False, "completion_tokens": len(tokens), "extra_json": json.dumps(extra)})
+            rows.append(
+                {
+                    **_row_base(spec, ex, j, ident, prompt),
+                    "completion": text,
+                    "score": 0.0,
+                    "correct": False,
+                    "completion_tokens": len(tokens),
+                    "extra_json": json.dumps(extra),
+                }
+            )
             continue
         if parsed.termination is Termination.TRUNCATED:
             status = "truncated"
         else:
             status = "unparsable" if g.answer is None else "ok"
         extra.update(status=status, answer=g.answer)
-        rows.append({**_row_base(spec, ex, j, ident, prompt), "completion": text, "score": float(g.score),
-                     "correct": bool(g.correct), "completion_tokens": len(tokens), "extra_json": json.dumps(extra)})
+        rows.append(
+            {
+                **_row_base(spec, ex, j, ident, prompt),
+                "completion": text,
+                "score": float(g.score),
+                "correct": bool(g.correct),
+                "completion_tokens": len(tokens),
+                "extra_json": json.dumps(extra),
+            }
+        )
     return rows
 
 
-def _errored_rows(spec: BenchmarkSpec, ex: Example, error: str, seed: int, ident: dict[str, Any],
-                  prompt: str) -> list[dict[str, Any]]:
+def _errored_rows(
+    spec: BenchmarkSpec, ex: Example, error: str, seed: int, ident: dict[str, Any], prompt: str
+) -> list[dict[str, Any]]:
     extra = json.dumps({"status": "errored", "error": error[:500], "seed": seed, "where": ex.where})
-    return [{**_row_base(spec, ex, j, ident, prompt), "completion": None, "score": 0.0, "correct": False,
-             "completion_tokens": None, "extra_json": extra} for j in range(spec.num_samples)]
+    return [
+        {
+            **_row_base(spec, ex, j, ident, prompt),
+            "completion": None,
+            "score": 0.0,
+            "correct": False,
+            "completion_tokens": None,
+            "extra_json": extra,
+        }
+        for j in range(spec.num_samples)
+    ]
 
 
 def evaluate_examples(
-    sampling_client: Any, renderer: Any, spec: BenchmarkSpec, examples: Sequence[Example], *,
-    run_id: str = "eval", step: int | None = None, checkpoint: str | None = None,
+    sampling_client: Any,
+    renderer: Any,
+    spec: BenchmarkSpec,
+    examples: Sequence[Example],
+    *,
+    run_id: str = "eval",
+    step: int | None = None,
+    checkpoint: str | None = None,
     run_code: CodeRunner | None = None,
 ) -> list[dict[str, Any]]:
     """Sample and grade ``examples``; return their ``eval_samples`` rows (examples x samples, in
@@ -130,11 +180,13 @@ def evaluate_examples(
 
     def submit(i: int) -> None:
         seed = example_seed(spec.seed, examples[i].id)
-        params = tinker.SamplingParams(max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p,
-                                       seed=seed, stop=stop)
+        params = tinker.SamplingParams(
+            max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p, seed=seed, stop=stop
+        )
         try:
-            fut = sampling_client.sample(prompt=tinker.ModelInput.from_ints(prompts[i][0]),
-                                         num_samples=spec.num_samples, sampling_params=params)
+            fut = sampling_client.sample(
+                prompt=tinker.ModelInput.from_ints(prompts[i][0]), num_samples=spec.num_samples, sampling_params=params
+            )
         except Exception as exc:  # counted per example; the SDK already retried transient errors
             fut = exc
         pending.append((i, fut, time.monotonic(), seed))
@@ -156,8 +208,11 @@ def evaluate_examples(
             if len(sequences) != spec.num_samples:
                 raise RuntimeError(f"asked for {spec.num_samples} samples, got {len(sequences)}")
         except Exception as exc:
-            msg = (f"timed out after {spec.timeout_s:g} s" if isinstance(exc, TimeoutError)
-                   else f"sampling: {type(exc).__name__}: {exc}")
+            msg = (
+                f"timed out after {spec.timeout_s:g} s"
+                if isinstance(exc, TimeoutError)
+                else f"sampling: {type(exc).__name__}: {exc}"
+            )
             errors.append(f"example {ex.id!r}: {msg}")
             results[i] = _errored_rows(spec, ex, msg, seed, ident, prompt)
             continue
@@ -172,8 +227,14 @@ def _status(row: dict[str, Any]) -> str:
 
 
 def summarize(
-    spec: BenchmarkSpec, sample_rows: Sequence[dict[str, Any]], *, run_id: str = "eval", step: int | None = None,
-    checkpoint: str | None = None, seconds: float | None = None, config: dict[str, Any] | None = None,
+    spec: BenchmarkSpec,
+    sample_rows: Sequence[dict[str, Any]],
+    *,
+    run_id: str = "eval",
+    step: int | None = None,
+    checkpoint: str | None = None,
+    seconds: float | None = None,
+    config: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """The ``eval_results`` rows of a benchmark from its ``eval_samples`` rows (see the module
     docstring for the metrics).
@@ -195,7 +256,9 @@ def summarize(
     accuracy = sum(correct_counts) / total
     low, high = wilson_interval(accuracy * n_ex, n_ex)
     values: list[tuple[str, float, int]] = [
-        ("accuracy", accuracy, total), ("accuracy_ci95_low", low, n_ex), ("accuracy_ci95_high", high, n_ex),
+        ("accuracy", accuracy, total),
+        ("accuracy_ci95_low", low, n_ex),
+        ("accuracy_ci95_high", high, n_ex),
     ]
     values += [(f"pass@{j}", mean_pass_at_k(correct_counts, k, j), n_ex) for j in range(1, k + 1)]
     if spec.grader.score_name:
@@ -207,15 +270,34 @@ def summarize(
         values.append(("completion_tokens_mean", sum(lengths) / len(lengths), len(lengths)))
     if seconds is not None:
         values.append(("seconds", float(seconds), total))
-    config_json = json.dumps(config if config is not None else {"benchmark": spec.model_dump(mode="json")},
-                             sort_keys=True, default=str)
-    return [{"run_id": run_id, "step": step, "checkpoint": checkpoint, "eval_name": spec.name, "metric": m,
-             "value": v, "num_samples": n, "config_json": config_json} for m, v, n in values]
+    config_json = json.dumps(
+        config if config is not None else {"benchmark": spec.model_dump(mode="json")}, sort_keys=True, default=str
+    )
+    return [
+        {
+            "run_id": run_id,
+            "step": step,
+            "checkpoint": checkpoint,
+            "eval_name": spec.name,
+            "metric": m,
+            "value": v,
+            "num_samples": n,
+            "config_json": config_json,
+        }
+        for m, v, n in values
+    ]
 
 
 def run_benchmark(
-    sampling_client: Any, renderer: Any, spec: BenchmarkSpec, *, run_id: str = "eval", step: int | None = None,
-    checkpoint: str | None = None, run_code: CodeRunner | None = None, examples: Sequence[Example] | None = None,
+    sampling_client: Any,
+    renderer: Any,
+    spec: BenchmarkSpec,
+    *,
+    run_id: str = "eval",
+    step: int | None = None,
+    checkpoint: str | None = None,
+    run_code: CodeRunner | None = None,
+    examples: Sequence[Example] | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Run ``spec`` against ``sampling_client``; return ``(results, samples)``: the rows of
     ``eval_results`` and ``eval_samples`` (columns of :mod:`tinker_blocks.store_schemas`, without
@@ -231,13 +313,18 @@ def run_benchmark(
     """
     t0 = time.perf_counter()
     examples = list(examples) if examples is not None else load_examples(spec)
-    samples = evaluate_examples(sampling_client, renderer, spec, examples, run_id=run_id, step=step,
-                                checkpoint=checkpoint, run_code=run_code)
-    config = {"benchmark": spec.model_dump(mode="json"), "fingerprint": spec.fingerprint(),
-              "renderer": getattr(renderer, "name", type(renderer).__name__),
-              "interval": "wilson score 95%, examples as units"}
-    results = summarize(spec, samples, run_id=run_id, step=step, checkpoint=checkpoint,
-                        seconds=time.perf_counter() - t0, config=config)
+    samples = evaluate_examples(
+        sampling_client, renderer, spec, examples, run_id=run_id, step=step, checkpoint=checkpoint, run_code=run_code
+    )
+    config = {
+        "benchmark": spec.model_dump(mode="json"),
+        "fingerprint": spec.fingerprint(),
+        "renderer": getattr(renderer, "name", type(renderer).__name__),
+        "interval": "wilson score 95%, examples as units",
+    }
+    results = summarize(
+        spec, samples, run_id=run_id, step=step, checkpoint=checkpoint, seconds=time.perf_counter() - t0, config=config
+    )
     return results, samples
 
 

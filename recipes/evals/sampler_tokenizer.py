@@ -37,5 +37,7 @@ def sampler_tokenizer(service_client: Any, sampling_client: Any) -> Any:
         try:
             return AutoTokenizer.from_pretrained(name)
         except (OSError, ValueError) as exc:
-            raise OSError(f"no tokenizer for base model {sampling_client.get_base_model()!r} "
-                          f"(server name {info.base_model!r}): {exc}") from first
+            raise OSError(
+                f"no tokenizer for base model {sampling_client.get_base_model()!r} "
+                f"(server name {info.base_model!r}): {exc}"
+            ) from first

@@ -43,14 +43,23 @@ class InspectSpec(BaseModel):
     task_args: dict[str, Any] = Field(default_factory=dict, description="Arguments of the task function.")
     limit: int | None = Field(default=None, ge=1, description="Evaluate only the first N samples.")
     epochs: int | None = Field(default=None, ge=1, description="Times each sample is run (inspect's epochs).")
-    temperature: float | None = Field(default=None, ge=0, description="Sampling temperature (inspect's default when empty).")
-    max_tokens: int | None = Field(default=None, ge=1, description="Most tokens per generation (the provider's default 1024 when empty).")
+    temperature: float | None = Field(
+        default=None, ge=0, description="Sampling temperature (inspect's default when empty)."
+    )
+    max_tokens: int | None = Field(
+        default=None, ge=1, description="Most tokens per generation (the provider's default 1024 when empty)."
+    )
     seed: int | None = Field(default=None, description="Sampling seed.")
-    model_args: dict[str, Any] = Field(default_factory=dict, description="Extra provider args (e.g. max_connections); the backend and renderer are set by the flow.")
+    model_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra provider args (e.g. max_connections); the backend and renderer are set by the flow.",
+    )
 
     def eval_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``inspect_ai.eval`` from the generation settings that are set."""
-        return {k: getattr(self, k) for k in ("epochs", "temperature", "max_tokens", "seed") if getattr(self, k) is not None}
+        return {
+            k: getattr(self, k) for k in ("epochs", "temperature", "max_tokens", "seed") if getattr(self, k) is not None
+        }
 
     def fingerprint(self) -> str:
         """Hex SHA-256 of the settings and, for a local task file, its content."""

@@ -61,6 +61,7 @@ __all__ = [
     "trained_message_mask",
 ]
 
+
 class TrainOnWhat(str, Enum):
     """Which tokens of a conversation get loss weight.
 
@@ -167,7 +168,9 @@ def trained_message_mask(messages: Sequence[Message], train_on_what: Any) -> lis
     last_user = max((i for i in range(n) if messages[i]["role"] == "user"), default=-1)
     mask = [assistant[i] and i > last_user for i in range(n)]
     if not any(mask):
-        raise RendererError("train_on_what='last_assistant_turn' but no assistant message follows the last user message")
+        raise RendererError(
+            "train_on_what='last_assistant_turn' but no assistant message follows the last user message"
+        )
     return mask
 
 
@@ -309,7 +312,9 @@ class Renderer:
         if not tools:
             return None
         if not self.supports_tools:
-            raise RendererError(f"renderer {self.name!r} cannot render tool definitions; describe them in a system message")
+            raise RendererError(
+                f"renderer {self.name!r} cannot render tool definitions; describe them in a system message"
+            )
         return check_tools(tools)
 
     # ---- to implement -----------------------------------------------------------------
@@ -321,7 +326,10 @@ class Renderer:
 
     # ---- public operations ------------------------------------------------------------
     def build_supervised_example(
-        self, messages: Any, train_on_what: str | TrainOnWhat = "all_assistant_messages", *,
+        self,
+        messages: Any,
+        train_on_what: str | TrainOnWhat = "all_assistant_messages",
+        *,
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> tuple[tinker.ModelInput, np.ndarray]:
         """Render a whole conversation for supervised training.
@@ -345,7 +353,10 @@ class Renderer:
         return self._model_input(tokens), weights
 
     def build_supervised_sequence(
-        self, messages: Any, train_on_what: str | TrainOnWhat = "all_assistant_messages", *,
+        self,
+        messages: Any,
+        train_on_what: str | TrainOnWhat = "all_assistant_messages",
+        *,
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> tuple[list[int], np.ndarray]:
         """Like :meth:`build_supervised_example`, but the positions as a token list in which
@@ -362,11 +373,17 @@ class Renderer:
         tokens = [t for seg in segments for t in seg.tokens]
         weights = segment_weights(segments, trained, mode)
         if not weights.any():
-            raise RendererError(f"no trainable token: the messages selected by train_on_what={mode.value!r} render to no tokens")
+            raise RendererError(
+                f"no trainable token: the messages selected by train_on_what={mode.value!r} render to no tokens"
+            )
         return tokens, weights
 
     def build_generation_prompt(
-        self, messages: Any, prefill: str | None = None, *, tools: Sequence[Mapping[str, Any]] | None = None,
+        self,
+        messages: Any,
+        prefill: str | None = None,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> tinker.ModelInput:
         """Tokens of ``messages`` followed by the header of a new assistant message.
 
@@ -386,7 +403,11 @@ class Renderer:
         return self._model_input(self.build_generation_sequence(messages, prefill, tools=tools))
 
     def build_generation_sequence(
-        self, messages: Any, prefill: str | None = None, *, tools: Sequence[Mapping[str, Any]] | None = None,
+        self,
+        messages: Any,
+        prefill: str | None = None,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """:meth:`build_generation_prompt` as a token list (media as MediaToken runs)."""
         if type(self)._segments is Renderer._segments:
@@ -404,8 +425,10 @@ class Renderer:
             for i, m in enumerate(msgs):
                 if isinstance(m["content"], MediaContent):
                     kinds = sorted({p["type"] for p in m["content"] if p["type"] != "text"})
-                    raise RendererError(f"messages[{i}].content: renderer {self.name!r} cannot render "
-                                        f"{' / '.join(kinds)} parts (use a vision/audio model's renderer)")
+                    raise RendererError(
+                        f"messages[{i}].content: renderer {self.name!r} cannot render "
+                        f"{' / '.join(kinds)} parts (use a vision/audio model's renderer)"
+                    )
         return msgs
 
     @staticmethod

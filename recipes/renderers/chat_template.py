@@ -70,8 +70,17 @@ _TEMPLATE_KEYS = ("role", "content", "reasoning_content", "tool_calls", "tool_ca
 
 def _candidates(value: str) -> list[str]:
     """Ways a template may write ``value``: as is, trimmed, or as the inside of a JSON string."""
-    out = [value, value.strip(), value.lstrip(), value.rstrip(), value.strip("\n"), value.lstrip("\n"),
-           value.rstrip("\n"), json.dumps(value, ensure_ascii=False)[1:-1], json.dumps(value)[1:-1]]
+    out = [
+        value,
+        value.strip(),
+        value.lstrip(),
+        value.rstrip(),
+        value.strip("\n"),
+        value.lstrip("\n"),
+        value.rstrip("\n"),
+        json.dumps(value, ensure_ascii=False)[1:-1],
+        json.dumps(value)[1:-1],
+    ]
     return list(dict.fromkeys(out))
 
 
@@ -133,8 +142,10 @@ class _Slots:
     def descriptions(self, value: Any) -> Any:
         """``value`` with the strings under ``description`` keys replaced by sentinels."""
         if isinstance(value, Mapping):
-            return {k: self(v) if k == "description" and isinstance(v, str) else self.descriptions(v)
-                    for k, v in value.items()}
+            return {
+                k: self(v) if k == "description" and isinstance(v, str) else self.descriptions(v)
+                for k, v in value.items()
+            }
         if isinstance(value, list):
             return [self.descriptions(v) for v in value]
         return value
@@ -171,8 +182,13 @@ class ChatTemplateRenderer(Renderer):
     name = "chat_template"
     supports_tools = True
 
-    def __init__(self, tokenizer: Any, template_kwargs: Mapping[str, Any] | None = None, *,
-                 special_tokens_in_content: bool = False):
+    def __init__(
+        self,
+        tokenizer: Any,
+        template_kwargs: Mapping[str, Any] | None = None,
+        *,
+        special_tokens_in_content: bool = False,
+    ):
         super().__init__(tokenizer, special_tokens_in_content=special_tokens_in_content)
         if not getattr(tokenizer, "chat_template", None):
             raise RendererError(
@@ -200,7 +216,9 @@ class ChatTemplateRenderer(Renderer):
             raise RendererError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, not str")
         return text
 
-    def _content_spans(self, msgs: list[Message], text: str, add_generation_prompt: bool, tools: Any) -> list[tuple[int, int]]:
+    def _content_spans(
+        self, msgs: list[Message], text: str, add_generation_prompt: bool, tools: Any
+    ) -> list[tuple[int, int]]:
         """Where the untrusted strings of ``msgs`` (and tool descriptions) lie in ``text``."""
         slots = _Slots()
         marked = [slots.message(m) for m in msgs]
@@ -215,14 +233,17 @@ class ChatTemplateRenderer(Renderer):
             )
         return spans
 
-    def _encode(self, msgs: list[Message], add_generation_prompt: bool, tools: Any,
-                marks: Sequence[int] = ()) -> tuple[str, list[int], Callable[[int], int]]:
+    def _encode(
+        self, msgs: list[Message], add_generation_prompt: bool, tools: Any, marks: Sequence[int] = ()
+    ) -> tuple[str, list[int], Callable[[int], int]]:
         """``(text, tokens, token_at)``: the rendering, its tokens (see the module docstring), and
         the index of the first token at or after a cut or mark position of the text."""
         text = self.render_text(msgs, add_generation_prompt, tools)
         if tools and text == self.render_text(msgs, add_generation_prompt, None):
-            raise RendererError("the chat template ignores tools=...; use a renderer of the model family "
-                                "(chatml, smollm2, qwen3, llama3) for its tool format")
+            raise RendererError(
+                "the chat template ignores tools=...; use a renderer of the model family "
+                "(chatml, smollm2, qwen3, llama3) for its tool format"
+            )
         cuts = set()
         for j, msg in enumerate(msgs):
             if msg["role"] == "assistant":
@@ -276,7 +297,10 @@ class ChatTemplateRenderer(Renderer):
         return len(tokens)
 
     def build_supervised_example(
-        self, messages: Any, train_on_what: str | TrainOnWhat = "all_assistant_messages", *,
+        self,
+        messages: Any,
+        train_on_what: str | TrainOnWhat = "all_assistant_messages",
+        *,
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> tuple[tinker.ModelInput, np.ndarray]:
         msgs = normalize_messages(messages)
@@ -312,11 +336,17 @@ class ChatTemplateRenderer(Renderer):
             start = token_at(pos)
             weights[start : self._end_of_turn(tokens, start)] = 1.0
         if not weights.any():
-            raise RendererError(f"no trainable token: the messages selected by train_on_what={mode.value!r} render to no tokens")
+            raise RendererError(
+                f"no trainable token: the messages selected by train_on_what={mode.value!r} render to no tokens"
+            )
         return tinker.ModelInput.from_ints(tokens), weights
 
     def build_generation_prompt(
-        self, messages: Any, prefill: str | None = None, *, tools: Sequence[Mapping[str, Any]] | None = None,
+        self,
+        messages: Any,
+        prefill: str | None = None,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> tinker.ModelInput:
         msgs = normalize_messages(messages)
         _, tokens, _ = self._encode(msgs, True, self._check_tools(tools))

@@ -67,8 +67,9 @@ class ChatMLRenderer(Renderer):
         self.im_start = self.special_token_id(IM_START)
         self.im_end = self.special_token_id(IM_END)
 
-    def block(self, i: int | None, role: str, body: Sequence[Piece] | str, *, joint: bool,
-              header_only: bool = False) -> list[Segment]:
+    def block(
+        self, i: int | None, role: str, body: Sequence[Piece] | str, *, joint: bool, header_only: bool = False
+    ) -> list[Segment]:
         """Segments of ``<|im_start|>{role}\\n{body}<|im_end|>\\n`` owned by message ``i``.
 
         ``body`` is content text or markup/content pieces; ``joint`` encodes header and body
@@ -80,8 +81,10 @@ class ChatMLRenderer(Renderer):
         end_part = "header" if header_only else "end"
         sep_part = "header" if header_only else "sep"
         return [
-            Segment(head, i, "header"), Segment(content, i, body_part),
-            Segment([self.im_end], i, end_part), Segment(self.encode("\n"), i, sep_part),
+            Segment(head, i, "header"),
+            Segment(content, i, body_part),
+            Segment([self.im_end], i, end_part),
+            Segment(self.encode("\n"), i, sep_part),
         ]
 
     def system_segments(self, messages: list[Message], tools: Sequence[Mapping[str, Any]] | None) -> list[Segment]:
@@ -104,7 +107,11 @@ class ChatMLRenderer(Renderer):
             if role == "assistant":
                 body = tool_calls_pieces(msg["content"], msg.get("tool_calls"), self.content)
             elif role == "tool" and tools:
-                body = [(TOOL_RESPONSE_OPEN + "\n", True), self.content(msg["content"]), ("\n" + TOOL_RESPONSE_CLOSE, True)]
+                body = [
+                    (TOOL_RESPONSE_OPEN + "\n", True),
+                    self.content(msg["content"]),
+                    ("\n" + TOOL_RESPONSE_CLOSE, True),
+                ]
             else:
                 body = [self.content(msg["content"])]
             segs += self.block(i, role, body, joint=role != "assistant")

@@ -36,6 +36,7 @@ __all__ = ["Piece", "Tag", "TextEncoder", "split_tags", "text_encoder"]
 #: ``(text, is_markup)``: a run of text and whether special-token strings in it are control tokens.
 Piece = tuple[str, bool]
 
+
 class Tag(str):
     """A tag item of decoded output (``<think>``, ``<tool_call>``): a marker, as opposed to text.
 
@@ -90,7 +91,9 @@ def _plain_backend(tokenizer: Any) -> Any | None:
         spec.update(added_tokens=[], post_processor=None, truncation=None, padding=None)
         plain = Tokenizer.from_str(json.dumps(spec))
         for probe in _PROBES:
-            if plain.encode(probe, add_special_tokens=False).ids != list(tokenizer.encode(probe, add_special_tokens=False)):
+            if plain.encode(probe, add_special_tokens=False).ids != list(
+                tokenizer.encode(probe, add_special_tokens=False)
+            ):
                 return None
         return plain
     except Exception:

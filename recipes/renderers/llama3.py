@@ -44,11 +44,18 @@ __all__ = ["Llama3Renderer", "llama3_tool_call_json", "parse_llama3_tool_calls"]
 BOS, EOT, EOM, PYTHON_TAG = "<|begin_of_text|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"
 START_HEADER, END_HEADER = "<|start_header_id|>", "<|end_header_id|>"
 
-_RESPOND = ('Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.'
-            "Do not use variables.\n\n")
-_TOOLS_IN_USER = ("Given the following functions, please respond with a JSON for a function call with its proper "
-                  "arguments that best answers the given prompt.\n\n" + _RESPOND)
-_TOOLS_IN_SYSTEM = "You have access to the following functions. To call a function, please respond with JSON for a function call." + _RESPOND
+_RESPOND = (
+    'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.'
+    "Do not use variables.\n\n"
+)
+_TOOLS_IN_USER = (
+    "Given the following functions, please respond with a JSON for a function call with its proper "
+    "arguments that best answers the given prompt.\n\n" + _RESPOND
+)
+_TOOLS_IN_SYSTEM = (
+    "You have access to the following functions. To call a function, please respond with JSON for a function call."
+    + _RESPOND
+)
 _BUILTIN_CALL = re.compile(r"([A-Za-z_]\w*)\.call\((.*)\)", re.S)
 _BUILTIN_ARG = re.compile(r'(\w+)\s*=\s*"((?:[^"\\]|\\.)*)"')
 
@@ -67,7 +74,9 @@ def llama3_tool_call_json(call: Mapping[str, Any]) -> str:
         except ValueError:
             args = None
         if not isinstance(args, dict):
-            raise RendererError(f"tool call {fn['name']!r}: arguments must be a JSON object, got {fn.get('arguments')!r}")
+            raise RendererError(
+                f"tool call {fn['name']!r}: arguments must be a JSON object, got {fn.get('arguments')!r}"
+            )
     return '{"name": ' + tojson(fn["name"]) + ', "parameters": ' + tojson(args) + "}"
 
 
@@ -75,7 +84,9 @@ def _as_call(obj: Any) -> dict[str, Any] | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("parameters", obj.get("arguments", {}))
-    return {"type": "function", "function": {"name": obj["name"], "arguments": args}} if isinstance(args, dict) else None
+    return (
+        {"type": "function", "function": {"name": obj["name"], "arguments": args}} if isinstance(args, dict) else None
+    )
 
 
 def parse_llama3_tool_calls(text: str, tagged: bool) -> tuple[list[dict[str, Any]] | None, bool]:
@@ -128,8 +139,14 @@ class Llama3Renderer(Renderer):
     name = "llama3"
     supports_tools = True
 
-    def __init__(self, tokenizer: Any, *, date_string: str = "26 Jul 2024", tools_in_user_message: bool = True,
-                 special_tokens_in_content: bool = False):
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        date_string: str = "26 Jul 2024",
+        tools_in_user_message: bool = True,
+        special_tokens_in_content: bool = False,
+    ):
         super().__init__(tokenizer, special_tokens_in_content=special_tokens_in_content)
         self.bos = self.special_token_id(BOS)
         self.eot = self.special_token_id(EOT)
@@ -156,8 +173,9 @@ class Llama3Renderer(Renderer):
     def _tools_prelude(self, messages: list[Message], tools: Sequence[Mapping[str, Any]]) -> tuple[list[Segment], int]:
         """Segments of the tools system block (and first user message); index of the next message."""
         first_system = messages[0]["role"] == "system"
-        body: list[Piece] = [("Environment: ipython\nCutting Knowledge Date: December 2023\n"
-                              f"Today Date: {self.date_string}\n\n", True)]
+        body: list[Piece] = [
+            (f"Environment: ipython\nCutting Knowledge Date: December 2023\nToday Date: {self.date_string}\n\n", True)
+        ]
         if not self.tools_in_user_message:
             body += [(_TOOLS_IN_SYSTEM, True), *self._schemas(tools)]
         if first_system:
@@ -166,8 +184,10 @@ class Llama3Renderer(Renderer):
         nxt = 1 if first_system else 0
         if self.tools_in_user_message:
             if nxt >= len(messages) or messages[nxt]["role"] != "user":
-                raise RendererError(f"llama3 declares tools in the first user message, but messages[{nxt}] is not a "
-                                    "user message (use tools_in_user_message=False)")
+                raise RendererError(
+                    f"llama3 declares tools in the first user message, but messages[{nxt}] is not a "
+                    "user message (use tools_in_user_message=False)"
+                )
             body = [(_TOOLS_IN_USER, True), *self._schemas(tools), self.content(messages[nxt]["content"].strip())]
             segs += self._block(nxt, "user", body, joint=True)
             nxt += 1
@@ -184,8 +204,10 @@ class Llama3Renderer(Renderer):
             calls = msg.get("tool_calls")
             if role == "assistant" and calls:
                 if len(calls) != 1 or msg["content"].strip():
-                    raise RendererError(f"messages[{i}]: llama3 writes a tool call as the whole assistant reply, one "
-                                        f"call per message (got {len(calls)} call(s) and content {msg['content'][:40]!r})")
+                    raise RendererError(
+                        f"messages[{i}]: llama3 writes a tool call as the whole assistant reply, one "
+                        f"call per message (got {len(calls)} call(s) and content {msg['content'][:40]!r})"
+                    )
                 text = llama3_tool_call_json(calls[0])
             else:
                 text = tojson(msg["content"]) if role == "tool" else msg["content"].strip()

@@ -33,7 +33,15 @@ from typing import Any
 
 from prefect_tinker.recipes.media import MediaError, MediaRef, media_tokens, store_media
 
-__all__ = ["MediaContent", "MediaEncoder", "MediaRun", "PartProblem", "check_content", "content_text", "qwen_vl_image_tokens"]
+__all__ = [
+    "MediaContent",
+    "MediaEncoder",
+    "MediaRun",
+    "PartProblem",
+    "check_content",
+    "content_text",
+    "qwen_vl_image_tokens",
+]
 
 
 class PartProblem(ValueError):
@@ -103,8 +111,9 @@ def content_text(content: Any) -> str:
     return content if isinstance(content, str) else ""
 
 
-def qwen_vl_image_tokens(width: int, height: int, *, patch_size: int, merge_size: int, min_pixels: int,
-                         max_pixels: int) -> int:
+def qwen_vl_image_tokens(
+    width: int, height: int, *, patch_size: int, merge_size: int, min_pixels: int, max_pixels: int
+) -> int:
     """Tokens of a ``width`` x ``height`` image for a Qwen2-VL-family processor (see the module
     docstring).  Raises MediaError for an aspect ratio above 200 (the processor refuses it)."""
     factor = patch_size * merge_size
@@ -141,8 +150,10 @@ class MediaEncoder:
         for name in names:
             tok = self.encode_special(name)
             if len(tok) != 1:
-                raise MediaError(f"tokenizer {str(self._dir)!r} has no {name} token: it takes no {what} "
-                                 "(use a vision/audio model, e.g. the tiny-vl / tiny-audio presets)")
+                raise MediaError(
+                    f"tokenizer {str(self._dir)!r} has no {name} token: it takes no {what} "
+                    "(use a vision/audio model, e.g. the tiny-vl / tiny-audio presets)"
+                )
             ids.append(tok[0])
         return ids
 
@@ -150,7 +161,9 @@ class MediaEncoder:
         try:
             return json.loads((self._dir / name).read_text())
         except (OSError, ValueError) as exc:
-            raise MediaError(f"{what}: no readable {name} next to the tokenizer in {str(self._dir)!r} ({exc})") from None
+            raise MediaError(
+                f"{what}: no readable {name} next to the tokenizer in {str(self._dir)!r} ({exc})"
+            ) from None
 
     def vision(self) -> dict:
         """``{"start", "end", "pad"}`` ids and the processor's ``patch_size``, ``merge_size``,
@@ -160,7 +173,10 @@ class MediaEncoder:
             cfg = self._json("preprocessor_config.json", "images")
             size = cfg.get("size") or {}
             self._vision = {
-                "start": start, "end": end, "pad": pad, "patch_size": int(cfg.get("patch_size", 14)),
+                "start": start,
+                "end": end,
+                "pad": pad,
+                "patch_size": int(cfg.get("patch_size", 14)),
                 "merge_size": int(cfg.get("merge_size", 2)),
                 "min_pixels": int(cfg.get("min_pixels") or size.get("shortest_edge") or 56 * 56),
                 "max_pixels": int(cfg.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280),
@@ -180,15 +196,30 @@ class MediaEncoder:
 
         v = self.vision()
         img = load_image(value, allow_urls=self.allow_urls)
-        n = qwen_vl_image_tokens(img.width, img.height, patch_size=v["patch_size"], merge_size=v["merge_size"],
-                                 min_pixels=v["min_pixels"], max_pixels=v["max_pixels"])
+        n = qwen_vl_image_tokens(
+            img.width,
+            img.height,
+            patch_size=v["patch_size"],
+            merge_size=v["merge_size"],
+            min_pixels=v["min_pixels"],
+            max_pixels=v["max_pixels"],
+        )
         if img.path is not None:  # an existing PNG/JPEG file: referenced in place
             import hashlib
 
-            return MediaRef(kind="image", path=img.path, sha256=hashlib.sha256(img.data).hexdigest(),
-                            format=img.format, tokens=n, width=img.width, height=img.height, source=img.source)
-        return store_media(img.data, "image", img.format, tokens=n, width=img.width, height=img.height,
-                           source=img.source)
+            return MediaRef(
+                kind="image",
+                path=img.path,
+                sha256=hashlib.sha256(img.data).hexdigest(),
+                format=img.format,
+                tokens=n,
+                width=img.width,
+                height=img.height,
+                source=img.source,
+            )
+        return store_media(
+            img.data, "image", img.format, tokens=n, width=img.width, height=img.height, source=img.source
+        )
 
     def audio_ref(self, value: Any) -> MediaRef:
         """The :class:`MediaRef` of an audio part's DMel features for this model."""

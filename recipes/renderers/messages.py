@@ -25,7 +25,6 @@ class RendererError(ValueError):
     """A conversation cannot be rendered (bad message, bad option, or a template that breaks prefixes)."""
 
 
-
 def _short(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."

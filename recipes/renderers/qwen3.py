@@ -90,8 +90,14 @@ class Qwen3Renderer(ChatMLRenderer):
     supports_tools = True
     supports_media = True  # image / audio parts for Qwen-VL-style tokenizers (media_parts)
 
-    def __init__(self, tokenizer: Any, *, enable_thinking: bool = True, strip_thinking_from_history: bool = True,
-                 special_tokens_in_content: bool = False):
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        enable_thinking: bool = True,
+        strip_thinking_from_history: bool = True,
+        special_tokens_in_content: bool = False,
+    ):
         super().__init__(tokenizer, special_tokens_in_content=special_tokens_in_content)
         self.enable_thinking = enable_thinking
         self.strip_thinking_from_history = strip_thinking_from_history
@@ -104,8 +110,9 @@ class Qwen3Renderer(ChatMLRenderer):
         segs: list[Segment] = []
         if tools:
             system = messages[0]["content"] if first_system else None
-            segs += self.block(0 if first_system else None, "system", tools_system_pieces(tools, system, self.content),
-                               joint=True)
+            segs += self.block(
+                0 if first_system else None, "system", tools_system_pieces(tools, system, self.content), joint=True
+            )
         elif first_system:
             segs += self.block(0, "system", messages[0]["content"], joint=True)
         last_query = next((i for i in range(n - 1, -1, -1) if _is_query(messages[i])), n - 1)
@@ -118,7 +125,11 @@ class Qwen3Renderer(ChatMLRenderer):
             else:  # tool results: grouped into one user turn
                 opens = i == 0 or messages[i - 1]["role"] != "tool"
                 closes = i == n - 1 or messages[i + 1]["role"] != "tool"
-                body = [(f"\n{TOOL_RESPONSE_OPEN}\n", True), self.content(msg["content"]), (f"\n{TOOL_RESPONSE_CLOSE}", True)]
+                body = [
+                    (f"\n{TOOL_RESPONSE_OPEN}\n", True),
+                    self.content(msg["content"]),
+                    (f"\n{TOOL_RESPONSE_CLOSE}", True),
+                ]
                 head, body_tokens = self.encode_pair(f"{IM_START}user" if opens else "", body, joint=True)
                 segs += [Segment(head, i, "header"), Segment(body_tokens, i, "body")]
                 if closes:
@@ -127,7 +138,9 @@ class Qwen3Renderer(ChatMLRenderer):
 
     def _assistant_segments(self, i: int, msg: Message, *, after_query: bool, last: bool) -> list[Segment]:
         reasoning, content = _split_reasoning(msg, inline=self.special_tokens_in_content)
-        think = (after_query and (last or bool(reasoning))) or (not self.strip_thinking_from_history and bool(reasoning))
+        think = (after_query and (last or bool(reasoning))) or (
+            not self.strip_thinking_from_history and bool(reasoning)
+        )
         header = f"{IM_START}assistant\n"
         body: list[Piece] = []
         if think:
@@ -138,8 +151,10 @@ class Qwen3Renderer(ChatMLRenderer):
                 header += EMPTY_THINK
         body += tool_calls_pieces(content, msg.get("tool_calls"), self.content)
         return [
-            Segment(self.encode(header), i, "header"), Segment(self.encode_pieces(body), i, "body"),
-            Segment([self.im_end], i, "end"), Segment(self.encode("\n"), i, "sep"),
+            Segment(self.encode(header), i, "header"),
+            Segment(self.encode_pieces(body), i, "body"),
+            Segment([self.im_end], i, "end"),
+            Segment(self.encode("\n"), i, "sep"),
         ]
 
     def _assistant_header(self) -> list[int]:

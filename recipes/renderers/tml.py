@@ -65,8 +65,10 @@ def _make(name: str):
     try:
         from tml_renderers import renderers, tokenizers, v0
     except ImportError as exc:
-        raise RendererError(f"renderer {name!r} needs tml-renderers: pip install 'prefect-tinker[multimodal]' "
-                            f"(or pip install tml-renderers) ({exc})") from None
+        raise RendererError(
+            f"renderer {name!r} needs tml-renderers: pip install 'prefect-tinker[multimodal]' "
+            f"(or pip install tml-renderers) ({exc})"
+        ) from None
     if name == "qwen3_vl_instruct":
         return renderers.Qwen3.vision_instruct()
     if name == "qwen3_vl":
@@ -96,8 +98,10 @@ class TmlRenderer(Renderer):
         self.name, self.family = family, family
         self.hf_tokenizer = tokenizer
         if special_tokens_in_content:
-            raise RendererError(f"renderer {family!r} encodes message content as text (tml-renderers); "
-                                "special_tokens_in_content=True is not available for it")
+            raise RendererError(
+                f"renderer {family!r} encodes message content as text (tml-renderers); "
+                "special_tokens_in_content=True is not available for it"
+            )
         self.special_tokens_in_content = False
         self.tml = _make(family)
         self.tokenizer = self.tml.tokenizer
@@ -134,8 +138,9 @@ class TmlRenderer(Renderer):
                 w.setnchannels(1), w.setsampwidth(2), w.setframerate(16000)
                 w.writeframes((np.clip(y, -1.0, 1.0) * 32767.0).astype("<i2").tobytes())
             path, x = str(cache_file(buf.getvalue(), "wav")), y
-        return chat.AudioPointer(location=str(path), format=chat.AudioFormat.Wav, num_frames=int(x.size),
-                                 sample_rate=16000)
+        return chat.AudioPointer(
+            location=str(path), format=chat.AudioFormat.Wav, num_frames=int(x.size), sample_rate=16000
+        )
 
     def to_tml(self, messages: Sequence[Message]) -> list[Any]:
         """Our validated messages as ``tml_renderers.chat.OpenAIMessage`` s."""
@@ -148,7 +153,7 @@ class TmlRenderer(Renderer):
             parts: list[Any] = []
             content = m["content"]
             try:
-                for p in (content if isinstance(content, MediaContent) else [{"type": "text", "text": content}]):
+                for p in content if isinstance(content, MediaContent) else [{"type": "text", "text": content}]:
                     if p["type"] == "text":
                         parts.append(chat.Text(p["text"]))
                     elif p["type"] == "image":
@@ -157,7 +162,9 @@ class TmlRenderer(Renderer):
                         parts.append(self._audio(p["audio"]))
             except MediaError as exc:
                 raise RendererError(f"messages[{i}].content: {exc}") from None
-            out.append(chat.OpenAIMessage(author=chat.Author(getattr(chat.AuthorKind, _ROLES[m["role"]])), content=parts))
+            out.append(
+                chat.OpenAIMessage(author=chat.Author(getattr(chat.AuthorKind, _ROLES[m["role"]])), content=parts)
+            )
         return out
 
     # ---- tml spans -> our token lists -----------------------------------------------------
@@ -174,9 +181,16 @@ class TmlRenderer(Renderer):
             elif isinstance(span, chat.ImageAssetPointerTokenSpan):
                 data = open(span.location, "rb").read()
                 fmt = "png" if span.format == chat.ImageFormat.Png else "jpeg"
-                ref = MediaRef(kind="image", path=span.location, sha256=hashlib.sha256(data).hexdigest(), format=fmt,
-                               tokens=int(span.num_tokens), width=int(span.width), height=int(span.height),
-                               source=span.location)
+                ref = MediaRef(
+                    kind="image",
+                    path=span.location,
+                    sha256=hashlib.sha256(data).hexdigest(),
+                    format=fmt,
+                    tokens=int(span.num_tokens),
+                    width=int(span.width),
+                    height=int(span.height),
+                    source=span.location,
+                )
                 out.extend(media_tokens(ref, self.placeholder))
             elif isinstance(span, chat.DmelTokenSpan):
                 dmel = token_span_to_tinker_chunk(wrapped).dmel
@@ -187,15 +201,22 @@ class TmlRenderer(Renderer):
         return out
 
     # ---- Renderer API ---------------------------------------------------------------------
-    def build_supervised_sequence(self, messages: Any, train_on_what: str | TrainOnWhat = "last_assistant_message", *,
-                                  tools: Sequence[Mapping[str, Any]] | None = None) -> tuple[list[int], np.ndarray]:
+    def build_supervised_sequence(
+        self,
+        messages: Any,
+        train_on_what: str | TrainOnWhat = "last_assistant_message",
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> tuple[list[int], np.ndarray]:
         mode = check_train_on(train_on_what)
         if tools:
             raise RendererError(f"renderer {self.name!r} cannot render tool definitions")
         msgs = normalize_messages(messages)
         if mode not in (TrainOnWhat.LAST_ASSISTANT_MESSAGE, TrainOnWhat.ALL_ASSISTANT_MESSAGES):
-            raise RendererError(f"renderer {self.name!r} trains assistant messages only: use train_on_what="
-                                "last_assistant_message or all_assistant_messages")
+            raise RendererError(
+                f"renderer {self.name!r} trains assistant messages only: use train_on_what="
+                "last_assistant_message or all_assistant_messages"
+            )
         try:
             examples = self.tml.render_for_sft(self.to_tml(msgs))
         except ValueError as exc:
@@ -208,20 +229,28 @@ class TmlRenderer(Renderer):
             for ex in examples[:-1]:
                 prefix = self.spans_to_tokens(ex.input_token_spans)
                 if tokens[: len(prefix)] != prefix:
-                    raise RendererError(f"renderer {self.name!r} rewrites earlier turns (e.g. strips thinking): "
-                                        "use train_on_what=last_assistant_message")
+                    raise RendererError(
+                        f"renderer {self.name!r} rewrites earlier turns (e.g. strips thinking): "
+                        "use train_on_what=last_assistant_message"
+                    )
                 weights[: len(prefix)] = np.maximum(weights[: len(prefix)], ex.per_token_loss_weight_unshifted)
         if weights.shape != (len(tokens),):
             raise RendererError(f"renderer {self.name!r}: {len(weights)} weights for {len(tokens)} positions")
         return tokens, weights
 
-    def build_supervised_example(self, messages: Any, train_on_what: str | TrainOnWhat = "last_assistant_message", *,
-                                 tools: Sequence[Mapping[str, Any]] | None = None):
+    def build_supervised_example(
+        self,
+        messages: Any,
+        train_on_what: str | TrainOnWhat = "last_assistant_message",
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ):
         tokens, weights = self.build_supervised_sequence(messages, train_on_what, tools=tools)
         return self._model_input(tokens), weights
 
-    def build_generation_sequence(self, messages: Any, prefill: str | None = None, *,
-                                  tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+    def build_generation_sequence(
+        self, messages: Any, prefill: str | None = None, *, tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[int]:
         if tools:
             raise RendererError(f"renderer {self.name!r} cannot render tool definitions")
         try:
@@ -231,8 +260,9 @@ class TmlRenderer(Renderer):
         tokens = self.spans_to_tokens(spans)
         return tokens + (list(self.tokenizer.encode_ordinary(prefill)) if prefill else [])
 
-    def build_generation_prompt(self, messages: Any, prefill: str | None = None, *,
-                                tools: Sequence[Mapping[str, Any]] | None = None):
+    def build_generation_prompt(
+        self, messages: Any, prefill: str | None = None, *, tools: Sequence[Mapping[str, Any]] | None = None
+    ):
         return self._model_input(self.build_generation_sequence(messages, prefill, tools=tools))
 
     def encode(self, text: str) -> list[int]:

@@ -57,8 +57,9 @@ def tojson(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def tools_system_pieces(tools: Sequence[Mapping[str, Any]], system: str | None,
-                        content: Callable[[str], Piece]) -> list[Piece]:
+def tools_system_pieces(
+    tools: Sequence[Mapping[str, Any]], system: str | None, content: Callable[[str], Piece]
+) -> list[Piece]:
     """System message body declaring ``tools``: markup pieces and, via ``content``, text pieces.
 
     The schemas and the conversation's own system prompt (written first, then a blank line) are
@@ -97,7 +98,9 @@ def tool_call_json(call: Mapping[str, Any]) -> str:
     """
     fn = _function(call)
     args = fn.get("arguments", {})
-    return '{"name": ' + tojson(fn["name"]) + ', "arguments": ' + (args if isinstance(args, str) else tojson(args)) + "}"
+    return (
+        '{"name": ' + tojson(fn["name"]) + ', "arguments": ' + (args if isinstance(args, str) else tojson(args)) + "}"
+    )
 
 
 def format_tool_call(call: Mapping[str, Any]) -> str:
@@ -105,8 +108,9 @@ def format_tool_call(call: Mapping[str, Any]) -> str:
     return f"{TOOL_CALL_OPEN}\n{tool_call_json(call)}\n{TOOL_CALL_CLOSE}"
 
 
-def tool_calls_pieces(content_text: str, calls: Sequence[Mapping[str, Any]] | None,
-                      content: Callable[[str], Piece]) -> list[Piece]:
+def tool_calls_pieces(
+    content_text: str, calls: Sequence[Mapping[str, Any]] | None, content: Callable[[str], Piece]
+) -> list[Piece]:
     """An assistant body: its content, then one ``<tool_call>`` block per call (newline-separated)."""
     pieces: list[Piece] = [content(content_text)] if content_text else []
     for j, call in enumerate(calls or []):

@@ -102,12 +102,15 @@ class RLDatum:
         if not provenance:
             return datum
         if self.spans is None:
-            raise ValueError(f"group {self.group_index} member {self.member}: provenance needs the sequence_id "
-                             "of every sampled action, and this trajectory has actions without one (an environment "
-                             "that samples on its own, or a server that returns no sequence ids)")
+            raise ValueError(
+                f"group {self.group_index} member {self.member}: provenance needs the sequence_id "
+                "of every sampled action, and this trajectory has actions without one (an environment "
+                "that samples on its own, or a server that returns no sequence ids)"
+            )
         n = len(self.tokens)
-        return datum.with_provenance(model_input=_provenance(self.spans, 0, n - 1),
-                                     loss_fn_inputs=_provenance(self.spans, 1, n))
+        return datum.with_provenance(
+            model_input=_provenance(self.spans, 0, n - 1), loss_fn_inputs=_provenance(self.spans, 1, n)
+        )
 
 
 def _provenance(spans: Sequence[tuple[str, str, int, int]], start: int, stop: int) -> list:
@@ -191,7 +194,9 @@ class LeaveOneOutBaseline(AdvantageEstimator):
         return adv / (r.std() + 1e-6) if self.normalize_std else adv
 
 
-def remove_constant_reward_groups(groups: Sequence[TrajectoryGroup], atol: float = 1e-9) -> tuple[list[TrajectoryGroup], int]:
+def remove_constant_reward_groups(
+    groups: Sequence[TrajectoryGroup], atol: float = 1e-9
+) -> tuple[list[TrajectoryGroup], int]:
     """Groups whose total rewards are not all equal, and how many were removed.
 
     When every group is constant, returns all of them (training on zero advantages is a no-op
@@ -222,9 +227,17 @@ def trajectory_to_datums(traj: Trajectory, advantage: float, group_index: int = 
     def flush() -> None:
         if len(tokens) >= 2 and any(mask[1:]):
             m = np.asarray(mask[1:], dtype=np.float32)
-            out.append(RLDatum(list(tokens), m, np.asarray(lps[1:], dtype=np.float32) * m,
-                               (m * advantage).astype(np.float32), group_index, member,
-                               list(spans) if traced else None))
+            out.append(
+                RLDatum(
+                    list(tokens),
+                    m,
+                    np.asarray(lps[1:], dtype=np.float32) * m,
+                    (m * advantage).astype(np.float32),
+                    group_index,
+                    member,
+                    list(spans) if traced else None,
+                )
+            )
 
     for t in traj.transitions:
         if len(t.action_logprobs) != len(t.action_tokens):
@@ -233,7 +246,7 @@ def trajectory_to_datums(traj: Trajectory, advantage: float, group_index: int = 
             )
         ob = list(t.observation)
         if tokens and ob[: len(tokens)] == tokens:
-            new_ob = ob[len(tokens):]
+            new_ob = ob[len(tokens) :]
         else:
             flush()
             tokens, lps, mask, spans = [], [], [], []
@@ -249,8 +262,9 @@ def trajectory_to_datums(traj: Trajectory, advantage: float, group_index: int = 
     return out
 
 
-def groups_to_datums(groups: Sequence[TrajectoryGroup], normalize_std: bool = False,
-                     estimator: AdvantageEstimator | None = None) -> tuple[list[RLDatum], list[np.ndarray]]:
+def groups_to_datums(
+    groups: Sequence[TrajectoryGroup], normalize_std: bool = False, estimator: AdvantageEstimator | None = None
+) -> tuple[list[RLDatum], list[np.ndarray]]:
     """Datums of every trajectory of ``groups`` and the advantages of each group (G,) float64,
     from ``estimator`` (default :class:`GroupMeanBaseline` with ``normalize_std``)."""
     estimator = estimator or GroupMeanBaseline(normalize_std)

@@ -31,8 +31,19 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from prefect_tinker.recipes.registry import Registry
 
-__all__ = ["LOSSES", "ClipThresholds", "CispoLoss", "DROLoss", "GSPOLoss", "ImportanceSamplingLoss", "NoLossOptions",
-           "PPOLoss", "RLLoss", "StableReinforceLoss", "register_loss"]
+__all__ = [
+    "LOSSES",
+    "ClipThresholds",
+    "CispoLoss",
+    "DROLoss",
+    "GSPOLoss",
+    "ImportanceSamplingLoss",
+    "NoLossOptions",
+    "PPOLoss",
+    "RLLoss",
+    "StableReinforceLoss",
+    "register_loss",
+]
 
 
 class NoLossOptions(BaseModel):

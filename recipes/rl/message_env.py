@@ -47,8 +47,19 @@ from prefect_tinker.recipes.renderers import RendererError, normalize_messages
 from prefect_tinker.recipes.rl.problem_env import load_renderer
 from prefect_tinker.recipes.rl.types import Env, EnvGroupBuilder, RLDataset, StepResult, StopCondition
 
-__all__ = ["EPISODE_TURNS_LIMIT", "EpisodeLimits", "GeneratedDataset", "MessageEnv", "MessageEnvOptions",
-           "MessageGroupBuilder", "Reaction", "continuation_tokens", "freeze", "problem_rng", "thaw"]
+__all__ = [
+    "EPISODE_TURNS_LIMIT",
+    "EpisodeLimits",
+    "GeneratedDataset",
+    "MessageEnv",
+    "MessageEnvOptions",
+    "MessageGroupBuilder",
+    "Reaction",
+    "continuation_tokens",
+    "freeze",
+    "problem_rng",
+    "thaw",
+]
 
 #: Most replies per episode (the rollout task's ``MAX_TURNS``: a longer episode fails there).
 EPISODE_TURNS_LIMIT = 32
@@ -78,13 +89,20 @@ class MessageEnvOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_turns: int = Field(default=4, ge=1, le=EPISODE_TURNS_LIMIT, description="Most replies per episode.")
-    max_trajectory_tokens: int = Field(default=2048, ge=8, description="Longest observation (tokens) the policy may continue; longer ends the episode.")
-    failed_parse_reward: float = Field(default=-0.1, description="Reward of a reply that does not parse (bad tool-call JSON, cut off).")
-    context_overflow_reward: float = Field(default=-0.1, description="Reward when the conversation outgrows max_trajectory_tokens.")
+    max_trajectory_tokens: int = Field(
+        default=2048, ge=8, description="Longest observation (tokens) the policy may continue; longer ends the episode."
+    )
+    failed_parse_reward: float = Field(
+        default=-0.1, description="Reward of a reply that does not parse (bad tool-call JSON, cut off)."
+    )
+    context_overflow_reward: float = Field(
+        default=-0.1, description="Reward when the conversation outgrows max_trajectory_tokens."
+    )
 
     def limits(self) -> EpisodeLimits:
-        return EpisodeLimits(self.max_turns, self.max_trajectory_tokens, self.failed_parse_reward,
-                             self.context_overflow_reward)
+        return EpisodeLimits(
+            self.max_turns, self.max_trajectory_tokens, self.failed_parse_reward, self.context_overflow_reward
+        )
 
 
 @dataclass
@@ -136,8 +154,9 @@ def thaw(frozen: tuple) -> list[dict]:
     return [t(m) for m in frozen]
 
 
-def continuation_tokens(renderer: Any, messages: Sequence[dict], k: int, action: Sequence[int],
-                        tools: Sequence[dict] | None = None) -> list[int] | None:
+def continuation_tokens(
+    renderer: Any, messages: Sequence[dict], k: int, action: Sequence[int], tools: Sequence[dict] | None = None
+) -> list[int] | None:
     """Tokens that follow a sampled reply: the renderer's end of that reply, the messages after it
     and the header of the next assistant message.
 
@@ -167,7 +186,7 @@ def continuation_tokens(renderer: Any, messages: Sequence[dict], k: int, action:
     stops = renderer.get_stop_sequences()
     token_stops = {s for s in stops if isinstance(s, int)}
     out = list(sep) if (not end or (action and int(action[-1]) in token_stops)) else end + sep
-    rest = segs[own[-1] + 1:]
+    rest = segs[own[-1] + 1 :]
     text_stops = [s for s in stops if isinstance(s, str)]
     if text_stops and rest and rest[0].closes == k:
         text = renderer.tokenizer.decode(list(action), skip_special_tokens=False)
@@ -199,8 +218,9 @@ class MessageEnv(Env):
     #: length must not depend on the policy's formatting, e.g. ``numerics_check``).
     keep_unparsed_replies: bool = False
 
-    def __init__(self, renderer: Any, messages: Sequence[dict], *, toolset: Any = None,
-                 limits: EpisodeLimits = EpisodeLimits()):
+    def __init__(
+        self, renderer: Any, messages: Sequence[dict], *, toolset: Any = None, limits: EpisodeLimits = EpisodeLimits()
+    ):
         self.renderer, self.limits, self.toolset = renderer, limits, toolset
         self.messages: list[dict] = [dict(m) for m in messages]
         self.schemas = toolset.schemas if toolset is not None and toolset.tools else None
@@ -237,8 +257,10 @@ class MessageEnv(Env):
         """
         prompt = self.renderer.build_generation_prompt(self.messages, tools=self.schemas).to_ints()
         if len(prompt) > self.limits.max_trajectory_tokens:
-            raise ValueError(f"the prompt has {len(prompt)} tokens, more than max_trajectory_tokens="
-                             f"{self.limits.max_trajectory_tokens}")
+            raise ValueError(
+                f"the prompt has {len(prompt)} tokens, more than max_trajectory_tokens="
+                f"{self.limits.max_trajectory_tokens}"
+            )
         self._observation, self._rendered = list(prompt), len(self.messages)
         return list(prompt), self.renderer.get_stop_sequences()
 
@@ -252,9 +274,15 @@ class MessageEnv(Env):
         if not parsed.ok and self.keep_unparsed_replies:
             parsed = parsed._replace(message={"role": "assistant", "content": parsed.message.get("content") or ""})
         elif not parsed.ok:
-            return self._end(Reaction(done=True, reward=self.limits.failed_parse_reward,
-                                      logs={"response": parsed.message.get("content") or ""}),
-                             "parse_failure", parse_failed=1.0)
+            return self._end(
+                Reaction(
+                    done=True,
+                    reward=self.limits.failed_parse_reward,
+                    logs={"response": parsed.message.get("content") or ""},
+                ),
+                "parse_failure",
+                parse_failed=1.0,
+            )
         self.messages.append(parsed.message)
         reaction = self.react(parsed.message)
         self.messages.extend(reaction.messages)
@@ -292,18 +320,31 @@ class MessageEnv(Env):
         try:
             obs = self.observe()
         except RendererError as exc:  # a parsed reply the format cannot write back (llama3: text + call)
-            return self._end(Reaction(done=True, reward=self.limits.failed_parse_reward, logs={"detail": str(exc)[:200]}),
-                             "parse_failure", parse_failed=1.0)
+            return self._end(
+                Reaction(done=True, reward=self.limits.failed_parse_reward, logs={"detail": str(exc)[:200]}),
+                "parse_failure",
+                parse_failed=1.0,
+            )
         if len(obs) > self.limits.max_trajectory_tokens:
             self._observation = None
-            return self._end(Reaction(done=True, reward=self.limits.context_overflow_reward), "context_overflow",
-                             context_overflow=1.0)
+            return self._end(
+                Reaction(done=True, reward=self.limits.context_overflow_reward),
+                "context_overflow",
+                context_overflow=1.0,
+            )
         return StepResult(reward, False, obs, self.renderer.get_stop_sequences())
 
     def _end(self, reaction: Reaction, end: str, **flags: float) -> StepResult:
-        metrics = {"tool_calls": float(self.tool_calls), "tool_errors": float(self.tool_errors), "parse_failed": 0.0,
-                   "context_overflow": 0.0, "max_turns_reached": 0.0, **flags,
-                   **{k: 0.0 for k in self.outcome_metrics}, **reaction.metrics}
+        metrics = {
+            "tool_calls": float(self.tool_calls),
+            "tool_errors": float(self.tool_errors),
+            "parse_failed": 0.0,
+            "context_overflow": 0.0,
+            "max_turns_reached": 0.0,
+            **flags,
+            **{k: 0.0 for k in self.outcome_metrics},
+            **reaction.metrics,
+        }
         return StepResult(float(reaction.reward), True, metrics=metrics, logs={**reaction.logs, "end": end})
 
 

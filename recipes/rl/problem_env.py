@@ -75,8 +75,13 @@ class ProblemEnv(Env):
     """
 
     def __init__(
-        self, problem: Problem, renderer: Any, *, convo_prefix: Sequence[dict] = (),
-        format_coef: float = 0.1, question_suffix: str = "",
+        self,
+        problem: Problem,
+        renderer: Any,
+        *,
+        convo_prefix: Sequence[dict] = (),
+        format_coef: float = 0.1,
+        question_suffix: str = "",
     ):
         self.problem = problem
         self.renderer = renderer
@@ -139,8 +144,13 @@ class ProblemGroupBuilder(EnvGroupBuilder):
         renderer = load_renderer(self.renderer_name, self.tokenizer_id)
         prefix = [dict(m) for m in self.convo_prefix]
         return [
-            self.env_cls(self.problem, renderer, convo_prefix=prefix, format_coef=self.format_coef,
-                         question_suffix=self.question_suffix)
+            self.env_cls(
+                self.problem,
+                renderer,
+                convo_prefix=prefix,
+                format_coef=self.format_coef,
+                question_suffix=self.question_suffix,
+            )
             for _ in range(self.group_size)
         ]
 
@@ -167,7 +177,9 @@ class ProblemDataset(RLDataset):
 
     def __init__(self, problems: Sequence[Any], groups_per_batch: int, make_builder, seed: int = 0):
         if len(problems) < groups_per_batch:
-            raise ValueError(f"groups_per_batch={groups_per_batch} is larger than the number of problems ({len(problems)})")
+            raise ValueError(
+                f"groups_per_batch={groups_per_batch} is larger than the number of problems ({len(problems)})"
+            )
         self.problems = list(problems)
         self.groups_per_batch = groups_per_batch
         self.make_builder = make_builder

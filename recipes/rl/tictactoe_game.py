@@ -13,8 +13,20 @@ import re
 
 import numpy as np
 
-__all__ = ["EMPTY", "LINES", "Game", "board_text", "legal_moves", "minimax_move", "minimax_value", "parse_move",
-           "play", "random_move", "to_move", "winner"]
+__all__ = [
+    "EMPTY",
+    "LINES",
+    "Game",
+    "board_text",
+    "legal_moves",
+    "minimax_move",
+    "minimax_value",
+    "parse_move",
+    "play",
+    "random_move",
+    "to_move",
+    "winner",
+]
 
 EMPTY = "." * 9
 LINES = ((0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6))
@@ -131,4 +143,3 @@ class Game:
         if w is None:
             raise ValueError("the game is not over")
         return "draw" if w == "draw" else ("win" if w == mark else "loss")
-

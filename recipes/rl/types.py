@@ -181,8 +181,10 @@ PairPreferences = Callable[[str, list[tuple[Any, Any]]], list[float]]
 
 
 def _no_reward_model(path: str, comparisons: list[tuple[Any, Any]]) -> list[float]:
-    raise RuntimeError(f"this rollout has no reward model client (asked to score {len(comparisons)} pairs "
-                       f"with {path!r}): roll out inside a rollout task, or give run_group_rollout pair_preferences=")
+    raise RuntimeError(
+        f"this rollout has no reward model client (asked to score {len(comparisons)} pairs "
+        f"with {path!r}): roll out inside a rollout task, or give run_group_rollout pair_preferences="
+    )
 
 
 def _no_judge(request: Any) -> str:
@@ -247,8 +249,9 @@ class EnvGroupBuilder(ABC):
         """Group-level reward and metrics per trajectory, added to the step rewards (default 0)."""
         return [(0.0, {}) for _ in trajectories_G]
 
-    def compute_group_rewards_in(self, ctx: RolloutContext,
-                                 trajectories_G: Sequence[Trajectory]) -> list[tuple[float, dict[str, float]]]:
+    def compute_group_rewards_in(
+        self, ctx: RolloutContext, trajectories_G: Sequence[Trajectory]
+    ) -> list[tuple[float, dict[str, float]]]:
         """The group rewards computed inside a rollout task (default: :meth:`compute_group_rewards`).
         Builders rewarded by another model (a pairwise reward model) take its client from ``ctx``."""
         return self.compute_group_rewards(trajectories_G)

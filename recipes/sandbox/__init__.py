@@ -16,5 +16,14 @@ from prefect_tinker.recipes.sandbox.core import (
     sandbox_problem,
 )
 
-__all__ = ["SANDBOX_DIR", "SandboxConfig", "SandboxResult", "SandboxUnavailable", "last_code_block",
-           "load_code_problems", "run_python", "run_tests", "sandbox_problem"]
+__all__ = [
+    "SANDBOX_DIR",
+    "SandboxConfig",
+    "SandboxResult",
+    "SandboxUnavailable",
+    "last_code_block",
+    "load_code_problems",
+    "run_python",
+    "run_tests",
+    "sandbox_problem",
+]

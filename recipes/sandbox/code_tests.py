@@ -64,8 +64,9 @@ class CodeTestResult(BaseModel):
     sandbox: SandboxResult
 
 
-def run_tests(code: str, tests: str, entry_point: str, timeout: float = 10.0,
-              config: SandboxConfig | None = None) -> CodeTestResult:
+def run_tests(
+    code: str, tests: str, entry_point: str, timeout: float = 10.0, config: SandboxConfig | None = None
+) -> CodeTestResult:
     """Run ``code`` then ``tests`` then ``check(entry_point)`` in a fresh sandbox.
 
     Args:
@@ -83,8 +84,9 @@ def run_tests(code: str, tests: str, entry_point: str, timeout: float = 10.0,
         raise ValueError(f"entry_point must be a Python identifier, got {entry_point!r}")
     config = (config or SandboxConfig()).model_copy(update={"timeout_s": float(timeout)})
     token = secrets.token_hex(16)
-    result = run_python(_RUNNER, files={"solution.py": code, "tests.py": tests}, args=[entry_point],
-                        stdin=token + "\n", config=config)
+    result = run_python(
+        _RUNNER, files={"solution.py": code, "tests.py": tests}, args=[entry_point], stdin=token + "\n", config=config
+    )
     marker = "\n" + token + "\n"
     completed = marker in result.stdout
     stdout = result.stdout.replace(marker, "", 1) if completed else result.stdout
@@ -130,14 +132,19 @@ def load_code_problems(path: str | Path) -> list[dict]:
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{lineno}: not JSON ({exc.msg})") from None
             tests = rec.get("tests", rec.get("test")) if isinstance(rec, dict) else None
-            for field, value in (("prompt", rec.get("prompt") if isinstance(rec, dict) else None),
-                                 ("tests", tests)):
+            for field, value in (("prompt", rec.get("prompt") if isinstance(rec, dict) else None), ("tests", tests)):
                 if not isinstance(value, str):
                     raise ValueError(f"{path}:{lineno}: field {field!r} must be a string, got {value!r:.60}")
             entry = rec.get("entry_point")
             if not isinstance(entry, str) or not _IDENT.match(entry):
                 raise ValueError(f"{path}:{lineno}: field 'entry_point' must be an identifier, got {entry!r:.60}")
-            problems.append({"task_id": str(rec.get("task_id", f"{path.name}:{lineno}")), "prompt": rec["prompt"],
-                             "tests": tests, "entry_point": entry,
-                             "canonical_solution": rec.get("canonical_solution")})
+            problems.append(
+                {
+                    "task_id": str(rec.get("task_id", f"{path.name}:{lineno}")),
+                    "prompt": rec["prompt"],
+                    "tests": tests,
+                    "entry_point": entry,
+                    "canonical_solution": rec.get("canonical_solution"),
+                }
+            )
     return problems

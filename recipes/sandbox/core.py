@@ -76,14 +76,16 @@ class SandboxConfig(BaseModel):
     timeout_s: float = Field(10.0, gt=0, le=3600, description="wall-clock limit, seconds")
     cpu_s: float | None = Field(None, gt=0, le=3600, description="CPU-time limit, seconds (default: timeout_s)")
     memory_bytes: int = Field(512 * MiB, ge=32 * MiB, description="address space per process (RLIMIT_AS)")
-    max_processes: int = Field(8, ge=2, le=4096, description="processes and threads, the sandbox's PID 1 included "
-                                                          "(RLIMIT_NPROC)")
+    max_processes: int = Field(
+        8, ge=2, le=4096, description="processes and threads, the sandbox's PID 1 included (RLIMIT_NPROC)"
+    )
     max_file_bytes: int = Field(16 * MiB, ge=0, description="largest file it may write (RLIMIT_FSIZE)")
     disk_bytes: int = Field(64 * MiB, ge=MiB, description="size of the writable /sandbox tmpfs")
     max_open_files: int = Field(64, ge=8, le=65536, description="RLIMIT_NOFILE")
     max_output_bytes: int = Field(64 * 1024, ge=0, description="kept per stream; more output kills the run")
-    python: str | None = Field(None, description="interpreter path (default: this Python's base interpreter, "
-                                                 "else /usr/bin/python3)")
+    python: str | None = Field(
+        None, description="interpreter path (default: this Python's base interpreter, else /usr/bin/python3)"
+    )
     extra_ro_paths: tuple[str, ...] = Field((), description="more host paths to bind read-only at the same place")
 
 
@@ -182,19 +184,52 @@ def _resolve_python(config: SandboxConfig, as_root: bool) -> tuple[str, list[str
         if not _under(real, tree):
             tree = str(Path(real).parent.parent)
         return real, [] if _under(tree, "/usr") else [tree]
-    raise SandboxUnavailable("no interpreter usable inside the sandbox: " + "; ".join(tried)
-                             + " (set SandboxConfig.python, or install python3: apt-get install python3)")
+    raise SandboxUnavailable(
+        "no interpreter usable inside the sandbox: "
+        + "; ".join(tried)
+        + " (set SandboxConfig.python, or install python3: apt-get install python3)"
+    )
 
 
-def _bwrap_args(bwrap: str, ro_trees: Sequence[str], files: Mapping[str, int], status_fd: int,
-                config: SandboxConfig) -> list[str]:
-    args = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-            "--unshare-cgroup-try", "--disable-userns", "--die-with-parent", "--new-session",
-            "--uid", str(_INNER_ID), "--gid", str(_INNER_ID), "--hostname", "sandbox",
-            "--json-status-fd", str(status_fd), "--clearenv",
-            "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", SANDBOX_DIR,
-            "--setenv", "TMPDIR", SANDBOX_DIR, "--setenv", "LANG", "C.UTF-8",
-            "--ro-bind", "/usr", "/usr"]
+def _bwrap_args(
+    bwrap: str, ro_trees: Sequence[str], files: Mapping[str, int], status_fd: int, config: SandboxConfig
+) -> list[str]:
+    args = [
+        bwrap,
+        "--unshare-user",
+        "--unshare-pid",
+        "--unshare-net",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+        "--disable-userns",
+        "--die-with-parent",
+        "--new-session",
+        "--uid",
+        str(_INNER_ID),
+        "--gid",
+        str(_INNER_ID),
+        "--hostname",
+        "sandbox",
+        "--json-status-fd",
+        str(status_fd),
+        "--clearenv",
+        "--setenv",
+        "PATH",
+        "/usr/bin:/bin",
+        "--setenv",
+        "HOME",
+        SANDBOX_DIR,
+        "--setenv",
+        "TMPDIR",
+        SANDBOX_DIR,
+        "--setenv",
+        "LANG",
+        "C.UTF-8",
+        "--ro-bind",
+        "/usr",
+        "/usr",
+    ]
     for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
         p = Path("/", name)
         if p.is_symlink():
@@ -209,8 +244,18 @@ def _bwrap_args(bwrap: str, ro_trees: Sequence[str], files: Mapping[str, int], s
                 made.add(str(parent))
                 args += ["--perms", "0755", "--dir", str(parent)]
         args += ["--ro-bind", tree, tree]
-    args += ["--proc", "/proc", "--dev", "/dev",
-             "--size", str(config.disk_bytes), "--perms", "1777", "--tmpfs", SANDBOX_DIR]
+    args += [
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--size",
+        str(config.disk_bytes),
+        "--perms",
+        "1777",
+        "--tmpfs",
+        SANDBOX_DIR,
+    ]
     for name, fd in files.items():
         args += ["--perms", "0644", "--file", str(fd), f"{SANDBOX_DIR}/{name}"]
     return args + ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", SANDBOX_DIR]
@@ -218,10 +263,14 @@ def _bwrap_args(bwrap: str, ro_trees: Sequence[str], files: Mapping[str, int], s
 
 def _rlimits(config: SandboxConfig) -> list[tuple[str, int, int]]:
     cpu = max(1, math.ceil(config.cpu_s if config.cpu_s is not None else config.timeout_s))
-    return [("CPU", cpu, cpu + 1), ("AS", config.memory_bytes, config.memory_bytes),
-            ("NPROC", config.max_processes, config.max_processes),
-            ("FSIZE", config.max_file_bytes, config.max_file_bytes),
-            ("NOFILE", config.max_open_files, config.max_open_files), ("CORE", 0, 0)]
+    return [
+        ("CPU", cpu, cpu + 1),
+        ("AS", config.memory_bytes, config.memory_bytes),
+        ("NPROC", config.max_processes, config.max_processes),
+        ("FSIZE", config.max_file_bytes, config.max_file_bytes),
+        ("NOFILE", config.max_open_files, config.max_open_files),
+        ("CORE", 0, 0),
+    ]
 
 
 def _last_line(text: str) -> str:
@@ -229,8 +278,16 @@ def _last_line(text: str) -> str:
     return lines[-1][:300] if lines else ""
 
 
-def _classify(exit_code: int, sig: int | None, *, timed_out: bool, overflow: bool, wall_s: float,
-              config: SandboxConfig, stderr_tail: str) -> tuple[str, str]:
+def _classify(
+    exit_code: int,
+    sig: int | None,
+    *,
+    timed_out: bool,
+    overflow: bool,
+    wall_s: float,
+    config: SandboxConfig,
+    stderr_tail: str,
+) -> tuple[str, str]:
     """(reason, detail) of an execution; see :class:`SandboxResult`."""
     last = _last_line(stderr_tail)
     cpu_limit = max(1, math.ceil(config.cpu_s if config.cpu_s is not None else config.timeout_s))
@@ -265,7 +322,7 @@ def _memfd(name: str, data: bytes) -> int:
     fd = os.memfd_create(name)
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
 
@@ -297,9 +354,15 @@ def _json_docs(raw: bytes) -> dict:
     return merged
 
 
-def run_python(code: str, *, files: Mapping[str, str | bytes] | None = None, args: Sequence[str] = (),
-               stdin: str | bytes | None = None, config: SandboxConfig | None = None,
-               main_name: str = "main.py") -> SandboxResult:
+def run_python(
+    code: str,
+    *,
+    files: Mapping[str, str | bytes] | None = None,
+    args: Sequence[str] = (),
+    stdin: str | bytes | None = None,
+    config: SandboxConfig | None = None,
+    main_name: str = "main.py",
+) -> SandboxResult:
     """Run ``code`` as ``/sandbox/<main_name>`` (``python -u main_name *args``) in a fresh sandbox.
 
     Args:
@@ -325,8 +388,10 @@ def run_python(code: str, *, files: Mapping[str, str | bytes] | None = None, arg
             raise ValueError(f"sandbox file name {name!r}: use a plain name of letters, digits, '_', '.', '-'")
     bwrap = shutil.which("bwrap")
     if bwrap is None:
-        raise SandboxUnavailable("bubblewrap (bwrap) is not installed: apt-get install bubblewrap "
-                                 "(scripts/setup.sh does this on Debian as root)")
+        raise SandboxUnavailable(
+            "bubblewrap (bwrap) is not installed: apt-get install bubblewrap "
+            "(scripts/setup.sh does this on Debian as root)"
+        )
     as_root = os.geteuid() == 0
     python, trees = _resolve_python(config, as_root)
     uid = UID_BASE + secrets.randbelow(UID_SPAN) if as_root else os.getuid()
@@ -335,13 +400,31 @@ def run_python(code: str, *, files: Mapping[str, str | bytes] | None = None, arg
     report_r, report_w = os.pipe()
     limits = ",".join(f"{name}={soft}:{hard}" for name, soft, hard in _rlimits(config))
     cmd = _bwrap_args(bwrap, trees, fds, status_w, config) + [
-        python, "-E", "-s", "-B", "-u", "-c", _LAUNCHER, str(report_w), limits, main_name, *map(str, args)]
+        python,
+        "-E",
+        "-s",
+        "-B",
+        "-u",
+        "-c",
+        _LAUNCHER,
+        str(report_w),
+        limits,
+        main_name,
+        *map(str, args),
+    ]
     reaper = [sys.executable, "-I", "-S", "-c", _REAPER, str(uid) if as_root else "-", str(os.getpid()), *cmd]
     start = time.monotonic()
     try:
-        proc = subprocess.Popen(reaper, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={}, close_fds=True,
-                                pass_fds=(*fds.values(), status_w, report_w), start_new_session=True)
+        proc = subprocess.Popen(
+            reaper,
+            stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={},
+            close_fds=True,
+            pass_fds=(*fds.values(), status_w, report_w),
+            start_new_session=True,
+        )
     except OSError as exc:
         for fd in (*fds.values(), status_r, status_w, report_r, report_w):
             os.close(fd)
@@ -370,8 +453,9 @@ def _wait(proc: subprocess.Popen, timeout: float) -> bool:
     return bool(ready)
 
 
-def _supervise(proc: subprocess.Popen, stdin, config: SandboxConfig, start: float, uid: int,
-               status_r: int, report_r: int) -> SandboxResult:
+def _supervise(
+    proc: subprocess.Popen, stdin, config: SandboxConfig, start: float, uid: int, status_r: int, report_r: int
+) -> SandboxResult:
     state = {"overflow": False, "killed_by_host": False}
     lock = threading.Lock()
 
@@ -419,8 +503,10 @@ def _supervise(proc: subprocess.Popen, stdin, config: SandboxConfig, start: floa
     if report:
         raise SandboxUnavailable(f"sandbox launch failed: {report.strip()}")
     if "child-pid" not in status and not state["killed_by_host"]:
-        raise SandboxUnavailable(f"bubblewrap could not create the sandbox (exit {proc.returncode}): "
-                                 f"{stderr_text.strip()[:500]} -- unprivileged user namespaces must be allowed")
+        raise SandboxUnavailable(
+            f"bubblewrap could not create the sandbox (exit {proc.returncode}): "
+            f"{stderr_text.strip()[:500]} -- unprivileged user namespaces must be allowed"
+        )
     if "exit-code" in status:
         exit_code = int(status["exit-code"])
     else:  # killed by us before bwrap reported: the tree died by SIGKILL
@@ -431,14 +517,29 @@ def _supervise(proc: subprocess.Popen, stdin, config: SandboxConfig, start: floa
             signal.Signals(sig)
         except ValueError:
             sig = None
-    reason, detail = _classify(exit_code, sig, timed_out=timed_out, overflow=state["overflow"],
-                               wall_s=wall, config=config,
-                               stderr_tail=bytes(err.tail).decode("utf-8", "replace"))
+    reason, detail = _classify(
+        exit_code,
+        sig,
+        timed_out=timed_out,
+        overflow=state["overflow"],
+        wall_s=wall,
+        config=config,
+        stderr_tail=bytes(err.tail).decode("utf-8", "replace"),
+    )
     return SandboxResult(
-        exit_code=exit_code, signal=signal.Signals(sig).name if sig is not None else None,
-        stdout=bytes(out.head).decode("utf-8", "replace"), stderr=stderr_text, timed_out=timed_out,
-        killed=sig is not None or state["killed_by_host"], reason=reason, detail=detail,
-        stdout_truncated=out.truncated, stderr_truncated=err.truncated, wall_s=round(wall, 4), uid=uid)
+        exit_code=exit_code,
+        signal=signal.Signals(sig).name if sig is not None else None,
+        stdout=bytes(out.head).decode("utf-8", "replace"),
+        stderr=stderr_text,
+        timed_out=timed_out,
+        killed=sig is not None or state["killed_by_host"],
+        reason=reason,
+        detail=detail,
+        stdout_truncated=out.truncated,
+        stderr_truncated=err.truncated,
+        wall_s=round(wall, 4),
+        uid=uid,
+    )
 
 
 def sandbox_problem(config: SandboxConfig | None = None) -> str | None:

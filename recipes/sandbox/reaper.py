@@ -26,7 +26,10 @@ PR_SET_CHILD_SUBREAPER = 36
 def main():
     uid, host_pid, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0 or libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+    if (
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0
+        or libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0
+    ):
         os.write(2, b"sandbox reaper: prctl failed\n")
         os._exit(126)
     if os.getppid() != host_pid:  # the host died before PR_SET_PDEATHSIG took effect

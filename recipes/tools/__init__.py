@@ -9,8 +9,19 @@ so a rollout never crashes on what the model wrote.  The retrieval tool needs th
 from prefect_tinker.recipes.tools.calculator import CalculatorError, calculator, evaluate_expression, format_number
 from prefect_tinker.recipes.tools.core import Tool, ToolResult, Toolset, tool
 
-__all__ = ["BM25Index", "CalculatorError", "Passage", "Tool", "ToolResult", "Toolset", "calculator",
-           "evaluate_expression", "format_number", "load_documents", "tool"]
+__all__ = [
+    "BM25Index",
+    "CalculatorError",
+    "Passage",
+    "Tool",
+    "ToolResult",
+    "Toolset",
+    "calculator",
+    "evaluate_expression",
+    "format_number",
+    "load_documents",
+    "tool",
+]
 
 
 def __getattr__(name: str):

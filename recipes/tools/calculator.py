@@ -19,8 +19,15 @@ __all__ = ["CalculatorError", "calculator", "evaluate_expression", "format_numbe
 MAX_INT_BITS = 4096  # ~1,233 decimal digits
 MAX_EXPRESSION_CHARS = 1000
 
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 
 
@@ -41,7 +48,7 @@ def _power(base: int | float, exp: int | float) -> int | float:
         if (abs(base).bit_length() - 1) * exp > MAX_INT_BITS:
             raise CalculatorError(f"the result has more than {MAX_INT_BITS} bits")
     try:
-        value = base ** exp
+        value = base**exp
     except OverflowError:
         raise CalculatorError("the result is too large") from None
     except ZeroDivisionError:
@@ -111,4 +118,3 @@ def calculator(expression: str) -> str:
         expression: numbers with + - * / // % ** and parentheses, e.g. "(12 + 30) * 2 / 7".
     """
     return format_number(evaluate_expression(expression))
-

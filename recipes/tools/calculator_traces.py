@@ -31,8 +31,10 @@ from prefect_tinker.recipes.tools.calculator import CalculatorError, calculator,
 
 __all__ = ["CALCULATOR_SYSTEM", "calculator_solution", "calculator_transcript"]
 
-CALCULATOR_SYSTEM = ("Solve the problem. Use the calculator tool for arithmetic. When you are done, reply "
-                     "without a tool call and give the final answer as a number on the last line, as '#### <number>'.")
+CALCULATOR_SYSTEM = (
+    "Solve the problem. Use the calculator tool for arithmetic. When you are done, reply "
+    "without a tool call and give the final answer as a number on the last line, as '#### <number>'."
+)
 
 _ANNOTATION = re.compile(r"<<([^<>=]*)=([^<>]*)>>")
 _FINAL = re.compile(r"####\s*\S+\s*$")
@@ -51,7 +53,8 @@ def calculator_transcript(question: str, solution: str, system: str | None = CAL
     if not _FINAL.search(solution.strip()):
         raise ValueError("has no final '#### <answer>' line")
     messages: list[dict] = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": question}]
+        {"role": "user", "content": question}
+    ]
     pos, lead = 0, ""
     for m in _ANNOTATION.finditer(solution):
         expression = m.group(1).strip()
@@ -60,7 +63,9 @@ def calculator_transcript(question: str, solution: str, system: str | None = CAL
         except CalculatorError as exc:
             raise ValueError(f"annotation <<{m.group(1)}={m.group(2)}>>: {exc}") from None
         call = {"type": "function", "function": {"name": calculator.name, "arguments": {"expression": expression}}}
-        messages.append({"role": "assistant", "content": (lead + solution[pos:m.start()]).strip(), "tool_calls": [call]})
+        messages.append(
+            {"role": "assistant", "content": (lead + solution[pos : m.start()]).strip(), "tool_calls": [call]}
+        )
         messages.append({"role": "tool", "content": result, "name": calculator.name})
         written = m.group(2).strip()  # the result as the solution writes it after the annotation
         pos = m.end() + (len(written) if written and solution.startswith(written, m.end()) else 0)
@@ -86,4 +91,8 @@ def calculator_solution(record: Any, fields: Mapping[str, str], options: Mapping
         messages = calculator_transcript(question, solution, options.get("system_prompt") or CALCULATOR_SYSTEM)
     except ValueError as exc:
         raise RecordError(apath, str(exc)) from None
-    return [Converted(messages, f"{qpath}+{apath}", frozenset({top_key(qpath), top_key(apath)}), {"tools": [calculator.schema]})]
+    return [
+        Converted(
+            messages, f"{qpath}+{apath}", frozenset({top_key(qpath), top_key(apath)}), {"tools": [calculator.schema]}
+        )
+    ]

@@ -75,8 +75,11 @@ def _docstring_parts(fn: Callable) -> tuple[str, dict[str, str]]:
 def _strip_titles(schema: Any, in_properties: bool = False) -> Any:
     """Drop pydantic's generated ``title`` keys (never a property that is named ``title``)."""
     if isinstance(schema, dict):
-        return {k: _strip_titles(v, in_properties=(k == "properties" and not in_properties))
-                for k, v in schema.items() if in_properties or k != "title"}
+        return {
+            k: _strip_titles(v, in_properties=(k == "properties" and not in_properties))
+            for k, v in schema.items()
+            if in_properties or k != "title"
+        }
     if isinstance(schema, list):
         return [_strip_titles(v) for v in schema]
     return schema
@@ -93,8 +96,15 @@ class Tool:
         max_result_chars: longer results are cut to this many characters, with a note.
     """
 
-    def __init__(self, fn: Callable, *, name: str | None = None, description: str | None = None,
-                 timeout_s: float | None = DEFAULT_TIMEOUT_S, max_result_chars: int = DEFAULT_MAX_RESULT_CHARS):
+    def __init__(
+        self,
+        fn: Callable,
+        *,
+        name: str | None = None,
+        description: str | None = None,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
+        max_result_chars: int = DEFAULT_MAX_RESULT_CHARS,
+    ):
         self.fn, self.name = fn, name or fn.__name__
         self.timeout_s, self.max_result_chars = timeout_s, max_result_chars
         doc_text, param_docs = _docstring_parts(fn)
@@ -102,8 +112,9 @@ class Tool:
         try:
             hints = typing.get_type_hints(fn, include_extras=True)
         except NameError as exc:
-            raise TypeError(f"tool {self.name!r}: cannot resolve its type hints ({exc}); "
-                            "define the types they name at module level") from None
+            raise TypeError(
+                f"tool {self.name!r}: cannot resolve its type hints ({exc}); define the types they name at module level"
+            ) from None
         fields: dict[str, Any] = {}
         self._params: dict[str, str] = {}  # model field name -> parameter name
         for i, (pname, param) in enumerate(inspect.signature(fn).parameters.items()):
@@ -115,15 +126,18 @@ class Tool:
             fields[f"p{i}"] = (hints[pname], Field(default, alias=pname, description=param_docs.get(pname)))
             self._params[f"p{i}"] = pname
         self.arguments_model: type[BaseModel] = create_model(
-            f"{self.name}_arguments", __config__=ConfigDict(extra="forbid", populate_by_name=False), **fields)
+            f"{self.name}_arguments", __config__=ConfigDict(extra="forbid", populate_by_name=False), **fields
+        )
         self.parameters = _strip_titles(self.arguments_model.model_json_schema(by_alias=True))
         self.parameters.setdefault("properties", {})
 
     @property
     def schema(self) -> dict:
         """``{"type": "function", "function": {"name", "description", "parameters"}}``."""
-        return {"type": "function",
-                "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
@@ -178,8 +192,7 @@ class Tool:
         try:
             kwargs = self.validate(arguments)
         except ValueError as exc:
-            return ToolResult(self.name, f"Error: {self.name}: {exc}", False, "bad_arguments",
-                              time.monotonic() - start)
+            return ToolResult(self.name, f"Error: {self.name}: {exc}", False, "bad_arguments", time.monotonic() - start)
         box: dict[str, Any] = {}
 
         def work() -> None:
@@ -196,8 +209,9 @@ class Tool:
         worker.join(self.timeout_s)
         elapsed = time.monotonic() - start
         if worker.is_alive():
-            return ToolResult(self.name, f"Error: {self.name} timed out after {self.timeout_s:g} s", False,
-                              "timeout", elapsed)
+            return ToolResult(
+                self.name, f"Error: {self.name} timed out after {self.timeout_s:g} s", False, "timeout", elapsed
+            )
         if "error" in box:
             return ToolResult(self.name, f"Error: {self.name} failed: {box['error']}", False, "tool_error", elapsed)
         return ToolResult(self.name, box["text"], True, None, elapsed)
@@ -211,14 +225,21 @@ async def _awaited(value: Any) -> Any:
     return await value
 
 
-def tool(fn: Callable | None = None, *, name: str | None = None, description: str | None = None,
-         timeout_s: float | None = DEFAULT_TIMEOUT_S, max_result_chars: int = DEFAULT_MAX_RESULT_CHARS):
+def tool(
+    fn: Callable | None = None,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    max_result_chars: int = DEFAULT_MAX_RESULT_CHARS,
+):
     """Decorator: make a :class:`Tool` of a typed function (``@tool`` or ``@tool(timeout_s=2)``).
 
     Raises:
         TypeError: a parameter lacks a type hint, or is ``*args``/``**kwargs``/positional-only, or a
             hint names a type that cannot be resolved (string annotations of a function-local class).
     """
+
     def wrap(f: Callable) -> Tool:
         return Tool(f, name=name, description=description, timeout_s=timeout_s, max_result_chars=max_result_chars)
 
@@ -249,8 +270,9 @@ class Toolset:
         name = fn.get("name") if isinstance(fn, Mapping) else None
         if not isinstance(name, str) or name not in self.tools:
             known = ", ".join(self.tools) or "(none)"
-            return ToolResult(str(name), f"Error: unknown tool {name!r}; available tools: {known}", False,
-                              "unknown_tool")
+            return ToolResult(
+                str(name), f"Error: unknown tool {name!r}; available tools: {known}", False, "unknown_tool"
+            )
         return self.tools[name].call(fn.get("arguments"))
 
     def tool_message(self, tool_call: Mapping[str, Any], result: ToolResult | None = None) -> dict[str, str]:

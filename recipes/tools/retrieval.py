@@ -77,8 +77,9 @@ class BM25Index:
         ValueError: the collection is empty or ids repeat.
     """
 
-    def __init__(self, documents: Sequence[Mapping[str, str]], *, k1: float = 1.5, b: float = 0.75,
-                 stopwords: str | None = "en"):
+    def __init__(
+        self, documents: Sequence[Mapping[str, str]], *, k1: float = 1.5, b: float = 0.75, stopwords: str | None = "en"
+    ):
         try:
             import bm25s
         except ImportError:

@@ -51,8 +51,13 @@ _BASE_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.t
 
 def export_key(checkpoint: str, fmt: str, dtype: str, base_model: str | None, max_shard_bytes: int) -> str:
     """Hex SHA-256 of what determines an export's files (recorded as ``export_key``)."""
-    spec = {"checkpoint": checkpoint, "format": fmt, "dtype": dtype, "base_model": base_model,
-            "max_shard_bytes": int(max_shard_bytes) if fmt == "merged" else None}
+    spec = {
+        "checkpoint": checkpoint,
+        "format": fmt,
+        "dtype": dtype,
+        "base_model": base_model,
+        "max_shard_bytes": int(max_shard_bytes) if fmt == "merged" else None,
+    }
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 
@@ -76,21 +81,36 @@ def _base_dir(download: Path, base_model: str | None, fallback: str) -> tuple[Pa
     try:
         return Path(snapshot_download(name, allow_patterns=_BASE_PATTERNS)), f"hub model {name}"
     except Exception as exc:  # offline, gated, unknown id
-        raise FileNotFoundError(f"the server sent no base model and {name!r} could not be fetched ({type(exc).__name__}: "
-                                f"{str(exc)[:200]}); set base_model to a local Hugging Face folder of it") from exc
+        raise FileNotFoundError(
+            f"the server sent no base model and {name!r} could not be fetched ({type(exc).__name__}: "
+            f"{str(exc)[:200]}); set base_model to a local Hugging Face folder of it"
+        ) from exc
 
 
 def _write_peft(download: Path, stage: Path) -> None:
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(str(download / "adapter_model.safetensors"))
-    save_file({k: (t.float() if t.is_floating_point() else t).contiguous() for k, t in tensors.items()},
-              str(stage / "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: (t.float() if t.is_floating_point() else t).contiguous() for k, t in tensors.items()},
+        str(stage / "adapter_model.safetensors"),
+        metadata={"format": "pt"},
+    )
     shutil.copyfile(download / "adapter_config.json", stage / "adapter_config.json")
 
 
-def _build_and_verify(credentials: Any, download: Path, base_dir: Path, adapter: Any, stage: Path, fmt: str,
-                      dtype: str, reference: str, max_shard_bytes: int, lap: Any) -> tuple[dict, dict]:
+def _build_and_verify(
+    credentials: Any,
+    download: Path,
+    base_dir: Path,
+    adapter: Any,
+    stage: Path,
+    fmt: str,
+    dtype: str,
+    reference: str,
+    max_shard_bytes: int,
+    lap: Any,
+) -> tuple[dict, dict]:
     """Build the export in float32 and check it at 1e-4, then (other dtypes) cast it and check
     again at the dtype's tolerance. Returns ``(verification, embeddings)``."""
     from prefect_tinker.export.merge import DTYPES, cast_weights, merge_into_folder
@@ -99,8 +119,9 @@ def _build_and_verify(credentials: Any, download: Path, base_dir: Path, adapter:
 
     tied: dict[str, Any] = {}
     if fmt == "merged":  # shards sized for the final dtype: the float32 ones are cast later
-        rep = merge_into_folder(base_dir, adapter, stage, dtype="float32",
-                                max_shard_bytes=max_shard_bytes * 4 // DTYPES[dtype].itemsize)
+        rep = merge_into_folder(
+            base_dir, adapter, stage, dtype="float32", max_shard_bytes=max_shard_bytes * 4 // DTYPES[dtype].itemsize
+        )
         tied = {"tied_in_base": rep.tied_in_base, "untied": rep.untied}
     else:
         _write_peft(download, stage)
@@ -112,8 +133,12 @@ def _build_and_verify(credentials: Any, download: Path, base_dir: Path, adapter:
         exact = {k: result[k] for k in ("max_abs_diff", "mean_abs_diff", "tolerance", "passed")}
         result = {**verifier.check(stage, fmt, dtype), "float32": exact}
     effect = verifier.adapter_effect()
-    result.update(reference=reference, compute="float32", adapter_effect_max_abs=effect,
-                  discriminative=bool(effect > result["tolerance"]))
+    result.update(
+        reference=reference,
+        compute="float32",
+        adapter_effect_max_abs=effect,
+        discriminative=bool(effect > result["tolerance"]),
+    )
     lap("verify")
     return result, tied
 
@@ -130,9 +155,19 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def run_export(credentials: Any, checkpoint: str, format: str, dtype: str, out: str, *, base_model: str | None = None,
-               max_shard_bytes: int = 5_000_000_000, server_ttl_s: int | None = 86_400, overwrite: bool = False,
-               work_dir: str | None = None) -> dict[str, Any]:
+def run_export(
+    credentials: Any,
+    checkpoint: str,
+    format: str,
+    dtype: str,
+    out: str,
+    *,
+    base_model: str | None = None,
+    max_shard_bytes: int = 5_000_000_000,
+    server_ttl_s: int | None = 86_400,
+    overwrite: bool = False,
+    work_dir: str | None = None,
+) -> dict[str, Any]:
     """Export ``checkpoint`` (see the module docstring); returns the export's metadata (what
     ``export_metadata.json`` holds). Safe to call again: an intact identical export at ``out`` is
     returned without work.
@@ -155,7 +190,9 @@ def run_export(credentials: Any, checkpoint: str, format: str, dtype: str, out: 
     from prefect_tinker.export.server import export_on_server
 
     if format not in FORMATS or dtype not in DTYPES:
-        raise ValueError(f"format must be one of {FORMATS} and dtype one of {sorted(DTYPES)}; got {format!r}, {dtype!r}")
+        raise ValueError(
+            f"format must be one of {FORMATS} and dtype one of {sorted(DTYPES)}; got {format!r}, {dtype!r}"
+        )
     log = get_run_logger()
     output = ExportOutput(out)
     key = export_key(checkpoint, format, dtype, base_model, max_shard_bytes)
@@ -172,7 +209,9 @@ def run_export(credentials: Any, checkpoint: str, format: str, dtype: str, out: 
         seconds[what] = round(now - clock, 3)
         clock = now
 
-    srv = export_on_server(credentials, checkpoint, wait=functools.partial(clients.result, credentials), ttl_s=server_ttl_s)
+    srv = export_on_server(
+        credentials, checkpoint, wait=functools.partial(clients.result, credentials), ttl_s=server_ttl_s
+    )
     lap("server")
     log.info("external weights %s: %d files", srv.external_path, len(srv.urls))
     if any(n.endswith(".age") for n in srv.urls):
@@ -185,25 +224,52 @@ def run_export(credentials: Any, checkpoint: str, format: str, dtype: str, out: 
         adapter = read_adapter(download)  # refuses what cannot be reproduced exactly, for both formats
         stage = output.staging_dir()
         try:
-            verification, tied = _build_and_verify(credentials, download, base_dir, adapter, stage, format, dtype,
-                                                   srv.reference, max_shard_bytes, lap)
-            files = {n: {"bytes": (stage / n).stat().st_size, "sha256": file_sha256(stage / n)} for n in check_tree(stage)}
-            lora = {"rank": adapter.rank, "alpha": adapter.alpha, "targets": len(adapter.deltas),
-                    "use_rslora": bool(adapter.config.get("use_rslora"))}
+            verification, tied = _build_and_verify(
+                credentials, download, base_dir, adapter, stage, format, dtype, srv.reference, max_shard_bytes, lap
+            )
+            files = {
+                n: {"bytes": (stage / n).stat().st_size, "sha256": file_sha256(stage / n)} for n in check_tree(stage)
+            }
+            lora = {
+                "rank": adapter.rank,
+                "alpha": adapter.alpha,
+                "targets": len(adapter.deltas),
+                "use_rslora": bool(adapter.config.get("use_rslora")),
+            }
             meta = {
-                "export_key": key, "export_id": uuid.uuid4().hex, "format": format, "dtype": dtype, "out": output.uri,
-                "checkpoint": checkpoint, "state_path": srv.state_path, "external_weights": srv.external_path,
-                "base_model": srv.base_model, "base_model_source": base_source, "lora": lora,
-                "embeddings": tied, "files": files, "verification": verification, "seconds": dict(seconds),
-                "created": datetime.now(UTC).isoformat(timespec="seconds"), "versions": _versions(),
+                "export_key": key,
+                "export_id": uuid.uuid4().hex,
+                "format": format,
+                "dtype": dtype,
+                "out": output.uri,
+                "checkpoint": checkpoint,
+                "state_path": srv.state_path,
+                "external_weights": srv.external_path,
+                "base_model": srv.base_model,
+                "base_model_source": base_source,
+                "lora": lora,
+                "embeddings": tied,
+                "files": files,
+                "verification": verification,
+                "seconds": dict(seconds),
+                "created": datetime.now(UTC).isoformat(timespec="seconds"),
+                "versions": _versions(),
             }
             (stage / METADATA_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
             output.publish(stage, overwrite)
             lap("publish")
         finally:
             shutil.rmtree(stage, ignore_errors=True)
-    log.info("exported %s as %s (%s) to %s: max |logprob diff| %.2e (tolerance %g); seconds %s", checkpoint, format,
-             dtype, output.uri, verification["max_abs_diff"], verification["tolerance"], seconds)
+    log.info(
+        "exported %s as %s (%s) to %s: max |logprob diff| %.2e (tolerance %g); seconds %s",
+        checkpoint,
+        format,
+        dtype,
+        output.uri,
+        verification["max_abs_diff"],
+        verification["tolerance"],
+        seconds,
+    )
     return meta
 
 
@@ -212,7 +278,9 @@ def _run_name(parameters: dict[str, Any]) -> str:
     return f"export-{parameters.get('format')}-{parameters.get('dtype')}-{name}"
 
 
-def export_checkpoint(credentials: Any, checkpoint: str, format: str, dtype: str, out: str, **options: Any) -> dict[str, Any]:
+def export_checkpoint(
+    credentials: Any, checkpoint: str, format: str, dtype: str, out: str, **options: Any
+) -> dict[str, Any]:
     """Run :func:`run_export` as the ``export-checkpoint`` task, a Prefect asset materialization:
     the asset is the export (``file://...`` or ``s3://...``), its upstream the checkpoint; the
     verification numbers are added to the asset's metadata.
@@ -224,20 +292,51 @@ def export_checkpoint(credentials: Any, checkpoint: str, format: str, dtype: str
     refresh = bool(options.pop("refresh_cache", False))
     uri = ExportOutput(out).uri
 
-    def export(credentials: Any, checkpoint: str, format: str, dtype: str, out: str, base_model: str | None = None,
-               max_shard_bytes: int = 5_000_000_000, server_ttl_s: int | None = 86_400, overwrite: bool = False,
-               work_dir: str | None = None) -> dict[str, Any]:
-        meta = run_export(credentials, checkpoint, format, dtype, out, base_model=base_model,
-                          max_shard_bytes=max_shard_bytes, server_ttl_s=server_ttl_s, overwrite=overwrite,
-                          work_dir=work_dir)
+    def export(
+        credentials: Any,
+        checkpoint: str,
+        format: str,
+        dtype: str,
+        out: str,
+        base_model: str | None = None,
+        max_shard_bytes: int = 5_000_000_000,
+        server_ttl_s: int | None = 86_400,
+        overwrite: bool = False,
+        work_dir: str | None = None,
+    ) -> dict[str, Any]:
+        meta = run_export(
+            credentials,
+            checkpoint,
+            format,
+            dtype,
+            out,
+            base_model=base_model,
+            max_shard_bytes=max_shard_bytes,
+            server_ttl_s=server_ttl_s,
+            overwrite=overwrite,
+            work_dir=work_dir,
+        )
         v = meta["verification"]
-        add_asset_metadata(uri, {"format": format, "dtype": dtype, "checkpoint": checkpoint,
-                                 "max_abs_logprob_diff": v["max_abs_diff"], "tolerance": v["tolerance"]})
+        add_asset_metadata(
+            uri,
+            {
+                "format": format,
+                "dtype": dtype,
+                "checkpoint": checkpoint,
+                "max_abs_logprob_diff": v["max_abs_diff"],
+                "tolerance": v["tolerance"],
+            },
+        )
         return meta
 
     task = materialize(
-        uri, asset_deps=[checkpoint], name="export-checkpoint", task_run_name=_run_name,
+        uri,
+        asset_deps=[checkpoint],
+        name="export-checkpoint",
+        task_run_name=_run_name,
         cache_policy=(INPUTS - "credentials" - "overwrite" - "server_ttl_s" - "work_dir") + TASK_SOURCE,
-        persist_result=True, refresh_cache=refresh, **RETRY_OPTIONS,
+        persist_result=True,
+        refresh_cache=refresh,
+        **RETRY_OPTIONS,
     )(export)
     return task(credentials, checkpoint, format, dtype, out, **options)

@@ -128,8 +128,11 @@ class Environment:
 
 
 #: Registered environments by name: the modules of this package, then the entry points.
-ENVS: Registry[type[Environment]] = Registry("env", ENTRY_POINT_GROUP, builtins=[
-    f"{__name__}.{m.name}" for m in pkgutil.iter_modules([str(Path(__file__).parent)])])
+ENVS: Registry[type[Environment]] = Registry(
+    "env",
+    ENTRY_POINT_GROUP,
+    builtins=[f"{__name__}.{m.name}" for m in pkgutil.iter_modules([str(Path(__file__).parent)])],
+)
 
 
 def register_env(cls: type[Environment]) -> type[Environment]:
@@ -159,8 +162,12 @@ def get_env(name: str) -> type[Environment]:
 
 
 #: Fields an RL config once held at the top level, now options of their environment.
-MOVED_TO_ENV_OPTIONS = {"max_operand": "arithmetic", "question_field": "math, calculator",
-                        "answer_field": "math, calculator", "answer_style": "math"}
+MOVED_TO_ENV_OPTIONS = {
+    "max_operand": "arithmetic",
+    "question_field": "math, calculator",
+    "answer_field": "math, calculator",
+    "answer_style": "math",
+}
 
 
 class EnvSpec(BaseModel):
@@ -173,10 +180,19 @@ class EnvSpec(BaseModel):
     ``env``, including the environments of plugins).
     """
 
-    env: str = Field(default="arithmetic", description="Registered environment (prefect-tinker ls shows them): arithmetic, gsm8k, math, ...")
-    env_options: dict[str, Any] = Field(default_factory=dict, description="Options of the environment (its own fields; see its docs).")
-    dataset: str | None = Field(default=None, description="gsm8k/math: JSONL path or Hugging Face dataset id (gsm8k default: openai/gsm8k).")
-    dataset_config: str | None = Field(default=None, description="Hugging Face dataset configuration (gsm8k default: main).")
+    env: str = Field(
+        default="arithmetic",
+        description="Registered environment (prefect-tinker ls shows them): arithmetic, gsm8k, math, ...",
+    )
+    env_options: dict[str, Any] = Field(
+        default_factory=dict, description="Options of the environment (its own fields; see its docs)."
+    )
+    dataset: str | None = Field(
+        default=None, description="gsm8k/math: JSONL path or Hugging Face dataset id (gsm8k default: openai/gsm8k)."
+    )
+    dataset_config: str | None = Field(
+        default=None, description="Hugging Face dataset configuration (gsm8k default: main)."
+    )
     split: str = Field(default="train", description="Split of a Hugging Face dataset.")
     max_problems: int | None = Field(default=None, ge=1, description="Use at most this many problems.")
     few_shot: bool = Field(default=False, description="Prepend one solved example as a user/assistant turn.")
@@ -201,8 +217,10 @@ class EnvSpec(BaseModel):
     def _moved_fields(cls, data: Any) -> Any:
         if isinstance(data, dict):
             for key in MOVED_TO_ENV_OPTIONS.keys() & data.keys():
-                raise ValueError(f"{key} is an option of its environment ({MOVED_TO_ENV_OPTIONS[key]}): "
-                                 f"write env_options.{key}={data[key]!r}")
+                raise ValueError(
+                    f"{key} is an option of its environment ({MOVED_TO_ENV_OPTIONS[key]}): "
+                    f"write env_options.{key}={data[key]!r}"
+                )
         return data
 
     @model_validator(mode="after")
@@ -232,26 +250,46 @@ class EnvSpec(BaseModel):
         return self._options[1]
 
 
-def build_rl_dataset(spec: EnvSpec, *, renderer_name: str, tokenizer_id: str, group_size: int,
-                     groups_per_batch: int, seed: int = 0) -> RLDataset:
+def build_rl_dataset(
+    spec: EnvSpec, *, renderer_name: str, tokenizer_id: str, group_size: int, groups_per_batch: int, seed: int = 0
+) -> RLDataset:
     """The training :class:`~prefect_tinker.recipes.rl.types.RLDataset` of ``spec`` (groups of
     ``group_size`` envs, ``groups_per_batch`` groups per batch), built by its registered class.
 
     Raises:
         ValueError / FileNotFoundError: unknown env, bad problem data.
     """
-    ctx = EnvContext(renderer_name=renderer_name, tokenizer_id=tokenizer_id, group_size=group_size,
-                     groups_per_batch=groups_per_batch, seed=seed)
+    ctx = EnvContext(
+        renderer_name=renderer_name,
+        tokenizer_id=tokenizer_id,
+        group_size=group_size,
+        groups_per_batch=groups_per_batch,
+        seed=seed,
+    )
     return get_env(spec.env).build(spec, ctx)
 
 
-def build_rl_evaluators(spec: EnvSpec, *, renderer_name: str, tokenizer_id: str, group_size: int,
-                        groups_per_batch: int, seed: int = 0, initial_sampler: str | None = None,
-                        win_rate_evaluator: Callable[..., Any] | None = None) -> list:
+def build_rl_evaluators(
+    spec: EnvSpec,
+    *,
+    renderer_name: str,
+    tokenizer_id: str,
+    group_size: int,
+    groups_per_batch: int,
+    seed: int = 0,
+    initial_sampler: str | None = None,
+    win_rate_evaluator: Callable[..., Any] | None = None,
+) -> list:
     """The evaluators of ``spec``'s environment (:meth:`Environment.evaluators`) for an RL run;
     ``initial_sampler`` is the sampler weights of the run's step 0 (e.g. the SFT policy it
     started from); ``win_rate_evaluator`` as in :class:`EnvContext`."""
-    ctx = EnvContext(renderer_name=renderer_name, tokenizer_id=tokenizer_id, group_size=group_size,
-                     groups_per_batch=groups_per_batch, seed=seed, initial_sampler=initial_sampler,
-                     win_rate_evaluator=win_rate_evaluator)
+    ctx = EnvContext(
+        renderer_name=renderer_name,
+        tokenizer_id=tokenizer_id,
+        group_size=group_size,
+        groups_per_batch=groups_per_batch,
+        seed=seed,
+        initial_sampler=initial_sampler,
+        win_rate_evaluator=win_rate_evaluator,
+    )
     return list(get_env(spec.env).evaluators(spec, ctx))

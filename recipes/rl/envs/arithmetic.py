@@ -16,9 +16,15 @@ from prefect_tinker.recipes.rl.envs.problems import problem_builder
 from prefect_tinker.recipes.rl.problem_env import Problem, ProblemEnv
 from prefect_tinker.recipes.rl.types import EnvGroupBuilder, RLDataset
 
-__all__ = ["ArithmeticEnv", "ArithmeticDataset", "ArithmeticOptions",
-           "Arithmetic", "arithmetic_problem", "write_arithmetic_sft_jsonl",
-           "ARITHMETIC_SHOT"]
+__all__ = [
+    "ArithmeticEnv",
+    "ArithmeticDataset",
+    "ArithmeticOptions",
+    "Arithmetic",
+    "arithmetic_problem",
+    "write_arithmetic_sft_jsonl",
+    "ARITHMETIC_SHOT",
+]
 
 #: The solved example of ``few_shot=true``.
 ARITHMETIC_SHOT = ({"role": "user", "content": "What is 4 + 5?"}, {"role": "assistant", "content": "9"})

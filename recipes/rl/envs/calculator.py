@@ -42,21 +42,33 @@ from prefect_tinker.recipes.rl.types import RLDataset
 from prefect_tinker.recipes.tools import Toolset, calculator
 from prefect_tinker.recipes.tools.calculator_traces import CALCULATOR_SYSTEM
 
-__all__ = ["CALCULATOR_SHOTS", "CALCULATOR_SYSTEM", "Calculator", "CalculatorBuilder", "CalculatorEnv", "CalculatorOptions"]
+__all__ = [
+    "CALCULATOR_SHOTS",
+    "CALCULATOR_SYSTEM",
+    "Calculator",
+    "CalculatorBuilder",
+    "CalculatorEnv",
+    "CalculatorOptions",
+]
 
 
 def _shot(question: str, expression: str, result: int, unit: str) -> tuple[dict, ...]:
     call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
-    return ({"role": "user", "content": question}, {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "content": str(result), "name": "calculator"},
-            {"role": "assistant", "content": f"{expression} = {result} {unit}.\n#### {result}"})
+    return (
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": str(result), "name": "calculator"},
+        {"role": "assistant", "content": f"{expression} = {result} {unit}.\n#### {result}"},
+    )
 
 
 #: Two solved examples (few_shot): a tool call, its result, the final answer. (Measured on
 #: SmolLM2-135M-Instruct: with them the exact tool call has a likelihood of about e^-7, more than
 #: a correct direct answer's e^-14; with one example e^-17, so that RL saw no call to reinforce.)
-CALCULATOR_SHOTS = (*_shot("A bag holds 23 marbles. How many marbles are in 41 bags?", "23 * 41", 943, "marbles"),
-                    *_shot("A shop had 58 pens and got 77 more. How many pens does it have now?", "58 + 77", 135, "pens"))
+CALCULATOR_SHOTS = (
+    *_shot("A bag holds 23 marbles. How many marbles are in 41 bags?", "23 * 41", 943, "marbles"),
+    *_shot("A shop had 58 pens and got 77 more. How many pens does it have now?", "58 + 77", 135, "pens"),
+)
 
 
 class CalculatorOptions(MessageEnvOptions):
@@ -78,9 +90,12 @@ class CalculatorEnv(MessageEnv):
         text = reply.get("content") or ""
         answer = extract_final_answer(text, "any")
         correct, format_ok = answers_match(answer, self.problem.answer), answer is not None
-        return Reaction(done=True, reward=float(correct) + self.format_coef * (float(format_ok) - 1.0),
-                        metrics={"correct": float(correct), "format": float(format_ok)},
-                        logs={"reference": self.problem.answer, "problem_id": self.problem.id})
+        return Reaction(
+            done=True,
+            reward=float(correct) + self.format_coef * (float(format_ok) - 1.0),
+            metrics={"correct": float(correct), "format": float(format_ok)},
+            logs={"reference": self.problem.answer, "problem_id": self.problem.id},
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,24 +122,41 @@ class Calculator(Environment):
     def preflight(cls, spec) -> None:
         if spec.dataset and looks_local(spec.dataset):
             opts = cls.options(spec)
-            load_problems(spec.dataset, question_field=opts.question_field, answer_field=opts.answer_field,
-                          max_problems=spec.max_problems)
+            load_problems(
+                spec.dataset,
+                question_field=opts.question_field,
+                answer_field=opts.answer_field,
+                max_problems=spec.max_problems,
+            )
 
     @classmethod
     def build(cls, spec, ctx: EnvContext) -> RLDataset:
         source = spec.dataset or "openai/gsm8k"
         config = spec.dataset_config or ("main" if source == "openai/gsm8k" else None)
         opts = cls.options(spec)
-        problems = load_problems(source, question_field=opts.question_field, answer_field=opts.answer_field,
-                                 split=spec.split, config_name=config, max_problems=spec.max_problems)
+        problems = load_problems(
+            source,
+            question_field=opts.question_field,
+            answer_field=opts.answer_field,
+            split=spec.split,
+            config_name=config,
+            max_problems=spec.max_problems,
+        )
         prefix = [{"role": "system", "content": spec.system_prompt or CALCULATOR_SYSTEM}]
         if spec.few_shot:
             prefix += [dict(m) for m in CALCULATOR_SHOTS]
         limits = opts.limits()
 
         def make(problem: Problem) -> CalculatorBuilder:
-            return CalculatorBuilder(problem=problem, prefix=freeze(prefix), format_coef=spec.format_coef,
-                                     group_size=ctx.group_size, renderer_name=ctx.renderer_name,
-                                     tokenizer_id=ctx.tokenizer_id, limits=limits, tags=(cls.name,))
+            return CalculatorBuilder(
+                problem=problem,
+                prefix=freeze(prefix),
+                format_coef=spec.format_coef,
+                group_size=ctx.group_size,
+                renderer_name=ctx.renderer_name,
+                tokenizer_id=ctx.tokenizer_id,
+                limits=limits,
+                tags=(cls.name,),
+            )
 
         return ProblemDataset(problems, ctx.groups_per_batch, make, ctx.seed)

@@ -33,14 +33,24 @@ from prefect_tinker.recipes.rl.envs.problems import problem_builder
 from prefect_tinker.recipes.rl.problem_env import Problem, ProblemDataset, ProblemEnv
 from prefect_tinker.recipes.rl.types import RLDataset, StepResult
 
-__all__ = ["FORECAST_SUFFIX", "Forecasting", "ForecastingOptions", "ForecastEnv", "forecast_reward",
-           "load_forecasts", "parse_probability", "parse_resolution"]
+__all__ = [
+    "FORECAST_SUFFIX",
+    "Forecasting",
+    "ForecastingOptions",
+    "ForecastEnv",
+    "forecast_reward",
+    "load_forecasts",
+    "parse_probability",
+    "parse_resolution",
+]
 
 DEFAULT_DATASET = "builtin:forecasting_questions"
 
 #: Instruction appended to every question.
-FORECAST_SUFFIX = ("\nGive the probability that the answer is yes. End your reply with a line "
-                   "'Probability: p' where p is a number between 0 and 1.")
+FORECAST_SUFFIX = (
+    "\nGive the probability that the answer is yes. End your reply with a line "
+    "'Probability: p' where p is a number between 0 and 1."
+)
 
 _PROB = re.compile(r"probability\s*[:=]\s*(-?\d+(?:\.\d+)?|-?\.\d+)\s*(%?)", re.IGNORECASE)
 _YES = {"true", "yes", "1", "1.0"}
@@ -53,7 +63,9 @@ class ForecastingOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     question_field: str = Field(default="question", description="Record field holding the question text.")
-    resolution_field: str = Field(default="resolution", description="Record field holding the outcome (true/false, 1/0, yes/no).")
+    resolution_field: str = Field(
+        default="resolution", description="Record field holding the outcome (true/false, 1/0, yes/no)."
+    )
 
 
 def parse_probability(text: str) -> float | None:
@@ -90,14 +102,25 @@ def forecast_reward(prob: float | None, outcome: int, well_ended: bool, format_c
     format_ok = well_ended and clipped == prob
     brier = (clipped - outcome) ** 2
     correct = 0.5 if clipped == 0.5 else float((clipped > 0.5) == bool(outcome))
-    metrics = {"brier": brier, "format": float(format_ok), "correct": correct, "prob": clipped,
-               "outcome": float(outcome)}
+    metrics = {
+        "brier": brier,
+        "format": float(format_ok),
+        "correct": correct,
+        "prob": clipped,
+        "outcome": float(outcome),
+    }
     return -brier - (0.0 if format_ok else format_coef), metrics
 
 
-def load_forecasts(source: str, *, question_field: str = "question", resolution_field: str = "resolution",
-                   split: str = "train", config_name: str | None = None,
-                   max_problems: int | None = None) -> list[Problem]:
+def load_forecasts(
+    source: str,
+    *,
+    question_field: str = "question",
+    resolution_field: str = "resolution",
+    split: str = "train",
+    config_name: str | None = None,
+    max_problems: int | None = None,
+) -> list[Problem]:
     """Questions with their outcome (``Problem.answer`` ``"1"`` or ``"0"``), in file order.
 
     Raises:
@@ -136,13 +159,19 @@ class ForecastEnv(ProblemEnv):
         text = parsed.message.get("content") or ""
         outcome = int(self.problem.answer)
         reward, metrics = forecast_reward(parse_probability(text), outcome, bool(parsed.ok), self.format_coef)
-        return StepResult(reward=reward, episode_done=True, metrics=metrics,
-                          logs={"response": text, "reference": self.problem.answer, "problem_id": self.problem.id})
+        return StepResult(
+            reward=reward,
+            episode_done=True,
+            metrics=metrics,
+            logs={"response": text, "reference": self.problem.answer, "problem_id": self.problem.id},
+        )
 
 
 def _shot() -> tuple[dict, dict]:
-    return ({"role": "user", "content": "Will 7 + 8 be larger than 20?" + FORECAST_SUFFIX},
-            {"role": "assistant", "content": "7 + 8 = 15, which is not larger than 20.\nProbability: 0.02"})
+    return (
+        {"role": "user", "content": "Will 7 + 8 be larger than 20?" + FORECAST_SUFFIX},
+        {"role": "assistant", "content": "7 + 8 = 15, which is not larger than 20.\nProbability: 0.02"},
+    )
 
 
 @register_env
@@ -154,9 +183,14 @@ class Forecasting(Environment):
     @classmethod
     def _load(cls, spec) -> list[Problem]:
         opts = cls.options(spec)
-        return load_forecasts(spec.dataset or DEFAULT_DATASET, question_field=opts.question_field,
-                              resolution_field=opts.resolution_field, split=spec.split,
-                              config_name=spec.dataset_config, max_problems=spec.max_problems)
+        return load_forecasts(
+            spec.dataset or DEFAULT_DATASET,
+            question_field=opts.question_field,
+            resolution_field=opts.resolution_field,
+            split=spec.split,
+            config_name=spec.dataset_config,
+            max_problems=spec.max_problems,
+        )
 
     @classmethod
     def preflight(cls, spec) -> None:

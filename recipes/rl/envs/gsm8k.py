@@ -15,8 +15,10 @@ from prefect_tinker.recipes.rl.types import RLDataset
 __all__ = ["GSM8K", "GSM8KEnv", "GSM8K_SUFFIX"]
 
 GSM8K_SUFFIX = " Solve it step by step, then give the final answer as a number on the last line, as '#### <number>'."
-GSM8K_SHOT = ({"role": "user", "content": "Tom has 3 apples and buys 4 more. How many apples does he have?" + GSM8K_SUFFIX},
-              {"role": "assistant", "content": "He has 3 + 4 = 7 apples.\n#### 7"})
+GSM8K_SHOT = (
+    {"role": "user", "content": "Tom has 3 apples and buys 4 more. How many apples does he have?" + GSM8K_SUFFIX},
+    {"role": "assistant", "content": "He has 3 + 4 = 7 apples.\n#### 7"},
+)
 
 
 class GSM8KEnv(ProblemEnv):
@@ -44,7 +46,13 @@ class GSM8K(Environment):
     def build(cls, spec, ctx: EnvContext) -> RLDataset:
         source = spec.dataset or "openai/gsm8k"
         config = spec.dataset_config or ("main" if source == "openai/gsm8k" else None)
-        problems = load_problems(source, question_field="question", answer_field="answer", split=spec.split,
-                                 config_name=config, max_problems=spec.max_problems)
+        problems = load_problems(
+            source,
+            question_field="question",
+            answer_field="answer",
+            split=spec.split,
+            config_name=config,
+            max_problems=spec.max_problems,
+        )
         make = problem_builder(GSM8KEnv, spec, ctx, GSM8K_SHOT, GSM8K_SUFFIX, cls.name)
         return ProblemDataset(problems, ctx.groups_per_batch, make, ctx.seed)

@@ -59,8 +59,10 @@ class GuessNumberEnv(MessageEnv):
     outcome_metrics = ("correct",)
 
     def __init__(self, renderer: Any, secret: int, low: int, high: int, **kw: Any):
-        intro = (f"I am thinking of an integer between {low} and {high}. Guess it. Reply with your guess as a "
-                 "number only; I will tell you whether my number is higher or lower.")
+        intro = (
+            f"I am thinking of an integer between {low} and {high}. Guess it. Reply with your guess as a "
+            "number only; I will tell you whether my number is higher or lower."
+        )
         super().__init__(renderer, [{"role": "user", "content": intro}], **kw)
         self.secret, self.low, self.high, self.invalid = secret, low, high, 0
 
@@ -78,10 +80,18 @@ class GuessNumberEnv(MessageEnv):
         return Reaction([{"role": "user", "content": text}])
 
     def _result(self, found: bool) -> Reaction:
-        metrics = {"correct": float(found), "guesses": float(self.turns), "invalid_guesses": float(self.invalid),
-                   "max_turns_reached": float(not found)}
-        return Reaction(done=True, reward=float(found), metrics=metrics,
-                        logs={"reference": str(self.secret), "end": "found" if found else "max_turns"})
+        metrics = {
+            "correct": float(found),
+            "guesses": float(self.turns),
+            "invalid_guesses": float(self.invalid),
+            "max_turns_reached": float(not found),
+        }
+        return Reaction(
+            done=True,
+            reward=float(found),
+            metrics=metrics,
+            logs={"reference": str(self.secret), "end": "found" if found else "max_turns"},
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,8 +117,15 @@ class GuessNumber(Environment):
 
         def make(batch: int, group: int) -> GuessNumberBuilder:
             secret = int(problem_rng(ctx.seed, batch, group).integers(opts.low, opts.high + 1))
-            return GuessNumberBuilder(secret=secret, low=opts.low, high=opts.high, group_size=ctx.group_size,
-                                      renderer_name=ctx.renderer_name, tokenizer_id=ctx.tokenizer_id,
-                                      limits=opts.limits(), tags=(cls.name,))
+            return GuessNumberBuilder(
+                secret=secret,
+                low=opts.low,
+                high=opts.high,
+                group_size=ctx.group_size,
+                renderer_name=ctx.renderer_name,
+                tokenizer_id=ctx.tokenizer_id,
+                limits=opts.limits(),
+                tags=(cls.name,),
+            )
 
         return GeneratedDataset(ctx.groups_per_batch, make)

@@ -40,13 +40,22 @@ from prefect_tinker.recipes.sandbox import last_code_block, load_code_problems, 
 
 __all__ = ["CodeProblem", "HumanEval", "HumanEvalBuilder", "HumanEvalEnv", "HumanEvalOptions", "code_question"]
 
-CODE_INSTRUCTION = ("Complete the following Python function. Reply with the whole function, signature included, "
-                    "in a single ```python code block.")
+CODE_INSTRUCTION = (
+    "Complete the following Python function. Reply with the whole function, signature included, "
+    "in a single ```python code block."
+)
 
 
 class HumanEvalOptions(MessageEnvOptions):
-    max_turns: int = Field(default=1, ge=1, le=32, description="Attempts: after a failure the test output comes back and the model tries again.")
-    timeout_s: float = Field(default=10.0, gt=0, le=120, description="Wall-time limit of one test run in the sandbox, seconds.")
+    max_turns: int = Field(
+        default=1,
+        ge=1,
+        le=32,
+        description="Attempts: after a failure the test output comes back and the model tries again.",
+    )
+    timeout_s: float = Field(
+        default=10.0, gt=0, le=120, description="Wall-time limit of one test run in the sandbox, seconds."
+    )
     feedback_chars: int = Field(default=600, ge=0, description="Most characters of failure detail shown to the model.")
 
 
@@ -71,8 +80,17 @@ class HumanEvalEnv(MessageEnv):
 
     outcome_metrics = ("all_passed", "correct", "format")
 
-    def __init__(self, renderer: Any, messages: list[dict], problem: CodeProblem, *, format_coef: float,
-                 timeout_s: float, feedback_chars: int, **kw: Any):
+    def __init__(
+        self,
+        renderer: Any,
+        messages: list[dict],
+        problem: CodeProblem,
+        *,
+        format_coef: float,
+        timeout_s: float,
+        feedback_chars: int,
+        **kw: Any,
+    ):
         super().__init__(renderer, messages, **kw)
         self.problem, self.format_coef = problem, float(format_coef)
         self.timeout_s, self.feedback_chars = float(timeout_s), int(feedback_chars)
@@ -83,18 +101,33 @@ class HumanEvalEnv(MessageEnv):
         if code is None:
             passed, detail = False, "your reply has no ```python code block"
         else:
-            result = run_tests(solution_program(p.prompt, code, p.entry_point), p.tests, p.entry_point,
-                               timeout=self.timeout_s)
-            passed, detail = result.passed, result.detail or result.sandbox.stderr[-self.feedback_chars:]
+            result = run_tests(
+                solution_program(p.prompt, code, p.entry_point), p.tests, p.entry_point, timeout=self.timeout_s
+            )
+            passed, detail = result.passed, result.detail or result.sandbox.stderr[-self.feedback_chars :]
         format_ok = code is not None
         if not passed and self.turns < self.limits.max_turns:
-            note = detail[-self.feedback_chars:] if self.feedback_chars else ""
-            return Reaction([{"role": "user", "content": f"The tests failed: {note}\nReply with the corrected "
-                                                          "function in a single ```python code block."}])
-        return Reaction(done=True, reward=float(passed) + self.format_coef * (float(format_ok) - 1.0),
-                        metrics={"all_passed": float(passed), "correct": float(passed), "format": float(format_ok),
-                                 "attempts": float(self.turns)},
-                        logs={"problem_id": p.id, "detail": detail[:300]})
+            note = detail[-self.feedback_chars :] if self.feedback_chars else ""
+            return Reaction(
+                [
+                    {
+                        "role": "user",
+                        "content": f"The tests failed: {note}\nReply with the corrected "
+                        "function in a single ```python code block.",
+                    }
+                ]
+            )
+        return Reaction(
+            done=True,
+            reward=float(passed) + self.format_coef * (float(format_ok) - 1.0),
+            metrics={
+                "all_passed": float(passed),
+                "correct": float(passed),
+                "format": float(format_ok),
+                "attempts": float(self.turns),
+            },
+            logs={"problem_id": p.id, "detail": detail[:300]},
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,8 +141,15 @@ class HumanEvalBuilder(MessageGroupBuilder):
 
     def make_env(self, renderer: Any) -> HumanEvalEnv:
         messages = thaw(self.prefix) + [{"role": "user", "content": code_question(self.problem.prompt)}]
-        return HumanEvalEnv(renderer, messages, self.problem, format_coef=self.format_coef, timeout_s=self.timeout_s,
-                            feedback_chars=self.feedback_chars, limits=self.limits)
+        return HumanEvalEnv(
+            renderer,
+            messages,
+            self.problem,
+            format_coef=self.format_coef,
+            timeout_s=self.timeout_s,
+            feedback_chars=self.feedback_chars,
+            limits=self.limits,
+        )
 
 
 @register_env
@@ -121,8 +161,10 @@ class HumanEval(Environment):
     @classmethod
     def check(cls, spec) -> None:
         if not spec.dataset:
-            raise ValueError("env 'humaneval' needs dataset=<JSONL(.gz) of {prompt, tests, entry_point}>, "
-                             "e.g. HumanEval's data/HumanEval.jsonl.gz")
+            raise ValueError(
+                "env 'humaneval' needs dataset=<JSONL(.gz) of {prompt, tests, entry_point}>, "
+                "e.g. HumanEval's data/HumanEval.jsonl.gz"
+            )
 
     @classmethod
     def preflight(cls, spec) -> None:
@@ -136,9 +178,17 @@ class HumanEval(Environment):
         prefix = freeze([{"role": "system", "content": spec.system_prompt}] if spec.system_prompt else [])
 
         def make(problem: CodeProblem) -> HumanEvalBuilder:
-            return HumanEvalBuilder(problem=problem, prefix=prefix, format_coef=spec.format_coef, timeout_s=opts.timeout_s,
-                                    feedback_chars=opts.feedback_chars, group_size=ctx.group_size,
-                                    renderer_name=ctx.renderer_name, tokenizer_id=ctx.tokenizer_id,
-                                    limits=opts.limits(), tags=(cls.name,))
+            return HumanEvalBuilder(
+                problem=problem,
+                prefix=prefix,
+                format_coef=spec.format_coef,
+                timeout_s=opts.timeout_s,
+                feedback_chars=opts.feedback_chars,
+                group_size=ctx.group_size,
+                renderer_name=ctx.renderer_name,
+                tokenizer_id=ctx.tokenizer_id,
+                limits=opts.limits(),
+                tags=(cls.name,),
+            )
 
         return ProblemDataset(problems, ctx.groups_per_batch, make, ctx.seed)

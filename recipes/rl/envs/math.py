@@ -24,8 +24,10 @@ MATH_SUFFIX = " Write the final answer inside \\boxed{}."
 
 
 def _shot(suffix: str) -> tuple[dict, dict]:
-    return ({"role": "user", "content": "What is 1/2 + 1/4?" + suffix},
-            {"role": "assistant", "content": "1/2 + 1/4 = 3/4, so the answer is \\boxed{\\frac{3}{4}}.\n#### 3/4"})
+    return (
+        {"role": "user", "content": "What is 1/2 + 1/4?" + suffix},
+        {"role": "assistant", "content": "1/2 + 1/4 = 3/4, so the answer is \\boxed{\\frac{3}{4}}.\n#### 3/4"},
+    )
 
 
 class MathEnv(ProblemEnv):
@@ -57,36 +59,49 @@ class MathOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     question_field: str = Field(default="question", description="Record field holding the problem text.")
     answer_field: str = Field(default="answer", description="Record field holding the reference answer.")
-    answer_style: Literal["boxed", "hash", "any"] = Field(default="boxed",
-                                                          description="Where replies state the answer.")
+    answer_style: Literal["boxed", "hash", "any"] = Field(
+        default="boxed", description="Where replies state the answer."
+    )
 
 
 @register_env
 class Math(Environment):
     name = "math"
-    description = ("Any JSONL/dataset of problems (env_options.question_field, answer_field); graded on \\boxed{} "
-                   "(answer_style).")
+    description = (
+        "Any JSONL/dataset of problems (env_options.question_field, answer_field); graded on \\boxed{} (answer_style)."
+    )
     Options = MathOptions
 
     @classmethod
     def check(cls, spec) -> None:
         if not spec.dataset:
-            raise ValueError("env 'math' needs dataset=<JSONL path or dataset id> "
-                             "(and env_options.question_field/answer_field)")
+            raise ValueError(
+                "env 'math' needs dataset=<JSONL path or dataset id> (and env_options.question_field/answer_field)"
+            )
 
     @classmethod
     def preflight(cls, spec) -> None:
         if looks_local(spec.dataset):
             opts = cls.options(spec)
-            load_problems(spec.dataset, question_field=opts.question_field, answer_field=opts.answer_field,
-                          max_problems=spec.max_problems)
+            load_problems(
+                spec.dataset,
+                question_field=opts.question_field,
+                answer_field=opts.answer_field,
+                max_problems=spec.max_problems,
+            )
 
     @classmethod
     def build(cls, spec, ctx: EnvContext) -> RLDataset:
         cls.check(spec)
         opts = cls.options(spec)
         suffix = MATH_SUFFIX if opts.answer_style == "boxed" else GSM8K_SUFFIX
-        problems = load_problems(spec.dataset, question_field=opts.question_field, answer_field=opts.answer_field,
-                                 split=spec.split, config_name=spec.dataset_config, max_problems=spec.max_problems)
+        problems = load_problems(
+            spec.dataset,
+            question_field=opts.question_field,
+            answer_field=opts.answer_field,
+            split=spec.split,
+            config_name=spec.dataset_config,
+            max_problems=spec.max_problems,
+        )
         make = problem_builder(_STYLES[opts.answer_style], spec, ctx, _shot(suffix), suffix, cls.name)
         return ProblemDataset(problems, ctx.groups_per_batch, make, ctx.seed)

@@ -54,19 +54,114 @@ from prefect_tinker.recipes.rl.message_env import (
 )
 from prefect_tinker.recipes.rl.types import RLDataset
 
-__all__ = ["DEFAULT_WORDS", "NumericsCheck", "NumericsCheckBuilder", "NumericsCheckEnv", "NumericsCheckOptions",
-           "closeness_reward", "count_word", "generated_text", "parse_count"]
+__all__ = [
+    "DEFAULT_WORDS",
+    "NumericsCheck",
+    "NumericsCheckBuilder",
+    "NumericsCheckEnv",
+    "NumericsCheckOptions",
+    "closeness_reward",
+    "count_word",
+    "generated_text",
+    "parse_count",
+]
 
 #: Words to count: common function words with a steady rate in English text.
-DEFAULT_WORDS: tuple[str, ...] = ("after", "before", "between", "during", "into", "many", "most", "only", "over",
-                                  "such", "their", "then", "through", "under", "until", "when", "while")
+DEFAULT_WORDS: tuple[str, ...] = (
+    "after",
+    "before",
+    "between",
+    "during",
+    "into",
+    "many",
+    "most",
+    "only",
+    "over",
+    "such",
+    "their",
+    "then",
+    "through",
+    "under",
+    "until",
+    "when",
+    "while",
+)
 
-_FILLER = ("the", "of", "and", "a", "to", "in", "was", "is", "for", "on", "as", "with", "by", "he", "it", "at",
-           "from", "his", "an", "were", "are", "which", "this", "also", "be", "or", "had", "first", "one",
-           "new", "two", "its", "has", "other", "city", "war", "album", "river", "team", "year", "game",
-           "church", "season", "film", "school", "station", "village", "king", "army", "world", "party")
-_NOUNS = ("city", "river", "song", "army", "court", "valley", "bridge", "museum", "harbour", "council", "novel",
-          "station", "forest", "castle", "league", "record", "company", "island", "temple", "festival")
+_FILLER = (
+    "the",
+    "of",
+    "and",
+    "a",
+    "to",
+    "in",
+    "was",
+    "is",
+    "for",
+    "on",
+    "as",
+    "with",
+    "by",
+    "he",
+    "it",
+    "at",
+    "from",
+    "his",
+    "an",
+    "were",
+    "are",
+    "which",
+    "this",
+    "also",
+    "be",
+    "or",
+    "had",
+    "first",
+    "one",
+    "new",
+    "two",
+    "its",
+    "has",
+    "other",
+    "city",
+    "war",
+    "album",
+    "river",
+    "team",
+    "year",
+    "game",
+    "church",
+    "season",
+    "film",
+    "school",
+    "station",
+    "village",
+    "king",
+    "army",
+    "world",
+    "party",
+)
+_NOUNS = (
+    "city",
+    "river",
+    "song",
+    "army",
+    "court",
+    "valley",
+    "bridge",
+    "museum",
+    "harbour",
+    "council",
+    "novel",
+    "station",
+    "forest",
+    "castle",
+    "league",
+    "record",
+    "company",
+    "island",
+    "temple",
+    "festival",
+)
 _WORD = re.compile(r"[a-z]+")
 _ANSWER = re.compile(r"answer\s*:\s*\**\s*(-?\d[\d,]*)", re.IGNORECASE)
 
@@ -121,18 +216,24 @@ class NumericsCheckOptions(MessageEnvOptions):
     an option here)."""
 
     num_pages_min: int = Field(default=8, ge=1, le=EPISODE_TURNS_LIMIT - 1, description="Fewest pages of a document.")
-    num_pages_max: int = Field(default=12, ge=1, le=EPISODE_TURNS_LIMIT - 1,
-                               description="Most pages of a document (turns = pages + 1).")
+    num_pages_max: int = Field(
+        default=12, ge=1, le=EPISODE_TURNS_LIMIT - 1, description="Most pages of a document (turns = pages + 1)."
+    )
     page_words: int = Field(default=150, ge=1, description="Words per page.")
-    words: tuple[str, ...] = Field(default=DEFAULT_WORDS, min_length=1,
-                                   description="Words to count (one per problem, drawn at random).")
-    corpus: str | None = Field(default=None,
-                               description="UTF-8 text file the pages are cut from (default: generated text).")
-    reward_tolerance: float = Field(default=0.2, gt=0,
-                                    description="Relative count error at which the reward reaches 0.")
+    words: tuple[str, ...] = Field(
+        default=DEFAULT_WORDS, min_length=1, description="Words to count (one per problem, drawn at random)."
+    )
+    corpus: str | None = Field(
+        default=None, description="UTF-8 text file the pages are cut from (default: generated text)."
+    )
+    reward_tolerance: float = Field(
+        default=0.2, gt=0, description="Relative count error at which the reward reaches 0."
+    )
     max_trajectory_tokens: int = Field(
-        default=32768, ge=8,
-        description="Longest observation (tokens); a longer episode ends with context_overflow_reward.")
+        default=32768,
+        ge=8,
+        description="Longest observation (tokens); a longer episode ends with context_overflow_reward.",
+    )
 
     @field_validator("words")
     @classmethod
@@ -158,8 +259,9 @@ class NumericsCheckOptions(MessageEnvOptions):
         return self
 
     def limits(self) -> EpisodeLimits:
-        return EpisodeLimits(self.num_pages_max + 1, self.max_trajectory_tokens, self.failed_parse_reward,
-                             self.context_overflow_reward)
+        return EpisodeLimits(
+            self.num_pages_max + 1, self.max_trajectory_tokens, self.failed_parse_reward, self.context_overflow_reward
+        )
 
 
 class NumericsCheckEnv(MessageEnv):
@@ -170,10 +272,12 @@ class NumericsCheckEnv(MessageEnv):
 
     def __init__(self, renderer: Any, word: str, pages: tuple[str, ...], tolerance: float, **kw: Any):
         n = len(pages)
-        intro = (f'Count how many times the word "{word}" appears in a document of {n} pages. Matching is '
-                 "case-insensitive and counts whole words only. I will show you one page per message; reply with "
-                 "your running count after each page. When I ask for the total, end your reply with "
-                 f'"Answer: <count>".\n\n[Page 1 of {n}]\n{pages[0]}')
+        intro = (
+            f'Count how many times the word "{word}" appears in a document of {n} pages. Matching is '
+            "case-insensitive and counts whole words only. I will show you one page per message; reply with "
+            "your running count after each page. When I ask for the total, end your reply with "
+            f'"Answer: <count>".\n\n[Page 1 of {n}]\n{pages[0]}'
+        )
         super().__init__(renderer, [{"role": "user", "content": intro}], **kw)
         self.word, self.pages, self.tolerance = word, pages, tolerance
         self.true_count = sum(count_word(p, word) for p in pages)
@@ -183,14 +287,25 @@ class NumericsCheckEnv(MessageEnv):
         if self.turns < n:
             return Reaction([{"role": "user", "content": f"[Page {self.turns + 1} of {n}]\n{self.pages[self.turns]}"}])
         if self.turns == n:
-            return Reaction([{"role": "user", "content": f'That was the last page. How many times does "{self.word}" '
-                                                         'appear in the document? End with "Answer: <count>".'}])
+            return Reaction(
+                [
+                    {
+                        "role": "user",
+                        "content": f'That was the last page. How many times does "{self.word}" '
+                        'appear in the document? End with "Answer: <count>".',
+                    }
+                ]
+            )
         return self.finish(reply)
 
     def finish(self, reply: dict) -> Reaction:
         predicted = parse_count(reply.get("content") or "")
-        metrics = {"answer_parsed": float(predicted is not None), "true_count": float(self.true_count),
-                   "pages": float(len(self.pages)), "correct": float(predicted == self.true_count)}
+        metrics = {
+            "answer_parsed": float(predicted is not None),
+            "true_count": float(self.true_count),
+            "pages": float(len(self.pages)),
+            "correct": float(predicted == self.true_count),
+        }
         if predicted is not None:
             metrics["abs_error"] = float(abs(predicted - self.true_count))
         reward = closeness_reward(predicted, self.true_count, self.tolerance) if predicted is not None else 0.0
@@ -212,8 +327,10 @@ class NumericsCheckBuilder(MessageGroupBuilder):
 @register_env
 class NumericsCheck(Environment):
     name = "numerics_check"
-    description = ("Numerics health check: long multi-turn documents read page by page (count a word); watch "
-                   "train/kl_sample_train_v1/v2.")
+    description = (
+        "Numerics health check: long multi-turn documents read page by page (count a word); watch "
+        "train/kl_sample_train_v1/v2."
+    )
     Options = NumericsCheckOptions
 
     @classmethod
@@ -229,14 +346,23 @@ class NumericsCheck(Environment):
             if corpus is None:
                 text = generated_text(rng, total, opts.words)
             elif len(corpus) < total:
-                raise ValueError(f"corpus {opts.corpus!r} has {len(corpus)} words; a document of {n} pages of "
-                                 f"{opts.page_words} words needs {total}")
+                raise ValueError(
+                    f"corpus {opts.corpus!r} has {len(corpus)} words; a document of {n} pages of "
+                    f"{opts.page_words} words needs {total}"
+                )
             else:
                 start = int(rng.integers(len(corpus) - total + 1))
-                text = list(corpus[start:start + total])
-            pages = tuple(" ".join(text[i * opts.page_words:(i + 1) * opts.page_words]) for i in range(n))
-            return NumericsCheckBuilder(word=word, pages=pages, tolerance=opts.reward_tolerance,
-                                        group_size=ctx.group_size, renderer_name=ctx.renderer_name,
-                                        tokenizer_id=ctx.tokenizer_id, limits=opts.limits(), tags=(cls.name,))
+                text = list(corpus[start : start + total])
+            pages = tuple(" ".join(text[i * opts.page_words : (i + 1) * opts.page_words]) for i in range(n))
+            return NumericsCheckBuilder(
+                word=word,
+                pages=pages,
+                tolerance=opts.reward_tolerance,
+                group_size=ctx.group_size,
+                renderer_name=ctx.renderer_name,
+                tokenizer_id=ctx.tokenizer_id,
+                limits=opts.limits(),
+                tags=(cls.name,),
+            )
 
         return GeneratedDataset(ctx.groups_per_batch, make)

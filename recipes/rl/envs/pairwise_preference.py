@@ -47,8 +47,15 @@ from prefect_tinker.recipes.rl.envs import EnvContext, Environment, register_env
 from prefect_tinker.recipes.rl.problem_env import ProblemDataset, freeze_messages, load_renderer
 from prefect_tinker.recipes.rl.types import Env, EnvGroupBuilder, RLDataset, RolloutContext, StepResult, Trajectory
 
-__all__ = ["PairwisePreference", "PairwisePreferenceOptions", "PreferenceEnv", "PreferenceGroupBuilder",
-           "PreferencePrompt", "RewardModelRef", "load_preference_prompts"]
+__all__ = [
+    "PairwisePreference",
+    "PairwisePreferenceOptions",
+    "PreferenceEnv",
+    "PreferenceGroupBuilder",
+    "PreferencePrompt",
+    "RewardModelRef",
+    "load_preference_prompts",
+]
 
 
 class PairwisePreferenceOptions(BaseModel):
@@ -56,17 +63,34 @@ class PairwisePreferenceOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    reward_model: str | None = Field(default=None, description="Reward model sampler weights: tinker://.../sampler_weights/... (a reward_model run) or base:<model>.")
-    matchup_size: int | None = Field(default=None, ge=2, description="Matchups within chunks of this many members (None: all pairs of the group).")
-    format: Literal["preference", "dialogue", "hh"] = Field(default="preference", description="Record format of the prompts' dataset.")
-    fields: dict[str, str] = Field(default_factory=dict, description="Field mapping of the dataset (prompt, chosen, rejected).")
+    reward_model: str | None = Field(
+        default=None,
+        description="Reward model sampler weights: tinker://.../sampler_weights/... (a reward_model run) or base:<model>.",
+    )
+    matchup_size: int | None = Field(
+        default=None, ge=2, description="Matchups within chunks of this many members (None: all pairs of the group)."
+    )
+    format: Literal["preference", "dialogue", "hh"] = Field(
+        default="preference", description="Record format of the prompts' dataset."
+    )
+    fields: dict[str, str] = Field(
+        default_factory=dict, description="Field mapping of the dataset (prompt, chosen, rejected)."
+    )
     question: str = Field(default=DEFAULT_QUESTION, description="The question the reward model was trained with.")
     labels: tuple[str, str] = Field(default=("A", "B"), description="The labels the reward model was trained with.")
-    reward_renderer: str | None = Field(default=None, description="Renderer of the reward model (default the policy's).")
-    reward_tokenizer: str | None = Field(default=None, description="Tokenizer of the reward model (default the policy's).")
+    reward_renderer: str | None = Field(
+        default=None, description="Renderer of the reward model (default the policy's)."
+    )
+    reward_tokenizer: str | None = Field(
+        default=None, description="Tokenizer of the reward model (default the policy's)."
+    )
     max_prompt_tokens: int = Field(default=512, ge=8, description="Leave out prompts longer than this (policy tokens).")
-    test_prompts: int = Field(default=16, ge=0, description="Prompts held out for the win-rate evaluator (0 = no evaluator).")
-    win_rate_reference: str | None = Field(default=None, description="Sampler weights the win rate is measured against (default the run's step-0 sampler).")
+    test_prompts: int = Field(
+        default=16, ge=0, description="Prompts held out for the win-rate evaluator (0 = no evaluator)."
+    )
+    win_rate_reference: str | None = Field(
+        default=None, description="Sampler weights the win rate is measured against (default the run's step-0 sampler)."
+    )
 
 
 @dataclass(frozen=True)
@@ -105,8 +129,11 @@ class PreferenceEnv(Env):
 
     def step(self, action: list[int]) -> StepResult:
         parsed = self.renderer.parse_response(action)
-        return StepResult(reward=0.0, episode_done=True,
-                          logs={"response": parsed.message.get("content") or "", "termination": parsed.termination.value})
+        return StepResult(
+            reward=0.0,
+            episode_done=True,
+            logs={"response": parsed.message.get("content") or "", "termination": parsed.termination.value},
+        )
 
 
 @dataclass(frozen=True)
@@ -138,8 +165,10 @@ class PreferenceGroupBuilder(EnvGroupBuilder):
         return out
 
     def compute_group_rewards(self, trajectories_G):
-        raise RuntimeError("pairwise_preference: group rewards need a reward model client; they are computed in a "
-                           "rollout (compute_group_rewards_in, RolloutContext.pair_preferences)")
+        raise RuntimeError(
+            "pairwise_preference: group rewards need a reward model client; they are computed in a "
+            "rollout (compute_group_rewards_in, RolloutContext.pair_preferences)"
+        )
 
     def compute_group_rewards_in(self, ctx: RolloutContext, trajectories_G):
         replies = self.replies(list(trajectories_G))
@@ -147,13 +176,19 @@ class PreferenceGroupBuilder(EnvGroupBuilder):
         rend = load_renderer(self.reward.renderer_name, self.reward.tokenizer_id)
         fmt, prompt = self.reward.format(), self.prompt.as_messages()
         labels = label_token_ids(rend, fmt.labels)
-        rendered = [(render_comparison(rend, prompt, replies[i][0], replies[j][0], fmt, labels),
-                     render_comparison(rend, prompt, replies[j][0], replies[i][0], fmt, labels)) for i, j in pairs]
+        rendered = [
+            (
+                render_comparison(rend, prompt, replies[i][0], replies[j][0], fmt, labels),
+                render_comparison(rend, prompt, replies[j][0], replies[i][0], fmt, labels),
+            )
+            for i, j in pairs
+        ]
         scores = [2.0 * p - 1.0 for p in ctx.pair_preferences(self.reward.path, rendered)]
         return self.rewards_from_scores(replies, pairs, scores)
 
-    def rewards_from_scores(self, replies: list[tuple[str, bool]], pairs: list[tuple[int, int]],
-                            scores: list[float]) -> list[tuple[float, dict[str, float]]]:
+    def rewards_from_scores(
+        self, replies: list[tuple[str, bool]], pairs: list[tuple[int, int]], scores: list[float]
+    ) -> list[tuple[float, dict[str, float]]]:
         """Group rewards and metrics from the matchup scores (``d`` in [-1, 1] per pair ``(i, j)``,
         positive when ``j`` is better)."""
         wml = win_minus_loss(len(replies), pairs, scores)
@@ -165,9 +200,17 @@ class PreferenceGroupBuilder(EnvGroupBuilder):
         return list(self.tags)
 
 
-def load_preference_prompts(dataset: str, *, format: str = "preference", fields: dict[str, str] | None = None,
-                            split: str = "train", max_records: int | None = None, system_prompt: str | None = None,
-                            renderer: Any = None, max_prompt_tokens: int | None = None) -> list[PreferencePrompt]:
+def load_preference_prompts(
+    dataset: str,
+    *,
+    format: str = "preference",
+    fields: dict[str, str] | None = None,
+    split: str = "train",
+    max_records: int | None = None,
+    system_prompt: str | None = None,
+    renderer: Any = None,
+    max_prompt_tokens: int | None = None,
+) -> list[PreferencePrompt]:
     """The distinct shared prompts of a comparison dataset that end with a user turn (and, with
     ``renderer``, render to at most ``max_prompt_tokens`` tokens), in file order.
 
@@ -193,14 +236,20 @@ def load_preference_prompts(dataset: str, *, format: str = "preference", fields:
         if not prompt or prompt[-1].get("role") != "user" or key in seen:
             left_out += 1
             continue
-        if renderer is not None and max_prompt_tokens and renderer.build_generation_prompt(prompt).length > max_prompt_tokens:
+        if (
+            renderer is not None
+            and max_prompt_tokens
+            and renderer.build_generation_prompt(prompt).length > max_prompt_tokens
+        ):
             left_out += 1
             continue
         seen.add(key)
         out.append(PreferencePrompt(freeze_messages(prompt), raw.where))
     if not out:
-        raise ValueError(f"{dataset}: no usable prompt ({left_out} left out: not ending with a user turn, repeated, "
-                         f"or longer than max_prompt_tokens={max_prompt_tokens})")
+        raise ValueError(
+            f"{dataset}: no usable prompt ({left_out} left out: not ending with a user turn, repeated, "
+            f"or longer than max_prompt_tokens={max_prompt_tokens})"
+        )
     return out
 
 
@@ -211,9 +260,15 @@ def _split_prompts(spec_json: str, renderer_name: str, tokenizer_id: str, seed: 
     s = json.loads(spec_json)
     opts = s["opts"]
     prompts = load_preference_prompts(
-        s["dataset"], format=opts["format"], fields=opts["fields"], split=s["split"], max_records=s["max_problems"],
-        system_prompt=s["system_prompt"], renderer=load_renderer(renderer_name, tokenizer_id),
-        max_prompt_tokens=opts["max_prompt_tokens"])
+        s["dataset"],
+        format=opts["format"],
+        fields=opts["fields"],
+        split=s["split"],
+        max_records=s["max_problems"],
+        system_prompt=s["system_prompt"],
+        renderer=load_renderer(renderer_name, tokenizer_id),
+        max_prompt_tokens=opts["max_prompt_tokens"],
+    )
     n_test = opts["test_prompts"]
     if n_test and n_test >= len(prompts):
         raise ValueError(f"env_options.test_prompts={n_test} leaves no training prompt out of {len(prompts)}")
@@ -234,11 +289,15 @@ class PairwisePreference(Environment):
         if not spec.dataset and not later:
             raise ValueError("env 'pairwise_preference' needs dataset=<comparisons JSONL or dataset id> (its prompts)")
         if opts.reward_model is None and not later:
-            raise ValueError("env 'pairwise_preference' needs env_options.reward_model=tinker://.../sampler_weights/... "
-                             "(the sampler weights of a reward_model run)")
+            raise ValueError(
+                "env 'pairwise_preference' needs env_options.reward_model=tinker://.../sampler_weights/... "
+                "(the sampler weights of a reward_model run)"
+            )
         path = opts.reward_model or ""
         if path and not (path.startswith("base:") or (path.startswith("tinker://") and "/sampler_weights/" in path)):
-            raise ValueError(f"env_options.reward_model must be tinker://.../sampler_weights/... or base:<model>, got {path!r}")
+            raise ValueError(
+                f"env_options.reward_model must be tinker://.../sampler_weights/... or base:<model>, got {path!r}"
+            )
 
     @classmethod
     def preflight(cls, spec) -> None:
@@ -250,8 +309,14 @@ class PairwisePreference(Environment):
 
         opts = cls.options(spec)
         if spec.dataset and Path(resolve_source_path(spec.dataset)).expanduser().exists():
-            load_preference_prompts(spec.dataset, format=opts.format, fields=opts.fields, split=spec.split,
-                                    max_records=spec.max_problems, system_prompt=spec.system_prompt)
+            load_preference_prompts(
+                spec.dataset,
+                format=opts.format,
+                fields=opts.fields,
+                split=spec.split,
+                max_records=spec.max_problems,
+                system_prompt=spec.system_prompt,
+            )
 
     @classmethod
     def _prompts(cls, spec, ctx: EnvContext):
@@ -260,22 +325,38 @@ class PairwisePreference(Environment):
             raise ValueError("env 'pairwise_preference' needs dataset=... and env_options.reward_model=...")
         from prefect_tinker.recipes.data_reading import source_fingerprint
 
-        body = {"dataset": spec.dataset, "content": source_fingerprint(spec.dataset), "split": spec.split,
-                "max_problems": spec.max_problems,
-                "system_prompt": spec.system_prompt, "opts": opts.model_dump(mode="json")}
+        body = {
+            "dataset": spec.dataset,
+            "content": source_fingerprint(spec.dataset),
+            "split": spec.split,
+            "max_problems": spec.max_problems,
+            "system_prompt": spec.system_prompt,
+            "opts": opts.model_dump(mode="json"),
+        }
         return opts, _split_prompts(json.dumps(body, sort_keys=True), ctx.renderer_name, ctx.tokenizer_id, ctx.seed)
 
     @classmethod
     def reward_ref(cls, opts: PairwisePreferenceOptions, ctx: EnvContext) -> RewardModelRef:
-        return RewardModelRef(opts.reward_model, opts.reward_renderer or ctx.renderer_name,
-                              opts.reward_tokenizer or ctx.tokenizer_id, opts.question, tuple(opts.labels))
+        return RewardModelRef(
+            opts.reward_model,
+            opts.reward_renderer or ctx.renderer_name,
+            opts.reward_tokenizer or ctx.tokenizer_id,
+            opts.question,
+            tuple(opts.labels),
+        )
 
     @classmethod
     def build(cls, spec, ctx: EnvContext) -> RLDataset:
         opts, (train, _) = cls._prompts(spec, ctx)
-        make = partial(PreferenceGroupBuilder, group_size=ctx.group_size, renderer_name=ctx.renderer_name,
-                       tokenizer_id=ctx.tokenizer_id, reward=cls.reward_ref(opts, ctx), matchup_size=opts.matchup_size,
-                       format_coef=spec.format_coef)
+        make = partial(
+            PreferenceGroupBuilder,
+            group_size=ctx.group_size,
+            renderer_name=ctx.renderer_name,
+            tokenizer_id=ctx.tokenizer_id,
+            reward=cls.reward_ref(opts, ctx),
+            matchup_size=opts.matchup_size,
+            format_coef=spec.format_coef,
+        )
         return ProblemDataset(train, ctx.groups_per_batch, make, ctx.seed)
 
     @classmethod
@@ -285,7 +366,18 @@ class PairwisePreference(Environment):
         if not test or not reference or ctx.win_rate_evaluator is None:
             return []
         ref = cls.reward_ref(opts, ctx)
-        return [ctx.win_rate_evaluator([p.as_messages() for p in test], reference, ref.path, renderer_name=ctx.renderer_name,
-                                 tokenizer_id=ctx.tokenizer_id, fmt=ref.format(), reward_renderer=ref.renderer_name,
-                                 reward_tokenizer=ref.tokenizer_id, max_tokens=getattr(spec, "max_tokens", 64),
-                                 temperature=getattr(spec, "temperature", 1.0), seed=ctx.seed)]
+        return [
+            ctx.win_rate_evaluator(
+                [p.as_messages() for p in test],
+                reference,
+                ref.path,
+                renderer_name=ctx.renderer_name,
+                tokenizer_id=ctx.tokenizer_id,
+                fmt=ref.format(),
+                reward_renderer=ref.renderer_name,
+                reward_tokenizer=ref.tokenizer_id,
+                max_tokens=getattr(spec, "max_tokens", 64),
+                temperature=getattr(spec, "temperature", 1.0),
+                seed=ctx.seed,
+            )
+        ]

@@ -19,8 +19,13 @@ def _reference(raw: str) -> str:
 
 
 def load_problems(
-    source: str, *, question_field: str = "question", answer_field: str = "answer", split: str = "train",
-    config_name: str | None = None, max_problems: int | None = None,
+    source: str,
+    *,
+    question_field: str = "question",
+    answer_field: str = "answer",
+    split: str = "train",
+    config_name: str | None = None,
+    max_problems: int | None = None,
 ) -> list[Problem]:
     """Problems from a JSONL file (optionally gzipped) or a Hugging Face dataset.
 
@@ -69,7 +74,13 @@ def convo_prefix(spec: Any, shot: Sequence[dict]) -> list[dict]:
 def problem_builder(env_cls: type, spec: Any, ctx: Any, shot: Sequence[dict], suffix: str, tag: str):
     """``problem -> ProblemGroupBuilder`` for ``env_cls`` with the spec's prompt settings."""
     return partial(
-        ProblemGroupBuilder, env_cls, group_size=ctx.group_size, renderer_name=ctx.renderer_name,
-        tokenizer_id=ctx.tokenizer_id, format_coef=spec.format_coef,
-        convo_prefix=freeze_messages(convo_prefix(spec, shot)), question_suffix=suffix, tags=(tag,),
+        ProblemGroupBuilder,
+        env_cls,
+        group_size=ctx.group_size,
+        renderer_name=ctx.renderer_name,
+        tokenizer_id=ctx.tokenizer_id,
+        format_coef=spec.format_coef,
+        convo_prefix=freeze_messages(convo_prefix(spec, shot)),
+        question_suffix=suffix,
+        tags=(tag,),
     )

@@ -36,10 +36,14 @@ class PromptsOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    format: str = Field(default="messages", description="Record format of `dataset` (messages, prompt, prompt_completion, ...).")
+    format: str = Field(
+        default="messages", description="Record format of `dataset` (messages, prompt, prompt_completion, ...)."
+    )
     fields: dict[str, str] = Field(default_factory=dict, description="Field mapping of `dataset`.")
     options: dict[str, Any] = Field(default_factory=dict, description="Converter options of `dataset`.")
-    sources: list[SourceSpec] = Field(default_factory=list, description="Several weighted sources instead of `dataset`.")
+    sources: list[SourceSpec] = Field(
+        default_factory=list, description="Several weighted sources instead of `dataset`."
+    )
 
 
 class PromptEnv(Env):
@@ -60,9 +64,16 @@ class PromptEnv(Env):
 
     def step(self, action: list[int]) -> StepResult:
         parsed = self.renderer.parse_response(action)
-        return StepResult(reward=0.0, episode_done=True, metrics={"ended": float(parsed.ok)},
-                          logs={"response": parsed.message.get("content") or "", "problem_id": self.record.id,
-                                "reference": self.record.answer or ""})
+        return StepResult(
+            reward=0.0,
+            episode_done=True,
+            metrics={"ended": float(parsed.ok)},
+            logs={
+                "response": parsed.message.get("content") or "",
+                "problem_id": self.record.id,
+                "reference": self.record.answer or "",
+            },
+        )
 
 
 @dataclass(frozen=True)
@@ -87,9 +98,20 @@ class PromptGroupBuilder(EnvGroupBuilder):
 class WeightedPrompts(RLDataset):
     """Batches drawn from several record lists by weight (see the module docstring)."""
 
-    def __init__(self, records: list[list[PromptRecord]], weights: list[float], groups_per_batch: int,
-                 make_builder, seed: int = 0):
-        self.records, self.groups_per_batch, self.make_builder, self.seed = records, groups_per_batch, make_builder, seed
+    def __init__(
+        self,
+        records: list[list[PromptRecord]],
+        weights: list[float],
+        groups_per_batch: int,
+        make_builder,
+        seed: int = 0,
+    ):
+        self.records, self.groups_per_batch, self.make_builder, self.seed = (
+            records,
+            groups_per_batch,
+            make_builder,
+            seed,
+        )
         w = np.asarray(weights, dtype=np.float64)
         self.p = w / w.sum()
 
@@ -114,14 +136,25 @@ def prompt_sources(spec: Any) -> list[SourceSpec]:
         return list(opts.sources)
     if not spec.dataset:
         raise ValueError("env 'prompts' needs dataset=<JSONL path or dataset id> (or env_options.sources)")
-    return [SourceSpec(path=spec.dataset, format=opts.format, fields=opts.fields, options=opts.options,
-                       split=spec.split, config_name=spec.dataset_config, max_records=spec.max_problems)]
+    return [
+        SourceSpec(
+            path=spec.dataset,
+            format=opts.format,
+            fields=opts.fields,
+            options=opts.options,
+            split=spec.split,
+            config_name=spec.dataset_config,
+            max_records=spec.max_problems,
+        )
+    ]
 
 
 @register_env
 class Prompts(Environment):
     name = "prompts"
-    description = "Prompt-only episodes from datasets (reward 0): the student answers for a teacher to score (distillation)."
+    description = (
+        "Prompt-only episodes from datasets (reward 0): the student answers for a teacher to score (distillation)."
+    )
     Options = PromptsOptions
 
     @classmethod
@@ -132,8 +165,14 @@ class Prompts(Environment):
     def build(cls, spec, ctx: EnvContext) -> RLDataset:
         sources = prompt_sources(spec)
         records = [load_prompts(s, source=i) for i, s in enumerate(sources)]
-        make = partial(PromptGroupBuilder, group_size=ctx.group_size, renderer_name=ctx.renderer_name,
-                       tokenizer_id=ctx.tokenizer_id, system_prompt=spec.system_prompt, tags=(cls.name,))
+        make = partial(
+            PromptGroupBuilder,
+            group_size=ctx.group_size,
+            renderer_name=ctx.renderer_name,
+            tokenizer_id=ctx.tokenizer_id,
+            system_prompt=spec.system_prompt,
+            tags=(cls.name,),
+        )
         if len(records) == 1:
             return ProblemDataset(records[0], ctx.groups_per_batch, make, ctx.seed)
         return WeightedPrompts(records, [s.weight for s in sources], ctx.groups_per_batch, make, ctx.seed)

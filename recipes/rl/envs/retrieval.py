@@ -42,25 +42,42 @@ from prefect_tinker.recipes.rl.message_env import (
 from prefect_tinker.recipes.rl.problem_env import ProblemDataset
 from prefect_tinker.recipes.rl.types import RLDataset
 
-__all__ = ["Retrieval", "RetrievalBuilder", "RetrievalEnv", "RetrievalOptions", "RETRIEVAL_SYSTEM",
-           "extract_answer", "load_collection", "load_questions", "search_index"]
+__all__ = [
+    "Retrieval",
+    "RetrievalBuilder",
+    "RetrievalEnv",
+    "RetrievalOptions",
+    "RETRIEVAL_SYSTEM",
+    "extract_answer",
+    "load_collection",
+    "load_questions",
+    "search_index",
+]
 
-RETRIEVAL_SYSTEM = ("Answer the question using the search tool to find the relevant document. When you know "
-                    "the answer, reply without a tool call and end with a line 'Answer: <short answer>'.")
+RETRIEVAL_SYSTEM = (
+    "Answer the question using the search tool to find the relevant document. When you know "
+    "the answer, reply without a tool call and end with a line 'Answer: <short answer>'."
+)
 
 _ANSWER = re.compile(r"answer\s*:\s*(.*)", re.IGNORECASE)
 
 
 class RetrievalOptions(MessageEnvOptions):
     documents: str = Field(description="JSONL document collection {id, text} (BM25 index).")
-    text_field: str = Field(default="text", description="Document record field holding the passage (empty ones are left out).")
+    text_field: str = Field(
+        default="text", description="Document record field holding the passage (empty ones are left out)."
+    )
     id_field: str | None = Field(default="id", description="Document record field holding its id; None: file:line.")
     questions: str = Field(description="JSONL questions with their reference answer(s).")
     question_field: str = Field(default="question", description="Record field holding the question.")
-    answer_field: str = Field(default="answer", description="Record field holding the answer (string or list of strings).")
+    answer_field: str = Field(
+        default="answer", description="Record field holding the answer (string or list of strings)."
+    )
     top_k: int = Field(default=3, ge=1, le=20, description="Passages per search.")
     max_passage_chars: int = Field(default=1000, ge=50, description="Each passage is cut to this many characters.")
-    reward: Literal["f1", "exact_match"] = Field(default="f1", description="Score of the answer: token F1 or exact match.")
+    reward: Literal["f1", "exact_match"] = Field(
+        default="f1", description="Score of the answer: token F1 or exact match."
+    )
 
     @field_validator("documents", "questions")
     @classmethod
@@ -129,7 +146,9 @@ def search_index(documents: str, sha256: str, text_field: str = "text", id_field
     return BM25Index(load_collection(documents, text_field, id_field))
 
 
-def load_questions(path: str, question_field: str = "question", answer_field: str = "answer") -> list[tuple[str, tuple[str, ...], str]]:
+def load_questions(
+    path: str, question_field: str = "question", answer_field: str = "answer"
+) -> list[tuple[str, tuple[str, ...], str]]:
     """``(question, answers, where)`` from a JSONL file (``where`` is ``file:line``).
 
     Raises:
@@ -151,7 +170,9 @@ def load_questions(path: str, question_field: str = "question", answer_field: st
         if not isinstance(question, str) or not question.strip():
             raise ValueError(f"{raw.where}: field {question_field!r} must be a non-empty string, got {question!r:.60}")
         if not isinstance(answers, list) or not answers or not all(isinstance(a, str) and a.strip() for a in answers):
-            raise ValueError(f"{raw.where}: field {answer_field!r} must be a string or a list of strings, got {answer!r:.60}")
+            raise ValueError(
+                f"{raw.where}: field {answer_field!r} must be a string or a list of strings, got {answer!r:.60}"
+            )
         out.append((question.strip(), tuple(a.strip() for a in answers), raw.where))
     if not out:
         raise ValueError(f"no questions in {path!r}")
@@ -163,19 +184,37 @@ class RetrievalEnv(MessageEnv):
 
     outcome_metrics = ("f1", "exact_match", "correct", "format")
 
-    def __init__(self, renderer: Any, messages: list[dict], toolset: Any, answers: tuple[str, ...], *,
-                 reward: str, format_coef: float, problem_id: str = "", **kw: Any):
+    def __init__(
+        self,
+        renderer: Any,
+        messages: list[dict],
+        toolset: Any,
+        answers: tuple[str, ...],
+        *,
+        reward: str,
+        format_coef: float,
+        problem_id: str = "",
+        **kw: Any,
+    ):
         super().__init__(renderer, messages, toolset=toolset, **kw)
-        self.answers, self.reward_kind, self.format_coef, self.problem_id = answers, reward, float(format_coef), problem_id
+        self.answers, self.reward_kind, self.format_coef, self.problem_id = (
+            answers,
+            reward,
+            float(format_coef),
+            problem_id,
+        )
 
     def finish(self, reply: dict) -> Reaction:
         answer, format_ok = extract_answer(reply.get("content") or "")
         em = best_over_references(exact_match, answer, self.answers)
         f1 = best_over_references(token_f1, answer, self.answers)
         score = f1 if self.reward_kind == "f1" else em
-        return Reaction(done=True, reward=score + self.format_coef * (float(format_ok) - 1.0),
-                        metrics={"f1": f1, "exact_match": em, "correct": em, "format": float(format_ok)},
-                        logs={"reference": self.answers[0], "answer": answer[:200], "problem_id": self.problem_id})
+        return Reaction(
+            done=True,
+            reward=score + self.format_coef * (float(format_ok) - 1.0),
+            metrics={"f1": f1, "exact_match": em, "correct": em, "format": float(format_ok)},
+            logs={"reference": self.answers[0], "answer": answer[:200], "problem_id": self.problem_id},
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,14 +240,24 @@ class RetrievalBuilder(MessageGroupBuilder):
         index = search_index(self.documents, self.documents_sha256, self.text_field, self.id_field)
         toolset = Toolset([index.as_tool(self.top_k, max_passage_chars=self.max_passage_chars)])
         messages = thaw(self.prefix) + [{"role": "user", "content": self.question}]
-        return RetrievalEnv(renderer, messages, toolset, self.answers, reward=self.reward, format_coef=self.format_coef,
-                            problem_id=self.problem_id, limits=self.limits)
+        return RetrievalEnv(
+            renderer,
+            messages,
+            toolset,
+            self.answers,
+            reward=self.reward,
+            format_coef=self.format_coef,
+            problem_id=self.problem_id,
+            limits=self.limits,
+        )
 
 
 @register_env
 class Retrieval(Environment):
     name = "retrieval"
-    description = "Questions answered with a BM25 search tool over a JSONL {id, text} collection; reward: F1 / exact match."
+    description = (
+        "Questions answered with a BM25 search tool over a JSONL {id, text} collection; reward: F1 / exact match."
+    )
     Options = RetrievalOptions
 
     @classmethod
@@ -230,10 +279,23 @@ class Retrieval(Environment):
 
         def make(q: tuple[str, tuple[str, ...], str]) -> RetrievalBuilder:
             return RetrievalBuilder(
-                question=q[0], answers=q[1], problem_id=q[2], documents=documents, documents_sha256=sha, prefix=prefix,
-                text_field=opts.text_field, id_field=opts.id_field,
-                top_k=opts.top_k, max_passage_chars=opts.max_passage_chars, reward=opts.reward,
-                format_coef=spec.format_coef, group_size=ctx.group_size, renderer_name=ctx.renderer_name,
-                tokenizer_id=ctx.tokenizer_id, limits=opts.limits(), tags=(cls.name,))
+                question=q[0],
+                answers=q[1],
+                problem_id=q[2],
+                documents=documents,
+                documents_sha256=sha,
+                prefix=prefix,
+                text_field=opts.text_field,
+                id_field=opts.id_field,
+                top_k=opts.top_k,
+                max_passage_chars=opts.max_passage_chars,
+                reward=opts.reward,
+                format_coef=spec.format_coef,
+                group_size=ctx.group_size,
+                renderer_name=ctx.renderer_name,
+                tokenizer_id=ctx.tokenizer_id,
+                limits=opts.limits(),
+                tags=(cls.name,),
+            )
 
         return ProblemDataset(questions, ctx.groups_per_batch, make, ctx.seed)

@@ -35,8 +35,15 @@ from prefect_tinker.recipes.rl.judge import JudgeRequest, parse_scores, rubric_r
 from prefect_tinker.recipes.rl.problem_env import ProblemDataset, load_renderer
 from prefect_tinker.recipes.rl.types import Env, EnvGroupBuilder, RLDataset, RolloutContext, StepResult
 
-__all__ = ["JudgeSettings", "Rubric", "RubricEnv", "RubricGroupBuilder", "RubricItem", "RubricOptions",
-           "load_rubric_items"]
+__all__ = [
+    "JudgeSettings",
+    "Rubric",
+    "RubricEnv",
+    "RubricGroupBuilder",
+    "RubricItem",
+    "RubricOptions",
+    "load_rubric_items",
+]
 
 
 class RubricOptions(BaseModel):
@@ -47,11 +54,22 @@ class RubricOptions(BaseModel):
     judge: str = Field(description="Judge weights: base:<model> or tinker://.../sampler_weights/....")
     judge_renderer: str | None = Field(default=None, description="Renderer of the judge (default the policy's).")
     judge_tokenizer: str | None = Field(default=None, description="Tokenizer of the judge (default the policy's).")
-    criteria: list[str] = Field(default_factory=list, description="Rubric for every item (one text per criterion), used where a record has none.")
-    prompt_field: str = Field(default="prompt", description="Record field holding the prompt (string or messages); else the record's messages.")
-    rubric_field: str = Field(default="rubric", description="Record field holding the item's own rubric (string: one criterion per line, or list).")
+    criteria: list[str] = Field(
+        default_factory=list,
+        description="Rubric for every item (one text per criterion), used where a record has none.",
+    )
+    prompt_field: str = Field(
+        default="prompt",
+        description="Record field holding the prompt (string or messages); else the record's messages.",
+    )
+    rubric_field: str = Field(
+        default="rubric",
+        description="Record field holding the item's own rubric (string: one criterion per line, or list).",
+    )
     max_score: int = Field(default=10, ge=1, description="Top of each criterion's integer scale.")
-    fallback: float = Field(default=0.5, ge=0, le=1, description="Score (0..1) of a criterion the judge's answer does not score.")
+    fallback: float = Field(
+        default=0.5, ge=0, le=1, description="Score (0..1) of a criterion the judge's answer does not score."
+    )
     judge_max_tokens: int = Field(default=64, ge=1, description="Most tokens of the judge's answer.")
     judge_temperature: float = Field(default=0.0, ge=0, description="Judge sampling temperature (0 = greedy).")
 
@@ -94,18 +112,33 @@ def _prompt(record: dict, field: str, where: str) -> tuple[tuple[str, str], ...]
         users = [i for i, m in enumerate(msgs) if isinstance(m, dict) and m.get("role") == "user"]
         msgs = msgs[: users[-1] + 1] if users else []
     else:
-        raise ValueError(f"{where}: no field {field!r} and no 'messages' (record has: {', '.join(record) or 'no fields'})")
-    if not isinstance(msgs, list) or not msgs or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs):
-        raise ValueError(f"{where}: field {field!r}: the prompt must be a non-empty string or a list of "
-                         f"{{role, content}} messages ending with a user turn")
+        raise ValueError(
+            f"{where}: no field {field!r} and no 'messages' (record has: {', '.join(record) or 'no fields'})"
+        )
+    if (
+        not isinstance(msgs, list)
+        or not msgs
+        or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs
+        )
+    ):
+        raise ValueError(
+            f"{where}: field {field!r}: the prompt must be a non-empty string or a list of "
+            f"{{role, content}} messages ending with a user turn"
+        )
     if msgs[-1]["role"] != "user" or not msgs[-1]["content"].strip():
         raise ValueError(f"{where}: the prompt must end with a non-empty user turn")
     return tuple((m["role"], m["content"]) for m in msgs)
 
 
-def load_rubric_items(source: str, opts: RubricOptions, *, split: str = "train", system_prompt: str | None = None,
-                      max_records: int | None = None) -> list[RubricItem]:
+def load_rubric_items(
+    source: str,
+    opts: RubricOptions,
+    *,
+    split: str = "train",
+    system_prompt: str | None = None,
+    max_records: int | None = None,
+) -> list[RubricItem]:
     """The items (prompt and rubric) of ``source`` in file order (module docstring).
 
     Raises:
@@ -128,8 +161,9 @@ def load_rubric_items(source: str, opts: RubricOptions, *, split: str = "train",
         elif opts.criteria:
             criteria = _criteria(list(opts.criteria), raw.where, "env_options.criteria")
         else:
-            raise ValueError(f"{raw.where}: no field {opts.rubric_field!r} and no env_options.criteria: "
-                             "the item has no rubric")
+            raise ValueError(
+                f"{raw.where}: no field {opts.rubric_field!r} and no env_options.criteria: the item has no rubric"
+            )
         out.append(RubricItem(prompt, criteria, raw.where))
     if not out:
         raise ValueError(f"no records in {source!r}")
@@ -163,17 +197,28 @@ class RubricEnv(Env):
         parsed = self.renderer.parse_response(action)
         reply = parsed.message.get("content") or ""
         s = self.settings
-        answer = self.judge(JudgeRequest(
-            judge=s.judge, renderer_name=s.renderer_name, tokenizer_id=s.tokenizer_id, criteria=self.item.criteria,
-            prompt=self.item.prompt, reply=reply, max_score=s.max_score, max_tokens=s.max_tokens,
-            temperature=s.temperature))
+        answer = self.judge(
+            JudgeRequest(
+                judge=s.judge,
+                renderer_name=s.renderer_name,
+                tokenizer_id=s.tokenizer_id,
+                criteria=self.item.criteria,
+                prompt=self.item.prompt,
+                reply=reply,
+                max_score=s.max_score,
+                max_tokens=s.max_tokens,
+                temperature=s.temperature,
+            )
+        )
         scores = parse_scores(answer, len(self.item.criteria), s.max_score)
         score, unparsed = rubric_reward(scores, s.max_score, s.fallback)
         ended = parsed.termination == Termination.STOP_SEQUENCE
         return StepResult(
-            reward=score - (0.0 if ended else self.format_coef), episode_done=True,
+            reward=score - (0.0 if ended else self.format_coef),
+            episode_done=True,
             metrics={"judge_score": score, "judge_unparsed": unparsed, "format": float(ended)},
-            logs={"response": reply, "judge_answer": answer[:500], "problem_id": self.item.id})
+            logs={"response": reply, "judge_answer": answer[:500], "problem_id": self.item.id},
+        )
 
 
 @dataclass(frozen=True)
@@ -192,8 +237,9 @@ class RubricGroupBuilder(EnvGroupBuilder):
 
     def make_envs_in(self, ctx: RolloutContext) -> list[RubricEnv]:
         renderer = load_renderer(self.renderer_name, self.tokenizer_id)
-        return [RubricEnv(self.item, renderer, ctx.judge, self.settings, self.format_coef)
-                for _ in range(self.group_size)]
+        return [
+            RubricEnv(self.item, renderer, ctx.judge, self.settings, self.format_coef) for _ in range(self.group_size)
+        ]
 
     def logging_tags(self) -> list[str]:
         return ["rubric"]
@@ -212,8 +258,13 @@ class Rubric(Environment):
 
     @classmethod
     def _items(cls, spec) -> list[RubricItem]:
-        return load_rubric_items(spec.dataset, cls.options(spec), split=spec.split, system_prompt=spec.system_prompt,
-                                 max_records=spec.max_problems)
+        return load_rubric_items(
+            spec.dataset,
+            cls.options(spec),
+            split=spec.split,
+            system_prompt=spec.system_prompt,
+            max_records=spec.max_problems,
+        )
 
     @classmethod
     def preflight(cls, spec) -> None:
@@ -225,9 +276,21 @@ class Rubric(Environment):
     @classmethod
     def build(cls, spec, ctx: EnvContext) -> RLDataset:
         opts = cls.options(spec)
-        settings = JudgeSettings(opts.judge, opts.judge_renderer or ctx.renderer_name,
-                                 opts.judge_tokenizer or ctx.tokenizer_id, opts.max_score, opts.fallback,
-                                 opts.judge_max_tokens, opts.judge_temperature)
-        make = partial(RubricGroupBuilder, group_size=ctx.group_size, renderer_name=ctx.renderer_name,
-                       tokenizer_id=ctx.tokenizer_id, settings=settings, format_coef=spec.format_coef)
+        settings = JudgeSettings(
+            opts.judge,
+            opts.judge_renderer or ctx.renderer_name,
+            opts.judge_tokenizer or ctx.tokenizer_id,
+            opts.max_score,
+            opts.fallback,
+            opts.judge_max_tokens,
+            opts.judge_temperature,
+        )
+        make = partial(
+            RubricGroupBuilder,
+            group_size=ctx.group_size,
+            renderer_name=ctx.renderer_name,
+            tokenizer_id=ctx.tokenizer_id,
+            settings=settings,
+            format_coef=spec.format_coef,
+        )
         return ProblemDataset(cls._items(spec), ctx.groups_per_batch, make, ctx.seed)

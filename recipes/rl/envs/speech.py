@@ -44,8 +44,9 @@ class SpeechEnv(ProblemEnv):
     def messages(self) -> list[dict]:
         audio = self.problem.question.split("#sha256:")[0]
         text = self.question_suffix or TRANSCRIBE_PROMPT
-        return self.convo_prefix + [{"role": "user", "content": [{"type": "audio", "audio": audio},
-                                                                   {"type": "text", "text": text}]}]
+        return self.convo_prefix + [
+            {"role": "user", "content": [{"type": "audio", "audio": audio}, {"type": "text", "text": text}]}
+        ]
 
     def initial_observation(self) -> tuple[list[int], StopCondition]:
         return self.renderer.build_generation_sequence(self.messages()), self.renderer.get_stop_sequences()
@@ -55,14 +56,21 @@ class SpeechEnv(ProblemEnv):
         text = parsed.message.get("content") or ""
         wer = word_error_rate(text, self.problem.answer)
         return StepResult(
-            reward=max(-wer, -1.0), episode_done=True,
+            reward=max(-wer, -1.0),
+            episode_done=True,
             metrics={"wer": wer, "correct": float(wer == 0.0), "format": float(parsed.ok)},
             logs={"response": text, "reference": self.problem.answer, "problem_id": self.problem.id},
         )
 
 
-def load_speech_problems(source: str, *, audio_field: str = "audio", text_field: str = "text",
-                         split: str = "train", max_problems: int | None = None) -> list[Problem]:
+def load_speech_problems(
+    source: str,
+    *,
+    audio_field: str = "audio",
+    text_field: str = "text",
+    split: str = "train",
+    max_problems: int | None = None,
+) -> list[Problem]:
     """Problems (question = absolute audio path + ``#sha256:<digest>`` so that the rollout cache
     follows the file's content, answer = transcript) from a JSONL file or dataset.
 
@@ -86,8 +94,10 @@ def load_speech_problems(source: str, *, audio_field: str = "audio", text_field:
         if isinstance(audio, dict):
             audio = audio.get("path")
         if not isinstance(audio, str) or not isinstance(text, str) or not text.strip():
-            raise ValueError(f"{raw.where}: fields {audio_field!r} (a WAV path) and {text_field!r} (the transcript) "
-                             "must be non-empty strings")
+            raise ValueError(
+                f"{raw.where}: fields {audio_field!r} (a WAV path) and {text_field!r} (the transcript) "
+                "must be non-empty strings"
+            )
         path = (base / audio).resolve() if not Path(audio).expanduser().is_absolute() else Path(audio).expanduser()
         if not path.is_file():
             raise ValueError(f"{raw.where}: field {audio_field!r}: audio file {str(path)!r} does not exist")
@@ -114,7 +124,12 @@ class Speech(Environment):
     @classmethod
     def build(cls, spec, ctx: EnvContext) -> RLDataset:
         opts = cls.options(spec)
-        problems = load_speech_problems(spec.dataset, audio_field=opts.audio_field, text_field=opts.text_field,
-                                        split=spec.split, max_problems=spec.max_problems)
+        problems = load_speech_problems(
+            spec.dataset,
+            audio_field=opts.audio_field,
+            text_field=opts.text_field,
+            split=spec.split,
+            max_problems=spec.max_problems,
+        )
         make = problem_builder(SpeechEnv, spec, ctx, (), opts.prompt, cls.name)
         return ProblemDataset(problems, ctx.groups_per_batch, make, seed=ctx.seed)

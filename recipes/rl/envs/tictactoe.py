@@ -43,17 +43,25 @@ from prefect_tinker.recipes.rl.types import RLDataset, RolloutContext, StepResul
 
 __all__ = ["TicTacToe", "TicTacToeBuilder", "TicTacToeOptions", "TicTacToePlayer", "TicTacToeSelfPlayBuilder"]
 
-RULES = ("We are playing tic-tac-toe on a 3x3 board with cells numbered 1 to 9, row by row. Players take turns "
-         "marking an empty cell; three marks in a row, column or diagonal win. On your turn, reply with the "
-         "number of an empty cell only.")
+RULES = (
+    "We are playing tic-tac-toe on a 3x3 board with cells numbered 1 to 9, row by row. Players take turns "
+    "marking an empty cell; three marks in a row, column or diagonal win. On your turn, reply with the "
+    "number of an empty cell only."
+)
 
 
 class TicTacToeOptions(MessageEnvOptions):
-    opponent: Literal["self", "random", "minimax"] = Field(default="self", description="self-play, or a scripted random / optimal player.")
-    illegal_move_reward: float = Field(default=-1.0, description="Reward of the player making an illegal move (the game ends).")
+    opponent: Literal["self", "random", "minimax"] = Field(
+        default="self", description="self-play, or a scripted random / optimal player."
+    )
+    illegal_move_reward: float = Field(
+        default=-1.0, description="Reward of the player making an illegal move (the game ends)."
+    )
     failed_parse_reward: float = Field(default=-1.0, description="A reply that does not parse is an illegal move.")
     max_turns: int = Field(default=5, ge=5, le=32, description="Most moves per player (5 fill the board).")
-    eval_games: int = Field(default=8, ge=2, description="Evaluation games against each scripted player (half as X, half as O).")
+    eval_games: int = Field(
+        default=8, ge=2, description="Evaluation games against each scripted player (half as X, half as O)."
+    )
 
 
 #: Builders' default limits (the options' defaults): 5 moves fill the board; no parse is an illegal move.
@@ -81,8 +89,17 @@ class TicTacToePlayer(MessageEnv):
 
     outcome_metrics = ("win", "draw", "loss", "illegal", "opponent_illegal")
 
-    def __init__(self, renderer: Any, game: Game, mark: str, *, opponent: str | None = None,
-                 rng: np.random.Generator | None = None, rewards: Rewards = Rewards(), **kw: Any):
+    def __init__(
+        self,
+        renderer: Any,
+        game: Game,
+        mark: str,
+        *,
+        opponent: str | None = None,
+        rng: np.random.Generator | None = None,
+        rewards: Rewards = Rewards(),
+        **kw: Any,
+    ):
         super().__init__(renderer, [{"role": "system", "content": RULES}], **kw)
         self.game, self.mark, self.opponent, self.rewards = game, mark, opponent, rewards
         self.rng = rng if rng is not None else np.random.default_rng(0)
@@ -92,8 +109,10 @@ class TicTacToePlayer(MessageEnv):
     def state_message(self) -> dict:
         """The user message at this player's turn: the opponent's last move and the board."""
         last = f"Your opponent played {self.game.moves[-1]}.\n" if self.game.moves else ""
-        return {"role": "user", "content": f"{last}Board:\n{board_text(self.game.board)}\nYou play {self.mark}. "
-                                           "Your move?"}
+        return {
+            "role": "user",
+            "content": f"{last}Board:\n{board_text(self.game.board)}\nYou play {self.mark}. Your move?",
+        }
 
     def turn_observation(self) -> list[int] | None:
         """The observation at this player's turn (the first one, or the conversation continued);
@@ -145,8 +164,12 @@ class TicTacToePlayer(MessageEnv):
         outcome = self.game.outcome(self.mark)
         metrics = {k: float(outcome == k) for k in ("win", "draw", "loss", "illegal", "opponent_illegal")}
         metrics.update(moves=float(self.turns), first_player=float(self.mark == "X"))
-        return Reaction(done=True, reward=getattr(self.rewards, outcome), metrics=metrics,
-                        logs={"end": outcome, "board": self.game.board, "moves": " ".join(map(str, self.game.moves))})
+        return Reaction(
+            done=True,
+            reward=getattr(self.rewards, outcome),
+            metrics=metrics,
+            logs={"end": outcome, "board": self.game.board, "moves": " ".join(map(str, self.game.moves))},
+        )
 
 
 def _rewards(opts: TicTacToeOptions) -> Rewards:
@@ -183,17 +206,40 @@ class TicTacToeSelfPlayBuilder(MessageGroupBuilder):
                 break
             tokens, lps, reason = ctx.sample(ob, env.renderer.get_stop_sequences(), ctx.seed + 31 * len(game.moves) + p)
             res = env.step(tokens)
-            steps[p].append(Transition(list(ob), list(tokens), list(lps), float(res.reward), bool(res.episode_done),
-                                       reason, dict(res.metrics), dict(res.logs)))
+            steps[p].append(
+                Transition(
+                    list(ob),
+                    list(tokens),
+                    list(lps),
+                    float(res.reward),
+                    bool(res.episode_done),
+                    reason,
+                    dict(res.metrics),
+                    dict(res.logs),
+                )
+            )
         for p, env in enumerate(envs):
             if not steps[p]:  # its opponent's first move ended the game: a transition without action (no datum)
                 end = env.end_episode(env.result(), game.outcome(env.mark))
-                steps[p].append(Transition(env.turn_observation() or [], [], [], end.reward, True, "stop",
-                                           dict(end.metrics), dict(end.logs)))
+                steps[p].append(
+                    Transition(
+                        env.turn_observation() or [],
+                        [],
+                        [],
+                        end.reward,
+                        True,
+                        "stop",
+                        dict(end.metrics),
+                        dict(end.logs),
+                    )
+                )
             elif not steps[p][-1].episode_done:
                 if env.overflowed:
-                    end = env.end_episode(Reaction(done=True, reward=env.limits.context_overflow_reward,
-                                                   metrics=env.result().metrics), "context_overflow", context_overflow=1.0)
+                    end = env.end_episode(
+                        Reaction(done=True, reward=env.limits.context_overflow_reward, metrics=env.result().metrics),
+                        "context_overflow",
+                        context_overflow=1.0,
+                    )
                 else:
                     end = env.end_episode(env.result(), game.outcome(env.mark))
                 last = steps[p][-1]
@@ -216,33 +262,58 @@ class TicTacToeBuilder(MessageGroupBuilder):
         from prefect_tinker.recipes.rl.problem_env import load_renderer
 
         renderer = load_renderer(self.renderer_name, self.tokenizer_id)
-        return [TicTacToePlayer(renderer, Game(), self.mark, opponent=self.opponent, rewards=self.rewards,
-                                rng=problem_rng(self.game_seed, i), limits=self.limits)
-                for i in range(self.group_size)]
+        return [
+            TicTacToePlayer(
+                renderer,
+                Game(),
+                self.mark,
+                opponent=self.opponent,
+                rewards=self.rewards,
+                rng=problem_rng(self.game_seed, i),
+                limits=self.limits,
+            )
+            for i in range(self.group_size)
+        ]
 
 
 @register_env
 class TicTacToe(Environment):
     name = "tictactoe"
-    description = "Two-player self-play tic-tac-toe (zero-sum group advantages), or games against random/minimax players."
+    description = (
+        "Two-player self-play tic-tac-toe (zero-sum group advantages), or games against random/minimax players."
+    )
     Options = TicTacToeOptions
 
     @classmethod
     def check(cls, spec) -> None:
         if cls.options(spec).opponent == "self" and getattr(spec, "group_size", 2) != 2:
-            raise ValueError(f"env 'tictactoe' self-play needs group_size=2 (one game, its two players per group), "
-                             f"got {spec.group_size}")
+            raise ValueError(
+                f"env 'tictactoe' self-play needs group_size=2 (one game, its two players per group), "
+                f"got {spec.group_size}"
+            )
 
     @classmethod
     def build(cls, spec, ctx: EnvContext) -> RLDataset:
         opts = cls.options(spec)
-        common = dict(renderer_name=ctx.renderer_name, tokenizer_id=ctx.tokenizer_id, limits=opts.limits(),
-                      rewards=_rewards(opts), tags=(cls.name,))
+        common = dict(
+            renderer_name=ctx.renderer_name,
+            tokenizer_id=ctx.tokenizer_id,
+            limits=opts.limits(),
+            rewards=_rewards(opts),
+            tags=(cls.name,),
+        )
         if opts.opponent == "self":
             return GeneratedDataset(ctx.groups_per_batch, lambda b, g: TicTacToeSelfPlayBuilder(group_size=2, **common))
-        return GeneratedDataset(ctx.groups_per_batch, lambda b, g: TicTacToeBuilder(
-            opponent=opts.opponent, mark="XO"[g % 2], game_seed=int(problem_rng(ctx.seed, b, g).integers(2**31)),
-            group_size=ctx.group_size, **common))
+        return GeneratedDataset(
+            ctx.groups_per_batch,
+            lambda b, g: TicTacToeBuilder(
+                opponent=opts.opponent,
+                mark="XO"[g % 2],
+                game_seed=int(problem_rng(ctx.seed, b, g).integers(2**31)),
+                group_size=ctx.group_size,
+                **common,
+            ),
+        )
 
     @classmethod
     def eval_builders(cls, spec, ctx: EnvContext) -> dict[str, list]:
@@ -250,7 +321,17 @@ class TicTacToe(Environment):
         half with the policy as X, half as O."""
         opts = cls.options(spec)
         half = opts.eval_games // 2
-        common = dict(renderer_name=ctx.renderer_name, tokenizer_id=ctx.tokenizer_id, limits=opts.limits(),
-                      rewards=_rewards(opts), tags=(cls.name,), group_size=half)
-        return {f"vs_{o}": [TicTacToeBuilder(opponent=o, mark=m, game_seed=ctx.seed + 7 * k, **common)
-                            for k, m in enumerate("XO")] for o in ("random", "minimax")}
+        common = dict(
+            renderer_name=ctx.renderer_name,
+            tokenizer_id=ctx.tokenizer_id,
+            limits=opts.limits(),
+            rewards=_rewards(opts),
+            tags=(cls.name,),
+            group_size=half,
+        )
+        return {
+            f"vs_{o}": [
+                TicTacToeBuilder(opponent=o, mark=m, game_seed=ctx.seed + 7 * k, **common) for k, m in enumerate("XO")
+            ]
+            for o in ("random", "minimax")
+        }

@@ -36,17 +36,64 @@ from prefect_tinker.recipes.rl.message_env import (
 from prefect_tinker.recipes.rl.problem_env import load_renderer
 from prefect_tinker.recipes.rl.types import RLDataset, RolloutContext
 
-__all__ = ["Answerer", "TwentyQuestions", "TwentyQuestionsBuilder", "TwentyQuestionsEnv", "TwentyQuestionsOptions",
-           "WORDS", "names_word"]
+__all__ = [
+    "Answerer",
+    "TwentyQuestions",
+    "TwentyQuestionsBuilder",
+    "TwentyQuestionsEnv",
+    "TwentyQuestionsOptions",
+    "WORDS",
+    "names_word",
+]
 
 #: Default secret words: common concrete things.
-WORDS = ("apple", "banana", "carrot", "bread", "cheese", "dog", "cat", "horse", "cow", "fish", "bird", "elephant",
-         "chair", "table", "bed", "lamp", "door", "window", "book", "pencil", "phone", "clock", "car", "bicycle",
-         "train", "boat", "airplane", "tree", "flower", "river", "mountain", "sun", "moon", "shoe", "hat", "ball",
-         "guitar", "piano", "cup", "spoon")
+WORDS = (
+    "apple",
+    "banana",
+    "carrot",
+    "bread",
+    "cheese",
+    "dog",
+    "cat",
+    "horse",
+    "cow",
+    "fish",
+    "bird",
+    "elephant",
+    "chair",
+    "table",
+    "bed",
+    "lamp",
+    "door",
+    "window",
+    "book",
+    "pencil",
+    "phone",
+    "clock",
+    "car",
+    "bicycle",
+    "train",
+    "boat",
+    "airplane",
+    "tree",
+    "flower",
+    "river",
+    "mountain",
+    "sun",
+    "moon",
+    "shoe",
+    "hat",
+    "ball",
+    "guitar",
+    "piano",
+    "cup",
+    "spoon",
+)
 
-ANSWERER_SYSTEM = ("You are the answerer in a game of twenty questions. The secret word is \"{word}\". Answer the "
-                   "player's question about it truthfully with Yes or No only.")
+ANSWERER_SYSTEM = (
+    'You are the answerer in a game of twenty questions. The secret word is "{word}". Answer the '
+    "player's question about it truthfully with Yes or No only."
+)
 
 
 def names_word(text: str, word: str) -> bool:
@@ -56,10 +103,20 @@ def names_word(text: str, word: str) -> bool:
 
 class TwentyQuestionsOptions(MessageEnvOptions):
     max_turns: int = Field(default=20, ge=1, le=32, description="Questions allowed.")
-    words: list[str] = Field(default_factory=lambda: list(WORDS), min_length=1, description="Secret words to draw from.")
-    answerer: str | None = Field(default=None, description="Answerer weights: 'base:<model>' or a tinker:// sampler path; default base:<the run's model>.")
-    answerer_renderer: str = Field(default="auto", description="Renderer of the answerer's prompts ('auto': from its tokenizer).")
-    answerer_tokenizer: str | None = Field(default=None, description="The answerer's tokenizer (a local directory or hub id); default the policy's (an answerer of the same family).")
+    words: list[str] = Field(
+        default_factory=lambda: list(WORDS), min_length=1, description="Secret words to draw from."
+    )
+    answerer: str | None = Field(
+        default=None,
+        description="Answerer weights: 'base:<model>' or a tinker:// sampler path; default base:<the run's model>.",
+    )
+    answerer_renderer: str = Field(
+        default="auto", description="Renderer of the answerer's prompts ('auto': from its tokenizer)."
+    )
+    answerer_tokenizer: str | None = Field(
+        default=None,
+        description="The answerer's tokenizer (a local directory or hub id); default the policy's (an answerer of the same family).",
+    )
     answerer_max_tokens: int = Field(default=8, ge=1, description="Most tokens of an answer.")
     answerer_temperature: float = Field(default=0.0, ge=0, description="Answerer sampling temperature (0: greedy).")
 
@@ -84,8 +141,12 @@ class Answerer:
         """``"Yes."``, ``"No."`` or ``"I don't know."`` for ``question`` about ``word``."""
         msgs = [{"role": "system", "content": ANSWERER_SYSTEM.format(word=word)}, {"role": "user", "content": question}]
         prompt = self.renderer.build_generation_prompt(msgs)
-        params = tinker.SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, seed=int(seed),
-                                       stop=self.renderer.get_stop_sequences())
+        params = tinker.SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            seed=int(seed),
+            stop=self.renderer.get_stop_sequences(),
+        )
         resp = self.client.sample(prompt=prompt, num_samples=1, sampling_params=params)
         resp = resp.result() if hasattr(resp, "result") else resp
         text = self.renderer.parse_response(list(resp.sequences[0].tokens)).message.get("content") or ""
@@ -100,9 +161,11 @@ class TwentyQuestionsEnv(MessageEnv):
 
     def __init__(self, renderer: Any, word: str, answerer: Answerer, *, seed: int = 0, **kw: Any):
         limits = kw["limits"]
-        intro = ("Let's play twenty questions. I am thinking of a thing (an object, an animal, a food or a place). "
-                 "Ask me one yes/no question per reply to find it. When you think you know it, ask 'Is it a <thing>?'. "
-                 f"You have {limits.max_turns} questions.")
+        intro = (
+            "Let's play twenty questions. I am thinking of a thing (an object, an animal, a food or a place). "
+            "Ask me one yes/no question per reply to find it. When you think you know it, ask 'Is it a <thing>?'. "
+            f"You have {limits.max_turns} questions."
+        )
         super().__init__(renderer, [{"role": "user", "content": intro}], **kw)
         self.word, self.answerer, self.seed, self.unsure = word, answerer, int(seed), 0
 
@@ -117,10 +180,17 @@ class TwentyQuestionsEnv(MessageEnv):
         return Reaction([{"role": "user", "content": answer}])
 
     def _result(self, won: bool) -> Reaction:
-        return Reaction(done=True, reward=float(won),
-                        metrics={"correct": float(won), "questions": float(self.turns), "answerer_unsure": float(self.unsure),
-                                 "max_turns_reached": float(not won)},
-                        logs={"reference": self.word, "end": "won" if won else "max_turns"})
+        return Reaction(
+            done=True,
+            reward=float(won),
+            metrics={
+                "correct": float(won),
+                "questions": float(self.turns),
+                "answerer_unsure": float(self.unsure),
+                "max_turns_reached": float(not won),
+            },
+            logs={"reference": self.word, "end": "won" if won else "max_turns"},
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,15 +207,23 @@ class TwentyQuestionsBuilder(MessageGroupBuilder):
     answerer_temperature: float = 0.0
 
     def make_envs(self) -> list[MessageEnv]:
-        raise RuntimeError("twenty_questions envs need the answerer's sampling client: make them with make_envs_in(ctx)")
+        raise RuntimeError(
+            "twenty_questions envs need the answerer's sampling client: make them with make_envs_in(ctx)"
+        )
 
     def make_envs_in(self, ctx: RolloutContext) -> list[MessageEnv]:
         renderer = load_renderer(self.renderer_name, self.tokenizer_id)
         answerer_renderer = load_renderer(self.answerer_renderer, self.answerer_tokenizer or self.tokenizer_id)
-        answerer = Answerer(ctx.sampling_client(self.answerer), answerer_renderer,
-                            max_tokens=self.answerer_max_tokens, temperature=self.answerer_temperature)
-        return [TwentyQuestionsEnv(renderer, self.word, answerer, seed=ctx.seed + 1000 * i, limits=self.limits)
-                for i in range(self.group_size)]
+        answerer = Answerer(
+            ctx.sampling_client(self.answerer),
+            answerer_renderer,
+            max_tokens=self.answerer_max_tokens,
+            temperature=self.answerer_temperature,
+        )
+        return [
+            TwentyQuestionsEnv(renderer, self.word, answerer, seed=ctx.seed + 1000 * i, limits=self.limits)
+            for i in range(self.group_size)
+        ]
 
 
 @register_env
@@ -157,7 +235,9 @@ class TwentyQuestions(Environment):
     @classmethod
     def check(cls, spec) -> None:
         if cls.options(spec).answerer is None and not getattr(spec, "model", None):
-            raise ValueError("env 'twenty_questions' needs env_options.answerer ('base:<model>' or a tinker:// sampler path)")
+            raise ValueError(
+                "env 'twenty_questions' needs env_options.answerer ('base:<model>' or a tinker:// sampler path)"
+            )
 
     @classmethod
     def build(cls, spec, ctx: EnvContext) -> RLDataset:
@@ -167,10 +247,17 @@ class TwentyQuestions(Environment):
         def make(batch: int, group: int) -> TwentyQuestionsBuilder:
             word = opts.words[int(problem_rng(ctx.seed, batch, group).integers(len(opts.words)))]
             return TwentyQuestionsBuilder(
-                word=word, answerer=answerer, answerer_renderer=opts.answerer_renderer,
+                word=word,
+                answerer=answerer,
+                answerer_renderer=opts.answerer_renderer,
                 answerer_tokenizer=opts.answerer_tokenizer,
-                answerer_max_tokens=opts.answerer_max_tokens, answerer_temperature=opts.answerer_temperature,
-                group_size=ctx.group_size, renderer_name=ctx.renderer_name, tokenizer_id=ctx.tokenizer_id,
-                limits=opts.limits(), tags=(cls.name,))
+                answerer_max_tokens=opts.answerer_max_tokens,
+                answerer_temperature=opts.answerer_temperature,
+                group_size=ctx.group_size,
+                renderer_name=ctx.renderer_name,
+                tokenizer_id=ctx.tokenizer_id,
+                limits=opts.limits(),
+                tags=(cls.name,),
+            )
 
         return GeneratedDataset(ctx.groups_per_batch, make)
