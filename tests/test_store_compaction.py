@@ -4,6 +4,7 @@ the query re-runs on a fresh listing (S3 through SeaweedFS, and a local folder).
 from __future__ import annotations
 
 import threading
+import time
 
 import duckdb
 import pytest
@@ -37,6 +38,10 @@ def _compact_under_readers(root: str) -> None:
     t.start()
     try:
         for _ in range(4):
+            seen = len(counts)  # each round waits for a reader query (a quiet machine can outrun the reader)
+            deadline = time.monotonic() + 60
+            while len(counts) == seen and not errors and time.monotonic() < deadline:
+                time.sleep(0.01)
             for step in range(8):  # re-written rows (same ids): new parts, same count
                 store.write_rows("metrics", [{"run_id": "r", "step": step, "name": "x", "value": 2.0}])
             assert store.compact("r", "metrics") is not None
@@ -44,7 +49,7 @@ def _compact_under_readers(root: str) -> None:
         stop.set()
         t.join(120)
     assert errors == [] and len(counts) >= 4 and set(counts) == {4 * n}
-    assert len(store._io().list_parts("metrics", "r")) == 1
+    assert len(store._io().list_parts("metrics", "r", fresh=True)) == 1  # not a listing cached by the reader
     assert store.query("SELECT sum(value) AS s FROM metrics") == [{"s": 4 * n + 8.0}]
 
 

@@ -199,8 +199,10 @@ class ParquetStore:
                 raise StoreAccessError(f"{what} ({self._where()}): access denied: {exc}") from exc
             raise
 
-    def list_parts(self, table: str, run_id: str | None = None) -> list[str]:
+    def list_parts(self, table: str, run_id: str | None = None, *, fresh: bool = False) -> list[str]:
         """Paths (inside the filesystem) of the table's visible parts, sorted; [] when none.
+        ``fresh`` (with ``run_id``, on S3): list the bucket itself, not s3fs's listing cache, which
+        a concurrent reader sharing the filesystem may have filled before the latest write.
 
         Raises :class:`StoreAccessError` (wrong credentials) or :class:`StoreUnavailableError`.
         """
@@ -209,7 +211,11 @@ class ParquetStore:
 
         def glob() -> list[str]:
             try:
-                return sorted(p for p in self.fs.glob(where) if p.endswith(".parquet"))
+                if fresh and run_id and not self.is_local:
+                    found = self.fs.ls(self.partition_dir(table, run_id), detail=False, refresh=True)
+                else:
+                    found = self.fs.glob(where)
+                return sorted(p for p in found if p.endswith(".parquet"))
             except FileNotFoundError:
                 return []
 
@@ -427,7 +433,7 @@ class ParquetStore:
         writer (only the parts listed before reading are deleted). Returns the new part's path,
         or None when there were fewer than two parts.
         """
-        listed = self.list_parts(table, run_id)
+        listed = self.list_parts(table, run_id, fresh=True)  # every part written before this call
         parts: list[str] = []
 
         def merge() -> pa.Table:
