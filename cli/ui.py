@@ -38,13 +38,12 @@ def _open(url: str, no_browser: bool) -> None:
 
 def _own_server_url() -> str | None:
     """The UI of the user's own Prefect server when ``PREFECT_API_URL`` is set, else None."""
-    from prefect_tinker.flows.prefect_api import api_url_set
+    from prefect.settings import Settings, get_current_settings
 
-    if not api_url_set():
+    # the environment as it is now (Settings() reads it afresh), else the loaded settings (a profile)
+    settings = Settings() if os.environ.get("PREFECT_API_URL") else get_current_settings()
+    if not settings.api.url:
         return None
-    from prefect.settings import get_current_settings
-
-    settings = get_current_settings()
     return str(settings.ui_url or settings.api.url)
 
 
