@@ -114,9 +114,12 @@ def _healthy(api_url: str, timeout: float = 2.0) -> bool:
 
 
 def _port_free(port: int) -> bool:
+    """Whether a server can listen on ``port`` of 127.0.0.1 (as uvicorn binds: ``SO_REUSEADDR``, so
+    connections of a stopped server in ``TIME_WAIT`` do not count)."""
     import socket
 
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
