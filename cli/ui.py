@@ -102,7 +102,8 @@ def cmd_ui(args: argparse.Namespace) -> int:
         raise CLIError(str(exc), EXIT_FAILED) from None
     if record["started"]:
         print(
-            f"started the local Prefect server (pid {record['pid']}, ready in {record['startup_s']:.0f} s)",
+            f"started the local Prefect server (pid {record['pid']}, ready in {record['startup_s']:.0f} s"
+            + (f"; replaced one of {record['replaced']})" if record["replaced"] else ")"),
             file=sys.stderr,
         )
     _open(record["ui_url"], args.no_browser)

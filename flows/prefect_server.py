@@ -211,7 +211,8 @@ def ensure_prefect_server(
         The record: ``pid``, ``start_ticks``, ``port``, ``api_url`` (``http://127.0.0.1:P/api``),
         ``ui_url`` (``http://127.0.0.1:P``), ``home``, ``log``, ``started_at`` (Unix seconds),
         ``startup_s`` (seconds from start to the first health answer), ``command``, ``identity``,
-        and ``started`` (True when this call started it).
+        ``started`` (True when this call started it) and ``replaced`` (how the identity of the
+        server it replaced differed, e.g. ``"prefect 3.9.0 -> 3.9.1"``, else None).
 
     Raises:
         PrefectServerError: the running server uses another port than ``port``; it runs another
@@ -230,15 +231,19 @@ def ensure_prefect_server(
                     f"the local Prefect server already runs on port {record['port']} (pid {record['pid']}); "
                     "'prefect-tinker ui stop' first to move it"
                 )
-            if record.get("identity") == server_identity():
-                return {**record, "started": False}
+            was, now = record.get("identity") or {}, server_identity()
+            if was == now:
+                return {**record, "started": False, "replaced": None}
+            replaced = ", ".join(f"{k} {was.get(k)} -> {v}" for k, v in now.items() if was.get(k) != v)
             busy = _recent_running_runs(record["api_url"])
             if busy:
                 raise PrefectServerError(
                     f"the local Prefect server {record['ui_url']} (pid {record['pid']}) runs another Python or "
-                    f"Prefect ({record.get('identity')}) and {busy} flow run(s) on it are RUNNING; let them finish "
+                    f"Prefect ({replaced}) and {busy} flow run(s) on it are RUNNING; let them finish "
                     "(or mark them crashed), then 'prefect-tinker ui stop'"
                 )
+        else:
+            replaced = None
         if record:
             _stop_record(folder, record, timeout=10.0)  # dead, unhealthy or stale
         port = _choose_port(folder, port)
@@ -292,7 +297,7 @@ def ensure_prefect_server(
         tmp.write_text(json.dumps(record, indent=2))
         tmp.replace(folder / RECORD_FILE)
         (folder / "port").write_text(str(port))
-        return {**record, "started": True}
+        return {**record, "started": True, "replaced": replaced}
 
 
 def prefect_server_status(root: str | os.PathLike[str] | None = None) -> dict[str, Any] | None:
@@ -344,8 +349,9 @@ def run_api(
         timeout = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS") or 180)
         record = ensure_prefect_server(root, startup_timeout=timeout)
         if record["started"] and announce is not None:
+            why = f"replacing one of {record['replaced']}; " if record["replaced"] else ""
             announce(
-                f"Started the local Prefect server with its UI at {record['ui_url']} (pid {record['pid']}, "
+                f"Started the local Prefect server with its UI at {record['ui_url']} ({why}pid {record['pid']}, "
                 f"ready in {record['startup_s']:.0f} s); it stays up for later runs: "
                 "'prefect-tinker ui' opens it, 'prefect-tinker ui stop' stops it"
             )

@@ -125,7 +125,8 @@ def test_printed_link_shows_the_run_and_its_artifacts_in_chromium(ui_env, local_
     # the server outlives the command: recorded under the HOME's state folder, alive, healthy
     status = prefect_server_status(root)
     assert status and status["running"] and status["healthy"] and status["port"] == port, status
-    assert Path(status["home"]) == prefect_server_folder(root) / "home" and (Path(status["home"]) / "prefect.db").exists()
+    assert Path(status["home"]) == prefect_server_folder(root) / "home"
+    assert (Path(status["home"]) / "prefect.db").exists()
 
     # what the UI will show, from the API: the finished run, its progress at 100 %, its curves (the PNG the
     # task also wrote to the store), its metrics table (the store's newest values), the checkpoint it printed
@@ -185,6 +186,37 @@ def test_printed_link_shows_the_run_and_its_artifacts_in_chromium(ui_env, local_
     assert cli.main(["ui", "status", "--root", str(root)]) == 1
     print(f"\nrun (server start included) {run_s:.1f} s, server ready in {status['startup_s']:.1f} s, "
           f"3 Chromium pages {browser_s:.1f} s; screenshots in {tmp_path}", file=sys.stderr)
+
+
+def test_a_server_of_another_prefect_is_replaced_unless_runs_use_it(tmp_path):
+    """A recorded server of another Prefect version is refused in one line while a flow run on it is
+    RUNNING, and replaced (new process, same port) once that run finished."""
+    from prefect_tinker.flows.prefect_server import PrefectServerError
+
+    first = ensure_prefect_server(tmp_path)
+    try:
+        api = first["api_url"]
+        flow = _api("POST", f"{api}/flows/", {"name": "probe"})
+        run = _api("POST", f"{api}/flow_runs/", {"flow_id": flow["id"], "state": {"type": "PENDING"}})
+        running = _api("POST", f"{api}/flow_runs/{run['id']}/set_state", {"state": {"type": "RUNNING"}})
+        assert running["status"] == "ACCEPT"
+        record_file = prefect_server_folder(tmp_path) / "server.json"
+        record = json.loads(record_file.read_text())
+        real = record["identity"]["prefect"]
+        record["identity"]["prefect"] = "3.0.0"  # as if started before an upgrade
+        record_file.write_text(json.dumps(record))
+        with pytest.raises(PrefectServerError, match=rf"^the local Prefect server {first['ui_url']} \(pid "
+                           rf"{first['pid']}\) runs another Python or Prefect \(prefect 3\.0\.0 -> {re.escape(real)}\) "
+                           r"and 1 flow run\(s\) on it are RUNNING"):
+            ensure_prefect_server(tmp_path)
+        assert pid_alive(first["pid"])
+        _api("POST", f"{api}/flow_runs/{run['id']}/set_state", {"state": {"type": "COMPLETED"}})
+        second = ensure_prefect_server(tmp_path)
+        assert second["started"] and second["replaced"] == f"prefect 3.0.0 -> {real}"
+        assert second["pid"] != first["pid"] and not pid_alive(first["pid"]) and second["port"] == first["port"]
+        assert _api("GET", f"{api}/flow_runs/{run['id']}")["state_type"] == "COMPLETED"  # the same database
+    finally:
+        stop_prefect_server(tmp_path)
 
 
 def test_a_users_prefect_api_url_wins(tmp_path, monkeypatch, capsys):
