@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -39,10 +40,19 @@ LINK = re.compile(r"View at (http://127\.0\.0\.1:(\d+))/runs/flow-run/([0-9a-f-]
 
 
 def _api(method: str, url: str, body: dict | None = None):
+    """One call of the Prefect REST API; a 503 (SQLite busy, e.g. just after start-up) is retried
+    for up to 30 s, as Prefect's own client does."""
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310
-        return json.loads(resp.read())
+    deadline = time.monotonic() + 30
+    while True:
+        req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            if exc.code != 503 or time.monotonic() > deadline:
+                raise
+        time.sleep(0.5)
 
 
 def _chromium(url: str, profile: Path, screenshot: Path | None = None) -> str:
