@@ -136,20 +136,27 @@ def _log_tail(path: Path, lines: int = 20) -> str:
 
 
 def _recent_running_runs(api_url: str) -> int:
-    """Flow runs ``RUNNING`` on the server that started within the last day (0 when it cannot tell)."""
+    """Flow runs ``RUNNING`` on the server that started within the last day (0 when it cannot tell;
+    a busy server's 503 is asked again, 3 times in all)."""
     since = (datetime.now(UTC) - timedelta(days=1)).isoformat()
     body = {"flow_runs": {"state": {"type": {"any_": ["RUNNING"]}}, "start_time": {"after_": since}}}
-    req = urllib.request.Request(
-        api_url + "/flow_runs/count",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=5.0) as resp:  # noqa: S310
-            return int(json.loads(resp.read()))
-    except (urllib.error.URLError, OSError, ValueError, TypeError):
-        return 0
+    for attempt in range(3):
+        req = urllib.request.Request(
+            api_url + "/flow_runs/count",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=5.0) as resp:  # noqa: S310
+                return int(json.loads(resp.read()))
+        except urllib.error.HTTPError as exc:
+            if exc.code != 503:
+                return 0
+        except (urllib.error.URLError, OSError, ValueError, TypeError):
+            return 0
+        time.sleep(1.0 + attempt)
+    return 0
 
 
 def _stop_record(folder: Path, record: dict[str, Any], timeout: float) -> bool:
