@@ -7,7 +7,8 @@
 - :mod:`prefect_tinker.cli.store`: ``sql``, ``runs``, ``checkpoints``, ``store check|repair``;
 - :mod:`prefect_tinker.cli.show`: ``show-example``;
 - :mod:`prefect_tinker.cli.sandbox`: ``sandbox``;
-- :mod:`prefect_tinker.cli.capture`: ``capture serve`` (the capture proxy).
+- :mod:`prefect_tinker.cli.capture`: ``capture serve`` (the capture proxy);
+- :mod:`prefect_tinker.cli.ui`: ``ui``, ``ui status``, ``ui stop`` (the local Prefect server and its UI).
 
 Nothing below the command line imports it.
 """

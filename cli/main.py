@@ -14,6 +14,7 @@ Subcommands::
     prefect-tinker store check|repair [--store ROOT] [--json]   unreadable parts, leftover temporaries
     prefect-tinker local serve ...                              the local Tinker-compatible server
     prefect-tinker local status|stop [--root DIR]               the embedded server the flows started
+    prefect-tinker ui [status|stop] [--no-browser]              the local Prefect server and UI runs report to
     prefect-tinker show-example DATA --tokenizer T [...]        a rendered example, trained tokens highlighted
     prefect-tinker ops install-automations [--within S]         crash runs whose heartbeats stop (flows/ops.py)
     prefect-tinker sandbox run FILE.py [--timeout S]            run a file in the code sandbox, print JSON
@@ -21,7 +22,8 @@ Subcommands::
 
 Modules: :mod:`prefect_tinker.cli.config` (errors, YAML values, overrides), :mod:`prefect_tinker.cli.flows`
 (flow registry, config validation), :mod:`prefect_tinker.cli.store` (sql / runs / checkpoints / store),
-:mod:`prefect_tinker.flows.prefect_api` (the temporary Prefect API of ``run``),
+:mod:`prefect_tinker.flows.prefect_server` (the persistent Prefect server and UI of ``run``; ``ui``:
+:mod:`prefect_tinker.cli.ui`), :mod:`prefect_tinker.flows.prefect_api` (the temporary API of ``PREFECT_TINKER_UI=off``),
 :mod:`prefect_tinker.flows.ops` (ops), :mod:`prefect_tinker.cli.show` (show-example),
 :mod:`prefect_tinker.cli.sandbox` (sandbox), :mod:`prefect_tinker.cli.capture` (capture serve).
 
@@ -120,8 +122,8 @@ def _terminal_output(quiet: bool, json_progress: bool, debug: bool) -> Iterator[
 
 def cmd_run(args: argparse.Namespace) -> int:
     """``prefect-tinker run``: validate the config, run the flow, print its result as JSON."""
-    # Without PREFECT_API_URL a temporary Prefect server is started (flows/prefect_api.py); on a
-    # busy machine it needs longer than Prefect's 20 s default to answer.
+    # Without PREFECT_API_URL the persistent local Prefect server is started (flows/prefect_server.py);
+    # on a busy machine its first start needs longer than Prefect's 20 s default to answer.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     flow, model = resolve_flow(args.flow)
     config = build_config(model, args.overrides, _example_file(args.flow, args.example, args.config), args.flow)
@@ -134,15 +136,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(config.model_dump_json(indent=2))
         return EXIT_OK
-    from prefect_tinker.flows.prefect_api import PrefectAPIError, temporary_prefect_api
+    from prefect_tinker.flows.prefect_api import PrefectAPIError
+    from prefect_tinker.flows.prefect_server import PrefectServerError, run_api
+
+    def announce(line: str) -> None:
+        if not args.quiet:
+            print(line, file=sys.stderr)
 
     try:
-        # without PREFECT_API_URL: a temporary Prefect API that the kernel kills with this process
-        with temporary_prefect_api(), _terminal_output(args.quiet, args.json_progress, args.debug):
+        # without PREFECT_API_URL: the local Prefect server with its UI, started on first use and kept
+        with run_api(announce=announce), _terminal_output(args.quiet, args.json_progress, args.debug):
             result = flow(config=config)
     except KeyboardInterrupt:
         raise
-    except PrefectAPIError as exc:
+    except (PrefectAPIError, PrefectServerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except Exception as exc:  # with --debug, the flow's own logs carry the traceback too
@@ -281,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     from prefect_tinker.cli.capture import add_parser as add_capture  # capture serve: prefect_tinker/capture/
 
     add_capture(sub)
+    from prefect_tinker.cli.ui import add_parser as add_ui  # ui: the local Prefect server (cli/ui.py)
+
+    add_ui(sub)
     return p
 
 

@@ -1,5 +1,9 @@
 """A temporary Prefect API for ``prefect-tinker run`` that dies with the command.
 
+Since the persistent local Prefect server with its UI (:mod:`prefect_tinker.flows.prefect_server`)
+became the default, ``run`` uses this one only with ``PREFECT_TINKER_UI=off`` (nothing stays
+running after the command, and the printed run link is dead once it ends).
+
 Without ``PREFECT_API_URL`` a Prefect flow starts its own temporary API server (uvicorn in a
 child process) and stops it at exit, but a killed command (SIGKILL, or any signal Python does
 not handle) never reaches that exit: the server lives on with parent pid 1, holding the
@@ -29,7 +33,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["PrefectAPIError", "supported", "temporary_prefect_api"]
+__all__ = ["PrefectAPIError", "api_url_set", "supported", "temporary_prefect_api", "using_api"]
 
 #: the launcher: arm the parent-death signal, check the parent did not die meanwhile, exec the server
 _LAUNCHER = (
@@ -58,7 +62,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _api_url_set() -> bool:
+def api_url_set() -> bool:
+    """Whether a Prefect API is configured (``PREFECT_API_URL`` in the environment or the profile)."""
     from prefect.settings import get_current_settings
 
     return bool(os.environ.get("PREFECT_API_URL") or get_current_settings().api.url)
@@ -179,11 +184,9 @@ def temporary_prefect_api(
     Raises:
         PrefectAPIError: the server exited or did not answer in time (it is stopped).
     """
-    if _api_url_set() or not supported():
+    if api_url_set() or not supported():
         yield None
         return
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
     folder = Path(log_dir or os.environ.get("PREFECT_TINKER_HOME") or Path.home() / ".prefect-tinker").expanduser()
     folder.mkdir(parents=True, exist_ok=True)
     log_path = folder / "prefect-server.log"
@@ -205,18 +208,30 @@ def temporary_prefect_api(
         )
     try:
         _wait_ready(proc, api_url, timeout, log_path)
-        previous = os.environ.get("PREFECT_API_URL")
-        os.environ["PREFECT_API_URL"] = api_url  # for subprocesses of the flow (process task runners)
-        try:
-            with temporary_settings(updates={PREFECT_API_URL: api_url}):
-                try:
-                    yield api_url
-                finally:
-                    _drain_prefect_workers()
-        finally:
-            if previous is None:
-                os.environ.pop("PREFECT_API_URL", None)
-            else:
-                os.environ["PREFECT_API_URL"] = previous
+        with using_api(api_url):
+            yield api_url
     finally:
         _stop(proc)
+
+
+@contextlib.contextmanager
+def using_api(api_url: str) -> Iterator[None]:
+    """Run the body against the Prefect API at ``api_url`` (e.g. ``http://127.0.0.1:4200/api``):
+    ``PREFECT_API_URL`` set in Prefect's settings and in the environment (for subprocesses of
+    the flow: process task runners), restored afterwards; at the end the Prefect log and event
+    workers are drained, so the run's last logs and events reach that API before it may go away."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    previous = os.environ.get("PREFECT_API_URL")
+    os.environ["PREFECT_API_URL"] = api_url
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: api_url}):
+            try:
+                yield
+            finally:
+                _drain_prefect_workers()
+    finally:
+        if previous is None:
+            os.environ.pop("PREFECT_API_URL", None)
+        else:
+            os.environ["PREFECT_API_URL"] = previous

@@ -17,3 +17,5 @@ prefect-tinker sql --store "$STORE" \
   "SELECT step, kind, path FROM checkpoints WHERE run_id = '$RUN' ORDER BY step, kind"
 echo "Store: $STORE (query it: prefect-tinker sql --store $STORE \"SELECT ...\")."
 echo "The embedded local server keeps running for the next run: 'prefect-tinker local status' / 'prefect-tinker local stop'."
+echo "The run in the Prefect UI (progress, curves, metrics): the 'View at' link above, or 'prefect-tinker ui';"
+echo "the local Prefect server keeps running too: 'prefect-tinker ui status' / 'prefect-tinker ui stop'."

@@ -30,6 +30,17 @@ if ! command -v espeak-ng >/dev/null 2>&1; then
     echo "setup.sh: the speech tests need espeak-ng (apt-get install espeak-ng); they are skipped without it" >&2
   fi
 fi
+# The Prefect UI test (tests/test_prefect_ui.py) opens a run's pages in headless Chromium (Debian package); it is
+# skipped without it.
+if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get install -y -qq chromium >/dev/null 2>&1 \
+      || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1; }) \
+      || echo "setup.sh: could not install chromium; the Prefect UI browser test will be skipped" >&2
+  else
+    echo "setup.sh: the Prefect UI browser test needs chromium (apt-get install chromium); it is skipped without it" >&2
+  fi
+fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
 # inspect: the inspect-ai provider and its tests; ray, dask: the task runners of the cluster tests (-m cluster);

@@ -22,10 +22,15 @@ SESSION_HOME = tempfile.mkdtemp(prefix="prefect-tinker-tests-home-")
 atexit.register(shutil.rmtree, SESSION_HOME, True)
 os.environ["HOME"] = SESSION_HOME
 for _name in ("PREFECT_HOME", "PREFECT_PROFILES_PATH", "PREFECT_PROFILE", "PREFECT_API_URL", "PREFECT_API_KEY",
-              "PREFECT_TINKER_HOME", "PREFECT_TINKER_STORE", "TINKER_API_KEY", "TINKER_BASE_URL",
-              "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE",
-              "TRANSFORMERS_CACHE", "RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+              "PREFECT_TINKER_HOME", "PREFECT_TINKER_STORE", "PREFECT_TINKER_UI_PORT", "TINKER_API_KEY",
+              "TINKER_BASE_URL", "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "HF_HOME", "HF_HUB_CACHE",
+              "HF_DATASETS_CACHE", "TRANSFORMERS_CACHE", "RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN",
+              "RAY_AUTH_TOKEN_PATH"):
     os.environ.pop(_name, None)
+# `prefect-tinker run` without PREFECT_API_URL: the temporary Prefect API that dies with the command, not
+# the persistent local Prefect server of a user (flows/prefect_server.py); tests of that server turn it
+# on for their own HOME (tests/test_prefect_ui.py) and stop it.
+os.environ["PREFECT_TINKER_UI"] = "off"
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

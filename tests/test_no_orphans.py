@@ -1,6 +1,7 @@
-"""``prefect-tinker run`` killed with SIGKILL mid-run leaves no process behind but the embedded
-tinker server (which stays up by design): the temporary Prefect API it started dies with it and
-nobody holds the killed command's stdout."""
+"""``prefect-tinker run`` with ``PREFECT_TINKER_UI=off`` killed with SIGKILL mid-run leaves no process
+behind but the embedded tinker server (which stays up by design): the temporary Prefect API it started
+dies with it and nobody holds the killed command's stdout. (The persistent Prefect server of the default
+mode stays up by design too; tests/test_prefect_ui.py stops it and checks that nothing is left.)"""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def test_kill_9_of_run_leaves_only_the_tinker_server(tmp_path):
     marker = f"PT_ORPHAN_TEST={uuid.uuid4().hex}"
     store, local_root = tmp_path / "store", tmp_path / "local"
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    env.update(PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_TINKER_HOME=str(local_root),
+    env.update(PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_TINKER_HOME=str(local_root), PREFECT_TINKER_UI="off",
                PREFECT_SERVER_ANALYTICS_ENABLED="false", PT_ORPHAN_TEST=marker.split("=", 1)[1])
     cli = str(Path(sys.executable).parent / "prefect-tinker")
     proc = subprocess.Popen(

@@ -44,6 +44,7 @@ __all__ = [
     "LocalServerError",
     "default_root",
     "ensure_server",
+    "file_lock",
     "free_port",
     "healthy",
     "read_record",
@@ -132,7 +133,7 @@ def _log_tail(path: Path, lines: int = 30) -> str:
 
 
 @contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
+def file_lock(path: Path) -> Iterator[None]:
     """Exclusive ``flock`` on ``path`` while the block runs (no-op where fcntl is unavailable)."""
     with open(path, "a+") as fh:  # closing releases the lock
         try:
@@ -232,7 +233,7 @@ def ensure_server(
             the message includes the tail of ``server.log``.
     """
     root.mkdir(parents=True, exist_ok=True)
-    with _file_lock(root / LOCK_FILE):
+    with file_lock(root / LOCK_FILE):
         record = read_record(root)
         if (
             record
@@ -339,7 +340,7 @@ def stop_server(root: Path, timeout: float = 10.0) -> dict[str, Any] | None:
     """
     if not root.exists():
         return None
-    with _file_lock(root / LOCK_FILE):
+    with file_lock(root / LOCK_FILE):
         record = read_record(root)
         if not record:
             return None
