@@ -43,11 +43,15 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from prefect_tinker.recipes.media_sources import MEDIA_CONVERTERS
-from prefect_tinker.recipes.record_fields import Converted, RecordError, get_field
-from prefect_tinker.recipes.record_fields import pick_text as _pick
-from prefect_tinker.recipes.record_fields import short_repr as _short
-from prefect_tinker.recipes.record_fields import top_key as _top
-from prefect_tinker.recipes.record_fields import with_system as _with_system
+from prefect_tinker.recipes.record_fields import (
+    Converted,
+    RecordError,
+    get_field,
+    pick_text,
+    short_repr,
+    top_key,
+    with_system,
+)
 from prefect_tinker.recipes.registry import Registry
 from prefect_tinker.recipes.renderers.messages import FieldProblem, check_message_list
 from prefect_tinker.recipes.tools.calculator_traces import calculator_solution
@@ -111,11 +115,11 @@ def _messages(
     rmap = dict(role_map or {}, **options.get("role_map", {}))
     if (rk, ck) != ("role", "content") or rmap:
         if not isinstance(msgs, list):
-            raise RecordError(path, f"must be a non-empty list of messages, got {_short(msgs)}")
+            raise RecordError(path, f"must be a non-empty list of messages, got {short_repr(msgs)}")
         out = []
         for i, m in enumerate(msgs):
             if not isinstance(m, Mapping):
-                raise RecordError(f"{path}[{i}]", f"must be an object with {rk} and {ck}, got {_short(m)}")
+                raise RecordError(f"{path}[{i}]", f"must be an object with {rk} and {ck}, got {short_repr(m)}")
             for key in (rk, ck):
                 if key not in m:
                     raise RecordError(f"{path}[{i}].{key}", "is missing")
@@ -123,8 +127,8 @@ def _messages(
             out.append({**rest, "role": rmap.get(m[rk], m[rk]), "content": m[ck]})
         msgs = out
     if isinstance(msgs, list):
-        msgs = _with_system(msgs, options.get("system_prompt"))
-    return [Converted(msgs, path, frozenset({_top(path)}))]
+        msgs = with_system(msgs, options.get("system_prompt"))
+    return [Converted(msgs, path, frozenset({top_key(path)}))]
 
 
 def _sharegpt(record: Any, fields: Mapping[str, str], options: Mapping[str, Any]) -> list[Converted]:
@@ -148,20 +152,20 @@ def _require_text(path: str | None, value: str | None, what: str) -> str:
 
 
 def _instruction(record: Any, fields: Mapping[str, str], options: Mapping[str, Any]) -> list[Converted]:
-    ipath, instruction = _pick(record, fields, "instruction", ("instruction",))
-    xpath, extra = _pick(record, fields, "input", ("input", "context"), required=False)
-    opath, output = _pick(record, fields, "output", ("output", "response"))
-    spath, system = _pick(record, fields, "system", ("system",), required=False)
+    ipath, instruction = pick_text(record, fields, "instruction", ("instruction",))
+    xpath, extra = pick_text(record, fields, "input", ("input", "context"), required=False)
+    opath, output = pick_text(record, fields, "output", ("output", "response"))
+    spath, system = pick_text(record, fields, "system", ("system",), required=False)
     user = instruction if not (extra or "").strip() else instruction + options.get("input_separator", "\n\n") + extra
     msgs = [{"role": "user", "content": user}, {"role": "assistant", "content": _require_text(opath, output, "output")}]
-    used = frozenset(_top(p) for p in (ipath, xpath, opath, spath) if p)
-    return [Converted(_with_system(msgs, system or options.get("system_prompt")), f"{ipath}+{opath}", used)]
+    used = frozenset(top_key(p) for p in (ipath, xpath, opath, spath) if p)
+    return [Converted(with_system(msgs, system or options.get("system_prompt")), f"{ipath}+{opath}", used)]
 
 
 def _prompt_completion(record: Any, fields: Mapping[str, str], options: Mapping[str, Any]) -> list[Converted]:
-    ppath, prompt = _pick(record, fields, "prompt", ("prompt",))
-    cpath, completion = _pick(record, fields, "completion", ("completion", "response", "answer"))
-    spath, system = _pick(record, fields, "system", ("system",), required=False)
+    ppath, prompt = pick_text(record, fields, "prompt", ("prompt",))
+    cpath, completion = pick_text(record, fields, "completion", ("completion", "response", "answer"))
+    spath, system = pick_text(record, fields, "system", ("system",), required=False)
     suffix = options.get("strip_completion_suffix")
     if suffix and completion.endswith(suffix):
         completion = completion[: -len(suffix)]
@@ -169,8 +173,8 @@ def _prompt_completion(record: Any, fields: Mapping[str, str], options: Mapping[
         {"role": "user", "content": prompt},
         {"role": "assistant", "content": _require_text(cpath, completion, "completion")},
     ]
-    used = frozenset(_top(p) for p in (ppath, cpath, spath) if p)
-    return [Converted(_with_system(msgs, system or options.get("system_prompt")), f"{ppath}+{cpath}", used)]
+    used = frozenset(top_key(p) for p in (ppath, cpath, spath) if p)
+    return [Converted(with_system(msgs, system or options.get("system_prompt")), f"{ppath}+{cpath}", used)]
 
 
 _TURN = re.compile(r"\n\n(Human|Assistant):")
@@ -190,7 +194,7 @@ def parse_dialogue(text: str) -> list[dict[str, str]]:
         text = "\n\n" + text
     parts = _TURN.split(text)
     if parts[0].strip():
-        raise ValueError(f"has text before the first '\\n\\nHuman:' turn: {_short(parts[0], 40)}")
+        raise ValueError(f"has text before the first '\\n\\nHuman:' turn: {short_repr(parts[0], 40)}")
     if len(parts) < 3:
         raise ValueError("has no '\\n\\nHuman:' / '\\n\\nAssistant:' turns")
     roles = {"Human": "user", "Assistant": "assistant"}
@@ -198,30 +202,30 @@ def parse_dialogue(text: str) -> list[dict[str, str]]:
 
 
 def _dialogue(record: Any, fields: Mapping[str, str], options: Mapping[str, Any]) -> list[Converted]:
-    path, text = _pick(record, fields, "text", ("text",))
+    path, text = pick_text(record, fields, "text", ("text",))
     try:
         msgs = parse_dialogue(text)
     except ValueError as exc:
         raise RecordError(path, str(exc)) from None
-    return [Converted(_with_system(msgs, options.get("system_prompt")), path, frozenset({_top(path)}))]
+    return [Converted(with_system(msgs, options.get("system_prompt")), path, frozenset({top_key(path)}))]
 
 
 def _self_instruct(record: Any, fields: Mapping[str, str], options: Mapping[str, Any]) -> list[Converted]:
-    ipath, instruction = _pick(record, fields, "instruction", ("instruction",))
+    ipath, instruction = pick_text(record, fields, "instruction", ("instruction",))
     lpath = fields.get("instances", "instances")
     instances = get_field(record, lpath)
     if not isinstance(instances, list) or not instances:
-        raise RecordError(lpath, f"must be a non-empty list of {{input, output}} objects, got {_short(instances)}")
+        raise RecordError(lpath, f"must be a non-empty list of {{input, output}} objects, got {short_repr(instances)}")
     out = []
     for j, inst in enumerate(instances):
         sub = {"instruction": instruction, **inst} if isinstance(inst, Mapping) else None
         if sub is None:
-            raise RecordError(f"{lpath}[{j}]", f"must be an object with input and output, got {_short(inst)}")
+            raise RecordError(f"{lpath}[{j}]", f"must be an object with input and output, got {short_repr(inst)}")
         try:
             (conv,) = _instruction(sub, {}, options)
         except RecordError as exc:
             raise RecordError(f"{lpath}[{j}].{exc.field}", exc.problem) from None
-        out.append(Converted(conv.messages, f"{ipath}+{lpath}[{j}]", frozenset({_top(ipath), _top(lpath)})))
+        out.append(Converted(conv.messages, f"{ipath}+{lpath}[{j}]", frozenset({top_key(ipath), top_key(lpath)})))
     return out
 
 
@@ -276,7 +280,7 @@ def convert_record(
     """
     conv = CONVERTERS.get_or_raise(format)
     if not isinstance(record, Mapping):
-        raise RecordError("(record)", f"must be a JSON object, got {_short(record)}")
+        raise RecordError("(record)", f"must be a JSON object, got {short_repr(record)}")
     return conv(record, dict(fields or {}), dict(options or {}))
 
 
@@ -296,7 +300,7 @@ def validate_messages(
     """
     if not isinstance(messages, list) or not messages:
         raise DatasetFormatError(
-            f"{where}: field {field_name!r} must be a non-empty list of messages, got {_short(messages)}"
+            f"{where}: field {field_name!r} must be a non-empty list of messages, got {short_repr(messages)}"
         )
     try:
         out = check_message_list(messages)
@@ -327,12 +331,12 @@ def _as_messages(value: Any, path: str, *, reply: bool) -> list[dict]:
     if isinstance(value, Mapping):
         value = [value]
     if not isinstance(value, list) or not all(isinstance(m, Mapping) for m in value):
-        raise RecordError(path, f"must be a text, a message or a list of messages, got {_short(value)}")
+        raise RecordError(path, f"must be a text, a message or a list of messages, got {short_repr(value)}")
     for i, m in enumerate(value):
         if "role" not in m or "content" not in m:
             raise RecordError(f"{path}[{i}]", "needs role and content")
         if not isinstance(m["content"], str):
-            raise RecordError(f"{path}[{i}].content", f"must be a string, got {_short(m['content'])}")
+            raise RecordError(f"{path}[{i}].content", f"must be a string, got {short_repr(m['content'])}")
     return [dict(m) for m in value]
 
 
@@ -365,7 +369,7 @@ def pairs_from_record(
         out = []
         for path, text in ((cpath, chosen), (rpath, rejected)):
             if not isinstance(text, str):
-                raise RecordError(path, f"must be a '\\n\\nHuman: ...' transcript, got {_short(text)}")
+                raise RecordError(path, f"must be a '\\n\\nHuman: ...' transcript, got {short_repr(text)}")
             try:
                 out.append(parse_dialogue(text))
             except ValueError as exc:
@@ -402,10 +406,8 @@ def preference_from_dialogues(chosen: str, rejected: str) -> PreferencePair:
 def _preference(record: Any, fields: Mapping[str, str], options: Mapping[str, Any]) -> list[Converted]:
     """``preference`` records as conversations for SFT: the prompt and the chosen reply."""
     prompt, chosen, _ = pairs_from_record(record, "preference", fields)
-    used = frozenset(_top(fields.get(k, k)) for k in ("prompt", "chosen", "rejected"))
-    return [
-        Converted(_with_system(prompt + chosen, options.get("system_prompt")), fields.get("chosen", "chosen"), used)
-    ]
+    used = frozenset(top_key(fields.get(k, k)) for k in ("prompt", "chosen", "rejected"))
+    return [Converted(with_system(prompt + chosen, options.get("system_prompt")), fields.get("chosen", "chosen"), used)]
 
 
 register_converter("preference", _preference)

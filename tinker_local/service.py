@@ -17,9 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from . import protocol as P
-from .errors import HttpError
-from .errors import int_field as _int
-from .errors import required_field as _req
+from .errors import HttpError, int_field, required_field
 from .futures import FutureStore, UserError
 from .registry import CheckpointRecord, Registry, RunRecord, SamplerRecord, dir_size
 from .rest import RestMixin, check_ttl
@@ -140,7 +138,7 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
         return {"type": "create_session", "session_id": sid}
 
     def heartbeat(self, body: dict[str, Any]) -> dict[str, Any]:
-        state = self.registry.heartbeat(str(_req(body, "session_id", "session_heartbeat")))
+        state = self.registry.heartbeat(str(required_field(body, "session_id", "session_heartbeat")))
         if state == "finished":
             raise HttpError(410, "session has finished")
         return {"type": "session_heartbeat"}
@@ -176,14 +174,14 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
 
     def create_model(self, body: dict[str, Any]) -> dict[str, Any]:
         ep = "create_model"
-        session_id = str(_req(body, "session_id", ep))
-        seq = _int(body, "model_seq_id", ep)
+        session_id = str(required_field(body, "session_id", ep))
+        seq = int_field(body, "model_seq_id", ep)
         if seq is None:
             raise HttpError(422, f"{ep}: field 'model_seq_id' is required")
-        base_model = str(_req(body, "base_model", ep))
+        base_model = str(required_field(body, "base_model", ep))
         self._check_optimizer(body.get("optimizer_config"), ep)
         lora = body.get("lora_config") or {}
-        rank = _int(lora, "rank", ep, 32)
+        rank = int_field(lora, "rank", ep, 32)
         if rank < 1:
             raise HttpError(422, f"{ep}: lora_config.rank must be >= 1, got {rank}")
         model_id = f"{session_id}:train:{seq}"
@@ -220,7 +218,7 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
         return {"request_id": rid, "model_id": model_id}
 
     def get_info(self, body: dict[str, Any]) -> dict[str, Any]:
-        model_id = str(_req(body, "model_id", "get_info"))
+        model_id = str(required_field(body, "model_id", "get_info"))
         run = self.registry.runs.get(model_id)
         info = self._info.get(model_id)
         if info is None:
@@ -307,7 +305,7 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
     @_burns_seq
     def optim_step(self, body: dict[str, Any]) -> dict[str, Any]:
         ep = "optim_step"
-        model_id = str(_req(body, "model_id", ep))
+        model_id = str(required_field(body, "model_id", ep))
         params = body.get("adam_params") or body.get("optim_params") or body.get("optimizer_params")
         if not isinstance(params, dict):
             raise HttpError(422, f"{ep}: 'adam_params' is required")
@@ -326,7 +324,7 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
             metrics = self.engine.optim_step(P.engine_id(model_id), **kw) or {}
             return {"metrics": {k: float(v) for k, v in metrics.items()}}
 
-        return {"request_id": self._ordered(ep, work, model_id, _int(body, "seq_id", ep)), "model_id": model_id}
+        return {"request_id": self._ordered(ep, work, model_id, int_field(body, "seq_id", ep)), "model_id": model_id}
 
     def _save(self, model_id: str, kind: str, name: str, meta: Any, ttl: int | None = None) -> CheckpointRecord:
         run = self._run(model_id)
@@ -353,8 +351,8 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
     @_burns_seq
     def save_weights(self, body: dict[str, Any]) -> dict[str, Any]:
         ep = "save_weights"
-        model_id = str(_req(body, "model_id", ep))
-        seq = _int(body, "seq_id", ep)
+        model_id = str(required_field(body, "model_id", ep))
+        seq = int_field(body, "seq_id", ep)
         name = body.get("path") or f"state-{seq if seq is not None else int(time.time())}"
         try:
             P.check_checkpoint_name(name)
@@ -371,9 +369,9 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
     @_burns_seq
     def save_weights_for_sampler(self, body: dict[str, Any]) -> dict[str, Any]:
         ep = "save_weights_for_sampler"
-        model_id = str(_req(body, "model_id", ep))
-        seq = _int(body, "seq_id", ep)
-        ss_seq = _int(body, "sampling_session_seq_id", ep)
+        model_id = str(required_field(body, "model_id", ep))
+        seq = int_field(body, "seq_id", ep)
+        ss_seq = int_field(body, "sampling_session_seq_id", ep)
         name = body.get("path") or (
             f"ephemeral-{ss_seq}" if ss_seq is not None else f"sampler-{seq if seq is not None else int(time.time())}"
         )
@@ -404,7 +402,7 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
     @_burns_seq
     def load_weights(self, body: dict[str, Any]) -> dict[str, Any]:
         ep = "load_weights"
-        uri = str(_req(body, "path", ep))
+        uri = str(required_field(body, "path", ep))
         with_opt = bool(body.get("optimizer", False))
         ck = self._checkpoint(uri)
         if ck.kind != "state":
@@ -419,7 +417,7 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
         if body.get("session_id") is not None:  # create-via-load: the model's first request
             if with_opt is False:
                 self._check_optimizer(body.get("optimizer_config"), ep)
-            seq = _int(body, "model_seq_id", ep)
+            seq = int_field(body, "model_seq_id", ep)
             if seq is None:
                 raise HttpError(422, f"{ep}: 'model_seq_id' is required with 'session_id'")
             session_id = str(body["session_id"])
@@ -455,11 +453,11 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
             rid = self._traced(ep, create_and_load, model_id, None, dedupe_key=(model_id, 0), path=uri)
             return {"request_id": rid, "model_id": model_id}
 
-        model_id = str(_req(body, "model_id", ep))
+        model_id = str(required_field(body, "model_id", ep))
 
         def load() -> dict[str, Any]:
             self._run(model_id)
             self.engine.load_state(P.engine_id(model_id), Path(ck.path), with_optimizer=with_opt)
             return {"type": "load_weights", "path": uri, "model_id": model_id}
 
-        return {"request_id": self._ordered(ep, load, model_id, _int(body, "seq_id", ep)), "model_id": model_id}
+        return {"request_id": self._ordered(ep, load, model_id, int_field(body, "seq_id", ep)), "model_id": model_id}

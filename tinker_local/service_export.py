@@ -27,9 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from . import protocol as P
-from .errors import HttpError
-from .errors import int_field as _int
-from .errors import required_field as _req
+from .errors import HttpError, int_field, required_field
 from .registry import CheckpointRecord, iso
 from .rest import check_ttl
 from .signing import SignatureError
@@ -91,9 +89,9 @@ class ExportMixin:
 
     def save_weights_external(self, body: dict[str, Any]) -> dict[str, Any]:
         ep = "save_weights_external"
-        model_id = str(_req(body, "model_id", ep))
-        seq = _int(body, "seq_id", ep)
-        name = _req(body, "path", ep)
+        model_id = str(required_field(body, "model_id", ep))
+        seq = int_field(body, "seq_id", ep)
+        name = required_field(body, "path", ep)
         try:
             P.check_checkpoint_name(name)
         except P.ProtocolError as e:

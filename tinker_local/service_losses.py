@@ -13,9 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from .custom_loss import BoundLoss, CompiledLoss, CustomLossError, compile_graph
-from .errors import HttpError
-from .errors import int_field as _int
-from .errors import required_field as _req
+from .errors import HttpError, int_field, required_field
 from .futures import UserError
 from .trace import session_of
 
@@ -36,8 +34,8 @@ class CustomLossMixin:
                 f"{ep}: server-side custom losses are switched off on this server "
                 "(client config custom_loss_server_side is false)",
             )
-        session_id = str(_req(body, "session_id", ep))
-        seq = _int(body, "custom_loss_seq_id", ep)
+        session_id = str(required_field(body, "session_id", ep))
+        seq = int_field(body, "custom_loss_seq_id", ep)
         if seq is None:
             raise HttpError(422, f"{ep}: field 'custom_loss_seq_id' is required")
         try:

@@ -13,9 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from . import protocol as P
-from .errors import HttpError
-from .errors import int_field as _int
-from .errors import required_field as _req
+from .errors import HttpError, int_field, required_field
 from .futures import is_user_error as _is_user_error
 from .registry import SamplerRecord
 from .service_stability import StabilityMixin
@@ -51,8 +49,8 @@ class SamplingServiceMixin(StabilityMixin):
     # -- sampling ---------------------------------------------------------------------------------
     def create_sampling_session(self, body: dict[str, Any]) -> dict[str, Any]:
         ep = "create_sampling_session"
-        session_id = str(_req(body, "session_id", ep))
-        seq = _int(body, "sampling_session_seq_id", ep)
+        session_id = str(required_field(body, "session_id", ep))
+        seq = int_field(body, "sampling_session_seq_id", ep)
         sid = f"{session_id}:sample:{seq}"
         self.registry.add_sampler(self._sampler_record(sid, body, ep))
         return {"type": "create_sampling_session", "sampling_session_id": sid}
@@ -80,7 +78,7 @@ class SamplingServiceMixin(StabilityMixin):
         }
 
     def join_sampling_session(self, body: dict[str, Any]) -> dict[str, Any]:
-        sid = str(_req(body, "sampling_session_id", "join_sampling_session"))
+        sid = str(required_field(body, "sampling_session_id", "join_sampling_session"))
         n = self.registry.join_sampler(sid)
         if n is None:
             raise HttpError(404, f"unknown sampling session {sid!r}")
@@ -88,7 +86,7 @@ class SamplingServiceMixin(StabilityMixin):
 
     def asample(self, body: dict[str, Any]) -> dict[str, Any]:
         ep = "asample"
-        n = _int(body, "num_samples", ep, 1)
+        n = int_field(body, "num_samples", ep, 1)
         if n < 1:
             raise HttpError(422, f"{ep}: num_samples must be >= 1, got {n}")
         sid = body.get("sampling_session_id")
@@ -99,7 +97,7 @@ class SamplingServiceMixin(StabilityMixin):
         else:
             rec = self._sampler_record("adhoc", body, ep)
         try:
-            prompt = P.prompt_from_json(_req(body, "prompt", ep))
+            prompt = P.prompt_from_json(required_field(body, "prompt", ep))
             sp = body.get("sampling_params") or {}
             stop = P.stop_from_json(sp.get("stop"))
             target, target_csr = (
@@ -111,9 +109,9 @@ class SamplingServiceMixin(StabilityMixin):
             raise HttpError(422, f"{ep}: {e}") from e
         weights_path = self.inflight_weights(str(sid)) if sid is not None else None
         weights_path = weights_path or rec.weights_path
-        topk = _int(body, "topk_prompt_logprobs", ep, 0) or 0
-        last_n = _int(body, "prompt_logprobs_last_n", ep)
-        max_tokens = _int(sp, "max_tokens", ep)
+        topk = int_field(body, "topk_prompt_logprobs", ep, 0) or 0
+        last_n = int_field(body, "prompt_logprobs_last_n", ep)
+        max_tokens = int_field(sp, "max_tokens", ep)
         try:
             job = {
                 "engine": dict(
@@ -123,16 +121,16 @@ class SamplingServiceMixin(StabilityMixin):
                     weights_path=Path(weights_path) if weights_path else None,
                     max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
                     temperature=float(_or(sp.get("temperature"), 1.0)),
-                    top_k=_int(sp, "top_k", ep) if sp.get("top_k") is not None else -1,
+                    top_k=int_field(sp, "top_k", ep) if sp.get("top_k") is not None else -1,
                     top_p=float(_or(sp.get("top_p"), 1.0)),
-                    seed=_int(sp, "seed", ep),
+                    seed=int_field(sp, "seed", ep),
                     stop=stop,
                     include_prompt_logprobs=bool(body.get("prompt_logprobs")) or topk > 0,
                     topk_prompt_logprobs=topk,
-                    topk_sample_logprobs=_int(body, "topk_sample_logprobs", ep, 0) or 0,
+                    topk_sample_logprobs=int_field(body, "topk_sample_logprobs", ep, 0) or 0,
                     prompt_logprobs_last_n=last_n,
                     target_prompt_logprobs=target,
-                    prompt_alt_tokens_k=_int(body, "prompt_alt_tokens_k", ep, 0) or 0,
+                    prompt_alt_tokens_k=int_field(body, "prompt_alt_tokens_k", ep, 0) or 0,
                 ),
                 "prompt_logprobs": bool(body.get("prompt_logprobs")),
                 "topk": topk,
@@ -144,7 +142,7 @@ class SamplingServiceMixin(StabilityMixin):
             }
         except (TypeError, ValueError) as e:
             raise HttpError(422, f"{ep}: sampling_params must be numbers ({e})") from e
-        seq = _int(body, "seq_id", ep)
+        seq = int_field(body, "seq_id", ep)
         key = (f"sample:{sid}", seq) if sid is not None and seq is not None else None
         span = None
         if sid is not None and (key is None or self.store.lookup_seq(*key) is None):
