@@ -188,9 +188,11 @@ def test_reward_model_probabilities_match_a_forward_by_hand(prefect_api, rm, mon
     # (compute_logprobs of each): the same values
     monkeypatch.setattr(reward_model_tasks, "TOPK", 1)
     fresh = label_logprobs.with_options(refresh_cache=True)
-    np.testing.assert_allclose(fresh(rm["creds"], rm["path"], flat), got, atol=1e-6)
+    # other requests batch these prompts differently (other micro-batches, other prefix reuse): fp32 values
+    # of about -2 agree to a few ulps of the accumulations, ~1e-6, so the bound is 1e-5, far below any label swap
+    np.testing.assert_allclose(fresh(rm["creds"], rm["path"], flat), got, atol=1e-5)
     swapped = [RenderedComparison(prompt=x.prompt, labels=(x.labels[1], x.labels[0])) for x in flat]
-    np.testing.assert_allclose(fresh(rm["creds"], rm["path"], swapped), [(y, x) for x, y in got], atol=1e-6)
+    np.testing.assert_allclose(fresh(rm["creds"], rm["path"], swapped), [(y, x) for x, y in got], atol=1e-5)
     rend = get_renderer("chatml", rm["tok"])
     fmt = ComparisonFormat(labels=("the first one", "the second one"))
     long = [render_comparison(rend, [{"role": "user", "content": "Is 3 odd?"}], "Yes.", "No.", fmt)]
