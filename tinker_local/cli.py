@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m tinker_local") ->
             )
             return 2
         from .faults import FaultConfig
-        from .server import InsecureBind, serve
+        from .serve import InsecureBind, serve
         from .tenancy import Limits
 
         try:

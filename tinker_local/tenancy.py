@@ -140,6 +140,21 @@ class Tenancy:
         owner = self.session_owner(session_id)
         return owner == current_user() if owner is not None else current_user() == LOCAL_USER
 
+    def check_checkpoint_owner(self, model_id: str, checkpoint_id: str) -> None:
+        """Changes to a checkpoint (TTL, publish flag, downloads, deletion) are its owner's: another
+        user gets HttpError 404 as for an unknown one, or 403 for a checkpoint published to all."""
+        if self.owns_model(model_id):
+            return
+        uri = f"tinker://{model_id}/{checkpoint_id}"
+        ck = self.registry.checkpoints.get(uri)
+        if ck is None or not ck.public:
+            raise HttpError(404, f"unknown checkpoint {uri!r}: not saved on this server, or deleted")
+        raise HttpError(
+            403,
+            f"tinker://{model_id}/{checkpoint_id} is published by another user: "
+            "you may load and sample it, only its owner may change or delete it",
+        )
+
     def may_poll(self, record: Any) -> bool:
         """Whether the caller may read future ``record`` (a ``futures.FutureRecord``)."""
         return getattr(record, "user", LOCAL_USER) == current_user()
