@@ -200,10 +200,10 @@ class RecipeConfig(LRScheduleFields):
     @model_validator(mode="after")
     def _default_run_name(self) -> RecipeConfig:
         if self.backend.is_local():  # the embedded server can tell a model it cannot serve, now
-            from tinker_blocks.credentials import default_local_root
             from tinker_blocks.model_names import check_model_name
+            from tinker_local.launcher import default_root
 
-            self.model = check_model_name(self.model, self.backend.local_root or default_local_root())
+            self.model = check_model_name(self.model, self.backend.local_root or default_root())
         if self.run_name is None:  # stable across retries of a deployment's flow run (resumes)
             self.run_name = default_run_name(self.run_name_prefix(), self)
         return self

@@ -134,10 +134,10 @@ class EvalConfig(TaskRunnerFields):
     @model_validator(mode="after")
     def _check(self) -> EvalConfig:
         if self.backend.is_local():  # the embedded server can tell a model it cannot serve, now
-            from tinker_blocks.credentials import default_local_root
             from tinker_blocks.model_names import check_model_name
+            from tinker_local.launcher import default_root
 
-            root = self.backend.local_root or default_local_root()
+            root = self.backend.local_root or default_root()
             fixed = [m if m.startswith(("run:", "tinker://")) else check_model_name(m, root) for m in self.models()]
             self.model = fixed[0] if isinstance(self.model, str) else fixed
         specs = self.specs()  # bad benchmark settings fail now, naming the benchmark

@@ -34,7 +34,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 import urllib.error
@@ -44,8 +43,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from tinker_local.launcher import default_root, file_lock, free_port, terminate
-from tinker_local.procs import pid_alive, pid_start_ticks
+from tinker_local import procs
+from tinker_local.launcher import default_root
 from tinker_local.server_env import server_environment
 
 __all__ = [
@@ -91,18 +90,10 @@ def server_identity() -> dict[str, str]:
     return {"python": os.path.realpath(sys.executable), "prefect": str(prefect.__version__)}
 
 
-def _read_record(folder: Path) -> dict[str, Any] | None:
-    try:
-        record = json.loads((folder / RECORD_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) else None
-
-
 def _alive(record: dict[str, Any]) -> bool:
     """The recorded process still exists and is the one recorded (same start time: not a reused pid)."""
     pid = int(record.get("pid", -1))
-    return pid_alive(pid) and pid_start_ticks(pid) == record.get("start_ticks")
+    return procs.pid_alive(pid) and procs.pid_start_ticks(pid) == record.get("start_ticks")
 
 
 def _healthy(api_url: str, timeout: float = 2.0) -> bool:
@@ -125,14 +116,6 @@ def _port_free(port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-def _log_tail(path: Path, lines: int = 20) -> str:
-    try:
-        tail = path.read_text(errors="replace").splitlines()[-lines:]
-    except OSError:
-        return "(no log)"
-    return "\n".join(tail) or "(empty log)"
 
 
 def _recent_running_runs(api_url: str) -> int:
@@ -165,7 +148,7 @@ def _stop_record(folder: Path, record: dict[str, Any], timeout: float) -> bool:
     alive = _alive(record)
     if alive:
         pid = int(record["pid"])
-        terminate(pid, timeout)
+        procs.terminate(pid, timeout)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)  # its own session: the group is the server's
     (folder / RECORD_FILE).unlink(missing_ok=True)
@@ -198,7 +181,7 @@ def _choose_port(folder: Path, port: int | None) -> int:
         last = int((folder / "port").read_text())
     except (OSError, ValueError):
         last = 0
-    return last if last and _port_free(last) else free_port()
+    return last if last and _port_free(last) else procs.free_port()
 
 
 def ensure_prefect_server(
@@ -229,8 +212,8 @@ def ensure_prefect_server(
     folder = prefect_server_folder(root)
     home = folder / "home"
     home.mkdir(parents=True, exist_ok=True)
-    with file_lock(folder / "server.lock"):
-        record = _read_record(folder)
+    with procs.file_lock(folder / "server.lock"):
+        record = procs.read_record(folder / RECORD_FILE)
         # a busy server may answer slowly: two tries of 5 s before it counts as hung and is replaced
         if record and _alive(record) and any(_healthy(record["api_url"], timeout=5.0) for _ in range(2)):
             if port and record.get("port") != port:
@@ -259,37 +242,23 @@ def ensure_prefect_server(
         log_path = folder / "server.log"
         cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
         cmd += ["--ui", "--analytics-off"]
-        with open(log_path, "ab") as log:
-            log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(cmd)}\n".encode())
-            log.flush()
-            proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=str(folder),
-                env=_server_env(home, port),
-                start_new_session=True,
-            )
+        proc = procs.start_detached(cmd, log_path=log_path, cwd=folder, env=_server_env(home, port))
         api_url = f"http://127.0.0.1:{port}/api"
         t0 = time.monotonic()
-        deadline = t0 + startup_timeout
-        while not _healthy(api_url, timeout=1.0):
-            if proc.poll() is not None:
-                raise PrefectServerError(
-                    f"the local Prefect server exited with code {proc.returncode} before answering "
-                    f"{api_url}/health; last lines of {log_path}:\n{_log_tail(log_path)}"
-                )
-            if time.monotonic() > deadline:
-                terminate(proc.pid, timeout=5.0)
-                raise PrefectServerError(
-                    f"the local Prefect server did not answer {api_url}/health within {startup_timeout:g} s "
-                    f"(stopped it); last lines of {log_path}:\n{_log_tail(log_path)}"
-                )
-            time.sleep(0.2)
+        procs.wait_ready(
+            proc,
+            lambda: _healthy(api_url, timeout=1.0),
+            what="the local Prefect server",
+            url=f"{api_url}/health",
+            log_path=log_path,
+            timeout=startup_timeout,
+            poll_s=0.2,
+            error=PrefectServerError,
+            tail_lines=20,
+        )
         record = {
             "pid": proc.pid,
-            "start_ticks": pid_start_ticks(proc.pid),
+            "start_ticks": procs.pid_start_ticks(proc.pid),
             "port": port,
             "api_url": api_url,
             "ui_url": f"http://127.0.0.1:{port}",
@@ -300,9 +269,7 @@ def ensure_prefect_server(
             "command": cmd,
             "identity": server_identity(),
         }
-        tmp = folder / (RECORD_FILE + ".tmp")
-        tmp.write_text(json.dumps(record, indent=2))
-        tmp.replace(folder / RECORD_FILE)
+        procs.write_record(folder / RECORD_FILE, record)
         (folder / "port").write_text(str(port))
         return {**record, "started": True, "replaced": replaced}
 
@@ -311,7 +278,7 @@ def prefect_server_status(root: str | os.PathLike[str] | None = None) -> dict[st
     """The record of the local Prefect server with ``running`` (its process lives) and ``healthy``
     (``/api/health`` answers 200) added, or None when none is recorded."""
     folder = prefect_server_folder(root)
-    record = _read_record(folder)
+    record = procs.read_record(folder / RECORD_FILE)
     if record is None:
         return None
     running = _alive(record)
@@ -325,8 +292,8 @@ def stop_prefect_server(root: str | os.PathLike[str] | None = None, timeout: flo
     folder = prefect_server_folder(root)
     if not folder.exists():
         return None
-    with file_lock(folder / "server.lock"):
-        record = _read_record(folder)
+    with procs.file_lock(folder / "server.lock"):
+        record = procs.read_record(folder / RECORD_FILE)
         if record is None:
             return None
         return {**record, "stopped": _stop_record(folder, record, timeout)}

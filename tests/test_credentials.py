@@ -122,7 +122,7 @@ def test_local_reuses_recorded_server_and_restarts_dead_one(stand_in):
     assert len(_starts(stand_in)) == 1
     # the recorded server dies -> the next call starts a new one (and the client is renewed)
     client = block.get_client()
-    launcher.terminate(first["pid"], timeout=5)
+    procs.terminate(first["pid"], timeout=5)
     assert not launcher.healthy(first["base_url"])
     client2 = block.get_client()
     assert client2 is not client
@@ -134,7 +134,7 @@ def test_local_reuses_recorded_server_and_restarts_dead_one(stand_in):
 
 
 def test_local_fixed_port(stand_in):
-    port = launcher.free_port()
+    port = procs.free_port()
     block = TinkerCredentials(local=True, local_root=str(stand_in), local_port=port)
     assert block.base_url_for_sdk() == f"http://127.0.0.1:{port}"
     # a different block pointed at the same (now busy) port but another root refuses to clash
@@ -182,7 +182,7 @@ def test_default_local_root(monkeypatch, tmp_path):
     monkeypatch.setenv("PREFECT_TINKER_HOME", str(tmp_path / "home"))
     assert TinkerCredentials(local=True).resolved_local_root() == (tmp_path / "home").resolve()
     monkeypatch.delenv("PREFECT_TINKER_HOME")
-    assert cred.default_local_root() == Path.home() / ".prefect-tinker"
+    assert launcher.default_root() == Path.home() / ".prefect-tinker"
 
 
 def test_hosted_and_remote_need_a_tml_key(monkeypatch):

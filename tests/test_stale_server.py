@@ -9,7 +9,8 @@ import json
 import pytest
 
 from tinker_blocks import LocalServerError, TinkerCredentials
-from tinker_blocks.credentials import LOCAL_API_KEY, ensure_local_server, server_identity
+from tinker_blocks.credentials import LOCAL_API_KEY, ensure_local_server
+from tinker_local.launcher import server_identity
 from tinker_local.procs import pid_alive as _pid_alive
 
 

@@ -30,16 +30,13 @@ from pydantic import ConfigDict, Field, SecretStr, field_validator
 
 from tinker_blocks.docs import docs_url
 from tinker_local import launcher
-from tinker_local.launcher import LocalServerError, server_identity
-from tinker_local.launcher import default_root as default_local_root
+from tinker_local.launcher import LocalServerError
 
 __all__ = [
     "LocalServerError",
     "TinkerCredentials",
-    "default_local_root",
     "ensure_local_server",
     "server_command",
-    "server_identity",
     "stop_local_server",
 ]
 
@@ -173,8 +170,8 @@ class TinkerCredentials(CredentialsBlock):
         return "remote" if self.base_url else "hosted"
 
     def resolved_local_root(self) -> Path:
-        """The local server's folder (``local_root`` or :func:`default_local_root`), absolute."""
-        return (Path(self.local_root).expanduser() if self.local_root else default_local_root()).resolve()
+        """The local server's folder (``local_root`` or :func:`tinker_local.launcher.default_root`), absolute."""
+        return (Path(self.local_root).expanduser() if self.local_root else launcher.default_root()).resolve()
 
     def base_url_for_sdk(self) -> str | None:
         """The ``base_url`` handed to the SDK: the local server's URL (starting it if needed),
@@ -330,7 +327,7 @@ def ensure_local_server(block: TinkerCredentials) -> dict:
 
     Returns:
         The record ``{"pid", "port", "base_url", "log", "started_at", "command", "identity"}``
-        (:func:`server_identity`). A recorded server with another identity is stopped and replaced,
+        (:func:`tinker_local.launcher.server_identity`). A recorded server with another identity is stopped and replaced,
         unless a session heartbeated to it within the last minute.
 
     Raises:
@@ -364,11 +361,9 @@ def stop_local_server(local_root: str | os.PathLike[str] | None = None, timeout:
     Returns:
         True if a live server was stopped, False if none was recorded or it was already gone.
     """
-    root = Path(local_root).expanduser().resolve() if local_root else default_local_root().resolve()
+    root = Path(local_root).expanduser().resolve() if local_root else launcher.default_root().resolve()
     record = launcher.stop_server(root, timeout=timeout)
     if record is None:
         return False
-    with _clients_lock:
-        for key in [k for k, v in _clients.items() if v[0] == record.get("base_url")]:
-            del _clients[key]
+    _forget_clients(record)
     return bool(record["stopped"])

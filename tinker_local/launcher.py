@@ -18,20 +18,16 @@ import importlib.metadata
 import json
 import logging
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from tinker_local.procs import pid_alive
+from tinker_local import procs
 from tinker_local.server_env import server_environment
 
 __all__ = [
@@ -44,13 +40,10 @@ __all__ = [
     "LocalServerError",
     "default_root",
     "ensure_server",
-    "file_lock",
-    "free_port",
     "healthy",
     "read_record",
     "serve_command",
     "stop_server",
-    "terminate",
 ]
 
 HEALTH_PATH = "/api/v1/healthz"
@@ -80,21 +73,10 @@ def healthy(base_url: str, timeout: float = 1.0) -> bool:
         return False
 
 
-def free_port() -> int:
-    """A TCP port of 127.0.0.1 that was free a moment ago (the OS's pick)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def read_record(root: Path) -> dict[str, Any] | None:
     """The record ``<root>/server.json`` of the last server started there, or None when there is
     none or it cannot be read."""
-    try:
-        record = json.loads((root / SERVER_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) else None
+    return procs.read_record(root / SERVER_FILE)
 
 
 def serve_command(
@@ -121,28 +103,6 @@ def serve_command(
     if sampler_workers:
         cmd += ["--sampler-workers", str(sampler_workers)]
     return cmd + list(extra_args)
-
-
-def _log_tail(path: Path, lines: int = 30) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return "(no server log)"
-    tail = text.splitlines()[-lines:]
-    return "\n".join(tail) if tail else "(server log is empty)"
-
-
-@contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    """Exclusive ``flock`` on ``path`` while the block runs (no-op where fcntl is unavailable)."""
-    with open(path, "a+") as fh:  # closing releases the lock
-        try:
-            import fcntl
-
-            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-        except ImportError:
-            pass
-        yield
 
 
 @functools.lru_cache(maxsize=1)
@@ -233,12 +193,12 @@ def ensure_server(
             the message includes the tail of ``server.log``.
     """
     root.mkdir(parents=True, exist_ok=True)
-    with file_lock(root / LOCK_FILE):
+    with procs.file_lock(root / LOCK_FILE):
         record = read_record(root)
         if (
             record
             and (port is None or record.get("port") == port)
-            and pid_alive(int(record.get("pid", -1)))
+            and procs.pid_alive(int(record.get("pid", -1)))
             and healthy(record["base_url"])
         ):
             change = identity_change(record)
@@ -256,9 +216,9 @@ def ensure_server(
             )
             if on_replace is not None:
                 on_replace(record)
-            terminate(int(record["pid"]), timeout=10.0)
+            procs.terminate(int(record["pid"]), timeout=10.0)
             (root / SERVER_FILE).unlink(missing_ok=True)
-        port = port or free_port()
+        port = port or procs.free_port()
         base_url = f"http://127.0.0.1:{port}"
         if healthy(base_url):
             raise LocalServerError(
@@ -267,35 +227,20 @@ def ensure_server(
             )
         log_path = root / LOG_FILE
         cmd = command(port)
-        env = server_environment()  # no API keys, cloud secrets or tokens (tinker_local/server_env.py)
-        log: IO[bytes]
-        with open(log_path, "ab") as log:
-            log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(cmd)}\n".encode())
-            log.flush()
-            proc = subprocess.Popen(
-                cmd,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                cwd=str(root),
-                env=env,
-                start_new_session=True,
-            )
+        # no API keys, cloud secrets or tokens in its environment (tinker_local/server_env.py)
+        proc = procs.start_detached(cmd, log_path=log_path, cwd=root, env=server_environment())
         (logger or _log).info("Starting local Tinker server on %s (pid %d, log %s)", base_url, proc.pid, log_path)
-        deadline = time.monotonic() + startup_timeout
-        while not healthy(base_url, timeout=0.5):
-            if proc.poll() is not None:
-                raise LocalServerError(
-                    f"local Tinker server exited with code {proc.returncode} before answering "
-                    f"{base_url}{HEALTH_PATH}; last lines of {log_path}:\n{_log_tail(log_path)}"
-                )
-            if time.monotonic() > deadline:
-                terminate(proc.pid, timeout=5.0)
-                raise LocalServerError(
-                    f"local Tinker server did not answer {base_url}{HEALTH_PATH} within "
-                    f"{startup_timeout:g} s (stopped it); last lines of {log_path}:\n{_log_tail(log_path)}"
-                )
-            time.sleep(0.1)
+        procs.wait_ready(
+            proc,
+            lambda: healthy(base_url, timeout=0.5),
+            what="local Tinker server",
+            url=base_url + HEALTH_PATH,
+            log_path=log_path,
+            timeout=startup_timeout,
+            poll_s=0.1,
+            error=LocalServerError,
+            tail_lines=30,
+        )
         record = {
             "pid": proc.pid,
             "port": port,
@@ -305,34 +250,12 @@ def ensure_server(
             "command": cmd,
             "identity": server_identity(),
         }
-        tmp = root / (SERVER_FILE + ".tmp")
-        tmp.write_text(json.dumps(record, indent=2))
-        tmp.replace(root / SERVER_FILE)
+        procs.write_record(root / SERVER_FILE, record)
         return record
 
 
-def terminate(pid: int, timeout: float) -> None:
-    """Stop process ``pid``: SIGTERM, then SIGKILL when it still lives after ``timeout`` seconds;
-    returns when it is gone (or 5 s after the SIGKILL)."""
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not pid_alive(pid):
-            return
-        time.sleep(0.05)
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        return
-    while pid_alive(pid) and time.monotonic() < deadline + 5:
-        time.sleep(0.05)
-
-
 def stop_server(root: Path, timeout: float = 10.0) -> dict[str, Any] | None:
-    """Stop the server recorded in ``<root>/server.json`` (:func:`terminate`) and remove the record.
+    """Stop the server recorded in ``<root>/server.json`` (:func:`tinker_local.procs.terminate`) and remove the record.
 
     Returns:
         The removed record with ``"stopped"`` set (True when a live server was stopped, False when
@@ -340,13 +263,13 @@ def stop_server(root: Path, timeout: float = 10.0) -> dict[str, Any] | None:
     """
     if not root.exists():
         return None
-    with file_lock(root / LOCK_FILE):
+    with procs.file_lock(root / LOCK_FILE):
         record = read_record(root)
         if not record:
             return None
         pid = int(record.get("pid", -1))
-        alive = pid > 0 and pid_alive(pid)
+        alive = pid > 0 and procs.pid_alive(pid)
         if alive:
-            terminate(pid, timeout)
+            procs.terminate(pid, timeout)
         (root / SERVER_FILE).unlink(missing_ok=True)
         return {**record, "stopped": alive}
