@@ -22,7 +22,8 @@ from typing import Any
 
 from . import protocol as P
 from .errors import HttpError
-from .registry import CheckpointRecord, RunRecord, dir_size, iso
+from .registry import CheckpointRecord, RunRecord, dir_size
+from .service_base import ServiceBase, remove_files
 from .tenancy import current_user
 
 logger = logging.getLogger("tinker_local.rest")
@@ -44,13 +45,8 @@ def check_ttl(ttl: Any, what: str) -> int | None:
     return int(ttl)
 
 
-def remove_files(path: str | Path) -> None:
-    p = Path(path)
-    shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-
-
-class RestMixin:
-    """Needs ``self.registry``, ``self.models``, ``self.root``, ``self.engine`` and ``self._expired``."""
+class RestMixin(ServiceBase):
+    """The REST endpoints (see the module docstring)."""
 
     def capabilities(self) -> dict[str, Any]:
         """The base models preloaded at start plus those of the caller's runs, with their contexts."""
@@ -77,12 +73,6 @@ class RestMixin:
             return None
 
     # -- runs ---------------------------------------------------------------------------------
-    def project_of(self, run: RunRecord) -> str | None:
-        """A run's project: its own (copies) or its session's."""
-        if run.project_id is not None:
-            return run.project_id
-        return (self.registry.sessions.get(run.session_id or "") or {}).get("project_id")
-
     def run_to_rest(self, run: RunRecord) -> dict[str, Any]:
         """``TrainingRun`` of ``run``, its ``model_owner`` the user who created it."""
         return {**self.registry.run_to_rest(run), "model_owner": self.tenancy.model_owner(run.model_id)}
@@ -110,15 +100,6 @@ class RestMixin:
         return self.run_to_rest(run)
 
     # -- checkpoints ----------------------------------------------------------------------------
-    def sweep_expired(self) -> int:
-        """Delete the checkpoints whose TTL has passed (records and files); returns how many."""
-        gone = self.registry.pop_expired()
-        for ck in gone:
-            remove_files(ck.path)
-            self._expired[ck.uri] = ck.expires_at
-            logger.info("checkpoint %s expired at %s: deleted", ck.uri, iso(ck.expires_at))
-        return len(gone)
-
     def checkpoints(self, model_id: str | None, limit: int | None = None, offset: int = 0) -> dict[str, Any]:
         if model_id is not None and (model_id not in self.registry.runs or not self.tenancy.owns_model(model_id)):
             raise HttpError(404, f"unknown training run {model_id!r}")
@@ -132,45 +113,23 @@ class RestMixin:
             out["cursor"] = {"offset": offset, "limit": limit, "total_count": len(cks)}
         return out
 
-    def _checkpoint(self, uri: str, status: int = 404) -> CheckpointRecord:
-        try:
-            P.parse_tinker_path(uri)
-        except P.ProtocolError as e:
-            raise HttpError(422, str(e)) from e
-        self.sweep_expired()
-        ck = self.registry.checkpoints.get(uri)
-        if ck is not None and not self.tenancy.may_read(ck):  # another user's: as if unknown
-            ck = None
-        if ck is None:
-            if uri in self._expired:
-                raise HttpError(
-                    status, f"checkpoint {uri!r} expired at {iso(self._expired[uri])} (its TTL passed) and was deleted"
-                )
-            raise HttpError(
-                status, f"unknown checkpoint {uri!r}: not saved on this server (root {self.root}), or deleted"
-            )
-        return ck
-
-    def _checkpoint_of(self, model_id: str, checkpoint_id: str) -> CheckpointRecord:
-        return self._checkpoint(f"tinker://{model_id}/{checkpoint_id}")
-
     def delete_checkpoint(self, model_id: str, checkpoint_id: str) -> dict[str, Any]:
         """Forget ``tinker://<model_id>/<checkpoint_id>`` and delete its files."""
-        ck = self.registry.delete_checkpoint(self._checkpoint_of(model_id, checkpoint_id).uri)
+        ck = self.registry.delete_checkpoint(self.checkpoint_record_of(model_id, checkpoint_id).uri)
         if ck is not None:
             remove_files(ck.path)
         return {}
 
     def set_checkpoint_ttl(self, model_id: str, checkpoint_id: str, body: dict[str, Any]) -> dict[str, Any]:
         """``ttl_seconds`` from now (3600 s .. 10 years), or None to remove the expiry."""
-        ck = self._checkpoint_of(model_id, checkpoint_id)
+        ck = self.checkpoint_record_of(model_id, checkpoint_id)
         ttl = check_ttl(body.get("ttl_seconds"), "set_checkpoint_ttl")
         self.registry.update_checkpoint(ck.uri, expires_at=None if ttl is None else self.registry.clock() + ttl)
         return {}
 
     def set_published(self, model_id: str, checkpoint_id: str, public: bool) -> dict[str, Any]:
         """Set the publish flag: a published checkpoint may be loaded and sampled by every user."""
-        ck = self._checkpoint_of(model_id, checkpoint_id)
+        ck = self.checkpoint_record_of(model_id, checkpoint_id)
         if ck.public != public:
             self.registry.update_checkpoint(ck.uri, public=public)
         return {}
@@ -179,7 +138,7 @@ class RestMixin:
         path = body.get("tinker_path")
         if not path:
             raise HttpError(422, "weights_info: field 'tinker_path' is required")
-        ck = self._checkpoint(str(path))
+        ck = self.checkpoint_record(str(path))
         run = self.registry.runs.get(ck.model_id)
         if run is None:
             raise HttpError(404, f"weights_info: training run {ck.model_id!r} is unknown")
@@ -201,7 +160,7 @@ class RestMixin:
         ep = "copy_weights"
         if idempotency_key and idempotency_key in self._copies:
             return self._copies[idempotency_key]
-        src = self._checkpoint(str(body.get("source_path") or ""))
+        src = self.checkpoint_record(str(body.get("source_path") or ""))
         src_run = self.registry.runs.get(src.model_id)
         if src_run is None:
             raise HttpError(404, f"{ep}: training run {src.model_id!r} of {src.uri} is unknown")

@@ -14,10 +14,13 @@ import os
 import re
 import uuid
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from .errors import HttpError
 from .registry import iso
+from .service_base import ServiceBase
+from .signing import SignatureError
 from .tenancy import current_user
 
 DEFAULT_PROJECT = "default"
@@ -30,9 +33,8 @@ ACCOUNT_FEATURES = {
 }
 
 
-class SessionsMixin:
-    """Needs ``self.registry``, ``self.tracer``, ``self.signer``, ``self.root``, ``self.tenancy``
-    and ``self.project_of``."""
+class SessionsMixin(ServiceBase):
+    """The session endpoints (see the module docstring)."""
 
     def _session(self, session_id: str) -> dict[str, Any]:
         s = self.registry.sessions.get(session_id)
@@ -168,12 +170,21 @@ class SessionsMixin:
         url = self.signer.url(base_url, "trace", session_id, file, self.signer.expiry(self.url_ttl_s))
         return {"status": "ready", "url": url}
 
-    def trace_file(self, session_id: str, file: str):
+    def trace_file(self, session_id: str, file: str) -> Path:
         """Path of an exported trace named by a (verified) download URL; HttpError 404 if gone."""
         path = self.root / "server" / "traces" / f"{session_id}.trace.json"
         if file != path.name or not _SESSION_ID.match(session_id) or not path.is_file():
             raise HttpError(404, f"no exported trace {file!r} for session {session_id!r}")
         return path
+
+    def trace_download(self, session_id: str, file: str, expires: str | None, sig: str | None) -> Path:
+        """The trace file a signed URL of ``trace_export`` names; HttpError 403 for a tampered or
+        expired URL, 404 when the trace is gone."""
+        try:
+            self.signer.check("trace", session_id, file, expires, sig)
+        except SignatureError as e:
+            raise HttpError(403, str(e)) from e
+        return self.trace_file(session_id, file)
 
 
 def account_feature(route: str) -> HttpError:

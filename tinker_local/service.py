@@ -27,7 +27,7 @@ from .service_losses import CustomLossMixin
 from .service_sampling import SamplingServiceMixin
 from .signing import DEFAULT_URL_TTL_S, UrlSigner, load_secret
 from .tenancy import Tenancy, current_user
-from .trace import Tracer, session_of
+from .trace import Tracer
 
 __all__ = ["LocalService", "HttpError"]
 
@@ -99,26 +99,6 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
 
     save_weights_external = _burns_seq(ExportMixin.save_weights_external)
 
-    def session_of_model(self, model_id: str) -> str | None:
-        run = self.registry.runs.get(model_id)
-        return (run.session_id if run is not None else None) or session_of(model_id)
-
-    def client_model_name(self, base_model: str) -> str:
-        """The base-model name handed to SDK clients (``get_info``'s ``model_data.model_name``,
-        ``GET samplers/{id}``): ``SamplingClient.get_tokenizer()`` loads
-        ``AutoTokenizer.from_pretrained`` of it, so presets ("tiny", "smollm2") are named by
-        their local tokenizer directory (which the engine accepts as the same base model)."""
-        name = self._client_names.get(base_model)
-        if name is None:
-            try:
-                from .models import loadable_name
-
-                name = loadable_name(base_model, self.root / "models")
-            except Exception:  # unknown model: the name as given
-                name = base_model
-            self._client_names[base_model] = name
-        return name
-
     # -- sessions ---------------------------------------------------------------------------------
     def create_session(self, body: dict[str, Any]) -> dict[str, Any]:
         sid = f"local-{uuid.uuid4().hex[:12]}"
@@ -151,13 +131,6 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
         return {}
 
     # -- training models --------------------------------------------------------------------------
-    def _run(self, model_id: str) -> RunRecord:
-        run = self.registry.runs.get(model_id)
-        if run is None:
-            raise UserError(f"unknown model_id {model_id!r}: create a training client first")
-        self.registry.touch(model_id)
-        return run
-
     def _check_optimizer(self, cfg: Any, endpoint: str) -> None:
         if isinstance(cfg, dict) and cfg.get("type", "adamw") == "dimuon":
             raise HttpError(
@@ -212,7 +185,7 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
             return {"type": "create_model", "model_id": model_id}
 
         self.store.register_model(model_id, next_seq=1)
-        rid = self._traced(
+        rid = self.submit_traced(
             "create_model", work, model_id, None, dedupe_key=(model_id, 0), base_model=base_model, lora_rank=rank
         )
         return {"request_id": rid, "model_id": model_id}
@@ -254,7 +227,7 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
         self.tenancy.check_queue()
 
         def work() -> bytes:
-            self._run(model_id)
+            self.run_record(model_id)
             datums = P.datums_from_proto(msg, self.datum_cls)
             if not datums:
                 raise UserError(f"{kind}: no datums in the request")
@@ -269,38 +242,9 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
             return P.forward_backward_output_to_proto(res.outputs, res.metrics)
 
         return {
-            "request_id": self._ordered(kind, work, model_id, seq, loss_fn=msg.loss_fn, datums=len(msg.data)),
+            "request_id": self.submit_ordered(kind, work, model_id, seq, loss_fn=msg.loss_fn, datums=len(msg.data)),
             "model_id": model_id,
         }
-
-    def _ordered(self, kind: str, work: Any, model_id: str, seq: int | None, **trace_args: Any) -> str:
-        if seq is None:
-            return self._traced(kind, work, model_id, None, **trace_args)
-        return self._traced(kind, work, model_id, seq, model_id=model_id, seq_id=seq, **trace_args)
-
-    def _traced(
-        self,
-        kind: str,
-        work: Any,
-        track: str,
-        seq: int | None,
-        *,
-        model_id: str | None = None,
-        seq_id: int | None = None,
-        dedupe_key: tuple[str, int] | None = None,
-        **args: Any,
-    ) -> str:
-        """Submit ``work`` to the store, recorded in its session's trace (``tinker_local.trace``)
-        on track ``track`` (the model id); a repeated submission is recorded once."""
-        key = dedupe_key or ((model_id, seq_id) if model_id is not None and seq_id is not None else None)
-        span = None
-        if key is None or self.store.lookup_seq(*key) is None:
-            work, span = self.tracer.wrap(
-                self.session_of_model(track), kind, track, work, **({"seq_id": seq} if seq is not None else {}), **args
-            )
-        rid = self.store.submit(kind, work, model_id=model_id, seq_id=seq_id, dedupe_key=dedupe_key)
-        self.tracer.bind(span, rid)
-        return rid
 
     @_burns_seq
     def optim_step(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -320,14 +264,17 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
             raise HttpError(422, f"{ep}: adam_params must be numbers ({e})") from e
 
         def work() -> dict[str, Any]:
-            self._run(model_id)
+            self.run_record(model_id)
             metrics = self.engine.optim_step(P.engine_id(model_id), **kw) or {}
             return {"metrics": {k: float(v) for k, v in metrics.items()}}
 
-        return {"request_id": self._ordered(ep, work, model_id, int_field(body, "seq_id", ep)), "model_id": model_id}
+        return {
+            "request_id": self.submit_ordered(ep, work, model_id, int_field(body, "seq_id", ep)),
+            "model_id": model_id,
+        }
 
     def _save(self, model_id: str, kind: str, name: str, meta: Any, ttl: int | None = None) -> CheckpointRecord:
-        run = self._run(model_id)
+        run = self.run_record(model_id)
         if kind == "state":
             path = Path(self.engine.save_state(P.engine_id(model_id), name))
         else:
@@ -364,7 +311,7 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
             ck = self._save(model_id, "state", name, body.get("user_metadata"), ttl)
             return {"type": "save_weights", "path": ck.uri}
 
-        return {"request_id": self._ordered(ep, work, model_id, seq), "model_id": model_id}
+        return {"request_id": self.submit_ordered(ep, work, model_id, seq), "model_id": model_id}
 
     @_burns_seq
     def save_weights_for_sampler(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -397,14 +344,14 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
                 self.publish_inflight(model_id, ck.path, sid)
             return out
 
-        return {"request_id": self._ordered(ep, work, model_id, seq), "model_id": model_id}
+        return {"request_id": self.submit_ordered(ep, work, model_id, seq), "model_id": model_id}
 
     @_burns_seq
     def load_weights(self, body: dict[str, Any]) -> dict[str, Any]:
         ep = "load_weights"
         uri = str(required_field(body, "path", ep))
         with_opt = bool(body.get("optimizer", False))
-        ck = self._checkpoint(uri)
+        ck = self.checkpoint_record(uri)
         if ck.kind != "state":
             raise HttpError(
                 422,
@@ -450,14 +397,17 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
                 return {"type": "load_weights", "path": uri, "model_id": model_id}
 
             self.store.register_model(model_id, next_seq=1)
-            rid = self._traced(ep, create_and_load, model_id, None, dedupe_key=(model_id, 0), path=uri)
+            rid = self.submit_traced(ep, create_and_load, model_id, None, dedupe_key=(model_id, 0), path=uri)
             return {"request_id": rid, "model_id": model_id}
 
         model_id = str(required_field(body, "model_id", ep))
 
         def load() -> dict[str, Any]:
-            self._run(model_id)
+            self.run_record(model_id)
             self.engine.load_state(P.engine_id(model_id), Path(ck.path), with_optimizer=with_opt)
             return {"type": "load_weights", "path": uri, "model_id": model_id}
 
-        return {"request_id": self._ordered(ep, load, model_id, int_field(body, "seq_id", ep)), "model_id": model_id}
+        return {
+            "request_id": self.submit_ordered(ep, load, model_id, int_field(body, "seq_id", ep)),
+            "model_id": model_id,
+        }

@@ -30,6 +30,7 @@ from . import protocol as P
 from .errors import HttpError, int_field, required_field
 from .registry import CheckpointRecord, iso
 from .rest import check_ttl
+from .service_base import ServiceBase
 from .signing import SignatureError
 
 logger = logging.getLogger("tinker_local.export")
@@ -83,9 +84,8 @@ def _encrypt_in_place(folder: Path, recipients) -> None:
         src.unlink()
 
 
-class ExportMixin:
-    """Needs ``self.registry``, ``self.engine``, ``self.signer``, ``self._run``, ``self._ordered``,
-    ``self._checkpoint_of`` and ``self.url_ttl_s``."""
+class ExportMixin(ServiceBase):
+    """The export endpoints (see the module docstring)."""
 
     def save_weights_external(self, body: dict[str, Any]) -> dict[str, Any]:
         ep = "save_weights_external"
@@ -100,7 +100,7 @@ class ExportMixin:
         recipients = _recipients(body.get("age_encryption_recipients"))
 
         def work() -> dict[str, Any]:
-            self._run(model_id)
+            self.run_record(model_id)
             folder = Path(self.engine.save_external_weights(P.engine_id(model_id), name))
             if recipients:
                 _encrypt_in_place(folder, recipients)
@@ -117,7 +117,7 @@ class ExportMixin:
             self.registry.add_checkpoint(ck)
             return {"type": ep, "path": ck.uri, "size_bytes": ck.size_bytes}
 
-        return {"request_id": self._ordered(ep, work, model_id, seq), "model_id": model_id}
+        return {"request_id": self.submit_ordered(ep, work, model_id, seq), "model_id": model_id}
 
     @staticmethod
     def _own_files(folder: Path) -> dict[str, Path]:
@@ -151,7 +151,7 @@ class ExportMixin:
 
     def external_weights_urls(self, model_id: str, checkpoint_id: str, base_url: str) -> dict[str, Any]:
         """``ExternalWeightsUrlsResponse``: one signed URL per file, and when they expire."""
-        ck = self._checkpoint_of(model_id, checkpoint_id)
+        ck = self.checkpoint_record_of(model_id, checkpoint_id)
         if ck.kind != "external":
             raise HttpError(
                 400,
@@ -170,15 +170,8 @@ class ExportMixin:
             self.signer.check("external", f"{model_id}/{name}", file, expires, sig)
         except SignatureError as e:
             raise HttpError(403, str(e)) from e
-        ck = self._checkpoint(P.TinkerPath(model_id, "external", name).uri)
+        ck = self.checkpoint_record(P.TinkerPath(model_id, "external", name).uri)
         path = self.external_files(ck).get(file)
         if path is None:
             raise HttpError(404, f"{ck.uri} has no file {file!r}")
         return path
-
-    def trace_download(self, session_id: str, file: str, expires: str | None, sig: str | None) -> Path:
-        try:
-            self.signer.check("trace", session_id, file, expires, sig)
-        except SignatureError as e:
-            raise HttpError(403, str(e)) from e
-        return self.trace_file(session_id, file)

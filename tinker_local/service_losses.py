@@ -15,11 +15,12 @@ from typing import Any
 from .custom_loss import BoundLoss, CompiledLoss, CustomLossError, compile_graph
 from .errors import HttpError, int_field, required_field
 from .futures import UserError
+from .service_base import ServiceBase
 from .trace import session_of
 
 
-class CustomLossMixin:
-    """Needs ``self.store``, ``self.tracer`` and ``self._losses`` (loss_id -> CompiledLoss)."""
+class CustomLossMixin(ServiceBase):
+    """The custom-loss endpoint and the lookup of a stored loss (see the module docstring)."""
 
     custom_loss_server_side: bool = True
 

@@ -14,8 +14,9 @@ from typing import Any
 
 from . import protocol as P
 from .errors import HttpError, int_field, required_field
-from .futures import is_user_error as _is_user_error
+from .futures import is_user_error
 from .registry import SamplerRecord
+from .service_base import ServiceBase
 from .service_stability import StabilityMixin
 from .trace import session_of
 
@@ -31,9 +32,8 @@ def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
-class SamplingServiceMixin(StabilityMixin):
-    """Needs ``self.registry``, ``self.store``, ``self.engine``, ``self._checkpoint``,
-    ``self.tracer``, ``self.clock`` and ``self.client_model_name``.  Sampling clients of kind
+class SamplingServiceMixin(StabilityMixin, ServiceBase):
+    """The sampling endpoints (see the module docstring).  Sampling clients of kind
     "inflight" follow their training model's newest inflight save (``publish_inflight``);
     ``record_stability_info`` requests record their sequences (``tinker_local.service_stability``)."""
 
@@ -57,7 +57,7 @@ class SamplingServiceMixin(StabilityMixin):
 
     def _sampler_record(self, sid: str, body: dict[str, Any], ep: str) -> SamplerRecord:
         if body.get("model_path"):
-            ck = self._checkpoint(str(body["model_path"]))
+            ck = self.checkpoint_record(str(body["model_path"]))
             run = self.registry.runs.get(ck.model_id)
             base = body.get("base_model") or (run.base_model if run else None)
             if base is None:
@@ -201,7 +201,7 @@ class SamplingServiceMixin(StabilityMixin):
                         else "ok"
                         if not isinstance(res, BaseException)
                         else "user error"
-                        if _is_user_error(res)
+                        if is_user_error(res)
                         else "server error"
                     )
 

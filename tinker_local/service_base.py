@@ -1,0 +1,160 @@
+"""The state and shared lookups of ``tinker_local.service.LocalService``, the typed base of its
+endpoint groups (``RestMixin``, ``SessionsMixin``, ``SamplingServiceMixin``, ``ExportMixin``,
+``CustomLossMixin``).
+
+``LocalService.__init__`` sets the attributes declared here; the methods are what several
+groups use: the lookups of training runs and checkpoints (checkpoints whose TTL has passed are
+deleted first, see ``tinker_local.rest``), the names handed to SDK clients, and the submission of
+a model's ordered work to the future store with its trace span (``tinker_local.trace``).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from . import protocol as P
+from .auth import JwtIssuer
+from .errors import HttpError
+from .futures import FutureStore, UserError
+from .registry import CheckpointRecord, Registry, RunRecord, iso
+from .signing import UrlSigner
+from .tenancy import Tenancy
+from .trace import Tracer, session_of
+
+logger = logging.getLogger("tinker_local.rest")
+
+
+def remove_files(path: str | Path) -> None:
+    """Delete a checkpoint's folder (or file) at ``path``; a missing one is no error."""
+    p = Path(path)
+    shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+
+
+class ServiceBase:
+    """What every endpoint group of ``LocalService`` works on; see the module docstring."""
+
+    engine: Any  # the tinker_local.engine.Engine interface
+    root: Path
+    models: list[str]  # base models preloaded at start
+    store: FutureStore
+    registry: Registry
+    clock: Callable[[], float]
+    tracer: Tracer
+    signer: UrlSigner
+    url_ttl_s: float
+    datum_cls: type
+    tenancy: Tenancy
+    jwt: JwtIssuer | None
+    request_counts: dict[str, int]
+    custom_loss_server_side: bool
+    _info: dict[str, dict[str, Any]]  # model_id -> engine.get_info(), cached
+    _client_names: dict[str, str]  # base model -> name handed to SDK clients
+    _expired: dict[str, float]  # tinker path -> when it expired (clearer 404s)
+    _copies: dict[str, dict[str, Any]]  # copy_weights idempotency key -> answer
+    _losses: dict[str, Any]  # loss_id -> custom_loss.CompiledLoss
+
+    # -- runs and sessions --------------------------------------------------------------------------
+    def run_record(self, model_id: str) -> RunRecord:
+        """The run of ``model_id`` (marked as used); UserError when unknown (inside a job)."""
+        run = self.registry.runs.get(model_id)
+        if run is None:
+            raise UserError(f"unknown model_id {model_id!r}: create a training client first")
+        self.registry.touch(model_id)
+        return run
+
+    def session_of_model(self, model_id: str) -> str | None:
+        run = self.registry.runs.get(model_id)
+        return (run.session_id if run is not None else None) or session_of(model_id)
+
+    def project_of(self, run: RunRecord) -> str | None:
+        """A run's project: its own (copies) or its session's."""
+        if run.project_id is not None:
+            return run.project_id
+        return (self.registry.sessions.get(run.session_id or "") or {}).get("project_id")
+
+    def client_model_name(self, base_model: str) -> str:
+        """The base-model name handed to SDK clients (``get_info``'s ``model_data.model_name``,
+        ``GET samplers/{id}``): ``SamplingClient.get_tokenizer()`` loads
+        ``AutoTokenizer.from_pretrained`` of it, so presets ("tiny", "smollm2") are named by
+        their local tokenizer directory (which the engine accepts as the same base model)."""
+        name = self._client_names.get(base_model)
+        if name is None:
+            try:
+                from .models import loadable_name
+
+                name = loadable_name(base_model, self.root / "models")
+            except Exception:  # unknown model: the name as given
+                name = base_model
+            self._client_names[base_model] = name
+        return name
+
+    # -- checkpoints --------------------------------------------------------------------------------
+    def sweep_expired(self) -> int:
+        """Delete the checkpoints whose TTL has passed (records and files); returns how many."""
+        gone = self.registry.pop_expired()
+        for ck in gone:
+            remove_files(ck.path)
+            self._expired[ck.uri] = ck.expires_at
+            logger.info("checkpoint %s expired at %s: deleted", ck.uri, iso(ck.expires_at))
+        return len(gone)
+
+    def checkpoint_record(self, uri: str, status: int = 404) -> CheckpointRecord:
+        """The checkpoint ``uri`` names, when the caller may read it; HttpError 422 for a malformed
+        path, ``status`` for an unknown, expired or another user's unpublished checkpoint."""
+        try:
+            P.parse_tinker_path(uri)
+        except P.ProtocolError as e:
+            raise HttpError(422, str(e)) from e
+        self.sweep_expired()
+        ck = self.registry.checkpoints.get(uri)
+        if ck is not None and not self.tenancy.may_read(ck):  # another user's: as if unknown
+            ck = None
+        if ck is None:
+            if uri in self._expired:
+                raise HttpError(
+                    status, f"checkpoint {uri!r} expired at {iso(self._expired[uri])} (its TTL passed) and was deleted"
+                )
+            raise HttpError(
+                status, f"unknown checkpoint {uri!r}: not saved on this server (root {self.root}), or deleted"
+            )
+        return ck
+
+    def checkpoint_record_of(self, model_id: str, checkpoint_id: str) -> CheckpointRecord:
+        """``checkpoint_record`` of ``tinker://<model_id>/<checkpoint_id>``."""
+        return self.checkpoint_record(f"tinker://{model_id}/{checkpoint_id}")
+
+    # -- submission ---------------------------------------------------------------------------------
+    def submit_ordered(self, kind: str, work: Any, model_id: str, seq: int | None, **trace_args: Any) -> str:
+        """Submit ``work`` of ``model_id`` in its seq_id lane (``seq``; None: in arrival order),
+        traced; returns the request id."""
+        if seq is None:
+            return self.submit_traced(kind, work, model_id, None, **trace_args)
+        return self.submit_traced(kind, work, model_id, seq, model_id=model_id, seq_id=seq, **trace_args)
+
+    def submit_traced(
+        self,
+        kind: str,
+        work: Any,
+        track: str,
+        seq: int | None,
+        *,
+        model_id: str | None = None,
+        seq_id: int | None = None,
+        dedupe_key: tuple[str, int] | None = None,
+        **args: Any,
+    ) -> str:
+        """Submit ``work`` to the store, recorded in its session's trace (``tinker_local.trace``)
+        on track ``track`` (the model id); a repeated submission is recorded once."""
+        key = dedupe_key or ((model_id, seq_id) if model_id is not None and seq_id is not None else None)
+        span = None
+        if key is None or self.store.lookup_seq(*key) is None:
+            work, span = self.tracer.wrap(
+                self.session_of_model(track), kind, track, work, **({"seq_id": seq} if seq is not None else {}), **args
+            )
+        rid = self.store.submit(kind, work, model_id=model_id, seq_id=seq_id, dedupe_key=dedupe_key)
+        self.tracer.bind(span, rid)
+        return rid
