@@ -27,7 +27,8 @@ import tinker  # noqa: E402
 from tinker import types  # noqa: E402
 
 from tinker_local import protocol as P  # noqa: E402
-from tinker_local.futures import FutureStore, UserError  # noqa: E402
+from tinker_local.futures import FutureStore  # noqa: E402
+from tinker_local.outcomes import UserError  # noqa: E402
 
 API_KEY = "tml-local-test"
 

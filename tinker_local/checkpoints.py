@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -32,7 +33,7 @@ OPTIMIZER_FILE = "optimizer.safetensors"
 
 def write_checkpoint(
     final: Path,
-    params: dict[str, torch.Tensor],
+    params: Mapping[str, torch.Tensor],
     adapter_config: dict,
     meta: dict,
     optimizer: torch.optim.Optimizer | None = None,
@@ -89,7 +90,7 @@ def checkpoint_info(path: Path) -> dict:
     return meta
 
 
-def read_adapter(path: Path, params: dict[str, torch.Tensor], model_id: str) -> dict[str, torch.Tensor]:
+def read_adapter(path: Path, params: Mapping[str, torch.Tensor], model_id: str) -> dict[str, torch.Tensor]:
     """Load the adapter tensors of checkpoint ``path`` and check they fit ``params`` (same keys
     and shapes); EngineUserError naming the checkpoint and ``model_id`` otherwise."""
     from safetensors.torch import load_file
@@ -100,7 +101,7 @@ def read_adapter(path: Path, params: dict[str, torch.Tensor], model_id: str) -> 
     return sd
 
 
-def read_optimizer_state(path: Path, params: dict[str, torch.Tensor]) -> dict[torch.Tensor, dict]:
+def read_optimizer_state(path: Path, params: Mapping[str, torch.Tensor]) -> dict[torch.Tensor, dict]:
     """AdamW ``state`` entries (param -> {"step", "exp_avg", "exp_avg_sq"}) from checkpoint
     ``path``; parameters saved before their first step get none.  EngineUserError if the
     checkpoint has no optimizer file (sampler weights)."""

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .futures import UserError
+from .outcomes import UserError
 
 MAX_NODES = 4096
 MAX_INPUTS = 16

@@ -28,119 +28,34 @@ that their sum stays within the cores (``serve --threads``).
 
 from __future__ import annotations
 
-import os
 import secrets
-import threading
-from collections import OrderedDict
-from contextlib import nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from .adapters import LORA_ALPHA, adapter_params, add_adapter, lora_config
 from .checkpoints import checkpoint_info, read_adapter, read_optimizer_state, write_checkpoint
-from .compute import available_cpus, bf16_supported, fp32_head_logits
+from .compute import fp32_head_logits
 from .datatypes import Datum, FwdResult, SampleResult
+from .engine_core import BaseModelState, TrainingState, new_adamw
 from .engine_sampling import SamplingMixin
 from .errors import EngineUserError, UnknownModelError
 from .inputs import check_datum, check_name, microbatches
 from .losses import get_loss_fn
-from .media import media_logits, media_support, resolve_chunks
-from .models import ModelSpec, resolve_model
-from .packing import pack_microbatches, packed_batch, packing_supported
+from .media import media_logits, resolve_chunks
+from .packing import pack_microbatches, packed_batch
 
 SMALL_WORK = 1e9  # parameter x token products below which a forward/backward runs on one thread
 
 __all__ = ["Engine", "Datum", "FwdResult", "SampleResult", "EngineUserError", "UnknownModelError", "checkpoint_info"]
 
 
-@dataclass
-class _Base:
-    spec: ModelSpec
-    model: Any  # the transformers model (LoRA layers are injected into it in place)
-    tokenizer: Any
-    n_params: int
-    peft: Any = None  # peft.PeftModel once the first adapter exists
-    counter: int = 0
-    sampler_adapters: OrderedDict[tuple, str] = field(default_factory=OrderedDict)
-    active: str | None = None  # adapter last activated by set_adapter (None: unknown)
-    media: Any = False  # tinker_local.media.Support | None once looked up (False: not yet)
-    packs: bool | None = None  # whether padding-free rows keep datums apart (None: not checked yet)
-
-    def use(self, adapter: str) -> None:
-        """Make ``adapter`` the active one; ``set_adapter`` walks every module, so only when it changes."""
-        if self.active != adapter:
-            self.peft.set_adapter(adapter)
-            self.active = adapter
-
-
-@dataclass
-class _Train:
-    model_id: str
-    base_name: str  # as given by the caller
-    base_key: str  # canonical spec name
-    adapter: str
-    lora_rank: int
-    train_mlp: bool
-    train_attn: bool
-    train_unembed: bool
-    seed: int
-    params: OrderedDict[str, torch.nn.Parameter]  # peft state-dict key -> parameter
-    optimizer: torch.optim.AdamW
-    step: int = 0
-
-
 class Engine(SamplingMixin):
     """LoRA training and sampling over local base models; see the module docstring.  Sampling
     (``sample``, ``sample_many``): ``tinker_local.engine_sampling``."""
 
-    def __init__(self, root: Path, *, device: str | None = None, dtype: str = "auto", num_threads: int | None = None):
-        """``root``: folder for checkpoints and the model cache (created).  ``device``: torch
-        device string (default "cuda" when available, else "cpu").  ``dtype``: "auto" | "fp32" |
-        "bf16" for training/forward compute (ValueError otherwise).  ``num_threads``: torch
-        intra-op threads (default: number of CPUs this process may use)."""
-        self.root = Path(root)
-        (self.root / "checkpoints").mkdir(parents=True, exist_ok=True)
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if dtype not in ("auto", "fp32", "bf16"):
-            raise ValueError(f"dtype must be 'auto', 'fp32' or 'bf16', got {dtype!r}")
-        if dtype == "auto":
-            dtype = "bf16" if bf16_supported(self.device) else "fp32"
-        self.dtype = dtype
-        self.num_threads = int(num_threads or available_cpus())
-        torch.set_num_threads(self.num_threads)
-        # padded tokens per micro-batch; None: 2**27 // vocab_size (<= 128M fp32 logits: 512 MiB), in
-        # [256, 16384] (one pass for 8 x 256 tokens of a 49k vocabulary, as a plain torch step does)
-        self.max_batch_tokens: int | None = None
-        # padding-free micro-batches (tinker_local.packing) for text-only models that keep packed
-        # datums apart; environment TINKER_LOCAL_PACKING=off turns them off (the padded path)
-        self.packing = os.environ.get("TINKER_LOCAL_PACKING", "on").lower() not in ("0", "off", "false", "no")
-        self._lock = threading.RLock()
-        self._bases: dict[str, _Base] = {}
-        self._models: dict[str, _Train] = {}
-        try:
-            from transformers.utils import logging as hf_logging
-
-            hf_logging.disable_progress_bar()
-        except Exception:  # pragma: no cover - cosmetic only
-            pass
-
     # ------------------------------------------------------------------ models and adapters
-
-    def load_base_model(self, base_model: str) -> dict:
-        """Load ``base_model`` now (e.g. at server start) and return
-        ``{"base_model", "tokenizer_id", "max_context", "vocab_size"}``.  Raises EngineUserError."""
-        with self._lock:
-            b = self._base(base_model)
-            return {
-                "base_model": base_model,
-                "tokenizer_id": b.spec.tokenizer_dir,
-                "max_context": b.spec.max_context,
-                "vocab_size": b.spec.vocab_size,
-            }
 
     def create_model(
         self,
@@ -175,7 +90,7 @@ class Engine(SamplingMixin):
             b.peft = add_adapter(b.peft, b.model, name, cfg, seed, self.device)
             b.active = None
             params = adapter_params(b.peft, name)
-            self._models[model_id] = _Train(
+            self._models[model_id] = TrainingState(
                 model_id,
                 base_model,
                 b.spec.name,
@@ -186,7 +101,7 @@ class Engine(SamplingMixin):
                 bool(train_unembed),
                 seed,
                 params,
-                _new_adamw(params),
+                new_adamw(params),
             )
 
     def delete_model(self, model_id: str) -> None:
@@ -287,12 +202,19 @@ class Engine(SamplingMixin):
             budget = self.max_batch_tokens or max(256, min(16384, 2**27 // max(spec.vocab_size, 1)))
             lengths = [len(p[0]) for p in prepared]
             packed = self.packing and self._packs(b)
-            for group in pack_microbatches(lengths, budget) if packed else microbatches(lengths, budget):
+            # micro-batches of rows of item indices (padded: one item per row)
+            groups = (
+                pack_microbatches(lengths, budget)
+                if packed
+                else [[[i] for i in group] for group in microbatches(lengths, budget)]
+            )
+            for rows in groups:
                 with torch.set_grad_enabled(backward):
                     if packed:
-                        mb, lps = self._packed_logprobs(b, group, prepared)
+                        mb, lps = self._packed_logprobs(b, rows, prepared)
                     else:
-                        mb, lps = group, self._logprobs(b, [prepared[i] for i in group])
+                        mb = [row[0] for row in rows]
+                        lps = self._logprobs(b, [prepared[i] for i in mb])
                     loss = sum(fn(lp, prepared[i][2], cfg) for i, lp in zip(mb, lps))
                     if backward and isinstance(loss, torch.Tensor) and loss.requires_grad:
                         loss.backward()
@@ -301,7 +223,7 @@ class Engine(SamplingMixin):
                 total += float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
             return FwdResult(outputs=outputs, metrics={"loss:sum": total})
 
-    def _logprobs(self, b: _Base, items) -> list[torch.Tensor]:
+    def _logprobs(self, b: BaseModelState, items) -> list[torch.Tensor]:
         """One right-padded batch -> per item logprobs (N,) / (N, K) float32 (with grad).
         The gather runs once over the whole batch: slicing (B, T, V) logits per item would
         make backward materialise a zero (B, T, V) gradient for every item."""
@@ -327,7 +249,9 @@ class Engine(SamplingMixin):
             out.append(x[:, : it[1].shape[1]] if it[1].ndim == 2 else x[:, 0])
         return out
 
-    def _packed_logprobs(self, b: _Base, rows: list[list[int]], prepared) -> tuple[list[int], list[torch.Tensor]]:
+    def _packed_logprobs(
+        self, b: BaseModelState, rows: list[list[int]], prepared
+    ) -> tuple[list[int], list[torch.Tensor]]:
         """One padding-free micro-batch (``rows`` of indices into ``prepared``) -> (the item
         indices, their logprobs (N,) / (N, K) float32 with grad), gathered once over all real
         tokens as in ``_logprobs``."""
@@ -436,12 +360,6 @@ class Engine(SamplingMixin):
             check_name("checkpoint name", name)
             return self._write_ckpt(st, "external_weights", name, with_optimizer=False)
 
-    def base_model_dir(self, base_model: str) -> Path | None:
-        """The local Hugging Face directory of ``base_model`` (config, weights, tokenizer), or
-        None when it has none (a preset not yet built)."""
-        d = resolve_model(base_model, self.root / "models").model_dir
-        return Path(d) if d else None
-
     def load_state(self, model_id: str, path: Path, *, with_optimizer: bool) -> None:
         """Load checkpoint ``path`` (from ``save_state``; adapter-only ``save_sampler_weights``
         when ``with_optimizer`` is False) into ``model_id``, bit-exactly.  An unknown id is
@@ -481,11 +399,11 @@ class Engine(SamplingMixin):
                 for k, p in st.params.items():
                     p.copy_(sd[k].to(p.device, p.dtype))
                     p.grad = None
-            st.optimizer = _new_adamw(st.params)
+            st.optimizer = new_adamw(st.params)
             st.optimizer.state.update(opt_state)
             st.step = int(meta.get("step", 0)) if with_optimizer else 0
 
-    def _write_ckpt(self, st: _Train, kind: str, name: str, with_optimizer: bool) -> Path:
+    def _write_ckpt(self, st: TrainingState, kind: str, name: str, with_optimizer: bool) -> Path:
         b = self._bases[st.base_key]
         cfg = b.peft.peft_config[st.adapter].to_dict()
         cfg["base_model_name_or_path"] = b.spec.model_dir or b.spec.name
@@ -506,60 +424,3 @@ class Engine(SamplingMixin):
         }
         final = self.root / "checkpoints" / st.model_id / kind / name
         return write_checkpoint(final, st.params, cfg, meta, optimizer=st.optimizer if with_optimizer else None)
-
-    # ------------------------------------------------------------------ internals
-
-    def _threads(self, n: int | None = None) -> None:
-        n = n or self.num_threads
-        if torch.get_num_threads() != n:
-            torch.set_num_threads(n)
-
-    def _autocast(self):
-        if self.dtype == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return nullcontext()
-
-    def _canonical(self, base_model: str) -> str:
-        return resolve_model(base_model, self.root / "models").name
-
-    def _base(self, base_model: str) -> _Base:
-        spec = resolve_model(base_model, self.root / "models")
-        b = self._bases.get(spec.name)
-        if b is None:
-            model, tok = spec.load()
-            for p in model.parameters():
-                p.requires_grad_(False)
-            model.to(self.device).eval()
-            spec.vocab_size = int(model.get_input_embeddings().weight.shape[0])
-            n_params = sum(p.numel() for p in model.parameters())
-            b = self._bases[spec.name] = _Base(spec, model, tok, n_params)
-        return b
-
-    def _media(self, b: _Base):
-        """The media the base model accepts (``tinker_local.media.Support``; None: text only)."""
-        if b.media is False:
-            b.media = media_support(b.model, b.spec.model_dir)
-        return b.media
-
-    def _packs(self, b: _Base) -> bool:
-        """Whether ``b`` trains padding-free: text-only (media datums take the padded path) and
-        checked once by ``tinker_local.packing.packing_supported``."""
-        if b.packs is None:
-            b.packs = self._media(b) is None and packing_supported(b.model, b.spec.vocab_size, self.device)
-        return b.packs
-
-    def _train(self, model_id: str) -> _Train:
-        st = self._models.get(model_id)
-        if st is None:
-            raise EngineUserError(f"unknown model_id {model_id!r}")
-        return st
-
-    def _activate(self, b: _Base, st: _Train) -> None:
-        b.use(st.adapter)
-        for p in st.params.values():  # peft toggles requires_grad (set_adapter, disable_adapter)
-            p.requires_grad_(True)
-
-
-def _new_adamw(params: dict[str, torch.nn.Parameter]) -> torch.optim.AdamW:
-    # hyperparameters are set at every optim_step; these are Tinker's defaults
-    return torch.optim.AdamW(list(params.values()), lr=0.0, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)

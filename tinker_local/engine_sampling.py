@@ -21,6 +21,7 @@ import torch
 from .adapters import load_sampler_adapter
 from .checkpoints import checkpoint_info
 from .datatypes import MediaChunk, SampleResult
+from .engine_core import EngineCore
 from .errors import EngineUserError
 from .inputs import check_tokens
 from .media import prefill_kwargs, reset_media_state, resolve_chunks
@@ -34,7 +35,7 @@ MAX_TOPK_PROMPT_LOGPROBS = 128  # most alternatives per prompt position (larger 
 MAX_PROMPT_ALT_TOKENS_K = 1024  # most draws per prompt position (prompt_alt_tokens_k)
 
 
-class SamplingMixin:
+class SamplingMixin(EngineCore):
     """``sample`` / ``sample_many`` for ``Engine`` (uses its lock, bases, device, threads)."""
 
     def sample(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, overload
 
 
 class EngineUserError(ValueError):
@@ -39,15 +39,19 @@ def required_field(body: dict[str, Any], key: str, endpoint: str) -> Any:
     return body[key]
 
 
-def int_field(body: dict[str, Any], key: str, endpoint: str, default: Any = None) -> int | None:
-    """``int(body[key])`` (``default`` when missing; None stays None).
+@overload
+def int_field(body: dict[str, Any], key: str, endpoint: str, default: int) -> int: ...
+@overload
+def int_field(body: dict[str, Any], key: str, endpoint: str, default: None = None) -> int | None: ...
+def int_field(body: dict[str, Any], key: str, endpoint: str, default: int | None = None) -> int | None:
+    """``int(body[key])``, or ``default`` when the field is missing or null.
 
     Raises:
         HttpError: 422 naming ``endpoint``, ``key`` and the value when it is not an integer.
     """
-    v = body.get(key, default)
+    v = body.get(key)
     if v is None:
-        return None
+        return default
     try:
         return int(v)
     except (TypeError, ValueError):

@@ -1,4 +1,4 @@
-"""Futures and the single compute worker of the local Tinker server.
+"""The future store and the single compute worker of the local Tinker server.
 
 Every mutating request gets a request id at once; its work is a ``Job`` that runs on one
 compute thread (the engine is never entered by two threads). Jobs of a training model that
@@ -31,26 +31,26 @@ thread per worker process, so sampling overlaps training).  Batching works there
 thread of an executor lingers at a time, so concurrent requests still share a batch.  Without side executors (the default) everything
 runs on the one compute thread.
 
-Results are ``Outcome``s: JSON dicts, protobuf bytes, or an error with category
-"user" | "server" (the SDK's ``RequestErrorCategory`` values, lower case on the wire).  A
-result is kept ``RESULT_TTL_S`` seconds, or ``RETRIEVED_TTL_S`` after it was first delivered
+Results are ``Outcome``s (``tinker_local.outcomes``: JSON dicts, protobuf bytes, or an error
+with category "user" | "server").  A result is kept ``RESULT_TTL_S`` seconds, or ``RETRIEVED_TTL_S`` after it was first delivered
 (re-polls after a lost response still find it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import threading
 import time
-import traceback
 import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .outcomes import FutureRecord, Outcome, execute
 from .tenancy import LOCAL_USER, current_user
 
 logger = logging.getLogger("tinker_local.futures")
@@ -60,20 +60,6 @@ RESULT_TTL_S = 1800.0
 RETRIEVED_TTL_S = 120.0
 MAX_BATCH_JOBS = 256
 FAIR_BATCH_JOBS = 8  # batch size bound while another user's jobs wait (fair share)
-
-
-class UserError(ValueError):
-    """A request the caller got wrong; its future fails with category "user"."""
-
-
-@dataclass
-class Outcome:
-    """The result of a job: exactly one of ``json``, ``proto`` or ``error`` is set."""
-
-    json: dict[str, Any] | None = None
-    proto: bytes | None = None
-    error: str | None = None
-    category: str = "server"
 
 
 @dataclass
@@ -95,36 +81,6 @@ class Job:
     max_linger_s: float | None = None  # batch head: longest wait for more jobs (s; None: no limit
     # beyond the store's batch_max_wait_s)
     user: str = LOCAL_USER  # who submitted it (round-robin turns, per-user queue limits)
-
-
-class FutureRecord:
-    """State of one request id; ``event`` fires (on the server loop) when it completes."""
-
-    def __init__(self, request_id: str, kind: str, loop: asyncio.AbstractEventLoop | None, user: str = LOCAL_USER):
-        self.request_id = request_id
-        self.kind = kind
-        self.user = user  # only this user may poll it
-        self.created = time.time()
-        self.outcome: Outcome | None = None
-        self.completed_at: float | None = None
-        self.delivered_at: float | None = None
-        self._loop = loop
-        self.event = asyncio.Event() if loop is not None else None
-        self._thread_event = threading.Event()
-
-    def complete(self, outcome: Outcome) -> None:
-        self.outcome = outcome
-        self.completed_at = time.time()
-        self._thread_event.set()
-        if self.event is not None and self._loop is not None:
-            try:
-                self._loop.call_soon_threadsafe(self.event.set)
-            except RuntimeError:  # loop closed during shutdown
-                pass
-
-    def wait_blocking(self, timeout: float | None = None) -> bool:
-        """Block the calling (non-loop) thread until done; True when complete."""
-        return self._thread_event.wait(timeout)
 
 
 class _Lane:
@@ -356,21 +312,21 @@ class FutureStore:
             if not lane.pending:
                 lane.blocked_since = None
                 continue
-            job = lane.pending.get(lane.next_seq)
-            if job is None:
+            head = lane.pending.get(lane.next_seq)
+            if head is None:
                 if lane.blocked_since is None:
                     lane.blocked_since = now
                 if now - lane.blocked_since >= self.gap_timeout_s:
                     skip_to = min(lane.pending)
                     logger.warning("seq_id %d never arrived; skipping to %d", lane.next_seq, skip_to)
                     lane.next_seq = skip_to
-                    job = lane.pending[skip_to]
+                    head = lane.pending[skip_to]
                 else:
                     wait = min(wait, self.gap_timeout_s - (now - lane.blocked_since))
                     continue
             lane.blocked_since = None
-            if job.user not in heads or job.order < heads[job.user][0].order:
-                heads[job.user] = (job, lane)
+            if head.user not in heads or head.order < heads[head.user][0].order:
+                heads[head.user] = (head, lane)
         if not heads:
             return None, wait
         users = sorted(heads)
@@ -397,7 +353,7 @@ class FutureStore:
                 jobs = self._collect_batch_locked(job) if job.batch_key is not None else [job]
                 self.running = job
                 self.stats["jobs"] += len(jobs)
-            outcomes = self._execute_batch(jobs) if job.batch_key is not None else [self._execute(job)]
+            outcomes = self._execute_batch(jobs) if job.batch_key is not None else [_execute(job)]
             with self._cv:
                 self.running = None
                 recs = [self._records.get(j.request_id) for j in jobs]
@@ -425,7 +381,7 @@ class FutureStore:
                 else:
                     jobs = [job]
                 self.stats["jobs"] += len(jobs)
-            outcomes = self._execute_batch(jobs) if job.batch_key is not None else [self._execute(job)]
+            outcomes = self._execute_batch(jobs) if job.batch_key is not None else [_execute(job)]
             with self._cv:
                 recs = [self._records.get(j.request_id) for j in jobs]
             for rec, outcome in zip(recs, outcomes):
@@ -466,7 +422,7 @@ class FutureStore:
             # woken early by submit() and by incoming(-1)
             self._cv.wait(timeout=min(window - quiet if quiet < window else bound, deadline - now))
         cap = FAIR_BATCH_JOBS if self._others_waiting_locked(first.user, fifo) else MAX_BATCH_JOBS
-        jobs, rest = [first], deque()
+        jobs, rest = [first], deque[Job]()
         while fifo:
             j = fifo.popleft()
             if j.batch_key == first.batch_key and len(jobs) < cap:
@@ -491,46 +447,19 @@ class FutureStore:
     def _execute_batch(self, jobs: list[Job]) -> list[Outcome]:
         """Run ``jobs`` through their ``batch_fn``; per-job exceptions fail that job only."""
         head = jobs[0]
+        results: list[Any]
         try:
-            results = head.batch_fn([j.payload for j in jobs])  # type: ignore[misc]
+            if head.batch_fn is None:
+                raise RuntimeError(f"{head.kind}: a batched job has no batch_fn")
+            results = head.batch_fn([j.payload for j in jobs])
             if len(results) != len(jobs):
                 raise RuntimeError(f"batch_fn returned {len(results)} results for {len(jobs)} jobs")
         except Exception as e:
             results = [e] * len(jobs)
-        outcomes = []
-        for job, res in zip(jobs, results):
-            outcomes.append(
-                self._execute(Job(job.request_id, job.kind, lambda r=res: _raise_or(r), job.model_id, job.seq_id))
-            )
-        return outcomes
-
-    @staticmethod
-    def _execute(job: Job) -> Outcome:
-        t0 = time.monotonic()
-        try:
-            result = job.fn()
-            if isinstance(result, Outcome):
-                outcome = result
-            elif isinstance(result, (bytes, bytearray)):
-                outcome = Outcome(proto=bytes(result))
-            else:
-                outcome = Outcome(json=result)
-        except Exception as e:  # mapped to the SDK's error categories
-            if is_user_error(e):
-                outcome = Outcome(error=f"{type(e).__name__}: {e}", category="user")
-                logger.info("%s %s failed (user error): %s", job.kind, job.request_id, e)
-            else:
-                outcome = Outcome(error=f"internal error in {job.kind}: {type(e).__name__}: {e}", category="server")
-                logger.error("%s %s failed:\n%s", job.kind, job.request_id, traceback.format_exc())
-        logger.info(
-            "%s %s%s done in %.3fs%s",
-            job.kind,
-            job.request_id,
-            f" (model {job.model_id} seq {job.seq_id})" if job.seq_id is not None else "",
-            time.monotonic() - t0,
-            " [error]" if outcome.error else "",
-        )
-        return outcome
+        return [
+            execute(job.kind, job.request_id, functools.partial(_raise_or, res), job.model_id, job.seq_id)
+            for job, res in zip(jobs, results, strict=True)
+        ]
 
 
 def _raise_or(result: Any) -> Any:
@@ -539,15 +468,5 @@ def _raise_or(result: Any) -> Any:
     return result
 
 
-def is_user_error(e: BaseException) -> bool:
-    """UserError, ProtocolError and the engine's EngineUserError count as user errors."""
-    if isinstance(e, UserError):
-        return True
-    from .protocol import ProtocolError
-
-    if isinstance(e, ProtocolError):
-        return True
-    for cls in type(e).__mro__:
-        if cls.__name__ in ("EngineUserError", "UnknownModelError"):
-            return True
-    return False
+def _execute(job: Job) -> Outcome:
+    return execute(job.kind, job.request_id, job.fn, job.model_id, job.seq_id)

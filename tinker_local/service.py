@@ -18,7 +18,8 @@ from typing import Any
 
 from . import protocol as P
 from .errors import HttpError, int_field, required_field
-from .futures import FutureStore, UserError
+from .futures import FutureStore
+from .outcomes import UserError
 from .registry import CheckpointRecord, Registry, RunRecord, SamplerRecord, dir_size
 from .rest import RestMixin, check_ttl
 from .rest_sessions import SessionsMixin
@@ -54,7 +55,7 @@ def _burns_seq(handler):
 
 def _engine_datum_cls() -> type:
     try:
-        from .engine import Datum  # type: ignore[attr-defined]
+        from .engine import Datum
 
         return Datum
     except Exception:  # engine not importable: a field-compatible stand-in

@@ -19,7 +19,8 @@ from typing import Any
 from . import protocol as P
 from .auth import JwtIssuer
 from .errors import HttpError
-from .futures import FutureStore, UserError
+from .futures import FutureStore
+from .outcomes import UserError
 from .registry import CheckpointRecord, Registry, RunRecord, iso
 from .signing import UrlSigner
 from .tenancy import Tenancy
@@ -98,8 +99,9 @@ class ServiceBase:
         gone = self.registry.pop_expired()
         for ck in gone:
             remove_files(ck.path)
-            self._expired[ck.uri] = ck.expires_at
-            logger.info("checkpoint %s expired at %s: deleted", ck.uri, iso(ck.expires_at))
+            if ck.expires_at is not None:  # always: only checkpoints with an expiry expire
+                self._expired[ck.uri] = ck.expires_at
+                logger.info("checkpoint %s expired at %s: deleted", ck.uri, iso(ck.expires_at))
         return len(gone)
 
     def checkpoint_record(self, uri: str, status: int = 404) -> CheckpointRecord:

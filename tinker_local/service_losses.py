@@ -14,7 +14,7 @@ from typing import Any
 
 from .custom_loss import BoundLoss, CompiledLoss, CustomLossError, compile_graph
 from .errors import HttpError, int_field, required_field
-from .futures import UserError
+from .outcomes import UserError
 from .service_base import ServiceBase
 from .trace import session_of
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from . import protocol as P
 from .errors import HttpError, int_field, required_field
-from .futures import is_user_error
+from .outcomes import is_user_error
 from .registry import SamplerRecord
 from .service_base import ServiceBase
 from .service_stability import StabilityMixin
@@ -109,11 +109,11 @@ class SamplingServiceMixin(StabilityMixin, ServiceBase):
             raise HttpError(422, f"{ep}: {e}") from e
         weights_path = self.inflight_weights(str(sid)) if sid is not None else None
         weights_path = weights_path or rec.weights_path
-        topk = int_field(body, "topk_prompt_logprobs", ep, 0) or 0
+        topk = int_field(body, "topk_prompt_logprobs", ep, 0)
         last_n = int_field(body, "prompt_logprobs_last_n", ep)
         max_tokens = int_field(sp, "max_tokens", ep)
         try:
-            job = {
+            job: dict[str, Any] = {
                 "engine": dict(
                     base_model=rec.base_model,
                     prompt_tokens=prompt,
@@ -127,10 +127,10 @@ class SamplingServiceMixin(StabilityMixin, ServiceBase):
                     stop=stop,
                     include_prompt_logprobs=bool(body.get("prompt_logprobs")) or topk > 0,
                     topk_prompt_logprobs=topk,
-                    topk_sample_logprobs=int_field(body, "topk_sample_logprobs", ep, 0) or 0,
+                    topk_sample_logprobs=int_field(body, "topk_sample_logprobs", ep, 0),
                     prompt_logprobs_last_n=last_n,
                     target_prompt_logprobs=target,
-                    prompt_alt_tokens_k=int_field(body, "prompt_alt_tokens_k", ep, 0) or 0,
+                    prompt_alt_tokens_k=int_field(body, "prompt_alt_tokens_k", ep, 0),
                 ),
                 "prompt_logprobs": bool(body.get("prompt_logprobs")),
                 "topk": topk,

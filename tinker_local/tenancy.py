@@ -156,7 +156,7 @@ class Tenancy:
         )
 
     def may_poll(self, record: Any) -> bool:
-        """Whether the caller may read future ``record`` (a ``futures.FutureRecord``)."""
+        """Whether the caller may read future ``record`` (a ``tinker_local.outcomes.FutureRecord``)."""
         return getattr(record, "user", LOCAL_USER) == current_user()
 
     # -- limits ------------------------------------------------------------------------------------

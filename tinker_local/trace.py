@@ -219,6 +219,6 @@ def _us(t: float) -> int:
 
 
 def _status_of_exception(e: BaseException) -> str:
-    from .futures import is_user_error
+    from .outcomes import is_user_error
 
     return "user error" if is_user_error(e) else "server error"

@@ -1,0 +1,174 @@
+"""The state of a ``tinker_local.engine.Engine`` and what its training and sampling share: the
+base models (loaded once per canonical name, one ``peft.PeftModel`` holding every adapter), the
+training models (LoRA adapter, AdamW state, step), the lock serialising calls, the device, the
+training dtype and the torch thread count (see the ``tinker_local.engine`` docstring).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .compute import available_cpus, bf16_supported
+from .errors import EngineUserError
+from .media import media_support
+from .models import ModelSpec, resolve_model
+from .packing import packing_supported
+
+
+@dataclass
+class BaseModelState:
+    """A loaded base model with its adapters (see the module docstring)."""
+
+    spec: ModelSpec
+    model: Any  # the transformers model (LoRA layers are injected into it in place)
+    tokenizer: Any
+    n_params: int
+    peft: Any = None  # peft.PeftModel once the first adapter exists
+    counter: int = 0
+    sampler_adapters: OrderedDict[tuple, str] = field(default_factory=OrderedDict)
+    active: str | None = None  # adapter last activated by set_adapter (None: unknown)
+    media: Any = False  # tinker_local.media.Support | None once looked up (False: not yet)
+    packs: bool | None = None  # whether padding-free rows keep datums apart (None: not checked yet)
+
+    def use(self, adapter: str) -> None:
+        """Make ``adapter`` the active one; ``set_adapter`` walks every module, so only when it changes."""
+        if self.active != adapter:
+            self.peft.set_adapter(adapter)
+            self.active = adapter
+
+
+@dataclass
+class TrainingState:
+    """A training model: LoRA adapter ``adapter`` over base model ``base_key``, its parameters
+    (peft state-dict key -> parameter), its AdamW state and the optimizer steps taken."""
+
+    model_id: str
+    base_name: str  # as given by the caller
+    base_key: str  # canonical spec name
+    adapter: str
+    lora_rank: int
+    train_mlp: bool
+    train_attn: bool
+    train_unembed: bool
+    seed: int
+    params: OrderedDict[str, torch.nn.Parameter]  # peft state-dict key -> parameter
+    optimizer: torch.optim.AdamW
+    step: int = 0
+
+
+class EngineCore:
+    """An engine's state and the helpers its training (``Engine``) and sampling
+    (``tinker_local.engine_sampling.SamplingMixin``) share."""
+
+    def __init__(self, root: Path, *, device: str | None = None, dtype: str = "auto", num_threads: int | None = None):
+        """``root``: folder for checkpoints and the model cache (created).  ``device``: torch
+        device string (default "cuda" when available, else "cpu").  ``dtype``: "auto" | "fp32" |
+        "bf16" for training/forward compute (ValueError otherwise).  ``num_threads``: torch
+        intra-op threads (default: number of CPUs this process may use)."""
+        self.root = Path(root)
+        (self.root / "checkpoints").mkdir(parents=True, exist_ok=True)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if dtype not in ("auto", "fp32", "bf16"):
+            raise ValueError(f"dtype must be 'auto', 'fp32' or 'bf16', got {dtype!r}")
+        if dtype == "auto":
+            dtype = "bf16" if bf16_supported(self.device) else "fp32"
+        self.dtype = dtype
+        self.num_threads = int(num_threads or available_cpus())
+        torch.set_num_threads(self.num_threads)
+        # padded tokens per micro-batch; None: 2**27 // vocab_size (<= 128M fp32 logits: 512 MiB), in
+        # [256, 16384] (one pass for 8 x 256 tokens of a 49k vocabulary, as a plain torch step does)
+        self.max_batch_tokens: int | None = None
+        # padding-free micro-batches (tinker_local.packing) for text-only models that keep packed
+        # datums apart; environment TINKER_LOCAL_PACKING=off turns them off (the padded path)
+        self.packing = os.environ.get("TINKER_LOCAL_PACKING", "on").lower() not in ("0", "off", "false", "no")
+        self._lock = threading.RLock()
+        self._bases: dict[str, BaseModelState] = {}
+        self._models: dict[str, TrainingState] = {}
+        try:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+        except Exception:  # pragma: no cover - cosmetic only
+            pass
+
+    def load_base_model(self, base_model: str) -> dict:
+        """Load ``base_model`` now (e.g. at server start) and return
+        ``{"base_model", "tokenizer_id", "max_context", "vocab_size"}``.  Raises EngineUserError."""
+        with self._lock:
+            b = self._base(base_model)
+            return {
+                "base_model": base_model,
+                "tokenizer_id": b.spec.tokenizer_dir,
+                "max_context": b.spec.max_context,
+                "vocab_size": b.spec.vocab_size,
+            }
+
+    def base_model_dir(self, base_model: str) -> Path | None:
+        """The local Hugging Face directory of ``base_model`` (config, weights, tokenizer), or
+        None when it has none (a preset not yet built)."""
+        d = resolve_model(base_model, self.root / "models").model_dir
+        return Path(d) if d else None
+
+    def _threads(self, n: int | None = None) -> None:
+        n = n or self.num_threads
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+
+    def _autocast(self):
+        if self.dtype == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
+    def _canonical(self, base_model: str) -> str:
+        return resolve_model(base_model, self.root / "models").name
+
+    def _base(self, base_model: str) -> BaseModelState:
+        spec = resolve_model(base_model, self.root / "models")
+        b = self._bases.get(spec.name)
+        if b is None:
+            model, tok = spec.load()
+            for p in model.parameters():
+                p.requires_grad_(False)
+            model.to(self.device).eval()
+            spec.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+            n_params = sum(p.numel() for p in model.parameters())
+            b = self._bases[spec.name] = BaseModelState(spec, model, tok, n_params)
+        return b
+
+    def _media(self, b: BaseModelState):
+        """The media the base model accepts (``tinker_local.media.Support``; None: text only)."""
+        if b.media is False:
+            b.media = media_support(b.model, b.spec.model_dir)
+        return b.media
+
+    def _packs(self, b: BaseModelState) -> bool:
+        """Whether ``b`` trains padding-free: text-only (media datums take the padded path) and
+        checked once by ``tinker_local.packing.packing_supported``."""
+        if b.packs is None:
+            b.packs = self._media(b) is None and packing_supported(b.model, b.spec.vocab_size, self.device)
+        return b.packs
+
+    def _train(self, model_id: str) -> TrainingState:
+        st = self._models.get(model_id)
+        if st is None:
+            raise EngineUserError(f"unknown model_id {model_id!r}")
+        return st
+
+    def _activate(self, b: BaseModelState, st: TrainingState) -> None:
+        b.use(st.adapter)
+        for p in st.params.values():  # peft toggles requires_grad (set_adapter, disable_adapter)
+            p.requires_grad_(True)
+
+
+def new_adamw(params: dict[str, torch.nn.Parameter]) -> torch.optim.AdamW:
+    """A fresh AdamW over ``params`` (its hyperparameters are set at every ``optim_step``; these
+    are Tinker's defaults)."""
+    return torch.optim.AdamW(list(params.values()), lr=0.0, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
