@@ -109,10 +109,10 @@ def load_sampler_adapter(peft_model, model, name: str, path, device: torch.devic
         peft_model.delete_adapter(name)
         raise EngineUserError(f"weights at {str(path)!r} do not fit this base model: {e}") from e
     missing = [k for k in getattr(res, "missing_keys", []) if f".{name}." in k]
-    if missing or getattr(res, "unexpected_keys", []):
+    unexpected = list(getattr(res, "unexpected_keys", []))
+    if missing or unexpected:
         peft_model.delete_adapter(name)
         raise EngineUserError(
-            f"weights at {str(path)!r} do not fit this base model "
-            f"(missing {missing[:3]}, unexpected {list(res.unexpected_keys)[:3]})"
+            f"weights at {str(path)!r} do not fit this base model (missing {missing[:3]}, unexpected {unexpected[:3]})"
         )
     return peft_model

@@ -115,9 +115,10 @@ def _allowed_functions() -> dict[str, Callable[..., Any]]:
     for name in _NN_C:
         if hasattr(torch._C._nn, name):
             table[f"torch._C._nn.{name}"] = getattr(torch._C._nn, name)
+    special_c = torch._C._special  # type: ignore[attr-defined]  # torch's stubs omit torch._C._special
     for name in _SPECIAL_C:
-        if hasattr(torch._C._special, name):
-            table[f"torch._C._special.{name}"] = getattr(torch._C._special, name)
+        if hasattr(special_c, name):
+            table[f"torch._C._special.{name}"] = getattr(special_c, name)
     for name in _MATH:
         table[f"math.{name}"] = getattr(math, name)
     for name in _OPERATOR:
@@ -364,6 +365,8 @@ class BoundLoss:
             kwargs = _resolve(node.kwargs, env, lp.device)
             try:
                 if node.op == "call_function":
+                    if node.fn is None:  # compile_graph resolves every call_function node
+                        raise CustomLossError(f"function {node.target!r} was not resolved")
                     value = node.fn(*args, **kwargs)
                 else:
                     self_arg = args[0]

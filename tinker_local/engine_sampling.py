@@ -12,8 +12,10 @@ Sampling always runs in fp32 (no autocast), so sampled logprobs match an fp32 ``
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -122,6 +124,7 @@ class SamplingMixin(EngineCore):
                 for key, items in groups.items():
                     b, path = targets[key]
                     for chunk in _chunks(items, b.spec.vocab_size):
+                        outs: Sequence[dict[str, Any] | Exception]
                         try:
                             outs = self._sample_chunk(b, path, [req for _, req in chunk])
                         except Exception as e:  # fails this chunk only

@@ -29,6 +29,7 @@ import shutil
 import uuid
 import zlib
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -55,7 +56,7 @@ DMEL_CONFIG = {
     "fmin": 0.0,
     "fmax": 8000.0,
 }
-VISION_PROCESSOR = {
+VISION_PROCESSOR: dict[str, Any] = {
     "patch_size": 8,
     "merge_size": 2,
     "temporal_patch_size": 2,

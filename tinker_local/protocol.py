@@ -325,7 +325,7 @@ def sample_response_to_proto(
         rows = list(topk_prompt_logprobs)
         if prompt_logprobs_last_n is not None:
             cut = max(0, len(rows) - prompt_logprobs_last_n)
-            rows = [None] * cut + rows[cut:]
+            rows[:cut] = [None] * cut
         _topk_to_proto(rows, msg.topk_prompt_logprobs)
     if target_prompt_logprobs is not None:
         _tensor_to_proto(np.asarray(target_prompt_logprobs, dtype=np.float32), msg.target_prompt_logprobs, target_csr)

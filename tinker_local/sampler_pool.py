@@ -177,8 +177,9 @@ class SamplerPool:
                 self._spawn(slot)
             self._wait_ready(slot)
             slot.busy = True
+            _, conn = _started(slot)
             try:
-                slot.conn.send(("sample", requests))
+                conn.send(("sample", requests))
             except (OSError, ValueError) as e:
                 self._died(slot, f"could not send to it ({e})")
             reply = self._recv(slot, timeout=None)
@@ -225,11 +226,12 @@ class SamplerPool:
             raise SamplerWorkerError(f"sampler worker {slot.index} sent {msg!r} instead of 'ready'")
         with self._lock:
             slot.ready = True
-        logger.info("sampler worker %d ready (pid %d) after %.1fs", slot.index, slot.proc.pid, time.monotonic() - t0)
+        proc, _ = _started(slot)
+        logger.info("sampler worker %d ready (pid %d) after %.1fs", slot.index, proc.pid, time.monotonic() - t0)
 
     def _recv(self, slot: _Slot, timeout: float | None, starting: bool = False) -> Any:
         """The next message of ``slot``'s worker; SamplerWorkerError when it exits first."""
-        conn = slot.conn
+        _, conn = _started(slot)
         try:
             ready = wait([conn], timeout)
         except (OSError, ValueError):  # closed by close() meanwhile
@@ -252,7 +254,8 @@ class SamplerPool:
         if proc is None:  # close() took it
             raise SamplerWorkerError(f"sampler worker {slot.index} was stopped (server shutting down)")
         code = _reap(proc, 1.0)
-        slot.conn.close()
+        if slot.conn is not None:
+            slot.conn.close()
         with self._lock:
             self.deaths += 1
             slot.proc, slot.conn, slot.ready = None, None, False
@@ -264,6 +267,14 @@ class SamplerPool:
         if not self._closed and not starting:  # a worker that cannot start is retried on next use
             self._spawn(slot)
         raise SamplerWorkerError(msg)
+
+
+def _started(slot: _Slot) -> tuple[subprocess.Popen, Connection]:
+    """The process and connection of ``slot``'s worker; SamplerWorkerError when ``close`` took them."""
+    proc, conn = slot.proc, slot.conn
+    if proc is None or conn is None:
+        raise SamplerWorkerError(f"sampler worker {slot.index} was stopped (server shutting down)")
+    return proc, conn
 
 
 def _reap(proc: subprocess.Popen, timeout: float) -> int | None:

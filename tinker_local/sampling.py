@@ -143,9 +143,10 @@ def kept_positions(reqs: list[SampleRequest], longest: int) -> int:
     """Prompt positions (from the end) whose logits the prefill keeps: the most any request needs
     (:attr:`SampleRequest.logit_positions`), 0 meaning all ``longest``."""
     need = [r.logit_positions for r in reqs]
-    if None in need or max(need) >= longest:
+    known = [n for n in need if n is not None]
+    if len(known) < len(need) or max(known) >= longest:
         return 0
-    return max(need)
+    return max(known)
 
 
 def _prefill(model, ids: torch.Tensor, keep: int, extra: dict) -> tuple:
@@ -273,9 +274,10 @@ def sample_batch(
     if decode_threads and device.type == "cpu":
         torch.set_num_threads(decode_threads)
     gens = [torch.Generator(device="cpu").manual_seed(int(r.seed) & 0xFFFF_FFFF_FFFF_FFFF) for r in reqs]
-    toks = [[[] for _ in range(n)] for n in counts]
-    lps = [[[] for _ in range(n)] for n in counts]
-    tops = [[[] for _ in range(n)] for n in counts]  # top-k (token, logprob) per sampled position
+    toks: list[list[list[int]]] = [[[] for _ in range(n)] for n in counts]
+    lps: list[list[list[float]]] = [[[] for _ in range(n)] for n in counts]
+    # top-k (token, logprob) per sampled position
+    tops: list[list[list[list[tuple[int, float]]]]] = [[[] for _ in range(n)] for n in counts]
     reasons = [["length"] * n for n in counts]
     done = [[False] * n for n in counts]
     windows = [max((len(s) for s in r.stop.strings), default=0) * 4 + 8 for r in reqs]
@@ -286,7 +288,9 @@ def sample_batch(
         lf = last.float().cpu()
         logp = torch.log_softmax(lf, dim=-1)
         nxt_rows = torch.empty(lf.shape[0], dtype=torch.long)
-        keep, keep_rows, a = [], [], 0
+        keep: list[int] = []
+        keep_rows: list[int] = []
+        a = 0
         for i in active:
             r, b = reqs[i], a + counts[i]
             nxt = _choose(lf[a:b], r.temperature, r.top_k, r.top_p, gens[i])
@@ -323,7 +327,7 @@ def sample_batch(
             pos = pos[sel] if pos is not None else None
             active = keep
         step_kw: dict = {kw: cache}
-        if att is not None:
+        if att is not None and pos is not None:  # both set for padded prompts
             att = torch.cat([att, torch.ones((att.shape[0], 1), dtype=att.dtype)], dim=-1)
             step_kw.update(attention_mask=att.to(device), position_ids=pos.to(device))
             pos = pos + 1

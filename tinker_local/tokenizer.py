@@ -135,9 +135,9 @@ def build_corpus(seed: int = 0, n_lines: int = 20000) -> list[str]:
             words[0] = words[0].capitalize()
             lines.append(" ".join(words) + rng.choice([".", "?", "!", ",", ";", ":"]))
         elif kind == 3:  # chat snippet
-            q = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 8)))
-            a = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 8)))
-            lines.append(f"<|im_start|>user\n{q}?<|im_end|>\n<|im_start|>assistant\n{a}.<|im_end|>\n")
+            question = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 8)))
+            answer = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 8)))
+            lines.append(f"<|im_start|>user\n{question}?<|im_end|>\n<|im_start|>assistant\n{answer}.<|im_end|>\n")
         else:  # code-ish / punctuation / numbers in text
             x, y, z = rng.choice(_WORDS), rng.randint(0, 9999), rng.choice(_WORDS)
             lines.append(f'{x} = ({y}, "{z}") # {rng.choice(_WORDS)} [{x}] {{ok}}')
