@@ -215,10 +215,10 @@ class Engine(SamplingMixin):
                     else:
                         mb = [row[0] for row in rows]
                         lps = self._logprobs(b, [prepared[i] for i in mb])
-                    loss = sum(fn(lp, prepared[i][2], cfg) for i, lp in zip(mb, lps))
+                    loss = sum(fn(lp, prepared[i][2], cfg) for i, lp in zip(mb, lps, strict=True))
                     if backward and isinstance(loss, torch.Tensor) and loss.requires_grad:
                         loss.backward()
-                for i, lp in zip(mb, lps):
+                for i, lp in zip(mb, lps, strict=True):
                     outputs[i] = {"logprobs": lp.detach().float().cpu().numpy()}
                 total += float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
             return FwdResult(outputs=outputs, metrics={"loss:sum": total})
@@ -259,7 +259,7 @@ class Engine(SamplingMixin):
         tgts = [prepared[i][1].reshape(len(prepared[i][0]), -1) for i in pb.items]
         K = max(t.shape[1] for t in tgts)
         tgt = torch.zeros((len(pb.keep), K), dtype=torch.long)
-        for (a, z), t in zip(pb.spans, tgts):
+        for (a, z), t in zip(pb.spans, tgts, strict=True):
             tgt[a:z, : t.shape[1]] = t
         tgt = tgt.to(self.device)
         with self._autocast():
@@ -268,7 +268,7 @@ class Engine(SamplingMixin):
             )  # (N, V) float32
         lp = logits.gather(-1, tgt) - torch.logsumexp(logits, dim=-1, keepdim=True)  # (N, K)
         out = []
-        for i, (a, z) in zip(pb.items, pb.spans):
+        for i, (a, z) in zip(pb.items, pb.spans, strict=True):
             soft = prepared[i][1].ndim == 2
             out.append(lp[a:z, : prepared[i][1].shape[1]] if soft else lp[a:z, 0])
         return pb.items, out

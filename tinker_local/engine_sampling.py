@@ -129,7 +129,7 @@ class SamplingMixin(EngineCore):
                             outs = self._sample_chunk(b, path, [req for _, req in chunk])
                         except Exception as e:  # fails this chunk only
                             outs = [e] * len(chunk)
-                        for (i, _), out in zip(chunk, outs):
+                        for (i, _), out in zip(chunk, outs, strict=True):
                             results[i] = (
                                 out
                                 if isinstance(out, Exception)

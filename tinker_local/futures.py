@@ -28,12 +28,12 @@ Side executors (``add_executor(name, threads)``): jobs submitted with ``executor
 that executor's own FIFO (users taking turns as on the compute thread) and run on its threads
 instead of the compute thread (the sampler worker pool of ``tinker_local.sampler_pool`` uses one
 thread per worker process, so sampling overlaps training).  Batching works there as above; one
-thread of an executor lingers at a time, so concurrent requests still share a batch.  Without side executors (the default) everything
-runs on the one compute thread.
+thread of an executor lingers at a time, so concurrent requests still share a batch.  Without
+side executors (the default) everything runs on the one compute thread.
 
 Results are ``Outcome``s (``tinker_local.outcomes``: JSON dicts, protobuf bytes, or an error
-with category "user" | "server").  A result is kept ``RESULT_TTL_S`` seconds, or ``RETRIEVED_TTL_S`` after it was first delivered
-(re-polls after a lost response still find it).
+with category "user" | "server").  A result is kept ``RESULT_TTL_S`` seconds, or
+``RETRIEVED_TTL_S`` after it was first delivered (re-polls after a lost response still find it).
 """
 
 from __future__ import annotations
@@ -357,7 +357,7 @@ class FutureStore:
             with self._cv:
                 self.running = None
                 recs = [self._records.get(j.request_id) for j in jobs]
-            for rec, outcome in zip(recs, outcomes):
+            for rec, outcome in zip(recs, outcomes, strict=True):
                 if rec is not None:
                     rec.complete(outcome)
 
@@ -384,7 +384,7 @@ class FutureStore:
             outcomes = self._execute_batch(jobs) if job.batch_key is not None else [_execute(job)]
             with self._cv:
                 recs = [self._records.get(j.request_id) for j in jobs]
-            for rec, outcome in zip(recs, outcomes):
+            for rec, outcome in zip(recs, outcomes, strict=True):
                 if rec is not None:
                     rec.complete(outcome)
 

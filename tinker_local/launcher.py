@@ -188,9 +188,10 @@ def ensure_server(
         The record ``{"pid", "port", "base_url", "log", "started_at", "command"}``.
 
     Raises:
-        LocalServerError: a stale server still in use, the port serves something unrecorded, or the server exited early or did
-            not answer ``/api/v1/healthz`` within ``startup_timeout`` seconds (it is then stopped);
-            the message includes the tail of ``server.log``.
+        LocalServerError: a stale server still in use, the port serves something unrecorded, or
+            the server exited early or did not answer ``/api/v1/healthz`` within
+            ``startup_timeout`` seconds (it is then stopped); the message includes the tail of
+            ``server.log``.
     """
     root.mkdir(parents=True, exist_ok=True)
     with procs.file_lock(root / LOCK_FILE):

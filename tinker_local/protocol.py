@@ -297,9 +297,9 @@ def sample_response_to_proto(
 
     sequences: dicts with ``tokens`` (list[int]), ``logprobs`` (list[float] or None),
     ``stop_reason`` ("stop" | "length") and optionally ``topk_logprobs`` (one list of
-    ``(token_id, logprob)`` per token; sent as ``topk_sampled_logprobs``). prompt_logprobs: one entry per prompt token, None
-    (sent as NaN) where not computed. With ``prompt_logprobs_last_n`` only the last N entries
-    are kept (the rest become NaN / None rows).  ``target_prompt_logprobs``: float32 (P - 1, K),
+    ``(token_id, logprob)`` per token; sent as ``topk_sampled_logprobs``). prompt_logprobs: one
+    entry per prompt token, None (sent as NaN) where not computed. With ``prompt_logprobs_last_n``
+    only the last N entries are kept (the rest become NaN / None rows).  ``target_prompt_logprobs``: float32 (P - 1, K),
     sent dense, or as CSR with the request's layout ``target_csr``.  ``prompt_alt_tokens``: (ids,
     logprobs), both (P - 1, k).  ``prompt_cache_hit_tokens``: prompt tokens served from a prefix
     already computed.

@@ -2,10 +2,11 @@
 
 ``serve --sampler-workers N`` starts N worker processes (``python -m tinker_local.sampler_pool``,
 talking pickled messages over a socket pair: no ``multiprocessing`` start method, so the
-parent's main script is never re-run); each builds its own ``tinker_local.engine.Engine`` over the same root folder, preloads the server's
-``--model`` names and then serves ``Engine.sample_many`` calls sent over a pipe.  The trainer's
-engine keeps training (forward, forward_backward, optim_step, saves) on the compute thread, so
-a sampling batch and a training step run at the same time on different cores.
+parent's main script is never re-run); each builds its own ``tinker_local.engine.Engine`` over
+the same root folder, preloads the server's ``--model`` names and then serves
+``Engine.sample_many`` calls sent over a pipe.  The trainer's engine keeps training (forward,
+forward_backward, optim_step, saves) on the compute thread, so a sampling batch and a training
+step run at the same time on different cores.
 
 Weights: a worker samples the base model itself (its own fp32 copy, loaded from the same files
 as the trainer's: presets are cached under ``root/"models"``) or a sampler / state checkpoint

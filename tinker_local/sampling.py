@@ -186,7 +186,9 @@ def _prompt_outputs(req: SampleRequest, logits: torch.Tensor, first: int) -> dic
     if req.topk_prompt_logprobs > 0:
         k = min(req.topk_prompt_logprobs, logp.shape[-1])
         tv, ti = torch.topk(logp, k, dim=-1)
-        out["topk_prompt_logprobs"] = pad + [list(zip(i, v)) for i, v in zip(ti.cpu().tolist(), tv.cpu().tolist())]
+        out["topk_prompt_logprobs"] = pad + [
+            list(zip(i, v, strict=True)) for i, v in zip(ti.cpu().tolist(), tv.cpu().tolist(), strict=True)
+        ]
     if req.target_prompt is not None:  # first == 0 here (logit_positions is None)
         ids = torch.as_tensor(req.target_prompt, dtype=torch.long, device=logp.device)
         vals = logp.gather(-1, ids.clamp(min=0))
@@ -215,7 +217,8 @@ def sample_batch(
 ) -> list[dict]:
     """Serve ``reqs`` together; returns one dict per request, in order:
     ``{"sequences": [{"tokens": [...], "logprobs": [...], "stop_reason": "stop"|"length",
-    "topk_logprobs": [[(token_id, logprob)] * k] per token | None}] * num_samples, "prompt_logprobs": list (len P, entry 0 None) | None, "topk_prompt_logprobs":
+    "topk_logprobs": [[(token_id, logprob)] * k] per token | None}] * num_samples,
+    "prompt_logprobs": list (len P, entry 0 None) | None, "topk_prompt_logprobs":
     list (len P, entry 0 None, others [(token_id, logprob)] * k) | None,
     "target_prompt_logprobs": float32 (P - 1, K) | None, "prompt_alt_tokens": (int64, float32)
     (P - 1, k) | None, "prompt_cache_hit_tokens": int}`` (see ``_prompt_outputs`` and the module
@@ -299,8 +302,8 @@ def sample_batch(
             top = None
             if r.topk_sample_logprobs > 0:  # same temperature-1 logprobs as the sampled ones
                 tv, ti = torch.topk(logp[a:b], min(r.topk_sample_logprobs, logp.shape[-1]), dim=-1)
-                top = [list(zip(ids, vs)) for ids, vs in zip(ti.tolist(), tv.tolist())]
-            for j, (t, v) in enumerate(zip(nxt.tolist(), nlp)):
+                top = [list(zip(ids, vs, strict=True)) for ids, vs in zip(ti.tolist(), tv.tolist(), strict=True)]
+            for j, (t, v) in enumerate(zip(nxt.tolist(), nlp, strict=True)):
                 if done[i][j]:
                     continue
                 toks[i][j].append(t)

@@ -222,7 +222,7 @@ class SamplingServiceMixin(StabilityMixin, ServiceBase):
                     results.append(e)
         out: list[Any] = []
         stats = self.sampling_stats
-        for job, res in zip(jobs, results):
+        for job, res in zip(jobs, results, strict=True):
             if isinstance(res, BaseException):
                 out.append(res)
                 continue
