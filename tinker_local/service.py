@@ -13,6 +13,7 @@ import functools
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +78,7 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
         gap_timeout_s: float = 30.0,
         datum_cls: type | None = None,
         url_ttl_s: float = DEFAULT_URL_TTL_S,
-        clock=time.time,
+        clock: Callable[[], float] = time.time,
     ):
         self.engine = engine
         self.root = Path(root)
@@ -89,13 +90,14 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
         self.signer = UrlSigner(load_secret(self.root), clock=lambda: self.clock())
         self.url_ttl_s = float(url_ttl_s)
         self.datum_cls = datum_cls or _engine_datum_cls()
-        self._info: dict[str, dict[str, Any]] = {}  # model_id -> engine.get_info(), cached
-        self._client_names: dict[str, str] = {}  # base model -> name handed to SDK clients
-        self.request_counts: dict[str, int] = {}  # HTTP path -> requests seen (GET local_stats)
-        self._expired: dict[str, float] = {}  # tinker path -> when it expired (clearer 404s)
-        self._copies: dict[str, dict[str, Any]] = {}  # copy_weights idempotency key -> answer
-        self._losses: dict[str, Any] = {}  # loss_id -> custom_loss.CompiledLoss
-        self.jwt: Any = None  # auth.JwtIssuer when JWT auth is on (create_app(jwt_auth=True))
+        # the caches and maps described on ServiceBase
+        self._info = {}
+        self._client_names = {}
+        self.request_counts = {}  # HTTP path -> requests seen (GET local_stats)
+        self._expired = {}
+        self._copies = {}
+        self._losses = {}
+        self.jwt = None  # auth.JwtIssuer when JWT auth is on (create_app(jwt_auth=True))
         self.tenancy = Tenancy(self.registry, self.store, self.root)  # owners, limits, audit log
 
     save_weights_external = _burns_seq(ExportMixin.save_weights_external)

@@ -49,8 +49,8 @@ class ServiceBase:
     url_ttl_s: float
     datum_cls: type
     tenancy: Tenancy
-    jwt: JwtIssuer | None
-    request_counts: dict[str, int]
+    jwt: JwtIssuer | None  # set when JWT auth is on (create_app(jwt_auth=True))
+    request_counts: dict[str, int]  # HTTP route -> requests seen (GET local_stats)
     custom_loss_server_side: bool
     _info: dict[str, dict[str, Any]]  # model_id -> engine.get_info(), cached
     _client_names: dict[str, str]  # base model -> name handed to SDK clients
