@@ -34,6 +34,7 @@ from .routes_rest import add_rest_routes
 from .routes_service import add_service_routes
 from .routes_training import add_training_routes
 from .service import LocalService
+from .signing import load_secret
 from .tenancy import Limits
 
 logger = logging.getLogger("tinker_local.server")
@@ -95,7 +96,8 @@ def create_app(
     svc.custom_loss_server_side = custom_loss_server_side
     svc.tenancy.limits = limits or Limits()
     keys = KeyStore(root)
-    svc.jwt = JwtIssuer(svc.signer._secret, clock=lambda: svc.clock()) if jwt_auth else None
+    # the JWT key derives from the server's URL-signing secret (tinker_local.auth)
+    svc.jwt = JwtIssuer(load_secret(Path(root)), clock=lambda: svc.clock()) if jwt_auth else None
     svc.store.batch_quiet_s, svc.store.batch_max_wait_s = batch_quiet_s, batch_max_wait_s
     if sampler_pool is not None:
         svc.attach_sampler_pool(sampler_pool)
