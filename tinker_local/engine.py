@@ -53,7 +53,9 @@ __all__ = ["Engine", "Datum", "FwdResult", "SampleResult", "EngineUserError", "U
 
 class Engine(SamplingMixin):
     """LoRA training and sampling over local base models; see the module docstring.  Sampling
-    (``sample``, ``sample_many``): ``tinker_local.engine_sampling``."""
+    (``sample``, ``sample_many``): ``tinker_local.engine_sampling``; the state both use (base
+    models, training models, lock, device, threads; ``Engine(root, device=, dtype=,
+    num_threads=)``): ``tinker_local.engine_core``."""
 
     # ------------------------------------------------------------------ models and adapters
 
