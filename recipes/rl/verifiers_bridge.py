@@ -35,12 +35,15 @@ import json
 import sys
 import threading
 import time
+import types
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import verifiers as vf
+import verifiers.envs.environment as vf_environment
 from verifiers.clients import Client
 from verifiers.types import Response, ResponseMessage, ResponseTokens, ToolCall, Usage
 
@@ -58,6 +61,28 @@ __all__ = [
 ]
 
 _local = threading.local()
+_load_lock = threading.Lock()
+
+
+@contextmanager
+def _signal_handlers_skipped_off_main_thread() -> Iterator[None]:
+    """verifiers' ``Environment.__init__`` installs SIGINT/SIGTERM handlers (a teardown on interrupt),
+    which Python allows in the main thread only; an environment built in a rollout task's worker
+    thread skips them (its ``atexit`` teardown stays). Only verifiers' own module sees the stand-in."""
+    if threading.current_thread() is threading.main_thread():
+        yield
+        return
+    real = vf_environment.signal
+    vf_environment.signal = types.SimpleNamespace(  # type: ignore[assignment]
+        signal=lambda *a, **k: None,
+        SIGINT=real.SIGINT,
+        SIGTERM=real.SIGTERM,
+        default_int_handler=real.default_int_handler,
+    )
+    try:
+        yield
+    finally:
+        vf_environment.signal = real
 
 
 def load_verifiers_environment(name: str, env_args: dict[str, Any] | None = None) -> Any:
@@ -71,8 +96,9 @@ def load_verifiers_environment(name: str, env_args: dict[str, Any] | None = None
         env_args: keyword arguments of ``load_environment``.
 
     Returns:
-        The ``vf.Environment``; cached per thread and (name, env_args) (environments hold asyncio
-        objects bound to the loop of the thread that runs them).
+        The ``vf.Environment``; cached per thread and (name, env_args): an environment may hold
+        asyncio objects bound to the event loop of the thread that runs it (:func:`run_coroutine`
+        keeps one loop per thread).
 
     Raises:
         FileNotFoundError: a ``.py`` path that does not exist.
@@ -83,10 +109,8 @@ def load_verifiers_environment(name: str, env_args: dict[str, Any] | None = None
     cache = _local.__dict__.setdefault("envs", {})
     if key not in cache:
         args = dict(env_args or {})
-        if name.endswith(".py"):
-            env = _load_file(Path(name), args)
-        else:
-            env = vf.load_environment(name, **args)
+        with _load_lock, _signal_handlers_skipped_off_main_thread():
+            env = _load_file(Path(name), args) if name.endswith(".py") else vf.load_environment(name, **args)
         if not isinstance(env, vf.Environment):
             raise TypeError(f"load_environment of {name!r} returned {type(env).__name__}, not a vf.Environment")
         cache[key] = env
@@ -115,12 +139,16 @@ def _load_file(path: Path, args: dict[str, Any]) -> Any:
 
 
 def run_coroutine(coro: Any) -> Any:
-    """Run ``coro`` to completion from synchronous code: ``asyncio.run`` in this thread, or in a
-    worker thread when this thread already runs an event loop."""
+    """Run ``coro`` to completion from synchronous code, on this thread's own event loop (one per
+    thread, kept open: the environments cached for this thread may hold objects bound to it); in a
+    helper thread with a fresh loop when this thread already runs an event loop."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(coro)
+        loop = _local.__dict__.get("loop")
+        if loop is None or loop.is_closed():
+            loop = _local.loop = asyncio.new_event_loop()
+        return loop.run_until_complete(coro)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         return pool.submit(asyncio.run, coro).result()
 

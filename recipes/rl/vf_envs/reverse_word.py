@@ -1,6 +1,6 @@
 """A single-turn ``verifiers`` environment on generated data: write a short word backwards inside
-``<answer>...</answer>``. Rubric: 1.0 x exact answer (the ``XMLParser``'s parsed answer equals the
-reversed word) + 0.2 x the parser's format reward."""
+``<answer>...</answer>``. Rubric: 1.0 x ``exact_answer`` (the ``XMLParser``'s parsed answer equals the
+reversed word) + 0.2 x ``tagged`` (the reply has an ``<answer>...</answer>`` pair)."""
 
 from __future__ import annotations
 
@@ -22,14 +22,15 @@ def load_environment(num_examples: int = 200, seed: int = 0) -> vf.Environment:
 
     def rows(n: int) -> Dataset:
         words = [rng.choice(WORDS) for _ in range(n)]
-        return Dataset.from_list(
-            [{"question": f"Write the word '{w}' backwards.", "answer": w[::-1]} for w in words]
-        )
+        return Dataset.from_list([{"question": f"Write the word '{w}' backwards.", "answer": w[::-1]} for w in words])
 
     def exact_answer(completion, answer, **kwargs) -> float:
         return float((parser.parse_answer(completion) or "").strip().lower() == answer)
 
-    rubric = vf.Rubric(funcs=[exact_answer, parser.get_format_reward_func()], weights=[1.0, 0.2], parser=parser)
+    def tagged(completion, **kwargs) -> float:
+        return float(parser.parse_answer(completion) is not None)
+
+    rubric = vf.Rubric(funcs=[exact_answer, tagged], weights=[1.0, 0.2], parser=parser)
     return vf.SingleTurnEnv(
         dataset=rows(num_examples),
         eval_dataset=rows(40),
