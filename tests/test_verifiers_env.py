@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("verifiers", reason="the verifiers extra is not installed (pip install 'prefect-tinker[verifiers]')")
+pytest.importorskip(
+    "verifiers", reason="the verifiers extra is not installed (pip install 'prefect-tinker[verifiers]')"
+)
 
 from prefect_tinker.cli.main import main as cli_main  # noqa: E402
 from prefect_tinker.recipes.rl.advantages import groups_to_datums  # noqa: E402
@@ -83,15 +85,17 @@ def test_multi_turn_observations_hold_the_env_messages_and_extend(tokenizer_dirs
     group = run_group_rollout(ScriptedSampler(tok, _bisect), builder, seed=0, max_tokens=16)
     assert group.errors == 0 and len(group.trajectories_G) == 2
     for traj in group.trajectories_G:
-        guesses = [int(tok.decode(t.action_tokens, skip_special_tokens=False).removesuffix(END))
-                   for t in traj.transitions]
+        guesses = [
+            int(tok.decode(t.action_tokens, skip_special_tokens=False).removesuffix(END)) for t in traj.transitions
+        ]
         assert guesses == [5, 2, 3]  # bisection: 5 (lower), 2 (higher), 3
         texts = [tok.decode(t.observation, skip_special_tokens=False) for t in traj.transitions]
         assert texts[1].endswith(f"5{END}\n<|im_start|>user\nLower.{END}\n<|im_start|>assistant\n")
         assert texts[2].endswith(f"2{END}\n<|im_start|>user\nHigher.{END}\n<|im_start|>assistant\n")
         for prev, nxt in zip(traj.transitions, traj.transitions[1:]):  # each observation extends the last
             assert nxt.observation[: len(prev.observation) + len(prev.action_tokens)] == (
-                prev.observation + prev.action_tokens)
+                prev.observation + prev.action_tokens
+            )
         last = traj.transitions[-1]
         expected = 1.0 - 0.25 * (len(guesses) - 1) if guesses[-1] == secret else 0.0
         assert [t.reward for t in traj.transitions] == [0.0, 0.0, pytest.approx(expected)]
@@ -123,23 +127,51 @@ def test_bad_options_fail_before_the_run(tmp_path):
     assert [r["answer"] for r in rows] == ["Paris", "Tokyo", "Rome"]
 
 
-def test_example_config_runs_on_tiny_and_store_rewards_are_the_rubric(prefect_api, local_credentials, tmp_path,
-                                                                      capsys):
+def test_example_config_runs_on_tiny_and_store_rewards_are_the_rubric(prefect_api, local_credentials, tmp_path, capsys):
     store = tmp_path / "store"
-    rc = cli_main(["run", "rl", "--example", "verifiers_reverse_word", "max_steps=2", "group_size=2",
-                   "groups_per_batch=2", "max_tokens=16", "save_every=0", "run_name=vf", f"store={store}",
-                   "lora_rank=8", f"backend.local_root={local_credentials.local_root}"])
+    rc = cli_main(
+        [
+            "run",
+            "rl",
+            "--example",
+            "verifiers_reverse_word",
+            "max_steps=2",
+            "group_size=2",
+            "groups_per_batch=2",
+            "max_tokens=16",
+            "save_every=0",
+            "run_name=vf",
+            f"store={store}",
+            "lora_rank=8",
+            f"backend.local_root={local_credentials.local_root}",
+        ]
+    )
     assert rc in (0, None)
     capsys.readouterr()
-    assert cli_main(["sql", "--store", str(store), "--json",
-                     "SELECT step, name, value FROM metrics WHERE run_id='vf' AND name LIKE 'env/%'"]) in (0, None)
+    assert cli_main(
+        [
+            "sql",
+            "--store",
+            str(store),
+            "--json",
+            "SELECT step, name, value FROM metrics WHERE run_id='vf' AND name LIKE 'env/%'",
+        ]
+    ) in (0, None)
     by = {(r["step"], r["name"]): r["value"] for r in json.loads(capsys.readouterr().out)}
     for step in (0, 1):
         assert 0.0 <= by[(step, "env/exact_answer")] <= 1.0 and 0.0 <= by[(step, "env/tagged")] <= 1.0
-        assert by[(step, "env/reward_mean")] == pytest.approx(by[(step, "env/exact_answer")]
-                                                             + 0.2 * by[(step, "env/tagged")])
-    assert cli_main(["sql", "--store", str(store), "--json",
-                     "SELECT response, reward, metrics_json FROM trajectories WHERE run_id='vf'"]) in (0, None)
+        assert by[(step, "env/reward_mean")] == pytest.approx(
+            by[(step, "env/exact_answer")] + 0.2 * by[(step, "env/tagged")]
+        )
+    assert cli_main(
+        [
+            "sql",
+            "--store",
+            str(store),
+            "--json",
+            "SELECT response, reward, metrics_json FROM trajectories WHERE run_id='vf'",
+        ]
+    ) in (0, None)
     rows = json.loads(capsys.readouterr().out)
     assert len(rows) == 8
     for t in rows:  # the rubric recomputed from the recorded reply: 1.0 x exact reversed word + 0.2 x tagged

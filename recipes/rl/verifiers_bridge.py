@@ -62,6 +62,7 @@ __all__ = [
 
 _local = threading.local()
 _load_lock = threading.Lock()
+_envs: dict[tuple[str, str, int | None], Any] = {}
 
 
 @contextmanager
@@ -73,7 +74,7 @@ def _signal_handlers_skipped_off_main_thread() -> Iterator[None]:
         yield
         return
     real = vf_environment.signal
-    vf_environment.signal = types.SimpleNamespace(  # type: ignore[assignment]
+    vf_environment.signal = types.SimpleNamespace(
         signal=lambda *a, **k: None,
         SIGINT=real.SIGINT,
         SIGTERM=real.SIGTERM,
@@ -85,7 +86,7 @@ def _signal_handlers_skipped_off_main_thread() -> Iterator[None]:
         vf_environment.signal = real
 
 
-def load_verifiers_environment(name: str, env_args: dict[str, Any] | None = None) -> Any:
+def load_verifiers_environment(name: str, env_args: dict[str, Any] | None = None, max_turns: int | None = None) -> Any:
     """A ``verifiers`` environment by name, as ``vf.load_environment`` loads it, or from a file.
 
     Args:
@@ -94,27 +95,30 @@ def load_verifiers_environment(name: str, env_args: dict[str, Any] | None = None
             called, as ``vf.load_environment`` does), or the path of a ``.py`` file that defines
             ``load_environment(**env_args)``.
         env_args: keyword arguments of ``load_environment``.
+        max_turns: replaces the environment's ``max_turns`` (multi-turn environments) when given.
 
     Returns:
-        The ``vf.Environment``; cached per thread and (name, env_args): an environment may hold
-        asyncio objects bound to the event loop of the thread that runs it (:func:`run_coroutine`
-        keeps one loop per thread).
+        The ``vf.Environment``, loaded once per process and (name, env_args, max_turns): the flow
+        loads it when it builds the dataset, and the rollout tasks of its thread pool share it (a
+        process of a Ray or Dask worker loads its own).
 
     Raises:
         FileNotFoundError: a ``.py`` path that does not exist.
         ValueError / RuntimeError: the environment cannot be imported or loaded (verifiers' message).
         TypeError: ``load_environment`` returned something other than a ``vf.Environment``.
     """
-    key = (name, json.dumps(env_args or {}, sort_keys=True, default=str))
-    cache = _local.__dict__.setdefault("envs", {})
-    if key not in cache:
-        args = dict(env_args or {})
-        with _load_lock, _signal_handlers_skipped_off_main_thread():
-            env = _load_file(Path(name), args) if name.endswith(".py") else vf.load_environment(name, **args)
-        if not isinstance(env, vf.Environment):
-            raise TypeError(f"load_environment of {name!r} returned {type(env).__name__}, not a vf.Environment")
-        cache[key] = env
-    return cache[key]
+    key = (name, json.dumps(env_args or {}, sort_keys=True, default=str), max_turns)
+    with _load_lock:
+        if key not in _envs:
+            args = dict(env_args or {})
+            with _signal_handlers_skipped_off_main_thread():
+                env = _load_file(Path(name), args) if name.endswith(".py") else vf.load_environment(name, **args)
+            if not isinstance(env, vf.Environment):
+                raise TypeError(f"load_environment of {name!r} returned {type(env).__name__}, not a vf.Environment")
+            if max_turns is not None and hasattr(env, "max_turns"):
+                env.max_turns = max_turns
+            _envs[key] = env
+        return _envs[key]
 
 
 def _load_file(path: Path, args: dict[str, Any]) -> Any:
@@ -140,8 +144,8 @@ def _load_file(path: Path, args: dict[str, Any]) -> Any:
 
 def run_coroutine(coro: Any) -> Any:
     """Run ``coro`` to completion from synchronous code, on this thread's own event loop (one per
-    thread, kept open: the environments cached for this thread may hold objects bound to it); in a
-    helper thread with a fresh loop when this thread already runs an event loop."""
+    thread, kept open across calls); in a helper thread with a fresh loop when this thread already
+    runs an event loop."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:

@@ -5,8 +5,16 @@ name a country's capital inside <answer> tags; rubric 1.0 x exact answer + 0.25 
 import verifiers as vf
 from datasets import Dataset
 
-ROWS = [("France", "Paris"), ("Japan", "Tokyo"), ("Italy", "Rome"), ("Peru", "Lima"),
-        ("Egypt", "Cairo"), ("Chile", "Santiago"), ("Kenya", "Nairobi"), ("Spain", "Madrid")]
+ROWS = [
+    ("France", "Paris"),
+    ("Japan", "Tokyo"),
+    ("Italy", "Rome"),
+    ("Peru", "Lima"),
+    ("Egypt", "Cairo"),
+    ("Chile", "Santiago"),
+    ("Kenya", "Nairobi"),
+    ("Spain", "Madrid"),
+]
 PARSER = vf.XMLParser(fields=["answer"], answer_field="answer")
 
 
@@ -22,5 +30,4 @@ def brevity(completion, **kwargs) -> float:
 def load_environment(n: int = 8) -> vf.Environment:
     data = Dataset.from_list([{"question": f"What is the capital of {c}?", "answer": a} for c, a in ROWS[:n]])
     rubric = vf.Rubric(funcs=[exact_answer, brevity], weights=[1.0, 0.25], parser=PARSER)
-    return vf.SingleTurnEnv(dataset=data, system_prompt="Reply as <answer>CITY</answer>.", parser=PARSER,
-                            rubric=rubric)
+    return vf.SingleTurnEnv(dataset=data, system_prompt="Reply as <answer>CITY</answer>.", parser=PARSER, rubric=rubric)

@@ -39,6 +39,7 @@ def found_fast(state, **kwargs) -> float:
 
 
 def load_environment(max_turns: int = 4) -> vf.Environment:
-    data = Dataset.from_list([{"question": "I think of a number from 1 to 9. Guess it.", "answer": str(s)}
-                              for s in (3, 7, 5, 2)])
+    data = Dataset.from_list(
+        [{"question": "I think of a number from 1 to 9. Guess it.", "answer": str(s)} for s in (3, 7, 5, 2)]
+    )
     return HotCold(dataset=data, rubric=vf.Rubric(funcs=[found_fast]), max_turns=max_turns)

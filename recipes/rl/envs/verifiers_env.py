@@ -95,12 +95,9 @@ def _bridge() -> Any:
 
 def _load(opts: VerifiersOptions) -> Any:
     try:
-        env = _bridge().load_verifiers_environment(opts.name, opts.env_args)
+        return _bridge().load_verifiers_environment(opts.name, opts.env_args, opts.max_turns)
     except (ImportError, ValueError, RuntimeError, TypeError, AttributeError, FileNotFoundError) as exc:
         raise ValueError(f"env_options.name: cannot load verifiers environment {opts.name!r}: {exc}") from exc
-    if opts.max_turns is not None and hasattr(env, "max_turns"):
-        env.max_turns = opts.max_turns
-    return env
 
 
 class VerifiersMember(Env):
