@@ -159,12 +159,14 @@ def run_coroutine(coro: Any) -> Any:
 
 def to_plain_messages(messages: Sequence[Any]) -> list[dict]:
     """verifiers messages (pydantic models or dicts) as this project's message dicts: ``role``,
-    ``content`` (text; text parts joined), ``tool_calls`` in the OpenAI form
+    ``content`` (text; text parts joined), ``reasoning_content``, ``tool_calls`` in the OpenAI form
     ``{"id", "type": "function", "function": {"name", "arguments"}}``, ``tool_call_id``."""
     out = []
     for m in messages:
         d = m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else dict(m)
         msg: dict[str, Any] = {"role": d["role"], "content": _text(d.get("content"))}
+        if isinstance(d.get("reasoning_content"), str):
+            msg["reasoning_content"] = d["reasoning_content"]
         if d.get("tool_calls"):
             msg["tool_calls"] = [
                 {
@@ -310,6 +312,7 @@ class TinkerSamplerClient(Client):
             ),
             message=ResponseMessage(
                 content=msg.get("content") or "",
+                reasoning_content=msg.get("reasoning_content"),
                 tool_calls=calls or None,
                 finish_reason="length" if truncated else ("tool_calls" if calls else "stop"),
                 is_truncated=truncated,
