@@ -107,6 +107,23 @@ def test_multi_turn_observations_hold_the_env_messages_and_extend(tokenizer_dirs
     assert datums[0].mask.sum() == sum(len(t.action_tokens) for t in group.trajectories_G[0].transitions)
 
 
+def test_tool_env_calls_run_and_results_come_back_in_the_observation(tokenizer_dirs):
+    tok = load_renderer("chatml", tokenizer_dirs["tiny"]).tokenizer
+    call = '<tool_call>\n{"name": "add_one", "arguments": {"x": 41}}\n</tool_call>'
+    builder = _builder(tokenizer_dirs, str(ENVS / "add_one_tools.py"), row=0, group_size=1)
+    group = run_group_rollout(ScriptedSampler(tok, [call + END, "It is 42." + END]), builder, seed=0, max_tokens=64)
+    ((first, second),) = [t.transitions for t in group.trajectories_G]
+    assert '"name": "add_one"' in tok.decode(first.observation, skip_special_tokens=False)  # the tool's schema
+    assert tok.decode(second.observation, skip_special_tokens=False).endswith(
+        f"{call}{END}\n<|im_start|>tool\n<tool_response>\n42\n</tool_response>{END}\n<|im_start|>assistant\n"
+    )
+    assert second.observation[: len(first.observation) + len(first.action_tokens)] == (
+        first.observation + first.action_tokens
+    )
+    assert (first.reward, second.reward) == (0.0, 1.0)
+    assert second.metrics["used_tool"] == 1.0 and second.metrics["add_one_calls"] == 1.0
+
+
 def test_max_turns_option_overrides_the_environment(tokenizer_dirs):
     tok = load_renderer("chatml", tokenizer_dirs["tiny"]).tokenizer
     builder = _builder(tokenizer_dirs, MULTI, row=0, group_size=1, max_turns=2)

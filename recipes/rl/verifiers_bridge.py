@@ -168,20 +168,25 @@ def to_plain_messages(messages: Sequence[Any]) -> list[dict]:
         if isinstance(d.get("reasoning_content"), str):
             msg["reasoning_content"] = d["reasoning_content"]
         if d.get("tool_calls"):
-            msg["tool_calls"] = [
-                {
-                    "id": c.get("id", ""),
-                    "type": "function",
-                    "function": {"name": c.get("name", ""), "arguments": c.get("arguments", "{}")},
-                }
-                if "function" not in c
-                else c
-                for c in d["tool_calls"]
-            ]
+            msg["tool_calls"] = [_openai_call(c) for c in d["tool_calls"]]
         if d.get("tool_call_id"):
             msg["tool_call_id"] = d["tool_call_id"]
         out.append(msg)
     return out
+
+
+def _openai_call(call: Any) -> dict:
+    """A verifiers tool call (``vf.ToolCall``, its dict, or its JSON as rollout outputs keep it) in
+    the OpenAI form."""
+    c = json.loads(call) if isinstance(call, str) else call
+    c = c.model_dump() if hasattr(c, "model_dump") else dict(c)
+    if "function" in c:
+        return c
+    return {
+        "id": c.get("id", ""),
+        "type": "function",
+        "function": {"name": c.get("name", ""), "arguments": c.get("arguments", "{}")},
+    }
 
 
 def _text(content: Any) -> str:
