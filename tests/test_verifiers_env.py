@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -131,6 +132,20 @@ def test_max_turns_option_overrides_the_environment(tokenizer_dirs):
     (traj,) = group.trajectories_G
     assert len(traj.transitions) == 2 and traj.transitions[-1].reward == 0.0
     assert traj.transitions[-1].logs["end"] == "max_turns_reached"
+
+
+def test_loading_leaves_signal_handlers_alone_and_works_off_the_main_thread():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from prefect_tinker.recipes.rl.verifiers_bridge import load_verifiers_environment
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    env = load_verifiers_environment(SINGLE, {"n": 2})
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+    with ThreadPoolExecutor(1) as pool:  # a rollout task's worker thread (Python allows signal() in the main one only)
+        other = pool.submit(load_verifiers_environment, SINGLE, {"n": 5}).result()
+    assert len(env.get_dataset()) == 2 and len(other.get_dataset()) == 5
+    assert load_verifiers_environment(SINGLE, {"n": 2}) is env  # once per process
 
 
 def test_bad_options_fail_before_the_run(tmp_path):

@@ -66,13 +66,12 @@ _envs: dict[tuple[str, str, int | None], Any] = {}
 
 
 @contextmanager
-def _signal_handlers_skipped_off_main_thread() -> Iterator[None]:
-    """verifiers' ``Environment.__init__`` installs SIGINT/SIGTERM handlers (a teardown on interrupt),
-    which Python allows in the main thread only; an environment built in a rollout task's worker
-    thread skips them (its ``atexit`` teardown stays). Only verifiers' own module sees the stand-in."""
-    if threading.current_thread() is threading.main_thread():
-        yield
-        return
+def _signal_handlers_skipped() -> Iterator[None]:
+    """verifiers' ``Environment.__init__`` installs process-wide SIGINT/SIGTERM handlers (its teardown,
+    then ``exit``), which Python allows in the main thread only and which would change how a run
+    process reacts to signals (a SIGTERM would leave it waiting on its rollout threads). Building an
+    environment under this context skips them; its ``atexit`` teardown stays. Only verifiers' own
+    module sees the stand-in (loads hold ``_load_lock``)."""
     real = vf_environment.signal
     vf_environment.signal = types.SimpleNamespace(
         signal=lambda *a, **k: None,
@@ -111,7 +110,7 @@ def load_verifiers_environment(name: str, env_args: dict[str, Any] | None = None
     with _load_lock:
         if key not in _envs:
             args = dict(env_args or {})
-            with _signal_handlers_skipped_off_main_thread():
+            with _signal_handlers_skipped():
                 env = _load_file(Path(name), args) if name.endswith(".py") else vf.load_environment(name, **args)
             if not isinstance(env, vf.Environment):
                 raise TypeError(f"load_environment of {name!r} returned {type(env).__name__}, not a vf.Environment")
