@@ -175,6 +175,7 @@ def test_example_config_runs_on_tiny_and_store_rewards_are_the_rubric(prefect_ap
             "run_name=vf",
             f"store={store}",
             "lora_rank=8",
+            "env_options.eval_examples=2",
             f"backend.local_root={local_credentials.local_root}",
         ]
     )
@@ -190,6 +191,20 @@ def test_example_config_runs_on_tiny_and_store_rewards_are_the_rubric(prefect_ap
         ]
     ) in (0, None)
     by = {(r["step"], r["name"]): r["value"] for r in json.loads(capsys.readouterr().out)}
+    capsys.readouterr()
+    assert cli_main(
+        [
+            "sql",
+            "--store",
+            str(store),
+            "--json",
+            "SELECT step, name, value FROM metrics WHERE run_id='vf' AND name LIKE 'test/verifiers/%'",
+        ]
+    ) in (0, None)
+    evals = {(r["step"], r["name"]): r["value"] for r in json.loads(capsys.readouterr().out)}
+    for step in (0, 2):  # the eval set (2 rows of the eval_dataset) at the start and the end
+        assert evals[(step, "test/verifiers/trajectories")] == 2.0 and evals[(step, "test/verifiers/errors")] == 0.0
+        assert 0.0 <= evals[(step, "test/verifiers/reward_mean")] <= 1.2
     for step in (0, 1):
         assert 0.0 <= by[(step, "env/exact_answer")] <= 1.0 and 0.0 <= by[(step, "env/tagged")] <= 1.0
         assert by[(step, "env/reward_mean")] == pytest.approx(
