@@ -94,8 +94,9 @@ def _bridge() -> Any:
 
 
 def _load(opts: VerifiersOptions) -> Any:
+    bridge = _bridge()
     try:
-        return _bridge().load_verifiers_environment(opts.name, opts.env_args, opts.max_turns)
+        return bridge.load_verifiers_environment(opts.name, opts.env_args, opts.max_turns)
     except (ImportError, ValueError, RuntimeError, TypeError, AttributeError, FileNotFoundError) as exc:
         raise ValueError(f"env_options.name: cannot load verifiers environment {opts.name!r}: {exc}") from exc
 
