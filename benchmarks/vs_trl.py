@@ -285,7 +285,12 @@ def _common_args(work: Path, steps: int, batch: int, checkpointing: bool = False
 
 def trl_run(kind: str, model, tok, data, steps: int, work: Path, group: int = 4, reply_tokens: int = 32,
             checkpointing: bool = False):
-    """One ``train()`` of ``steps`` steps; returns the StepTimer."""
+    """One ``train()`` of ``steps`` steps; returns the StepTimer.
+
+    SFT and DPO train on a dataset of exactly the batch's ``len(data)`` rows with batch size
+    ``len(data)``: the trainer's random sampler only reorders them, so every step sees the same
+    batch as the server (a dataset of ``data * steps`` would let the sampler draw a different mix,
+    with repeats, for each step: its first-step loss then is another batch's)."""
     from datasets import Dataset
 
     timer = StepTimer()
@@ -294,7 +299,7 @@ def trl_run(kind: str, model, tok, data, steps: int, work: Path, group: int = 4,
 
         args = SFTConfig(**_common_args(work, steps, len(data), checkpointing), max_length=None, packing=False)
         trainer = SFTTrainer(model=model, args=args, processing_class=tok, callbacks=[timer],
-                             train_dataset=Dataset.from_list([{"input_ids": s} for s in data] * steps))
+                             train_dataset=Dataset.from_list([{"input_ids": s} for s in data]))
     elif kind == "dpo":
         from trl import DPOConfig, DPOTrainer
 
@@ -302,7 +307,7 @@ def trl_run(kind: str, model, tok, data, steps: int, work: Path, group: int = 4,
                          precompute_ref_log_probs=True, max_length=None)
         rows = [{k: p[k] for k in ("prompt", "chosen", "rejected")} for p in data]
         trainer = DPOTrainer(model=model, args=args, processing_class=tok, callbacks=[timer],
-                             train_dataset=Dataset.from_list(rows * steps))
+                             train_dataset=Dataset.from_list(rows))
     else:
         from trl import GRPOConfig, GRPOTrainer
 
@@ -387,7 +392,9 @@ def main(argv: list[str] | None = None) -> dict:
                         first_trl = next((lg.get("reward") for lg in timer.logs if "reward" in lg), None)
             med_s, med_t = statistics.median(t_server), statistics.median(t_trl)
             res = {"server_s": t_server, "trl_s": t_trl, "median_server_s": med_s, "median_trl_s": med_t,
-                   "ratio": med_t / med_s, "first_server": first_server, "first_trl": first_trl}
+                   "ratio": med_t / med_s, "first_server": first_server, "first_trl": first_trl,
+                   "first_rel_diff": abs(first_server - first_trl) / abs(first_trl)
+                   if part != "grpo" and first_trl else None}
             if part == "sft":
                 tokens = sum(len(s) for s in data["sft"])
                 res.update(tokens=tokens, padded_slots=len(data["sft"]) * max(len(s) for s in data["sft"]),
@@ -395,7 +402,8 @@ def main(argv: list[str] | None = None) -> dict:
             report["parts"][part] = res
             what = {"sft": "loss/token", "dpo": "dpo loss", "grpo": "mean reward"}[part]
             print(f"{part}: server {med_s:.2f} s/step, TRL {med_t:.2f} s/step, ratio (TRL/server) {res['ratio']:.2f}; "
-                  f"first step {what}: server {first_server:.6f}, TRL {first_trl}"
+                  f"first step {what}: server {first_server:.7f}, TRL {first_trl}"
+                  + (f" (relative difference {res['first_rel_diff']:.1e})" if res["first_rel_diff"] is not None else "")
                   + (f"; tokens/s server {res['tokens_per_s_server']:.0f}, TRL {res['tokens_per_s_trl']:.0f} "
                      f"({res['tokens']} tokens, {res['padded_slots']} padded slots)" if part == "sft" else ""),
                   flush=True)
