@@ -73,7 +73,7 @@ class ServerProcess:
                  str(port), "--root", str(root), "--threads", str(threads), "--dtype", dtype,
                  "--log-level", log_level, *(extra or [])], stdout=f, stderr=subprocess.STDOUT, env=env)
         self.pid = self.proc.pid
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 900  # a loaded shared machine: model loading can take minutes
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited:\n{self.log.read_text()}")
@@ -83,7 +83,7 @@ class ServerProcess:
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"server not healthy after 300 s:\n{self.log.read_text()}")
+                raise RuntimeError(f"server not healthy after 900 s:\n{self.log.read_text()}")
             time.sleep(0.2)
 
     def stop(self) -> None:
