@@ -48,9 +48,19 @@ SHORT: dict[tuple[str, str], list[str]] = {
     ("rl", "rubric"): [*RL_SHORT, "env_options.judge_max_tokens=8"],
     ("rl", "tictactoe"): RL_SHORT,
     ("rl", "twenty_questions"): [*RL_SHORT, "env_options.max_turns=2"],
-    ("rlhf", "hh"): ["sft.max_steps=1", "sft.save_every=0", "rm.max_steps=1", "rm.test_size=2", "rm.max_length=128",
-                     "rm.save_every=0", "rl.max_steps=1", "rl.group_size=2", "rl.groups_per_batch=1", "rl.max_tokens=8",
-                     "rl.save_every=0"],
+    ("rlhf", "hh"): [
+        "sft.max_steps=1",
+        "sft.save_every=0",
+        "rm.max_steps=1",
+        "rm.test_size=2",
+        "rm.max_length=128",
+        "rm.save_every=0",
+        "rl.max_steps=1",
+        "rl.group_size=2",
+        "rl.groups_per_batch=1",
+        "rl.max_tokens=8",
+        "rl.save_every=0",
+    ],
     ("sft", "calculator_warmup"): ["max_steps=1", "test_size=2", "num_eval_samples=0", "save_every=0"],
     ("sft", "tiny"): ["max_steps=1", "num_eval_samples=0", "save_every=0"],
 }
@@ -66,8 +76,19 @@ def _sql(capsys, store: Path, query: str) -> list[dict]:
 def example_store(prefect_api, local_credentials, tmp_path_factory):
     """A store holding run ``sft-teacher`` (one step of ``sft --example tiny``)."""
     store = tmp_path_factory.mktemp("examples") / "store"
-    rc = cli_main(["run", "sft", "--example", "tiny", *SHORT["sft", "tiny"], f"run_name={TEACHER}", f"store={store}",
-                   f"backend.local_root={local_credentials.local_root}", "--quiet"])
+    rc = cli_main(
+        [
+            "run",
+            "sft",
+            "--example",
+            "tiny",
+            *SHORT["sft", "tiny"],
+            f"run_name={TEACHER}",
+            f"store={store}",
+            f"backend.local_root={local_credentials.local_root}",
+            "--quiet",
+        ]
+    )
     assert rc == 0
     return store
 
@@ -82,8 +103,15 @@ def test_example_runs_in_short_mode(recipe, example, example_store, local_creden
     for relative in re.findall(r"\.\./shared/data/(\S+)", text):
         shared_file(relative)  # skips when the shared data is absent
     run = f"ex-{recipe}-{example}".replace("_", "-")
-    args = ["run", recipe, "--example", example, *SHORT[recipe, example], "--quiet",
-            f"backend.local_root={local_credentials.local_root}"]
+    args = [
+        "run",
+        recipe,
+        "--example",
+        example,
+        *SHORT[recipe, example],
+        "--quiet",
+        f"backend.local_root={local_credentials.local_root}",
+    ]
     if recipe == "export":  # no store, no run name: a checkpoint in, files out
         state = TrainingStore(root=str(example_store)).last_checkpoint(TEACHER, kind="state")
         args += [f"checkpoint={state['path']}", f"out={tmp_path / 'out'}"]
@@ -93,19 +121,30 @@ def test_example_runs_in_short_mode(recipe, example, example_store, local_creden
         args.append(f"dataset={shared_file('math/gsm8k_train.jsonl')}")
     if (recipe, example) == ("eval", "suite"):  # the suite's benchmarks on local files (tests are offline)
         math = tmp_path / "math.jsonl"
-        math.write_text("".join(json.dumps({"problem": f"What is {a} + {a}?", "answer": str(2 * a)}) + "\n"
-                                for a in range(3)))
+        math.write_text(
+            "".join(json.dumps({"problem": f"What is {a} + {a}?", "answer": str(2 * a)}) + "\n" for a in range(3))
+        )
         gsm8k = shared_file("math/gsm8k_test.jsonl")
-        args.append("benchmarks=" + json.dumps([{"benchmark": "gsm8k", "dataset": str(gsm8k)},
-                                                 {"benchmark": "math", "dataset": str(math)},
-                                                 {"benchmark": "arithmetic"}]))
+        args.append(
+            "benchmarks="
+            + json.dumps(
+                [
+                    {"benchmark": "gsm8k", "dataset": str(gsm8k)},
+                    {"benchmark": "math", "dataset": str(math)},
+                    {"benchmark": "arithmetic"},
+                ]
+            )
+        )
 
     assert cli_main(args) == 0, f"{recipe}/{example} failed"
     if recipe == "export":
         assert any((tmp_path / "out").rglob("*.safetensors")), "the export wrote no weights"
-    elif recipe == "eval":
-        rows = _sql(capsys, example_store, f"SELECT DISTINCT eval_name FROM eval_results WHERE run_id = '{run}'")
-        assert len(rows) == (3 if example == "suite" else 1)
+    elif recipe == "eval":  # results are filed under the evaluated run (the base model's: the eval's own name)
+        evaluated = TEACHER if example == "suite" else run
+        rows = _sql(capsys, example_store, f"SELECT DISTINCT eval_name FROM eval_results WHERE run_id = '{evaluated}'")
+        assert {r["eval_name"] for r in rows} == (
+            {"gsm8k", "math", "arithmetic"} if example == "suite" else {"arithmetic"}
+        )
     else:
         (row,) = _sql(capsys, example_store, f"SELECT count(*) AS n FROM metrics WHERE run_id LIKE '{run}%'")
         assert row["n"] > 0, f"{recipe}/{example} wrote no metrics"
