@@ -58,9 +58,9 @@ def arithmetic_partial_credit(response: str, answer: int) -> float:
     ``brevity = min(1, len(str(answer)) / n_chars)`` (a length penalty: 1 for a reply no longer than
     the answer, 0 for an empty one), ``digit_share`` is the fraction of them that are digits and
     ``closeness = 1 / (1 + |n - answer|)`` for the reply's first integer ``n`` (0 when it has none).
-    A reply ``"12"`` to ``answer=10`` scores ``0.1 + 0.2 + 0.2 / 3``. The terms form a curriculum
-    for a model that emits random tokens: shorter tokens first (every reply differs in length, so
-    every group has a learning signal), then digits, then numbers nearer the sum.
+    A reply ``"12"`` to ``answer=10`` scores ``0.1 + 0.2 + 0.2 / 3``. Every reply of a model that
+    emits random tokens differs in length, so every group gets a learning signal; on the random
+    ``tiny`` preset that did not yet make the reward rise within 7 steps (docs/training.md).
     """
     chars = [c for c in response if not c.isspace()]
     if not chars:
@@ -121,8 +121,8 @@ class ArithmeticOptions(BaseModel):
     reward: Literal["exact", "partial"] = Field(
         default="exact",
         description="exact: 1 for the right integer, else 0 (minus format_coef when malformed); partial: a wrong "
-        "reply also earns up to 0.5 for its brevity, share of digits and closeness to the sum (learnable from a "
-        "random model).",
+        "reply also earns up to 0.5 for its brevity, share of digits and closeness to the sum (rewards that differ "
+        "within a group even when no reply is right).",
     )
 
 
