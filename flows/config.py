@@ -56,6 +56,15 @@ class BackendConfig(BaseModel):
         """Whether this is the embedded local server (no block, no URL)."""
         return not self.credentials_block and not self.base_url
 
+    def inspect_args(self) -> dict[str, Any]:
+        """Provider args of the inspect ``tinker`` model for this backend (no secrets: a remote
+        server's key comes from ``TINKER_API_KEY`` or the credentials block)."""
+        if self.credentials_block:
+            return {"credentials_block": self.credentials_block}
+        if self.base_url:
+            return {"base_url": self.base_url}
+        return {"local_root": self.local_root} if self.local_root else {}
+
 
 class AdamConfig(BaseModel):
     """``tinker.AdamParams`` besides the learning rate (Tinker's defaults, not torch's)."""
@@ -197,13 +206,24 @@ class RecipeConfig(LRScheduleFields):
         """Prefix of the default run name (``<prefix>-<timestamp>``): the model name by default."""
         return self.model.replace("/", "-")
 
+    def check_model(self) -> str:
+        """The base model name to hand to the backend: for the embedded local server the name
+        checked against what it can serve (an existing model directory becomes its absolute path,
+        see :func:`~tinker_blocks.model_names.check_model_name`); other backends decide
+        themselves (``model`` unchanged). Part of the run's preflight (reads the local root).
+
+        Raises:
+            UnknownModelName: one line naming the model and what the local server accepts.
+        """
+        if not self.backend.is_local():
+            return self.model
+        from tinker_blocks.credentials import default_local_root
+        from tinker_blocks.model_names import check_model_name
+
+        return check_model_name(self.model, self.backend.local_root or default_local_root())
+
     @model_validator(mode="after")
     def _default_run_name(self) -> RecipeConfig:
-        if self.backend.is_local():  # the embedded server can tell a model it cannot serve, now
-            from tinker_blocks.credentials import default_local_root
-            from tinker_blocks.model_names import check_model_name
-
-            self.model = check_model_name(self.model, self.backend.local_root or default_local_root())
         if self.run_name is None:  # stable across retries of a deployment's flow run (resumes)
             self.run_name = default_run_name(self.run_name_prefix(), self)
         return self

@@ -27,12 +27,15 @@ import numpy as np
 import tinker
 from prefect.utilities.annotations import quote
 
+from prefect_tinker.flows.distill_config import DistillConfig
 from prefect_tinker.flows.rl import RLLoop
+from prefect_tinker.flows.session import RunSession
 from prefect_tinker.recipes.distill.align import Alignment, align_completion, gather_teacher
 from prefect_tinker.recipes.distill.prompts import PromptRecord, TeacherView
 from prefect_tinker.recipes.distill.targets import ReverseKLLoss, SoftTargets, kl_advantages, soft_targets
+from prefect_tinker.recipes.renderers.base import Renderer
 from prefect_tinker.recipes.rl.advantages import RLDatum, compute_advantages, trajectory_to_datums
-from prefect_tinker.recipes.rl.types import TrajectoryGroup
+from prefect_tinker.recipes.rl.types import RLDataset, TrajectoryGroup
 from prefect_tinker.tasks.teacher import teacher_logprobs, teacher_topk
 from prefect_tinker.tasks.training import custom_step, model_input_tokens, train_step
 
@@ -93,7 +96,13 @@ class DistillLoop(RLLoop):
         student_renderer: the run's renderer object (its name is ``session.renderer``).
     """
 
-    def __init__(self, session: Any, dataset: Any, teachers: list[Teacher], student_renderer: Any):
+    def __init__(
+        self,
+        session: RunSession[DistillConfig],
+        dataset: RLDataset,
+        teachers: list[Teacher],
+        student_renderer: Renderer,
+    ):
         super().__init__(session, dataset, reference="")
         self.teachers, self.student_renderer = teachers, student_renderer
         self.kl: list[tuple[int, float]] = []

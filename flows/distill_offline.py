@@ -24,7 +24,7 @@ teacher's entropy) and ``train/teacher_entropy``.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect import get_run_logger
 from prefect.utilities.annotations import quote
@@ -47,6 +47,9 @@ from prefect_tinker.tasks.distill_eval import TeacherAgreementEvaluator
 from prefect_tinker.tasks.evaluators import NLLEvaluator
 from prefect_tinker.tasks.teacher import TeacherSamples, read_samples, teacher_asset, teacher_samples, teacher_topk
 from prefect_tinker.tasks.training import model_input_tokens, train_step
+
+if TYPE_CHECKING:
+    from tinker_blocks.credentials import TinkerCredentials
 
 __all__ = ["run_offline"]
 
@@ -102,8 +105,9 @@ def _labels(uri: str, records: list[PromptRecord]) -> list[str]:
     return [by_id[r.id] for r in records]
 
 
-def run_offline(config: DistillConfig, teachers: list[Teacher]) -> dict[str, Any]:
-    """Run ``mode=off_policy`` or ``mode=prompt`` (see the module docstring); returns the summary."""
+def run_offline(config: DistillConfig, teachers: list[Teacher], credentials: TinkerCredentials) -> dict[str, Any]:
+    """Run ``mode=off_policy`` or ``mode=prompt`` (see the module docstring) with the student's
+    backend ``credentials`` (resolved once, by the flow); returns the summary."""
     log = get_run_logger()
     (teacher,) = teachers
     sources = prompt_sources(config.model_copy(update={"env_options": config.prompt_env_options()}))
@@ -154,7 +158,7 @@ def run_offline(config: DistillConfig, teachers: list[Teacher]) -> dict[str, Any
         return SoftTargetBuilder(**kw) if config.soft_targets else SupervisedBuilder(**kw)
 
     extra = [samples.uri] if samples else []
-    with RunSession(config, builder=builder, upstream=[*upstream, *extra]) as session:
+    with RunSession(config, builder=builder, credentials=credentials, upstream=[*upstream, *extra]) as session:
         data = prepare_dataset(session.builder, session.tokenizer_id)
         from prefect_tinker.recipes.renderers import get_renderer
 

@@ -180,7 +180,7 @@ def dpo_flow(config: DPOConfig) -> dict[str, Any]:
             n = float(model_input_tokens(datums))  # forward_backward_custom: a forward, then the training pass
             return {**{f"train/{k}": v for k, v in m.items()}, "tokens/trained": n, "tokens/prefill_uncached": n}
 
-        StepLoop(session, total, evaluators=[*evaluators, *benchmark_evaluators(session)]).run(one_step)
+        StepLoop(session, total, evaluators=[*evaluators, *benchmark_evaluators(session.context)]).run(one_step)
         (first_loss, last_loss), (first_acc, last_acc) = (
             session.metric_ends("train/dpo_loss"),
             session.metric_ends("test/accuracy"),

@@ -33,7 +33,6 @@ from prefect_tinker.tasks.eval_tasks import (
     EvalTarget,
     evaluate_benchmark,
     evaluate_inspect,
-    inspect_backend_args,
     sampler_from_state,
 )
 from prefect_tinker.tasks.records import check_store, record_checkpoint
@@ -162,7 +161,7 @@ def eval_flow(config: EvalConfig) -> dict[str, Any]:
         len(specs),
         ", ".join(t.label for t in targets),
     )
-    extra, backend_args = {"eval_run": config.run_name}, inspect_backend_args(config.backend)
+    extra, backend_args = {"eval_run": config.run_name}, config.backend.inspect_args()
     outcomes, failures, cached = [], [], 0
     for target in targets:
         for spec in specs:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -55,8 +56,8 @@ from prefect_tinker.recipes.rl.advantages import (
     rollout_metrics,
     sample_train_kl,
 )
-from prefect_tinker.recipes.rl.envs import build_rl_dataset
-from prefect_tinker.recipes.rl.types import TrajectoryGroup
+from prefect_tinker.recipes.rl.envs import get_env
+from prefect_tinker.recipes.rl.types import RLDataset, TrajectoryGroup
 from prefect_tinker.tasks.benchmark_evaluator import benchmark_evaluators
 from prefect_tinker.tasks.clients import tokenizer
 from prefect_tinker.tasks.rollout_eval import session_env_evaluators
@@ -81,7 +82,7 @@ class RLLoop:
             ``trained``), reported and reset by :meth:`step_metrics`.
     """
 
-    def __init__(self, session: RunSession, dataset: Any, reference: str):
+    def __init__(self, session: RunSession[RLConfig], dataset: RLDataset, reference: str):
         self.session, self.config, self.dataset, self.reference = session, session.config, dataset, reference
         self.tokenizer = tokenizer(session.tokenizer_id)
         self.sampler_path = session.sampler_at(session.step)
@@ -296,7 +297,9 @@ class RLLoop:
 def rl_flow(config: RLConfig) -> dict[str, Any]:
     """Train ``config.model`` with RL on ``config.env``; returns a summary (steps, mean reward of
     the first and last steps of this invocation, checkpoints, store)."""
-    with RunSession(config, fingerprint=config.data_fingerprint, preflight=config.preflight) as session:
+    with RunSession(
+        config, fingerprint=config.data_fingerprint, preflight=config.preflight, env=config.env_context
+    ) as session:
         last = session.resumed_from
         if last and last["step"] % config.num_substeps:
             raise ValueError(
@@ -305,15 +308,10 @@ def rl_flow(config: RLConfig) -> dict[str, Any]:
             )
         if session.step not in session.samplers:
             session.save_sampler(record=True)
-        reference = config.kl_reference or session.samplers.get(0) or f"base:{config.model}"
-        dataset = build_rl_dataset(
-            config,
-            renderer_name=session.renderer,
-            tokenizer_id=session.tokenizer_id,
-            group_size=config.group_size,
-            groups_per_batch=config.groups_per_batch,
-            seed=config.seed,
-        )
+        reference = config.kl_reference or session.samplers.get(0) or f"base:{session.model}"
+        ctx = session.context
+        assert ctx.env is not None  # the session was given the env context
+        dataset = get_env(config.env).build(config, ctx.env)
         loop = RLLoop(session, dataset, reference)
         schedule = SCHEDULES[config.schedule](loop)
         t0 = time.perf_counter()
@@ -323,7 +321,10 @@ def rl_flow(config: RLConfig) -> dict[str, Any]:
                 loop.total,
                 step_size=loop.k,
                 on_rewind=schedule.rewind,
-                evaluators=[*benchmark_evaluators(session), *session_env_evaluators(session)],
+                evaluators=[
+                    *benchmark_evaluators(ctx),
+                    *session_env_evaluators(config, replace(ctx.env, initial_sampler=session.samplers.get(0))),
+                ],
             ).run(schedule.step)
         finally:
             schedule.close()

@@ -126,7 +126,7 @@ def sft_flow(config: SFTConfig) -> dict[str, Any]:
         evaluators = [
             *([NLLEvaluator(test)] if test else []),
             *data_evaluators(session.builder, data, session.tokenizer_id),
-            *benchmark_evaluators(session),
+            *benchmark_evaluators(session.context),
         ]
         StepLoop(session, total, evaluators=evaluators).run(one_step)
         with phase(session.run_id, f"final sampling ({min(config.num_eval_samples, len(data.test))} prompts)"):
