@@ -44,12 +44,18 @@ class BackendConfig(BaseModel):
     local_sampler_workers: int = Field(
         default=0,
         ge=0,
-        description="Embedded local server: sampling worker processes beside the trainer (tinker_local --sampler-workers), so streaming/async RL overlap rollouts with training.",
+        description=(
+            "Embedded local server: sampling worker processes beside the trainer (tinker_local --sampler-workers), so "
+            "streaming/async RL overlap rollouts with training."
+        ),
     )
     request_deadline_s: float = Field(
         default=1800.0,
         gt=0,
-        description="Longest wait for one request's result (seconds); a dead server is noticed sooner (its process and port are checked while waiting).",
+        description=(
+            "Longest wait for one request's result (seconds); a dead server is noticed sooner (its process and port "
+            "are checked while waiting)."
+        ),
     )
 
     def is_local(self) -> bool:
@@ -176,21 +182,30 @@ class RecipeConfig(LRScheduleFields):
     eval_every: int = Field(default=10, ge=0, description="Evaluators every n steps (0 = start and end only).")
     load_checkpoint_path: str | None = Field(
         default=None,
-        description="Start from these weights (tinker://.../weights/..., e.g. an SFT checkpoint) with a fresh optimizer.",
+        description=(
+            "Start from these weights (tinker://.../weights/..., e.g. an SFT checkpoint) with a fresh optimizer."
+        ),
     )
     run_name: str | None = Field(
         default=None, description="Run id; re-running with the same name resumes after its last checkpoint."
     )
     store: str = Field(
         default_factory=default_store_root,
-        description="Training store root: a folder or s3://bucket/prefix; default $PREFECT_TINKER_STORE, else ~/.prefect-tinker/store (where prefect-tinker sql/runs look).",
+        description=(
+            "Training store root: a folder or s3://bucket/prefix; default $PREFECT_TINKER_STORE, else "
+            "~/.prefect-tinker/store (where prefect-tinker sql/runs look)."
+        ),
     )
     seed: int = Field(default=0, description="Seed of data order, splits, sampling and LoRA init.")
     adam: AdamConfig = Field(default_factory=AdamConfig)
     backend: BackendConfig = Field(default_factory=BackendConfig)
     evaluators: list[EvalSpec] = Field(
         default_factory=list,
-        description="Benchmarks run on the sampler weights at the start, every eval_every steps and at the end: built-in names (gsm8k), {benchmark: NAME, dataset: ..., limit: ...}, full benchmark specs or {kind: inspect, task: ..., name: ...}; results in the eval store and as eval/<name>/accuracy metrics.",
+        description=(
+            "Benchmarks run on the sampler weights at the start, every eval_every steps and at the end: built-in names"
+            " (gsm8k), {benchmark: NAME, dataset: ..., limit: ...}, full benchmark specs or {kind: inspect, task: ...,"
+            " name: ...}; results in the eval store and as eval/<name>/accuracy metrics."
+        ),
     )
     prices: dict[str, TokenPrices] = Field(
         default_factory=dict,
@@ -199,7 +214,10 @@ class RecipeConfig(LRScheduleFields):
     )
     allow_config_change: list[str] = Field(
         default_factory=list,
-        description="Fields allowed to differ from the stored run's config when resuming (e.g. [batch_size]); 'renderer' also allows starting from a checkpoint trained with another renderer.",
+        description=(
+            "Fields allowed to differ from the stored run's config when resuming (e.g. [batch_size]); 'renderer' also "
+            "allows starting from a checkpoint trained with another renderer."
+        ),
     )
 
     def run_name_prefix(self) -> str:

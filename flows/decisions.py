@@ -54,7 +54,10 @@ class DecisionsConfig(SourceFields, RecipeConfig):
 
     dataset: str | None = Field(
         default="builtin:sentiment_sentences",
-        description="Records: a JSONL file, dataset directory or Hugging Face id (default: 64 sentences labelled positive/negative).",
+        description=(
+            "Records: a JSONL file, dataset directory or Hugging Face id (default: 64 sentences labelled "
+            "positive/negative)."
+        ),
     )
     choices: list[str] = Field(
         default_factory=lambda: ["positive", "negative"],
@@ -65,7 +68,10 @@ class DecisionsConfig(SourceFields, RecipeConfig):
     label_field: str = Field(default="label", description="Record field holding a hard label (one of the choices).")
     probs_field: str = Field(
         default="probs",
-        description="Record field holding soft labels ({choice: p} or N probabilities); preferred over label_field when present.",
+        description=(
+            "Record field holding soft labels ({choice: p} or N probabilities); preferred over label_field when "
+            "present."
+        ),
     )
     instruction: bool = Field(default=True, description="Append 'Answer with one of: ...' to the prompt.")
     batch_size: int = Field(default=8, ge=1, description="Examples per step.")

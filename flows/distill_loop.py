@@ -117,7 +117,7 @@ class DistillLoop(RLLoop):
         for g in groups:
             record = self.dataset.get_batch(g.batch_index)[g.group_index].record
             adv = compute_advantages(g.total_rewards(), c.normalize_advantages_std)
-            for i, (traj, a) in enumerate(zip(g.trajectories_G, adv)):
+            for i, (traj, a) in enumerate(zip(g.trajectories_G, adv, strict=True)):
                 ds = trajectory_to_datums(traj, float(a), g.group_index, i)
                 if len(ds) != 1 or len(traj.transitions) != 1:
                     raise ValueError(
@@ -143,7 +143,7 @@ class DistillLoop(RLLoop):
                 teacher.credentials, teacher.weights, quote([al.teacher_tokens for _, al in pairs])
             )
             t_kl = t_n = 0.0
-            for (d, al), lp in zip(pairs, lps):
+            for (d, al), lp in zip(pairs, lps, strict=True):
                 values, aligned = gather_teacher(al, lp, len(d.mask))
                 mask = aligned * d.mask
                 adv, kl = kl_advantages(
@@ -182,7 +182,7 @@ class DistillLoop(RLLoop):
             topk = teacher_topk.with_options(task_run_name=f"teacher-topk-step-{step}-t{ti}")(
                 teacher.credentials, teacher.weights, quote([al.teacher_tokens for _, al, _ in rows]), c.topk
             )
-            for (tokens, al, s0), (ids, lps) in zip(rows, topk):
+            for (tokens, al, s0), (ids, lps) in zip(rows, topk, strict=True):
                 pairs = [(s, t) for s, t in al.one_to_one() if s - s0 >= c.skip_first_tokens]
                 st = soft_targets(
                     ids,

@@ -279,7 +279,7 @@ def _soft_batch(
         teacher.credentials, teacher.weights, quote([al.teacher_tokens for al in aligned]), config.topk
     )
     datums, positions, entropy = [], 0, 0.0
-    for ex, al, (ids, lps) in zip(batch, aligned, rows):
+    for ex, al, (ids, lps) in zip(batch, aligned, rows, strict=True):
         st = soft_targets(
             ids,
             lps,

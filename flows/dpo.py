@@ -61,7 +61,10 @@ class DPOConfig(SourceFields, RecipeConfig):
 
     dataset: str | None = Field(
         default="builtin:example_prefs",
-        description="Comparisons: a JSONL file, dataset directory, Hugging Face id, or builtin:example_prefs (40 bundled comparisons).",
+        description=(
+            "Comparisons: a JSONL file, dataset directory, Hugging Face id, or builtin:example_prefs (40 bundled "
+            "comparisons)."
+        ),
     )
     format: str = Field(
         default="preference",
@@ -73,7 +76,9 @@ class DPOConfig(SourceFields, RecipeConfig):
     test_size: float = Field(
         default=0.1,
         ge=0,
-        description="Held-out comparisons: a count (>=1) or a fraction (<1, at most max_test pairs), split with `seed`.",
+        description=(
+            "Held-out comparisons: a count (>=1) or a fraction (<1, at most max_test pairs), split with `seed`."
+        ),
     )
     max_test: int = Field(
         default=64,
@@ -93,7 +98,9 @@ class DPOConfig(SourceFields, RecipeConfig):
     )
     reference_via: Literal["trainer", "sampler"] = Field(
         default="trainer",
-        description="Reference logprobs from a frozen training client (same numerics as the policy) or a sampling client.",
+        description=(
+            "Reference logprobs from a frozen training client (same numerics as the policy) or a sampling client."
+        ),
     )
 
     @model_validator(mode="after")

@@ -249,7 +249,7 @@ class RLLoop:
         n, out = self.config.log_trajectories, []
         for g in groups:
             adv = self.estimator(g.total_rewards())
-            for i, (traj, reward) in enumerate(zip(g.trajectories_G, g.total_rewards())):
+            for i, (traj, reward) in enumerate(zip(g.trajectories_G, g.total_rewards(), strict=True)):
                 if len(out) >= n:
                     return out
                 first = traj.transitions[0]

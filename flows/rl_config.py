@@ -66,7 +66,8 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
     loss_fn: str = Field(
         default="importance_sampling",
         description=(
-            "Policy-gradient loss, a registered RL loss: importance_sampling, ppo, cispo, gspo, dro, stable_reinforce (plugins add more)."
+            "Policy-gradient loss, a registered RL loss: importance_sampling, ppo, cispo, gspo, dro, "
+            "stable_reinforce (plugins add more)."
         ),
     )
     loss_options: dict[str, Any] = Field(default_factory=dict, description="Options of the loss (its own fields).")
@@ -128,7 +129,8 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
         ADVANTAGE_ESTIMATORS.get_or_raise(self.advantage_estimator)
         if self.clip_low_threshold >= self.clip_high_threshold:
             raise ValueError(
-                f"clip_low_threshold ({self.clip_low_threshold}) must be below clip_high_threshold ({self.clip_high_threshold})"
+                f"clip_low_threshold ({self.clip_low_threshold}) must be below "
+                f"clip_high_threshold ({self.clip_high_threshold})"
             )
         if self.num_substeps > self.groups_per_batch:
             raise ValueError(

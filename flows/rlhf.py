@@ -69,7 +69,10 @@ class RLHFConfig(BaseModel):
     seed: int = Field(default=0, description="Seed of every stage.")
     run_name: str | None = Field(
         default=None,
-        description="Pipeline run id; the stages are <run_name>-sft, -rm and -rl. Re-running with the same name skips completed stages and resumes the others.",
+        description=(
+            "Pipeline run id; the stages are <run_name>-sft, -rm and -rl. Re-running with the same name skips "
+            "completed stages and resumes the others."
+        ),
     )
     store: str = Field(
         default_factory=default_store_root,

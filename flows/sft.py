@@ -56,7 +56,10 @@ class SFTConfig(SourceFields, RecipeConfig):
 
     dataset: str | None = Field(
         default=EXAMPLE_CHATS,
-        description="JSONL file of {'messages': [...]} (or another format), a dataset directory, 'builtin:example_chat' or a Hugging Face dataset id.",
+        description=(
+            "JSONL file of {'messages': [...]} (or another format), a dataset directory, 'builtin:example_chat' or a "
+            "Hugging Face dataset id."
+        ),
     )
     messages_field: str = Field(default="messages", description="Field holding the message list (format=messages).")
     train_on_what: str = Field(default="all_assistant_messages", description="Which tokens get loss weight.")
@@ -147,7 +150,7 @@ def _sample(session: RunSession, data: SupervisedData, config: SFTConfig) -> lis
     for ex in data.test[: config.num_eval_samples]:
         first = next(i for i, w in enumerate(ex.weights) if w > 0)
         prompts.append(ex.sequence()[:first])  # images / audio kept
-        references.append(tok.decode([t for t, w in zip(ex.tokens, ex.weights) if w > 0]))
+        references.append(tok.decode([t for t, w in zip(ex.tokens, ex.weights, strict=True) if w > 0]))
     outs = sample_completions(
         session.credentials,
         sampler_path,
@@ -159,7 +162,7 @@ def _sample(session: RunSession, data: SupervisedData, config: SFTConfig) -> lis
     )
     return [
         {"prompt": tok.decode(p), "completion": tok.decode(o[0]["tokens"]), "reference": r}
-        for p, o, r in zip(prompts, outs, references)
+        for p, o, r in zip(prompts, outs, references, strict=True)
     ]
 
 

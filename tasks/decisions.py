@@ -77,9 +77,9 @@ def plot_reliability(bins: list[dict[str, float]], title: str) -> bytes:
     acc = [0.0 if not b["count"] else b["accuracy"] for b in bins]
     top.bar(centers, acc, width=width * 0.9, color="tab:blue", label="accuracy")
     top.plot([0, 1], [0, 1], "k--", lw=1, label="perfect calibration")
-    conf = [(c, b["confidence"]) for c, b in zip(centers, bins) if b["count"]]
+    conf = [(c, b["confidence"]) for c, b in zip(centers, bins, strict=True) if b["count"]]
     if conf:
-        top.plot(*zip(*conf), "o", color="tab:orange", label="mean confidence")
+        top.plot(*zip(*conf, strict=True), "o", color="tab:orange", label="mean confidence")
     top.set(ylim=(0, 1), ylabel="accuracy", title=title)
     top.legend(loc="upper left", fontsize=8)
     bottom.bar(centers, [b["count"] for b in bins], width=width * 0.9, color="tab:gray")

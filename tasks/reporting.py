@@ -138,7 +138,7 @@ def plot_curves(series: dict[str, tuple[list[int], list[float]]], title: str) ->
     n = len(series)
     fig = Figure(figsize=(3.2 * n, 2.6), dpi=80, layout="constrained")
     axes = fig.subplots(1, n, squeeze=False)[0]
-    for ax, (name, (steps, values)) in zip(axes, series.items()):
+    for ax, (name, (steps, values)) in zip(axes, series.items(), strict=True):
         ax.plot(steps, values, marker="o" if len(steps) <= 30 else None, markersize=3, linewidth=1.5)
         ax.set_title(name, fontsize=10)
         ax.set_xlabel("step", fontsize=9)

@@ -191,8 +191,10 @@ class RewardModelEvaluator(SamplingClientEvaluator):
         flat = [c for cmp in self.comparisons for c in (cmp.chosen_b, cmp.chosen_a)]
         lps = label_logprobs.with_options(task_run_name=f"rm-eval-step-{step}")(credentials, sampler_path, quote(flat))
         fwd, bwd = lps[0::2], lps[1::2]  # chosen as B, chosen as A
-        p = np.array([debiased_prob(f, b) for f, b in zip(fwd, bwd)])
-        prob_a = np.array([0.5 * ((1 - prob_second(*f)) + (1 - prob_second(*b))) for f, b in zip(fwd, bwd)])
+        p = np.array([debiased_prob(f, b) for f, b in zip(fwd, bwd, strict=True)])
+        prob_a = np.array(
+            [0.5 * ((1 - prob_second(*f)) + (1 - prob_second(*b))) for f, b in zip(fwd, bwd, strict=True)]
+        )
         return p, prob_a
 
     def evaluate(self, credentials: Any, sampler_path: str, step: int) -> dict[str, float]:
@@ -279,7 +281,7 @@ class WinRateEvaluator(SamplingClientEvaluator):
                 render_comparison(rend, p, ref, pol, self.fmt, labels),
                 render_comparison(rend, p, pol, ref, self.fmt, labels),
             )
-            for p, (pol, _), (ref, _) in zip(self.prompts, ours, theirs)
+            for p, (pol, _), (ref, _) in zip(self.prompts, ours, theirs, strict=True)
         ]
         wins = np.array(pair_preferences(credentials, self.reward_model, pairs, task_run_name=f"win-rate-step-{step}"))
         n, pre = len(wins), self.prefix

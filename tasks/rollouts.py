@@ -274,7 +274,7 @@ def _run_members(
     for k, members in enumerate(shared.values()):
         ob, stop = obs[members[0]]
         outs = _sample(sampler, list(ob), len(members), stop, seed + k, max_tokens, temperature, usage)
-        for i, out in zip(members, outs):
+        for i, out in zip(members, outs, strict=True):
             firsts[i] = out
     trajs: list[Trajectory] = []
     errors, messages = 0, []

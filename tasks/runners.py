@@ -52,12 +52,18 @@ class TaskRunnerFields(BaseModel):
     )
     task_runner_address: str | None = Field(
         default=None,
-        description="ray: cluster address (127.0.0.1:6379, ray://head:10001, auto); dask: scheduler address (tcp://host:8786); empty: start a local cluster in this process.",
+        description=(
+            "ray: cluster address (127.0.0.1:6379, ray://head:10001, auto); dask: scheduler address (tcp://host:8786);"
+            " empty: start a local cluster in this process."
+        ),
     )
     task_runner_workers: int | None = Field(
         default=None,
         ge=1,
-        description="Local cluster size when no address is given (ray: CPUs, dask: worker processes; default 2); thread: the flow's pool is used as is.",
+        description=(
+            "Local cluster size when no address is given (ray: CPUs, dask: worker processes; default 2); thread: the "
+            "flow's pool is used as is."
+        ),
     )
 
 
