@@ -25,7 +25,6 @@ import time
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.utilities.annotations import quote
 
 from prefect_tinker.flows.config import resolve_credentials
 from prefect_tinker.flows.distill_config import DistillConfig, TeacherSpec
@@ -33,6 +32,7 @@ from prefect_tinker.flows.distill_loop import DistillLoop, SDFTStep, Teacher
 from prefect_tinker.flows.loop import StepLoop
 from prefect_tinker.flows.session import RunSession
 from prefect_tinker.recipes.rl.envs import build_rl_dataset
+from prefect_tinker.tasks.policies import quote
 from prefect_tinker.tasks.teacher import check_teacher, teacher_asset, weights_tokenizer
 
 __all__ = ["DistillConfig", "TeacherSpec", "distill_flow", "open_teachers"]

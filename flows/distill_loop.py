@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 import tinker
-from prefect.utilities.annotations import quote
 
 from prefect_tinker.flows.distill_config import DistillConfig
 from prefect_tinker.flows.rl import RLLoop
@@ -35,7 +34,9 @@ from prefect_tinker.recipes.distill.prompts import PromptRecord, TeacherView
 from prefect_tinker.recipes.distill.targets import ReverseKLLoss, SoftTargets, kl_advantages, soft_targets
 from prefect_tinker.recipes.renderers.base import Renderer
 from prefect_tinker.recipes.rl.advantages import RLDatum, compute_advantages, trajectory_to_datums
+from prefect_tinker.recipes.rl.envs.prompts import PromptGroupBuilder
 from prefect_tinker.recipes.rl.types import RLDataset, TrajectoryGroup
+from prefect_tinker.tasks.policies import quote
 from prefect_tinker.tasks.teacher import teacher_logprobs, teacher_topk
 from prefect_tinker.tasks.training import custom_step, model_input_tokens, train_step
 
@@ -96,6 +97,8 @@ class DistillLoop(RLLoop):
         student_renderer: the run's renderer object (its name is ``session.renderer``).
     """
 
+    config: DistillConfig  # the session's config (a DistillConfig here)
+
     def __init__(
         self,
         session: RunSession[DistillConfig],
@@ -115,7 +118,10 @@ class DistillLoop(RLLoop):
         """``(record, transition, datum)`` of every single-turn trajectory with a completion."""
         c = self.config
         for g in groups:
-            record = self.dataset.get_batch(g.batch_index)[g.group_index].record
+            builder = self.dataset.get_batch(g.batch_index)[g.group_index]
+            if not isinstance(builder, PromptGroupBuilder):
+                raise TypeError(f"distillation rolls out prompt records, got {type(builder).__name__}")
+            record = builder.record
             adv = compute_advantages(g.total_rewards(), c.normalize_advantages_std)
             for i, (traj, a) in enumerate(zip(g.trajectories_G, adv, strict=True)):
                 ds = trajectory_to_datums(traj, float(a), g.group_index, i)
@@ -223,7 +229,7 @@ class SDFTStep:
 
     def step(self, step: int) -> dict[str, float]:
         loop, c, s = self.loop, self.loop.config, self.loop.session
-        t0, counters = time.perf_counter(), {}
+        t0, counters = time.perf_counter(), dict[str, float]()
         groups = [g for f in loop.map_batch(step) if (g := loop.collect(f, counters)) is not None]
         if not groups:
             raise RuntimeError(f"step {step}: no rollout group survived ({int(counters.get('errors', 0))} errors)")

@@ -17,10 +17,9 @@ reference), ``train/accuracy``, ``train/margin``, ``train/chosen_reward``,
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, cast
 
 from prefect import flow, get_run_logger
-from prefect.utilities.annotations import quote
 from pydantic import Field, model_validator
 
 from prefect_tinker.flows.config import RecipeConfig
@@ -33,6 +32,7 @@ from prefect_tinker.recipes.progress import phase
 from prefect_tinker.tasks.benchmark_evaluator import benchmark_evaluators
 from prefect_tinker.tasks.data import prepare_dataset
 from prefect_tinker.tasks.evaluators import PreferenceEvaluator
+from prefect_tinker.tasks.policies import quote
 from prefect_tinker.tasks.reference import reference_sequence_logprobs
 from prefect_tinker.tasks.training import custom_step, model_input_tokens
 
@@ -140,7 +140,7 @@ def dpo_flow(config: DPOConfig) -> dict[str, Any]:
     log = get_run_logger()
     with RunSession(config, builder=config.dataset_builder) as session:
         with phase(session.run_id, "preparing the dataset (reading, rendering, tokenizing; cached)"):
-            data: PreferenceData = prepare_dataset(session.builder, session.tokenizer_id)
+            data = cast(PreferenceData, prepare_dataset(session.dataset_builder, session.tokenizer_id))
         total = config.max_steps or len(data.train) // config.batch_size * config.num_epochs
         reference = config.reference_weights()
         log.info(

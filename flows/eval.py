@@ -21,7 +21,7 @@ A failed evaluation does not stop the others; the flow fails at the end, naming 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from prefect import flow, get_run_logger
 
@@ -203,7 +203,7 @@ def eval_flow(config: EvalConfig) -> dict[str, Any]:
                 outcome["metrics"].get("accuracy"),
                 " (cached)" if is_cached else "",
             )
-    report = report_eval(config.run_name, outcomes, eval_root)
+    report = report_eval(cast(str, config.run_name), outcomes, eval_root)  # the validator set it
     if failures:
         raise RuntimeError(f"{len(failures)} evaluation(s) failed: " + "; ".join(failures))
     return {

@@ -39,11 +39,11 @@ import json
 import time
 import uuid
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from prefect import flow, get_run_logger, unmapped
-from prefect.utilities.annotations import quote
+from tinker.types import LossFnType
 
 from prefect_tinker.flows.loop import StepLoop
 from prefect_tinker.flows.rl_config import RLConfig
@@ -60,6 +60,7 @@ from prefect_tinker.recipes.rl.envs import get_env
 from prefect_tinker.recipes.rl.types import RLDataset, TrajectoryGroup
 from prefect_tinker.tasks.benchmark_evaluator import benchmark_evaluators
 from prefect_tinker.tasks.clients import tokenizer
+from prefect_tinker.tasks.policies import quote
 from prefect_tinker.tasks.rollout_eval import session_env_evaluators
 from prefect_tinker.tasks.rollouts import new_usage, reference_logprobs, rollout_group
 from prefect_tinker.tasks.runners import map_task, submit_task
@@ -204,10 +205,10 @@ class RLLoop:
         (:func:`~prefect_tinker.recipes.rl.advantages.sample_train_kl`), ``fwd_bwd_seconds``."""
         s = self.session
         sdk_datums = [d.to_datum(self.provenance) for d in datums]
-        # quote: Prefect does not walk the datums looking for futures (~10 ms per 1,000 tokens)
-        out = forward_backward(
-            s.credentials, s.run, quote(sdk_datums), self.loss.loss_fn, self.loss_fn_config, accumulated
-        )
+        # quote: Prefect does not walk the datums looking for futures (~10 ms per 1,000 tokens);
+        # a registered loss names one of the server's loss functions (the server refuses another)
+        loss_fn = cast(LossFnType, self.loss.loss_fn)
+        out = forward_backward(s.credentials, s.run, quote(sdk_datums), loss_fn, self.loss_fn_config, accumulated)
         self.usage["trained"] += float(model_input_tokens(sdk_datums))
         metrics = sample_train_kl(datums, [np.asarray(lp) for lp in out.logprobs])
         metrics.update(
@@ -245,8 +246,8 @@ class RLLoop:
         )
         return rows
 
-    def _trajectories(self, step: int, groups: list[TrajectoryGroup]) -> list[dict]:
-        n, out = self.config.log_trajectories, []
+    def _trajectories(self, step: int, groups: list[TrajectoryGroup]) -> list[dict[str, Any]]:
+        n, out = self.config.log_trajectories, list[dict[str, Any]]()
         for g in groups:
             adv = self.estimator(g.total_rewards())
             for i, (traj, reward) in enumerate(zip(g.trajectories_G, g.total_rewards(), strict=True)):

@@ -38,7 +38,7 @@ import json
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
@@ -153,7 +153,7 @@ class RunSession(Generic[ConfigT]):
         upstream: list[str] | None = None,
     ):
         self.config, self.recipe = config, config.recipe or type(config).__name__.lower()
-        self.run_id: str = config.run_name or ""  # set by the config's validator
+        self.run_id = cast(str, config.run_name)  # set by the config's validator
         self._make_builder, self._make_fingerprint, self._preflight = builder, fingerprint, preflight
         self._make_env, self._credentials = env, credentials
         self.lease: Lease | None = None
@@ -239,7 +239,9 @@ class RunSession(Generic[ConfigT]):
             resume_step=int(last["step"]) if last else 0,
             init_from=None if last else c.load_checkpoint_path,
         )
-        self.tokenizer_id = self.run.tokenizer_id
+        if self.run.tokenizer_id is None:
+            raise ValueError(f"run {self.run_id!r}: the backend named no tokenizer for model {self.model!r}")
+        self.tokenizer_id: str = self.run.tokenizer_id
         from prefect_tinker.recipes.renderers import resolve_renderer_name
 
         self.renderer = resolve_renderer_name(c.renderer, tokenizer(self.tokenizer_id))
@@ -354,6 +356,17 @@ class RunSession(Generic[ConfigT]):
             self._release()
 
     # ----- while training ----------------------------------------------------------------------
+    @property
+    def dataset_builder(self) -> DatasetBuilder:
+        """The run's dataset builder for the resolved renderer.
+
+        Raises:
+            RuntimeError: the session was opened without a ``builder``.
+        """
+        if self.builder is None:
+            raise RuntimeError(f"run {self.run_id!r}: this session has no dataset builder")
+        return self.builder
+
     @property
     def step(self) -> int:
         """Optimizer steps taken."""

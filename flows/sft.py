@@ -14,10 +14,9 @@ checkpoint at ``s``). Batches are a function of (seed, step), so a resumed run c
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, cast
 
 from prefect import flow, get_run_logger
-from prefect.utilities.annotations import quote
 from pydantic import Field
 
 from prefect_tinker.flows.config import RecipeConfig
@@ -31,6 +30,7 @@ from prefect_tinker.tasks.benchmark_evaluator import benchmark_evaluators
 from prefect_tinker.tasks.clients import tokenizer
 from prefect_tinker.tasks.data import prepare_dataset
 from prefect_tinker.tasks.evaluators import NLLEvaluator, data_evaluators
+from prefect_tinker.tasks.policies import quote
 from prefect_tinker.tasks.sampling import sample_completions
 from prefect_tinker.tasks.training import model_input_tokens, train_step
 
@@ -100,7 +100,7 @@ def sft_flow(config: SFTConfig) -> dict[str, Any]:
     log = get_run_logger()
     with RunSession(config, builder=config.dataset_builder) as session:
         with phase(session.run_id, "preparing the dataset (reading, rendering, tokenizing; cached)"):
-            data: SupervisedData = prepare_dataset(session.builder, session.tokenizer_id)
+            data = cast(SupervisedData, prepare_dataset(session.dataset_builder, session.tokenizer_id))
         per_epoch = len(data.train) // config.batch_size
         total = config.max_steps or per_epoch * config.num_epochs
         test = [datum_from_example(ex) for ex in data.test]  # an Example: its media by reference

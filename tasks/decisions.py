@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 from prefect.artifacts import create_markdown_artifact
-from prefect.utilities.annotations import quote
 
 from prefect_tinker.recipes.decisions import (
     CHOICE_LOSS_RANKS,
@@ -33,6 +32,7 @@ from prefect_tinker.recipes.decisions import (
 )
 from prefect_tinker.tasks.clients import TrainingRun
 from prefect_tinker.tasks.evaluators import TrainingClientEvaluator
+from prefect_tinker.tasks.policies import quote
 from prefect_tinker.tasks.reporting import artifact_key, write_png
 from prefect_tinker.tasks.training import forward
 

@@ -43,7 +43,7 @@ from prefect_tinker.recipes.evals.specs import InspectSpec
 from prefect_tinker.tasks.clients import result as watched_result
 from prefect_tinker.tasks.clients import sampling_client
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
-from prefect_tinker.tasks.runners import map_task
+from prefect_tinker.tasks.runners import TaskRunnerFields, map_task
 
 __all__ = [
     "EvalTarget",
@@ -197,7 +197,7 @@ def evaluate_benchmark(
     target: EvalTarget,
     spec: BenchmarkSpec,
     eval_store: str,
-    runner: Any = None,
+    runner: TaskRunnerFields | None = None,
     batch_size: int = 16,
     config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:

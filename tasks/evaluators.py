@@ -15,13 +15,16 @@ to the eval store themselves.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import tinker
-from prefect.utilities.annotations import quote
 
 from prefect_tinker.tasks.clients import TrainingRun
+from prefect_tinker.tasks.policies import quote
 from prefect_tinker.tasks.training import forward, weights_sum
+
+if TYPE_CHECKING:
+    from prefect_tinker.recipes.preference import LossName
 
 __all__ = [
     "ClassifierAccuracyEvaluator",
@@ -103,13 +106,13 @@ class PreferenceEvaluator(TrainingClientEvaluator):
 
     def __init__(
         self,
-        pairs: list,
+        pairs: list[Any],
         *,
         beta: float,
-        loss: str,
+        loss: LossName,
         label_smoothing: float,
         reference: str,
-        via: str = "trainer",
+        via: Literal["trainer", "sampler"] = "trainer",
         prefix: str = "test",
         seed: int | None = None,
     ):

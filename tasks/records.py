@@ -39,6 +39,8 @@ def _steps_run_name(kind: str):
         steps = []
         for r in rows if isinstance(rows, (list, tuple)) else ():  # never consume an iterator
             step = r.get("step") if isinstance(r, dict) else (r[0] if isinstance(r, (tuple, list)) and r else None)
+            if step is None:
+                continue
             try:
                 steps.append(int(step))
             except (TypeError, ValueError):

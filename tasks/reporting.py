@@ -15,7 +15,8 @@ import io
 import math
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
+from uuid import UUID
 
 from prefect import task
 from prefect.artifacts import (
@@ -27,6 +28,9 @@ from prefect.artifacts import (
 from prefect.cache_policies import NO_CACHE
 
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
+
+if TYPE_CHECKING:
+    from tinker_blocks.stores import TrainingStore
 
 __all__ = [
     "Progress",
@@ -69,7 +73,8 @@ class Progress:
 
     def __init__(self, description: str, total: int, done: int = 0, every: float = 5.0):
         self.total, self.every = max(int(total), 1), every
-        self.id = create_progress_artifact(progress=self._pct(done), description=description)
+        # called from sync code: Prefect's sync_compatible returns the id itself, not a coroutine
+        self.id = cast(UUID, create_progress_artifact(progress=self._pct(done), description=description))
         self.last = time.monotonic()
 
     def _pct(self, done: int) -> float:
@@ -83,7 +88,7 @@ class Progress:
             self.last = now
 
 
-def _store(store: Any):
+def _store(store: str | TrainingStore) -> TrainingStore:
     from tinker_blocks.stores import TrainingStore
 
     return store if isinstance(store, TrainingStore) else TrainingStore(root=str(store))
@@ -184,7 +189,12 @@ def write_png(root: str, run_id: str, png: bytes, name: str = "curves.png") -> s
 
 @task(name="report-run", task_run_name="report-{run_id}-step-{step}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
 def report_run(
-    store: str, run_id: str, step: int, kind: str = "sft", curves: Sequence[str] = SFT_CURVES, plot: bool = True
+    store: str | TrainingStore,
+    run_id: str,
+    step: int,
+    kind: str = "sft",
+    curves: Sequence[str] = SFT_CURVES,
+    plot: bool = True,
 ) -> dict[str, Any]:
     """Post the run's report artifacts from the training store at ``store``.
 

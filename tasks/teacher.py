@@ -271,7 +271,7 @@ def _sample_teacher(
         )
         for i, r in enumerate(records)
     ]
-    lines, dropped, reasons = [], 0, {}
+    lines, dropped, reasons = list[str](), 0, dict[str, int]()
     for r, fut in zip(records, futures, strict=True):
         for j, seq in enumerate(fut.result().sequences):
             parsed = rend.parse_response(list(seq.tokens))
