@@ -226,7 +226,8 @@ def source_fingerprint(spec: SourceSpec | str) -> str:
 
 @dataclass
 class _Reads:
-    """The files read inside one :func:`reading_once` block: bytes and sha256 per resolved path."""
+    """The files read inside one :func:`reading_once` block: bytes and sha256 per resolved file path,
+    and the content digest of each local directory hashed."""
 
     data: dict[Path, bytes] = field(default_factory=dict)
     digests: dict[Path, str] = field(default_factory=dict)
@@ -251,11 +252,12 @@ _READS: ContextVar[_Reads | None] = ContextVar("prefect_tinker_source_reads", de
 def reading_once() -> Iterator[None]:
     """Inside the block each local data file is opened once: its bytes are kept, its sha256 is
     computed once, and every later read (records, fingerprints) of that path uses them, so one
-    run reads one consistent content of a file that changes on disk meanwhile. A run session
+    run reads one consistent content of a file that changes on disk meanwhile. A local
+    directory's content digest is computed once (its files streamed, not kept). A run session
     opens this block for the run; outside it files are streamed from disk on every read.
 
-    The kept bytes cost memory of the size of the run's local files (their records are held in
-    memory for training anyway). Nested blocks share the outer block's reads.
+    The kept bytes cost memory of the size of the run's local data files (their records are held
+    in memory for training anyway). Nested blocks share the outer block's reads.
     """
     if _READS.get() is not None:
         yield
@@ -271,16 +273,17 @@ def _sha256_files(files: list[Path], base: Path | None) -> str:
     reads = _READS.get()
     if reads is not None and base is None and len(files) == 1:  # one file: the digest of its bytes, kept
         return reads.sha256(files[0])
+    if reads is not None and base is not None and base.resolve() in reads.digests:  # a directory hashed before
+        return reads.digests[base.resolve()]
     h = hashlib.sha256()
-    for f in files:
+    for f in files:  # streamed: a directory's files (images, ...) are not kept in memory
         if base is not None:
             h.update(str(f.relative_to(base)).encode() + b"\0")
-        if reads is not None:
-            h.update(reads.read(f))
-            continue
         with open(f, "rb") as fh:
             while block := fh.read(1 << 20):
                 h.update(block)
+    if reads is not None and base is not None:
+        reads.digests[base.resolve()] = h.hexdigest()
     return h.hexdigest()
 
 
