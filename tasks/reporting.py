@@ -218,7 +218,7 @@ def report_run(
     if not series:
         return {"metrics": len(rows), "png": None, "png_bytes": 0}
     png = plot_curves(series, f"{kind.upper()} {run_id} (step {step})")
-    path = write_png(str(store), run_id, png)
+    path = write_png(_store(store).root, run_id, png)
     data = base64.b64encode(png).decode("ascii")
     markdown = "\n".join(
         [

@@ -76,6 +76,8 @@ def test_sft_run_reads_its_data_file_once_and_builds_one_store(prefect_api, loca
     meta = _meta(store, "once")
     assert meta["renderer"] != "auto"
     assert meta["dataset_fingerprint"] == config.dataset_builder(meta["renderer"]).fingerprint()
+    # the report written through the run's store object lands under its root
+    assert (store / "reports" / "once" / "curves.png").stat().st_size > 0
 
 
 def test_rl_run_reads_its_problems_once_and_builds_one_store(prefect_api, local_credentials, tmp_path, monkeypatch):
