@@ -209,17 +209,26 @@ def _data_checks(config: Any, prefix: str = "") -> list[tuple[str, Any]]:
 
 
 def check_data(config: Any, flow_name: str = "?") -> None:
-    """Read and validate a run's data before anything starts (no Prefect flow run, no server, no
-    store row): every record of the local dataset files, the RL environment's problems and the
-    record format, as the flow itself would.
+    """Read and validate a run's model name and data before anything starts (no Prefect flow run,
+    no server, no store row): the base model against what the local server can serve, every record
+    of the local dataset files, the RL environment's problems and the record format, as the flow
+    itself would.
 
     Raises:
-        CLIError: one line (exit status 2) naming the file, line and field of the first bad record
+        CLIError: one line (exit status 2): the unknown model name and what is accepted, or the
+            file, line and field of the first bad record
             (``data.jsonl:2: field 'messages' is missing``), or the setting and its value (an
             unknown ``format=``); the original exception is its ``__cause__``.
     """
     from pydantic import ValidationError
 
+    from prefect_tinker.flows.config import RecipeConfig
+
+    if isinstance(config, RecipeConfig):  # a model the local server cannot serve: one line, as a config error
+        try:
+            config.check_model()
+        except ValueError as exc:
+            raise CLIError(f"invalid config for flow {flow_name!r} ({type(config).__name__}): {exc}") from exc
     for section, check in _data_checks(config):
         try:
             check()

@@ -44,17 +44,32 @@ class BackendConfig(BaseModel):
     local_sampler_workers: int = Field(
         default=0,
         ge=0,
-        description="Embedded local server: sampling worker processes beside the trainer (tinker_local --sampler-workers), so streaming/async RL overlap rollouts with training.",
+        description=(
+            "Embedded local server: sampling worker processes beside the trainer (tinker_local --sampler-workers), so "
+            "streaming/async RL overlap rollouts with training."
+        ),
     )
     request_deadline_s: float = Field(
         default=1800.0,
         gt=0,
-        description="Longest wait for one request's result (seconds); a dead server is noticed sooner (its process and port are checked while waiting).",
+        description=(
+            "Longest wait for one request's result (seconds); a dead server is noticed sooner (its process and port "
+            "are checked while waiting)."
+        ),
     )
 
     def is_local(self) -> bool:
         """Whether this is the embedded local server (no block, no URL)."""
         return not self.credentials_block and not self.base_url
+
+    def inspect_args(self) -> dict[str, Any]:
+        """Provider args of the inspect ``tinker`` model for this backend (no secrets: a remote
+        server's key comes from ``TINKER_API_KEY`` or the credentials block)."""
+        if self.credentials_block:
+            return {"credentials_block": self.credentials_block}
+        if self.base_url:
+            return {"base_url": self.base_url}
+        return {"local_root": self.local_root} if self.local_root else {}
 
 
 class AdamConfig(BaseModel):
@@ -167,21 +182,30 @@ class RecipeConfig(LRScheduleFields):
     eval_every: int = Field(default=10, ge=0, description="Evaluators every n steps (0 = start and end only).")
     load_checkpoint_path: str | None = Field(
         default=None,
-        description="Start from these weights (tinker://.../weights/..., e.g. an SFT checkpoint) with a fresh optimizer.",
+        description=(
+            "Start from these weights (tinker://.../weights/..., e.g. an SFT checkpoint) with a fresh optimizer."
+        ),
     )
     run_name: str | None = Field(
         default=None, description="Run id; re-running with the same name resumes after its last checkpoint."
     )
     store: str = Field(
         default_factory=default_store_root,
-        description="Training store root: a folder or s3://bucket/prefix; default $PREFECT_TINKER_STORE, else ~/.prefect-tinker/store (where prefect-tinker sql/runs look).",
+        description=(
+            "Training store root: a folder or s3://bucket/prefix; default $PREFECT_TINKER_STORE, else "
+            "~/.prefect-tinker/store (where prefect-tinker sql/runs look)."
+        ),
     )
     seed: int = Field(default=0, description="Seed of data order, splits, sampling and LoRA init.")
     adam: AdamConfig = Field(default_factory=AdamConfig)
     backend: BackendConfig = Field(default_factory=BackendConfig)
     evaluators: list[EvalSpec] = Field(
         default_factory=list,
-        description="Benchmarks run on the sampler weights at the start, every eval_every steps and at the end: built-in names (gsm8k), {benchmark: NAME, dataset: ..., limit: ...}, full benchmark specs or {kind: inspect, task: ..., name: ...}; results in the eval store and as eval/<name>/accuracy metrics.",
+        description=(
+            "Benchmarks run on the sampler weights at the start, every eval_every steps and at the end: built-in names"
+            " (gsm8k), {benchmark: NAME, dataset: ..., limit: ...}, full benchmark specs or {kind: inspect, task: ...,"
+            " name: ...}; results in the eval store and as eval/<name>/accuracy metrics."
+        ),
     )
     prices: dict[str, TokenPrices] = Field(
         default_factory=dict,
@@ -190,20 +214,34 @@ class RecipeConfig(LRScheduleFields):
     )
     allow_config_change: list[str] = Field(
         default_factory=list,
-        description="Fields allowed to differ from the stored run's config when resuming (e.g. [batch_size]); 'renderer' also allows starting from a checkpoint trained with another renderer.",
+        description=(
+            "Fields allowed to differ from the stored run's config when resuming (e.g. [batch_size]); 'renderer' also "
+            "allows starting from a checkpoint trained with another renderer."
+        ),
     )
 
     def run_name_prefix(self) -> str:
         """Prefix of the default run name (``<prefix>-<timestamp>``): the model name by default."""
         return self.model.replace("/", "-")
 
+    def check_model(self) -> str:
+        """The base model name to hand to the backend: for the embedded local server the name
+        checked against what it can serve (an existing model directory becomes its absolute path,
+        see :func:`~tinker_blocks.model_names.check_model_name`); other backends decide
+        themselves (``model`` unchanged). Part of the run's preflight (reads the local root).
+
+        Raises:
+            UnknownModelName: one line naming the model and what the local server accepts.
+        """
+        if not self.backend.is_local():
+            return self.model
+        from tinker_blocks.model_names import check_model_name
+        from tinker_local.launcher import default_root
+
+        return check_model_name(self.model, self.backend.local_root or default_root())
+
     @model_validator(mode="after")
     def _default_run_name(self) -> RecipeConfig:
-        if self.backend.is_local():  # the embedded server can tell a model it cannot serve, now
-            from tinker_blocks.model_names import check_model_name
-            from tinker_local.launcher import default_root
-
-            self.model = check_model_name(self.model, self.backend.local_root or default_root())
         if self.run_name is None:  # stable across retries of a deployment's flow run (resumes)
             self.run_name = default_run_name(self.run_name_prefix(), self)
         return self

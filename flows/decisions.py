@@ -17,10 +17,9 @@ Metrics per step: ``train/ce`` (mean cross-entropy to the targets, nats), ``trai
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from prefect import flow, get_run_logger
-from prefect.utilities.annotations import quote
 from pydantic import Field, field_validator
 
 from prefect_tinker.flows.config import RecipeConfig
@@ -31,6 +30,7 @@ from prefect_tinker.recipes.data_pipeline import batch_at
 from prefect_tinker.recipes.decisions import DecisionBuilder, DecisionData, decision_datum
 from prefect_tinker.tasks.data import prepare_dataset
 from prefect_tinker.tasks.decisions import DecisionEvaluator, choice_loss_handle
+from prefect_tinker.tasks.policies import quote
 from prefect_tinker.tasks.training import custom_step
 
 __all__ = ["DecisionsConfig", "decisions_flow"]
@@ -54,7 +54,10 @@ class DecisionsConfig(SourceFields, RecipeConfig):
 
     dataset: str | None = Field(
         default="builtin:sentiment_sentences",
-        description="Records: a JSONL file, dataset directory or Hugging Face id (default: 64 sentences labelled positive/negative).",
+        description=(
+            "Records: a JSONL file, dataset directory or Hugging Face id (default: 64 sentences labelled "
+            "positive/negative)."
+        ),
     )
     choices: list[str] = Field(
         default_factory=lambda: ["positive", "negative"],
@@ -65,7 +68,10 @@ class DecisionsConfig(SourceFields, RecipeConfig):
     label_field: str = Field(default="label", description="Record field holding a hard label (one of the choices).")
     probs_field: str = Field(
         default="probs",
-        description="Record field holding soft labels ({choice: p} or N probabilities); preferred over label_field when present.",
+        description=(
+            "Record field holding soft labels ({choice: p} or N probabilities); preferred over label_field when "
+            "present."
+        ),
     )
     instruction: bool = Field(default=True, description="Append 'Answer with one of: ...' to the prompt.")
     batch_size: int = Field(default=8, ge=1, description="Examples per step.")
@@ -108,7 +114,7 @@ def decisions_flow(config: DecisionsConfig) -> dict[str, Any]:
     summary (first and last held-out accuracy, Brier and ECE, steps, checkpoints)."""
     log = get_run_logger()
     with RunSession(config, builder=config.dataset_builder) as session:
-        data: DecisionData = prepare_dataset(session.builder, session.tokenizer_id)
+        data = cast(DecisionData, prepare_dataset(session.dataset_builder, session.tokenizer_id))
         total = config.max_steps or len(data.train) // config.batch_size * config.num_epochs
         log.info(
             "%d train / %d test examples over %s (label tokens %s), %d steps; %s",

@@ -25,7 +25,6 @@ import time
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.utilities.annotations import quote
 
 from prefect_tinker.flows.config import resolve_credentials
 from prefect_tinker.flows.distill_config import DistillConfig, TeacherSpec
@@ -33,6 +32,7 @@ from prefect_tinker.flows.distill_loop import DistillLoop, SDFTStep, Teacher
 from prefect_tinker.flows.loop import StepLoop
 from prefect_tinker.flows.session import RunSession
 from prefect_tinker.recipes.rl.envs import build_rl_dataset
+from prefect_tinker.tasks.policies import quote
 from prefect_tinker.tasks.teacher import check_teacher, teacher_asset, weights_tokenizer
 
 __all__ = ["DistillConfig", "TeacherSpec", "distill_flow", "open_teachers"]
@@ -62,7 +62,7 @@ def open_teachers(config: DistillConfig, student_credentials: Any, *, topk: int 
     return out
 
 
-def _loop(session: RunSession, config: DistillConfig, teachers: list[Teacher]) -> DistillLoop:
+def _loop(session: RunSession[DistillConfig], config: DistillConfig, teachers: list[Teacher]) -> DistillLoop:
     from prefect_tinker.recipes.renderers import get_renderer
     from prefect_tinker.tasks.clients import tokenizer
 
@@ -83,9 +83,13 @@ def _loop(session: RunSession, config: DistillConfig, teachers: list[Teacher]) -
 def _on_policy(config: DistillConfig) -> dict[str, Any]:
     from prefect_tinker.flows.rl_schedules import SCHEDULES
 
-    teachers = open_teachers(config, resolve_credentials(config.backend))
+    credentials = resolve_credentials(config.backend)
+    teachers = open_teachers(config, credentials)
     with RunSession(
-        config, fingerprint=config.data_fingerprint, upstream=[teacher_asset(t.weights) for t in teachers]
+        config,
+        fingerprint=config.data_fingerprint,
+        credentials=credentials,
+        upstream=[teacher_asset(t.weights) for t in teachers],
     ) as session:
         last = session.resumed_from
         if last and last["step"] % config.num_substeps:
@@ -133,9 +137,13 @@ def _check_answers(config: DistillConfig) -> None:
 
 def _sdft(config: DistillConfig) -> dict[str, Any]:
     _check_answers(config)
-    teachers = open_teachers(config, resolve_credentials(config.backend), topk=config.topk)
+    credentials = resolve_credentials(config.backend)
+    teachers = open_teachers(config, credentials, topk=config.topk)
     with RunSession(
-        config, fingerprint=config.data_fingerprint, upstream=[teacher_asset(t.weights) for t in teachers]
+        config,
+        fingerprint=config.data_fingerprint,
+        credentials=credentials,
+        upstream=[teacher_asset(t.weights) for t in teachers],
     ) as session:
         loop = _loop(session, config, teachers)
         step = SDFTStep(loop)
@@ -171,7 +179,7 @@ def distill_flow(config: DistillConfig) -> dict[str, Any]:
         return _sdft(config)
     from prefect_tinker.flows.distill_offline import run_offline
 
+    credentials = resolve_credentials(config.backend)
     return run_offline(
-        config,
-        open_teachers(config, resolve_credentials(config.backend), topk=config.topk if config.soft_targets else 0),
+        config, open_teachers(config, credentials, topk=config.topk if config.soft_targets else 0), credentials
     )

@@ -29,18 +29,27 @@ class TeacherSpec(BaseModel):
     teachers) its own prompts. A plain string is read as ``weights``."""
 
     weights: str = Field(
-        description="A base model ('smollm2', 'base:tiny'), a checkpoint tinker://.../sampler_weights/... (or .../weights/...), or run:<run_id> (that run's last checkpoint in the store)."
+        description=(
+            "A base model ('smollm2', 'base:tiny'), a checkpoint tinker://.../sampler_weights/... (or "
+            ".../weights/...), or run:<run_id> (that run's last checkpoint in the store)."
+        )
     )
     renderer: str = Field(
         default="auto",
-        description="The teacher's own renderer ('auto' resolves from its tokenizer); it renders its prompt and end-of-turn marker.",
+        description=(
+            "The teacher's own renderer ('auto' resolves from its tokenizer); it renders its prompt and end-of-turn "
+            "marker."
+        ),
     )
     system_prompt: str | None = Field(
         default=None, description="A system message only the teacher sees (prompt distillation)."
     )
     prompt_template: str | None = Field(
         default=None,
-        description="The teacher's user message: {prompt} = the student's, {answer} = the golden answer (sdft default: a demonstration).",
+        description=(
+            "The teacher's user message: {prompt} = the student's, {answer} = the golden answer (sdft default: a "
+            "demonstration)."
+        ),
     )
     backend: BackendConfig | None = Field(
         default=None, description="Where the teacher runs; default the run's backend."
@@ -171,7 +180,10 @@ class DistillConfig(RLConfig):
     )
     sequences: Literal["teacher", "dataset"] = Field(
         default="teacher",
-        description="off_policy: supervised sequences are the teacher's samples, or the dataset's own conversations (soft_targets only).",
+        description=(
+            "off_policy: supervised sequences are the teacher's samples, or the dataset's own conversations "
+            "(soft_targets only)."
+        ),
     )
     teacher_max_tokens: int = Field(
         default=128, ge=1, description="off_policy / prompt: most tokens of a teacher reply."

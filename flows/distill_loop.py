@@ -25,14 +25,18 @@ from typing import Any
 
 import numpy as np
 import tinker
-from prefect.utilities.annotations import quote
 
+from prefect_tinker.flows.distill_config import DistillConfig
 from prefect_tinker.flows.rl import RLLoop
+from prefect_tinker.flows.session import RunSession
 from prefect_tinker.recipes.distill.align import Alignment, align_completion, gather_teacher
 from prefect_tinker.recipes.distill.prompts import PromptRecord, TeacherView
 from prefect_tinker.recipes.distill.targets import ReverseKLLoss, SoftTargets, kl_advantages, soft_targets
+from prefect_tinker.recipes.renderers.base import Renderer
 from prefect_tinker.recipes.rl.advantages import RLDatum, compute_advantages, trajectory_to_datums
-from prefect_tinker.recipes.rl.types import TrajectoryGroup
+from prefect_tinker.recipes.rl.envs.prompts import PromptGroupBuilder
+from prefect_tinker.recipes.rl.types import RLDataset, TrajectoryGroup
+from prefect_tinker.tasks.policies import quote
 from prefect_tinker.tasks.teacher import teacher_logprobs, teacher_topk
 from prefect_tinker.tasks.training import custom_step, model_input_tokens, train_step
 
@@ -93,7 +97,15 @@ class DistillLoop(RLLoop):
         student_renderer: the run's renderer object (its name is ``session.renderer``).
     """
 
-    def __init__(self, session: Any, dataset: Any, teachers: list[Teacher], student_renderer: Any):
+    config: DistillConfig  # the session's config (a DistillConfig here)
+
+    def __init__(
+        self,
+        session: RunSession[DistillConfig],
+        dataset: RLDataset,
+        teachers: list[Teacher],
+        student_renderer: Renderer,
+    ):
         super().__init__(session, dataset, reference="")
         self.teachers, self.student_renderer = teachers, student_renderer
         self.kl: list[tuple[int, float]] = []
@@ -106,9 +118,12 @@ class DistillLoop(RLLoop):
         """``(record, transition, datum)`` of every single-turn trajectory with a completion."""
         c = self.config
         for g in groups:
-            record = self.dataset.get_batch(g.batch_index)[g.group_index].record
+            builder = self.dataset.get_batch(g.batch_index)[g.group_index]
+            if not isinstance(builder, PromptGroupBuilder):
+                raise TypeError(f"distillation rolls out prompt records, got {type(builder).__name__}")
+            record = builder.record
             adv = compute_advantages(g.total_rewards(), c.normalize_advantages_std)
-            for i, (traj, a) in enumerate(zip(g.trajectories_G, adv)):
+            for i, (traj, a) in enumerate(zip(g.trajectories_G, adv, strict=True)):
                 ds = trajectory_to_datums(traj, float(a), g.group_index, i)
                 if len(ds) != 1 or len(traj.transitions) != 1:
                     raise ValueError(
@@ -134,7 +149,7 @@ class DistillLoop(RLLoop):
                 teacher.credentials, teacher.weights, quote([al.teacher_tokens for _, al in pairs])
             )
             t_kl = t_n = 0.0
-            for (d, al), lp in zip(pairs, lps):
+            for (d, al), lp in zip(pairs, lps, strict=True):
                 values, aligned = gather_teacher(al, lp, len(d.mask))
                 mask = aligned * d.mask
                 adv, kl = kl_advantages(
@@ -173,7 +188,7 @@ class DistillLoop(RLLoop):
             topk = teacher_topk.with_options(task_run_name=f"teacher-topk-step-{step}-t{ti}")(
                 teacher.credentials, teacher.weights, quote([al.teacher_tokens for _, al, _ in rows]), c.topk
             )
-            for (tokens, al, s0), (ids, lps) in zip(rows, topk):
+            for (tokens, al, s0), (ids, lps) in zip(rows, topk, strict=True):
                 pairs = [(s, t) for s, t in al.one_to_one() if s - s0 >= c.skip_first_tokens]
                 st = soft_targets(
                     ids,
@@ -214,7 +229,7 @@ class SDFTStep:
 
     def step(self, step: int) -> dict[str, float]:
         loop, c, s = self.loop, self.loop.config, self.loop.session
-        t0, counters = time.perf_counter(), {}
+        t0, counters = time.perf_counter(), dict[str, float]()
         groups = [g for f in loop.map_batch(step) if (g := loop.collect(f, counters)) is not None]
         if not groups:
             raise RuntimeError(f"step {step}: no rollout group survived ({int(counters.get('errors', 0))} errors)")

@@ -24,29 +24,32 @@ teacher's entropy) and ``train/teacher_entropy``.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from prefect import get_run_logger
-from prefect.utilities.annotations import quote
 
 from prefect_tinker.flows.distill_config import DistillConfig
 from prefect_tinker.flows.distill_loop import Teacher, soft_datum
 from prefect_tinker.flows.loop import StepLoop
 from prefect_tinker.flows.session import RunSession
-from prefect_tinker.recipes.builders import DatasetBuilder, SupervisedBuilder
+from prefect_tinker.recipes.builders import DatasetBuilder, Example, SupervisedBuilder, SupervisedData
 from prefect_tinker.recipes.data_pipeline import batch_at
 from prefect_tinker.recipes.data_reading import SourceSpec
 from prefect_tinker.recipes.datasets import datum_from_example, split_conversations
 from prefect_tinker.recipes.distill.prompts import PromptRecord, load_prompts
-from prefect_tinker.recipes.distill.soft_data import SoftExample, SoftTargetBuilder
+from prefect_tinker.recipes.distill.soft_data import SoftData, SoftExample, SoftTargetBuilder
 from prefect_tinker.recipes.distill.targets import soft_targets
 from prefect_tinker.recipes.rl.envs.prompts import PromptEnv, prompt_sources
 from prefect_tinker.tasks.clients import tokenizer
 from prefect_tinker.tasks.data import prepare_dataset
 from prefect_tinker.tasks.distill_eval import TeacherAgreementEvaluator
 from prefect_tinker.tasks.evaluators import NLLEvaluator
+from prefect_tinker.tasks.policies import quote
 from prefect_tinker.tasks.teacher import TeacherSamples, read_samples, teacher_asset, teacher_samples, teacher_topk
 from prefect_tinker.tasks.training import model_input_tokens, train_step
+
+if TYPE_CHECKING:
+    from tinker_blocks.credentials import TinkerCredentials
 
 __all__ = ["run_offline"]
 
@@ -94,7 +97,7 @@ def _sample(
 
 
 def _labels(uri: str, records: list[PromptRecord]) -> list[str]:
-    by_id = {}
+    by_id: dict[str, str] = {}
     with open(read_samples(uri), encoding="utf-8") as fh:
         for line in fh:
             row = json.loads(line)
@@ -102,8 +105,9 @@ def _labels(uri: str, records: list[PromptRecord]) -> list[str]:
     return [by_id[r.id] for r in records]
 
 
-def run_offline(config: DistillConfig, teachers: list[Teacher]) -> dict[str, Any]:
-    """Run ``mode=off_policy`` or ``mode=prompt`` (see the module docstring); returns the summary."""
+def run_offline(config: DistillConfig, teachers: list[Teacher], credentials: TinkerCredentials) -> dict[str, Any]:
+    """Run ``mode=off_policy`` or ``mode=prompt`` (see the module docstring) with the student's
+    backend ``credentials`` (resolved once, by the flow); returns the summary."""
     log = get_run_logger()
     (teacher,) = teachers
     sources = prompt_sources(config.model_copy(update={"env_options": config.prompt_env_options()}))
@@ -154,8 +158,8 @@ def run_offline(config: DistillConfig, teachers: list[Teacher]) -> dict[str, Any
         return SoftTargetBuilder(**kw) if config.soft_targets else SupervisedBuilder(**kw)
 
     extra = [samples.uri] if samples else []
-    with RunSession(config, builder=builder, upstream=[*upstream, *extra]) as session:
-        data = prepare_dataset(session.builder, session.tokenizer_id)
+    with RunSession(config, builder=builder, credentials=credentials, upstream=[*upstream, *extra]) as session:
+        data = cast(SupervisedData | SoftData, prepare_dataset(session.dataset_builder, session.tokenizer_id))
         from prefect_tinker.recipes.renderers import get_renderer
 
         student_renderer = get_renderer(session.renderer, tokenizer(session.tokenizer_id))
@@ -189,8 +193,8 @@ def run_offline(config: DistillConfig, teachers: list[Teacher]) -> dict[str, Any
 
         def one_step(step: int) -> dict[str, float]:
             batch = [data.train[i] for i in batch_at(len(data.train), config.batch_size, config.seed, step)]
-            if not config.soft_targets:
-                datums = [datum_from_example(ex.tokens, ex.weights) for ex in batch]
+            if not config.soft_targets:  # a SupervisedBuilder built the data: Examples
+                datums = [datum_from_example(ex.tokens, ex.weights) for ex in cast(list[Example], batch)]
                 session.run, m = train_step(
                     session.credentials,
                     session.run,
@@ -200,8 +204,14 @@ def run_offline(config: DistillConfig, teachers: list[Teacher]) -> dict[str, Any
                     config.adam.model_dump(),
                 )
                 return {**{f"train/{k}": v for k, v in m.items()}, "tokens/trained": float(model_input_tokens(datums))}
-            datums, positions, entropy = _soft_batch(
-                config, teacher, batch, student_renderer, session.renderer, step, len(student_renderer.tokenizer)
+            datums, positions, entropy = _soft_batch(  # a SoftTargetBuilder built the data: SoftExamples
+                config,
+                teacher,
+                cast(list[SoftExample], batch),
+                student_renderer,
+                session.renderer,
+                step,
+                len(student_renderer.tokenizer),
             )
             session.run, m = train_step(
                 session.credentials,
@@ -275,7 +285,7 @@ def _soft_batch(
         teacher.credentials, teacher.weights, quote([al.teacher_tokens for al in aligned]), config.topk
     )
     datums, positions, entropy = [], 0, 0.0
-    for ex, al, (ids, lps) in zip(batch, aligned, rows):
+    for ex, al, (ids, lps) in zip(batch, aligned, rows, strict=True):
         st = soft_targets(
             ids,
             lps,

@@ -17,10 +17,9 @@ reference), ``train/accuracy``, ``train/margin``, ``train/chosen_reward``,
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, cast
 
 from prefect import flow, get_run_logger
-from prefect.utilities.annotations import quote
 from pydantic import Field, model_validator
 
 from prefect_tinker.flows.config import RecipeConfig
@@ -33,6 +32,7 @@ from prefect_tinker.recipes.progress import phase
 from prefect_tinker.tasks.benchmark_evaluator import benchmark_evaluators
 from prefect_tinker.tasks.data import prepare_dataset
 from prefect_tinker.tasks.evaluators import PreferenceEvaluator
+from prefect_tinker.tasks.policies import quote
 from prefect_tinker.tasks.reference import reference_sequence_logprobs
 from prefect_tinker.tasks.training import custom_step, model_input_tokens
 
@@ -61,7 +61,10 @@ class DPOConfig(SourceFields, RecipeConfig):
 
     dataset: str | None = Field(
         default="builtin:example_prefs",
-        description="Comparisons: a JSONL file, dataset directory, Hugging Face id, or builtin:example_prefs (40 bundled comparisons).",
+        description=(
+            "Comparisons: a JSONL file, dataset directory, Hugging Face id, or builtin:example_prefs (40 bundled "
+            "comparisons)."
+        ),
     )
     format: str = Field(
         default="preference",
@@ -73,7 +76,9 @@ class DPOConfig(SourceFields, RecipeConfig):
     test_size: float = Field(
         default=0.1,
         ge=0,
-        description="Held-out comparisons: a count (>=1) or a fraction (<1, at most max_test pairs), split with `seed`.",
+        description=(
+            "Held-out comparisons: a count (>=1) or a fraction (<1, at most max_test pairs), split with `seed`."
+        ),
     )
     max_test: int = Field(
         default=64,
@@ -93,7 +98,9 @@ class DPOConfig(SourceFields, RecipeConfig):
     )
     reference_via: Literal["trainer", "sampler"] = Field(
         default="trainer",
-        description="Reference logprobs from a frozen training client (same numerics as the policy) or a sampling client.",
+        description=(
+            "Reference logprobs from a frozen training client (same numerics as the policy) or a sampling client."
+        ),
     )
 
     @model_validator(mode="after")
@@ -133,7 +140,7 @@ def dpo_flow(config: DPOConfig) -> dict[str, Any]:
     log = get_run_logger()
     with RunSession(config, builder=config.dataset_builder) as session:
         with phase(session.run_id, "preparing the dataset (reading, rendering, tokenizing; cached)"):
-            data: PreferenceData = prepare_dataset(session.builder, session.tokenizer_id)
+            data = cast(PreferenceData, prepare_dataset(session.dataset_builder, session.tokenizer_id))
         total = config.max_steps or len(data.train) // config.batch_size * config.num_epochs
         reference = config.reference_weights()
         log.info(
@@ -180,7 +187,7 @@ def dpo_flow(config: DPOConfig) -> dict[str, Any]:
             n = float(model_input_tokens(datums))  # forward_backward_custom: a forward, then the training pass
             return {**{f"train/{k}": v for k, v in m.items()}, "tokens/trained": n, "tokens/prefill_uncached": n}
 
-        StepLoop(session, total, evaluators=[*evaluators, *benchmark_evaluators(session)]).run(one_step)
+        StepLoop(session, total, evaluators=[*evaluators, *benchmark_evaluators(session.context)]).run(one_step)
         (first_loss, last_loss), (first_acc, last_acc) = (
             session.metric_ends("train/dpo_loss"),
             session.metric_ends("test/accuracy"),

@@ -21,7 +21,7 @@ A failed evaluation does not stop the others; the flow fails at the end, naming 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from prefect import flow, get_run_logger
 
@@ -33,7 +33,6 @@ from prefect_tinker.tasks.eval_tasks import (
     EvalTarget,
     evaluate_benchmark,
     evaluate_inspect,
-    inspect_backend_args,
     sampler_from_state,
 )
 from prefect_tinker.tasks.records import check_store, record_checkpoint
@@ -162,7 +161,7 @@ def eval_flow(config: EvalConfig) -> dict[str, Any]:
         len(specs),
         ", ".join(t.label for t in targets),
     )
-    extra, backend_args = {"eval_run": config.run_name}, inspect_backend_args(config.backend)
+    extra, backend_args = {"eval_run": config.run_name}, config.backend.inspect_args()
     outcomes, failures, cached = [], [], 0
     for target in targets:
         for spec in specs:
@@ -204,7 +203,7 @@ def eval_flow(config: EvalConfig) -> dict[str, Any]:
                 outcome["metrics"].get("accuracy"),
                 " (cached)" if is_cached else "",
             )
-    report = report_eval(config.run_name, outcomes, eval_root)
+    report = report_eval(cast(str, config.run_name), outcomes, eval_root)  # the validator set it
     if failures:
         raise RuntimeError(f"{len(failures)} evaluation(s) failed: " + "; ".join(failures))
     return {

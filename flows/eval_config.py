@@ -50,11 +50,17 @@ class EvalConfig(TaskRunnerFields):
 
     model: str | list[str] = Field(
         default="tiny",
-        description="Weights to evaluate: a base model name, a tinker:// sampler (or state) path, run:<run_id> (every sampler checkpoint of that training run; states without sampler weights get them saved), or a list of these.",
+        description=(
+            "Weights to evaluate: a base model name, a tinker:// sampler (or state) path, run:<run_id> (every sampler "
+            "checkpoint of that training run; states without sampler weights get them saved), or a list of these."
+        ),
     )
     benchmark: str | None = Field(
         default=None,
-        description="A built-in benchmark (gsm8k, math, arithmetic, multiple_choice, exact_match), customised by the flat fields below.",
+        description=(
+            "A built-in benchmark (gsm8k, math, arithmetic, multiple_choice, exact_match), customised by the flat "
+            "fields below."
+        ),
     )
     dataset: str | None = Field(
         default=None, description="benchmark: JSONL file or dataset id replacing the built-in source."
@@ -80,7 +86,10 @@ class EvalConfig(TaskRunnerFields):
     )
     benchmarks: list[EvalSpec] = Field(
         default_factory=list,
-        description="Several benchmarks: built-in names, {benchmark: NAME, ...overrides}, full specs or {kind: inspect, task: FILE.py, name: N}.",
+        description=(
+            "Several benchmarks: built-in names, {benchmark: NAME, ...overrides}, full specs or {kind: inspect, task: "
+            "FILE.py, name: N}."
+        ),
     )
     limit: int | None = Field(default=None, ge=1, description="Override: first N examples of every benchmark.")
     num_samples: int | None = Field(
@@ -98,7 +107,9 @@ class EvalConfig(TaskRunnerFields):
     )
     run_name: str | None = Field(
         default=None,
-        description="Name of this evaluation (rows of base models and unrecorded paths use it as run_id; artifact keys).",
+        description=(
+            "Name of this evaluation (rows of base models and unrecorded paths use it as run_id; artifact keys)."
+        ),
     )
     store: str = Field(
         default_factory=default_store_root, description="Training store root (run:<id> checkpoints are read there)."

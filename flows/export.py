@@ -35,11 +35,16 @@ class ExportConfig(BaseModel):
     recipe: ClassVar[str] = "export"
 
     checkpoint: str = Field(
-        description="State (tinker://<run>/weights/<name>) or sampler (tinker://<run>/sampler_weights/<name>) checkpoint to export."
+        description=(
+            "State (tinker://<run>/weights/<name>) or sampler (tinker://<run>/sampler_weights/<name>) checkpoint to "
+            "export."
+        )
     )
     format: Literal["merged", "peft"] = Field(
         default="merged",
-        description="merged: a Hugging Face model folder (LoRA merged into the weights); peft: the adapter for peft.PeftModel.",
+        description=(
+            "merged: a Hugging Face model folder (LoRA merged into the weights); peft: the adapter for peft.PeftModel."
+        ),
     )
     out: str = Field(
         description="Destination: a local folder or s3://bucket/prefix (S3 credentials from the AWS_* environment)."
@@ -49,7 +54,10 @@ class ExportConfig(BaseModel):
     )
     base_model: str | None = Field(
         default=None,
-        description="The base model's local Hugging Face folder or hub id, when the server sends none (the hosted service); default: the run's base model name.",
+        description=(
+            "The base model's local Hugging Face folder or hub id, when the server sends none (the hosted service); "
+            "default: the run's base model name."
+        ),
     )
     max_shard_mb: int = Field(default=5000, ge=1, description="Largest safetensors shard of a merged model (MB).")
     overwrite: bool = Field(default=False, description="Replace what out already holds.")
@@ -100,11 +108,13 @@ def _summary(config: ExportConfig, meta: dict[str, Any]) -> None:
         "LoRA": f"rank {meta['lora']['rank']}, alpha {meta['lora']['alpha']:g}, {meta['lora']['targets']} targets",
         "tied embeddings": ", ".join(f"{k}={v}" for k, v in meta["embeddings"].items()) or "-",
         "verified against": f"`{v['reference']}` compute_logprobs",
-        "max / mean abs logprob diff": f"{v['max_abs_diff']:.2e} / {v['mean_abs_diff']:.2e} (tolerance {v['tolerance']:g}"
+        "max / mean abs logprob diff": f"{v['max_abs_diff']:.2e} / {v['mean_abs_diff']:.2e} "
+        f"(tolerance {v['tolerance']:g}"
         + (f" / {v['mean_tolerance']:g})" if v.get("mean_tolerance") is not None else ")"),
         **(
             {
-                "float32 stage (before the cast)": f"{v['float32']['max_abs_diff']:.2e} / {v['float32']['mean_abs_diff']:.2e} "
+                "float32 stage (before the cast)": f"{v['float32']['max_abs_diff']:.2e} / "
+                f"{v['float32']['mean_abs_diff']:.2e} "
                 f"(tolerance {v['float32']['tolerance']:g})"
             }
             if "float32" in v

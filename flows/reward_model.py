@@ -17,10 +17,9 @@ Metrics: ``train/loss`` (nats per label token; ``ln 2`` is a model that says A a
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, cast
 
 from prefect import flow, get_run_logger
-from prefect.utilities.annotations import quote
 from pydantic import Field, model_validator
 
 from prefect_tinker.flows.config import RecipeConfig
@@ -32,6 +31,7 @@ from prefect_tinker.recipes.datasets import datum_from_example
 from prefect_tinker.recipes.progress import phase
 from prefect_tinker.recipes.reward_model import DEFAULT_QUESTION, ComparisonFormat, RewardModelBuilder, RewardModelData
 from prefect_tinker.tasks.data import prepare_dataset
+from prefect_tinker.tasks.policies import quote
 from prefect_tinker.tasks.reward_model import RewardModelEvaluator
 from prefect_tinker.tasks.training import train_step
 
@@ -112,7 +112,7 @@ def reward_model_flow(config: RewardModelConfig) -> dict[str, Any]:
     log = get_run_logger()
     with RunSession(config, builder=config.dataset_builder) as session:
         with phase(session.run_id, "preparing the dataset (reading, rendering, tokenizing; cached)"):
-            data: RewardModelData = prepare_dataset(session.builder, session.tokenizer_id)
+            data = cast(RewardModelData, prepare_dataset(session.dataset_builder, session.tokenizer_id))
         total = config.max_steps or len(data.train) // config.batch_size * config.num_epochs
         log.info(
             "%d train / %d test comparisons (%s orders), %d steps (renderer %s); %s",

@@ -38,11 +38,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any
+from dataclasses import replace
+from typing import Any, cast
 
 import numpy as np
 from prefect import flow, get_run_logger, unmapped
-from prefect.utilities.annotations import quote
+from tinker.types import LossFnType
 
 from prefect_tinker.flows.loop import StepLoop
 from prefect_tinker.flows.rl_config import RLConfig
@@ -55,10 +56,11 @@ from prefect_tinker.recipes.rl.advantages import (
     rollout_metrics,
     sample_train_kl,
 )
-from prefect_tinker.recipes.rl.envs import build_rl_dataset
-from prefect_tinker.recipes.rl.types import TrajectoryGroup
+from prefect_tinker.recipes.rl.envs import get_env
+from prefect_tinker.recipes.rl.types import RLDataset, TrajectoryGroup
 from prefect_tinker.tasks.benchmark_evaluator import benchmark_evaluators
 from prefect_tinker.tasks.clients import tokenizer
+from prefect_tinker.tasks.policies import quote
 from prefect_tinker.tasks.rollout_eval import session_env_evaluators
 from prefect_tinker.tasks.rollouts import new_usage, reference_logprobs, rollout_group
 from prefect_tinker.tasks.runners import map_task, submit_task
@@ -81,7 +83,7 @@ class RLLoop:
             ``trained``), reported and reset by :meth:`step_metrics`.
     """
 
-    def __init__(self, session: RunSession, dataset: Any, reference: str):
+    def __init__(self, session: RunSession[RLConfig], dataset: RLDataset, reference: str):
         self.session, self.config, self.dataset, self.reference = session, session.config, dataset, reference
         self.tokenizer = tokenizer(session.tokenizer_id)
         self.sampler_path = session.sampler_at(session.step)
@@ -203,10 +205,10 @@ class RLLoop:
         (:func:`~prefect_tinker.recipes.rl.advantages.sample_train_kl`), ``fwd_bwd_seconds``."""
         s = self.session
         sdk_datums = [d.to_datum(self.provenance) for d in datums]
-        # quote: Prefect does not walk the datums looking for futures (~10 ms per 1,000 tokens)
-        out = forward_backward(
-            s.credentials, s.run, quote(sdk_datums), self.loss.loss_fn, self.loss_fn_config, accumulated
-        )
+        # quote: Prefect does not walk the datums looking for futures (~10 ms per 1,000 tokens);
+        # a registered loss names one of the server's loss functions (the server refuses another)
+        loss_fn = cast(LossFnType, self.loss.loss_fn)
+        out = forward_backward(s.credentials, s.run, quote(sdk_datums), loss_fn, self.loss_fn_config, accumulated)
         self.usage["trained"] += float(model_input_tokens(sdk_datums))
         metrics = sample_train_kl(datums, [np.asarray(lp) for lp in out.logprobs])
         metrics.update(
@@ -244,11 +246,11 @@ class RLLoop:
         )
         return rows
 
-    def _trajectories(self, step: int, groups: list[TrajectoryGroup]) -> list[dict]:
-        n, out = self.config.log_trajectories, []
+    def _trajectories(self, step: int, groups: list[TrajectoryGroup]) -> list[dict[str, Any]]:
+        n, out = self.config.log_trajectories, list[dict[str, Any]]()
         for g in groups:
             adv = self.estimator(g.total_rewards())
-            for i, (traj, reward) in enumerate(zip(g.trajectories_G, g.total_rewards())):
+            for i, (traj, reward) in enumerate(zip(g.trajectories_G, g.total_rewards(), strict=True)):
                 if len(out) >= n:
                     return out
                 first = traj.transitions[0]
@@ -296,7 +298,9 @@ class RLLoop:
 def rl_flow(config: RLConfig) -> dict[str, Any]:
     """Train ``config.model`` with RL on ``config.env``; returns a summary (steps, mean reward of
     the first and last steps of this invocation, checkpoints, store)."""
-    with RunSession(config, fingerprint=config.data_fingerprint, preflight=config.preflight) as session:
+    with RunSession(
+        config, fingerprint=config.data_fingerprint, preflight=config.preflight, env=config.env_context
+    ) as session:
         last = session.resumed_from
         if last and last["step"] % config.num_substeps:
             raise ValueError(
@@ -305,15 +309,10 @@ def rl_flow(config: RLConfig) -> dict[str, Any]:
             )
         if session.step not in session.samplers:
             session.save_sampler(record=True)
-        reference = config.kl_reference or session.samplers.get(0) or f"base:{config.model}"
-        dataset = build_rl_dataset(
-            config,
-            renderer_name=session.renderer,
-            tokenizer_id=session.tokenizer_id,
-            group_size=config.group_size,
-            groups_per_batch=config.groups_per_batch,
-            seed=config.seed,
-        )
+        reference = config.kl_reference or session.samplers.get(0) or f"base:{session.model}"
+        ctx = session.context
+        assert ctx.env is not None  # the session was given the env context
+        dataset = get_env(config.env).build(config, ctx.env)
         loop = RLLoop(session, dataset, reference)
         schedule = SCHEDULES[config.schedule](loop)
         t0 = time.perf_counter()
@@ -323,7 +322,10 @@ def rl_flow(config: RLConfig) -> dict[str, Any]:
                 loop.total,
                 step_size=loop.k,
                 on_rewind=schedule.rewind,
-                evaluators=[*benchmark_evaluators(session), *session_env_evaluators(session)],
+                evaluators=[
+                    *benchmark_evaluators(ctx),
+                    *session_env_evaluators(config, replace(ctx.env, initial_sampler=session.samplers.get(0))),
+                ],
             ).run(schedule.step)
         finally:
             schedule.close()

@@ -11,8 +11,9 @@ from pydantic import Field, model_validator
 from prefect_tinker.flows.config import RecipeConfig
 from prefect_tinker.recipes.data_reading import source_fingerprint
 from prefect_tinker.recipes.rl.advantages import ADVANTAGE_ESTIMATORS, AdvantageEstimator
-from prefect_tinker.recipes.rl.envs import EnvSpec
+from prefect_tinker.recipes.rl.envs import EnvContext, EnvSpec
 from prefect_tinker.recipes.rl.losses import LOSSES, ClipThresholds, RLLoss
+from prefect_tinker.tasks.reward_model import WinRateEvaluator
 from prefect_tinker.tasks.rollouts import RolloutPolicy
 from prefect_tinker.tasks.runners import TaskRunnerFields
 
@@ -65,7 +66,8 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
     loss_fn: str = Field(
         default="importance_sampling",
         description=(
-            "Policy-gradient loss, a registered RL loss: importance_sampling, ppo, cispo, gspo, dro, stable_reinforce (plugins add more)."
+            "Policy-gradient loss, a registered RL loss: importance_sampling, ppo, cispo, gspo, dro, "
+            "stable_reinforce (plugins add more)."
         ),
     )
     loss_options: dict[str, Any] = Field(default_factory=dict, description="Options of the loss (its own fields).")
@@ -127,7 +129,8 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
         ADVANTAGE_ESTIMATORS.get_or_raise(self.advantage_estimator)
         if self.clip_low_threshold >= self.clip_high_threshold:
             raise ValueError(
-                f"clip_low_threshold ({self.clip_low_threshold}) must be below clip_high_threshold ({self.clip_high_threshold})"
+                f"clip_low_threshold ({self.clip_low_threshold}) must be below "
+                f"clip_high_threshold ({self.clip_high_threshold})"
             )
         if self.num_substeps > self.groups_per_batch:
             raise ValueError(
@@ -167,6 +170,21 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
         body["dataset"] = source_fingerprint(self.dataset) if self.dataset else None
         body["renderer"] = renderer
         return "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
+
+    def env_context(self, renderer: str, tokenizer_id: str) -> EnvContext:
+        """The environment context of a run of this config on the resolved ``renderer`` and
+        ``tokenizer_id`` (group and batch sizes, seed, rollout ``max_tokens`` and ``temperature``,
+        the task layer's win-rate evaluator); built once by the run session."""
+        return EnvContext(
+            renderer_name=renderer,
+            tokenizer_id=tokenizer_id,
+            group_size=self.group_size,
+            groups_per_batch=self.groups_per_batch,
+            seed=self.seed,
+            win_rate_evaluator=WinRateEvaluator,
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+        )
 
     def loss(self) -> RLLoss:
         """The registered loss ``loss_fn`` with its ``loss_options``.

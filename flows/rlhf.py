@@ -23,7 +23,7 @@ cookbook's ``recipes/preference/rlhf/rlhf_pipeline.py``.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from prefect import flow, get_run_logger
 from pydantic import BaseModel, Field, model_validator
@@ -69,7 +69,10 @@ class RLHFConfig(BaseModel):
     seed: int = Field(default=0, description="Seed of every stage.")
     run_name: str | None = Field(
         default=None,
-        description="Pipeline run id; the stages are <run_name>-sft, -rm and -rl. Re-running with the same name skips completed stages and resumes the others.",
+        description=(
+            "Pipeline run id; the stages are <run_name>-sft, -rm and -rl. Re-running with the same name skips "
+            "completed stages and resumes the others."
+        ),
     )
     store: str = Field(
         default_factory=default_store_root,
@@ -182,7 +185,7 @@ def rlhf_flow(config: RLHFConfig) -> dict[str, Any]:
         "SFT state": f"`{sft.state_path}`",
         "win rate vs SFT (first, last)": win,
     }
-    stage_summary_artifact(config.run_name, results, extra)
+    stage_summary_artifact(cast(str, config.run_name), results, extra)  # the validator set it
     log.info("RLHF %s: %s", config.run_name, ", ".join(f"{r.stage} {'ran' if r.ran else 'skipped'}" for r in results))
     return {
         "run_name": config.run_name,

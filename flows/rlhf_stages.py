@@ -122,10 +122,11 @@ def run_stage(stage: str, flow: Any, config: Any, fingerprint: Callable[[str], s
     return _result(store, stage, config.run_name, ran=True)
 
 
-def _get(config: dict, dotted: str) -> Any:
+def _get(config: dict[str, Any], dotted: str) -> Any:
+    value: Any = config
     for part in dotted.split("."):
-        config = config.get(part) if isinstance(config, dict) else None
-    return config
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
 
 
 def check_upstream(stage: str, config: Any, fields: tuple[str, ...]) -> None:

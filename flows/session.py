@@ -37,13 +37,14 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any
+from contextlib import ExitStack, contextmanager
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from prefect_tinker.flows.config import RecipeConfig, resolve_credentials
+from prefect_tinker.recipes.data_reading import reading_once
 from prefect_tinker.tasks.clients import ClientRewound, TrainingRun, tokenizer
 from prefect_tinker.tasks.records import (
     check_store,
@@ -54,7 +55,15 @@ from prefect_tinker.tasks.records import (
     write_table,
 )
 from prefect_tinker.tasks.reporting import artifact_key, report_run
+from prefect_tinker.tasks.run_context import RunContext
+from prefect_tinker.tasks.runners import TaskRunnerFields
 from prefect_tinker.tasks.training import open_training_run, save_checkpoint, save_sampler_weights
+
+if TYPE_CHECKING:
+    from prefect_tinker.recipes.builders import DatasetBuilder
+    from prefect_tinker.recipes.rl.envs import EnvContext
+    from tinker_blocks.credentials import TinkerCredentials
+    from tinker_blocks.lease import Lease
 
 __all__ = ["ResumeConfigError", "RunCallbacks", "RunSession", "run_callbacks"]
 
@@ -102,7 +111,10 @@ def emit(hook: str, *args: Any) -> None:
         getattr(cb, hook)(*args)
 
 
-class RunSession:
+ConfigT = TypeVar("ConfigT", bound=RecipeConfig, covariant=True)
+
+
+class RunSession(Generic[ConfigT]):
     """The lifecycle of one training run (see the module docstring).
 
     Args:
@@ -110,52 +122,72 @@ class RunSession:
         builder: ``renderer -> DatasetBuilder`` of the recipe's data (its fingerprint is recorded
             and compared on resume), or None.
         fingerprint: ``renderer -> str`` identity of the data when there is no builder (RL envs).
+        preflight: reads and validates the run's other data (RL problems) before anything starts.
+        env: ``(renderer, tokenizer_id) -> EnvContext`` of an RL run's environment, or None.
+        credentials: the backend's credentials when the flow resolved them already (distillation
+            checks its teachers with them before the session opens); None: resolved on opening.
         upstream: asset URIs the run's checkpoints depend on (besides the data and the start).
 
-    Attributes (after entering): ``credentials``, ``backend``, ``store`` (the run's one
-    :class:`~tinker_blocks.stores.TrainingStore`, for the session's own queries), ``run`` (the
-    :class:`~prefect_tinker.tasks.clients.TrainingRun` handle), ``renderer`` (resolved),
-    ``tokenizer_id``, ``builder``, ``resumed_from`` (the state checkpoint row resumed, or None),
-    ``samplers`` (optimizer step -> sampler path recorded for this run).
+    Attributes (after entering): ``context`` (the :class:`~prefect_tinker.tasks.run_context.RunContext`
+    resolved once: credentials, store, renderer, tokenizer, data fingerprint, env context, task
+    runner), ``credentials``, ``backend``, ``model`` (the base model name checked for the backend),
+    ``store`` (the run's one :class:`~tinker_blocks.stores.TrainingStore`: every row and query of
+    the session goes through it), ``run`` (the :class:`~prefect_tinker.tasks.clients.TrainingRun`
+    handle), ``renderer`` (resolved), ``tokenizer_id``, ``builder``, ``resumed_from`` (the state
+    checkpoint row resumed, or None), ``samplers`` (optimizer step -> sampler path recorded for
+    this run).
+
+    While the session is open each local data file is opened and hashed once
+    (:func:`~prefect_tinker.recipes.data_reading.reading_once`).
     """
 
     def __init__(
         self,
-        config: RecipeConfig,
+        config: ConfigT,
         *,
-        builder: Callable[[str], Any] | None = None,
+        builder: Callable[[str], DatasetBuilder] | None = None,
         fingerprint: Callable[[str], str] | None = None,
         preflight: Callable[[], None] | None = None,
+        env: Callable[[str, str], EnvContext] | None = None,
+        credentials: TinkerCredentials | None = None,
         upstream: list[str] | None = None,
     ):
         self.config, self.recipe = config, config.recipe or type(config).__name__.lower()
-        self.run_id: str = config.run_name
+        self.run_id = cast(str, config.run_name)  # set by the config's validator
         self._make_builder, self._make_fingerprint, self._preflight = builder, fingerprint, preflight
-        self.lease: Any = None
+        self._make_env, self._credentials = env, credentials
+        self.lease: Lease | None = None
         self.upstream = list(upstream or [])
-        self.pending: dict[str, list] = {"metrics": []}
+        self.pending: dict[str, list[Any]] = {"metrics": []}
         self.samplers: dict[int, str] = {}
         self._recorded_samplers: set[int] = set()
         self.checkpoints: list[str] = []
-        self.builder: Any = None
-        self.resumed_from: dict | None = None
+        self.builder: DatasetBuilder | None = None
+        self.resumed_from: dict[str, Any] | None = None
         self._status_recorded = False
+        self._reads = ExitStack()
 
     # ----- opening -----------------------------------------------------------------------------
-    def __enter__(self) -> RunSession:
+    def __enter__(self) -> RunSession[ConfigT]:
         c = self.config
-        # bad data fails first: before a server starts, a lease is taken or a row is written
-        if self._make_builder is not None:
-            self._make_builder(c.renderer).check()
-        if self._preflight is not None:
-            self._preflight()
-        self.credentials = resolve_credentials(c.backend)
-        self.backend = self.credentials.backend_name()
-        check_store(c.store)  # wrong credentials / unwritable store: fail before any training
-        from tinker_blocks.stores import TrainingStore
+        # a bad model name or bad data fails first: before a server starts, a lease is taken or a row is written
+        self.model = c.check_model()
+        self._reads.enter_context(reading_once())  # each local data file opened and hashed once per run
+        try:
+            if self._make_builder is not None:
+                self._make_builder(c.renderer).check()
+            if self._preflight is not None:
+                self._preflight()
+            self.credentials = self._credentials or resolve_credentials(c.backend)
+            self.backend = self.credentials.backend_name()
+            from tinker_blocks.stores import TrainingStore
 
-        self.store = TrainingStore(root=c.store)  # the session's one store object (its queries)
-        self.lease = self._acquire_lease()
+            self.store = TrainingStore(root=c.store)  # the run's one store object: every row and query
+            check_store(self.store)  # wrong credentials / unwritable store: fail before any training
+            self.lease = self._acquire_lease()
+        except BaseException:
+            self._reads.close()
+            raise
         try:
             return self._open()
         except BaseException:
@@ -173,9 +205,10 @@ class RunSession:
             owner = f"flow run {flow_run.name} ({flow_run.id})" if flow_run.id else None
         except Exception:  # outside a flow run
             owner = None
-        return acquire_lease(self.config.store, self.run_id, owner=owner)
+        return acquire_lease(self.store, self.run_id, owner=owner)
 
     def _release(self) -> None:
+        self._reads.close()
         if self.lease is not None:
             try:
                 self.lease.release()
@@ -183,7 +216,7 @@ class RunSession:
                 get_run_logger().warning("could not release the lease of run %s: %s", self.run_id, exc)
             self.lease = None
 
-    def _open(self) -> RunSession:
+    def _open(self) -> RunSession[ConfigT]:
         c, log = self.config, get_run_logger()
         stored = self.store.get_run(self.run_id)
         rows = self.store.query(
@@ -198,7 +231,7 @@ class RunSession:
         self.run: TrainingRun = open_training_run(
             self.credentials,
             self.run_id,
-            c.model,
+            self.model,
             c.lora_rank,
             self.backend,
             seed=c.seed,
@@ -206,18 +239,18 @@ class RunSession:
             resume_step=int(last["step"]) if last else 0,
             init_from=None if last else c.load_checkpoint_path,
         )
-        self.tokenizer_id = self.run.tokenizer_id
+        if self.run.tokenizer_id is None:
+            raise ValueError(f"run {self.run_id!r}: the backend named no tokenizer for model {self.model!r}")
+        self.tokenizer_id: str = self.run.tokenizer_id
         from prefect_tinker.recipes.renderers import resolve_renderer_name
 
         self.renderer = resolve_renderer_name(c.renderer, tokenizer(self.tokenizer_id))
         self.builder = self._make_builder(self.renderer) if self._make_builder else None
-        data_fp = (
-            self.builder.fingerprint()
-            if self.builder is not None
-            else self._make_fingerprint(self.renderer)
-            if self._make_fingerprint
-            else None
-        )
+        data_fp: str | None = None
+        if self.builder is not None:
+            data_fp = self.builder.fingerprint()
+        elif self._make_fingerprint is not None:
+            data_fp = self._make_fingerprint(self.renderer)
         self.meta = {
             "recipe": self.recipe,
             "renderer": self.renderer,
@@ -233,6 +266,21 @@ class RunSession:
             self.resumed_from = last
             log.info("resuming run %s after its checkpoint at step %d (%s)", self.run_id, last["step"], last["path"])
             self._warn_damaged()
+        self.context = RunContext(
+            run_id=self.run_id,
+            recipe=self.recipe,
+            model=self.model,
+            credentials=self.credentials,
+            store=self.store,
+            store_root=c.store,
+            renderer=self.renderer,
+            tokenizer_id=self.tokenizer_id,
+            dataset_fingerprint=data_fp,
+            evaluators=tuple(c.evaluators),
+            inspect_backend=c.backend.inspect_args(),
+            task_runner=c if isinstance(c, TaskRunnerFields) else None,
+            env=self._make_env(self.renderer, self.tokenizer_id) if self._make_env is not None else None,
+        )
         self._record("running")
         return self
 
@@ -258,13 +306,13 @@ class RunSession:
             f"resuming would {why}. Use a new run_name, or allow it with allow_config_change=[{field}]"
         )
 
-    def _check_resume_config(self, stored: dict) -> None:
+    def _check_resume_config(self, stored: dict[str, Any]) -> None:
         new = json.loads(self.config.model_dump_json())
         for field in type(self.config).resume_fields:
             if field in stored and field in new and stored[field] != new[field] and not self._allowed(field):
                 self._refuse(field, stored[field], new[field], "change the data position or the objective")
 
-    def _check_resume_meta(self, stored: dict) -> None:
+    def _check_resume_meta(self, stored: dict[str, Any]) -> None:
         for field, key, why in (
             ("renderer", "renderer", "train on tokens rendered another way"),
             ("dataset", "dataset_fingerprint", "train on other data at the same position"),
@@ -292,10 +340,12 @@ class RunSession:
 
     def _record(self, status: str) -> None:
         c = self.config
-        record_run(c.store, self.run_id, c.model, self.backend, c.lora_rank, c.model_dump_json(), status, self.meta)
+        record_run(
+            self.store, self.run_id, self.model, self.backend, c.lora_rank, c.model_dump_json(), status, self.meta
+        )
         self._status_recorded = True
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         try:
             if exc is not None and self._status_recorded:
                 try:
@@ -307,6 +357,17 @@ class RunSession:
 
     # ----- while training ----------------------------------------------------------------------
     @property
+    def dataset_builder(self) -> DatasetBuilder:
+        """The run's dataset builder for the resolved renderer.
+
+        Raises:
+            RuntimeError: the session was opened without a ``builder``.
+        """
+        if self.builder is None:
+            raise RuntimeError(f"run {self.run_id!r}: this session has no dataset builder")
+        return self.builder
+
+    @property
     def step(self) -> int:
         """Optimizer steps taken."""
         return self.run.step
@@ -315,19 +376,18 @@ class RunSession:
         """Buffer ``metrics`` (full names, e.g. ``train/loss``) as rows at ``step``."""
         self.pending["metrics"] += [(int(step), k, float(v)) for k, v in metrics.items()]
 
-    def buffer(self, table: str, rows: list[dict]) -> None:
+    def buffer(self, table: str, rows: list[dict[str, Any]]) -> None:
         """Buffer rows of another training-store table (each with a ``step``), written with the
         metrics before the next checkpoint row."""
         self.pending.setdefault(table, []).extend(rows)
 
     def flush(self) -> None:
         """Write every buffered row now (metrics first)."""
-        c = self.config
         if self.pending["metrics"]:
-            write_metrics(c.store, self.run_id, self.pending["metrics"])
+            write_metrics(self.store, self.run_id, self.pending["metrics"])
         for table, rows in self.pending.items():
             if table != "metrics" and rows:
-                write_table(c.store, table, self.run_id, rows)
+                write_table(self.store, table, self.run_id, rows)
         self.pending = {"metrics": []}
 
     def rewind(self, rew: ClientRewound) -> None:
@@ -374,7 +434,7 @@ class RunSession:
 
     def _record_sampler(self, step: int) -> None:
         if step in self.samplers and step not in self._recorded_samplers:
-            record_checkpoint(self.config.store, self.run_id, step, self.samplers[step], "sampler", self.renderer)
+            record_checkpoint(self.store, self.run_id, step, self.samplers[step], "sampler", self.renderer)
             self._recorded_samplers.add(step)
 
     def checkpoint_name(self, step: int) -> str:
@@ -384,7 +444,7 @@ class RunSession:
         """State checkpoint at the current step (weights + optimizer, an asset with the data and
         the start weights upstream); writes the buffered rows, the sampler row of this step (if
         any), then the state row -- the resume marker -- and posts the report. Returns the path."""
-        c, done = self.config, self.step
+        done = self.step
         if self.lease is not None:
             self.lease.check()  # LeaseLostError: another writer took the run over; write nothing more
         self.run, path = save_checkpoint(
@@ -392,7 +452,7 @@ class RunSession:
         )
         self.flush()
         self._record_sampler(done)
-        record_checkpoint(c.store, self.run_id, done, path, "state", self.renderer)
+        record_checkpoint(self.store, self.run_id, done, path, "state", self.renderer)
         self.checkpoints.append(path)
         self.report(done)
         emit("after_checkpoint", self.run_id, done, path)
@@ -403,7 +463,7 @@ class RunSession:
         from prefect_tinker.flows.registry import get_recipe
 
         curves = get_recipe(self.recipe).curves if self.recipe else ()
-        report_run(self.config.store, self.run_id, step, kind=self.recipe, curves=curves)
+        report_run(self.store, self.run_id, step, kind=self.recipe, curves=curves)
 
     def metric_ends(self, name: str) -> tuple[Any, Any]:
         """``(value at the first step, value at the last step)`` of metric ``name`` over the whole
@@ -435,7 +495,7 @@ class RunSession:
         self.flush()
         self._record("completed")
         emit("before_compaction", self.run_id)
-        compact_finished_run(self.config.store, self.run_id)
+        compact_finished_run(self.store, self.run_id)
         rows = self.store.query("SELECT path FROM checkpoints WHERE run_id = ? ORDER BY step, kind", [self.run_id])
         out = {
             "run_name": self.run_id,
@@ -451,7 +511,7 @@ class RunSession:
     def _summary_artifact(self, summary: dict[str, Any], fields: dict[str, Any]) -> None:
         c = self.config
         table = {
-            "model": f"`{c.model}`",
+            "model": f"`{self.model}`",
             "renderer": f"`{self.renderer}`",
             **fields,
             "steps": summary["steps"],

@@ -14,10 +14,9 @@ checkpoint at ``s``). Batches are a function of (seed, step), so a resumed run c
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, cast
 
 from prefect import flow, get_run_logger
-from prefect.utilities.annotations import quote
 from pydantic import Field
 
 from prefect_tinker.flows.config import RecipeConfig
@@ -31,6 +30,7 @@ from prefect_tinker.tasks.benchmark_evaluator import benchmark_evaluators
 from prefect_tinker.tasks.clients import tokenizer
 from prefect_tinker.tasks.data import prepare_dataset
 from prefect_tinker.tasks.evaluators import NLLEvaluator, data_evaluators
+from prefect_tinker.tasks.policies import quote
 from prefect_tinker.tasks.sampling import sample_completions
 from prefect_tinker.tasks.training import model_input_tokens, train_step
 
@@ -56,7 +56,10 @@ class SFTConfig(SourceFields, RecipeConfig):
 
     dataset: str | None = Field(
         default=EXAMPLE_CHATS,
-        description="JSONL file of {'messages': [...]} (or another format), a dataset directory, 'builtin:example_chat' or a Hugging Face dataset id.",
+        description=(
+            "JSONL file of {'messages': [...]} (or another format), a dataset directory, 'builtin:example_chat' or a "
+            "Hugging Face dataset id."
+        ),
     )
     messages_field: str = Field(default="messages", description="Field holding the message list (format=messages).")
     train_on_what: str = Field(default="all_assistant_messages", description="Which tokens get loss weight.")
@@ -97,7 +100,7 @@ def sft_flow(config: SFTConfig) -> dict[str, Any]:
     log = get_run_logger()
     with RunSession(config, builder=config.dataset_builder) as session:
         with phase(session.run_id, "preparing the dataset (reading, rendering, tokenizing; cached)"):
-            data: SupervisedData = prepare_dataset(session.builder, session.tokenizer_id)
+            data = cast(SupervisedData, prepare_dataset(session.dataset_builder, session.tokenizer_id))
         per_epoch = len(data.train) // config.batch_size
         total = config.max_steps or per_epoch * config.num_epochs
         test = [datum_from_example(ex) for ex in data.test]  # an Example: its media by reference
@@ -126,7 +129,7 @@ def sft_flow(config: SFTConfig) -> dict[str, Any]:
         evaluators = [
             *([NLLEvaluator(test)] if test else []),
             *data_evaluators(session.builder, data, session.tokenizer_id),
-            *benchmark_evaluators(session),
+            *benchmark_evaluators(session.context),
         ]
         StepLoop(session, total, evaluators=evaluators).run(one_step)
         with phase(session.run_id, f"final sampling ({min(config.num_eval_samples, len(data.test))} prompts)"):
@@ -147,7 +150,7 @@ def _sample(session: RunSession, data: SupervisedData, config: SFTConfig) -> lis
     for ex in data.test[: config.num_eval_samples]:
         first = next(i for i, w in enumerate(ex.weights) if w > 0)
         prompts.append(ex.sequence()[:first])  # images / audio kept
-        references.append(tok.decode([t for t, w in zip(ex.tokens, ex.weights) if w > 0]))
+        references.append(tok.decode([t for t, w in zip(ex.tokens, ex.weights, strict=True) if w > 0]))
     outs = sample_completions(
         session.credentials,
         sampler_path,
@@ -159,7 +162,7 @@ def _sample(session: RunSession, data: SupervisedData, config: SFTConfig) -> lis
     )
     return [
         {"prompt": tok.decode(p), "completion": tok.decode(o[0]["tokens"]), "reference": r}
-        for p, o, r in zip(prompts, outs, references)
+        for p, o, r in zip(prompts, outs, references, strict=True)
     ]
 
 

@@ -25,10 +25,14 @@ counts it in a :class:`SkipStats` by reason and logs the first few.
 from __future__ import annotations
 
 import gzip
+import hashlib
+import io
 import json
 import logging
 from collections import Counter
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -56,6 +60,7 @@ __all__ = [
     "check_local_source",
     "is_capture_source",
     "looks_local",
+    "reading_once",
     "missing_local_source",
     "resolve_source_path",
     "source_fingerprint",
@@ -209,8 +214,6 @@ def source_fingerprint(spec: SourceSpec | str) -> str:
     (whose content the hub versions; pin a revision in the id to make it exact)."""
     spec = SourceSpec.coerce(spec)
     if is_capture_source(spec.path):  # the captured rows the filter selects, as read now
-        import hashlib
-
         rows = [[c.messages, c.metadata.get("tools")] for c in _captured(spec)]
         return "sha256:" + hashlib.sha256(json.dumps(rows, sort_keys=True, default=str).encode()).hexdigest()
     path = Path(resolve_source_path(spec.path)).expanduser()
@@ -221,16 +224,66 @@ def source_fingerprint(spec: SourceSpec | str) -> str:
     return f"hf:{spec.path}" + (f":{spec.config_name}" if spec.config_name else "")
 
 
-def _sha256_files(files: list[Path], base: Path | None) -> str:
-    import hashlib
+@dataclass
+class _Reads:
+    """The files read inside one :func:`reading_once` block: bytes and sha256 per resolved file path,
+    and the content digest of each local directory hashed."""
 
+    data: dict[Path, bytes] = field(default_factory=dict)
+    digests: dict[Path, str] = field(default_factory=dict)
+
+    def read(self, path: Path) -> bytes:
+        key = path.resolve()
+        if key not in self.data:
+            self.data[key] = key.read_bytes()
+        return self.data[key]
+
+    def sha256(self, path: Path) -> str:
+        key = path.resolve()
+        if key not in self.digests:
+            self.digests[key] = hashlib.sha256(self.read(key)).hexdigest()
+        return self.digests[key]
+
+
+_READS: ContextVar[_Reads | None] = ContextVar("prefect_tinker_source_reads", default=None)
+
+
+@contextmanager
+def reading_once() -> Iterator[None]:
+    """Inside the block each local data file is opened once: its bytes are kept, its sha256 is
+    computed once, and every later read (records, fingerprints) of that path uses them, so one
+    run reads one consistent content of a file that changes on disk meanwhile. A local
+    directory's content digest is computed once (its files streamed, not kept). A run session
+    opens this block for the run; outside it files are streamed from disk on every read.
+
+    The kept bytes cost memory of the size of the run's local data files (their records are held
+    in memory for training anyway). Nested blocks share the outer block's reads.
+    """
+    if _READS.get() is not None:
+        yield
+        return
+    token = _READS.set(_Reads())
+    try:
+        yield
+    finally:
+        _READS.reset(token)
+
+
+def _sha256_files(files: list[Path], base: Path | None) -> str:
+    reads = _READS.get()
+    if reads is not None and base is None and len(files) == 1:  # one file: the digest of its bytes, kept
+        return reads.sha256(files[0])
+    if reads is not None and base is not None and base.resolve() in reads.digests:  # a directory hashed before
+        return reads.digests[base.resolve()]
     h = hashlib.sha256()
-    for f in files:
+    for f in files:  # streamed: a directory's files (images, ...) are not kept in memory
         if base is not None:
             h.update(str(f.relative_to(base)).encode() + b"\0")
         with open(f, "rb") as fh:
             while block := fh.read(1 << 20):
                 h.update(block)
+    if reads is not None and base is not None:
+        reads.digests[base.resolve()] = h.hexdigest()
     return h.hexdigest()
 
 
@@ -245,8 +298,13 @@ def _resolve(spec: SourceSpec) -> tuple[str, Path]:
 def _read_jsonl(path: Path) -> Iterator[RawRecord]:
     """Records of a JSONL file; a line that is not UTF-8 or not JSON becomes a record error
     naming ``file:line`` and the column (characters for JSON, bytes for an undecodable byte)."""
-    opener = gzip.open if path.name.lower().endswith(".gz") else open
-    with opener(path, "rb") as fh:
+    reads, gz = _READS.get(), path.name.lower().endswith(".gz")
+    if reads is not None:
+        data = reads.read(path)
+        fh: Any = gzip.GzipFile(fileobj=io.BytesIO(data)) if gz else io.BytesIO(data)
+    else:
+        fh = gzip.open(path, "rb") if gz else open(path, "rb")  # noqa: SIM115 (closed below)
+    with fh:
         for lineno, raw in enumerate(fh, start=1):
             where = f"{path}:{lineno}"
             try:

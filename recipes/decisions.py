@@ -130,7 +130,7 @@ def choice_loss(logprobs, weights):
     return ce, {"custom/ce:sum": ce, "custom/kl:sum": kl, "custom/brier:sum": brier, "custom/correct:sum": correct}
 
 
-def choice_probs(label_logprobs: Sequence[float]) -> np.ndarray:
+def choice_probs(label_logprobs: Sequence[float] | np.ndarray) -> np.ndarray:
     """The choice distribution (N,) from the label tokens' logprobs (N,), renormalised."""
     lp = np.asarray(label_logprobs, dtype=np.float64)
     q = np.exp(lp - lp.max())

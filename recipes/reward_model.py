@@ -160,7 +160,7 @@ def debiased_prob(forward: tuple[float, float], backward: tuple[float, float]) -
     return 0.5 * (prob_second(*forward) + 1.0 - prob_second(*backward))
 
 
-def brier(p_correct: Sequence[float]) -> float:
+def brier(p_correct: Sequence[float] | np.ndarray) -> float:
     """Brier score ``mean((1 - p)^2)`` of the probabilities given to the correct answers (0 is
     perfect, 0.25 is an uninformed 0.5 everywhere)."""
     p = np.asarray(p_correct, dtype=np.float64)

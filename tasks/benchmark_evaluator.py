@@ -1,7 +1,7 @@
 """Benchmarks during training: the ``evaluators`` of a recipe's config as sampling-client
 evaluators of the step loop.
 
-``StepLoop(session, total, evaluators=[..., *benchmark_evaluators(session)])`` runs each
+``StepLoop(session, total, evaluators=[..., *benchmark_evaluators(session.context)])`` runs each
 configured benchmark (or inspect task) on the sampler weights of the evaluated step -- at the
 start of a fresh run, every ``eval_every`` steps and at the end -- through the same cached
 ``evaluate-benchmark`` / ``evaluate-inspect`` tasks as the eval flow
@@ -18,8 +18,10 @@ from typing import Any
 
 from prefect_tinker.recipes.evals.benchmarks import BenchmarkSpec
 from prefect_tinker.recipes.evals.specs import InspectSpec
-from prefect_tinker.tasks.eval_tasks import EvalTarget, evaluate_benchmark, evaluate_inspect, inspect_backend_args
+from prefect_tinker.tasks.eval_tasks import EvalTarget, evaluate_benchmark, evaluate_inspect
 from prefect_tinker.tasks.evaluators import SamplingClientEvaluator
+from prefect_tinker.tasks.run_context import RunContext
+from prefect_tinker.tasks.runners import TaskRunnerFields
 
 __all__ = ["BenchmarkEvaluator", "benchmark_evaluators"]
 
@@ -35,8 +37,8 @@ class BenchmarkEvaluator(SamplingClientEvaluator):
         run_id: the training run (``eval_results.run_id``).
         renderer: the run's resolved renderer.
         eval_store: eval store root (the run's store root).
-        runner: task-runner settings for the batches (:class:`~prefect_tinker.tasks.runners.TaskRunnerFields`), or None.
-        backend: the config's ``BackendConfig`` (inspect's provider args), or None.
+        runner: task-runner settings for the batches, or None (the flow's thread pool).
+        inspect_backend: provider args of the inspect ``tinker`` model (no secrets).
         batch_size: examples per ``eval-batch`` task.
     """
 
@@ -47,12 +49,12 @@ class BenchmarkEvaluator(SamplingClientEvaluator):
         run_id: str,
         renderer: str,
         eval_store: str,
-        runner: Any = None,
-        backend: Any = None,
+        runner: TaskRunnerFields | None = None,
+        inspect_backend: dict[str, Any] | None = None,
         batch_size: int = 16,
     ):
         self.spec, self.run_id, self.renderer, self.eval_store = spec, run_id, renderer, eval_store
-        self.runner, self.backend, self.batch_size = runner, backend, batch_size
+        self.runner, self.inspect_backend, self.batch_size = runner, dict(inspect_backend or {}), batch_size
         self.name = spec.name
 
     def evaluate(self, credentials: Any, sampler_path: str, step: int) -> dict[str, float]:
@@ -73,7 +75,7 @@ class BenchmarkEvaluator(SamplingClientEvaluator):
                 target,
                 self.spec,
                 self.eval_store,
-                backend_args=inspect_backend_args(self.backend),
+                backend_args=self.inspect_backend,
                 config=config,
             )
         else:
@@ -89,14 +91,17 @@ class BenchmarkEvaluator(SamplingClientEvaluator):
         return {f"eval/{self.name}/{m}": float(v) for m, v in out["metrics"].items() if m not in SKIPPED}
 
 
-def benchmark_evaluators(session: Any) -> list[BenchmarkEvaluator]:
-    """The evaluators of ``session.config.evaluators`` for an open run session (its run id,
-    resolved renderer, store root, backend and -- when the config has one -- task runner)."""
-    c = session.config
-    runner = c if hasattr(c, "task_runner") else None
+def benchmark_evaluators(ctx: RunContext) -> list[BenchmarkEvaluator]:
+    """The evaluators of the run's configured ``evaluators`` (its run id, resolved renderer, store
+    root, inspect provider args and task runner, from the run context)."""
     return [
         BenchmarkEvaluator(
-            spec, run_id=session.run_id, renderer=session.renderer, eval_store=c.store, runner=runner, backend=c.backend
+            spec,
+            run_id=ctx.run_id,
+            renderer=ctx.renderer,
+            eval_store=ctx.store_root,
+            runner=ctx.task_runner,
+            inspect_backend=ctx.inspect_backend,
         )
-        for spec in getattr(c, "evaluators", None) or []
+        for spec in ctx.evaluators
     ]

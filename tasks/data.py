@@ -15,10 +15,11 @@ from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import TASK_SOURCE, CacheKeyFnPolicy
+from pydantic import BaseModel
 
 from prefect_tinker.recipes.builders import DatasetBuilder, Example, SupervisedData
 from prefect_tinker.tasks.clients import tokenizer as load_tokenizer
-from prefect_tinker.tasks.policies import RETRY_OPTIONS
+from prefect_tinker.tasks.policies import RETRY_OPTIONS, run_name_from_parameters
 
 __all__ = ["Example", "SupervisedData", "prepare_dataset"]
 
@@ -36,14 +37,15 @@ def _run_name(parameters: dict[str, Any]) -> str:
 
 @task(
     name="prepare-dataset",
-    task_run_name=_run_name,
+    task_run_name=run_name_from_parameters(_run_name),
     cache_policy=TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_cache_key),
     persist_result=True,
     **RETRY_OPTIONS,
 )
-def prepare_dataset(builder: DatasetBuilder, tokenizer_id: str) -> Any:
+def prepare_dataset(builder: DatasetBuilder, tokenizer_id: str) -> BaseModel:
     """``builder.build(tokenizer)`` for the tokenizer ``tokenizer_id`` (a local directory or hub
     id), cached by content (see the module docstring). Logs how many records were skipped.
+    Returns the builder's data model (``SupervisedBuilder``: ``SupervisedData``, ...).
 
     Raises:
         DatasetFormatError / FileNotFoundError / ValueError: from the builder, naming the file,

@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 from prefect.artifacts import create_markdown_artifact
-from prefect.utilities.annotations import quote
 
 from prefect_tinker.recipes.decisions import (
     CHOICE_LOSS_RANKS,
@@ -33,6 +32,7 @@ from prefect_tinker.recipes.decisions import (
 )
 from prefect_tinker.tasks.clients import TrainingRun
 from prefect_tinker.tasks.evaluators import TrainingClientEvaluator
+from prefect_tinker.tasks.policies import quote
 from prefect_tinker.tasks.reporting import artifact_key, write_png
 from prefect_tinker.tasks.training import forward
 
@@ -77,9 +77,9 @@ def plot_reliability(bins: list[dict[str, float]], title: str) -> bytes:
     acc = [0.0 if not b["count"] else b["accuracy"] for b in bins]
     top.bar(centers, acc, width=width * 0.9, color="tab:blue", label="accuracy")
     top.plot([0, 1], [0, 1], "k--", lw=1, label="perfect calibration")
-    conf = [(c, b["confidence"]) for c, b in zip(centers, bins) if b["count"]]
+    conf = [(c, b["confidence"]) for c, b in zip(centers, bins, strict=True) if b["count"]]
     if conf:
-        top.plot(*zip(*conf), "o", color="tab:orange", label="mean confidence")
+        top.plot(*zip(*conf, strict=True), "o", color="tab:orange", label="mean confidence")
     top.set(ylim=(0, 1), ylabel="accuracy", title=title)
     top.legend(loc="upper left", fontsize=8)
     bottom.bar(centers, [b["count"] for b in bins], width=width * 0.9, color="tab:gray")

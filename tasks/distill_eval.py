@@ -76,7 +76,7 @@ class TeacherAgreementEvaluator(SamplingClientEvaluator):
         self.last_replies = replies
         agree = [
             normalise_label(r, self.first_line) == normalise_label(t, self.first_line)
-            for r, t in zip(replies, self.labels)
+            for r, t in zip(replies, self.labels, strict=True)
         ]
         return {
             f"{self.prefix}/teacher_agreement": sum(agree) / len(agree),

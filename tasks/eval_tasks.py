@@ -43,7 +43,7 @@ from prefect_tinker.recipes.evals.specs import InspectSpec
 from prefect_tinker.tasks.clients import result as watched_result
 from prefect_tinker.tasks.clients import sampling_client
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
-from prefect_tinker.tasks.runners import map_task
+from prefect_tinker.tasks.runners import TaskRunnerFields, map_task
 
 __all__ = [
     "EvalTarget",
@@ -51,7 +51,6 @@ __all__ = [
     "eval_batch",
     "evaluate_benchmark",
     "evaluate_inspect",
-    "inspect_backend_args",
     "renderer_for",
     "sampler_from_state",
 ]
@@ -198,7 +197,7 @@ def evaluate_benchmark(
     target: EvalTarget,
     spec: BenchmarkSpec,
     eval_store: str,
-    runner: Any = None,
+    runner: TaskRunnerFields | None = None,
     batch_size: int = 16,
     config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -248,17 +247,6 @@ def evaluate_benchmark(
     store.write_rows("eval_samples", samples)  # the samples first: a result row means its samples exist
     store.write_rows("eval_results", results)
     return _outcome(target, spec.name, results, len(examples))
-
-
-def inspect_backend_args(backend: Any) -> dict[str, Any]:
-    """Provider args of the inspect ``tinker`` model for a
-    :class:`~prefect_tinker.flows.config.BackendConfig`-like ``backend`` (no secrets: a remote
-    server's key comes from ``TINKER_API_KEY`` or the credentials block)."""
-    if getattr(backend, "credentials_block", None):
-        return {"credentials_block": backend.credentials_block}
-    if getattr(backend, "base_url", None):
-        return {"base_url": backend.base_url}
-    return {"local_root": backend.local_root} if getattr(backend, "local_root", None) else {}
 
 
 def _inspect_key(context: Any, params: dict[str, Any]) -> str:

@@ -15,13 +15,16 @@ to the eval store themselves.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import tinker
-from prefect.utilities.annotations import quote
 
 from prefect_tinker.tasks.clients import TrainingRun
+from prefect_tinker.tasks.policies import quote
 from prefect_tinker.tasks.training import forward, weights_sum
+
+if TYPE_CHECKING:
+    from prefect_tinker.recipes.preference import LossName
 
 __all__ = [
     "ClassifierAccuracyEvaluator",
@@ -103,13 +106,13 @@ class PreferenceEvaluator(TrainingClientEvaluator):
 
     def __init__(
         self,
-        pairs: list,
+        pairs: list[Any],
         *,
         beta: float,
-        loss: str,
+        loss: LossName,
         label_smoothing: float,
         reference: str,
-        via: str = "trainer",
+        via: Literal["trainer", "sampler"] = "trainer",
         prefix: str = "test",
         seed: int | None = None,
     ):
@@ -195,7 +198,7 @@ class ClassifierAccuracyEvaluator(SamplingClientEvaluator):
         prompts, labels = [], []
         for ex in self.examples:
             prompts.append(ex.prompt() + prefill)
-            trained = [t for t, w in zip(ex.tokens, ex.weights) if w > 0]
+            trained = [t for t, w in zip(ex.tokens, ex.weights, strict=True) if w > 0]
             labels.append(self.answer(renderer.parse_response(trained).message.get("content") or ""))
         outs = sample_completions.with_options(task_run_name=f"eval-accuracy-step-{step}")(
             credentials,
@@ -206,7 +209,7 @@ class ClassifierAccuracyEvaluator(SamplingClientEvaluator):
             stop=renderer.get_stop_sequences(),
         )
         hits = []
-        for out, label in zip(outs, labels):
+        for out, label in zip(outs, labels, strict=True):
             text = renderer.parse_response(out[0]["tokens"]).message.get("content") or ""
             hits.append(float(self.answer(self.answer_prefix + text) == label))
         return {f"{self.prefix}/accuracy": sum(hits) / len(hits), f"{self.prefix}/accuracy_n": float(len(hits))}
@@ -246,7 +249,10 @@ class TranscriptionEvaluator(SamplingClientEvaluator):
             return {}
         renderer = load_renderer(self.renderer_name, self.tokenizer_id)
         refs = [
-            renderer.parse_response([t for t, w in zip(ex.tokens, ex.weights) if w > 0]).message.get("content") or ""
+            renderer.parse_response([t for t, w in zip(ex.tokens, ex.weights, strict=True) if w > 0]).message.get(
+                "content"
+            )
+            or ""
             for ex in self.examples
         ]
         outs = sample_completions.with_options(task_run_name=f"eval-wer-step-{step}")(
@@ -259,7 +265,7 @@ class TranscriptionEvaluator(SamplingClientEvaluator):
         )
         wers = [
             word_error_rate(renderer.parse_response(o[0]["tokens"]).message.get("content") or "", r)
-            for o, r in zip(outs, refs)
+            for o, r in zip(outs, refs, strict=True)
         ]
         return {
             f"{self.prefix}/wer": sum(wers) / len(wers),

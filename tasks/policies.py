@@ -10,13 +10,31 @@ validation errors — those fail at once so that the user sees the message inste
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import tinker
-from prefect.tasks import exponential_backoff
+from prefect.tasks import TaskRunNameCallbackWithParameters, exponential_backoff
+from prefect.utilities.annotations import quote as prefect_quote
 
-__all__ = ["is_transient", "retry_condition", "RETRY_OPTIONS", "file_sha256"]
+__all__ = ["is_transient", "retry_condition", "RETRY_OPTIONS", "file_sha256", "quote", "run_name_from_parameters"]
+
+T = TypeVar("T")
+
+
+def quote(value: T) -> T:
+    """``value`` wrapped in Prefect's :class:`~prefect.utilities.annotations.quote`: a task argument
+    Prefect hands on without walking its items (lists of datums, token lists). Typed as ``value``,
+    which is what the task function receives (Prefect unwraps the annotation before the call)."""
+    return cast(T, prefect_quote(value))
+
+
+def run_name_from_parameters(fn: Callable[[dict[str, Any]], str]) -> TaskRunNameCallbackWithParameters:
+    """``fn(parameters) -> name`` as a task's ``task_run_name`` (Prefect calls it with the task's
+    parameters because its argument is named ``parameters``). Prefect's protocol for such
+    callbacks also declares a classmethod, which no plain function has, hence the cast."""
+    return cast(TaskRunNameCallbackWithParameters, fn)
 
 
 def _status(exc: BaseException) -> int | None:

@@ -8,11 +8,15 @@ from natural keys (run, step, name), so re-writing a step after a resume dedupli
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
+
+if TYPE_CHECKING:
+    from tinker_blocks.stores import TrainingStore
 
 __all__ = [
     "write_metrics",
@@ -35,6 +39,8 @@ def _steps_run_name(kind: str):
         steps = []
         for r in rows if isinstance(rows, (list, tuple)) else ():  # never consume an iterator
             step = r.get("step") if isinstance(r, dict) else (r[0] if isinstance(r, (tuple, list)) and r else None)
+            if step is None:
+                continue
             try:
                 steps.append(int(step))
             except (TypeError, ValueError):
@@ -48,16 +54,17 @@ def _steps_run_name(kind: str):
     return name
 
 
-def _store(root):
+def _store(root: str | TrainingStore) -> TrainingStore:
     """A ``TrainingStore`` for ``root``: a folder or ``s3://`` URL (S3 credentials from the AWS_*
-    environment variables), or a store block (then used as is: its ``credentials`` apply)."""
+    environment variables), or a store block (then used as is: its ``credentials`` apply; a run
+    session passes its one store object, so no task builds another)."""
     from tinker_blocks.stores import TrainingStore
 
     return root if isinstance(root, TrainingStore) else TrainingStore(root=root)
 
 
 @task(name="check-store", cache_policy=NO_CACHE, **RETRY_OPTIONS)
-def check_store(store: str) -> None:
+def check_store(store: str | TrainingStore) -> None:
     """Fail now, with a clear message, when the store cannot be written, listed and read (wrong
     S3 credentials, missing bucket, unwritable folder): call it before training starts.
 
@@ -67,7 +74,7 @@ def check_store(store: str) -> None:
 
 
 @task(name="compact-run", task_run_name="compact-{run_id}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
-def compact_run(store: str, run_id: str, tables: tuple[str, ...] | None = None) -> int:
+def compact_run(store: str | TrainingStore, run_id: str, tables: tuple[str, ...] | None = None) -> int:
     """Merge each of the run's ``tables`` (default: every training-store table: runs, metrics,
     checkpoints, trajectories) into one part; tables with fewer than two parts are left alone.
     Queries over S3 cost a request per part, so a finished run should be one part per table.
@@ -76,7 +83,7 @@ def compact_run(store: str, run_id: str, tables: tuple[str, ...] | None = None) 
     return sum(st.compact(run_id, t) is not None for t in (tables or st.tables))
 
 
-def compact_finished_run(store: str, run_id: str) -> int | None:
+def compact_finished_run(store: str | TrainingStore, run_id: str) -> int | None:
     """Call :func:`compact_run` at the end of a successful flow run. A failure (after the task's
     retries) is logged as a warning, not raised: the run's rows are intact, only spread over
     more parts, and ``TrainingStore(root=...).compact(run_id, table)`` can merge them later.
@@ -91,7 +98,7 @@ def compact_finished_run(store: str, run_id: str) -> int | None:
 
 
 @task(name="write-metrics", task_run_name=_steps_run_name("metrics"), cache_policy=NO_CACHE, **RETRY_OPTIONS)
-def write_metrics(store: str, run_id: str, rows: Iterable[tuple[int, str, float]]) -> int:
+def write_metrics(store: str | TrainingStore, run_id: str, rows: Iterable[tuple[int, str, float]]) -> int:
     """Write ``(step, name, value)`` rows of run ``run_id`` as one part; returns the row count."""
     rows = list(rows)
     if not rows:
@@ -103,7 +110,7 @@ def write_metrics(store: str, run_id: str, rows: Iterable[tuple[int, str, float]
 
 
 @task(name="write-trajectories", task_run_name=_steps_run_name("trajectories"), cache_policy=NO_CACHE, **RETRY_OPTIONS)
-def write_trajectories(store: str, run_id: str, rows: list[dict]) -> int:
+def write_trajectories(store: str | TrainingStore, run_id: str, rows: list[dict]) -> int:
     """Write rows of the ``trajectories`` table (step, batch_index, group_index, member, prompt,
     response, reward, ...; ``run_id`` is added) as one part; returns the row count."""
     if not rows:
@@ -112,7 +119,7 @@ def write_trajectories(store: str, run_id: str, rows: list[dict]) -> int:
 
 
 @task(name="write-rows", task_run_name=_steps_run_name("rows"), cache_policy=NO_CACHE, **RETRY_OPTIONS)
-def write_table(store: str, table: str, run_id: str, rows: list[dict]) -> int:
+def write_table(store: str | TrainingStore, table: str, run_id: str, rows: list[dict]) -> int:
     """Write ``rows`` of any table of the store (``run_id`` added) as one part; returns the count."""
     if not rows:
         return 0
@@ -122,7 +129,9 @@ def write_table(store: str, table: str, run_id: str, rows: list[dict]) -> int:
 @task(
     name="record-checkpoint", task_run_name="record-{kind}-{run_id}-step-{step}", cache_policy=NO_CACHE, **RETRY_OPTIONS
 )
-def record_checkpoint(store: str, run_id: str, step: int, path: str, kind: str, renderer: str | None = None) -> None:
+def record_checkpoint(
+    store: str | TrainingStore, run_id: str, step: int, path: str, kind: str, renderer: str | None = None
+) -> None:
     """Record a saved checkpoint (``kind`` 'state' or 'sampler') taken after ``step`` updates, and
     the renderer its weights were trained with."""
     name = path.rstrip("/").rsplit("/", 1)[-1]
@@ -132,7 +141,7 @@ def record_checkpoint(store: str, run_id: str, step: int, path: str, kind: str, 
 
 @task(name="record-run", task_run_name="record-run-{run_id}-{status}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
 def record_run(
-    store: str,
+    store: str | TrainingStore,
     run_id: str,
     base_model: str,
     backend: str,

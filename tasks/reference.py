@@ -69,14 +69,14 @@ def reference_sequence_logprobs(
     if via == "trainer":
         fut = reference_client(credentials, reference, seed=seed).forward(datums, "cross_entropy")
         out = result(credentials, fut, f"reference logprobs of {reference}")
-        return [_weighted(o["logprobs"], d) for o, d in zip(out.loss_fn_outputs, datums)]
+        return [_weighted(o["logprobs"], d) for o, d in zip(out.loss_fn_outputs, datums, strict=True)]
     if via != "sampler":
         raise ValueError(f"via must be 'trainer' or 'sampler', got {via!r}")
     client = sampling_client(credentials, reference)
     seqs = [d.model_input.to_ints() + [int(_array(d.loss_fn_inputs["target_tokens"]).ravel()[-1])] for d in datums]
     futures = [client.compute_logprobs(tinker.ModelInput.from_ints(s)) for s in seqs]
     out = []
-    for fut, d in zip(futures, datums):
+    for fut, d in zip(futures, datums, strict=True):
         lp = [x if x is not None else 0.0 for x in list(fut.result())[1:]]  # position i predicts token i+1
         out.append(_weighted(lp, d))
     return out

@@ -15,7 +15,8 @@ import io
 import math
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
+from uuid import UUID
 
 from prefect import task
 from prefect.artifacts import (
@@ -27,6 +28,9 @@ from prefect.artifacts import (
 from prefect.cache_policies import NO_CACHE
 
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
+
+if TYPE_CHECKING:
+    from tinker_blocks.stores import TrainingStore
 
 __all__ = [
     "Progress",
@@ -69,7 +73,8 @@ class Progress:
 
     def __init__(self, description: str, total: int, done: int = 0, every: float = 5.0):
         self.total, self.every = max(int(total), 1), every
-        self.id = create_progress_artifact(progress=self._pct(done), description=description)
+        # called from sync code: Prefect's sync_compatible returns the id itself, not a coroutine
+        self.id = cast(UUID, create_progress_artifact(progress=self._pct(done), description=description))
         self.last = time.monotonic()
 
     def _pct(self, done: int) -> float:
@@ -83,7 +88,7 @@ class Progress:
             self.last = now
 
 
-def _store(store: Any):
+def _store(store: str | TrainingStore) -> TrainingStore:
     from tinker_blocks.stores import TrainingStore
 
     return store if isinstance(store, TrainingStore) else TrainingStore(root=str(store))
@@ -138,7 +143,7 @@ def plot_curves(series: dict[str, tuple[list[int], list[float]]], title: str) ->
     n = len(series)
     fig = Figure(figsize=(3.2 * n, 2.6), dpi=80, layout="constrained")
     axes = fig.subplots(1, n, squeeze=False)[0]
-    for ax, (name, (steps, values)) in zip(axes, series.items()):
+    for ax, (name, (steps, values)) in zip(axes, series.items(), strict=True):
         ax.plot(steps, values, marker="o" if len(steps) <= 30 else None, markersize=3, linewidth=1.5)
         ax.set_title(name, fontsize=10)
         ax.set_xlabel("step", fontsize=9)
@@ -184,7 +189,12 @@ def write_png(root: str, run_id: str, png: bytes, name: str = "curves.png") -> s
 
 @task(name="report-run", task_run_name="report-{run_id}-step-{step}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
 def report_run(
-    store: str, run_id: str, step: int, kind: str = "sft", curves: Sequence[str] = SFT_CURVES, plot: bool = True
+    store: str | TrainingStore,
+    run_id: str,
+    step: int,
+    kind: str = "sft",
+    curves: Sequence[str] = SFT_CURVES,
+    plot: bool = True,
 ) -> dict[str, Any]:
     """Post the run's report artifacts from the training store at ``store``.
 
@@ -208,7 +218,7 @@ def report_run(
     if not series:
         return {"metrics": len(rows), "png": None, "png_bytes": 0}
     png = plot_curves(series, f"{kind.upper()} {run_id} (step {step})")
-    path = write_png(str(store), run_id, png)
+    path = write_png(_store(store).root, run_id, png)
     data = base64.b64encode(png).decode("ascii")
     markdown = "\n".join(
         [

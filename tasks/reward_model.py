@@ -33,7 +33,6 @@ import numpy as np
 import tinker
 from prefect import task
 from prefect.cache_policies import TASK_SOURCE, CacheKeyFnPolicy
-from prefect.utilities.annotations import quote
 
 from prefect_tinker.recipes.renderers.base import Termination
 from prefect_tinker.recipes.reward_model import (
@@ -48,7 +47,7 @@ from prefect_tinker.recipes.reward_model import (
 )
 from prefect_tinker.tasks.clients import sampling_client
 from prefect_tinker.tasks.evaluators import SamplingClientEvaluator
-from prefect_tinker.tasks.policies import RETRY_OPTIONS
+from prefect_tinker.tasks.policies import RETRY_OPTIONS, quote, run_name_from_parameters
 
 __all__ = ["RewardModelEvaluator", "WinRateEvaluator", "label_logprobs", "pair_preferences"]
 
@@ -97,7 +96,7 @@ def _result(fut: Any) -> Any:
 
 @task(
     name="reward-label-logprobs",
-    task_run_name=_run_name,
+    task_run_name=run_name_from_parameters(_run_name),
     cache_policy=TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_key),
     persist_result=True,
     **RETRY_OPTIONS,
@@ -132,16 +131,19 @@ def label_logprobs(
             for lab in c.labels:
                 if (prompt, tuple(lab)) not in sequences:
                     sequences[(prompt, tuple(lab))] = _ask_sequence(client, list(prompt), list(lab))
-    pairs: dict[tuple, list[float | None]] = {}
+    pairs: dict[tuple, tuple[float, float]] = {}
+    firsts: dict[tuple, float] = {}
     missing: dict[tuple, Any] = {}
     for key, fut in single.items():
         resp = _result(fut)
         top = dict((resp.topk_prompt_logprobs or [None])[-1] or [])
-        pairs[key] = [float(resp.prompt_logprobs[-1]), top.get(key[2])]
-        if pairs[key][1] is None:  # the second label is not among the top-k: ask for it
-            missing[key] = _ask_sequence(client, list(key[0]), [key[2]])
+        first, second = float(resp.prompt_logprobs[-1]), top.get(key[2])
+        if second is None:  # the second label is not among the top-k: ask for it
+            firsts[key], missing[key] = first, _ask_sequence(client, list(key[0]), [key[2]])
+        else:
+            pairs[key] = (first, float(second))
     for key, fut in missing.items():
-        pairs[key][1] = float(list(_result(fut))[-1])
+        pairs[key] = (firsts[key], float(list(_result(fut))[-1]))
     # entry i of the prompt logprobs is log p(token i | tokens before it); the labels end the prompt
     scored = {key: float(sum(float(x) for x in list(_result(fut))[-len(key[1]) :])) for key, fut in sequences.items()}
     out = []
@@ -191,8 +193,10 @@ class RewardModelEvaluator(SamplingClientEvaluator):
         flat = [c for cmp in self.comparisons for c in (cmp.chosen_b, cmp.chosen_a)]
         lps = label_logprobs.with_options(task_run_name=f"rm-eval-step-{step}")(credentials, sampler_path, quote(flat))
         fwd, bwd = lps[0::2], lps[1::2]  # chosen as B, chosen as A
-        p = np.array([debiased_prob(f, b) for f, b in zip(fwd, bwd)])
-        prob_a = np.array([0.5 * ((1 - prob_second(*f)) + (1 - prob_second(*b))) for f, b in zip(fwd, bwd)])
+        p = np.array([debiased_prob(f, b) for f, b in zip(fwd, bwd, strict=True)])
+        prob_a = np.array(
+            [0.5 * ((1 - prob_second(*f)) + (1 - prob_second(*b))) for f, b in zip(fwd, bwd, strict=True)]
+        )
         return p, prob_a
 
     def evaluate(self, credentials: Any, sampler_path: str, step: int) -> dict[str, float]:
@@ -279,7 +283,7 @@ class WinRateEvaluator(SamplingClientEvaluator):
                 render_comparison(rend, p, ref, pol, self.fmt, labels),
                 render_comparison(rend, p, pol, ref, self.fmt, labels),
             )
-            for p, (pol, _), (ref, _) in zip(self.prompts, ours, theirs)
+            for p, (pol, _), (ref, _) in zip(self.prompts, ours, theirs, strict=True)
         ]
         wins = np.array(pair_preferences(credentials, self.reward_model, pairs, task_run_name=f"win-rate-step-{step}"))
         n, pre = len(wins), self.prefix

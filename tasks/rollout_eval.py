@@ -6,7 +6,8 @@ training rollouts) over one set's builders and reports the means of
 :func:`~prefect_tinker.recipes.rl.advantages.rollout_metrics` as
 ``{prefix}/{set}/{metric}`` (``test/vs_minimax/draw``, ``test/vs_random/reward_mean``, ...).
 :func:`env_evaluators` builds one per set of the run's environment; :func:`session_env_evaluators`
-does it for an open RL run session (``StepLoop(..., evaluators=[..., *session_env_evaluators(session)])``).
+does it for an RL run (``StepLoop(..., evaluators=[..., *session_env_evaluators(config, env)])`` with the
+run's :class:`EnvContext`).
 """
 
 from __future__ import annotations
@@ -16,9 +17,8 @@ from typing import Any
 from prefect import unmapped
 
 from prefect_tinker.recipes.rl.advantages import rollout_metrics
-from prefect_tinker.recipes.rl.envs import EnvContext, get_env
+from prefect_tinker.recipes.rl.envs import EnvContext, EnvSpec, get_env
 from prefect_tinker.tasks.evaluators import SamplingClientEvaluator
-from prefect_tinker.tasks.reward_model import WinRateEvaluator
 from prefect_tinker.tasks.rollouts import RolloutPolicy, rollout_group
 
 __all__ = ["RolloutEvaluator", "env_evaluators", "session_env_evaluators"]
@@ -82,23 +82,14 @@ def env_evaluators(
     ]
 
 
-def session_env_evaluators(session: Any) -> list:
-    """The evaluators an open RL run session gets from its environment: one
-    :class:`RolloutEvaluator` per evaluation set (:meth:`Environment.eval_builders`) and the env's
-    own evaluators (:meth:`Environment.evaluators`, e.g. a win rate against the starting weights,
-    which ``EnvContext.initial_sampler`` names), for the config's env, the resolved renderer and
-    tokenizer, ``group_size``, ``max_tokens``, ``temperature`` and ``seed`` (empty for most envs)."""
-    c = session.config
-    ctx = EnvContext(
-        renderer_name=session.renderer,
-        tokenizer_id=session.tokenizer_id,
-        group_size=c.group_size,
-        groups_per_batch=c.groups_per_batch,
-        seed=c.seed,
-        initial_sampler=session.samplers.get(0),
-        win_rate_evaluator=WinRateEvaluator,
-    )
+def session_env_evaluators(spec: EnvSpec, env: EnvContext) -> list[Any]:
+    """The evaluators an RL run gets from its environment: one :class:`RolloutEvaluator` per
+    evaluation set (:meth:`Environment.eval_builders`) and the env's own evaluators
+    (:meth:`Environment.evaluators`, e.g. a win rate against the starting weights, which
+    ``env.initial_sampler`` names), for ``spec``'s env on the run's environment context ``env``
+    (resolved renderer and tokenizer, group sizes, seed, ``max_tokens`` and ``temperature``);
+    empty for most envs."""
     return [
-        *env_evaluators(c, ctx, max_tokens=c.max_tokens, temperature=c.temperature, seed=c.seed),
-        *get_env(c.env).evaluators(c, ctx),
+        *env_evaluators(spec, env, max_tokens=env.max_tokens, temperature=env.temperature, seed=env.seed),
+        *get_env(spec.env).evaluators(spec, env),
     ]

@@ -274,10 +274,10 @@ def _run_members(
     for k, members in enumerate(shared.values()):
         ob, stop = obs[members[0]]
         outs = _sample(sampler, list(ob), len(members), stop, seed + k, max_tokens, temperature, usage)
-        for i, out in zip(members, outs):
+        for i, out in zip(members, outs, strict=True):
             firsts[i] = out
     trajs: list[Trajectory] = []
-    errors, messages = 0, []
+    errors, messages = 0, list[str]()
     for i, env in enumerate(envs):
         attempt = 0
         while True:
@@ -309,7 +309,7 @@ def _run_shared(
     usage: dict[str, float],
 ) -> tuple[list[Trajectory], int, list[str]]:
     """One shared episode of all envs (``builder.run_group``), replayed under ``retry``."""
-    errors, messages, attempt = 0, [], 0
+    errors, messages, attempt = 0, list[str](), 0
     while True:
         try:
             trajs = list(builder.run_group(envs, replace(ctx, seed=ctx.seed + 7919 * attempt)))
@@ -409,6 +409,6 @@ def reference_logprobs(credentials: Any, reference: str, sequences: list[list[in
     futures = [client.compute_logprobs(model_input_from_tokens(list(s))) for s in sequences]
     out = []
     for fut in futures:
-        lp = fut.result() if hasattr(fut, "result") else fut
+        lp = fut.result()
         out.append([float(x) if x is not None else 0.0 for x in list(lp)[1:]])
     return out

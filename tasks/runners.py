@@ -52,12 +52,18 @@ class TaskRunnerFields(BaseModel):
     )
     task_runner_address: str | None = Field(
         default=None,
-        description="ray: cluster address (127.0.0.1:6379, ray://head:10001, auto); dask: scheduler address (tcp://host:8786); empty: start a local cluster in this process.",
+        description=(
+            "ray: cluster address (127.0.0.1:6379, ray://head:10001, auto); dask: scheduler address (tcp://host:8786);"
+            " empty: start a local cluster in this process."
+        ),
     )
     task_runner_workers: int | None = Field(
         default=None,
         ge=1,
-        description="Local cluster size when no address is given (ray: CPUs, dask: worker processes; default 2); thread: the flow's pool is used as is.",
+        description=(
+            "Local cluster size when no address is given (ray: CPUs, dask: worker processes; default 2); thread: the "
+            "flow's pool is used as is."
+        ),
     )
 
 
@@ -103,13 +109,14 @@ _active: dict[tuple, Any] = {}
 _atexit_registered = False
 
 
-def _key(settings: Any) -> tuple:
+def _key(settings: TaskRunnerFields) -> tuple[str, str | None, int | None]:
     return (settings.task_runner, settings.task_runner_address, settings.task_runner_workers)
 
 
-def active_task_runner(settings: Any) -> Any | None:
-    """The entered runner for ``settings`` (anything with the :class:`TaskRunnerFields` fields),
-    started on first use and kept for the process; None for ``thread`` (the flow's own runner).
+def active_task_runner(settings: TaskRunnerFields | None) -> Any | None:
+    """The entered runner for ``settings`` (a config with the :class:`TaskRunnerFields` fields),
+    started on first use and kept for the process; None for ``thread`` or no settings (the
+    flow's own runner).
 
     Raises:
         ImportError: see :func:`make_task_runner`.
@@ -117,9 +124,9 @@ def active_task_runner(settings: Any) -> Any | None:
             connects a process to one cluster).
     """
     global _atexit_registered
-    kind = getattr(settings, "task_runner", "thread")
-    if kind == "thread":
+    if settings is None or settings.task_runner == "thread":
         return None
+    kind = settings.task_runner
     key = _key(settings)
     with _lock:
         if key in _active:
@@ -154,7 +161,7 @@ def shutdown_task_runners() -> int:
     return len(runners)
 
 
-def submit_task(settings: Any, task: Any, *args: Any, **kwargs: Any) -> Any:
+def submit_task(settings: TaskRunnerFields | None, task: Any, *args: Any, **kwargs: Any) -> Any:
     """``task.submit(*args, **kwargs)`` on the runner of ``settings``; returns its future."""
     runner = active_task_runner(settings)
     if runner is None:
@@ -164,7 +171,7 @@ def submit_task(settings: Any, task: Any, *args: Any, **kwargs: Any) -> Any:
     return runner.submit(task, get_call_parameters(task.fn, args, kwargs))
 
 
-def map_task(settings: Any, task: Any, *args: Any, **kwargs: Any) -> Any:
+def map_task(settings: TaskRunnerFields | None, task: Any, *args: Any, **kwargs: Any) -> Any:
     """``task.map(*args, **kwargs)`` on the runner of ``settings`` (``unmapped``/``quote``
     arguments as for ``Task.map``); returns the futures (a ``PrefectFutureList``)."""
     runner = active_task_runner(settings)

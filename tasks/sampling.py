@@ -12,7 +12,7 @@ from prefect.cache_policies import TASK_SOURCE, CacheKeyFnPolicy
 
 from prefect_tinker.recipes.media import media_key, model_input_from_tokens
 from prefect_tinker.tasks.clients import sampling_client
-from prefect_tinker.tasks.policies import RETRY_OPTIONS
+from prefect_tinker.tasks.policies import RETRY_OPTIONS, run_name_from_parameters
 
 __all__ = ["sample_completions"]
 
@@ -32,7 +32,7 @@ def _sample_cache_key(context: Any, params: dict[str, Any]) -> str:
 
 @task(
     name="sample-completions",
-    task_run_name=_sample_run_name,
+    task_run_name=run_name_from_parameters(_sample_run_name),
     # A pure function of (sampler weights path, prompts incl. their media, sampling params incl.
     # seed); the block is excluded from the key (which backend served it does not change the answer).
     cache_policy=TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_sample_cache_key),

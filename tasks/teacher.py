@@ -164,7 +164,7 @@ def teacher_topk(
         for s in sequences
     ]
     out = []
-    for seq, fut in zip(sequences, futures):
+    for seq, fut in zip(sequences, futures, strict=True):
         rows = (fut.result().topk_prompt_logprobs or [])[1:]
         ids = np.full((len(seq) - 1, k), -1, dtype=np.int32)
         lps = np.full((len(seq) - 1, k), -np.inf, dtype=np.float32)
@@ -271,8 +271,8 @@ def _sample_teacher(
         )
         for i, r in enumerate(records)
     ]
-    lines, dropped, reasons = [], 0, {}
-    for r, fut in zip(records, futures):
+    lines, dropped, reasons = list[str](), 0, dict[str, int]()
+    for r, fut in zip(records, futures, strict=True):
         for j, seq in enumerate(fut.result().sequences):
             parsed = rend.parse_response(list(seq.tokens))
             reasons[parsed.termination.value] = reasons.get(parsed.termination.value, 0) + 1

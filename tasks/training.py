@@ -29,6 +29,7 @@ from prefect import task
 from prefect.assets import materialize
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
+from tinker.types import LossFnType
 
 from prefect_tinker.tasks import clients
 from prefect_tinker.tasks.clients import ClientRewound, TrainingRun
@@ -174,7 +175,7 @@ def train_step(
     datums: list[tinker.Datum],
     learning_rate: float,
     adam: dict[str, float] | None = None,
-    loss_fn: str = "cross_entropy",
+    loss_fn: LossFnType = "cross_entropy",
     loss_fn_config: dict[str, float] | None = None,
 ) -> tuple[TrainingRun, dict[str, float]]:
     """One optimizer step: ``forward_backward(datums, loss_fn)`` and ``optim_step`` submitted back to
@@ -259,7 +260,7 @@ def forward_backward(
     credentials: Any,
     run: TrainingRun,
     datums: list[tinker.Datum],
-    loss_fn: str = "cross_entropy",
+    loss_fn: LossFnType = "cross_entropy",
     loss_fn_config: dict[str, float] | None = None,
     accumulated: int = 0,
 ) -> ForwardResult:
@@ -315,7 +316,7 @@ def optim_step(
 
 @task(name="forward", task_run_name="forward-step-{run.step}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
 def forward(
-    credentials: Any, run: TrainingRun, datums: list[tinker.Datum], loss_fn: str = "cross_entropy"
+    credentials: Any, run: TrainingRun, datums: list[tinker.Datum], loss_fn: LossFnType = "cross_entropy"
 ) -> ForwardResult:
     """``forward(datums, loss_fn)`` under the run's current weights: the loss and per-datum
     logprobs, no gradients."""

@@ -233,19 +233,16 @@ def test_session_env_evaluators_from_the_run_config(tokenizer_dirs):
     """``session_env_evaluators``: the RL config's env sets (tic-tac-toe: vs_random, vs_minimax,
     ``eval_games`` games each, half as X), sampled with the config's max_tokens, temperature and
     seed on the session's renderer and tokenizer; none for an env without evaluation sets."""
-    from types import SimpleNamespace
-
     from prefect_tinker.flows.rl_config import RLConfig
     from prefect_tinker.tasks.rollout_eval import session_env_evaluators
 
     config = RLConfig(model="tiny", env="tictactoe", env_options={"eval_games": 6}, group_size=2, max_tokens=7,
                       temperature=0.5, seed=11)
-    session = SimpleNamespace(config=config, renderer="chatml", tokenizer_id=tokenizer_dirs["tiny"], samplers={})
-    evaluators = session_env_evaluators(session)
+    evaluators = session_env_evaluators(config, config.env_context("chatml", tokenizer_dirs["tiny"]))
     assert [ev.name for ev in evaluators] == ["vs_random", "vs_minimax"]
     for ev in evaluators:
         assert (ev.max_tokens, ev.temperature, ev.seed) == (7, 0.5, 11)
         assert [(b.mark, b.group_size, b.opponent) for b in ev.builders] == [("X", 3, ev.name[3:]), ("O", 3, ev.name[3:])]
         assert {b.renderer_name for b in ev.builders} == {"chatml"}
-    session.config = RLConfig(model="tiny", env="guess_number")
-    assert session_env_evaluators(session) == []
+    other = RLConfig(model="tiny", env="guess_number")
+    assert session_env_evaluators(other, other.env_context("chatml", tokenizer_dirs["tiny"])) == []

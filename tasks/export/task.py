@@ -41,7 +41,7 @@ from prefect.cache_policies import INPUTS, TASK_SOURCE
 from prefect_tinker.export.download import check_tree, download_listing
 from prefect_tinker.export.output import METADATA_FILE, ExportOutput
 from prefect_tinker.tasks import clients
-from prefect_tinker.tasks.policies import RETRY_OPTIONS, file_sha256
+from prefect_tinker.tasks.policies import RETRY_OPTIONS, file_sha256, run_name_from_parameters
 
 __all__ = ["FORMATS", "export_checkpoint", "export_key", "run_export"]
 
@@ -197,7 +197,7 @@ def run_export(
     output = ExportOutput(out)
     key = export_key(checkpoint, format, dtype, base_model, max_shard_bytes)
     existing = output.read_metadata()
-    if _intact(output, existing, key):
+    if existing is not None and _intact(output, existing, key):
         log.info("%s already holds this export (%s); nothing to do", output.uri, key[:12])
         return existing
     output.check(overwrite)
@@ -333,7 +333,7 @@ def export_checkpoint(
         uri,
         asset_deps=[checkpoint],
         name="export-checkpoint",
-        task_run_name=_run_name,
+        task_run_name=run_name_from_parameters(_run_name),
         cache_policy=(INPUTS - "credentials" - "overwrite" - "server_ttl_s" - "work_dir") + TASK_SOURCE,
         persist_result=True,
         refresh_cache=refresh,

@@ -73,6 +73,10 @@ class EnvContext:
     #: the task layer's win-rate evaluator class (:class:`prefect_tinker.tasks.reward_model.WinRateEvaluator`),
     #: lent to envs judged by a reward model; None: such envs have no evaluator
     win_rate_evaluator: Callable[..., Any] | None = None
+    #: sampling of the run's rollouts: new tokens per turn and temperature (the RL config's
+    #: ``max_tokens`` and ``temperature``), used by evaluators that sample the policy
+    max_tokens: int = 64
+    temperature: float = 1.0
 
 
 class Environment:
@@ -279,10 +283,12 @@ def build_rl_evaluators(
     seed: int = 0,
     initial_sampler: str | None = None,
     win_rate_evaluator: Callable[..., Any] | None = None,
+    max_tokens: int = 64,
+    temperature: float = 1.0,
 ) -> list:
     """The evaluators of ``spec``'s environment (:meth:`Environment.evaluators`) for an RL run;
     ``initial_sampler`` is the sampler weights of the run's step 0 (e.g. the SFT policy it
-    started from); ``win_rate_evaluator`` as in :class:`EnvContext`."""
+    started from); ``win_rate_evaluator``, ``max_tokens`` and ``temperature`` as in :class:`EnvContext`."""
     ctx = EnvContext(
         renderer_name=renderer_name,
         tokenizer_id=tokenizer_id,
@@ -291,5 +297,7 @@ def build_rl_evaluators(
         seed=seed,
         initial_sampler=initial_sampler,
         win_rate_evaluator=win_rate_evaluator,
+        max_tokens=max_tokens,
+        temperature=temperature,
     )
     return list(get_env(spec.env).evaluators(spec, ctx))

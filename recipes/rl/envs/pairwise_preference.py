@@ -376,8 +376,8 @@ class PairwisePreference(Environment):
                 fmt=ref.format(),
                 reward_renderer=ref.renderer_name,
                 reward_tokenizer=ref.tokenizer_id,
-                max_tokens=getattr(spec, "max_tokens", 64),
-                temperature=getattr(spec, "temperature", 1.0),
+                max_tokens=ctx.max_tokens,
+                temperature=ctx.temperature,
                 seed=ctx.seed,
             )
         ]
