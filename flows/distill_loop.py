@@ -39,6 +39,7 @@ from prefect_tinker.recipes.rl.types import RLDataset, TrajectoryGroup
 from prefect_tinker.tasks.policies import quote
 from prefect_tinker.tasks.teacher import teacher_logprobs, teacher_topk
 from prefect_tinker.tasks.training import custom_step, model_input_tokens, train_step
+from prefect_tinker.tasks.usage import run_task
 
 __all__ = ["DistillLoop", "SDFTStep", "Teacher", "soft_datum"]
 
@@ -132,6 +133,12 @@ class DistillLoop(RLLoop):
                     )
                 yield record, traj.transitions[0], ds[0]
 
+    def count_teacher(self, sequences: list[list[int]], cached: bool) -> None:
+        """Add the teacher requests' inputs (``sequences``) to the step's ``teacher_prefill``
+        tokens, unless the task cache answered them (``cached``)."""
+        n = 0.0 if cached else float(sum(len(seq) for seq in sequences))
+        self.usage["teacher_prefill"] = self.usage.get("teacher_prefill", 0.0) + n
+
     def prepare(self, groups: list[TrajectoryGroup]) -> tuple[list[RLDatum], dict[str, float]]:
         c, step = self.config, self.session.step
         items = list(self._members(groups))
@@ -145,9 +152,14 @@ class DistillLoop(RLLoop):
         kl_sum, n_sum, metrics = 0.0, 0.0, {}
         for ti, pairs in sorted(per.items()):
             teacher = self.teachers[ti]
-            lps = teacher_logprobs.with_options(task_run_name=f"teacher-logprobs-step-{step}-t{ti}")(
-                teacher.credentials, teacher.weights, quote([al.teacher_tokens for _, al in pairs])
+            sequences = [al.teacher_tokens for _, al in pairs]
+            lps, cached = run_task(
+                teacher_logprobs.with_options(task_run_name=f"teacher-logprobs-step-{step}-t{ti}"),
+                teacher.credentials,
+                teacher.weights,
+                quote(sequences),
             )
+            self.count_teacher(sequences, cached)
             t_kl = t_n = 0.0
             for (d, al), lp in zip(pairs, lps, strict=True):
                 values, aligned = gather_teacher(al, lp, len(d.mask))
@@ -185,9 +197,15 @@ class DistillLoop(RLLoop):
         datums, positions, entropy, dropped = [], 0, 0.0, 0
         for ti, rows in sorted(per.items()):
             teacher = self.teachers[ti]
-            topk = teacher_topk.with_options(task_run_name=f"teacher-topk-step-{step}-t{ti}")(
-                teacher.credentials, teacher.weights, quote([al.teacher_tokens for _, al, _ in rows]), c.topk
+            sequences = [al.teacher_tokens for _, al, _ in rows]
+            topk, cached = run_task(
+                teacher_topk.with_options(task_run_name=f"teacher-topk-step-{step}-t{ti}"),
+                teacher.credentials,
+                teacher.weights,
+                quote(sequences),
+                c.topk,
             )
+            self.count_teacher(sequences, cached)
             for (tokens, al, s0), (ids, lps) in zip(rows, topk, strict=True):
                 pairs = [(s, t) for s, t in al.one_to_one() if s - s0 >= c.skip_first_tokens]
                 st = soft_targets(

@@ -33,8 +33,9 @@ from prefect_tinker.tasks.benchmark_evaluator import benchmark_evaluators
 from prefect_tinker.tasks.data import prepare_dataset
 from prefect_tinker.tasks.evaluators import PreferenceEvaluator
 from prefect_tinker.tasks.policies import quote
-from prefect_tinker.tasks.reference import reference_sequence_logprobs
+from prefect_tinker.tasks.reference import reference_input_tokens, reference_sequence_logprobs
 from prefect_tinker.tasks.training import custom_step, model_input_tokens
+from prefect_tinker.tasks.usage import run_task
 
 __all__ = ["DPOConfig", "dpo_flow"]
 
@@ -171,8 +172,13 @@ def dpo_flow(config: DPOConfig) -> dict[str, Any]:
         def one_step(step: int) -> dict[str, float]:
             pairs = [data.train[i] for i in batch_at(len(data.train), config.batch_size, config.seed, step)]
             datums = pair_datums(pairs)
-            ref = reference_sequence_logprobs.with_options(task_run_name=f"reference-step-{step}")(
-                session.credentials, reference, quote(datums), config.reference_via, config.seed
+            ref, cached = run_task(
+                reference_sequence_logprobs.with_options(task_run_name=f"reference-step-{step}"),
+                session.credentials,
+                reference,
+                quote(datums),
+                config.reference_via,
+                config.seed,
             )
             loss = DPOLoss(ref, config.beta, config.dpo_loss, config.label_smoothing)
             session.run, m = custom_step(
@@ -185,7 +191,13 @@ def dpo_flow(config: DPOConfig) -> dict[str, Any]:
                 config.adam.model_dump(),
             )
             n = float(model_input_tokens(datums))  # forward_backward_custom: a forward, then the training pass
-            return {**{f"train/{k}": v for k, v in m.items()}, "tokens/trained": n, "tokens/prefill_uncached": n}
+            ref_tokens = 0.0 if cached else reference_input_tokens(datums, config.reference_via)
+            return {
+                **{f"train/{k}": v for k, v in m.items()},
+                "tokens/trained": n,
+                "tokens/prefill_uncached": n,
+                "tokens/reference_prefill": ref_tokens,
+            }
 
         StepLoop(session, total, evaluators=[*evaluators, *benchmark_evaluators(session.context)]).run(one_step)
         (first_loss, last_loss), (first_acc, last_acc) = (

@@ -13,6 +13,7 @@ the rest:
 - the usage metrics of steps that report ``tokens/<kind>`` counts: every kind, ``cost/step_usd``
   from the config's price table and the run's cumulative ``tokens/<kind>_total`` /
   ``cost/total_usd`` (:mod:`prefect_tinker.recipes.pricing`; totals continue across resumes);
+  an evaluation's ``tokens/eval_*`` (summed over its evaluators) and their ``cost/eval_usd``;
 - lost-client rewinds (:class:`~prefect_tinker.tasks.clients.ClientRewound`): the step is redone
   from the checkpoint the client was recreated at (at most ``max_rewinds`` times);
 - the progress artifact, and one line per step in the terminal (:mod:`prefect_tinker.recipes.progress`:
@@ -28,7 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from prefect_tinker.flows.session import RunSession, emit
-from prefect_tinker.recipes.pricing import TOKEN_KINDS, UsageTotals, price_for
+from prefect_tinker.recipes.pricing import EVAL_TOKEN_KINDS, TOKEN_KINDS, UsageTotals, eval_cost, price_for
 from prefect_tinker.recipes.progress import StepProgress, phase
 from prefect_tinker.tasks.clients import ClientRewound
 from prefect_tinker.tasks.evaluators import Evaluator, SamplingClientEvaluator, TrainingClientEvaluator
@@ -77,14 +78,22 @@ class StepLoop:
         """Run every evaluator on the weights at ``step`` (the current step); buffer and return
         their metrics."""
         s, out = self.session, {}
+        tokens: dict[str, float] = {}
         with phase(s.run_id, f"evaluation at step {step} ({len(self.evaluators)} evaluators)"):
             for ev in self.evaluators:
                 if isinstance(ev, TrainingClientEvaluator):
-                    out.update(ev.evaluate(s.credentials, s.run))
+                    m = ev.evaluate(s.credentials, s.run)
                 elif isinstance(ev, SamplingClientEvaluator):
-                    out.update(ev.evaluate(s.credentials, s.sampler_at(step), step))
+                    m = ev.evaluate(s.credentials, s.sampler_at(step), step)
                 else:
                     raise TypeError(f"{type(ev).__name__} is neither a training- nor a sampling-client evaluator")
+                for k in EVAL_TOKEN_KINDS:  # summed over the evaluators, not overwritten
+                    if f"tokens/{k}" in m:
+                        tokens[k] = tokens.get(k, 0.0) + float(m.pop(f"tokens/{k}"))
+                out.update(m)
+        if tokens:
+            out.update({f"tokens/{k}": tokens.get(k, 0.0) for k in EVAL_TOKEN_KINDS})
+            out["cost/eval_usd"] = eval_cost(self.usage.prices, tokens)
         s.record(step, out)
         return out
 

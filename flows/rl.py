@@ -22,8 +22,9 @@ inflight sampling clients (``save_weights_and_get_sampling_client(kind="inflight
 rollouts already in flight move to them without restarting.
 
 Usage: each step reports ``tokens/sampled``, ``tokens/prefill_cached`` / ``tokens/prefill_uncached``
-(the sampling requests of the groups it collected, and reference-logprob prompts) and
-``tokens/trained`` (the inputs of its ``forward_backward`` passes); the step loop adds their cost
+(the sampling requests of the groups it collected), ``tokens/reference_prefill`` (the KL-penalty
+reference's logprob requests) and ``tokens/trained`` (the inputs of its ``forward_backward``
+passes); the step loop adds their cost
 and the run's totals (:mod:`prefect_tinker.recipes.pricing`).
 
 Step convention (as in SFT): a metric recorded at step ``s`` belongs to the batch trained from
@@ -65,6 +66,7 @@ from prefect_tinker.tasks.rollout_eval import session_env_evaluators
 from prefect_tinker.tasks.rollouts import new_usage, reference_logprobs, rollout_group
 from prefect_tinker.tasks.runners import map_task, submit_task
 from prefect_tinker.tasks.training import forward_backward, model_input_tokens, optim_step, save_inflight_sampler
+from prefect_tinker.tasks.usage import run_task
 
 __all__ = ["RLConfig", "RLLoop", "rl_flow"]
 
@@ -80,7 +82,7 @@ class RLLoop:
         rewards: ``(step, mean reward)`` of every step of this invocation.
         k: optimizer steps per step (``num_substeps``); total: optimizer steps of the run.
         usage: tokens of the step so far (``sampled``, ``prefill_cached``, ``prefill_uncached``,
-            ``trained``), reported and reset by :meth:`step_metrics`.
+            ``reference_prefill``, ``trained``), reported and reset by :meth:`step_metrics`.
     """
 
     def __init__(self, session: RunSession[RLConfig], dataset: RLDataset, reference: str):
@@ -99,7 +101,7 @@ class RLLoop:
         self.total = self.config.max_steps * self.k
         self.loss, self.loss_fn_config = self.config.loss(), self.config.loss_fn_config()
         self.estimator = self.config.estimator()
-        self.usage = {**new_usage(), "trained": 0.0}
+        self.usage = {**new_usage(), "trained": 0.0, "reference_prefill": 0.0}
         self.log = get_run_logger()
 
     def _publish(self) -> None:
@@ -193,8 +195,11 @@ class RLLoop:
         datums, advs = groups_to_datums(groups, estimator=self.estimator)
         metrics["train/advantage_abs_mean"] = float(np.mean(np.abs(np.concatenate(advs)))) if advs else 0.0
         if c.kl_penalty_coef > 0 and datums:
-            ref = reference_logprobs(self.session.credentials, self.reference, quote([d.tokens for d in datums]))
-            self.usage["prefill_uncached"] += float(sum(len(d.tokens) for d in datums))
+            ref, cached = run_task(
+                reference_logprobs, self.session.credentials, self.reference, quote([d.tokens for d in datums])
+            )
+            if not cached:
+                self.usage["reference_prefill"] += float(sum(len(d.tokens) for d in datums))
             kl = apply_kl_penalty(datums, [np.asarray(r) for r in ref], c.kl_penalty_coef)
             metrics["train/kl_policy_ref"] = kl["kl_policy_ref"]
         return datums, metrics

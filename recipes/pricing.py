@@ -11,7 +11,19 @@ million tokens):
   prompt_cache_hit_tokens``), plus the model inputs of forward-only passes (a client-side custom
   loss's ``forward``), which count as uncached prefill;
 - ``tokens/trained``: positions of the model inputs of ``forward_backward`` passes (every input
-  token is processed, whatever its loss weight).
+  token is processed, whatever its loss weight);
+- ``tokens/teacher_prefill``: inputs of a distillation teacher's requests (its logprobs or top-K
+  of the student's completions), priced as prefill;
+- ``tokens/reference_prefill``: inputs of reference-model requests (DPO's reference logprobs, RL's
+  KL-penalty reference logprobs), priced as prefill.
+
+A request answered from Prefect's task cache (a result an earlier step or invocation already paid
+for) counts nothing.
+
+Evaluations report their own tokens at the step they evaluate (:data:`EVAL_TOKEN_KINDS`:
+``tokens/eval_sampled``, ``tokens/eval_prefill``, the prompts of their sampling requests and the
+inputs of their forward passes) and what they cost, ``cost/eval_usd`` (:func:`eval_cost`); these
+are not part of ``cost/step_usd`` or the run's totals.
 
 ``cost/step_usd`` prices them with the run model's :class:`TokenPrices` (zero when the table has
 no entry for the model: the local server costs nothing unless priced). :class:`UsageTotals` keeps
@@ -24,10 +36,20 @@ from collections.abc import Mapping
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["TOKEN_KINDS", "TokenPrices", "UsageTotals", "price_for", "step_cost"]
+__all__ = ["EVAL_TOKEN_KINDS", "TOKEN_KINDS", "TokenPrices", "UsageTotals", "eval_cost", "price_for", "step_cost"]
 
 #: The token kinds a step reports, as ``tokens/<kind>`` metrics.
-TOKEN_KINDS: tuple[str, ...] = ("sampled", "prefill_cached", "prefill_uncached", "trained")
+TOKEN_KINDS: tuple[str, ...] = (
+    "sampled",
+    "prefill_cached",
+    "prefill_uncached",
+    "trained",
+    "teacher_prefill",
+    "reference_prefill",
+)
+
+#: The token kinds an evaluation reports, as ``tokens/<kind>`` metrics at the evaluated step.
+EVAL_TOKEN_KINDS: tuple[str, ...] = ("eval_sampled", "eval_prefill")
 
 
 class TokenPrices(BaseModel):
@@ -60,8 +82,19 @@ def step_cost(prices: TokenPrices, tokens: Mapping[str, float]) -> float:
         "prefill_cached": cached,
         "prefill_uncached": prices.prefill,
         "trained": prices.train,
+        "teacher_prefill": prices.prefill,
+        "reference_prefill": prices.prefill,
     }
     return sum(float(tokens.get(k, 0.0)) * per_million[k] for k in TOKEN_KINDS) / 1e6
+
+
+def eval_cost(prices: TokenPrices, tokens: Mapping[str, float]) -> float:
+    """USD of one evaluation's ``tokens`` (``{kind: count}`` over :data:`EVAL_TOKEN_KINDS`;
+    missing kinds count 0) at ``prices``: sampled tokens at the sample price, the rest at the
+    (uncached) prefill price."""
+    return (
+        float(tokens.get("eval_sampled", 0.0)) * prices.sample + float(tokens.get("eval_prefill", 0.0)) * prices.prefill
+    ) / 1e6
 
 
 class UsageTotals:

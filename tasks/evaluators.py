@@ -9,7 +9,10 @@ Two kinds, by the client they need:
 
 ``evaluate`` returns metric rows ``{full name: value}`` (e.g. ``{"test/nll": 2.31}``) recorded at
 the evaluated step in the training store; evaluators that also keep per-sample results write them
-to the eval store themselves.
+to the eval store themselves. The evaluators here also return the tokens their requests cost,
+``tokens/eval_prefill`` and ``tokens/eval_sampled`` (:data:`~prefect_tinker.recipes.pricing.
+EVAL_TOKEN_KINDS`; requests the task cache answered count nothing), which the step loop sums over
+the evaluators and prices.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import tinker
 
 from prefect_tinker.tasks.clients import TrainingRun
 from prefect_tinker.tasks.policies import quote
-from prefect_tinker.tasks.training import forward, weights_sum
+from prefect_tinker.tasks.training import forward, model_input_tokens, weights_sum
+from prefect_tinker.tasks.usage import run_task
 
 if TYPE_CHECKING:
     from prefect_tinker.recipes.preference import LossName
@@ -64,8 +68,8 @@ class SamplingClientEvaluator(Evaluator):
 class NLLEvaluator(TrainingClientEvaluator):
     """Mean negative log-likelihood of held-out datums, nats per trained token.
 
-    Returns ``{prefix}/nll`` (``loss:sum`` of a ``cross_entropy`` forward / the sum of weights) and
-    ``{prefix}/tokens`` (the sum of weights).
+    Returns ``{prefix}/nll`` (``loss:sum`` of a ``cross_entropy`` forward / the sum of weights),
+    ``{prefix}/tokens`` (the sum of weights) and ``tokens/eval_prefill`` (the forward's inputs).
 
     Args:
         datums: held-out datums (D); weights select the scored tokens.
@@ -82,7 +86,11 @@ class NLLEvaluator(TrainingClientEvaluator):
             return {}
         out = forward.with_options(task_run_name=f"eval-nll-step-{run.step}")(credentials, run, quote(self.datums))
         tokens = weights_sum(self.datums)
-        return {f"{self.prefix}/nll": out.loss_sum / max(tokens, 1e-9), f"{self.prefix}/tokens": tokens}
+        return {
+            f"{self.prefix}/nll": out.loss_sum / max(tokens, 1e-9),
+            f"{self.prefix}/tokens": tokens,
+            "tokens/eval_prefill": float(model_input_tokens(self.datums)),
+        }
 
 
 class PreferenceEvaluator(TrainingClientEvaluator):
@@ -92,7 +100,8 @@ class PreferenceEvaluator(TrainingClientEvaluator):
     ``{prefix}/accuracy`` (fraction of pairs whose chosen log-ratio exceeds the rejected one, ties
     one half: :func:`~prefect_tinker.recipes.preference.pair_accuracy`) and
     ``{prefix}/margin`` (mean ``beta h``); the reference log-probabilities come from the cached
-    ``reference-sequence-logprobs`` task.
+    ``reference-sequence-logprobs`` task. ``tokens/eval_prefill``: the forward's inputs, and the
+    reference requests' when the cache did not answer them.
 
     Args:
         pairs: held-out :class:`~prefect_tinker.recipes.preference.PairExample` s.
@@ -126,13 +135,21 @@ class PreferenceEvaluator(TrainingClientEvaluator):
         import torch
 
         from prefect_tinker.recipes.preference import DPOLoss, pair_accuracy
-        from prefect_tinker.tasks.reference import reference_sequence_logprobs
+        from prefect_tinker.tasks.reference import reference_input_tokens, reference_sequence_logprobs
 
         if not self.datums:
             return {}
-        ref = reference_sequence_logprobs.with_options(task_run_name=f"reference-{self.prefix}")(
-            credentials, self.reference, quote(self.datums), self.via, self.seed
+        ref, cached = run_task(
+            reference_sequence_logprobs.with_options(task_run_name=f"reference-{self.prefix}"),
+            credentials,
+            self.reference,
+            quote(self.datums),
+            self.via,
+            self.seed,
         )
+        prefill = float(model_input_tokens(self.datums))
+        if not cached:
+            prefill += reference_input_tokens(self.datums, self.via)
         out = forward.with_options(task_run_name=f"eval-pairs-step-{run.step}")(credentials, run, quote(self.datums))
         loss = DPOLoss(ref, self.beta, self.loss, self.label_smoothing)
         with torch.no_grad():
@@ -143,6 +160,7 @@ class PreferenceEvaluator(TrainingClientEvaluator):
             f"{self.prefix}/accuracy": pair_accuracy(h),
             f"{self.prefix}/margin": float((self.beta * h).mean()),
             f"{self.prefix}/pairs": float(len(h)),
+            "tokens/eval_prefill": prefill,
         }
 
 
@@ -189,7 +207,7 @@ class ClassifierAccuracyEvaluator(SamplingClientEvaluator):
 
     def evaluate(self, credentials: Any, sampler_path: str, step: int) -> dict[str, float]:
         from prefect_tinker.recipes.rl.problem_env import load_renderer
-        from prefect_tinker.tasks.sampling import sample_completions
+        from prefect_tinker.tasks.sampling import completion_tokens, sample_completions
 
         if not self.examples:
             return {}
@@ -200,7 +218,8 @@ class ClassifierAccuracyEvaluator(SamplingClientEvaluator):
             prompts.append(ex.prompt() + prefill)
             trained = [t for t, w in zip(ex.tokens, ex.weights, strict=True) if w > 0]
             labels.append(self.answer(renderer.parse_response(trained).message.get("content") or ""))
-        outs = sample_completions.with_options(task_run_name=f"eval-accuracy-step-{step}")(
+        outs, cached = run_task(
+            sample_completions.with_options(task_run_name=f"eval-accuracy-step-{step}"),
             credentials,
             sampler_path,
             quote(prompts),
@@ -212,7 +231,11 @@ class ClassifierAccuracyEvaluator(SamplingClientEvaluator):
         for out, label in zip(outs, labels, strict=True):
             text = renderer.parse_response(out[0]["tokens"]).message.get("content") or ""
             hits.append(float(self.answer(self.answer_prefix + text) == label))
-        return {f"{self.prefix}/accuracy": sum(hits) / len(hits), f"{self.prefix}/accuracy_n": float(len(hits))}
+        return {
+            f"{self.prefix}/accuracy": sum(hits) / len(hits),
+            f"{self.prefix}/accuracy_n": float(len(hits)),
+            **({} if cached else completion_tokens(prompts, outs)),
+        }
 
 
 class TranscriptionEvaluator(SamplingClientEvaluator):
@@ -243,7 +266,7 @@ class TranscriptionEvaluator(SamplingClientEvaluator):
     def evaluate(self, credentials: Any, sampler_path: str, step: int) -> dict[str, float]:
         from prefect_tinker.recipes.grading_text import word_error_rate
         from prefect_tinker.recipes.rl.problem_env import load_renderer
-        from prefect_tinker.tasks.sampling import sample_completions
+        from prefect_tinker.tasks.sampling import completion_tokens, sample_completions
 
         if not self.examples:
             return {}
@@ -255,10 +278,12 @@ class TranscriptionEvaluator(SamplingClientEvaluator):
             or ""
             for ex in self.examples
         ]
-        outs = sample_completions.with_options(task_run_name=f"eval-wer-step-{step}")(
+        prompts = [ex.prompt() for ex in self.examples]
+        outs, cached = run_task(
+            sample_completions.with_options(task_run_name=f"eval-wer-step-{step}"),
             credentials,
             sampler_path,
-            quote([ex.prompt() for ex in self.examples]),
+            quote(prompts),
             max_tokens=self.max_tokens,
             temperature=0.0,
             stop=renderer.get_stop_sequences(),
@@ -271,6 +296,7 @@ class TranscriptionEvaluator(SamplingClientEvaluator):
             f"{self.prefix}/wer": sum(wers) / len(wers),
             f"{self.prefix}/exact": sum(w == 0 for w in wers) / len(wers),
             f"{self.prefix}/wer_n": float(len(wers)),
+            **({} if cached else completion_tokens(prompts, outs)),
         }
 
 

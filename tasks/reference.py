@@ -26,7 +26,7 @@ from prefect.cache_policies import TASK_SOURCE, CacheKeyFnPolicy
 from prefect_tinker.tasks.clients import reference_client, result, sampling_client
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
 
-__all__ = ["reference_sequence_logprobs"]
+__all__ = ["reference_input_tokens", "reference_sequence_logprobs"]
 
 
 def _array(x: Any) -> np.ndarray:
@@ -80,3 +80,12 @@ def reference_sequence_logprobs(
         lp = [x if x is not None else 0.0 for x in list(fut.result())[1:]]  # position i predicts token i+1
         out.append(_weighted(lp, d))
     return out
+
+
+def reference_input_tokens(datums: list[tinker.Datum], via: Literal["trainer", "sampler"] = "trainer") -> float:
+    """Tokens the reference requests of :func:`reference_sequence_logprobs` process for ``datums``
+    (prefill, see :mod:`prefect_tinker.recipes.pricing`): every datum's model input with
+    ``via="trainer"`` (one ``forward``), plus its last target token with ``via="sampler"``
+    (``compute_logprobs`` of the whole sequence)."""
+    inputs = float(sum(d.model_input.length for d in datums))
+    return inputs + (float(len(datums)) if via == "sampler" else 0.0)

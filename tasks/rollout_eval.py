@@ -25,7 +25,8 @@ __all__ = ["RolloutEvaluator", "env_evaluators", "session_env_evaluators"]
 
 
 class RolloutEvaluator(SamplingClientEvaluator):
-    """Roll out ``builders`` on the evaluated sampler weights; metrics ``{prefix}/{name}/{k}``.
+    """Roll out ``builders`` on the evaluated sampler weights; metrics ``{prefix}/{name}/{k}``, and
+    the rollouts' sampling tokens as ``tokens/eval_sampled`` / ``tokens/eval_prefill``.
 
     Args:
         name: the set's name (``vs_random``).
@@ -68,6 +69,12 @@ class RolloutEvaluator(SamplingClientEvaluator):
         groups = [g for g in (f.result() for f in futures) if g.trajectories_G]
         out = {f"{self.prefix}/{self.name}/{k}": v for k, v in rollout_metrics(groups).items()}
         out[f"{self.prefix}/{self.name}/errors"] = float(sum(g.errors for g in (f.result() for f in futures)))
+        # every group's sampling requests, kept or not; a group the task cache answered sent none
+        usage = [f.result().usage for f in futures if f.state.name != "Cached"]
+        out["tokens/eval_sampled"] = float(sum(u.get("sampled", 0.0) for u in usage))
+        out["tokens/eval_prefill"] = float(
+            sum(u.get("prefill_cached", 0.0) + u.get("prefill_uncached", 0.0) for u in usage)
+        )
         return out
 
 

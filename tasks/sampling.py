@@ -14,7 +14,7 @@ from prefect_tinker.recipes.media import media_key, model_input_from_tokens
 from prefect_tinker.tasks.clients import sampling_client
 from prefect_tinker.tasks.policies import RETRY_OPTIONS, run_name_from_parameters
 
-__all__ = ["sample_completions"]
+__all__ = ["completion_tokens", "sample_completions"]
 
 
 def _sample_run_name(parameters: dict[str, Any]) -> str:
@@ -78,3 +78,14 @@ def sample_completions(
             ]
         )
     return out
+
+
+def completion_tokens(prompts: list[list[int]], outs: list[list[dict[str, Any]]]) -> dict[str, float]:
+    """The evaluation tokens of a :func:`sample_completions` call (``prompts`` and what it
+    returned): ``tokens/eval_prefill``, every prompt once (media runs at their model-input length),
+    and ``tokens/eval_sampled``, every returned completion's tokens (see
+    :mod:`prefect_tinker.recipes.pricing`)."""
+    return {
+        "tokens/eval_prefill": float(sum(model_input_from_tokens(p).length for p in prompts)),
+        "tokens/eval_sampled": float(sum(len(c["tokens"]) for out in outs for c in out)),
+    }
