@@ -21,7 +21,7 @@ import argparse
 import itertools
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, TextIO
 
 from prefect_tinker.recipes.tokenizers import resolve_tokenizer
@@ -32,7 +32,7 @@ _GREEN, _DIM, _RESET = "\x1b[1;32m", "\x1b[2m", "\x1b[0m"
 _OPEN, _CLOSE = "[[", "]]"
 
 
-def _runs(tokens: Sequence[int], weights: Sequence[float]) -> list[tuple[list[int], bool]]:
+def _runs(tokens: Sequence[int], weights: Iterable[float]) -> list[tuple[list[int], bool]]:
     out: list[tuple[list[int], bool]] = []
     for tok, w in zip(tokens, weights):
         trained = float(w) > 0
@@ -43,7 +43,7 @@ def _runs(tokens: Sequence[int], weights: Sequence[float]) -> list[tuple[list[in
     return out
 
 
-def format_example(tokenizer: Any, tokens: Sequence[int], weights: Sequence[float], *, color: bool) -> str:
+def format_example(tokenizer: Any, tokens: Sequence[int], weights: Iterable[float], *, color: bool) -> str:
     """The decoded example with trained runs highlighted (ANSI green, or ``[[...]]`` brackets).
 
     Args:

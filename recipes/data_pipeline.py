@@ -92,13 +92,14 @@ def interleave(
     p = w / w.sum()
     while True:
         i = int(rng.choice(n, p=p))
-        item = next(its[i], _END) if its[i] is not None else _END
+        it = its[i]
+        item = next(it, _END) if it is not None else _END
         if item is _END:
             done[i] = True
             if stopping == "first_exhausted" or all(done):
                 return
-            its[i] = fresh(i) if stopping == "all_exhausted" else None
-            item = next(its[i], _END) if its[i] is not None else _END
+            it = its[i] = fresh(i) if stopping == "all_exhausted" else None
+            item = next(it, _END) if it is not None else _END
             if item is _END:  # empty or not restartable: drop it from the draw
                 p[i] = 0.0
                 if p.sum() == 0:
@@ -378,8 +379,9 @@ class SupervisedDataset:
         """The batches of epoch ``epoch``: a reshuffled order each epoch (seeded)."""
         self._load()
         if not self.streaming:
-            order = epoch_permutation(len(self._train or []), epoch, self.seed)
-            datums = [datum_from_example(*self._train[i]) for i in order]
+            train = self._train or []
+            order = epoch_permutation(len(train), epoch, self.seed)
+            datums = [datum_from_example(*train[i]) for i in order]
             yield from batch_datums(datums, self.batch_size, drop_last=self.drop_last)
             return
         convs = itertools.islice(self.conversations(), int(self.test_size), None)

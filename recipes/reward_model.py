@@ -40,7 +40,7 @@ from prefect_tinker.recipes.builders import BuiltData, Example
 from prefect_tinker.recipes.data_reading import SkipStats
 from prefect_tinker.recipes.data_sources import DatasetFormatError
 from prefect_tinker.recipes.datasets import split_conversations
-from prefect_tinker.recipes.preference import PreferenceBuilder
+from prefect_tinker.recipes.preference import ComparisonBuilder
 
 __all__ = [
     "DEFAULT_QUESTION",
@@ -220,8 +220,8 @@ class RewardModelData(BuiltData[RMTrainPair, RMComparison]):
     """Rendered train comparisons and held-out comparisons of a :class:`RewardModelBuilder`."""
 
 
-class RewardModelBuilder(PreferenceBuilder):
-    """Comparisons read like DPO's (:class:`~prefect_tinker.recipes.preference.PreferenceBuilder`:
+class RewardModelBuilder(ComparisonBuilder):
+    """Comparisons read like DPO's (:class:`~prefect_tinker.recipes.preference.ComparisonBuilder`:
     formats, field mapping, counted skips), rendered as reward-model examples (see the module
     docstring). A comparison longer than ``max_length`` tokens (prompt, both replies, question,
     label) is skipped and counted (``too_long``); ``test_size`` comparisons of those left are

@@ -121,8 +121,6 @@ class StoreBlock(Block, ABC):
         """
         self._io().check_access(create_bucket=create_bucket)
 
-    validate_access = check
-
     # ----- writing ---------------------------------------------------------------------------
     def writer(
         self,

@@ -243,7 +243,7 @@ class Llama3Renderer(Renderer):
         items = self.tag_items(content_tokens, (PYTHON_TAG,)) if PYTHON_TAG in self.encoder.control_ids else [raw]
         lead = next((k for k, it in enumerate(items) if isinstance(it, Tag) or it.strip()), None)
         tagged = lead is not None and isinstance(items[lead], Tag)
-        body = "".join(items[lead + 1 :]) if tagged else "".join(items)
+        body = "".join(items[lead + 1 :]) if tagged and lead is not None else "".join(items)
         calls, ok = parse_llama3_tool_calls(body, tagged)
         if not ok:
             return ParsedResponse({"role": "assistant", "content": raw}, Termination.MALFORMED)

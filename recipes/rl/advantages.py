@@ -350,6 +350,6 @@ def rollout_metrics(groups: Sequence[TrajectoryGroup]) -> dict[str, float]:
         "trajectories": float(len(rewards)),
         "groups": float(len(groups)),
     }
-    for k, v in env.items():
-        out[f"{k}_rate" if k in ("correct", "format") else k] = float(np.mean(v))
+    for k, values in env.items():
+        out[f"{k}_rate" if k in ("correct", "format") else k] = float(np.mean(values))
     return out

@@ -40,7 +40,8 @@ def load_documents(path: str | Path) -> list[dict[str, str]]:
     """
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
-    docs, seen = [], {}
+    docs: list[dict[str, str]] = []
+    seen: dict[str, int] = {}
     with opener(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():

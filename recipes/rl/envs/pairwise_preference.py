@@ -337,12 +337,14 @@ class PairwisePreference(Environment):
 
     @classmethod
     def reward_ref(cls, opts: PairwisePreferenceOptions, ctx: EnvContext) -> RewardModelRef:
+        if opts.reward_model is None:
+            raise ValueError("env 'pairwise_preference' needs env_options.reward_model=...")
         return RewardModelRef(
             opts.reward_model,
             opts.reward_renderer or ctx.renderer_name,
             opts.reward_tokenizer or ctx.tokenizer_id,
             opts.question,
-            tuple(opts.labels),
+            opts.labels,
         )
 
     @classmethod

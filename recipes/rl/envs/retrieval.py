@@ -112,7 +112,8 @@ def load_collection(path: str, text_field: str = "text", id_field: str | None = 
     from prefect_tinker.recipes.data_reading import SourceSpec, iter_records
     from prefect_tinker.recipes.data_sources import RecordError, get_field
 
-    docs, seen = [], {}
+    docs: list[dict[str, str]] = []
+    seen: dict[str, str] = {}
     for raw in iter_records(SourceSpec(path=str(Path(path).expanduser()))):
         if raw.error:
             raise ValueError(f"{raw.where}: {raw.error}")
