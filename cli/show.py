@@ -34,7 +34,7 @@ _OPEN, _CLOSE = "[[", "]]"
 
 def _runs(tokens: Sequence[int], weights: Iterable[float]) -> list[tuple[list[int], bool]]:
     out: list[tuple[list[int], bool]] = []
-    for tok, w in zip(tokens, weights):
+    for tok, w in zip(tokens, weights, strict=True):
         trained = float(w) > 0
         if out and out[-1][1] == trained:
             out[-1][0].append(int(tok))
@@ -146,7 +146,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
                 foot += f", cut from {n} to max_length={args.max_length}"
             print(foot, file=out)
             if args.ids:
-                for i, (t, w) in enumerate(zip(tokens, weights)):
+                for i, (t, w) in enumerate(zip(tokens, weights, strict=True)):
                     print(f"{i:6d} {t:8d} {float(w):4.1f} {tok.decode([t], skip_special_tokens=False)!r}", file=out)
     except (DatasetFormatError, RendererError, FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -155,7 +155,8 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m prefect_tinker.cli.show DATASET --tokenizer T ...`` (same options as ``prefect-tinker show-example``)."""
+    """``python -m prefect_tinker.cli.show DATASET --tokenizer T ...`` (same options as
+    ``prefect-tinker show-example``)."""
     p = argparse.ArgumentParser(prog="prefect-tinker show-example", description=__doc__.split("\n")[0])
     _add_arguments(p)
     return run(p.parse_args(argv))

@@ -251,7 +251,7 @@ class DPOLoss:
             raise ValueError(
                 f"{len(datums)} datums / {len(logprobs)} logprobs for {len(self.reference)} reference values"
             )
-        seq = torch.stack([sequence_logprob(lp, d) for lp, d in zip(logprobs, datums)])
+        seq = torch.stack([sequence_logprob(lp, d) for lp, d in zip(logprobs, datums, strict=True)])
         ratio = seq - torch.as_tensor(self.reference, dtype=seq.dtype)
         chosen, rejected = ratio[0::2], ratio[1::2]
         return chosen - rejected, chosen, rejected

@@ -190,7 +190,7 @@ def win_minus_loss(n: int, pairs: Sequence[tuple[int, int]], scores: Sequence[fl
         total[i] -= float(d)
         count[i] += 1
         count[j] += 1
-    return [t / c if c else 0.0 for t, c in zip(total, count)]
+    return [t / c if c else 0.0 for t, c in zip(total, count, strict=True)]
 
 
 def group_rewards(wml: Sequence[float], valid: Sequence[bool], format_coef: float) -> list[float]:

@@ -137,7 +137,8 @@ class TinkerCredentials(CredentialsBlock):
     request_deadline_s: float = Field(
         default=1800.0,
         gt=0,
-        description="Longest wait in seconds for one request's result before it fails (the server is also checked while waiting).",
+        description="Longest wait in seconds for one request's result before it fails "
+        "(the server is also checked while waiting).",
     )
 
     @field_validator("api_key")

@@ -161,7 +161,7 @@ class StoreBlock(Block, ABC):
         fresh listing when a concurrent compaction deleted a part the query had listed, and
         without a part that turned out unreadable (skipped with a warning naming it)."""
         names, rows = self._io().query(sql, params)
-        return [dict(zip(names, r)) for r in rows]
+        return [dict(zip(names, r, strict=True)) for r in rows]
 
 
 class TrainingStore(StoreBlock):

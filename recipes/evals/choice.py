@@ -78,7 +78,7 @@ def parse_options(value: Any, field: str = "options") -> Choices:
     elif isinstance(value, Mapping):
         pairs = [(str(k).strip().upper(), v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))]
     elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
-        pairs = list(zip(LETTERS, value))
+        pairs = list(zip(LETTERS, value, strict=False))
     else:
         raise _fail(field, f"must be a list of option texts or a mapping letter -> text, got {str(value)[:60]!r}")
     if not 2 <= len(pairs) <= len(LETTERS):
@@ -95,7 +95,9 @@ def parse_options(value: Any, field: str = "options") -> Choices:
     matched = [m for m, letter in zip(pre, letters, strict=True) if m and m.group(1) == letter]
     if len(matched) == len(pre):  # every option carries its own letter prefix
         return Choices(letters, tuple(m.group(2).strip() for m in matched), tuple(t.strip() for t in texts), own_labels)
-    return Choices(letters, texts, tuple(f"{letter}. {t}" for letter, t in zip(letters, texts)), own_labels)
+    return Choices(
+        letters, texts, tuple(f"{letter}. {t}" for letter, t in zip(letters, texts, strict=True)), own_labels
+    )
 
 
 def resolve_reference_letter(value: Any, choices: Choices, field: str = "answer") -> str:
@@ -120,7 +122,7 @@ def resolve_reference_letter(value: Any, choices: Choices, field: str = "answer"
         if s.isdigit() and int(s) < len(choices.letters):
             return choices.letters[int(s)]
         norm = normalize_answer(s)
-        hits = [letter for letter, t in zip(choices.letters, choices.texts) if normalize_answer(t) == norm]
+        hits = [letter for letter, t in zip(choices.letters, choices.texts, strict=True) if normalize_answer(t) == norm]
         if len(hits) == 1:
             return hits[0]
     raise _fail(
@@ -165,5 +167,7 @@ def parse_choice(reply: str, choices: Choices) -> str | None:
     if len(standalone) == 1:
         return standalone.pop()
     norm = normalize_answer(text)
-    hits = [letter for letter, t in zip(choices.letters, choices.texts) if norm and normalize_answer(t) == norm]
+    hits = [
+        letter for letter, t in zip(choices.letters, choices.texts, strict=True) if norm and normalize_answer(t) == norm
+    ]
     return hits[0] if len(hits) == 1 else None

@@ -66,7 +66,7 @@ __all__ = [
 ContentPiece = tuple[str | MediaContent, bool]
 
 
-class TrainOnWhat(str, Enum):
+class TrainOnWhat(str, Enum):  # noqa: UP042 -- StrEnum changes str()/format() of members, which configs and logs show
     """Which tokens of a conversation get loss weight.
 
     ``last_assistant_message``: the last assistant message (body and end-of-turn marker).
@@ -91,7 +91,7 @@ class TrainOnWhat(str, Enum):
 TRAIN_ON_CHOICES = tuple(t.value for t in TrainOnWhat)
 
 
-class Termination(str, Enum):
+class Termination(str, Enum):  # noqa: UP042 -- StrEnum changes str()/format() of members, which logs and rows show
     """How a sampled response ended (second item of :meth:`Renderer.parse_response`).
 
     ``stop_sequence``: the renderer's end-of-turn stop sequence ended it (normal end).

@@ -270,12 +270,12 @@ class ChatTemplateRenderer(Renderer):
 
         def flush() -> None:
             runs = self.encoder.pieces([(piece, markup) for _, piece, markup in segment])
-            for (start, _, _), run in zip(segment, runs):
+            for (start, _, _), run in zip(segment, runs, strict=True):
                 first[start] = len(tokens)
                 tokens.extend(run)
             segment.clear()
 
-        for a, b in zip(bounds_sorted, bounds_sorted[1:]):
+        for a, b in zip(bounds_sorted, bounds_sorted[1:], strict=False):
             if a in cuts:
                 flush()
             segment.append((a, text[a:b], a not in inside))

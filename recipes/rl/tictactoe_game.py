@@ -81,7 +81,7 @@ def minimax_move(board: str, rng: np.random.Generator | None = None) -> int:
     if not moves or winner(board) is not None:
         raise ValueError("no move: the game is over")
     values = [-minimax_value(play(board, m)) for m in moves]
-    best = [m for m, v in zip(moves, values) if v == max(values)]
+    best = [m for m, v in zip(moves, values, strict=True) if v == max(values)]
     return int(rng.choice(best)) if rng is not None else best[0]
 
 

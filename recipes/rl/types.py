@@ -163,7 +163,7 @@ class TrajectoryGroup:
 
     def total_rewards(self) -> list[float]:
         """Per-trajectory total reward (G,): sum of step rewards plus the group-level reward."""
-        return [t.step_reward + r for t, r in zip(self.trajectories_G, self.final_rewards_G)]
+        return [t.step_reward + r for t, r in zip(self.trajectories_G, self.final_rewards_G, strict=True)]
 
 
 #: One sampled action: tokens (T,), the sampler's logprobs of them (T,), stop reason ("stop"/"length").

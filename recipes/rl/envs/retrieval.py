@@ -3,7 +3,8 @@
 The model gets one tool, ``search(query)``: BM25 (the ``bm25s`` library, Lucene variant; see
 :mod:`prefect_tinker.recipes.tools.retrieval`) over ``env_options.documents``, a JSONL collection
 ``{id, text}`` (or any JSONL: ``text_field`` names the passage, ``id_field`` its id, None for
-``file:line``; records with an empty passage are left out), returning the ``top_k`` passages. It may search over several turns and ends with a
+``file:line``; records with an empty passage are left out), returning the ``top_k`` passages.
+It may search over several turns and ends with a
 reply without a tool call stating its answer (the text after the last ``Answer:``, else the whole
 reply). Reward:
 
