@@ -62,7 +62,7 @@ def write_dataset(io: ParquetStore, runs: int, steps: int, metrics: int, steps_p
             step = np.repeat(np.arange(s0, min(s0 + steps_per_part, steps)), len(names))
             name = np.tile(names, len(step) // len(names))
             data = pa.table({
-                "row_id": [make_row_id(run_id, int(s), n) for s, n in zip(step, name)],
+                "row_id": [make_row_id(run_id, int(s), n) for s, n in zip(step, name, strict=True)],
                 "run_id": [run_id] * len(step),
                 "step": step.astype("int64"),
                 "name": name,

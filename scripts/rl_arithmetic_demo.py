@@ -55,7 +55,7 @@ def greedy_accuracy(credentials, sampler_path: str, tokenizer_id: str, n: int, m
         ob, stop = env.initial_observation()
         params = tinker.SamplingParams(max_tokens=max_tokens, temperature=0.0, seed=0, stop=stop)
         futures.append(client.sample(tinker.ModelInput.from_ints(ob), 1, params))
-    correct = [env.step(list(f.result().sequences[0].tokens)).metrics["correct"] for env, f in zip(envs, futures)]
+    correct = [env.step(list(f.result().sequences[0].tokens)).metrics["correct"] for env, f in zip(envs, futures, strict=True)]
     return float(np.mean(correct))
 
 

@@ -42,9 +42,9 @@ def _check_player_datums(group):
             assert i not in by_member
             continue
         d = by_member[i]
-        for a, b in zip(traj.transitions, traj.transitions[1:]):
+        for a, b in zip(traj.transitions, traj.transitions[1:], strict=False):
             assert b.observation[: len(a.observation) + len(a.action_tokens)] == a.observation + a.action_tokens
-        trained = [tok for tok, m in zip(d.tokens[1:], d.mask) if m]
+        trained = [tok for tok, m in zip(d.tokens[1:], d.mask, strict=False) if m]
         assert trained == [tok for t in traj.transitions for tok in t.action_tokens]
         assert set(np.unique(d.advantages[d.mask > 0])) == {np.float32(advs[0][i])}
     assert datums
@@ -65,7 +65,7 @@ def test_selfplay_game_alternates_players_and_is_zero_sum(tokenizer_dirs):
     assert "Your opponent played 2." in tok.decode(o.transitions[1].observation)
     assert " X | X | 3\n---+---+---\n O | O | 6" in tok.decode(x.transitions[2].observation)
     # the prompts alternate X, O, X, O, X in sampling order, each seeded differently
-    assert [c[0] for c in sampler.calls] == [t.observation for pair in zip(x.transitions, o.transitions + [None])
+    assert [c[0] for c in sampler.calls] == [t.observation for pair in zip(x.transitions, o.transitions + [None], strict=False)
                                             for t in pair if t is not None]
     assert len({c[2] for c in sampler.calls}) == 5
     adv = _check_player_datums(group)
@@ -146,7 +146,7 @@ def test_games_against_scripted_players_and_their_evaluation_sets(tokenizer_dirs
     for name, builders in sets.items():
         groups = [run_group_rollout(ScriptedSampler(tok, _lowest_cell), b, seed=1, max_tokens=8) for b in builders]
         outcomes[name] = rollout_metrics(groups)
-        for g, b in zip(groups, builders):
+        for g, b in zip(groups, builders, strict=True):
             assert len(g.trajectories_G) == 3
             for traj in g.trajectories_G:
                 board = traj.transitions[-1].logs["board"]
@@ -184,7 +184,7 @@ def test_guess_the_number(tokenizer_dirs, secret, max_turns):
     assert m["correct"] == float(found) and m["invalid_guesses"] == 1.0 and m["max_turns_reached"] == float(not found)
     texts = [tok.decode(t.observation) for t in traj.transitions]
     assert "Please reply with a number between 1 and 100." in texts[1]
-    for g, text in zip(guesses, texts[2:]):
+    for g, text in zip(guesses, texts[2:], strict=False):
         assert text.rstrip().endswith(("Higher." if secret > g else "Lower.") + END + "\n<|im_start|>assistant")
     _check_player_datums(group)
 

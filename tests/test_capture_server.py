@@ -103,7 +103,7 @@ def test_chat_stream_n2_and_completion_each_sequence_one_row(server, tokenizer):
     rs = rows_of(server, two.id)
     assert [x["sequence_index"] for x in rs] == [0, 1] and len(two.choices) == 2
     assert sum(x["completion_tokens"] for x in rs) == two.usage.completion_tokens
-    for x, choice in zip(rs, two.choices):
+    for x, choice in zip(rs, two.choices, strict=True):
         lps = [t.logprob for t in choice.logprobs.content]
         assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
                    and t.logprob <= t.top_logprobs[0].logprob + 1e-5 for t in choice.logprobs.content)

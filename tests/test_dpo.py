@@ -61,7 +61,7 @@ def test_preference_formats_and_field_mapping(clean, tmp_path):
     assert len(data.train) == 6 and data.skipped == 0
     pair = data.train[2]
     for ex, reply in ((pair.chosen, "It is 3."), (pair.rejected, "No idea.")):
-        trained = tok.decode([t for t, w in zip(ex.tokens, ex.weights) if w > 0])
+        trained = tok.decode([t for t, w in zip(ex.tokens, ex.weights, strict=True) if w > 0])
         assert reply in trained and "plus one" not in trained  # only the reply (and its end marker) is trained
     n_prompt = next(i for i, w in enumerate(pair.chosen.weights) if w > 0)
     assert pair.chosen.tokens[:n_prompt] == pair.rejected.tokens[:n_prompt]  # the shared prompt
@@ -144,7 +144,7 @@ def test_dpo_gradients_match_independent_torch(clean, service, tmp_path, kind, b
     start_dir = clean.checkpoint_dir(start)
     ref_model = _reference(clean, clean.checkpoint_dir(base_path))
     with torch.no_grad():
-        reference = [float((ref_model.logprobs(s[:-1], s[1:]).double() * m).sum()) for s, m in zip(seqs, masks)]
+        reference = [float((ref_model.logprobs(s[:-1], s[1:]).double() * m).sum()) for s, m in zip(seqs, masks, strict=True)]
 
     policy = service.create_training_client_from_state(start).result(timeout=120)  # fresh Adam state
     loss = DPOLoss(reference, beta, kind, eps)
@@ -154,7 +154,7 @@ def test_dpo_gradients_match_independent_torch(clean, service, tmp_path, kind, b
     after = policy.save_weights_for_sampler(f"after-{kind}-{eps}").result(timeout=60).path
 
     ref = _reference(clean, start_dir)
-    seq_lp = torch.stack([(ref.logprobs(s[:-1], s[1:]).double() * m).sum() for s, m in zip(seqs, masks)])
+    seq_lp = torch.stack([(ref.logprobs(s[:-1], s[1:]).double() * m).sum() for s, m in zip(seqs, masks, strict=True)])
     ratio = seq_lp - torch.tensor(reference, dtype=torch.float64)
     h = ratio[0::2] - ratio[1::2]
     assert float(h.detach().abs().min()) > 1e-3  # non-trivial log-ratios

@@ -99,7 +99,7 @@ def test_exact_match_accuracy_equals_greedy_replies_graded_by_hand(prefect_api, 
     refs = [completions[0], completions[1], MISS, MISS]
     data = tmp_path / "own_names.jsonl"
     data.write_text("".join(json.dumps({"prompt": {"text": q}, "gold": [r], "uid": f"q{i}"}) + "\n"
-                            for i, (q, r) in enumerate(zip(QUESTIONS, refs))))
+                            for i, (q, r) in enumerate(zip(QUESTIONS, refs, strict=False))))
     store = tmp_path / "store"
     cfg = EvalConfig(model="tiny", benchmark="exact_match", dataset=str(data), question_field="prompt.text",
                      answer_field="gold", id_field="uid", max_tokens=6, temperature=0.0, num_samples=2,
@@ -147,8 +147,8 @@ def test_inspect_kind_records_its_scores(prefect_api, local_credentials, tmp_pat
     pytest.importorskip("inspect_ai", reason="inspect-ai is not installed (extra 'inspect')")
     completions, _ = _greedy(local_credentials, max_tokens=6)
     targets = [completions[0][:3], MISS, completions[2][-2:], MISS]
-    expected = sum(bool(t) and t.lower() in c.lower() for t, c in zip(targets, completions)) / 4
-    samples = ", ".join(f"Sample(input={q!r}, target={t!r}, id={i})" for i, (q, t) in enumerate(zip(QUESTIONS, targets)))
+    expected = sum(bool(t) and t.lower() in c.lower() for t, c in zip(targets, completions, strict=True)) / 4
+    samples = ", ".join(f"Sample(input={q!r}, target={t!r}, id={i})" for i, (q, t) in enumerate(zip(QUESTIONS, targets, strict=False)))
     task = tmp_path / "user-project" / "inc_task.py"  # a task file outside the repository
     task.parent.mkdir()
     task.write_text("from inspect_ai import Task, task\nfrom inspect_ai.dataset import Sample\n"

@@ -40,7 +40,7 @@ def _greedy(local_credentials, **model) -> list[str]:
 
 def _write_task(directory: Path, targets: list[str]) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
-    samples = ", ".join(f"Sample(input={q!r}, target={t!r}, id={i})" for i, (q, t) in enumerate(zip(QUESTIONS, targets)))
+    samples = ", ".join(f"Sample(input={q!r}, target={t!r}, id={i})" for i, (q, t) in enumerate(zip(QUESTIONS, targets, strict=False)))
     path = directory / "tiny_task.py"
     path.write_text(
         "from inspect_ai import Task, task\n"
@@ -55,7 +55,7 @@ def _write_task(directory: Path, targets: list[str]) -> Path:
 
 def _targets(completions: list[str]) -> tuple[list[str], list[bool]]:
     targets = [completions[0][:5], completions[1][-4:], MISS, MISS]
-    expected = [t.lower() in c.lower() for t, c in zip(targets, completions)]  # includes() ignores case
+    expected = [t.lower() in c.lower() for t, c in zip(targets, completions, strict=True)]  # includes() ignores case
     return targets, expected
 
 

@@ -89,7 +89,7 @@ def test_external_weights_load_with_peft_and_match_the_server(env, tmp_path):
     assert (cfg["peft_type"], cfg["r"], cfg["lora_alpha"]) == ("LORA", 4, 32) and "lm_head" in cfg["target_modules"]
     expected = _server_logprobs(env["sampler"], env["tok"])
     got = _peft_logprobs(folder, env["tok"])
-    for g, want in zip(got, expected):
+    for g, want in zip(got, expected, strict=True):
         np.testing.assert_allclose(g, want, atol=1e-4)
     adapted = got[0]  # sanity: the delta is not negligible
     from transformers import AutoModelForCausalLM

@@ -58,12 +58,12 @@ def _run(engine, model_id, datums, loss, packing: bool, backward: bool = True):
 
 def _assert_same(a, b, ga, gb):
     assert a.metrics["loss:sum"] == pytest.approx(b.metrics["loss:sum"], rel=1e-5, abs=1e-5)
-    for x, y in zip(a.outputs, b.outputs):
+    for x, y in zip(a.outputs, b.outputs, strict=True):
         assert x["logprobs"].shape == y["logprobs"].shape
         np.testing.assert_allclose(x["logprobs"], y["logprobs"], atol=1e-5, rtol=0)
     gmax = max(float(g.abs().max()) for g in gb if g is not None)
     assert gmax > 0
-    for x, y in zip(ga, gb):
+    for x, y in zip(ga, gb, strict=True):
         torch.testing.assert_close(x, y, atol=1e-5 * gmax, rtol=1e-5)
 
 

@@ -58,7 +58,7 @@ def _layout(model_input):
 
 def _same_chunks(ours, theirs):
     assert _layout(ours) == _layout(theirs)
-    for a, b in zip(ours.chunks, theirs.chunks):
+    for a, b in zip(ours.chunks, theirs.chunks, strict=True):
         if isinstance(a, tinker.EncodedTextChunk):
             assert a.tokens == b.tokens
         elif isinstance(a, tinker.DmelChunk):
@@ -179,7 +179,7 @@ def test_local_vl_renderer_layout_weights_and_truncation(tiny_vl_dir, tmp_path):
     assert span.ref.tokens == 8 and tokens[span.start - 1] == vs and tokens[span.start + 8] == ve
     assert all(int(t) == pad for t in tokens[span.start:span.start + 8])
     assert weights[span.start:span.start + 8].sum() == 0 and weights[-10:].all() is not None
-    assert tok.decode([int(t) for t, w in zip(tokens, weights) if w]) == "The subject in this photo is: 7<|im_end|>"
+    assert tok.decode([int(t) for t, w in zip(tokens, weights, strict=True) if w]) == "The subject in this photo is: 7<|im_end|>"
     assert r.build_generation_sequence(msgs[:1]) == tokens[:len(r.build_generation_sequence(msgs[:1]))]
 
     # text parts stay text: control-token strings in them are not control tokens

@@ -54,7 +54,7 @@ def test_calculator_episode_token_layout_and_datums(tokenizer_dirs):
     after = conv + [{"role": "assistant", "content": "", "tool_calls": [call]},
                     {"role": "tool", "content": "84", "name": "calculator"}]
     full = renderer.build_generation_prompt(after, tools=schemas).to_ints()
-    for traj, (_, a2, lp2) in zip(group.trajectories_G, sampler.sampled[2:]):
+    for traj, (_, a2, lp2) in zip(group.trajectories_G, sampler.sampled[2:], strict=False):
         t1, t2 = traj.transitions
         assert t1.observation == prompt and t1.reward == 0.0 and not t1.episode_done and t1.metrics == {}
         a1 = t1.action_tokens
@@ -68,7 +68,7 @@ def test_calculator_episode_token_layout_and_datums(tokenizer_dirs):
     # the datums the RL flow trains on: one per episode, sampled tokens only, own logprobs, A = R - mean
     datums, advs = groups_to_datums([group])
     assert len(datums) == 2 and advs[0].tolist() == [0.5, -0.5]
-    for d, traj, adv in zip(datums, group.trajectories_G, advs[0]):
+    for d, traj, adv in zip(datums, group.trajectories_G, advs[0], strict=True):
         t1, t2 = traj.transitions
         seq = t2.observation + t2.action_tokens
         assert d.tokens == seq

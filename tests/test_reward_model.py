@@ -51,7 +51,7 @@ def _tokenizer(path):
 
 
 def _trained(tok, ex) -> str:
-    return tok.decode([t for t, w in zip(ex.tokens, ex.weights) if w > 0])
+    return tok.decode([t for t, w in zip(ex.tokens, ex.weights, strict=True) if w > 0])
 
 
 # ----- data ---------------------------------------------------------------------------------------
@@ -68,7 +68,7 @@ def test_comparisons_train_only_the_label_in_both_orders_or_a_seeded_swap(tmp_pa
     assert len(data.train) + len(data.test) == 8 and data.skipped == 1 and "1 too_long" in data.skip_summary
     for pair in data.train:
         assert len(pair.examples) == 2
-        for ex, label in zip(pair.examples, "AB"):
+        for ex, label in zip(pair.examples, "AB", strict=False):
             assert _trained(tok, ex) == label and sum(ex.weights) == 1.0  # the label token only, no end marker
             assert ex.weights[-1] == 1.0  # the example ends at the label
             text = tok.decode(ex.tokens)
@@ -85,7 +85,7 @@ def test_comparisons_train_only_the_label_in_both_orders_or_a_seeded_swap(tmp_pa
     swapped = build(orders="swap")
     labels = [_trained(tok, p.examples[0]) for p in swapped.train]
     assert all(len(p.examples) == 1 for p in swapped.train) and set(labels) == {"A", "B"}
-    for p, label in zip(swapped.train, labels):  # the label still names the chosen reply's position
+    for p, label in zip(swapped.train, labels, strict=False):  # the label still names the chosen reply's position
         text, i = tok.decode(p.examples[0].tokens), None
         i = int(text.split("Is ")[1].split(" ")[0])
         assert f"Completion {label}:\n{'Yes.' if i % 2 == 0 else 'No.'}" in text
@@ -180,7 +180,7 @@ def test_reward_model_probabilities_match_a_forward_by_hand(prefect_api, rm, mon
     (a,), (b,) = comparisons[0].chosen_a.labels
     flat = [x for c in comparisons for x in (c.chosen_a, c.chosen_b)]
     got = label_logprobs(rm["creds"], rm["path"], flat)  # log p("A" | prompt), log p("B" | prompt) per order
-    for x, (la, lb) in zip(flat, got):
+    for x, (la, lb) in zip(flat, got, strict=True):
         lp = _hand_logprobs(rm["ref"], x.prompt)
         assert (la, lb) == pytest.approx((float(lp[a]), float(lp[b])), abs=1e-4)
     assert min(min(g) for g in got) < -0.5  # real log-probabilities, not 0 by construction
@@ -198,7 +198,7 @@ def test_reward_model_probabilities_match_a_forward_by_hand(prefect_api, rm, mon
     long = [render_comparison(rend, [{"role": "user", "content": "Is 3 odd?"}], "Yes.", "No.", fmt)]
     assert min(len(t) for t in long[0].labels) > 1
     (la, lb), = fresh(rm["creds"], rm["path"], long)
-    for lab, value in zip(long[0].labels, (la, lb)):
+    for lab, value in zip(long[0].labels, (la, lb), strict=True):
         seq = long[0].prompt + lab
         with torch.no_grad():
             lp = rm["ref"].logprobs(seq[:-1], seq[1:]).double()
@@ -236,7 +236,7 @@ def test_group_rewards_from_the_reward_model_match_a_forward_by_hand(prefect_api
     prompt = [{"role": "user", "content": "Is 12 an even number?"}]
     texts, ends = ["Yes.", "It is 13, maybe.", "No."], [True, True, False]
     stop = rend.get_stop_sequences()
-    trajs = [_traj(tok.encode(t, add_special_tokens=False) + (list(stop) if e else [])) for t, e in zip(texts, ends)]
+    trajs = [_traj(tok.encode(t, add_special_tokens=False) + (list(stop) if e else [])) for t, e in zip(texts, ends, strict=True)]
     b = PreferenceGroupBuilder(PreferencePrompt(freeze_messages(prompt)), 3, "chatml", tiny,
                                RewardModelRef(rm["path"], "chatml", tiny), format_coef=0.25)
     with pytest.raises(RuntimeError, match="need a reward model client"):

@@ -77,9 +77,9 @@ def test_datums_of_groups_against_an_independent_loop():
     datums, advs = groups_to_datums(groups)
     assert len(datums) == 20
     k = 0
-    for g, adv in zip(groups, advs):
+    for g, adv in zip(groups, advs, strict=True):
         rewards = [t.transitions[0].reward for t in g.trajectories_G]
-        for t, r in zip(g.trajectories_G, rewards):
+        for t, r in zip(g.trajectories_G, rewards, strict=True):
             a = r - np.mean(rewards)
             tr = t.transitions[0]
             seq = tr.observation + tr.action_tokens
@@ -97,10 +97,10 @@ def test_kl_penalty_and_sample_train_kl():
     datums, _ = groups_to_datums([_random_group(rng, 0), _random_group(rng, 1)])
     before = [d.advantages.copy() for d in datums]
     refs = [np.where(d.mask > 0, d.sampler_logprobs - rng.random(d.mask.shape), 0.0) for d in datums]
-    diffs = np.concatenate([(d.sampler_logprobs - r)[d.mask > 0] for d, r in zip(datums, refs)])
+    diffs = np.concatenate([(d.sampler_logprobs - r)[d.mask > 0] for d, r in zip(datums, refs, strict=True)])
     out = apply_kl_penalty(datums, refs, coef=0.5)
     assert out["kl_policy_ref"] == pytest.approx(diffs.mean())
-    for d, b, r in zip(datums, before, refs):
+    for d, b, r in zip(datums, before, refs, strict=True):
         want = b + 0.5 * d.mask * (diffs.mean() - (d.sampler_logprobs - r))
         assert d.advantages == pytest.approx(want, abs=1e-5)
     trainer = [d.sampler_logprobs - 0.1 * d.mask for d in datums]
@@ -114,7 +114,7 @@ def test_kl_penalty_and_sample_train_kl():
 def test_constant_groups_removed_and_metrics():
     rng = np.random.default_rng(3)
     varied = _random_group(rng, 0)
-    for t, r in zip(varied.trajectories_G, [0.0, 1.0, 0.0, 1.0]):
+    for t, r in zip(varied.trajectories_G, [0.0, 1.0, 0.0, 1.0], strict=True):
         t.transitions[0].reward = r
     const = TrajectoryGroup([_traj([1], [2], [-1.0], 1.0)] * 3, [0.0] * 3, [{}] * 3)
     kept, removed = remove_constant_reward_groups([varied, const])

@@ -87,7 +87,7 @@ def _rows(store, query) -> list[dict]:
     from tinker_blocks.store_sql import query_stores
 
     names, rows = query_stores(str(store), query, [])
-    return [dict(zip(names, r)) for r in rows]
+    return [dict(zip(names, r, strict=True)) for r in rows]
 
 
 def _rl(local_credentials, store, run_name, **kw) -> dict:

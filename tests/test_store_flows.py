@@ -40,7 +40,7 @@ def raw_table(server: SeaweedS3, root: str, table: str, run_id: str) -> list[dic
     files = ", ".join(f"'s3://{p}'" for p in parts)
     cur = con.execute(f"SELECT * FROM read_parquet([{files}])")
     names = [d[0] for d in cur.description]
-    return [dict(zip(names, r)) for r in cur.fetchall()]
+    return [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
 
 
 def latest_per_row_id(rows: list[dict]) -> set[tuple]:

@@ -20,7 +20,7 @@ def write_digits(root, size: int = 32, per_class: int | None = None):
 
     digits = datasets.load_digits()
     counts: dict[int, int] = {}
-    for i, (img, label) in enumerate(zip(digits.images, digits.target)):
+    for i, (img, label) in enumerate(zip(digits.images, digits.target, strict=True)):
         label = int(label)
         if per_class is not None and counts.get(label, 0) >= per_class:
             continue
@@ -96,7 +96,7 @@ def test_classification_jsonl_and_prepared_data_by_reference(tmp_path, monkeypat
     assert len(data.train) == 27 and len(data.test) == 3
     ex = data.train[0]
     assert len(ex.media) == 1 and ex.media[0].ref.tokens == 4 and ex.media[0].ref.path.startswith(str(folder))
-    text = tok.decode([t for t, w in zip(ex.tokens, ex.weights) if w > 0], skip_special_tokens=True)
+    text = tok.decode([t for t, w in zip(ex.tokens, ex.weights, strict=True) if w > 0], skip_special_tokens=True)
     assert text.startswith("The subject in this photo is: digit ")
     assert len(pickle.dumps(data)) < 2000 * len(rows)  # references, not pixels
     # the fingerprint follows the JSONL's content
@@ -129,5 +129,5 @@ def test_classification_from_a_hugging_face_image_dataset(tmp_path, monkeypatch)
     for ex in data.train:
         ref = ex.media[0].ref
         assert ref.path.startswith(str(tmp_path / "media")) and ref.format == "png" and ref.tokens == 4
-        text = tok.decode([t for t, w in zip(ex.tokens, ex.weights) if w > 0], skip_special_tokens=True)
+        text = tok.decode([t for t, w in zip(ex.tokens, ex.weights, strict=True) if w > 0], skip_special_tokens=True)
         assert text.startswith("The subject in this photo is: class ")
