@@ -117,7 +117,9 @@ def sc_create_rest_client(c: Ctx):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         rc = c.sc.create_rest_client()
-    assert c.tc.model_id in [r.training_run_id for r in rc.list_training_runs(limit=100).result(timeout=30).training_runs]
+    assert c.tc.model_id in [
+        r.training_run_id for r in rc.list_training_runs(limit=100).result(timeout=30).training_runs
+    ]
 
 
 def sc_create_sampling_client(c: Ctx):

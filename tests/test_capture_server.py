@@ -135,7 +135,9 @@ def test_stop_strings_cut_like_openai_and_echo(server, tokenizer):
     assert row["completion"] == cut.choices[0].message.content and row["stop_reason"] == "stop"
     assert json.loads(row["sampling_json"])["stop"] == [stop, "@@@"]
 
-    comp = c.completions.create(model="tiny", prompt="Once upon a time", max_tokens=5, temperature=0, echo=True, logprobs=1)
+    comp = c.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=5, temperature=0, echo=True, logprobs=1
+    )
     (ch,) = comp.choices
     n_prompt = len(tokenizer.encode("Once upon a time"))
     assert ch.text.startswith("Once upon a time") and len(ch.logprobs.tokens) == n_prompt + 5
@@ -151,7 +153,9 @@ def test_sixteen_concurrent_clients_complete_and_are_batched(server, local_crede
     base_url = ensure_local_server(local_credentials)["base_url"]
 
     def stats() -> dict:
-        return httpx.get(f"{base_url}/api/v1/local_stats", headers={"X-API-Key": LOCAL_API_KEY}, timeout=10).json()["compute"]
+        return httpx.get(f"{base_url}/api/v1/local_stats", headers={"X-API-Key": LOCAL_API_KEY}, timeout=10).json()[
+            "compute"
+        ]
 
     before, s0 = len(capture_rows(server.store)), stats()
 

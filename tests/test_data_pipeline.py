@@ -59,7 +59,9 @@ def test_interleave_weights_seed_and_stopping():
     counts = Counter(tag for tag, _ in out)
     assert 2.6 < counts["a"] / counts["b"] < 3.4  # proportions follow the weights
     assert out == list(interleave([a, b], [3, 1], seed=0)) and out != list(interleave([a, b], [3, 1], seed=1))
-    assert [i for tag, i in out if tag == "a"] == sorted(i for tag, i in out if tag == "a")  # order within a source kept
+    assert [i for tag, i in out if tag == "a"] == sorted(
+        i for tag, i in out if tag == "a"
+    )  # order within a source kept
     # all_exhausted: the short source restarts until every source has been fully seen
     out = list(interleave([list(range(50)), ["x"] * 5], seed=3, stopping="all_exhausted"))
     assert set(range(50)) <= set(out) and out.count("x") >= 5
@@ -91,7 +93,10 @@ def test_render_example_truncation_keeps_weights_aligned():
         assert t == tokens[:max_length] and np.array_equal(w, weights[:max_length])
     assert render_example(RENDERER, conv, max_length=20) is None  # nothing trained within 20 tokens
     assert render_example(RENDERER, conv, max_length=40, on_too_long="skip") is None
-    with pytest.raises(ExampleTooLongError, match=rf"f.jsonl:7: field 'messages': example has {len(tokens)} tokens, more than max_length=40"):
+    with pytest.raises(
+        ExampleTooLongError,
+        match=rf"f.jsonl:7: field 'messages': example has {len(tokens)} tokens, more than max_length=40",
+    ):
         render_example(RENDERER, conv, max_length=40, on_too_long="error")
 
 
@@ -160,11 +165,15 @@ def test_hf_parquet_dataset_dir_with_field_mapping(tmp_path):
 
     d = tmp_path / "ds" / "data"
     d.mkdir(parents=True)
-    rows = [{"question": f"Q{i}", "ctx": "some context" if i % 2 else "", "meta": {"answer": f"A{i}"}} for i in range(6)]
+    rows = [
+        {"question": f"Q{i}", "ctx": "some context" if i % 2 else "", "meta": {"answer": f"A{i}"}} for i in range(6)
+    ]
     pq.write_table(pa.Table.from_pylist(rows), d / "train-00000-of-00001.parquet")
     fields = {"instruction": "question", "input": "ctx", "output": "meta.answer"}
     for streaming in (False, True):
-        spec = SourceSpec(path=str(tmp_path / "ds"), format="instruction", fields=fields, streaming=streaming, max_records=4)
+        spec = SourceSpec(
+            path=str(tmp_path / "ds"), format="instruction", fields=fields, streaming=streaming, max_records=4
+        )
         ds = SupervisedDataset([spec], RENDERER, batch_size=10)
         datums = [d for b in ds.batches(0) for d in b]
         assert len(datums) == 4

@@ -258,7 +258,9 @@ def test_prompt_logprobs_last_n_keeps_fewer_logits(engine):
     lasts = [2, 4, 1]
     base = dict(base_model=None, weights_path=path, num_samples=2, max_tokens=5, seed=3, stop=[],
                 include_prompt_logprobs=True, topk_prompt_logprobs=4)
-    cut = engine.sample_many([dict(base, prompt_tokens=p, prompt_logprobs_last_n=n) for p, n in zip(prompts, lasts, strict=True)])
+    cut = engine.sample_many(
+        [dict(base, prompt_tokens=p, prompt_logprobs_last_n=n) for p, n in zip(prompts, lasts, strict=True)]
+    )
     full = engine.sample_many([dict(base, prompt_tokens=p) for p in prompts])
     for p, n, c, f in zip(prompts, lasts, cut, full, strict=True):
         d = Datum(tokens=p[:-1], inputs={"target_tokens": np.array(p[1:], np.int64)})

@@ -157,7 +157,11 @@ def test_cli_runs_an_export_and_refuses_bad_paths(sft_run, local_credentials, tm
     assert rc == 0 and printed["verification"]["passed"] and (out / "adapter_model.safetensors").is_file()
     for bad, field in (("checkpoint=tinker://r/external_weights/x", "checkpoint"), ("out=gs://bucket/x", "out"),
                        ("format=gguf", "format")):
-        args = {"checkpoint": "checkpoint=tinker://r/weights/x", "out": f"out={tmp_path / 'o'}", "format": "format=peft"}
+        args = {
+            "checkpoint": "checkpoint=tinker://r/weights/x",
+            "out": f"out={tmp_path / 'o'}",
+            "format": "format=peft",
+        }
         args[field] = bad
         assert cli_main(["run", "export", *args.values()]) == 2
         assert field in capsys.readouterr().err
@@ -256,7 +260,9 @@ def test_merged_export_to_s3(sft_run, local_credentials, s3_root, s3_server, tmp
     seqs = _sequences(tok)
     want = _server_logprobs(local_credentials, sft_run["sampler"], seqs)
     diff = max(np.abs(g - w).max() for g, w in zip(_hf_logprobs(model, seqs), want, strict=True))
-    assert diff <= meta["verification"]["tolerance"] and diff == pytest.approx(meta["verification"]["max_abs_diff"], abs=0.05)
+    assert diff <= meta["verification"]["tolerance"] and diff == pytest.approx(
+        meta["verification"]["max_abs_diff"], abs=0.05
+    )
     # wrong S3 credentials fail at the check, before any server work
     from tinker_blocks.s3 import StoreAccessError
 

@@ -124,7 +124,12 @@ def test_sampling_clients_load_their_tokenizer(clean, service, hf_model_dir):
     prompt = types.ModelInput.from_ints(expected)
     params = types.SamplingParams(max_tokens=4, seed=3, stop=[])
     a = by_name.sample(prompt, 1, params).result(timeout=60)
-    b = service.create_sampling_client(base_model="tiny").result(timeout=60).sample(prompt, 1, params).result(timeout=60)
+    b = (
+        service.create_sampling_client(base_model="tiny")
+        .result(timeout=60)
+        .sample(prompt, 1, params)
+        .result(timeout=60)
+    )
     assert a.sequences[0].tokens == b.sequences[0].tokens
     hf = service.create_sampling_client(base_model=str(hf_model_dir)).result(timeout=60)
     assert hf.get_tokenizer().decode(hf.get_tokenizer().encode("hello world")) == "hello world"

@@ -153,7 +153,12 @@ def test_age_encrypted_export_decrypts_to_the_same_adapter(env, tmp_path):
     pyrage = pytest.importorskip("pyrage", reason="age encryption needs the optional pyrage package")
     identity = pyrage.x25519.Identity.generate()
     plain = env["tc"].save_weights_external("clear").result(timeout=60).path
-    enc = env["tc"].save_weights_external("sealed", age_encryption_recipients=[str(identity.to_public())]).result(timeout=60).path
+    enc = (
+        env["tc"]
+        .save_weights_external("sealed", age_encryption_recipients=[str(identity.to_public())])
+        .result(timeout=60)
+        .path
+    )
     urls = env["rc"].get_external_weights_urls(enc).result(timeout=30).urls
     assert {"adapter_model.safetensors.age", "adapter_config.json.age"} <= set(urls)
     assert "adapter_model.safetensors" not in urls

@@ -200,7 +200,9 @@ def test_forward_backward_custom_dpo_matches_direct_torch(clean, service, start)
     beta = 0.5
     ref = _reference(clean, start_dir)
     with torch.no_grad():  # the DPO reference policy: the starting weights, frozen
-        ref_lp = [float((ref.logprobs(s[:-1], s[1:]) * torch.from_numpy(m)).sum()) for s, m in zip(seqs, masks, strict=True)]
+        ref_lp = [
+            float((ref.logprobs(s[:-1], s[1:]) * torch.from_numpy(m)).sum()) for s, m in zip(seqs, masks, strict=True)
+        ]
 
     def dpo(logprobs: list[torch.Tensor]) -> torch.Tensor:
         seq_lp = [(lp * torch.from_numpy(m)).sum() - r for lp, m, r in zip(logprobs, masks, ref_lp, strict=True)]

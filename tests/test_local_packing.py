@@ -37,7 +37,9 @@ def _datums(seed: int, loss: str = "cross_entropy", soft_k: int = 0, lengths=LEN
         if loss == "cross_entropy":
             inputs["weights"] = rng.uniform(-1.0, 2.0, shape).astype(np.float32)
         for k in REQUIRED_INPUTS[loss]:  # behaviour logprobs near the model's, advantages of both signs
-            inputs[k] = (rng.uniform(-9.0, -6.0, shape) if k == "logprobs" else rng.normal(0, 1, shape)).astype(np.float32)
+            inputs[k] = (rng.uniform(-9.0, -6.0, shape) if k == "logprobs" else rng.normal(0, 1, shape)).astype(
+                np.float32
+            )
         out.append(Datum(tokens=toks[:-1].tolist(), inputs=inputs))
     return out
 

@@ -27,9 +27,14 @@ END = "<|im_end|>"
 
 
 def _calc_builder(dirs, renderer="chatml", G=2, limits=EpisodeLimits(), question="What is 12 * 7?", answer="84"):
-    return CalculatorBuilder(problem=Problem(question, answer, "q1"), prefix=freeze([{"role": "system", "content": CALCULATOR_SYSTEM}]),
-                             group_size=G, renderer_name=renderer, tokenizer_id=dirs["tiny" if renderer == "chatml" else renderer],
-                             limits=limits)
+    return CalculatorBuilder(
+        problem=Problem(question, answer, "q1"),
+        prefix=freeze([{"role": "system", "content": CALCULATOR_SYSTEM}]),
+        group_size=G,
+        renderer_name=renderer,
+        tokenizer_id=dirs["tiny" if renderer == "chatml" else renderer],
+        limits=limits,
+    )
 
 
 def _text(tok, ids) -> str:
@@ -172,7 +177,9 @@ def test_over_long_trajectory_ends_with_context_overflow_reward(tokenizer_dirs):
                               seed=0, max_tokens=64)
     (traj,) = group.trajectories_G
     assert len(traj.transitions) == 1 and traj.transitions[0].episode_done and group.total_rewards() == [-0.3]
-    assert traj.transitions[0].metrics["context_overflow"] == 1.0 and traj.transitions[0].logs["end"] == "context_overflow"
+    assert (
+        traj.transitions[0].metrics["context_overflow"] == 1.0 and traj.transitions[0].logs["end"] == "context_overflow"
+    )
 
 
 def test_turns_run_out_after_max_turns(tokenizer_dirs):
@@ -207,8 +214,13 @@ def test_each_observation_extends_the_last_in_every_renderer_family(tokenizer_di
     tools = None if name == "role_colon" else Toolset([calculator]).schemas
     conv = [{"role": "user", "content": "What is 6 * 7?"}]
     if tools:
-        reply = {"role": "assistant", "content": "",
-                 "tool_calls": [{"type": "function", "function": {"name": "calculator", "arguments": {"expression": "6 * 7"}}}]}
+        reply = {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "6 * 7"}}}
+            ],
+        }
         new = [{"role": "tool", "content": "42", "name": "calculator"}]
     else:
         reply, new = {"role": "assistant", "content": "Is it 42?"}, [{"role": "user", "content": "Yes."}]
@@ -240,7 +252,9 @@ def test_builders_pickle_with_a_stable_repr(tokenizer_dirs):
     assert pickle.loads(pickle.dumps(b)) == b and repr(pickle.loads(pickle.dumps(b))) == repr(b)
     assert b.cache_key() == _calc_builder(tokenizer_dirs).cache_key()
     assert b.cache_key() != _calc_builder(tokenizer_dirs, answer="85").cache_key()
-    msgs = [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {"a": [1, 2]}}}]}]
+    msgs = [
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {"a": [1, 2]}}}]}
+    ]
     assert thaw(freeze(msgs)) == msgs and hash(freeze(msgs))
 
 

@@ -16,7 +16,13 @@ import torch
 import tinker
 from prefect_tinker.recipes.data_reading import SourceSpec
 from prefect_tinker.recipes.reward_model import (
-    DEFAULT_QUESTION, ComparisonFormat, RenderedComparison, RewardModelBuilder, label_token_ids, matchups, render_comparison,
+    DEFAULT_QUESTION,
+    ComparisonFormat,
+    RenderedComparison,
+    RewardModelBuilder,
+    label_token_ids,
+    matchups,
+    render_comparison,
 )
 from prefect_tinker.recipes.rl.envs.pairwise_preference import (
     PairwisePreference, PreferenceGroupBuilder, PreferencePrompt, RewardModelRef,
@@ -61,8 +67,13 @@ def test_comparisons_train_only_the_label_in_both_orders_or_a_seeded_swap(tmp_pa
     path = _write(tmp_path / "own.jsonl", rows)
 
     def build(**kw):
-        return RewardModelBuilder(sources=[SourceSpec(path=path, format="preference", fields=FIELDS)], renderer="chatml",
-                                  test_size=2, max_length=200, **kw).build(tok)
+        return RewardModelBuilder(
+            sources=[SourceSpec(path=path, format="preference", fields=FIELDS)],
+            renderer="chatml",
+            test_size=2,
+            max_length=200,
+            **kw,
+        ).build(tok)
 
     data = build()
     assert len(data.train) + len(data.test) == 8 and data.skipped == 1 and "1 too_long" in data.skip_summary
@@ -106,8 +117,15 @@ def test_group_rewards_equal_an_independent_computation(matchup_size):
     q = [0.3, -1.2, 2.0, 0.0, 0.7]
     valid = [True, False, True, True, False]
     n, coef = len(q), 0.5
-    b = PreferenceGroupBuilder(PreferencePrompt(()), n, "chatml", "unused", RewardModelRef("base:x", "chatml", "unused"),
-                               matchup_size=matchup_size, format_coef=coef)
+    b = PreferenceGroupBuilder(
+        PreferencePrompt(()),
+        n,
+        "chatml",
+        "unused",
+        RewardModelRef("base:x", "chatml", "unused"),
+        matchup_size=matchup_size,
+        format_coef=coef,
+    )
     pairs = matchups(n, matchup_size)
     scores = [2 * _sigmoid(q[j] - q[i]) - 1 for i, j in pairs]
     got = b.rewards_from_scores([(f"r{i}", v) for i, v in enumerate(valid)], pairs, scores)
@@ -236,7 +254,10 @@ def test_group_rewards_from_the_reward_model_match_a_forward_by_hand(prefect_api
     prompt = [{"role": "user", "content": "Is 12 an even number?"}]
     texts, ends = ["Yes.", "It is 13, maybe.", "No."], [True, True, False]
     stop = rend.get_stop_sequences()
-    trajs = [_traj(tok.encode(t, add_special_tokens=False) + (list(stop) if e else [])) for t, e in zip(texts, ends, strict=True)]
+    trajs = [
+        _traj(tok.encode(t, add_special_tokens=False) + (list(stop) if e else []))
+        for t, e in zip(texts, ends, strict=True)
+    ]
     b = PreferenceGroupBuilder(PreferencePrompt(freeze_messages(prompt)), 3, "chatml", tiny,
                                RewardModelRef(rm["path"], "chatml", tiny), format_coef=0.25)
     with pytest.raises(RuntimeError, match="need a reward model client"):
@@ -251,7 +272,10 @@ def test_group_rewards_from_the_reward_model_match_a_forward_by_hand(prefect_api
         def ask(first, second):
             msg = f"Completion A:\n{first}\n\nCompletion B:\n{second}\n\n{DEFAULT_QUESTION}"
             return rend.build_generation_prompt(prompt + [{"role": "user", "content": msg}]).to_ints()
-        return 0.5 * (_hand_label_probs(rm["ref"], ask(x, y), a, bb) + 1 - _hand_label_probs(rm["ref"], ask(y, x), a, bb))
+
+        return 0.5 * (
+            _hand_label_probs(rm["ref"], ask(x, y), a, bb) + 1 - _hand_label_probs(rm["ref"], ask(y, x), a, bb)
+        )
 
     for m in range(3):
         wml = np.mean([2 * p_second_better(texts[o], texts[m]) - 1 for o in range(3) if o != m])
@@ -282,11 +306,20 @@ def test_win_rate_is_one_half_against_itself_and_antisymmetric(prefect_api, rm, 
 
 def _cached(name: str) -> int:
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName, TaskRunFilterState, TaskRunFilterStateName
+    from prefect.client.schemas.filters import (
+        TaskRunFilter,
+        TaskRunFilterName,
+        TaskRunFilterState,
+        TaskRunFilterStateName,
+    )
 
     with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(task_run_filter=TaskRunFilter(
-            name=TaskRunFilterName(any_=[name]), state=TaskRunFilterState(name=TaskRunFilterStateName(any_=["Cached"]))))
+        runs = client.read_task_runs(
+            task_run_filter=TaskRunFilter(
+                name=TaskRunFilterName(any_=[name]),
+                state=TaskRunFilterState(name=TaskRunFilterStateName(any_=["Cached"])),
+            )
+        )
     return len(runs)
 
 
@@ -319,7 +352,9 @@ def test_pairwise_preference_env_on_hh_prompts(tmp_path):
             assert b.reward.path == "base:tiny" and b.matchup_size == 2 and len(b.make_envs()) == 3
             seen.append(b.prompt.id)
     assert ds.get_batch(1) == PairwisePreference.build(cfg, ctx).get_batch(1)  # a pure function of the index
-    assert build_rl_evaluators(cfg, renderer_name="chatml", tokenizer_id=tok_dir, group_size=3, groups_per_batch=4) == []
+    assert (
+        build_rl_evaluators(cfg, renderer_name="chatml", tokenizer_id=tok_dir, group_size=3, groups_per_batch=4) == []
+    )
     assert build_rl_evaluators(cfg, renderer_name="chatml", tokenizer_id=tok_dir, group_size=3, groups_per_batch=4,
                                seed=1, initial_sampler="tinker://run/sampler_weights/step0") == []  # no evaluator class
     (ev,) = build_rl_evaluators(cfg, renderer_name="chatml", tokenizer_id=tok_dir, group_size=3, groups_per_batch=4,

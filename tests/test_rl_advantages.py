@@ -172,7 +172,9 @@ def test_rollout_samples_a_group_in_one_request_and_is_deterministic():
     assert len(s.calls) == 1 and s.calls[0][1] == 4
     assert len(g.trajectories_G) == 4 and g.errors == 0 and (g.batch_index, g.group_index) == (1, 2)
     g2 = run_group_rollout(FakeSampler(), FlakyBuilder(), seed=group_seed(0, 1, 2), max_tokens=4)
-    assert [t.transitions[0].action_tokens for t in g.trajectories_G] == [t.transitions[0].action_tokens for t in g2.trajectories_G]
+    assert [t.transitions[0].action_tokens for t in g.trajectories_G] == [
+        t.transitions[0].action_tokens for t in g2.trajectories_G
+    ]
     assert group_seed(0, 1, 2) != group_seed(0, 2, 1)
     assert pickle.loads(pickle.dumps(g)).total_rewards() == g.total_rewards()
 
@@ -180,7 +182,9 @@ def test_rollout_samples_a_group_in_one_request_and_is_deterministic():
 def test_failure_policies():
     _FAILS.clear()
     with pytest.raises(RolloutError, match="member 1 failed"):
-        run_group_rollout(FakeSampler(), FlakyBuilder((1,)), seed=5, max_tokens=4, policy=RolloutPolicy(mode="fail_fast"))
+        run_group_rollout(
+            FakeSampler(), FlakyBuilder((1,)), seed=5, max_tokens=4, policy=RolloutPolicy(mode="fail_fast")
+        )
     # retry: member 2 fails once, then its fresh env succeeds
     g = run_group_rollout(FakeSampler(), FlakyBuilder((2,), fail_times=1), seed=5, max_tokens=4,
                           policy=RolloutPolicy(mode="retry", retries=2))

@@ -389,7 +389,9 @@ def test_pending_poll_answers_try_again_then_result(tmp_path):
     app = create_app(SlowEngine(), tmp_path, poll_wait_s=0.1)
     h = {"X-API-Key": API_KEY}
     with TestClient(app, client=("127.0.0.1", 50000)) as client:
-        sid = client.post("/api/v1/create_session", json={"tags": [], "sdk_version": "x"}, headers=h).json()["session_id"]
+        sid = client.post("/api/v1/create_session", json={"tags": [], "sdk_version": "x"}, headers=h).json()[
+            "session_id"
+        ]
         body = {"session_id": sid, "model_seq_id": 0, "base_model": "tiny", "lora_config": {"rank": 4}}
         first = client.post("/api/v1/create_model", json=body, headers=h).json()
         assert client.post("/api/v1/create_model", json=body, headers=h).json() == first  # same seq: same future

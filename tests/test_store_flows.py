@@ -111,8 +111,9 @@ def test_sft_flow_on_s3_compacts_its_tables(prefect_api, local_credentials, s3_s
     assert {t: len(run_parts(s3_server, s3_root, t, "s3-sft")) for t in TABLES} == {
         "runs": 1, "metrics": 1, "checkpoints": 1, "trajectories": 0}
     # as written: one part per checkpoint (3 state + 1 sampler), two run-status rows
-    assert len(before["checkpoints"]) == 4 and [r["status"] for r in sorted(before["runs"], key=lambda r: r["time"])] == [
-        "running", "completed"]
+    assert len(before["checkpoints"]) == 4 and [
+        r["status"] for r in sorted(before["runs"], key=lambda r: r["time"])
+    ] == ["running", "completed"]
     keys = [(r["step"], r["name"]) for r in before["metrics"]]
     assert len(keys) == len(set(keys)) and {(s, "train/loss") for s in range(3)} <= set(keys)
     assert_compacted(s3_server, s3_root, "s3-sft", before)

@@ -64,12 +64,20 @@ def test_vlm_classifier_on_digits(prefect_api, local_credentials, tmp_path, caps
     assert summary["last_test_nll"] < summary["first_test_nll"]
     assert all("The subject in this photo is" in s["reference"] for s in summary["samples"])
 
-    acc = _sql(capsys, store, "SELECT step, name, value FROM metrics WHERE run_id='digits' AND name LIKE 'test/accuracy%' "
-                              "ORDER BY step, name")
-    assert [(r["step"], r["name"]) for r in acc] == [(s, n) for s in (0, 20) for n in ("test/accuracy", "test/accuracy_n")]
+    acc = _sql(
+        capsys,
+        store,
+        "SELECT step, name, value FROM metrics WHERE run_id='digits' AND name LIKE 'test/accuracy%' "
+        "ORDER BY step, name",
+    )
+    assert [(r["step"], r["name"]) for r in acc] == [
+        (s, n) for s in (0, 20) for n in ("test/accuracy", "test/accuracy_n")
+    ]
     assert all(r["value"] == 16 for r in acc if r["name"] == "test/accuracy_n")
     assert all(0.0 <= r["value"] <= 1.0 for r in acc if r["name"] == "test/accuracy")
-    loss = _sql(capsys, store, "SELECT step, value FROM metrics WHERE run_id='digits' AND name='train/loss' ORDER BY step")
+    loss = _sql(
+        capsys, store, "SELECT step, value FROM metrics WHERE run_id='digits' AND name='train/loss' ORDER BY step"
+    )
     values = [r["value"] for r in loss]
     assert len(values) == 20 and np.mean(values[-3:]) < 0.5 * values[0], values
 
@@ -85,7 +93,9 @@ def test_classification_jsonl_and_prepared_data_by_reference(tmp_path, monkeypat
 
     monkeypatch.setenv("PREFECT_TINKER_MEDIA", str(tmp_path / "media"))
     folder = write_digits(tmp_path / "set", per_class=3)
-    rows = [{"img": str(p.relative_to(tmp_path)), "class": f"digit_{p.parent.name}"} for p in sorted(folder.rglob("*.png"))]
+    rows = [
+        {"img": str(p.relative_to(tmp_path)), "class": f"digit_{p.parent.name}"} for p in sorted(folder.rglob("*.png"))
+    ]
     jsonl = tmp_path / "digits.jsonl"
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
     tok = AutoTokenizer.from_pretrained(resolve_model("tiny-vl", tmp_path / "models").tokenizer_dir)
