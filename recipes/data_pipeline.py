@@ -345,10 +345,6 @@ class SupervisedDataset:
         if not self._train:
             raise DatasetFormatError(f"no training example left ({self.stats.summary()})")
 
-    def test_datums(self) -> list[tinker.Datum]:
-        """Held-out datums (rendered once)."""
-        return [datum_from_example(t, w) for t, w in self.test_examples()]
-
     def train_examples(self) -> list[tuple[list[int], np.ndarray]]:
         """Rendered training examples ``(tokens (N,), weights float32 (N,))`` in source order
         (in-memory datasets only; rendered once)."""
@@ -396,9 +392,3 @@ class SupervisedDataset:
                 batch = []
         if batch and not self.drop_last:
             yield batch
-
-    def epochs(self, num_epochs: int) -> Iterator[tuple[int, int, list[tinker.Datum]]]:
-        """``(epoch, batch index within the epoch, batch)`` over ``num_epochs`` epochs."""
-        for epoch in range(num_epochs):
-            for i, batch in enumerate(self.batches(epoch)):
-                yield epoch, i, batch

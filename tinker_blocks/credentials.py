@@ -162,11 +162,6 @@ class TinkerCredentials(CredentialsBlock):
 
     # ------------------------------------------------------------------ public API
 
-    @classmethod
-    def local_default(cls, **kwargs: Any) -> TinkerCredentials:
-        """A block for the embedded local server with default settings (overridable by kwargs)."""
-        return cls(local=True, **kwargs)
-
     def backend_name(self) -> str:
         """``"local"`` (embedded server), ``"remote"`` (``base_url`` set) or ``"hosted"``."""
         if self.local:

@@ -93,11 +93,6 @@ class StoreBlock(Block, ABC):
             data["root"] = root
         super().__init__(**data)
 
-    @classmethod
-    def local_default(cls) -> StoreBlock:
-        """A store at :func:`default_store_root` (``$PREFECT_TINKER_STORE`` or ``~/.prefect-tinker/store``)."""
-        return cls(root=default_store_root())
-
     @property
     def tables(self) -> list[str]:
         """Names of this store's tables (also its DuckDB view names)."""

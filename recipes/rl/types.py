@@ -126,10 +126,6 @@ class Trajectory:
         """Sum of the per-step rewards."""
         return float(sum(t.reward for t in self.transitions))
 
-    @property
-    def num_action_tokens(self) -> int:
-        return sum(len(t.action_tokens) for t in self.transitions)
-
 
 @dataclass
 class TrajectoryGroup:
