@@ -103,8 +103,8 @@ def _direct(base_url: str, args, examples: list, lr: float) -> tuple[list[float]
         opt.result()
         ends.append(time.perf_counter())
         sdk.append(ends[-1] - t0)
-    steps = [b - a for a, b in zip(ends, ends[1:])]
-    return steps, [st - sd for st, sd in zip(steps, sdk)]
+    steps = [b - a for a, b in zip(ends, ends[1:], strict=False)]
+    return steps, [st - sd for st, sd in zip(steps, sdk, strict=False)]
 
 
 def _flow(base_url: str, args, dataset: Path, store: Path, run_name: str) -> tuple[list[float], list[float]]:
@@ -135,7 +135,7 @@ def _flow(base_url: str, args, dataset: Path, store: Path, run_name: str) -> tup
     rows = TrainingStore(root=str(store)).query(
         "SELECT step, value FROM metrics WHERE run_id = ? AND name = 'train/step_seconds' ORDER BY step", [run_name])
     sdk = {int(r["step"]): float(r["value"]) for r in rows}
-    steps = [b - a for a, b in zip(ends, ends[1:])]  # steps[i] ends step i + 1
+    steps = [b - a for a, b in zip(ends, ends[1:], strict=False)]  # steps[i] ends step i + 1
     return steps, [st - sdk[i + 1] for i, st in enumerate(steps)]
 
 

@@ -54,9 +54,11 @@ def main() -> None:
             t0 = time.perf_counter()
             outs[name] = engine.sample_many(batch(last_n))
             times[name].append(time.perf_counter() - t0)
-    diff = max(abs(x.prompt_logprobs[-1] - y.prompt_logprobs[-1]) for x, y in zip(outs["all"], outs["last_1"]))
+    diff = max(
+        abs(x.prompt_logprobs[-1] - y.prompt_logprobs[-1]) for x, y in zip(outs["all"], outs["last_1"], strict=True)
+    )
     same_topk = all([t for t, _ in x.topk_prompt_logprobs[-1]] == [t for t, _ in y.topk_prompt_logprobs[-1]]
-                    for x, y in zip(outs["all"], outs["last_1"]))
+                    for x, y in zip(outs["all"], outs["last_1"], strict=True))
     med = {k: statistics.median(v) for k, v in times.items()}
     result = {"model": a.model, "prompts": a.prompts, "length": a.length,
               "topk": a.topk, "rounds": a.rounds, "seconds_all": round(med["all"], 3),

@@ -52,7 +52,10 @@ def main() -> None:
         sys.path.insert(0, args.baseline_dir)
         old = importlib.import_module("oldrenderers")
     convs = _conversations()
-    toks = {"tiny": build_tiny_tokenizer(), "smollm2": AutoTokenizer.from_pretrained(str(DATA / "tokenizer" / "smollm2"))}
+    toks = {
+        "tiny": build_tiny_tokenizer(),
+        "smollm2": AutoTokenizer.from_pretrained(str(DATA / "tokenizer" / "smollm2")),
+    }
     print(f"{len(convs)} conversations, median of {args.repeats}; conversations/s")
     print(f"{'renderer':15} {'tokenizer':9} {'text':>8} {'markup':>8} {'baseline':>9}")
     for name, tok_id in [("role_colon", "smollm2"), ("chatml", "tiny"), ("smollm2", "smollm2"),

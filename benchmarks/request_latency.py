@@ -85,11 +85,11 @@ def measure(base_url: str, model: str, n: int, warmup: int) -> dict:
     }
     if fwd_c:
         out["forward_compute_ms"] = _median_ms(fwd_c)
-        out["forward_fixed_ms"] = _median_ms([a - b for a, b in zip(t_fwd, fwd_c)])
+        out["forward_fixed_ms"] = _median_ms([a - b for a, b in zip(t_fwd, fwd_c, strict=True)])
     if fb_c and op_c:
-        pair_c = [a + b for a, b in zip(fb_c, op_c)]
+        pair_c = [a + b for a, b in zip(fb_c, op_c, strict=True)]
         out["pair_compute_ms"] = _median_ms(pair_c)
-        out["pair_fixed_ms"] = _median_ms([a - b for a, b in zip(t_pair, pair_c)])
+        out["pair_fixed_ms"] = _median_ms([a - b for a, b in zip(t_pair, pair_c, strict=True)])
     return out
 
 

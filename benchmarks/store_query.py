@@ -61,14 +61,19 @@ def write_dataset(io: ParquetStore, runs: int, steps: int, metrics: int, steps_p
         for s0 in range(0, steps, steps_per_part):
             step = np.repeat(np.arange(s0, min(s0 + steps_per_part, steps)), len(names))
             name = np.tile(names, len(step) // len(names))
-            data = pa.table({
-                "row_id": [make_row_id(run_id, int(s), n) for s, n in zip(step, name)],
-                "run_id": [run_id] * len(step),
-                "step": step.astype("int64"),
-                "name": name,
-                "value": rng.random(len(step)) * 3.0,
-                "time": pa.array([t0 + dt.timedelta(seconds=int(s)) for s in step], type=METRICS_SCHEMA.field("time").type),
-            }, schema=METRICS_SCHEMA)
+            data = pa.table(
+                {
+                    "row_id": [make_row_id(run_id, int(s), n) for s, n in zip(step, name, strict=True)],
+                    "run_id": [run_id] * len(step),
+                    "step": step.astype("int64"),
+                    "name": name,
+                    "value": rng.random(len(step)) * 3.0,
+                    "time": pa.array(
+                        [t0 + dt.timedelta(seconds=int(s)) for s in step], type=METRICS_SCHEMA.field("time").type
+                    ),
+                },
+                schema=METRICS_SCHEMA,
+            )
             io.write_part("metrics", run_id, data, writer_id="bench", seq=s0 // steps_per_part)
             n_parts += 1
     return n_parts

@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
         compute = run_seconds(session_trace(server.base_url, tc))
         n = len(t["sdk_train"])
         t["server_train_compute"] = [a + b for a, b in zip(compute.get("forward_backward", [])[-n:],
-                                                          compute.get("optim_step", [])[-n:])]
+                                                          compute.get("optim_step", [])[-n:], strict=False)]
         service.close("success").result()
     finally:
         server.stop()

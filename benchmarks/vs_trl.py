@@ -204,7 +204,7 @@ def server_dpo(tc, pairs):
     fwd = tc.forward(data, "cross_entropy").result()  # the initial weights: the reference
     ref = [
         float((o["logprobs"].to_numpy() * d.loss_fn_inputs["weights"].to_numpy()).sum())
-        for o, d in zip(fwd.loss_fn_outputs, data)
+        for o, d in zip(fwd.loss_fn_outputs, data, strict=True)
     ]
     loss = DPOLoss(ref, beta=DPO_BETA)
     adam = types.AdamParams(learning_rate=LR, beta1=BETAS[0], beta2=BETAS[1])
@@ -236,11 +236,11 @@ def server_grpo(tc, tok, prompts, group: int, reply_tokens: int):
         k = next(counter)
         sc = tc.save_weights_and_get_sampling_client(f"grpo-{k}")
         futs = [sc.sample(inp, group, params) for inp in inputs]
-        seqs = [(inp, s) for inp, f in zip(inputs, futs) for s in f.result().sequences]
+        seqs = [(inp, s) for inp, f in zip(inputs, futs, strict=True) for s in f.result().sequences]
         rewards = [reward(tok.decode(s.tokens)) for _, s in seqs]
         adv = group_advantages(rewards, group)
         data = []
-        for (inp, s), a in zip(seqs, adv):
+        for (inp, s), a in zip(seqs, adv, strict=True):
             ids = inp.to_ints() + list(s.tokens)
             n = len(ids) - 1
             plen = inp.length - 1

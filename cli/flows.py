@@ -11,9 +11,12 @@ import inspect
 import json
 import typing
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect_tinker.cli.config import CLIError, deep_merge, jsonable, load_yaml_file, parse_overrides
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
 
 
 def _dotted_keys(d: dict[str, Any], prefix: str = "") -> set[str]:
@@ -26,7 +29,7 @@ def _dotted_keys(d: dict[str, Any], prefix: str = "") -> set[str]:
     return keys
 
 
-def resolve_flow(name: str) -> tuple[Any, type]:
+def resolve_flow(name: str) -> tuple[Any, type[BaseModel]]:
     """Import flow ``name`` (a registered recipe, see :mod:`prefect_tinker.flows.registry`, or
     ``module:attr``); return ``(flow, ConfigModel)``.
 
@@ -56,7 +59,7 @@ def resolve_flow(name: str) -> tuple[Any, type]:
     return flow, config_model_of(flow, name)
 
 
-def config_model_of(flow: Any, name: str = "?") -> type:
+def config_model_of(flow: Any, name: str = "?") -> type[BaseModel]:
     """The pydantic model class of ``flow``'s ``config`` parameter (see :func:`resolve_flow`)."""
     from pydantic import BaseModel
 
@@ -74,7 +77,7 @@ def config_model_of(flow: Any, name: str = "?") -> type:
     return ann
 
 
-def _model_of_annotation(ann: Any) -> type | None:
+def _model_of_annotation(ann: Any) -> type[BaseModel] | None:
     """The pydantic model inside ``ann`` (``Model``, ``Model | None``), else None."""
     from pydantic import BaseModel
 
@@ -84,7 +87,7 @@ def _model_of_annotation(ann: Any) -> type | None:
     return models[0] if len(models) == 1 else None
 
 
-def unknown_fields(model: type, data: dict[str, Any], prefix: str = "") -> list[str]:
+def unknown_fields(model: type[BaseModel], data: dict[str, Any], prefix: str = "") -> list[str]:
     """Messages for keys of ``data`` that are not fields of ``model`` (recursively), with a
     did-you-mean suggestion. Models that allow extra fields accept any key."""
     if model.model_config.get("extra") == "allow":
@@ -115,7 +118,7 @@ def unknown_fields(model: type, data: dict[str, Any], prefix: str = "") -> list[
 
 
 def build_config(
-    model: type, overrides: Sequence[str] = (), config_file: str | None = None, flow_name: str = "?"
+    model: type[BaseModel], overrides: Sequence[str] = (), config_file: str | None = None, flow_name: str = "?"
 ) -> Any:
     """Validate ``overrides`` (``key=value``) merged over ``config_file`` against ``model``.
 
@@ -162,7 +165,7 @@ def build_config(
     raise CLIError(f"{head}\n{lines}")
 
 
-def defaults_yaml(model: type, indent: int = 0) -> str:
+def defaults_yaml(model: type[BaseModel], indent: int = 0) -> str:
     """The model's fields as commented YAML (defaults; required fields shown as ``null``)."""
     from pydantic import BaseModel
 

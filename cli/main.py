@@ -111,7 +111,7 @@ def _terminal_output(quiet: bool, json_progress: bool, debug: bool) -> Iterator[
     try:
         yield
     finally:
-        for h, level in zip(consoles, levels):
+        for h, level in zip(consoles, levels, strict=True):
             h.setLevel(level)
             h.removeFilter(no_traceback)
         if before is None:
@@ -193,7 +193,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     print()
     print(format_table(["env", "description"], [list(e.values()) for e in envs]))
     print(
-        "\nRun one: prefect-tinker run RECIPE --example NAME [key=value ...]; defaults: prefect-tinker show-config RECIPE"
+        "\nRun one: prefect-tinker run RECIPE --example NAME [key=value ...]; "
+        "defaults: prefect-tinker show-config RECIPE"
     )
     return EXIT_OK
 

@@ -21,7 +21,7 @@ import argparse
 import itertools
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, TextIO
 
 from prefect_tinker.recipes.tokenizers import resolve_tokenizer
@@ -32,9 +32,9 @@ _GREEN, _DIM, _RESET = "\x1b[1;32m", "\x1b[2m", "\x1b[0m"
 _OPEN, _CLOSE = "[[", "]]"
 
 
-def _runs(tokens: Sequence[int], weights: Sequence[float]) -> list[tuple[list[int], bool]]:
+def _runs(tokens: Sequence[int], weights: Iterable[float]) -> list[tuple[list[int], bool]]:
     out: list[tuple[list[int], bool]] = []
-    for tok, w in zip(tokens, weights):
+    for tok, w in zip(tokens, weights, strict=True):
         trained = float(w) > 0
         if out and out[-1][1] == trained:
             out[-1][0].append(int(tok))
@@ -43,7 +43,7 @@ def _runs(tokens: Sequence[int], weights: Sequence[float]) -> list[tuple[list[in
     return out
 
 
-def format_example(tokenizer: Any, tokens: Sequence[int], weights: Sequence[float], *, color: bool) -> str:
+def format_example(tokenizer: Any, tokens: Sequence[int], weights: Iterable[float], *, color: bool) -> str:
     """The decoded example with trained runs highlighted (ANSI green, or ``[[...]]`` brackets).
 
     Args:
@@ -146,7 +146,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
                 foot += f", cut from {n} to max_length={args.max_length}"
             print(foot, file=out)
             if args.ids:
-                for i, (t, w) in enumerate(zip(tokens, weights)):
+                for i, (t, w) in enumerate(zip(tokens, weights, strict=True)):
                     print(f"{i:6d} {t:8d} {float(w):4.1f} {tok.decode([t], skip_special_tokens=False)!r}", file=out)
     except (DatasetFormatError, RendererError, FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -155,7 +155,8 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m prefect_tinker.cli.show DATASET --tokenizer T ...`` (same options as ``prefect-tinker show-example``)."""
+    """``python -m prefect_tinker.cli.show DATASET --tokenizer T ...`` (same options as
+    ``prefect-tinker show-example``)."""
     p = argparse.ArgumentParser(prog="prefect-tinker show-example", description=__doc__.split("\n")[0])
     _add_arguments(p)
     return run(p.parse_args(argv))

@@ -40,13 +40,15 @@ def format_table(names: Sequence[str], rows: Sequence[Sequence[Any]], max_width:
     cells = [[_cell(v, max_width) for v in r] for r in rows]
     widths = [len(n) for n in names]
     for r in cells:
-        widths = [max(w, len(c)) for w, c in zip(widths, r)]
+        widths = [max(w, len(c)) for w, c in zip(widths, r, strict=True)]
     numeric = [
         all(isinstance(r[i], (int, float, decimal.Decimal)) or r[i] is None for r in rows) for i in range(len(names))
     ]
 
     def line(vals: Sequence[str]) -> str:
-        return " | ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(vals, widths, numeric)).rstrip()
+        return " | ".join(
+            v.rjust(w) if num else v.ljust(w) for v, w, num in zip(vals, widths, numeric, strict=True)
+        ).rstrip()
 
     out = [line(names), "-+-".join("-" * w for w in widths)]
     out += [line(r) for r in cells]
@@ -89,7 +91,7 @@ def _run_query(root: str, sql: str, params: list[Any]) -> tuple[list[str], list[
 
 def _print_rows(names: Sequence[str], rows: Sequence[Sequence[Any]], as_json: bool) -> int:
     if as_json:
-        print(json.dumps([jsonable(dict(zip(names, r))) for r in rows], indent=2, ensure_ascii=False))
+        print(json.dumps([jsonable(dict(zip(names, r, strict=True))) for r in rows], indent=2, ensure_ascii=False))
     elif names:
         print(format_table(names, rows))
     return EXIT_OK
@@ -151,7 +153,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
     if isinstance(got, int):
         return got
     names, rows = got
-    fixed = stale_statuses(root, [dict(zip(names, r)) for r in rows])
+    fixed = stale_statuses(root, [dict(zip(names, r, strict=True)) for r in rows])
     return _print_rows(names, [tuple(r[n] for n in names) for r in fixed], args.json)
 
 

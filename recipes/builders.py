@@ -78,7 +78,8 @@ class SourceFields(BaseModel):
     )
     format: str = Field(
         default="messages",
-        description="Record format of `dataset` (messages, sharegpt, instruction, prompt_completion, dialogue, self_instruct, preference, ...).",
+        description="Record format of `dataset` (messages, sharegpt, instruction, prompt_completion, dialogue, "
+        "self_instruct, preference, ...).",
     )
     fields: dict[str, str] = Field(
         default_factory=dict,

@@ -156,7 +156,7 @@ def read_captured_conversations(
         con.close()
     out = []
     for values in rows:
-        row = dict(zip(names, values))
+        row = dict(zip(names, values, strict=True))
         messages = json.loads(row["prompt"]) + [_assistant(row)]
         meta = {k: v for k, v in row.items() if k not in ("prompt", "response_json", "tools_json", "metadata_json")}
         meta["tools"] = json.loads(row["tools_json"]) if row.get("tools_json") else None

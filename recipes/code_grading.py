@@ -42,12 +42,14 @@ def problem_fields(example: Any) -> tuple[str, str, str]:
     get = fields.get if isinstance(fields, Mapping) else (lambda k, d=None: getattr(fields, k, d))
     tests = get("tests") if get("tests") is not None else get("test")
     values = {"prompt": get("prompt"), "tests": tests, "entry_point": get("entry_point")}
+    texts: dict[str, str] = {}
     for name, value in values.items():
         if not isinstance(value, str):
             raise ValueError(
                 f"code problem {getattr(example, 'id', '')!r}: field {name!r} must be a string, got {value!r:.60}"
             )
-    return values["prompt"], values["tests"], values["entry_point"]
+        texts[name] = value
+    return texts["prompt"], texts["tests"], texts["entry_point"]
 
 
 def code_pass(completion: str, example: Any, *, timeout: float = 10.0) -> bool:

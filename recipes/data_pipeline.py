@@ -92,13 +92,14 @@ def interleave(
     p = w / w.sum()
     while True:
         i = int(rng.choice(n, p=p))
-        item = next(its[i], _END) if its[i] is not None else _END
+        it = its[i]
+        item = next(it, _END) if it is not None else _END
         if item is _END:
             done[i] = True
             if stopping == "first_exhausted" or all(done):
                 return
-            its[i] = fresh(i) if stopping == "all_exhausted" else None
-            item = next(its[i], _END) if its[i] is not None else _END
+            it = its[i] = fresh(i) if stopping == "all_exhausted" else None
+            item = next(it, _END) if it is not None else _END
             if item is _END:  # empty or not restartable: drop it from the draw
                 p[i] = 0.0
                 if p.sum() == 0:
@@ -344,10 +345,6 @@ class SupervisedDataset:
         if not self._train:
             raise DatasetFormatError(f"no training example left ({self.stats.summary()})")
 
-    def test_datums(self) -> list[tinker.Datum]:
-        """Held-out datums (rendered once)."""
-        return [datum_from_example(t, w) for t, w in self.test_examples()]
-
     def train_examples(self) -> list[tuple[list[int], np.ndarray]]:
         """Rendered training examples ``(tokens (N,), weights float32 (N,))`` in source order
         (in-memory datasets only; rendered once)."""
@@ -378,8 +375,9 @@ class SupervisedDataset:
         """The batches of epoch ``epoch``: a reshuffled order each epoch (seeded)."""
         self._load()
         if not self.streaming:
-            order = epoch_permutation(len(self._train or []), epoch, self.seed)
-            datums = [datum_from_example(*self._train[i]) for i in order]
+            train = self._train or []
+            order = epoch_permutation(len(train), epoch, self.seed)
+            datums = [datum_from_example(*train[i]) for i in order]
             yield from batch_datums(datums, self.batch_size, drop_last=self.drop_last)
             return
         convs = itertools.islice(self.conversations(), int(self.test_size), None)
@@ -394,9 +392,3 @@ class SupervisedDataset:
                 batch = []
         if batch and not self.drop_last:
             yield batch
-
-    def epochs(self, num_epochs: int) -> Iterator[tuple[int, int, list[tinker.Datum]]]:
-        """``(epoch, batch index within the epoch, batch)`` over ``num_epochs`` epochs."""
-        for epoch in range(num_epochs):
-            for i, batch in enumerate(self.batches(epoch)):
-                yield epoch, i, batch

@@ -356,6 +356,7 @@ def iter_records(source: SourceSpec | str) -> Iterator[RawRecord]:
     """
     spec = SourceSpec.coerce(source)
     src, path = _resolve(spec)
+    it: Iterator[RawRecord]
     if spec.format == "image_folder":
         from prefect_tinker.recipes.media_sources import iter_image_folder
 

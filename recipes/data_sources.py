@@ -198,7 +198,7 @@ def parse_dialogue(text: str) -> list[dict[str, str]]:
     if len(parts) < 3:
         raise ValueError("has no '\\n\\nHuman:' / '\\n\\nAssistant:' turns")
     roles = {"Human": "user", "Assistant": "assistant"}
-    return [{"role": roles[who], "content": body.strip()} for who, body in zip(parts[1::2], parts[2::2])]
+    return [{"role": roles[who], "content": body.strip()} for who, body in zip(parts[1::2], parts[2::2], strict=True)]
 
 
 def _dialogue(record: Any, fields: Mapping[str, str], options: Mapping[str, Any]) -> list[Converted]:

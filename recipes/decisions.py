@@ -85,7 +85,7 @@ def label_tokens(tokenizer: Any, choices: Sequence[str]) -> list[int]:
             raise ValueError(f"choice {name!r} encodes to no token")
         out.append(int(ids[0]))
     seen: dict[int, str] = {}
-    for name, tok in zip(choices, out):
+    for name, tok in zip(choices, out, strict=True):
         if tok in seen:
             raise ValueError(
                 f"choices {seen[tok]!r} and {name!r} begin with the same token ({tok}); "

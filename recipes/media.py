@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -123,7 +123,10 @@ class MediaToken(int):
     same value, item and index; never equal to a plain int (so a prefix test cannot mistake one
     image for another)."""
 
-    def __new__(cls, value: int, ref: MediaRef, index: int):
+    ref: MediaRef
+    index: int
+
+    def __new__(cls, value: int, ref: MediaRef, index: int) -> MediaToken:
         obj = super().__new__(cls, value)
         obj.ref, obj.index = ref, int(index)
         return obj
@@ -156,8 +159,8 @@ def has_media(tokens: Sequence[int]) -> bool:
     return any(isinstance(t, MediaToken) for t in tokens)
 
 
-def _runs(tokens: Sequence[int]):
-    """``(start, end, ref, complete)`` of each media run, in order."""
+def _runs(tokens: Sequence[int]) -> Iterator[tuple[int, int, MediaToken, bool]]:
+    """``(start, end, first MediaToken, complete)`` of each media run, in order."""
     i, n = 0, len(tokens)
     while i < n:
         t = tokens[i]
@@ -165,11 +168,14 @@ def _runs(tokens: Sequence[int]):
             i += 1
             continue
         start, ref, k = i, t.ref, t.index
-        while i < n and isinstance(tokens[i], MediaToken) and tokens[i].ref == ref and tokens[i].index == k:
+        while i < n:
+            u = tokens[i]
+            if not (isinstance(u, MediaToken) and u.ref == ref and u.index == k):
+                break
             i, k = i + 1, k + 1
             if k == ref.tokens:
                 break
-        yield start, i, ref, (tokens[start].index == 0 and k == ref.tokens)
+        yield start, i, t, (t.index == 0 and k == ref.tokens)
 
 
 def safe_cut(tokens: Sequence[int], n: int) -> int:
@@ -185,7 +191,8 @@ def safe_cut(tokens: Sequence[int], n: int) -> int:
 def media_spans(tokens: Sequence[int]) -> list[MediaSpan]:
     """The media items of ``tokens`` as spans.  MediaError for a partial run."""
     out = []
-    for start, _, ref, complete in _runs(tokens):
+    for start, _, first, complete in _runs(tokens):
+        ref = first.ref
         if not complete:
             raise MediaError(
                 f"tokens hold a partial {ref.kind} run at position {start} (from {ref.source!r}); "
@@ -215,7 +222,8 @@ def model_input_from_tokens(tokens: Sequence[int], *, pointer: bool = False) -> 
     chunks: list[Any] = []
     text: list[int] = []
     pos = 0
-    for start, end, ref, complete in _runs(tokens):
+    for start, end, first, complete in _runs(tokens):
+        ref = first.ref
         if not complete:
             raise MediaError(f"tokens hold a partial {ref.kind} run at position {start} (from {ref.source!r})")
         text.extend(int(t) for t in tokens[pos:start])
@@ -257,9 +265,9 @@ def media_key(tokens: Sequence[int]) -> list:
     ``["media", sha256, tokens]``), for cache keys."""
     out: list = []
     pos = 0
-    for start, end, ref, _ in _runs(tokens):
+    for start, end, first, _ in _runs(tokens):
         out.extend(int(t) for t in tokens[pos:start])
-        out.append(["media", ref.sha256, end - start, tokens[start].index])
+        out.append(["media", first.ref.sha256, end - start, first.index])
         pos = end
     out.extend(int(t) for t in tokens[pos:])
     return out

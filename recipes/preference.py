@@ -44,6 +44,7 @@ from prefect_tinker.recipes.data_sources import PAIR_FORMATS, DatasetFormatError
 from prefect_tinker.recipes.datasets import split_conversations
 
 __all__ = [
+    "ComparisonBuilder",
     "DPOLoss",
     "LossName",
     "PairExample",
@@ -87,9 +88,10 @@ def _problem(chosen: list[dict], rejected: list[dict]) -> str | None:
     return None
 
 
-class PreferenceBuilder(DatasetBuilder):
-    """Comparisons rendered with the run's renderer: each reply is the last assistant message
-    after the shared prompt (its tokens, end-of-turn marker included, get weight 1)."""
+class ComparisonBuilder(DatasetBuilder):
+    """Comparisons read from preference records (formats of :func:`pairs_from_record`, field
+    mapping, counted skips); a subclass renders them (:class:`PreferenceBuilder` for DPO,
+    :class:`~prefect_tinker.recipes.reward_model.RewardModelBuilder` for a reward model)."""
 
     max_length: int = 512
     on_error: OnError = "raise"
@@ -97,8 +99,40 @@ class PreferenceBuilder(DatasetBuilder):
     max_test: int | None = None  # a fraction's held-out count is capped here (evaluation cost)
     renderer_options: dict[str, Any] = {}
 
-    kind: ClassVar[str] = "preference"
     build_version: ClassVar[int] = 2  # 2: test_size counts the comparisons that fit max_length
+
+    def _check_source(self, spec: SourceSpec) -> None:
+        for _ in self._read(spec, SkipStats(keep=0)):  # build() logs skips
+            pass
+
+    def _read(self, spec: SourceSpec, stats: SkipStats):
+        fmt = spec.format if spec.format in PAIR_FORMATS else "preference"
+        for raw in iter_records(spec):
+            if raw.error is not None:
+                self._bad(stats, "malformed_json", f"{raw.where}: {raw.error}")
+                continue
+            try:
+                prompt, chosen, rejected = pairs_from_record(raw.record, fmt, spec.fields)
+            except RecordError as exc:
+                self._bad(stats, "bad_record", f"{raw.where}: {exc}")
+                continue
+            reason = _problem(chosen, rejected)
+            if reason:
+                stats.skip(reason, f"{raw.where}: {reason.replace('_', ' ')}")
+                continue
+            yield raw.where, prompt, chosen, rejected
+
+    def _bad(self, stats: SkipStats, reason: str, message: str) -> None:
+        if self.on_error == "raise":
+            raise DatasetFormatError(message)
+        stats.skip(reason, message)
+
+
+class PreferenceBuilder(ComparisonBuilder):
+    """Comparisons rendered with the run's renderer: each reply is the last assistant message
+    after the shared prompt (its tokens, end-of-turn marker included, get weight 1)."""
+
+    kind: ClassVar[str] = "preference"
 
     def build(self, tokenizer: Any) -> PreferenceData:
         from prefect_tinker.recipes.renderers import get_renderer
@@ -143,32 +177,6 @@ class PreferenceBuilder(DatasetBuilder):
                 continue
             out.append(PairExample(chosen=pair[0], rejected=pair[1], source=where))
         return out
-
-    def _check_source(self, spec: SourceSpec) -> None:
-        for _ in self._read(spec, SkipStats(keep=0)):  # build() logs skips
-            pass
-
-    def _read(self, spec: SourceSpec, stats: SkipStats):
-        fmt = spec.format if spec.format in PAIR_FORMATS else "preference"
-        for raw in iter_records(spec):
-            if raw.error is not None:
-                self._bad(stats, "malformed_json", f"{raw.where}: {raw.error}")
-                continue
-            try:
-                prompt, chosen, rejected = pairs_from_record(raw.record, fmt, spec.fields)
-            except RecordError as exc:
-                self._bad(stats, "bad_record", f"{raw.where}: {exc}")
-                continue
-            reason = _problem(chosen, rejected)
-            if reason:
-                stats.skip(reason, f"{raw.where}: {reason.replace('_', ' ')}")
-                continue
-            yield raw.where, prompt, chosen, rejected
-
-    def _bad(self, stats: SkipStats, reason: str, message: str) -> None:
-        if self.on_error == "raise":
-            raise DatasetFormatError(message)
-        stats.skip(reason, message)
 
 
 def pair_datums(pairs: list[PairExample]) -> list:
@@ -243,7 +251,7 @@ class DPOLoss:
             raise ValueError(
                 f"{len(datums)} datums / {len(logprobs)} logprobs for {len(self.reference)} reference values"
             )
-        seq = torch.stack([sequence_logprob(lp, d) for lp, d in zip(logprobs, datums)])
+        seq = torch.stack([sequence_logprob(lp, d) for lp, d in zip(logprobs, datums, strict=True)])
         ratio = seq - torch.as_tensor(self.reference, dtype=seq.dtype)
         chosen, rejected = ratio[0::2], ratio[1::2]
         return chosen - rejected, chosen, rejected

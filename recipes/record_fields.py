@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, overload
 
 __all__ = ["Converted", "RecordError", "get_field", "pick_text", "short_repr", "top_key", "with_system"]
 
@@ -69,6 +69,23 @@ def get_field(record: Any, path: str) -> Any:
 def top_key(path: str) -> str:
     """The top-level key of a field path (``instances`` of ``instances[0].output``)."""
     return re.split(r"[.\[]", path, maxsplit=1)[0]
+
+
+@overload
+def pick_text(
+    record: Mapping[str, Any],
+    fields: Mapping[str, str],
+    name: str,
+    defaults: tuple[str, ...],
+    *,
+    required: Literal[True] = True,
+) -> tuple[str, str]: ...
+
+
+@overload
+def pick_text(
+    record: Mapping[str, Any], fields: Mapping[str, str], name: str, defaults: tuple[str, ...], *, required: bool
+) -> tuple[str | None, str | None]: ...
 
 
 def pick_text(

@@ -40,7 +40,7 @@ from prefect_tinker.recipes.builders import BuiltData, Example
 from prefect_tinker.recipes.data_reading import SkipStats
 from prefect_tinker.recipes.data_sources import DatasetFormatError
 from prefect_tinker.recipes.datasets import split_conversations
-from prefect_tinker.recipes.preference import PreferenceBuilder
+from prefect_tinker.recipes.preference import ComparisonBuilder
 
 __all__ = [
     "DEFAULT_QUESTION",
@@ -190,7 +190,7 @@ def win_minus_loss(n: int, pairs: Sequence[tuple[int, int]], scores: Sequence[fl
         total[i] -= float(d)
         count[i] += 1
         count[j] += 1
-    return [t / c if c else 0.0 for t, c in zip(total, count)]
+    return [t / c if c else 0.0 for t, c in zip(total, count, strict=True)]
 
 
 def group_rewards(wml: Sequence[float], valid: Sequence[bool], format_coef: float) -> list[float]:
@@ -220,8 +220,8 @@ class RewardModelData(BuiltData[RMTrainPair, RMComparison]):
     """Rendered train comparisons and held-out comparisons of a :class:`RewardModelBuilder`."""
 
 
-class RewardModelBuilder(PreferenceBuilder):
-    """Comparisons read like DPO's (:class:`~prefect_tinker.recipes.preference.PreferenceBuilder`:
+class RewardModelBuilder(ComparisonBuilder):
+    """Comparisons read like DPO's (:class:`~prefect_tinker.recipes.preference.ComparisonBuilder`:
     formats, field mapping, counted skips), rendered as reward-model examples (see the module
     docstring). A comparison longer than ``max_length`` tokens (prompt, both replies, question,
     label) is skipped and counted (``too_long``); ``test_size`` comparisons of those left are

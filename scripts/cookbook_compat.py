@@ -120,9 +120,24 @@ def main(argv: list[str] | None = None) -> int:
 
     port = _free_port()
     server = subprocess.Popen(
-        [str(Path(sys.executable).with_name("prefect-tinker")), "local", "serve", "--model", str(model), "--port", str(port),
-         "--root", str(work / "server"), "--threads", str(args.threads)],
-        cwd=REPO, env=env, stdout=(work / "server.log").open("w"), stderr=subprocess.STDOUT)
+        [
+            str(Path(sys.executable).with_name("prefect-tinker")),
+            "local",
+            "serve",
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+            "--root",
+            str(work / "server"),
+            "--threads",
+            str(args.threads),
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=(work / "server.log").open("w"),
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
@@ -148,8 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         _run(RL_LOOP, [str(model), str(work / "rl"), "0.05"], client_env, work / "rl.log")
         rl = [m for m in _metrics(work / "rl") if "env/all/reward/total" in m]
         kl = [m["optim/kl_sample_train_v1"] for m in rl if "optim/kl_sample_train_v1" in m]
-        print(f"RL loop (KL penalty 0.05): {len(rl)} steps, reward {[round(m['env/all/reward/total'], 3) for m in rl]}, "
-              f"|KL(sampler, trainer)| <= {max(abs(k) for k in kl):.2e}")
+        print(
+            f"RL loop (KL penalty 0.05): {len(rl)} steps, reward {[round(m['env/all/reward/total'], 3) for m in rl]}, "
+            f"|KL(sampler, trainer)| <= {max(abs(k) for k in kl):.2e}"
+        )
         assert len(rl) == 3 and kl and max(abs(k) for k in kl) < 1e-3, "RL loop incomplete or sampler != trainer"
 
         import tinker  # the SDK's REST view of what the loops saved

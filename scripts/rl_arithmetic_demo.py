@@ -11,7 +11,8 @@ its first/last-5-step averages, greedy accuracies, and timings.
 
     python scripts/rl_arithmetic_demo.py --model tiny --store /tmp/demo-store
     python scripts/rl_arithmetic_demo.py --model smollm2 --sft-steps 0 --few-shot ...   # a pretrained chat model
-    python scripts/rl_arithmetic_demo.py --init-checkpoint tinker://.../weights/... --local-root R ...  # reuse a warm-up
+    # reuse a warm-up
+    python scripts/rl_arithmetic_demo.py --init-checkpoint tinker://.../weights/... --local-root R ...
 
 Not a test: numbers depend on the machine; see benchmarks/README.md for measured ones.
 """
@@ -55,7 +56,9 @@ def greedy_accuracy(credentials, sampler_path: str, tokenizer_id: str, n: int, m
         ob, stop = env.initial_observation()
         params = tinker.SamplingParams(max_tokens=max_tokens, temperature=0.0, seed=0, stop=stop)
         futures.append(client.sample(tinker.ModelInput.from_ints(ob), 1, params))
-    correct = [env.step(list(f.result().sequences[0].tokens)).metrics["correct"] for env, f in zip(envs, futures)]
+    correct = [
+        env.step(list(f.result().sequences[0].tokens)).metrics["correct"] for env, f in zip(envs, futures, strict=True)
+    ]
     return float(np.mean(correct))
 
 
@@ -63,14 +66,20 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny")
     p.add_argument("--store", default=None, help="training store (default: a temp dir)")
-    p.add_argument("--local-root", default=None,
-                   help="embedded server folder (default: ~/.prefect-tinker); a server started there is stopped at the end")
+    p.add_argument(
+        "--local-root",
+        default=None,
+        help="embedded server folder (default: ~/.prefect-tinker); a server started there is stopped at the end",
+    )
     p.add_argument("--base-url", default=None, help="a Tinker-compatible server instead of the embedded one")
     p.add_argument("--max-operand", type=int, default=20)
     p.add_argument("--sft-examples", type=int, default=2000)
     p.add_argument("--sft-steps", type=int, default=150)
-    p.add_argument("--init-checkpoint", default=None,
-                   help="start RL from these weights (tinker://.../weights/..., e.g. an earlier warm-up) instead of SFT")
+    p.add_argument(
+        "--init-checkpoint",
+        default=None,
+        help="start RL from these weights (tinker://.../weights/..., e.g. an earlier warm-up) instead of SFT",
+    )
     p.add_argument("--sft-batch", type=int, default=32)
     p.add_argument("--sft-lr", type=float, default=2e-3)
     p.add_argument("--lora-rank", type=int, default=32)
@@ -81,7 +90,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rl-lr-schedule", default="constant", choices=["constant", "linear", "cosine"])
     p.add_argument("--max-tokens", type=int, default=8, help="most sampled tokens per reply (RL and eval)")
     p.add_argument("--few-shot", action="store_true", help="prepend one solved sum to every RL prompt")
-    p.add_argument("--system-prompt", default=None, help="system message of every RL/eval prompt (default: the chat template's)")
+    p.add_argument(
+        "--system-prompt", default=None, help="system message of every RL/eval prompt (default: the chat template's)"
+    )
     p.add_argument("--save-every", type=int, default=10)
     p.add_argument("--loss-fn", default="importance_sampling")
     p.add_argument("--schedule", default="sync")
@@ -115,7 +126,9 @@ def run(args: argparse.Namespace) -> dict:
 
     init, sampler0 = args.init_checkpoint, None
     if init is None and args.sft_steps > 0:
-        data = write_arithmetic_sft_jsonl(tmp / "sums.jsonl", args.sft_examples, max_operand=args.max_operand, seed=args.seed)
+        data = write_arithmetic_sft_jsonl(
+            tmp / "sums.jsonl", args.sft_examples, max_operand=args.max_operand, seed=args.seed
+        )
         t0 = time.perf_counter()
         sft = sft_flow(SFTConfig(
             model=args.model, dataset=str(data), batch_size=args.sft_batch, max_steps=args.sft_steps,
@@ -144,12 +157,14 @@ def run(args: argparse.Namespace) -> dict:
         f"reward_mean_first_{k}": sum(rewards[:k]) / k, f"reward_mean_last_{k}": sum(rewards[-k:]) / k,
     }
     rows = TrainingStore(root=store).query(
-        "SELECT step, value FROM metrics WHERE run_id = ? AND name = 'env/correct_rate' ORDER BY step", [rl["run_name"]])
+        "SELECT step, value FROM metrics WHERE run_id = ? AND name = 'env/correct_rate' ORDER BY step", [rl["run_name"]]
+    )
     report["rl"]["correct_rate_per_step"] = [round(r["value"], 4) for r in rows]
     tokenizer_id = rl["tokenizer_id"]
     if sampler0 is None:  # no SFT here: the RL run's own step-0 sampler holds the starting weights
         sampler0 = TrainingStore(root=store).query(
-            "SELECT path FROM checkpoints WHERE run_id = ? AND kind = 'sampler' AND step = 0", [rl["run_name"]])[0]["path"]
+            "SELECT path FROM checkpoints WHERE run_id = ? AND kind = 'sampler' AND step = 0", [rl["run_name"]]
+        )[0]["path"]
     evaluate = {"n": args.eval_problems, "max_operand": args.max_operand, "seed": args.seed,
                 "max_tokens": args.max_tokens, "few_shot": args.few_shot, "system_prompt": args.system_prompt}
     t0 = time.perf_counter()

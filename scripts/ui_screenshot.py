@@ -7,7 +7,8 @@ Starts a Prefect server on 127.0.0.1 (temporary ``PREFECT_HOME``), registers the
 ``prefect.yaml``, starts a process worker, saves a ``TinkerCredentials`` block for the embedded
 local server and runs ``sft/sft-tiny`` (12 steps). While it runs, the local server's folder for
 sampler weights is blocked by a file (a disk fault, in place from the model's creation) until the
-``save-sampler`` task has failed once and awaits its retry, so the page shows a retried task. Then headless Chromium (Debian's
+``save-sampler`` task has failed once and awaits its retry, so the page shows a retried task.
+Then headless Chromium (Debian's
 ``chromium``) photographs the flow run (task runs tab), its artifacts, the retried task run and the
 curves artifact, and Pillow stacks the pictures into one PNG. ``--keep`` leaves the stack running
 to browse it (Ctrl-C stops it).
@@ -85,7 +86,9 @@ class Browser:
         to the top with ``scroll``), wait until the page shows ``wait_text``, save a PNG to ``out``."""
         import base64
 
-        self.call("Emulation.setDeviceMetricsOverride", width=size[0], height=size[1], deviceScaleFactor=1, mobile=False)
+        self.call(
+            "Emulation.setDeviceMetricsOverride", width=size[0], height=size[1], deviceScaleFactor=1, mobile=False
+        )
         self.call("Page.navigate", url="about:blank")  # never act on the previous page's DOM
         wait_until(lambda: self.js("location.href") == "about:blank", 30, "about:blank")
         self.call("Page.navigate", url=url)
@@ -158,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         from tinker_blocks import TinkerCredentials
 
         with temporary_settings({PREFECT_API_URL: stack.api_url}):
-            TinkerCredentials(local=True, local_root=str(local_root), local_models=["tiny"]).save("local-tiny", overwrite=True)
+            TinkerCredentials(local=True, local_root=str(local_root), local_models=["tiny"]).save(
+                "local-tiny", overwrite=True
+            )
         stack.start_worker("worker-1")
         config = dict(model="tiny", batch_size=4, lora_rank=8, learning_rate=2e-3, max_length=128, max_steps=12,
                       save_every=4, eval_every=4, num_eval_samples=2, sample_max_tokens=16, run_name="nightly-demo",
@@ -184,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flow run {run.name}: {run.state_name}", flush=True)
 
         retried = next(t for t in stack.task_runs(fr.id) if t.name.startswith("save-sampler"))
-        curves = max((a for a in stack.artifacts(fr.id) if a.key and a.key.endswith("-curves")), key=lambda a: a.created)
+        curves = max(
+            (a for a in stack.artifacts(fr.id) if a.key and a.key.endswith("-curves")), key=lambda a: a.created
+        )
         time.sleep(3)  # let the last logs and events land
         shots = tmp / "shots"
         shots.mkdir()

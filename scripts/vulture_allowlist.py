@@ -7,7 +7,8 @@ _ = None
 # RunSession.__exit__(exc_type, exc, tb): the context manager protocol's arguments (flows/session.py)
 _.exc_type
 _.tb
-# the sandbox reaper's signal handler stop(signum, frame): signal.signal's callback signature (recipes/sandbox/reaper.py)
+# the sandbox reaper's signal handler stop(signum, frame): signal.signal's callback signature
+# (recipes/sandbox/reaper.py)
 _.signum
 _.frame
 # retry_condition(task, task_run, state): Prefect's retry_condition_fn signature (tasks/policies.py)

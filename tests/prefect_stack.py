@@ -127,7 +127,9 @@ class PrefectStack:
         """Run ``prefect <args>`` (``--no-prompt``); AssertionError with its output when it fails."""
         cmd = [sys.executable, "-m", "prefect", "--no-prompt", *args]
         res = subprocess.run(cmd, cwd=cwd, env=self.env(), capture_output=True, text=True, timeout=timeout)
-        assert res.returncode == 0, f"{' '.join(args)} failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+        assert res.returncode == 0, (
+            f"{' '.join(args)} failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+        )
         return res
 
     # ----- server ---------------------------------------------------------------------------
@@ -280,7 +282,9 @@ class PrefectStack:
         from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
         with self.client() as c:
-            return c.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+            return c.read_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+            )
 
     def events(self, prefix: str, related: str | None = None, limit: int = 50) -> list[dict]:
         """Events whose name starts with ``prefix`` (oldest first; at most 50, the API's page),

@@ -93,7 +93,7 @@ def trained_runs(tok, model_input, weights) -> list[str]:
     """Decoded runs of consecutive trained tokens."""
     tokens = model_input.to_ints() if hasattr(model_input, "to_ints") else list(model_input)
     runs, cur = [], []
-    for t, w in zip(tokens, weights):
+    for t, w in zip(tokens, weights, strict=True):
         if w > 0:
             cur.append(t)
         elif cur:

@@ -85,8 +85,8 @@ class SeaweedS3:
         }]}))
         names = ("master", "volume", "filer", "s3", "admin")
         ports = _free_ports(2 * len(names))
-        self.ports = dict(zip(names, ports[: len(names)]))
-        self.grpc_ports = dict(zip(names, ports[len(names):]))
+        self.ports = dict(zip(names, ports[: len(names)], strict=False))
+        self.grpc_ports = dict(zip(names, ports[len(names):], strict=False))
         self.proc: subprocess.Popen | None = None
         self.log_path = self.workdir / "weed.log"
         self.bucket: str | None = None  # the session fixture's bucket

@@ -86,7 +86,7 @@ def copy_weights_checks(c: Ctx, copy: str, project: str):
     # the copy loads like its source
     tc = c.sc.create_training_client_from_state(copy).result(timeout=60)
     src_tc = c.sc.create_training_client_from_state(c.state).result(timeout=60)
-    for a, b in zip(c.logprobs(tc), c.logprobs(src_tc)):
+    for a, b in zip(c.logprobs(tc), c.logprobs(src_tc), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
@@ -117,7 +117,9 @@ def sc_create_rest_client(c: Ctx):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         rc = c.sc.create_rest_client()
-    assert c.tc.model_id in [r.training_run_id for r in rc.list_training_runs(limit=100).result(timeout=30).training_runs]
+    assert c.tc.model_id in [
+        r.training_run_id for r in rc.list_training_runs(limit=100).result(timeout=30).training_runs
+    ]
 
 
 def sc_create_sampling_client(c: Ctx):
@@ -127,7 +129,7 @@ def sc_create_sampling_client(c: Ctx):
 def _from_state(c: Ctx, method: str):
     tc = getattr(c.sc, method)(c.state).result(timeout=60)
     base = c.sc.create_training_client_from_state(c.state).result(timeout=60)
-    for a, b in zip(c.logprobs(tc), c.logprobs(base)):
+    for a, b in zip(c.logprobs(tc), c.logprobs(base), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)
     return tc
 
@@ -208,7 +210,7 @@ def _load_state(c: Ctx, method: str):
         warnings.simplefilter("ignore", FutureWarning)
         getattr(tc, method)(c.state).result(timeout=60)
     ref = c.sc.create_training_client_from_state(c.state).result(timeout=60)
-    for a, b in zip(c.logprobs(tc), c.logprobs(ref)):
+    for a, b in zip(c.logprobs(tc), c.logprobs(ref), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 

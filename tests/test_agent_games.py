@@ -42,9 +42,9 @@ def _check_player_datums(group):
             assert i not in by_member
             continue
         d = by_member[i]
-        for a, b in zip(traj.transitions, traj.transitions[1:]):
+        for a, b in zip(traj.transitions, traj.transitions[1:], strict=False):
             assert b.observation[: len(a.observation) + len(a.action_tokens)] == a.observation + a.action_tokens
-        trained = [tok for tok, m in zip(d.tokens[1:], d.mask) if m]
+        trained = [tok for tok, m in zip(d.tokens[1:], d.mask, strict=False) if m]
         assert trained == [tok for t in traj.transitions for tok in t.action_tokens]
         assert set(np.unique(d.advantages[d.mask > 0])) == {np.float32(advs[0][i])}
     assert datums
@@ -65,8 +65,12 @@ def test_selfplay_game_alternates_players_and_is_zero_sum(tokenizer_dirs):
     assert "Your opponent played 2." in tok.decode(o.transitions[1].observation)
     assert " X | X | 3\n---+---+---\n O | O | 6" in tok.decode(x.transitions[2].observation)
     # the prompts alternate X, O, X, O, X in sampling order, each seeded differently
-    assert [c[0] for c in sampler.calls] == [t.observation for pair in zip(x.transitions, o.transitions + [None])
-                                            for t in pair if t is not None]
+    assert [c[0] for c in sampler.calls] == [
+        t.observation
+        for pair in zip(x.transitions, o.transitions + [None], strict=False)
+        for t in pair
+        if t is not None
+    ]
     assert len({c[2] for c in sampler.calls}) == 5
     adv = _check_player_datums(group)
     assert adv.tolist() == [1.0, -1.0] and adv.sum() == 0.0
@@ -146,7 +150,7 @@ def test_games_against_scripted_players_and_their_evaluation_sets(tokenizer_dirs
     for name, builders in sets.items():
         groups = [run_group_rollout(ScriptedSampler(tok, _lowest_cell), b, seed=1, max_tokens=8) for b in builders]
         outcomes[name] = rollout_metrics(groups)
-        for g, b in zip(groups, builders):
+        for g, b in zip(groups, builders, strict=True):
             assert len(g.trajectories_G) == 3
             for traj in g.trajectories_G:
                 board = traj.transitions[-1].logs["board"]
@@ -172,8 +176,13 @@ def _binary_search(secret, low, high):
 def test_guess_the_number(tokenizer_dirs, secret, max_turns):
     guesses = _binary_search(secret, 1, 100)
     replies = ["hmm, no idea" + END] + [f"My guess: {g}{END}" for g in guesses]
-    builder = GuessNumberBuilder(secret=secret, group_size=1, renderer_name="chatml", tokenizer_id=tokenizer_dirs["tiny"],
-                                 limits=EpisodeLimits(max_turns=max_turns))
+    builder = GuessNumberBuilder(
+        secret=secret,
+        group_size=1,
+        renderer_name="chatml",
+        tokenizer_id=tokenizer_dirs["tiny"],
+        limits=EpisodeLimits(max_turns=max_turns),
+    )
     tok = _tok(tokenizer_dirs)
     group = run_group_rollout(ScriptedSampler(tok, replies), builder, seed=0, max_tokens=16)
     (traj,) = group.trajectories_G
@@ -184,7 +193,7 @@ def test_guess_the_number(tokenizer_dirs, secret, max_turns):
     assert m["correct"] == float(found) and m["invalid_guesses"] == 1.0 and m["max_turns_reached"] == float(not found)
     texts = [tok.decode(t.observation) for t in traj.transitions]
     assert "Please reply with a number between 1 and 100." in texts[1]
-    for g, text in zip(guesses, texts[2:]):
+    for g, text in zip(guesses, texts[2:], strict=False):
         assert text.rstrip().endswith(("Higher." if secret > g else "Lower.") + END + "\n<|im_start|>assistant")
     _check_player_datums(group)
 
@@ -220,7 +229,9 @@ def test_twenty_questions_against_an_answerer_client(tokenizer_dirs):
     assert won.transitions[-1].metrics["questions"] == 3.0 and lost.transitions[-1].metrics["max_turns_reached"] == 1.0
     assert lost.transitions[-1].metrics["answerer_unsure"] == 1.0
     texts = [tok.decode(t.observation) for t in won.transitions]
-    assert texts[1].endswith("Yes." + END + "\n<|im_start|>assistant\n") and texts[2].endswith("Yes." + END + "\n<|im_start|>assistant\n")
+    assert texts[1].endswith("Yes." + END + "\n<|im_start|>assistant\n") and texts[2].endswith(
+        "Yes." + END + "\n<|im_start|>assistant\n"
+    )
     assert "I don't know." in tok.decode(lost.transitions[2].observation)
     assert len(answerer.calls) == 2 + 3  # every question but member 0's winning one and member 1's last
     assert all('secret word is "dog"' in tok.decode(c[0]) for c in answerer.calls)
@@ -242,7 +253,10 @@ def test_session_env_evaluators_from_the_run_config(tokenizer_dirs):
     assert [ev.name for ev in evaluators] == ["vs_random", "vs_minimax"]
     for ev in evaluators:
         assert (ev.max_tokens, ev.temperature, ev.seed) == (7, 0.5, 11)
-        assert [(b.mark, b.group_size, b.opponent) for b in ev.builders] == [("X", 3, ev.name[3:]), ("O", 3, ev.name[3:])]
+        assert [(b.mark, b.group_size, b.opponent) for b in ev.builders] == [
+            ("X", 3, ev.name[3:]),
+            ("O", 3, ev.name[3:]),
+        ]
         assert {b.renderer_name for b in ev.builders} == {"chatml"}
     other = RLConfig(model="tiny", env="guess_number")
     assert session_env_evaluators(other, other.env_context("chatml", tokenizer_dirs["tiny"])) == []

@@ -46,7 +46,9 @@ def tool_sampler_path(local_credentials):
     tc = service.create_lora_training_client(base_model="tiny", rank=16)
     tc = tc.result() if hasattr(tc, "result") else tc
     renderer = get_renderer("qwen3", tc.get_tokenizer())
-    model_input, weights = renderer.build_supervised_example(ASK + [{"role": "assistant", "content": "", "tool_calls": [CALL]}])
+    model_input, weights = renderer.build_supervised_example(
+        ASK + [{"role": "assistant", "content": "", "tool_calls": [CALL]}]
+    )
     datum = datum_from_example(model_input, weights)
     for _ in range(50):
         fb = tc.forward_backward([datum], "cross_entropy")
@@ -134,16 +136,32 @@ def test_tool_calls_come_back_as_openai_tool_calls_and_train_back(tmp_path, loca
 def _rows(n_clients: int = 2) -> list[dict]:
     rows = []
     for i in range(6):
-        rows.append({
-            "run_id": "sess-a" if i < 4 else "sess-b", "request_id": f"req-{i}", "sequence_index": 0,
-            "client": f"agent-{i % n_clients}", "endpoint": "chat.completions" if i != 5 else "completions",
-            "model": "m", "checkpoint": "tiny", "prompt": json.dumps([{"role": "user", "content": f"q{i}"}]),
-            "completion": f"a{i}", "prompt_tokens": 3, "completion_tokens": 2, "completion_token_ids": [5, 6],
-            "logprob_sum": -1.0 * i, "logprob_mean": -0.5 * i, "logprob_min": -1.0 * i,
-            "stop_reason": "length" if i == 3 else "stop", "finish_reason": "length" if i == 3 else "stop",
-            "metadata_json": json.dumps({"task": "t" + str(i % 3)}), "time": 1_700_000_000 + i,
-            "response_json": json.dumps({"message": {"role": "assistant", "content": f"a{i}"}, "finish_reason": "stop"}),
-        })
+        rows.append(
+            {
+                "run_id": "sess-a" if i < 4 else "sess-b",
+                "request_id": f"req-{i}",
+                "sequence_index": 0,
+                "client": f"agent-{i % n_clients}",
+                "endpoint": "chat.completions" if i != 5 else "completions",
+                "model": "m",
+                "checkpoint": "tiny",
+                "prompt": json.dumps([{"role": "user", "content": f"q{i}"}]),
+                "completion": f"a{i}",
+                "prompt_tokens": 3,
+                "completion_tokens": 2,
+                "completion_token_ids": [5, 6],
+                "logprob_sum": -1.0 * i,
+                "logprob_mean": -0.5 * i,
+                "logprob_min": -1.0 * i,
+                "stop_reason": "length" if i == 3 else "stop",
+                "finish_reason": "length" if i == 3 else "stop",
+                "metadata_json": json.dumps({"task": "t" + str(i % 3)}),
+                "time": 1_700_000_000 + i,
+                "response_json": json.dumps(
+                    {"message": {"role": "assistant", "content": f"a{i}"}, "finish_reason": "stop"}
+                ),
+            }
+        )
     return rows
 
 
@@ -157,13 +175,26 @@ def _write(root: str, rows: list[dict], storage_options=None) -> None:
 def _check_reader(root: str, storage_options=None) -> None:
     read = lambda where=None, **kw: read_captured_conversations(root, where, storage_options=storage_options, **kw)  # noqa: E731
     everything = read()
-    assert [c.messages[0]["content"] for c in everything] == ["q0", "q1", "q2", "q4"]  # no completions row, no truncated
+    assert [c.messages[0]["content"] for c in everything] == [
+        "q0",
+        "q1",
+        "q2",
+        "q4",
+    ]  # no completions row, no truncated
     assert [c.messages[1] for c in everything][0] == {"role": "assistant", "content": "a0"}
     assert len(read(include_truncated=True)) == 5
     assert [c.metadata["request_id"] for c in read("logprob_mean > -1.2")] == ["req-0", "req-1", "req-2"]
-    assert [c.metadata["request_id"] for c in read("client = 'agent-1' AND run_id = 'sess-a'", include_truncated=True)] == ["req-1", "req-3"]
-    assert [c.metadata["metadata"] for c in read("json_extract_string(metadata_json, '$.task') = 't1'")] == [{"task": "t1"}, {"task": "t1"}]
-    assert [c.metadata["request_id"] for c in read("request_id IN (SELECT request_id FROM captures WHERE logprob_min < -1.5)", limit=1)] == ["req-2"]
+    assert [
+        c.metadata["request_id"] for c in read("client = 'agent-1' AND run_id = 'sess-a'", include_truncated=True)
+    ] == ["req-1", "req-3"]
+    assert [c.metadata["metadata"] for c in read("json_extract_string(metadata_json, '$.task') = 't1'")] == [
+        {"task": "t1"},
+        {"task": "t1"},
+    ]
+    assert [
+        c.metadata["request_id"]
+        for c in read("request_id IN (SELECT request_id FROM captures WHERE logprob_min < -1.5)", limit=1)
+    ] == ["req-2"]
     for bad, what in (("1=1; DROP VIEW captures", "not one SQL expression"),
                       ("logprob_mean > 0) OR (1=1", "not one SQL expression"),
                       ("no_such_column > 1", "no_such_column"),
@@ -210,12 +241,25 @@ def test_sft_trains_on_captured_conversations_through_a_filter(prefect_api, loca
                                                    "finish_reason": "stop"})))
     _write(root, rows)
     where = "client = 'agent-1' AND logprob_mean > -0.7"
-    expected = CaptureStore(root=root).query(f"SELECT count(*) AS n FROM captures WHERE {where} AND endpoint = 'chat.completions'")[0]["n"]
+    expected = CaptureStore(root=root).query(
+        f"SELECT count(*) AS n FROM captures WHERE {where} AND endpoint = 'chat.completions'"
+    )[0]["n"]
     assert 0 < expected < 12
     store = tmp_path / "store"
-    summary = sft_flow(SFTConfig(model="tiny", dataset=f"capture:{root}::{where}", batch_size=1, max_steps=2, test_size=0,
-                                 lora_rank=4, num_eval_samples=0, run_name="from-captures", store=str(store),
-                                 backend={"local_root": local_credentials.local_root}))
+    summary = sft_flow(
+        SFTConfig(
+            model="tiny",
+            dataset=f"capture:{root}::{where}",
+            batch_size=1,
+            max_steps=2,
+            test_size=0,
+            lora_rank=4,
+            num_eval_samples=0,
+            run_name="from-captures",
+            store=str(store),
+            backend={"local_root": local_credentials.local_root},
+        )
+    )
     assert summary["steps"] == 2
     meta = json.loads(TrainingStore(root=str(store)).get_run("from-captures")["meta_json"])
     assert meta["dataset_fingerprint"].startswith("sha256:")

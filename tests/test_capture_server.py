@@ -103,7 +103,7 @@ def test_chat_stream_n2_and_completion_each_sequence_one_row(server, tokenizer):
     rs = rows_of(server, two.id)
     assert [x["sequence_index"] for x in rs] == [0, 1] and len(two.choices) == 2
     assert sum(x["completion_tokens"] for x in rs) == two.usage.completion_tokens
-    for x, choice in zip(rs, two.choices):
+    for x, choice in zip(rs, two.choices, strict=True):
         lps = [t.logprob for t in choice.logprobs.content]
         assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
                    and t.logprob <= t.top_logprobs[0].logprob + 1e-5 for t in choice.logprobs.content)
@@ -135,7 +135,9 @@ def test_stop_strings_cut_like_openai_and_echo(server, tokenizer):
     assert row["completion"] == cut.choices[0].message.content and row["stop_reason"] == "stop"
     assert json.loads(row["sampling_json"])["stop"] == [stop, "@@@"]
 
-    comp = c.completions.create(model="tiny", prompt="Once upon a time", max_tokens=5, temperature=0, echo=True, logprobs=1)
+    comp = c.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=5, temperature=0, echo=True, logprobs=1
+    )
     (ch,) = comp.choices
     n_prompt = len(tokenizer.encode("Once upon a time"))
     assert ch.text.startswith("Once upon a time") and len(ch.logprobs.tokens) == n_prompt + 5
@@ -151,7 +153,9 @@ def test_sixteen_concurrent_clients_complete_and_are_batched(server, local_crede
     base_url = ensure_local_server(local_credentials)["base_url"]
 
     def stats() -> dict:
-        return httpx.get(f"{base_url}/api/v1/local_stats", headers={"X-API-Key": LOCAL_API_KEY}, timeout=10).json()["compute"]
+        return httpx.get(f"{base_url}/api/v1/local_stats", headers={"X-API-Key": LOCAL_API_KEY}, timeout=10).json()[
+            "compute"
+        ]
 
     before, s0 = len(capture_rows(server.store)), stats()
 

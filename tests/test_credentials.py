@@ -115,7 +115,7 @@ def test_local_start_wait_record_and_cached_client(stand_in):
 
 
 def test_local_reuses_recorded_server_and_restarts_dead_one(stand_in):
-    block = TinkerCredentials.local_default(local_root=str(stand_in))
+    block = TinkerCredentials(local=True, local_root=str(stand_in))
     first = cred.ensure_local_server(block)
     cred._clients.clear()  # as in a fresh process: only server.json is left
     assert cred.ensure_local_server(block)["pid"] == first["pid"]

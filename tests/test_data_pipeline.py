@@ -22,6 +22,7 @@ from prefect_tinker.recipes.data_pipeline import (
 )
 from prefect_tinker.recipes.data_reading import SourceSpec, iter_records
 from prefect_tinker.recipes.data_sources import Conversation
+from prefect_tinker.recipes.datasets import datum_from_example
 from prefect_tinker.recipes.renderers import get_renderer
 
 
@@ -53,13 +54,27 @@ def _key(datum) -> tuple[int, ...]:
     return tuple(datum.model_input.to_ints())
 
 
+def _test_datums(ds: SupervisedDataset) -> list:
+    """The dataset's held-out datums."""
+    return [datum_from_example(t, w) for t, w in ds.test_examples()]
+
+
+def _epochs(ds: SupervisedDataset, num_epochs: int):
+    """``(epoch, batch index within the epoch, batch)`` over ``num_epochs`` epochs."""
+    for epoch in range(num_epochs):
+        for i, batch in enumerate(ds.batches(epoch)):
+            yield epoch, i, batch
+
+
 def test_interleave_weights_seed_and_stopping():
     a, b = [("a", i) for i in range(3000)], [("b", i) for i in range(1000)]
     out = list(interleave([a, b], [3, 1], seed=0))
     counts = Counter(tag for tag, _ in out)
     assert 2.6 < counts["a"] / counts["b"] < 3.4  # proportions follow the weights
     assert out == list(interleave([a, b], [3, 1], seed=0)) and out != list(interleave([a, b], [3, 1], seed=1))
-    assert [i for tag, i in out if tag == "a"] == sorted(i for tag, i in out if tag == "a")  # order within a source kept
+    assert [i for tag, i in out if tag == "a"] == sorted(
+        i for tag, i in out if tag == "a"
+    )  # order within a source kept
     # all_exhausted: the short source restarts until every source has been fully seen
     out = list(interleave([list(range(50)), ["x"] * 5], seed=3, stopping="all_exhausted"))
     assert set(range(50)) <= set(out) and out.count("x") >= 5
@@ -91,7 +106,10 @@ def test_render_example_truncation_keeps_weights_aligned():
         assert t == tokens[:max_length] and np.array_equal(w, weights[:max_length])
     assert render_example(RENDERER, conv, max_length=20) is None  # nothing trained within 20 tokens
     assert render_example(RENDERER, conv, max_length=40, on_too_long="skip") is None
-    with pytest.raises(ExampleTooLongError, match=rf"f.jsonl:7: field 'messages': example has {len(tokens)} tokens, more than max_length=40"):
+    with pytest.raises(
+        ExampleTooLongError,
+        match=rf"f.jsonl:7: field 'messages': example has {len(tokens)} tokens, more than max_length=40",
+    ):
         render_example(RENDERER, conv, max_length=40, on_too_long="error")
 
 
@@ -107,14 +125,14 @@ def test_supervised_dataset_sources_split_epochs_and_shift(tmp_path):
     alpaca = _jsonl(tmp_path / "alpaca.jsonl", [{"instruction": f"do {i}", "output": f"done {i}"} for i in range(30)])
     sources = [SourceSpec(path=str(chats)), SourceSpec(path=str(alpaca), format="alpaca", weight=1.0)]
     ds = SupervisedDataset(sources, RENDERER, batch_size=8, test_size=0.2, seed=7, stopping="each_once")
-    train, test = ds.num_train, ds.test_datums()
+    train, test = ds.num_train, _test_datums(ds)
     assert train + len(test) == 60 and len(test) == 12 and ds.num_batches() == 6
     epochs = [[d for b in ds.batches(e) for d in b] for e in range(2)]
     assert [len(b) for b in ds.batches(0)] == [8, 8, 8, 8, 8, 8]
     assert Counter(map(_key, epochs[0])) == Counter(map(_key, epochs[1]))  # same datums ...
     assert [_key(d) for d in epochs[0]] != [_key(d) for d in epochs[1]]  # ... reshuffled
     assert {_key(d) for d in test}.isdisjoint({_key(d) for d in epochs[0]})
-    assert [(e, i) for e, i, _ in ds.epochs(2)] == [(e, i) for e in range(2) for i in range(6)]
+    assert [(e, i) for e, i, _ in _epochs(ds, 2)] == [(e, i) for e in range(2) for i in range(6)]
     # inputs shifted against targets: model input t[:-1], targets t[1:], weights w[1:]
     conv = Conversation(messages=_chat("q0", "answer 0")["messages"])
     tokens, weights = render_example(RENDERER, conv)
@@ -142,11 +160,11 @@ def test_streaming_hf_json_source_epochs_and_holdout(tmp_path):
     spec = SourceSpec(path=str(path), streaming=True)
     assert [r.where for r in iter_records(spec)][:2] == [f"{path}[train]:0", f"{path}[train]:1"]
     ds = SupervisedDataset([spec], RENDERER, batch_size=4, test_size=5, seed=1, shuffle_buffer_size=8)
-    assert len(ds.test_datums()) == 5
+    assert len(_test_datums(ds)) == 5
     e0 = [_key(d) for b in ds.batches(0) for d in b]
     e1 = [_key(d) for b in ds.batches(1) for d in b]
     assert len(e0) == 20 and Counter(e0) == Counter(e1) and e0 != e1
-    assert set(e0).isdisjoint(_key(d) for d in ds.test_datums())
+    assert set(e0).isdisjoint(_key(d) for d in _test_datums(ds))
     with pytest.raises(TypeError, match="streamed"):
         ds.num_batches()
     with pytest.raises(ValueError, match="test_size must be a count"):
@@ -160,11 +178,15 @@ def test_hf_parquet_dataset_dir_with_field_mapping(tmp_path):
 
     d = tmp_path / "ds" / "data"
     d.mkdir(parents=True)
-    rows = [{"question": f"Q{i}", "ctx": "some context" if i % 2 else "", "meta": {"answer": f"A{i}"}} for i in range(6)]
+    rows = [
+        {"question": f"Q{i}", "ctx": "some context" if i % 2 else "", "meta": {"answer": f"A{i}"}} for i in range(6)
+    ]
     pq.write_table(pa.Table.from_pylist(rows), d / "train-00000-of-00001.parquet")
     fields = {"instruction": "question", "input": "ctx", "output": "meta.answer"}
     for streaming in (False, True):
-        spec = SourceSpec(path=str(tmp_path / "ds"), format="instruction", fields=fields, streaming=streaming, max_records=4)
+        spec = SourceSpec(
+            path=str(tmp_path / "ds"), format="instruction", fields=fields, streaming=streaming, max_records=4
+        )
         ds = SupervisedDataset([spec], RENDERER, batch_size=10)
         datums = [d for b in ds.batches(0) for d in b]
         assert len(datums) == 4

@@ -49,17 +49,27 @@ def test_get_field_paths_and_errors():
 def test_converters_each_format():
     one = lambda rec, fmt, **kw: convert_record(rec, fmt, kw.get("fields"), kw.get("options"))
     (c,) = one({"instruction": "Sum", "input": "2 3", "output": "5"}, "alpaca", options={"system_prompt": "Be exact."})
-    assert [(m["role"], m["content"]) for m in c.messages] == [("system", "Be exact."), ("user", "Sum\n\n2 3"), ("assistant", "5")]
+    assert [(m["role"], m["content"]) for m in c.messages] == [
+        ("system", "Be exact."),
+        ("user", "Sum\n\n2 3"),
+        ("assistant", "5"),
+    ]
     (c,) = one({"instruction": "Say hi", "context": "", "response": "hi"}, "dolly")
     assert c.messages[0]["content"] == "Say hi" and c.field == "instruction+response"
     (c,) = one({"q": "Q?", "a": {"text": "A."}}, "instruction", fields={"instruction": "q", "output": "a.text"})
     assert c.messages[1]["content"] == "A." and c.used == {"q", "a"}
-    (c,) = one({"prompt": "P", "completion": " C END"}, "prompt_completion", options={"strip_completion_suffix": " END"})
+    (c,) = one(
+        {"prompt": "P", "completion": " C END"}, "prompt_completion", options={"strip_completion_suffix": " END"}
+    )
     assert c.messages[1]["content"] == " C"
     (c,) = one({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}, "sharegpt")
     assert [m["role"] for m in c.messages] == ["user", "assistant"]
-    (c,) = one({"chat": [{"speaker": "bot", "text": "x"}]}, "messages",
-               fields={"messages": "chat", "role": "speaker", "content": "text"}, options={"role_map": {"bot": "assistant"}})
+    (c,) = one(
+        {"chat": [{"speaker": "bot", "text": "x"}]},
+        "messages",
+        fields={"messages": "chat", "role": "speaker", "content": "text"},
+        options={"role_map": {"bot": "assistant"}},
+    )
     assert c.messages == [{"role": "assistant", "content": "x"}]
     convs = one({"instruction": "Classify", "instances": [{"input": "a", "output": "x"}, {"input": "", "output": "y"}]},
                 "self_instruct")
@@ -100,9 +110,13 @@ def test_bad_input_errors_name_file_line_and_field(tmp_path, caplog):
     q = _jsonl(tmp_path / "e.jsonl", [good, {"instruction": "q"}])
     with pytest.raises(DatasetFormatError, match=r"e.jsonl:2: field 'output' is missing \(record has: instruction\)"):
         load_conversations(q, format="alpaca")
-    with pytest.raises(DatasetFormatError, match=r"e.jsonl:1: field 'answer' is missing \(record has: instruction, output\)"):
+    with pytest.raises(
+        DatasetFormatError, match=r"e.jsonl:1: field 'answer' is missing \(record has: instruction, output\)"
+    ):
         load_conversations(q, format="alpaca", fields={"output": "answer"})
-    r = _jsonl(tmp_path / "r.jsonl", [{"messages": [{"role": "user", "content": "q"}, {"role": "robot", "content": "a"}]}])
+    r = _jsonl(
+        tmp_path / "r.jsonl", [{"messages": [{"role": "user", "content": "q"}, {"role": "robot", "content": "a"}]}]
+    )
     with pytest.raises(DatasetFormatError, match=r"r.jsonl:1: field 'messages\[1\].role': unknown role 'robot'"):
         load_conversations(r)
     stats = SkipStats()
@@ -126,7 +140,9 @@ def test_no_trainable_token_and_too_long_name_file_line_and_field(tmp_path):
     with pytest.raises(DatasetFormatError, match=r"t.jsonl:1: field 'messages': .*no message has trainable=true"):
         list(SupervisedDataset([str(p)], r, batch_size=2, train_on_what="customized").batches())
     ds = SupervisedDataset([str(p)], r, batch_size=2, max_length=64, on_too_long="error")
-    with pytest.raises(DatasetFormatError, match=r"t.jsonl:2: field 'messages': example has \d+ tokens, more than max_length=64"):
+    with pytest.raises(
+        DatasetFormatError, match=r"t.jsonl:2: field 'messages': example has \d+ tokens, more than max_length=64"
+    ):
         ds.num_batches()
     ds = SupervisedDataset([str(p)], r, batch_size=2, max_length=64, on_too_long="skip")
     assert ds.num_train == 2 and ds.stats.counts == {"too_long": 1}
@@ -183,14 +199,22 @@ def test_self_instruct_seed_tasks_load_with_the_right_trained_tokens():
     convs = load_conversations(spec)
     assert len(convs) == n_instances == 175
     first = tasks[0]["instances"][0]
-    assert convs[0].messages[0]["content"] == tasks[0]["instruction"] + (f"\n\n{first['input']}" if first["input"] else "")
-    expected = _expected_chatml_trained(tok, [[{"role": "assistant", "content": i["output"]}] for t in tasks for i in t["instances"]])
+    assert convs[0].messages[0]["content"] == tasks[0]["instruction"] + (
+        f"\n\n{first['input']}" if first["input"] else ""
+    )
+    expected = _expected_chatml_trained(
+        tok, [[{"role": "assistant", "content": i["output"]}] for t in tasks for i in t["instances"]]
+    )
     ds = SupervisedDataset([spec], get_renderer("smollm2", tok), batch_size=32)
     assert _trained(ds) == (175, expected) and ds.stats.total == 0
     # role_colon: each reply is " {output}\n\n" followed by the trained "User:" stop
     rc = SupervisedDataset([spec], get_renderer("role_colon", tok), batch_size=32)
-    colon = sum(len(tok.encode(f" {i['output']}\n\n", add_special_tokens=False)) + len(tok.encode("User:", add_special_tokens=False))
-                for t in tasks for i in t["instances"])
+    colon = sum(
+        len(tok.encode(f" {i['output']}\n\n", add_special_tokens=False))
+        + len(tok.encode("User:", add_special_tokens=False))
+        for t in tasks
+        for i in t["instances"]
+    )
     assert _trained(rc) == (175, colon)
 
 
@@ -212,7 +236,9 @@ def test_hh_rlhf_dialogues_load_with_the_right_trained_tokens():
     ds = SupervisedDataset([spec], get_renderer("smollm2", tok), batch_size=256)
     assert _trained(ds) == (2312, _expected_chatml_trained(tok, replies)) and ds.stats.total == 0
     # last_assistant_message: only the final reply of each dialogue
-    last = SupervisedDataset([spec], get_renderer("smollm2", tok), batch_size=256, train_on_what="last_assistant_message")
+    last = SupervisedDataset(
+        [spec], get_renderer("smollm2", tok), batch_size=256, train_on_what="last_assistant_message"
+    )
     assert _trained(last)[1] == _expected_chatml_trained(tok, [r[-1:] for r in replies])
     # every chosen/rejected pair splits into a shared prompt and two different continuations
     for p in pairs[:300]:

@@ -77,8 +77,21 @@ def _tiny_tokenizer(local_credentials):
 def test_example_on_tiny_matches_sampler_logprobs_and_writes_reliability_png(prefect_api, local_credentials,
                                                                              tmp_path, capsys):
     store = tmp_path / "store"
-    rc = cli_main(["run", "decisions", "--example", "tiny", "max_steps=2", "eval_every=2", "save_every=0",
-                   "run_name=dec", f"store={store}", "lora_rank=8", f"backend.local_root={local_credentials.local_root}"])
+    rc = cli_main(
+        [
+            "run",
+            "decisions",
+            "--example",
+            "tiny",
+            "max_steps=2",
+            "eval_every=2",
+            "save_every=0",
+            "run_name=dec",
+            f"store={store}",
+            "lora_rank=8",
+            f"backend.local_root={local_credentials.local_root}",
+        ]
+    )
     assert rc in (0, None)
     capsys.readouterr()
     assert cli_main(["sql", "--store", str(store), "--json",

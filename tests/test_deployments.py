@@ -224,8 +224,10 @@ def test_transient_fault_is_retried_and_the_flow_completes(ctx):
         states = [s.name for s in c.read_task_run_states(save[0].id)]
     assert "AwaitingRetry" in states and states[-1] == "Completed", states
     assert store.get_run("deploy-fault")["status"] == "completed"
-    assert [r["kind"] for r in store.query(
-        "SELECT kind FROM checkpoints WHERE run_id = 'deploy-fault' AND step = 12 ORDER BY kind")] == ["sampler", "state"]
+    assert [
+        r["kind"]
+        for r in store.query("SELECT kind FROM checkpoints WHERE run_id = 'deploy-fault' AND step = 12 ORDER BY kind")
+    ] == ["sampler", "state"]
 
     # the server's fault injection answered some requests with 503; the SDK retried them
     import json
@@ -315,7 +317,9 @@ def test_block_types_registered_and_secret_masked(ctx):
                      "tinker-eval-store", "tinker-capture-store"):
             t = slugs[slug]
             assert t.description and "BLOCK_NAME" in (t.code_example or ""), slug
-            assert str(t.documentation_url).startswith("https://github.com/prefect-tinker/prefect-tinker/blob/main/docs/"), slug
+            assert str(t.documentation_url).startswith(
+                "https://github.com/prefect-tinker/prefect-tinker/blob/main/docs/"
+            ), slug
     with temporary_settings({PREFECT_API_URL: ctx.stack.api_url}):
         TinkerCredentials(api_key="tml-very-secret", base_url="http://gpu-box:8000").save("with-key", overwrite=True)
         with ctx.stack.client() as c:

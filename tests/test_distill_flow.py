@@ -64,7 +64,9 @@ def test_on_policy_teacher_kl_falls_through_the_cli(teacher, local_credentials, 
             "max_steps=10", "save_every=10", "run_name=op", f"store={store}",
             f"backend.local_root={local_credentials.local_root}"]
     assert cli_main(args) in (0, None)
-    rows = _sql(capsys, store, "SELECT step, value FROM metrics WHERE run_id='op' AND name='train/teacher_kl' ORDER BY step")
+    rows = _sql(
+        capsys, store, "SELECT step, value FROM metrics WHERE run_id='op' AND name='train/teacher_kl' ORDER BY step"
+    )
     kl = [r["value"] for r in rows]
     assert [r["step"] for r in rows] == list(range(10))
     assert kl[0] > 0.3  # the SFT teacher is far from the fresh student
@@ -92,8 +94,17 @@ class _CrashAfter(RunCallbacks):
 
 def test_resumed_run_never_asks_the_teacher_twice(teacher, local_credentials, tmp_path, capsys):
     store = tmp_path / "store"
-    cfg = DistillConfig(**SMALL, mode="on_policy", teacher=teacher, max_steps=3, save_every=1, learning_rate=5e-3, run_name="resume-op", store=str(store),
-                        backend=_backend(local_credentials))
+    cfg = DistillConfig(
+        **SMALL,
+        mode="on_policy",
+        teacher=teacher,
+        max_steps=3,
+        save_every=1,
+        learning_rate=5e-3,
+        run_name="resume-op",
+        store=str(store),
+        backend=_backend(local_credentials),
+    )
     with run_callbacks(_CrashAfter(2)), pytest.raises(_Crash):
         distill_flow(cfg)
     assert _task_states("teacher-logprobs-step-1-t0", "distill-on_policy-resume-op") == ["Completed"]
@@ -102,7 +113,9 @@ def test_resumed_run_never_asks_the_teacher_twice(teacher, local_credentials, tm
     # the resumed run redid step 1 (its last checkpoint was at step 1): the teacher answered from the cache
     assert _task_states("teacher-logprobs-step-1-t0", "distill-on_policy-resume-op") == ["Completed", "Cached"]
     assert _task_states("teacher-logprobs-step-2-t0", "distill-on_policy-resume-op") == ["Completed"]
-    dup = _sql(capsys, store, "SELECT step, name, count(*) n FROM metrics WHERE run_id='resume-op' GROUP BY ALL HAVING n > 1")
+    dup = _sql(
+        capsys, store, "SELECT step, name, count(*) n FROM metrics WHERE run_id='resume-op' GROUP BY ALL HAVING n > 1"
+    )
     assert dup == []
 
 
@@ -110,9 +123,21 @@ def test_sdft_forward_and_reverse_kl(prefect_api, local_credentials, tmp_path, c
     store = tmp_path / "store"
     for reverse in (False, True):
         run = f"sdft-{'rev' if reverse else 'fwd'}"
-        out = distill_flow(DistillConfig(**SMALL, mode="sdft", reverse=reverse, topk=8, skip_first_tokens=2, max_steps=2,
-                                         learning_rate=5e-3, save_every=2, run_name=run, store=str(store),
-                                         backend=_backend(local_credentials)))
+        out = distill_flow(
+            DistillConfig(
+                **SMALL,
+                mode="sdft",
+                reverse=reverse,
+                topk=8,
+                skip_first_tokens=2,
+                max_steps=2,
+                learning_rate=5e-3,
+                save_every=2,
+                run_name=run,
+                store=str(store),
+                backend=_backend(local_credentials),
+            )
+        )
         assert out["steps"] == 2 and len(out["kl"]) == 2
         rows = {(r["step"], r["name"]): r["value"] for r in _sql(
             capsys, store, f"SELECT step, name, value FROM metrics WHERE run_id='{run}'")}
@@ -125,9 +150,22 @@ def test_sdft_forward_and_reverse_kl(prefect_api, local_credentials, tmp_path, c
 
 def test_off_policy_teacher_samples_then_sft_and_soft_targets(teacher, local_credentials, tmp_path, capsys):
     store = tmp_path / "store"
-    base = dict(model="tiny", mode="off_policy", teacher=teacher, lora_rank=8, teacher_max_tokens=24, keep_truncated=True,
-                batch_size=4, max_steps=3, save_every=3, eval_every=3, learning_rate=5e-3, store=str(store),
-                test_size=4, backend=_backend(local_credentials))
+    base = dict(
+        model="tiny",
+        mode="off_policy",
+        teacher=teacher,
+        lora_rank=8,
+        teacher_max_tokens=24,
+        keep_truncated=True,
+        batch_size=4,
+        max_steps=3,
+        save_every=3,
+        eval_every=3,
+        learning_rate=5e-3,
+        store=str(store),
+        test_size=4,
+        backend=_backend(local_credentials),
+    )
     hard = distill_flow(DistillConfig(**base, run_name="off-hard"))
     path = read_samples(hard["teacher_samples"])
     rows = [json.loads(line) for line in open(path)]
@@ -152,7 +190,11 @@ def test_prompt_distillation_reports_agreement(teacher, local_credentials, tmp_p
         dataset="builtin:example_chat", lora_rank=8, teacher_max_tokens=8, teacher_temperature=0.0, keep_truncated=True,
         test_size=4, eval_max_tokens=8, batch_size=4, max_steps=2, save_every=2, eval_every=2, learning_rate=5e-3,
         run_name="prompt", store=str(store), backend=_backend(local_credentials)))
-    rows = _sql(capsys, store, "SELECT step, value FROM metrics WHERE run_id='prompt' AND name='eval/teacher_agreement' ORDER BY step")
+    rows = _sql(
+        capsys,
+        store,
+        "SELECT step, value FROM metrics WHERE run_id='prompt' AND name='eval/teacher_agreement' ORDER BY step",
+    )
     assert [r["step"] for r in rows] == [0, 2] and all(0 <= r["value"] <= 1 for r in rows)
     assert out["first_agreement"] == rows[0]["value"] and out["teacher_rows"] == 38  # 42 chats, 4 held out
 
@@ -163,7 +205,9 @@ def test_bad_teachers_fail_before_training(prefect_api, local_credentials, tmp_p
     with pytest.raises(TeacherError, match="another tokenizer than the student"):
         distill_flow(DistillConfig(**kw, teacher=str(hf_model_dir), run_name="bad-tok"))
     with pytest.raises(TeacherError, match="cannot be opened"):
-        distill_flow(DistillConfig(**kw, teacher="tinker://no-such-run:train:0/sampler_weights/nothing", run_name="bad-ckpt"))
+        distill_flow(
+            DistillConfig(**kw, teacher="tinker://no-such-run:train:0/sampler_weights/nothing", run_name="bad-ckpt")
+        )
     with pytest.raises(TeacherError, match="topk=129"):
         distill_flow(DistillConfig(**kw, mode="sdft", topk=129, run_name="bad-k"))
     assert not (store / "training").exists()  # checked before any run started: nothing in the store

@@ -31,7 +31,9 @@ def tok():
 def _reply(renderer, text: str) -> tuple[list[int], list[int]]:
     """(generation prompt, the reply tokens the renderer trains: body and end marker)."""
     prompt = renderer.build_generation_prompt(MSGS).to_ints()
-    full, w = renderer.build_supervised_example(MSGS + [{"role": "assistant", "content": text}], "last_assistant_message")
+    full, w = renderer.build_supervised_example(
+        MSGS + [{"role": "assistant", "content": text}], "last_assistant_message"
+    )
     full = full.to_ints()
     assert full[: len(prompt)] == prompt
     last = max(i for i, x in enumerate(w) if x > 0)
@@ -57,7 +59,9 @@ def test_same_renderer_reuses_every_completion_token(tok):
     view = TeacherView(system_prompt="You are a careful teacher.")
     record = PromptRecord(freeze(MSGS), "12", "x:1")
     t_prompt = chatml.build_generation_prompt(view.messages(record)).to_ints()
-    al = align_completion(len(prompt), reply, t_prompt, student_renderer=chatml, teacher_renderer=chatml, same_format=True)
+    al = align_completion(
+        len(prompt), reply, t_prompt, student_renderer=chatml, teacher_renderer=chatml, same_format=True
+    )
     assert al.teacher_tokens == t_prompt + reply
     assert "careful teacher" in tok.decode(al.teacher_tokens) and "careful teacher" not in tok.decode(prompt)
     # target i of the student predicts (prompt + reply)[i + 1]; the teacher's target j predicts teacher_tokens[j + 1]
@@ -159,8 +163,10 @@ def test_reverse_kl_loss_value_and_gradient_match_an_independent_computation():
         if not valid:
             continue
         z = sum(torch.exp(lp_ref[i, j]) for j in valid)
-        total = total + sum(torch.exp(lp_ref[i, j]) / z * (torch.log(torch.exp(lp_ref[i, j]) / z) - math.log(float(q[i, j])))
-                            for j in valid)
+        total = total + sum(
+            torch.exp(lp_ref[i, j]) / z * (torch.log(torch.exp(lp_ref[i, j]) / z) - math.log(float(q[i, j])))
+            for j in valid
+        )
     total.backward()
     assert float(loss.detach()) == pytest.approx(float(total.detach()), rel=1e-9)
     assert metrics["kl:sum"] == pytest.approx(float(total.detach()))
@@ -219,11 +225,15 @@ def test_teacher_logprobs_of_its_own_rendering_through_the_server(local_credenti
     student, teacher = get_renderer("role_colon", tok), get_renderer("chatml", tok)
     prompt, reply = _reply(student, "7 plus 5 is 12.")
     t_prompt = teacher.build_generation_prompt(MSGS).to_ints()
-    al = align_completion(len(prompt), reply, t_prompt, student_renderer=student, teacher_renderer=teacher, same_format=False)
+    al = align_completion(
+        len(prompt), reply, t_prompt, student_renderer=student, teacher_renderer=teacher, same_format=False
+    )
     (lp,) = teacher_logprobs.fn(local_credentials, "base:tiny", [al.teacher_tokens])
     values, mask = gather_teacher(al, lp, len(prompt + reply) - 1)
 
-    model = AutoModelForCausalLM.from_pretrained(str(Path(local_credentials.local_root) / "models" / "tiny"), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(Path(local_credentials.local_root) / "models" / "tiny"), dtype=torch.float32
+    )
 
     def logprobs(seq):
         with torch.no_grad():

@@ -61,19 +61,33 @@ def test_preference_formats_and_field_mapping(clean, tmp_path):
     assert len(data.train) == 6 and data.skipped == 0
     pair = data.train[2]
     for ex, reply in ((pair.chosen, "It is 3."), (pair.rejected, "No idea.")):
-        trained = tok.decode([t for t, w in zip(ex.tokens, ex.weights) if w > 0])
+        trained = tok.decode([t for t, w in zip(ex.tokens, ex.weights, strict=True) if w > 0])
         assert reply in trained and "plus one" not in trained  # only the reply (and its end marker) is trained
     n_prompt = next(i for i, w in enumerate(pair.chosen.weights) if w > 0)
     assert pair.chosen.tokens[:n_prompt] == pair.rejected.tokens[:n_prompt]  # the shared prompt
 
     # messages sharing a prefix (no prompt field), and HH dialogue transcripts
-    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "joke?"}]
+    conv = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "joke?"},
+    ]
     msgs = _write(tmp_path / "msgs.jsonl", [{"chosen": conv + [{"role": "assistant", "content": "A pun."}],
                                               "rejected": conv + [{"role": "assistant", "content": "No."}]}])
-    hh = _write(tmp_path / "hh.jsonl.gz", [{"chosen": "\n\nHuman: hi\n\nAssistant: hello\n\nHuman: joke?\n\nAssistant: A pun.",
-                                             "rejected": "\n\nHuman: hi\n\nAssistant: hello\n\nHuman: joke?\n\nAssistant: No."}], gz=True)
+    hh = _write(
+        tmp_path / "hh.jsonl.gz",
+        [
+            {
+                "chosen": "\n\nHuman: hi\n\nAssistant: hello\n\nHuman: joke?\n\nAssistant: A pun.",
+                "rejected": "\n\nHuman: hi\n\nAssistant: hello\n\nHuman: joke?\n\nAssistant: No.",
+            }
+        ],
+        gz=True,
+    )
     a = PreferenceBuilder(sources=[SourceSpec(path=msgs)], renderer="role_colon", test_size=0).build(tok)
-    d = PreferenceBuilder(sources=[SourceSpec(path=hh, format="dialogue")], renderer="role_colon", test_size=0).build(tok)
+    d = PreferenceBuilder(sources=[SourceSpec(path=hh, format="dialogue")], renderer="role_colon", test_size=0).build(
+        tok
+    )
     assert a.train[0].chosen == d.train[0].chosen and a.train[0].rejected == d.train[0].rejected
 
 
@@ -95,11 +109,15 @@ def test_bad_preference_data_is_named_or_counted(clean, tmp_path):
                 "rejected": "\n\nHuman: a\n\nAssistant: X\n\nHuman: c\n\nAssistant: d2"}  # differs before the last turn
     p2, p3 = _write(tmp_path / "content.jsonl", rows), _write(tmp_path / "hh.jsonl", [dialogue, {
         "chosen": "\n\nHuman: a\n\nAssistant: b", "rejected": "\n\nHuman: a\n\nAssistant: c"}])
-    data = PreferenceBuilder(sources=[SourceSpec(path=p2)], renderer="role_colon", test_size=0, max_length=128).build(tok)
+    data = PreferenceBuilder(sources=[SourceSpec(path=p2)], renderer="role_colon", test_size=0, max_length=128).build(
+        tok
+    )
     assert len(data.train) == 1 and data.skipped == 3
     for reason in ("identical", "empty_reply", "too_long"):
         assert f"1 {reason}" in data.skip_summary
-    hh = PreferenceBuilder(sources=[SourceSpec(path=p3, format="dialogue")], renderer="role_colon", test_size=0).build(tok)
+    hh = PreferenceBuilder(sources=[SourceSpec(path=p3, format="dialogue")], renderer="role_colon", test_size=0).build(
+        tok
+    )
     assert len(hh.train) == 1 and "1 differs_before_last_turn" in hh.skip_summary
 
 
@@ -120,14 +138,19 @@ def _torch_loss(kind: str, h: torch.Tensor, beta: float, eps: float) -> torch.Te
     return torch.clamp(1 - beta * h, min=0).mean()
 
 
-@pytest.mark.parametrize("kind, beta, eps", [("dpo", 0.5, 0.0), ("dpo", 0.5, 0.2), ("ipo", 0.5, 0.0), ("hinge", 0.02, 0.0)])
+@pytest.mark.parametrize(
+    "kind, beta, eps", [("dpo", 0.5, 0.0), ("dpo", 0.5, 0.2), ("ipo", 0.5, 0.0), ("hinge", 0.02, 0.0)]
+)
 def test_dpo_gradients_match_independent_torch(clean, service, tmp_path, kind, beta, eps):
     """Policy = a LoRA state trained a little; reference = the base weights: the log-ratios are
     non-zero, so every loss has a real gradient. The server's update after one Adam step with a
     large eps is a faithful image of the gradient; the expected one comes from a plain
     transformers model with the LoRA deltas added by hand, the DPO formula written out here."""
     tok = _tiny_tokenizer(clean)
-    rows = [{"prompt": f"Question {i}: what is {i} + {i}?", "chosen": f"{2 * i}", "rejected": f"maybe {i}"} for i in range(3)]
+    rows = [
+        {"prompt": f"Question {i}: what is {i} + {i}?", "chosen": f"{2 * i}", "rejected": f"maybe {i}"}
+        for i in range(3)
+    ]
     data = PreferenceBuilder(sources=[SourceSpec(path=_write(tmp_path / "p.jsonl", rows))], renderer="role_colon",
                              test_size=0).build(tok)
     datums = pair_datums(data.train)
@@ -144,7 +167,9 @@ def test_dpo_gradients_match_independent_torch(clean, service, tmp_path, kind, b
     start_dir = clean.checkpoint_dir(start)
     ref_model = _reference(clean, clean.checkpoint_dir(base_path))
     with torch.no_grad():
-        reference = [float((ref_model.logprobs(s[:-1], s[1:]).double() * m).sum()) for s, m in zip(seqs, masks)]
+        reference = [
+            float((ref_model.logprobs(s[:-1], s[1:]).double() * m).sum()) for s, m in zip(seqs, masks, strict=True)
+        ]
 
     policy = service.create_training_client_from_state(start).result(timeout=120)  # fresh Adam state
     loss = DPOLoss(reference, beta, kind, eps)
@@ -154,7 +179,7 @@ def test_dpo_gradients_match_independent_torch(clean, service, tmp_path, kind, b
     after = policy.save_weights_for_sampler(f"after-{kind}-{eps}").result(timeout=60).path
 
     ref = _reference(clean, start_dir)
-    seq_lp = torch.stack([(ref.logprobs(s[:-1], s[1:]).double() * m).sum() for s, m in zip(seqs, masks)])
+    seq_lp = torch.stack([(ref.logprobs(s[:-1], s[1:]).double() * m).sum() for s, m in zip(seqs, masks, strict=True)])
     ratio = seq_lp - torch.tensor(reference, dtype=torch.float64)
     h = ratio[0::2] - ratio[1::2]
     assert float(h.detach().abs().min()) > 1e-3  # non-trivial log-ratios
@@ -209,7 +234,9 @@ def test_dpo_flow_trains_resumes_and_refuses_config_changes(prefect_api, local_c
     acc0 = _sql(store, "SELECT value FROM metrics WHERE run_id = 'dpo-e2e' AND name = 'test/accuracy' AND step = 0")
     assert acc0[0]["value"] == 0.5  # ties count one half
     ck = _sql(store, "SELECT step, kind, renderer FROM checkpoints WHERE run_id = 'dpo-e2e' ORDER BY step")
-    assert [(r["step"], r["kind"]) for r in ck] == [(3, "state"), (6, "state")] and {r["renderer"] for r in ck} == {"chatml"}
+    assert [(r["step"], r["kind"]) for r in ck] == [(3, "state"), (6, "state")] and {r["renderer"] for r in ck} == {
+        "chatml"
+    }
 
     # crash after step 4, resume: steps 3.. again, the same losses, the reference from the cache
     with run_callbacks(_CrashAfter()), pytest.raises(RuntimeError, match="simulated crash"):
@@ -237,9 +264,18 @@ def test_dpo_flow_trains_resumes_and_refuses_config_changes(prefect_api, local_c
 
 def _cached(name: str) -> int:
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName, TaskRunFilterState, TaskRunFilterStateName
+    from prefect.client.schemas.filters import (
+        TaskRunFilter,
+        TaskRunFilterName,
+        TaskRunFilterState,
+        TaskRunFilterStateName,
+    )
 
     with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(task_run_filter=TaskRunFilter(
-            name=TaskRunFilterName(any_=[name]), state=TaskRunFilterState(name=TaskRunFilterStateName(any_=["Cached"]))))
+        runs = client.read_task_runs(
+            task_run_filter=TaskRunFilter(
+                name=TaskRunFilterName(any_=[name]),
+                state=TaskRunFilterState(name=TaskRunFilterStateName(any_=["Cached"])),
+            )
+        )
     return len(runs)

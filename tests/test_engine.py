@@ -121,7 +121,7 @@ def test_forward_matches_independent_fp32(engine, base_dir):
         with torch.no_grad():
             exp = [ref.logprobs(d) for d in datums]
             exp_loss = float(ref.loss(datums))
-        for out, e, d in zip(res.outputs, exp, datums):
+        for out, e, d in zip(res.outputs, exp, datums, strict=True):
             assert out["logprobs"].dtype == np.float32
             assert out["logprobs"].shape == d.inputs["target_tokens"].shape
             np.testing.assert_allclose(out["logprobs"], e.numpy(), atol=1e-4, rtol=0)
@@ -204,14 +204,14 @@ def test_save_load_state_bit_equal(engine):
     engine.load_state("ck2", path, with_optimizer=True)  # creates ck2 from the checkpoint
     a, b = engine._models["ck"], engine._models["ck2"]
     assert b.step == a.step == 2
-    for (k, pa), (k2, pb) in zip(a.params.items(), b.params.items()):
+    for (k, pa), (k2, pb) in zip(a.params.items(), b.params.items(), strict=True):
         assert k == k2 and torch.equal(pa, pb)
         sa, sb = a.optimizer.state[pa], b.optimizer.state[pb]
         assert all(torch.equal(torch.as_tensor(sa[x]), torch.as_tensor(sb[x]))
                    for x in ("step", "exp_avg", "exp_avg_sq"))
     for mid in ("ck", "ck2"):  # identical continued training
         _train_a_bit(engine, mid, steps=1)
-    assert all(torch.equal(pa, pb) for pa, pb in zip(a.params.values(), b.params.values()))
+    assert all(torch.equal(pa, pb) for pa, pb in zip(a.params.values(), b.params.values(), strict=True))
     engine.load_state("ck3", path, with_optimizer=False)
     assert engine._models["ck3"].step == 0 and not engine._models["ck3"].optimizer.state
     sw = engine.save_sampler_weights("ck", "sw")
@@ -244,7 +244,7 @@ def test_sample_logprobs_match_forward_and_seed(engine):
     top = r1.topk_prompt_logprobs
     assert top[0] is None and all(len(t) == 3 for t in top[1:])
     assert all(t[0][1] >= t[1][1] >= t[2][1] >= lp_i - 1e-4 or prompt[i + 1] not in [x[0] for x in t]
-               for i, (t, lp_i) in enumerate(zip(top[1:], lp)))
+               for i, (t, lp_i) in enumerate(zip(top[1:], lp, strict=False)))
 
 
 def test_prompt_logprobs_last_n_keeps_fewer_logits(engine):
@@ -258,14 +258,16 @@ def test_prompt_logprobs_last_n_keeps_fewer_logits(engine):
     lasts = [2, 4, 1]
     base = dict(base_model=None, weights_path=path, num_samples=2, max_tokens=5, seed=3, stop=[],
                 include_prompt_logprobs=True, topk_prompt_logprobs=4)
-    cut = engine.sample_many([dict(base, prompt_tokens=p, prompt_logprobs_last_n=n) for p, n in zip(prompts, lasts)])
+    cut = engine.sample_many(
+        [dict(base, prompt_tokens=p, prompt_logprobs_last_n=n) for p, n in zip(prompts, lasts, strict=True)]
+    )
     full = engine.sample_many([dict(base, prompt_tokens=p) for p in prompts])
-    for p, n, c, f in zip(prompts, lasts, cut, full):
+    for p, n, c, f in zip(prompts, lasts, cut, full, strict=True):
         d = Datum(tokens=p[:-1], inputs={"target_tokens": np.array(p[1:], np.int64)})
         ref = engine.forward("lastn", [d], "cross_entropy", None).outputs[0]["logprobs"]
         assert len(c.prompt_logprobs) == len(p) and all(v is None for v in c.prompt_logprobs[: len(p) - max(lasts)])
         np.testing.assert_allclose(c.prompt_logprobs[-n:], ref[-n:], atol=1e-4, rtol=0)
-        for ct, ft in zip(c.topk_prompt_logprobs[-n:], f.topk_prompt_logprobs[-n:]):
+        for ct, ft in zip(c.topk_prompt_logprobs[-n:], f.topk_prompt_logprobs[-n:], strict=False):
             assert [t for t, _ in ct] == [t for t, _ in ft]
             np.testing.assert_allclose([v for _, v in ct], [v for _, v in ft], atol=1e-4, rtol=0)
         assert [s["tokens"] for s in c.sequences] == [s["tokens"] for s in f.sequences]
@@ -340,7 +342,7 @@ def test_rl_losses_match_formulas(engine):
     lp = engine.forward("rl", d0, "cross_entropy", None).outputs
     rng = np.random.default_rng(0)
     datums = []
-    for d, o in zip(d0, lp):
+    for d, o in zip(d0, lp, strict=True):
         n = len(d.tokens)
         q = (o["logprobs"] + rng.normal(0, 0.3, n)).astype(np.float32)
         adv = rng.normal(0, 1, n).astype(np.float32)
@@ -349,12 +351,12 @@ def test_rl_losses_match_formulas(engine):
     lps = [torch.as_tensor(o["logprobs"], dtype=torch.float64) for o in lp]
     qs = [torch.as_tensor(d.inputs["logprobs"], dtype=torch.float64) for d in datums]
     advs = [torch.as_tensor(d.inputs["advantages"], dtype=torch.float64) for d in datums]
-    r = [torch.exp(a - b) for a, b in zip(lps, qs)]
+    r = [torch.exp(a - b) for a, b in zip(lps, qs, strict=True)]
     expected = {
-        "importance_sampling": -sum((ri * A).sum() for ri, A in zip(r, advs)),
-        "ppo": -sum(torch.minimum(ri * A, ri.clamp(0.9, 1.1) * A).sum() for ri, A in zip(r, advs)),
-        "cispo": -sum((ri.clamp(0.9, 1.1) * lp_ * A).sum() for ri, lp_, A in zip(r, lps, advs)),
-        "dro": -sum((lp_ * A - 0.5 * 0.1 * (lp_ - q) ** 2).sum() for lp_, q, A in zip(lps, qs, advs)),
+        "importance_sampling": -sum((ri * A).sum() for ri, A in zip(r, advs, strict=True)),
+        "ppo": -sum(torch.minimum(ri * A, ri.clamp(0.9, 1.1) * A).sum() for ri, A in zip(r, advs, strict=True)),
+        "cispo": -sum((ri.clamp(0.9, 1.1) * lp_ * A).sum() for ri, lp_, A in zip(r, lps, advs, strict=True)),
+        "dro": -sum((lp_ * A - 0.5 * 0.1 * (lp_ - q) ** 2).sum() for lp_, q, A in zip(lps, qs, advs, strict=True)),
     }
     cfg = {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1, "beta": 0.1}
     for name, exp in expected.items():
@@ -370,7 +372,7 @@ def test_bf16_engine_close_to_fp32(engine, tmp_path):
     e16.create_model("cmp16", "tiny", 4, seed=8)
     a = engine.forward("cmp32", datums, "cross_entropy", None)
     b = e16.forward_backward("cmp16", datums, "cross_entropy", None)
-    for oa, ob in zip(a.outputs, b.outputs):
+    for oa, ob in zip(a.outputs, b.outputs, strict=True):
         assert np.abs(oa["logprobs"] - ob["logprobs"]).max() < 0.1
     assert b.metrics["loss:sum"] == pytest.approx(a.metrics["loss:sum"], rel=1e-2)
 
@@ -449,9 +451,9 @@ def test_microbatching_and_threads_give_same_results(engine):
     finally:
         engine.max_batch_tokens = None
     assert res.metrics["loss:sum"] == pytest.approx(ref.metrics["loss:sum"], abs=1e-4)
-    for a, b in zip(res.outputs, ref.outputs):
+    for a, b in zip(res.outputs, ref.outputs, strict=True):
         np.testing.assert_allclose(a["logprobs"], b["logprobs"], atol=1e-5)
-    for g, p in zip(grads, engine._models["mb"].params.values()):
+    for g, p in zip(grads, engine._models["mb"].params.values(), strict=True):
         torch.testing.assert_close(p.grad, g, atol=1e-5, rtol=1e-4)
     # calls from several threads are serialised by the engine lock
     def loss(m):

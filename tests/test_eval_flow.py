@@ -52,14 +52,18 @@ def test_cli_gsm8k_accuracy_is_the_mean_of_its_samples_and_a_rerun_is_cached(pre
     assert first["evaluated"] == 1 and first["cached"] == 0
     assert _samples_sent(local_credentials) - before == 20  # one request (2 samples) per example
     # independent SQL over the sample rows
-    (row,) = _sql(capsys, store, "SELECT value, num_samples FROM eval_results WHERE run_id = 'E' AND metric = 'accuracy'")
+    (row,) = _sql(
+        capsys, store, "SELECT value, num_samples FROM eval_results WHERE run_id = 'E' AND metric = 'accuracy'"
+    )
     (mean,) = _sql(capsys, store, "SELECT avg(CASE WHEN correct THEN 1.0 ELSE 0.0 END) AS acc, count(*) AS n, "
                                   "count(DISTINCT example_id) AS examples FROM eval_samples WHERE run_id = 'E'")
     assert mean["n"] == 40 and mean["examples"] == 20 and row["num_samples"] == 40
     assert row["value"] == pytest.approx(mean["acc"], abs=1e-12)
     metrics = {r["metric"] for r in _sql(capsys, store, "SELECT metric FROM eval_results WHERE run_id = 'E'")}
     assert {"accuracy", "accuracy_ci95_low", "accuracy_ci95_high", "pass@1", "pass@2", "truncated"} <= metrics
-    batches = json.loads(_sql(capsys, store, "SELECT config_json FROM eval_results WHERE metric = 'accuracy'")[0]["config_json"])
+    batches = json.loads(
+        _sql(capsys, store, "SELECT config_json FROM eval_results WHERE metric = 'accuracy'")[0]["config_json"]
+    )
     assert batches["batches"] == 3 and batches["eval_run"] == "E"  # 20 examples in eval-batch tasks of 8
 
     parts, sent = _parts(store, "eval_samples"), _samples_sent(local_credentials)
@@ -99,11 +103,23 @@ def test_exact_match_accuracy_equals_greedy_replies_graded_by_hand(prefect_api, 
     refs = [completions[0], completions[1], MISS, MISS]
     data = tmp_path / "own_names.jsonl"
     data.write_text("".join(json.dumps({"prompt": {"text": q}, "gold": [r], "uid": f"q{i}"}) + "\n"
-                            for i, (q, r) in enumerate(zip(QUESTIONS, refs))))
+                            for i, (q, r) in enumerate(zip(QUESTIONS, refs, strict=False))))
     store = tmp_path / "store"
-    cfg = EvalConfig(model="tiny", benchmark="exact_match", dataset=str(data), question_field="prompt.text",
-                     answer_field="gold", id_field="uid", max_tokens=6, temperature=0.0, num_samples=2,
-                     batch_size=1, run_name="em", store=str(store), backend={"local_root": local_credentials.local_root})
+    cfg = EvalConfig(
+        model="tiny",
+        benchmark="exact_match",
+        dataset=str(data),
+        question_field="prompt.text",
+        answer_field="gold",
+        id_field="uid",
+        max_tokens=6,
+        temperature=0.0,
+        num_samples=2,
+        batch_size=1,
+        run_name="em",
+        store=str(store),
+        backend={"local_root": local_credentials.local_root},
+    )
     summary = eval_flow(cfg)
     (out,) = summary["results"]
     expected = sum(bool(c.strip()) for c in completions[:2]) / 4  # empty replies never equal a reference
@@ -113,7 +129,9 @@ def test_exact_match_accuracy_equals_greedy_replies_graded_by_hand(prefect_api, 
                                "ORDER BY example_id, sample_index")
     assert [r["example_id"] for r in rows] == ["q0", "q0", "q1", "q1", "q2", "q2", "q3", "q3"]
     assert [r["completion"] for r in rows] == [c for c in completions for _ in range(2)]
-    config = json.loads(_sql(capsys, store, "SELECT config_json FROM eval_results WHERE metric='accuracy'")[0]["config_json"])
+    config = json.loads(
+        _sql(capsys, store, "SELECT config_json FROM eval_results WHERE metric='accuracy'")[0]["config_json"]
+    )
     assert config["renderer"] == renderer and config["batches"] == 4  # one eval-batch task per example
 
 
@@ -128,8 +146,12 @@ def test_config_errors_name_the_field(tmp_path):
         EvalConfig(model="tiny", benchmarks=["nope"])
     with pytest.raises(ValueError, match="unique"):
         EvalConfig(model="tiny", benchmarks=["arithmetic", {"benchmark": "arithmetic", "limit": 3}])
-    cfg = EvalConfig(model=["tiny", "run:r1"], benchmarks=["arithmetic", {"kind": "inspect", "task": "t.py", "name": "t"}],
-                     limit=3, num_samples=2)
+    cfg = EvalConfig(
+        model=["tiny", "run:r1"],
+        benchmarks=["arithmetic", {"kind": "inspect", "task": "t.py", "name": "t"}],
+        limit=3,
+        num_samples=2,
+    )
     arith, insp = cfg.specs()
     assert (arith.limit, arith.num_samples, insp.limit, insp.epochs) == (3, 2, 3, 2)
     assert EvalConfig.model_validate(json.loads(cfg.model_dump_json())).specs() == cfg.specs()  # round trip
@@ -147,21 +169,32 @@ def test_inspect_kind_records_its_scores(prefect_api, local_credentials, tmp_pat
     pytest.importorskip("inspect_ai", reason="inspect-ai is not installed (extra 'inspect')")
     completions, _ = _greedy(local_credentials, max_tokens=6)
     targets = [completions[0][:3], MISS, completions[2][-2:], MISS]
-    expected = sum(bool(t) and t.lower() in c.lower() for t, c in zip(targets, completions)) / 4
-    samples = ", ".join(f"Sample(input={q!r}, target={t!r}, id={i})" for i, (q, t) in enumerate(zip(QUESTIONS, targets)))
+    expected = sum(bool(t) and t.lower() in c.lower() for t, c in zip(targets, completions, strict=True)) / 4
+    samples = ", ".join(
+        f"Sample(input={q!r}, target={t!r}, id={i})" for i, (q, t) in enumerate(zip(QUESTIONS, targets, strict=False))
+    )
     task = tmp_path / "user-project" / "inc_task.py"  # a task file outside the repository
     task.parent.mkdir()
-    task.write_text("from inspect_ai import Task, task\nfrom inspect_ai.dataset import Sample\n"
-                    "from inspect_ai.scorer import includes\nfrom inspect_ai.solver import generate\n\n\n"
-                    f"@task\ndef inc():\n    return Task(dataset=[{samples}], solver=[generate()], scorer=includes())\n")
+    task.write_text(
+        "from inspect_ai import Task, task\nfrom inspect_ai.dataset import Sample\n"
+        "from inspect_ai.scorer import includes\nfrom inspect_ai.solver import generate\n\n\n"
+        f"@task\ndef inc():\n    return Task(dataset=[{samples}], solver=[generate()], scorer=includes())\n"
+    )
     store = tmp_path / "store"
     cfg = EvalConfig(model="tiny", benchmarks=[{"kind": "inspect", "task": str(task), "name": "inc", "temperature": 0.0,
                                                 "max_tokens": 6, "model_args": {"max_connections": 1}}],
                      run_name="insp", store=str(store), inspect_log_dir=str(tmp_path / "logs"),
                      backend={"local_root": local_credentials.local_root})
     first = eval_flow(cfg)
-    rows = {r["metric"]: r for r in _sql(capsys, store, "SELECT metric, value, num_samples, step, checkpoint "
-                                                        "FROM eval_results WHERE run_id = 'insp' AND eval_name = 'inc'")}
+    rows = {
+        r["metric"]: r
+        for r in _sql(
+            capsys,
+            store,
+            "SELECT metric, value, num_samples, step, checkpoint "
+            "FROM eval_results WHERE run_id = 'insp' AND eval_name = 'inc'",
+        )
+    }
     assert rows["includes/accuracy"]["value"] == pytest.approx(expected)
     assert rows["accuracy"]["value"] == pytest.approx(expected) and rows["accuracy"]["num_samples"] == 4
     assert rows["accuracy"]["checkpoint"] == "tiny" and rows["accuracy"]["step"] is None

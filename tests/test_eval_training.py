@@ -54,19 +54,29 @@ def test_training_evaluators_then_eval_flow_over_the_growing_run(prefect_api, lo
     ev = _sql(capsys, store, "SELECT step, checkpoint, value FROM eval_results WHERE run_id = 'sft-a' "
                              "AND eval_name = 'gsm8k' AND metric = 'accuracy' ORDER BY step")
     assert [r["step"] for r in ev] == [0, 1, 2] and all("/sampler_weights/" in r["checkpoint"] for r in ev)
-    curve = _sql(capsys, store, "SELECT step, value FROM metrics WHERE run_id = 'sft-a' AND name = 'eval/gsm8k/accuracy' "
-                                "ORDER BY step")
+    curve = _sql(
+        capsys,
+        store,
+        "SELECT step, value FROM metrics WHERE run_id = 'sft-a' AND name = 'eval/gsm8k/accuracy' ORDER BY step",
+    )
     assert [(c["step"], c["value"]) for c in curve] == [(r["step"], r["value"]) for r in ev]  # in the run's curves
     from prefect_tinker.tasks.reporting import eval_curve_names
 
     assert eval_curve_names(str(store), "sft-a") == ["eval/gsm8k/accuracy"]
-    samplers = _sql(capsys, store, "SELECT step, path FROM checkpoints WHERE run_id = 'sft-a' AND kind = 'sampler' ORDER BY step")
+    samplers = _sql(
+        capsys, store, "SELECT step, path FROM checkpoints WHERE run_id = 'sft-a' AND kind = 'sampler' ORDER BY step"
+    )
     # the loop records a sampler with the checkpoint of its step: the one of step 0 only served the evaluation
     assert [(s["step"], s["path"]) for s in samplers] == [(r["step"], r["checkpoint"]) for r in ev[1:]]
 
     def evaluate() -> dict:
-        cfg = EvalConfig(model=["run:sft-a", "run:sft-b"], benchmarks=[gsm8k, {"benchmark": "arithmetic", "limit": 2,
-                         "max_tokens": 4}], run_name="suite", store=str(store), backend={"local_root": local_credentials.local_root})
+        cfg = EvalConfig(
+            model=["run:sft-a", "run:sft-b"],
+            benchmarks=[gsm8k, {"benchmark": "arithmetic", "limit": 2, "max_tokens": 4}],
+            run_name="suite",
+            store=str(store),
+            backend={"local_root": local_credentials.local_root},
+        )
         return eval_flow(cfg)
 
     sent = _samples_sent(local_credentials)
@@ -87,9 +97,13 @@ def test_training_evaluators_then_eval_flow_over_the_growing_run(prefect_api, lo
     assert _samples_sent(local_credentials) - sent == 2
 
     # every accuracy row is the mean of its samples
-    rows = _sql(capsys, store, "SELECT r.run_id, r.eval_name, r.step, r.value, avg(CASE WHEN s.correct THEN 1.0 ELSE 0.0 END) AS m "
-                               "FROM eval_results r JOIN eval_samples s USING (run_id, eval_name, step, checkpoint) "
-                               "WHERE r.metric = 'accuracy' GROUP BY ALL")
+    rows = _sql(
+        capsys,
+        store,
+        "SELECT r.run_id, r.eval_name, r.step, r.value, avg(CASE WHEN s.correct THEN 1.0 ELSE 0.0 END) AS m "
+        "FROM eval_results r JOIN eval_samples s USING (run_id, eval_name, step, checkpoint) "
+        "WHERE r.metric = 'accuracy' GROUP BY ALL",
+    )
     assert len(rows) == 9 and all(r["value"] == pytest.approx(r["m"]) for r in rows)
 
     # docs/stores.md's join of eval_results with runs.config_json, as written

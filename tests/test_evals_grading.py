@@ -169,7 +169,10 @@ def test_field_mapping_with_dotted_paths_and_own_names(tmp_path):
     spec = get_benchmark("math", dataset=str(path), question_field="problem", answer_field="solution.final",
                          id_field="pid")
     exs = load_examples(spec)
-    assert [(e.id, e.question, e.reference) for e in exs] == [("h1", "Half of 3?", "\\frac{3}{2}"), ("t2", "Twice 4?", "8")]
+    assert [(e.id, e.question, e.reference) for e in exs] == [
+        ("h1", "Half of 3?", "\\frac{3}{2}"),
+        ("t2", "Twice 4?", "8"),
+    ]
     assert build_messages(spec, exs[0])[-1]["content"] == "Half of 3?\nWrite the final answer inside \\boxed{}."
 
     mc = _write_jsonl(tmp_path / "quiz.jsonl", [{"stem": "Sky?", "choices": ["green", "blue", "red"], "key": "B"}])
@@ -195,7 +198,9 @@ def test_bad_records_name_file_line_and_field(tmp_path):
         load_examples(get_benchmark("exact_match", dataset=str(broken)))
     dup = _write_jsonl(tmp_path / "dup.jsonl", [{"q": "a", "a": "1", "i": 7}, {"q": "b", "a": "2", "i": 7}])
     with pytest.raises(ValueError, match="duplicate example id '7'"):
-        load_examples(get_benchmark("exact_match", dataset=str(dup), question_field="q", answer_field="a", id_field="i"))
+        load_examples(
+            get_benchmark("exact_match", dataset=str(dup), question_field="q", answer_field="a", id_field="i")
+        )
     with pytest.raises(ValueError, match="needs dataset="):
         get_benchmark("multiple_choice")
     with pytest.raises(ValueError, match="unknown benchmark 'nope'; built-in: arithmetic, exact_match, gsm8k"):

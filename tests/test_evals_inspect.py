@@ -40,7 +40,9 @@ def _greedy(local_credentials, **model) -> list[str]:
 
 def _write_task(directory: Path, targets: list[str]) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
-    samples = ", ".join(f"Sample(input={q!r}, target={t!r}, id={i})" for i, (q, t) in enumerate(zip(QUESTIONS, targets)))
+    samples = ", ".join(
+        f"Sample(input={q!r}, target={t!r}, id={i})" for i, (q, t) in enumerate(zip(QUESTIONS, targets, strict=False))
+    )
     path = directory / "tiny_task.py"
     path.write_text(
         "from inspect_ai import Task, task\n"
@@ -55,7 +57,7 @@ def _write_task(directory: Path, targets: list[str]) -> Path:
 
 def _targets(completions: list[str]) -> tuple[list[str], list[bool]]:
     targets = [completions[0][:5], completions[1][-4:], MISS, MISS]
-    expected = [t.lower() in c.lower() for t, c in zip(targets, completions)]  # includes() ignores case
+    expected = [t.lower() in c.lower() for t, c in zip(targets, completions, strict=True)]  # includes() ignores case
     return targets, expected
 
 
@@ -131,5 +133,7 @@ def test_stop_seqs_cut_the_reply_on_a_stop_token_renderer(local_credentials):
     assert len(full) >= 4
     stop = full[2:4]
     model = get_model("tinker/tiny", local_root=local_credentials.local_root, renderer="chatml")
-    out = asyncio.run(model.generate(QUESTIONS[0], config=GenerateConfig(temperature=0.0, max_tokens=8, stop_seqs=[stop])))
+    out = asyncio.run(
+        model.generate(QUESTIONS[0], config=GenerateConfig(temperature=0.0, max_tokens=8, stop_seqs=[stop]))
+    )
     assert out.completion == full[: full.find(stop)] and out.stop_reason == "stop"

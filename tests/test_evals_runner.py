@@ -39,9 +39,17 @@ def test_math_set_in_own_field_names_through_the_eval_store(tmp_path, tiny):
     from tinker_blocks.stores import EvalStore
 
     client, renderer = tiny
-    data = _write(tmp_path / "fractions.jsonl", [
-        {"problem": f"What is {a}/{b} plus {c}?", "solution": {"final": f"\\frac{{{a + b * c}}}{{{b}}}"}, "tag": f"f{a}"}
-        for a, b, c in [(1, 2, 3), (2, 3, 1), (3, 4, 2), (5, 6, 1), (7, 8, 2)]])
+    data = _write(
+        tmp_path / "fractions.jsonl",
+        [
+            {
+                "problem": f"What is {a}/{b} plus {c}?",
+                "solution": {"final": f"\\frac{{{a + b * c}}}{{{b}}}"},
+                "tag": f"f{a}",
+            }
+            for a, b, c in [(1, 2, 3), (2, 3, 1), (3, 4, 2), (5, 6, 1), (7, 8, 2)]
+        ],
+    )
     spec = get_benchmark("math", dataset=str(data), question_field="problem", answer_field="solution.final",
                          id_field="tag", limit=4, num_samples=3, temperature=1.0, max_tokens=8, seed=5)
     results, samples = run_benchmark(client, renderer, spec, run_id="tiny-evals", checkpoint="tiny")
@@ -55,7 +63,9 @@ def test_math_set_in_own_field_names_through_the_eval_store(tmp_path, tiny):
         assert (extra["stop_reason"].lower().endswith("length")) == (extra["termination"] == "truncated"), extra
         if extra["termination"] == "truncated":
             assert row["completion_tokens"] == 8
-        assert row["prompt"].startswith("<|im_start|>user\nWhat is ") and row["prompt"].endswith("<|im_start|>assistant\n")
+        assert row["prompt"].startswith("<|im_start|>user\nWhat is ") and row["prompt"].endswith(
+            "<|im_start|>assistant\n"
+        )
     m = metrics_dict(results)
     assert m["accuracy"] == pytest.approx(sum(r["correct"] for r in samples) / 12)
     assert m["truncated"] == sum(json.loads(r["extra_json"])["status"] == "truncated" for r in samples)

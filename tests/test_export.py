@@ -97,13 +97,13 @@ def test_sft_checkpoint_exports_both_ways_and_matches_the_server(sft_run, local_
     model, tok = _load_merged(tmp_path / "merged")
     seqs = _sequences(tok)
     want = _server_logprobs(local_credentials, sft_run["sampler"], seqs)
-    for got, w in zip(_hf_logprobs(model, seqs), want):
+    for got, w in zip(_hf_logprobs(model, seqs), want, strict=True):
         np.testing.assert_allclose(got, w, atol=1e-4)
     base_dir = str(local_credentials.resolved_local_root() / "models" / "tiny")
-    for got, w in zip(_hf_logprobs(_load_peft(tmp_path / "peft", base_dir), seqs), want):
+    for got, w in zip(_hf_logprobs(_load_peft(tmp_path / "peft", base_dir), seqs), want, strict=True):
         np.testing.assert_allclose(got, w, atol=1e-4)
     base = _hf_logprobs(_load_merged(Path(base_dir))[0], seqs)
-    assert max(np.abs(b - w).max() for b, w in zip(base, want)) > 1e-2  # the adapter matters
+    assert max(np.abs(b - w).max() for b, w in zip(base, want, strict=True)) > 1e-2  # the adapter matters
 
     # the metadata: in the folder and the flow's result, with the verification numbers
     on_disk = json.loads((tmp_path / "merged" / "export_metadata.json").read_text())
@@ -157,7 +157,11 @@ def test_cli_runs_an_export_and_refuses_bad_paths(sft_run, local_credentials, tm
     assert rc == 0 and printed["verification"]["passed"] and (out / "adapter_model.safetensors").is_file()
     for bad, field in (("checkpoint=tinker://r/external_weights/x", "checkpoint"), ("out=gs://bucket/x", "out"),
                        ("format=gguf", "format")):
-        args = {"checkpoint": "checkpoint=tinker://r/weights/x", "out": f"out={tmp_path / 'o'}", "format": "format=peft"}
+        args = {
+            "checkpoint": "checkpoint=tinker://r/weights/x",
+            "out": f"out={tmp_path / 'o'}",
+            "format": "format=peft",
+        }
         args[field] = bad
         assert cli_main(["run", "export", *args.values()]) == 2
         assert field in capsys.readouterr().err
@@ -230,9 +234,9 @@ def test_llama_with_tied_embeddings_and_lm_head_target(prefect_api, local_creden
 
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     assert torch.equal(embed, base.get_input_embeddings().weight)  # the input side is the base's
-    for got, w in zip(_hf_logprobs(model, seqs), want):
+    for got, w in zip(_hf_logprobs(model, seqs), want, strict=True):
         np.testing.assert_allclose(got, w, atol=1e-4)
-    for got, w in zip(_hf_logprobs(_load_peft(tmp_path / "peft", str(model_dir)), seqs), want):
+    for got, w in zip(_hf_logprobs(_load_peft(tmp_path / "peft", str(model_dir)), seqs), want, strict=True):
         np.testing.assert_allclose(got, w, atol=1e-4)
 
 
@@ -255,8 +259,10 @@ def test_merged_export_to_s3(sft_run, local_credentials, s3_root, s3_server, tmp
         assert f.get_tensor(next(iter(f.keys()))).dtype == torch.bfloat16
     seqs = _sequences(tok)
     want = _server_logprobs(local_credentials, sft_run["sampler"], seqs)
-    diff = max(np.abs(g - w).max() for g, w in zip(_hf_logprobs(model, seqs), want))
-    assert diff <= meta["verification"]["tolerance"] and diff == pytest.approx(meta["verification"]["max_abs_diff"], abs=0.05)
+    diff = max(np.abs(g - w).max() for g, w in zip(_hf_logprobs(model, seqs), want, strict=True))
+    assert diff <= meta["verification"]["tolerance"] and diff == pytest.approx(
+        meta["verification"]["max_abs_diff"], abs=0.05
+    )
     # wrong S3 credentials fail at the check, before any server work
     from tinker_blocks.s3 import StoreAccessError
 

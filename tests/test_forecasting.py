@@ -60,8 +60,15 @@ def test_example_config_runs_on_tiny_and_sql_shows_brier(prefect_api, local_cred
                    f"backend.local_root={local_credentials.local_root}"])
     assert rc in (0, None)
     capsys.readouterr()
-    assert cli_main(["sql", "--store", str(store), "--json",
-                     "SELECT step, name, value FROM metrics WHERE run_id='fc' AND name LIKE 'env/%' ORDER BY step"]) in (0, None)
+    assert cli_main(
+        [
+            "sql",
+            "--store",
+            str(store),
+            "--json",
+            "SELECT step, name, value FROM metrics WHERE run_id='fc' AND name LIKE 'env/%' ORDER BY step",
+        ]
+    ) in (0, None)
     rows = json.loads(capsys.readouterr().out)
     by = {(r["step"], r["name"]): r["value"] for r in rows}
     for step in (0, 1):

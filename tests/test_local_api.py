@@ -75,7 +75,7 @@ def test_prompt_logprobs_topk_compute_logprobs_and_many_samples(service, base_re
     np.testing.assert_allclose(np.array(res.prompt_logprobs[1:], np.float32), expected, atol=1e-4)
     top_v, top_i = torch.topk(logp, 4, dim=-1)
     assert res.topk_prompt_logprobs[0] is None
-    for row, ids, vals in zip(res.topk_prompt_logprobs[1:], top_i.tolist(), top_v.tolist()):
+    for row, ids, vals in zip(res.topk_prompt_logprobs[1:], top_i.tolist(), top_v.tolist(), strict=False):
         assert [t for t, _ in row] == ids
         np.testing.assert_allclose([v for _, v in row], vals, atol=1e-4)
     assert len(res.sequences) == 16 and len({s.sequence_id for s in res.sequences}) == 16
@@ -101,9 +101,9 @@ def test_concurrent_sample_requests_are_batched_and_match_sequential(clean, serv
         after = clean.stats()["compute"]
     finally:
         other.close("success").result(timeout=30)
-    for a, b in zip(sequential, concurrent):
+    for a, b in zip(sequential, concurrent, strict=True):
         assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
-        for sa, sb in zip(a.sequences, b.sequences):
+        for sa, sb in zip(a.sequences, b.sequences, strict=True):
             np.testing.assert_allclose(sa.logprobs, sb.logprobs, atol=1e-4)
     batches = after["batches"] - before["batches"]
     assert after["batched_jobs"] - before["batched_jobs"] == len(reqs)
@@ -124,7 +124,12 @@ def test_sampling_clients_load_their_tokenizer(clean, service, hf_model_dir):
     prompt = types.ModelInput.from_ints(expected)
     params = types.SamplingParams(max_tokens=4, seed=3, stop=[])
     a = by_name.sample(prompt, 1, params).result(timeout=60)
-    b = service.create_sampling_client(base_model="tiny").result(timeout=60).sample(prompt, 1, params).result(timeout=60)
+    b = (
+        service.create_sampling_client(base_model="tiny")
+        .result(timeout=60)
+        .sample(prompt, 1, params)
+        .result(timeout=60)
+    )
     assert a.sequences[0].tokens == b.sequences[0].tokens
     hf = service.create_sampling_client(base_model=str(hf_model_dir)).result(timeout=60)
     assert hf.get_tokenizer().decode(hf.get_tokenizer().encode("hello world")) == "hello world"
@@ -190,7 +195,7 @@ def test_several_lora_runs_on_one_base_do_not_interfere(service):
         alone.optim_step(adam).result(timeout=60)
     got = a.forward(data_a, "cross_entropy").result(timeout=60)
     ref = alone.forward(data_a, "cross_entropy").result(timeout=60)
-    for x, y in zip(got.loss_fn_outputs, ref.loss_fn_outputs):
+    for x, y in zip(got.loss_fn_outputs, ref.loss_fn_outputs, strict=True):
         np.testing.assert_array_equal(x["logprobs"].to_numpy(), y["logprobs"].to_numpy())
     other = b.forward(data_a, "cross_entropy").result(timeout=60)
     assert abs(other.metrics["loss:sum"] - got.metrics["loss:sum"]) > 1e-3

@@ -100,7 +100,7 @@ def _dpo_data(env) -> list[types.Datum]:
     plain = [types.Datum(model_input=d.model_input, loss_fn_inputs={"target_tokens": d.loss_fn_inputs["target_tokens"]})
              for d in data]
     out = ref.forward(plain, "cross_entropy").result(timeout=60)
-    for d, o in zip(data, out.loss_fn_outputs):
+    for d, o in zip(data, out.loss_fn_outputs, strict=True):
         d.loss_fn_inputs["ref_logprobs"] = types.TensorData.from_numpy(np.asarray(o["logprobs"].data, np.float32))
     return data
 

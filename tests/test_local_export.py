@@ -89,7 +89,7 @@ def test_external_weights_load_with_peft_and_match_the_server(env, tmp_path):
     assert (cfg["peft_type"], cfg["r"], cfg["lora_alpha"]) == ("LORA", 4, 32) and "lm_head" in cfg["target_modules"]
     expected = _server_logprobs(env["sampler"], env["tok"])
     got = _peft_logprobs(folder, env["tok"])
-    for g, want in zip(got, expected):
+    for g, want in zip(got, expected, strict=True):
         np.testing.assert_allclose(g, want, atol=1e-4)
     adapted = got[0]  # sanity: the delta is not negligible
     from transformers import AutoModelForCausalLM
@@ -153,7 +153,12 @@ def test_age_encrypted_export_decrypts_to_the_same_adapter(env, tmp_path):
     pyrage = pytest.importorskip("pyrage", reason="age encryption needs the optional pyrage package")
     identity = pyrage.x25519.Identity.generate()
     plain = env["tc"].save_weights_external("clear").result(timeout=60).path
-    enc = env["tc"].save_weights_external("sealed", age_encryption_recipients=[str(identity.to_public())]).result(timeout=60).path
+    enc = (
+        env["tc"]
+        .save_weights_external("sealed", age_encryption_recipients=[str(identity.to_public())])
+        .result(timeout=60)
+        .path
+    )
     urls = env["rc"].get_external_weights_urls(enc).result(timeout=30).urls
     assert {"adapter_model.safetensors.age", "adapter_config.json.age"} <= set(urls)
     assert "adapter_model.safetensors" not in urls

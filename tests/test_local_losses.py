@@ -82,7 +82,7 @@ def _inputs(case: str, seqs, lp0: list[np.ndarray], rng) -> tuple[list[dict], li
     targets: list = [None] * len(seqs)
     cfg: dict = {}
     out = []
-    for i, (seq, lp) in enumerate(zip(seqs, lp0)):
+    for i, (seq, lp) in enumerate(zip(seqs, lp0, strict=True)):
         n = len(seq) - 1
         if case == "cross_entropy":
             out.append({"weights": rng.uniform(-0.5, 2.0, n).astype(np.float32) * (rng.random(n) > 0.2)})
@@ -167,7 +167,7 @@ def test_builtin_loss_matches_reference_formula(case, clean, service, start):
     with torch.no_grad():
         lp0 = [ref.logprobs(s[:-1], s[1:]).numpy() for s in seqs]
     inputs, targets, cfg = _inputs(case, seqs, lp0, np.random.default_rng(CASES.index(case)))
-    data = [_datum(s, inp, tgt) for s, inp, tgt in zip(seqs, inputs, targets)]
+    data = [_datum(s, inp, tgt) for s, inp, tgt in zip(seqs, inputs, targets, strict=True)]
 
     tc = service.create_training_client_from_state(path).result(timeout=120)  # fresh Adam state
     fb = tc.forward_backward(data, case.removesuffix("_soft"), cfg or None)
@@ -176,7 +176,7 @@ def test_builtin_loss_matches_reference_formula(case, clean, service, start):
     after = tc.save_weights_for_sampler(f"after-{case}").result(timeout=60).path
 
     total = 0.0
-    for d, seq, inp, tgt, out in zip(data, seqs, inputs, targets, res.loss_fn_outputs):
+    for d, seq, inp, tgt, out in zip(data, seqs, inputs, targets, res.loss_fn_outputs, strict=True):
         lp = ref.logprobs(seq[:-1], seq[1:] if tgt is None else tgt)
         got = out["logprobs"].to_numpy()
         assert got.shape == tuple(d.loss_fn_inputs["target_tokens"].shape)
@@ -196,14 +196,16 @@ def test_forward_backward_custom_dpo_matches_direct_torch(clean, service, start)
              for _ in range(2)]
     seqs = [s for pair in pairs for s in pair]  # chosen, rejected, chosen, rejected
     masks = [(np.arange(len(s) - 1) >= len(prompt) - 1).astype(np.float32) for s in seqs]
-    data = [_datum(s, {"weights": m}) for s, m in zip(seqs, masks)]
+    data = [_datum(s, {"weights": m}) for s, m in zip(seqs, masks, strict=True)]
     beta = 0.5
     ref = _reference(clean, start_dir)
     with torch.no_grad():  # the DPO reference policy: the starting weights, frozen
-        ref_lp = [float((ref.logprobs(s[:-1], s[1:]) * torch.from_numpy(m)).sum()) for s, m in zip(seqs, masks)]
+        ref_lp = [
+            float((ref.logprobs(s[:-1], s[1:]) * torch.from_numpy(m)).sum()) for s, m in zip(seqs, masks, strict=True)
+        ]
 
     def dpo(logprobs: list[torch.Tensor]) -> torch.Tensor:
-        seq_lp = [(lp * torch.from_numpy(m)).sum() - r for lp, m, r in zip(logprobs, masks, ref_lp)]
+        seq_lp = [(lp * torch.from_numpy(m)).sum() - r for lp, m, r in zip(logprobs, masks, ref_lp, strict=True)]
         return sum(-F.logsigmoid(beta * (seq_lp[i] - seq_lp[i + 1])) for i in range(0, len(seqs), 2))
 
     def custom_loss(batch, logprobs):  # what a user passes to forward_backward_custom

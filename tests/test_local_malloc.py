@@ -61,4 +61,7 @@ def test_training_steps_reuse_freed_memory_without_page_faults():
     # glibc defaults: every step maps its activations in again (thousands of faults per step);
     # tuned, a step reuses the freed memory of the previous one
     assert default["faults_per_step"] > 1000, default["faults_per_step"]
-    assert tuned["faults_per_step"] < default["faults_per_step"] / 4, (tuned["faults_per_step"], default["faults_per_step"])
+    assert tuned["faults_per_step"] < default["faults_per_step"] / 4, (
+        tuned["faults_per_step"],
+        default["faults_per_step"],
+    )

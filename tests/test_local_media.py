@@ -99,7 +99,11 @@ def test_image_logprobs_equal_a_direct_forward(media_server, client):
     after = float(sum(after_res.loss_fn_outputs[k]["logprobs"].to_numpy().sum() for k in range(2)))
     assert after > before + 1.0
     bad = datums[0].model_input.chunks
-    wrong = [bad[0], tinker.types.ImageChunk(data=bad[1].data, format="png", expected_tokens=bad[1].expected_tokens + 1), bad[2]]
+    wrong = [
+        bad[0],
+        tinker.types.ImageChunk(data=bad[1].data, format="png", expected_tokens=bad[1].expected_tokens + 1),
+        bad[2],
+    ]
     with pytest.raises(tinker.RequestFailedError, match="expected_tokens") as err:
         tc.forward([_datum(wrong, np.zeros(len(datums[0].loss_fn_inputs["target_tokens"].to_numpy()) + 1))],
                    "cross_entropy").result()
@@ -129,12 +133,19 @@ def test_dmel_logprobs_equal_a_direct_forward(media_server, client):
     np.testing.assert_allclose(res.loss_fn_outputs[0]["logprobs"].to_numpy(), _direct_logprobs(logits, targets),
                                atol=1e-4, rtol=0)
     with pytest.raises(tinker.RequestFailedError, match="mel bins") as err:  # 40 bins: not this model's 80
-        tc.forward([_datum([tinker.EncodedTextChunk(tokens=pre), tinker.DmelChunk(dmel=tensor_container(frames[:, :40]))],
-                           np.zeros(40))], "cross_entropy").result()
+        tc.forward(
+            [
+                _datum(
+                    [tinker.EncodedTextChunk(tokens=pre), tinker.DmelChunk(dmel=tensor_container(frames[:, :40]))],
+                    np.zeros(40),
+                )
+            ],
+            "cross_entropy",
+        ).result()
     assert err.value.category.name == "User"
 
 
-HAND_BUILT = textwrap.dedent('''
+HAND_BUILT = textwrap.dedent("""
     # A client of the SDK only (no prefect_tinker): an image prompt built by hand.
     import io, json, sys
     import numpy as np
@@ -152,14 +163,18 @@ HAND_BUILT = textwrap.dedent('''
     f = cfg["patch_size"] * cfg["merge_size"]
     n = (round(48 / f) * f // cfg["patch_size"]) * (round(80 / f) * f // cfg["patch_size"]) // cfg["merge_size"] ** 2
     head = tok.encode("<|im_start|>user\\n<|vision_start|>", add_special_tokens=False)
-    tail = tok.encode("<|vision_end|>What is the name of the subject in this photo?<|im_end|>\\n<|im_start|>assistant\\n",
-                      add_special_tokens=False)
+    tail = tok.encode(
+        "<|vision_end|>What is the name of the subject in this photo?<|im_end|>\\n<|im_start|>assistant\\n",
+        add_special_tokens=False,
+    )
     params = tinker.SamplingParams(max_tokens=6, temperature=0.0)
     out = {"n": n}
     for kind, chunk in [("bytes", tinker.types.ImageChunk(data=buf.getvalue(), format="png", expected_tokens=n)),
                         ("pointer", tinker.types.ImageAssetPointerChunk(location=folder + "/../hand.png", format="png",
                                                                         expected_tokens=n))]:
-        prompt = tinker.ModelInput(chunks=[tinker.EncodedTextChunk(tokens=head), chunk, tinker.EncodedTextChunk(tokens=tail)])
+        prompt = tinker.ModelInput(
+            chunks=[tinker.EncodedTextChunk(tokens=head), chunk, tinker.EncodedTextChunk(tokens=tail)]
+        )
         res = sampler.sample(prompt, num_samples=2, sampling_params=params).result()
         out[kind] = [list(s.tokens) for s in res.sequences]
     try:
@@ -169,7 +184,7 @@ HAND_BUILT = textwrap.dedent('''
     except tinker.RequestFailedError as e:
         out["wrong"] = [e.category.name, str(e)]
     print(json.dumps(out))
-''')
+""")
 
 
 def test_hand_built_image_chunk_samples_through_the_sdk(media_server, tmp_path):

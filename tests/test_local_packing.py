@@ -37,7 +37,9 @@ def _datums(seed: int, loss: str = "cross_entropy", soft_k: int = 0, lengths=LEN
         if loss == "cross_entropy":
             inputs["weights"] = rng.uniform(-1.0, 2.0, shape).astype(np.float32)
         for k in REQUIRED_INPUTS[loss]:  # behaviour logprobs near the model's, advantages of both signs
-            inputs[k] = (rng.uniform(-9.0, -6.0, shape) if k == "logprobs" else rng.normal(0, 1, shape)).astype(np.float32)
+            inputs[k] = (rng.uniform(-9.0, -6.0, shape) if k == "logprobs" else rng.normal(0, 1, shape)).astype(
+                np.float32
+            )
         out.append(Datum(tokens=toks[:-1].tolist(), inputs=inputs))
     return out
 
@@ -58,12 +60,12 @@ def _run(engine, model_id, datums, loss, packing: bool, backward: bool = True):
 
 def _assert_same(a, b, ga, gb):
     assert a.metrics["loss:sum"] == pytest.approx(b.metrics["loss:sum"], rel=1e-5, abs=1e-5)
-    for x, y in zip(a.outputs, b.outputs):
+    for x, y in zip(a.outputs, b.outputs, strict=True):
         assert x["logprobs"].shape == y["logprobs"].shape
         np.testing.assert_allclose(x["logprobs"], y["logprobs"], atol=1e-5, rtol=0)
     gmax = max(float(g.abs().max()) for g in gb if g is not None)
     assert gmax > 0
-    for x, y in zip(ga, gb):
+    for x, y in zip(ga, gb, strict=True):
         torch.testing.assert_close(x, y, atol=1e-5 * gmax, rtol=1e-5)
 
 

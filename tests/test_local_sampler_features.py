@@ -101,9 +101,9 @@ def test_shared_prompts_are_prefilled_once(engine, monkeypatch):
     assert [r.prompt_cache_hit_tokens for r in out] == [0, 10, 0, 10]
     monkeypatch.setattr(S, "_prefill", real)
     alone = [engine.sample_many([r])[0] for r in reqs]  # same seeds alone: same samples
-    for a, b in zip(alone, out):
+    for a, b in zip(alone, out, strict=True):
         assert [s["tokens"] for s in a.sequences] == [s["tokens"] for s in b.sequences]
-        for x, y in zip(a.sequences, b.sequences):
+        for x, y in zip(a.sequences, b.sequences, strict=True):
             np.testing.assert_allclose(x["logprobs"], y["logprobs"], atol=1e-5)
         assert a.prompt_cache_hit_tokens == 0
 

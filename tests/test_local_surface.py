@@ -168,7 +168,7 @@ def test_session_trace_lists_each_request_in_order_with_its_times(ctx):
     assert [e["name"] for e in train] == ["create_model"] + ["forward_backward", "optim_step"] * 3 \
         + ["save_weights_for_sampler"]
     assert [e["args"].get("seq_id") for e in train[1:]] == list(range(1, 8))
-    for a, b in zip(train, train[1:]):  # one compute thread: each starts after the previous ended
+    for a, b in zip(train, train[1:], strict=False):  # one compute thread: each starts after the previous ended
         assert b["ts"] >= a["ts"] + a["dur"]
     assert all(e["args"]["status"] == "ok" and e["args"]["run_ms"] >= 0 and e["args"]["queue_ms"] >= 0
                for e in done)

@@ -30,7 +30,7 @@ def test_topk_sample_logprobs_match_an_independent_forward(engine):
                         topk_sample_logprobs=4)
     plain = engine.sample("tiny", None, prompt, num_samples=2, max_tokens=7, seed=5, stop=[])
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
-    for seq, ref in zip(res.sequences, plain.sequences):
+    for seq, ref in zip(res.sequences, plain.sequences, strict=True):
         assert seq["tokens"] == ref["tokens"] and ref.get("topk_logprobs") is None  # same draws
         assert len(seq["topk_logprobs"]) == len(seq["tokens"]) == 7
         with torch.no_grad():
@@ -54,6 +54,6 @@ def test_topk_sample_logprobs_through_the_sdk(local_credentials):
                          topk_sample_logprobs=3).result()
     (seq,) = resp.sequences
     assert len(seq.topk_logprobs) == len(seq.tokens) == 5
-    for lp, row in zip(seq.logprobs, seq.topk_logprobs):
+    for lp, row in zip(seq.logprobs, seq.topk_logprobs, strict=True):
         vals = [v for _, v in row]
         assert len(row) == 3 and vals == sorted(vals, reverse=True) and lp <= vals[0] + 1e-5

@@ -28,7 +28,10 @@ def _make_dir(arch: str, src, out):
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     tok = AutoTokenizer.from_pretrained(src)
-    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")}
+    ids = {
+        t: tok.convert_tokens_to_ids(t)
+        for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+    }
     text = dict(vocab_size=2112, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=1024,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]})
@@ -41,10 +44,22 @@ def _make_dir(arch: str, src, out):
                                                                  temporal_patch_size=2), **common)
         cls = Qwen2VLForConditionalGeneration
     else:
-        cfg = Qwen2_5_VLConfig(text_config=text, vision_config=dict(depth=2, hidden_size=64, intermediate_size=128,
-                                                                    num_heads=4, out_hidden_size=128, patch_size=8,
-                                                                    spatial_merge_size=2, temporal_patch_size=2,
-                                                                    window_size=32, fullatt_block_indexes=[1]), **common)
+        cfg = Qwen2_5_VLConfig(
+            text_config=text,
+            vision_config=dict(
+                depth=2,
+                hidden_size=64,
+                intermediate_size=128,
+                num_heads=4,
+                out_hidden_size=128,
+                patch_size=8,
+                spatial_merge_size=2,
+                temporal_patch_size=2,
+                window_size=32,
+                fullatt_block_indexes=[1],
+            ),
+            **common,
+        )
         cls = Qwen2_5_VLForConditionalGeneration
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(7)
@@ -95,7 +110,11 @@ def test_local_vl_directory(arch, engine, tmp_path):
                           "cross_entropy", None)
     assert np.isfinite(text.outputs[0]["logprobs"]).all()
     with pytest.raises(EngineUserError, match="placeholder of a media position"):
-        engine.forward(f"m-{arch}", [Datum(tokens=[1, cfg.image_token_id, 2], inputs={"target_tokens": np.zeros(3, np.int64)})],
-                       "cross_entropy", None)
+        engine.forward(
+            f"m-{arch}",
+            [Datum(tokens=[1, cfg.image_token_id, 2], inputs={"target_tokens": np.zeros(3, np.int64)})],
+            "cross_entropy",
+            None,
+        )
     with pytest.raises(EngineUserError, match="placeholder of a media position"):
         engine.sample(str(d), None, [1, cfg.image_token_id], num_samples=1, max_tokens=2)

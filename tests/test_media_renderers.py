@@ -58,7 +58,7 @@ def _layout(model_input):
 
 def _same_chunks(ours, theirs):
     assert _layout(ours) == _layout(theirs)
-    for a, b in zip(ours.chunks, theirs.chunks):
+    for a, b in zip(ours.chunks, theirs.chunks, strict=True):
         if isinstance(a, tinker.EncodedTextChunk):
             assert a.tokens == b.tokens
         elif isinstance(a, tinker.DmelChunk):
@@ -70,7 +70,10 @@ def _same_chunks(ours, theirs):
 def test_qwen3_vl_matches_tml_renderers(tmp_path):
     chat = pytest.importorskip("tml_renderers.chat", reason="tml-renderers is not installed (extra 'multimodal')")
     from tml_renderers import renderers
-    from tml_renderers.tinker import token_spans_to_tinker_model_input, training_example_to_tinker_model_input_and_weights
+    from tml_renderers.tinker import (
+        token_spans_to_tinker_model_input,
+        training_example_to_tinker_model_input_and_weights,
+    )
 
     img = _png(tmp_path / "cat.png", 48, 64)
     msgs = [{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": PROMPT}]},
@@ -89,7 +92,11 @@ def test_qwen3_vl_matches_tml_renderers(tmp_path):
 
     # the datum: shifted by one, media positions untrained, the image chunk whole
     d = datum_from_example(ours, weights)
-    assert _layout(d.model_input) == [("EncodedTextChunk", 4), ("ImageChunk", 70), ("EncodedTextChunk", len(weights) - 75)]
+    assert _layout(d.model_input) == [
+        ("EncodedTextChunk", 4),
+        ("ImageChunk", 70),
+        ("EncodedTextChunk", len(weights) - 75),
+    ]
     w = d.loss_fn_inputs["weights"].to_numpy()
     np.testing.assert_array_equal(w, weights[1:])
     text = [t for c in ours.chunks if isinstance(c, tinker.EncodedTextChunk) for t in c.tokens]
@@ -105,7 +112,9 @@ def test_qwen3_vl_matches_tml_renderers(tmp_path):
     r = get_renderer("qwen3_vl_instruct", None)
     im_end = r.tokenizer.encode_special("<|im_end|>")
     typed = r.build_generation_sequence([{"role": "user", "content": "hi <|im_end|> there"}])
-    assert typed.count(im_end) == r.build_generation_sequence([{"role": "user", "content": "hi there"}]).count(im_end) == 1
+    assert (
+        typed.count(im_end) == r.build_generation_sequence([{"role": "user", "content": "hi there"}]).count(im_end) == 1
+    )
     with pytest.raises(RendererError, match="special_tokens_in_content=True is not available"):
         get_renderer("qwen3_vl_instruct", None, special_tokens_in_content=True)
 
@@ -179,7 +188,10 @@ def test_local_vl_renderer_layout_weights_and_truncation(tiny_vl_dir, tmp_path):
     assert span.ref.tokens == 8 and tokens[span.start - 1] == vs and tokens[span.start + 8] == ve
     assert all(int(t) == pad for t in tokens[span.start:span.start + 8])
     assert weights[span.start:span.start + 8].sum() == 0 and weights[-10:].all() is not None
-    assert tok.decode([int(t) for t, w in zip(tokens, weights) if w]) == "The subject in this photo is: 7<|im_end|>"
+    assert (
+        tok.decode([int(t) for t, w in zip(tokens, weights, strict=True) if w])
+        == "The subject in this photo is: 7<|im_end|>"
+    )
     assert r.build_generation_sequence(msgs[:1]) == tokens[:len(r.build_generation_sequence(msgs[:1]))]
 
     # text parts stay text: control-token strings in them are not control tokens
@@ -231,7 +243,9 @@ def test_media_tokens_and_refused_inputs(tiny_vl_dir, tmp_path):
         s2 = r.build_generation_sequence([{"role": "user", "content": [{"type": "image", "image": value}]}])
         assert [t.ref.sha256 for t in s2 if isinstance(t, MediaToken)][0] == m[0].ref.sha256
 
-    other = r.build_generation_sequence([{"role": "user", "content": [{"type": "image", "image": _png(tmp_path / "f.png", 32, 32, 1)}]}])
+    other = r.build_generation_sequence(
+        [{"role": "user", "content": [{"type": "image", "image": _png(tmp_path / "f.png", 32, 32, 1)}]}]
+    )
     assert [int(t) for t in other] == [int(t) for t in seq]  # same placeholders, different image:
     assert media_key(other) != media_key(seq) and other != seq  # told apart by cache keys and ==
     assert media_key(tokens_from_model_input(model_input_from_tokens(seq))) == media_key(seq)  # ModelInput round trip
@@ -248,12 +262,16 @@ def test_media_tokens_and_refused_inputs(tiny_vl_dir, tmp_path):
         r.build_supervised_example([{"role": "user", "content": "hi"},
                                     {"role": "assistant", "content": [{"type": "image", "image": img}]}])
     with pytest.raises(RendererError, match="cannot render image parts"):
-        get_renderer("role_colon", tok).build_generation_prompt([{"role": "user", "content": [{"type": "image", "image": img}]}])
+        get_renderer("role_colon", tok).build_generation_prompt(
+            [{"role": "user", "content": [{"type": "image", "image": img}]}]
+        )
     from tinker_local.models import resolve_model
 
     text_tok = AutoTokenizer.from_pretrained(resolve_model("tiny", tmp_path / "m").tokenizer_dir)
     with pytest.raises(RendererError, match="no <\\|vision_start\\|> token"):
-        get_renderer("chatml", text_tok).build_generation_prompt([{"role": "user", "content": [{"type": "image", "image": img}]}])
+        get_renderer("chatml", text_tok).build_generation_prompt(
+            [{"role": "user", "content": [{"type": "image", "image": img}]}]
+        )
     # a text-only part list is plain content
     t1 = r.build_generation_prompt([{"role": "user", "content": [{"type": "text", "text": "a"}, "b"]}])
     assert t1.to_ints() == r.build_generation_prompt([{"role": "user", "content": "ab"}]).to_ints()

@@ -27,9 +27,14 @@ END = "<|im_end|>"
 
 
 def _calc_builder(dirs, renderer="chatml", G=2, limits=EpisodeLimits(), question="What is 12 * 7?", answer="84"):
-    return CalculatorBuilder(problem=Problem(question, answer, "q1"), prefix=freeze([{"role": "system", "content": CALCULATOR_SYSTEM}]),
-                             group_size=G, renderer_name=renderer, tokenizer_id=dirs["tiny" if renderer == "chatml" else renderer],
-                             limits=limits)
+    return CalculatorBuilder(
+        problem=Problem(question, answer, "q1"),
+        prefix=freeze([{"role": "system", "content": CALCULATOR_SYSTEM}]),
+        group_size=G,
+        renderer_name=renderer,
+        tokenizer_id=dirs["tiny" if renderer == "chatml" else renderer],
+        limits=limits,
+    )
 
 
 def _text(tok, ids) -> str:
@@ -54,7 +59,7 @@ def test_calculator_episode_token_layout_and_datums(tokenizer_dirs):
     after = conv + [{"role": "assistant", "content": "", "tool_calls": [call]},
                     {"role": "tool", "content": "84", "name": "calculator"}]
     full = renderer.build_generation_prompt(after, tools=schemas).to_ints()
-    for traj, (_, a2, lp2) in zip(group.trajectories_G, sampler.sampled[2:]):
+    for traj, (_, a2, lp2) in zip(group.trajectories_G, sampler.sampled[2:], strict=False):
         t1, t2 = traj.transitions
         assert t1.observation == prompt and t1.reward == 0.0 and not t1.episode_done and t1.metrics == {}
         a1 = t1.action_tokens
@@ -68,7 +73,7 @@ def test_calculator_episode_token_layout_and_datums(tokenizer_dirs):
     # the datums the RL flow trains on: one per episode, sampled tokens only, own logprobs, A = R - mean
     datums, advs = groups_to_datums([group])
     assert len(datums) == 2 and advs[0].tolist() == [0.5, -0.5]
-    for d, traj, adv in zip(datums, group.trajectories_G, advs[0]):
+    for d, traj, adv in zip(datums, group.trajectories_G, advs[0], strict=True):
         t1, t2 = traj.transitions
         seq = t2.observation + t2.action_tokens
         assert d.tokens == seq
@@ -172,7 +177,9 @@ def test_over_long_trajectory_ends_with_context_overflow_reward(tokenizer_dirs):
                               seed=0, max_tokens=64)
     (traj,) = group.trajectories_G
     assert len(traj.transitions) == 1 and traj.transitions[0].episode_done and group.total_rewards() == [-0.3]
-    assert traj.transitions[0].metrics["context_overflow"] == 1.0 and traj.transitions[0].logs["end"] == "context_overflow"
+    assert (
+        traj.transitions[0].metrics["context_overflow"] == 1.0 and traj.transitions[0].logs["end"] == "context_overflow"
+    )
 
 
 def test_turns_run_out_after_max_turns(tokenizer_dirs):
@@ -207,8 +214,13 @@ def test_each_observation_extends_the_last_in_every_renderer_family(tokenizer_di
     tools = None if name == "role_colon" else Toolset([calculator]).schemas
     conv = [{"role": "user", "content": "What is 6 * 7?"}]
     if tools:
-        reply = {"role": "assistant", "content": "",
-                 "tool_calls": [{"type": "function", "function": {"name": "calculator", "arguments": {"expression": "6 * 7"}}}]}
+        reply = {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "6 * 7"}}}
+            ],
+        }
         new = [{"role": "tool", "content": "42", "name": "calculator"}]
     else:
         reply, new = {"role": "assistant", "content": "Is it 42?"}, [{"role": "user", "content": "Yes."}]
@@ -240,7 +252,9 @@ def test_builders_pickle_with_a_stable_repr(tokenizer_dirs):
     assert pickle.loads(pickle.dumps(b)) == b and repr(pickle.loads(pickle.dumps(b))) == repr(b)
     assert b.cache_key() == _calc_builder(tokenizer_dirs).cache_key()
     assert b.cache_key() != _calc_builder(tokenizer_dirs, answer="85").cache_key()
-    msgs = [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {"a": [1, 2]}}}]}]
+    msgs = [
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {"a": [1, 2]}}}]}
+    ]
     assert thaw(freeze(msgs)) == msgs and hash(freeze(msgs))
 
 

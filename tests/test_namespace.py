@@ -28,10 +28,21 @@ def test_no_generic_top_level_names_are_installed(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     for name in ("tasks", "flows", "recipes", "configs"):
-        res = subprocess.run([sys.executable, "-c", f"import {name}"], cwd=empty, env=_env(), capture_output=True, text=True)
+        res = subprocess.run(
+            [sys.executable, "-c", f"import {name}"], cwd=empty, env=_env(), capture_output=True, text=True
+        )
         assert res.returncode == 1 and "ModuleNotFoundError" in res.stderr, (name, res.stderr)
-    res = subprocess.run([sys.executable, "-c", "import prefect_tinker.flows.sft, tinker_blocks, tinker_local; "
-                          "print(prefect_tinker.flows.sft.__name__)"], cwd=empty, env=_env(), capture_output=True, text=True)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import prefect_tinker.flows.sft, tinker_blocks, tinker_local; print(prefect_tinker.flows.sft.__name__)",
+        ],
+        cwd=empty,
+        env=_env(),
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0 and res.stdout.strip() == "prefect_tinker.flows.sft", res.stderr
 
 
@@ -50,9 +61,13 @@ def test_cli_and_flow_run_from_a_users_project(prefect_api, local_credentials, t
             f"print(sft_flow(SFTConfig(run_name='from-python', model='tiny', batch_size=2, max_steps=2, lora_rank=4, "
             f"num_eval_samples=0, eval_every=0, store={str(tmp_path / 'store')!r}, "
             f"backend={{'local_root': {str(local_credentials.local_root)!r}}}))['steps'])")
-    res = subprocess.run([sys.executable, "-c", code], cwd=project, env=env, capture_output=True, text=True, timeout=900)
+    res = subprocess.run(
+        [sys.executable, "-c", code], cwd=project, env=env, capture_output=True, text=True, timeout=900
+    )
     assert res.returncode == 0 and res.stdout.strip().endswith("2"), res.stdout[-2000:] + res.stderr[-3000:]
-    res = subprocess.run([str(BIN / "prefect-tinker"), "ls", "--json"], cwd=project, env=env, capture_output=True, text=True)
+    res = subprocess.run(
+        [str(BIN / "prefect-tinker"), "ls", "--json"], cwd=project, env=env, capture_output=True, text=True
+    )
     listed = json.loads(res.stdout)
     assert {"sft", "rl", "dpo"} <= {r["recipe"] for r in listed["recipes"]}
     assert {"arithmetic", "gsm8k", "math"} <= {e["env"] for e in listed["envs"]}
@@ -65,7 +80,10 @@ def test_show_config_and_examples_from_the_registry(recipe, tmp_path, capsys):
 
     assert main(["show-config", recipe]) == 0 and "run_name" in capsys.readouterr().out
     for name in example_configs(recipe):
-        if "../shared/" in example_configs(recipe)[name].read_text() and not (Path(__file__).resolve().parents[2] / "shared").exists():
+        if (
+            "../shared/" in example_configs(recipe)[name].read_text()
+            and not (Path(__file__).resolve().parents[2] / "shared").exists()
+        ):
             continue  # the example reads ../shared/data
         assert main(["run", recipe, "--example", name, "--dry-run"]) == 0, name
         assert json.loads(capsys.readouterr().out)["model"] == "tiny"

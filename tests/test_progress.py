@@ -18,7 +18,9 @@ def test_step_lines_and_phases_format(monkeypatch):
     (line,) = out.getvalue().splitlines()
     fields = line.split("  ")
     assert fields[:5] == ["SFT r1", "step 2/4", "loss 2.5000", "test_nll 3.2500", fields[4]]
-    assert fields[4].startswith("tok/s ") and fields[5].startswith("elapsed 0:00:0") and fields[6].startswith("ETA 0:00:0")
+    assert (
+        fields[4].startswith("tok/s ") and fields[5].startswith("elapsed 0:00:0") and fields[6].startswith("ETA 0:00:0")
+    )
     assert "learning_rate" not in line  # only the key metrics
     out = io.StringIO()
     with phase("r1", "final sampling (3 prompts)", stream=out):

@@ -80,7 +80,10 @@ def test_losses_build_the_server_config():
     assert RLConfig(loss_fn="cispo", clip_low_threshold=0.5, clip_high_threshold=2.0).loss_fn_config() == {
         "clip_low_threshold": 0.5, "clip_high_threshold": 2.0}
     assert RLConfig().loss().loss_fn == "importance_sampling" and RLConfig().loss_fn_config() is None
-    with pytest.raises(ValueError, match="unknown RL loss 'grpo'; registered: cispo, dro, gspo, importance_sampling, ppo, stable_reinforce"):
+    with pytest.raises(
+        ValueError,
+        match="unknown RL loss 'grpo'; registered: cispo, dro, gspo, importance_sampling, ppo, stable_reinforce",
+    ):
         RLConfig(loss_fn="grpo")
     with pytest.raises(ValueError, match="loss 'ppo': loss_options.epsilon: Extra inputs are not permitted"):
         RLConfig(loss_fn="ppo", loss_options={"epsilon": 0.1})

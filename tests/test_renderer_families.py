@@ -130,7 +130,10 @@ def test_qwen3_tools_calls_and_results(with_system):
     )
     mi, w = r.build_supervised_example(conv, "last_assistant_turn", tools=[WEATHER])
     _check(tok, mi, expected)
-    assert trained_runs(tok, mi, w) == [f"{calls}<|im_end|>", "<think>\n\n</think>\n\nParis 18°C, Zürich 21°C.<|im_end|>"]
+    assert trained_runs(tok, mi, w) == [
+        f"{calls}<|im_end|>",
+        "<think>\n\n</think>\n\nParis 18°C, Zürich 21°C.<|im_end|>",
+    ]
     # the tool-call turn parses back into the same calls
     k = len(conv) - 4
     prompt = r.build_generation_prompt(conv[:k], tools=[WEATHER]).to_ints()
@@ -142,7 +145,9 @@ def test_qwen3_tools_calls_and_results(with_system):
     # content before the calls is separated from them by one newline
     msg = {"role": "assistant", "content": "Checking.", "tool_calls": TOOL_CONV[1]["tool_calls"][:1]}
     text = decode(tok, r.build_supervised_example([TOOL_CONV[0], msg])[0].to_ints())
-    assert text.endswith('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n')
+    assert text.endswith(
+        'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'
+    )
 
 
 def test_qwen3_parse_reasoning_round_trip_and_malformed():
@@ -155,7 +160,9 @@ def test_qwen3_parse_reasoning_round_trip_and_malformed():
     assert parsed == ({"role": "assistant", "content": "6", "reasoning_content": "Again, add."}, "stop_sequence")
     # re-rendering the parsed message reproduces the sampled tokens
     assert r.build_supervised_example(CONV[:4] + [parsed.message])[0].to_ints() == full
-    bad_json = encode(tok, '<think>\nx\n</think>\n\n<tool_call>\n{"name": "f", "arguments": {oops}\n</tool_call>') + [im_end]
+    bad_json = encode(tok, '<think>\nx\n</think>\n\n<tool_call>\n{"name": "f", "arguments": {oops}\n</tool_call>') + [
+        im_end
+    ]
     assert r.parse_response(bad_json).termination is Termination.MALFORMED
     unclosed = encode(tok, "<think>\nstill thinking") + [im_end]
     out = r.parse_response(unclosed)

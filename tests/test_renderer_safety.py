@@ -17,7 +17,16 @@ import re
 import pytest
 
 from prefect_tinker.recipes.renderers import TRAIN_ON_CHOICES, RendererError, get_renderer, unescape_role_markers
-from tests.renderer_tokenizers import decode, encode, llama3_like, load_smollm2, needs_smollm2, qwen3_like, smollm2, tiny
+from tests.renderer_tokenizers import (
+    decode,
+    encode,
+    llama3_like,
+    load_smollm2,
+    needs_smollm2,
+    qwen3_like,
+    smollm2,
+    tiny,
+)
 
 TOKENIZERS = {"tiny": tiny, "smollm2": smollm2, "qwen3_like": qwen3_like, "llama3_like": llama3_like}
 CASES = [

@@ -115,7 +115,9 @@ def test_parity_with_apply_chat_template(name, conv_id):
         assert r.build_generation_prompt(conv[:k]).to_ints() == _apply(tok, conv[:k], True), k
 
 
-@pytest.mark.parametrize("name", ["role_colon", "chatml", "smollm2", "chat_template", "qwen3", "qwen3_disable_thinking", "llama3"])
+@pytest.mark.parametrize(
+    "name", ["role_colon", "chatml", "smollm2", "chat_template", "qwen3", "qwen3_disable_thinking", "llama3"]
+)
 def test_generation_prompt_is_prefix_and_reply_parses_back(name):
     _, r = _renderer(name)
     for conv_id, conv in CONVERSATIONS.items():
@@ -219,7 +221,10 @@ def test_parse_response_terminations():
     cut = r.parse_response(reply[:2])
     assert cut.termination is Termination.TRUNCATED and not cut.ok and cut.message["content"] == decode(tok, reply[:2])
     rc = get_renderer("role_colon", tok)
-    assert rc.parse_response(encode(tok, " It is 6.\n\nUser:")) == ({"role": "assistant", "content": "It is 6."}, "stop_sequence")
+    assert rc.parse_response(encode(tok, " It is 6.\n\nUser:")) == (
+        {"role": "assistant", "content": "It is 6."},
+        "stop_sequence",
+    )
     assert rc.parse_response(encode(tok, " It is")).termination is Termination.TRUNCATED
     assert rc.parse_response(encode(tok, " Done.") + [im_end]).termination is Termination.END_OF_SEQUENCE
 

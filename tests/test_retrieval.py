@@ -49,7 +49,7 @@ class _ReferenceBM25:
 
     def scores(self, query):
         out = {}
-        for doc_id, tf, dl in zip(self.ids, self.tf, self.len):
+        for doc_id, tf, dl in zip(self.ids, self.tf, self.len, strict=True):
             s = 0.0
             for t in self._tokens(query):
                 if t in tf:
@@ -72,7 +72,7 @@ def test_scores_and_ranking_equal_the_reference(tmp_path):
         assert hits, question
         ranked = sorted((s for s in want.values() if s > 0), reverse=True)[:5]
         assert [h.rank for h in hits] == list(range(1, len(hits) + 1))
-        for hit, expected in zip(hits, ranked):
+        for hit, expected in zip(hits, ranked, strict=True):
             assert hit.score == pytest.approx(want[hit.id], rel=1e-4, abs=1e-5)  # float32 in bm25s
             assert hit.score == pytest.approx(expected, rel=1e-4, abs=1e-5)  # same order as the reference
 

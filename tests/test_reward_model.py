@@ -16,7 +16,13 @@ import torch
 import tinker
 from prefect_tinker.recipes.data_reading import SourceSpec
 from prefect_tinker.recipes.reward_model import (
-    DEFAULT_QUESTION, ComparisonFormat, RenderedComparison, RewardModelBuilder, label_token_ids, matchups, render_comparison,
+    DEFAULT_QUESTION,
+    ComparisonFormat,
+    RenderedComparison,
+    RewardModelBuilder,
+    label_token_ids,
+    matchups,
+    render_comparison,
 )
 from prefect_tinker.recipes.rl.envs.pairwise_preference import (
     PairwisePreference, PreferenceGroupBuilder, PreferencePrompt, RewardModelRef,
@@ -51,7 +57,7 @@ def _tokenizer(path):
 
 
 def _trained(tok, ex) -> str:
-    return tok.decode([t for t, w in zip(ex.tokens, ex.weights) if w > 0])
+    return tok.decode([t for t, w in zip(ex.tokens, ex.weights, strict=True) if w > 0])
 
 
 # ----- data ---------------------------------------------------------------------------------------
@@ -61,14 +67,19 @@ def test_comparisons_train_only_the_label_in_both_orders_or_a_seeded_swap(tmp_pa
     path = _write(tmp_path / "own.jsonl", rows)
 
     def build(**kw):
-        return RewardModelBuilder(sources=[SourceSpec(path=path, format="preference", fields=FIELDS)], renderer="chatml",
-                                  test_size=2, max_length=200, **kw).build(tok)
+        return RewardModelBuilder(
+            sources=[SourceSpec(path=path, format="preference", fields=FIELDS)],
+            renderer="chatml",
+            test_size=2,
+            max_length=200,
+            **kw,
+        ).build(tok)
 
     data = build()
     assert len(data.train) + len(data.test) == 8 and data.skipped == 1 and "1 too_long" in data.skip_summary
     for pair in data.train:
         assert len(pair.examples) == 2
-        for ex, label in zip(pair.examples, "AB"):
+        for ex, label in zip(pair.examples, "AB", strict=False):
             assert _trained(tok, ex) == label and sum(ex.weights) == 1.0  # the label token only, no end marker
             assert ex.weights[-1] == 1.0  # the example ends at the label
             text = tok.decode(ex.tokens)
@@ -85,7 +96,7 @@ def test_comparisons_train_only_the_label_in_both_orders_or_a_seeded_swap(tmp_pa
     swapped = build(orders="swap")
     labels = [_trained(tok, p.examples[0]) for p in swapped.train]
     assert all(len(p.examples) == 1 for p in swapped.train) and set(labels) == {"A", "B"}
-    for p, label in zip(swapped.train, labels):  # the label still names the chosen reply's position
+    for p, label in zip(swapped.train, labels, strict=False):  # the label still names the chosen reply's position
         text, i = tok.decode(p.examples[0].tokens), None
         i = int(text.split("Is ")[1].split(" ")[0])
         assert f"Completion {label}:\n{'Yes.' if i % 2 == 0 else 'No.'}" in text
@@ -106,8 +117,15 @@ def test_group_rewards_equal_an_independent_computation(matchup_size):
     q = [0.3, -1.2, 2.0, 0.0, 0.7]
     valid = [True, False, True, True, False]
     n, coef = len(q), 0.5
-    b = PreferenceGroupBuilder(PreferencePrompt(()), n, "chatml", "unused", RewardModelRef("base:x", "chatml", "unused"),
-                               matchup_size=matchup_size, format_coef=coef)
+    b = PreferenceGroupBuilder(
+        PreferencePrompt(()),
+        n,
+        "chatml",
+        "unused",
+        RewardModelRef("base:x", "chatml", "unused"),
+        matchup_size=matchup_size,
+        format_coef=coef,
+    )
     pairs = matchups(n, matchup_size)
     scores = [2 * _sigmoid(q[j] - q[i]) - 1 for i, j in pairs]
     got = b.rewards_from_scores([(f"r{i}", v) for i, v in enumerate(valid)], pairs, scores)
@@ -180,7 +198,7 @@ def test_reward_model_probabilities_match_a_forward_by_hand(prefect_api, rm, mon
     (a,), (b,) = comparisons[0].chosen_a.labels
     flat = [x for c in comparisons for x in (c.chosen_a, c.chosen_b)]
     got = label_logprobs(rm["creds"], rm["path"], flat)  # log p("A" | prompt), log p("B" | prompt) per order
-    for x, (la, lb) in zip(flat, got):
+    for x, (la, lb) in zip(flat, got, strict=True):
         lp = _hand_logprobs(rm["ref"], x.prompt)
         assert (la, lb) == pytest.approx((float(lp[a]), float(lp[b])), abs=1e-4)
     assert min(min(g) for g in got) < -0.5  # real log-probabilities, not 0 by construction
@@ -198,7 +216,7 @@ def test_reward_model_probabilities_match_a_forward_by_hand(prefect_api, rm, mon
     long = [render_comparison(rend, [{"role": "user", "content": "Is 3 odd?"}], "Yes.", "No.", fmt)]
     assert min(len(t) for t in long[0].labels) > 1
     (la, lb), = fresh(rm["creds"], rm["path"], long)
-    for lab, value in zip(long[0].labels, (la, lb)):
+    for lab, value in zip(long[0].labels, (la, lb), strict=True):
         seq = long[0].prompt + lab
         with torch.no_grad():
             lp = rm["ref"].logprobs(seq[:-1], seq[1:]).double()
@@ -236,7 +254,10 @@ def test_group_rewards_from_the_reward_model_match_a_forward_by_hand(prefect_api
     prompt = [{"role": "user", "content": "Is 12 an even number?"}]
     texts, ends = ["Yes.", "It is 13, maybe.", "No."], [True, True, False]
     stop = rend.get_stop_sequences()
-    trajs = [_traj(tok.encode(t, add_special_tokens=False) + (list(stop) if e else [])) for t, e in zip(texts, ends)]
+    trajs = [
+        _traj(tok.encode(t, add_special_tokens=False) + (list(stop) if e else []))
+        for t, e in zip(texts, ends, strict=True)
+    ]
     b = PreferenceGroupBuilder(PreferencePrompt(freeze_messages(prompt)), 3, "chatml", tiny,
                                RewardModelRef(rm["path"], "chatml", tiny), format_coef=0.25)
     with pytest.raises(RuntimeError, match="need a reward model client"):
@@ -251,7 +272,10 @@ def test_group_rewards_from_the_reward_model_match_a_forward_by_hand(prefect_api
         def ask(first, second):
             msg = f"Completion A:\n{first}\n\nCompletion B:\n{second}\n\n{DEFAULT_QUESTION}"
             return rend.build_generation_prompt(prompt + [{"role": "user", "content": msg}]).to_ints()
-        return 0.5 * (_hand_label_probs(rm["ref"], ask(x, y), a, bb) + 1 - _hand_label_probs(rm["ref"], ask(y, x), a, bb))
+
+        return 0.5 * (
+            _hand_label_probs(rm["ref"], ask(x, y), a, bb) + 1 - _hand_label_probs(rm["ref"], ask(y, x), a, bb)
+        )
 
     for m in range(3):
         wml = np.mean([2 * p_second_better(texts[o], texts[m]) - 1 for o in range(3) if o != m])
@@ -282,11 +306,20 @@ def test_win_rate_is_one_half_against_itself_and_antisymmetric(prefect_api, rm, 
 
 def _cached(name: str) -> int:
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName, TaskRunFilterState, TaskRunFilterStateName
+    from prefect.client.schemas.filters import (
+        TaskRunFilter,
+        TaskRunFilterName,
+        TaskRunFilterState,
+        TaskRunFilterStateName,
+    )
 
     with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(task_run_filter=TaskRunFilter(
-            name=TaskRunFilterName(any_=[name]), state=TaskRunFilterState(name=TaskRunFilterStateName(any_=["Cached"]))))
+        runs = client.read_task_runs(
+            task_run_filter=TaskRunFilter(
+                name=TaskRunFilterName(any_=[name]),
+                state=TaskRunFilterState(name=TaskRunFilterStateName(any_=["Cached"])),
+            )
+        )
     return len(runs)
 
 
@@ -319,7 +352,9 @@ def test_pairwise_preference_env_on_hh_prompts(tmp_path):
             assert b.reward.path == "base:tiny" and b.matchup_size == 2 and len(b.make_envs()) == 3
             seen.append(b.prompt.id)
     assert ds.get_batch(1) == PairwisePreference.build(cfg, ctx).get_batch(1)  # a pure function of the index
-    assert build_rl_evaluators(cfg, renderer_name="chatml", tokenizer_id=tok_dir, group_size=3, groups_per_batch=4) == []
+    assert (
+        build_rl_evaluators(cfg, renderer_name="chatml", tokenizer_id=tok_dir, group_size=3, groups_per_batch=4) == []
+    )
     assert build_rl_evaluators(cfg, renderer_name="chatml", tokenizer_id=tok_dir, group_size=3, groups_per_batch=4,
                                seed=1, initial_sampler="tinker://run/sampler_weights/step0") == []  # no evaluator class
     (ev,) = build_rl_evaluators(cfg, renderer_name="chatml", tokenizer_id=tok_dir, group_size=3, groups_per_batch=4,

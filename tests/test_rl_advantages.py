@@ -77,9 +77,9 @@ def test_datums_of_groups_against_an_independent_loop():
     datums, advs = groups_to_datums(groups)
     assert len(datums) == 20
     k = 0
-    for g, adv in zip(groups, advs):
+    for g, adv in zip(groups, advs, strict=True):
         rewards = [t.transitions[0].reward for t in g.trajectories_G]
-        for t, r in zip(g.trajectories_G, rewards):
+        for t, r in zip(g.trajectories_G, rewards, strict=True):
             a = r - np.mean(rewards)
             tr = t.transitions[0]
             seq = tr.observation + tr.action_tokens
@@ -97,10 +97,10 @@ def test_kl_penalty_and_sample_train_kl():
     datums, _ = groups_to_datums([_random_group(rng, 0), _random_group(rng, 1)])
     before = [d.advantages.copy() for d in datums]
     refs = [np.where(d.mask > 0, d.sampler_logprobs - rng.random(d.mask.shape), 0.0) for d in datums]
-    diffs = np.concatenate([(d.sampler_logprobs - r)[d.mask > 0] for d, r in zip(datums, refs)])
+    diffs = np.concatenate([(d.sampler_logprobs - r)[d.mask > 0] for d, r in zip(datums, refs, strict=True)])
     out = apply_kl_penalty(datums, refs, coef=0.5)
     assert out["kl_policy_ref"] == pytest.approx(diffs.mean())
-    for d, b, r in zip(datums, before, refs):
+    for d, b, r in zip(datums, before, refs, strict=True):
         want = b + 0.5 * d.mask * (diffs.mean() - (d.sampler_logprobs - r))
         assert d.advantages == pytest.approx(want, abs=1e-5)
     trainer = [d.sampler_logprobs - 0.1 * d.mask for d in datums]
@@ -114,7 +114,7 @@ def test_kl_penalty_and_sample_train_kl():
 def test_constant_groups_removed_and_metrics():
     rng = np.random.default_rng(3)
     varied = _random_group(rng, 0)
-    for t, r in zip(varied.trajectories_G, [0.0, 1.0, 0.0, 1.0]):
+    for t, r in zip(varied.trajectories_G, [0.0, 1.0, 0.0, 1.0], strict=True):
         t.transitions[0].reward = r
     const = TrajectoryGroup([_traj([1], [2], [-1.0], 1.0)] * 3, [0.0] * 3, [{}] * 3)
     kept, removed = remove_constant_reward_groups([varied, const])
@@ -172,7 +172,9 @@ def test_rollout_samples_a_group_in_one_request_and_is_deterministic():
     assert len(s.calls) == 1 and s.calls[0][1] == 4
     assert len(g.trajectories_G) == 4 and g.errors == 0 and (g.batch_index, g.group_index) == (1, 2)
     g2 = run_group_rollout(FakeSampler(), FlakyBuilder(), seed=group_seed(0, 1, 2), max_tokens=4)
-    assert [t.transitions[0].action_tokens for t in g.trajectories_G] == [t.transitions[0].action_tokens for t in g2.trajectories_G]
+    assert [t.transitions[0].action_tokens for t in g.trajectories_G] == [
+        t.transitions[0].action_tokens for t in g2.trajectories_G
+    ]
     assert group_seed(0, 1, 2) != group_seed(0, 2, 1)
     assert pickle.loads(pickle.dumps(g)).total_rewards() == g.total_rewards()
 
@@ -180,7 +182,9 @@ def test_rollout_samples_a_group_in_one_request_and_is_deterministic():
 def test_failure_policies():
     _FAILS.clear()
     with pytest.raises(RolloutError, match="member 1 failed"):
-        run_group_rollout(FakeSampler(), FlakyBuilder((1,)), seed=5, max_tokens=4, policy=RolloutPolicy(mode="fail_fast"))
+        run_group_rollout(
+            FakeSampler(), FlakyBuilder((1,)), seed=5, max_tokens=4, policy=RolloutPolicy(mode="fail_fast")
+        )
     # retry: member 2 fails once, then its fresh env succeeds
     g = run_group_rollout(FakeSampler(), FlakyBuilder((2,), fail_times=1), seed=5, max_tokens=4,
                           policy=RolloutPolicy(mode="retry", retries=2))

@@ -92,7 +92,10 @@ def test_async_refills_after_failed_rollouts_and_trains_every_step_full():
     assert [len(t) for t in loop.trained] == [gpb] * steps
     trained = [(b, g) for t in loop.trained for _, b, g in t]
     assert len(set(trained)) == len(trained) and not set(trained) & loop.failing
-    assert sorted(trained) == [(b, g) for b in range(steps + 1) for g in range(gpb) if (b, g) not in loop.failing][:steps * gpb]
+    assert (
+        sorted(trained)
+        == [(b, g) for b in range(steps + 1) for g in range(gpb) if (b, g) not in loop.failing][: steps * gpb]
+    )
     assert sum(m["rollout/errors"] for m in metrics) == 3
     assert len(loop.submitted) == steps * gpb + 3  # one extra rollout per failed one, none unused
     for k, t in enumerate(loop.trained):

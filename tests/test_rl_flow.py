@@ -47,7 +47,11 @@ def test_rl_flow_on_arithmetic(prefect_api, local_credentials, tmp_path, capsys)
     assert rows and all(r["n"] == 1 for r in rows)
     assert REQUIRED <= {r["name"] for r in rows}
     assert sorted({r["step"] for r in rows}) == [0, 1]
-    traj = _sql(capsys, store, "SELECT step, prompt, response, reward, metrics_json FROM trajectories WHERE run_id='arith' ORDER BY step")
+    traj = _sql(
+        capsys,
+        store,
+        "SELECT step, prompt, response, reward, metrics_json FROM trajectories WHERE run_id='arith' ORDER BY step",
+    )
     assert len(traj) == 6 and "What is" in traj[0]["prompt"]
     assert {"correct", "format", "reference"} <= set(json.loads(traj[0]["metrics_json"]))
     ckpts = _sql(capsys, store, "SELECT step, kind FROM checkpoints WHERE run_id='arith' ORDER BY step, kind")
@@ -175,8 +179,12 @@ def _cached_rollouts(prefix: str) -> int:
     )
 
     with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(task_run_filter=TaskRunFilter(
-            name=TaskRunFilterName(like_=prefix), state=TaskRunFilterState(name=TaskRunFilterStateName(any_=["Cached"]))))
+        runs = client.read_task_runs(
+            task_run_filter=TaskRunFilter(
+                name=TaskRunFilterName(like_=prefix),
+                state=TaskRunFilterState(name=TaskRunFilterStateName(any_=["Cached"])),
+            )
+        )
     return len(runs)
 
 
@@ -191,7 +199,9 @@ def _rewards(by, run):
 def test_streaming_and_async_schedules_with_failing_rollouts(prefect_api, local_credentials, tmp_path, capsys,
                                                              schedule, extra):
     store = tmp_path / "store"
-    cfg = _config(local_credentials, store, f"sched-{schedule}", schedule=schedule, group_size=3, **_parity(True), **extra)
+    cfg = _config(
+        local_credentials, store, f"sched-{schedule}", schedule=schedule, group_size=3, **_parity(True), **extra
+    )
     summary = rl_flow(cfg)
     assert summary["optimizer_steps"] == 2 * cfg.num_substeps
     rows = _sql(capsys, store, f"SELECT step, name, value FROM metrics WHERE run_id='sched-{schedule}'")

@@ -12,7 +12,13 @@ from prefect_tinker.recipes.rl.envs import EnvSpec, build_rl_dataset
 from prefect_tinker.recipes.rl.envs.gsm8k import GSM8KEnv
 from prefect_tinker.recipes.rl.envs.math import MathEnv
 from prefect_tinker.recipes.rl.envs.problems import load_problems
-from prefect_tinker.recipes.rl.grading import answers_match, extract_boxed, extract_final_answer, extract_hash_answer, parse_number
+from prefect_tinker.recipes.rl.grading import (
+    answers_match,
+    extract_boxed,
+    extract_final_answer,
+    extract_hash_answer,
+    parse_number,
+)
 from prefect_tinker.recipes.rl.problem_env import Problem, ProblemGroupBuilder
 from tests.conftest import shared_file
 
@@ -85,8 +91,16 @@ def test_math_env_on_own_field_names(tmp_path):
     """A JSONL of word problems with its own schema, graded through the real smollm2 renderer."""
     tok_dir = shared_file("tokenizer/smollm2")
     rows = [
-        {"id": 1, "problem": "A pie is cut into 8 slices and 6 are eaten. What fraction is left?", "meta": {"final": "\\frac{1}{4}"}},
-        {"id": 2, "problem": "A shirt costs $1,200 after a 20% raise. What was the old price?", "meta": {"final": "$1,000"}},
+        {
+            "id": 1,
+            "problem": "A pie is cut into 8 slices and 6 are eaten. What fraction is left?",
+            "meta": {"final": "\\frac{1}{4}"},
+        },
+        {
+            "id": 2,
+            "problem": "A shirt costs $1,200 after a 20% raise. What was the old price?",
+            "meta": {"final": "$1,000"},
+        },
         {"id": 3, "problem": "A square has area 2. What is its side?", "meta": {"final": "\\sqrt{2}"}},
     ]
     path = tmp_path / "word.jsonl"

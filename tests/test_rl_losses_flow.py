@@ -63,7 +63,9 @@ def test_gspo_records_tokens_and_cost_of_every_step(prefect_api, local_credentia
 
 def test_dro_sends_beta_and_an_unpriced_local_model_costs_nothing(prefect_api, local_credentials, tmp_path, capsys):
     store = tmp_path / "store"
-    config = _config(local_credentials, store, "dro-run", loss_fn="dro", loss_options={"beta": 0.1}, max_steps=1, save_every=0)
+    config = _config(
+        local_credentials, store, "dro-run", loss_fn="dro", loss_options={"beta": 0.1}, max_steps=1, save_every=0
+    )
     assert config.loss_fn_config() == {"beta": 0.1}
     rl_flow(config)
     usage = _usage_rows(capsys, store, "dro-run")

@@ -97,7 +97,7 @@ def test_numerics_check_episodes_are_long_whatever_the_policy_writes(tokenizer_d
     assert group.trajectories_G[0].transitions[-1].metrics["true_count"] == truth
     # one datum per episode: every observation extends the sequence so far
     (d,) = trajectory_to_datums(group.trajectories_G[0], 1.0)
-    assert int(d.mask.sum()) == group.trajectories_G[0].num_action_tokens
+    assert int(d.mask.sum()) == sum(len(t.action_tokens) for t in group.trajectories_G[0].transitions)
     # usage: every request's prompt once (the shared first prompt of the group once), every sampled token
     assert len(sampler.calls) == 1 + 2 * n
     assert group.usage["sampled"] == sum(len(s[1]) for s in sampler.sampled)

@@ -23,12 +23,33 @@ CLI = str(Path(sys.executable).parent / "prefect-tinker")
 
 
 def _args(store, local_root, hh, sft_steps: int = 2) -> list[str]:
-    return [CLI, "run", "rlhf", "model=tiny", "run_name=pipe", f"store={store}", f"backend.local_root={local_root}",
-            "lora_rank=4", f"sft.max_steps={sft_steps}", "sft.batch_size=2", "sft.num_eval_samples=0", "sft.eval_every=0",
-            f"rm.sources=[{{path: '{hh}', format: dialogue, max_records: 300}}]", "rm.max_steps=2", "rm.batch_size=2", "rm.max_length=256",
-            "rm.test_size=8", "rm.eval_every=0", "rl.max_steps=4", "rl.save_every=1", "rl.group_size=3",
-            "rl.groups_per_batch=2", "rl.max_tokens=6", "rl.env_options.max_prompt_tokens=96",
-            "rl.env_options.test_prompts=3"]
+    return [
+        CLI,
+        "run",
+        "rlhf",
+        "model=tiny",
+        "run_name=pipe",
+        f"store={store}",
+        f"backend.local_root={local_root}",
+        "lora_rank=4",
+        f"sft.max_steps={sft_steps}",
+        "sft.batch_size=2",
+        "sft.num_eval_samples=0",
+        "sft.eval_every=0",
+        f"rm.sources=[{{path: '{hh}', format: dialogue, max_records: 300}}]",
+        "rm.max_steps=2",
+        "rm.batch_size=2",
+        "rm.max_length=256",
+        "rm.test_size=8",
+        "rm.eval_every=0",
+        "rl.max_steps=4",
+        "rl.save_every=1",
+        "rl.group_size=3",
+        "rl.groups_per_batch=2",
+        "rl.max_tokens=6",
+        "rl.env_options.max_prompt_tokens=96",
+        "rl.env_options.test_prompts=3",
+    ]
 
 
 def _sql(store, query: str, params=None) -> list[dict]:
@@ -49,7 +70,9 @@ def test_rlhf_killed_during_rl_resumes_without_redoing_sft_or_rm(prefect_api, lo
 
     hh = str(shared_file("prefs/hh_rlhf_harmless_base_test.jsonl.gz"))
     store = tmp_path / "store"
-    env = dict(os.environ, PREFECT_API_URL=PREFECT_API_URL.value())  # the session's Prefect API: no start-up per command
+    env = dict(
+        os.environ, PREFECT_API_URL=PREFECT_API_URL.value()
+    )  # the session's Prefect API: no start-up per command
     env.update(PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_TINKER_HOME=str(tmp_path / "home"),
                PREFECT_SERVER_ANALYTICS_ENABLED="false")
     log = open(tmp_path / "first.log", "wb")
@@ -75,7 +98,9 @@ def test_rlhf_killed_during_rl_resumes_without_redoing_sft_or_rm(prefect_api, lo
     status = {r["run_id"]: r["status"] for r in _sql(store, "SELECT run_id, status FROM runs")}
     assert status == {"pipe-sft": "completed", "pipe-rm": "completed", "pipe-rl": "running"}  # killed inside RL
     before = _snapshot(store, ("pipe-sft", "pipe-rm"))
-    killed_at = _sql(store, "SELECT max(step) AS s FROM checkpoints WHERE run_id = 'pipe-rl' AND kind = 'state'")[0]["s"]
+    killed_at = _sql(store, "SELECT max(step) AS s FROM checkpoints WHERE run_id = 'pipe-rl' AND kind = 'state'")[0][
+        "s"
+    ]
     assert killed_at is not None, "the RL stage was killed before its first state checkpoint"
     assert killed_at < 4, "the RL stage finished before the kill"  # 4 steps: killed mid-stage
 
@@ -90,7 +115,9 @@ def test_rlhf_killed_during_rl_resumes_without_redoing_sft_or_rm(prefect_api, lo
     assert [(r["run_id"], r["status"]) for r in runs] == [("pipe-rl", "completed"), ("pipe-rm", "completed"),
                                                           ("pipe-sft", "completed")]
     rl_config = json.loads(runs[0]["config_json"])
-    assert rl_config["load_checkpoint_path"] == out["sft_state"] and out["sft_state"].endswith("/weights/pipe-sft-step-000002")
+    assert rl_config["load_checkpoint_path"] == out["sft_state"] and out["sft_state"].endswith(
+        "/weights/pipe-sft-step-000002"
+    )
     assert rl_config["env_options"]["reward_model"] == out["reward_model"] == out["stages"]["rm"]["sampler_path"]
     assert _sql(store, "SELECT run_id, step, name, count(*) AS n FROM metrics GROUP BY ALL HAVING n > 1") == []
     steps = lambda name: [r["step"] for r in _sql(store, "SELECT step FROM metrics WHERE run_id = 'pipe-rl' AND "  # noqa: E731
@@ -115,7 +142,9 @@ def test_rlhf_config_refuses_shared_fields_in_sections(tmp_path):
     from prefect_tinker.flows.rlhf import RLHFConfig
 
     hh = str(shared_file("prefs/hh_rlhf_harmless_base_test.jsonl.gz"))
-    with pytest.raises(ValueError, match=r"sft\.model: set model at the top level.*rl\.load_checkpoint_path: filled in"):
+    with pytest.raises(
+        ValueError, match=r"sft\.model: set model at the top level.*rl\.load_checkpoint_path: filled in"
+    ):
         RLHFConfig(rm={"dataset": hh}, sft={"model": "smollm2"}, rl={"load_checkpoint_path": "tinker://x/weights/y"})
     with pytest.raises(ValueError, match=r"rl\.env_options\.reward_model: filled in by the pipeline"):
         RLHFConfig(rm={"dataset": hh}, rl={"env_options": {"reward_model": "base:tiny"}})

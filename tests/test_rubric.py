@@ -128,8 +128,15 @@ def test_rl_on_rubric_rewards_recomputed_from_judge_answers(prefect_api, local_c
                    f"backend.local_root={local_credentials.local_root}"])
     assert rc in (0, None)
     capsys.readouterr()
-    assert cli_main(["sql", "--store", str(store), "--json",
-                     f"SELECT step, name, value FROM metrics WHERE run_id='{run}' AND name LIKE 'env/judge%'"]) in (0, None)
+    assert cli_main(
+        [
+            "sql",
+            "--store",
+            str(store),
+            "--json",
+            f"SELECT step, name, value FROM metrics WHERE run_id='{run}' AND name LIKE 'env/judge%'",
+        ]
+    ) in (0, None)
     rows = json.loads(capsys.readouterr().out)
     assert {(r["step"], r["name"]) for r in rows} >= {(s, n) for s in ((0, 1) if schedule == "sync" else (0,))
                                                        for n in ("env/judge_score", "env/judge_unparsed")}

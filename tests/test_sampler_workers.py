@@ -147,12 +147,12 @@ def test_concurrent_requests_batch_in_the_worker_like_in_process(servers):
         assert after["batched_jobs"] - before["batched_jobs"] == len(reqs)
         assert after["batches"] - before["batches"] < len(reqs), (k, before, after)
         out[k] = (sequential, concurrent)
-    for a, b in zip(out["inproc"][0], out["pooled"][0]):
+    for a, b in zip(out["inproc"][0], out["pooled"][0], strict=True):
         _same(a, b)
     for run in (out["inproc"][1], out["pooled"][1]):  # a request's samples do not depend on its batch
-        for a, b in zip(out["pooled"][0], run):
+        for a, b in zip(out["pooled"][0], run, strict=True):
             assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
-            for sa, sb in zip(a.sequences, b.sequences):
+            for sa, sb in zip(a.sequences, b.sequences, strict=True):
                 np.testing.assert_allclose(sa.logprobs, sb.logprobs, atol=1e-4)
 
 

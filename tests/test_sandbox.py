@@ -271,7 +271,9 @@ def test_sleeping_forever_hits_the_wall_time_limit():
     start = time.monotonic()
     r = _run("import time\ntime.sleep(3600)\n", timeout_s=1)
     assert (r.reason, r.timed_out, r.killed, r.signal) == ("wall_timeout", True, True, "SIGKILL")
-    assert r.wall_s >= 1.0 and time.monotonic() - start >= 1.0  # stopped at the limit, not before (a miss hangs to the pytest timeout)
+    assert (
+        r.wall_s >= 1.0 and time.monotonic() - start >= 1.0
+    )  # stopped at the limit, not before (a miss hangs to the pytest timeout)
 
 
 def test_printing_without_bound_is_cut_and_killed():

@@ -33,7 +33,9 @@ def test_load_code_problems_reads_humaneval():
     loaded = load_code_problems(path)
     assert len(loaded) == len(raw) == 164
     assert [p["task_id"] for p in loaded] == [r["task_id"] for r in raw]
-    assert all(p["tests"] == r["test"] and p["entry_point"] == r["entry_point"] for p, r in zip(loaded, raw))
+    assert all(
+        p["tests"] == r["test"] and p["entry_point"] == r["entry_point"] for p, r in zip(loaded, raw, strict=True)
+    )
 
 
 def test_canonical_solutions_pass(problems):

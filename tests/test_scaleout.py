@@ -87,7 +87,7 @@ def _rows(store, query) -> list[dict]:
     from tinker_blocks.store_sql import query_stores
 
     names, rows = query_stores(str(store), query, [])
-    return [dict(zip(names, r)) for r in rows]
+    return [dict(zip(names, r, strict=True)) for r in rows]
 
 
 def _rl(local_credentials, store, run_name, **kw) -> dict:
@@ -106,9 +106,19 @@ def _rl(local_credentials, store, run_name, **kw) -> dict:
 
 def _eval(local_credentials, root, name, **kw) -> list[dict]:
     store = root / f"eval-{name}"  # own store: a cache key of its own, so every runner samples
-    cfg = EvalConfig(model="tiny", benchmark="arithmetic", limit=6, num_samples=2, temperature=1.0, max_tokens=6,
-                     batch_size=2, run_name="scale", store=str(store), backend={"local_root": local_credentials.local_root},
-                     **kw)
+    cfg = EvalConfig(
+        model="tiny",
+        benchmark="arithmetic",
+        limit=6,
+        num_samples=2,
+        temperature=1.0,
+        max_tokens=6,
+        batch_size=2,
+        run_name="scale",
+        store=str(store),
+        backend={"local_root": local_credentials.local_root},
+        **kw,
+    )
     assert eval_flow(cfg)["evaluated"] == 1
     return _rows(store, "SELECT example_id, sample_index, completion, correct FROM eval_samples "
                         "ORDER BY example_id, sample_index")
@@ -134,7 +144,9 @@ def test_rollouts_and_eval_batches_on_ray_match_threads(on_threads, local_creden
     t1 = time.perf_counter()
     assert on_ray == {**rl}  # same rewards, sampled tokens and evaluator samples
     assert _eval(local_credentials, tmp_path, "ray", task_runner="ray", task_runner_address=ray_cluster) == ev
-    print(f"\nray: RL 2 steps {t1 - t0:.1f} s (incl. connecting, worker start-up), eval {time.perf_counter() - t1:.1f} s")
+    print(
+        f"\nray: RL 2 steps {t1 - t0:.1f} s (incl. connecting, worker start-up), eval {time.perf_counter() - t1:.1f} s"
+    )
     import ray
 
     runner = active_task_runner(RLConfig(task_runner="ray", task_runner_address=ray_cluster))

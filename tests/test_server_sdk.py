@@ -158,7 +158,7 @@ def test_training_loss_falls(trained):
     assert info.lora_rank == 8 and info.model_name == "tiny"
     assert info.model_data.model_name == info.model_data.tokenizer_id  # loadable: the preset's dir
     assert ":" not in info.model_data.tokenizer_id and Path(info.model_data.tokenizer_id).is_dir()
-    assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.9 * losses[0], losses
+    assert all(b < a for a, b in zip(losses, losses[1:], strict=False)) and losses[-1] < 0.9 * losses[0], losses
     out = tc.forward(data, "cross_entropy").result(timeout=60)
     assert [o["logprobs"].shape[0] for o in out.loss_fn_outputs] == [d.model_input.length for d in data]
     total = -sum(float(o["logprobs"].to_numpy().sum()) for o in out.loss_fn_outputs)
@@ -189,7 +189,7 @@ def test_state_round_trip_with_optimizer(service_client, trained):
         client.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=60)
     a = tc.forward(data, "cross_entropy").result(timeout=60)
     b = tc2.forward(data, "cross_entropy").result(timeout=60)
-    for x, y in zip(a.loss_fn_outputs, b.loss_fn_outputs):
+    for x, y in zip(a.loss_fn_outputs, b.loss_fn_outputs, strict=True):
         np.testing.assert_allclose(x["logprobs"].to_numpy(), y["logprobs"].to_numpy(), atol=1e-5)
     # without the optimizer the Adam moments restart, so the same step lands elsewhere
     tc3 = service_client.create_training_client_from_state(saved.path).result(timeout=120)
@@ -390,7 +390,9 @@ def test_pending_poll_answers_try_again_then_result(tmp_path):
     app = create_app(SlowEngine(), tmp_path, poll_wait_s=0.1)
     h = {"X-API-Key": API_KEY}
     with TestClient(app, client=("127.0.0.1", 50000)) as client:
-        sid = client.post("/api/v1/create_session", json={"tags": [], "sdk_version": "x"}, headers=h).json()["session_id"]
+        sid = client.post("/api/v1/create_session", json={"tags": [], "sdk_version": "x"}, headers=h).json()[
+            "session_id"
+        ]
         body = {"session_id": sid, "model_seq_id": 0, "base_model": "tiny", "lora_config": {"rank": 4}}
         first = client.post("/api/v1/create_model", json=body, headers=h).json()
         assert client.post("/api/v1/create_model", json=body, headers=h).json() == first  # same seq: same future

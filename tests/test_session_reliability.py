@@ -56,7 +56,9 @@ def test_killed_server_is_restarted_and_the_run_completes(prefect_api, tmp_path)
     finally:
         stop_local_server(root, timeout=10.0)  # the restarted embedded server outlives the flow by design
     rows = TrainingStore(root=str(store)).query(
-        "SELECT step, count(*) AS n FROM metrics WHERE run_id = 'survivor' AND name = 'train/loss' GROUP BY step ORDER BY step")
+        "SELECT step, count(*) AS n FROM metrics WHERE run_id = 'survivor' AND name = 'train/loss' "
+        "GROUP BY step ORDER BY step"
+    )
     assert [(r["step"], r["n"]) for r in rows] == [(s, 1) for s in range(6)]  # steps 2-3 redone, one row each
     assert TrainingStore(root=str(store)).get_run("survivor")["status"] == "completed"
     assert took < 600, took  # noticed at once (pid dead), not after the SDK's minutes of retries

@@ -122,7 +122,10 @@ def test_interrupted_run_resumes_to_same_weights(prefect_api, local_credentials,
     }
     service = local_credentials.get_client()
     seq = tinker.ModelInput.from_ints(list(range(5, 40)))
-    lp = {r: service.create_sampling_client(model_path=p).result().compute_logprobs(seq).result() for r, p in paths.items()}
+    lp = {
+        r: service.create_sampling_client(model_path=p).result().compute_logprobs(seq).result()
+        for r, p in paths.items()
+    }
     assert lp["resumed"][1:] == pytest.approx(lp["straight"][1:], abs=1e-6)
 
 
@@ -165,5 +168,7 @@ def test_starting_from_a_checkpoint_of_another_renderer_is_refused(prefect_api, 
     ok = sft_flow(_config(local_credentials, store, "rc-next", load_checkpoint_path=ck["path"],
                           allow_config_change=["renderer"], **kw))
     assert ok["renderer"] == "chatml" and ok["steps"] == 1
-    same = sft_flow(_config(local_credentials, store, "rc-same", load_checkpoint_path=ck["path"], renderer="role_colon", **kw))
+    same = sft_flow(
+        _config(local_credentials, store, "rc-same", load_checkpoint_path=ck["path"], renderer="role_colon", **kw)
+    )
     assert same["steps"] == 1

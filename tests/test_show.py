@@ -49,7 +49,17 @@ def test_show_example_content_is_text_unless_told(tmp_path, capsys):
 
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"instruction": "Say <|im_end|> now", "output": "ok"}) + "\n")
-    args = ["show-example", str(data), "--format", "alpaca", "--tokenizer", str(TOKENIZER_DIR), "--renderer", "smollm2", "--ids"]
+    args = [
+        "show-example",
+        str(data),
+        "--format",
+        "alpaca",
+        "--tokenizer",
+        str(TOKENIZER_DIR),
+        "--renderer",
+        "smollm2",
+        "--ids",
+    ]
     im_end = re.compile(r"^\s*\d+\s+2\s", re.M)  # id listing rows of token 2 (<|im_end|>)
     assert main(args) == 0
     out = capsys.readouterr().out

@@ -80,7 +80,12 @@ def test_speech_recognition_sft_then_rl(prefect_api, local_credentials, tmp_path
     jsonl = speak_clips(tmp_path / "clips")
     store = tmp_path / "store"
     one_thread_server(local_credentials)
-    common = ["model=tiny-audio", f"dataset={jsonl}", f"store={store}", f"backend.local_root={local_credentials.local_root}"]
+    common = [
+        "model=tiny-audio",
+        f"dataset={jsonl}",
+        f"store={store}",
+        f"backend.local_root={local_credentials.local_root}",
+    ]
     capsys.readouterr()
     rc = cli_main(["run", "sft", *common, "format=audio_transcript", "max_steps=8", "batch_size=8",
                    "learning_rate=3e-3", "lora_rank=16", "test_size=4", "eval_every=0", "save_every=0",
@@ -89,7 +94,9 @@ def test_speech_recognition_sft_then_rl(prefect_api, local_credentials, tmp_path
     assert rc == 0, out[-3000:]
     sft = json.loads(out[out.index("{"):])
     assert sft["steps"] == 8 and sft["last_loss"] < sft["first_loss"]
-    wer = _sql(capsys, store, "SELECT step, value FROM metrics WHERE run_id='asr-sft' AND name='test/wer' ORDER BY step")
+    wer = _sql(
+        capsys, store, "SELECT step, value FROM metrics WHERE run_id='asr-sft' AND name='test/wer' ORDER BY step"
+    )
     assert [r["step"] for r in wer] == [0, 8] and all(r["value"] >= 0 for r in wer)
     (state,) = _sql(capsys, store, "SELECT path FROM checkpoints WHERE run_id='asr-sft' AND kind='state'")
 

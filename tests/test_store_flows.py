@@ -40,7 +40,7 @@ def raw_table(server: SeaweedS3, root: str, table: str, run_id: str) -> list[dic
     files = ", ".join(f"'s3://{p}'" for p in parts)
     cur = con.execute(f"SELECT * FROM read_parquet([{files}])")
     names = [d[0] for d in cur.description]
-    return [dict(zip(names, r)) for r in cur.fetchall()]
+    return [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
 
 
 def latest_per_row_id(rows: list[dict]) -> set[tuple]:
@@ -111,8 +111,9 @@ def test_sft_flow_on_s3_compacts_its_tables(prefect_api, local_credentials, s3_s
     assert {t: len(run_parts(s3_server, s3_root, t, "s3-sft")) for t in TABLES} == {
         "runs": 1, "metrics": 1, "checkpoints": 1, "trajectories": 0}
     # as written: one part per checkpoint (3 state + 1 sampler), two run-status rows
-    assert len(before["checkpoints"]) == 4 and [r["status"] for r in sorted(before["runs"], key=lambda r: r["time"])] == [
-        "running", "completed"]
+    assert len(before["checkpoints"]) == 4 and [
+        r["status"] for r in sorted(before["runs"], key=lambda r: r["time"])
+    ] == ["running", "completed"]
     keys = [(r["step"], r["name"]) for r in before["metrics"]]
     assert len(keys) == len(set(keys)) and {(s, "train/loss") for s in range(3)} <= set(keys)
     assert_compacted(s3_server, s3_root, "s3-sft", before)
@@ -176,7 +177,8 @@ def test_sft_flow_survives_s3_outage_exactly_once(prefect_api, local_credentials
         assert len(keys) == len(set(keys))  # no row written twice by a retried PUT
         # every step's rows: train/*, and the token counts and cost (tokens/*, cost/*)
         evaluation = ("test/nll", "test/tokens", "tokens/eval_prefill", "tokens/eval_sampled", "cost/eval_usd")
-        train_names = {n for s, n in keys if s == 0 and n.split("/")[0] in ("train", "tokens", "cost")} - set(evaluation)
+        train_names = {n for s, n in keys if s == 0 and n.split("/")[0] in ("train", "tokens", "cost")}
+        train_names -= set(evaluation)
         assert "train/loss" in train_names
         assert set(keys) == {(s, n) for s in range(3) for n in train_names} | {
             (s, n) for s in (0, 3) for n in evaluation}  # no row lost

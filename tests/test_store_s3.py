@@ -44,7 +44,7 @@ def raw_rows(server: SeaweedS3, root: str, store: str, table: str) -> list[dict]
     cur = con.execute(
         f"SELECT * FROM read_parquet('{root}/{store}/{table}/run_id=*/*.parquet', hive_partitioning=true)")
     names = [d[0] for d in cur.description]
-    return [dict(zip(names, r)) for r in cur.fetchall()]
+    return [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
 
 
 def test_roundtrip_three_stores_from_env(s3_server, s3_root):

@@ -33,7 +33,9 @@ def dolly_corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("dolly")
     docs, questions = root / "docs.jsonl", root / "questions.jsonl"
     docs.write_text("".join(json.dumps({"id": f"dolly-{i}", "text": r["context"]}) + "\n" for i, r in rows))
-    questions.write_text("".join(json.dumps({"question": r["instruction"], "answer": r["response"]}) + "\n" for _, r in rows))
+    questions.write_text(
+        "".join(json.dumps({"question": r["instruction"], "answer": r["response"]}) + "\n" for _, r in rows)
+    )
     return str(docs), str(questions), rows
 
 
@@ -43,14 +45,23 @@ def test_retrieval_episode_searches_then_answers(tokenizer_dirs, dolly_corpus, t
     ctx = EnvContext(renderer_name="chatml", tokenizer_id=tokenizer_dirs["tiny"], group_size=2, groups_per_batch=4)
     dataset = Retrieval.build(spec, ctx)
     assert dataset.num_batches() == len(rows) // 4
-    builder = next(b for i in range(dataset.num_batches()) for b in dataset.get_batch(i) if "Suzanne Collins" in b.question)
+    builder = next(
+        b for i in range(dataset.num_batches()) for b in dataset.get_batch(i) if "Suzanne Collins" in b.question
+    )
     line = next(i for i, r in rows if "Suzanne Collins" in r["instruction"])
     assert builder.answers == ("Theater Arts, Theater, Telecommunications, Fine Arts in dramatic writing",)
 
     tok = load_renderer("chatml", tokenizer_dirs["tiny"]).tokenizer
     search = '<tool_call>\n{"name": "search", "arguments": {"query": "Suzanne Collins majors"}}\n</tool_call>' + END
-    sampler = ScriptedSampler(tok, [search, search, "She studied theater.\nAnswer: Theater Arts, Telecommunications" + END,
-                                    "I do not know." + END])
+    sampler = ScriptedSampler(
+        tok,
+        [
+            search,
+            search,
+            "She studied theater.\nAnswer: Theater Arts, Telecommunications" + END,
+            "I do not know." + END,
+        ],
+    )
     group = run_group_rollout(sampler, builder, seed=0, max_tokens=64)
     hits = BM25Index.from_jsonl(docs).search("Suzanne Collins majors", 2)
     assert hits[0].id == f"dolly-{line}"  # the passage the question was written about ranks first
@@ -66,7 +77,9 @@ def test_retrieval_episode_searches_then_answers(tokenizer_dirs, dolly_corpus, t
     assert group.total_rewards() == pytest.approx([0.5, lost["f1"] - 0.1])
     assert extract_answer("x\nAnswer: Paris\n") == ("Paris", True)
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"question": "q", "answer": "a"}) + "\n" + json.dumps({"question": "q", "answer": 3}) + "\n")
+    bad.write_text(
+        json.dumps({"question": "q", "answer": "a"}) + "\n" + json.dumps({"question": "q", "answer": 3}) + "\n"
+    )
     with pytest.raises(ValueError, match=r"bad.jsonl:2: field 'answer' must be a string or a list"):
         load_questions(str(bad))
 
@@ -83,7 +96,9 @@ def _fenced(code: str) -> str:
 def test_humaneval_rewards_from_the_sandbox(tokenizer_dirs, humaneval):
     p = humaneval[0]
     problem = CodeProblem(p["prompt"], p["tests"], p["entry_point"], p["task_id"])
-    builder = HumanEvalBuilder(problem=problem, group_size=3, renderer_name="chatml", tokenizer_id=tokenizer_dirs["tiny"])
+    builder = HumanEvalBuilder(
+        problem=problem, group_size=3, renderer_name="chatml", tokenizer_id=tokenizer_dirs["tiny"]
+    )
     right = p["prompt"] + p["canonical_solution"]
     wrong = f"def {p['entry_point']}(numbers, threshold):\n    return False\n"
     tok = load_renderer("chatml", tokenizer_dirs["tiny"]).tokenizer
@@ -95,8 +110,13 @@ def test_humaneval_rewards_from_the_sandbox(tokenizer_dirs, humaneval):
     assert "AssertionError" in group.trajectories_G[1].transitions[-1].logs["detail"]
 
     # two attempts: the failure comes back, the second reply is graded
-    builder2 = HumanEvalBuilder(problem=problem, group_size=1, renderer_name="chatml", tokenizer_id=tokenizer_dirs["tiny"],
-                                limits=EpisodeLimits(max_turns=2))
+    builder2 = HumanEvalBuilder(
+        problem=problem,
+        group_size=1,
+        renderer_name="chatml",
+        tokenizer_id=tokenizer_dirs["tiny"],
+        limits=EpisodeLimits(max_turns=2),
+    )
     group = run_group_rollout(ScriptedSampler(tok, [_fenced(wrong), _fenced(p["canonical_solution"].strip("\n"))]),
                               builder2, seed=0, max_tokens=512)
     (traj,) = group.trajectories_G
@@ -111,7 +131,10 @@ def test_humaneval_rewards_from_the_sandbox(tokenizer_dirs, humaneval):
 def test_code_pass_is_the_eval_code_hook(humaneval):
     class Example:  # the eval flow's Example: problem fields under .fields (HumanEval names the tests "test")
         def __init__(self, rec):
-            self.id, self.fields = rec["task_id"], {"prompt": rec["prompt"], "test": rec["tests"], "entry_point": rec["entry_point"]}
+            self.id, self.fields = (
+                rec["task_id"],
+                {"prompt": rec["prompt"], "test": rec["tests"], "entry_point": rec["entry_point"]},
+            )
 
     for rec in humaneval[:3]:
         ex = Example(rec)
@@ -119,8 +142,12 @@ def test_code_pass_is_the_eval_code_hook(humaneval):
         assert code_pass(_fenced(rec["prompt"] + rec["canonical_solution"]), ex)  # the whole function, fenced
         assert not code_pass("    return None\n", ex)
     rec = humaneval[0]
-    assert solution_program("import os\ndef f():\n    '''d'''\n", "def f():\n    return 1\n", "f").startswith("import os")
-    assert code_pass(rec["canonical_solution"], {"prompt": rec["prompt"], "tests": rec["tests"], "entry_point": rec["entry_point"]})
+    assert solution_program("import os\ndef f():\n    '''d'''\n", "def f():\n    return 1\n", "f").startswith(
+        "import os"
+    )
+    assert code_pass(
+        rec["canonical_solution"], {"prompt": rec["prompt"], "tests": rec["tests"], "entry_point": rec["entry_point"]}
+    )
     with pytest.raises(ValueError, match="entry_point"):
         code_pass("x", {"prompt": "", "tests": ""})
 
@@ -134,12 +161,21 @@ def test_humaneval_benchmark_graded_in_the_sandbox_by_the_eval_code_grader(human
     from prefect_tinker.recipes.evals.graders import GraderSpec, grade
 
     spec = BenchmarkSpec(
-        name="humaneval", source=str(shared_file("code/humaneval.jsonl.gz")), limit=2,
-        fields={"question": "prompt", "id": "task_id", "prompt": "prompt", "test": "test", "entry_point": "entry_point"},
-        grader=GraderSpec(kind="code", code_runner="prefect_tinker.recipes.code_grading:code_pass"))
+        name="humaneval",
+        source=str(shared_file("code/humaneval.jsonl.gz")),
+        limit=2,
+        fields={
+            "question": "prompt",
+            "id": "task_id",
+            "prompt": "prompt",
+            "test": "test",
+            "entry_point": "entry_point",
+        },
+        grader=GraderSpec(kind="code", code_runner="prefect_tinker.recipes.code_grading:code_pass"),
+    )
     examples = load_examples(spec)
     assert [ex.id for ex in examples] == [rec["task_id"] for rec in humaneval[:2]]
-    for ex, rec in zip(examples, humaneval):
+    for ex, rec in zip(examples, humaneval, strict=False):
         right = grade(spec.grader, _fenced(rec["prompt"] + rec["canonical_solution"]), ex)
         assert right.correct and right.score == 1.0
         wrong = grade(spec.grader, _fenced(rec["prompt"] + "    return None\n"), ex)
@@ -162,8 +198,12 @@ def test_preflight_names_the_bad_record_before_a_run(dolly_corpus, tmp_path):
         get_env("calculator").preflight(EnvSpec(env="calculator", dataset=str(bad)))
 
     code = tmp_path / "code.jsonl"
-    code.write_text(json.dumps({"prompt": "def f():\n", "tests": "def check(c):\n    pass\n", "entry_point": "f"}) + "\n"
-                    + json.dumps({"prompt": "def g():\n", "entry_point": "g"}) + "\n")
+    code.write_text(
+        json.dumps({"prompt": "def f():\n", "tests": "def check(c):\n    pass\n", "entry_point": "f"})
+        + "\n"
+        + json.dumps({"prompt": "def g():\n", "entry_point": "g"})
+        + "\n"
+    )
     with pytest.raises(ValueError, match=r"code\.jsonl:2.*test"):
         get_env("humaneval").preflight(EnvSpec(env="humaneval", dataset=str(code)))
 
@@ -171,11 +211,15 @@ def test_preflight_names_the_bad_record_before_a_run(dolly_corpus, tmp_path):
     bad_docs = tmp_path / "docs.jsonl"
     bad_docs.write_text(json.dumps({"id": 1, "text": "a"}) + "\n" + json.dumps({"id": 1, "text": "b"}) + "\n")
     with pytest.raises(ValueError, match=r"docs\.jsonl:2: id '1' repeats .*docs\.jsonl:1"):
-        get_env("retrieval").preflight(EnvSpec(env="retrieval", env_options={"documents": str(bad_docs), "questions": questions}))
+        get_env("retrieval").preflight(
+            EnvSpec(env="retrieval", env_options={"documents": str(bad_docs), "questions": questions})
+        )
     bad_q = tmp_path / "q.jsonl"
     bad_q.write_text(json.dumps({"question": "Who?", "answer": 3}) + "\n")
     with pytest.raises(ValueError, match=r"q\.jsonl:1.*'answer'"):
-        get_env("retrieval").preflight(EnvSpec(env="retrieval", env_options={"documents": docs, "questions": str(bad_q)}))
+        get_env("retrieval").preflight(
+            EnvSpec(env="retrieval", env_options={"documents": docs, "questions": str(bad_q)})
+        )
 
 
 def test_collection_from_any_jsonl_by_field(dolly_corpus):

@@ -93,7 +93,7 @@ def test_multi_turn_observations_hold_the_env_messages_and_extend(tokenizer_dirs
         texts = [tok.decode(t.observation, skip_special_tokens=False) for t in traj.transitions]
         assert texts[1].endswith(f"5{END}\n<|im_start|>user\nLower.{END}\n<|im_start|>assistant\n")
         assert texts[2].endswith(f"2{END}\n<|im_start|>user\nHigher.{END}\n<|im_start|>assistant\n")
-        for prev, nxt in zip(traj.transitions, traj.transitions[1:]):  # each observation extends the last
+        for prev, nxt in zip(traj.transitions, traj.transitions[1:], strict=False):  # each observation extends the last
             assert nxt.observation[: len(prev.observation) + len(prev.action_tokens)] == (
                 prev.observation + prev.action_tokens
             )

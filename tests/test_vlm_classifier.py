@@ -20,7 +20,7 @@ def write_digits(root, size: int = 32, per_class: int | None = None):
 
     digits = datasets.load_digits()
     counts: dict[int, int] = {}
-    for i, (img, label) in enumerate(zip(digits.images, digits.target)):
+    for i, (img, label) in enumerate(zip(digits.images, digits.target, strict=True)):
         label = int(label)
         if per_class is not None and counts.get(label, 0) >= per_class:
             continue
@@ -64,12 +64,20 @@ def test_vlm_classifier_on_digits(prefect_api, local_credentials, tmp_path, caps
     assert summary["last_test_nll"] < summary["first_test_nll"]
     assert all("The subject in this photo is" in s["reference"] for s in summary["samples"])
 
-    acc = _sql(capsys, store, "SELECT step, name, value FROM metrics WHERE run_id='digits' AND name LIKE 'test/accuracy%' "
-                              "ORDER BY step, name")
-    assert [(r["step"], r["name"]) for r in acc] == [(s, n) for s in (0, 20) for n in ("test/accuracy", "test/accuracy_n")]
+    acc = _sql(
+        capsys,
+        store,
+        "SELECT step, name, value FROM metrics WHERE run_id='digits' AND name LIKE 'test/accuracy%' "
+        "ORDER BY step, name",
+    )
+    assert [(r["step"], r["name"]) for r in acc] == [
+        (s, n) for s in (0, 20) for n in ("test/accuracy", "test/accuracy_n")
+    ]
     assert all(r["value"] == 16 for r in acc if r["name"] == "test/accuracy_n")
     assert all(0.0 <= r["value"] <= 1.0 for r in acc if r["name"] == "test/accuracy")
-    loss = _sql(capsys, store, "SELECT step, value FROM metrics WHERE run_id='digits' AND name='train/loss' ORDER BY step")
+    loss = _sql(
+        capsys, store, "SELECT step, value FROM metrics WHERE run_id='digits' AND name='train/loss' ORDER BY step"
+    )
     values = [r["value"] for r in loss]
     assert len(values) == 20 and np.mean(values[-3:]) < 0.5 * values[0], values
 
@@ -85,7 +93,9 @@ def test_classification_jsonl_and_prepared_data_by_reference(tmp_path, monkeypat
 
     monkeypatch.setenv("PREFECT_TINKER_MEDIA", str(tmp_path / "media"))
     folder = write_digits(tmp_path / "set", per_class=3)
-    rows = [{"img": str(p.relative_to(tmp_path)), "class": f"digit_{p.parent.name}"} for p in sorted(folder.rglob("*.png"))]
+    rows = [
+        {"img": str(p.relative_to(tmp_path)), "class": f"digit_{p.parent.name}"} for p in sorted(folder.rglob("*.png"))
+    ]
     jsonl = tmp_path / "digits.jsonl"
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
     tok = AutoTokenizer.from_pretrained(resolve_model("tiny-vl", tmp_path / "models").tokenizer_dir)
@@ -96,7 +106,7 @@ def test_classification_jsonl_and_prepared_data_by_reference(tmp_path, monkeypat
     assert len(data.train) == 27 and len(data.test) == 3
     ex = data.train[0]
     assert len(ex.media) == 1 and ex.media[0].ref.tokens == 4 and ex.media[0].ref.path.startswith(str(folder))
-    text = tok.decode([t for t, w in zip(ex.tokens, ex.weights) if w > 0], skip_special_tokens=True)
+    text = tok.decode([t for t, w in zip(ex.tokens, ex.weights, strict=True) if w > 0], skip_special_tokens=True)
     assert text.startswith("The subject in this photo is: digit ")
     assert len(pickle.dumps(data)) < 2000 * len(rows)  # references, not pixels
     # the fingerprint follows the JSONL's content
@@ -129,5 +139,5 @@ def test_classification_from_a_hugging_face_image_dataset(tmp_path, monkeypatch)
     for ex in data.train:
         ref = ex.media[0].ref
         assert ref.path.startswith(str(tmp_path / "media")) and ref.format == "png" and ref.tokens == 4
-        text = tok.decode([t for t, w in zip(ex.tokens, ex.weights) if w > 0], skip_special_tokens=True)
+        text = tok.decode([t for t, w in zip(ex.tokens, ex.weights, strict=True) if w > 0], skip_special_tokens=True)
         assert text.startswith("The subject in this photo is: class ")

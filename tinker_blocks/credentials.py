@@ -134,7 +134,8 @@ class TinkerCredentials(CredentialsBlock):
     request_deadline_s: float = Field(
         default=1800.0,
         gt=0,
-        description="Longest wait in seconds for one request's result before it fails (the server is also checked while waiting).",
+        description="Longest wait in seconds for one request's result before it fails "
+        "(the server is also checked while waiting).",
     )
 
     @field_validator("api_key")
@@ -157,11 +158,6 @@ class TinkerCredentials(CredentialsBlock):
         return value
 
     # ------------------------------------------------------------------ public API
-
-    @classmethod
-    def local_default(cls, **kwargs: Any) -> TinkerCredentials:
-        """A block for the embedded local server with default settings (overridable by kwargs)."""
-        return cls(local=True, **kwargs)
 
     def backend_name(self) -> str:
         """``"local"`` (embedded server), ``"remote"`` (``base_url`` set) or ``"hosted"``."""
@@ -327,8 +323,8 @@ def ensure_local_server(block: TinkerCredentials) -> dict:
 
     Returns:
         The record ``{"pid", "port", "base_url", "log", "started_at", "command", "identity"}``
-        (:func:`tinker_local.launcher.server_identity`). A recorded server with another identity is stopped and replaced,
-        unless a session heartbeated to it within the last minute.
+        (:func:`tinker_local.launcher.server_identity`). A recorded server with another identity is stopped and
+        replaced, unless a session heartbeated to it within the last minute.
 
     Raises:
         LocalServerError: the server exited early or did not answer ``/api/v1/healthz`` within

@@ -108,7 +108,8 @@ class LeaseInfo:
         raw = json.loads(data)
         if not isinstance(raw, dict):
             raise ValueError("a lease object must be a JSON object")
-        info = cls(**{k: raw.get(k) for k in cls.__dataclass_fields__})
+        values: dict[str, Any] = {k: raw.get(k) for k in cls.__dataclass_fields__}  # checked below
+        info = cls(**values)
         try:
             info.pid, info.heartbeat, info.timeout_s = int(info.pid), float(info.heartbeat), float(info.timeout_s)
             info.since = float(info.since if info.since is not None else info.heartbeat)

@@ -301,10 +301,10 @@ class PartCacheFS(AbstractFileSystem):
         self._info: dict[str, dict[str, Any]] = {}  # path -> its entry in the last listing
         self.fetches = 0  # files fetched (for tests and benchmarks)
 
-    def _strip_protocol(self, path: str) -> str:  # type: ignore[override]
+    def _strip_protocol(self, path: str) -> str:
         return self.inner._strip_protocol(path)
 
-    def glob(self, path: str, **kwargs: Any) -> Any:  # type: ignore[override]
+    def glob(self, path: str, **kwargs: Any) -> Any:
         if kwargs.get("detail"):
             return self.inner.glob(path, **kwargs)
         found = self.inner.glob(path, detail=True, **kwargs)
@@ -316,17 +316,17 @@ class PartCacheFS(AbstractFileSystem):
                 self._info[p] = entries[p]
         return order
 
-    def info(self, path: str, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+    def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
         """From the last listing when the file was in it (parts are immutable), else asked."""
         key = self._strip_protocol(path)
         with self._lock:
             found = self._info.get(key)
         return dict(found) if found is not None else self.inner.info(path, **kwargs)
 
-    def size(self, path: str) -> int | None:  # type: ignore[override]
+    def size(self, path: str) -> int | None:
         return self.info(path).get("size")
 
-    def modified(self, path: str) -> Any:  # type: ignore[override]
+    def modified(self, path: str) -> Any:
         found = self.info(path)
         when = found.get("LastModified") or found.get("mtime")
         return when if when is not None else self.inner.modified(path)
@@ -362,7 +362,7 @@ class PartCacheFS(AbstractFileSystem):
             total += size
         return batch
 
-    def open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:  # type: ignore[override]
+    def open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
         if mode != "rb":
             return self.inner.open(path, mode, **kwargs)
         key = self._strip_protocol(path)

@@ -13,7 +13,8 @@ and still survive such a part:
 - :func:`~tinker_blocks.store_repair.check_root` (``prefect-tinker store check``) reads every part
   of every table of a root and lists the unreadable ones and the leftover temporaries of dead
   writers (:func:`tinker_blocks.atomic.is_orphan`); :func:`~tinker_blocks.store_repair.repair_root`
-  (``store repair``) moves them into ``<root>/_quarantine/<time>/`` under their relative paths, with a ``manifest.json`` (nothing is
+  (``store repair``) moves them into ``<root>/_quarantine/<time>/`` under their relative paths,
+  with a ``manifest.json`` (nothing is
   deleted), after which the store reads as before the damage minus those rows.
 
 When a failing read names no file, every part not validated yet by this process is read;

@@ -367,12 +367,11 @@ class ParquetStore:
 
     def _create_views(self, con: duckdb.DuckDBPyConnection) -> None:
         for table in self.tables:  # binding reads a part, which a compaction may delete meanwhile
-            retry_damaged(
-                lambda t=table: retry_missing_part(
-                    lambda: self._create_view(con, t), before_retry=self.fs.invalidate_cache
-                ),
-                [self],
-            )
+
+            def bind(t: str = table) -> None:
+                retry_missing_part(lambda: self._create_view(con, t), before_retry=self.fs.invalidate_cache)
+
+            retry_damaged(bind, [self])
 
     def _create_view(self, con: duckdb.DuckDBPyConnection, table: str) -> None:
         parts = self.list_parts(table)

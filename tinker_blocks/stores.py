@@ -93,11 +93,6 @@ class StoreBlock(Block, ABC):
             data["root"] = root
         super().__init__(**data)
 
-    @classmethod
-    def local_default(cls) -> StoreBlock:
-        """A store at :func:`default_store_root` (``$PREFECT_TINKER_STORE`` or ``~/.prefect-tinker/store``)."""
-        return cls(root=default_store_root())
-
     @property
     def tables(self) -> list[str]:
         """Names of this store's tables (also its DuckDB view names)."""
@@ -120,8 +115,6 @@ class StoreBlock(Block, ABC):
             StoreUnavailableError: the server did not answer within 30 s.
         """
         self._io().check_access(create_bucket=create_bucket)
-
-    validate_access = check
 
     # ----- writing ---------------------------------------------------------------------------
     def writer(
@@ -163,7 +156,7 @@ class StoreBlock(Block, ABC):
         fresh listing when a concurrent compaction deleted a part the query had listed, and
         without a part that turned out unreadable (skipped with a warning naming it)."""
         names, rows = self._io().query(sql, params)
-        return [dict(zip(names, r)) for r in rows]
+        return [dict(zip(names, r, strict=True)) for r in rows]
 
 
 class TrainingStore(StoreBlock):

@@ -67,7 +67,7 @@ class StabilityMixin:
         with lock:
             for expired in [k for k, r in records.items() if r.expires_at <= now]:
                 del records[expired]
-            for sid, seq in zip(sequence_ids, sequences):
+            for sid, seq in zip(sequence_ids, sequences, strict=True):
                 records[sid] = StabilityRecord(
                     session_of(sampler_id) if sampler_id else None,
                     flat,

@@ -349,8 +349,9 @@ async def completion(model: ServedModel, req: CompletionRequest, ctx: RequestCon
     results = await asyncio.gather(*(one(t) for t in encoded))
     rid = f"cmpl-{uuid.uuid4().hex}"
     choices, rows, used = [], [], 0
-    for p, ((resp, max_tokens), tokens) in enumerate(zip(results, encoded)):
-        prompt_text = prompts[p] if isinstance(prompts[p], str) else model.decode(tokens)
+    for p, ((resp, max_tokens), tokens) in enumerate(zip(results, encoded, strict=True)):
+        prompt = prompts[p]
+        prompt_text = prompt if isinstance(prompt, str) else model.decode(tokens)
         sampling = _sampling(req, model, max_tokens, logprobs=req.logprobs, echo=req.echo)
         for j, seq in enumerate(resp.sequences):
             toks = [int(t) for t in seq.tokens]

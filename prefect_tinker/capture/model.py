@@ -120,7 +120,7 @@ class ServedModel:
         """``SamplingParams.stop`` for a chat request: the renderer's end-of-turn stops and the
         EOS ids, plus the client's stop strings (then everything as strings, since the Tinker
         API takes either strings or token ids)."""
-        base = list(self.renderer.get_stop_sequences())
+        base: list[str | int] = list(self.renderer.get_stop_sequences())
         extra = [t for t in sorted(self.eos_ids()) if t not in base]
         if not user_stops and all(isinstance(s, int) for s in base):
             return [int(s) for s in base] + extra

@@ -18,13 +18,24 @@ import queue
 import threading
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypedDict
 
-__all__ = ["CaptureRecorder"]
+__all__ = ["CaptureRecorder", "RecorderStats"]
 
 logger = logging.getLogger("prefect_tinker.capture")
 
 _STOP = object()
+
+
+class RecorderStats(TypedDict):
+    """Counters of a :class:`CaptureRecorder` (rows and parts since it started)."""
+
+    rows_recorded: int
+    rows_written: int
+    rows_dropped: int
+    parts_written: int
+    flush_errors: int
+    last_error: str | None  # "ExceptionType: message" of the last failed write, None while none failed
 
 
 class CaptureRecorder:
@@ -52,7 +63,7 @@ class CaptureRecorder:
         self._queue: queue.Queue = queue.Queue()
         self._oldest: float | None = None
         self._lock = threading.Lock()
-        self.stats = {
+        self.stats: RecorderStats = {
             "rows_recorded": 0,
             "rows_written": 0,
             "rows_dropped": 0,

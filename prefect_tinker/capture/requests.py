@@ -292,7 +292,8 @@ def to_renderer_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]
     out: list[dict[str, Any]] = []
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
-        role = _ROLES.get(msg.get("role")) if isinstance(msg, dict) else None
+        raw_role = msg.get("role") if isinstance(msg, dict) else None
+        role = _ROLES.get(raw_role) if isinstance(raw_role, str) else None
         if role is None:
             got = msg.get("role") if isinstance(msg, dict) else msg
             raise APIError(

@@ -67,8 +67,8 @@ class ModelLayout:
     tied: bool
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     conv1d: set[str] = field(default_factory=set)
-    renamings: list = field(default_factory=list)
-    converters: list = field(default_factory=list)
+    renamings: list[Any] = field(default_factory=list)
+    converters: list[Any] = field(default_factory=list)
     prefix: str | None = None
 
     def model_key(self, file_key: str) -> tuple[str, bool]:
@@ -112,7 +112,8 @@ def model_layout(config: Any) -> ModelLayout:
     head = f"{modules[id(head_mod)]}.weight" if head_w is not None else None
     embed = f"{modules[id(embed_mod)]}.weight" if embed_w is not None else None
     conv1d = {f"{n}.weight" for n, m in model.named_modules() if type(m).__name__ == "Conv1D"}
-    renamings, converters = [], []
+    renamings: list[Any] = []  # transformers' WeightRenaming objects
+    converters: list[Any] = []  # transformers' WeightConverter objects
     try:  # transformers >= 5: checkpoint keys may differ from the model's (renamed / fused on load)
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming
@@ -280,7 +281,8 @@ def merge_into_folder(
                 f"adapter target {mk!r} is stored as {fk!r} and converted on load (fused or split "
                 "weights): not supported by the exact merge"
             )
-    tied_pair = {layout.head, layout.embed} if layout.tied else set()
+    # tied implies both keys exist (model_layout): the pair holds two strings or nothing
+    tied_pair = {k for k in (layout.head, layout.embed) if k is not None} if layout.tied else set()
     untie = layout.tied and bool(tied_pair & set(targets))
     present = {mk: fk for fk, (mk, _) in model_keys.items()}
     source = next((present[k] for k in (layout.embed, layout.head) if k in present), None) if untie else None

@@ -22,7 +22,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -91,7 +91,11 @@ def load_exported(folder: Path, fmt: str, base_dir: Path | str) -> Any:
     from transformers import AutoModelForCausalLM
 
     if fmt == "merged":
-        model, info = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, output_loading_info=True)
+        # with output_loading_info=True transformers returns (model, loading info); its annotation names the model only
+        model, info = cast(
+            tuple[Any, dict[str, Any]],
+            AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, output_loading_info=True),
+        )
         _check_loading(info, f"the merged model in {folder}")
         return model.eval()
     from peft import PeftModel
@@ -118,9 +122,9 @@ def compare(
         ExportVerificationError: lengths differ or a value is not finite.
     """
     diffs = []
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        w = np.asarray(w, dtype=np.float64)
-        g = np.asarray(g, dtype=np.float64)
+    for i, (got_i, want_i) in enumerate(zip(got, want, strict=True)):
+        w = np.asarray(want_i, dtype=np.float64)
+        g = np.asarray(got_i, dtype=np.float64)
         if g.shape != w.shape:
             raise ExportVerificationError(
                 f"sequence {i}: {g.shape[0]} exported logprobs vs {w.shape[0]} from the server"

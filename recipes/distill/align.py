@@ -126,6 +126,7 @@ def align_completion(
         raise ValueError("student and teacher prompts must have at least one token")
     completion, teacher_prompt = [int(t) for t in completion], [int(t) for t in teacher_prompt]
     s0, t0 = student_prompt_len - 1, len(teacher_prompt) - 1
+    pairs: list[tuple[int, tuple[int, ...]]]
     if same_format:
         pairs = [(s0 + k, (t0 + k,)) for k in range(len(completion))]
         return Alignment(teacher_prompt + completion, pairs, len(teacher_prompt))

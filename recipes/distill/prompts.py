@@ -18,7 +18,7 @@ A :class:`TeacherView` says what the teacher is shown instead of the student's p
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +41,7 @@ _SLOT = re.compile(r"\{(prompt|answer)\}")
 Frozen = tuple[tuple[tuple[str, str], ...], ...]
 
 
-def freeze(messages: list[Mapping[str, Any]]) -> Frozen:
+def freeze(messages: Sequence[Mapping[str, Any]]) -> Frozen:
     """Messages as nested tuples of ``(key, text)`` pairs (hashable, stable ``repr``)."""
     return tuple(tuple(sorted((str(k), str(v)) for k, v in m.items() if v is not None)) for m in messages)
 
@@ -106,7 +106,7 @@ def load_prompts(
                 raise DatasetFormatError(message)
             stats.skip("bad_record", message)
             continue
-        kept = [{k: m[k] for k in ("role", "content") if k in m} for m in msgs]
+        kept: list[dict[str, Any]] = [{k: m[k] for k in ("role", "content") if k in m} for m in msgs]
         out.append(PromptRecord(freeze(kept), answer, conv.source, source))
     if not out:
         raise DatasetFormatError(f"{spec.path}: no prompts ({stats.summary()})")

@@ -68,17 +68,17 @@ def parse_options(value: Any, field: str = "options") -> Choices:
             message names ``field``.
     """
     if isinstance(value, Mapping) and {"label", "text"} <= set(value):
-        own, texts = [str(x).strip() for x in value["label"]], list(value["text"])
-        if len(own) != len(texts):
-            raise _fail(field, f"has {len(own)} labels but {len(texts)} texts")
+        own, option_texts = [str(x).strip() for x in value["label"]], list(value["text"])
+        if len(own) != len(option_texts):
+            raise _fail(field, f"has {len(own)} labels but {len(option_texts)} texts")
         labels = [x.upper() for x in own]
         if not all(len(x) == 1 and x in LETTERS for x in labels):
-            labels = list(LETTERS[: len(texts)])  # numeric labels ("1".."4"): letter by position
-        pairs = list(zip(labels, texts))
+            labels = list(LETTERS[: len(option_texts)])  # numeric labels ("1".."4"): letter by position
+        pairs = list(zip(labels, option_texts, strict=True))
     elif isinstance(value, Mapping):
         pairs = [(str(k).strip().upper(), v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))]
     elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
-        pairs = list(zip(LETTERS, value))
+        pairs = list(zip(LETTERS, value, strict=False))
     else:
         raise _fail(field, f"must be a list of option texts or a mapping letter -> text, got {str(value)[:60]!r}")
     if not 2 <= len(pairs) <= len(LETTERS):
@@ -92,9 +92,12 @@ def parse_options(value: Any, field: str = "options") -> Choices:
     texts = tuple(str(p[1]) for p in pairs)
     own_labels = tuple(own) if isinstance(value, Mapping) and "label" in value else letters
     pre = [_PRELETTERED.match(t) for t in texts]
-    if all(m and m.group(1) == letter for m, letter in zip(pre, letters)):
-        return Choices(letters, tuple(m.group(2).strip() for m in pre), tuple(t.strip() for t in texts), own_labels)
-    return Choices(letters, texts, tuple(f"{letter}. {t}" for letter, t in zip(letters, texts)), own_labels)
+    matched = [m for m, letter in zip(pre, letters, strict=True) if m and m.group(1) == letter]
+    if len(matched) == len(pre):  # every option carries its own letter prefix
+        return Choices(letters, tuple(m.group(2).strip() for m in matched), tuple(t.strip() for t in texts), own_labels)
+    return Choices(
+        letters, texts, tuple(f"{letter}. {t}" for letter, t in zip(letters, texts, strict=True)), own_labels
+    )
 
 
 def resolve_reference_letter(value: Any, choices: Choices, field: str = "answer") -> str:
@@ -119,7 +122,7 @@ def resolve_reference_letter(value: Any, choices: Choices, field: str = "answer"
         if s.isdigit() and int(s) < len(choices.letters):
             return choices.letters[int(s)]
         norm = normalize_answer(s)
-        hits = [letter for letter, t in zip(choices.letters, choices.texts) if normalize_answer(t) == norm]
+        hits = [letter for letter, t in zip(choices.letters, choices.texts, strict=True) if normalize_answer(t) == norm]
         if len(hits) == 1:
             return hits[0]
     raise _fail(
@@ -164,5 +167,7 @@ def parse_choice(reply: str, choices: Choices) -> str | None:
     if len(standalone) == 1:
         return standalone.pop()
     norm = normalize_answer(text)
-    hits = [letter for letter, t in zip(choices.letters, choices.texts) if norm and normalize_answer(t) == norm]
+    hits = [
+        letter for letter, t in zip(choices.letters, choices.texts, strict=True) if norm and normalize_answer(t) == norm
+    ]
     return hits[0] if len(hits) == 1 else None

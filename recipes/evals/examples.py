@@ -21,7 +21,7 @@ import numpy as np
 
 from prefect_tinker.recipes.data_reading import iter_records
 from prefect_tinker.recipes.data_sources import RecordError, get_field
-from prefect_tinker.recipes.evals.benchmarks import PLACEHOLDER, BenchmarkSpec
+from prefect_tinker.recipes.evals.benchmarks import PLACEHOLDER, BenchmarkSpec, GeneratedSpec
 from prefect_tinker.recipes.evals.choice import Choices, parse_options, resolve_reference_letter
 from prefect_tinker.recipes.evals.graders import reference_answer
 
@@ -53,8 +53,7 @@ class Example:
         return self.reference if isinstance(self.reference, str) else json.dumps(list(self.reference))
 
 
-def _arithmetic(spec: BenchmarkSpec) -> list[Example]:
-    gen = spec.generate
+def _arithmetic(spec: BenchmarkSpec, gen: GeneratedSpec) -> list[Example]:
     rng = np.random.default_rng(gen.seed)
     n = min(gen.num_examples, spec.limit or gen.num_examples)
     out = []
@@ -73,6 +72,8 @@ def _reference(spec: BenchmarkSpec, value: Any, choices: Choices | None, where: 
     refs = []
     for v in values:
         if spec.grader.kind == "choice":
+            if choices is None:  # BenchmarkSpec requires fields.options for the choice grader
+                raise ValueError(f"{where}: the choice grader needs the record's options")
             try:
                 refs.append(resolve_reference_letter(v, choices, path))
             except ValueError as exc:
@@ -121,9 +122,12 @@ def load_examples(spec: BenchmarkSpec) -> list[Example]:
             ``file:line`` and the field.
     """
     if spec.generate is not None:
-        return _arithmetic(spec)
+        return _arithmetic(spec, spec.generate)
+    if spec.source is None:  # BenchmarkSpec holds exactly one of source and generate
+        raise ValueError(f"benchmark {spec.name!r}: no source and nothing to generate")
     source = spec.source.model_copy(update={"max_records": spec.limit or spec.source.max_records})
-    examples, seen = [], {}
+    examples: list[Example] = []
+    seen: dict[str, str] = {}
     for i, raw in enumerate(iter_records(source)):
         if raw.error is not None:
             raise ValueError(f"{raw.where}: {raw.error}")

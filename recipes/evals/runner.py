@@ -8,7 +8,8 @@ Each example's prompt is rendered by the renderer (``build_generation_prompt``),
 ``num_samples`` completions come from one ``sample`` request with the renderer's stop
 sequences and seed :func:`example_seed` ``(spec.seed, example id)``: an example's seed does
 not depend on which other examples run with it (on the local server a subset sampled in the
-same request order repeats its completions; batched requests may differ in the last bits). At most ``concurrency`` requests are in flight; an example whose
+same request order repeats its completions; batched requests may differ in the last bits).
+At most ``concurrency`` requests are in flight; an example whose
 result is not back ``timeout_s`` after its request was sent counts as errored.
 
 Every sample has one status (``extra_json.status``):

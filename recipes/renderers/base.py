@@ -48,6 +48,7 @@ from prefect_tinker.recipes.renderers.messages import (
 __all__ = [
     "KNOWN_ROLES",
     "TRAIN_ON_CHOICES",
+    "ContentPiece",
     "Message",
     "ParsedResponse",
     "Renderer",
@@ -61,8 +62,11 @@ __all__ = [
     "trained_message_mask",
 ]
 
+#: A piece whose text may be a message's :class:`MediaContent` (text, image and audio parts), expanded on encoding.
+ContentPiece = tuple[str | MediaContent, bool]
 
-class TrainOnWhat(str, Enum):
+
+class TrainOnWhat(str, Enum):  # noqa: UP042 -- StrEnum changes str()/format() of members, which configs and logs show
     """Which tokens of a conversation get loss weight.
 
     ``last_assistant_message``: the last assistant message (body and end-of-turn marker).
@@ -87,7 +91,7 @@ class TrainOnWhat(str, Enum):
 TRAIN_ON_CHOICES = tuple(t.value for t in TrainOnWhat)
 
 
-class Termination(str, Enum):
+class Termination(str, Enum):  # noqa: UP042 -- StrEnum changes str()/format() of members, which logs and rows show
     """How a sampled response ended (second item of :meth:`Renderer.parse_response`).
 
     ``stop_sequence``: the renderer's end-of-turn stop sequence ended it (normal end).
@@ -176,7 +180,7 @@ def trained_message_mask(messages: Sequence[Message], train_on_what: Any) -> lis
 
 def segment_weights(segments: Sequence[Segment], trained: Sequence[bool], mode: TrainOnWhat) -> np.ndarray:
     """Per-token weights, float32 of shape (N,), for segments under a trained-message mask."""
-    out = []
+    out: list[float] = []
     for seg in segments:
         if mode is TrainOnWhat.ALL_TOKENS:
             w = 1.0
@@ -227,7 +231,7 @@ class Renderer:
         """``text`` as a content piece for :meth:`encode_pieces` (markup only with ``special_tokens_in_content``)."""
         return (text, self.special_tokens_in_content)
 
-    def encode_pieces(self, pieces: Sequence[Piece]) -> list[int]:
+    def encode_pieces(self, pieces: Sequence[ContentPiece]) -> list[int]:
         """Joint encoding of markup/content pieces (see :meth:`TextEncoder.pieces`), concatenated;
         media content parts become their token runs (text on either side is encoded apart)."""
         return [t for run in self._piece_runs(pieces) for t in run]
@@ -270,7 +274,9 @@ class Renderer:
         runs.extend(self.encoder.pieces(group) if group else [])
         return runs
 
-    def encode_pair(self, head: str, body: Sequence[Piece] | str, *, joint: bool) -> tuple[list[int], list[int]]:
+    def encode_pair(
+        self, head: str, body: Sequence[ContentPiece] | str | MediaContent, *, joint: bool
+    ) -> tuple[list[int], list[int]]:
         """Encode markup ``head`` followed by ``body`` (content text, or markup/content pieces).
 
         ``joint=False`` encodes the two separately, so that a generation prompt ending at ``head``
@@ -278,7 +284,10 @@ class Renderer:
         ``apply_chat_template`` does, and gives a token that straddles the boundary (BPE merging
         e.g. ``"\\n"`` with leading spaces of the body) to the body.
         """
-        pieces = [self.content(body)] if isinstance(body, (str, MediaContent)) else list(body)
+        # a message's text or MediaContent is one content piece (markup only with special_tokens_in_content)
+        pieces: list[ContentPiece] = (
+            [(body, self.special_tokens_in_content)] if isinstance(body, (str, MediaContent)) else [*body]
+        )
         if not joint:
             return self.encode(head), self.encode_pieces(pieces)
         runs = self._piece_runs([(head, True), *pieces])

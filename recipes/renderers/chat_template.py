@@ -90,7 +90,10 @@ def _locate(text: str, parts: list[str], cands: list[list[str]]) -> list[tuple[i
     m = len(cands)
     if not text.startswith(parts[0]):
         return None
-    starts, spans, choice, dead = [len(parts[0])], [], [], set()
+    starts: list[int] = [len(parts[0])]
+    spans: list[tuple[int, int]] = []
+    choice: list[int] = []
+    dead: set[tuple[int, int]] = set()
     k, ci = 0, 0
     while True:
         pos = starts[k]
@@ -254,7 +257,7 @@ class ChatTemplateRenderer(Renderer):
                 if text.startswith(prompt):
                     cuts.add(len(prompt))
         spans = [] if self.special_tokens_in_content else self._content_spans(msgs, text, add_generation_prompt, tools)
-        inside = set()
+        inside: set[int] = set()
         bounds = {0, len(text), *cuts, *marks}
         for a, b in spans:
             bounds |= {a, b}
@@ -267,12 +270,12 @@ class ChatTemplateRenderer(Renderer):
 
         def flush() -> None:
             runs = self.encoder.pieces([(piece, markup) for _, piece, markup in segment])
-            for (start, _, _), run in zip(segment, runs):
+            for (start, _, _), run in zip(segment, runs, strict=True):
                 first[start] = len(tokens)
                 tokens.extend(run)
             segment.clear()
 
-        for a, b in zip(bounds_sorted, bounds_sorted[1:]):
+        for a, b in zip(bounds_sorted, bounds_sorted[1:], strict=False):
             if a in cuts:
                 flush()
             segment.append((a, text[a:b], a not in inside))

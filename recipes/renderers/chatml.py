@@ -132,7 +132,8 @@ class ChatMLRenderer(Renderer):
         return ids
 
     def parse_response(self, tokens: Sequence[int]) -> ParsedResponse:
-        """Content and ``tool_calls`` of a sampled reply (see :func:`~prefect_tinker.recipes.renderers.tools.parse_hermes_response`)."""
+        """Content and ``tool_calls`` of a sampled reply (see
+        :func:`~prefect_tinker.recipes.renderers.tools.parse_hermes_response`)."""
         return parse_hermes_response(self, tokens)
 
 

@@ -196,7 +196,7 @@ class TextEncoder:
                     acc += len(chunk)  # type: ignore[arg-type]
                     ends.append(acc)
                 enc = self._plain.encode(text, add_special_tokens=False)
-                for tid, (start, end) in zip(enc.ids, enc.offsets):
+                for tid, (start, end) in zip(enc.ids, enc.offsets, strict=True):
                     last = max(end - 1, start)
                     out[run[min(bisect.bisect_right(ends, last), len(run) - 1)][0]].append(tid)
             i = j

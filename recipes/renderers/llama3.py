@@ -10,7 +10,8 @@ the chat templates of Meta-Llama-3-8B-Instruct and Llama-3.1-8B-Instruct::
 
 (one line here; no newlines between the blocks).  Content is trimmed of surrounding whitespace
 as the template does (``| trim``); tool results are written as Llama 3.1's template writes them,
-through ``tojson`` (a quoted JSON string: ``"18\u00b0C"`` becomes ``"\"18\u00b0C\""``), untrimmed.  The generation prompt ends with
+through ``tojson`` (a quoted JSON string: ``"18\u00b0C"`` becomes ``"\"18\u00b0C\""``), untrimmed.
+The generation prompt ends with
 ``<|start_header_id|>assistant<|end_header_id|>\\n\\n``; the sampler stops at ``<|eot_id|>`` (and at
 ``<|eom_id|>`` where the tokenizer has it, Llama 3.1's end of a tool-calling message).  Without
 tools this is Llama 3's format (Llama 3.1's template adds a "Cutting Knowledge Date" system block;
@@ -243,7 +244,7 @@ class Llama3Renderer(Renderer):
         items = self.tag_items(content_tokens, (PYTHON_TAG,)) if PYTHON_TAG in self.encoder.control_ids else [raw]
         lead = next((k for k, it in enumerate(items) if isinstance(it, Tag) or it.strip()), None)
         tagged = lead is not None and isinstance(items[lead], Tag)
-        body = "".join(items[lead + 1 :]) if tagged else "".join(items)
+        body = "".join(items[lead + 1 :]) if tagged and lead is not None else "".join(items)
         calls, ok = parse_llama3_tool_calls(body, tagged)
         if not ok:
             return ParsedResponse({"role": "assistant", "content": raw}, Termination.MALFORMED)

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import tinker
 
 from prefect_tinker.recipes.media import MediaError, MediaRef, cache_file, media_tokens, store_media
 from prefect_tinker.recipes.renderers.base import (
@@ -135,7 +136,9 @@ class TmlRenderer(Renderer):
             y, _, _ = load_wav(value, 16000)
             buf = io.BytesIO()
             with wave.open(buf, "wb") as w:
-                w.setnchannels(1), w.setsampwidth(2), w.setframerate(16000)
+                w.setnchannels(1)
+                w.setsampwidth(2)
+                w.setframerate(16000)
                 w.writeframes((np.clip(y, -1.0, 1.0) * 32767.0).astype("<i2").tobytes())
             path, x = str(cache_file(buf.getvalue(), "wav")), y
         return chat.AudioPointer(
@@ -193,7 +196,10 @@ class TmlRenderer(Renderer):
                 )
                 out.extend(media_tokens(ref, self.placeholder))
             elif isinstance(span, chat.DmelTokenSpan):
-                dmel = token_span_to_tinker_chunk(wrapped).dmel
+                chunk = token_span_to_tinker_chunk(wrapped)
+                if not isinstance(chunk, tinker.DmelChunk):  # tml_renderers maps a dmel span to a DmelChunk
+                    raise RendererError(f"renderer {self.name!r}: a dmel span became a {type(chunk).__name__}")
+                dmel = chunk.dmel
                 ref = store_media(dmel, "dmel", "dmel", tokens=int(span.token_count()), source="<tml dmel>")
                 out.extend(media_tokens(ref, int(span.target_audio_token)))
             else:

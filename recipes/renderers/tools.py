@@ -144,7 +144,7 @@ def parse_tool_calls(text: str | Sequence[str]) -> tuple[str, list[dict[str, Any
     content = "".join(items[: opens[0]]).removesuffix("\n")
     calls: list[dict[str, Any]] = []
     ok = True
-    for start, end in zip(opens, opens[1:] + [len(items)]):
+    for start, end in zip(opens, opens[1:] + [len(items)], strict=True):
         chunk = items[start + 1 : end]
         close = next((k for k, item in enumerate(chunk) if _is(item, TOOL_CALL_CLOSE)), None)
         inner = "".join(chunk if close is None else chunk[:close])

@@ -273,7 +273,7 @@ def groups_to_datums(
     for g in groups:
         adv_G = estimator(g.total_rewards())
         advs.append(adv_G)
-        for i, (traj, a) in enumerate(zip(g.trajectories_G, adv_G)):
+        for i, (traj, a) in enumerate(zip(g.trajectories_G, adv_G, strict=True)):
             datums.extend(trajectory_to_datums(traj, float(a), g.group_index, i))
     return datums, advs
 
@@ -293,7 +293,7 @@ def apply_kl_penalty(datums: Sequence[RLDatum], ref_logprobs_D: Sequence[np.ndar
         ValueError: a reference array of the wrong length.
     """
     diffs = []
-    for d, ref in zip(datums, ref_logprobs_D):
+    for d, ref in zip(datums, ref_logprobs_D, strict=True):
         ref = np.asarray(ref, dtype=np.float64)
         if ref.shape != d.mask.shape:
             raise ValueError(f"reference logprobs have shape {ref.shape}, expected {d.mask.shape}")
@@ -301,7 +301,7 @@ def apply_kl_penalty(datums: Sequence[RLDatum], ref_logprobs_D: Sequence[np.ndar
     n = sum(float(d.mask.sum()) for d in datums)
     mean_kl = sum(float(x.sum()) for x in diffs) / max(n, 1.0)
     if coef:
-        for d, diff in zip(datums, diffs):
+        for d, diff in zip(datums, diffs, strict=True):
             d.advantages = (d.advantages + coef * d.mask * (mean_kl - diff)).astype(np.float32)
     return {"kl_policy_ref": mean_kl}
 
@@ -312,7 +312,7 @@ def sample_train_kl(datums: Sequence[RLDatum], trainer_logprobs_D: Sequence[np.n
     ``kl_sample_train_v2 = mean(0.5 (q - p)^2)`` (nats per token), and ``entropy`` =
     ``mean(-q)``, the sampled-token estimate of the sampler's entropy (nats per token)."""
     n = v1 = v2 = ent = 0.0
-    for d, p in zip(datums, trainer_logprobs_D):
+    for d, p in zip(datums, trainer_logprobs_D, strict=True):
         p = np.asarray(p, dtype=np.float64).reshape(-1)[: d.mask.shape[0]]
         diff = (d.sampler_logprobs - p) * d.mask
         n += float(d.mask.sum())
@@ -332,7 +332,7 @@ def rollout_metrics(groups: Sequence[TrajectoryGroup]) -> dict[str, float]:
     env: dict[str, list[float]] = {}
     for g in groups:
         rewards += g.total_rewards()
-        for traj, gm in zip(g.trajectories_G, g.metrics_G):
+        for traj, gm in zip(g.trajectories_G, g.metrics_G, strict=True):
             turns.append(len(traj.transitions))
             for t in traj.transitions:
                 tokens.append(len(t.action_tokens))
@@ -350,6 +350,6 @@ def rollout_metrics(groups: Sequence[TrajectoryGroup]) -> dict[str, float]:
         "trajectories": float(len(rewards)),
         "groups": float(len(groups)),
     }
-    for k, v in env.items():
-        out[f"{k}_rate" if k in ("correct", "format") else k] = float(np.mean(v))
+    for k, values in env.items():
+        out[f"{k}_rate" if k in ("correct", "format") else k] = float(np.mean(values))
     return out

@@ -137,10 +137,10 @@ def parse_number(text: str) -> Fraction | None:
         else:
             value = Fraction(m.group("num"))
             if m.group("den") is not None:
-                den = Fraction(m.group("den"))
-                if den == 0:
+                divisor = Fraction(m.group("den"))
+                if divisor == 0:
                     return None
-                value /= den
+                value /= divisor
             if m.group("exp") is not None:
                 value *= Fraction(10) ** int(m.group("exp"))
     except (ValueError, ZeroDivisionError, OverflowError):

@@ -128,5 +128,5 @@ def rubric_reward(
     if len(w) != len(scores) or sum(w) <= 0:
         raise ValueError(f"rubric weights {list(w)} do not match {len(scores)} criteria (or sum to 0)")
     values = [fallback if s is None else s / max_score for s in scores]
-    reward = sum(wi * v for wi, v in zip(w, values)) / sum(w)
+    reward = sum(wi * v for wi, v in zip(w, values, strict=True)) / sum(w)
     return reward, sum(s is None for s in scores) / len(scores)

@@ -81,7 +81,7 @@ def minimax_move(board: str, rng: np.random.Generator | None = None) -> int:
     if not moves or winner(board) is not None:
         raise ValueError("no move: the game is over")
     values = [-minimax_value(play(board, m)) for m in moves]
-    best = [m for m, v in zip(moves, values) if v == max(values)]
+    best = [m for m, v in zip(moves, values, strict=True) if v == max(values)]
     return int(rng.choice(best)) if rng is not None else best[0]
 
 
@@ -112,7 +112,9 @@ class Game:
     """
 
     def __init__(self, board: str = EMPTY):
-        self.board, self.moves, self.illegal_by = board, [], None
+        self.board = board
+        self.moves: list[int] = []
+        self.illegal_by: str | None = None
 
     @property
     def to_move(self) -> str:
@@ -126,6 +128,9 @@ class Game:
         """Play ``cell`` for the mark to move; an illegal one (None, taken, out of range) ends the
         game with ``illegal_by`` set. Returns whether the move was legal."""
         mark = self.to_move
+        if cell is None:
+            self.illegal_by = mark
+            return False
         try:
             self.board = play(self.board, cell)
         except ValueError:

@@ -126,10 +126,6 @@ class Trajectory:
         """Sum of the per-step rewards."""
         return float(sum(t.reward for t in self.transitions))
 
-    @property
-    def num_action_tokens(self) -> int:
-        return sum(len(t.action_tokens) for t in self.transitions)
-
 
 @dataclass
 class TrajectoryGroup:
@@ -163,7 +159,7 @@ class TrajectoryGroup:
 
     def total_rewards(self) -> list[float]:
         """Per-trajectory total reward (G,): sum of step rewards plus the group-level reward."""
-        return [t.step_reward + r for t, r in zip(self.trajectories_G, self.final_rewards_G)]
+        return [t.step_reward + r for t, r in zip(self.trajectories_G, self.final_rewards_G, strict=True)]
 
 
 #: One sampled action: tokens (T,), the sampler's logprobs of them (T,), stop reason ("stop"/"length").

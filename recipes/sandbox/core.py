@@ -166,6 +166,7 @@ def _under(path: str, root: str) -> bool:
 
 def _resolve_python(config: SandboxConfig, as_root: bool) -> tuple[str, list[str]]:
     """The interpreter to run inside and the host trees it needs bound read-only."""
+    candidates: list[tuple[str, str | None]]
     if config.python:
         candidates = [(config.python, None)]
     else:
@@ -456,6 +457,9 @@ def _wait(proc: subprocess.Popen, timeout: float) -> bool:
 def _supervise(
     proc: subprocess.Popen, stdin, config: SandboxConfig, start: float, uid: int, status_r: int, report_r: int
 ) -> SandboxResult:
+    stdout, stderr, stdin_pipe = proc.stdout, proc.stderr, proc.stdin
+    if stdout is None or stderr is None or (stdin is not None and stdin_pipe is None):
+        raise TypeError("the sandbox process must be started with pipes for stdout, stderr and the given stdin")
     state = {"overflow": False, "killed_by_host": False}
     lock = threading.Lock()
 
@@ -469,16 +473,18 @@ def _supervise(
                 except ProcessLookupError:
                     pass
 
-    out = _Capture(proc.stdout, config.max_output_bytes, lambda: kill("overflow"))
-    err = _Capture(proc.stderr, config.max_output_bytes, lambda: kill("overflow"))
-    out.start(), err.start()
-    if stdin is not None:
+    out = _Capture(stdout, config.max_output_bytes, lambda: kill("overflow"))
+    err = _Capture(stderr, config.max_output_bytes, lambda: kill("overflow"))
+    out.start()
+    err.start()
+    if stdin is not None and stdin_pipe is not None:
+        pipe = stdin_pipe
         data = stdin.encode() if isinstance(stdin, str) else bytes(stdin)
 
         def feed() -> None:
             try:
-                proc.stdin.write(data)
-                proc.stdin.close()
+                pipe.write(data)
+                pipe.close()
             except (BrokenPipeError, OSError):
                 pass
 
@@ -494,11 +500,13 @@ def _supervise(
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     wall = time.monotonic() - start
-    out.join(5), err.join(5)
-    for stream in (proc.stdout, proc.stderr):
-        stream.close()
+    out.join(5)
+    err.join(5)
+    stdout.close()
+    stderr.close()
     status, report = _json_docs(_read_all(status_r)), _read_all(report_r).decode("utf-8", "replace")
-    os.close(status_r), os.close(report_r)
+    os.close(status_r)
+    os.close(report_r)
     stderr_text = bytes(err.head).decode("utf-8", "replace")
     if report:
         raise SandboxUnavailable(f"sandbox launch failed: {report.strip()}")

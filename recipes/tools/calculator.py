@@ -11,6 +11,8 @@ from __future__ import annotations
 import ast
 import math
 import operator
+from collections.abc import Callable
+from typing import Any
 
 from prefect_tinker.recipes.tools.core import tool
 
@@ -19,7 +21,7 @@ __all__ = ["CalculatorError", "calculator", "evaluate_expression", "format_numbe
 MAX_INT_BITS = 4096  # ~1,233 decimal digits
 MAX_EXPRESSION_CHARS = 1000
 
-_BINARY = {
+_BINARY: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
     ast.Mult: operator.mul,
@@ -28,7 +30,7 @@ _BINARY = {
     ast.Mod: operator.mod,
     ast.Pow: operator.pow,
 }
-_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+_UNARY: dict[type[ast.unaryop], Callable[[Any], Any]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 
 
 class CalculatorError(ValueError):
@@ -61,7 +63,7 @@ def _power(base: int | float, exp: int | float) -> int | float:
 def _eval(node: ast.AST) -> int | float:
     if isinstance(node, ast.Expression):
         return _eval(node.body)
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
         return _check(node.value)
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_eval(node.operand))

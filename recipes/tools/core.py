@@ -216,10 +216,6 @@ class Tool:
             return ToolResult(self.name, f"Error: {self.name} failed: {box['error']}", False, "tool_error", elapsed)
         return ToolResult(self.name, box["text"], True, None, elapsed)
 
-    async def acall(self, arguments: str | Mapping[str, Any] | None) -> ToolResult:
-        """:meth:`call` without blocking the event loop."""
-        return await asyncio.to_thread(self.call, arguments)
-
 
 async def _awaited(value: Any) -> Any:
     return await value

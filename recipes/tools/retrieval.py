@@ -40,7 +40,8 @@ def load_documents(path: str | Path) -> list[dict[str, str]]:
     """
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
-    docs, seen = [], {}
+    docs: list[dict[str, str]] = []
+    seen: dict[str, int] = {}
     with opener(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -110,7 +111,7 @@ class BM25Index:
         if k == 0 or not tokens[0]:
             return []
         docs, scores = self._retriever.retrieve(tokens, k=k, show_progress=False, n_threads=1)
-        hits = [(int(i), float(s)) for i, s in zip(docs[0], scores[0]) if float(s) > 0.0]
+        hits = [(int(i), float(s)) for i, s in zip(docs[0], scores[0], strict=True) if float(s) > 0.0]
         return [Passage(self.ids[i], self.texts[i], s, rank) for rank, (i, s) in enumerate(hits, 1)]
 
     def as_tool(self, k: int = 3, *, name: str = "search", max_passage_chars: int = 1500) -> Tool:

@@ -32,10 +32,10 @@ def make_datum(tokenizer, prompt, completion):
 
 def mean_nll(result, data):
     total, count = 0.0, 0.0
-    for output, datum in zip(result.loss_fn_outputs, data):
+    for output, datum in zip(result.loss_fn_outputs, data, strict=True):
         logprobs = output["logprobs"].tolist()
         weights = datum.loss_fn_inputs["weights"].tolist()
-        total -= sum(lp * w for lp, w in zip(logprobs, weights))
+        total -= sum(lp * w for lp, w in zip(logprobs, weights, strict=True))
         count += sum(weights)
     return total / count
 
@@ -66,7 +66,7 @@ def main():
     rewards = [1.0 / (1 + len(s.tokens)) for s in samples.sequences]
     baseline = sum(rewards) / len(rewards)
     rl_data = []
-    for seq, reward in zip(samples.sequences, rewards):
+    for seq, reward in zip(samples.sequences, rewards, strict=True):
         tokens = prompt_tokens + list(seq.tokens)
         n_prompt = len(prompt_tokens) - 1
         rl_data.append(types.Datum(

@@ -65,7 +65,8 @@ class PairwisePreferenceOptions(BaseModel):
 
     reward_model: str | None = Field(
         default=None,
-        description="Reward model sampler weights: tinker://.../sampler_weights/... (a reward_model run) or base:<model>.",
+        description="Reward model sampler weights: tinker://.../sampler_weights/... (a reward_model run) "
+        "or base:<model>.",
     )
     matchup_size: int | None = Field(
         default=None, ge=2, description="Matchups within chunks of this many members (None: all pairs of the group)."
@@ -194,7 +195,7 @@ class PreferenceGroupBuilder(EnvGroupBuilder):
         wml = win_minus_loss(len(replies), pairs, scores)
         valid = [ok for _, ok in replies]
         rewards = group_rewards(wml, valid, self.format_coef)
-        return [(r, {"win_minus_loss": w, "format": float(v)}) for r, w, v in zip(rewards, wml, valid)]
+        return [(r, {"win_minus_loss": w, "format": float(v)}) for r, w, v in zip(rewards, wml, valid, strict=True)]
 
     def logging_tags(self) -> list[str]:
         return list(self.tags)
@@ -337,12 +338,14 @@ class PairwisePreference(Environment):
 
     @classmethod
     def reward_ref(cls, opts: PairwisePreferenceOptions, ctx: EnvContext) -> RewardModelRef:
+        if opts.reward_model is None:
+            raise ValueError("env 'pairwise_preference' needs env_options.reward_model=...")
         return RewardModelRef(
             opts.reward_model,
             opts.reward_renderer or ctx.renderer_name,
             opts.reward_tokenizer or ctx.tokenizer_id,
             opts.question,
-            tuple(opts.labels),
+            opts.labels,
         )
 
     @classmethod

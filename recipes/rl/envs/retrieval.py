@@ -3,7 +3,8 @@
 The model gets one tool, ``search(query)``: BM25 (the ``bm25s`` library, Lucene variant; see
 :mod:`prefect_tinker.recipes.tools.retrieval`) over ``env_options.documents``, a JSONL collection
 ``{id, text}`` (or any JSONL: ``text_field`` names the passage, ``id_field`` its id, None for
-``file:line``; records with an empty passage are left out), returning the ``top_k`` passages. It may search over several turns and ends with a
+``file:line``; records with an empty passage are left out), returning the ``top_k`` passages.
+It may search over several turns and ends with a
 reply without a tool call stating its answer (the text after the last ``Answer:``, else the whole
 reply). Reward:
 
@@ -112,7 +113,8 @@ def load_collection(path: str, text_field: str = "text", id_field: str | None = 
     from prefect_tinker.recipes.data_reading import SourceSpec, iter_records
     from prefect_tinker.recipes.data_sources import RecordError, get_field
 
-    docs, seen = [], {}
+    docs: list[dict[str, str]] = []
+    seen: dict[str, str] = {}
     for raw in iter_records(SourceSpec(path=str(Path(path).expanduser()))):
         if raw.error:
             raise ValueError(f"{raw.where}: {raw.error}")

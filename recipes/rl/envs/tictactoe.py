@@ -184,7 +184,7 @@ class TicTacToeSelfPlayBuilder(MessageGroupBuilder):
     limits: EpisodeLimits = GAME_LIMITS
     rewards: Rewards = Rewards()
 
-    def make_envs(self) -> list[TicTacToePlayer]:
+    def make_envs(self) -> list[MessageEnv]:
         from prefect_tinker.recipes.rl.problem_env import load_renderer
 
         if self.group_size != 2:
@@ -258,7 +258,7 @@ class TicTacToeBuilder(MessageGroupBuilder):
     limits: EpisodeLimits = GAME_LIMITS
     rewards: Rewards = Rewards()
 
-    def make_envs(self) -> list[TicTacToePlayer]:
+    def make_envs(self) -> list[MessageEnv]:
         from prefect_tinker.recipes.rl.problem_env import load_renderer
 
         renderer = load_renderer(self.renderer_name, self.tokenizer_id)

@@ -5,7 +5,8 @@ Each reply of the policy is one question. When it names the secret word (a whole
 allowed) the game is won (reward 1); otherwise the answerer -- prompted with the secret and the
 question, sampled from ``env_options.answerer`` (``base:<model>`` or a
 ``tinker://.../sampler_weights/...`` path; default ``base:<the run's model>``) through the rollout
-task's client registry and rendered for ``answerer_tokenizer`` (default the policy's) -- says ``Yes.``, ``No.`` or ``I don't know.`` (anything but a leading yes or
+task's client registry and rendered for ``answerer_tokenizer`` (default the policy's) -- says
+``Yes.``, ``No.`` or ``I don't know.`` (anything but a leading yes or
 no). After ``max_turns`` questions the game is lost (reward 0). Metrics per episode:
 ``env/correct_rate`` (won), ``env/questions``, ``env/answerer_unsure`` (answers that were neither).
 
@@ -115,7 +116,8 @@ class TwentyQuestionsOptions(MessageEnvOptions):
     )
     answerer_tokenizer: str | None = Field(
         default=None,
-        description="The answerer's tokenizer (a local directory or hub id); default the policy's (an answerer of the same family).",
+        description="The answerer's tokenizer (a local directory or hub id); default the policy's "
+        "(an answerer of the same family).",
     )
     answerer_max_tokens: int = Field(default=8, ge=1, description="Most tokens of an answer.")
     answerer_temperature: float = Field(default=0.0, ge=0, description="Answerer sampling temperature (0: greedy).")
