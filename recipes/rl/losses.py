@@ -172,9 +172,10 @@ class DROLoss(RLLoss):
     loss_fn = "dro"
     description = "DRO with quadratic log-ratio penalty (loss_options.beta, default 0.05)"
     Options = DROOptions
+    options: DROOptions
 
     def loss_fn_config(self, clip: ClipThresholds) -> dict[str, float] | None:
-        return {"beta": float(self.options.beta)}  # type: ignore[attr-defined]
+        return {"beta": float(self.options.beta)}
 
 
 class StableReinforceOptions(BaseModel):
@@ -195,8 +196,9 @@ class StableReinforceLoss(RLLoss):
     loss_fn = "stable_reinforce"
     description = "StableReinforce (needs provenance; loss_options.kl_coeff)"
     Options = StableReinforceOptions
+    options: StableReinforceOptions
     provenance = True
 
     def loss_fn_config(self, clip: ClipThresholds) -> dict[str, float] | None:
-        kl = self.options.kl_coeff  # type: ignore[attr-defined]
+        kl = self.options.kl_coeff
         return None if kl is None else {"kl_coeff": float(kl)}
