@@ -369,7 +369,7 @@ def teacher_samples(
         persist_result=True,
         **RETRY_OPTIONS,
     )(_sample_teacher)
-    out = run(
+    args = (
         credentials,
         teacher,
         records,
@@ -383,21 +383,9 @@ def teacher_samples(
         keep_truncated,
         store,
     )
+    out = run(*args)
     try:
         read_samples(out.uri)
     except FileNotFoundError:  # a cached result whose file was deleted: sample again
-        out = run.with_options(refresh_cache=True)(
-            credentials,
-            teacher,
-            records,
-            renderer,
-            tokenizer_id,
-            view.model_dump(),
-            max_tokens,
-            temperature,
-            seed,
-            num_samples,
-            keep_truncated,
-            store,
-        )
+        out = run.with_options(refresh_cache=True)(*args)
     return out
