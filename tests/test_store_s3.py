@@ -295,7 +295,7 @@ def test_interrupted_put_is_never_visible(s3_server, s3_root):
 
 
 def test_part_cache_one_get_per_part_and_warm_queries_free(s3_server, s3_root):
-    from tinker_blocks.s3 import PartCacheFS
+    from tinker_blocks.part_cache import PartCacheFS
 
     io = ParquetStore(s3_root, "training")
     for part in range(4):

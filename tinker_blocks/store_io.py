@@ -33,8 +33,8 @@ import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
 from tinker_blocks.atomic import atomic_write_bytes, sweep_stale_temps
+from tinker_blocks.part_cache import PartCacheFS
 from tinker_blocks.s3 import (
-    PartCacheFS,
     StoreAccessError,
     StoreUnavailableError,
     attach_filesystem,
@@ -345,7 +345,7 @@ class ParquetStore:
 
     def attach(self, con: duckdb.DuckDBPyConnection) -> str:
         """Let ``con`` read this store's files; returns ``"local"``, ``"httpfs"`` or ``"fsspec"``
-        (then through a :class:`~tinker_blocks.s3.PartCacheFS` kept for :meth:`create_views`)."""
+        (then through a :class:`~tinker_blocks.part_cache.PartCacheFS` kept for :meth:`create_views`)."""
         if self.is_local:
             return "local"
         cache = PartCacheFS(self.fs)
