@@ -16,7 +16,8 @@ Opening (:meth:`RunSession.__enter__`):
    config is compared with the new one -- a change of a field in the config's ``resume_fields``
    (batch size, seed, loss, ...), of the dataset's content fingerprint or of the resolved renderer
    would silently alter the data position or the objective, so it is a
-   :class:`ResumeConfigError` naming the field, unless listed in ``allow_config_change``;
+   :class:`~prefect_tinker.flows.resume_checks.ResumeConfigError` naming the field, unless listed
+   in ``allow_config_change`` (the checks: :mod:`prefect_tinker.flows.resume_checks`);
 3. the training client (``open-training-run``: resumed with its optimizer state, or initialised
    from ``load_checkpoint_path``, whose recorded renderer must match this run's);
 4. ``renderer="auto"`` resolved once (:func:`~prefect_tinker.recipes.renderers.resolve_renderer_name`);
@@ -44,6 +45,12 @@ from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from prefect_tinker.flows.config import RecipeConfig, resolve_credentials
+from prefect_tinker.flows.resume_checks import (
+    check_resumed_config,
+    check_resumed_meta,
+    check_start_renderer,
+    warn_damaged_parts,
+)
 from prefect_tinker.recipes.data_reading import reading_once
 from prefect_tinker.tasks.clients import ClientRewound, TrainingRun, tokenizer
 from prefect_tinker.tasks.records import (
@@ -65,12 +72,7 @@ if TYPE_CHECKING:
     from tinker_blocks.credentials import TinkerCredentials
     from tinker_blocks.lease import Lease
 
-__all__ = ["ResumeConfigError", "RunCallbacks", "RunSession", "run_callbacks"]
-
-
-class ResumeConfigError(ValueError):
-    """A resumed run's config differs from the stored one in a field that changes the data
-    position or the objective (the message names the field, both values and the override)."""
+__all__ = ["RunCallbacks", "RunSession", "run_callbacks"]
 
 
 class RunCallbacks:
@@ -227,7 +229,7 @@ class RunSession(Generic[ConfigT]):
         self._recorded_samplers = set(self.samplers)
         last = states[-1] if states else None
         if last and stored:
-            self._check_resume_config(json.loads(stored.get("config_json") or "{}"))
+            check_resumed_config(c, self.run_id, json.loads(stored.get("config_json") or "{}"))
         self.run: TrainingRun = open_training_run(
             self.credentials,
             self.run_id,
@@ -259,13 +261,13 @@ class RunSession(Generic[ConfigT]):
             "init_from": c.load_checkpoint_path,
         }
         if last and stored:
-            self._check_resume_meta(json.loads(stored.get("meta_json") or "null") or {})
+            check_resumed_meta(c, self.run_id, json.loads(stored.get("meta_json") or "null") or {}, self.meta)
         elif c.load_checkpoint_path:
-            self._check_start_renderer(c.load_checkpoint_path)
+            check_start_renderer(c, self.store, c.load_checkpoint_path, self.renderer)
         if last:
             self.resumed_from = last
             log.info("resuming run %s after its checkpoint at step %d (%s)", self.run_id, last["step"], last["path"])
-            self._warn_damaged()
+            warn_damaged_parts(self.store, self.run_id)
         self.context = RunContext(
             run_id=self.run_id,
             recipe=self.recipe,
@@ -283,60 +285,6 @@ class RunSession(Generic[ConfigT]):
         )
         self._record("running")
         return self
-
-    def _warn_damaged(self) -> None:
-        from tinker_blocks.store_repair import scan_run
-
-        problems = scan_run(self.store, self.run_id)
-        for p in problems:
-            get_run_logger().warning(
-                "run %s: unreadable part %s (%s); resuming from the last checkpoint that can "
-                "still be read (prefect-tinker store repair moves it aside)",
-                self.run_id,
-                p.path,
-                p.reason,
-            )
-
-    def _allowed(self, field: str) -> bool:
-        return field in self.config.allow_config_change
-
-    def _refuse(self, field: str, was: Any, now: Any, why: str) -> None:
-        raise ResumeConfigError(
-            f"run {self.run_id!r} was started with {field}={was!r}; this config has {field}={now!r}: "
-            f"resuming would {why}. Use a new run_name, or allow it with allow_config_change=[{field}]"
-        )
-
-    def _check_resume_config(self, stored: dict[str, Any]) -> None:
-        new = json.loads(self.config.model_dump_json())
-        for field in type(self.config).resume_fields:
-            if field in stored and field in new and stored[field] != new[field] and not self._allowed(field):
-                self._refuse(field, stored[field], new[field], "change the data position or the objective")
-
-    def _check_resume_meta(self, stored: dict[str, Any]) -> None:
-        for field, key, why in (
-            ("renderer", "renderer", "train on tokens rendered another way"),
-            ("dataset", "dataset_fingerprint", "train on other data at the same position"),
-        ):
-            was, now = stored.get(key), self.meta.get(key)
-            if was is not None and now is not None and was != now and not self._allowed(field):
-                self._refuse(
-                    field,
-                    was if field == "renderer" else f"content {was[:19]}",
-                    now if field == "renderer" else f"content {now[:19]}",
-                    why,
-                )
-
-    def _check_start_renderer(self, path: str) -> None:
-        rows = self.store.query(
-            "SELECT renderer FROM checkpoints WHERE path = ? AND renderer IS NOT NULL ORDER BY time DESC LIMIT 1",
-            [path],
-        )
-        if rows and rows[0]["renderer"] != self.renderer and not self._allowed("renderer"):
-            raise ResumeConfigError(
-                f"load_checkpoint_path {path!r} was trained with renderer {rows[0]['renderer']!r}, but this run "
-                f"renders with {self.renderer!r}: set renderer={rows[0]['renderer']!r}, or allow it with "
-                "allow_config_change=[renderer]"
-            )
 
     def _record(self, status: str) -> None:
         c = self.config

@@ -154,7 +154,7 @@ def test_unknown_model_is_a_clear_user_error(prefect_api, local_credentials, tmp
 def test_starting_from_a_checkpoint_of_another_renderer_is_refused(prefect_api, local_credentials, tmp_path):
     """The resolved renderer is recorded with the run and its checkpoints; a run that starts from
     a checkpoint trained with another renderer fails naming both, unless explicitly allowed."""
-    from prefect_tinker.flows.session import ResumeConfigError
+    from prefect_tinker.flows.resume_checks import ResumeConfigError
     from tinker_blocks.stores import TrainingStore
 
     store = tmp_path / "store"
