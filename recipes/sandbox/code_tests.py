@@ -18,7 +18,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from prefect_tinker.recipes.sandbox.core import SandboxConfig, SandboxResult, run_python
+from prefect_tinker.recipes.sandbox.config import SandboxConfig, SandboxResult
+from prefect_tinker.recipes.sandbox.core import run_python
 
 __all__ = ["CodeTestResult", "last_code_block", "load_code_problems", "run_tests"]
 

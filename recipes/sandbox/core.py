@@ -1,130 +1,39 @@
 """Run untrusted Python in a sandbox: one bubblewrap process tree per execution.
 
-Mechanism (bubblewrap, https://github.com/containers/bubblewrap, Debian package ``bubblewrap``):
+:func:`run_python` places the program and its files in a fresh sandbox (the isolation: namespaces,
+read-only system, an empty tmpfs, rlimits, empty environment; see :mod:`.isolation`), starts it and
+supervises it from the host:
 
-- ``bwrap`` always runs unprivileged: as a fresh random uid (``UID_BASE`` + random) when this
-  process is root, as the calling user otherwise.  It creates new user, PID, network, IPC, UTS and
-  (where possible) cgroup namespaces, and forbids further user namespaces (``--disable-userns``).
-- The file system is a new empty root: ``/usr`` (and the ``/bin``, ``/lib*`` links of a merged-/usr
-  system) and the interpreter's install prefix read-only, a fresh ``/proc`` and a minimal ``/dev``,
-  and ``/sandbox``: an empty tmpfs of ``disk_bytes``, the only writable place, holding the program.
-  Root and ``/dev`` are remounted read-only.  Nothing else of the host (home, ``/etc``, ``/tmp``,
-  the project, other sandboxes) exists inside.
-- The network namespace has only its own loopback: no route to the host or beyond, including
-  servers on the host's 127.0.0.1 and abstract Unix sockets.
-- The launcher (:mod:`.launcher`) sets ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_NPROC``,
-  ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE`` and ``RLIMIT_CORE`` inside the namespace, then runs the program
-  as ``__main__`` with an empty environment (``PATH``, ``HOME=/sandbox``, ``TMPDIR=/sandbox``,
-  ``LANG`` only).
-- The host enforces the wall time and the output limit (SIGKILL to bwrap: its PID-1 child dies by
+- the host enforces the wall time and the output limit (SIGKILL to bwrap: its PID-1 child dies by
   ``--die-with-parent``, and the kernel kills every process of the PID namespace) and captures
-  stdout/stderr, keeping the first ``max_output_bytes`` of each.
-- Nothing is left behind: the tmpfs and all processes vanish with the namespaces, and a small
-  host-side parent (:mod:`.reaper`, a child subreaper) reaps every process of the tree, so no zombie
-  is left even where the host's PID 1 does not reap.
+  stdout/stderr, keeping the first ``max_output_bytes`` of each;
+- nothing is left behind: the tmpfs and all processes vanish with the namespaces, and the reaper
+  (:mod:`.reaper`) reaps every process of the tree;
+- the outcome is classified (:class:`~.config.SandboxResult` ``reason``: the limit hit, a signal,
+  the program's own error).
 
-When bubblewrap is missing or the kernel refuses the namespaces, :class:`SandboxUnavailable` is
-raised; code never runs unsandboxed.
+When bubblewrap is missing or the kernel refuses the namespaces, :class:`~.config.SandboxUnavailable`
+is raised; code never runs unsandboxed.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
-import secrets
 import select
-import shutil
 import signal
-import stat
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from prefect_tinker.recipes.sandbox.config import SandboxConfig, SandboxResult, SandboxUnavailable
+from prefect_tinker.recipes.sandbox.isolation import memfd, prepare_isolation
 
-__all__ = ["SANDBOX_DIR", "SandboxConfig", "SandboxResult", "SandboxUnavailable", "run_python", "sandbox_problem"]
+__all__ = ["run_python", "sandbox_problem"]
 
-MiB = 1 << 20
-SANDBOX_DIR = "/sandbox"
-UID_BASE = 0x70000000  # per-run uids when started as root: UID_BASE .. UID_BASE + UID_SPAN - 1
-UID_SPAN = 1 << 24
-_INNER_ID = 1000  # uid/gid the program sees inside
-_LAUNCHER = Path(__file__).with_name("launcher.py").read_text()
-_REAPER = Path(__file__).with_name("reaper.py").read_text()
 FILE_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}$")  # names of files placed in /sandbox
-
-
-class SandboxUnavailable(RuntimeError):
-    """The sandbox cannot run here (no ``bwrap``, namespaces refused, no usable interpreter, or a
-    failed launch).  The message says what failed and how to fix it; nothing was run."""
-
-
-class SandboxConfig(BaseModel):
-    """Limits of one sandboxed execution (all per execution; memory and file sizes in bytes).
-
-    ``memory_bytes`` bounds each process's address space (``RLIMIT_AS``), so the sandbox's total is
-    at most ``max_processes * memory_bytes``; ``max_processes`` counts threads too.
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    timeout_s: float = Field(10.0, gt=0, le=3600, description="wall-clock limit, seconds")
-    cpu_s: float | None = Field(None, gt=0, le=3600, description="CPU-time limit, seconds (default: timeout_s)")
-    memory_bytes: int = Field(512 * MiB, ge=32 * MiB, description="address space per process (RLIMIT_AS)")
-    max_processes: int = Field(
-        8, ge=2, le=4096, description="processes and threads, the sandbox's PID 1 included (RLIMIT_NPROC)"
-    )
-    max_file_bytes: int = Field(16 * MiB, ge=0, description="largest file it may write (RLIMIT_FSIZE)")
-    disk_bytes: int = Field(64 * MiB, ge=MiB, description="size of the writable /sandbox tmpfs")
-    max_open_files: int = Field(64, ge=8, le=65536, description="RLIMIT_NOFILE")
-    max_output_bytes: int = Field(64 * 1024, ge=0, description="kept per stream; more output kills the run")
-    python: str | None = Field(
-        None, description="interpreter path (default: this Python's base interpreter, else /usr/bin/python3)"
-    )
-    extra_ro_paths: tuple[str, ...] = Field((), description="more host paths to bind read-only at the same place")
-
-
-class SandboxResult(BaseModel):
-    """What one execution did.
-
-    Attributes:
-        exit_code: the program's exit status; ``128 + N`` when signal N ended it (shell convention).
-        signal: name of that signal (``"SIGKILL"``, ``"SIGXCPU"``, ...) or None.
-        stdout, stderr: the first ``max_output_bytes`` of each stream, UTF-8 (invalid bytes replaced).
-        timed_out: the wall-time limit was reached (the tree was killed).
-        killed: the run was ended by a signal: by the host (timeout, output limit) or the kernel.
-        reason: ``ok``, ``error`` (non-zero exit), ``wall_timeout``, ``cpu_limit``, ``memory_limit``,
-            ``process_limit``, ``file_size_limit``, ``disk_limit``, ``output_limit`` or ``signal``.
-            The ``*_limit`` reasons of a program that exited by itself are read from its last stderr
-            line (``MemoryError``, errno 11/27/28), so they describe, they do not prove.
-        detail: one human-readable line (the limit hit, or the program's last stderr line).
-        stdout_truncated, stderr_truncated: output beyond ``max_output_bytes`` was dropped.
-        wall_s: wall time of the whole execution, seconds.
-        uid: host uid the sandbox ran as.
-    """
-
-    exit_code: int
-    signal: str | None = None
-    stdout: str = ""
-    stderr: str = ""
-    timed_out: bool = False
-    killed: bool = False
-    reason: str = "ok"
-    detail: str = ""
-    stdout_truncated: bool = False
-    stderr_truncated: bool = False
-    wall_s: float = 0.0
-    uid: int = -1
-
-    @property
-    def passed(self) -> bool:
-        """True when the program exited with status 0 on its own."""
-        return self.exit_code == 0 and not self.killed and not self.timed_out
 
 
 class _Capture(threading.Thread):
@@ -151,129 +60,6 @@ class _Capture(threading.Thread):
         return self.total > self.limit
 
 
-def _others_can_use(path: str) -> bool:
-    """Whether any uid may traverse every parent of ``path`` and read it."""
-    p = Path(path)
-    for parent in p.parents:
-        if not os.stat(parent).st_mode & stat.S_IXOTH:
-            return False
-    return bool(os.stat(p).st_mode & stat.S_IROTH)
-
-
-def _under(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip("/") + "/")
-
-
-def _resolve_python(config: SandboxConfig, as_root: bool) -> tuple[str, list[str]]:
-    """The interpreter to run inside and the host trees it needs bound read-only."""
-    candidates: list[tuple[str, str | None]]
-    if config.python:
-        candidates = [(config.python, None)]
-    else:
-        base = getattr(sys, "_base_executable", None) or sys.executable
-        candidates = [(base, sys.base_prefix), ("/usr/bin/python3", None)]
-    tried = []
-    for exe, prefix in candidates:
-        real = os.path.realpath(exe)
-        if not (os.path.isfile(real) and os.access(real, os.X_OK)):
-            tried.append(f"{exe}: not an executable file")
-            continue
-        if as_root and not _others_can_use(real):
-            tried.append(f"{exe}: not readable by an unprivileged uid (a parent folder lacks o+x)")
-            continue
-        tree = os.path.realpath(prefix) if prefix else str(Path(real).parent.parent)
-        if not _under(real, tree):
-            tree = str(Path(real).parent.parent)
-        return real, [] if _under(tree, "/usr") else [tree]
-    raise SandboxUnavailable(
-        "no interpreter usable inside the sandbox: "
-        + "; ".join(tried)
-        + " (set SandboxConfig.python, or install python3: apt-get install python3)"
-    )
-
-
-def _bwrap_args(
-    bwrap: str, ro_trees: Sequence[str], files: Mapping[str, int], status_fd: int, config: SandboxConfig
-) -> list[str]:
-    args = [
-        bwrap,
-        "--unshare-user",
-        "--unshare-pid",
-        "--unshare-net",
-        "--unshare-ipc",
-        "--unshare-uts",
-        "--unshare-cgroup-try",
-        "--disable-userns",
-        "--die-with-parent",
-        "--new-session",
-        "--uid",
-        str(_INNER_ID),
-        "--gid",
-        str(_INNER_ID),
-        "--hostname",
-        "sandbox",
-        "--json-status-fd",
-        str(status_fd),
-        "--clearenv",
-        "--setenv",
-        "PATH",
-        "/usr/bin:/bin",
-        "--setenv",
-        "HOME",
-        SANDBOX_DIR,
-        "--setenv",
-        "TMPDIR",
-        SANDBOX_DIR,
-        "--setenv",
-        "LANG",
-        "C.UTF-8",
-        "--ro-bind",
-        "/usr",
-        "/usr",
-    ]
-    for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
-        p = Path("/", name)
-        if p.is_symlink():
-            args += ["--symlink", os.readlink(p), str(p)]
-        elif p.is_dir():
-            args += ["--ro-bind", str(p), str(p)]
-    made: set[str] = set()
-    for tree in [*ro_trees, *config.extra_ro_paths]:
-        tree = os.path.realpath(tree)
-        for parent in reversed(Path(tree).parents):
-            if str(parent) != "/" and str(parent) not in made and not _under(str(parent), "/usr"):
-                made.add(str(parent))
-                args += ["--perms", "0755", "--dir", str(parent)]
-        args += ["--ro-bind", tree, tree]
-    args += [
-        "--proc",
-        "/proc",
-        "--dev",
-        "/dev",
-        "--size",
-        str(config.disk_bytes),
-        "--perms",
-        "1777",
-        "--tmpfs",
-        SANDBOX_DIR,
-    ]
-    for name, fd in files.items():
-        args += ["--perms", "0644", "--file", str(fd), f"{SANDBOX_DIR}/{name}"]
-    return args + ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", SANDBOX_DIR]
-
-
-def _rlimits(config: SandboxConfig) -> list[tuple[str, int, int]]:
-    cpu = max(1, math.ceil(config.cpu_s if config.cpu_s is not None else config.timeout_s))
-    return [
-        ("CPU", cpu, cpu + 1),
-        ("AS", config.memory_bytes, config.memory_bytes),
-        ("NPROC", config.max_processes, config.max_processes),
-        ("FSIZE", config.max_file_bytes, config.max_file_bytes),
-        ("NOFILE", config.max_open_files, config.max_open_files),
-        ("CORE", 0, 0),
-    ]
-
-
 def _last_line(text: str) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     return lines[-1][:300] if lines else ""
@@ -291,7 +77,7 @@ def _classify(
 ) -> tuple[str, str]:
     """(reason, detail) of an execution; see :class:`SandboxResult`."""
     last = _last_line(stderr_tail)
-    cpu_limit = max(1, math.ceil(config.cpu_s if config.cpu_s is not None else config.timeout_s))
+    cpu_limit = config.cpu_limit_s
     if overflow:
         return "output_limit", f"output passed {config.max_output_bytes} bytes on a stream; killed"
     if timed_out:
@@ -317,15 +103,6 @@ def _classify(
     if "[Errno 28]" in last:
         return "disk_limit", detail
     return "error", detail
-
-
-def _memfd(name: str, data: bytes) -> int:
-    fd = os.memfd_create(name)
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-    os.lseek(fd, 0, os.SEEK_SET)
-    return fd
 
 
 def _read_all(fd: int) -> bytes:
@@ -387,37 +164,15 @@ def run_python(
     for name in named:
         if not FILE_NAME_RE.match(name):
             raise ValueError(f"sandbox file name {name!r}: use a plain name of letters, digits, '_', '.', '-'")
-    bwrap = shutil.which("bwrap")
-    if bwrap is None:
-        raise SandboxUnavailable(
-            "bubblewrap (bwrap) is not installed: apt-get install bubblewrap "
-            "(scripts/setup.sh does this on Debian as root)"
-        )
-    as_root = os.geteuid() == 0
-    python, trees = _resolve_python(config, as_root)
-    uid = UID_BASE + secrets.randbelow(UID_SPAN) if as_root else os.getuid()
-    fds = {name: _memfd(name, data.encode() if isinstance(data, str) else bytes(data)) for name, data in named.items()}
+    iso = prepare_isolation(config)
+    fds = {name: memfd(name, data.encode() if isinstance(data, str) else bytes(data)) for name, data in named.items()}
     status_r, status_w = os.pipe()
     report_r, report_w = os.pipe()
-    limits = ",".join(f"{name}={soft}:{hard}" for name, soft, hard in _rlimits(config))
-    cmd = _bwrap_args(bwrap, trees, fds, status_w, config) + [
-        python,
-        "-E",
-        "-s",
-        "-B",
-        "-u",
-        "-c",
-        _LAUNCHER,
-        str(report_w),
-        limits,
-        main_name,
-        *map(str, args),
-    ]
-    reaper = [sys.executable, "-I", "-S", "-c", _REAPER, str(uid) if as_root else "-", str(os.getpid()), *cmd]
+    command = iso.command(config, fds, status_fd=status_w, report_fd=report_w, main_name=main_name, args=args)
     start = time.monotonic()
     try:
         proc = subprocess.Popen(
-            reaper,
+            command,
             stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -432,7 +187,7 @@ def run_python(
         raise SandboxUnavailable(f"cannot start the sandbox: {exc}") from None
     for fd in (*fds.values(), status_w, report_w):
         os.close(fd)
-    return _supervise(proc, stdin, config, start, uid, status_r, report_r)
+    return _supervise(proc, stdin, config, start, iso.uid, status_r, report_r)
 
 
 def _wait(proc: subprocess.Popen, timeout: float) -> bool:

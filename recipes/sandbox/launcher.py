@@ -1,6 +1,6 @@
 """The first program inside the sandbox: set the resource limits, then run the user's program.
 
-Not imported by the host: :mod:`prefect_tinker.recipes.sandbox.core` passes this source to the
+Not imported by the host: :mod:`prefect_tinker.recipes.sandbox.isolation` passes this source to the
 sandbox's interpreter (``python -E -s -B -u -c``) with the arguments
 ``REPORT_FD LIMITS MAIN.py [ARGS...]``, where ``LIMITS`` is ``NAME=SOFT:HARD,...`` (``CPU=10:11,...``
 for ``resource.RLIMIT_CPU`` and so on).

@@ -1,6 +1,6 @@
 """Host-side parent of ``bwrap``: a child subreaper that outlives the whole sandbox tree.
 
-Not imported by the host: :mod:`prefect_tinker.recipes.sandbox.core` runs this source with
+Not imported by the host: :mod:`prefect_tinker.recipes.sandbox.isolation` runs this source with
 ``python -I -S -c`` and the arguments ``UID HOST_PID BWRAP [BWRAP ARGS...]`` (``UID`` is ``-`` to keep
 the current uid; ``HOST_PID`` is the pid of the process that started it).
 
