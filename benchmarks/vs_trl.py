@@ -47,7 +47,6 @@ the server's padded path.  Needs the ``bench`` extra (``trl``) and the ``smollm2
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import statistics
@@ -60,353 +59,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tinker_local_common import API_KEY, ServerProcess, load_average  # noqa: E402
 from tinker_local_vs_torch import model_directory  # noqa: E402
-
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-LR, BETAS = 1e-4, (0.9, 0.95)
-DPO_BETA = 0.1
-
-
-# ---------------------------------------------------------------------------------------- data
-
-
-def sft_chats(tok, n: int = 8, max_tokens: int = 256) -> list[list[int]]:
-    """Token ids of the first ``n`` Dolly chats of at most ``max_tokens`` tokens."""
-    out = []
-    with open(DATA / "sft" / "dolly_slice_messages.jsonl") as f:
-        for line in f:
-            ids = list(tok.apply_chat_template(json.loads(line)["messages"], tokenize=True)["input_ids"])
-            if len(ids) <= max_tokens:
-                out.append(ids)
-            if len(out) == n:
-                break
-    return out
-
-
-def _split_hh(text: str) -> tuple[str, str] | None:
-    """A single-turn HH-RLHF transcript -> (human text, assistant text); None when multi-turn."""
-    parts = text.split("\n\nAssistant:")
-    if len(parts) != 2 or text.count("\n\nHuman:") != 1:
-        return None
-    return parts[0].replace("\n\nHuman:", "", 1).strip(), parts[1].strip()
-
-
-def dpo_pairs(tok, n: int = 8, max_tokens: int = 256) -> list[dict]:
-    """``n`` single-turn HH-RLHF pairs as TRL tokenizes them: ``{"prompt", "chosen", "rejected"}``
-    messages and ``prompt_ids`` / ``chosen_ids`` / ``rejected_ids`` (the reply starts where the
-    prompt's and the prompt + reply's token ids diverge)."""
-    out = []
-    with gzip.open(DATA / "prefs" / "hh_rlhf_harmless_base_test.jsonl.gz", "rt") as f:
-        for line in f:
-            rec = json.loads(line)
-            c, r = _split_hh(rec["chosen"]), _split_hh(rec["rejected"])
-            if c is None or r is None or c[0] != r[0] or not c[1] or not r[1] or c[1] == r[1]:
-                continue
-            prompt = [{"role": "user", "content": c[0]}]
-            ex = {
-                "prompt": prompt,
-                "chosen": [{"role": "assistant", "content": c[1]}],
-                "rejected": [{"role": "assistant", "content": r[1]}],
-            }
-            p = list(tok.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True)["input_ids"])
-            pc = list(tok.apply_chat_template(prompt + ex["chosen"], tokenize=True)["input_ids"])
-            pr = list(tok.apply_chat_template(prompt + ex["rejected"], tokenize=True)["input_ids"])
-            k = min(_common(p, pc), _common(p, pr))
-            if max(len(pc), len(pr)) > max_tokens:
-                continue
-            out.append({**ex, "prompt_ids": p[:k], "chosen_ids": pc[k:], "rejected_ids": pr[k:]})
-            if len(out) == n:
-                break
-    return out
-
-
-def _common(a: list[int], b: list[int]) -> int:
-    k = 0
-    while k < min(len(a), len(b)) and a[k] == b[k]:
-        k += 1
-    return k
-
-
-def grpo_prompts(n: int) -> list[list[dict]]:
-    """The first ``n`` short Dolly instructions (no context) as one-message chats."""
-    out = []
-    with open(DATA / "sft" / "dolly_slice_messages.jsonl") as f:
-        for line in f:
-            rec = json.loads(line)
-            if not rec.get("context") and len(rec["instruction"]) <= 200:
-                out.append([{"role": "user", "content": rec["instruction"]}])
-            if len(out) == n:
-                break
-    return out
-
-
-def reward(text: str) -> float:
-    """Distinct words / 10: a cheap deterministic reward with spread inside a group."""
-    return len(set(text.lower().split())) / 10.0
-
-
-def group_advantages(rewards: list[float], group: int) -> list[float]:
-    """Rewards minus their group's mean, over the group's standard deviation (+1e-4): TRL's
-    ``scale_rewards="group"``."""
-    r = np.asarray(rewards, dtype=np.float64).reshape(-1, group)
-    return ((r - r.mean(1, keepdims=True)) / (r.std(1, ddof=1, keepdims=True) + 1e-4)).reshape(-1).tolist()
-
-
-# ---------------------------------------------------------------------------------------- server side
-
-
-def server_sft(tc, chats):
-    from tinker import types
-
-    data = [
-        types.Datum(
-            model_input=types.ModelInput.from_ints(s[:-1]),
-            loss_fn_inputs={"target_tokens": np.asarray(s[1:], np.int64), "weights": np.ones(len(s) - 1, np.float32)},
-        )
-        for s in chats
-    ]
-    adam = types.AdamParams(learning_rate=LR, beta1=BETAS[0], beta2=BETAS[1])
-    tokens = sum(len(s) - 1 for s in chats)
-
-    def step() -> float:
-        fb = tc.forward_backward(data, "cross_entropy")
-        opt = tc.optim_step(adam)
-        loss = fb.result().metrics["loss:sum"] / tokens
-        opt.result()
-        return loss
-
-    return step
-
-
-def server_dpo(tc, pairs):
-    from tinker import types
-
-    from prefect_tinker.recipes.preference import DPOLoss
-
-    data = []
-    for p in pairs:
-        for side in ("chosen_ids", "rejected_ids"):
-            seq = p["prompt_ids"] + p[side]
-            w = np.zeros(len(seq) - 1, np.float32)
-            w[len(p["prompt_ids"]) - 1 :] = 1.0  # the reply's tokens
-            data.append(
-                types.Datum(
-                    model_input=types.ModelInput.from_ints(seq[:-1]),
-                    loss_fn_inputs={"target_tokens": np.asarray(seq[1:], np.int64), "weights": w},
-                )
-            )
-    fwd = tc.forward(data, "cross_entropy").result()  # the initial weights: the reference
-    ref = [
-        float((o["logprobs"].to_numpy() * d.loss_fn_inputs["weights"].to_numpy()).sum())
-        for o, d in zip(fwd.loss_fn_outputs, data, strict=True)
-    ]
-    loss = DPOLoss(ref, beta=DPO_BETA)
-    adam = types.AdamParams(learning_rate=LR, beta1=BETAS[0], beta2=BETAS[1])
-
-    def step() -> float:
-        fb = tc.forward_backward_custom(data, loss)
-        opt = tc.optim_step(adam)
-        out = fb.result().metrics["dpo_loss:mean"]
-        opt.result()
-        return out
-
-    return step
-
-
-def server_grpo(tc, tok, prompts, group: int, reply_tokens: int):
-    from tinker import types
-
-    inputs = [
-        types.ModelInput.from_ints(
-            list(tok.apply_chat_template(p, tokenize=True, add_generation_prompt=True)["input_ids"])
-        )
-        for p in prompts
-    ]
-    params = types.SamplingParams(max_tokens=reply_tokens, temperature=1.0, stop=[])
-    adam = types.AdamParams(learning_rate=LR, beta1=BETAS[0], beta2=BETAS[1])
-    counter = iter(range(10**6))
-
-    def step() -> float:
-        k = next(counter)
-        sc = tc.save_weights_and_get_sampling_client(f"grpo-{k}")
-        futs = [sc.sample(inp, group, params) for inp in inputs]
-        seqs = [(inp, s) for inp, f in zip(inputs, futs, strict=True) for s in f.result().sequences]
-        rewards = [reward(tok.decode(s.tokens)) for _, s in seqs]
-        adv = group_advantages(rewards, group)
-        data = []
-        for (inp, s), a in zip(seqs, adv, strict=True):
-            ids = inp.to_ints() + list(s.tokens)
-            n = len(ids) - 1
-            plen = inp.length - 1
-            q = np.zeros(n, np.float32)
-            q[plen:] = s.logprobs
-            advs = np.zeros(n, np.float32)
-            advs[plen:] = a
-            data.append(
-                types.Datum(
-                    model_input=types.ModelInput.from_ints(ids[:-1]),
-                    loss_fn_inputs={"target_tokens": np.asarray(ids[1:], np.int64), "logprobs": q, "advantages": advs},
-                )
-            )
-        fb = tc.forward_backward(data, "importance_sampling")
-        opt = tc.optim_step(adam)
-        fb.result()
-        opt.result()
-        return float(np.mean(rewards))
-
-    return step
-
-
-# ---------------------------------------------------------------------------------------- TRL side
-
-
-class StepTimer:
-    """A ``transformers`` ``TrainerCallback`` recording each step's wall and CPU seconds (this
-    process, all threads) and logged losses."""
-
-    def __new__(cls):
-        from transformers import TrainerCallback
-
-        class _Timer(TrainerCallback):
-            def __init__(self):
-                self.times, self.cpu, self.logs, self._t0, self._c0 = [], [], [], 0.0, 0.0
-
-            def on_step_begin(self, args, state, control, **kw):
-                self._t0, self._c0 = time.perf_counter(), time.process_time()
-
-            def on_step_end(self, args, state, control, **kw):
-                self.times.append(time.perf_counter() - self._t0)
-                self.cpu.append(time.process_time() - self._c0)
-
-            def on_log(self, args, state, control, logs=None, **kw):
-                self.logs.append(dict(logs or {}))
-
-        return _Timer()
-
-
-def trl_model(model_dir: Path, rank: int):
-    import peft
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    cfg = peft.LoraConfig(
-        r=rank, lora_alpha=32, lora_dropout=0.0, bias="none", target_modules="all-linear", task_type="CAUSAL_LM"
-    )
-    return peft.get_peft_model(model, cfg)
-
-
-def _common_args(work: Path, steps: int, batch: int, checkpointing: bool = False) -> dict:
-    return dict(
-        output_dir=str(work),
-        max_steps=steps,
-        per_device_train_batch_size=batch,
-        gradient_accumulation_steps=1,
-        learning_rate=LR,
-        adam_beta1=BETAS[0],
-        adam_beta2=BETAS[1],
-        weight_decay=0.0,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        optim="adamw_torch",
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-        bf16=False,
-        fp16=False,
-        dataloader_num_workers=0,
-        seed=0,
-        disable_tqdm=True,
-        max_grad_norm=0.0,
-        gradient_checkpointing=checkpointing,
-    )
-
-
-def trl_run(
-    kind: str,
-    model,
-    tok,
-    data,
-    steps: int,
-    work: Path,
-    group: int = 4,
-    reply_tokens: int = 32,
-    checkpointing: bool = False,
-):
-    """One ``train()`` of ``steps`` steps; returns the StepTimer.
-
-    SFT and DPO train on a dataset of exactly the batch's ``len(data)`` rows with batch size
-    ``len(data)``: the trainer's random sampler only reorders them, so every step sees the same
-    batch as the server (a dataset of ``data * steps`` would let the sampler draw a different mix,
-    with repeats, for each step: its first-step loss then is another batch's)."""
-    from datasets import Dataset
-
-    timer = StepTimer()
-    if kind == "sft":
-        from trl import SFTConfig, SFTTrainer
-
-        args = SFTConfig(**_common_args(work, steps, len(data), checkpointing), max_length=None, packing=False)
-        trainer = SFTTrainer(
-            model=model,
-            args=args,
-            processing_class=tok,
-            callbacks=[timer],
-            train_dataset=Dataset.from_list([{"input_ids": s} for s in data]),
-        )
-    elif kind == "dpo":
-        from trl import DPOConfig, DPOTrainer
-
-        args = DPOConfig(
-            **_common_args(work, steps, len(data), checkpointing),
-            beta=DPO_BETA,
-            loss_type=["sigmoid"],
-            precompute_ref_log_probs=True,
-            max_length=None,
-        )
-        rows = [{k: p[k] for k in ("prompt", "chosen", "rejected")} for p in data]
-        trainer = DPOTrainer(
-            model=model, args=args, processing_class=tok, callbacks=[timer], train_dataset=Dataset.from_list(rows)
-        )
-    else:
-        from trl import GRPOConfig, GRPOTrainer
-
-        def reward_fn(completions, **kw):
-            return [reward(c[0]["content"] if isinstance(c, list) else c) for c in completions]
-
-        n = len(data) * group
-        args = GRPOConfig(
-            **_common_args(work, steps, n, checkpointing),
-            num_generations=group,
-            generation_batch_size=n,
-            max_completion_length=reply_tokens,
-            temperature=1.0,
-            top_p=1.0,
-            top_k=0,
-            beta=0.0,
-            generation_kwargs={"min_new_tokens": reply_tokens},
-            num_iterations=1,
-            shuffle_dataset=False,
-            log_completions=False,
-        )
-        trainer = GRPOTrainer(
-            model=model,
-            args=args,
-            processing_class=tok,
-            callbacks=[timer],
-            reward_funcs=reward_fn,
-            train_dataset=Dataset.from_list([{"prompt": p} for p in data] * steps),
-        )
-    trainer.train()
-    return timer
-
-
-# ---------------------------------------------------------------------------------------- main
+from vs_trl_data import dpo_pairs, grpo_prompts, sft_chats  # noqa: E402
+from vs_trl_server import cpu_seconds, server_dpo, server_grpo, server_sft  # noqa: E402
+from vs_trl_trl import independent_sft_loss, reset_lora, trl_model, trl_run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -475,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
                     step()
                     t_server.append(time.perf_counter() - t0)
                     c_server.append(cpu_seconds(server.pid) - c0)
-                _reset_lora(model)
+                reset_lora(model)
                 timer = trl_run(
                     part,
                     model,
@@ -513,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
                 else None,
             }
             if part == "sft":
-                _reset_lora(model)
+                reset_lora(model)
                 ref = independent_sft_loss(model, data["sft"])
                 res.update(
                     first_independent=ref,
@@ -561,33 +222,6 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return report
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far, all threads (``/proc/<pid>/stat``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-@torch.no_grad()
-def independent_sft_loss(model, chats: list[list[int]]) -> float:
-    """Mean token cross-entropy of ``chats`` under ``model``, each chat alone (no padding, no
-    packing), summed in float64 over the ``sum(len - 1)`` target tokens: the reference both sides'
-    first-step SFT loss is compared with."""
-    total = 0.0
-    for c in chats:
-        ids = torch.tensor([c])
-        logits = model(input_ids=ids).logits[0, :-1].double()
-        total += float(torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum"))
-    return total / sum(len(c) - 1 for c in chats)
-
-
-def _reset_lora(model) -> None:
-    """LoRA back to its initial state (B = 0), so that each TRL round starts from the base model."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.zero_()
 
 
 if __name__ == "__main__":
