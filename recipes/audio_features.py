@@ -6,7 +6,7 @@ log mel-filterbank energies per channel into a few levels.  Here: 16 kHz mono, a
 ``n_mels`` triangular filters on the HTK mel scale between ``fmin`` and ``fmax``, energies in dB
 relative to the utterance's loudest cell, clipped to ``[min_db, 0]`` and quantised uniformly into
 ``levels`` values (0 = quietest).  The settings come from the model's ``dmel_config.json``
-(``tinker_local.media_models.DMEL_CONFIG``); the hosted Inkling models use their own DMel codec
+(``tinker_local.presets.DMEL_CONFIG``); the hosted Inkling models use their own DMel codec
 inside ``tml-renderers`` (:mod:`prefect_tinker.recipes.renderers.tml`).
 
 :func:`tensor_container` writes the SDK's TensorContainer bytes of a uint8 tensor (dtype byte 4,
@@ -20,21 +20,12 @@ from typing import Any
 
 import numpy as np
 
+from tinker_local.presets import DMEL_CONFIG
+
 __all__ = ["dmel_features", "mel_filterbank", "tensor_container", "DEFAULT_DMEL"]
 
-#: The settings of ``tiny-audio`` (same as ``tinker_local.media_models.DMEL_CONFIG``).
-DEFAULT_DMEL: dict[str, Any] = {
-    "codec": "dmel",
-    "sample_rate": 16000,
-    "n_fft": 400,
-    "win_length": 400,
-    "hop_length": 320,
-    "n_mels": 80,
-    "levels": 16,
-    "min_db": -80.0,
-    "fmin": 0.0,
-    "fmax": 8000.0,
-}
+#: The settings of ``tiny-audio`` (its ``dmel_config.json``; defined in ``tinker_local.presets``).
+DEFAULT_DMEL: dict[str, Any] = DMEL_CONFIG
 _UINT8 = 4
 
 

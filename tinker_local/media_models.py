@@ -12,9 +12,10 @@
   ``<|audio_pad|>`` token: frame ``f`` (80 channels, values 0..15) is one-hot encoded (80 x 16)
   and mapped by ``audio_mlp`` (Linear 1280 -> 256, GELU, Linear 256 -> 256) into the embedding
   space, i.e. a sum of learned per-(channel, level) vectors followed by a nonlinearity.  The
-  feature settings the client must use are in ``dmel_config.json`` (16 kHz, 25 ms window, 20 ms
-  hop, 80 mel bins, 16 levels over [-80, 0] dB below the utterance's peak); the client renderers
-  compute them (``prefect_tinker.recipes.audio_features``) and send them as ``DmelChunk`` s.
+  feature settings the client must use are in ``dmel_config.json`` (``tinker_local.presets.DMEL_CONFIG``:
+  16 kHz, 25 ms window, 20 ms hop, 80 mel bins, 16 levels over [-80, 0] dB below the utterance's
+  peak); the client renderers compute them (``prefect_tinker.recipes.audio_features``) and send
+  them as ``DmelChunk`` s.
 
 Weights come from numpy's PCG64 seeded per parameter name (as ``tiny``): >=2-D parameters
 ``0.02 * N(0, 1)``, biases 0, other 1-D parameters (norms) 1.  Both presets are random: they
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 
 from .model_dirs import install_dir
+from .presets import DMEL_CONFIG, TINY_ROPE_THETA, TINY_TEXT, TINY_TOKEN_IDS, TINY_VOCAB
 
 TINY_VL_NAME = "tiny-vl"
 TINY_AUDIO_NAME = "tiny-audio"
@@ -43,19 +45,6 @@ _MARKER = "tinker_local_preset.json"
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 AUDIO_TOKENS = ["<|audio_start|>", "<|audio_end|>", "<|audio_pad|>"]
-#: The DMel feature settings of ``tiny-audio`` (written to its ``dmel_config.json``).
-DMEL_CONFIG = {
-    "codec": "dmel",
-    "sample_rate": 16000,
-    "n_fft": 400,
-    "win_length": 400,
-    "hop_length": 320,
-    "n_mels": 80,
-    "levels": 16,
-    "min_db": -80.0,
-    "fmin": 0.0,
-    "fmax": 8000.0,
-}
 VISION_PROCESSOR: dict[str, Any] = {
     "patch_size": 8,
     "merge_size": 2,
@@ -147,26 +136,13 @@ def register_media_models() -> None:
 def _tokenizer(extra: list[str]):
     from .tokenizer import build_tiny_tokenizer
 
-    tok = build_tiny_tokenizer(vocab_size=2048, seed=0)
+    tok = build_tiny_tokenizer(vocab_size=TINY_VOCAB, seed=0)
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", *extra]})
     return tok
 
 
 def _text_kwargs(vocab: int) -> dict:
-    return dict(
-        vocab_size=vocab,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        initializer_range=0.02,
-        attention_dropout=0.0,
-    )
+    return dict(vocab_size=vocab, **TINY_TEXT)
 
 
 def _init_weights(model, seed: int) -> None:
@@ -195,13 +171,11 @@ def build_tiny_vl(seed: int = 0):
     text.update(
         rope_parameters={
             "rope_type": "default",
-            "rope_theta": 10000.0,
+            "rope_theta": TINY_ROPE_THETA,
             "mrope_section": [8, 12, 12],
             "mrope_interleaved": True,
         },
-        eos_token_id=2,
-        pad_token_id=0,
-        bos_token_id=None,
+        **TINY_TOKEN_IDS,
     )
     cfg = Qwen3VLConfig(
         text_config=text,
@@ -242,10 +216,8 @@ def build_tiny_audio(seed: int = 0):
         audio_token_id=tok.convert_tokens_to_ids("<|audio_pad|>"),
         dmel_bins=DMEL_CONFIG["n_mels"],
         dmel_levels=DMEL_CONFIG["levels"],
-        rope_theta=10000.0,
-        bos_token_id=None,
-        eos_token_id=2,
-        pad_token_id=0,
+        rope_theta=TINY_ROPE_THETA,
+        **TINY_TOKEN_IDS,
         **_text_kwargs(vocab),
     )
     with torch.random.fork_rng(devices=[]):

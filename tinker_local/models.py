@@ -39,6 +39,7 @@ from typing import Any
 from .errors import UnknownModelError
 from .media_models import MEDIA_PRESETS, ensure_media_preset
 from .model_dirs import install_dir
+from .presets import TINY_ROPE_THETA, TINY_TEXT, TINY_TOKEN_IDS, TINY_VOCAB
 
 logger = logging.getLogger(__name__)
 
@@ -153,27 +154,11 @@ def preset_of_dir(d: Path) -> str | None:
 
 
 def tiny_config():
-    """The ``transformers.Qwen3Config`` of the tiny preset (vocab 2048, context 2048)."""
+    """The ``transformers.Qwen3Config`` of the tiny preset (vocab 2048, context 2048; the sizes:
+    :mod:`tinker_local.presets`)."""
     from transformers import Qwen3Config
 
-    return Qwen3Config(
-        vocab_size=2048,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=2048,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        initializer_range=0.02,
-        bos_token_id=None,
-        eos_token_id=2,
-        pad_token_id=0,
-        attention_dropout=0.0,
-    )
+    return Qwen3Config(vocab_size=TINY_VOCAB, rope_theta=TINY_ROPE_THETA, **TINY_TEXT, **TINY_TOKEN_IDS)
 
 
 def build_tiny_model(seed: int = 0):
@@ -213,7 +198,7 @@ def ensure_tiny(target: Path) -> Path:
     tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     try:
-        save_tiny_tokenizer(tmp, vocab_size=2048, seed=0)
+        save_tiny_tokenizer(tmp, vocab_size=TINY_VOCAB, seed=0)
         build_tiny_model(seed=0).save_pretrained(str(tmp))
         (tmp / _MARKER).write_text(json.dumps({"preset": TINY_NAME, "format": _TINY_FORMAT}))
         install_dir(tmp, target)
