@@ -139,6 +139,9 @@ class DatasetBuilder(BaseModel, ABC):
     seed: int = 0
     # bumped when build() makes other data from the same settings (a cached dataset is then rebuilt)
     build_version: ClassVar[int] = 1
+    # the data's short name in task-run names (``prepare-<kind>-dataset``); empty: the class name
+    # without ``Builder``, lower-case
+    kind: ClassVar[str] = ""
 
     def fingerprint(self) -> str:
         """``sha256:<hex>`` of the builder's settings with each local source replaced by the hash
@@ -183,7 +186,7 @@ class DatasetBuilder(BaseModel, ABC):
         """Read one local source's records (subclasses: through their own converter)."""
 
     @abstractmethod
-    def build(self, tokenizer: Any) -> BaseModel:
+    def build(self, tokenizer: Any) -> BuiltData[Any, Any]:
         """Read, validate, split and render the data for ``tokenizer``.
 
         Raises:

@@ -24,10 +24,14 @@ from __future__ import annotations
 import functools
 import threading
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import tinker
 from pydantic import BaseModel, Field
+
+if TYPE_CHECKING:
+    from tinker_blocks.credentials import TinkerCredentials
 
 __all__ = [
     "ClientRewound",
@@ -86,17 +90,17 @@ _training: dict[tuple[str, str], tuple[tinker.TrainingClient, int]] = {}
 _sampling: OrderedDict[tuple[str, str], Any] = OrderedDict()
 
 
-def _where(credentials: Any) -> str:
-    if getattr(credentials, "local", False):
+def _where(credentials: TinkerCredentials) -> str:
+    if credentials.local:
         return f"local:{credentials.resolved_local_root()}"
     return f"{credentials.backend_name()}:{credentials.base_url_for_sdk()}"
 
 
-def _key(credentials: Any, name: str) -> tuple[str, str]:
+def _key(credentials: TinkerCredentials, name: str) -> tuple[str, str]:
     return (_where(credentials), name)
 
 
-def result(credentials: Any, future: Any, what: str) -> Any:
+def result(credentials: TinkerCredentials, future: Any, what: str) -> Any:
     """``future.result()`` of an SDK future, never waiting longer than the block's
     ``request_deadline_s`` and noticing a dead server while waiting
     (:func:`tinker_blocks.server_watch.wait_result`).
@@ -113,21 +117,19 @@ def result(credentials: Any, future: Any, what: str) -> Any:
     from tinker_blocks.server_watch import ServerGone, wait_result
 
     try:
-        return wait_result(
-            future, credentials, deadline_s=getattr(credentials, "request_deadline_s", 1800.0), what=what
-        )
+        return wait_result(future, credentials, deadline_s=credentials.request_deadline_s, what=what)
     except ServerGone:
         where = _where(credentials)
         with _lock:
             for table in (_training, _sampling):
                 for key in [k for k in table if k[0] == where]:
                     del table[key]
-        if getattr(credentials, "local", False):
+        if credentials.local:
             credentials.restart_local_server()
         raise
 
 
-def register(credentials: Any, run: TrainingRun, client: tinker.TrainingClient) -> TrainingRun:
+def register(credentials: TinkerCredentials, run: TrainingRun, client: tinker.TrainingClient) -> TrainingRun:
     """Keep ``client`` as the live client of ``run`` at ``run.step``; returns the handle with the
     client's ``model_id`` and ``tokenizer_id`` filled in."""
     info = client.get_info()
@@ -136,14 +138,14 @@ def register(credentials: Any, run: TrainingRun, client: tinker.TrainingClient) 
     return run.model_copy(update={"model_id": str(client.model_id), "tokenizer_id": info.model_data.tokenizer_id})
 
 
-def has_training_client(credentials: Any, run: TrainingRun) -> bool:
+def has_training_client(credentials: TinkerCredentials, run: TrainingRun) -> bool:
     """Whether the registry holds a live client of ``run`` at exactly ``run.step``."""
     with _lock:
         entry = _training.get(_key(credentials, run.run_name))
     return entry is not None and entry[1] == run.step
 
 
-def training_client(credentials: Any, run: TrainingRun) -> tinker.TrainingClient:
+def training_client(credentials: TinkerCredentials, run: TrainingRun) -> tinker.TrainingClient:
     """The live client of ``run`` at step ``run.step``, recreating it from the last checkpoint
     (or, with none, from ``run.init_from`` / the base model at step 0).
 
@@ -178,26 +180,25 @@ def training_client(credentials: Any, run: TrainingRun) -> tinker.TrainingClient
     return client
 
 
-def forget(credentials: Any, run: TrainingRun) -> None:
+def forget(credentials: TinkerCredentials, run: TrainingRun) -> None:
     """Drop the run's live client (after a failed request poisoned it); the next
     :func:`training_client` recreates it."""
     with _lock:
         _training.pop(_key(credentials, run.run_name), None)
 
 
-def advance(credentials: Any, run: TrainingRun, client: tinker.TrainingClient, step: int) -> None:
+def advance(credentials: TinkerCredentials, run: TrainingRun, client: tinker.TrainingClient, step: int) -> None:
     """Record that ``client`` has taken ``step`` optimizer steps."""
     with _lock:
         _training[_key(credentials, run.run_name)] = (client, step)
 
 
-def _cached(credentials: Any, key: tuple[str, str], make) -> Any:
+def _cached(credentials: TinkerCredentials, key: tuple[str, str], make: Callable[[], tinker.APIFuture[Any]]) -> Any:
     with _lock:
         if key in _sampling:
             _sampling.move_to_end(key)
             return _sampling[key]
-    client = make()
-    client = result(credentials, client, f"a client for {key[1]}") if hasattr(client, "result") else client
+    client = result(credentials, make(), f"a client for {key[1]}")
     with _lock:
         _sampling[key] = client
         while len(_sampling) > MAX_SAMPLING_CLIENTS:
@@ -208,14 +209,14 @@ def _cached(credentials: Any, key: tuple[str, str], make) -> Any:
 class _WatchedFuture:
     """An SDK future whose ``result()`` goes through :func:`result`."""
 
-    def __init__(self, future: Any, credentials: Any, what: str):
+    def __init__(self, future: tinker.APIFuture[Any], credentials: TinkerCredentials, what: str):
         self._future, self._credentials, self._what = future, credentials, what
 
     def result(self, timeout: float | None = None) -> Any:
         return result(self._credentials, self._future, self._what)
 
     def future(self) -> Any:
-        return self._future.future() if hasattr(self._future, "future") else self._future
+        return self._future.future()
 
     def __await__(self) -> Any:  # async callers (the capture server) await the SDK future itself
         return self._future.__await__()
@@ -226,7 +227,7 @@ class WatchedSampler:
     (:func:`result`: bounded wait, dead-server detection); everything else is the client's own.
     Picklable like the client."""
 
-    def __init__(self, client: Any, credentials: Any, path: str):
+    def __init__(self, client: tinker.SamplingClient, credentials: TinkerCredentials, path: str):
         self.client, self.credentials, self.path = client, credentials, path
 
     def sample(self, *args: Any, **kwargs: Any) -> _WatchedFuture:
@@ -243,7 +244,7 @@ class WatchedSampler:
         return getattr(self.client, name)
 
 
-def sampling_client(credentials: Any, path: str, record_stability_info: bool = False) -> WatchedSampler:
+def sampling_client(credentials: TinkerCredentials, path: str, record_stability_info: bool = False) -> WatchedSampler:
     """A ``tinker.SamplingClient`` for ``path`` (a ``tinker://.../sampler_weights/...`` path, or
     ``base:<model>`` for a base model), created once per process (LRU of
     :data:`MAX_SAMPLING_CLIENTS`), its futures watched (:class:`WatchedSampler`).
@@ -259,7 +260,9 @@ def sampling_client(credentials: Any, path: str, record_stability_info: bool = F
     return WatchedSampler(client, credentials, path)
 
 
-def reference_client(credentials: Any, reference: str, *, lora_rank: int = 1, seed: int | None = None) -> Any:
+def reference_client(
+    credentials: TinkerCredentials, reference: str, *, lora_rank: int = 1, seed: int | None = None
+) -> Any:
     """A frozen ``tinker.TrainingClient`` holding the weights ``reference`` (``base:<model>``, or a
     ``tinker://.../weights/...`` state path), used only for ``forward``: its logprobs are computed
     exactly as the policy's are (same engine, precision and LoRA path), so a policy equal to the

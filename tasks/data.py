@@ -15,9 +15,8 @@ from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import TASK_SOURCE, CacheKeyFnPolicy
-from pydantic import BaseModel
 
-from prefect_tinker.recipes.builders import DatasetBuilder, Example, SupervisedData
+from prefect_tinker.recipes.builders import BuiltData, DatasetBuilder, Example, SupervisedData
 from prefect_tinker.tasks.clients import tokenizer as load_tokenizer
 from prefect_tinker.tasks.policies import RETRY_OPTIONS, run_name_from_parameters
 
@@ -30,9 +29,8 @@ def _cache_key(context: Any, params: dict[str, Any]) -> str:
 
 
 def _run_name(parameters: dict[str, Any]) -> str:
-    builder = parameters.get("builder")
-    kind = getattr(builder, "kind", None) or type(builder).__name__.removesuffix("Builder").lower()
-    return f"prepare-{kind}-dataset"
+    builder: DatasetBuilder = parameters["builder"]
+    return f"prepare-{builder.kind or type(builder).__name__.removesuffix('Builder').lower()}-dataset"
 
 
 @task(
@@ -42,7 +40,7 @@ def _run_name(parameters: dict[str, Any]) -> str:
     persist_result=True,
     **RETRY_OPTIONS,
 )
-def prepare_dataset(builder: DatasetBuilder, tokenizer_id: str) -> BaseModel:
+def prepare_dataset(builder: DatasetBuilder, tokenizer_id: str) -> BuiltData[Any, Any]:
     """``builder.build(tokenizer)`` for the tokenizer ``tokenizer_id`` (a local directory or hub
     id), cached by content (see the module docstring). Logs how many records were skipped.
     Returns the builder's data model (``SupervisedBuilder``: ``SupervisedData``, ...).
@@ -52,7 +50,6 @@ def prepare_dataset(builder: DatasetBuilder, tokenizer_id: str) -> BaseModel:
         line and field.
     """
     data = builder.build(load_tokenizer(tokenizer_id))
-    skipped = getattr(data, "skipped", 0)
-    if skipped:
-        get_run_logger().warning("%s: %s", type(builder).__name__, getattr(data, "skip_summary", f"{skipped} skipped"))
+    if data.skipped:
+        get_run_logger().warning("%s: %s", type(builder).__name__, data.skip_summary)
     return data

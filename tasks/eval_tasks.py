@@ -30,7 +30,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect import task, unmapped
 from prefect.cache_policies import NO_CACHE, TASK_SOURCE, CacheKeyFnPolicy
@@ -44,6 +44,9 @@ from prefect_tinker.tasks.clients import result as watched_result
 from prefect_tinker.tasks.clients import sampling_client
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
 from prefect_tinker.tasks.runners import TaskRunnerFields, map_task
+
+if TYPE_CHECKING:
+    from tinker_blocks.credentials import TinkerCredentials
 
 __all__ = [
     "EvalTarget",
@@ -84,10 +87,10 @@ class EvalTarget(BaseModel):
         return self.model_dump(mode="json")
 
 
-def backend_identity(credentials: Any) -> str:
+def backend_identity(credentials: TinkerCredentials) -> str:
     """Where the weights are served (local root or server URL), for cache keys: the same path on
     two servers is two evaluations. Starts nothing."""
-    if getattr(credentials, "local", False):
+    if credentials.local:
         return f"local:{credentials.resolved_local_root()}"
     return f"{credentials.backend_name()}:{credentials.base_url or ''}"
 

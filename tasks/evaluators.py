@@ -28,6 +28,7 @@ from prefect_tinker.tasks.training import forward, model_input_tokens, weights_s
 from prefect_tinker.tasks.usage import run_task
 
 if TYPE_CHECKING:
+    from prefect_tinker.recipes.builders import DatasetBuilder, SupervisedData
     from prefect_tinker.recipes.preference import LossName
 
 __all__ = [
@@ -300,15 +301,15 @@ class TranscriptionEvaluator(SamplingClientEvaluator):
         }
 
 
-def data_evaluators(builder: Any, data: Any, tokenizer_id: str) -> list[Evaluator]:
+def data_evaluators(builder: DatasetBuilder | None, data: SupervisedData, tokenizer_id: str) -> list[Evaluator]:
     """The evaluators a dataset's format asks for besides held-out NLL: a
     :class:`ClassifierAccuracyEvaluator` for classification formats (``image_folder``,
     ``image_classification``: option ``answer_prefix``), a :class:`TranscriptionEvaluator` for
     ``audio_transcript``; each on the first ``eval_limit`` (option, default 100) test examples."""
     from prefect_tinker.recipes.media_sources import CLASSIFICATION_FORMATS, CLASSIFIER_ANSWER_PREFIX
 
-    sources = list(getattr(builder, "sources", []))
-    if not sources or not getattr(data, "test", None):
+    sources = list(builder.sources) if builder is not None else []
+    if not sources or not data.test:
         return []
     out: list[Evaluator] = []
     classify = [s for s in sources if s.format in CLASSIFICATION_FORMATS]
