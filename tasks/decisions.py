@@ -56,8 +56,7 @@ def choice_loss_handle(credentials: Any) -> Any:
         known = _handles.get(id(service))
         if known is not None and known[0] is service:
             return known[1]
-        handle = service.create_custom_loss(choice_loss, CHOICE_LOSS_RANKS)
-        handle = handle.result() if hasattr(handle, "result") else handle
+        handle = service.create_custom_loss(choice_loss, CHOICE_LOSS_RANKS).result()  # an APIFuture[LossHandle]
         _handles[id(service)] = (service, handle)
         return handle
 
