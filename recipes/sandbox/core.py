@@ -168,7 +168,10 @@ def run_python(
     fds = {name: memfd(name, data.encode() if isinstance(data, str) else bytes(data)) for name, data in named.items()}
     status_r, status_w = os.pipe()
     report_r, report_w = os.pipe()
-    command = iso.command(config, fds, status_fd=status_w, report_fd=report_w, main_name=main_name, args=args)
+    lifeline_r, lifeline_w = os.pipe()  # the write end stays here (not inheritable): cut when this process dies
+    command = iso.command(
+        config, fds, status_fd=status_w, report_fd=report_w, lifeline_fd=lifeline_r, main_name=main_name, args=args
+    )
     start = time.monotonic()
     try:
         proc = subprocess.Popen(
@@ -178,16 +181,19 @@ def run_python(
             stderr=subprocess.PIPE,
             env={},
             close_fds=True,
-            pass_fds=(*fds.values(), status_w, report_w),
+            pass_fds=(*fds.values(), status_w, report_w, lifeline_r),
             start_new_session=True,
         )
     except OSError as exc:
-        for fd in (*fds.values(), status_r, status_w, report_r, report_w):
+        for fd in (*fds.values(), status_r, status_w, report_r, report_w, lifeline_r, lifeline_w):
             os.close(fd)
         raise SandboxUnavailable(f"cannot start the sandbox: {exc}") from None
-    for fd in (*fds.values(), status_w, report_w):
+    for fd in (*fds.values(), status_w, report_w, lifeline_r):
         os.close(fd)
-    return _supervise(proc, stdin, config, start, iso.uid, status_r, report_r)
+    try:
+        return _supervise(proc, stdin, config, start, iso.uid, status_r, report_r)
+    finally:
+        os.close(lifeline_w)
 
 
 def _wait(proc: subprocess.Popen, timeout: float) -> bool:

@@ -73,6 +73,7 @@ class Isolation:
         *,
         status_fd: int,
         report_fd: int,
+        lifeline_fd: int,
         main_name: str,
         args: Sequence[str],
     ) -> list[str]:
@@ -85,6 +86,8 @@ class Isolation:
                 the program included; each must be passed to the child (``pass_fds``).
             status_fd: write end of the pipe for bwrap's ``--json-status-fd`` (``child-pid``, ``exit-code``).
             report_fd: write end of the pipe where the launcher reports a failed launch.
+            lifeline_fd: read end of a pipe whose write end only the host holds: the launcher ends
+                the sandbox when it reads end-of-file (the host died).
             main_name: the program's file name among ``files``.
             args: its command-line arguments.
         """
@@ -98,6 +101,7 @@ class Isolation:
             "-c",
             _LAUNCHER,
             str(report_fd),
+            str(lifeline_fd),
             limits,
             main_name,
             *map(str, args),
@@ -258,10 +262,11 @@ def _bwrap_args(
 
 def _rlimits(config: SandboxConfig) -> list[tuple[str, int, int]]:
     cpu = config.cpu_limit_s
+    nproc = config.max_processes + 1  # + the launcher's lifeline watcher thread, not the program's
     return [
         ("CPU", cpu, cpu + 1),
         ("AS", config.memory_bytes, config.memory_bytes),
-        ("NPROC", config.max_processes, config.max_processes),
+        ("NPROC", nproc, nproc),
         ("FSIZE", config.max_file_bytes, config.max_file_bytes),
         ("NOFILE", config.max_open_files, config.max_open_files),
         ("CORE", 0, 0),

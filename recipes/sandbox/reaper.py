@@ -10,8 +10,10 @@ Where the host's PID 1 does not reap (a Python worker as a container's PID 1), e
 would leave a zombie.  As ``PR_SET_CHILD_SUBREAPER`` this process receives the orphan, reaps every
 descendant, and exits with bwrap's status.  On SIGTERM it SIGKILLs bwrap (whose
 ``--die-with-parent`` PID-1 child then takes the PID namespace down) and keeps reaping.
-It dies with the host process (``PR_SET_PDEATHSIG``), and bwrap with it, so a crashed host leaves
-no sandbox running.  It drops to ``UID`` (when started as root) only in the child that execs bwrap.
+When the host process dies (``PR_SET_PDEATHSIG``, as SIGUSR1) it SIGKILLs its whole process group
+(the host starts it as a session and group leader): bwrap and bwrap's inner process while that one is
+still setting up -- before it has set its own ``--die-with-parent`` signal and left the group, it
+would otherwise wait forever for the dead outer bwrap.  So a crashed host leaves no sandbox running.  It drops to ``UID`` (when started as root) only in the child that execs bwrap.
 """
 
 import ctypes
@@ -26,9 +28,10 @@ PR_SET_CHILD_SUBREAPER = 36
 def main():
     uid, host_pid, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
     libc = ctypes.CDLL(None, use_errno=True)
+    signal.signal(signal.SIGUSR1, lambda signum, frame: os.killpg(0, signal.SIGKILL))  # the host died
     if (
         libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0
-        or libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0
+        or libc.prctl(PR_SET_PDEATHSIG, signal.SIGUSR1, 0, 0, 0) != 0
     ):
         os.write(2, b"sandbox reaper: prctl failed\n")
         os._exit(126)
