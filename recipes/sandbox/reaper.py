@@ -13,7 +13,8 @@ descendant, and exits with bwrap's status.  On SIGTERM it SIGKILLs bwrap (whose
 When the host process dies (``PR_SET_PDEATHSIG``, as SIGUSR1) it SIGKILLs its whole process group
 (the host starts it as a session and group leader): bwrap and bwrap's inner process while that one is
 still setting up -- before it has set its own ``--die-with-parent`` signal and left the group, it
-would otherwise wait forever for the dead outer bwrap.  So a crashed host leaves no sandbox running.  It drops to ``UID`` (when started as root) only in the child that execs bwrap.
+would otherwise wait forever for the dead outer bwrap.  So a crashed host leaves no sandbox running.
+It drops to ``UID`` (when started as root) only in the child that execs bwrap.
 """
 
 import ctypes
