@@ -8,13 +8,18 @@
   rank-2 targets gives every label's logprob): ``test/accuracy``, ``test/brier``, ``test/nll``,
   ``test/ece``, ``test/count``; each evaluation also draws the reliability diagram (matplotlib
   PNG, :func:`plot_reliability`), writes it to ``<store>/reports/<run>/reliability-step-<s>.png``
-  and posts it as the markdown artifact ``decisions-<run>-reliability``.
+  and posts it as the markdown artifact ``decisions-<run>-reliability``, and writes one
+  ``eval_samples`` row per held-out example to the eval store under the same root
+  (``eval_name='decisions/test'``, ``step``, ``example_id`` = its index, ``score`` = its Brier score,
+  ``correct``, ``extra_json`` = ``{"probs": [...], "target": [...]}``), so intervals over the
+  held-out items (a bootstrap of the before/after difference) can be computed with SQL.
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import json
 import threading
 from typing import Any
 
@@ -133,6 +138,7 @@ class DecisionEvaluator(TrainingClientEvaluator):
         png = plot_reliability(
             bins, f"{self.run_id} step {run.step}: ECE {metrics['ece']:.3f}, accuracy {metrics['accuracy']:.2f}"
         )
+        self._write_samples(run.step, probs)
         path = write_png(self.store, self.run_id, png, f"reliability-step-{run.step}.png")
         data = base64.b64encode(png).decode("ascii")
         create_markdown_artifact(
@@ -143,3 +149,21 @@ class DecisionEvaluator(TrainingClientEvaluator):
             description="reliability diagram",
         )
         return {f"{self.prefix}/{k}": v for k, v in metrics.items()}
+
+    def _write_samples(self, step: int, probs: np.ndarray) -> None:
+        from tinker_blocks.stores import EvalStore
+
+        rows = [
+            {
+                "run_id": self.run_id,
+                "eval_name": f"decisions/{self.prefix}",
+                "step": step,
+                "example_id": str(i),
+                "sample_index": 0,
+                "score": float(((p - t) ** 2).sum()),
+                "correct": bool(p.argmax() == t.argmax()),
+                "extra_json": json.dumps({"probs": p.tolist(), "target": t.tolist()}),
+            }
+            for i, (p, t) in enumerate(zip(probs, self.targets, strict=True))
+        ]
+        EvalStore(root=self.store).write_rows("eval_samples", rows)

@@ -1,6 +1,7 @@
 """The decisions recipe: calibration metrics against direct computations, record errors, and runs
 on the tiny model through the real local server (server-side custom loss): the step-0 held-out
-Brier score equals one recomputed from a sampling client's label logprobs, soft labels train with
+Brier score equals one recomputed from a sampling client's label logprobs (and so do the per-item
+``eval_samples`` rows), soft labels train with
 cross-entropy = KL + the targets' entropy, and the reliability diagram lands in the store."""
 
 from __future__ import annotations
@@ -118,6 +119,26 @@ def test_example_on_tiny_matches_sampler_logprobs_and_writes_reliability_png(pre
     direct = decision_metrics(np.array(probs), np.array([ex.target for ex in data.test]))
     assert by[(0, "test/brier")] == pytest.approx(direct["brier"], abs=0.02)
     assert by[(0, "test/accuracy")] == pytest.approx(direct["accuracy"], abs=1 / 16 + 1e-9)
+
+    # one eval_samples row per held-out item and evaluation: its probabilities are the sampling
+    # client's, its Brier score and correctness recompute from them, and they average to the metrics
+    assert cli_main(["sql", "--store", str(store), "--json",
+                     "SELECT step, example_id, score, correct, extra_json FROM eval_samples "
+                     "WHERE run_id='dec' AND eval_name='decisions/test' ORDER BY step, example_id::INT"]) in (0, None)
+    samples = json.loads(capsys.readouterr().out)
+    assert [(r["step"], int(r["example_id"])) for r in samples] == [(s, i) for s in (0, 2) for i in range(16)]
+    for r in samples:
+        extra = json.loads(r["extra_json"])
+        p, t = np.array(extra["probs"]), np.array(extra["target"])
+        assert r["score"] == pytest.approx(((p - t) ** 2).sum(), abs=1e-9)
+        assert r["correct"] == bool(p.argmax() == t.argmax())
+        if r["step"] == 0:
+            assert p == pytest.approx(probs[int(r["example_id"])], abs=0.02)
+            assert t.tolist() == list(data.test[int(r["example_id"])].target)
+    for step in (0, 2):
+        rows = [r for r in samples if r["step"] == step]
+        assert np.mean([r["score"] for r in rows]) == pytest.approx(by[(step, "test/brier")], abs=1e-9)
+        assert np.mean([r["correct"] for r in rows]) == pytest.approx(by[(step, "test/accuracy")], abs=1e-9)
 
 
 def test_soft_labels_train_with_ce_equal_kl_plus_entropy(prefect_api, local_credentials, tmp_path, capsys):

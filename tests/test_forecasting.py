@@ -20,6 +20,10 @@ def test_parse_probability_takes_the_last_statement_and_percentages():
     assert parse_probability("Probability: 0.2, no wait, Probability: .9") == pytest.approx(0.9)
     assert parse_probability("Probability: 1.5") == pytest.approx(1.5)  # kept as stated, clipped by the reward
     assert parse_probability("likely yes") is None
+    # fractions, as SmolLM2 writes them ("Probability: 1/4" was read as 1 before)
+    assert parse_probability("not greater than 20.\nProbability: 1/4<|im_end|>") == pytest.approx(0.25)
+    assert parse_probability("Probability: 1 / 1.5 (") == pytest.approx(2 / 3)
+    assert parse_probability("Probability: 3/0") is None
 
 
 @pytest.mark.parametrize("prob, outcome, ended, reward, fmt", [

@@ -4,9 +4,9 @@ Records (JSONL or a dataset; ``dataset`` defaults to ``builtin:forecasting_quest
 question (``question_field``, default ``question``) and its resolution
 (``env_options.resolution_field``, default ``resolution``): ``true``/``false``, ``1``/``0`` or
 ``"yes"``/``"no"``. The question is asked with an instruction to end the reply with
-``Probability: p`` (a number in [0, 1], or a percentage such as ``70%``); the last such statement
-counts. The reward is the negative Brier score of the stated probability ``p`` against the outcome
-``y`` in {0, 1}, with a clipped format penalty:
+``Probability: p`` (a number in [0, 1], a percentage such as ``70%`` or a fraction such as
+``1/4``); the last such statement counts. The reward is the negative Brier score of the stated
+probability ``p`` against the outcome ``y`` in {0, 1}, with a clipped format penalty:
 
     reward = -(p - y)^2                                  well-formed reply, 0 <= p <= 1
     reward = -(clip(p, 0, 1) - y)^2 - format_coef        p stated outside [0, 1], or the reply was cut off
@@ -52,7 +52,8 @@ FORECAST_SUFFIX = (
     "'Probability: p' where p is a number between 0 and 1."
 )
 
-_PROB = re.compile(r"probability\s*[:=]\s*(-?\d+(?:\.\d+)?|-?\.\d+)\s*(%?)", re.IGNORECASE)
+_NUMBER = r"-?\d+(?:\.\d+)?|-?\.\d+"
+_PROB = re.compile(rf"probability\s*[:=]\s*({_NUMBER})(?:\s*/\s*({_NUMBER}))?\s*(%?)", re.IGNORECASE)
 _YES = {"true", "yes", "1", "1.0"}
 _NO = {"false", "no", "0", "0.0"}
 
@@ -69,14 +70,20 @@ class ForecastingOptions(BaseModel):
 
 
 def parse_probability(text: str) -> float | None:
-    """The probability stated last in ``text`` as ``Probability: p`` (``p`` a decimal, or a
-    percentage ``70%`` read as 0.7); None when there is none. The value is returned as stated
-    (it may lie outside [0, 1]; :func:`forecast_reward` clips it)."""
+    """The probability stated last in ``text`` as ``Probability: p`` (``p`` a decimal, a
+    percentage ``70%`` read as 0.7, or a fraction ``1/4`` read as 0.25); None when there is none
+    or the fraction's denominator is 0. The value is returned as stated (it may lie outside
+    [0, 1]; :func:`forecast_reward` clips it)."""
     found = _PROB.findall(text)
     if not found:
         return None
-    number, percent = found[-1]
-    return float(number) / (100.0 if percent else 1.0)
+    number, denominator, percent = found[-1]
+    value = float(number)
+    if denominator:
+        if float(denominator) == 0.0:
+            return None
+        value /= float(denominator)
+    return value / (100.0 if percent else 1.0)
 
 
 def parse_resolution(value: object) -> int:
