@@ -204,4 +204,4 @@ def test_max_records_reads_only_the_first_records_of_dataset(tmp_path):
     read = [r.record["messages"][0]["content"] for r in iter_records(spec)]
     assert read == [f"q{i}" for i in range(7)]  # the first seven lines, in file order
     with pytest.raises(ValueError, match="max_records applies to dataset="):
-        SFTConfig(model="tiny", sources=[{"path": str(chats)}], max_records=7)
+        SFTConfig(model="tiny", dataset=None, sources=[{"path": str(chats)}], max_records=7)
