@@ -89,6 +89,9 @@ class SourceFields(BaseModel):
         default_factory=dict, description="Converter options of `dataset` (system_prompt, ...)."
     )
     split: str = Field(default="train", description="Split of a Hugging Face `dataset`.")
+    max_records: int | None = Field(
+        default=None, ge=1, description="Read at most this many records of `dataset` (the first ones, before the split)."
+    )
     sources: list[SourceSpec] = Field(
         default_factory=list,
         description="Several weighted sources instead of `dataset` (each: path, format, fields, options, weight, ...).",
@@ -105,6 +108,8 @@ class SourceFields(BaseModel):
     def _one_way(self) -> SourceFields:
         if self.sources and self.dataset is not None:
             raise ValueError("give either dataset=... or sources=[...], not both")
+        if self.sources and self.max_records is not None:
+            raise ValueError("max_records applies to dataset=...: give each of sources=[...] its own max_records")
         for i, spec in enumerate(self.sources):
             try:
                 check_local_source(spec.path)
@@ -123,7 +128,16 @@ class SourceFields(BaseModel):
         path = self.dataset or default
         if path is None:
             raise ValueError("dataset: required (a JSONL file, dataset directory or Hugging Face id)")
-        return [SourceSpec(path=path, format=self.format, fields=self.fields, options=self.options, split=self.split)]
+        return [
+            SourceSpec(
+                path=path,
+                format=self.format,
+                fields=self.fields,
+                options=self.options,
+                split=self.split,
+                max_records=self.max_records,
+            )
+        ]
 
     def test_count(self) -> float | int:
         """``test_size`` as the split functions take it: an int count when >= 1, else a fraction."""

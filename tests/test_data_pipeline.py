@@ -192,3 +192,16 @@ def test_hf_parquet_dataset_dir_with_field_mapping(tmp_path):
         assert len(datums) == 4
         texts = sorted(CharTokenizer().decode(d.model_input.to_ints()) for d in datums)
         assert texts[1].startswith("User: Q1\n\nsome context\n\nAssistant: A1")
+
+
+def test_max_records_reads_only_the_first_records_of_dataset(tmp_path):
+    from prefect_tinker.flows.sft import SFTConfig
+
+    chats = _jsonl(tmp_path / "chats.jsonl", [_chat(f"q{i}", f"answer {i}") for i in range(30)])
+    config = SFTConfig(model="tiny", dataset=str(chats), max_records=7)
+    (spec,) = config.source_specs()
+    assert spec.max_records == 7
+    read = [r.record["messages"][0]["content"] for r in iter_records(spec)]
+    assert read == [f"q{i}" for i in range(7)]  # the first seven lines, in file order
+    with pytest.raises(ValueError, match="max_records applies to dataset="):
+        SFTConfig(model="tiny", dataset=None, sources=[{"path": str(chats)}], max_records=7)

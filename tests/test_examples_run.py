@@ -28,24 +28,24 @@ RL_SHORT = ["max_steps=1", "group_size=2", "groups_per_batch=2", "max_tokens=8",
 
 #: Overrides that make each example one short step (or a few examples), on top of its own config.
 SHORT: dict[tuple[str, str], list[str]] = {
-    ("decisions", "tiny"): ["max_steps=1", "test_size=4", "eval_every=0", "save_every=0"],
-    ("distill", "off_policy"): ["max_steps=1", "batch_size=2", "teacher_max_tokens=8", "keep_truncated=true"],
+    ("decisions", "tiny"): ["max_steps=1", "max_records=12", "test_size=4", "eval_every=0", "save_every=0"],
+    ("distill", "off_policy"): ["max_steps=1", "max_problems=4", "batch_size=2", "teacher_max_tokens=8", "keep_truncated=true"],
     ("distill", "on_policy"): ["max_steps=1", "group_size=2", "groups_per_batch=2", "max_tokens=8", "save_every=0"],
-    ("distill", "prompt"): ["max_steps=1", "batch_size=2", "test_size=2", "eval_every=0", "save_every=0"],
+    ("distill", "prompt"): ["max_steps=1", "max_problems=6", "batch_size=2", "test_size=2", "eval_every=0", "save_every=0"],
     ("distill", "sdft"): ["max_steps=1", "group_size=2", "groups_per_batch=1", "max_tokens=8", "save_every=0"],
-    ("dpo", "hh_rlhf"): ["max_steps=1", "batch_size=2", "test_size=2", "max_length=128", "save_every=0"],
+    ("dpo", "hh_rlhf"): ["max_steps=1", "max_records=200", "batch_size=2", "test_size=2", "max_length=128", "save_every=0"],
     ("dpo", "tiny"): ["max_steps=1", "batch_size=2", "test_size=2", "save_every=0"],
     ("eval", "arithmetic"): ["limit=2"],
     ("eval", "suite"): ["limit=2", "max_tokens=8"],  # + local gsm8k / MATH files (the test below)
     ("export", "merged"): [],  # + checkpoint and out (the test below)
     ("export", "peft"): [],
-    ("reward_model", "hh"): ["max_steps=1", "batch_size=2", "test_size=2", "max_length=128", "save_every=0"],
+    ("reward_model", "hh"): ["max_steps=1", "max_records=200", "batch_size=2", "test_size=2", "max_length=128", "save_every=0"],
     ("rl", "arithmetic"): RL_SHORT,
     ("rl", "calculator"): [*RL_SHORT, "env_options.max_turns=2"],  # + the local GSM8K file (no hub)
     ("rl", "forecasting"): RL_SHORT,
     ("rl", "guess_number"): [*RL_SHORT, "env_options.max_turns=2"],
     ("rl", "humaneval"): RL_SHORT,
-    ("rl", "numerics_check"): RL_SHORT,
+    ("rl", "numerics_check"): [*RL_SHORT, "env_options.num_pages_min=2", "env_options.num_pages_max=2"],
     ("rl", "retrieval"): [*RL_SHORT, "env_options.max_turns=2"],
     ("rl", "rubric"): [*RL_SHORT, "env_options.judge_max_tokens=8"],
     ("rl", "tictactoe"): RL_SHORT,
@@ -55,6 +55,8 @@ SHORT: dict[tuple[str, str], list[str]] = {
         "sft.max_steps=1",
         "sft.save_every=0",
         "rm.max_steps=1",
+        "rm.max_records=200",
+        "rm.batch_size=2",
         "rm.test_size=2",
         "rm.max_length=128",
         "rm.save_every=0",
@@ -62,9 +64,10 @@ SHORT: dict[tuple[str, str], list[str]] = {
         "rl.group_size=2",
         "rl.groups_per_batch=1",
         "rl.max_tokens=8",
+        "rl.env_options.test_prompts=2",
         "rl.save_every=0",
     ],
-    ("sft", "calculator_warmup"): ["max_steps=1", "test_size=2", "num_eval_samples=0", "save_every=0"],
+    ("sft", "calculator_warmup"): ["max_steps=1", "max_records=12", "test_size=2", "num_eval_samples=0", "save_every=0"],
     ("sft", "tiny"): ["max_steps=1", "num_eval_samples=0", "save_every=0"],
 }
 
