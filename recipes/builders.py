@@ -90,7 +90,9 @@ class SourceFields(BaseModel):
     )
     split: str = Field(default="train", description="Split of a Hugging Face `dataset`.")
     max_records: int | None = Field(
-        default=None, ge=1, description="Read at most this many records of `dataset` (the first ones, before the split)."
+        default=None,
+        ge=1,
+        description="Read at most this many records of `dataset` (the first ones, before the split).",
     )
     sources: list[SourceSpec] = Field(
         default_factory=list,
