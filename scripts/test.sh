@@ -14,9 +14,7 @@ bash scripts/lint.sh  # import layers, ruff, mypy, vulture: before any test
 # are errors (a few seconds)
 SITE=$(mktemp -d)
 NO_MKDOCS_2_WARNING=1 mkdocs build --strict --quiet --site-dir "$SITE" && rm -rf "$SITE"
-# two workers (pytest-xdist), each test file on one of them (its module fixtures set up once); each
-# worker has its own HOME, test API, embedded server and S3 server (tests/conftest.py)
-python -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist loadfile -m "not deployments and not cluster" "$@"
+python -m pytest -q -m "not deployments and not cluster" "$@"
 python -m pytest -q -m deployments "$@"
 # real local Ray and Dask clusters (~5 min, start-up dominated): a process of their own, so that
 # the Ray driver connection and the Dask cluster never meet the other tests
