@@ -8,7 +8,7 @@ PACKAGES=(flows tasks recipes configs cli tinker_blocks tinker_local prefect_tin
 echo "lint: import-linter"
 lint-imports --no-cache
 echo "lint: ruff"
-ruff check "${PACKAGES[@]}"
+ruff check .  # the whole tree: package, tests, benchmarks, scripts
 ruff format --check "${PACKAGES[@]}"
 echo "lint: mypy"
 mypy

@@ -147,8 +147,9 @@ def test_supervised_dataset_sources_split_epochs_and_shift(tmp_path):
 def test_interleaved_sources_follow_weights(tmp_path):
     big = _jsonl(tmp_path / "big.jsonl", [_chat("b", f"big {i}") for i in range(400)])
     small = _jsonl(tmp_path / "small.jsonl", [_chat("s", f"small {i}") for i in range(100)])
-    ds = SupervisedDataset([SourceSpec(path=str(big), weight=4), SourceSpec(path=str(small), weight=1)], RENDERER,
-                           batch_size=50, seed=0)
+    ds = SupervisedDataset(
+        [SourceSpec(path=str(big), weight=4), SourceSpec(path=str(small), weight=1)], RENDERER, batch_size=50, seed=0
+    )
     convs = list(ds.conversations())
     share = sum("big" in c.messages[1]["content"] for c in convs) / len(convs)
     assert 0.74 < share < 0.86 and len(convs) < 500  # first_exhausted: stops with the first source

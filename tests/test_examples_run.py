@@ -29,17 +29,44 @@ RL_SHORT = ["max_steps=1", "group_size=2", "groups_per_batch=2", "max_tokens=8",
 #: Overrides that make each example one short step (or a few examples), on top of its own config.
 SHORT: dict[tuple[str, str], list[str]] = {
     ("decisions", "tiny"): ["max_steps=1", "max_records=12", "test_size=4", "eval_every=0", "save_every=0"],
-    ("distill", "off_policy"): ["max_steps=1", "max_problems=4", "batch_size=2", "teacher_max_tokens=8", "keep_truncated=true"],
+    ("distill", "off_policy"): [
+        "max_steps=1",
+        "max_problems=4",
+        "batch_size=2",
+        "teacher_max_tokens=8",
+        "keep_truncated=true",
+    ],
     ("distill", "on_policy"): ["max_steps=1", "group_size=2", "groups_per_batch=2", "max_tokens=8", "save_every=0"],
-    ("distill", "prompt"): ["max_steps=1", "max_problems=6", "batch_size=2", "test_size=2", "eval_every=0", "save_every=0"],
+    ("distill", "prompt"): [
+        "max_steps=1",
+        "max_problems=6",
+        "batch_size=2",
+        "test_size=2",
+        "eval_every=0",
+        "save_every=0",
+    ],
     ("distill", "sdft"): ["max_steps=1", "group_size=2", "groups_per_batch=1", "max_tokens=8", "save_every=0"],
-    ("dpo", "hh_rlhf"): ["max_steps=1", "max_records=200", "batch_size=2", "test_size=2", "max_length=128", "save_every=0"],
+    ("dpo", "hh_rlhf"): [
+        "max_steps=1",
+        "max_records=200",
+        "batch_size=2",
+        "test_size=2",
+        "max_length=128",
+        "save_every=0",
+    ],
     ("dpo", "tiny"): ["max_steps=1", "batch_size=2", "test_size=2", "save_every=0"],
     ("eval", "arithmetic"): ["limit=2"],
     ("eval", "suite"): ["limit=2", "max_tokens=8"],  # + local gsm8k / MATH files (the test below)
     ("export", "merged"): [],  # + checkpoint and out (the test below)
     ("export", "peft"): [],
-    ("reward_model", "hh"): ["max_steps=1", "max_records=200", "batch_size=2", "test_size=2", "max_length=128", "save_every=0"],
+    ("reward_model", "hh"): [
+        "max_steps=1",
+        "max_records=200",
+        "batch_size=2",
+        "test_size=2",
+        "max_length=128",
+        "save_every=0",
+    ],
     ("rl", "arithmetic"): RL_SHORT,
     ("rl", "calculator"): [*RL_SHORT, "env_options.max_turns=2"],  # + the local GSM8K file (no hub)
     ("rl", "forecasting"): RL_SHORT,
@@ -67,7 +94,13 @@ SHORT: dict[tuple[str, str], list[str]] = {
         "rl.env_options.test_prompts=2",
         "rl.save_every=0",
     ],
-    ("sft", "calculator_warmup"): ["max_steps=1", "max_records=12", "test_size=2", "num_eval_samples=0", "save_every=0"],
+    ("sft", "calculator_warmup"): [
+        "max_steps=1",
+        "max_records=12",
+        "test_size=2",
+        "num_eval_samples=0",
+        "save_every=0",
+    ],
     ("sft", "tiny"): ["max_steps=1", "num_eval_samples=0", "save_every=0"],
 }
 
