@@ -117,6 +117,9 @@ def trl_run(
             max_length=None,
         )
         rows = [{k: p[k] for k in ("prompt", "chosen", "rejected")} for p in data]
+        if "ref" in model.peft_config:  # the reference adapter an earlier round's DPOTrainer added
+            model.delete_adapter("ref")
+            model.set_adapter("default")
         trainer = DPOTrainer(
             model=model, args=args, processing_class=tok, callbacks=[timer], train_dataset=Dataset.from_list(rows)
         )

@@ -22,7 +22,7 @@ so a resumed run gets them from the cache. Step convention as in RL and SFT: a m
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect import flow, get_run_logger
 
@@ -35,10 +35,13 @@ from prefect_tinker.recipes.rl.envs import build_rl_dataset
 from prefect_tinker.tasks.policies import quote
 from prefect_tinker.tasks.teacher import check_teacher, teacher_asset, weights_tokenizer
 
+if TYPE_CHECKING:
+    from tinker_blocks.credentials import TinkerCredentials
+
 __all__ = ["DistillConfig", "TeacherSpec", "distill_flow", "open_teachers"]
 
 
-def open_teachers(config: DistillConfig, student_credentials: Any, *, topk: int = 0) -> list[Teacher]:
+def open_teachers(config: DistillConfig, student_credentials: TinkerCredentials, *, topk: int = 0) -> list[Teacher]:
     """Open and check every teacher of ``config`` (``check-teacher``), before training.
 
     Raises:

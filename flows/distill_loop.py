@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tinker
@@ -41,6 +41,9 @@ from prefect_tinker.tasks.teacher import teacher_logprobs, teacher_topk
 from prefect_tinker.tasks.training import custom_step, model_input_tokens, train_step
 from prefect_tinker.tasks.usage import run_task
 
+if TYPE_CHECKING:
+    from tinker_blocks.credentials import TinkerCredentials
+
 __all__ = ["DistillLoop", "SDFTStep", "Teacher", "soft_datum"]
 
 
@@ -51,7 +54,7 @@ class Teacher:
 
     index: int
     weights: str
-    credentials: Any
+    credentials: TinkerCredentials
     renderer_name: str
     renderer: Any
     view: TeacherView

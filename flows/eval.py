@@ -21,7 +21,7 @@ A failed evaluation does not stop the others; the flow fails at the end, naming 
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from prefect import flow, get_run_logger
 
@@ -37,10 +37,13 @@ from prefect_tinker.tasks.eval_tasks import (
 )
 from prefect_tinker.tasks.records import check_store, record_checkpoint
 
+if TYPE_CHECKING:
+    from tinker_blocks.credentials import TinkerCredentials
+
 __all__ = ["EvalConfig", "eval_flow", "resolve_targets"]
 
 
-def _resolve_renderer(config: EvalConfig, credentials: Any, sampler: str, recorded: str | None) -> str:
+def _resolve_renderer(config: EvalConfig, credentials: TinkerCredentials, sampler: str, recorded: str | None) -> str:
     if config.renderer != "auto":
         return config.renderer
     if recorded:
@@ -59,7 +62,7 @@ def _training_store(config: EvalConfig) -> Any:
     return TrainingStore(root=config.store)
 
 
-def _run_targets(config: EvalConfig, credentials: Any, run_id: str) -> list[EvalTarget]:
+def _run_targets(config: EvalConfig, credentials: TinkerCredentials, run_id: str) -> list[EvalTarget]:
     rows = _training_store(config).query(
         "SELECT step, kind, name, path, renderer FROM checkpoints WHERE run_id = ? ORDER BY step, time", [run_id]
     )
@@ -85,7 +88,7 @@ def _run_targets(config: EvalConfig, credentials: Any, run_id: str) -> list[Eval
     ]
 
 
-def _path_target(config: EvalConfig, credentials: Any, path: str) -> EvalTarget:
+def _path_target(config: EvalConfig, credentials: TinkerCredentials, path: str) -> EvalTarget:
     rows = _training_store(config).query(
         "SELECT run_id, step, name, renderer FROM checkpoints WHERE path = ? ORDER BY time DESC LIMIT 1", [path]
     )
@@ -107,7 +110,7 @@ def _path_target(config: EvalConfig, credentials: Any, path: str) -> EvalTarget:
     )
 
 
-def resolve_targets(config: EvalConfig, credentials: Any) -> list[EvalTarget]:
+def resolve_targets(config: EvalConfig, credentials: TinkerCredentials) -> list[EvalTarget]:
     """The weights ``config.model`` names, each once, in the order given (a run's checkpoints in
     step order); see the module docstring.
 

@@ -14,7 +14,7 @@ recorded in the training store's ``metrics`` at that step, so they appear in the
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect_tinker.recipes.evals.benchmarks import BenchmarkSpec
 from prefect_tinker.recipes.evals.specs import InspectSpec
@@ -22,6 +22,9 @@ from prefect_tinker.tasks.eval_tasks import EvalTarget, evaluate_benchmark, eval
 from prefect_tinker.tasks.evaluators import SamplingClientEvaluator
 from prefect_tinker.tasks.run_context import RunContext
 from prefect_tinker.tasks.runners import TaskRunnerFields
+
+if TYPE_CHECKING:
+    from tinker_blocks.credentials import TinkerCredentials
 
 __all__ = ["BenchmarkEvaluator", "benchmark_evaluators"]
 
@@ -57,7 +60,7 @@ class BenchmarkEvaluator(SamplingClientEvaluator):
         self.runner, self.inspect_backend, self.batch_size = runner, dict(inspect_backend or {}), batch_size
         self.name = spec.name
 
-    def evaluate(self, credentials: Any, sampler_path: str, step: int) -> dict[str, float]:
+    def evaluate(self, credentials: TinkerCredentials, sampler_path: str, step: int) -> dict[str, float]:
         """Run the evaluation on ``sampler_path`` (weights after ``step`` optimizer steps); returns
         ``{"eval/<name>/<metric>": value}``."""
         target = EvalTarget(

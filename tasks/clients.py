@@ -90,14 +90,8 @@ _training: dict[tuple[str, str], tuple[tinker.TrainingClient, int]] = {}
 _sampling: OrderedDict[tuple[str, str], Any] = OrderedDict()
 
 
-def _where(credentials: TinkerCredentials) -> str:
-    if credentials.local:
-        return f"local:{credentials.resolved_local_root()}"
-    return f"{credentials.backend_name()}:{credentials.base_url_for_sdk()}"
-
-
 def _key(credentials: TinkerCredentials, name: str) -> tuple[str, str]:
-    return (_where(credentials), name)
+    return (credentials.backend_identity(), name)
 
 
 def result(credentials: TinkerCredentials, future: Any, what: str) -> Any:
@@ -119,7 +113,7 @@ def result(credentials: TinkerCredentials, future: Any, what: str) -> Any:
     try:
         return wait_result(future, credentials, deadline_s=credentials.request_deadline_s, what=what)
     except ServerGone:
-        where = _where(credentials)
+        where = credentials.backend_identity()
         with _lock:
             for table in (_training, _sampling):
                 for key in [k for k in table if k[0] == where]:

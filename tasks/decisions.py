@@ -21,7 +21,7 @@ import base64
 import io
 import json
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from prefect.artifacts import create_markdown_artifact
@@ -41,6 +41,9 @@ from prefect_tinker.tasks.policies import quote
 from prefect_tinker.tasks.reporting import artifact_key, write_png
 from prefect_tinker.tasks.training import forward
 
+if TYPE_CHECKING:
+    from tinker_blocks.credentials import TinkerCredentials
+
 __all__ = ["DecisionEvaluator", "choice_loss_handle", "plot_reliability"]
 
 
@@ -48,7 +51,7 @@ _handles: dict[int, tuple[Any, Any]] = {}
 _handles_lock = threading.Lock()
 
 
-def choice_loss_handle(credentials: Any) -> Any:
+def choice_loss_handle(credentials: TinkerCredentials) -> Any:
     """The ``LossHandle`` of :func:`~prefect_tinker.recipes.decisions.choice_loss` on the
     credentials' service client, uploaded once per service client (the SDK refuses a second upload
     of the same traced loss in one session) and reused by every later run of the process.
@@ -121,7 +124,7 @@ class DecisionEvaluator(TrainingClientEvaluator):
         self.datums = [decision_datum(ex, self.labels) for ex in examples]
         self.targets = np.asarray([ex.target for ex in examples], dtype=np.float64)
 
-    def predictions(self, credentials: Any, run: TrainingRun) -> np.ndarray:
+    def predictions(self, credentials: TinkerCredentials, run: TrainingRun) -> np.ndarray:
         """The choice distributions (D, N) of the held-out examples under the current weights."""
         out = forward.with_options(task_run_name=f"eval-decisions-step-{run.step}")(
             credentials, run, quote(self.datums)
@@ -129,7 +132,7 @@ class DecisionEvaluator(TrainingClientEvaluator):
         n = len(self.labels)
         return np.stack([choice_probs(np.asarray(lp)[-n:]) for lp in out.logprobs])
 
-    def evaluate(self, credentials: Any, run: TrainingRun) -> dict[str, float]:
+    def evaluate(self, credentials: TinkerCredentials, run: TrainingRun) -> dict[str, float]:
         if not self.datums:
             return {}
         probs = self.predictions(credentials, run)

@@ -12,10 +12,13 @@ non-empty line counts (a label followed by an explanation still agrees).
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect_tinker.tasks.evaluators import SamplingClientEvaluator
 from prefect_tinker.tasks.sampling import sample_completions
+
+if TYPE_CHECKING:
+    from tinker_blocks.credentials import TinkerCredentials
 
 __all__ = ["TeacherAgreementEvaluator", "normalise_label"]
 
@@ -60,7 +63,7 @@ class TeacherAgreementEvaluator(SamplingClientEvaluator):
         self.max_tokens, self.first_line, self.prefix = max_tokens, first_line, prefix
         self.last_replies: list[str] = []
 
-    def evaluate(self, credentials: Any, sampler_path: str, step: int) -> dict[str, float]:
+    def evaluate(self, credentials: TinkerCredentials, sampler_path: str, step: int) -> dict[str, float]:
         if not self.prompts:
             return {}
         outs = sample_completions.with_options(task_run_name=f"agreement-step-{step}")(

@@ -50,7 +50,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EvalTarget",
-    "backend_identity",
     "eval_batch",
     "evaluate_benchmark",
     "evaluate_inspect",
@@ -87,14 +86,6 @@ class EvalTarget(BaseModel):
         return self.model_dump(mode="json")
 
 
-def backend_identity(credentials: TinkerCredentials) -> str:
-    """Where the weights are served (local root or server URL), for cache keys: the same path on
-    two servers is two evaluations. Starts nothing."""
-    if credentials.local:
-        return f"local:{credentials.resolved_local_root()}"
-    return f"{credentials.backend_name()}:{credentials.base_url or ''}"
-
-
 def _digest(body: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -103,14 +94,14 @@ _renderers: dict[tuple[str, str, str], Any] = {}
 _renderers_lock = threading.Lock()
 
 
-def renderer_for(credentials: Any, sampler: str, name: str) -> Any:
+def renderer_for(credentials: TinkerCredentials, sampler: str, name: str) -> Any:
     """The renderer ``name`` (``auto`` resolved from the tokenizer) for the tokenizer of the
     sampling client of ``sampler``; cached per process.
 
     Raises:
         OSError: no tokenizer loads; RendererError: an unknown renderer name.
     """
-    key = (backend_identity(credentials), sampler, name)
+    key = (credentials.backend_identity(), sampler, name)
     with _renderers_lock:
         if key in _renderers:
             return _renderers[key]
@@ -130,7 +121,7 @@ def _batch_key(context: Any, params: dict[str, Any]) -> str:
             "target": params["target"].identity(),
             "spec": params["spec"].fingerprint(),
             "examples": [ex.id for ex in params["examples"]],
-            "where": backend_identity(params["credentials"]),
+            "where": params["credentials"].backend_identity(),
         }
     )
 
@@ -143,7 +134,11 @@ def _batch_key(context: Any, params: dict[str, Any]) -> str:
     **RETRY_OPTIONS,
 )
 def eval_batch(
-    credentials: Any, target: EvalTarget, spec: BenchmarkSpec, examples: list[Example], batch_index: int = 0
+    credentials: TinkerCredentials,
+    target: EvalTarget,
+    spec: BenchmarkSpec,
+    examples: list[Example],
+    batch_index: int = 0,
 ) -> list[dict[str, Any]]:
     """Sample and grade ``examples`` on ``target``; returns their ``eval_samples`` rows
     (examples x ``spec.num_samples``, see :func:`~prefect_tinker.recipes.evals.evaluate_examples`).
@@ -165,7 +160,7 @@ def _eval_key(context: Any, params: dict[str, Any]) -> str:
             "target": params["target"].identity(),
             "spec": params["spec"].fingerprint(),
             "store": str(params["eval_store"]),
-            "where": backend_identity(params["credentials"]),
+            "where": params["credentials"].backend_identity(),
         }
     )
 
@@ -196,7 +191,7 @@ def _outcome(target: EvalTarget, name: str, results: list[dict[str, Any]], n: in
     **RETRY_OPTIONS,
 )
 def evaluate_benchmark(
-    credentials: Any,
+    credentials: TinkerCredentials,
     target: EvalTarget,
     spec: BenchmarkSpec,
     eval_store: str,
@@ -259,7 +254,7 @@ def _inspect_key(context: Any, params: dict[str, Any]) -> str:
             "spec": params["spec"].fingerprint(),
             "store": str(params["eval_store"]),
             "backend": params.get("backend_args"),
-            "where": backend_identity(params["credentials"]),
+            "where": params["credentials"].backend_identity(),
         }
     )
 
@@ -278,7 +273,7 @@ def default_inspect_log_dir() -> str:
     **RETRY_OPTIONS,
 )
 def evaluate_inspect(
-    credentials: Any,
+    credentials: TinkerCredentials,
     target: EvalTarget,
     spec: InspectSpec,
     eval_store: str,
@@ -343,7 +338,7 @@ def evaluate_inspect(
 
 
 @task(name="sampler-from-state", task_run_name="sampler-from-{name}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
-def sampler_from_state(credentials: Any, state_path: str, name: str) -> str:
+def sampler_from_state(credentials: TinkerCredentials, state_path: str, name: str) -> str:
     """Sampler weights of the state checkpoint ``state_path`` (``tinker://.../weights/...``): a
     training client is created from the state and saves them as ``name``; returns their
     ``tinker://.../sampler_weights/<name>`` path.

@@ -30,6 +30,7 @@ from prefect_tinker.tasks.usage import run_task
 if TYPE_CHECKING:
     from prefect_tinker.recipes.builders import DatasetBuilder, SupervisedData
     from prefect_tinker.recipes.preference import LossName
+    from tinker_blocks.credentials import TinkerCredentials
 
 __all__ = [
     "ClassifierAccuracyEvaluator",
@@ -54,7 +55,7 @@ class TrainingClientEvaluator(Evaluator):
     """An evaluator on the training client's current weights."""
 
     @abstractmethod
-    def evaluate(self, credentials: Any, run: TrainingRun) -> dict[str, float]:
+    def evaluate(self, credentials: TinkerCredentials, run: TrainingRun) -> dict[str, float]:
         """Metrics of the weights after ``run.step`` optimizer steps."""
 
 
@@ -62,7 +63,7 @@ class SamplingClientEvaluator(Evaluator):
     """An evaluator on saved sampler weights."""
 
     @abstractmethod
-    def evaluate(self, credentials: Any, sampler_path: str, step: int) -> dict[str, float]:
+    def evaluate(self, credentials: TinkerCredentials, sampler_path: str, step: int) -> dict[str, float]:
         """Metrics of the sampler weights ``sampler_path`` (taken after ``step`` optimizer steps)."""
 
 
@@ -82,7 +83,7 @@ class NLLEvaluator(TrainingClientEvaluator):
     def __init__(self, datums: list[tinker.Datum], prefix: str = "test"):
         self.datums, self.prefix = list(datums), prefix
 
-    def evaluate(self, credentials: Any, run: TrainingRun) -> dict[str, float]:
+    def evaluate(self, credentials: TinkerCredentials, run: TrainingRun) -> dict[str, float]:
         if not self.datums:
             return {}
         out = forward.with_options(task_run_name=f"eval-nll-step-{run.step}")(credentials, run, quote(self.datums))
@@ -132,7 +133,7 @@ class PreferenceEvaluator(TrainingClientEvaluator):
         self.beta, self.loss, self.label_smoothing = beta, loss, label_smoothing
         self.reference, self.via, self.seed = reference, via, seed
 
-    def evaluate(self, credentials: Any, run: TrainingRun) -> dict[str, float]:
+    def evaluate(self, credentials: TinkerCredentials, run: TrainingRun) -> dict[str, float]:
         import torch
 
         from prefect_tinker.recipes.preference import DPOLoss, pair_accuracy
@@ -206,7 +207,7 @@ class ClassifierAccuracyEvaluator(SamplingClientEvaluator):
         """The class name in an answer: after the last ``:``, stripped, lower case."""
         return text.split(":")[-1].strip().lower()
 
-    def evaluate(self, credentials: Any, sampler_path: str, step: int) -> dict[str, float]:
+    def evaluate(self, credentials: TinkerCredentials, sampler_path: str, step: int) -> dict[str, float]:
         from prefect_tinker.recipes.rl.problem_env import load_renderer
         from prefect_tinker.tasks.sampling import completion_tokens, sample_completions
 
@@ -264,7 +265,7 @@ class TranscriptionEvaluator(SamplingClientEvaluator):
         self.renderer_name, self.tokenizer_id = renderer_name, tokenizer_id
         self.max_tokens, self.prefix = max_tokens, prefix
 
-    def evaluate(self, credentials: Any, sampler_path: str, step: int) -> dict[str, float]:
+    def evaluate(self, credentials: TinkerCredentials, sampler_path: str, step: int) -> dict[str, float]:
         from prefect_tinker.recipes.grading_text import word_error_rate
         from prefect_tinker.recipes.rl.problem_env import load_renderer
         from prefect_tinker.tasks.sampling import completion_tokens, sample_completions

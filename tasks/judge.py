@@ -14,7 +14,7 @@ a resumed step never asks the judge twice. Rollout tasks lend it to environments
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tinker
 from prefect import task
@@ -24,6 +24,9 @@ from prefect_tinker.recipes.rl.judge import JudgeRequest, judge_messages
 from prefect_tinker.recipes.rl.problem_env import load_renderer
 from prefect_tinker.tasks.clients import sampling_client
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
+
+if TYPE_CHECKING:
+    from tinker_blocks.credentials import TinkerCredentials
 
 __all__ = ["judge_prompt_tokens", "judge_reply"]
 
@@ -49,7 +52,7 @@ def judge_prompt_tokens(request: JudgeRequest) -> list[int]:
     persist_result=True,
     **RETRY_OPTIONS,
 )
-def judge_reply(credentials: Any, request: JudgeRequest) -> str:
+def judge_reply(credentials: TinkerCredentials, request: JudgeRequest) -> str:
     """The judge's answer (text, stop sequence removed) to ``request`` (module docstring).
 
     Raises:

@@ -16,7 +16,7 @@ than the trainer biases the log-ratios by that difference).
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import tinker
@@ -26,24 +26,24 @@ from prefect.cache_policies import TASK_SOURCE, CacheKeyFnPolicy
 from prefect_tinker.tasks.clients import reference_client, result, sampling_client
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
 
+if TYPE_CHECKING:
+    from tinker_blocks.credentials import TinkerCredentials
+
 __all__ = ["reference_input_tokens", "reference_sequence_logprobs"]
-
-
-def _array(x: Any) -> np.ndarray:
-    return np.asarray(x.to_numpy() if hasattr(x, "to_numpy") else x)
 
 
 def _key(context: Any, params: dict[str, Any]) -> str:
     h = hashlib.sha256(f"{params['reference']}|{params.get('via', 'trainer')}".encode())
     for d in params["datums"]:
         h.update(np.asarray(d.model_input.to_ints(), dtype=np.int64).tobytes() + b"|")
-        h.update(_array(d.loss_fn_inputs["target_tokens"]).astype(np.int64).tobytes() + b"|")
-        h.update(_array(d.loss_fn_inputs["weights"]).astype(np.float32).tobytes() + b"#")
+        h.update(d.loss_fn_inputs["target_tokens"].to_numpy().astype(np.int64).tobytes() + b"|")
+        h.update(d.loss_fn_inputs["weights"].to_numpy().astype(np.float32).tobytes() + b"#")
     return h.hexdigest()
 
 
-def _weighted(logprobs: Any, datum: tinker.Datum) -> float:
-    return float((_array(logprobs).astype(np.float64).ravel() * _array(datum.loss_fn_inputs["weights"]).ravel()).sum())
+def _weighted(logprobs: np.ndarray, datum: tinker.Datum) -> float:
+    weights = datum.loss_fn_inputs["weights"].to_numpy().astype(np.float64).ravel()
+    return float((np.asarray(logprobs, dtype=np.float64).ravel() * weights).sum())
 
 
 @task(
@@ -53,7 +53,7 @@ def _weighted(logprobs: Any, datum: tinker.Datum) -> float:
     **RETRY_OPTIONS,
 )
 def reference_sequence_logprobs(
-    credentials: Any,
+    credentials: TinkerCredentials,
     reference: str,
     datums: list[tinker.Datum],
     via: Literal["trainer", "sampler"] = "trainer",
@@ -69,16 +69,16 @@ def reference_sequence_logprobs(
     if via == "trainer":
         fut = reference_client(credentials, reference, seed=seed).forward(datums, "cross_entropy")
         out = result(credentials, fut, f"reference logprobs of {reference}")
-        return [_weighted(o["logprobs"], d) for o, d in zip(out.loss_fn_outputs, datums, strict=True)]
+        return [_weighted(o["logprobs"].to_numpy(), d) for o, d in zip(out.loss_fn_outputs, datums, strict=True)]
     if via != "sampler":
         raise ValueError(f"via must be 'trainer' or 'sampler', got {via!r}")
     client = sampling_client(credentials, reference)
-    seqs = [d.model_input.to_ints() + [int(_array(d.loss_fn_inputs["target_tokens"]).ravel()[-1])] for d in datums]
+    seqs = [d.model_input.to_ints() + [int(d.loss_fn_inputs["target_tokens"].to_numpy().ravel()[-1])] for d in datums]
     futures = [client.compute_logprobs(tinker.ModelInput.from_ints(s)) for s in seqs]
     out = []
     for fut, d in zip(futures, datums, strict=True):
         lp = [x if x is not None else 0.0 for x in list(fut.result())[1:]]  # position i predicts token i+1
-        out.append(_weighted(lp, d))
+        out.append(_weighted(np.asarray(lp), d))
     return out
 
 

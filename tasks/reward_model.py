@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tinker
@@ -48,6 +48,9 @@ from prefect_tinker.recipes.reward_model import (
 from prefect_tinker.tasks.clients import sampling_client
 from prefect_tinker.tasks.evaluators import SamplingClientEvaluator
 from prefect_tinker.tasks.policies import RETRY_OPTIONS, quote, run_name_from_parameters
+
+if TYPE_CHECKING:
+    from tinker_blocks.credentials import TinkerCredentials
 
 __all__ = ["RewardModelEvaluator", "WinRateEvaluator", "label_logprobs", "pair_preferences"]
 
@@ -90,10 +93,6 @@ def _ask_sequence(client: Any, prompt: list[int], label: list[int]) -> Any:
     return client.compute_logprobs(tinker.ModelInput.from_ints(prompt + label), prompt_logprobs_last_n=len(label))
 
 
-def _result(fut: Any) -> Any:
-    return fut.result() if hasattr(fut, "result") else fut
-
-
 @task(
     name="reward-label-logprobs",
     task_run_name=run_name_from_parameters(_run_name),
@@ -102,7 +101,7 @@ def _result(fut: Any) -> Any:
     **RETRY_OPTIONS,
 )
 def label_logprobs(
-    credentials: Any, reward_model: str, comparisons: list[RenderedComparison]
+    credentials: TinkerCredentials, reward_model: str, comparisons: list[RenderedComparison]
 ) -> list[tuple[float, float]]:
     """Per comparison (C), ``(log p(labels[0] | prompt), log p(labels[1] | prompt))`` under the
     reward model's sampler weights ``reward_model`` (``tinker://.../sampler_weights/...`` or
@@ -135,7 +134,7 @@ def label_logprobs(
     firsts: dict[tuple, float] = {}
     missing: dict[tuple, Any] = {}
     for key, fut in single.items():
-        resp = _result(fut)
+        resp = fut.result()
         top = dict((resp.topk_prompt_logprobs or [None])[-1] or [])
         first, second = float(resp.prompt_logprobs[-1]), top.get(key[2])
         if second is None:  # the second label is not among the top-k: ask for it
@@ -143,9 +142,9 @@ def label_logprobs(
         else:
             pairs[key] = (first, float(second))
     for key, fut in missing.items():
-        pairs[key] = (firsts[key], float(list(_result(fut))[-1]))
+        pairs[key] = (firsts[key], float(list(fut.result())[-1]))
     # entry i of the prompt logprobs is log p(token i | tokens before it); the labels end the prompt
-    scored = {key: float(sum(float(x) for x in list(_result(fut))[-len(key[1]) :])) for key, fut in sequences.items()}
+    scored = {key: float(sum(float(x) for x in list(fut.result())[-len(key[1]) :])) for key, fut in sequences.items()}
     out = []
     for c in comparisons:
         prompt = tuple(c.prompt)
@@ -158,7 +157,7 @@ def label_logprobs(
 
 
 def pair_preferences(
-    credentials: Any,
+    credentials: TinkerCredentials,
     reward_model: str,
     pairs: Sequence[tuple[RenderedComparison, RenderedComparison]],
     *,
@@ -188,7 +187,9 @@ class RewardModelEvaluator(SamplingClientEvaluator):
     def __init__(self, comparisons: Sequence[RMComparison], prefix: str = "eval"):
         self.comparisons, self.prefix = list(comparisons), prefix
 
-    def probabilities(self, credentials: Any, sampler_path: str, step: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    def probabilities(
+        self, credentials: TinkerCredentials, sampler_path: str, step: int = 0
+    ) -> tuple[np.ndarray, np.ndarray]:
         """``(P(chosen better) (C,), mean P(label A) over both orders (C,))``."""
         flat = [c for cmp in self.comparisons for c in (cmp.chosen_b, cmp.chosen_a)]
         lps = label_logprobs.with_options(task_run_name=f"rm-eval-step-{step}")(credentials, sampler_path, quote(flat))
@@ -199,7 +200,7 @@ class RewardModelEvaluator(SamplingClientEvaluator):
         )
         return p, prob_a
 
-    def evaluate(self, credentials: Any, sampler_path: str, step: int) -> dict[str, float]:
+    def evaluate(self, credentials: TinkerCredentials, sampler_path: str, step: int) -> dict[str, float]:
         if not self.comparisons:
             return {}
         p, prob_a = self.probabilities(credentials, sampler_path, step)
@@ -251,7 +252,7 @@ class WinRateEvaluator(SamplingClientEvaluator):
         self.reward_renderer, self.reward_tokenizer = reward_renderer or renderer_name, reward_tokenizer or tokenizer_id
         self.max_tokens, self.temperature, self.seed, self.prefix = max_tokens, temperature, seed, prefix
 
-    def replies(self, credentials: Any, sampler_path: str) -> list[tuple[str, bool]]:
+    def replies(self, credentials: TinkerCredentials, sampler_path: str) -> list[tuple[str, bool]]:
         """``(text, ended on a stop sequence)`` of the sampler's reply to every prompt."""
         from prefect_tinker.recipes.rl.problem_env import load_renderer
         from prefect_tinker.tasks.sampling import sample_completions
@@ -270,7 +271,7 @@ class WinRateEvaluator(SamplingClientEvaluator):
         parsed = [rend.parse_response(o[0]["tokens"]) for o in outs]
         return [(p.message.get("content") or "", p.termination == Termination.STOP_SEQUENCE) for p in parsed]
 
-    def evaluate(self, credentials: Any, sampler_path: str, step: int) -> dict[str, float]:
+    def evaluate(self, credentials: TinkerCredentials, sampler_path: str, step: int) -> dict[str, float]:
         from prefect_tinker.recipes.rl.problem_env import load_renderer
 
         if not self.prompts:

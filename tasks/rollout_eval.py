@@ -12,7 +12,7 @@ run's :class:`EnvContext`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect import unmapped
 
@@ -20,6 +20,9 @@ from prefect_tinker.recipes.rl.advantages import rollout_metrics
 from prefect_tinker.recipes.rl.envs import EnvContext, EnvSpec, get_env
 from prefect_tinker.tasks.evaluators import SamplingClientEvaluator
 from prefect_tinker.tasks.rollouts import RolloutPolicy, rollout_group
+
+if TYPE_CHECKING:
+    from tinker_blocks.credentials import TinkerCredentials
 
 __all__ = ["RolloutEvaluator", "env_evaluators", "session_env_evaluators"]
 
@@ -48,7 +51,7 @@ class RolloutEvaluator(SamplingClientEvaluator):
         self.name, self.builders, self.prefix = name, list(builders), prefix
         self.max_tokens, self.temperature, self.seed = int(max_tokens), float(temperature), int(seed)
 
-    def evaluate(self, credentials: Any, sampler_path: str, step: int) -> dict[str, float]:
+    def evaluate(self, credentials: TinkerCredentials, sampler_path: str, step: int) -> dict[str, float]:
         if not self.builders:
             return {}
         policy = RolloutPolicy(mode="min_viable", min_group_size=1)

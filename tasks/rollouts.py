@@ -32,7 +32,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import tinker
@@ -53,6 +53,9 @@ from prefect_tinker.tasks.clients import sampling_client
 from prefect_tinker.tasks.judge import judge_reply
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
 from prefect_tinker.tasks.reward_model import pair_preferences
+
+if TYPE_CHECKING:
+    from tinker_blocks.credentials import TinkerCredentials
 
 __all__ = [
     "RolloutPolicy",
@@ -110,10 +113,9 @@ def _sample(
     (split by the server's ``prompt_cache_hit_tokens``) and every sampled token."""
     params = tinker.SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=int(seed), stop=stop)
     model_input = model_input_from_tokens(prompt)
-    resp = sampler.sample(prompt=model_input, num_samples=n, sampling_params=params)
-    resp = resp.result() if hasattr(resp, "result") else resp
+    resp = sampler.sample(prompt=model_input, num_samples=n, sampling_params=params).result()
     if usage is not None:
-        cached = min(int(getattr(resp, "prompt_cache_hit_tokens", 0) or 0), model_input.length)
+        cached = min(int(resp.prompt_cache_hit_tokens or 0), model_input.length)
         usage["prefill_cached"] += cached
         usage["prefill_uncached"] += model_input.length - cached
         usage["sampled"] += sum(len(s.tokens) for s in resp.sequences)
@@ -122,7 +124,7 @@ def _sample(
             list(s.tokens),
             [float(x) for x in (s.logprobs or [])],
             str(s.stop_reason),
-            str(getattr(s, "sequence_id", None) or ""),
+            str(s.sequence_id or ""),
         )
         for s in resp.sequences
     ]
@@ -341,7 +343,7 @@ def _rollout_cache_key(context: Any, params: dict[str, Any]) -> str:
     **RETRY_OPTIONS,
 )
 def rollout_group(
-    credentials: Any,
+    credentials: TinkerCredentials,
     sampler_path: str,
     builder: EnvGroupBuilder,
     batch_index: int,
@@ -402,7 +404,7 @@ def _ref_cache_key(context: Any, params: dict[str, Any]) -> str:
     persist_result=True,
     **RETRY_OPTIONS,
 )
-def reference_logprobs(credentials: Any, reference: str, sequences: list[list[int]]) -> list[list[float]]:
+def reference_logprobs(credentials: TinkerCredentials, reference: str, sequences: list[list[int]]) -> list[list[float]]:
     """Logprobs (L-1,) of tokens 1..L-1 of each sequence (L,) under the reference weights
     (``tinker://.../sampler_weights/...`` or ``base:<model>``), via ``compute_logprobs``."""
     client = sampling_client(credentials, reference)

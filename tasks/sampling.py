@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tinker
 from prefect import task
@@ -13,6 +13,9 @@ from prefect.cache_policies import TASK_SOURCE, CacheKeyFnPolicy
 from prefect_tinker.recipes.media import media_key, model_input_from_tokens
 from prefect_tinker.tasks.clients import sampling_client
 from prefect_tinker.tasks.policies import RETRY_OPTIONS, run_name_from_parameters
+
+if TYPE_CHECKING:
+    from tinker_blocks.credentials import TinkerCredentials
 
 __all__ = ["completion_tokens", "sample_completions"]
 
@@ -40,7 +43,7 @@ def _sample_cache_key(context: Any, params: dict[str, Any]) -> str:
     **RETRY_OPTIONS,
 )
 def sample_completions(
-    credentials: Any,
+    credentials: TinkerCredentials,
     sampler_path: str,
     prompts: list[list[int]],
     max_tokens: int = 64,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tinker
@@ -32,6 +32,9 @@ from prefect_tinker.recipes.distill.prompts import PromptRecord, TeacherView
 from prefect_tinker.tasks.clients import sampling_client
 from prefect_tinker.tasks.policies import RETRY_OPTIONS, is_transient
 from prefect_tinker.tasks.rollouts import reference_logprobs
+
+if TYPE_CHECKING:
+    from tinker_blocks.credentials import TinkerCredentials
 
 __all__ = [
     "TeacherError",
@@ -54,7 +57,7 @@ class TeacherError(ValueError):
 teacher_logprobs = reference_logprobs.with_options(name="teacher-logprobs")
 
 
-def weights_tokenizer(credentials: Any, weights: str) -> Any:
+def weights_tokenizer(credentials: TinkerCredentials, weights: str) -> Any:
     """The tokenizer of ``weights`` (``base:<model>`` or ``tinker://...``) on ``credentials``'
     backend. A checkpoint's sampler names its base model as the server announces it; a base model
     on the embedded local server is named by the server only through a training client's
@@ -77,7 +80,9 @@ def teacher_asset(weights: str) -> str:
 
 
 @task(name="check-teacher", task_run_name="check-teacher", cache_policy=NO_CACHE, **RETRY_OPTIONS)
-def check_teacher(credentials: Any, weights: str, student_tokenizer: Any, student_name: str, topk: int = 0) -> dict:
+def check_teacher(
+    credentials: TinkerCredentials, weights: str, student_tokenizer: Any, student_name: str, topk: int = 0
+) -> dict:
     """Open the teacher ``weights`` (``base:<model>`` or ``tinker://...``) and check it against
     the student's tokenizer (``student_name`` names the student in messages).
 
@@ -143,7 +148,7 @@ def _topk_key(context: Any, params: dict[str, Any]) -> str:
     **RETRY_OPTIONS,
 )
 def teacher_topk(
-    credentials: Any, teacher: str, sequences: list[list[int]], k: int
+    credentials: TinkerCredentials, teacher: str, sequences: list[list[int]], k: int
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """Top-``k`` teacher logprobs at every target of each sequence (one forward each, through
     ``sample(..., topk_prompt_logprobs=k)``).
@@ -243,7 +248,7 @@ def read_samples(uri: str, cache_dir: str | Path | None = None) -> str:
 
 
 def _sample_teacher(
-    credentials: Any,
+    credentials: TinkerCredentials,
     teacher: str,
     records: list[PromptRecord],
     renderer: str,
@@ -319,7 +324,7 @@ def _sample_teacher(
 
 
 def teacher_samples(
-    credentials: Any,
+    credentials: TinkerCredentials,
     teacher: str,
     records: list[PromptRecord],
     *,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tinker
@@ -34,6 +34,9 @@ from tinker.types import LossFnType
 from prefect_tinker.tasks import clients
 from prefect_tinker.tasks.clients import ClientRewound, TrainingRun
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
+
+if TYPE_CHECKING:
+    from tinker_blocks.credentials import TinkerCredentials
 
 __all__ = [
     "ClientRewound",
@@ -75,11 +78,7 @@ def weights_sum(datums: list[tinker.Datum]) -> float:
     total = 0.0
     for d in datums:
         w = d.loss_fn_inputs.get("weights")
-        total += (
-            float(np.asarray(w.data if hasattr(w, "data") else w, dtype=np.float64).sum())
-            if w is not None
-            else d.model_input.length
-        )
+        total += float(w.to_numpy().astype(np.float64).sum()) if w is not None else d.model_input.length
     return total
 
 
@@ -95,18 +94,14 @@ def _metrics(raw: dict[str, float] | None) -> dict[str, float]:
 
 
 def _logprobs(out: Any) -> list[list[float]]:
-    return [
-        np.asarray(
-            o["logprobs"].to_numpy() if hasattr(o["logprobs"], "to_numpy") else o["logprobs"].data, dtype=np.float64
-        )
-        .ravel()
-        .tolist()
-        for o in out.loss_fn_outputs
-    ]
+    return [np.asarray(o["logprobs"].to_numpy(), dtype=np.float64).ravel().tolist() for o in out.loss_fn_outputs]
 
 
 def _calling(
-    credentials: Any, run: TrainingRun, fn: Callable[[tinker.TrainingClient, Callable[[Any], Any]], Any], what: str
+    credentials: TinkerCredentials,
+    run: TrainingRun,
+    fn: Callable[[tinker.TrainingClient, Callable[[Any], Any]], Any],
+    what: str,
 ) -> tuple[Any, Any]:
     """``(client, fn(client, wait))`` where ``wait(future)`` is the future's result, watched for a
     dead server and bounded by the deadline (:func:`prefect_tinker.tasks.clients.result`); a
@@ -122,7 +117,7 @@ def _calling(
 
 @task(name="open-training-run", task_run_name="open-{run_name}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
 def open_training_run(
-    credentials: Any,
+    credentials: TinkerCredentials,
     run_name: str,
     base_model: str,
     lora_rank: int,
@@ -169,7 +164,7 @@ def _adam(learning_rate: float, adam: dict[str, float] | None) -> tinker.AdamPar
 
 @task(name="train-step", task_run_name="step-{step}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
 def train_step(
-    credentials: Any,
+    credentials: TinkerCredentials,
     run: TrainingRun,
     step: int,
     datums: list[tinker.Datum],
@@ -208,7 +203,7 @@ def train_step(
     clients.advance(credentials, run, client, step + 1)
     tokens = weights_sum(datums)
     loss_sum = float(out.metrics.get("loss:sum", float("nan")))
-    metrics = {k: v for k, v in _metrics(getattr(opt, "metrics", None)).items() if k not in ("learning_rate", "step")}
+    metrics = {k: v for k, v in _metrics(opt.metrics).items() if k not in ("learning_rate", "step")}
     metrics.update(
         {
             "loss": loss_sum / max(tokens, 1e-9),
@@ -223,7 +218,7 @@ def train_step(
 
 @task(name="custom-step", task_run_name="step-{step}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
 def custom_step(
-    credentials: Any,
+    credentials: TinkerCredentials,
     run: TrainingRun,
     step: int,
     datums: list[tinker.Datum],
@@ -249,7 +244,7 @@ def custom_step(
 
     client, (out, opt) = _calling(credentials, run, call, "forward_backward_custom + optim_step")
     clients.advance(credentials, run, client, step + 1)
-    metrics = {k: v for k, v in _metrics(getattr(opt, "metrics", None)).items() if k not in ("learning_rate", "step")}
+    metrics = {k: v for k, v in _metrics(opt.metrics).items() if k not in ("learning_rate", "step")}
     metrics.update({k: v for k, v in _metrics(out.metrics).items() if k != "surrogate_loss"})
     metrics.update({"learning_rate": float(learning_rate), "step_seconds": time.perf_counter() - t0})
     return run.model_copy(update={"step": step + 1}), metrics
@@ -257,7 +252,7 @@ def custom_step(
 
 @task(name="forward-backward", task_run_name="fwd-bwd-step-{run.step}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
 def forward_backward(
-    credentials: Any,
+    credentials: TinkerCredentials,
     run: TrainingRun,
     datums: list[tinker.Datum],
     loss_fn: LossFnType = "cross_entropy",
@@ -291,7 +286,7 @@ def forward_backward(
 
 @task(name="optim-step", task_run_name="optim-step-{run.step}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
 def optim_step(
-    credentials: Any,
+    credentials: TinkerCredentials,
     run: TrainingRun,
     learning_rate: float,
     adam: dict[str, float] | None = None,
@@ -309,14 +304,14 @@ def optim_step(
         credentials, run, lambda c, wait: wait(c.optim_step(_adam(learning_rate, adam))), "optim_step"
     )
     clients.advance(credentials, run, client, run.step + 1)
-    metrics = {k: v for k, v in _metrics(getattr(res, "metrics", None)).items() if k not in ("learning_rate", "step")}
+    metrics = {k: v for k, v in _metrics(res.metrics).items() if k not in ("learning_rate", "step")}
     metrics["learning_rate"] = float(learning_rate)
     return run.model_copy(update={"step": run.step + 1}), metrics
 
 
 @task(name="forward", task_run_name="forward-step-{run.step}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
 def forward(
-    credentials: Any, run: TrainingRun, datums: list[tinker.Datum], loss_fn: LossFnType = "cross_entropy"
+    credentials: TinkerCredentials, run: TrainingRun, datums: list[tinker.Datum], loss_fn: LossFnType = "cross_entropy"
 ) -> ForwardResult:
     """``forward(datums, loss_fn)`` under the run's current weights: the loss and per-datum
     logprobs, no gradients."""
@@ -336,7 +331,9 @@ def checkpoint_uri(run: TrainingRun, name: str, kind: str = "state") -> str:
     return f"tinker://{run.model_id}/{folder}/{name}"
 
 
-def _save_checkpoint(credentials: Any, run: TrainingRun, name: str, kind: str = "state") -> tuple[TrainingRun, str]:
+def _save_checkpoint(
+    credentials: TinkerCredentials, run: TrainingRun, name: str, kind: str = "state"
+) -> tuple[TrainingRun, str]:
     """Save the run's current weights: ``kind="state"`` (weights + optimizer, resumable) or
     ``"sampler"`` (weights for a sampling client). Returns the updated handle and the path.
 
@@ -357,7 +354,7 @@ def _save_checkpoint(credentials: Any, run: TrainingRun, name: str, kind: str = 
 
 
 def save_checkpoint(
-    credentials: Any,
+    credentials: TinkerCredentials,
     run: TrainingRun,
     name: str,
     kind: str = "state",
@@ -381,7 +378,7 @@ def save_checkpoint(
 
 
 @task(name="save-sampler-weights", task_run_name="sampler-{name}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
-def save_sampler_weights(credentials: Any, run: TrainingRun, name: str) -> str:
+def save_sampler_weights(credentials: TinkerCredentials, run: TrainingRun, name: str) -> str:
     """Save the current weights for sampling; returns the ``tinker://.../sampler_weights/<name>``
     path a sampling client is made from.
 
@@ -398,7 +395,7 @@ def save_sampler_weights(credentials: Any, run: TrainingRun, name: str) -> str:
     cache_policy=NO_CACHE,
     **RETRY_OPTIONS,
 )
-def save_inflight_sampler(credentials: Any, run: TrainingRun, record_stability_info: bool = False) -> Any:
+def save_inflight_sampler(credentials: TinkerCredentials, run: TrainingRun, record_stability_info: bool = False) -> Any:
     """Publish the current weights as the run's *inflight* sampler target
     (``save_weights_and_get_sampling_client(kind="inflight")``): every inflight sampling client of
     the run, earlier ones included, moves to these weights; returns a new inflight client (a fresh

@@ -5,6 +5,7 @@ Qwen3 / Llama 3 stand-ins of tests/renderer_tokenizers.py saved to disk)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -47,8 +48,15 @@ class ScriptedSampler:
             lps = [-0.001 * (self.n + j + 1) for j in range(len(tokens))]
             self.n += len(tokens)
             self.sampled.append((ints, tokens, lps))
-            seqs.append(SimpleNamespace(tokens=tokens, logprobs=lps, stop_reason=self.stop_reason))
-        return SimpleNamespace(sequences=seqs)
+            seqs.append(SimpleNamespace(tokens=tokens, logprobs=lps, stop_reason=self.stop_reason, sequence_id=""))
+        return completed(SimpleNamespace(sequences=seqs, prompt_cache_hit_tokens=0))
+
+
+def completed(value):
+    """A finished ``Future`` holding ``value``: what an SDK call returns, already resolved."""
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ from prefect_tinker.recipes.rl.message_env import (
 from prefect_tinker.recipes.rl.problem_env import Problem, load_renderer
 from prefect_tinker.recipes.tools import Toolset, calculator, tool
 from prefect_tinker.tasks.rollouts import MAX_TURNS, run_group_rollout
-from tests.scripted_policy import ScriptedSampler, tokenizer_dirs  # noqa: F401
+from tests.scripted_policy import ScriptedSampler, completed, tokenizer_dirs  # noqa: F401
 
 CALL = '<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{}"}}}}\n</tool_call><|im_end|>'
 END = "<|im_end|>"
@@ -149,10 +149,10 @@ def test_unparsable_reply_ends_the_episode_with_failed_parse_reward(tokenizer_di
     orig = sampler.sample
 
     def sample(prompt, num_samples, sampling_params):
-        out = orig(prompt, num_samples, sampling_params)
+        out = orig(prompt, num_samples, sampling_params).result()
         for s in out.sequences:
             s.stop_reason = next(sampler_turns)
-        return out
+        return completed(out)
 
     sampler.sample = sample
     group = run_group_rollout(sampler, _calc_builder(tokenizer_dirs, G=1, limits=limits), seed=0, max_tokens=64)

@@ -21,6 +21,7 @@ from prefect_tinker.recipes.rl.advantages import (
 )
 from prefect_tinker.recipes.rl.types import Env, EnvGroupBuilder, StepResult, Trajectory, TrajectoryGroup, Transition
 from prefect_tinker.tasks.rollouts import RolloutError, RolloutPolicy, group_seed, run_group_rollout
+from tests.scripted_policy import completed
 
 
 def _traj(ob, ac, lp, reward=0.0):
@@ -133,9 +134,9 @@ class FakeSampler:
 
     def sample(self, prompt, num_samples, sampling_params):
         self.calls.append((prompt.to_ints(), num_samples, sampling_params.seed))
-        seqs = [SimpleNamespace(tokens=[sampling_params.seed % 7 + i, 99], logprobs=[-1.0, -1.0], stop_reason="stop")
-                for i in range(num_samples)]
-        return SimpleNamespace(sequences=seqs)
+        seqs = [SimpleNamespace(tokens=[sampling_params.seed % 7 + i, 99], logprobs=[-1.0, -1.0], stop_reason="stop",
+                                sequence_id="") for i in range(num_samples)]
+        return completed(SimpleNamespace(sequences=seqs, prompt_cache_hit_tokens=0))
 
 
 class FlakyEnv(Env):

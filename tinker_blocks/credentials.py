@@ -165,6 +165,13 @@ class TinkerCredentials(CredentialsBlock):
             return "local"
         return "remote" if self.base_url else "hosted"
 
+    def backend_identity(self) -> str:
+        """Where weights are served, as a key: ``local:<root folder>`` or ``<backend_name>:<base_url>``
+        (the same ``tinker://`` path on two servers is two different models). Starts nothing."""
+        if self.local:
+            return f"local:{self.resolved_local_root()}"
+        return f"{self.backend_name()}:{self.base_url or ''}"
+
     def resolved_local_root(self) -> Path:
         """The local server's folder (``local_root`` or :func:`tinker_local.launcher.default_root`), absolute."""
         return (Path(self.local_root).expanduser() if self.local_root else launcher.default_root()).resolve()

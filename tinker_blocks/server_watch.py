@@ -28,9 +28,12 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tinker_local.launcher import HEALTH_PATH, read_record
+
+if TYPE_CHECKING:
+    from tinker_blocks.credentials import TinkerCredentials
 from tinker_local.procs import pid_alive
 
 __all__ = ["DEFAULT_DEADLINE_S", "ServerDeadline", "ServerGone", "ServerProbe", "server_answers", "wait_result"]
@@ -90,7 +93,7 @@ class ServerProbe:
     log_path: str | None = None
 
     @classmethod
-    def of(cls, credentials: Any) -> ServerProbe:
+    def of(cls, credentials: TinkerCredentials) -> ServerProbe:
         """The probe of ``credentials``' server: for ``local=True`` the server recorded in its
         ``server.json`` (not started here), else the block's ``base_url`` (the SDK's default
         hosted URL when empty).
@@ -98,7 +101,7 @@ class ServerProbe:
         Raises:
             ServerGone: local mode and no server is recorded.
         """
-        if getattr(credentials, "local", False):
+        if credentials.local:
             root = credentials.resolved_local_root()
             record = read_record(root)
             if not record:
@@ -111,7 +114,7 @@ class ServerProbe:
             return cls(record["base_url"], int(record["pid"]), record.get("log"))
         from tinker.lib.base_url import resolve_base_url  # the SDK's own default and TINKER_BASE_URL
 
-        return cls(resolve_base_url(getattr(credentials, "base_url", None)))
+        return cls(resolve_base_url(credentials.base_url))
 
     def dead_reason(self) -> str | None:
         """Why the server is certainly gone (its process exited), else None."""
@@ -142,7 +145,7 @@ def _cancel(future: Any) -> None:
 
 def wait_result(
     future: Any,
-    server: Any,
+    server: ServerProbe | TinkerCredentials,
     *,
     deadline_s: float = DEFAULT_DEADLINE_S,
     poll_s: float = 2.0,

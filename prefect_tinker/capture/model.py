@@ -15,12 +15,15 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tinker
 
 from prefect_tinker.capture.requests import APIError
 from prefect_tinker.recipes.renderers import Renderer, get_renderer
+
+if TYPE_CHECKING:
+    from tinker_blocks.credentials import TinkerCredentials
 
 __all__ = ["ServedModel", "backend_error", "open_served_model"]
 
@@ -196,7 +199,7 @@ def backend_error(exc: BaseException) -> APIError:
     )
 
 
-def _context_from_capabilities(credentials: Any, base_model: str) -> int | None:
+def _context_from_capabilities(credentials: TinkerCredentials, base_model: str) -> int | None:
     try:
         with warnings.catch_warnings():  # ServiceClient's copy of RestClient's call: same server, same key
             warnings.simplefilter("ignore", FutureWarning)
@@ -236,7 +239,7 @@ def _load_tokenizer(sampler: Any, model: str, tokenizer: str | None, cache_dir: 
 
 
 def open_served_model(
-    credentials: Any,
+    credentials: TinkerCredentials,
     model: str,
     *,
     renderer: str = "auto",
@@ -263,7 +266,7 @@ def open_served_model(
     from prefect_tinker.tasks.clients import sampling_client
 
     sampler = sampling_client(credentials, model if model.startswith("tinker://") else f"base:{model}")
-    cache_dir = str(getattr(credentials, "resolved_local_root", lambda: None)() or "") or None
+    cache_dir = str(credentials.resolved_local_root())
     tok = _load_tokenizer(sampler, model, tokenizer, cache_dir)
     rend = get_renderer(renderer, tok)
     ctx = max_context or _context_from_capabilities(credentials, sampler.get_base_model()) or _context_from_files(tok)

@@ -22,7 +22,10 @@ import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tinker_blocks.credentials import TinkerCredentials
 
 __all__ = ["ServerExport", "Wait", "export_on_server", "parse_checkpoint", "paired_state", "rest_client"]
 
@@ -71,14 +74,14 @@ def parse_checkpoint(path: str) -> tuple[str, str, str]:
     return m["run"], m["kind"], m["name"]
 
 
-def rest_client(credentials: Any) -> Any:
+def rest_client(credentials: TinkerCredentials) -> Any:
     """A ``tinker.RestClient`` on the block's server (the ``ServiceClient``'s own, same key)."""
     with warnings.catch_warnings():  # the alias is deprecated in favour of RestClient(base_url, api_key)
         warnings.simplefilter("ignore", FutureWarning)
         return credentials.get_client().create_rest_client()
 
 
-def paired_state(credentials: Any, run: str, name: str, *, wait: Wait) -> str:
+def paired_state(credentials: TinkerCredentials, run: str, name: str, *, wait: Wait) -> str:
     """The state path ``tinker://<run>/weights/<name>`` when the server lists it.
 
     Raises:
@@ -99,7 +102,9 @@ def _name(prefix: str, name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "-", f"{prefix}-{name}")[:100]
 
 
-def export_on_server(credentials: Any, checkpoint: str, *, wait: Wait, ttl_s: int | None = None) -> ServerExport:
+def export_on_server(
+    credentials: TinkerCredentials, checkpoint: str, *, wait: Wait, ttl_s: int | None = None
+) -> ServerExport:
     """Steps 1-4 of the module docstring; every SDK future is awaited with ``wait``.
 
     Raises:

@@ -171,7 +171,7 @@ class TinkerModelAPI(ModelAPI):
                     future = service.create_sampling_client(model_path=name)
                 else:
                     future = service.create_sampling_client(base_model=name.removeprefix("base:"))
-                client = future.result() if hasattr(future, "result") else future
+                client = future.result()
                 self._renderer = get_renderer(self._renderer_name, sampler_tokenizer(service, client))
                 self._client = client
             return self._renderer

@@ -202,9 +202,8 @@ def evaluate_examples(
         try:
             if isinstance(fut, Exception):
                 raise fut
-            if hasattr(fut, "result"):
-                left = None if spec.timeout_s is None else max(0.0, spec.timeout_s - (time.monotonic() - sent))
-                fut = fut.result(timeout=left)
+            left = None if spec.timeout_s is None else max(0.0, spec.timeout_s - (time.monotonic() - sent))
+            fut = fut.result(timeout=left)
             sequences = list(fut.sequences)
             if len(sequences) != spec.num_samples:
                 raise RuntimeError(f"asked for {spec.num_samples} samples, got {len(sequences)}")

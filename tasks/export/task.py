@@ -32,7 +32,7 @@ import time
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect import get_run_logger
 from prefect.assets import add_asset_metadata, materialize
@@ -42,6 +42,9 @@ from prefect_tinker.export.download import check_tree, download_listing
 from prefect_tinker.export.output import METADATA_FILE, ExportOutput
 from prefect_tinker.tasks import clients
 from prefect_tinker.tasks.policies import RETRY_OPTIONS, file_sha256, run_name_from_parameters
+
+if TYPE_CHECKING:
+    from tinker_blocks.credentials import TinkerCredentials
 
 __all__ = ["FORMATS", "export_checkpoint", "export_key", "run_export"]
 
@@ -100,7 +103,7 @@ def _write_peft(download: Path, stage: Path) -> None:
 
 
 def _build_and_verify(
-    credentials: Any,
+    credentials: TinkerCredentials,
     download: Path,
     base_dir: Path,
     adapter: Any,
@@ -156,7 +159,7 @@ def _versions() -> dict[str, str]:
 
 
 def run_export(
-    credentials: Any,
+    credentials: TinkerCredentials,
     checkpoint: str,
     format: str,
     dtype: str,
@@ -279,7 +282,7 @@ def _run_name(parameters: dict[str, Any]) -> str:
 
 
 def export_checkpoint(
-    credentials: Any, checkpoint: str, format: str, dtype: str, out: str, **options: Any
+    credentials: TinkerCredentials, checkpoint: str, format: str, dtype: str, out: str, **options: Any
 ) -> dict[str, Any]:
     """Run :func:`run_export` as the ``export-checkpoint`` task, a Prefect asset materialization:
     the asset is the export (``file://...`` or ``s3://...``), its upstream the checkpoint; the
@@ -293,7 +296,7 @@ def export_checkpoint(
     uri = ExportOutput(out).uri
 
     def export(
-        credentials: Any,
+        credentials: TinkerCredentials,
         checkpoint: str,
         format: str,
         dtype: str,

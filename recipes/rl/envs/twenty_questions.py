@@ -149,8 +149,7 @@ class Answerer:
             seed=int(seed),
             stop=self.renderer.get_stop_sequences(),
         )
-        resp = self.client.sample(prompt=prompt, num_samples=1, sampling_params=params)
-        resp = resp.result() if hasattr(resp, "result") else resp
+        resp = self.client.sample(prompt=prompt, num_samples=1, sampling_params=params).result()
         text = self.renderer.parse_response(list(resp.sequences[0].tokens)).message.get("content") or ""
         first = re.findall(r"[a-z]+", text.lower())[:1]
         return {"yes": "Yes.", "no": "No."}.get(first[0] if first else "", "I don't know.")
