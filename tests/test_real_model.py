@@ -82,18 +82,20 @@ def test_sft_on_smollm2_lowers_held_out_nll(prefect_api, local_credentials, tmp_
 
 @pytest.mark.timeout(1800)  # ~4 min on 2 quiet cores; several times that on a loaded machine
 def test_dpo_on_smollm2_raises_held_out_accuracy_on_hh_rlhf(prefect_api, local_credentials, tmp_path, capsys):
-    """6 steps of 4 HH-RLHF harmless-base comparisons (those of at most 160 tokens), 32 held out,
-    evaluated at steps 0 and 6. Measured on this machine: see docs/training.md (SmolLM2 DPO)."""
+    """12 steps of 4 HH-RLHF harmless-base comparisons (those of at most 160 tokens), 32 held out,
+    evaluated at steps 0 and 12 only. Measured on this machine: test accuracy 0.5 -> 0.656, test DPO
+    loss 0.6931 -> 0.6666. Six steps are not enough for the accuracy (measured: 0.5 -> 0.531, one pair
+    of 32, at lr 4e-4 and at 8e-4, although the test loss fell to 0.6658 / 0.6398)."""
     store = tmp_path / "store"
     cfg = DPOConfig(model="smollm2", dataset=str(shared_file("prefs/hh_rlhf_harmless_base_test.jsonl.gz")),
-                    format="dialogue", batch_size=4, learning_rate=4e-4, lora_rank=16, max_steps=6, eval_every=6,
-                    save_every=6, max_length=160, test_size=32, run_name="smol-dpo", store=str(store),
+                    format="dialogue", batch_size=4, learning_rate=2e-4, lora_rank=16, max_steps=12, eval_every=12,
+                    save_every=12, max_length=160, test_size=32, run_name="smol-dpo", store=str(store),
                     backend={"local_root": local_credentials.local_root})
     dpo_flow(cfg)
     loss = _metric(capsys, store, "smol-dpo", "train/dpo_loss")
     assert loss[0][1] == pytest.approx(np.log(2), abs=1e-3)  # policy = reference at step 0
     acc = _metric(capsys, store, "smol-dpo", "test/accuracy")
-    assert [s for s, _ in acc] == [0, 6]
+    assert [s for s, _ in acc] == [0, 12]
     margin = dict(_metric(capsys, store, "smol-dpo", "test/margin"))
     # policy = reference at step 0: log-ratios ~0 (bf16 rounding can break a tie or two: accuracy ~0.5)
     assert abs(margin[0]) < 1e-3 and abs(acc[0][1] - 0.5) <= 2 / 64, (margin, acc)
