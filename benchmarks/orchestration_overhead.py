@@ -88,14 +88,13 @@ def _direct(base_url: str, args, examples: list, lr: float) -> tuple[list[float]
     import tinker
 
     from prefect_tinker.recipes.data_pipeline import batch_at
-    from prefect_tinker.recipes.datasets import datum_from_example
 
     service = tinker.ServiceClient(base_url=base_url, api_key=API_KEY)
     client = service.create_lora_training_client(base_model=args.model, rank=args.lora_rank, seed=0).result()
     ends, sdk = [time.perf_counter()], []
     for step in range(args.steps):
         batch = [examples[i] for i in batch_at(len(examples), args.batch, 0, step)]  # the flow's order (seed 0)
-        datums = [datum_from_example(ex) for ex in batch]
+        datums = [ex.datum() for ex in batch]
         t0 = time.perf_counter()
         fb = client.forward_backward(datums, "cross_entropy")
         opt = client.optim_step(tinker.AdamParams(learning_rate=lr))

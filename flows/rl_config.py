@@ -11,7 +11,7 @@ from pydantic import Field, model_validator
 from prefect_tinker.flows.config import RecipeConfig
 from prefect_tinker.recipes.data_reading import source_fingerprint
 from prefect_tinker.recipes.rl.advantages import ADVANTAGE_ESTIMATORS, AdvantageEstimator
-from prefect_tinker.recipes.rl.envs import EnvContext, EnvSpec
+from prefect_tinker.recipes.rl.envs import EnvContext, EnvSpec, RunSettings
 from prefect_tinker.recipes.rl.losses import LOSSES, ClipThresholds, RLLoss
 from prefect_tinker.tasks.reward_model import WinRateEvaluator
 from prefect_tinker.tasks.rollouts import RolloutPolicy
@@ -30,6 +30,8 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
     """
 
     recipe: ClassVar[str] = "rl"
+    #: True where the flow fills ``dataset`` and the environment's inputs in from earlier stages
+    filled_by_pipeline: ClassVar[bool] = False
     resume_fields: ClassVar[tuple[str, ...]] = (
         *RecipeConfig.resume_fields,
         *EnvSpec.env_resume_fields(),
@@ -170,6 +172,10 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
         body["dataset"] = source_fingerprint(self.dataset) if self.dataset else None
         body["renderer"] = renderer
         return "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
+
+    def run_settings(self) -> RunSettings:
+        """The group size and policy model the environment's config check may need."""
+        return RunSettings(group_size=self.group_size, model=self.model, filled_by_pipeline=self.filled_by_pipeline)
 
     def env_context(self, renderer: str, tokenizer_id: str) -> EnvContext:
         """The environment context of a run of this config on the resolved ``renderer`` and

@@ -24,7 +24,6 @@ from prefect_tinker.flows.loop import StepLoop
 from prefect_tinker.flows.session import RunSession
 from prefect_tinker.recipes.builders import EXAMPLE_CHATS, SourceFields, SupervisedBuilder, SupervisedData
 from prefect_tinker.recipes.data_pipeline import batch_at
-from prefect_tinker.recipes.datasets import datum_from_example
 from prefect_tinker.recipes.progress import phase
 from prefect_tinker.tasks.benchmark_evaluator import benchmark_evaluators
 from prefect_tinker.tasks.clients import tokenizer
@@ -103,7 +102,7 @@ def sft_flow(config: SFTConfig) -> dict[str, Any]:
             data = cast(SupervisedData, prepare_dataset(session.dataset_builder, session.tokenizer_id))
         per_epoch = len(data.train) // config.batch_size
         total = config.max_steps or per_epoch * config.num_epochs
-        test = [datum_from_example(ex) for ex in data.test]  # an Example: its media by reference
+        test = [ex.datum() for ex in data.test]  # its media read by reference
         log.info(
             "%d train / %d test examples, %d steps (renderer %s); %s",
             len(data.train),
@@ -115,7 +114,7 @@ def sft_flow(config: SFTConfig) -> dict[str, Any]:
 
         def one_step(step: int) -> dict[str, float]:
             batch = [data.train[i] for i in batch_at(len(data.train), config.batch_size, config.seed, step)]
-            datums = [datum_from_example(ex) for ex in batch]
+            datums = [ex.datum() for ex in batch]
             session.run, m = train_step(
                 session.credentials,
                 session.run,

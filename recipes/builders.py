@@ -22,6 +22,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, ClassVar, Generic, Literal, TypeVar
 
+import tinker
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from prefect_tinker.recipes.data_reading import (
@@ -34,6 +35,7 @@ from prefect_tinker.recipes.data_reading import (
     resolve_source_path,
     source_fingerprint,
 )
+from prefect_tinker.recipes.datasets import datum_from_example
 from prefect_tinker.recipes.media import MediaSpan, media_spans, restore_media
 
 __all__ = ["BuiltData", "DatasetBuilder", "Example", "SourceFields", "SupervisedBuilder", "SupervisedData"]
@@ -57,6 +59,17 @@ class Example(BaseModel):
     def sequence(self) -> list[int]:
         """``tokens`` with the media positions as MediaToken runs again."""
         return restore_media(self.tokens, self.media) if self.media else list(self.tokens)
+
+    def datum(self, max_length: int | None = None) -> tinker.Datum:
+        """The example's next-token-prediction datum (media read from their files and checked
+        against their SHA-256): :func:`~prefect_tinker.recipes.datasets.datum_from_example` of
+        :meth:`sequence` and ``weights``.
+
+        Raises:
+            MediaError: a media file is missing or changed since it was rendered; ValueError as
+                ``datum_from_example``.
+        """
+        return datum_from_example(self.sequence(), self.weights, max_length)
 
     def prompt(self) -> list[int]:
         """The positions before the first trained token (media kept): what a sampler continues."""

@@ -31,8 +31,8 @@ import tinker
 from prefect_tinker.recipes.data_reading import OnError, SkipStats, SourceSpec, iter_conversations
 from prefect_tinker.recipes.data_sources import Conversation, DatasetFormatError
 from prefect_tinker.recipes.datasets import datum_from_example, split_conversations
-from prefect_tinker.recipes.media import MediaError, safe_cut, tokens_from_model_input
-from prefect_tinker.recipes.renderers.base import RendererError
+from prefect_tinker.recipes.media import MediaError, safe_cut
+from prefect_tinker.recipes.renderers.base import Renderer, RendererError
 
 __all__ = [
     "ExampleTooLongError",
@@ -160,7 +160,7 @@ def batch_at(n: int, batch_size: int, seed: int, step: int) -> list[int]:
 
 
 def render_example(
-    renderer: Any,
+    renderer: Renderer,
     conversation: Conversation,
     *,
     train_on_what: str = "all_assistant_messages",
@@ -181,13 +181,9 @@ def render_example(
     """
     where = f"{conversation.source or 'conversation'}: field {conversation.field!r}"
     try:
-        tools = conversation.metadata.get("tools") if getattr(renderer, "supports_tools", False) else None
-        kw = {"tools": tools} if tools else {}
-        if hasattr(renderer, "build_supervised_sequence"):  # media as MediaToken runs (by reference)
-            tokens, weights = renderer.build_supervised_sequence(conversation.messages, train_on_what, **kw)
-        else:
-            model_input, weights = renderer.build_supervised_example(conversation.messages, train_on_what, **kw)
-            tokens = tokens_from_model_input(model_input)
+        tools = conversation.metadata.get("tools") if renderer.supports_tools else None
+        # media as MediaToken runs (by reference)
+        tokens, weights = renderer.build_supervised_sequence(conversation.messages, train_on_what, tools=tools or None)
     except (RendererError, MediaError) as exc:
         raise DatasetFormatError(f"{where}: {exc}") from exc
     if max_length is None or len(tokens) <= max_length:

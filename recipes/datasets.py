@@ -139,7 +139,7 @@ def split_conversations(
 
 
 def datum_from_example(
-    model_input: tinker.ModelInput | Sequence[int] | Any, weights: Any = None, max_length: int | None = None
+    model_input: tinker.ModelInput | Sequence[int | MediaToken], weights: Any, max_length: int | None = None
 ) -> tinker.Datum:
     """Make a next-token-prediction datum from a rendered example.
 
@@ -151,10 +151,9 @@ def datum_from_example(
     so position i of the input predicts ``target_tokens[i]``.
 
     Args:
-        model_input: the example's positions: a ``tinker.ModelInput``, a token list (media as
-            :class:`~prefect_tinker.recipes.media.MediaToken` runs), or a stored example with
-            ``tokens``, ``weights`` and ``media`` (:class:`~prefect_tinker.recipes.builders.Example`;
-            then ``weights`` may be omitted).
+        model_input: the example's positions: a ``tinker.ModelInput`` or a token list (media as
+            :class:`~prefect_tinker.recipes.media.MediaToken` runs; a stored
+            :class:`~prefect_tinker.recipes.builders.Example` makes its own with ``Example.datum``).
         weights: per-position weights, shape (N,).
         max_length: keep at most this many positions of the example (the model input then has
             at most ``max_length - 1``); None keeps everything.
@@ -164,10 +163,7 @@ def datum_from_example(
             example ending in a media item, or no positive weight left among the targets after
             truncation; MediaError (a ValueError) for a missing or changed media file.
     """
-    if hasattr(model_input, "sequence") and hasattr(model_input, "weights"):  # a stored Example
-        weights = model_input.weights if weights is None else weights
-        tokens = model_input.sequence()
-    elif isinstance(model_input, tinker.ModelInput):
+    if isinstance(model_input, tinker.ModelInput):
         tokens = tokens_from_model_input(model_input)
     else:
         tokens = [t if isinstance(t, MediaToken) else int(t) for t in model_input]

@@ -36,6 +36,7 @@ import math
 from typing import Any, ClassVar, Literal
 
 import numpy as np
+import tinker
 from pydantic import BaseModel
 
 from prefect_tinker.recipes.builders import BuiltData, DatasetBuilder, Example
@@ -197,18 +198,15 @@ def pair_accuracy(h: Any) -> float:
     return float(((h > 0).double() + 0.5 * (h == 0).double()).mean()) if h.numel() else float("nan")
 
 
-def sequence_logprob(logprobs: Any, datum: Any) -> Any:
+def sequence_logprob(logprobs: Any, datum: tinker.Datum) -> Any:
     """Weighted sum of a datum's target logprobs (N,) with its ``weights`` (N,): the reply's
     log-probability, nats. Works on torch tensors (differentiable) and numpy arrays."""
-    w = datum.loss_fn_inputs["weights"]
-    w = w.to_numpy() if hasattr(w, "to_numpy") else np.asarray(w)
-    try:
-        import torch
+    raw = datum.loss_fn_inputs["weights"]
+    w = raw.to_numpy() if isinstance(raw, tinker.TensorData) else np.asarray(raw)
+    import torch  # here, not at the top: reading a preference dataset needs no torch
 
-        if isinstance(logprobs, torch.Tensor):
-            return (logprobs * torch.as_tensor(w, dtype=logprobs.dtype)).sum()
-    except ImportError:  # pragma: no cover
-        pass
+    if isinstance(logprobs, torch.Tensor):
+        return (logprobs * torch.as_tensor(w, dtype=logprobs.dtype)).sum()
     return float((np.asarray(logprobs, dtype=np.float64) * w).sum())
 
 

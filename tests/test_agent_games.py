@@ -260,3 +260,30 @@ def test_session_env_evaluators_from_the_run_config(tokenizer_dirs):
         assert {b.renderer_name for b in ev.builders} == {"chatml"}
     other = RLConfig(model="tiny", env="guess_number")
     assert session_env_evaluators(other, other.env_context("chatml", tokenizer_dirs["tiny"])) == []
+
+
+def test_env_checks_read_the_run_settings_of_the_config_around_the_spec(tokenizer_dirs):
+    """Environment checks that need the run (group size, policy model, fields the RLHF flow fills
+    in) read them from ``EnvSpec.run_settings``: a bare spec knows none, an RL config its own."""
+    from prefect_tinker.flows.rl_config import RLConfig
+    from prefect_tinker.flows.rlhf import RLStageConfig
+    from prefect_tinker.recipes.rl.envs import EnvSpec, RunSettings
+    from prefect_tinker.recipes.rl.envs.twenty_questions import TwentyQuestions
+
+    assert EnvSpec(env="tictactoe").run_settings() == RunSettings()
+    assert RLConfig(model="tiny", env="tictactoe", group_size=2).run_settings() == RunSettings(2, "tiny", False)
+    with pytest.raises(ValueError, match="self-play needs group_size=2 .*got 4"):
+        RLConfig(model="tiny", env="tictactoe", group_size=4)
+    RLConfig(model="tiny", env="tictactoe", group_size=4, env_options={"opponent": "minimax"})  # not self-play
+
+    with pytest.raises(ValueError, match="needs env_options.answerer"):
+        EnvSpec(env="twenty_questions")  # no policy model to answer with
+    config = RLConfig(model="tiny", env="twenty_questions", group_size=2)
+    ctx = config.env_context("chatml", tokenizer_dirs["tiny"])
+    builder = TwentyQuestions.build(config, ctx).get_batch(0)[0]
+    assert builder.answerer == "base:tiny"  # the policy's base model answers
+
+    with pytest.raises(ValueError, match="needs dataset="):
+        RLConfig(model="tiny", env="pairwise_preference")
+    stage = RLStageConfig(model="tiny")  # the RLHF flow fills dataset and reward model in later
+    assert stage.run_settings().filled_by_pipeline and stage.dataset is None

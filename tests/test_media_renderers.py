@@ -213,14 +213,14 @@ def test_local_vl_renderer_layout_weights_and_truncation(tiny_vl_dir, tmp_path):
     ex2 = pickle.loads(pickle.dumps(ex))
     assert ex2.media[0].ref.sha256 == hashlib.sha256(open(img, "rb").read()).hexdigest()
     assert len(pickle.dumps(ex)) < 4000
-    a, b = datum_from_example(ex), datum_from_example(tokens, weights)
+    a, b = ex.datum(), datum_from_example(tokens, weights)
     assert _layout(a.model_input) == _layout(b.model_input) == [("EncodedTextChunk", 4), ("ImageChunk", 8),
                                                                 ("EncodedTextChunk", len(tokens) - 13)]
     assert a.model_input.chunks[1].data == open(img, "rb").read()
     with open(img, "ab") as fh:  # the file changed after rendering: refused, not silently sent
         fh.write(b"x")
     with pytest.raises(MediaError, match="changed since it was rendered"):
-        datum_from_example(ex)
+        ex.datum()
 
 
 def test_media_tokens_and_refused_inputs(tiny_vl_dir, tmp_path):

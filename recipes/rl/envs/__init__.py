@@ -41,6 +41,7 @@ __all__ = [
     "EnvSpec",
     "Environment",
     "NoOptions",
+    "RunSettings",
     "build_rl_dataset",
     "build_rl_evaluators",
     "env_names",
@@ -77,6 +78,20 @@ class EnvContext:
     #: ``max_tokens`` and ``temperature``), used by evaluators that sample the policy
     max_tokens: int = 64
     temperature: float = 1.0
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """The run around an :class:`EnvSpec`, as far as an environment's :meth:`Environment.check` may
+    need it (:meth:`EnvSpec.run_settings`). A bare spec, outside a run config, has none of them."""
+
+    #: rollouts per group (the RL config's ``group_size``); None: not known here
+    group_size: int | None = None
+    #: the policy's base model; None: not known here
+    model: str | None = None
+    #: True where the flow fills ``dataset`` and the environment's inputs in from earlier stages
+    #: (RLHF's RL stage): checks leave those to the flow
+    filled_by_pipeline: bool = False
 
 
 class Environment:
@@ -215,6 +230,21 @@ class EnvSpec(BaseModel):
         """The fields a resumed run must keep: every field of the spec (``env_options`` as a
         whole, so every option of every environment) except :attr:`source_fields`."""
         return tuple(f for f in cls.model_fields if f not in cls.source_fields)
+
+    def required_dataset(self) -> str:
+        """``dataset``, for an environment that reads its problems from it.
+
+        Raises:
+            ValueError: ``dataset`` is unset (the message names the environment).
+        """
+        if not self.dataset:
+            raise ValueError(f"env {self.env!r} needs dataset=<JSONL path or dataset id>")
+        return self.dataset
+
+    def run_settings(self) -> RunSettings:
+        """What the run config around this spec says that an environment's check may need (a run
+        config overrides this; a bare spec knows none of it)."""
+        return RunSettings()
 
     @model_validator(mode="before")
     @classmethod

@@ -19,7 +19,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from prefect_tinker.recipes.rl.envs import EnvContext, Environment, register_env
+from prefect_tinker.recipes.rl.envs import EnvContext, Environment, EnvSpec, register_env
 from prefect_tinker.recipes.rl.envs.problems import problem_builder
 from prefect_tinker.recipes.rl.problem_env import Problem, ProblemEnv
 from prefect_tinker.recipes.rl.types import EnvGroupBuilder, RLDataset, StepResult
@@ -133,7 +133,7 @@ class Arithmetic(Environment):
     Options = ArithmeticOptions
 
     @classmethod
-    def build(cls, spec, ctx: EnvContext) -> RLDataset:
+    def build(cls, spec: EnvSpec, ctx: EnvContext) -> RLDataset:
         options = cls.options(spec)
         env_cls = ArithmeticPartialCreditEnv if options.reward == "partial" else ArithmeticEnv
         make = problem_builder(env_cls, spec, ctx, ARITHMETIC_SHOT, "", cls.name)

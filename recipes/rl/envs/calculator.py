@@ -25,7 +25,7 @@ from typing import Any
 from pydantic import Field
 
 from prefect_tinker.recipes.data_reading import looks_local
-from prefect_tinker.recipes.rl.envs import EnvContext, Environment, register_env
+from prefect_tinker.recipes.rl.envs import EnvContext, Environment, EnvSpec, register_env
 from prefect_tinker.recipes.rl.envs.problems import load_problems
 from prefect_tinker.recipes.rl.grading import answers_match, extract_final_answer
 from prefect_tinker.recipes.rl.message_env import (
@@ -119,7 +119,7 @@ class Calculator(Environment):
     Options = CalculatorOptions
 
     @classmethod
-    def preflight(cls, spec) -> None:
+    def preflight(cls, spec: EnvSpec) -> None:
         if spec.dataset and looks_local(spec.dataset):
             opts = cls.options(spec)
             load_problems(
@@ -130,7 +130,7 @@ class Calculator(Environment):
             )
 
     @classmethod
-    def build(cls, spec, ctx: EnvContext) -> RLDataset:
+    def build(cls, spec: EnvSpec, ctx: EnvContext) -> RLDataset:
         source = spec.dataset or "openai/gsm8k"
         config = spec.dataset_config or ("main" if source == "openai/gsm8k" else None)
         opts = cls.options(spec)

@@ -28,7 +28,7 @@ import re
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from prefect_tinker.recipes.rl.envs import EnvContext, Environment, register_env
+from prefect_tinker.recipes.rl.envs import EnvContext, Environment, EnvSpec, register_env
 from prefect_tinker.recipes.rl.envs.problems import problem_builder
 from prefect_tinker.recipes.rl.problem_env import Problem, ProblemDataset, ProblemEnv
 from prefect_tinker.recipes.rl.types import RLDataset, StepResult
@@ -200,13 +200,13 @@ class Forecasting(Environment):
         )
 
     @classmethod
-    def preflight(cls, spec) -> None:
+    def preflight(cls, spec: EnvSpec) -> None:
         from prefect_tinker.recipes.data_reading import looks_local
 
         if looks_local(spec.dataset or DEFAULT_DATASET):
             cls._load(spec)
 
     @classmethod
-    def build(cls, spec, ctx: EnvContext) -> RLDataset:
+    def build(cls, spec: EnvSpec, ctx: EnvContext) -> RLDataset:
         make = problem_builder(ForecastEnv, spec, ctx, _shot(), FORECAST_SUFFIX, cls.name)
         return ProblemDataset(cls._load(spec), ctx.groups_per_batch, make, ctx.seed)

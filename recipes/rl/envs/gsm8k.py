@@ -6,7 +6,7 @@ reference is the number after ``####``; the reply must end with a ``#### n`` lin
 from __future__ import annotations
 
 from prefect_tinker.recipes.data_reading import looks_local
-from prefect_tinker.recipes.rl.envs import EnvContext, Environment, register_env
+from prefect_tinker.recipes.rl.envs import EnvContext, Environment, EnvSpec, register_env
 from prefect_tinker.recipes.rl.envs.problems import load_problems, problem_builder
 from prefect_tinker.recipes.rl.grading import answers_match, extract_final_answer
 from prefect_tinker.recipes.rl.problem_env import ProblemDataset, ProblemEnv
@@ -38,12 +38,12 @@ class GSM8K(Environment):
     description = "GSM8K word problems (JSONL with question/answer, or openai/gsm8k); replies end with '#### n'."
 
     @classmethod
-    def preflight(cls, spec) -> None:
+    def preflight(cls, spec: EnvSpec) -> None:
         if spec.dataset and looks_local(spec.dataset):
             load_problems(spec.dataset, max_problems=spec.max_problems)
 
     @classmethod
-    def build(cls, spec, ctx: EnvContext) -> RLDataset:
+    def build(cls, spec: EnvSpec, ctx: EnvContext) -> RLDataset:
         source = spec.dataset or "openai/gsm8k"
         config = spec.dataset_config or ("main" if source == "openai/gsm8k" else None)
         problems = load_problems(

@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from prefect_tinker.recipes.rl.envs import EnvContext, Environment, register_env
+from prefect_tinker.recipes.rl.envs import EnvContext, Environment, EnvSpec, register_env
 from prefect_tinker.recipes.rl.message_env import (
     EpisodeLimits,
     GeneratedDataset,
@@ -112,7 +112,7 @@ class GuessNumber(Environment):
     Options = GuessNumberOptions
 
     @classmethod
-    def build(cls, spec, ctx: EnvContext) -> RLDataset:
+    def build(cls, spec: EnvSpec, ctx: EnvContext) -> RLDataset:
         opts = cls.options(spec)
 
         def make(batch: int, group: int) -> GuessNumberBuilder:

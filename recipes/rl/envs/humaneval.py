@@ -24,7 +24,7 @@ from typing import Any
 from pydantic import Field
 
 from prefect_tinker.recipes.code_grading import solution_program
-from prefect_tinker.recipes.rl.envs import EnvContext, Environment, register_env
+from prefect_tinker.recipes.rl.envs import EnvContext, Environment, EnvSpec, register_env
 from prefect_tinker.recipes.rl.message_env import (
     EpisodeLimits,
     MessageEnv,
@@ -159,7 +159,7 @@ class HumanEval(Environment):
     Options = HumanEvalOptions
 
     @classmethod
-    def check(cls, spec) -> None:
+    def check(cls, spec: EnvSpec) -> None:
         if not spec.dataset:
             raise ValueError(
                 "env 'humaneval' needs dataset=<JSONL(.gz) of {prompt, tests, entry_point}>, "
@@ -167,13 +167,13 @@ class HumanEval(Environment):
             )
 
     @classmethod
-    def preflight(cls, spec) -> None:
-        load_code_problems(spec.dataset)
+    def preflight(cls, spec: EnvSpec) -> None:
+        load_code_problems(spec.required_dataset())
 
     @classmethod
-    def build(cls, spec, ctx: EnvContext) -> RLDataset:
+    def build(cls, spec: EnvSpec, ctx: EnvContext) -> RLDataset:
         opts = cls.options(spec)
-        records = load_code_problems(spec.dataset)[: spec.max_problems or None]
+        records = load_code_problems(spec.required_dataset())[: spec.max_problems or None]
         problems = [CodeProblem(r["prompt"], r["tests"], r["entry_point"], r["task_id"]) for r in records]
         prefix = freeze([{"role": "system", "content": spec.system_prompt}] if spec.system_prompt else [])
 

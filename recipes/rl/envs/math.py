@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from prefect_tinker.recipes.data_reading import looks_local
-from prefect_tinker.recipes.rl.envs import EnvContext, Environment, register_env
+from prefect_tinker.recipes.rl.envs import EnvContext, Environment, EnvSpec, register_env
 from prefect_tinker.recipes.rl.envs.gsm8k import GSM8K_SUFFIX
 from prefect_tinker.recipes.rl.envs.problems import load_problems, problem_builder
 from prefect_tinker.recipes.rl.grading import answers_match, extract_final_answer
@@ -73,30 +73,30 @@ class Math(Environment):
     Options = MathOptions
 
     @classmethod
-    def check(cls, spec) -> None:
+    def check(cls, spec: EnvSpec) -> None:
         if not spec.dataset:
             raise ValueError(
                 "env 'math' needs dataset=<JSONL path or dataset id> (and env_options.question_field/answer_field)"
             )
 
     @classmethod
-    def preflight(cls, spec) -> None:
-        if looks_local(spec.dataset):
+    def preflight(cls, spec: EnvSpec) -> None:
+        if looks_local(spec.required_dataset()):
             opts = cls.options(spec)
             load_problems(
-                spec.dataset,
+                spec.required_dataset(),
                 question_field=opts.question_field,
                 answer_field=opts.answer_field,
                 max_problems=spec.max_problems,
             )
 
     @classmethod
-    def build(cls, spec, ctx: EnvContext) -> RLDataset:
+    def build(cls, spec: EnvSpec, ctx: EnvContext) -> RLDataset:
         cls.check(spec)
         opts = cls.options(spec)
         suffix = MATH_SUFFIX if opts.answer_style == "boxed" else GSM8K_SUFFIX
         problems = load_problems(
-            spec.dataset,
+            spec.required_dataset(),
             question_field=opts.question_field,
             answer_field=opts.answer_field,
             split=spec.split,

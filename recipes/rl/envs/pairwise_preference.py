@@ -43,7 +43,7 @@ from prefect_tinker.recipes.reward_model import (
     render_comparison,
     win_minus_loss,
 )
-from prefect_tinker.recipes.rl.envs import EnvContext, Environment, register_env
+from prefect_tinker.recipes.rl.envs import EnvContext, Environment, EnvSpec, register_env
 from prefect_tinker.recipes.rl.problem_env import ProblemDataset, freeze_messages, load_renderer
 from prefect_tinker.recipes.rl.types import Env, EnvGroupBuilder, RLDataset, RolloutContext, StepResult, Trajectory
 
@@ -283,10 +283,10 @@ class PairwisePreference(Environment):
     Options = PairwisePreferenceOptions
 
     @classmethod
-    def check(cls, spec) -> None:
+    def check(cls, spec: EnvSpec) -> None:
         opts = cls.options(spec)
         ComparisonFormat(question=opts.question, labels=opts.labels)
-        later = getattr(type(spec), "filled_by_pipeline", False)  # the rlhf flow fills these in
+        later = spec.run_settings().filled_by_pipeline  # the rlhf flow fills these in
         if not spec.dataset and not later:
             raise ValueError("env 'pairwise_preference' needs dataset=<comparisons JSONL or dataset id> (its prompts)")
         if opts.reward_model is None and not later:
@@ -301,7 +301,7 @@ class PairwisePreference(Environment):
             )
 
     @classmethod
-    def preflight(cls, spec) -> None:
+    def preflight(cls, spec: EnvSpec) -> None:
         """Read the prompts' local records (no tokenizer, no server): a bad record fails before a
         run starts, naming file, line and field."""
         from pathlib import Path
@@ -349,7 +349,7 @@ class PairwisePreference(Environment):
         )
 
     @classmethod
-    def build(cls, spec, ctx: EnvContext) -> RLDataset:
+    def build(cls, spec: EnvSpec, ctx: EnvContext) -> RLDataset:
         opts, (train, _) = cls._prompts(spec, ctx)
         make = partial(
             PreferenceGroupBuilder,
@@ -363,7 +363,7 @@ class PairwisePreference(Environment):
         return ProblemDataset(train, ctx.groups_per_batch, make, ctx.seed)
 
     @classmethod
-    def evaluators(cls, spec, ctx: EnvContext) -> list:
+    def evaluators(cls, spec: EnvSpec, ctx: EnvContext) -> list:
         opts, (_, test) = cls._prompts(spec, ctx)
         reference = opts.win_rate_reference or ctx.initial_sampler
         if not test or not reference or ctx.win_rate_evaluator is None:

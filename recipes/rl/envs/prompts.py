@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from prefect_tinker.recipes.data_reading import SourceSpec
 from prefect_tinker.recipes.distill.prompts import PromptRecord, load_prompts
-from prefect_tinker.recipes.rl.envs import EnvContext, Environment, register_env
+from prefect_tinker.recipes.rl.envs import EnvContext, Environment, EnvSpec, register_env
 from prefect_tinker.recipes.rl.problem_env import ProblemDataset, load_renderer
 from prefect_tinker.recipes.rl.types import Env, EnvGroupBuilder, RLDataset, StepResult
 
@@ -158,11 +158,11 @@ class Prompts(Environment):
     Options = PromptsOptions
 
     @classmethod
-    def check(cls, spec) -> None:
+    def check(cls, spec: EnvSpec) -> None:
         prompt_sources(spec)
 
     @classmethod
-    def build(cls, spec, ctx: EnvContext) -> RLDataset:
+    def build(cls, spec: EnvSpec, ctx: EnvContext) -> RLDataset:
         sources = prompt_sources(spec)
         records = [load_prompts(s, source=i) for i, s in enumerate(sources)]
         make = partial(

@@ -31,7 +31,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from prefect_tinker.recipes.grading_text import best_over_references, exact_match, token_f1
-from prefect_tinker.recipes.rl.envs import EnvContext, Environment, register_env
+from prefect_tinker.recipes.rl.envs import EnvContext, Environment, EnvSpec, register_env
 from prefect_tinker.recipes.rl.message_env import (
     MessageEnv,
     MessageEnvOptions,
@@ -263,13 +263,13 @@ class Retrieval(Environment):
     Options = RetrievalOptions
 
     @classmethod
-    def preflight(cls, spec) -> None:
+    def preflight(cls, spec: EnvSpec) -> None:
         opts = cls.options(spec)
         load_questions(opts.questions, opts.question_field, opts.answer_field)
         load_collection(opts.documents, opts.text_field, opts.id_field)
 
     @classmethod
-    def build(cls, spec, ctx: EnvContext) -> RLDataset:
+    def build(cls, spec: EnvSpec, ctx: EnvContext) -> RLDataset:
         opts = cls.options(spec)
         questions = load_questions(opts.questions, opts.question_field, opts.answer_field)
         if spec.max_problems:

@@ -30,7 +30,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from prefect_tinker.recipes.renderers.base import Termination
-from prefect_tinker.recipes.rl.envs import EnvContext, Environment, register_env
+from prefect_tinker.recipes.rl.envs import EnvContext, Environment, EnvSpec, register_env
 from prefect_tinker.recipes.rl.judge import JudgeRequest, parse_scores, rubric_reward
 from prefect_tinker.recipes.rl.problem_env import ProblemDataset, load_renderer
 from prefect_tinker.recipes.rl.types import Env, EnvGroupBuilder, RLDataset, RolloutContext, StepResult
@@ -252,7 +252,7 @@ class Rubric(Environment):
     Options = RubricOptions
 
     @classmethod
-    def check(cls, spec) -> None:
+    def check(cls, spec: EnvSpec) -> None:
         if not spec.dataset:
             raise ValueError("env 'rubric' needs dataset=<JSONL of prompts (and rubrics) or dataset id>")
 
@@ -267,14 +267,14 @@ class Rubric(Environment):
         )
 
     @classmethod
-    def preflight(cls, spec) -> None:
+    def preflight(cls, spec: EnvSpec) -> None:
         from prefect_tinker.recipes.data_reading import looks_local
 
-        if looks_local(spec.dataset):
+        if spec.dataset and looks_local(spec.dataset):
             cls._items(spec)
 
     @classmethod
-    def build(cls, spec, ctx: EnvContext) -> RLDataset:
+    def build(cls, spec: EnvSpec, ctx: EnvContext) -> RLDataset:
         opts = cls.options(spec)
         settings = JudgeSettings(
             opts.judge,

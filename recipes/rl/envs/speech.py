@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict
 
 from prefect_tinker.recipes.grading_text import word_error_rate
 from prefect_tinker.recipes.media_sources import TRANSCRIBE_PROMPT
-from prefect_tinker.recipes.rl.envs import EnvContext, Environment, register_env
+from prefect_tinker.recipes.rl.envs import EnvContext, Environment, EnvSpec, register_env
 from prefect_tinker.recipes.rl.envs.problems import problem_builder
 from prefect_tinker.recipes.rl.problem_env import Problem, ProblemDataset, ProblemEnv
 from prefect_tinker.recipes.rl.types import RLDataset, StepResult, StopCondition
@@ -115,17 +115,17 @@ class Speech(Environment):
     Options = SpeechOptions
 
     @classmethod
-    def check(cls, spec) -> None:
+    def check(cls, spec: EnvSpec) -> None:
         if not spec.dataset:
             raise ValueError("env 'speech' needs dataset=<JSONL of {audio, text}>")
         if spec.few_shot:
             raise ValueError("env 'speech' has no few-shot example (few_shot must be false)")
 
     @classmethod
-    def build(cls, spec, ctx: EnvContext) -> RLDataset:
+    def build(cls, spec: EnvSpec, ctx: EnvContext) -> RLDataset:
         opts = cls.options(spec)
         problems = load_speech_problems(
-            spec.dataset,
+            spec.required_dataset(),
             audio_field=opts.audio_field,
             text_field=opts.text_field,
             split=spec.split,

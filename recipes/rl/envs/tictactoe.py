@@ -28,7 +28,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field
 
-from prefect_tinker.recipes.rl.envs import EnvContext, Environment, register_env
+from prefect_tinker.recipes.rl.envs import EnvContext, Environment, EnvSpec, register_env
 from prefect_tinker.recipes.rl.message_env import (
     EpisodeLimits,
     GeneratedDataset,
@@ -285,15 +285,15 @@ class TicTacToe(Environment):
     Options = TicTacToeOptions
 
     @classmethod
-    def check(cls, spec) -> None:
-        if cls.options(spec).opponent == "self" and getattr(spec, "group_size", 2) != 2:
+    def check(cls, spec: EnvSpec) -> None:
+        group_size = spec.run_settings().group_size
+        if cls.options(spec).opponent == "self" and group_size not in (None, 2):
             raise ValueError(
-                f"env 'tictactoe' self-play needs group_size=2 (one game, its two players per group), "
-                f"got {spec.group_size}"
+                f"env 'tictactoe' self-play needs group_size=2 (one game, its two players per group), got {group_size}"
             )
 
     @classmethod
-    def build(cls, spec, ctx: EnvContext) -> RLDataset:
+    def build(cls, spec: EnvSpec, ctx: EnvContext) -> RLDataset:
         opts = cls.options(spec)
         common = dict(
             renderer_name=ctx.renderer_name,
@@ -316,7 +316,7 @@ class TicTacToe(Environment):
         )
 
     @classmethod
-    def eval_builders(cls, spec, ctx: EnvContext) -> dict[str, list]:
+    def eval_builders(cls, spec: EnvSpec, ctx: EnvContext) -> dict[str, list]:
         """``{"vs_random": [...], "vs_minimax": [...]}``: ``eval_games`` games against each player,
         half with the policy as X, half as O."""
         opts = cls.options(spec)

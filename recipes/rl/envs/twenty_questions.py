@@ -24,7 +24,7 @@ from typing import Any
 import tinker
 from pydantic import Field, field_validator
 
-from prefect_tinker.recipes.rl.envs import EnvContext, Environment, register_env
+from prefect_tinker.recipes.rl.envs import EnvContext, Environment, EnvSpec, register_env
 from prefect_tinker.recipes.rl.message_env import (
     EpisodeLimits,
     GeneratedDataset,
@@ -234,16 +234,16 @@ class TwentyQuestions(Environment):
     Options = TwentyQuestionsOptions
 
     @classmethod
-    def check(cls, spec) -> None:
-        if cls.options(spec).answerer is None and not getattr(spec, "model", None):
+    def check(cls, spec: EnvSpec) -> None:
+        if cls.options(spec).answerer is None and not spec.run_settings().model:
             raise ValueError(
                 "env 'twenty_questions' needs env_options.answerer ('base:<model>' or a tinker:// sampler path)"
             )
 
     @classmethod
-    def build(cls, spec, ctx: EnvContext) -> RLDataset:
+    def build(cls, spec: EnvSpec, ctx: EnvContext) -> RLDataset:
         opts = cls.options(spec)
-        answerer = opts.answerer or f"base:{spec.model}"
+        answerer = opts.answerer or f"base:{spec.run_settings().model}"
 
         def make(batch: int, group: int) -> TwentyQuestionsBuilder:
             word = opts.words[int(problem_rng(ctx.seed, batch, group).integers(len(opts.words)))]

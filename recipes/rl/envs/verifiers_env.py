@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from prefect_tinker.recipes.rl.envs import EnvContext, Environment, register_env
+from prefect_tinker.recipes.rl.envs import EnvContext, Environment, EnvSpec, register_env
 from prefect_tinker.recipes.rl.message_env import EPISODE_TURNS_LIMIT
 from prefect_tinker.recipes.rl.problem_env import ProblemDataset, load_renderer
 from prefect_tinker.recipes.rl.types import Env, EnvGroupBuilder, RLDataset, RolloutContext, StopCondition, Trajectory
@@ -176,7 +176,7 @@ class VerifiersEnv(Environment):
     Options = VerifiersOptions
 
     @classmethod
-    def check(cls, spec: Any) -> None:
+    def check(cls, spec: EnvSpec) -> None:
         opts = cls.options(spec)
         if opts.name.endswith(".py") and not Path(opts.name).is_file():
             raise ValueError(f"env_options.name: verifiers environment file {opts.name} does not exist")
