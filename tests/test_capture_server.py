@@ -268,3 +268,20 @@ def test_sigkill_loses_at_most_the_last_flush_interval(tmp_path, local_root):
     assert stored <= ids and len(answered) >= 4
     must_have = {rid for rid, t in answered if t < killed_at - flush_s - 1.5}  # slack for a busy machine
     assert must_have and must_have <= stored, (len(must_have - stored), len(answered))
+
+
+def test_completion_prompt_forms():
+    """``POST /v1/completions`` takes the four prompt forms of the OpenAI API; a mixed list is refused."""
+    from prefect_tinker.capture.requests import APIError, CompletionRequest
+
+    def prompts(p):
+        return CompletionRequest(model="tiny", prompt=p).prompts()
+
+    assert prompts("hi") == ["hi"]
+    assert prompts(["a", "b"]) == ["a", "b"]
+    assert prompts([5, 6, 7]) == [[5, 6, 7]]
+    assert prompts([[5, 6], [7]]) == [[5, 6], [7]]
+    with pytest.raises(APIError, match="must not be empty"):
+        prompts([])
+    with pytest.raises(ValueError):
+        prompts(["a", 5])

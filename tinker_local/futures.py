@@ -333,9 +333,9 @@ class FutureStore:
         later = [u for u in users if self._last_user is not None and u > self._last_user]
         best, best_lane = heads[(later or users)[0]]
         self._last_user = best.user
-        if best_lane is not None:
-            del best_lane.pending[best.seq_id]  # type: ignore[arg-type]
-            best_lane.next_seq = best.seq_id + 1  # type: ignore[operator]
+        if best_lane is not None and best.seq_id is not None:  # a lane's jobs all carry their seq_id
+            del best_lane.pending[best.seq_id]
+            best_lane.next_seq = best.seq_id + 1
         else:
             del self._fifo[next(i for i, j in enumerate(self._fifo) if j is best)]
         return best, 0.0

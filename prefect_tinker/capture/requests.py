@@ -201,9 +201,10 @@ class CompletionRequest(_Base):
             return [p]
         if not p:
             raise APIError(400, "prompt must not be empty", param="prompt")
-        if all(isinstance(x, int) for x in p):
-            return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[arg-type]
+        ids = [x for x in p if isinstance(x, int)]
+        if len(ids) == len(p):  # one prompt as token ids
+            return [ids]
+        return [x for x in p if not isinstance(x, int)]  # strings or token-id lists (validated: never mixed)
 
 
 def parse_body(raw: bytes, model_cls: type[_Base]) -> Any:
@@ -228,7 +229,7 @@ def parse_body(raw: bytes, model_cls: type[_Base]) -> Any:
             400, f"{param or 'body'}: {err.get('msg')} (got {_short(err.get('input'))})", param=param or None
         ) from None
     req.check_neutral()
-    if getattr(req, "n", 1) * len(req.prompts() if isinstance(req, CompletionRequest) else [0]) > MAX_N:
+    if isinstance(req, CompletionRequest) and req.n * len(req.prompts()) > MAX_N:
         raise APIError(400, f"n x prompts must be at most {MAX_N}", param="n")
     return req
 

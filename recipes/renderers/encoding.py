@@ -184,16 +184,16 @@ class TextEncoder:
             j = i
             while j < len(atoms) and isinstance(atoms[j][1], str):
                 j += 1
-            run = atoms[i:j]
+            run = [(k2, chunk) for k2, chunk in atoms[i:j] if isinstance(chunk, str)]  # all text, as scanned
             if self._plain is None or len(run) == 1:
                 for k2, chunk in run:
-                    out[k2].extend(self.text(chunk))  # type: ignore[arg-type]
+                    out[k2].extend(self.text(chunk))
             else:
-                text = "".join(chunk for _, chunk in run)  # type: ignore[misc]
+                text = "".join(chunk for _, chunk in run)
                 ends = []
                 acc = 0
                 for _, chunk in run:
-                    acc += len(chunk)  # type: ignore[arg-type]
+                    acc += len(chunk)
                     ends.append(acc)
                 enc = self._plain.encode(text, add_special_tokens=False)
                 for tid, (start, end) in zip(enc.ids, enc.offsets, strict=True):
