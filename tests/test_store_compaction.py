@@ -49,7 +49,7 @@ def _compact_under_readers(root: str) -> None:
         stop.set()
         t.join(120)
     assert errors == [] and len(counts) >= 4 and set(counts) == {4 * n}
-    assert len(store._io().list_parts("metrics", "r", fresh=True)) == 1  # not a listing cached by the reader
+    assert len(store.parquet_store().list_parts("metrics", "r", fresh=True)) == 1  # not a listing cached by the reader
     assert store.query("SELECT sum(value) AS s FROM metrics") == [{"s": 4 * n + 8.0}]
 
 

@@ -73,7 +73,7 @@ def test_roundtrip_three_stores_from_env(s3_server, s3_root):
         "latency_ms": 12.5}])
 
     # the block API
-    assert [p.split("/")[-3:-1] for p in train._io().list_parts("metrics")] == [["metrics", "run_id=r1"]] * 3
+    assert [p.split("/")[-3:-1] for p in train.parquet_store().list_parts("metrics")] == [["metrics", "run_id=r1"]] * 3
     assert len(train.metrics_frame("r1")) == 12
     assert train.last_checkpoint("r1")["path"] == "tinker://m/weights/step-10"
     assert train.get_run("r1")["status"] == "completed"
@@ -96,7 +96,7 @@ def test_roundtrip_three_stores_from_env(s3_server, s3_root):
     # compaction on S3 keeps the view identical and leaves one part
     before = train.query("SELECT step, value FROM metrics ORDER BY step")
     assert train.compact("r1", "metrics") is not None
-    assert len(train._io().list_parts("metrics", "r1")) == 1
+    assert len(train.parquet_store().list_parts("metrics", "r1")) == 1
     assert train.query("SELECT step, value FROM metrics ORDER BY step") == before
 
 
@@ -413,7 +413,7 @@ def test_record_tasks_check_and_compact(tmp_path):
     for step in range(3):
         store.write_rows("metrics", [{"run_id": "r", "step": step, "name": "loss", "value": 1.0}])
     assert compact_run.fn(store, "r") == 1  # a block works as well as a root
-    assert len(store._io().list_parts("metrics", "r")) == 1
+    assert len(store.parquet_store().list_parts("metrics", "r")) == 1
     (tmp_path / "f").write_text("")
     with pytest.raises(StoreAccessError):
         check_store.fn(str(tmp_path / "f"))
@@ -422,7 +422,7 @@ def test_record_tasks_check_and_compact(tmp_path):
 def test_missing_bucket_created_on_first_write_or_refused(s3_server, s3_root):
     bucket = f"fresh{uuid.uuid4().hex[:10]}"
     with pytest.raises(StoreAccessError, match=f"bucket '{bucket}' does not exist"):
-        TrainingStore(root=f"s3://{bucket}/x")._io().check_access(create_bucket=False)
+        TrainingStore(root=f"s3://{bucket}/x").parquet_store().check_access(create_bucket=False)
     store = TrainingStore(root=f"s3://{bucket}/x")
     assert store.query("SELECT count(*) AS n FROM runs") == [{"n": 0}]  # no bucket: empty views
     store.record_run("r", status="running")  # NoSuchBucket -> created, then written

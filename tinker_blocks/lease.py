@@ -44,11 +44,14 @@ import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from tinker_blocks.atomic import temp_path
 from tinker_blocks.store_schemas import validate_run_id
 from tinker_local.procs import host_key, pid_alive, pid_start_ticks
+
+if TYPE_CHECKING:
+    from tinker_blocks.store_io import ParquetStore
 
 __all__ = [
     "DEFAULT_LEASE_TIMEOUT_S",
@@ -265,10 +268,11 @@ class _S3Backend:
         self.fs.invalidate_cache(self.path)
 
 
-def _training_io(store: Any):
+def _training_io(store: Any) -> ParquetStore:
     from tinker_blocks.store_io import ParquetStore
+    from tinker_blocks.stores import StoreBlock
 
-    io = store._io() if hasattr(store, "_io") else store
+    io = store.parquet_store() if isinstance(store, StoreBlock) else store
     if isinstance(io, ParquetStore):
         return io if io.store == "training" else ParquetStore(io.root, "training", storage_options=io.storage_options)
     return ParquetStore(str(store), "training")

@@ -35,7 +35,9 @@ def scan_run(store: Any, run_id: str) -> list[Problem]:
     :class:`~tinker_blocks.store_io.ParquetStore`) not validated yet by this process; return the
     unreadable ones (then skipped by every read). For a run session to say, when it resumes,
     that some of the run's rows are lost and it resumes from the last checkpoint it can read."""
-    io = store._io() if hasattr(store, "_io") else store
+    from tinker_blocks.stores import StoreBlock
+
+    io = store.parquet_store() if isinstance(store, StoreBlock) else store
     validate_run_id(run_id)
     entries: dict[str, dict[str, Any]] = {}
     for table in io.tables:

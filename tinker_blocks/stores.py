@@ -98,8 +98,9 @@ class StoreBlock(Block, ABC):
         """Names of this store's tables (also its DuckDB view names)."""
         return list(STORES[self._store])
 
-    # ----- internals -------------------------------------------------------------------------
-    def _io(self) -> ParquetStore:
+    def parquet_store(self) -> ParquetStore:
+        """The store's Parquet reader/writer (its root, table set, storage options and retry
+        window): what the lease, the repair scan and the writers work on."""
         opts = self.credentials.storage_options() if self.credentials is not None else None
         return ParquetStore(self.root, self._store, storage_options=opts, retry_seconds=self.retry_seconds)
 
@@ -114,7 +115,7 @@ class StoreBlock(Block, ABC):
                 be created, local root not writable (message names root and endpoint).
             StoreUnavailableError: the server did not answer within 30 s.
         """
-        self._io().check_access(create_bucket=create_bucket)
+        self.parquet_store().check_access(create_bucket=create_bucket)
 
     # ----- writing ---------------------------------------------------------------------------
     def writer(
@@ -130,7 +131,9 @@ class StoreBlock(Block, ABC):
         Use as a context manager; see :class:`~tinker_blocks.store_writer.StoreWriter` for flush
         rules, retries and row-id derivation. Raises ``StoreError`` for an unknown table.
         """
-        return self._io().writer(table, writer_id=writer_id, flush_rows=flush_rows, flush_seconds=flush_seconds)
+        return self.parquet_store().writer(
+            table, writer_id=writer_id, flush_rows=flush_rows, flush_seconds=flush_seconds
+        )
 
     def write_rows(self, table: str, rows: list[dict[str, Any]], *, writer_id: str | None = None) -> list[str]:
         """Write ``rows`` of ``table`` now (one part per run); return their row ids."""
@@ -140,7 +143,7 @@ class StoreBlock(Block, ABC):
     def compact(self, run_id: str, table: str) -> str | None:
         """Merge a run's parts of ``table`` into one part, then delete the inputs (safe while
         readers query). Returns the new part's path, or None when there were fewer than 2 parts."""
-        return self._io().compact(table, run_id)
+        return self.parquet_store().compact(table, run_id)
 
     # ----- reading ---------------------------------------------------------------------------
     def connect(self) -> duckdb.DuckDBPyConnection:
@@ -149,13 +152,13 @@ class StoreBlock(Block, ABC):
         left out of the views (:mod:`tinker_blocks.store_health`); a statement run on this raw
         connection that meets a damaged part not known yet fails naming it: :meth:`query`
         skips it and runs the statement again."""
-        return self._io().connect()
+        return self.parquet_store().connect()
 
     def query(self, sql: str, params: list[Any] | None = None) -> list[dict[str, Any]]:
         """Run ``sql`` over the views; return rows as dicts (column name -> value). Re-run on a
         fresh listing when a concurrent compaction deleted a part the query had listed, and
         without a part that turned out unreadable (skipped with a warning naming it)."""
-        names, rows = self._io().query(sql, params)
+        names, rows = self.parquet_store().query(sql, params)
         return [dict(zip(names, r, strict=True)) for r in rows]
 
 
@@ -266,7 +269,7 @@ print(store.connect().execute("SELECT * FROM metrics").fetchall())
         """The run's metrics as a pandas DataFrame with columns ``step, name, value, time``
         (long format, sorted by step then name; empty frame when none)."""
         validate_run_id(run_id)
-        io = self._io()
+        io = self.parquet_store()
 
         def once():
             con = io.connect()
