@@ -30,8 +30,6 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
     """
 
     recipe: ClassVar[str] = "rl"
-    #: True where the flow fills ``dataset`` and the environment's inputs in from earlier stages
-    filled_by_pipeline: ClassVar[bool] = False
     resume_fields: ClassVar[tuple[str, ...]] = (
         *RecipeConfig.resume_fields,
         *EnvSpec.env_resume_fields(),
@@ -175,7 +173,7 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
 
     def run_settings(self) -> RunSettings:
         """The group size and policy model the environment's config check may need."""
-        return RunSettings(group_size=self.group_size, model=self.model, filled_by_pipeline=self.filled_by_pipeline)
+        return RunSettings(group_size=self.group_size, model=self.model)
 
     def env_context(self, renderer: str, tokenizer_id: str) -> EnvContext:
         """The environment context of a run of this config on the resolved ``renderer`` and

@@ -23,7 +23,8 @@ cookbook's ``recipes/preference/rlhf/rlhf_pipeline.py``.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, cast
+from dataclasses import replace
+from typing import Any, cast
 
 from prefect import flow, get_run_logger
 from pydantic import BaseModel, Field, model_validator
@@ -34,6 +35,7 @@ from prefect_tinker.flows.rl import rl_flow
 from prefect_tinker.flows.rl_config import RLConfig
 from prefect_tinker.flows.rlhf_stages import StageResult, check_upstream, run_stage, stage_summary_artifact
 from prefect_tinker.flows.sft import SFTConfig, sft_flow
+from prefect_tinker.recipes.rl.envs import RunSettings
 
 __all__ = ["RLHFConfig", "RLStageConfig", "rlhf_flow"]
 
@@ -48,13 +50,15 @@ class RLStageConfig(RLConfig):
     """The ``rl`` section: an RL config on ``pairwise_preference`` whose starting weights, reward
     model and (by default) prompts come from the earlier stages."""
 
-    filled_by_pipeline: ClassVar[bool] = True  # the env's config check leaves dataset/reward_model to the flow
-
     env: str = Field(default="pairwise_preference", description="RL environment (pairwise_preference).")
     max_tokens: int = Field(default=64, ge=1, description="Most sampled tokens per reply.")
     format_coef: float = Field(
         default=1.0, ge=0, description="Reward penalty for a reply that did not end on a stop sequence."
     )
+
+    def run_settings(self) -> RunSettings:
+        """As an RL config's, and the env's check leaves dataset and reward model to the flow."""
+        return replace(super().run_settings(), filled_by_pipeline=True)
 
 
 class RLHFConfig(BaseModel):

@@ -29,7 +29,7 @@ import json
 import re
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 __all__ = ["Piece", "Tag", "TextEncoder", "split_tags", "text_encoder"]
 
@@ -184,7 +184,7 @@ class TextEncoder:
             j = i
             while j < len(atoms) and isinstance(atoms[j][1], str):
                 j += 1
-            run = [(k2, chunk) for k2, chunk in atoms[i:j] if isinstance(chunk, str)]  # all text, as scanned
+            run = cast(list[tuple[int, str]], atoms[i:j])  # all text: the scan above stopped at the first id
             if self._plain is None or len(run) == 1:
                 for k2, chunk in run:
                     out[k2].extend(self.text(chunk))

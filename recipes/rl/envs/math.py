@@ -81,10 +81,11 @@ class Math(Environment):
 
     @classmethod
     def preflight(cls, spec: EnvSpec) -> None:
-        if looks_local(spec.required_dataset()):
+        dataset = spec.required_dataset()
+        if looks_local(dataset):
             opts = cls.options(spec)
             load_problems(
-                spec.required_dataset(),
+                dataset,
                 question_field=opts.question_field,
                 answer_field=opts.answer_field,
                 max_problems=spec.max_problems,
