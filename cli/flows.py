@@ -90,6 +90,8 @@ def _model_of_annotation(ann: Any) -> type[BaseModel] | None:
 def unknown_fields(model: type[BaseModel], data: dict[str, Any], prefix: str = "") -> list[str]:
     """Messages for keys of ``data`` that are not fields of ``model`` (recursively), with a
     did-you-mean suggestion. Models that allow extra fields accept any key."""
+    from pydantic import BaseModel
+
     if model.model_config.get("extra") == "allow":
         return []
     names: dict[str, str] = {}
@@ -112,7 +114,8 @@ def unknown_fields(model: type[BaseModel], data: dict[str, Any], prefix: str = "
             msgs.append(f"{prefix}{key}: unknown field{hint}")
             continue
         sub = _model_of_annotation(model.model_fields[names[key]].annotation)
-        if sub is not None and isinstance(value, dict):
+        # a field typed BaseModel is a tagged union (an RL config's env_options): its own model checks it
+        if sub is not None and sub is not BaseModel and isinstance(value, dict):
             msgs += unknown_fields(sub, value, f"{prefix}{key}.")
     return msgs
 

@@ -71,7 +71,7 @@ def _loop(session: RunSession[DistillConfig], config: DistillConfig, teachers: l
 
     if session.step not in session.samplers:
         session.save_sampler(record=True)
-    spec = config.model_copy(update={"env_options": config.prompt_env_options()})
+    spec = config.prompt_spec()
     dataset = build_rl_dataset(
         spec,
         renderer_name=session.renderer,
@@ -128,7 +128,7 @@ def _check_answers(config: DistillConfig) -> None:
     from prefect_tinker.recipes.distill.prompts import load_prompts
     from prefect_tinker.recipes.rl.envs.prompts import prompt_sources
 
-    spec = config.model_copy(update={"env_options": config.prompt_env_options()})
+    spec = config.prompt_spec()
     for i, source in enumerate(prompt_sources(spec)):
         missing = next((r for r in load_prompts(source, source=i) if r.answer is None), None)
         if missing is not None:

@@ -18,6 +18,7 @@ from prefect_tinker.flows.config import BackendConfig, latest_run_checkpoint
 from prefect_tinker.flows.rl_config import RLConfig
 from prefect_tinker.recipes.data_reading import EXAMPLE_CHAT_PATH, source_fingerprint
 from prefect_tinker.recipes.distill.prompts import DEMO_TEMPLATE, TeacherView
+from prefect_tinker.recipes.rl.envs.prompts import PromptsOptions
 
 __all__ = ["DistillConfig", "DistillMode", "TeacherSpec"]
 
@@ -277,13 +278,18 @@ class DistillConfig(RLConfig):
         super().preflight()
         self.resolved_teachers()
 
-    def prompt_env_options(self) -> dict[str, Any]:
-        """``env_options`` of the ``prompts`` env: each teacher's dataset as a weighted source when
-        there are several teachers, else the config's own."""
+    def prompt_spec(self) -> DistillConfig:
+        """This config as the spec of the ``prompts`` env its prompts come from: each teacher's
+        dataset a weighted source (``env_options.sources``) when there are several teachers, else
+        the config itself.
+
+        Raises:
+            ValueError: a teacher with no dataset where the config has none either.
+        """
         teachers = self.resolved_teachers()
         if len(teachers) < 2:
-            return dict(self.env_options)
-        base = dict(self.env_options)
+            return self
+        base = self.env_options.model_dump(exclude_unset=True)
         fmt = base.get("format", "messages")
         sources = [
             {
@@ -301,7 +307,7 @@ class DistillConfig(RLConfig):
         missing = [i for i, s in enumerate(sources) if not s["path"]]
         if missing:
             raise ValueError(f"teachers[{missing[0]}]: no dataset (and no run dataset)")
-        return {"sources": sources}
+        return self.model_copy(update={"env_options": PromptsOptions.model_validate({"sources": sources})})
 
     def data_fingerprint(self, renderer: str) -> str:
         """The RL fingerprint plus the content of every teacher's dataset."""

@@ -110,7 +110,7 @@ def run_offline(config: DistillConfig, teachers: list[Teacher], credentials: Tin
     backend ``credentials`` (resolved once, by the flow); returns the summary."""
     log = get_run_logger()
     (teacher,) = teachers
-    sources = prompt_sources(config.model_copy(update={"env_options": config.prompt_env_options()}))
+    sources = prompt_sources(config.prompt_spec())
     upstream = [teacher_asset(teacher.weights), *_sources_uris(sources)]
     held_out: list[PromptRecord] = []
     labels: list[str] = []

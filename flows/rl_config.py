@@ -166,7 +166,7 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
         """``sha256:<hex>`` of what the environment's problems are: the env settings and the
         content of its dataset (recorded with the run; a resumed run must match it)."""
         body = {k: getattr(self, k) for k in EnvSpec.model_fields}
-        body["env_options"] = self.typed_env_options.model_dump(mode="json")  # the options in force, defaults too
+        body["env_options"] = self.env_options.model_dump(mode="json")  # the options in force, defaults too
         body["dataset"] = source_fingerprint(self.dataset) if self.dataset else None
         body["renderer"] = renderer
         return "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from prefect_tinker.recipes.rl.advantages import groups_to_datums, rollout_metrics
-from prefect_tinker.recipes.rl.envs import EnvContext
+from prefect_tinker.recipes.rl.envs import EnvContext, EnvSpec
 from prefect_tinker.recipes.rl.envs.guess_number import GuessNumberBuilder
 from prefect_tinker.recipes.rl.envs.tictactoe import TicTacToe, TicTacToeSelfPlayBuilder
 from prefect_tinker.recipes.rl.envs.twenty_questions import TwentyQuestionsBuilder, names_word
@@ -141,10 +141,7 @@ def test_games_against_scripted_players_and_their_evaluation_sets(tokenizer_dirs
     tok = _tok(tokenizer_dirs)
     ctx = EnvContext(renderer_name="chatml", tokenizer_id=tokenizer_dirs["tiny"], group_size=2, groups_per_batch=2)
 
-    class Spec:
-        env_options = {"eval_games": 6}
-
-    sets = TicTacToe.eval_builders(Spec(), ctx)
+    sets = TicTacToe.eval_builders(EnvSpec(env="tictactoe", env_options={"eval_games": 6}), ctx)
     assert set(sets) == {"vs_random", "vs_minimax"} and [b.mark for b in sets["vs_minimax"]] == ["X", "O"]
     outcomes = {}
     for name, builders in sets.items():

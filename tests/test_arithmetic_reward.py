@@ -54,4 +54,21 @@ def test_option_picks_the_env(tokenizer_dirs, reward, env_cls):  # noqa: F811
     assert len(builders) == 3
     assert all(type(env) is env_cls for b in builders for env in b.make_envs())
     with pytest.raises(ValueError, match="reward"):
-        EnvSpec(env="arithmetic", env_options={"reward": "dense"}).typed_env_options
+        EnvSpec(env="arithmetic", env_options={"reward": "dense"})
+
+
+def test_env_options_are_the_options_model_of_the_env_named():
+    """``env_options`` validates into the ``Options`` of the environment ``env`` names (the tag of
+    the union); a dump holds the options as given, and validates back to the same model."""
+    from prefect_tinker.recipes.rl.envs.arithmetic import ArithmeticOptions
+    from prefect_tinker.recipes.rl.envs.math import MathOptions
+
+    spec = EnvSpec(env="arithmetic", env_options={"max_operand": 7})
+    assert type(spec.env_options) is ArithmeticOptions and spec.env_options.max_operand == 7
+    assert Arithmetic.options(spec) is spec.env_options and spec.env_options.reward == "exact"
+    assert spec.model_dump(mode="json")["env_options"] == {"max_operand": 7}
+    assert EnvSpec.model_validate(spec.model_dump()).env_options == spec.env_options
+    math = EnvSpec(env="math", dataset="org/problems", env_options={"answer_style": "boxed"})
+    assert type(math.env_options) is MathOptions
+    with pytest.raises(ValueError, match=r"env 'math': env_options\.max_operand: Extra inputs"):
+        EnvSpec(env="math", dataset="org/problems", env_options={"max_operand": 7})  # arithmetic's option, not math's

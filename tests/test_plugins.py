@@ -101,6 +101,29 @@ def test_plugin_env_loss_and_estimator_run_rl(plugin_cli):
     assert prompts and all(" - " in p["prompt"] for p in prompts)  # the plugin's problems
     stored = sql("SELECT config_json FROM runs WHERE run_id = 'plugin' AND config_json IS NOT NULL")
     assert json.loads(stored[-1]["config_json"])["loss_options"] == {"epsilon": 0.25}
+    assert json.loads(stored[-1]["config_json"])["env_options"] == {"max_operand": 5}  # as the config gave them
+
+
+def test_plugin_env_options_are_a_branch_of_the_tagged_union(plugin_cli):
+    """``env_options`` is typed by the environment ``env`` names: the JSON schema of the RL config,
+    printed in a process that has the plugin, has a branch for the plugin's environment, and a JSON
+    Schema validator applies it to the plugin's example config."""
+    import jsonschema
+    import yaml
+
+    run, _, site = plugin_cli
+    schema = json.loads(run("show-config", "rl", "--schema"))
+    branches = {b["if"]["properties"]["env"]["const"]: b["then"]["properties"]["env_options"] for b in schema["allOf"]}
+    assert {"arithmetic", "math", "tictactoe", "subtraction"} <= set(branches)
+    options = schema["$defs"][branches["subtraction"]["$ref"].rsplit("/", 1)[-1]]
+    assert set(options["properties"]) == {"max_operand"} and options["additionalProperties"] is False
+    example = yaml.safe_load((site / "demo_plugin" / "subtraction.yaml").read_text())
+    jsonschema.validate(example, schema)
+    for bad in ({"max_operand": 0}, {"max_operandd": 5}, {"max_operand": 5, "reward": "partial"}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({**example, "env_options": bad}, schema)
+    jsonschema.validate({**example, "env": "arithmetic", "env_options": {"max_operand": 5, "reward": "partial"}},
+                        schema)  # arithmetic's options: its branch, not subtraction's
 
 
 def test_plugin_recipe_runs_from_its_example(plugin_cli):

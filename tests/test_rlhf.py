@@ -158,7 +158,7 @@ def test_rlhf_config_refuses_shared_fields_in_sections(tmp_path):
     rl = c.rl_config("tinker://s/weights/p-sft-step-000002", "tinker://r/sampler_weights/p-rm-step-000002")
     assert rl.run_name == "p-rl" and rl.load_checkpoint_path == "tinker://s/weights/p-sft-step-000002"
     assert rl.dataset == hh and rl.env == "pairwise_preference"
-    assert rl.env_options == {"matchup_size": 2, "format": "dialogue", "fields": {},
+    assert rl.model_dump(mode="json")["env_options"] == {"matchup_size": 2, "format": "dialogue", "fields": {},
                               "reward_model": "tinker://r/sampler_weights/p-rm-step-000002",
                               "question": "Better, A or B?", "labels": ["A", "B"]}
 

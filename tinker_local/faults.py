@@ -20,6 +20,8 @@ import os
 import threading
 from dataclasses import dataclass
 
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
 logger = logging.getLogger("tinker_local.faults")
 
 ENV_FAIL_EVERY = "TINKER_LOCAL_FAIL_EVERY"
@@ -88,11 +90,11 @@ class FaultInjector:
     """ASGI middleware applying ``state`` (a ``FaultState``) to ``app``; use
     ``fastapi_app.add_middleware(FaultInjector, state=...)`` so it wraps everything else."""
 
-    def __init__(self, app, state: FaultState):
+    def __init__(self, app: ASGIApp, state: FaultState):
         self.app = app
         self.state = state
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         action = self.state.decide(scope.get("path", "")) if scope["type"] == "http" else None
         if action is None:
             return await self.app(scope, receive, send)
@@ -109,9 +111,9 @@ class FaultInjector:
             await send({"type": "http.response.body", "body": body})
             return None
 
-        started: list[dict] = []
+        started: list[Message] = []
 
-        async def hold(message):  # run the request fully, keep its response to ourselves
+        async def hold(message: Message) -> None:  # run the request fully, keep its response to ourselves
             if message["type"] == "http.response.start":
                 started.append(message)
 

@@ -25,9 +25,20 @@ import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializationInfo,
+    ValidationError,
+    WithJsonSchema,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
+from pydantic.json_schema import DEFAULT_REF_TEMPLATE, models_json_schema
 
 from prefect_tinker.recipes.data_reading import check_local_source
 from prefect_tinker.recipes.registry import Registry
@@ -117,11 +128,15 @@ class Environment:
 
     @classmethod
     def options(cls, spec: EnvSpec) -> Any:
-        """``spec.env_options`` validated by :attr:`Options` (the spec's own environment's options are
-        validated once: :attr:`EnvSpec.typed_env_options`)."""
-        if isinstance(spec, EnvSpec) and spec.env == cls.name:
-            return spec.typed_env_options
-        return cls.Options.model_validate(spec.env_options)
+        """``spec.env_options``, an instance of :attr:`Options` (validated when the spec was; the
+        options of a spec naming another environment are read again as this one's).
+
+        Raises:
+            ValueError: those options are not this environment's (``env_options.<field>: <problem>``).
+        """
+        if isinstance(spec.env_options, cls.Options):
+            return spec.env_options
+        return _validate_options(cls, spec.env_options.model_dump(exclude_unset=True))
 
     @classmethod
     def build(cls, spec: EnvSpec, ctx: EnvContext) -> RLDataset:
@@ -194,17 +209,21 @@ class EnvSpec(BaseModel):
 
     ``dataset`` .. ``format_coef`` are shared by the problem environments (arithmetic, gsm8k,
     math and their kin); everything specific to one environment is one of its options,
-    ``env_options``, validated once by the environment's own ``Options`` model into
-    :attr:`typed_env_options` (so the config holds one typed option model per environment, chosen by
-    ``env``, including the environments of plugins).
+    ``env_options``: a tagged union over the registered environments' ``Options`` models, the tag
+    being ``env``. Validation turns the given mapping into an instance of the model of the
+    environment ``env`` names, the environments of plugins included (the registry is read when a
+    spec is validated, so the union is not fixed when this class is defined); the JSON schema
+    (``prefect-tinker show-config RECIPE --schema``) spells the union out, one ``if env ==
+    <name> then env_options: <its Options>`` branch per registered environment.
     """
 
     env: str = Field(
         default="arithmetic",
         description="Registered environment (prefect-tinker ls shows them): arithmetic, gsm8k, math, ...",
     )
-    env_options: dict[str, Any] = Field(
-        default_factory=dict, description="Options of the environment (its own fields; see its docs)."
+    env_options: Annotated[BaseModel, WithJsonSchema({"type": "object"})] = Field(
+        default_factory=NoOptions,
+        description="Options of the environment `env` names: its own Options model (see its docs).",
     )
     dataset: str | None = Field(
         default=None, description="gsm8k/math: JSONL path or Hugging Face dataset id (gsm8k default: openai/gsm8k)."
@@ -219,7 +238,6 @@ class EnvSpec(BaseModel):
     format_coef: float = Field(default=0.1, ge=0, description="Reward penalty for a malformed reply.")
 
     _dataset_exists = field_validator("dataset")(check_local_source)  # a missing file fails here
-    _options: tuple[dict[str, Any], BaseModel] | None = PrivateAttr(default=None)
 
     #: Fields naming where the problems come from: a resumed run may change them as long as the
     #: problems' content (the run's data fingerprint) stays the same.
@@ -228,7 +246,7 @@ class EnvSpec(BaseModel):
     @classmethod
     def env_resume_fields(cls) -> tuple[str, ...]:
         """The fields a resumed run must keep: every field of the spec (``env_options`` as a
-        whole, so every option of every environment) except :attr:`source_fields`."""
+        whole, so every option of the environment) except :attr:`source_fields`."""
         return tuple(f for f in cls.model_fields if f not in cls.source_fields)
 
     def required_dataset(self) -> str:
@@ -248,40 +266,70 @@ class EnvSpec(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _moved_fields(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for key in MOVED_TO_ENV_OPTIONS.keys() & data.keys():
-                raise ValueError(
-                    f"{key} is an option of its environment ({MOVED_TO_ENV_OPTIONS[key]}): "
-                    f"write env_options.{key}={data[key]!r}"
-                )
-        return data
+    def _tagged_options(cls, data: Any) -> Any:
+        """Fields moved into ``env_options`` are refused with the spelling to use; ``env_options``
+        becomes the ``Options`` instance of the environment ``env`` names (the union's tag)."""
+        if not isinstance(data, dict):
+            return data
+        for key in MOVED_TO_ENV_OPTIONS.keys() & data.keys():
+            raise ValueError(
+                f"{key} is an option of its environment ({MOVED_TO_ENV_OPTIONS[key]}): "
+                f"write env_options.{key}={data[key]!r}"
+            )
+        env = data.get("env", cls.model_fields["env"].default)
+        if not isinstance(env, str):
+            return data  # the field's own validation names the problem
+        env_cls = get_env(env)
+        given = data.get("env_options")
+        if isinstance(given, env_cls.Options):
+            return data
+        if isinstance(given, BaseModel):  # another environment's options: read as this one's
+            given = given.model_dump(exclude_unset=True)
+        return {**data, "env_options": _validate_options(env_cls, {} if given is None else given)}
+
+    @field_serializer("env_options")
+    def _given_options(self, options: BaseModel, info: SerializationInfo) -> dict[str, Any]:
+        """The options as the config gave them (defaults left out): what a stored config and a
+        resume check hold, the same before and after the options became typed."""
+        return options.model_dump(mode=info.mode, exclude_unset=True)
 
     @model_validator(mode="after")
     def _check_env(self) -> EnvSpec:
-        self._validate_options()
         get_env(self.env).check(self)
         return self
 
-    @property
-    def typed_env_options(self) -> BaseModel:
-        """``env_options`` validated by the environment's ``Options`` model (validated once per
-        distinct ``env_options``: a copy of the spec with other options validates those).
+    @classmethod
+    def model_json_schema(cls, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The JSON schema, with ``env_options`` as the union over the registered environments'
+        option models, tagged by ``env`` (JSON Schema's ``if``/``then``, 2020-12 draft)."""
+        schema = super().model_json_schema(*args, **kwargs)
+        envs = {n: get_env(n).Options for n in env_names()}
+        keys, defs = models_json_schema(
+            [(m, "validation") for m in {id(m): m for m in envs.values()}.values()],
+            ref_template=kwargs.get("ref_template", DEFAULT_REF_TEMPLATE),
+        )
+        schema.setdefault("$defs", {}).update(defs.get("$defs", {}))
+        schema["allOf"] = [
+            {
+                "if": {"properties": {"env": {"const": name}}},
+                "then": {"properties": {"env_options": keys[(model, "validation")]}},
+            }
+            for name, model in envs.items()
+        ]
+        return schema
 
-        Raises:
-            ValueError: an unknown env, or a bad option as ``env_options.<field>: <problem>``.
-        """
-        return self._validate_options()
 
-    def _validate_options(self) -> BaseModel:
-        if self._options is None or self._options[0] != self.env_options:
-            try:
-                model = get_env(self.env).Options.model_validate(self.env_options)
-            except ValidationError as exc:
-                problems = "; ".join(f"env_options.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-                raise ValueError(f"env {self.env!r}: {problems}") from None
-            self._options = (dict(self.env_options), model)
-        return self._options[1]
+def _validate_options(env_cls: type[Environment], given: Any) -> BaseModel:
+    """``given`` validated by ``env_cls.Options``.
+
+    Raises:
+        ValueError: one line, ``env '<name>': env_options.<field>: <problem>; ...``.
+    """
+    try:
+        return env_cls.Options.model_validate(given)
+    except ValidationError as exc:
+        problems = "; ".join(f"env_options.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise ValueError(f"env {env_cls.name!r}: {problems}") from None
 
 
 def build_rl_dataset(
