@@ -90,7 +90,7 @@ def _model_of_annotation(ann: Any) -> type[BaseModel] | None:
 def unknown_fields(model: type[BaseModel], data: dict[str, Any], prefix: str = "") -> list[str]:
     """Messages for keys of ``data`` that are not fields of ``model`` (recursively), with a
     did-you-mean suggestion. Models that allow extra fields accept any key."""
-    from pydantic import BaseModel
+    from prefect_tinker.recipes.registry import TaggedBy
 
     if model.model_config.get("extra") == "allow":
         return []
@@ -113,9 +113,11 @@ def unknown_fields(model: type[BaseModel], data: dict[str, Any], prefix: str = "
             hint = f" (did you mean {prefix + close[0]!r}?)" if close else ""
             msgs.append(f"{prefix}{key}: unknown field{hint}")
             continue
-        sub = _model_of_annotation(model.model_fields[names[key]].annotation)
-        # a field typed BaseModel is a tagged union (an RL config's env_options): its own model checks it
-        if sub is not None and sub is not BaseModel and isinstance(value, dict):
+        finfo = model.model_fields[names[key]]
+        if any(isinstance(m, TaggedBy) for m in finfo.metadata):
+            continue  # a union tagged by another field (env_options, options): the config's validator checks it
+        sub = _model_of_annotation(finfo.annotation)
+        if sub is not None and isinstance(value, dict):
             msgs += unknown_fields(sub, value, f"{prefix}{key}.")
     return msgs
 

@@ -20,10 +20,10 @@ import hashlib
 import json
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, ClassVar, Generic, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar
 
 import tinker
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, WithJsonSchema, field_validator, model_validator
 
 from prefect_tinker.recipes.data_reading import (
     EXAMPLE_CHAT_PATH,
@@ -35,8 +35,11 @@ from prefect_tinker.recipes.data_reading import (
     resolve_source_path,
     source_fingerprint,
 )
+from prefect_tinker.recipes.data_sources import FormatFields
 from prefect_tinker.recipes.datasets import datum_from_example
+from prefect_tinker.recipes.format_options import FormatOptions
 from prefect_tinker.recipes.media import MediaSpan, media_spans, restore_media
+from prefect_tinker.recipes.registry import TaggedBy
 
 __all__ = ["BuiltData", "DatasetBuilder", "Example", "SourceFields", "SupervisedBuilder", "SupervisedData"]
 
@@ -77,7 +80,7 @@ class Example(BaseModel):
         return self.sequence()[:first]
 
 
-class SourceFields(BaseModel):
+class SourceFields(FormatFields):
     """Where a recipe's records come from (fields of the recipe's config).
 
     One source: ``dataset`` (a JSONL file, local dataset file/dir, ``builtin:example_chat`` or a
@@ -98,8 +101,9 @@ class SourceFields(BaseModel):
         default_factory=dict,
         description="Field mapping of `dataset`: format field -> record path (dotted, e.g. meta.answer).",
     )
-    options: dict[str, Any] = Field(
-        default_factory=dict, description="Converter options of `dataset` (system_prompt, ...)."
+    options: Annotated[FormatOptions, TaggedBy("format"), WithJsonSchema({"type": "object"})] = Field(
+        default_factory=FormatOptions,
+        description="Options of `format` for `dataset` (system_prompt, ...; unknown keys are errors).",
     )
     split: str = Field(default="train", description="Split of a Hugging Face `dataset`.")
     max_records: int | None = Field(

@@ -35,19 +35,21 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import Field, WithJsonSchema
 
 from prefect_tinker.recipes.data_sources import (
-    CONVERTERS,
     Conversation,
     DatasetFormatError,
+    FormatFields,
     RecordError,
     convert_record,
     validate_messages,
 )
+from prefect_tinker.recipes.format_options import FormatOptions
 from prefect_tinker.recipes.media_sources import absolutize_media
+from prefect_tinker.recipes.registry import TaggedBy
 
 __all__ = [
     "EXAMPLE_CHAT_PATH",
@@ -89,8 +91,9 @@ _JSONL = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz")
 OnError = Literal["raise", "skip"]
 
 
-class SourceSpec(BaseModel):
-    """One dataset source and how to read it (usable as a field of a flow's pydantic config)."""
+class SourceSpec(FormatFields):
+    """One dataset source and how to read it (usable as a field of a flow's pydantic config);
+    ``options`` is the options model of its ``format`` (:class:`~prefect_tinker.recipes.data_sources.FormatFields`)."""
 
     path: str = Field(
         description="JSONL file, local dataset file/dir, 'builtin:example_chat', or a Hugging Face dataset id."
@@ -103,18 +106,14 @@ class SourceSpec(BaseModel):
         ),
     )
     fields: dict[str, str] = Field(default_factory=dict, description="Field mapping: converter field -> record path.")
-    options: dict[str, Any] = Field(default_factory=dict, description="Converter options (system_prompt, ...).")
+    options: Annotated[FormatOptions, TaggedBy("format"), WithJsonSchema({"type": "object"})] = Field(
+        default_factory=FormatOptions, description="Options of the format (system_prompt, ...; see the format's docs)."
+    )
     split: str = Field(default="train", description="Split for datasets.load_dataset sources.")
     config_name: str | None = Field(default=None, description="Dataset configuration name (Hugging Face).")
     streaming: bool = Field(default=False, description="Read rows lazily instead of loading the whole set.")
     weight: float = Field(default=1.0, gt=0, description="Sampling weight when interleaving sources.")
     max_records: int | None = Field(default=None, ge=1, description="Read at most this many records.")
-
-    @field_validator("format")
-    @classmethod
-    def _known_format(cls, v: str) -> str:
-        CONVERTERS.get_or_raise(v)
-        return v
 
     @classmethod
     def coerce(cls, source: SourceSpec | str | Mapping[str, Any]) -> SourceSpec:
@@ -434,7 +433,7 @@ def _captured(spec: SourceSpec, stats: SkipStats | None = None) -> list[Conversa
     from prefect_tinker.recipes.capture_data import parse_capture_source, read_captured_conversations
 
     root, where = parse_capture_source(spec.path)
-    include = bool(spec.options.get("include_truncated", False))
+    include = spec.options.include_truncated
     out: list[Conversation] = []
     for conv in read_captured_conversations(root, where, include_truncated=True):
         if not include and "length" in (conv.metadata.get("finish_reason"), conv.metadata.get("stop_reason")):

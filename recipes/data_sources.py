@@ -23,10 +23,12 @@ format                        fields (default names; first present wins)   messa
                                                                             :mod:`~prefect_tinker.recipes.tools.calculator_traces`)
 ============================  ===========================================  =====================================
 
-Options (``options=``): ``system_prompt`` (every format: a system message put first when the
-record has none), ``input_separator`` (instruction, default ``"\\n\\n"``),
-``strip_completion_suffix`` (prompt_completion: an end marker removed from completions, as in
-OpenAI's legacy fine-tuning files), ``role_map`` (messages/sharegpt).
+Options (``options=``), typed per format (:class:`FormatFields`; unknown keys are errors):
+``system_prompt`` (every format: a system message put first when the record has none),
+``include_truncated`` (every format, for capture sources), ``input_separator`` (instruction,
+self_instruct; default ``"\\n\\n"``), ``strip_completion_suffix`` (prompt_completion: an end
+marker removed from completions, as in OpenAI's legacy fine-tuning files), ``role_map``
+(messages/sharegpt).
 
 Errors are :class:`RecordError` (field + problem); the readers in :mod:`prefect_tinker.recipes.data_reading` add
 the file and line.  Sources of the formats: Alpaca (https://github.com/tatsu-lab/stanford_alpaca,
@@ -42,7 +44,19 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from prefect_tinker.recipes.media_sources import MEDIA_CONVERTERS
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializationInfo,
+    ValidationError,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
+
+from prefect_tinker.recipes.format_options import DataFormat, FormatOptions, options_problems
+from prefect_tinker.recipes.media_sources import MEDIA_FORMATS
 from prefect_tinker.recipes.record_fields import (
     Converted,
     RecordError,
@@ -52,7 +66,7 @@ from prefect_tinker.recipes.record_fields import (
     top_key,
     with_system,
 )
-from prefect_tinker.recipes.registry import Registry
+from prefect_tinker.recipes.registry import Registry, tagged_union_schema
 from prefect_tinker.recipes.renderers.messages import FieldProblem, check_message_list
 from prefect_tinker.recipes.tools.calculator_traces import calculator_solution
 
@@ -61,10 +75,15 @@ __all__ = [
     "Conversation",
     "Converted",
     "DatasetFormatError",
+    "FormatFields",
+    "InstructionOptions",
+    "MessagesOptions",
+    "PromptCompletionOptions",
     "PAIR_FORMATS",
     "PreferencePair",
     "RecordError",
     "convert_record",
+    "data_format",
     "converter_names",
     "get_field",
     "parse_dialogue",
@@ -102,7 +121,7 @@ class Conversation:
 def _messages(
     record: Any,
     fields: Mapping[str, str],
-    options: Mapping[str, Any],
+    options: MessagesOptions,
     *,
     default_field: str = "messages",
     role_key: str = "role",
@@ -112,7 +131,7 @@ def _messages(
     path = fields.get("messages", default_field)
     msgs = get_field(record, path)
     rk, ck = fields.get("role", role_key), fields.get("content", content_key)
-    rmap = dict(role_map or {}, **options.get("role_map", {}))
+    rmap = dict(role_map or {}, **options.role_map)
     if (rk, ck) != ("role", "content") or rmap:
         if not isinstance(msgs, list):
             raise RecordError(path, f"must be a non-empty list of messages, got {short_repr(msgs)}")
@@ -127,11 +146,11 @@ def _messages(
             out.append({**rest, "role": rmap.get(m[rk], m[rk]), "content": m[ck]})
         msgs = out
     if isinstance(msgs, list):
-        msgs = with_system(msgs, options.get("system_prompt"))
+        msgs = with_system(msgs, options.system_prompt)
     return [Converted(msgs, path, frozenset({top_key(path)}))]
 
 
-def _sharegpt(record: Any, fields: Mapping[str, str], options: Mapping[str, Any]) -> list[Converted]:
+def _sharegpt(record: Any, fields: Mapping[str, str], options: MessagesOptions) -> list[Converted]:
     roles = {
         "human": "user",
         "user": "user",
@@ -151,22 +170,22 @@ def _require_text(path: str | None, value: str | None, what: str) -> str:
     return value
 
 
-def _instruction(record: Any, fields: Mapping[str, str], options: Mapping[str, Any]) -> list[Converted]:
+def _instruction(record: Any, fields: Mapping[str, str], options: InstructionOptions) -> list[Converted]:
     ipath, instruction = pick_text(record, fields, "instruction", ("instruction",))
     xpath, extra = pick_text(record, fields, "input", ("input", "context"), required=False)
     opath, output = pick_text(record, fields, "output", ("output", "response"))
     spath, system = pick_text(record, fields, "system", ("system",), required=False)
-    user = instruction if not (extra or "").strip() else instruction + options.get("input_separator", "\n\n") + extra
+    user = instruction + options.input_separator + extra if extra and extra.strip() else instruction
     msgs = [{"role": "user", "content": user}, {"role": "assistant", "content": _require_text(opath, output, "output")}]
     used = frozenset(top_key(p) for p in (ipath, xpath, opath, spath) if p)
-    return [Converted(with_system(msgs, system or options.get("system_prompt")), f"{ipath}+{opath}", used)]
+    return [Converted(with_system(msgs, system or options.system_prompt), f"{ipath}+{opath}", used)]
 
 
-def _prompt_completion(record: Any, fields: Mapping[str, str], options: Mapping[str, Any]) -> list[Converted]:
+def _prompt_completion(record: Any, fields: Mapping[str, str], options: PromptCompletionOptions) -> list[Converted]:
     ppath, prompt = pick_text(record, fields, "prompt", ("prompt",))
     cpath, completion = pick_text(record, fields, "completion", ("completion", "response", "answer"))
     spath, system = pick_text(record, fields, "system", ("system",), required=False)
-    suffix = options.get("strip_completion_suffix")
+    suffix = options.strip_completion_suffix
     if suffix and completion.endswith(suffix):
         completion = completion[: -len(suffix)]
     msgs = [
@@ -174,7 +193,7 @@ def _prompt_completion(record: Any, fields: Mapping[str, str], options: Mapping[
         {"role": "assistant", "content": _require_text(cpath, completion, "completion")},
     ]
     used = frozenset(top_key(p) for p in (ppath, cpath, spath) if p)
-    return [Converted(with_system(msgs, system or options.get("system_prompt")), f"{ppath}+{cpath}", used)]
+    return [Converted(with_system(msgs, system or options.system_prompt), f"{ppath}+{cpath}", used)]
 
 
 _TURN = re.compile(r"\n\n(Human|Assistant):")
@@ -201,16 +220,16 @@ def parse_dialogue(text: str) -> list[dict[str, str]]:
     return [{"role": roles[who], "content": body.strip()} for who, body in zip(parts[1::2], parts[2::2], strict=True)]
 
 
-def _dialogue(record: Any, fields: Mapping[str, str], options: Mapping[str, Any]) -> list[Converted]:
+def _dialogue(record: Any, fields: Mapping[str, str], options: FormatOptions) -> list[Converted]:
     path, text = pick_text(record, fields, "text", ("text",))
     try:
         msgs = parse_dialogue(text)
     except ValueError as exc:
         raise RecordError(path, str(exc)) from None
-    return [Converted(with_system(msgs, options.get("system_prompt")), path, frozenset({top_key(path)}))]
+    return [Converted(with_system(msgs, options.system_prompt), path, frozenset({top_key(path)}))]
 
 
-def _self_instruct(record: Any, fields: Mapping[str, str], options: Mapping[str, Any]) -> list[Converted]:
+def _self_instruct(record: Any, fields: Mapping[str, str], options: InstructionOptions) -> list[Converted]:
     ipath, instruction = pick_text(record, fields, "instruction", ("instruction",))
     lpath = fields.get("instances", "instances")
     instances = get_field(record, lpath)
@@ -229,36 +248,72 @@ def _self_instruct(record: Any, fields: Mapping[str, str], options: Mapping[str,
     return out
 
 
-Converter = Callable[[Any, Mapping[str, str], Mapping[str, Any]], list[Converted]]
+Converter = Callable[[Any, Mapping[str, str], Any], list[Converted]]
 
-#: Record formats by name: ``converter(record, fields, options) -> list[Converted]``. ``prompt``
+#: Dataset formats by name: a :class:`~prefect_tinker.recipes.format_options.DataFormat` (converter
+#: ``convert(record, fields, options) -> list[Converted]`` and its options model) or, from a plugin, a
+#: bare converter function (any option, passed as a dict). ``prompt``
 #: (:mod:`~prefect_tinker.recipes.distill.prompts`) registers in its own module, imported when the
 #: registry is first read; plugins add formats through the ``prefect_tinker.formats`` entry-point group.
-CONVERTERS: Registry[Converter] = Registry(
+CONVERTERS: Registry[DataFormat | Converter] = Registry(
     "dataset format", "prefect_tinker.formats", builtins=("prefect_tinker.recipes.distill.prompts",)
 )
 
 
-def register_converter(name: str, converter: Converter) -> Converter:
+def register_converter(
+    name: str, converter: Converter, options: type[FormatOptions] = FormatOptions
+) -> DataFormat | Converter:
     """Register ``converter(record, fields, options) -> list[Converted]`` under ``name``
-    (overwrites); the same as an entry point of group ``prefect_tinker.formats``."""
-    return CONVERTERS.register(name, converter)
+    (overwrites), its ``options`` validated by ``options`` (a :class:`FormatOptions` subclass);
+    the same as an entry point of group ``prefect_tinker.formats`` naming a ``DataFormat``."""
+    return CONVERTERS.register(name, DataFormat(converter, options))
 
 
-for _name, _converter in {
-    "messages": _messages,
-    "sharegpt": _sharegpt,
-    "instruction": _instruction,
-    "alpaca": _instruction,
-    "dolly": _instruction,
-    "prompt_completion": _prompt_completion,
-    "dialogue": _dialogue,
-    "hh": _dialogue,
-    "self_instruct": _self_instruct,
-    **MEDIA_CONVERTERS,  # image_folder, image_classification, audio_transcript
-    "calculator_solution": calculator_solution,
+class MessagesOptions(FormatOptions):
+    """Options of ``messages`` and ``sharegpt``."""
+
+    role_map: dict[str, str] = Field(
+        default_factory=dict, description="Roles renamed, e.g. {bot: assistant} (after sharegpt's own mapping)."
+    )
+
+
+class InstructionOptions(FormatOptions):
+    """Options of ``instruction`` (``alpaca``, ``dolly``) and ``self_instruct``."""
+
+    input_separator: str = Field(default="\n\n", description="Between the instruction and its input in the user turn.")
+
+
+class PromptCompletionOptions(FormatOptions):
+    """Options of ``prompt_completion``."""
+
+    strip_completion_suffix: str | None = Field(
+        default=None, description="An end marker removed from completions (OpenAI's legacy fine-tuning files)."
+    )
+
+
+for _name, _format in {
+    "messages": DataFormat(_messages, MessagesOptions),
+    "sharegpt": DataFormat(_sharegpt, MessagesOptions),
+    "instruction": DataFormat(_instruction, InstructionOptions),
+    "alpaca": DataFormat(_instruction, InstructionOptions),
+    "dolly": DataFormat(_instruction, InstructionOptions),
+    "prompt_completion": DataFormat(_prompt_completion, PromptCompletionOptions),
+    "dialogue": DataFormat(_dialogue),
+    "hh": DataFormat(_dialogue),
+    "self_instruct": DataFormat(_self_instruct, InstructionOptions),
+    **MEDIA_FORMATS,  # image_folder, image_classification, audio_transcript
+    "calculator_solution": DataFormat(calculator_solution),
 }.items():
-    register_converter(_name, _converter)
+    CONVERTERS.register(_name, _format)
+
+
+def data_format(name: str) -> DataFormat:
+    """The registered format ``name`` (a plugin's bare function wrapped: any option, as a dict).
+
+    Raises:
+        ValueError: unknown name (the message lists the registered ones).
+    """
+    return DataFormat.of(CONVERTERS.get_or_raise(name))
 
 
 def converter_names() -> list[str]:
@@ -270,18 +325,73 @@ def convert_record(
     record: Any,
     format: str = "messages",
     fields: Mapping[str, str] | None = None,
-    options: Mapping[str, Any] | None = None,
+    options: FormatOptions | Mapping[str, Any] | None = None,
 ) -> list[Converted]:
-    """Run the converter ``format`` on one record (messages not yet validated).
+    """Run the converter ``format`` on one record (messages not yet validated); ``options`` the
+    format's options model, or a mapping validated by it.
 
     Raises:
-        ValueError: unknown format (lists the accepted ones).
+        ValueError: unknown format (lists the accepted ones), or a bad option.
         RecordError: a missing field or a bad value.
     """
-    conv = CONVERTERS.get_or_raise(format)
+    fmt = data_format(format)
+    if not isinstance(options, fmt.Options):
+        try:
+            options = fmt.Options.model_validate(dict(options or {}))
+        except ValidationError as exc:
+            raise ValueError(f"format {format!r}: {options_problems(exc)}") from None
     if not isinstance(record, Mapping):
         raise RecordError("(record)", f"must be a JSON object, got {short_repr(record)}")
-    return conv(record, dict(fields or {}), dict(options or {}))
+    return fmt(record, dict(fields or {}), options)
+
+
+class FormatFields(BaseModel):
+    """Validation shared by the models that name a dataset ``format`` with its ``fields`` and
+    ``options`` (a data source, a recipe's data fields): ``options`` becomes an instance of the
+    options model of the format ``format`` names (a union tagged by ``format``: an unknown or bad
+    option fails as ``format '<name>': options.<field>: <problem>``); a dump holds the options as
+    given, defaults left out, so stored configs and data fingerprints read as before options were
+    typed; the JSON schema spells the union out (one ``if format == <name>`` branch per format).
+    The subclass declares the three fields (``options: FormatOptions``)."""
+
+    model_config = ConfigDict(json_schema_extra=lambda schema, cls: _format_union_schema(schema))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _typed_options(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        name = data.get("format", cls.model_fields["format"].default)
+        if not isinstance(name, str) or name not in CONVERTERS:
+            return data  # the field's own validation names the problem
+        model = data_format(name).Options
+        given = data.get("options")
+        if isinstance(given, model):
+            return data
+        if isinstance(given, BaseModel):  # another format's options: read as this one's
+            given = given.model_dump(exclude_unset=True)
+        try:
+            options = model.model_validate({} if given is None else given)
+        except ValidationError as exc:
+            raise ValueError(f"format {name!r}: {options_problems(exc)}") from None
+        return {**data, "options": options}
+
+    @field_validator("format", check_fields=False)
+    @classmethod
+    def _known_format(cls, name: str) -> str:
+        data_format(name)
+        return name
+
+    @field_serializer("options", check_fields=False)
+    def _given_options(self, options: FormatOptions, info: SerializationInfo) -> dict[str, Any]:
+        return options.model_dump(mode=info.mode, exclude_unset=True)
+
+
+def _format_union_schema(schema: dict[str, Any]) -> None:
+    """``options`` of a :class:`FormatFields` model in its JSON schema: the registered formats'
+    option models (flat models, inlined), tagged by ``format``."""
+    branches = {name: data_format(name).Options.model_json_schema() for name in converter_names()}
+    tagged_union_schema(schema, tag="format", field="options", branches=branches, default="messages")
 
 
 def validate_messages(
@@ -403,11 +513,11 @@ def preference_from_dialogues(chosen: str, rejected: str) -> PreferencePair:
     return PreferencePair(prompt, a, b)
 
 
-def _preference(record: Any, fields: Mapping[str, str], options: Mapping[str, Any]) -> list[Converted]:
+def _preference(record: Any, fields: Mapping[str, str], options: FormatOptions) -> list[Converted]:
     """``preference`` records as conversations for SFT: the prompt and the chosen reply."""
     prompt, chosen, _ = pairs_from_record(record, "preference", fields)
     used = frozenset(top_key(fields.get(k, k)) for k in ("prompt", "chosen", "rejected"))
-    return [Converted(with_system(prompt + chosen, options.get("system_prompt")), fields.get("chosen", "chosen"), used)]
+    return [Converted(with_system(prompt + chosen, options.system_prompt), fields.get("chosen", "chosen"), used)]
 
 
 register_converter("preference", _preference)

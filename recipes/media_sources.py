@@ -15,7 +15,8 @@ format                        records (fields; first present wins)            me
 The classification prompt is the Tinker cookbook's VLM classifier shape: ``"What is the name of
 the subject in this photo?"`` / ``"The subject in this photo is: <label>"``, labels cleaned as
 there (``_``, ``.``, ``-`` become spaces, lower case; option ``clean_labels=false`` keeps them).
-Options: ``prompt``, ``answer_prefix``, ``clean_labels``, ``system_prompt``.  Relative media
+Options (:class:`ClassificationOptions`, :class:`TranscriptOptions`): ``prompt``, ``answer_prefix``,
+``clean_labels``, ``eval_limit``, ``system_prompt``.  Relative media
 paths are resolved against the folder of the dataset file (:func:`absolutize_media`).
 """
 
@@ -25,11 +26,17 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from pydantic import Field
+
+from prefect_tinker.recipes.format_options import DataFormat, FormatOptions
 from prefect_tinker.recipes.record_fields import Converted, RecordError, get_field
 
 __all__ = [
     "CLASSIFICATION_FORMATS",
     "IMAGE_SUFFIXES",
+    "MEDIA_FORMATS",
+    "ClassificationOptions",
+    "TranscriptOptions",
     "absolutize_media",
     "clean_label",
     "iter_image_folder",
@@ -64,7 +71,25 @@ def _first(
     return path, value
 
 
-def _classification(record: Any, fields: Mapping[str, str], options: Mapping[str, Any]) -> list[Converted]:
+class ClassificationOptions(FormatOptions):
+    """Options of ``image_classification`` and ``image_folder``."""
+
+    prompt: str = Field(default=CLASSIFIER_PROMPT, description="The user's text after the image.")
+    answer_prefix: str = Field(
+        default=CLASSIFIER_ANSWER_PREFIX, description="The reply is '<answer_prefix> <label>' (and is scored so)."
+    )
+    clean_labels: bool = Field(default=True, description="Labels with _ . - as spaces, lower case (the cookbook's).")
+    eval_limit: int = Field(default=100, ge=1, description="Test examples the classifier accuracy is measured on.")
+
+
+class TranscriptOptions(FormatOptions):
+    """Options of ``audio_transcript``."""
+
+    prompt: str = Field(default=TRANSCRIBE_PROMPT, description="The user's text after the audio.")
+    eval_limit: int = Field(default=100, ge=1, description="Test examples the word error rate is measured on.")
+
+
+def _classification(record: Any, fields: Mapping[str, str], options: ClassificationOptions) -> list[Converted]:
     ipath, image = _first(record, fields, "image", ("image", "img", "path"))
     lpath, label = _first(record, fields, "label", ("label", "class", "category"))
     if isinstance(image, Mapping):  # a Hugging Face Image feature read without decoding
@@ -72,26 +97,25 @@ def _classification(record: Any, fields: Mapping[str, str], options: Mapping[str
     if isinstance(label, bool) or not isinstance(label, (str, int)):
         raise RecordError(lpath, f"must be a string or an integer class id, got {type(label).__name__}")
     label = str(label)
-    if options.get("clean_labels", True):
+    if options.clean_labels:
         label = clean_label(label)
-    prefix = str(options.get("answer_prefix", CLASSIFIER_ANSWER_PREFIX))
     messages: list[dict[str, Any]] = []
-    if options.get("system_prompt"):
-        messages.append({"role": "system", "content": str(options["system_prompt"])})
+    if options.system_prompt:
+        messages.append({"role": "system", "content": options.system_prompt})
     messages += [
         {
             "role": "user",
             "content": [
                 {"type": "image", "image": image},
-                {"type": "text", "text": str(options.get("prompt", CLASSIFIER_PROMPT))},
+                {"type": "text", "text": options.prompt},
             ],
         },
-        {"role": "assistant", "content": f"{prefix} {label}"},
+        {"role": "assistant", "content": f"{options.answer_prefix} {label}"},
     ]
     return [Converted(messages, ipath, frozenset({ipath.split(".")[0], lpath.split(".")[0]}))]
 
 
-def _transcript(record: Any, fields: Mapping[str, str], options: Mapping[str, Any]) -> list[Converted]:
+def _transcript(record: Any, fields: Mapping[str, str], options: TranscriptOptions) -> list[Converted]:
     apath, audio = _first(record, fields, "audio", ("audio", "path", "file"))
     tpath, text = _first(record, fields, "text", ("text", "transcript", "sentence"))
     if isinstance(audio, Mapping):
@@ -99,14 +123,14 @@ def _transcript(record: Any, fields: Mapping[str, str], options: Mapping[str, An
     if not isinstance(text, str):
         raise RecordError(tpath, f"must be a string, got {type(text).__name__}")
     messages: list[dict[str, Any]] = []
-    if options.get("system_prompt"):
-        messages.append({"role": "system", "content": str(options["system_prompt"])})
+    if options.system_prompt:
+        messages.append({"role": "system", "content": options.system_prompt})
     messages += [
         {
             "role": "user",
             "content": [
                 {"type": "audio", "audio": audio},
-                {"type": "text", "text": str(options.get("prompt", TRANSCRIBE_PROMPT))},
+                {"type": "text", "text": options.prompt},
             ],
         },
         {"role": "assistant", "content": text.strip()},
@@ -114,11 +138,11 @@ def _transcript(record: Any, fields: Mapping[str, str], options: Mapping[str, An
     return [Converted(messages, apath, frozenset({apath.split(".")[0], tpath.split(".")[0]}))]
 
 
-#: the converters of this module's formats (registered by :mod:`prefect_tinker.recipes.data_sources`)
-MEDIA_CONVERTERS = {
-    "image_classification": _classification,
-    "image_folder": _classification,
-    "audio_transcript": _transcript,
+#: this module's formats (registered by :mod:`prefect_tinker.recipes.data_sources`)
+MEDIA_FORMATS = {
+    "image_classification": DataFormat(_classification, ClassificationOptions),
+    "image_folder": DataFormat(_classification, ClassificationOptions),
+    "audio_transcript": DataFormat(_transcript, TranscriptOptions),
 }
 
 

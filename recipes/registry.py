@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import importlib
 import threading
-from collections.abc import Iterable, Iterator, MutableMapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
+from dataclasses import dataclass
 from importlib.metadata import entry_points
 from types import ModuleType
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
-__all__ = ["Registry", "UnknownComponentError"]
+__all__ = ["Registry", "TaggedBy", "UnknownComponentError", "tagged_union_schema"]
 
 T = TypeVar("T")
 
@@ -142,3 +143,30 @@ class Registry(MutableMapping[str, T], Generic[T]):
 
     def __repr__(self) -> str:
         return f"Registry({self.kind!r}, group={self.group!r}, names={self.names()})"
+
+
+@dataclass(frozen=True)
+class TaggedBy:
+    """Marks a pydantic field (``Annotated[Model, TaggedBy("env")]``) whose model the field
+    ``tag`` of the same config picks from a registry; the config's own validator resolves it, so
+    readers of the annotation (the CLI's unknown-key check) leave the field to that validator."""
+
+    tag: str
+
+
+def tagged_union_schema(
+    schema: dict[str, Any], *, tag: str, field: str, branches: Mapping[str, dict[str, Any]], default: str
+) -> None:
+    """Spell out, in the JSON schema ``schema`` of a model, a ``field`` whose model the ``tag`` field
+    picks from a registry (an RL config's ``env_options`` by ``env``, a source's ``options`` by
+    ``format``): one ``if tag == <name> then field: <branch>`` per registered name, and one for an
+    absent tag (its ``default``), added to ``allOf`` (JSON Schema 2020-12 ``if``/``then``,
+    https://json-schema.org/understanding-json-schema/reference/conditionals).
+    """
+    rules = schema.setdefault("allOf", [])
+    rules += [
+        {"if": {"properties": {tag: {"const": name}}, "required": [tag]}, "then": {"properties": {field: branch}}}
+        for name, branch in branches.items()
+    ]
+    if default in branches:
+        rules.append({"if": {"not": {"required": [tag]}}, "then": {"properties": {field: branches[default]}}})

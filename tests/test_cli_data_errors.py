@@ -26,8 +26,6 @@ def files(tmp_path):
     (["sft", "dataset={d}/broken.jsonl"], "{d}/broken.jsonl:2: malformed JSON (Expecting value at column 15)"),
     (["sft", "dataset={d}/missing.jsonl"], "{d}/missing.jsonl:3: field 'messages' is missing (record has: msgs)"),
     (["dpo", "dataset={d}/missing.jsonl"], "{d}/missing.jsonl:1: field 'chosen'"),
-    (["sft", "dataset={d}/missing.jsonl", "format=nosuch"], "format = 'nosuch': unknown dataset format 'nosuch'; "
-                                                             "registered: alpaca,"),
     (["rl", "env=math", "dataset={d}/problems.jsonl"], "{d}/problems.jsonl:2"),
 ])
 def test_bad_data_is_one_line_before_anything_starts(files, argv, expected, capsys, monkeypatch):
@@ -41,6 +39,23 @@ def test_bad_data_is_one_line_before_anything_starts(files, argv, expected, caps
         assert err.startswith(f"error: invalid data for flow {argv[0]!r}: {expected.format(d=files)}"), err
         assert "Traceback" not in err
     assert not store.exists()  # nothing recorded, no server started
+
+
+def test_unknown_format_or_option_is_a_config_error_before_anything_starts(files, capsys, monkeypatch):
+    """A format's name and its options are part of the config (a union tagged by ``format``):
+    one line naming the field and value, before any data is read."""
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # nothing may talk to Prefect
+    store = files / "store"
+    for argv, expected in (
+        (["format=nosuch"], "format = 'nosuch': unknown dataset format 'nosuch'; registered: alpaca,"),
+        (["options.role_mapp={}"], "format 'messages': options.role_mapp: Extra inputs are not permitted"),
+        (["format=instruction", "options.role_map={}"], "format 'instruction': options.role_map: Extra inputs"),
+    ):
+        assert cli.main(["run", "sft", f"dataset={files}/missing.jsonl", *argv, "model=tiny", f"store={store}"]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1, err
+        assert err.startswith(f"error: invalid config for flow 'sft' (SFTConfig): {expected}"), err
+    assert not store.exists()
 
 
 def test_debug_shows_the_traceback(files, capsys):

@@ -244,3 +244,37 @@ def test_hh_rlhf_dialogues_load_with_the_right_trained_tokens():
     for p in pairs[:300]:
         pair = preference_from_dialogues(p["chosen"], p["rejected"])
         assert pair.prompt + pair.chosen == parse_dialogue(p["chosen"]) and pair.chosen != pair.rejected
+
+
+def test_options_are_the_options_model_of_the_format_named():
+    """``options`` is a union tagged by ``format``: validated into the format's model (typed, unknown
+    keys refused), dumped as given, and spelled out in the JSON schema, which a JSON Schema
+    validator applies to configs (the default format's branch when ``format`` is absent)."""
+    import jsonschema
+
+    from prefect_tinker.flows.sft import SFTConfig
+    from prefect_tinker.recipes.data_sources import InstructionOptions, MessagesOptions
+    from prefect_tinker.recipes.format_options import FormatOptions
+
+    spec = SourceSpec(path="org/set", format="instruction", options={"input_separator": " | "})
+    assert type(spec.options) is InstructionOptions and spec.options.input_separator == " | "
+    assert spec.model_dump()["options"] == {"input_separator": " | "}  # as given: stored configs unchanged
+    assert SourceSpec.model_validate(spec.model_dump()).options == spec.options
+    assert type(SourceSpec(path="org/set").options) is MessagesOptions
+    assert type(SourceSpec(path="org/set", format="dialogue").options) is FormatOptions
+    (conv,) = convert_record({"instruction": "Add", "input": "1 2", "output": "3"}, "instruction", None, spec.options)
+    assert conv.messages[0]["content"] == "Add | 1 2"
+    with pytest.raises(ValueError, match=r"format 'dialogue': options\.input_separator: Extra inputs"):
+        SourceSpec(path="org/set", format="dialogue", options={"input_separator": " "})
+    with pytest.raises(ValueError, match=r"format 'instruction': options\.input_separatr: Extra inputs"):
+        convert_record({"instruction": "a", "output": "b"}, "instruction", None, {"input_separatr": " "})
+
+    schema = SFTConfig.model_json_schema()
+    jsonschema.validate({"model": "tiny", "dataset": "a.jsonl", "options": {"role_map": {"bot": "assistant"}}}, schema)
+    jsonschema.validate({"model": "tiny", "format": "instruction", "options": {"input_separator": " "}}, schema)
+    for bad in ({"model": "tiny", "options": {"role_mapp": {}}},
+                {"model": "tiny", "format": "instruction", "options": {"role_map": {}}},
+                {"model": "tiny", "sources": [{"path": "a", "format": "dialogue",
+                                               "options": {"input_separator": "x"}}]}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)

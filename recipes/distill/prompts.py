@@ -26,6 +26,7 @@ from pydantic import BaseModel, Field, field_validator
 
 from prefect_tinker.recipes.data_reading import OnError, SkipStats, SourceSpec, iter_conversations
 from prefect_tinker.recipes.data_sources import DatasetFormatError, register_converter
+from prefect_tinker.recipes.format_options import FormatOptions
 from prefect_tinker.recipes.record_fields import Converted, pick_text, top_key, with_system
 
 __all__ = ["DEMO_TEMPLATE", "PromptRecord", "TeacherView", "freeze", "load_prompts", "thaw"]
@@ -66,7 +67,7 @@ class PromptRecord:
         return thaw(self.messages)
 
 
-def _prompt_only(record: Any, fields: Mapping[str, str], options: Mapping[str, Any]) -> list[Converted]:
+def _prompt_only(record: Any, fields: Mapping[str, str], options: FormatOptions) -> list[Converted]:
     """Converter ``prompt``: one text field (``prompt``, ``text``, ``input`` or ``question``) as the
     user message; an ``answer`` (``answer``, ``completion``, ``response``, ``output``) when present."""
     ppath, prompt = pick_text(record, fields, "prompt", ("prompt", "text", "input", "question"))
@@ -75,7 +76,7 @@ def _prompt_only(record: Any, fields: Mapping[str, str], options: Mapping[str, A
     if answer is not None:
         msgs.append({"role": "assistant", "content": answer})
     used = frozenset(top_key(p) for p in (ppath, apath) if p)
-    return [Converted(with_system(msgs, options.get("system_prompt")), ppath or "prompt", used)]
+    return [Converted(with_system(msgs, options.system_prompt), ppath or "prompt", used)]
 
 
 register_converter("prompt", _prompt_only)

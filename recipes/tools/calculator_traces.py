@@ -26,6 +26,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from prefect_tinker.recipes.format_options import FormatOptions
 from prefect_tinker.recipes.record_fields import Converted, RecordError, pick_text, top_key
 from prefect_tinker.recipes.tools.calculator import CalculatorError, calculator, evaluate_expression, format_number
 
@@ -74,7 +75,7 @@ def calculator_transcript(question: str, solution: str, system: str | None = CAL
     return messages
 
 
-def calculator_solution(record: Any, fields: Mapping[str, str], options: Mapping[str, Any]) -> list[Converted]:
+def calculator_solution(record: Any, fields: Mapping[str, str], options: FormatOptions) -> list[Converted]:
     """The ``calculator_solution`` dataset format: ``question`` and a ``<<expr=result>>`` annotated
     ``answer``/``solution`` as one :func:`calculator_transcript` (tools in the metadata).
 
@@ -88,7 +89,7 @@ def calculator_solution(record: Any, fields: Mapping[str, str], options: Mapping
     if not isinstance(solution, str):
         raise RecordError(apath, f"must be a string (an annotated solution), got {type(solution).__name__}")
     try:
-        messages = calculator_transcript(question, solution, options.get("system_prompt") or CALCULATOR_SYSTEM)
+        messages = calculator_transcript(question, solution, options.system_prompt or CALCULATOR_SYSTEM)
     except ValueError as exc:
         raise RecordError(apath, str(exc)) from None
     return [

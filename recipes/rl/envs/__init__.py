@@ -41,7 +41,7 @@ from pydantic import (
 from pydantic.json_schema import DEFAULT_REF_TEMPLATE, models_json_schema
 
 from prefect_tinker.recipes.data_reading import check_local_source
-from prefect_tinker.recipes.registry import Registry
+from prefect_tinker.recipes.registry import Registry, TaggedBy, tagged_union_schema
 from prefect_tinker.recipes.rl.types import EnvGroupBuilder, RLDataset
 
 __all__ = [
@@ -221,7 +221,7 @@ class EnvSpec(BaseModel):
         default="arithmetic",
         description="Registered environment (prefect-tinker ls shows them): arithmetic, gsm8k, math, ...",
     )
-    env_options: Annotated[BaseModel, WithJsonSchema({"type": "object"})] = Field(
+    env_options: Annotated[BaseModel, TaggedBy("env"), WithJsonSchema({"type": "object"})] = Field(
         default_factory=NoOptions,
         description="Options of the environment `env` names: its own Options model (see its docs).",
     )
@@ -309,13 +309,10 @@ class EnvSpec(BaseModel):
             ref_template=kwargs.get("ref_template", DEFAULT_REF_TEMPLATE),
         )
         schema.setdefault("$defs", {}).update(defs.get("$defs", {}))
-        schema["allOf"] = [
-            {
-                "if": {"properties": {"env": {"const": name}}},
-                "then": {"properties": {"env_options": keys[(model, "validation")]}},
-            }
-            for name, model in envs.items()
-        ]
+        branches = {name: keys[(model, "validation")] for name, model in envs.items()}
+        tagged_union_schema(
+            schema, tag="env", field="env_options", branches=branches, default=cls.model_fields["env"].default
+        )
         return schema
 
 
