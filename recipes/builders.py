@@ -35,8 +35,8 @@ from prefect_tinker.recipes.data_reading import (
     resolve_source_path,
     source_fingerprint,
 )
-from prefect_tinker.recipes.data_sources import FormatFields
 from prefect_tinker.recipes.datasets import datum_from_example
+from prefect_tinker.recipes.format_fields import FormatFields
 from prefect_tinker.recipes.format_options import FormatOptions
 from prefect_tinker.recipes.media import MediaSpan, media_spans, restore_media
 from prefect_tinker.recipes.registry import TaggedBy

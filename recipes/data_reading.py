@@ -42,11 +42,11 @@ from pydantic import Field, WithJsonSchema
 from prefect_tinker.recipes.data_sources import (
     Conversation,
     DatasetFormatError,
-    FormatFields,
     RecordError,
     convert_record,
     validate_messages,
 )
+from prefect_tinker.recipes.format_fields import FormatFields
 from prefect_tinker.recipes.format_options import FormatOptions
 from prefect_tinker.recipes.media_sources import absolutize_media
 from prefect_tinker.recipes.registry import TaggedBy
@@ -93,7 +93,7 @@ OnError = Literal["raise", "skip"]
 
 class SourceSpec(FormatFields):
     """One dataset source and how to read it (usable as a field of a flow's pydantic config);
-    ``options`` is the options model of its ``format`` (:class:`~prefect_tinker.recipes.data_sources.FormatFields`)."""
+    ``options`` is the options model of its ``format`` (:class:`~prefect_tinker.recipes.format_fields.FormatFields`)."""
 
     path: str = Field(
         description="JSONL file, local dataset file/dir, 'builtin:example_chat', or a Hugging Face dataset id."

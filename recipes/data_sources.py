@@ -23,7 +23,7 @@ format                        fields (default names; first present wins)   messa
                                                                             :mod:`~prefect_tinker.recipes.tools.calculator_traces`)
 ============================  ===========================================  =====================================
 
-Options (``options=``), typed per format (:class:`FormatFields`; unknown keys are errors):
+Options (``options=``), typed per format (:class:`~prefect_tinker.recipes.format_fields.FormatFields`; unknown keys):
 ``system_prompt`` (every format: a system message put first when the record has none),
 ``include_truncated`` (every format, for capture sources), ``input_separator`` (instruction,
 self_instruct; default ``"\\n\\n"``), ``strip_completion_suffix`` (prompt_completion: an end
@@ -44,16 +44,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    SerializationInfo,
-    ValidationError,
-    field_serializer,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, ValidationError
 
 from prefect_tinker.recipes.format_options import DataFormat, FormatOptions, options_problems
 from prefect_tinker.recipes.media_sources import MEDIA_FORMATS
@@ -66,7 +57,7 @@ from prefect_tinker.recipes.record_fields import (
     top_key,
     with_system,
 )
-from prefect_tinker.recipes.registry import Registry, tagged_union_schema
+from prefect_tinker.recipes.registry import Registry
 from prefect_tinker.recipes.renderers.messages import FieldProblem, check_message_list
 from prefect_tinker.recipes.tools.calculator_traces import calculator_solution
 
@@ -75,7 +66,6 @@ __all__ = [
     "Conversation",
     "Converted",
     "DatasetFormatError",
-    "FormatFields",
     "InstructionOptions",
     "MessagesOptions",
     "PromptCompletionOptions",
@@ -343,55 +333,6 @@ def convert_record(
     if not isinstance(record, Mapping):
         raise RecordError("(record)", f"must be a JSON object, got {short_repr(record)}")
     return fmt(record, dict(fields or {}), options)
-
-
-class FormatFields(BaseModel):
-    """Validation shared by the models that name a dataset ``format`` with its ``fields`` and
-    ``options`` (a data source, a recipe's data fields): ``options`` becomes an instance of the
-    options model of the format ``format`` names (a union tagged by ``format``: an unknown or bad
-    option fails as ``format '<name>': options.<field>: <problem>``); a dump holds the options as
-    given, defaults left out, so stored configs and data fingerprints read as before options were
-    typed; the JSON schema spells the union out (one ``if format == <name>`` branch per format).
-    The subclass declares the three fields (``options: FormatOptions``)."""
-
-    model_config = ConfigDict(json_schema_extra=lambda schema, cls: _format_union_schema(schema))
-
-    @model_validator(mode="before")
-    @classmethod
-    def _typed_options(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        name = data.get("format", cls.model_fields["format"].default)
-        if not isinstance(name, str) or name not in CONVERTERS:
-            return data  # the field's own validation names the problem
-        model = data_format(name).Options
-        given = data.get("options")
-        if isinstance(given, model):
-            return data
-        if isinstance(given, BaseModel):  # another format's options: read as this one's
-            given = given.model_dump(exclude_unset=True)
-        try:
-            options = model.model_validate({} if given is None else given)
-        except ValidationError as exc:
-            raise ValueError(f"format {name!r}: {options_problems(exc)}") from None
-        return {**data, "options": options}
-
-    @field_validator("format", check_fields=False)
-    @classmethod
-    def _known_format(cls, name: str) -> str:
-        data_format(name)
-        return name
-
-    @field_serializer("options", check_fields=False)
-    def _given_options(self, options: FormatOptions, info: SerializationInfo) -> dict[str, Any]:
-        return options.model_dump(mode=info.mode, exclude_unset=True)
-
-
-def _format_union_schema(schema: dict[str, Any]) -> None:
-    """``options`` of a :class:`FormatFields` model in its JSON schema: the registered formats'
-    option models (flat models, inlined), tagged by ``format``."""
-    branches = {name: data_format(name).Options.model_json_schema() for name in converter_names()}
-    tagged_union_schema(schema, tag="format", field="options", branches=branches, default="messages")
 
 
 def validate_messages(

@@ -2,7 +2,7 @@
 
 A dataset source names a ``format`` and gives that format's ``options``; like an RL config's
 ``env_options``, ``options`` is a union of the registered formats' option models tagged by
-``format`` (:class:`~prefect_tinker.recipes.data_sources.FormatFields`): validation turns the given
+``format`` (:class:`~prefect_tinker.recipes.format_fields.FormatFields`): validation turns the given
 mapping into the model of the format named, so an unknown or misspelt option fails before
 anything is read, as ``options.<field>: <problem>``.
 

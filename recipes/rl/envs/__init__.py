@@ -41,6 +41,7 @@ from pydantic import (
 from pydantic.json_schema import DEFAULT_REF_TEMPLATE, models_json_schema
 
 from prefect_tinker.recipes.data_reading import check_local_source
+from prefect_tinker.recipes.format_options import options_problems
 from prefect_tinker.recipes.registry import Registry, TaggedBy, tagged_union_schema
 from prefect_tinker.recipes.rl.types import EnvGroupBuilder, RLDataset
 
@@ -325,8 +326,7 @@ def _validate_options(env_cls: type[Environment], given: Any) -> BaseModel:
     try:
         return env_cls.Options.model_validate(given)
     except ValidationError as exc:
-        problems = "; ".join(f"env_options.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise ValueError(f"env {env_cls.name!r}: {problems}") from None
+        raise ValueError(f"env {env_cls.name!r}: {options_problems(exc, 'env_options')}") from None
 
 
 def build_rl_dataset(
