@@ -44,9 +44,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from pydantic import Field, ValidationError
+from pydantic import BaseModel, Field
 
-from prefect_tinker.recipes.format_options import DataFormat, FormatOptions, options_problems
+from prefect_tinker.recipes.format_options import DataFormat, FormatOptions
 from prefect_tinker.recipes.media_sources import MEDIA_FORMATS
 from prefect_tinker.recipes.record_fields import (
     Converted,
@@ -57,7 +57,7 @@ from prefect_tinker.recipes.record_fields import (
     top_key,
     with_system,
 )
-from prefect_tinker.recipes.registry import Registry
+from prefect_tinker.recipes.registry import Registry, tagged_options
 from prefect_tinker.recipes.renderers.messages import FieldProblem, check_message_list
 from prefect_tinker.recipes.tools.calculator_traces import calculator_solution
 
@@ -325,11 +325,9 @@ def convert_record(
         RecordError: a missing field or a bad value.
     """
     fmt = data_format(format)
-    if not isinstance(options, fmt.Options):
-        try:
-            options = fmt.Options.model_validate(dict(options or {}))
-        except ValidationError as exc:
-            raise ValueError(f"format {format!r}: {options_problems(exc)}") from None
+    if not isinstance(options, BaseModel):
+        options = dict(options or {})
+    options = tagged_options("format", format, fmt.Options, options)
     if not isinstance(record, Mapping):
         raise RecordError("(record)", f"must be a JSON object, got {short_repr(record)}")
     return fmt(record, dict(fields or {}), options)

@@ -10,15 +10,14 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     SerializationInfo,
-    ValidationError,
     field_serializer,
     field_validator,
     model_validator,
 )
 
 from prefect_tinker.recipes.data_sources import CONVERTERS, converter_names, data_format
-from prefect_tinker.recipes.format_options import FormatOptions, options_problems
-from prefect_tinker.recipes.registry import tagged_union_schema
+from prefect_tinker.recipes.format_options import FormatOptions
+from prefect_tinker.recipes.registry import tagged_options, tagged_union_schema
 
 __all__ = ["FormatFields"]
 
@@ -42,16 +41,7 @@ class FormatFields(BaseModel):
         name = data.get("format", cls.model_fields["format"].default)
         if not isinstance(name, str) or name not in CONVERTERS:
             return data  # the field's own validation names the problem
-        model = data_format(name).Options
-        given = data.get("options")
-        if isinstance(given, model):
-            return data
-        if isinstance(given, BaseModel):  # another format's options: read as this one's
-            given = given.model_dump(exclude_unset=True)
-        try:
-            options = model.model_validate({} if given is None else given)
-        except ValidationError as exc:
-            raise ValueError(f"format {name!r}: {options_problems(exc)}") from None
+        options = tagged_options("format", name, data_format(name).Options, data.get("options"))
         return {**data, "options": options}
 
     @field_validator("format", check_fields=False)

@@ -18,11 +18,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from prefect_tinker.recipes.record_fields import Converted
 
-__all__ = ["AnyOptions", "DataFormat", "FormatOptions", "options_problems"]
+__all__ = ["AnyOptions", "DataFormat", "FormatOptions"]
 
 
 class FormatOptions(BaseModel):
@@ -67,8 +67,3 @@ class DataFormat:
 
     def __call__(self, record: Any, fields: Mapping[str, str], options: FormatOptions) -> list[Converted]:
         return self.convert(record, fields, options.model_dump() if self.options_as_dict else options)
-
-
-def options_problems(exc: ValidationError, prefix: str = "options") -> str:
-    """One line of a ValidationError of an options model: ``options.<field>: <problem>; ...``."""
-    return "; ".join(f"{prefix}.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())

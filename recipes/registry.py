@@ -34,9 +34,12 @@ from importlib.metadata import entry_points
 from types import ModuleType
 from typing import Any, Generic, TypeVar
 
-__all__ = ["Registry", "TaggedBy", "UnknownComponentError", "tagged_union_schema"]
+from pydantic import BaseModel, ValidationError
+
+__all__ = ["Registry", "TaggedBy", "UnknownComponentError", "tagged_options", "tagged_union_schema"]
 
 T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
 
 
 class UnknownComponentError(ValueError):
@@ -170,3 +173,27 @@ def tagged_union_schema(
     ]
     if default in branches:
         rules.append({"if": {"not": {"required": [tag]}}, "then": {"properties": {field: branches[default]}}})
+
+
+def tagged_options(tag: str, name: str, model: type[M], given: Any, *, field: str = "options") -> M:
+    """``given`` as an instance of ``model``, the options model that the value ``name`` of a config's
+    ``tag`` field picks (``env_options`` by ``env``, a source's ``options`` by ``format``): an instance
+    is kept, another model's options are read as this one's (the fields they set), a mapping is
+    validated, ``None`` gives the defaults.
+
+    Raises:
+        ValueError: one line, ``<tag> '<name>': <field>.<option>: <problem>; ...``.
+    """
+    if isinstance(given, model):
+        return given
+    if isinstance(given, BaseModel):
+        given = given.model_dump(exclude_unset=True)
+    try:
+        return model.model_validate({} if given is None else given)
+    except ValidationError as exc:
+        raise ValueError(f"{tag} {name!r}: {_options_problems(exc, field)}") from None
+
+
+def _options_problems(exc: ValidationError, prefix: str = "options") -> str:
+    """One line of a ValidationError of an options model: ``<prefix>.<field>: <problem>; ...``."""
+    return "; ".join(f"{prefix}.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())

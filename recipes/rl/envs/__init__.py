@@ -32,7 +32,6 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializationInfo,
-    ValidationError,
     WithJsonSchema,
     field_serializer,
     field_validator,
@@ -41,8 +40,7 @@ from pydantic import (
 from pydantic.json_schema import DEFAULT_REF_TEMPLATE, models_json_schema
 
 from prefect_tinker.recipes.data_reading import check_local_source
-from prefect_tinker.recipes.format_options import options_problems
-from prefect_tinker.recipes.registry import Registry, TaggedBy, tagged_union_schema
+from prefect_tinker.recipes.registry import Registry, TaggedBy, tagged_options, tagged_union_schema
 from prefect_tinker.recipes.rl.types import EnvGroupBuilder, RLDataset
 
 __all__ = [
@@ -135,9 +133,7 @@ class Environment:
         Raises:
             ValueError: those options are not this environment's (``env_options.<field>: <problem>``).
         """
-        if isinstance(spec.env_options, cls.Options):
-            return spec.env_options
-        return _validate_options(cls, spec.env_options.model_dump(exclude_unset=True))
+        return tagged_options("env", cls.name, cls.Options, spec.env_options, field="env_options")
 
     @classmethod
     def build(cls, spec: EnvSpec, ctx: EnvContext) -> RLDataset:
@@ -280,13 +276,8 @@ class EnvSpec(BaseModel):
         env = data.get("env", cls.model_fields["env"].default)
         if not isinstance(env, str):
             return data  # the field's own validation names the problem
-        env_cls = get_env(env)
-        given = data.get("env_options")
-        if isinstance(given, env_cls.Options):
-            return data
-        if isinstance(given, BaseModel):  # another environment's options: read as this one's
-            given = given.model_dump(exclude_unset=True)
-        return {**data, "env_options": _validate_options(env_cls, {} if given is None else given)}
+        options = tagged_options("env", env, get_env(env).Options, data.get("env_options"), field="env_options")
+        return {**data, "env_options": options}
 
     @field_serializer("env_options")
     def _given_options(self, options: BaseModel, info: SerializationInfo) -> dict[str, Any]:
@@ -315,18 +306,6 @@ class EnvSpec(BaseModel):
             schema, tag="env", field="env_options", branches=branches, default=cls.model_fields["env"].default
         )
         return schema
-
-
-def _validate_options(env_cls: type[Environment], given: Any) -> BaseModel:
-    """``given`` validated by ``env_cls.Options``.
-
-    Raises:
-        ValueError: one line, ``env '<name>': env_options.<field>: <problem>; ...``.
-    """
-    try:
-        return env_cls.Options.model_validate(given)
-    except ValidationError as exc:
-        raise ValueError(f"env {env_cls.name!r}: {options_problems(exc, 'env_options')}") from None
 
 
 def build_rl_dataset(
