@@ -196,6 +196,39 @@ def test_adapters_do_not_interfere(engine):
     assert not any("mlp" in k or "lm_head" in k for k in engine._models["iso_b"].params)
 
 
+def test_training_adapters_beyond_the_resident_bound_train_as_if_all_were_resident(engine, tmp_path, monkeypatch):
+    """A server keeps at most ``max_resident_adapters`` training adapters injected per base model
+    (peft's cost grows with the adapters it holds). Here only one: four models trained interleaved,
+    each one's gradients pending while the others run, end bit-equal -- parameters, AdamW state,
+    losses and checkpoint -- to the same calls on an engine that keeps every adapter."""
+    monkeypatch.setattr(engine, "max_resident_adapters", 1000)
+    bounded = Engine(tmp_path / "bounded", dtype="fp32", device="cpu", num_threads=engine.num_threads)
+    bounded.max_resident_adapters = 1
+    ids = [f"rb{i}" for i in range(4)]
+    for eng in (engine, bounded):
+        for i, mid in enumerate(ids):
+            eng.create_model(mid, "tiny", 4, seed=40 + i, train_unembed=i % 2 == 0)
+        for step in range(2):
+            for i, mid in enumerate(ids):  # every model's gradients wait while the others train
+                eng.forward_backward(mid, make_datums(50 + 10 * step + i), "cross_entropy", None)
+            for mid in ids:
+                eng.optim_step(mid, learning_rate=1e-2)
+    assert list(bounded._bases["tiny"].peft.peft_config) == [bounded._models[ids[-1]].adapter]
+    for mid in ids:
+        a, b = engine._models[mid], bounded._models[mid]
+        for (k, pa), (k2, pb) in zip(a.params.items(), b.params.items(), strict=True):
+            assert k == k2 and torch.equal(pa, pb), (mid, k)
+            assert torch.equal(a.optimizer.state[pa]["exp_avg_sq"], b.optimizer.state[pb]["exp_avg_sq"])
+        datums = make_datums(99)
+        assert (engine.forward(mid, datums, "cross_entropy", None).metrics["loss:sum"]
+                == bounded.forward(mid, datums, "cross_entropy", None).metrics["loss:sum"])
+    saved = [load_file(str(eng.save_state(ids[0], "rb") / "adapter_model.safetensors")) for eng in (engine, bounded)]
+    assert saved[0].keys() == saved[1].keys() and all(torch.equal(saved[0][k], saved[1][k]) for k in saved[0])
+    bounded.delete_model(ids[0])  # not resident: nothing to take out of peft
+    bounded.delete_model(ids[-1])  # resident
+    assert not bounded._bases["tiny"].peft.peft_config and bounded.list_models() == ids[1:-1]
+
+
 def test_save_load_state_bit_equal(engine):
     engine.create_model("ck", "tiny", 4, seed=5)
     _train_a_bit(engine, "ck", steps=2)

@@ -93,6 +93,25 @@ def adapter_params(peft_model, name: str) -> OrderedDict[str, torch.nn.Parameter
     return out
 
 
+def remove_adapter(peft_model, name: str) -> None:
+    """Delete adapter ``name`` from ``peft_model`` (peft then activates another if it was the
+    active one, which callers track themselves: no warning)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*was active which is now deleted.*")
+        peft_model.delete_adapter(name)
+
+
+def rebind_adapter(peft_model, name: str, params: OrderedDict[str, torch.nn.Parameter]) -> None:
+    """Make ``params`` (keyed as by ``adapter_params``) the parameters of adapter ``name`` of
+    ``peft_model`` in place of the ones it was injected with, so that an optimizer holding them
+    (and any gradient they carry) goes on unchanged.  KeyError if the adapter has a parameter
+    ``params`` lacks."""
+    for pname, _ in list(peft_model.named_parameters()):
+        if f".{name}." in pname and "lora_" in pname:
+            module, attr = pname.rsplit(".", 1)
+            setattr(peft_model.get_submodule(module), attr, params[pname.replace(f".{name}.", ".")])
+
+
 def load_sampler_adapter(peft_model, model, name: str, path, device: torch.device):
     """Add the adapter saved at checkpoint dir ``path`` as frozen adapter ``name``; returns the
     PeftModel.  EngineUserError if its tensors do not fit the base model."""
@@ -106,12 +125,12 @@ def load_sampler_adapter(peft_model, model, name: str, path, device: torch.devic
     try:
         res = set_peft_model_state_dict(peft_model, sd, adapter_name=name)
     except RuntimeError as e:  # shape mismatch
-        peft_model.delete_adapter(name)
+        remove_adapter(peft_model, name)
         raise EngineUserError(f"weights at {str(path)!r} do not fit this base model: {e}") from e
     missing = [k for k in getattr(res, "missing_keys", []) if f".{name}." in k]
     unexpected = list(getattr(res, "unexpected_keys", []))
     if missing or unexpected:
-        peft_model.delete_adapter(name)
+        remove_adapter(peft_model, name)
         raise EngineUserError(
             f"weights at {str(path)!r} do not fit this base model (missing {missing[:3]}, unexpected {unexpected[:3]})"
         )

@@ -5,9 +5,10 @@ One ``Engine`` owns a folder ``root`` (``root/"models"`` caches preset files,
 ``tinker_local.checkpoints``) and any number of training models ("model ids"), each a named LoRA
 adapter over a shared base model.  Each base model is loaded once per canonical name and wrapped
 in one ``peft.PeftModel`` holding all adapters (training adapters ``t<n>`` and cached sampler
-adapters ``s<n>``); every call activates the adapter it needs, so model ids never see each
-other's weights, gradients or optimizer state.  Base weights stay fp32 and frozen.  LoRA
-details (targets, alpha 32, init): ``tinker_local.adapters``.
+adapters ``s<n>``, a bounded number of each resident: ``tinker_local.engine_core``); every call
+activates the adapter it needs, so model ids never see each other's weights, gradients or
+optimizer state.  Base weights stay fp32 and frozen.  LoRA details (targets, alpha 32, init):
+``tinker_local.adapters``.
 
 Numerics: ``dtype="auto"`` trains under bf16 autocast (CUDA with bf16, or a CPU with
 avx512_bf16/AMX), otherwise fp32; ``"fp32"`` / ``"bf16"`` force it.  The output projection and
@@ -34,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .adapters import LORA_ALPHA, adapter_params, add_adapter, lora_config
+from .adapters import LORA_ALPHA, adapter_params, add_adapter, lora_config, remove_adapter
 from .checkpoints import checkpoint_info, read_adapter, read_optimizer_state, write_checkpoint
 from .compute import fp32_head_logits
 from .datatypes import Datum, FwdResult, SampleResult
@@ -89,7 +90,9 @@ class Engine(SamplingMixin):
             )
             b.counter += 1
             name = f"t{b.counter}"
+            self._make_room(b)
             b.peft = add_adapter(b.peft, b.model, name, cfg, seed, self.device)
+            b.resident[name] = None
             b.active = None
             params = adapter_params(b.peft, name)
             self._models[model_id] = TrainingState(
@@ -102,6 +105,7 @@ class Engine(SamplingMixin):
                 bool(train_attn),
                 bool(train_unembed),
                 seed,
+                b.peft.peft_config[name],
                 params,
                 new_adamw(params),
             )
@@ -110,8 +114,11 @@ class Engine(SamplingMixin):
         """Drop ``model_id`` (its adapter and optimizer state); checkpoints on disk stay."""
         with self._lock:
             st = self._train(model_id)
-            self._bases[st.base_key].peft.delete_adapter(st.adapter)
-            self._bases[st.base_key].active = None
+            b = self._bases[st.base_key]
+            if st.adapter in b.resident:
+                del b.resident[st.adapter]
+                remove_adapter(b.peft, st.adapter)
+                b.active = None
             del self._models[model_id]
 
     def list_models(self) -> list[str]:
@@ -407,7 +414,7 @@ class Engine(SamplingMixin):
 
     def _write_ckpt(self, st: TrainingState, kind: str, name: str, with_optimizer: bool) -> Path:
         b = self._bases[st.base_key]
-        cfg = b.peft.peft_config[st.adapter].to_dict()
+        cfg = st.config.to_dict()
         cfg["base_model_name_or_path"] = b.spec.model_dir or b.spec.name
         meta = {
             "format": 1,

@@ -1,7 +1,15 @@
 """The state of a ``tinker_local.engine.Engine`` and what its training and sampling share: the
-base models (loaded once per canonical name, one ``peft.PeftModel`` holding every adapter), the
-training models (LoRA adapter, AdamW state, step), the lock serialising calls, the device, the
-training dtype and the torch thread count (see the ``tinker_local.engine`` docstring).
+base models (loaded once per canonical name, one ``peft.PeftModel`` holding the resident
+adapters), the training models (LoRA adapter, AdamW state, step), the lock serialising calls, the
+device, the training dtype and the torch thread count (see the ``tinker_local.engine`` docstring).
+
+Every peft operation on a ``PeftModel`` (adding, activating, deleting an adapter) walks all its
+modules, the LoRA modules of every adapter it holds included, so its cost grows with their
+number: a server that has created its 200th training model took 1.4 s to create the next one,
+against 0.07 s for the second (``tiny``).  So at most ``Engine.max_resident_adapters`` training
+adapters stay injected per base model (least recently used go, like sampler adapters); the
+parameters of one that goes, its AdamW state and pending gradients stay with its
+``TrainingState``, and it is injected again, with those very parameter objects, when next used.
 """
 
 from __future__ import annotations
@@ -16,11 +24,14 @@ from typing import Any
 
 import torch
 
+from .adapters import add_adapter, rebind_adapter, remove_adapter
 from .compute import available_cpus, bf16_supported
 from .errors import EngineUserError
 from .media import media_support
 from .models import ModelSpec, resolve_model
 from .packing import packing_supported
+
+MAX_RESIDENT_ADAPTERS = 8  # training adapters injected per base model (least recently used go)
 
 
 @dataclass
@@ -34,6 +45,7 @@ class BaseModelState:
     peft: Any = None  # peft.PeftModel once the first adapter exists
     counter: int = 0
     sampler_adapters: OrderedDict[tuple, str] = field(default_factory=OrderedDict)
+    resident: OrderedDict[str, None] = field(default_factory=OrderedDict)  # training adapters injected, LRU first
     active: str | None = None  # adapter last activated by set_adapter (None: unknown)
     media: Any = False  # tinker_local.media.Support | None once looked up (False: not yet)
     packs: bool | None = None  # whether padding-free rows keep datums apart (None: not checked yet)
@@ -59,6 +71,7 @@ class TrainingState:
     train_attn: bool
     train_unembed: bool
     seed: int
+    config: Any  # its peft.LoraConfig
     params: OrderedDict[str, torch.nn.Parameter]  # peft state-dict key -> parameter
     optimizer: torch.optim.AdamW
     step: int = 0
@@ -89,6 +102,8 @@ class EngineCore:
         # padding-free micro-batches (tinker_local.packing) for text-only models that keep packed
         # datums apart; environment TINKER_LOCAL_PACKING=off turns them off (the padded path)
         self.packing = os.environ.get("TINKER_LOCAL_PACKING", "on").lower() not in ("0", "off", "false", "no")
+        # training adapters kept injected per base model (see the module docstring)
+        self.max_resident_adapters = MAX_RESIDENT_ADAPTERS
         self._lock = threading.RLock()
         self._bases: dict[str, BaseModelState] = {}
         self._models: dict[str, TrainingState] = {}
@@ -163,9 +178,23 @@ class EngineCore:
         return st
 
     def _activate(self, b: BaseModelState, st: TrainingState) -> None:
+        if st.adapter not in b.resident:
+            self._make_room(b)
+            b.peft = add_adapter(b.peft, b.model, st.adapter, st.config, st.seed, self.device)
+            rebind_adapter(b.peft, st.adapter, st.params)
+            b.resident[st.adapter] = None
+        b.resident.move_to_end(st.adapter)
         b.use(st.adapter)
         for p in st.params.values():  # peft toggles requires_grad (set_adapter, disable_adapter)
             p.requires_grad_(True)
+
+    def _make_room(self, b: BaseModelState) -> None:
+        """Take the least recently used training adapters out of ``b.peft`` until one more fits."""
+        while b.resident and len(b.resident) >= max(1, self.max_resident_adapters):
+            name, _ = b.resident.popitem(last=False)
+            remove_adapter(b.peft, name)
+            if b.active == name:
+                b.active = None
 
 
 def new_adamw(params: dict[str, torch.nn.Parameter]) -> torch.optim.AdamW:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .adapters import load_sampler_adapter
+from .adapters import load_sampler_adapter, remove_adapter
 from .checkpoints import checkpoint_info
 from .datatypes import MediaChunk, SampleResult
 from .engine_core import EngineCore
@@ -274,7 +274,7 @@ class SamplingMixin(EngineCore):
             b.sampler_adapters[key] = name
             while len(b.sampler_adapters) > MAX_SAMPLER_ADAPTERS:
                 _, old = b.sampler_adapters.popitem(last=False)
-                b.peft.delete_adapter(old)
+                remove_adapter(b.peft, old)
                 b.active = None
         b.sampler_adapters.move_to_end(key)
         b.use(name)
