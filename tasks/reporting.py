@@ -141,7 +141,9 @@ def plot_curves(series: dict[str, tuple[list[int], list[float]]], title: str) ->
     from matplotlib.figure import Figure  # a bare Figure: no pyplot global state, thread-safe
 
     n = len(series)
-    fig = Figure(figsize=(3.2 * n, 2.6), dpi=80, layout="constrained")
+    width = 3.2 * n  # inches; margins fixed in inches (matplotlib's constrained layout doubles the drawing time)
+    fig = Figure(figsize=(width, 2.6), dpi=80)
+    fig.subplots_adjust(left=0.7 / width, right=1 - 0.15 / width, bottom=0.17, top=0.78, wspace=0.45)
     axes = fig.subplots(1, n, squeeze=False)[0]
     for ax, (name, (steps, values)) in zip(axes, series.items(), strict=True):
         ax.plot(steps, values, marker="o" if len(steps) <= 30 else None, markersize=3, linewidth=1.5)

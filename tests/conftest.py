@@ -32,6 +32,17 @@ for _name in ("PREFECT_HOME", "PREFECT_PROFILES_PATH", "PREFECT_PROFILE", "PREFE
 # on for their own HOME (tests/test_prefect_ui.py) and stop it.
 os.environ["PREFECT_TINKER_UI"] = "off"
 
+# Several pytest-xdist workers (scripts/test.sh): each keeps to its own share of the CPUs, and so do the
+# servers it starts (affinity is inherited; tinker_local sizes its torch threads to it). Without this, two
+# workers' embedded servers each run a torch thread team over every core and stall one another.
+_WORKER, _WORKERS = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKER and _WORKERS > 1 and hasattr(os, "sched_setaffinity"):
+    _cpus = sorted(os.sched_getaffinity(0))
+    if len(_cpus) >= _WORKERS:
+        _share = _cpus[int(_WORKER.removeprefix("gw")) % _WORKERS :: _WORKERS]
+        os.sched_setaffinity(0, _share)
+        os.environ["OMP_NUM_THREADS"] = str(len(_share))
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -85,3 +96,10 @@ from tests.s3_fixtures import s3_root, s3_server  # noqa: E402,F401
 
 # Live tinker_local servers for the protocol tests: fixtures local_servers, hf_model_dir (session).
 from tests.local_server import hf_model_dir, local_servers  # noqa: E402,F401
+
+
+def pytest_collection_modifyitems(config, items):
+    """Test files holding a ``slow`` test run first (stable order otherwise), so that with several
+    xdist workers (``--dist loadfile``) no worker is left alone with a long file at the end."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
