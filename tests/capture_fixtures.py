@@ -8,10 +8,10 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 
 TOKEN = "test-capture-token-0123456789abcdef"
 
@@ -72,10 +72,11 @@ def start_capture(tmp: Path, local_root: str, *, session: str, token: bool = Tru
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"capture serve exited with {proc.returncode}:\n{cap.log_text()[-3000:]}")
-        try:
-            if httpx.get(cap.base + "/health", timeout=1.0).status_code == 200:
-                return cap
-        except httpx.HTTPError:
+        try:  # urllib: no TLS context built for each poll, as httpx does
+            with urllib.request.urlopen(cap.base + "/health", timeout=1.0) as resp:
+                if resp.status == 200:
+                    return cap
+        except OSError:  # URLError, HTTPError and refused connections
             pass
         if time.monotonic() > deadline:
             cap.proc.kill()

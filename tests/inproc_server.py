@@ -13,9 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from tests.local_server import free_port
+from tinker_local.launcher import healthy
 
 
 @dataclass
@@ -60,11 +59,8 @@ def start(root: Path, models: list[str], **app_kw: Any) -> LiveServer:
     base_url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
-        try:
-            if httpx.get(f"{base_url}/api/v1/healthz", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
+        if healthy(base_url, timeout=2):  # urllib: no TLS context built for each poll, as httpx does
+            break
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError(f"in-process tinker_local on port {port} did not come up")
         time.sleep(0.05)

@@ -26,6 +26,8 @@ import httpx
 import pytest
 import torch
 
+from tinker_local.launcher import healthy
+
 API_KEY = "tml-protocol-tests"
 CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, hello tinker",
           "one two three four five six seven eight nine ten", "12 + 34 = 46", "7 * 8 = 56"]
@@ -98,11 +100,8 @@ def _wait_healthy(server: Server, deadline: float) -> None:
     while True:
         if server.proc.poll() is not None:
             raise RuntimeError(f"server exited with {server.proc.returncode}:\n{server.log.read_text()}")
-        try:
-            if httpx.get(f"{server.base_url}/api/v1/healthz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
+        if healthy(server.base_url, timeout=2):  # urllib: no TLS context built for each poll, as httpx does
+            return
         if time.monotonic() > deadline:
             raise RuntimeError(f"server not healthy in time:\n{server.log.read_text()}")
         time.sleep(0.2)

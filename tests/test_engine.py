@@ -89,7 +89,7 @@ def _train_a_bit(engine, model_id, steps=2, lr=5e-3):
 def test_tiny_preset_is_deterministic(engine, base_dir, tmp_path):
     from transformers import AutoTokenizer
 
-    from tinker_local.tokenizer import build_tiny_tokenizer
+    from tinker_local.tokenizer import build_tiny_tokenizer, trained_bpe
 
     spec = resolve_model("tiny", tmp_path)
     assert spec.max_context == 2048 and spec.vocab_size == VOCAB
@@ -102,6 +102,7 @@ def test_tiny_preset_is_deterministic(engine, base_dir, tmp_path):
     assert 5e6 <= n_params <= 1e7
     t1 = build_tiny_tokenizer().backend_tokenizer.to_str()
     assert t1 == AutoTokenizer.from_pretrained(base_dir).backend_tokenizer.to_str()
+    assert trained_bpe.__wrapped__(VOCAB, 0) == trained_bpe(VOCAB, 0)  # trained anew: the same BPE
     tok = AutoTokenizer.from_pretrained(spec.tokenizer_dir)
     ids = tok("x = 12345")["input_ids"]
     assert [tok.decode([i]) for i in ids][-5:] == list("12345")

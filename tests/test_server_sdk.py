@@ -28,6 +28,7 @@ from tinker import types  # noqa: E402
 
 from tinker_local import protocol as P  # noqa: E402
 from tinker_local.futures import FutureStore  # noqa: E402
+from tinker_local.launcher import healthy  # noqa: E402
 from tinker_local.outcomes import UserError  # noqa: E402
 
 API_KEY = "tml-local-test"
@@ -60,11 +61,8 @@ def server(tmp_path_factory):
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"server exited with {proc.returncode}:\n{(root / 'server.log').read_text()}")
-            try:
-                if httpx.get(f"{base_url}/api/v1/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
+            if healthy(base_url, timeout=2):  # urllib: no TLS context built for each poll, as httpx does
+                break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"server not healthy after 120 s:\n{(root / 'server.log').read_text()}")
             time.sleep(0.2)

@@ -15,6 +15,7 @@ machine builds the same vocabulary.  Properties:
 
 from __future__ import annotations
 
+import functools
 import random
 from pathlib import Path
 
@@ -145,13 +146,34 @@ def build_corpus(seed: int = 0, n_lines: int = 20000) -> list[str]:
 
 
 def build_tiny_tokenizer(vocab_size: int = 2048, seed: int = 0):
-    """Train and return the tiny preset's tokenizer as a ``PreTrainedTokenizerFast``.
+    """The tiny preset's tokenizer as a ``PreTrainedTokenizerFast`` (a new object each call).
 
     ``vocab_size`` is an upper bound on the vocabulary (specials + 256 byte symbols + merges);
-    ``len(tokenizer)`` may be smaller if the corpus runs out of merges.  Deterministic.
+    ``len(tokenizer)`` may be smaller if the corpus runs out of merges.  Deterministic: the BPE
+    is trained once per process and arguments (:func:`trained_bpe`).
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(trained_bpe(vocab_size, seed)),
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=None,
+        bos_token=None,
+        additional_special_tokens=["<|im_start|>"],
+        clean_up_tokenization_spaces=False,
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+@functools.lru_cache(maxsize=4)
+def trained_bpe(vocab_size: int = 2048, seed: int = 0) -> str:
+    """The byte-level BPE of the tiny preset trained on ``build_corpus(seed)``, as the JSON of a
+    ``tokenizers.Tokenizer``; trained once per process and arguments (about a second),
+    ``trained_bpe.__wrapped__`` trains anew."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -169,17 +191,7 @@ def build_tiny_tokenizer(vocab_size: int = 2048, seed: int = 0):
         show_progress=False,
     )
     tok.train_from_iterator(build_corpus(seed), trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token=EOS_TOKEN,
-        pad_token=PAD_TOKEN,
-        unk_token=None,
-        bos_token=None,
-        additional_special_tokens=["<|im_start|>"],
-        clean_up_tokenization_spaces=False,
-    )
-    fast.chat_template = CHATML_TEMPLATE
-    return fast
+    return str(tok.to_str())
 
 
 def save_tiny_tokenizer(path: Path, vocab_size: int = 2048, seed: int = 0):
