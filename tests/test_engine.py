@@ -1,4 +1,5 @@
-"""Tests of the local torch engine (tinker_local.engine) against independent torch computations.
+"""Tests of the local torch engine (tinker_local.engine) against independent torch computations
+(sampling: tests/test_engine_sampling.py).
 
 Everything runs on the `tiny` preset in fp32 on CPU with a temporary root.
 """
@@ -16,34 +17,10 @@ from safetensors.torch import load_file
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from tests.engine_helpers import VOCAB, base_dir, engine, make_datums, train_a_bit  # noqa: E402,F401  (fixtures)
 from tinker_local.engine import Datum, Engine, EngineUserError  # noqa: E402
 from tinker_local.errors import UnknownModelError  # noqa: E402
 from tinker_local.models import build_tiny_model, resolve_model  # noqa: E402
-
-VOCAB = 2048
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    return Engine(tmp_path_factory.mktemp("engine_root"), dtype="fp32", device="cpu")
-
-
-@pytest.fixture(scope="module")
-def base_dir(engine):
-    return engine.load_base_model("tiny")["tokenizer_id"]
-
-
-def make_datums(seed: int, lengths=(17, 9, 30), soft_k: int = 0) -> list[Datum]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for n in lengths:
-        toks = rng.integers(0, VOCAB, n + 1)
-        shape = (n, soft_k) if soft_k else (n,)
-        tgt = rng.integers(0, VOCAB, shape) if soft_k else toks[1:]
-        w = rng.uniform(-1.0, 2.0, shape).astype(np.float32)  # arbitrary real weights
-        out.append(Datum(tokens=toks[:-1].tolist(),
-                         inputs={"target_tokens": np.asarray(tgt, np.int64), "weights": w}))
-    return out
 
 
 class IndependentLoRA:
@@ -80,12 +57,6 @@ class IndependentLoRA:
         return sum(-(self.logprobs(d) * torch.as_tensor(d.inputs["weights"])).sum() for d in datums)
 
 
-def _train_a_bit(engine, model_id, steps=2, lr=5e-3):
-    for s in range(steps):
-        engine.forward_backward(model_id, make_datums(100 + s), "cross_entropy", None)
-        engine.optim_step(model_id, learning_rate=lr)
-
-
 def test_tiny_preset_is_deterministic(engine, base_dir, tmp_path):
     from transformers import AutoTokenizer
 
@@ -115,7 +86,7 @@ def test_tiny_preset_is_deterministic(engine, base_dir, tmp_path):
 
 def test_forward_matches_independent_fp32(engine, base_dir):
     engine.create_model("fwd", "tiny", 4, seed=1)
-    _train_a_bit(engine, "fwd")
+    train_a_bit(engine, "fwd")
     ref = IndependentLoRA(base_dir, engine.save_sampler_weights("fwd", "ref"))
     for datums in (make_datums(7), make_datums(8, lengths=(5, 12), soft_k=3)):
         res = engine.forward("fwd", datums, "cross_entropy", None)
@@ -131,7 +102,7 @@ def test_forward_matches_independent_fp32(engine, base_dir):
 
 def test_gradients_and_optim_step_match_torch_adamw(engine, base_dir):
     engine.create_model("opt", "tiny", 4, seed=2, train_unembed=False)
-    _train_a_bit(engine, "opt", steps=1)
+    train_a_bit(engine, "opt", steps=1)
     ref = IndependentLoRA(base_dir, engine.save_sampler_weights("opt", "before"))
     datums = make_datums(11)
     # accumulation over two calls == one call over all datums
@@ -188,7 +159,7 @@ def test_adapters_do_not_interfere(engine):
     base_b = engine.forward("iso_b", datums, "cross_entropy", None).metrics["loss:sum"]
     assert base_a == pytest.approx(base_b, abs=1e-4)  # LoRA B starts at zero
     engine.forward_backward("iso_b", datums, "cross_entropy", None)  # pending grads of b
-    _train_a_bit(engine, "iso_a", steps=2, lr=1e-2)
+    train_a_bit(engine, "iso_a", steps=2, lr=1e-2)
     assert engine.forward("iso_b", datums, "cross_entropy", None).metrics["loss:sum"] == base_b
     assert engine.forward("iso_a", datums, "cross_entropy", None).metrics["loss:sum"] != base_a
     assert all(p.grad is not None for p in engine._models["iso_b"].params.values())
@@ -232,7 +203,7 @@ def test_training_adapters_beyond_the_resident_bound_train_as_if_all_were_reside
 
 def test_save_load_state_bit_equal(engine):
     engine.create_model("ck", "tiny", 4, seed=5)
-    _train_a_bit(engine, "ck", steps=2)
+    train_a_bit(engine, "ck", steps=2)
     path = engine.save_state("ck", "s2")
     assert path == engine.root / "checkpoints" / "ck" / "weights" / "s2"
     engine.load_state("ck2", path, with_optimizer=True)  # creates ck2 from the checkpoint
@@ -244,7 +215,7 @@ def test_save_load_state_bit_equal(engine):
         assert all(torch.equal(torch.as_tensor(sa[x]), torch.as_tensor(sb[x]))
                    for x in ("step", "exp_avg", "exp_avg_sq"))
     for mid in ("ck", "ck2"):  # identical continued training
-        _train_a_bit(engine, mid, steps=1)
+        train_a_bit(engine, mid, steps=1)
     assert all(torch.equal(pa, pb) for pa, pb in zip(a.params.values(), b.params.values(), strict=True))
     engine.load_state("ck3", path, with_optimizer=False)
     assert engine._models["ck3"].step == 0 and not engine._models["ck3"].optimizer.state
@@ -252,90 +223,6 @@ def test_save_load_state_bit_equal(engine):
     assert not (sw / "optimizer.safetensors").exists()
     with pytest.raises(EngineUserError, match="optimizer"):
         engine.load_state("ck4", sw, with_optimizer=True)
-
-
-def test_sample_logprobs_match_forward_and_seed(engine):
-    engine.create_model("smp", "tiny", 4, seed=6)
-    _train_a_bit(engine, "smp", steps=2, lr=1e-2)
-    path = engine.save_sampler_weights("smp", "w")
-    prompt = [1, 295, 201, 19, 13, 20, 2, 201, 1, 294, 201]
-    kw = dict(num_samples=3, max_tokens=12, seed=42, stop=[], include_prompt_logprobs=True,
-              topk_prompt_logprobs=3)
-    r1 = engine.sample(None, path, prompt, **kw)
-    r2 = engine.sample("tiny", path, prompt, **kw)
-    assert r1.sequences == r2.sequences
-    assert r1.sequences != engine.sample(None, path, prompt, **{**kw, "seed": 43}).sequences
-    for seq in r1.sequences:
-        assert len(seq["tokens"]) == 12 and seq["stop_reason"] == "length"
-        full = prompt + seq["tokens"]
-        d = Datum(tokens=full[:-1], inputs={"target_tokens": np.array(full[1:], np.int64)})
-        lp = engine.forward("smp", [d], "cross_entropy", None).outputs[0]["logprobs"]
-        np.testing.assert_allclose(seq["logprobs"], lp[len(prompt) - 1:], atol=1e-4, rtol=0)
-    d = Datum(tokens=prompt[:-1], inputs={"target_tokens": np.array(prompt[1:], np.int64)})
-    lp = engine.forward("smp", [d], "cross_entropy", None).outputs[0]["logprobs"]
-    assert r1.prompt_logprobs[0] is None and len(r1.prompt_logprobs) == len(prompt)
-    np.testing.assert_allclose(r1.prompt_logprobs[1:], lp, atol=1e-4, rtol=0)
-    top = r1.topk_prompt_logprobs
-    assert top[0] is None and all(len(t) == 3 for t in top[1:])
-    assert all(t[0][1] >= t[1][1] >= t[2][1] >= lp_i - 1e-4 or prompt[i + 1] not in [x[0] for x in t]
-               for i, (t, lp_i) in enumerate(zip(top[1:], lp, strict=False)))
-
-
-def test_prompt_logprobs_last_n_keeps_fewer_logits(engine):
-    """With ``prompt_logprobs_last_n`` the prefill keeps only the last N + 1 logits: the last N
-    entries (and their top-k) equal an independent forward's, across a left-padded batch of
-    prompts of different lengths and last_n values, and the samples are unchanged."""
-    engine.create_model("lastn", "tiny", 4, seed=8)
-    _train_a_bit(engine, "lastn", steps=2, lr=1e-2)
-    path = engine.save_sampler_weights("lastn", "w")
-    prompts = [[1, 295, 201, 19, 13, 20, 2, 201, 1, 294, 201], [1, 40, 41, 42, 201], [7, 8, 9, 10, 11, 12, 13]]
-    lasts = [2, 4, 1]
-    base = dict(base_model=None, weights_path=path, num_samples=2, max_tokens=5, seed=3, stop=[],
-                include_prompt_logprobs=True, topk_prompt_logprobs=4)
-    cut = engine.sample_many(
-        [dict(base, prompt_tokens=p, prompt_logprobs_last_n=n) for p, n in zip(prompts, lasts, strict=True)]
-    )
-    full = engine.sample_many([dict(base, prompt_tokens=p) for p in prompts])
-    for p, n, c, f in zip(prompts, lasts, cut, full, strict=True):
-        d = Datum(tokens=p[:-1], inputs={"target_tokens": np.array(p[1:], np.int64)})
-        ref = engine.forward("lastn", [d], "cross_entropy", None).outputs[0]["logprobs"]
-        assert len(c.prompt_logprobs) == len(p) and all(v is None for v in c.prompt_logprobs[: len(p) - max(lasts)])
-        np.testing.assert_allclose(c.prompt_logprobs[-n:], ref[-n:], atol=1e-4, rtol=0)
-        for ct, ft in zip(c.topk_prompt_logprobs[-n:], f.topk_prompt_logprobs[-n:], strict=False):
-            assert [t for t, _ in ct] == [t for t, _ in ft]
-            np.testing.assert_allclose([v for _, v in ct], [v for _, v in ft], atol=1e-4, rtol=0)
-        assert [s["tokens"] for s in c.sequences] == [s["tokens"] for s in f.sequences]
-    with pytest.raises(EngineUserError, match="prompt_logprobs_last_n"):
-        engine.sample(None, path, prompts[0], num_samples=1, max_tokens=1, include_prompt_logprobs=True,
-                      prompt_logprobs_last_n=-1)
-
-
-def test_sampling_controls_and_stops(engine):
-    prompt = [1, 295, 201, 19, 13, 20]
-    greedy = engine.sample("tiny", None, prompt, num_samples=2, max_tokens=10, temperature=0.0, stop=[])
-    assert greedy.sequences[0]["tokens"] == greedy.sequences[1]["tokens"]
-    top1 = engine.sample("tiny", None, prompt, num_samples=1, max_tokens=10, top_k=1, seed=1, stop=[])
-    tiny_p = engine.sample("tiny", None, prompt, num_samples=1, max_tokens=10, top_p=1e-6, seed=2, stop=[])
-    assert top1.sequences[0]["tokens"] == greedy.sequences[0]["tokens"] == tiny_p.sequences[0]["tokens"]
-
-    tok = engine._bases["tiny"].tokenizer
-    base = engine.sample("tiny", None, prompt, num_samples=1, max_tokens=24, seed=9, stop=[]).sequences[0]
-    toks = base["tokens"]
-    # stop token id: ends right after its first occurrence
-    sid = toks[6]
-    cut = engine.sample("tiny", None, prompt, num_samples=1, max_tokens=24, seed=9, stop=[sid]).sequences[0]
-    assert cut["tokens"] == toks[: toks.index(sid) + 1] and cut["stop_reason"] == "stop"
-    # stop string: ends with the token completing the first occurrence in the decoded text
-    text = tok.decode(toks[5:8])
-    s = text[len(text) // 2:][:3] or text
-    cut = engine.sample("tiny", None, prompt, num_samples=1, max_tokens=24, seed=9, stop=[s]).sequences[0]
-    n = next(i for i in range(1, len(toks) + 1) if s in tok.decode(toks[:i]))
-    assert cut["tokens"] == toks[:n] and cut["stop_reason"] == "stop"
-    assert cut["logprobs"] == base["logprobs"][:n]
-    # stop=None: the EOS tokens of the model
-    eos = engine.sample("tiny", None, [1, 2], num_samples=4, max_tokens=48, seed=0, stop=None)
-    for seq in eos.sequences:
-        assert (seq["stop_reason"] == "stop") == (seq["tokens"][-1] in (0, 2))
 
 
 def test_user_errors_name_the_value(engine, tmp_path):
@@ -423,7 +310,7 @@ def test_checkpoint_edge_cases(engine):
         engine.load_state("edge", engine.root, with_optimizer=False)
     with pytest.raises(EngineUserError, match="checkpoint name"):
         engine.save_state("edge", "../escape")
-    _train_a_bit(engine, "edge", steps=1, lr=1e-2)
+    train_a_bit(engine, "edge", steps=1, lr=1e-2)
     state = engine.save_state("edge", "s1")  # a full state is sampleable too
     prompt = [1, 295, 201]
     a = engine.sample(None, state, prompt, num_samples=1, max_tokens=5, seed=1, stop=[])

@@ -1,0 +1,95 @@
+"""Sampling of the local torch engine (tinker_local.engine_sampling): sampled and prompt logprobs
+against an fp32 ``forward`` of the same tokens, seeds, ``prompt_logprobs_last_n``, sampling controls
+and stops. On the ``tiny`` preset in fp32 on CPU (tests/engine_helpers.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.engine_helpers import engine, train_a_bit  # noqa: F401  (engine: a fixture)
+from tinker_local.engine import Datum, EngineUserError
+
+
+def test_sample_logprobs_match_forward_and_seed(engine):
+    engine.create_model("smp", "tiny", 4, seed=6)
+    train_a_bit(engine, "smp", steps=2, lr=1e-2)
+    path = engine.save_sampler_weights("smp", "w")
+    prompt = [1, 295, 201, 19, 13, 20, 2, 201, 1, 294, 201]
+    kw = dict(num_samples=3, max_tokens=12, seed=42, stop=[], include_prompt_logprobs=True,
+              topk_prompt_logprobs=3)
+    r1 = engine.sample(None, path, prompt, **kw)
+    r2 = engine.sample("tiny", path, prompt, **kw)
+    assert r1.sequences == r2.sequences
+    assert r1.sequences != engine.sample(None, path, prompt, **{**kw, "seed": 43}).sequences
+    for seq in r1.sequences:
+        assert len(seq["tokens"]) == 12 and seq["stop_reason"] == "length"
+        full = prompt + seq["tokens"]
+        d = Datum(tokens=full[:-1], inputs={"target_tokens": np.array(full[1:], np.int64)})
+        lp = engine.forward("smp", [d], "cross_entropy", None).outputs[0]["logprobs"]
+        np.testing.assert_allclose(seq["logprobs"], lp[len(prompt) - 1:], atol=1e-4, rtol=0)
+    d = Datum(tokens=prompt[:-1], inputs={"target_tokens": np.array(prompt[1:], np.int64)})
+    lp = engine.forward("smp", [d], "cross_entropy", None).outputs[0]["logprobs"]
+    assert r1.prompt_logprobs[0] is None and len(r1.prompt_logprobs) == len(prompt)
+    np.testing.assert_allclose(r1.prompt_logprobs[1:], lp, atol=1e-4, rtol=0)
+    top = r1.topk_prompt_logprobs
+    assert top[0] is None and all(len(t) == 3 for t in top[1:])
+    assert all(t[0][1] >= t[1][1] >= t[2][1] >= lp_i - 1e-4 or prompt[i + 1] not in [x[0] for x in t]
+               for i, (t, lp_i) in enumerate(zip(top[1:], lp, strict=False)))
+
+
+def test_prompt_logprobs_last_n_keeps_fewer_logits(engine):
+    """With ``prompt_logprobs_last_n`` the prefill keeps only the last N + 1 logits: the last N
+    entries (and their top-k) equal an independent forward's, across a left-padded batch of
+    prompts of different lengths and last_n values, and the samples are unchanged."""
+    engine.create_model("lastn", "tiny", 4, seed=8)
+    train_a_bit(engine, "lastn", steps=2, lr=1e-2)
+    path = engine.save_sampler_weights("lastn", "w")
+    prompts = [[1, 295, 201, 19, 13, 20, 2, 201, 1, 294, 201], [1, 40, 41, 42, 201], [7, 8, 9, 10, 11, 12, 13]]
+    lasts = [2, 4, 1]
+    base = dict(base_model=None, weights_path=path, num_samples=2, max_tokens=5, seed=3, stop=[],
+                include_prompt_logprobs=True, topk_prompt_logprobs=4)
+    cut = engine.sample_many(
+        [dict(base, prompt_tokens=p, prompt_logprobs_last_n=n) for p, n in zip(prompts, lasts, strict=True)]
+    )
+    full = engine.sample_many([dict(base, prompt_tokens=p) for p in prompts])
+    for p, n, c, f in zip(prompts, lasts, cut, full, strict=True):
+        d = Datum(tokens=p[:-1], inputs={"target_tokens": np.array(p[1:], np.int64)})
+        ref = engine.forward("lastn", [d], "cross_entropy", None).outputs[0]["logprobs"]
+        assert len(c.prompt_logprobs) == len(p) and all(v is None for v in c.prompt_logprobs[: len(p) - max(lasts)])
+        np.testing.assert_allclose(c.prompt_logprobs[-n:], ref[-n:], atol=1e-4, rtol=0)
+        for ct, ft in zip(c.topk_prompt_logprobs[-n:], f.topk_prompt_logprobs[-n:], strict=False):
+            assert [t for t, _ in ct] == [t for t, _ in ft]
+            np.testing.assert_allclose([v for _, v in ct], [v for _, v in ft], atol=1e-4, rtol=0)
+        assert [s["tokens"] for s in c.sequences] == [s["tokens"] for s in f.sequences]
+    with pytest.raises(EngineUserError, match="prompt_logprobs_last_n"):
+        engine.sample(None, path, prompts[0], num_samples=1, max_tokens=1, include_prompt_logprobs=True,
+                      prompt_logprobs_last_n=-1)
+
+
+def test_sampling_controls_and_stops(engine):
+    prompt = [1, 295, 201, 19, 13, 20]
+    greedy = engine.sample("tiny", None, prompt, num_samples=2, max_tokens=10, temperature=0.0, stop=[])
+    assert greedy.sequences[0]["tokens"] == greedy.sequences[1]["tokens"]
+    top1 = engine.sample("tiny", None, prompt, num_samples=1, max_tokens=10, top_k=1, seed=1, stop=[])
+    tiny_p = engine.sample("tiny", None, prompt, num_samples=1, max_tokens=10, top_p=1e-6, seed=2, stop=[])
+    assert top1.sequences[0]["tokens"] == greedy.sequences[0]["tokens"] == tiny_p.sequences[0]["tokens"]
+
+    tok = engine._bases["tiny"].tokenizer
+    base = engine.sample("tiny", None, prompt, num_samples=1, max_tokens=24, seed=9, stop=[]).sequences[0]
+    toks = base["tokens"]
+    # stop token id: ends right after its first occurrence
+    sid = toks[6]
+    cut = engine.sample("tiny", None, prompt, num_samples=1, max_tokens=24, seed=9, stop=[sid]).sequences[0]
+    assert cut["tokens"] == toks[: toks.index(sid) + 1] and cut["stop_reason"] == "stop"
+    # stop string: ends with the token completing the first occurrence in the decoded text
+    text = tok.decode(toks[5:8])
+    s = text[len(text) // 2:][:3] or text
+    cut = engine.sample("tiny", None, prompt, num_samples=1, max_tokens=24, seed=9, stop=[s]).sequences[0]
+    n = next(i for i in range(1, len(toks) + 1) if s in tok.decode(toks[:i]))
+    assert cut["tokens"] == toks[:n] and cut["stop_reason"] == "stop"
+    assert cut["logprobs"] == base["logprobs"][:n]
+    # stop=None: the EOS tokens of the model
+    eos = engine.sample("tiny", None, [1, 2], num_samples=4, max_tokens=48, seed=0, stop=None)
+    for seq in eos.sequences:
+        assert (seq["stop_reason"] == "stop") == (seq["tokens"][-1] in (0, 2))
