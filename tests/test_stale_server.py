@@ -1,6 +1,7 @@
 """No stale embedded servers: ``server.json`` records the interpreter, the package version and a
 hash of the server's code; a recorded server with another identity is replaced, or refused with one
-line while a live session still uses it (tinker_blocks/credentials.py)."""
+line while a live session still uses it; stopping it first finishes this process's sessions on it
+(tinker_blocks/credentials.py)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,26 @@ def test_stale_server_is_replaced_or_refused_while_in_use(tmp_path):
         assert "\n" not in msg and f"pid {second['pid']}" in msg and "live session(s) still use it" in msg
         assert f"runs other code (python /elsewhere/bin/python3 -> {ident['python']}) and 1 live session(s)" in msg
         assert _pid_alive(second["pid"])
-        del sampler, client
+        del sampler
+        client.close("success").result(timeout=10)  # its heartbeat stops with the session
+    finally:
+        block.stop_local_server()
+
+
+def test_stopping_the_server_first_finishes_the_sessions_of_this_process(tmp_path):
+    """The cached client of a server that is stopped is closed while the server still answers: its
+    session is recorded finished (the SDK's heartbeat then stops; left alone it warns every 10 s
+    once two minutes have passed, for the rest of the process), and the next client is a new one."""
+    block = TinkerCredentials(local=True, local_root=str(tmp_path))
+    client = block.get_client()
+    client.create_sampling_client(base_model="tiny")  # the SDK's session starts here
+    assert block.stop_local_server() is True
+    events = [json.loads(line) for line in (tmp_path / "server" / "registry.jsonl").read_text().splitlines()]
+    sessions = [e for e in events if e["event"] == "session"]
+    assert len({e["session_id"] for e in sessions}) == 1, sessions
+    finished = [e["finished"] for e in sessions if e.get("finished")]
+    assert finished == ["interrupted"], sessions
+    try:
+        assert block.get_client() is not client
     finally:
         block.stop_local_server()

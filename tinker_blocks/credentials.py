@@ -19,6 +19,7 @@ client for a server that does not answer: the SDK would retry a dead port for ~5
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import threading
@@ -351,22 +352,29 @@ def ensure_local_server(block: TinkerCredentials) -> dict:
 
 
 def _forget_clients(record: dict) -> None:
-    """Drop the cached SDK clients of a server about to be replaced (``record``: its server.json)."""
+    """Drop and close this process's cached SDK clients of a server about to stop (``record``: its
+    server.json). While it still answers, their sessions are finished (waiting at most 5 s), so that
+    their heartbeats stop instead of warning, for the rest of the process, about a server that is
+    gone; the clients of a dead server finish in the background (the SDK gives up within 5 min)."""
     with _clients_lock:
-        for key in [k for k, v in _clients.items() if v[0] == record["base_url"]]:
-            del _clients[key]
+        gone = [_clients.pop(k)[1] for k in [k for k, v in _clients.items() if v[0] == record["base_url"]]]
+    answers = bool(gone) and launcher.healthy(record["base_url"])
+    for client in gone:
+        closing = client.close("interrupted", detail="the embedded server is stopping")
+        if answers:
+            with contextlib.suppress(Exception):  # a hung server: the SDK goes on in its own thread
+                closing.result(timeout=5)
 
 
 def stop_local_server(local_root: str | os.PathLike[str] | None = None, timeout: float = 10.0) -> bool:
     """Stop the server recorded in ``<local_root>/server.json`` (SIGTERM, then SIGKILL), remove the
-    record and forget this process's cached clients of it.
+    record; this process's cached clients of it are closed first.
 
     Returns:
         True if a live server was stopped, False if none was recorded or it was already gone.
     """
     root = Path(local_root).expanduser().resolve() if local_root else launcher.default_root().resolve()
+    if (recorded := launcher.read_record(root)) is not None:
+        _forget_clients(recorded)
     record = launcher.stop_server(root, timeout=timeout)
-    if record is None:
-        return False
-    _forget_clients(record)
-    return bool(record["stopped"])
+    return record is not None and bool(record["stopped"])
