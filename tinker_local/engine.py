@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .adapters import LORA_ALPHA, adapter_params, add_adapter, lora_config, remove_adapter
+from .adapters import LORA_ALPHA, adapter_params, lora_config, remove_adapter
 from .checkpoints import checkpoint_info, read_adapter, read_optimizer_state, write_checkpoint
 from .compute import fp32_head_logits
 from .datatypes import Datum, FwdResult, SampleResult
@@ -90,10 +90,7 @@ class Engine(SamplingMixin):
             )
             b.counter += 1
             name = f"t{b.counter}"
-            self._make_room(b)
-            b.peft = add_adapter(b.peft, b.model, name, cfg, seed, self.device)
-            b.resident[name] = None
-            b.active = None
+            self._inject(b, name, cfg, seed)
             params = adapter_params(b.peft, name)
             self._models[model_id] = TrainingState(
                 model_id,

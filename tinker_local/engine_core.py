@@ -179,22 +179,23 @@ class EngineCore:
 
     def _activate(self, b: BaseModelState, st: TrainingState) -> None:
         if st.adapter not in b.resident:
-            self._make_room(b)
-            b.peft = add_adapter(b.peft, b.model, st.adapter, st.config, st.seed, self.device)
+            self._inject(b, st.adapter, st.config, st.seed)
             rebind_adapter(b.peft, st.adapter, st.params)
-            b.resident[st.adapter] = None
         b.resident.move_to_end(st.adapter)
         b.use(st.adapter)
         for p in st.params.values():  # peft toggles requires_grad (set_adapter, disable_adapter)
             p.requires_grad_(True)
 
-    def _make_room(self, b: BaseModelState) -> None:
-        """Take the least recently used training adapters out of ``b.peft`` until one more fits."""
+    def _inject(self, b: BaseModelState, name: str, config: Any, seed: int) -> None:
+        """Add training adapter ``name`` (its ``peft.LoraConfig``, initialised from ``seed``) to
+        ``b.peft``, first taking the least recently used ones out until it fits within
+        ``max_resident_adapters``."""
         while b.resident and len(b.resident) >= max(1, self.max_resident_adapters):
-            name, _ = b.resident.popitem(last=False)
-            remove_adapter(b.peft, name)
-            if b.active == name:
-                b.active = None
+            old, _ = b.resident.popitem(last=False)
+            remove_adapter(b.peft, old)
+        b.peft = add_adapter(b.peft, b.model, name, config, seed, self.device)
+        b.resident[name] = None
+        b.active = None
 
 
 def new_adamw(params: dict[str, torch.nn.Parameter]) -> torch.optim.AdamW:
