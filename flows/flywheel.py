@@ -67,6 +67,11 @@ class FlywheelConfig(BaseModel):
         description="SQL filter of the captures trained on (SFT): columns of captures, rating (the client's), "
         "judge_score, e.g. \"rating > 0 AND client = 'agent-a'\".",
     )
+    include_truncated: bool = Field(
+        default=False,
+        description="Keep captures whose reply was cut by max_tokens (finish_reason length); off: a cut reply is a "
+        "poor training target.",
+    )
     pair_where: str = Field(
         default="rating IS NOT NULL", description="SQL filter of the rated captures that comparisons come from (DPO)."
     )
@@ -142,7 +147,9 @@ def select_captures(config: FlywheelConfig, since: datetime | None, until: datet
     root = config.capture_root()
     sft = [
         {"messages": c.messages, "source": c.source}
-        for c in read_captured_conversations(root, config.where, since=since, until=until)
+        for c in read_captured_conversations(
+            root, config.where, since=since, until=until, include_truncated=config.include_truncated
+        )
     ]
     dpo = read_captured_preferences(root, config.pair_where, since=since, until=until) if config.method != "sft" else []
     if config.max_examples:

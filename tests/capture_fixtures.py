@@ -52,12 +52,12 @@ def capture_command(*args: str) -> list[str]:
 
 
 def start_capture(tmp: Path, local_root: str, *, session: str, token: bool = True, extra: tuple[str, ...] = (),
-                  timeout: float = 180.0) -> CaptureProcess:
-    """Start ``capture serve --model tiny`` on a free loopback port, reusing the embedded local
-    server of ``local_root``, and wait until ``/health`` answers."""
+                  timeout: float = 180.0, model: str = "tiny", store: str | None = None) -> CaptureProcess:
+    """Start ``capture serve --model MODEL`` (default tiny) on a free loopback port, reusing the
+    embedded local server of ``local_root``, and wait until ``/health`` answers."""
     tmp.mkdir(parents=True, exist_ok=True)
-    port, store, log = free_port(), str(tmp / "store"), tmp / "capture.log"
-    args = ["--model", "tiny", "--store", store, "--local-root", local_root, "--port", str(port),
+    port, store, log = free_port(), store or str(tmp / "store"), tmp / "capture.log"
+    args = ["--model", model, "--store", store, "--local-root", local_root, "--port", str(port),
             "--session", session, *extra]
     if token:
         (tmp / "token").write_text(TOKEN + "\n")
