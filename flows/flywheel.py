@@ -108,6 +108,9 @@ class FlywheelConfig(BaseModel):
         taken = sorted(reserved & set(self.training))
         if taken:
             raise ValueError(f"training: {taken} are set by the flywheel itself")
+        unknown = sorted(set(self.training) - set(SFTConfig.model_fields) - set(DPOConfig.model_fields))
+        if unknown:
+            raise ValueError(f"training: {unknown} are fields of neither the sft nor the dpo config")
         self.promote_config("run:probe")  # bad benchmark or gate settings fail now
         return self
 

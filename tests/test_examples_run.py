@@ -138,19 +138,21 @@ def example_store(prefect_api, local_credentials, tmp_path_factory):
 
 
 def _rated_captures(store: Path) -> None:
-    """Two chat captures of the last hour rated good (as capture serve and POST /v1/feedback write them)."""
+    """Chat captures of the last hour, as capture serve and POST /v1/feedback write them: two
+    questions, each answered twice (n=2), one answer rated good and one bad -- two comparisons, so
+    the flywheel (method auto) trains DPO."""
     from tinker_blocks.stores import CaptureStore
 
     captures = CaptureStore(root=str(store))
-    rows = [{"run_id": "ex-traffic", "request_id": f"chatcmpl-ex{i}", "sequence_index": 0,
+    rows = [{"run_id": "ex-traffic", "request_id": f"chatcmpl-ex{i}", "sequence_index": j,
              "endpoint": "chat.completions", "model": "tiny", "checkpoint": "tiny", "finish_reason": "stop",
              "prompt": json.dumps([{"role": "user", "content": f"What is {i} + {i}?"}]),
-             "completion": f"{2 * i}", "response_json": json.dumps({"message": {"role": "assistant",
-                                                                               "content": f"{2 * i}"}})}
-            for i in range(2)]
+             "completion": reply, "response_json": json.dumps({"message": {"role": "assistant", "content": reply}})}
+            for i in range(2) for j, reply in enumerate((f"{2 * i}", "no idea"))]
     captures.write_rows("captures", rows)
-    captures.write_rows("ratings", [{"run_id": "ex-traffic", "request_id": r["request_id"], "sequence_index": 0,
-                                     "source": "client", "rating": 1.0} for r in rows])
+    captures.write_rows("ratings", [{"run_id": "ex-traffic", "request_id": r["request_id"],
+                                     "sequence_index": r["sequence_index"], "source": "client",
+                                     "rating": 1.0 if r["sequence_index"] == 0 else -1.0} for r in rows])
 
 
 def test_every_example_has_a_short_mode():
@@ -210,7 +212,9 @@ def test_example_runs_in_short_mode(recipe, example, example_store, local_creden
         out = json.loads(capsys.readouterr().out)
         rows = _sql(capsys, example_store, "SELECT alias, action FROM models WHERE line = 'assistant'")
         assert ("candidate", "set") in {(r["alias"], r["action"]) for r in rows}  # the gate judged a candidate
-        assert isinstance(out["promoted"], bool) and (recipe != "flywheel" or out["trained"])
+        assert isinstance(out["promoted"], bool)
+        if recipe == "flywheel":  # the rated pairs became comparisons: DPO from the champion
+            assert out["trained"] and out["snapshot"]["method"] == "dpo" and out["counts"] == {"sft": 2, "dpo": 2}
     elif recipe == "export":
         assert any((tmp_path / "out").rglob("*.safetensors")), "the export wrote no weights"
     elif recipe == "eval":  # results are filed under the evaluated run (the base model's: the eval's own name)

@@ -32,7 +32,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from tests.capture_fixtures import TOKEN, start_capture
+from tests.capture_fixtures import TOKEN, rated_traffic, start_capture
 from tests.prefect_stack import ROOT, PrefectStack, wait_until
 
 pytestmark = [pytest.mark.deployments, pytest.mark.timeout(2400)]
@@ -95,7 +95,8 @@ def ctx(tmp_path_factory):
             assert cli.main(["models", "promote", LINE, "tiny", "--store", c.store]) == 0  # the line starts
         c.worker = stack.start_worker("fw-worker")
         c.capture = start_capture(tmp / "capture", str(c.local_root), session="traffic", store=c.store,
-                                  model=f"alias:{LINE}@champion", extra=("--follow-seconds", "1", "--flush-seconds", "0.3"))
+                                  model=f"alias:{LINE}@champion",
+                                  extra=("--follow-seconds", "1", "--flush-seconds", "0.3"))
         yield c
     finally:
         if c.capture is not None:
@@ -107,24 +108,20 @@ def ctx(tmp_path_factory):
 
 
 def _traffic(ctx: Ctx, reply: str, rating: str, other: str | None = None) -> datetime:
-    """Conversations whose assistant turn is ``reply`` rated ``rating``, and (``other``) as many with
-    another assistant turn rated the opposite; returns the time after the last rating is stored."""
-    client = ctx.client()
-    for q in QUESTIONS:
-        for text, rate in ((reply, rating), *(((other, "bad" if rating == "good" else "good"),) if other else ())):
-            resp = client.chat.completions.create(
-                model=f"alias:{LINE}@champion", max_tokens=2, temperature=1.0,
-                messages=[{"role": "user", "content": q}, {"role": "assistant", "content": text},
-                          {"role": "user", "content": "And one more thing?"}, {"role": "assistant", "content": text},
-                          {"role": "user", "content": "Thanks."}])
-            client.post("/feedback", body={"id": resp.id, "rating": rate}, cast_to=object)
+    """Rated transcripts (:func:`~tests.capture_fixtures.rated_traffic`); returns the time after
+    their captures and ratings are in the store."""
     from tinker_blocks import CaptureStore
 
-    n = len(QUESTIONS) * (2 if other else 1)
-    wait_until(lambda: CaptureStore(root=ctx.store).query(
-        "SELECT count(*) AS n FROM ratings WHERE time > now() - INTERVAL 10 MINUTE")[0]["n"] >= n and
-        CaptureStore(root=ctx.store).query("SELECT count(*) AS n FROM captures")[0]["n"] >= n,
-        60, "the captures and ratings in the store")
+    ids = rated_traffic(ctx.capture.base, f"alias:{LINE}@champion", QUESTIONS, reply, rating, other)
+
+    def stored() -> bool:
+        store = CaptureStore(root=ctx.store)
+        got = store.query("SELECT count(DISTINCT request_id) AS n FROM ratings WHERE list_contains(?, request_id)",
+                          [ids])[0]["n"]
+        return got == len(ids) and store.query(
+            "SELECT count(*) AS n FROM captures WHERE list_contains(?, request_id)", [ids])[0]["n"] == len(ids)
+
+    wait_until(stored, 60, "the captures and ratings in the store")
     time.sleep(0.01)
     return datetime.now(UTC)
 
@@ -295,7 +292,7 @@ def test_three_training_runs_at_once_take_turns_under_a_limit_of_one(ctx):
         opened, done = tasks[f"open-queued-{i}"], tasks[f"record-run-queued-{i}-completed"]
         spans.append((opened.start_time, done.end_time, fr.id))
     spans.sort()
-    for (_, end, _), (start, _, _) in zip(spans, spans[1:]):
+    for (_, end, _), (start, _, _) in zip(spans, spans[1:], strict=False):
         assert start >= end, spans  # never two training clients at once
     logs = "\n".join(line for fr in runs for line in ctx.stack.logs(fr.id))
     assert "tinker-train:local is full (1 of 1 in use): waiting for a slot" in logs

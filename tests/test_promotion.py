@@ -112,7 +112,7 @@ def _benchmark(tmp, name: str, refs: list[str]) -> dict:
     data = tmp / f"{name}.jsonl"
     data.write_text("".join(json.dumps({"id": f"q{i}", "question": q, "answer": r}) + "\n"
                             for i, (q, r) in enumerate(zip(QUESTIONS, refs, strict=True))))
-    return {"benchmark": "exact_match", "dataset": str(data), "eval_name": name, "max_tokens": 6,
+    return {"benchmark": "exact_match", "dataset": str(data), "id_field": "id", "eval_name": name, "max_tokens": 6,
             "temperature": 0.0}
 
 
