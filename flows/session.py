@@ -204,7 +204,7 @@ class RunSession(Generic[ConfigT]):
             # a slot of the backend's training limit, held until the run ends (waits while it is full)
             self._reads.enter_context(training_slot(self.credentials, self.run_id))
         except BaseException:
-            self._reads.close()
+            self._release()  # the data files, and the lease when it was taken
             raise
         try:
             return self._open()

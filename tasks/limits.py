@@ -21,6 +21,7 @@ Source: Prefect's global concurrency limits and rate limits
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -85,11 +86,14 @@ _absent_lock = threading.Lock()
 
 def limit_state(name: str) -> LimitState | None:
     """The active limit ``name`` on the Prefect server, or None when it does not exist, is
-    inactive, or no Prefect API answers (then nothing is limited). A missing limit is remembered
+    inactive, no Prefect API is configured (``PREFECT_API_URL``) or none answers (then nothing is
+    limited). A missing limit is remembered
     for 30 s, so callers on a hot path ask the server rarely."""
     with _absent_lock:
         if time.monotonic() - _absent.get(name, -1e9) < _ABSENT_TTL:
             return None
+    if not _api_configured():  # never start Prefect's in-process ephemeral API just to ask
+        return None
     try:
         from prefect.client.orchestration import get_client
 
@@ -102,6 +106,12 @@ def limit_state(name: str) -> LimitState | None:
             _absent[name] = time.monotonic()
         return None
     return LimitState(found.name, found.limit, found.active_slots, found.slot_decay_per_second or 0.0)
+
+
+def _api_configured() -> bool:
+    from prefect.settings import get_current_settings
+
+    return bool(os.environ.get("PREFECT_API_URL") or get_current_settings().api.url)
 
 
 @contextmanager

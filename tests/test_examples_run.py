@@ -62,7 +62,7 @@ SHORT: dict[tuple[str, str], list[str]] = {
     ("export", "peft"): [],
     # + captures rated in the store (the test below): one training step, two examples per evaluation
     ("flywheel", "tiny"): ["limit=2", "min_examples=2", "training.max_steps=1", "training.batch_size=2",
-                           "training.save_every=0"],
+                           "training.test_size=0", "training.save_every=0"],
     ("promote", "candidate"): ["limit=2"],
     ("reward_model", "hh"): [
         "max_steps=1",
