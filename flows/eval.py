@@ -168,7 +168,12 @@ def eval_flow(config: EvalConfig) -> dict[str, Any]:
         len(specs),
         ", ".join(t.label for t in targets),
     )
-    extra = {"eval_run": config.run_name, **({"line": config.line} if config.line else {})}
+    extra = {
+        "eval_run": config.run_name,
+        **({"line": config.line} if config.line else {}),
+        "store": config.store,
+        "backend": config.backend.model_dump(mode="json"),
+    }
     backend_args = config.backend.inspect_args()
     outcomes, failures, cached = [], [], 0
     for target in targets:

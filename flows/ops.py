@@ -205,6 +205,11 @@ def _jinja(template: str) -> dict[str, str]:
     return {"__prefect_kind": "jinja", "template": template}
 
 
+def _from_payload(key: str) -> dict[str, Any]:
+    """A JSON object from the event's payload (``{}`` when it has none)."""
+    return {"__prefect_kind": "json", "value": _jinja(f"{{{{ (event.payload.{key} or {{}}) | tojson }}}}")}
+
+
 def _tagged(tag: str) -> dict[str, str]:
     return {"prefect.resource.role": "tag", "prefect.resource.id": f"prefect.tag.{tag}"}
 
@@ -212,8 +217,9 @@ def _tagged(tag: str) -> dict[str, str]:
 def evaluate_automation(deployment: Any, tag: str = EVALUATE_TAG) -> Any:
     """The automation (unsaved) that runs ``deployment`` (an eval deployment, read from the server)
     on each state checkpoint saved by a flow run tagged ``tag``: its config with ``model`` = the
-    checkpoint, ``line`` = its model line, ``store`` = its training store and ``run_name`` =
-    ``eval-<run>-step-<step>``, from the ``prefect-tinker.checkpoint.saved`` event."""
+    checkpoint, ``line`` = its model line, ``store`` = its training store, ``backend`` = the run's
+    backend and ``run_name`` = ``eval-<run>-step-<step>``, from the ``prefect-tinker.checkpoint.saved``
+    event."""
     from prefect.automations import Automation
     from prefect.events.actions import RunDeployment
     from prefect.events.schemas.automations import EventTrigger, Posture
@@ -223,6 +229,7 @@ def evaluate_automation(deployment: Any, tag: str = EVALUATE_TAG) -> Any:
         "model": _jinja("{{ event.resource.id }}"),
         "line": _jinja("{{ event.resource.get('prefect-tinker.line', '') }}"),
         "store": _jinja("{{ event.payload.store }}"),
+        "backend": _from_payload("backend"),
         "run_name": _jinja(
             "eval-{{ event.resource['prefect-tinker.run'] }}-step-{{ event.resource['prefect-tinker.step'] }}"
         ),
@@ -248,8 +255,9 @@ def evaluate_automation(deployment: Any, tag: str = EVALUATE_TAG) -> Any:
 def promotion_automation(deployment: Any, tag: str = PROMOTE_TAG, store: str | None = None) -> Any:
     """The automation (unsaved) that runs ``deployment`` (a promote deployment, read from the
     server) after each completed evaluation of the gate's first benchmark, by a flow run tagged
-    ``tag``, of weights of a model line: its config with ``candidate`` = the evaluated checkpoint
-    and ``line`` = its line (``store`` when given).
+    ``tag``, of weights of a model line: its config with ``candidate`` = the evaluated checkpoint,
+    ``line`` = its line, ``store`` and ``backend`` = the evaluation's (``store``, when given,
+    instead).
 
     Raises:
         ValueError: the deployment's config is not a valid promotion config.
@@ -267,7 +275,8 @@ def promotion_automation(deployment: Any, tag: str = PROMOTE_TAG, store: str | N
         **base,
         "candidate": _jinja("{{ event.resource['prefect-tinker.checkpoint'] }}"),
         "line": _jinja("{{ event.resource['prefect-tinker.line'] }}"),
-        **({"store": store} if store else {}),
+        "store": store or _jinja("{{ event.payload.store }}"),
+        "backend": _from_payload("backend"),
     }
     return Automation(
         name=PROMOTE_AUTOMATION,
@@ -496,7 +505,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     i.add_argument("--eval-deployment", default=EVAL_DEPLOYMENT, help=f"default {EVAL_DEPLOYMENT}")
     i.add_argument("--promote-deployment", default=PROMOTE_DEPLOYMENT, help=f"default {PROMOTE_DEPLOYMENT}")
-    i.add_argument("--store", help="training store of the promotions (default: the promote deployment's)")
+    i.add_argument("--store", help="training store of the promotions (default: the evaluation's)")
     i.add_argument("--dry-run", action="store_true", help="print the automations as JSON, do not install")
     i.set_defaults(func=_cmd_install)
     r = sub.add_parser("remove-automations", help="delete the automations installed by install-automations")

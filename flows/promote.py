@@ -5,11 +5,12 @@ better on the same items.
 (config: :class:`PromoteConfig`).
 
 1. The candidate and the champion are resolved once (:func:`~prefect_tinker.flows.config.weights_ref`:
-   a ``tinker://`` path, ``run:RUN``, ``alias:LINE@ALIAS`` or a base model); the candidate is
-   recorded as the line's ``candidate`` alias (``set``).
+   a ``tinker://`` path, ``run:RUN``, ``alias:LINE@ALIAS`` or a base model).
 2. Both are evaluated on the same suite by the ``eval`` flow (a subflow; evaluations are cached
    tasks, so a re-run, or a champion already evaluated by the last promotion, costs nothing), the
-   champion's rows of base models under the fixed eval run ``gate-<line>``.
+   champion's rows of base models under the fixed eval run ``gate-<line>``; the candidate is then
+   recorded as the line's ``candidate`` alias (``set``; with the sampler weights the evaluation
+   saved for a state checkpoint).
 3. The gate (:mod:`prefect_tinker.recipes.gate`): per-example scores from ``eval_samples``, a paired
    stratified bootstrap interval of the difference, the margins of the listed benchmarks.
 4. The decision and its numbers become the artifact ``promote-<line>`` (always).
@@ -174,10 +175,10 @@ def promote_flow(config: PromoteConfig) -> dict[str, Any]:
     if champ is not None and champ.checkpoint == cand.checkpoint:
         _report(config, cand, champ, None, "the candidate already is the champion: nothing to do")
         return _summary(config, False, "already champion", None, cand, champ, None)
-    set_alias(config.store, alias_row(registry_store, config.line, "candidate", "set", cand, {"for": config.alias}))
     models = [cand.checkpoint, *([champ.checkpoint] if champ is not None else [])]
     result = cast(dict[str, Any], eval_flow(config.eval_config(models)))
     cand = weights_ref(config.store, config.candidate, "candidate")  # its sampler weights, if saved for the eval
+    set_alias(config.store, alias_row(registry_store, config.line, "candidate", "set", cand, {"for": config.alias}))
     decision: GateDecision | None = None
     if champ is None:
         note, promote = "no champion yet: the candidate becomes the first", True

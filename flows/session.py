@@ -347,6 +347,7 @@ class RunSession(Generic[ConfigT]):
             state_path=self.checkpoints[-1] if kind == "sampler" and self.checkpoints else None,
             renderer=self.renderer,
             store=self.config.store,
+            backend=self.given.backend.model_dump(mode="json"),
         )
 
     # ----- while training ----------------------------------------------------------------------

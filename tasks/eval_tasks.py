@@ -255,8 +255,8 @@ def evaluate_benchmark(
 
 
 def _completed(target: EvalTarget, outcome: dict[str, Any], config: dict[str, Any] | None) -> None:
-    """The ``prefect-tinker.eval.completed`` event of an evaluation (``config``'s ``line`` and
-    ``eval_run``, when given, label it)."""
+    """The ``prefect-tinker.eval.completed`` event of an evaluation (``config``'s ``line``,
+    ``eval_run``, ``store`` and ``backend``, when given, go with it)."""
     extra = config or {}
     emit_eval_completed(
         checkpoint=target.checkpoint,
@@ -267,6 +267,8 @@ def _completed(target: EvalTarget, outcome: dict[str, Any], config: dict[str, An
         num_examples=outcome["num_examples"],
         line=extra.get("line"),
         eval_run=extra.get("eval_run"),
+        store=extra.get("store"),
+        backend=extra.get("backend"),
     )
 
 

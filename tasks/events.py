@@ -100,10 +100,12 @@ def emit_checkpoint_saved(
     state_path: str | None = None,
     renderer: str | None = None,
     store: str | None = None,
+    backend: Mapping[str, Any] | None = None,
 ) -> Any:
     """``prefect-tinker.checkpoint.saved`` for the checkpoint ``path`` (``kind`` ``state`` or
-    ``sampler``) of run ``run_id`` after ``step`` optimizer steps. Returns the event (None when
-    events are off)."""
+    ``sampler``) of run ``run_id`` after ``step`` optimizer steps; ``store`` (its training store)
+    and ``backend`` (the run's backend config, no secrets) in the payload tell an automation where
+    to find it. Returns the event (None when events are off)."""
     name = path.rstrip("/").rsplit("/", 1)[-1]
     return emit_event(
         CHECKPOINT_SAVED,
@@ -129,6 +131,7 @@ def emit_checkpoint_saved(
             "line": line,
             "renderer": renderer,
             "store": store,
+            "backend": dict(backend) if backend else None,
         },
     )
 
@@ -143,10 +146,12 @@ def emit_eval_completed(
     num_examples: int,
     line: str | None = None,
     eval_run: str | None = None,
+    store: str | None = None,
+    backend: Mapping[str, Any] | None = None,
 ) -> Any:
     """``prefect-tinker.eval.completed`` for ``benchmark`` on ``checkpoint``: the score
     (``accuracy``) and its 95% interval (``accuracy_ci95_low`` / ``_high``) as labels and payload,
-    every metric in the payload."""
+    every metric in the payload (and, when known, the training ``store`` and the ``backend``)."""
     score = metrics.get("accuracy")
     low, high = metrics.get("accuracy_ci95_low"), metrics.get("accuracy_ci95_high")
     return emit_event(
@@ -182,6 +187,8 @@ def emit_eval_completed(
             "metrics": dict(metrics),
             "eval_run": eval_run,
             "line": line,
+            "store": store,
+            "backend": dict(backend) if backend else None,
         },
     )
 

@@ -222,8 +222,9 @@ def test_flywheel_promotes_only_when_the_gate_holds_and_the_endpoint_follows(ctx
     t2 = _traffic(ctx, RUDE, "good")
     second = _flywheel(ctx, str(qa), t1, t2)
     assert reg.current(LINE)["checkpoint"] == champ["checkpoint"]
-    cand = reg.current(LINE, "candidate")
+    cand = reg.current(LINE, "candidate")  # its sampler weights, saved for the evaluation
     assert cand["checkpoint"] != champ["checkpoint"] and cand["source_run"] != run_id
+    assert "/sampler_weights/" in cand["checkpoint"]
     arts = {a.key: a for a in ctx.stack.artifacts(second.id) if a.key}
     assert "| promoted | False (the gate does not hold) |" in arts[f"flywheel-{LINE}"].data
     history = ctx.training().query("SELECT alias, action FROM models WHERE line = ? ORDER BY time", [LINE])
@@ -262,7 +263,8 @@ def test_ordinary_run_checkpoint_is_evaluated_then_considered_for_promotion(ctx)
 
     ev = wait_until(lambda: [r for r in runs_of("eval/eval-checkpoint") if r.parameters["config"]["model"] == state],
                     300, "the automation to start the checkpoint's evaluation", interval=2.0)
-    assert ev[0].parameters["config"]["line"] == LINE and ev[0].parameters["config"]["store"] == ctx.store
+    given = ev[0].parameters["config"]  # templated from the checkpoint's event: where it lives
+    assert (given["line"], given["store"], given["backend"]["credentials_block"]) == (LINE, ctx.store, BLOCK)
     ctx.completed(ev[0].id)
     from tinker_blocks.stores import EvalStore
 
