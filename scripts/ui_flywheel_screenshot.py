@@ -99,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         browser = Browser(tmp / "chromium-profile")
         try:
             paths = [
-                browser.shoot(f"{stack.ui_url}/runs/flow-run/{fr.id}", shots / "flywheel.png", (1400, 900),
-                              wait_text="promote-assistant"),
+                browser.shoot(f"{stack.ui_url}/runs/flow-run/{fr.id}", shots / "flywheel.png", (1400, 1000),
+                              click="Subflow Runs", wait_text="promote-assistant"),
                 browser.shoot(f"{stack.ui_url}/events?resource={quote(model_prefix, safe='')}", shots / "events.png",
                               (1400, 1100), wait_text="prefect-tinker.model.promoted"),
                 browser.shoot(f"{stack.ui_url}/artifacts/artifact/{decision.id}", shots / "decision.png",
