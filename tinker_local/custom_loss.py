@@ -315,8 +315,7 @@ def compile_graph(name: str, inputs: Any, graph: Any, limits: GraphLimits | None
     raw = graph["nodes"]
     if not raw or len(raw) > limits.max_nodes:
         raise CustomLossError(
-            f"{who}: graph must have 1 to {limits.max_nodes} nodes (node limit; serve --loss-max-nodes), "
-            f"got {len(raw)}"
+            f"{who}: graph must have 1 to {limits.max_nodes} nodes (node limit; serve --loss-max-nodes), got {len(raw)}"
         )
     nodes: list[_Node] = []
     seen: set[str] = set()

@@ -111,8 +111,8 @@ class Engine(SamplingMixin):
         """Drop ``model_id`` (its adapter and optimizer state); checkpoints on disk stay."""
         with self._lock:
             st = self._train(model_id)
-            b = self._bases[st.base_key]
-            if st.adapter in b.resident:
+            b = self._bases.get(st.base_key)  # an unloaded base model holds no adapter
+            if b is not None and st.adapter in b.resident:
                 del b.resident[st.adapter]
                 remove_adapter(b.peft, st.adapter)
                 b.active = None
@@ -129,7 +129,7 @@ class Engine(SamplingMixin):
         EngineUserError if the id is unknown."""
         with self._lock:
             st = self._train(model_id)
-            b = self._bases[st.base_key]
+            b = self._loaded(st.base_key)
             return {
                 "model_id": model_id,
                 "base_model": st.base_name,
@@ -176,7 +176,7 @@ class Engine(SamplingMixin):
     def _run(self, model_id, datums, loss_fn, loss_fn_config, backward: bool) -> FwdResult:
         with self._lock:
             st = self._train(model_id)
-            b = self._bases[st.base_key]
+            b = self._loaded(st.base_key)
             custom = callable(loss_fn)  # a per-datum loss object (tinker_local.custom_loss)
             fn = loss_fn if custom else get_loss_fn(loss_fn)
             cfg = dict(loss_fn_config or {})
@@ -410,7 +410,7 @@ class Engine(SamplingMixin):
             st.step = int(meta.get("step", 0)) if with_optimizer else 0
 
     def _write_ckpt(self, st: TrainingState, kind: str, name: str, with_optimizer: bool) -> Path:
-        b = self._bases[st.base_key]
+        b = self._loaded(st.base_key)
         cfg = st.config.to_dict()
         cfg["base_model_name_or_path"] = b.spec.model_dir or b.spec.name
         meta = {

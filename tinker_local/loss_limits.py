@@ -188,7 +188,8 @@ def _precheck_scalars(target: str, args: tuple, lim: GraphLimits, where: str) ->
                 f"{where}: {a.bit_length()}-bit integer to the power {b} makes at least {bits} bits, over the "
                 f"limit of {lim.max_int_bits} bits"
             )
-    if leaf in ("add", "concat") and isinstance(a, (str, bytes, list, tuple)) and isinstance(b, (str, bytes, list, tuple)):
+    seq = (str, bytes, list, tuple)
+    if leaf in ("add", "concat") and isinstance(a, seq) and isinstance(b, seq):
         if len(a) + len(b) > lim.max_sequence:
             raise GraphLimitError(
                 f"{where}: joining sequences of {len(a)} and {len(b)} items is over the limit of "
@@ -240,4 +241,3 @@ class _assume_all_nonzero:
 
     def __exit__(self, *exc):
         return self._patch.__exit__(*exc)
-

@@ -25,11 +25,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from .allowed_models import ModelAllowList
 from .auth import JwtIssuer
 from .errors import HttpError
 from .faults import FaultConfig, FaultInjector, FaultState
 from .http_auth import AuthCountLog
 from .keys import KeyStore
+from .loss_limits import GraphLimits
+from .request_limits import RequestLimits
 from .routes_rest import add_rest_routes
 from .routes_service import add_service_routes
 from .routes_training import add_training_routes
@@ -58,6 +61,8 @@ def create_app(
     jwt_auth: bool = False,
     sampler_pool: Any = None,
     limits: Limits | None = None,
+    request_limits: RequestLimits | None = None,
+    graph_limits: GraphLimits | None = None,
 ) -> FastAPI:
     """Build the FastAPI app speaking the tinker 0.38 protocol in front of ``engine``.
 
@@ -83,7 +88,12 @@ def create_app(
             processes while the engine trains (None: the engine samples in turn with training);
             the app closes it at shutdown.
         limits: per-user limits (``tinker_local.tenancy.Limits``; None: none).  The API keys are
-            read from ``root/server/api_keys.json`` (``tinker_local.keys``) on every change.
+            read from ``root/server/api_keys.json`` (``tinker_local.keys``) on every change; with
+            keys, only the base models of ``models`` and of the allow-list
+            (``tinker_local.allowed_models``) may be loaded.
+        request_limits: sizes of one request (``tinker_local.request_limits``; None: the defaults).
+        graph_limits: bounds of uploaded custom losses (``tinker_local.loss_limits``; None: the
+            defaults).
     Raises:
         ValueError: when no root is given and the engine has none.
     """
@@ -95,7 +105,10 @@ def create_app(
     )
     svc.custom_loss_server_side = custom_loss_server_side
     svc.tenancy.limits = limits or Limits()
+    svc.request_limits = request_limits or RequestLimits()
+    svc.graph_limits = graph_limits or GraphLimits()
     keys = KeyStore(root)
+    svc.model_allow = ModelAllowList(root, list(models or []), enforced=keys.any)
     # the JWT key derives from the server's URL-signing secret (tinker_local.auth)
     svc.jwt = JwtIssuer(load_secret(Path(root)), clock=lambda: svc.clock()) if jwt_auth else None
     svc.store.batch_quiet_s, svc.store.batch_max_wait_s = batch_quiet_s, batch_max_wait_s
@@ -119,13 +132,13 @@ def create_app(
     app.state.service = svc
     app.state.faults = fault_state
 
-    app.add_middleware(AuthCountLog, service=svc, keys=keys)
+    app.add_middleware(AuthCountLog, service=svc, keys=keys, max_body_bytes=svc.request_limits.body_bytes)
 
     @app.exception_handler(HttpError)
     async def http_error(_request: Request, exc: HttpError):
-        return JSONResponse({"detail": exc.detail}, status_code=exc.status)
+        return JSONResponse({"detail": exc.detail}, status_code=exc.status, headers=exc.headers)
 
-    add_service_routes(app, svc, fault_state, sampler_pool)
+    add_service_routes(app, svc, fault_state, sampler_pool, keys)
     add_training_routes(app, svc, poll_wait_s)
     add_rest_routes(app, svc)
     if fault_state.config.active:  # outermost: faults hit every route, auth included
