@@ -385,8 +385,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m tinker_local") ->
             "loss_max_elements",
             "loss_time_budget",
         ):
-            if getattr(args, flag) is not None and getattr(args, flag) < 1:
-                print(f"error: --{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}", file=sys.stderr)
+            least = 0.001 if flag in ("loss_time_budget", "compute_seconds_per_user_hour") else 1
+            if getattr(args, flag) is not None and getattr(args, flag) < least:
+                print(
+                    f"error: --{flag.replace('_', '-')} must be >= {least:g}, got {getattr(args, flag)}",
+                    file=sys.stderr,
+                )
                 return 2
         busy = port_unavailable(args.host, args.port)
         if busy:  # before loading any model (seconds to minutes), not after

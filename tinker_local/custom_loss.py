@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import operator
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -434,15 +435,34 @@ class BoundLoss:
         for iname, _ in self.loss.inputs[1:]:
             env[iname] = inputs[iname]
         who = f"custom loss {self.loss.name!r}, datum {i}"
+        t0 = time.monotonic()
+        try:
+            self._evaluate(env, lp.device, who, t0)
+        finally:
+            self.meter.spent += time.monotonic() - t0
+        loss = env[self.loss.loss_ref.name]
+        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise CustomLossError(f"{who}: must return a scalar loss, got {shape}")
+        out = {}
+        for key, ref in self.loss.metric_refs.items():
+            v = env[ref.name]
+            out[key] = float(v.detach().reshape(()).item()) if isinstance(v, torch.Tensor) else float(v)
+        self._metrics[i] = out
+        return loss
+
+    def _evaluate(self, env: dict[str, Any], device: torch.device, who: str, t0: float) -> None:
+        """Run the graph's nodes into ``env`` (see ``__call__``); ``t0``: when this datum's
+        evaluation started (time budget)."""
         meter = self.meter
         for node in self.loss.nodes:
             if node.op == "placeholder":
                 continue
-            args = _resolve(node.args, env, lp.device)
-            kwargs = _resolve(node.kwargs, env, lp.device)
+            args = _resolve(node.args, env, device)
+            kwargs = _resolve(node.kwargs, env, device)
             where = f"{who}, node {node.name} ({node.target})"
             try:
-                meter.check_time()
+                meter.check_time(t0)
                 if node.fn is None:  # compile_graph resolves every node
                     raise CustomLossError(f"{node.op} {node.target!r} was not resolved")
                 try:
@@ -463,16 +483,6 @@ class BoundLoss:
             except Exception as e:
                 raise CustomLossError(f"{where} failed: {type(e).__name__}: {e}") from None
             env[node.name] = value
-        loss = env[self.loss.loss_ref.name]
-        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise CustomLossError(f"{who}: must return a scalar loss, got {shape}")
-        out = {}
-        for key, ref in self.loss.metric_refs.items():
-            v = env[ref.name]
-            out[key] = float(v.detach().reshape(()).item()) if isinstance(v, torch.Tensor) else float(v)
-        self._metrics[i] = out
-        return loss
 
     def prepare(
         self, i: int, raw_inputs: dict[str, np.ndarray], target: torch.Tensor, device: torch.device

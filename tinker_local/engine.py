@@ -214,19 +214,32 @@ class Engine(SamplingMixin):
                 if packed
                 else [[[i] for i in group] for group in microbatches(lengths, budget)]
             )
-            for rows in groups:
-                with torch.set_grad_enabled(backward):
-                    if packed:
-                        mb, lps = self._packed_logprobs(b, rows, prepared)
-                    else:
-                        mb = [row[0] for row in rows]
-                        lps = self._logprobs(b, [prepared[i] for i in mb])
-                    loss = sum(fn(lp, prepared[i][2], cfg) for i, lp in zip(mb, lps, strict=True))
-                    if backward and isinstance(loss, torch.Tensor) and loss.requires_grad:
-                        loss.backward()
-                for i, lp in zip(mb, lps, strict=True):
-                    outputs[i] = {"logprobs": lp.detach().float().cpu().numpy()}
-                total += float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+            # a custom loss may fail in a later micro-batch (a limit, a node that raises): the
+            # gradients of the earlier ones are then taken back, so a failed request adds none
+            saved = (
+                {k: None if p.grad is None else p.grad.clone() for k, p in st.params.items()}
+                if backward and custom and len(groups) > 1
+                else None
+            )
+            try:
+                for rows in groups:
+                    with torch.set_grad_enabled(backward):
+                        if packed:
+                            mb, lps = self._packed_logprobs(b, rows, prepared)
+                        else:
+                            mb = [row[0] for row in rows]
+                            lps = self._logprobs(b, [prepared[i] for i in mb])
+                        loss = sum(fn(lp, prepared[i][2], cfg) for i, lp in zip(mb, lps, strict=True))
+                        if backward and isinstance(loss, torch.Tensor) and loss.requires_grad:
+                            loss.backward()
+                    for i, lp in zip(mb, lps, strict=True):
+                        outputs[i] = {"logprobs": lp.detach().float().cpu().numpy()}
+                    total += float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+            except Exception:
+                if saved is not None:
+                    for k, p in st.params.items():
+                        p.grad = saved[k]
+                raise
             return FwdResult(outputs=outputs, metrics={"loss:sum": total})
 
     def _logprobs(self, b: BaseModelState, items) -> list[torch.Tensor]:

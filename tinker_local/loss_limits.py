@@ -18,7 +18,8 @@ prediction is over a bound:
 - ``max_int_bits``: bits of any Python integer (an integer power is predicted from the bit length
   of its base times its exponent before it is computed; lists and strings are bounded by
   ``max_sequence`` items before they are concatenated);
-- ``time_budget_s``: seconds of graph evaluation per request (checked between nodes).
+- ``time_budget_s``: seconds of graph evaluation per request, the model's passes not counted
+  (checked between nodes).
 
 The upload itself is checked once at probe shapes (``PROBE_T`` tokens, ``PROBE_K`` columns), which
 catches chains whose growth does not depend on the data (40 nested ``pow(x, 1024)``, 40 nested
@@ -115,17 +116,19 @@ def to_meta(v: Any) -> Any:
 
 class Meter:
     """One request's (or one upload check's) running totals against ``limits``: elements of all
-    intermediates so far, and the deadline of its time budget (from construction)."""
+    intermediates so far, and seconds spent evaluating the loss graph (``spent``: the model's
+    forward and backward passes do not count)."""
 
     def __init__(self, limits: GraphLimits, who: str):
         self.limits = limits
         self.who = who
         self.elements = 0
-        self.started = time.monotonic()
+        self.spent = 0.0
 
-    def check_time(self) -> None:
-        """GraphLimitError once the request has evaluated its loss for ``time_budget_s``."""
-        spent = time.monotonic() - self.started
+    def check_time(self, since: float) -> None:
+        """GraphLimitError once the request has evaluated its loss for ``time_budget_s`` seconds
+        (``spent`` plus the time since ``since``, a ``time.monotonic()`` of the evaluation going on)."""
+        spent = self.spent + time.monotonic() - since
         if spent > self.limits.time_budget_s:
             raise GraphLimitError(
                 f"{self.who}: over the time budget of {self.limits.time_budget_s:g} s per request "

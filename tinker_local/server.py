@@ -42,6 +42,8 @@ from .tenancy import Limits
 
 logger = logging.getLogger("tinker_local.server")
 
+# errors of a handler reading a request field of the wrong type or shape: answered 422 (see create_app)
+MALFORMED = (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError, RecursionError)
 SWEEP_EVERY_S = 60.0  # expired checkpoints are deleted at least this often (and on every lookup)
 
 
@@ -137,6 +139,18 @@ def create_app(
     @app.exception_handler(HttpError)
     async def http_error(_request: Request, exc: HttpError):
         return JSONResponse({"detail": exc.detail}, status_code=exc.status, headers=exc.headers)
+
+    async def malformed(request: Request, exc: Exception):
+        # a field of the wrong type or shape that no check named: the caller's input, answered
+        # in one line (logged with its traceback, in case it is a server bug after all)
+        logger.warning("%s %s: malformed request", request.method, request.url.path, exc_info=exc)
+        text = " ".join(str(exc).split())[:300]
+        return JSONResponse(
+            {"detail": f"{request.url.path}: malformed request: {type(exc).__name__}: {text}"}, status_code=422
+        )
+
+    for exc_type in MALFORMED:
+        app.add_exception_handler(exc_type, malformed)
 
     add_service_routes(app, svc, fault_state, sampler_pool, keys)
     add_training_routes(app, svc, poll_wait_s)
