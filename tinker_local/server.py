@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from .allowed_models import ModelAllowList
@@ -32,6 +33,7 @@ from .faults import FaultConfig, FaultInjector, FaultState
 from .http_auth import AuthCountLog
 from .keys import KeyStore
 from .loss_limits import GraphLimits
+from .openapi import describe_bodies
 from .request_limits import RequestLimits
 from .routes_rest import add_rest_routes
 from .routes_service import add_service_routes
@@ -152,9 +154,16 @@ def create_app(
     for exc_type in MALFORMED:
         app.add_exception_handler(exc_type, malformed)
 
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        # FastAPI's own checks (query and path parameters): one line, like every other refusal
+        parts = [f"{'.'.join(str(x) for x in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()]
+        return JSONResponse({"detail": f"{request.url.path}: " + "; ".join(parts)[:500]}, status_code=422)
+
     add_service_routes(app, svc, fault_state, sampler_pool, keys)
     add_training_routes(app, svc, poll_wait_s)
     add_rest_routes(app, svc)
+    describe_bodies(app)
     if fault_state.config.active:  # outermost: faults hit every route, auth included
         app.add_middleware(FaultInjector, state=fault_state)
     return app
