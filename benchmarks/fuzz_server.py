@@ -1,6 +1,6 @@
 """The long run of the server fuzzing of ``tests/test_fuzz_server.py``: the same properties (no 500,
 no hang, no crash of the compute thread, every refusal a one-line 4xx) with many more examples per
-operation and per request model than the suite's four.
+operation and per request model than the suite's three.
 
     python benchmarks/fuzz_server.py --examples 200      # ~N x 50 requests; minutes to an hour
 """

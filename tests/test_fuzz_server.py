@@ -20,7 +20,7 @@ from tests import inproc_server
 from tinker_local.keys import KeyStore
 from tinker_local.openapi import BODIES
 
-EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "4"))  # per operation / per request model
+EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "3"))  # per operation / per request model
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                 suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
 
