@@ -234,14 +234,14 @@ def test_allow_list_reserved_names_and_ownerless_sessions(server):
     sc = tinker.ServiceClient(base_url=server["url"], api_key=server["keys"]["bob"])
     hf = str(server["hf"])
     with pytest.raises(tinker.PermissionDeniedError, match="is not allowed on this server"):
-        sc.create_lora_training_client(hf, rank=4, seed=1)
+        sc.create_lora_training_client(hf, rank=4, seed=1).result(timeout=60)
     assert "allowed base model" in _cli("models", "--root", str(server["root"]), "allow", hf).stdout
     assert hf in _cli("models", "--root", str(server["root"]), "list").stdout
-    tc = sc.create_lora_training_client(hf, rank=4, seed=1)  # picked up without a restart
+    tc = sc.create_lora_training_client(hf, rank=4, seed=1).result(timeout=120)  # picked up without a restart
     assert tc.forward([_hf_datum()], "cross_entropy").result(timeout=120).metrics["loss:sum"] > 0
     assert "denied" in _cli("models", "--root", str(server["root"]), "deny", hf).stdout
     with pytest.raises(tinker.PermissionDeniedError):
-        sc.create_lora_training_client(hf, rank=4, seed=2)
+        sc.create_lora_training_client(hf, rank=4, seed=2).result(timeout=60)
     bad = _cli("models", "--root", str(server["root"]), "allow", "/no/such/model", check=False)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
     for name in ("local", "Local"):
