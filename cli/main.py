@@ -21,6 +21,7 @@ Subcommands::
     prefect-tinker ops install-automations [--within S]         crash runs whose heartbeats stop (flows/ops.py)
     prefect-tinker sandbox run FILE.py [--timeout S]            run a file in the code sandbox, print JSON
     prefect-tinker capture serve --model M --store ROOT [...]   OpenAI-compatible endpoint recording every sample
+    prefect-tinker models list|show|promote|rollback [...]      model lines and their aliases (cli/models.py)
 
 Modules: :mod:`prefect_tinker.cli.config` (errors, YAML values, overrides), :mod:`prefect_tinker.cli.flows`
 (flow registry, config validation), :mod:`prefect_tinker.cli.store` (sql / runs / checkpoints / store),
@@ -153,7 +154,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     try:
         # without PREFECT_API_URL: the local Prefect server with its UI, started on first use and kept
-        with run_api(announce=announce), _terminal_output(args.quiet, args.json_progress, args.debug):
+        from prefect import tags
+
+        with run_api(announce=announce), _terminal_output(args.quiet, args.json_progress, args.debug), tags(*args.tag):
             result = flow(config=config)
     except KeyboardInterrupt:
         raise
@@ -274,6 +277,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--json-progress", action="store_true", help="progress as one JSON object per line on stderr (steps and phases)"
     )
     r.add_argument("--debug", action="store_true", help="show the traceback of a failure")
+    r.add_argument(
+        "--tag",
+        action="append",
+        default=[],
+        metavar="TAG",
+        help="a Prefect tag of the flow run (repeatable); e.g. evaluate-checkpoints opts in to the automation "
+        "that evaluates each saved checkpoint (ops install-automations)",
+    )
     r.set_defaults(func=cmd_run)
 
     c = sub.add_parser("show-config", help="print a flow's config defaults (YAML) or JSON schema")
@@ -311,6 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
     from prefect_tinker.cli.ui import add_parser as add_ui  # ui: the local Prefect server (cli/ui.py)
 
     add_ui(sub)
+    from prefect_tinker.cli.models import add_parser as add_models  # models: the model registry (cli/models.py)
+
+    add_models(sub)
     return p
 
 

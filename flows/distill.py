@@ -51,12 +51,13 @@ def open_teachers(config: DistillConfig, student_credentials: TinkerCredentials,
     """
     from prefect_tinker.recipes.renderers import get_renderer, resolve_renderer_name
 
-    student_tok = weights_tokenizer(student_credentials, f"base:{config.model}")
+    student = config.start_weights()[0]  # the base model (a model= reference resolved)
+    student_tok = weights_tokenizer(student_credentials, f"base:{student}")
     out = []
     for i, spec in enumerate(config.resolved_teachers()):
         creds = resolve_credentials(spec.backend) if spec.backend is not None else student_credentials
         info = check_teacher.with_options(task_run_name=f"check-teacher-{i}")(
-            creds, spec.weights, quote(student_tok), config.model, topk
+            creds, spec.weights, quote(student_tok), student, topk
         )
         name = resolve_renderer_name(spec.renderer, student_tok)
         out.append(

@@ -143,7 +143,7 @@ def dpo_flow(config: DPOConfig) -> dict[str, Any]:
         with phase(session.run_id, "preparing the dataset (reading, rendering, tokenizing; cached)"):
             data = cast(PreferenceData, prepare_dataset(session.dataset_builder, session.tokenizer_id))
         total = config.max_steps or len(data.train) // config.batch_size * config.num_epochs
-        reference = config.reference_weights()
+        reference = session.config.reference_weights()  # references in model= resolved
         log.info(
             "%d train / %d test comparisons, %d steps, reference %s (renderer %s); %s",
             len(data.train),

@@ -21,10 +21,11 @@ from pydantic import BaseModel, Field, field_validator
 
 from prefect_tinker.export.output import ExportOutput
 from prefect_tinker.export.server import parse_checkpoint
-from prefect_tinker.flows.config import BackendConfig, resolve_credentials
+from prefect_tinker.flows.config import BackendConfig, default_store_root, resolve_credentials, weights_ref
 from prefect_tinker.tasks.export import export_checkpoint, export_key
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
 from prefect_tinker.tasks.reporting import artifact_key
+from tinker_blocks.model_registry import WeightsRefError, is_weights_ref
 
 __all__ = ["ExportConfig", "export_flow"]
 
@@ -37,7 +38,7 @@ class ExportConfig(BaseModel):
     checkpoint: str = Field(
         description=(
             "State (tinker://<run>/weights/<name>) or sampler (tinker://<run>/sampler_weights/<name>) checkpoint to "
-            "export."
+            "export, or run:RUN / alias:LINE@ALIAS (the checkpoint it names in the training store)."
         )
     )
     format: Literal["merged", "peft"] = Field(
@@ -69,13 +70,34 @@ class ExportConfig(BaseModel):
     work_dir: str | None = Field(
         default=None, description="Folder for the downloaded files (default: the system's temp folder)."
     )
+    store: str = Field(
+        default_factory=default_store_root,
+        description="Training store root (where run: and alias: references are looked up).",
+    )
     backend: BackendConfig = Field(default_factory=BackendConfig)
 
     @field_validator("checkpoint")
     @classmethod
     def _path(cls, v: str) -> str:
+        if is_weights_ref(v.strip()):
+            return v.strip()
         parse_checkpoint(v)
         return v.strip()
+
+    def checkpoint_path(self) -> str:
+        """``checkpoint`` as a ``tinker://`` path (a reference resolved through the store now).
+
+        Raises:
+            WeightsRefError: the reference names nothing, or a base model (nothing to export).
+        """
+        if not is_weights_ref(self.checkpoint):
+            return self.checkpoint
+        weights = weights_ref(self.store, self.checkpoint, "checkpoint")
+        if weights.is_base:
+            raise WeightsRefError(
+                f"checkpoint={self.checkpoint} names the base model {weights.checkpoint}: no checkpoint"
+            )
+        return weights.checkpoint
 
     @field_validator("out")
     @classmethod
@@ -149,6 +171,7 @@ def export_flow(config: ExportConfig) -> dict[str, Any]:
     (``export_metadata.json``: files, verification, sources)."""
     log = get_run_logger()
     credentials = resolve_credentials(config.backend)
+    config = config.model_copy(update={"checkpoint": config.checkpoint_path()})
     max_shard = config.max_shard_mb * 1_000_000
     key = export_key(config.checkpoint, config.format, config.dtype, config.base_model, max_shard)
     check_export_output(config.out, config.overwrite, key)

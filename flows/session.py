@@ -10,8 +10,12 @@ A recipe's flow opens one session, trains inside it (usually through
 
 Opening (:meth:`RunSession.__enter__`):
 
-1. the backend's credentials (:func:`~prefect_tinker.flows.config.resolve_credentials`) and the
-   store check (``check-store``: wrong S3 credentials fail before any training);
+1. the weights to start from (``model`` / ``load_checkpoint_path`` may be ``alias:LINE@ALIAS`` or
+   ``run:RUN`` references, resolved once: :meth:`~prefect_tinker.flows.config.RecipeConfig.start_weights`;
+   :attr:`RunSession.config` is the config with them resolved), the backend's credentials
+   (:func:`~prefect_tinker.flows.config.resolve_credentials`), the store check (``check-store``:
+   wrong S3 credentials fail before any training) and a slot of the backend's training limit
+   (``tinker-train:<backend>``, :mod:`prefect_tinker.tasks.limits`: waits while it is full);
 2. the resume point: the run's last state checkpoint in the training store; on resume the stored
    config is compared with the new one -- a change of a field in the config's ``resume_fields``
    (batch size, seed, loss, ...), of the dataset's content fingerprint or of the resolved renderer
@@ -25,9 +29,10 @@ Opening (:meth:`RunSession.__enter__`):
 
 While it runs: buffered store rows (:meth:`record`, :meth:`buffer`) written before each
 checkpoint row (:meth:`checkpoint`), so a resumed run has exactly one row per key; rewinds after a
-lost client (:meth:`rewind`). On an exception the run is recorded ``failed``. :meth:`finish`
+lost client (:meth:`rewind`); a ``prefect-tinker.checkpoint.saved`` event per recorded checkpoint
+(:mod:`prefect_tinker.tasks.events`). On an exception the run is recorded ``failed``. :meth:`finish`
 writes what is left, records ``completed``, compacts the run's tables to one part each and posts
-the summary artifact.
+the summary artifact; either way a ``prefect-tinker.run.finished`` event says how it ended.
 
 Callbacks (:class:`RunCallbacks`, installed with :func:`run_callbacks`) let tests and plugins
 observe every run of the process: ``after_step``, ``after_checkpoint``, ``before_compaction``.
@@ -53,6 +58,8 @@ from prefect_tinker.flows.resume_checks import (
 )
 from prefect_tinker.recipes.data_reading import reading_once
 from prefect_tinker.tasks.clients import ClientRewound, TrainingRun, tokenizer
+from prefect_tinker.tasks.events import emit_checkpoint_saved, emit_run_finished
+from prefect_tinker.tasks.limits import training_slot
 from prefect_tinker.tasks.records import (
     check_store,
     compact_finished_run,
@@ -154,7 +161,7 @@ class RunSession(Generic[ConfigT]):
         credentials: TinkerCredentials | None = None,
         upstream: list[str] | None = None,
     ):
-        self.config, self.recipe = config, config.recipe or type(config).__name__.lower()
+        self.config, self.given, self.recipe = config, config, config.recipe or type(config).__name__.lower()
         self.run_id = cast(str, config.run_name)  # set by the config's validator
         self._make_builder, self._make_fingerprint, self._preflight = builder, fingerprint, preflight
         self._make_env, self._credentials = env, credentials
@@ -168,12 +175,19 @@ class RunSession(Generic[ConfigT]):
         self.resumed_from: dict[str, Any] | None = None
         self._status_recorded = False
         self._reads = ExitStack()
+        self.line: str | None = None  # the model line of an ``alias:`` start
+        self.start_ref: str | None = None  # the reference the run started from, as given
 
     # ----- opening -----------------------------------------------------------------------------
     def __enter__(self) -> RunSession[ConfigT]:
-        c = self.config
+        c = self.given
         # a bad model name or bad data fails first: before a server starts, a lease is taken or a row is written
-        self.model = c.check_model()
+        base, start, ref = c.start_weights()
+        self.model = c.check_model(base)
+        if ref is not None:  # the references resolved once: the run trains from what they named now
+            self.config = cast(ConfigT, c.model_copy(update={"model": base, "load_checkpoint_path": start}))
+            self.line = ref.line
+            self.start_ref = c.model if c.model != base else c.load_checkpoint_path
         self._reads.enter_context(reading_once())  # each local data file opened and hashed once per run
         try:
             if self._make_builder is not None:
@@ -187,8 +201,10 @@ class RunSession(Generic[ConfigT]):
             self.store = TrainingStore(root=c.store)  # the run's one store object: every row and query
             check_store(self.store)  # wrong credentials / unwritable store: fail before any training
             self.lease = self._acquire_lease()
+            # a slot of the backend's training limit, held until the run ends (waits while it is full)
+            self._reads.enter_context(training_slot(self.credentials, self.run_id))
         except BaseException:
-            self._reads.close()
+            self._release()  # the data files, and the lease when it was taken
             raise
         try:
             return self._open()
@@ -228,8 +244,8 @@ class RunSession(Generic[ConfigT]):
         self.samplers = {int(r["step"]): r["path"] for r in rows if r["kind"] == "sampler"}
         self._recorded_samplers = set(self.samplers)
         last = states[-1] if states else None
-        if last and stored:
-            check_resumed_config(c, self.run_id, json.loads(stored.get("config_json") or "{}"))
+        if last and stored:  # the config as given (references unresolved) against the stored one
+            check_resumed_config(self.given, self.run_id, json.loads(stored.get("config_json") or "{}"))
         self.run: TrainingRun = open_training_run(
             self.credentials,
             self.run_id,
@@ -259,6 +275,8 @@ class RunSession(Generic[ConfigT]):
             "tokenizer_id": self.tokenizer_id,
             "dataset_fingerprint": data_fp,
             "init_from": c.load_checkpoint_path,
+            **({"start": self.start_ref} if self.start_ref else {}),
+            **({"line": self.line} if self.line else {}),
         }
         if last and stored:
             check_resumed_meta(c, self.run_id, json.loads(stored.get("meta_json") or "null") or {}, self.meta)
@@ -287,7 +305,7 @@ class RunSession(Generic[ConfigT]):
         return self
 
     def _record(self, status: str) -> None:
-        c = self.config
+        c = self.given  # as given: a resumed run compares its references, not what they named then
         record_run(
             self.store, self.run_id, self.model, self.backend, c.lora_rank, c.model_dump_json(), status, self.meta
         )
@@ -300,8 +318,37 @@ class RunSession(Generic[ConfigT]):
                     self._record("failed")
                 except Exception as inner:  # the original error matters more; say why the row is missing
                     get_run_logger().error("could not record run %s as failed: %s", self.run_id, inner)
+                self._finished("failed", error=f"{type(exc).__name__}: {exc}")
         finally:
             self._release()
+
+    def _finished(self, status: str, error: str | None = None) -> None:
+        """The ``prefect-tinker.run.finished`` event."""
+        emit_run_finished(
+            self.run_id,
+            recipe=self.recipe,
+            status=status,
+            steps=self.step,
+            checkpoints=[*self.checkpoints, *(self.samplers[s] for s in sorted(self._recorded_samplers))],
+            line=self.line,
+            error=error,
+            store=self.config.store,
+        )
+
+    def _saved(self, path: str, kind: str, step: int) -> None:
+        """The ``prefect-tinker.checkpoint.saved`` event of a recorded checkpoint."""
+        emit_checkpoint_saved(
+            path,
+            kind=kind,
+            run_id=self.run_id,
+            step=step,
+            recipe=self.recipe,
+            line=self.line,
+            state_path=self.checkpoints[-1] if kind == "sampler" and self.checkpoints else None,
+            renderer=self.renderer,
+            store=self.config.store,
+            backend=self.given.backend.model_dump(mode="json"),
+        )
 
     # ----- while training ----------------------------------------------------------------------
     @property
@@ -384,6 +431,7 @@ class RunSession(Generic[ConfigT]):
         if step in self.samplers and step not in self._recorded_samplers:
             record_checkpoint(self.store, self.run_id, step, self.samplers[step], "sampler", self.renderer)
             self._recorded_samplers.add(step)
+            self._saved(self.samplers[step], "sampler", step)
 
     def checkpoint_name(self, step: int) -> str:
         return f"{self.run_id}-step-{step:06d}"
@@ -402,6 +450,7 @@ class RunSession(Generic[ConfigT]):
         self._record_sampler(done)
         record_checkpoint(self.store, self.run_id, done, path, "state", self.renderer)
         self.checkpoints.append(path)
+        self._saved(path, "state", done)
         self.report(done)
         emit("after_checkpoint", self.run_id, done, path)
         return path
@@ -454,6 +503,7 @@ class RunSession(Generic[ConfigT]):
             "store": self.config.store,
         }
         self._summary_artifact(out, title_fields or {})
+        self._finished("completed")
         return out
 
     def _summary_artifact(self, summary: dict[str, Any], fields: dict[str, Any]) -> None:

@@ -21,6 +21,7 @@ backends never share a client.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import threading
 from collections import OrderedDict
@@ -29,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import tinker
 from pydantic import BaseModel, Field
+
+from prefect_tinker.tasks.limits import wait_sample_rate
 
 if TYPE_CHECKING:
     from tinker_blocks.credentials import TinkerCredentials
@@ -218,14 +221,22 @@ class _WatchedFuture:
 
 class WatchedSampler:
     """A ``tinker.SamplingClient`` whose ``sample`` / ``compute_logprobs`` futures are watched
-    (:func:`result`: bounded wait, dead-server detection); everything else is the client's own.
-    Picklable like the client."""
+    (:func:`result`: bounded wait, dead-server detection) and whose ``sample`` requests take a slot
+    of the backend's sampling rate limit when one exists (:func:`~prefect_tinker.tasks.limits.wait_sample_rate`);
+    everything else is the client's own. Picklable like the client."""
 
     def __init__(self, client: tinker.SamplingClient, credentials: TinkerCredentials, path: str):
         self.client, self.credentials, self.path = client, credentials, path
 
     def sample(self, *args: Any, **kwargs: Any) -> _WatchedFuture:
+        wait_sample_rate(self.credentials)
         return _WatchedFuture(self.client.sample(*args, **kwargs), self.credentials, f"a sample from {self.path}")
+
+    async def sample_async(self, *args: Any, **kwargs: Any) -> Any:
+        """``await``-able ``sample`` for event loops (the capture server): the rate-limit wait runs
+        in a worker thread, so the loop goes on serving other requests meanwhile."""
+        await asyncio.to_thread(wait_sample_rate, self.credentials)
+        return await self.client.sample(*args, **kwargs)
 
     def compute_logprobs(self, *args: Any, **kwargs: Any) -> _WatchedFuture:
         return _WatchedFuture(

@@ -33,9 +33,11 @@ __all__ = [
     "CHECKPOINTS_SCHEMA",
     "RUNS_SCHEMA",
     "TRAJECTORIES_SCHEMA",
+    "MODELS_SCHEMA",
     "EVAL_RESULTS_SCHEMA",
     "EVAL_SAMPLES_SCHEMA",
     "CAPTURES_SCHEMA",
+    "RATINGS_SCHEMA",
     "TRAINING_TABLES",
     "EVAL_TABLES",
     "CAPTURE_TABLES",
@@ -111,6 +113,27 @@ TRAJECTORIES_SCHEMA = pa.schema(
     ]
 )
 
+MODELS_SCHEMA = pa.schema(
+    [  # the model registry: one row per alias change of a model line (append-only history)
+        _ROW_ID,  # random: every change is a row; the latest row of (line, alias) is the alias now
+        _RUN_ID,  # the model line (also the partition)
+        _f("line", pa.string(), False),  # model line, e.g. "assistant"
+        _f("alias", pa.string(), False),  # "champion", "candidate" or any name
+        _f("action", pa.string(), False),  # "promote" | "rollback" | "set"
+        # what a sampler is made from: tinker:// sampler path or a base model name (as eval_results.checkpoint)
+        _f("checkpoint", pa.string(), False),
+        _f("state_path", pa.string()),  # tinker://.../weights/... of the same weights (training starts), if any
+        _f("base_model", pa.string()),
+        _f("source_run", pa.string()),  # the training run the weights come from (null: a base model)
+        _f("step", pa.int64()),  # optimizer steps of the weights
+        _f("renderer", pa.string()),  # renderer the weights were trained with
+        _f("previous", pa.string()),  # checkpoint the alias held before this row (null: new alias)
+        _f("decision_json", pa.string()),  # the promotion gate's numbers, or the reason, as JSON
+        _f("flow_run_id", pa.string()),  # the Prefect flow run that changed it (null: the command line)
+        _TIME,
+    ]
+)
+
 # ----- eval store -------------------------------------------------------------------------------
 EVAL_RESULTS_SCHEMA = pa.schema(
     [
@@ -177,6 +200,21 @@ CAPTURES_SCHEMA = pa.schema(
 )
 
 
+RATINGS_SCHEMA = pa.schema(
+    [  # feedback on captured sequences: a client's rating or a judge's score
+        _ROW_ID,
+        _RUN_ID,  # capture session that received the rating
+        _f("request_id", pa.string(), False),  # captures.request_id of the rated sequence
+        _f("sequence_index", pa.int64(), False),
+        _f("source", pa.string(), False),  # "client" (POST /v1/feedback) | "judge" | any name
+        _f("rating", pa.float64(), False),  # client: +1 good, -1 bad (or any number); judge: its score
+        _f("label", pa.string()),  # the client's own word for it ("good", "thumbs-up", ...)
+        _f("comment", pa.string()),
+        _TIME,
+    ]
+)
+
+
 @dataclass(frozen=True)
 class TableSpec:
     """One table of a store.
@@ -221,6 +259,12 @@ TRAINING_TABLES: dict[str, TableSpec] = {
         natural_key=("run_id", "step", "batch_index", "group_index", "member"),
         required=("run_id", "step", "batch_index", "group_index", "member"),
     ),
+    # append-only history: random row ids, so no change replaces another
+    "models": TableSpec(
+        MODELS_SCHEMA,
+        required=("run_id", "line", "alias", "action", "checkpoint"),
+        choices={"action": ("promote", "rollback", "set")},
+    ),
 }
 
 EVAL_TABLES: dict[str, TableSpec] = {
@@ -241,6 +285,12 @@ CAPTURE_TABLES: dict[str, TableSpec] = {
         CAPTURES_SCHEMA,
         natural_key=("run_id", "request_id", "sequence_index"),
         required=("run_id", "request_id", "sequence_index"),
+    ),
+    # the latest rating per (session, sequence, source) wins
+    "ratings": TableSpec(
+        RATINGS_SCHEMA,
+        natural_key=("run_id", "request_id", "sequence_index", "source"),
+        required=("run_id", "request_id", "sequence_index", "source", "rating"),
     ),
 }
 
