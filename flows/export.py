@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from prefect import flow, get_run_logger, task
+from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, Field, field_validator
@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field, field_validator
 from prefect_tinker.export.output import ExportOutput
 from prefect_tinker.export.server import parse_checkpoint
 from prefect_tinker.flows.config import BackendConfig, resolve_credentials
+from prefect_tinker.flows.interrupts import recipe_flow
 from prefect_tinker.tasks.export import export_checkpoint, export_key
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
 from prefect_tinker.tasks.reporting import artifact_key
@@ -143,7 +144,7 @@ def _summary(config: ExportConfig, meta: dict[str, Any]) -> None:
     )
 
 
-@flow(name="export", flow_run_name="export-{config.format}-{config.dtype}", log_prints=True)
+@recipe_flow("export", "export-{config.format}-{config.dtype}")
 def export_flow(config: ExportConfig) -> dict[str, Any]:
     """Export ``config.checkpoint`` to ``config.out``; returns the export's metadata
     (``export_metadata.json``: files, verification, sources)."""

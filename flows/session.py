@@ -25,9 +25,12 @@ Opening (:meth:`RunSession.__enter__`):
 
 While it runs: buffered store rows (:meth:`record`, :meth:`buffer`) written before each
 checkpoint row (:meth:`checkpoint`), so a resumed run has exactly one row per key; rewinds after a
-lost client (:meth:`rewind`). On an exception the run is recorded ``failed``. :meth:`finish`
-writes what is left, records ``completed``, compacts the run's tables to one part each and posts
-the summary artifact.
+lost client (:meth:`rewind`). Ctrl-C (:mod:`prefect_tinker.flows.interrupts`): while the session is
+open the first SIGINT only sets :attr:`stop_requested`, which the step loop answers by saving a
+checkpoint and raising :class:`~prefect_tinker.flows.interrupts.RunInterrupted` (:meth:`interrupted`);
+that, or a second SIGINT's :class:`KeyboardInterrupt`, records the run ``interrupted``. On any other
+exception the run is recorded ``failed``. :meth:`finish` writes what is left, records ``completed``,
+compacts the run's tables to one part each and posts the summary artifact.
 
 Callbacks (:class:`RunCallbacks`, installed with :func:`run_callbacks`) let tests and plugins
 observe every run of the process: ``after_step``, ``after_checkpoint``, ``before_compaction``.
@@ -45,6 +48,7 @@ from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from prefect_tinker.flows.config import RecipeConfig, resolve_credentials
+from prefect_tinker.flows.interrupts import RunInterrupted, StopRequest
 from prefect_tinker.flows.resume_checks import (
     check_resumed_config,
     check_resumed_meta,
@@ -166,14 +170,17 @@ class RunSession(Generic[ConfigT]):
         self.checkpoints: list[str] = []
         self.builder: DatasetBuilder | None = None
         self.resumed_from: dict[str, Any] | None = None
+        self.saved_step: int | None = None
         self._status_recorded = False
         self._reads = ExitStack()
+        self._stop = StopRequest()
 
     # ----- opening -----------------------------------------------------------------------------
     def __enter__(self) -> RunSession[ConfigT]:
         c = self.config
         # a bad model name or bad data fails first: before a server starts, a lease is taken or a row is written
         self.model = c.check_model()
+        self._reads.enter_context(self._stop)  # Ctrl-C from now on: stop at the next step boundary
         self._reads.enter_context(reading_once())  # each local data file opened and hashed once per run
         try:
             if self._make_builder is not None:
@@ -265,9 +272,11 @@ class RunSession(Generic[ConfigT]):
         elif c.load_checkpoint_path:
             check_start_renderer(c, self.store, c.load_checkpoint_path, self.renderer)
         if last:
-            self.resumed_from = last
+            self.resumed_from, self.saved_step = last, int(last["step"])
             log.info("resuming run %s after its checkpoint at step %d (%s)", self.run_id, last["step"], last["path"])
             warn_damaged_parts(self.store, self.run_id)
+        elif stored:  # interrupted or failed before its first checkpoint
+            log.warning("no checkpoint of run %r yet: starting at step 1", self.run_id)
         self.context = RunContext(
             run_id=self.run_id,
             recipe=self.recipe,
@@ -294,14 +303,18 @@ class RunSession(Generic[ConfigT]):
         self._status_recorded = True
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        stopped = isinstance(exc, (RunInterrupted, KeyboardInterrupt))
         try:
             if exc is not None and self._status_recorded:
+                status = "interrupted" if stopped else "failed"
                 try:
-                    self._record("failed")
+                    self._record(status)
                 except Exception as inner:  # the original error matters more; say why the row is missing
-                    get_run_logger().error("could not record run %s as failed: %s", self.run_id, inner)
+                    get_run_logger().error("could not record run %s as %s: %s", self.run_id, status, inner)
         finally:
             self._release()
+        if isinstance(exc, KeyboardInterrupt):  # the second Ctrl-C: stopped at once, nothing more saved
+            raise self.interrupted() from None
 
     # ----- while training ----------------------------------------------------------------------
     @property
@@ -319,6 +332,17 @@ class RunSession(Generic[ConfigT]):
     def step(self) -> int:
         """Optimizer steps taken."""
         return self.run.step
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether Ctrl-C (SIGINT) asked the run to stop at the next step boundary."""
+        return self._stop.requested
+
+    def interrupted(self) -> RunInterrupted:
+        """The :class:`~prefect_tinker.flows.interrupts.RunInterrupted` of stopping now: its step and
+        the step of the run's last state checkpoint."""
+        step = self.run.step if hasattr(self, "run") else self.saved_step
+        return RunInterrupted(self.run_id, step if step is not None else 0, self.saved_step)
 
     def record(self, step: int, metrics: dict[str, float]) -> None:
         """Buffer ``metrics`` (full names, e.g. ``train/loss``) as rows at ``step``."""
@@ -342,7 +366,7 @@ class RunSession(Generic[ConfigT]):
         """Continue from the checkpoint at ``rew.step`` after the client was lost: the handle comes
         from ``rew``; buffered rows of later steps are dropped (they will be redone)."""
         get_run_logger().warning("%s; continuing from step %d", rew, rew.step)
-        self.run = rew.run
+        self.run, self.saved_step = rew.run, rew.step
         self.pending = {
             t: [r for r in rows if (r[0] if isinstance(r, tuple) else r["step"]) < rew.step]
             for t, rows in self.pending.items()
@@ -402,6 +426,7 @@ class RunSession(Generic[ConfigT]):
         self._record_sampler(done)
         record_checkpoint(self.store, self.run_id, done, path, "state", self.renderer)
         self.checkpoints.append(path)
+        self.saved_step = done
         self.report(done)
         emit("after_checkpoint", self.run_id, done, path)
         return path

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal, cast
 
-from prefect import flow, get_run_logger
+from prefect import get_run_logger
 from pydantic import Field
 
 from prefect_tinker.flows.config import RecipeConfig
+from prefect_tinker.flows.interrupts import recipe_flow
 from prefect_tinker.flows.loop import StepLoop
 from prefect_tinker.flows.session import RunSession
 from prefect_tinker.recipes.builders import EXAMPLE_CHATS, SourceFields, SupervisedBuilder, SupervisedData
@@ -92,7 +93,7 @@ class SFTConfig(SourceFields, RecipeConfig):
         )
 
 
-@flow(name="sft", flow_run_name="sft-{config.run_name}", log_prints=True)
+@recipe_flow("sft", "sft-{config.run_name}")
 def sft_flow(config: SFTConfig) -> dict[str, Any]:
     """Fine-tune ``config.model`` on ``config.dataset``; returns a summary (losses, steps, tokens,
     checkpoint paths, sampled completions)."""
