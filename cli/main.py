@@ -196,9 +196,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"recipes": rows, "envs": envs}, indent=2))
         return EXIT_OK
-    print(format_table(["recipe", "description", "examples"], [list(r.values()) for r in rows]))
+    print(format_table(["recipe", "description", "examples"], [list(r.values()) for r in rows], max_width=None))
     print()
-    print(format_table(["env", "description"], [list(e.values()) for e in envs]))
+    print(format_table(["env", "description"], [list(e.values()) for e in envs], max_width=None))
     print(
         "\nRun one: prefect-tinker run RECIPE --example NAME [key=value ...]; "
         "defaults: prefect-tinker show-config RECIPE"

@@ -165,10 +165,17 @@ class RecipeConfig(LRScheduleFields):
     """
 
     recipe: ClassVar[str] = ""
-    resume_fields: ClassVar[tuple[str, ...]] = ("model", "seed", "renderer", "lora_rank")
+    resume_fields: ClassVar[tuple[str, ...]] = ("model", "tokenizer", "seed", "renderer", "lora_rank")
 
     model: str = Field(
         default="tiny", description="Base model: 'tiny', 'smollm2', a local HF directory, or a hosted model name."
+    )
+    tokenizer: str | None = Field(
+        default=None,
+        description=(
+            "Tokenizer to load here instead of the one the backend names for the model (a local directory or a hub "
+            "name): for a remote server naming a hub tokenizer this machine cannot download."
+        ),
     )
     renderer: str = Field(
         default="auto",
@@ -221,8 +228,10 @@ class RecipeConfig(LRScheduleFields):
     )
 
     def run_name_prefix(self) -> str:
-        """Prefix of the default run name (``<prefix>-<timestamp>``): the model name by default."""
-        return self.model.replace("/", "-")
+        """Prefix of the default run name (``<prefix>-<timestamp>``): the recipe and the model name
+        by default (``sft-tiny``)."""
+        model = self.model.replace("/", "-")
+        return f"{self.recipe}-{model}" if self.recipe else model
 
     def check_model(self) -> str:
         """The base model name to hand to the backend: for the embedded local server the name

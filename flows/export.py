@@ -7,7 +7,10 @@ fail first) and a summary artifact. The work is the ``export-checkpoint`` task
 (:func:`prefect_tinker.tasks.export.export_checkpoint`): cached, an asset with the checkpoint
 upstream. A cached result whose files are gone (or replaced) from ``out`` is exported again.
 
-``prefect-tinker run export checkpoint=tinker://... format=merged|peft out=DIR|s3://... [dtype=...]``
+``prefect-tinker run export checkpoint=tinker://...|run:NAME format=merged|peft out=DIR|s3://... [dtype=...]``
+(``run:NAME``: that training run's last checkpoint in ``store``, by the resolver of ``distill``'s
+``teacher=run:...`` and ``eval``'s check of ``model=run:...``:
+:func:`~prefect_tinker.flows.config.latest_run_checkpoint`)
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from pydantic import BaseModel, Field, field_validator
 
 from prefect_tinker.export.output import ExportOutput
 from prefect_tinker.export.server import parse_checkpoint
-from prefect_tinker.flows.config import BackendConfig, resolve_credentials
+from prefect_tinker.flows.config import BackendConfig, default_store_root, latest_run_checkpoint, resolve_credentials
 from prefect_tinker.flows.interrupts import recipe_flow
 from prefect_tinker.tasks.export import export_checkpoint, export_key
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
@@ -38,8 +41,11 @@ class ExportConfig(BaseModel):
     checkpoint: str = Field(
         description=(
             "State (tinker://<run>/weights/<name>) or sampler (tinker://<run>/sampler_weights/<name>) checkpoint to "
-            "export."
+            "export, or run:<run_id> (that run's last checkpoint in store)."
         )
+    )
+    store: str = Field(
+        default_factory=default_store_root, description="Training store root (run:<id> checkpoints are read there)."
     )
     format: Literal["merged", "peft"] = Field(
         default="merged",
@@ -75,8 +81,27 @@ class ExportConfig(BaseModel):
     @field_validator("checkpoint")
     @classmethod
     def _path(cls, v: str) -> str:
+        v = v.strip()
+        if v.startswith("run:"):
+            if not v[4:].strip():
+                raise ValueError("run: names no run: give checkpoint=run:<run_id>")
+            return v
         parse_checkpoint(v)
-        return v.strip()
+        return v
+
+    def resolved_checkpoint(self) -> str:
+        """``checkpoint``, with ``run:<id>`` replaced by that run's last checkpoint in ``store``.
+
+        Raises:
+            ValueError: one line naming the run and the store (no such run or no checkpoint).
+        """
+        if self.checkpoint.startswith("run:"):
+            return latest_run_checkpoint(self.store, self.checkpoint[4:].strip(), "checkpoint")
+        return self.checkpoint
+
+    def preflight(self) -> None:
+        """A ``run:<id>`` checkpoint exists in the store (checked before anything starts)."""
+        self.resolved_checkpoint()
 
     @field_validator("out")
     @classmethod
@@ -96,8 +121,8 @@ def check_export_output(out: str, overwrite: bool, key: str) -> None:
     output.check(overwrite)
 
 
-def _summary(config: ExportConfig, meta: dict[str, Any]) -> None:
-    v, name = meta["verification"], parse_checkpoint(config.checkpoint)[2]
+def _summary(config: ExportConfig, checkpoint: str, meta: dict[str, Any]) -> None:
+    v, name = meta["verification"], parse_checkpoint(checkpoint)[2]
     rows = {
         "checkpoint": f"`{meta['checkpoint']}`",
         "state": f"`{meta['state_path']}`",
@@ -149,9 +174,10 @@ def export_flow(config: ExportConfig) -> dict[str, Any]:
     """Export ``config.checkpoint`` to ``config.out``; returns the export's metadata
     (``export_metadata.json``: files, verification, sources)."""
     log = get_run_logger()
+    checkpoint = config.resolved_checkpoint()
     credentials = resolve_credentials(config.backend)
     max_shard = config.max_shard_mb * 1_000_000
-    key = export_key(config.checkpoint, config.format, config.dtype, config.base_model, max_shard)
+    key = export_key(checkpoint, config.format, config.dtype, config.base_model, max_shard)
     check_export_output(config.out, config.overwrite, key)
     options = dict(
         base_model=config.base_model,
@@ -160,7 +186,7 @@ def export_flow(config: ExportConfig) -> dict[str, Any]:
         overwrite=config.overwrite,
         work_dir=config.work_dir,
     )
-    meta = export_checkpoint(credentials, config.checkpoint, config.format, config.dtype, config.out, **options)
+    meta = export_checkpoint(credentials, checkpoint, config.format, config.dtype, config.out, **options)
     there = ExportOutput(config.out).read_metadata()
     if (
         not there
@@ -169,7 +195,7 @@ def export_flow(config: ExportConfig) -> dict[str, Any]:
     ):
         log.info("the cached export is no longer at %s; exporting again", config.out)
         meta = export_checkpoint(
-            credentials, config.checkpoint, config.format, config.dtype, config.out, refresh_cache=True, **options
+            credentials, checkpoint, config.format, config.dtype, config.out, refresh_cache=True, **options
         )
-    _summary(config, meta)
+    _summary(config, checkpoint, meta)
     return meta

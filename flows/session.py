@@ -52,6 +52,7 @@ from prefect_tinker.flows.interrupts import RunInterrupted, StopRequest
 from prefect_tinker.flows.resume_checks import (
     check_resumed_config,
     check_resumed_meta,
+    check_same_recipe,
     check_start_renderer,
     warn_damaged_parts,
 )
@@ -139,7 +140,8 @@ class RunSession(Generic[ConfigT]):
     runner), ``credentials``, ``backend``, ``model`` (the base model name checked for the backend),
     ``store`` (the run's one :class:`~tinker_blocks.stores.TrainingStore`: every row and query of
     the session goes through it), ``run`` (the :class:`~prefect_tinker.tasks.clients.TrainingRun`
-    handle), ``renderer`` (resolved), ``tokenizer_id``, ``builder``, ``resumed_from`` (the state
+    handle), ``renderer`` (resolved), ``tokenizer_id`` (the config's ``tokenizer``, else the one
+    the backend names), ``builder``, ``resumed_from`` (the state
     checkpoint row resumed, or None), ``samplers`` (optimizer step -> sampler path recorded for
     this run).
 
@@ -235,6 +237,8 @@ class RunSession(Generic[ConfigT]):
         self.samplers = {int(r["step"]): r["path"] for r in rows if r["kind"] == "sampler"}
         self._recorded_samplers = set(self.samplers)
         last = states[-1] if states else None
+        if stored:  # the name is taken: by a run of this recipe, whose config may change only where it is safe
+            check_same_recipe(self.run_id, json.loads(stored.get("meta_json") or "null") or {}, self.recipe)
         if last and stored:
             check_resumed_config(c, self.run_id, json.loads(stored.get("config_json") or "{}"))
         self.run: TrainingRun = open_training_run(
@@ -248,12 +252,10 @@ class RunSession(Generic[ConfigT]):
             resume_step=int(last["step"]) if last else 0,
             init_from=None if last else c.load_checkpoint_path,
         )
-        if self.run.tokenizer_id is None:
-            raise ValueError(f"run {self.run_id!r}: the backend named no tokenizer for model {self.model!r}")
-        self.tokenizer_id: str = self.run.tokenizer_id
+        self.tokenizer_id: str = self._tokenizer_id()
         from prefect_tinker.recipes.renderers import resolve_renderer_name
 
-        self.renderer = resolve_renderer_name(c.renderer, tokenizer(self.tokenizer_id))
+        self.renderer = resolve_renderer_name(c.renderer, self._load_tokenizer())
         self.builder = self._make_builder(self.renderer) if self._make_builder else None
         data_fp: str | None = None
         if self.builder is not None:
@@ -294,6 +296,27 @@ class RunSession(Generic[ConfigT]):
         )
         self._record("running")
         return self
+
+    def _tokenizer_id(self) -> str:
+        """The config's ``tokenizer``, else the one the backend names for the model."""
+        named = self.config.tokenizer or self.run.tokenizer_id
+        if named is None:
+            raise ValueError(
+                f"run {self.run_id!r}: the backend named no tokenizer for model {self.model!r}; "
+                "give tokenizer=<local directory or hub name>"
+            )
+        return named
+
+    def _load_tokenizer(self) -> Any:
+        try:
+            return tokenizer(self.tokenizer_id)
+        except OSError as exc:  # e.g. a hub name offline: say which field loads one from here
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            where = "this config's tokenizer" if self.config.tokenizer else "the backend's tokenizer for this model"
+            raise ValueError(
+                f"run {self.run_id!r}: {where} {self.tokenizer_id!r} does not load here ({reason}); give "
+                "tokenizer=<a local directory of it>"
+            ) from exc
 
     def _record(self, status: str) -> None:
         c = self.config
