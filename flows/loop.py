@@ -37,7 +37,7 @@ from prefect_tinker.recipes.pricing import EVAL_TOKEN_KINDS, TOKEN_KINDS, UsageT
 from prefect_tinker.recipes.progress import StepProgress, phase
 from prefect_tinker.tasks.clients import ClientRewound
 from prefect_tinker.tasks.evaluators import Evaluator, SamplingClientEvaluator, TrainingClientEvaluator
-from prefect_tinker.tasks.reporting import Progress
+from prefect_tinker.tasks.reporting import Progress, artifact_key
 
 __all__ = ["StepLoop"]
 
@@ -107,7 +107,12 @@ class StepLoop:
     def run(self, step_fn: Callable[[int], dict[str, Any]]) -> None:
         """Loop until ``total`` optimizer steps are taken (see the module docstring)."""
         s = self.session
-        progress = Progress(f"{s.recipe.upper()} {s.run_id}: steps done of {self.total}", self.total, s.step)
+        progress = Progress(
+            f"{s.recipe.upper()} {s.run_id}: steps done of {self.total}",
+            self.total,
+            s.step,
+            key=artifact_key(s.recipe, s.run_id, "progress"),
+        )
         terminal = StepProgress(s.recipe, s.run_id, self.total, s.step)
         if s.step == 0 and self.evaluators:
             self.evaluate(0)

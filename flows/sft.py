@@ -33,6 +33,7 @@ from prefect_tinker.tasks.evaluators import NLLEvaluator, data_evaluators
 from prefect_tinker.tasks.policies import quote
 from prefect_tinker.tasks.sampling import sample_completions
 from prefect_tinker.tasks.training import model_input_tokens, train_step
+from tinker_blocks.model_names import random_init_note
 
 __all__ = ["SFTConfig", "sft_flow"]
 
@@ -134,7 +135,11 @@ def sft_flow(config: SFTConfig) -> dict[str, Any]:
         StepLoop(session, total, evaluators=evaluators).run(one_step)
         with phase(session.run_id, f"final sampling ({min(config.num_eval_samples, len(data.test))} prompts)"):
             samples = _sample(session, data, config)
-        return session.finish({**_totals(session), "samples": samples}, title_fields={"dataset": f"`{config.dataset}`"})
+        note = random_init_note(session.model, config.backend.is_local()) if samples else None
+        return session.finish(
+            {**_totals(session), **({"samples_note": note} if note else {}), "samples": samples},
+            title_fields={"dataset": f"`{config.dataset}`"},
+        )
 
 
 def _sample(session: RunSession, data: SupervisedData, config: SFTConfig) -> list[dict]:
