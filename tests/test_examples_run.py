@@ -155,7 +155,7 @@ def test_example_runs_in_short_mode(recipe, example, example_store, local_creden
         "--quiet",
         f"backend.local_root={local_credentials.local_root}",
     ]
-    if recipe == "export":  # no run name: a checkpoint in (a tinker:// path, or run:NAME as eval and distill take), files out
+    if recipe == "export":  # no run name: a checkpoint in (a tinker:// path, or run:NAME), files out
         state = TrainingStore(root=str(example_store)).last_checkpoint(TEACHER, kind="state")
         checkpoint = state["path"] if example == "merged" else f"run:{TEACHER}"
         args += [f"checkpoint={checkpoint}", f"store={example_store}", f"out={tmp_path / 'out'}"]

@@ -227,3 +227,21 @@ def test_the_command_interrupted_twice_resumes_after_the_saved_step(prefect_api,
     assert _duplicates(store, "intr") == []
     losses = ts.query("SELECT step FROM metrics WHERE run_id = 'intr' AND name = 'train/loss' ORDER BY step")
     assert [r["step"] for r in losses] == list(range(last + 2))
+
+
+def test_rlhf_interrupted_in_a_stage_is_cancelled_with_that_stage_saved(prefect_api, local_credentials, tmp_path):
+    from prefect_tinker.flows.rlhf import RLHFConfig, rlhf_flow
+
+    store = tmp_path / "store"
+    cfg = RLHFConfig(model="tiny", lora_rank=8, run_name="intr-rlhf", store=str(store),
+                     backend={"local_root": local_credentials.local_root},
+                     sft={"max_steps": 3, "batch_size": 2, "save_every": 0, "eval_every": 0, "num_eval_samples": 0,
+                          "test_size": 0, "max_length": 128},
+                     rm={"dataset": "builtin:example_prefs", "format": "preference", "max_steps": 1})
+    with run_callbacks(_Sigint("intr-rlhf-sft", at=1)):
+        state = rlhf_flow(config=cfg, return_state=True)
+    line = "interrupted at step 1; checkpoint saved; re-run the same command to resume"
+    assert state.is_cancelled() and state.message == line and _flow_run_state(state).type.value == "CANCELLED"
+    ts = TrainingStore(root=str(store))
+    assert ts.get_run("intr-rlhf-sft")["status"] == "interrupted" and ts.get_run("intr-rlhf-rm") is None
+    assert ts.last_checkpoint("intr-rlhf-sft", "state")["step"] == 1
