@@ -99,10 +99,11 @@ def default_run_name(prefix: str, config: BaseModel) -> str:
     return f"{prefix}-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}"
 
 
-def latest_run_checkpoint(store: str, run_id: str, field: str) -> str:
+def latest_run_checkpoint(store: str, run_id: str, field: str, kind: str | None = None) -> str:
     """The ``tinker://`` path of the last checkpoint run ``run_id`` recorded in the training store
     at ``store``: its sampler weights when saved at that step, else its state (for ``field=run:<id>``
-    settings such as a distillation teacher).
+    settings such as a distillation teacher); with ``kind`` (``"state"`` or ``"sampler"``) the last
+    checkpoint of that kind (an export starts from a state).
 
     Raises:
         ValueError: one line naming ``field``, the run and the store, and how to make the run
@@ -116,13 +117,13 @@ def latest_run_checkpoint(store: str, run_id: str, field: str) -> str:
     if "://" not in store and not Path(store).expanduser().is_dir():
         raise ValueError(f"{field}=run:{run_id}: the training store {store} does not exist ({make})")
     rows = TrainingStore(root=store).query(
-        "SELECT path FROM checkpoints WHERE run_id = ? ORDER BY step DESC, kind = 'sampler' DESC, time DESC LIMIT 1",
-        [run_id],
+        "SELECT path FROM checkpoints WHERE run_id = ? AND (? IS NULL OR kind = ?) "
+        "ORDER BY step DESC, kind = 'sampler' DESC, time DESC LIMIT 1",
+        [run_id, kind, kind],
     )
     if not rows:
-        raise ValueError(
-            f"{field}=run:{run_id}: the training store {store} has no checkpoint of run {run_id!r} ({make})"
-        )
+        what = f"{kind} checkpoint" if kind else "checkpoint"
+        raise ValueError(f"{field}=run:{run_id}: the training store {store} has no {what} of run {run_id!r} ({make})")
     return str(rows[0]["path"])
 
 

@@ -8,8 +8,8 @@ fail first) and a summary artifact. The work is the ``export-checkpoint`` task
 upstream. A cached result whose files are gone (or replaced) from ``out`` is exported again.
 
 ``prefect-tinker run export checkpoint=tinker://...|run:NAME format=merged|peft out=DIR|s3://... [dtype=...]``
-(``run:NAME``: that training run's last checkpoint in ``store``, by the resolver of ``distill``'s
-``teacher=run:...`` and ``eval``'s check of ``model=run:...``:
+(``run:NAME``: that training run's last state checkpoint in ``store``, by the resolver of
+``distill``'s ``teacher=run:...`` and ``eval``'s check of ``model=run:...``:
 :func:`~prefect_tinker.flows.config.latest_run_checkpoint`)
 """
 
@@ -41,7 +41,7 @@ class ExportConfig(BaseModel):
     checkpoint: str = Field(
         description=(
             "State (tinker://<run>/weights/<name>) or sampler (tinker://<run>/sampler_weights/<name>) checkpoint to "
-            "export, or run:<run_id> (that run's last checkpoint in store)."
+            "export, or run:<run_id> (that run's last state checkpoint in store)."
         )
     )
     store: str = Field(
@@ -90,13 +90,14 @@ class ExportConfig(BaseModel):
         return v
 
     def resolved_checkpoint(self) -> str:
-        """``checkpoint``, with ``run:<id>`` replaced by that run's last checkpoint in ``store``.
+        """``checkpoint``, with ``run:<id>`` replaced by that run's last state checkpoint in ``store``
+        (the weights with the optimizer state, what an export starts from).
 
         Raises:
             ValueError: one line naming the run and the store (no such run or no checkpoint).
         """
         if self.checkpoint.startswith("run:"):
-            return latest_run_checkpoint(self.store, self.checkpoint[4:].strip(), "checkpoint")
+            return latest_run_checkpoint(self.store, self.checkpoint[4:].strip(), "checkpoint", kind="state")
         return self.checkpoint
 
     def preflight(self) -> None:

@@ -115,7 +115,11 @@ def recipe_flow(name: str, flow_run_name: str) -> Callable[[Callable[P, R]], Any
             return Cancelled(message=str(exc), data=exc)
 
         # Prefect validates parameters against the signature: annotations resolved here, in the recipe's module
-        stops_cancelled.__signature__ = inspect.signature(fn, eval_str=True)  # type: ignore[attr-defined]
+        try:
+            signature = inspect.signature(fn, eval_str=True)
+        except NameError:  # a name defined only inside a function: left as written
+            signature = inspect.signature(fn)
+        stops_cancelled.__signature__ = signature  # type: ignore[attr-defined]
         source = inspect.getsourcefile(fn)
         return flow(
             name=name, flow_run_name=flow_run_name, log_prints=True, version=file_hash(source) if source else None

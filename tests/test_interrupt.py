@@ -19,6 +19,7 @@ import threading
 import time
 
 import pytest
+from pydantic import BaseModel
 
 from prefect_tinker.flows.interrupts import RunInterrupted
 from prefect_tinker.flows.session import RunCallbacks, run_callbacks
@@ -33,6 +34,10 @@ def _default_sigint():
     yield
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the session put it back
     signal.signal(signal.SIGINT, before)
+
+
+class ProbeConfig(BaseModel):
+    run_name: str
 
 
 class _Sigint(RunCallbacks):
@@ -245,3 +250,21 @@ def test_rlhf_interrupted_in_a_stage_is_cancelled_with_that_stage_saved(prefect_
     ts = TrainingStore(root=str(store))
     assert ts.get_run("intr-rlhf-sft")["status"] == "interrupted" and ts.get_run("intr-rlhf-rm") is None
     assert ts.last_checkpoint("intr-rlhf-sft", "state")["step"] == 1
+
+
+def test_a_flow_stopped_outside_a_run_session_is_cancelled_too(prefect_api):
+    """eval and export have no run session: Ctrl-C there is Python's KeyboardInterrupt, which the recipe
+    flow turns into the same Cancelled state and one line (nothing to save)."""
+    from prefect.utilities.hashing import file_hash
+
+    from prefect_tinker.flows.interrupts import recipe_flow
+
+    @recipe_flow("probe", "probe-{config.run_name}")
+    def probe(config: ProbeConfig) -> dict:
+        signal.raise_signal(signal.SIGINT)  # no session: Python's own handler raises KeyboardInterrupt here
+        return {}
+
+    assert probe.version == file_hash(__file__)  # the flow's version is its own module's, not the decorator's
+    state = probe(config=ProbeConfig(run_name="p"), return_state=True)
+    assert state.is_cancelled() and _flow_run_state(state).type.value == "CANCELLED"
+    assert state.message == "interrupted (run 'p'); re-run the same command to continue"
