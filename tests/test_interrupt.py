@@ -176,35 +176,43 @@ class _Command:
             time.sleep(0.05)
         raise AssertionError(f"no line matching {pattern!r} in {timeout} s:\n" + "\n".join(self.lines[-30:]))
 
+    def steps(self, run: str) -> list[int]:
+        """The steps of the progress lines printed so far."""
+        return [int(m.group(1)) for ln in list(self.lines) if (m := re.search(rf"SFT {run}\s+step (\d+)/", ln))]
+
     def finish(self, timeout: float = 300) -> int:
         rc = self.proc.wait(timeout)
         self.reader.join(10)
         return rc
 
 
+@pytest.mark.slow  # three runs, two of them new processes (~1.5 min on 2 busy cores): scheduled first
 @pytest.mark.timeout(900)
 def test_the_command_interrupted_twice_resumes_after_the_saved_step(prefect_api, local_credentials, tmp_path):
     """The issue's check: SIGINT into `prefect-tinker run sft --example tiny max_steps=200 run_name=intr`; one line,
     status 130; the same command resumes after the saved step (and a double Ctrl-C there stops it at once); the
     finished run has one metrics row per (step, name)."""
     store = tmp_path / "store"
+    # the issue's command, on the session's server and store; no held-out split (no evaluations, no final sampling)
     command = ["run", "sft", "--example", "tiny", "max_steps=200", "run_name=intr", f"store={store}",
-               f"backend.local_root={local_credentials.local_root}"]
+               f"backend.local_root={local_credentials.local_root}", "test_size=0", "num_eval_samples=0"]
     first = _Command(command)
-    seen = int(first.wait_for(r"SFT intr\s+step (\d+)/200").group(1))
+    first.wait_for(r"SFT intr\s+step (\d+)/200")
+    seen = max(first.steps("intr"))  # steps are quick: several may be done already
     first.proc.send_signal(signal.SIGINT)
     assert first.finish() == 130
     assert not [ln for ln in first.lines if "Traceback" in ln or "KeyboardInterrupt" in ln]
     saved = int(re.fullmatch(r"interrupted at step (\d+); checkpoint saved; re-run the same command to resume",
                              first.lines[-1]).group(1))
-    assert saved in (seen, seen + 1)  # the step in progress was finished, then saved
+    assert saved >= seen and max(first.steps("intr")) == saved  # the step under way was finished and saved, no more
     ts = TrainingStore(root=str(store))
     assert ts.get_run("intr")["status"] == "interrupted"
     assert ts.query("SELECT max(step) AS s FROM checkpoints WHERE run_id = 'intr' AND kind = 'state'")[0]["s"] == saved
 
     again = _Command(command)  # the same command: resumes, and this time Ctrl-C twice
     again.wait_for(rf"resuming run intr after its checkpoint at step {saved}")
-    at = int(again.wait_for(rf"SFT intr\s+step ({saved + 1}|{saved + 2})/200").group(1))
+    again.wait_for(r"SFT intr\s+step (\d+)/200")
+    at = max(again.steps("intr"))
     again.proc.send_signal(signal.SIGINT)
     time.sleep(0.2)
     again.proc.send_signal(signal.SIGINT)
@@ -227,11 +235,11 @@ def test_the_command_interrupted_twice_resumes_after_the_saved_step(prefect_api,
 
     from prefect_tinker.cli.main import main as cli_main
 
-    assert cli_main([*command[:4], f"max_steps={last + 2}", *command[5:]]) == 0  # resumed again, to the end
+    assert cli_main([*command[:4], f"max_steps={last + 1}", *command[5:]]) == 0  # resumed again, to the end
     assert ts.get_run("intr")["status"] == "completed"
     assert _duplicates(store, "intr") == []
     losses = ts.query("SELECT step FROM metrics WHERE run_id = 'intr' AND name = 'train/loss' ORDER BY step")
-    assert [r["step"] for r in losses] == list(range(last + 2))
+    assert [r["step"] for r in losses] == list(range(last + 1))
 
 
 def test_rlhf_interrupted_in_a_stage_is_cancelled_with_that_stage_saved(prefect_api, local_credentials, tmp_path):
