@@ -27,8 +27,10 @@ def test_a_name_of_another_recipe_is_one_line_and_the_listings_show_recipe_and_p
     store = tmp_path / "store"
     common = [f"store={store}", f"backend.local_root={local_credentials.local_root}", "run_name=intr2", "max_steps=1",
               "save_every=0", "eval_every=0", "--quiet"]
-    assert cli_main(["run", "sft", "--example", "tiny", "num_eval_samples=0", "test_size=0", *common]) == 0
-    capsys.readouterr()
+    assert cli_main(["run", "sft", "--example", "tiny", "num_eval_samples=1", "test_size=1", *common]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert len(result["samples"]) == 1  # from the random-init tiny model, which the result says
+    assert result["samples_note"].startswith("'tiny' is a random-init test model (no pretraining)")
 
     assert cli_main(["run", "dpo", "--example", "tiny", *common]) == 1
     err = capsys.readouterr().err
@@ -46,7 +48,19 @@ def test_a_name_of_another_recipe_is_one_line_and_the_listings_show_recipe_and_p
     assert [c.strip() for c in head.split("|")][:3] == ["run_id", "recipe", "status"]
     assert [c.strip() for c in line.split("|")][:3] == ["intr2", "sft", "completed"]
 
+    assert cli_main(["sql", "--store", str(store), "--json",  # the example of `sql --help`, on this run
+                     "SELECT step, value FROM metrics WHERE name = 'train/loss'"]) == 0
+    assert len(json.loads(capsys.readouterr().out)) == 1
+
     assert cli_main(["checkpoints", "intr2", "--store", str(store)]) == 0
     out = capsys.readouterr().out
     paths = [r["path"] for r in ts.query("SELECT path FROM checkpoints WHERE run_id = 'intr2'")]
     assert paths and all(len(p) > 60 and f" {p} " in f"{out.replace('|', ' ')} " for p in paths), out
+
+
+def test_ls_and_sql_help_show_whole_names_that_exist(capsys):
+    assert cli_main(["ls"]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out and "humaneval, numerics_check" in out and "verifiers_reverse_word" in out
+    assert cli_main(["sql", "--help"]) == 0
+    assert "WHERE name = 'train/loss'" in " ".join(capsys.readouterr().out.split())  # a metric every SFT run has
