@@ -32,7 +32,8 @@ Modules: :mod:`prefect_tinker.cli.config` (errors, YAML values, overrides), :mod
 
 Exit status: 0 success, 1 runtime failure (SQL error, the flow failed), 2 bad usage, an
 invalid config or bad data (the message names each bad field and its value, or the file, line and
-field of a bad record; no traceback without ``--debug``).
+field of a bad record; no traceback without ``--debug``), 130 a run stopped by Ctrl-C (one line
+saying at which step and whether its checkpoint was saved: :mod:`prefect_tinker.flows.interrupts`).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from contextlib import contextmanager
 # Re-exported: the public helpers of the split modules stay importable from cli.main.
 from prefect_tinker.cli.config import (  # noqa: F401
     EXIT_FAILED,
+    EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_USAGE,
     CLIError,
@@ -145,6 +147,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(config.model_dump_json(indent=2))
         return EXIT_OK
+    from prefect_tinker.flows.interrupts import RunInterrupted
     from prefect_tinker.flows.prefect_api import PrefectAPIError
     from prefect_tinker.flows.prefect_server import PrefectServerError, run_api
 
@@ -158,8 +161,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         with run_api(announce=announce), _terminal_output(args.quiet, args.json_progress, args.debug), tags(*args.tag):
             result = flow(config=config)
-    except KeyboardInterrupt:
-        raise
+    except RunInterrupted as exc:  # Ctrl-C: the flow run ended Cancelled, the run recorded `interrupted`
+        print(str(exc), file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except KeyboardInterrupt:  # before the flow started (or while the Prefect API was still starting)
+        print("interrupted before the run started; nothing saved", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except (PrefectAPIError, PrefectServerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
@@ -204,9 +211,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
         examples = [dict(zip(ready_header, r, strict=True)) for r in ready_rows]
         print(json.dumps({"recipes": rows, "envs": envs, "examples": examples}, indent=2))
         return EXIT_OK
-    print(format_table(["recipe", "description", "examples"], [list(r.values()) for r in rows]))
+    print(format_table(["recipe", "description", "examples"], [list(r.values()) for r in rows], max_width=None))
     print()
-    print(format_table(["env", "description"], [list(e.values()) for e in envs]))
+    print(format_table(["env", "description"], [list(e.values()) for e in envs], max_width=None))
     print()
     print(format_table(ready_header, ready_rows, max_width=100))
     print(

@@ -156,13 +156,20 @@ class RecipeConfig(LRScheduleFields):
     """
 
     recipe: ClassVar[str] = ""
-    resume_fields: ClassVar[tuple[str, ...]] = ("model", "seed", "renderer", "lora_rank")
+    resume_fields: ClassVar[tuple[str, ...]] = ("model", "tokenizer", "seed", "renderer", "lora_rank")
 
     model: str = Field(
         default="tiny",
         description=(
             "Base model: 'tiny', 'smollm2', a local HF directory or a hosted model name; or weights to start from: "
             "alias:LINE@ALIAS (e.g. alias:assistant@champion) or run:RUN (that run's base model and last state)."
+        ),
+    )
+    tokenizer: str | None = Field(
+        default=None,
+        description=(
+            "Tokenizer to load here instead of the one the backend names for the model (a local directory or a hub "
+            "name): for a remote server naming a hub tokenizer this machine cannot download."
         ),
     )
     renderer: str = Field(
@@ -217,10 +224,12 @@ class RecipeConfig(LRScheduleFields):
     )
 
     def run_name_prefix(self) -> str:
-        """Prefix of the default run name (``<prefix>-<timestamp>``): the model name by default
-        (a reference's line or run name: ``alias:assistant@champion`` -> ``assistant``)."""
+        """Prefix of the default run name (``<prefix>-<timestamp>``): the recipe and the model name
+        by default (``sft-tiny``; a weights reference gives its line or run name:
+        ``alias:assistant@champion`` -> ``sft-assistant``)."""
         name = self.model.split(":", 1)[1].split("@", 1)[0] if is_weights_ref(self.model) else self.model
-        return name.replace("/", "-")
+        name = name.replace("/", "-")
+        return f"{self.recipe}-{name}" if self.recipe else name
 
     def start_weights(self) -> tuple[str, str | None, Weights | None]:
         """Where the run starts: ``(base model, state checkpoint to start from or None, the

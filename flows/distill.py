@@ -24,11 +24,12 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from prefect import flow, get_run_logger
+from prefect import get_run_logger
 
 from prefect_tinker.flows.config import resolve_credentials
 from prefect_tinker.flows.distill_config import DistillConfig, TeacherSpec
 from prefect_tinker.flows.distill_loop import DistillLoop, SDFTStep, Teacher
+from prefect_tinker.flows.interrupts import recipe_flow
 from prefect_tinker.flows.loop import StepLoop
 from prefect_tinker.flows.session import RunSession
 from prefect_tinker.recipes.rl.envs import build_rl_dataset
@@ -172,7 +173,7 @@ def _sdft(config: DistillConfig) -> dict[str, Any]:
         )
 
 
-@flow(name="distill", flow_run_name="distill-{config.mode}-{config.run_name}", log_prints=True)
+@recipe_flow("distill", "distill-{config.mode}-{config.run_name}")
 def distill_flow(config: DistillConfig) -> dict[str, Any]:
     """Distil ``config.teacher`` (or ``teachers``) into ``config.model`` in ``config.mode``;
     returns a summary (the mode's first and last distillation metrics, steps, checkpoints)."""

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, cast
 
-from prefect import flow, get_run_logger
+from prefect import get_run_logger
 
 from prefect_tinker.flows.config import resolve_credentials, weights_ref
 from prefect_tinker.flows.eval_config import EvalConfig
+from prefect_tinker.flows.interrupts import recipe_flow
 from prefect_tinker.recipes.evals.specs import InspectSpec
 from prefect_tinker.tasks.eval_report import report_eval
 from prefect_tinker.tasks.eval_tasks import (
@@ -147,7 +148,7 @@ def resolve_targets(config: EvalConfig, credentials: TinkerCredentials) -> list[
     return unique
 
 
-@flow(name="eval", flow_run_name="eval-{config.run_name}", log_prints=True)
+@recipe_flow("eval", "eval-{config.run_name}")
 def eval_flow(config: EvalConfig) -> dict[str, Any]:
     """Evaluate every benchmark of ``config`` on every weights of ``config.model``; returns a
     summary: ``run_name``, ``evaluated`` / ``cached`` counts, ``results`` (run, step, checkpoint,

@@ -33,7 +33,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, ClassVar, Literal, cast
 
-from prefect import flow, get_run_logger, task
+from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.assets import Asset, AssetProperties, add_asset_metadata, materialize
 from prefect.cache_policies import NO_CACHE
@@ -41,6 +41,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from prefect_tinker.flows.config import BackendConfig, default_store_root
 from prefect_tinker.flows.dpo import DPOConfig, dpo_flow
+from prefect_tinker.flows.interrupts import recipe_flow
 from prefect_tinker.flows.promote import PromoteConfig, promote_flow
 from prefect_tinker.flows.sft import SFTConfig, sft_flow
 from prefect_tinker.recipes.evals.specs import EvalSpec
@@ -241,7 +242,7 @@ def _train(config: FlywheelConfig, snap: dict[str, Any]) -> dict[str, Any]:
     return cast(dict[str, Any], sft_flow(SFTConfig(**common)))
 
 
-@flow(name="flywheel", flow_run_name="flywheel-{config.line}", log_prints=True)
+@recipe_flow("flywheel", "flywheel-{config.line}")
 def flywheel_flow(config: FlywheelConfig) -> dict[str, Any]:
     """One turn of the loop (module docstring); returns ``trained``, ``promoted``, the counts, the
     snapshot, the training summary and the promotion's."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, cast
 
-from prefect import flow, get_run_logger
+from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.transactions import transaction
 from pydantic import BaseModel, Field, field_validator, model_validator
@@ -35,6 +35,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from prefect_tinker.flows.config import BackendConfig, default_store_root, weights_ref
 from prefect_tinker.flows.eval import eval_flow
 from prefect_tinker.flows.eval_config import EvalConfig
+from prefect_tinker.flows.interrupts import recipe_flow
 from prefect_tinker.recipes.evals.specs import EvalSpec
 from prefect_tinker.recipes.gate import GateConfig, GateDecision, decide, item_scores
 from prefect_tinker.tasks.models import alias_row, announce, set_alias, tag_aliases
@@ -153,7 +154,7 @@ def _report(config: PromoteConfig, cand: Weights, champ: Weights | None, decisio
     )
 
 
-@flow(name="promote", flow_run_name="promote-{config.line}", log_prints=True)
+@recipe_flow("promote", "promote-{config.line}")
 def promote_flow(config: PromoteConfig) -> dict[str, Any]:
     """Evaluate the candidate against the champion and promote it when the gate holds (module
     docstring); returns ``promoted``, ``reason``, the ``decision`` numbers (None without a

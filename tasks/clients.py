@@ -107,14 +107,22 @@ def result(credentials: TinkerCredentials, future: Any, what: str) -> Any:
     training client recreated from the last checkpoint) is raised.
 
     Raises:
+        OlderServerAPIError: the server at ``base_url`` refused a request field of the installed
+            SDK (HTTP 422 ``extra_forbidden``: it speaks an older Tinker API).
         ServerGone: the server's process exited or it stopped answering.
         ServerDeadline: no result within the deadline.
         LocalServerError: the embedded server could not be restarted (names its log).
     """
+    from tinker_blocks.server_api import older_api_error
     from tinker_blocks.server_watch import ServerGone, wait_result
 
     try:
         return wait_result(future, credentials, deadline_s=credentials.request_deadline_s, what=what)
+    except tinker.APIStatusError as exc:  # a server speaking an older API refuses the SDK's new fields
+        older = older_api_error(exc, credentials.base_url) if credentials.base_url else None
+        if older is not None:
+            raise older from exc
+        raise
     except ServerGone:
         where = credentials.backend_identity()
         with _lock:

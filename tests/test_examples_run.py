@@ -178,9 +178,10 @@ def test_example_runs_in_short_mode(recipe, example, example_store, local_creden
         "--quiet",
         f"backend.local_root={local_credentials.local_root}",
     ]
-    if recipe == "export":  # no store, no run name: a checkpoint in, files out
+    if recipe == "export":  # no run name: a checkpoint in (a tinker:// path, or run:NAME), files out
         state = TrainingStore(root=str(example_store)).last_checkpoint(TEACHER, kind="state")
-        args += [f"checkpoint={state['path']}", f"out={tmp_path / 'out'}"]
+        checkpoint = state["path"] if example == "merged" else f"run:{TEACHER}"
+        args += [f"checkpoint={checkpoint}", f"store={example_store}", f"out={tmp_path / 'out'}"]
     elif recipe in ("promote", "flywheel"):  # no run name: a model line's runs are named by the flow
         args.append(f"store={example_store}")
         if recipe == "flywheel":

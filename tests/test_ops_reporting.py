@@ -107,10 +107,10 @@ def test_default_run_name_is_stable_within_a_deployment_flow_run(monkeypatch):
     from prefect_tinker.flows.sft import SFTConfig
 
     monkeypatch.delenv("PREFECT__FLOW_RUN_ID", raising=False)
-    assert SFTConfig().run_name.startswith("tiny-20")
+    assert SFTConfig().run_name.startswith("sft-tiny-20")
     monkeypatch.setenv("PREFECT__FLOW_RUN_ID", "4d650914-4267-473e-b8b6-906aa3e1d59c")
     a, b = SFTConfig(), SFTConfig()
-    assert a.run_name == b.run_name and a.run_name.startswith("tiny-4d650914-")
+    assert a.run_name == b.run_name and a.run_name.startswith("sft-tiny-4d650914-")
     assert SFTConfig(learning_rate=1e-3).run_name != a.run_name  # another config, another run
     assert default_run_name("x", SFTConfig(run_name="given")) != "given"
 

@@ -87,7 +87,7 @@ RUNS_SCHEMA = pa.schema(
         _f("backend", pa.string()),  # "local" | "remote" | "hosted" (free text)
         _f("lora_rank", pa.int64()),
         _f("config_json", pa.string()),  # the flow config as JSON (never secrets)
-        _f("status", pa.string()),  # "running" | "completed" | "failed"
+        _f("status", pa.string()),  # "running" | "completed" | "failed" | "interrupted"
         _TIME,  # time of this status update
         # what the run resolved (added in 0.2; null before): recipe, renderer, tokenizer_id,
         # dataset fingerprint -- compared with a resumed run's own (see prefect_tinker.flows.session)
