@@ -34,7 +34,7 @@ class Recipe:
         configs: ``package:folder`` of the recipe's example configs (``*.yaml``) inside an
             installed package (a plugin's own); default ``configs/<name>/`` of this package.
         tags: extra tags of deployments, by example name (e.g. the opt-in tag an automation of
-            :mod:`prefect_tinker.flows.ops` reacts to).
+            :mod:`prefect_tinker.cli.ops` reacts to).
         schedules: schedules of deployments, by example name (``prefect.yaml`` schedule entries,
             e.g. ``{"cron": "0 3 * * *"}``).
     """
@@ -90,7 +90,7 @@ for _recipe in (
         "benchmarks and inspect-ai tasks on base models, sampler paths or every checkpoint of a run (cached)",
         (),
         ("checkpoint",),
-        tags={"checkpoint": ("consider-promotion",)},  # its evaluations may start a promotion (flows/ops.py)
+        tags={"checkpoint": ("consider-promotion",)},  # its evaluations may start a promotion (cli/ops.py)
     ),
     Recipe(
         "export",
