@@ -9,7 +9,7 @@ PACKAGES=(flows tasks recipes configs cli tinker_blocks tinker_local prefect_tin
 # linked under their import names (scripts/import_tree.py, from pyproject.toml's package-dir)
 TREE=$(python scripts/import_tree.py)
 echo "lint: import-linter"
-(cd "$TREE" && lint-imports --no-cache --config "$OLDPWD/pyproject.toml")
+(cd "$TREE" && lint-imports --no-cache "$OLDPWD/pyproject.toml")
 echo "lint: ruff"
 ruff check .  # the whole tree: package, tests, benchmarks, scripts
 ruff format --check "${PACKAGES[@]}"
