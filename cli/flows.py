@@ -45,6 +45,9 @@ def resolve_flow(name: str) -> tuple[Any, type[BaseModel]]:
     target = reg.get(name) or (name if ":" in name else None)
     if target is None:
         raise CLIError(f"unknown flow {name!r}; known flows: {', '.join(sorted(reg)) or '(none)'}")
+    if callable(target):  # a built-in recipe: its loader imports the flow
+        flow = target()
+        return flow, config_model_of(flow, name)
     mod_name, _, attr = target.partition(":")
     try:
         module = importlib.import_module(mod_name)

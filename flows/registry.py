@@ -5,12 +5,16 @@ report) and by the generator of ``prefect.yaml`` (:func:`deployments_yaml`). A n
 :class:`Recipe` registered in :data:`RECIPES` (a :class:`~prefect_tinker.recipes.registry.Registry`;
 a plugin package declares it as an entry point of group ``prefect_tinker.recipes``,
 ``name = "pkg.module:RECIPE"``) plus its flow module and its example configs (in
-``configs/<name>/*.yaml`` here, or the folder named by ``Recipe.configs``). Flows and configs are
-named by ``module:attribute`` strings, imported only when used (listing recipes imports no torch).
+``configs/<name>/*.yaml`` here, or the folder named by ``Recipe.configs``). A flow is given by a
+function that imports and returns it (the built-in recipes below: an editor follows the import into
+the flow's module) or by a ``module:attribute`` string (a plugin's); either way it is imported only
+when used, so listing recipes imports no torch.
 """
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -27,7 +31,8 @@ class Recipe:
 
     Attributes:
         name: the registry name (``prefect-tinker run <name>``; run-name and artifact prefix).
-        flow: ``module:attr`` of the Prefect flow taking ``config``.
+        flow: the Prefect flow taking ``config``: a function of no arguments that imports and
+            returns it, or its ``module:attr``.
         description: one line for ``prefect-tinker ls``.
         curves: metric names drawn in the run's curves picture.
         deployments: example config names deployed by ``prefect.yaml`` (as ``<name>-<example>``).
@@ -40,7 +45,7 @@ class Recipe:
     """
 
     name: str
-    flow: str
+    flow: str | Callable[[], Any]
     description: str = ""
     curves: tuple[str, ...] = ()
     deployments: tuple[str, ...] = field(default=())
@@ -48,10 +53,91 @@ class Recipe:
     tags: dict[str, tuple[str, ...]] = field(default_factory=dict)
     schedules: dict[str, tuple[dict[str, Any], ...]] = field(default_factory=dict)
 
+    def load_flow(self) -> Any:
+        """The flow object (imports its module).
+
+        Raises:
+            ImportError / AttributeError: a ``module:attr`` that does not name an importable object.
+        """
+        if callable(self.flow):
+            return self.flow()
+        module, _, attr = self.flow.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
     @property
     def entrypoint(self) -> str:
         """The module-path entrypoint of the flow for ``prefect.yaml`` (``pkg.module.attr``)."""
-        return self.flow.replace(":", ".")
+        if isinstance(self.flow, str):
+            return self.flow.replace(":", ".")
+        fn = self.load_flow().fn  # a Prefect Flow: the decorated function
+        return f"{fn.__module__}.{fn.__name__}"
+
+
+# The built-in flows, each imported when its recipe runs (an editor follows these imports).
+def _sft() -> Any:
+    from prefect_tinker.flows.sft import sft_flow
+
+    return sft_flow
+
+
+def _rl() -> Any:
+    from prefect_tinker.flows.rl import rl_flow
+
+    return rl_flow
+
+
+def _dpo() -> Any:
+    from prefect_tinker.flows.dpo import dpo_flow
+
+    return dpo_flow
+
+
+def _distill() -> Any:
+    from prefect_tinker.flows.distill import distill_flow
+
+    return distill_flow
+
+
+def _eval() -> Any:
+    from prefect_tinker.flows.eval import eval_flow
+
+    return eval_flow
+
+
+def _export() -> Any:
+    from prefect_tinker.flows.export import export_flow
+
+    return export_flow
+
+
+def _reward_model() -> Any:
+    from prefect_tinker.flows.reward_model import reward_model_flow
+
+    return reward_model_flow
+
+
+def _rlhf() -> Any:
+    from prefect_tinker.flows.rlhf import rlhf_flow
+
+    return rlhf_flow
+
+
+def _decisions() -> Any:
+    from prefect_tinker.flows.decisions import decisions_flow
+
+    return decisions_flow
+
+
+def _promote() -> Any:
+    from prefect_tinker.flows.promote import promote_flow
+
+    return promote_flow
+
+
+def _flywheel() -> Any:
+    from prefect_tinker.flows.flywheel import flywheel_flow
+
+    return flywheel_flow
 
 
 #: The recipes by name; plugins add theirs through the ``prefect_tinker.recipes`` entry-point group.
@@ -59,34 +145,34 @@ RECIPES: Registry[Recipe] = Registry("recipe", "prefect_tinker.recipes")
 for _recipe in (
     Recipe(
         "sft",
-        "prefect_tinker.flows.sft:sft_flow",
+        _sft,
         "supervised fine-tuning on chat data (LoRA)",
         ("train/loss", "test/nll", "train/learning_rate"),
         ("tiny",),
     ),
     Recipe(
         "rl",
-        "prefect_tinker.flows.rl:rl_flow",
+        _rl,
         "RL with verifiable rewards (GRPO-style group advantages)",
         ("env/reward_mean", "env/correct_rate", "train/entropy", "train/kl_sample_train_v1"),
         ("arithmetic",),
     ),
     Recipe(
         "dpo",
-        "prefect_tinker.flows.dpo:dpo_flow",
+        _dpo,
         "preference learning: DPO / IPO / hinge on comparisons",
         ("train/dpo_loss", "train/accuracy", "train/margin", "test/accuracy"),
         ("tiny",),
     ),
     Recipe(
         "distill",
-        "prefect_tinker.flows.distill:distill_flow",
+        _distill,
         "distillation: on-policy (teacher KL), off-policy (teacher samples / top-K), SDFT, prompt distillation",
         ("train/teacher_kl", "sdft/kl", "train/soft_ce", "train/loss", "eval/teacher_agreement"),
     ),
     Recipe(
         "eval",
-        "prefect_tinker.flows.eval:eval_flow",
+        _eval,
         "benchmarks and inspect-ai tasks on base models, sampler paths or every checkpoint of a run (cached)",
         (),
         ("checkpoint",),
@@ -94,37 +180,37 @@ for _recipe in (
     ),
     Recipe(
         "export",
-        "prefect_tinker.flows.export:export_flow",
+        _export,
         "a checkpoint as a merged Hugging Face model or a PEFT adapter, verified by logprobs",
     ),
     Recipe(
         "reward_model",
-        "prefect_tinker.flows.reward_model:reward_model_flow",
+        _reward_model,
         "pairwise reward model: which of two completions is better, scored by label probabilities",
         ("train/loss", "eval/rm_accuracy", "eval/rm_brier"),
     ),
     Recipe(
         "rlhf",
-        "prefect_tinker.flows.rlhf:rlhf_flow",
+        _rlhf,
         "RLHF: SFT -> reward model -> RL from the reward model, one subflow (and run) per stage",
         (),
     ),
     Recipe(
         "decisions",
-        "prefect_tinker.flows.decisions:decisions_flow",
+        _decisions,
         "a distribution over named choices from label-token probabilities; cross-entropy / KL, calibration",
         ("train/ce", "test/accuracy", "test/brier", "test/ece"),
     ),
     Recipe(
         "promote",
-        "prefect_tinker.flows.promote:promote_flow",
+        _promote,
         "eval-gated promotion: candidate vs champion on the same items (paired bootstrap), alias moved if better",
         (),
         ("candidate",),
     ),
     Recipe(
         "flywheel",
-        "prefect_tinker.flows.flywheel:flywheel_flow",
+        _flywheel,
         "captures -> dataset snapshot -> training from the champion -> gate -> promotion, on a schedule",
         (),
         ("tiny",),
