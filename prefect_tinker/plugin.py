@@ -29,6 +29,8 @@ quick. Groups:
   :data:`RENDERERS`; :data:`GRADERS`, :func:`register_grader`, :data:`CODE_RUNNERS`,
   :func:`register_code_runner`; :class:`DataFormat`, :class:`FormatOptions`, :data:`CONVERTERS`,
   :func:`register_converter`;
+- **benchmarks**: :data:`BENCHMARKS` (group ``prefect_tinker.benchmarks``: a dict of
+  :class:`BenchmarkSpec` fields, or a ``BenchmarkSpec``), :class:`BenchmarkSpec`;
 - **the registry class**: :class:`Registry`, :class:`UnknownComponentError`;
 - **blocks and stores**: :class:`TinkerCredentials`, :class:`TrainingStore`, :class:`EvalStore`,
   :class:`CaptureStore`, :class:`S3Credentials`, :func:`connect_stores` (DuckDB over the stores).
@@ -86,6 +88,9 @@ _MODULES: dict[str, str] = {
     "FormatOptions": "prefect_tinker.recipes.format_options",
     "CONVERTERS": "prefect_tinker.recipes.data_sources",
     "register_converter": "prefect_tinker.recipes.data_sources",
+    # benchmarks
+    "BENCHMARKS": "prefect_tinker.recipes.evals.benchmarks",
+    "BenchmarkSpec": "prefect_tinker.recipes.evals.benchmarks",
     # the registry class
     "Registry": "prefect_tinker.recipes.registry",
     "UnknownComponentError": "prefect_tinker.recipes.registry",
@@ -107,6 +112,7 @@ if TYPE_CHECKING:
     from prefect_tinker.flows.registry import RECIPES, Recipe
     from prefect_tinker.flows.session import RunSession
     from prefect_tinker.recipes.data_sources import CONVERTERS, register_converter
+    from prefect_tinker.recipes.evals.benchmarks import BENCHMARKS, BenchmarkSpec
     from prefect_tinker.recipes.evals.graders import CODE_RUNNERS, GRADERS, register_code_runner, register_grader
     from prefect_tinker.recipes.format_options import DataFormat, FormatOptions
     from prefect_tinker.recipes.registry import Registry, UnknownComponentError
