@@ -3,12 +3,12 @@
 Read by ``prefect-tinker run NAME`` / ``ls`` / ``show-config``, by the run session (curves of the
 report) and by the generator of ``prefect.yaml`` (:func:`deployments_yaml`). A new recipe is one
 :class:`Recipe` registered in :data:`RECIPES` (a :class:`~prefect_tinker.recipes.registry.Registry`;
-a plugin package declares it as an entry point of group ``prefect_tinker.recipes``,
-``name = "pkg.module:RECIPE"``) plus its flow module and its example configs (in
-``configs/<name>/*.yaml`` here, or the folder named by ``Recipe.configs``). A flow is given by a
-function that imports and returns it (the built-in recipes below: an editor follows the import into
-the flow's module) or by a ``module:attribute`` string (a plugin's); either way it is imported only
-when used, so listing recipes imports no torch.
+the built-in ones in :mod:`prefect_tinker.flows.builtin_recipes`; a plugin package declares it as an
+entry point of group ``prefect_tinker.recipes``, ``name = "pkg.module:RECIPE"``) plus its flow
+module and its example configs (in ``configs/<name>/*.yaml`` here, or the folder named by
+``Recipe.configs``). A flow is given by a function that imports and returns it (the built-in
+recipes: an editor follows the import into the flow's module) or by a ``module:attribute`` string
+(a plugin's); either way it is imported only when used, so listing recipes imports no flow.
 """
 
 from __future__ import annotations
@@ -73,151 +73,10 @@ class Recipe:
         return f"{fn.__module__}.{fn.__name__}"
 
 
-# The built-in flows, each imported when its recipe runs (an editor follows these imports).
-def _sft() -> Any:
-    from prefect_tinker.flows.sft import sft_flow
-
-    return sft_flow
-
-
-def _rl() -> Any:
-    from prefect_tinker.flows.rl import rl_flow
-
-    return rl_flow
-
-
-def _dpo() -> Any:
-    from prefect_tinker.flows.dpo import dpo_flow
-
-    return dpo_flow
-
-
-def _distill() -> Any:
-    from prefect_tinker.flows.distill import distill_flow
-
-    return distill_flow
-
-
-def _eval() -> Any:
-    from prefect_tinker.flows.eval import eval_flow
-
-    return eval_flow
-
-
-def _export() -> Any:
-    from prefect_tinker.flows.export import export_flow
-
-    return export_flow
-
-
-def _reward_model() -> Any:
-    from prefect_tinker.flows.reward_model import reward_model_flow
-
-    return reward_model_flow
-
-
-def _rlhf() -> Any:
-    from prefect_tinker.flows.rlhf import rlhf_flow
-
-    return rlhf_flow
-
-
-def _decisions() -> Any:
-    from prefect_tinker.flows.decisions import decisions_flow
-
-    return decisions_flow
-
-
-def _promote() -> Any:
-    from prefect_tinker.flows.promote import promote_flow
-
-    return promote_flow
-
-
-def _flywheel() -> Any:
-    from prefect_tinker.flows.flywheel import flywheel_flow
-
-    return flywheel_flow
-
-
 #: The recipes by name; plugins add theirs through the ``prefect_tinker.recipes`` entry-point group.
-RECIPES: Registry[Recipe] = Registry("recipe", "prefect_tinker.recipes")
-for _recipe in (
-    Recipe(
-        "sft",
-        _sft,
-        "supervised fine-tuning on chat data (LoRA)",
-        ("train/loss", "test/nll", "train/learning_rate"),
-        ("tiny",),
-    ),
-    Recipe(
-        "rl",
-        _rl,
-        "RL with verifiable rewards (GRPO-style group advantages)",
-        ("env/reward_mean", "env/correct_rate", "train/entropy", "train/kl_sample_train_v1"),
-        ("arithmetic",),
-    ),
-    Recipe(
-        "dpo",
-        _dpo,
-        "preference learning: DPO / IPO / hinge on comparisons",
-        ("train/dpo_loss", "train/accuracy", "train/margin", "test/accuracy"),
-        ("tiny",),
-    ),
-    Recipe(
-        "distill",
-        _distill,
-        "distillation: on-policy (teacher KL), off-policy (teacher samples / top-K), SDFT, prompt distillation",
-        ("train/teacher_kl", "sdft/kl", "train/soft_ce", "train/loss", "eval/teacher_agreement"),
-    ),
-    Recipe(
-        "eval",
-        _eval,
-        "benchmarks and inspect-ai tasks on base models, sampler paths or every checkpoint of a run (cached)",
-        (),
-        ("checkpoint",),
-        tags={"checkpoint": ("consider-promotion",)},  # its evaluations may start a promotion (cli/ops.py)
-    ),
-    Recipe(
-        "export",
-        _export,
-        "a checkpoint as a merged Hugging Face model or a PEFT adapter, verified by logprobs",
-    ),
-    Recipe(
-        "reward_model",
-        _reward_model,
-        "pairwise reward model: which of two completions is better, scored by label probabilities",
-        ("train/loss", "eval/rm_accuracy", "eval/rm_brier"),
-    ),
-    Recipe(
-        "rlhf",
-        _rlhf,
-        "RLHF: SFT -> reward model -> RL from the reward model, one subflow (and run) per stage",
-        (),
-    ),
-    Recipe(
-        "decisions",
-        _decisions,
-        "a distribution over named choices from label-token probabilities; cross-entropy / KL, calibration",
-        ("train/ce", "test/accuracy", "test/brier", "test/ece"),
-    ),
-    Recipe(
-        "promote",
-        _promote,
-        "eval-gated promotion: candidate vs champion on the same items (paired bootstrap), alias moved if better",
-        (),
-        ("candidate",),
-    ),
-    Recipe(
-        "flywheel",
-        _flywheel,
-        "captures -> dataset snapshot -> training from the champion -> gate -> promotion, on a schedule",
-        (),
-        ("tiny",),
-        schedules={"tiny": ({"cron": "0 3 * * *", "timezone": "UTC"},)},  # each night: the last day's captures
-    ),
-):
-    RECIPES.register(_recipe.name, _recipe)
+RECIPES: Registry[Recipe] = Registry(
+    "recipe", "prefect_tinker.recipes", builtins=("prefect_tinker.flows.builtin_recipes",)
+)
 
 
 def recipes() -> dict[str, Recipe]:
