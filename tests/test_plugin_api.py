@@ -14,7 +14,8 @@ import prefect_tinker.plugin as plugin
 ROOT = Path(__file__).resolve().parent.parent
 
 PUBLIC = {
-    "ADVANTAGE_ESTIMATORS", "AdvantageEstimator", "BENCHMARKS", "BenchmarkSpec", "CODE_RUNNERS", "CONVERTERS", "CaptureStore", "DataFormat",
+    "ADVANTAGE_ESTIMATORS", "AdvantageEstimator", "BENCHMARKS", "BenchmarkSpec", "CODE_RUNNERS", "CONVERTERS",
+    "CaptureStore", "DataFormat",
     "ENVS", "Env", "EnvContext", "EnvGroupBuilder", "Environment", "EvalStore", "FormatOptions", "GRADERS",
     "LOSSES", "MessageEnv", "Problem", "ProblemEnv", "RECIPES", "RENDERERS", "RLDataset", "RLLoss", "Recipe",
     "RecipeConfig", "Registry", "Renderer", "RolloutContext", "RunContext", "RunSession", "S3Credentials",
