@@ -224,10 +224,10 @@ def ensure_server(
         The record ``{"pid", "port", "base_url", "log", "started_at", "command"}``.
 
     Raises:
-        LocalServerError: a stale server still in use or that cannot tell whether it is, the port serves something unrecorded, or
-            the server exited early or did not answer ``/api/v1/healthz`` within
-            ``startup_timeout`` seconds (it is then stopped); the message includes the tail of
-            ``server.log``.
+        LocalServerError: a stale server still in use or that cannot tell whether it is, the
+            port serves something unrecorded, or the server exited early or did not answer
+            ``/api/v1/healthz`` within ``startup_timeout`` seconds (it is then stopped); the
+            message includes the tail of ``server.log``.
     """
     root.mkdir(parents=True, exist_ok=True)
     with procs.file_lock(root / LOCK_FILE):
@@ -251,9 +251,7 @@ def ensure_server(
                     f"when nothing uses it, {then}"
                 ) from None
             if busy:
-                raise LocalServerError(
-                    f"{where} and {busy} live session(s) still use it; let them finish, then {then}"
-                )
+                raise LocalServerError(f"{where} and {busy} live session(s) still use it; let them finish, then {then}")
             (logger or _log).warning(
                 "Restarting the embedded local server %s (pid %s): %s", record["base_url"], record["pid"], change
             )
