@@ -230,7 +230,7 @@ class _S3Backend:
 
     def _call(self, fn, what: str):
         try:
-            return self.io._remote(fn, f"{what} the lease {self.where}")
+            return self.io.call_retrying(fn, f"{what} the lease {self.where}")
         except OSError as exc:
             if _precondition_failed(exc):
                 raise _Conflict() from exc
@@ -274,7 +274,11 @@ def _training_io(store: Any) -> ParquetStore:
 
     io = store.parquet_store() if isinstance(store, StoreBlock) else store
     if isinstance(io, ParquetStore):
-        return io if io.store == "training" else ParquetStore(io.root, "training", storage_options=io.storage_options)
+        return (
+            io
+            if io.store == "training"
+            else ParquetStore(io.root, "training", storage_options=io.storage_options, retry_seconds=io.retry_seconds)
+        )
     return ParquetStore(str(store), "training")
 
 
