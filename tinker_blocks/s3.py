@@ -242,9 +242,7 @@ _outages: dict[str, _Outage] = {}
 _outages_lock = threading.Lock()
 
 
-def _outage_retry(
-    where: str, what: str, exc: BaseException, deadline_s: float, setting: str, tried_at: float
-) -> None:
+def _outage_retry(where: str, what: str, exc: BaseException, deadline_s: float, setting: str, tried_at: float) -> None:
     """One more retry against ``where`` after an attempt started at ``tried_at`` (monotonic) failed:
     the first of an outage is said (one warning), the others go to the debug log."""
     with _outages_lock:
