@@ -388,6 +388,10 @@ def test_transient_classification_and_retry():
         retry_call(lambda: (_ for _ in ()).throw(ConnectionResetError("reset")), what="put",
                    deadline_s=0.05, first_wait_s=0.01, sleep=time.sleep, where="store 'gave-up'")
     assert "\n" not in str(gave_up.value)
+    from prefect_tinker.tasks.policies import is_transient as task_retries
+
+    # the store retried for its whole window: a task retry would stretch retry_seconds several-fold
+    assert not task_retries(gave_up.value) and task_retries(ConnectionRefusedError("down"))
     assert str(gave_up.value).startswith("put: no answer for 0.")
     assert str(gave_up.value).endswith("(retry_seconds = 0.05 s): ConnectionResetError: reset")
     # DuckDB quotes the error of a read through fsspec as text, traceback first
