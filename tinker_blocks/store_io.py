@@ -21,6 +21,7 @@ maps each store name (``training``, ``eval``, ``capture``) to its tables.
 
 from __future__ import annotations
 
+import functools
 import os
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -521,6 +522,7 @@ class ParquetStore:
                 if self.is_local:
                     self.fs.rm_file(p)
                 else:
-                    self.call_retrying(lambda p=p: self.fs.rm_file(p), f"deleting the compacted part {self._url(p)}")
+                    what = f"deleting the compacted part {self._url(p)}"
+                    self.call_retrying(functools.partial(self.fs.rm_file, p), what)
             except FileNotFoundError:
                 pass  # already merged away by a concurrent compaction
