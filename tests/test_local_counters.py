@@ -89,24 +89,30 @@ def test_sampling_counters_of_one_batch_appear_together_and_add_up(server):
 
 
 def test_sequences_whose_ids_came_late_are_counted_and_said_once(server, monkeypatch, caplog):
-    """The request thread is held up after queueing (its sequence ids come 0.6 s later) while the
-    batch gives up waiting after 0.05 s: each such request is counted in ``local_stats``, one
+    """The request thread is held up after queueing (its sequence ids come only once the batch gave
+    up waiting for them, after 0.05 s): each such request is counted in ``local_stats``, one
     warning says so, and provenance naming its sequences is refused as unknown."""
     from tinker_local import protocol, service_sampling
 
     made = protocol.sequence_ids
+    calls: list[str] = []
 
-    def late(request_id: str, n: int) -> list[str]:
-        time.sleep(0.6)
+    def late(request_id: str, n: int) -> list[str]:  # the ids come once the batch gave up on them
+        calls.append(request_id)
+        deadline = time.monotonic() + 30
+        while server.service.sampling_stats["stability_not_recorded"] < before + len(calls):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
         return made(request_id, n)
 
     monkeypatch.setattr(service_sampling, "SEQUENCE_IDS_WAIT_S", 0.05)
-    monkeypatch.setattr(protocol, "sequence_ids", late)
     sc = tinker.ServiceClient(base_url=server.base_url, api_key="tml-counters")
     try:
         tc = sc.create_lora_training_client("tiny", rank=2, seed=0).result(timeout=120)
         sampler = tc.save_weights_and_get_sampling_client(record_stability_info=True).result(timeout=60)
         before = _local_stats(server.base_url)["sampling"]["stability_not_recorded"]
+        monkeypatch.setattr(protocol, "sequence_ids", late)
         prompt = [5, 6, 7, 8]
         with caplog.at_level("WARNING", logger="tinker_local.sampling"):
             results = [sampler.sample(types.ModelInput.from_ints(prompt), 1,
