@@ -113,8 +113,11 @@ def judge_server(tmp_path_factory):
     from tests import inproc_server
     from tests.scripted_judge import ScriptedJudgeEngine
 
+    from tinker_blocks import credentials as cred
+
     live = inproc_server.start(tmp_path_factory.mktemp("judge-root"), ["tiny"], engine_cls=ScriptedJudgeEngine)
     yield live
+    cred._forget_clients({"base_url": live.base_url})  # the runs' cached clients: sessions finished, closed
     live.stop()
 
 
