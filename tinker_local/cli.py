@@ -4,7 +4,8 @@
         --root ~/.prefect-tinker [--dtype auto|float32|bfloat16] [--device cpu|cuda] \
         [--fail-every N] [--drop-every M] [--threads T] [--sampler-workers N] \
         [--tls-cert CERT.pem --tls-key KEY.pem] [--max-models-per-user N] \
-        [--max-queued-per-user N] [--max-checkpoint-bytes-per-user B]
+        [--max-queued-per-user N] [--max-checkpoint-bytes-per-user B] \
+        [--record-requests DIR] [--sampling-seed request|content] [--lora-seed N]
 
     python -m tinker_local status [--root DIR]    the server recorded in DIR/server.json (exit 1: none)
     python -m tinker_local stop [--root DIR]      stop it: SIGTERM, SIGKILL after 5 s; remove the record
@@ -132,6 +133,29 @@ def build_parser(prog: str = "python -m tinker_local") -> argparse.ArgumentParse
         default=None,
         metavar="BYTES",
         help="checkpoint bytes a user may store; saves beyond it are refused (403)",
+    )
+    s.add_argument(
+        "--record-requests",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="write every request's full payload (datums, loss inputs, Adam parameters, sampling requests and their "
+        "results) to DIR/<session id>.jsonl (tinker_local.request_log; for request-by-request comparisons)",
+    )
+    s.add_argument(
+        "--sampling-seed",
+        default="request",
+        choices=["request", "content"],
+        help="request (default): a sample request's own seed, random when it gives none; content: each sequence's "
+        "seed derived from what the request asks (prompt, parameters, weights) and how often the session asked it "
+        "before, so identical requests get identical completions whatever seed they pass",
+    )
+    s.add_argument(
+        "--lora-seed",
+        type=int,
+        default=None,
+        metavar="N",
+        help="initialise a LoRA adapter created without a seed from N (default: a random seed)",
     )
     k = sub.add_parser("keys", help="API keys of a shared server (stored hashed in ROOT/server/api_keys.json)")
     k.add_argument(
@@ -314,6 +338,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m tinker_local") ->
                 tls_cert=args.tls_cert,
                 tls_key=args.tls_key,
                 limits=Limits(args.max_models_per_user, args.max_queued_per_user, args.max_checkpoint_bytes_per_user),
+                record_requests=args.record_requests,
+                content_seeds=args.sampling_seed == "content",
+                default_lora_seed=args.lora_seed,
             )
         except InsecureBind as e:
             print(f"error: {e}", file=sys.stderr)

@@ -34,6 +34,9 @@ def serve(
     tls_cert: Path | str | None = None,
     tls_key: Path | str | None = None,
     limits: Limits | None = None,
+    record_requests: Path | str | None = None,
+    content_seeds: bool = False,
+    default_lora_seed: int | None = None,
 ) -> None:
     """Build an Engine under ``root``, preload ``model`` names, and serve until interrupted.
 
@@ -108,6 +111,9 @@ def serve(
         jwt_auth=jwt_auth,
         sampler_pool=pool,
         limits=limits,
+        record_requests=record_requests,
+        content_seeds=content_seeds,
+        default_lora_seed=default_lora_seed,
     )
     scheme = "https" if tls_cert else "http"
     logger.info(

@@ -30,6 +30,7 @@ from .errors import HttpError
 from .faults import FaultConfig, FaultInjector, FaultState
 from .http_auth import AuthCountLog
 from .keys import KeyStore
+from .request_log import ContentSeeds, RequestLog
 from .routes_rest import add_rest_routes
 from .routes_service import add_service_routes
 from .routes_training import add_training_routes
@@ -58,6 +59,9 @@ def create_app(
     jwt_auth: bool = False,
     sampler_pool: Any = None,
     limits: Limits | None = None,
+    record_requests: Path | str | None = None,
+    content_seeds: bool = False,
+    default_lora_seed: int | None = None,
 ) -> FastAPI:
     """Build the FastAPI app speaking the tinker 0.38 protocol in front of ``engine``.
 
@@ -84,6 +88,12 @@ def create_app(
             the app closes it at shutdown.
         limits: per-user limits (``tinker_local.tenancy.Limits``; None: none).  The API keys are
             read from ``root/server/api_keys.json`` (``tinker_local.keys``) on every change.
+        record_requests: a folder: every request's payload goes to ``<folder>/<session>.jsonl``
+            (``tinker_local.request_log``); None: nothing recorded.
+        content_seeds: draw each sampled sequence with a seed derived from the request's content
+            (``tinker_local.request_log.content_seed``) instead of the request's own seed.
+        default_lora_seed: LoRA initialisation seed of a ``create_model`` that gives none (None:
+            random).
     Raises:
         ValueError: when no root is given and the engine has none.
     """
@@ -95,6 +105,9 @@ def create_app(
     )
     svc.custom_loss_server_side = custom_loss_server_side
     svc.tenancy.limits = limits or Limits()
+    svc.request_log = RequestLog(record_requests) if record_requests is not None else None
+    svc.content_seeds = ContentSeeds() if content_seeds else None
+    svc.default_lora_seed = default_lora_seed
     keys = KeyStore(root)
     # the JWT key derives from the server's URL-signing secret (tinker_local.auth)
     svc.jwt = JwtIssuer(load_secret(Path(root)), clock=lambda: svc.clock()) if jwt_auth else None
