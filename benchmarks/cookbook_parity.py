@@ -1,0 +1,564 @@
+"""Same recipe, same numbers: tinker-cookbook 0.6.1's training loops and ours, request by request.
+
+For each recipe this starts one ``prefect-tinker local serve`` (fp32, every request recorded with
+its payload: ``--record-requests``; sampling seeded by the request's content: ``--sampling-seed
+content``; LoRA adapters created without a seed initialised from seed 0: ``--lora-seed 0``), runs
+the cookbook's own training entry point with a config in a child process (its own session), then
+``prefect-tinker run RECIPE`` with the equivalent config (another session), and compares what the
+two sessions sent:
+
+- the training requests in order (``forward_backward`` / ``forward`` with every datum's model
+  input, loss function, loss config and every loss input; ``optim_step`` with its Adam
+  parameters), step by step;
+- the sampling requests (prompt, sampling parameters other than the seed, the identity of the
+  sampled weights, and what came back), one entry per sampled sequence, in a canonical order;
+- the loss of every step (``loss:sum`` of each ``forward_backward``), and the final LoRA weights
+  (the adapter of each side's last save).
+
+It prints one table per recipe (requests compared, the first difference with its step, request,
+datum, field and both values, the largest relative loss difference, the largest final weight
+difference) and, last, one summary line per recipe.  Exit status 0 when every recipe is identical
+within the tolerances (integers exact; floats within ``--rtol``, default 1e-6 relative).
+
+The cookbook is not a dependency of the project; install it beside the environment (what
+``scripts/setup.sh`` does, into ``.cookbook/``)::
+
+    pip install --target .cookbook --no-deps tinker-cookbook==0.6.1 tml-renderers chz blobfile \\
+        pyrage termcolor tiktoken lxml pycryptodomex
+    python benchmarks/cookbook_parity.py --recipe sft --steps 20
+    python benchmarks/cookbook_parity.py --recipe sft,dpo,rl --model smollm2 --json parity.json
+
+``--cookbook DIR`` (default ``.cookbook`` in the checkout, else ``$COOKBOOK_DIR``) is put on the
+children's ``PYTHONPATH``.  The config mapping (cookbook field -> ours) of each recipe is in
+``RECIPES`` below and in docs/cookbook-parity.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared" / "data"
+API_KEY = "tml-cookbook-parity"
+
+# --------------------------------------------------------------------------------------------------
+# the cookbook side: one small program per recipe, run in a child with only the server's URL/key
+
+PRELUDE = """
+import asyncio, json, logging, sys
+a = json.loads(sys.argv[1])
+from transformers import AutoTokenizer
+from tinker_cookbook import tokenizer_utils
+_tok = AutoTokenizer.from_pretrained(a["tokenizer_dir"])
+# a local model has no hub id: tell the cookbook where its tokenizer is (its own extension point)
+tokenizer_utils.register_tokenizer(a["model"], lambda: _tok)
+"""
+
+COOKBOOK_SFT = """
+from tinker_cookbook.renderers import TrainOnWhat
+from tinker_cookbook.supervised import train
+from tinker_cookbook.supervised.data import FromConversationFileBuilder
+from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
+common = ChatDatasetBuilderCommonConfig(
+    model_name_for_tokenizer=a["model"], renderer_name=a["renderer"], max_length=a["max_length"],
+    batch_size=a["batch_size"], train_on_what=TrainOnWhat.ALL_ASSISTANT_MESSAGES)
+cfg = train.Config(
+    log_path=a["log"], recipe_name="parity_sft", model_name=a["model"], renderer_name=a["renderer"],
+    dataset_builder=FromConversationFileBuilder(common_config=common, file_path=a["data"],
+                                                test_size=a["test_size"], shuffle_seed=a["seed"]),
+    learning_rate=a["lr"], lr_schedule="linear", num_epochs=a["num_epochs"], lora_rank=a["lora_rank"],
+    save_every=0, eval_every=0, max_steps=a["steps"])
+asyncio.run(train.main(cfg))
+"""
+
+
+# --------------------------------------------------------------------------------------------------
+# running things
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _bin(name: str) -> str:
+    return str(Path(sys.executable).with_name(name))
+
+
+class Server:
+    """One ``prefect-tinker local serve`` for a recipe: fp32, requests recorded, content seeds."""
+
+    def __init__(self, work: Path, model: str, threads: int):
+        self.work, self.model = work, model
+        self.requests = work / "requests"
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [
+            _bin("prefect-tinker"), "local", "serve", "--model", model, "--port", str(self.port),
+            "--root", str(work / "server"), "--dtype", "fp32", "--threads", str(threads),
+            "--record-requests", str(self.requests), "--sampling-seed", "content", "--lora-seed", "0",
+            "--log-level", "warning",
+        ]  # fmt: skip
+        self.log = work / "server.log"
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=_env(work), stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                urllib.request.urlopen(f"{self.url}/api/v1/healthz", timeout=2)
+                break
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"the server did not start; see {self.log}") from None
+                time.sleep(0.5)
+        self.tokenizer_dir = self._tokenizer_dir()
+
+    def _tokenizer_dir(self) -> str:
+        import tinker
+
+        os.environ.pop("TINKER_BASE_URL", None)
+        sc = tinker.ServiceClient(base_url=self.url, api_key=API_KEY)
+        tc = sc.create_lora_training_client(base_model=self.model, rank=1).result()
+        out = tc.get_info().model_data.tokenizer_id
+        self.probe_session = self.sessions()  # that client's session: not part of any comparison
+        return str(out)
+
+    def sessions(self) -> set[str]:
+        return {p.stem for p in self.requests.glob("*.jsonl")} if self.requests.is_dir() else set()
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _env(work: Path, **extra: str) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PREFECT_", "TINKER_")) and k not in ("HOME", "PYTHONPATH")
+    }
+    home = work / "home"
+    home.mkdir(parents=True, exist_ok=True)
+    env.update(
+        HOME=str(home), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TINKER_TELEMETRY="0",
+        TOKENIZERS_PARALLELISM="false", PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_TINKER_UI="off",
+        WANDB_MODE="disabled",
+    )  # fmt: skip
+    env.update(extra)
+    return env
+
+
+def run_side(server: Server, label: str, cmd: list[str], env: dict[str, str]) -> list[str]:
+    """Run ``cmd`` against ``server``; returns the sessions it opened (new request-log files)."""
+    before = server.sessions()
+    log = server.work / f"{label}.log"
+    t0 = time.monotonic()
+    with log.open("w") as out:
+        rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=3600).returncode
+    if rc:
+        tail = "\n".join(log.read_text().splitlines()[-25:])
+        raise SystemExit(f"{label} failed (exit {rc}); the end of {log}:\n{tail}")
+    new = sorted(server.sessions() - before, key=lambda s: (server.requests / f"{s}.jsonl").stat().st_mtime)
+    print(f"  {label}: {time.monotonic() - t0:.0f} s, session(s) {', '.join(new) or 'none'}", flush=True)
+    return new
+
+
+def run_cookbook(server: Server, code: str, args: dict[str, Any], cookbook: Path) -> list[str]:
+    env = _env(server.work, TINKER_BASE_URL=server.url, TINKER_API_KEY=API_KEY, PYTHONPATH=str(cookbook))
+    a = {"model": server.model, "tokenizer_dir": server.tokenizer_dir, "log": str(server.work / "cookbook"), **args}
+    prog = textwrap.dedent(PRELUDE) + textwrap.dedent(code)
+    return run_side(server, "cookbook", [sys.executable, "-c", prog, json.dumps(a)], env)
+
+
+def run_ours(server: Server, recipe: str, overrides: dict[str, Any]) -> list[str]:
+    env = _env(server.work, TINKER_API_KEY=API_KEY)
+    kv = {
+        "model": server.model, "backend.base_url": server.url, "store": str(server.work / "store"),
+        "run_name": f"parity-{recipe}", **overrides,
+    }  # fmt: skip
+    cmd = [_bin("prefect-tinker"), "run", recipe, *(f"{k}={_cli(v)}" for k, v in kv.items())]
+    return run_side(server, "ours", cmd, env)
+
+
+def _cli(v: Any) -> str:
+    return json.dumps(v) if isinstance(v, (list, dict, bool)) or v is None else str(v)
+
+
+# --------------------------------------------------------------------------------------------------
+# reading the request logs
+
+
+def read_sessions(server: Server, sessions: list[str]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for s in sessions:
+        out.extend(json.loads(line) for line in (server.requests / f"{s}.jsonl").read_text().splitlines() if line)
+    return out
+
+
+def training_stream(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ``forward_backward`` and ``optim_step`` requests, in the order the server ran them,
+    each with its step (optimizer steps before it)."""
+    out, step = [], 0
+    for e in entries:
+        if e["op"] in ("forward_backward", "optim_step"):
+            out.append({**e, "step": step})
+            if e["op"] == "optim_step":
+                step += 1
+    return out
+
+
+def sample_stream(entries: list[dict[str, Any]], include: Callable[[dict], bool]) -> list[dict[str, Any]]:
+    """One entry per sampled sequence: (weights, prompt, parameters without the seed, what came
+    back), in a canonical order (sorted), for the sample requests ``include`` accepts."""
+    out = []
+    for e in entries:
+        if e["op"] != "sample" or not include(e):
+            continue
+        params = {k: v for k, v in e["sampling_params"].items() if k != "seed"}
+        for s in e["sequences"]:
+            out.append(
+                {
+                    "weights": e["weights"],
+                    "prompt": e["prompt"],
+                    "sampling_params": params,
+                    "prompt_logprobs": e["prompt_logprobs"],
+                    "tokens": s["tokens"],
+                    "logprobs": s["logprobs"],
+                    "prompt_logprobs_out": e.get("prompt_logprobs_out"),
+                }
+            )
+    out.sort(key=lambda r: json.dumps([r["weights"], r["prompt"], r["sampling_params"], r["tokens"]]))
+    return out
+
+
+def final_adapter(entries: list[dict[str, Any]]) -> Path | None:
+    saves = [e for e in entries if e["op"] in ("save_weights", "save_weights_for_sampler")]
+    return Path(saves[-1]["path"]) / "adapter_model.safetensors" if saves else None
+
+
+# --------------------------------------------------------------------------------------------------
+# comparing
+
+
+@dataclass
+class Difference:
+    where: str
+    field: str
+    cookbook: Any
+    ours: Any
+
+    def __str__(self) -> str:
+        return f"{self.where}, {self.field}: cookbook {_short(self.cookbook)} vs ours {_short(self.ours)}"
+
+
+def _short(v: Any, n: int = 80) -> str:
+    s = json.dumps(v) if not isinstance(v, str) else v
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+@dataclass
+class Comparison:
+    recipe: str
+    model: str
+    requests: int = 0
+    sequences: int = 0
+    first: Difference | None = None
+    max_float_rel: float = 0.0
+    max_loss_rel: float = 0.0
+    max_weight_abs: float | None = None
+    steps: int = 0
+    notes: list[str] = field(default_factory=list)
+    losses: list[tuple[float, float]] = field(default_factory=list)
+
+    def differ(self, d: Difference) -> None:
+        if self.first is None:
+            self.first = d
+
+    def identical(self, rtol: float) -> bool:
+        return (
+            self.first is None
+            and self.max_loss_rel <= rtol
+            and (self.max_weight_abs is not None and self.max_weight_abs <= rtol)
+        )
+
+
+def _rel(a: float, b: float) -> float:
+    if a == b:
+        return 0.0
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return math.inf
+    return abs(a - b) / max(abs(a), abs(b), 1e-12)
+
+
+def compare_values(cmp: Comparison, where: str, name: str, a: Any, b: Any, rtol: float) -> None:
+    """Integers and strings exact, floats within ``rtol`` (relative, with an absolute floor of
+    ``rtol`` for values near 0); lists element by element."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            if k not in a or k not in b:
+                cmp.differ(Difference(where, f"{name}.{k}", a.get(k, "<absent>"), b.get(k, "<absent>")))
+                continue
+            compare_values(cmp, where, f"{name}.{k}", a[k], b[k], rtol)
+        return
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            cmp.differ(Difference(where, f"{name} (length)", len(a), len(b)))
+            return
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            if isinstance(x, (list, dict)):
+                compare_values(cmp, where, f"{name}[{i}]", x, y, rtol)
+            elif isinstance(x, float) or isinstance(y, float):
+                if x is None or y is None:
+                    if x is not y:
+                        cmp.differ(Difference(where, f"{name}[{i}]", x, y))
+                    continue
+                r = _rel(float(x), float(y))
+                if abs(float(x) - float(y)) <= rtol * 1e-3:  # both ~0
+                    r = 0.0
+                cmp.max_float_rel = max(cmp.max_float_rel, r)
+                if r > rtol:
+                    cmp.differ(Difference(where, f"{name}[{i}]", x, y))
+            elif x != y:
+                cmp.differ(Difference(where, f"{name}[{i}]", x, y))
+        return
+    if isinstance(a, float) or isinstance(b, float):
+        r = _rel(float(a), float(b)) if a is not None and b is not None else (0.0 if a is b else math.inf)
+        cmp.max_float_rel = max(cmp.max_float_rel, r)
+        if r > rtol:
+            cmp.differ(Difference(where, name, a, b))
+    elif a != b:
+        cmp.differ(Difference(where, name, a, b))
+
+
+def compare(
+    recipe: str, model: str, cb: list[dict], ours: list[dict], rtol: float, samples: Callable[[dict], bool] | None
+) -> Comparison:
+    cmp = Comparison(recipe, model)
+    ta, tb = training_stream(cb), training_stream(ours)
+    cmp.steps = sum(e["op"] == "optim_step" for e in ta)
+    if len(ta) != len(tb):
+        cmp.differ(Difference("training requests", "count", len(ta), len(tb)))
+    for k, (a, b) in enumerate(zip(ta, tb, strict=False)):
+        where = f"step {a['step']}, request {k} ({a['op']})"
+        cmp.requests += 1
+        if a["op"] != b["op"]:
+            cmp.differ(Difference(where, "op", a["op"], b["op"]))
+            break
+        if a["op"] == "optim_step":
+            compare_values(cmp, where, "adam_params", a["adam_params"], b["adam_params"], rtol)
+            continue
+        for f in ("loss_fn", "loss_fn_config"):
+            compare_values(cmp, where, f, a[f], b[f], rtol)
+        if len(a["datums"]) != len(b["datums"]):
+            cmp.differ(Difference(where, "datums (count)", len(a["datums"]), len(b["datums"])))
+        for d, (x, y) in enumerate(zip(a["datums"], b["datums"], strict=False)):
+            compare_values(cmp, f"{where}, datum {d}", "model_input", x["model_input"], y["model_input"], rtol)
+            compare_values(cmp, f"{where}, datum {d}", "loss_fn_inputs", x["loss_fn_inputs"], y["loss_fn_inputs"], rtol)
+        la, lb = a["metrics"].get("loss:sum", math.nan), b["metrics"].get("loss:sum", math.nan)
+        cmp.losses.append((la, lb))
+        cmp.max_loss_rel = max(cmp.max_loss_rel, _rel(la, lb))
+    if samples is not None:
+        sa, sb = sample_stream(cb, samples), sample_stream(ours, samples)
+        if len(sa) != len(sb):
+            cmp.differ(Difference("sampled sequences", "count", len(sa), len(sb)))
+        for k, (a, b) in enumerate(zip(sa, sb, strict=False)):
+            cmp.sequences += 1
+            compare_values(cmp, f"sampled sequence {k}", "", a, b, rtol)
+    fa, fb = final_adapter(cb), final_adapter(ours)
+    if fa is None or fb is None:
+        cmp.notes.append(f"final weights: a side saved none (cookbook {fa}, ours {fb})")
+    else:
+        cmp.max_weight_abs = max_weight_difference(fa, fb)
+    return cmp
+
+
+def max_weight_difference(a: Path, b: Path) -> float:
+    """Largest |a - b| over the LoRA tensors of two adapter files (inf when their names or shapes
+    differ)."""
+    from safetensors.numpy import load_file
+
+    x, y = load_file(str(a)), load_file(str(b))
+    if set(x) != set(y) or any(x[k].shape != y[k].shape for k in x):
+        return math.inf
+    return max((float(abs(x[k].astype("float64") - y[k].astype("float64")).max()) for k in x), default=0.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# recipes
+
+
+@dataclass
+class Recipe:
+    name: str  # our recipe (prefect-tinker run NAME)
+    cookbook_code: str
+    cookbook_args: Callable[[argparse.Namespace, Path], dict[str, Any]]
+    ours: Callable[[argparse.Namespace, Path], dict[str, Any]]
+    samples: Callable[[dict], bool] | None = None  # which sample requests are compared (None: none)
+    default_data: str = ""
+
+
+def _sft_data(args: argparse.Namespace, work: Path) -> Path:
+    src = Path(args.dataset) if args.dataset else SHARED / "sft" / "dolly_slice_messages.jsonl"
+    if not src.is_file():
+        raise SystemExit(f"--dataset: no such file {src}")
+    out = work / "sft.jsonl"  # only the messages (the cookbook's builder keeps every column)
+    with src.open() as f, out.open("w") as g:
+        for line in f:
+            if line.strip():
+                g.write(json.dumps({"messages": json.loads(line)["messages"]}) + "\n")
+    return out
+
+
+def _sft_shape(args: argparse.Namespace, data: Path) -> dict[str, Any]:
+    n = sum(1 for line in data.open() if line.strip()) - args.test_size
+    per_epoch = max(n // args.batch_size, 1)
+    return {"num_epochs": max(1, math.ceil(args.steps / per_epoch))}
+
+
+def sft_cookbook(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    data = _sft_data(args, work)
+    return {
+        "data": str(data), "renderer": args.renderer, "max_length": args.max_length, "batch_size": args.batch_size,
+        "test_size": args.test_size, "seed": 0, "lr": args.lr, "lora_rank": args.lora_rank, "steps": args.steps,
+        **_sft_shape(args, data),
+    }  # fmt: skip
+
+
+def sft_ours(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    data = _sft_data(args, work)
+    return {
+        "dataset": str(data), "renderer": args.renderer, "max_length": args.max_length,
+        "batch_size": args.batch_size, "test_size": args.test_size, "seed": 0, "learning_rate": args.lr,
+        "lr_schedule": "linear", "lora_rank": args.lora_rank, "max_steps": args.steps,
+        "num_epochs": _sft_shape(args, data)["num_epochs"],
+        # what reproduces the cookbook's SFT:
+        "reduction": "mean", "data_order": "cookbook", "on_too_long": "truncate_keep", "adam.eps": 1e-8,
+        # no evaluation or sampling at the end (the cookbook's eval_every=0)
+        "eval_every": 0, "save_every": 0, "num_eval_samples": 0,
+    }  # fmt: skip
+
+
+RECIPES: dict[str, Recipe] = {
+    "sft": Recipe("sft", COOKBOOK_SFT, sft_cookbook, sft_ours),
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# report
+
+
+def table(cmp: Comparison, rtol: float) -> str:
+    rows = [
+        ("recipe", cmp.recipe),
+        ("model", cmp.model),
+        ("optimizer steps", str(cmp.steps)),
+        ("training requests compared", str(cmp.requests)),
+        ("sampled sequences compared", str(cmp.sequences)),
+        ("first difference", str(cmp.first) if cmp.first else "none (identical)"),
+        ("largest float difference (relative)", f"{cmp.max_float_rel:.3g}"),
+        ("largest per-step loss difference (relative)", f"{cmp.max_loss_rel:.3g}"),
+        ("largest final LoRA weight difference", "n/a" if cmp.max_weight_abs is None else f"{cmp.max_weight_abs:.3g}"),
+        ("verdict", "IDENTICAL" if cmp.identical(rtol) else "DIFFERENT"),
+    ]
+    w = max(len(k) for k, _ in rows)
+    lines = [f"  {k.ljust(w)}  {v}" for k, v in rows]
+    lines += [f"  note: {n}" for n in cmp.notes]
+    if cmp.losses:
+        pairs = ", ".join(f"{a:.6g}/{b:.6g}" for a, b in cmp.losses[:8])
+        lines.append(f"  loss:sum of the first steps (cookbook/ours): {pairs}")
+    return "\n".join(lines)
+
+
+def summary(cmp: Comparison, rtol: float) -> str:
+    verdict = "identical" if cmp.identical(rtol) else f"DIFFERENT ({cmp.first or 'tolerance'})"
+    w = "n/a" if cmp.max_weight_abs is None else f"{cmp.max_weight_abs:.2g}"
+    return (
+        f"{cmp.recipe} [{cmp.model}]: {cmp.requests} requests + {cmp.sequences} sequences, {cmp.steps} steps, "
+        f"max loss diff {cmp.max_loss_rel:.2g}, max weight diff {w}: {verdict}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--recipe", default="sft", help=f"comma-separated, of: {', '.join(RECIPES)} (or all)")
+    ap.add_argument("--model", default="tiny", help="tiny, smollm2 or a local HF model directory (default tiny)")
+    ap.add_argument("--dataset", default=None, help="data file of the recipe (default: the recipe's own)")
+    ap.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--lora-rank", type=int, default=8)
+    ap.add_argument("--max-length", type=int, default=256)
+    ap.add_argument("--test-size", type=int, default=0)
+    ap.add_argument("--renderer", default="role_colon")
+    ap.add_argument("--rtol", type=float, default=1e-6, help="float tolerance, relative (default 1e-6)")
+    ap.add_argument("--threads", type=int, default=2, help="the server's torch threads")
+    ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--cookbook", type=Path, default=Path(os.environ.get("COOKBOOK_DIR", REPO / ".cookbook")))
+    ap.add_argument("--json", type=Path, default=None, help="write the comparisons here")
+    args = ap.parse_args(argv)
+    names = list(RECIPES) if args.recipe == "all" else [r.strip() for r in args.recipe.split(",") if r.strip()]
+    unknown = [n for n in names if n not in RECIPES]
+    if unknown:
+        ap.error(f"--recipe: unknown {', '.join(unknown)} (known: {', '.join(RECIPES)})")
+    if not (args.cookbook / "tinker_cookbook").is_dir():
+        ap.error(f"--cookbook: no tinker_cookbook in {args.cookbook} (install it: see this script's docstring)")
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="cookbook-parity-"))
+    results = []
+    for name in names:
+        r = RECIPES[name]
+        rw = work / name
+        rw.mkdir(parents=True, exist_ok=True)
+        print(f"{name}: serving {args.model} (fp32) in {rw}", flush=True)
+        server = Server(rw, args.model, args.threads)
+        try:
+            cb = run_cookbook(server, r.cookbook_code, r.cookbook_args(args, rw), args.cookbook)
+            ours = run_ours(server, r.name, r.ours(args, rw))
+            cmp = compare(
+                name, args.model, read_sessions(server, cb), read_sessions(server, ours), args.rtol, r.samples
+            )
+        finally:
+            server.close()
+        print(table(cmp, args.rtol), flush=True)
+        results.append(cmp)
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                [
+                    {
+                        "recipe": c.recipe, "model": c.model, "steps": c.steps, "requests": c.requests,
+                        "sequences": c.sequences, "first_difference": None if c.first is None else str(c.first),
+                        "max_float_rel": c.max_float_rel, "max_loss_rel": c.max_loss_rel,
+                        "max_weight_abs": c.max_weight_abs, "identical": c.identical(args.rtol), "losses": c.losses,
+                        "notes": c.notes,
+                    }
+                    for c in results
+                ],
+                indent=1,
+            )
+        )  # fmt: skip
+    for c in results:
+        print(summary(c, args.rtol))
+    return 0 if all(c.identical(args.rtol) for c in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
