@@ -86,6 +86,23 @@ cfg = train.Config(
 asyncio.run(train.main(cfg))
 """
 
+COOKBOOK_DPO = """
+from tinker_cookbook.preference import train_dpo
+from tinker_cookbook.preference.dpo_datasets import DPODatasetBuilderFromComparisons
+from tinker_cookbook.preference.preference_datasets import ComparisonBuilderFromJsonl
+from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
+common = ChatDatasetBuilderCommonConfig(
+    model_name_for_tokenizer=a["model"], renderer_name=a["renderer"], max_length=a["max_length"],
+    batch_size=a["batch_size"])
+cfg = train_dpo.Config(
+    log_path=a["log"], recipe_name="parity_dpo", model_name=a["model"], renderer_name=a["renderer"],
+    dataset_builder=DPODatasetBuilderFromComparisons(
+        common_config=common, comparison_builder=ComparisonBuilderFromJsonl(train_path=a["data"])),
+    learning_rate=a["lr"], lr_schedule="linear", num_epochs=a["num_epochs"], dpo_beta=a["beta"],
+    lora_rank=a["lora_rank"], save_every=0, eval_every=0, infrequent_eval_every=0, max_steps=a["steps"])
+train_dpo.main(cfg)
+"""
+
 
 # --------------------------------------------------------------------------------------------------
 # running things
@@ -350,7 +367,13 @@ def compare_values(cmp: Comparison, where: str, name: str, a: Any, b: Any, rtol:
 
 
 def compare(
-    recipe: str, model: str, cb: list[dict], ours: list[dict], rtol: float, samples: Callable[[dict], bool] | None
+    recipe: str,
+    model: str,
+    cb: list[dict],
+    ours: list[dict],
+    rtol: float,
+    samples: Callable[[dict], bool] | None,
+    sample_fields: tuple[str, ...] | None = None,
 ) -> Comparison:
     cmp = Comparison(recipe, model)
     ta, tb = training_stream(cb), training_stream(ours)
@@ -382,7 +405,9 @@ def compare(
             cmp.differ(Difference("sampled sequences", "count", len(sa), len(sb)))
         for k, (a, b) in enumerate(zip(sa, sb, strict=False)):
             cmp.sequences += 1
-            compare_values(cmp, f"sampled sequence {k}", "", a, b, rtol)
+            if sample_fields is not None:
+                a, b = ({f: x[f] for f in sample_fields} for x in (a, b))
+            compare_values(cmp, f"sampled sequence {k}", "sequence", a, b, rtol)
     fa, fb = final_adapter(cb), final_adapter(ours)
     if fa is None or fb is None:
         cmp.notes.append(f"final weights: a side saved none (cookbook {fa}, ours {fb})")
@@ -413,7 +438,8 @@ class Recipe:
     cookbook_args: Callable[[argparse.Namespace, Path], dict[str, Any]]
     ours: Callable[[argparse.Namespace, Path], dict[str, Any]]
     samples: Callable[[dict], bool] | None = None  # which sample requests are compared (None: none)
-    default_data: str = ""
+    # the fields of a sampled sequence compared (default all: weights, prompt, parameters, what came back)
+    sample_fields: tuple[str, ...] | None = None
 
 
 def _sft_data(args: argparse.Namespace, work: Path) -> Path:
@@ -457,8 +483,90 @@ def sft_ours(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _hh_messages(text: str) -> list[dict[str, str]]:
+    """An HH-RLHF transcript (``\\n\\nHuman: ...\\n\\nAssistant: ...``) as chat messages."""
+    msgs: list[dict[str, str]] = []
+    for part in text.split("\n\nHuman: ")[1:]:
+        human, *replies = part.split("\n\nAssistant: ")
+        msgs.append({"role": "user", "content": human.strip()})
+        msgs.extend({"role": "assistant", "content": r.strip()} for r in replies)
+    return msgs
+
+
+def _dpo_data(args: argparse.Namespace, work: Path) -> tuple[Path, Path, int]:
+    """The comparisons twice: the cookbook's ``{comparison, label}`` rows and our ``{prompt, chosen,
+    rejected}`` rows (the same pairs in the same order: HH-RLHF pairs whose transcripts share all
+    but the last assistant reply, at most 2,000 characters each)."""
+    src = Path(args.dataset) if args.dataset else SHARED / "prefs" / "hh_rlhf_harmless_base_test.jsonl.gz"
+    if not src.is_file():
+        raise SystemExit(f"--dataset: no such file {src}")
+    opener = gzip.open if src.suffix == ".gz" else open
+    need = args.steps * args.batch_size
+    cb, ours = work / "dpo_cookbook.jsonl", work / "dpo_ours.jsonl"
+    n = 0
+    with opener(src, "rt") as f, cb.open("w") as g, ours.open("w") as h:
+        for line in f:
+            if not line.strip() or n >= need:
+                continue
+            rec = json.loads(line)
+            if "comparison" in rec:  # already the cookbook's form
+                comp = rec["comparison"]
+                chosen, rejected = (
+                    (comp["completion_A"], comp["completion_B"])
+                    if rec["label"] == "A"
+                    else (comp["completion_B"], comp["completion_A"])
+                )
+                prompt = comp["prompt_conversation"]
+            else:
+                c, r = _hh_messages(rec["chosen"]), _hh_messages(rec["rejected"])
+                if len(rec["chosen"]) > 2000 or len(rec["rejected"]) > 2000 or not c or not r:
+                    continue
+                if c[:-1] != r[:-1] or c[-1]["role"] != "assistant" or r[-1]["role"] != "assistant":
+                    continue
+                prompt, chosen, rejected = c[:-1], c[-1:], r[-1:]
+            comp = {"prompt_conversation": prompt, "completion_A": chosen, "completion_B": rejected}
+            g.write(json.dumps({"comparison": comp, "label": "A"}) + "\n")
+            h.write(json.dumps({"prompt": prompt, "chosen": chosen, "rejected": rejected}) + "\n")
+            n += 1
+    return cb, ours, n
+
+
+def dpo_cookbook(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    cb, _, n = _dpo_data(args, work)
+    return {
+        "data": str(cb), "renderer": args.renderer, "max_length": args.max_length, "batch_size": args.batch_size,
+        "lr": args.lr, "beta": 0.1, "lora_rank": args.lora_rank, "steps": args.steps,
+        "num_epochs": max(1, math.ceil(args.steps / max(n // args.batch_size, 1))),
+    }  # fmt: skip
+
+
+def dpo_ours(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    _, ours, n = _dpo_data(args, work)
+    return {
+        "dataset": str(ours), "format": "preference", "renderer": args.renderer, "max_length": args.max_length,
+        "batch_size": args.batch_size, "test_size": 0, "seed": 0, "learning_rate": args.lr, "lr_schedule": "linear",
+        "lora_rank": args.lora_rank, "max_steps": args.steps, "beta": 0.1,
+        # what reproduces the cookbook's DPO:
+        "reference_via": "sampler", "data_order": "cookbook", "adam.eps": 1e-8,
+        "eval_every": 0, "save_every": 0,
+    }  # fmt: skip
+
+
+def _prompt_logprobs(e: dict) -> bool:
+    return bool(e["prompt_logprobs"])
+
+
 RECIPES: dict[str, Recipe] = {
     "sft": Recipe("sft", COOKBOOK_SFT, sft_cookbook, sft_ours),
+    # reference logprobs: sample requests with prompt logprobs; compared on prompt and prompt logprobs
+    "dpo": Recipe(
+        "dpo",
+        COOKBOOK_DPO,
+        dpo_cookbook,
+        dpo_ours,
+        samples=_prompt_logprobs,
+        sample_fields=("prompt", "prompt_logprobs", "prompt_logprobs_out"),
+    ),
 }
 
 
@@ -533,7 +641,13 @@ def main(argv: list[str] | None = None) -> int:
             cb = run_cookbook(server, r.cookbook_code, r.cookbook_args(args, rw), args.cookbook)
             ours = run_ours(server, r.name, r.ours(args, rw))
             cmp = compare(
-                name, args.model, read_sessions(server, cb), read_sessions(server, ours), args.rtol, r.samples
+                name,
+                args.model,
+                read_sessions(server, cb),
+                read_sessions(server, ours),
+                args.rtol,
+                r.samples,
+                r.sample_fields,
             )
         finally:
             server.close()

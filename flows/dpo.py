@@ -26,7 +26,7 @@ from prefect_tinker.flows.config import RecipeConfig
 from prefect_tinker.flows.loop import StepLoop
 from prefect_tinker.flows.session import RunSession
 from prefect_tinker.recipes.builders import SourceFields
-from prefect_tinker.recipes.data_pipeline import batch_at
+from prefect_tinker.recipes.data_pipeline import DataOrder, batch_at
 from prefect_tinker.recipes.preference import DPOLoss, LossName, PreferenceBuilder, PreferenceData, pair_datums
 from prefect_tinker.recipes.progress import phase
 from prefect_tinker.tasks.benchmark_evaluator import benchmark_evaluators
@@ -58,6 +58,7 @@ class DPOConfig(SourceFields, RecipeConfig):
         "label_smoothing",
         "reference",
         "reference_via",
+        "data_order",
     )
 
     dataset: str | None = Field(
@@ -101,6 +102,14 @@ class DPOConfig(SourceFields, RecipeConfig):
         default="trainer",
         description=(
             "Reference logprobs from a frozen training client (same numerics as the policy) or a sampling client."
+        ),
+    )
+
+    data_order: DataOrder = Field(
+        default="seeded",
+        description=(
+            "seeded: epoch e in an order seeded by (seed, e); cookbook: epoch e shuffled by e alone, as "
+            "tinker-cookbook 0.6.1's DPO orders a comparison file."
         ),
     )
 
@@ -170,7 +179,8 @@ def dpo_flow(config: DPOConfig) -> dict[str, Any]:
         )
 
         def one_step(step: int) -> dict[str, float]:
-            pairs = [data.train[i] for i in batch_at(len(data.train), config.batch_size, config.seed, step)]
+            order = batch_at(len(data.train), config.batch_size, config.seed, step, config.data_order)
+            pairs = [data.train[i] for i in order]
             datums = pair_datums(pairs)
             ref, cached = run_task(
                 reference_sequence_logprobs.with_options(task_run_name=f"reference-step-{step}"),
