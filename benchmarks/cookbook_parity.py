@@ -103,6 +103,22 @@ cfg = train_dpo.Config(
 train_dpo.main(cfg)
 """
 
+COOKBOOK_RL = """
+from tinker_cookbook.recipes.math_rl.arithmetic_env import ArithmeticDatasetBuilder
+from tinker_cookbook.rl import train
+builder = ArithmeticDatasetBuilder(
+    batch_size=a["groups"], model_name_for_tokenizer=a["model"], renderer_name=a["renderer"],
+    n_batches=a["steps"], group_size=a["group_size"])
+stream = train.StreamMinibatchConfig(groups_per_batch=a["groups"], num_minibatches=a["minibatches"]) \
+    if a["streaming"] else None
+cfg = train.Config(
+    learning_rate=a["lr"], dataset_builder=builder, model_name=a["model"], recipe_name="parity_rl",
+    renderer_name=a["renderer"], max_tokens=a["max_tokens"], log_path=a["log"], eval_every=0, save_every=0,
+    lora_rank=a["lora_rank"], kl_penalty_coef=a["kl"], stream_minibatch_config=stream,
+    kl_reference_config=train.KLReferenceConfig(base_model=a["model"]) if a["kl"] else None)
+asyncio.run(train.main(cfg))
+"""
+
 
 # --------------------------------------------------------------------------------------------------
 # running things
@@ -550,6 +566,40 @@ def dpo_ours(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "reference_via": "sampler", "data_order": "cookbook", "adam.eps": 1e-8,
         "eval_every": 0, "save_every": 0,
     }  # fmt: skip
+
+
+def _rl_args(args: argparse.Namespace, variant: str) -> dict[str, Any]:
+    return {
+        "groups": 4, "group_size": 4, "max_tokens": 8, "steps": args.steps, "lr": args.lr,
+        "lora_rank": args.lora_rank, "renderer": args.renderer, "kl": 0.05 if variant == "kl" else 0.0,
+        "streaming": variant == "streaming", "minibatches": 2,
+    }  # fmt: skip
+
+
+def rl_cookbook(variant: str) -> Callable[[argparse.Namespace, Path], dict[str, Any]]:
+    return lambda args, work: _rl_args(args, variant)
+
+
+def rl_ours(variant: str) -> Callable[[argparse.Namespace, Path], dict[str, Any]]:
+    def ours(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+        a = _rl_args(args, variant)
+        out = {
+            "env": "arithmetic", "env_options": {"max_operand": 100, "problems": "cookbook"}, "few_shot": True,
+            "renderer": args.renderer, "group_size": a["group_size"], "groups_per_batch": a["groups"],
+            "max_tokens": a["max_tokens"], "learning_rate": args.lr, "lr_schedule": "constant",
+            "lora_rank": args.lora_rank, "max_steps": args.steps, "seed": 0, "loss_fn": "importance_sampling",
+            "temperature": 1.0, "adam.eps": 1e-8, "save_every": 0, "eval_every": 0,
+            "kl_penalty_coef": a["kl"],
+        }  # fmt: skip
+        if variant == "streaming":
+            out.update(schedule="streaming", num_minibatches=a["minibatches"])
+        return out
+
+    return ours
+
+
+def _any_sample(e: dict) -> bool:
+    return True
 
 
 def _prompt_logprobs(e: dict) -> bool:

@@ -59,7 +59,7 @@ fi
 # tml-renderers>=0.4.1, which the index lacks, so it goes in without resolving, with its light dependencies.
 if [ ! -d .cookbook/tinker_cookbook ]; then
   python -m pip install -q --target .cookbook --no-deps tinker-cookbook==0.6.1 tml-renderers==0.2.1 chz==0.4.0 \
-    blobfile==3.3.0 pyrage==1.4.0 termcolor==3.3.0 tiktoken==0.14.0 lxml==6.2.1 pycryptodomex==3.24.2 >/dev/null 2>&1 \
+    blobfile==3.3.0 pyrage==1.4.0 termcolor==3.3.0 tiktoken==0.14.0 lxml==6.2.1 pycryptodomex==3.24.2 pylatexenc==2.10 >/dev/null 2>&1 \
     || { rm -rf .cookbook; echo "setup.sh: could not install tinker-cookbook 0.6.1 into .cookbook/: the cookbook parity test skips" >&2; }
 fi
 if [ -n "$APT_PID" ]; then

@@ -97,15 +97,37 @@ def arithmetic_problem(rng: np.random.Generator, max_operand: int, id_prefix: st
 
 
 class ArithmeticDataset(RLDataset):
-    """Unbounded generated sums: batch ``i`` draws its problems from ``default_rng([seed, i])``."""
+    """Unbounded generated sums: batch ``i`` draws its problems from ``default_rng([seed, i])``;
+    with ``problems="cookbook"`` from ``numpy.random.RandomState(i)`` (``randint(0, max_operand + 1)``
+    for a, then b, group after group), as tinker-cookbook 0.6.1's ``ArithmeticDataset`` does
+    (there ``max_operand`` is 100 and the run's seed plays no part)."""
 
-    def __init__(self, groups_per_batch: int, make_builder, max_operand: int = 20, seed: int = 0):
+    def __init__(
+        self,
+        groups_per_batch: int,
+        make_builder,
+        max_operand: int = 20,
+        seed: int = 0,
+        problems: Literal["seeded", "cookbook"] = "seeded",
+    ):
         self.groups_per_batch = groups_per_batch
         self.make_builder = make_builder
         self.max_operand = max_operand
         self.seed = seed
+        self.problems = problems
 
     def get_batch(self, index: int) -> list[EnvGroupBuilder]:
+        if self.problems == "cookbook":
+            legacy = np.random.RandomState(index)
+            out = []
+            for _ in range(self.groups_per_batch):
+                a, b = int(legacy.randint(0, self.max_operand + 1)), int(legacy.randint(0, self.max_operand + 1))
+                out.append(
+                    self.make_builder(
+                        Problem(question=f"What is {a} + {b}?", answer=str(a + b), id=f"b{index}-{a}+{b}")
+                    )
+                )
+            return out
         rng = np.random.default_rng([self.seed, index])
         return [
             self.make_builder(arithmetic_problem(rng, self.max_operand, f"b{index}-"))
@@ -124,6 +146,11 @@ class ArithmeticOptions(BaseModel):
         "reply also earns up to 0.5 for its brevity, share of digits and closeness to the sum (rewards that differ "
         "within a group even when no reply is right).",
     )
+    problems: Literal["seeded", "cookbook"] = Field(
+        default="seeded",
+        description="seeded: batch i's sums drawn from a generator seeded by (seed, i); cookbook: from "
+        "numpy.random.RandomState(i), as tinker-cookbook 0.6.1's arithmetic environment (max_operand 100 there).",
+    )
 
 
 @register_env
@@ -137,7 +164,7 @@ class Arithmetic(Environment):
         options = cls.options(spec)
         env_cls = ArithmeticPartialCreditEnv if options.reward == "partial" else ArithmeticEnv
         make = problem_builder(env_cls, spec, ctx, ARITHMETIC_SHOT, "", cls.name)
-        return ArithmeticDataset(ctx.groups_per_batch, make, options.max_operand, ctx.seed)
+        return ArithmeticDataset(ctx.groups_per_batch, make, options.max_operand, ctx.seed, options.problems)
 
 
 def write_arithmetic_sft_jsonl(path: str | Path, n: int, *, max_operand: int = 20, seed: int = 0) -> Path:
