@@ -215,11 +215,16 @@ def run_side(server: Server, label: str, cmd: list[str], env: dict[str, str]) ->
     return new
 
 
+def cookbook_command(code: str, args: dict[str, Any]) -> list[str]:
+    """The command running cookbook program ``code`` (after :data:`PRELUDE`) with ``args`` (JSON;
+    ``model``, ``tokenizer_dir`` and ``log`` among them)."""
+    return [sys.executable, "-c", textwrap.dedent(PRELUDE) + textwrap.dedent(code), json.dumps(args)]
+
+
 def run_cookbook(server: Server, code: str, args: dict[str, Any], cookbook: Path) -> list[str]:
     env = _env(server.work, TINKER_BASE_URL=server.url, TINKER_API_KEY=API_KEY, PYTHONPATH=str(cookbook))
     a = {"model": server.model, "tokenizer_dir": server.tokenizer_dir, "log": str(server.work / "cookbook"), **args}
-    prog = textwrap.dedent(PRELUDE) + textwrap.dedent(code)
-    return run_side(server, "cookbook", [sys.executable, "-c", prog, json.dumps(a)], env)
+    return run_side(server, "cookbook", cookbook_command(code, a), env)
 
 
 def run_ours(server: Server, recipe: str, overrides: dict[str, Any]) -> list[str]:
@@ -240,10 +245,11 @@ def _cli(v: Any) -> str:
 # reading the request logs
 
 
-def read_sessions(server: Server, sessions: list[str]) -> list[dict[str, Any]]:
+def read_sessions(folder: Path, sessions: list[str]) -> list[dict[str, Any]]:
+    """The request-log entries of ``sessions`` (files ``folder/<session>.jsonl``), session after session."""
     out: list[dict[str, Any]] = []
     for s in sessions:
-        out.extend(json.loads(line) for line in (server.requests / f"{s}.jsonl").read_text().splitlines() if line)
+        out.extend(json.loads(line) for line in (folder / f"{s}.jsonl").read_text().splitlines() if line)
     return out
 
 
@@ -509,6 +515,11 @@ def _hh_messages(text: str) -> list[dict[str, str]]:
     return msgs
 
 
+# Pairs are kept short enough (2,000 characters a transcript) never to reach it: the cookbook truncates a
+# longer pair, ours skips it (a truncated reply's log-ratio is not the reply's), a difference kept on purpose.
+DPO_MAX_LENGTH = 2048
+
+
 def _dpo_data(args: argparse.Namespace, work: Path) -> tuple[Path, Path, int]:
     """The comparisons twice: the cookbook's ``{comparison, label}`` rows and our ``{prompt, chosen,
     rejected}`` rows (the same pairs in the same order: HH-RLHF pairs whose transcripts share all
@@ -533,6 +544,10 @@ def _dpo_data(args: argparse.Namespace, work: Path) -> tuple[Path, Path, int]:
                     else (comp["completion_B"], comp["completion_A"])
                 )
                 prompt = comp["prompt_conversation"]
+            elif isinstance(rec.get("prompt"), str) and "\n\nHuman: " not in rec["chosen"]:  # our plain form
+                prompt = [{"role": "user", "content": rec["prompt"]}]
+                chosen = [{"role": "assistant", "content": rec["chosen"]}]
+                rejected = [{"role": "assistant", "content": rec["rejected"]}]
             else:
                 c, r = _hh_messages(rec["chosen"]), _hh_messages(rec["rejected"])
                 if len(rec["chosen"]) > 2000 or len(rec["rejected"]) > 2000 or not c or not r:
@@ -550,7 +565,7 @@ def _dpo_data(args: argparse.Namespace, work: Path) -> tuple[Path, Path, int]:
 def dpo_cookbook(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     cb, _, n = _dpo_data(args, work)
     return {
-        "data": str(cb), "renderer": args.renderer, "max_length": args.max_length, "batch_size": args.batch_size,
+        "data": str(cb), "renderer": args.renderer, "max_length": DPO_MAX_LENGTH, "batch_size": args.batch_size,
         "lr": args.lr, "beta": 0.1, "lora_rank": args.lora_rank, "steps": args.steps,
         "num_epochs": max(1, math.ceil(args.steps / max(n // args.batch_size, 1))),
     }  # fmt: skip
@@ -559,7 +574,7 @@ def dpo_cookbook(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 def dpo_ours(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     _, ours, n = _dpo_data(args, work)
     return {
-        "dataset": str(ours), "format": "preference", "renderer": args.renderer, "max_length": args.max_length,
+        "dataset": str(ours), "format": "preference", "renderer": args.renderer, "max_length": DPO_MAX_LENGTH,
         "batch_size": args.batch_size, "test_size": 0, "seed": 0, "learning_rate": args.lr, "lr_schedule": "linear",
         "lora_rank": args.lora_rank, "max_steps": args.steps, "beta": 0.1,
         # what reproduces the cookbook's DPO:
@@ -693,8 +708,8 @@ def main(argv: list[str] | None = None) -> int:
             cmp = compare(
                 name,
                 args.model,
-                read_sessions(server, cb),
-                read_sessions(server, ours),
+                read_sessions(server.requests, cb),
+                read_sessions(server.requests, ours),
                 args.rtol,
                 r.samples,
                 r.sample_fields,

@@ -69,8 +69,9 @@ KNOWN_DIFFERENCES: dict[tuple[str, int], str] = {
     "slash and reads 3",
     ("gsm8k", 12): "without #### or \\boxed the cookbook prefers a **bold** number (150, correct); ours takes the "
     "last number of the reply (50)",
-    ("mcq", 3): "the cookbook falls back to the last capital A-D standing alone in the reply's end, here the article "
-    "'A'... of 'it is A because' (correct by luck); ours needs an answer statement or a bare letter",
+    ("mcq", 3): "the cookbook falls back to the last capital A-D standing alone near the reply's end (right "
+    "here); ours reads a letter only from an answer statement or a bare-letter reply, since a capital A in prose is "
+    "as often the article",
 }
 
 

@@ -1,0 +1,130 @@
+"""Same config, same requests: tinker-cookbook 0.6.1's SFT and DPO loops against ours, on ``tiny``.
+
+A short version of ``benchmarks/cookbook_parity.py`` (which runs 20 steps, SmolLM2 and RL): one
+in-process ``tinker_local`` server (fp32, every request recorded, content-seeded sampling, LoRA seed
+0); the cookbook's own entry point runs in a child process (its own session), our flow in this
+process (another session); then the two sessions' requests are compared datum by datum and field by
+field, and the final adapters tensor by tensor.  A later change to our data pipeline, loss
+weights, data order, learning-rate schedule or Adam settings that drifts from the cookbook fails
+here, naming the first differing request.
+
+Needs the cookbook in ``.cookbook/`` (``scripts/setup.sh`` installs it); skips without it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import cookbook_parity as cp
+from tests import inproc_server
+
+ROOT = Path(__file__).resolve().parents[1]
+COOKBOOK = ROOT / ".cookbook"
+DATA = ROOT / "recipes" / "data"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    if not (COOKBOOK / "tinker_cookbook").is_dir():
+        pytest.skip("tinker-cookbook 0.6.1 is not installed in .cookbook/ (scripts/setup.sh installs it)")
+    root = tmp_path_factory.mktemp("cookbook-parity")
+    srv = inproc_server.start(
+        root / "server", ["tiny"], record_requests=root / "requests", content_seeds=True, default_lora_seed=0
+    )
+    srv.requests = root / "requests"  # type: ignore[attr-defined]
+    srv.tokenizer_dir = srv.service.engine.load_base_model("tiny")["tokenizer_id"]  # type: ignore[attr-defined]
+    yield srv
+    srv.stop()
+
+
+def _sessions(folder: Path) -> set[str]:
+    return {p.stem for p in folder.glob("*.jsonl")} if folder.is_dir() else set()
+
+
+def _cookbook(server, tmp_path: Path, code: str, args: dict) -> list[str]:
+    before = _sessions(server.requests)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TINKER_")}
+    env.update(TINKER_BASE_URL=server.base_url, TINKER_API_KEY=cp.API_KEY, PYTHONPATH=str(COOKBOOK))
+    env["WANDB_MODE"] = "disabled"
+    a = {"model": "tiny", "tokenizer_dir": server.tokenizer_dir, "log": str(tmp_path / "cookbook"), **args}
+    out = subprocess.run(cp.cookbook_command(code, a), env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return sorted(_sessions(server.requests) - before)
+
+
+def _ours(server, monkeypatch, flow, config) -> list[str]:
+    before = _sessions(server.requests)
+    monkeypatch.setenv("TINKER_API_KEY", cp.API_KEY)
+    flow(config=config)
+    return sorted(_sessions(server.requests) - before)
+
+
+def _assert_identical(server, recipe: str, cb: list[str], ours: list[str], steps: int, **kw) -> cp.Comparison:
+    entries = cp.read_sessions(server.requests, cb), cp.read_sessions(server.requests, ours)
+    cmp = cp.compare(recipe, "tiny", *entries, 1e-6, kw.get("samples"), kw.get("sample_fields"))
+    assert cmp.steps == steps and cmp.requests == 2 * steps, cp.table(cmp, 1e-6)
+    assert cmp.first is None, cp.table(cmp, 1e-6)
+    assert cmp.max_loss_rel <= 1e-6 and cmp.max_weight_abs is not None and cmp.max_weight_abs <= 1e-6, cp.table(
+        cmp, 1e-6
+    )
+    return cmp
+
+
+def test_sft_sends_what_the_cookbook_sends(server, tmp_path, monkeypatch, prefect_api):
+    from prefect_tinker.flows.sft import SFTConfig, sft_flow
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text((DATA / "example_chat.jsonl").read_text())
+    steps, batch = 3, 4
+    cb = _cookbook(
+        server,
+        tmp_path,
+        cp.COOKBOOK_SFT,
+        {"data": str(data), "renderer": "role_colon", "max_length": 64, "batch_size": batch, "test_size": 2,
+         "seed": 0, "lr": 1e-3, "lora_rank": 4, "steps": steps, "num_epochs": 1},
+    )  # fmt: skip
+    config = SFTConfig(
+        model="tiny", dataset=str(data), renderer="role_colon", max_length=64, batch_size=batch, test_size=2,
+        seed=0, learning_rate=1e-3, lr_schedule="linear", lora_rank=4, max_steps=steps, reduction="mean",
+        data_order="cookbook", on_too_long="truncate_keep", adam={"eps": 1e-8}, eval_every=0, save_every=0,
+        num_eval_samples=0, backend={"base_url": server.base_url}, store=str(tmp_path / "store"), run_name="parity-sft",
+    )  # fmt: skip
+    cmp = _assert_identical(server, "sft", cb, _ours(server, monkeypatch, sft_flow, config), steps)
+    # max_length 64 truncates: some datums carry only zero weights, on both sides
+    assert any(a == b and a > 0 for a, b in cmp.losses)
+
+
+def test_dpo_sends_what_the_cookbook_sends(server, tmp_path, monkeypatch, prefect_api):
+    from prefect_tinker.flows.dpo import DPOConfig, dpo_flow
+
+    steps, batch = 2, 4
+    args = type("A", (), {"dataset": str(DATA / "example_prefs.jsonl"), "steps": steps, "batch_size": batch})()
+    cb_file, ours_file, n = cp._dpo_data(args, tmp_path)  # the same pairs in both forms
+    assert n == steps * batch
+    cb = _cookbook(
+        server,
+        tmp_path,
+        cp.COOKBOOK_DPO,
+        {"data": str(cb_file), "renderer": "role_colon", "max_length": 128, "batch_size": batch, "lr": 1e-3,
+         "beta": 0.1, "lora_rank": 4, "steps": steps, "num_epochs": 1},
+    )  # fmt: skip
+    config = DPOConfig(
+        model="tiny", dataset=str(ours_file), format="preference", renderer="role_colon", max_length=128,
+        batch_size=batch, test_size=0, seed=0, learning_rate=1e-3, lr_schedule="linear", lora_rank=4, max_steps=steps,
+        beta=0.1, reference_via="sampler", data_order="cookbook", adam={"eps": 1e-8}, eval_every=0, save_every=0,
+        backend={"base_url": server.base_url}, store=str(tmp_path / "store"), run_name="parity-dpo",
+    )  # fmt: skip
+    _assert_identical(
+        server,
+        "dpo",
+        cb,
+        _ours(server, monkeypatch, dpo_flow, config),
+        steps,
+        samples=cp._prompt_logprobs,
+        sample_fields=("prompt", "prompt_logprobs", "prompt_logprobs_out"),
+    )
