@@ -388,6 +388,26 @@ def compare_values(cmp: Comparison, where: str, name: str, a: Any, b: Any, rtol:
         cmp.differ(Difference(where, name, a, b))
 
 
+def by_optimizer_step(stream: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``stream`` (see :func:`training_stream`) with each step's ``forward_backward`` requests merged
+    into one: their datums in a canonical order (sorted), their ``loss:sum`` added, their count
+    kept as ``requests``; then the step's ``optim_step``."""
+    out: list[dict[str, Any]] = []
+    pending: list[dict[str, Any]] = []
+    for e in stream:
+        if e["op"] == "forward_backward":
+            pending.append(e)
+            continue
+        if pending:
+            datums = sorted((d for p in pending for d in p["datums"]), key=lambda d: json.dumps(d, sort_keys=True))
+            loss = sum(p["metrics"].get("loss:sum", math.nan) for p in pending)
+            first = pending[0]
+            out.append({**first, "datums": datums, "metrics": {"loss:sum": loss}, "requests": len(pending)})
+            pending = []
+        out.append(e)
+    return out
+
+
 def compare(
     recipe: str,
     model: str,
@@ -396,9 +416,12 @@ def compare(
     rtol: float,
     samples: Callable[[dict], bool] | None,
     sample_fields: tuple[str, ...] | None = None,
+    by_step: bool = False,
 ) -> Comparison:
     cmp = Comparison(recipe, model)
     ta, tb = training_stream(cb), training_stream(ours)
+    if by_step:
+        ta, tb = by_optimizer_step(ta), by_optimizer_step(tb)
     cmp.steps = sum(e["op"] == "optim_step" for e in ta)
     if len(ta) != len(tb):
         cmp.differ(Difference("training requests", "count", len(ta), len(tb)))
@@ -411,8 +434,9 @@ def compare(
         if a["op"] == "optim_step":
             compare_values(cmp, where, "adam_params", a["adam_params"], b["adam_params"], rtol)
             continue
-        for f in ("loss_fn", "loss_fn_config"):
-            compare_values(cmp, where, f, a[f], b[f], rtol)
+        for f in ("loss_fn", "loss_fn_config", "requests"):
+            if f in a or f in b:
+                compare_values(cmp, where, f, a.get(f), b.get(f), rtol)
         if len(a["datums"]) != len(b["datums"]):
             cmp.differ(Difference(where, "datums (count)", len(a["datums"]), len(b["datums"])))
         for d, (x, y) in enumerate(zip(a["datums"], b["datums"], strict=False)):
@@ -462,6 +486,10 @@ class Recipe:
     samples: Callable[[dict], bool] | None = None  # which sample requests are compared (None: none)
     # the fields of a sampled sequence compared (default all: weights, prompt, parameters, what came back)
     sample_fields: tuple[str, ...] | None = None
+    # compare each optimizer step's forward_backward datums as one set (streaming minibatches are filled in the
+    # order groups finish sampling, which neither side controls): the step's datums in a canonical order, the
+    # step's summed loss
+    by_step: bool = False
 
 
 def _sft_data(args: argparse.Namespace, work: Path) -> Path:
@@ -500,9 +528,16 @@ def sft_ours(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "num_epochs": _sft_shape(args, data)["num_epochs"],
         # what reproduces the cookbook's SFT:
         "reduction": "mean", "data_order": "cookbook", "on_too_long": "truncate_keep", "adam.eps": 1e-8,
+        **_renderer_options(args.renderer),
         # no evaluation or sampling at the end (the cookbook's eval_every=0)
         "eval_every": 0, "save_every": 0, "num_eval_samples": 0,
     }  # fmt: skip
+
+
+def _renderer_options(renderer: str) -> dict[str, Any]:
+    """Our renderer's options reproducing the cookbook's weights (role_colon: the ``User:`` stop
+    trained only where it ends the conversation)."""
+    return {"renderer_options": {"stop_after_every_reply": False}} if renderer == "role_colon" else {}
 
 
 def _hh_messages(text: str) -> list[dict[str, str]]:
@@ -520,7 +555,7 @@ def _hh_messages(text: str) -> list[dict[str, str]]:
 DPO_MAX_LENGTH = 2048
 
 
-def _dpo_data(args: argparse.Namespace, work: Path) -> tuple[Path, Path, int]:
+def dpo_data(args: argparse.Namespace, work: Path) -> tuple[Path, Path, int]:
     """The comparisons twice: the cookbook's ``{comparison, label}`` rows and our ``{prompt, chosen,
     rejected}`` rows (the same pairs in the same order: HH-RLHF pairs whose transcripts share all
     but the last assistant reply, at most 2,000 characters each)."""
@@ -563,7 +598,7 @@ def _dpo_data(args: argparse.Namespace, work: Path) -> tuple[Path, Path, int]:
 
 
 def dpo_cookbook(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    cb, _, n = _dpo_data(args, work)
+    cb, _, n = dpo_data(args, work)
     return {
         "data": str(cb), "renderer": args.renderer, "max_length": DPO_MAX_LENGTH, "batch_size": args.batch_size,
         "lr": args.lr, "beta": 0.1, "lora_rank": args.lora_rank, "steps": args.steps,
@@ -572,7 +607,7 @@ def dpo_cookbook(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 def dpo_ours(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    _, ours, n = _dpo_data(args, work)
+    _, ours, n = dpo_data(args, work)
     return {
         "dataset": str(ours), "format": "preference", "renderer": args.renderer, "max_length": DPO_MAX_LENGTH,
         "batch_size": args.batch_size, "test_size": 0, "seed": 0, "learning_rate": args.lr, "lr_schedule": "linear",
@@ -599,13 +634,17 @@ def rl_ours(variant: str) -> Callable[[argparse.Namespace, Path], dict[str, Any]
     def ours(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         a = _rl_args(args, variant)
         out = {
-            "env": "arithmetic", "env_options": {"max_operand": 100, "problems": "cookbook"}, "few_shot": True,
+            "env": "arithmetic", "few_shot": True,
             "renderer": args.renderer, "group_size": a["group_size"], "groups_per_batch": a["groups"],
             "max_tokens": a["max_tokens"], "learning_rate": args.lr, "lr_schedule": "constant",
             "lora_rank": args.lora_rank, "max_steps": args.steps, "seed": 0, "loss_fn": "importance_sampling",
-            "temperature": 1.0, "adam.eps": 1e-8, "save_every": 0, "eval_every": 0,
-            "kl_penalty_coef": a["kl"],
+            "temperature": 1.0, "save_every": 0, "eval_every": 0, "kl_penalty_coef": a["kl"],
+            # what reproduces the cookbook's RL:
+            "env_options": {"max_operand": 100, "problems": "cookbook", "answer": "last_integer"},
+            "format_needs_stop": True, "remove_constant_reward_groups": False, "adam.eps": 1e-8,
         }  # fmt: skip
+        if a["kl"]:
+            out["kl_reference"] = f"base:{args.model}"
         if variant == "streaming":
             out.update(schedule="streaming", num_minibatches=a["minibatches"])
         return out
@@ -613,24 +652,22 @@ def rl_ours(variant: str) -> Callable[[argparse.Namespace, Path], dict[str, Any]
     return ours
 
 
-def _any_sample(e: dict) -> bool:
+def any_sample(e: dict) -> bool:
     return True
 
 
-def _prompt_logprobs(e: dict) -> bool:
+def prompt_logprobs(e: dict) -> bool:
     return bool(e["prompt_logprobs"])
 
 
 RECIPES: dict[str, Recipe] = {
     "sft": Recipe("sft", COOKBOOK_SFT, sft_cookbook, sft_ours),
     # reference logprobs: sample requests with prompt logprobs; compared on prompt and prompt logprobs
-    "dpo": Recipe(
-        "dpo",
-        COOKBOOK_DPO,
-        dpo_cookbook,
-        dpo_ours,
-        samples=_prompt_logprobs,
-        sample_fields=("prompt", "prompt_logprobs", "prompt_logprobs_out"),
+    "dpo": Recipe("dpo", COOKBOOK_DPO, dpo_cookbook, dpo_ours, samples=prompt_logprobs),
+    "rl": Recipe("rl", COOKBOOK_RL, rl_cookbook("sync"), rl_ours("sync"), samples=any_sample),
+    "rl_kl": Recipe("rl", COOKBOOK_RL, rl_cookbook("kl"), rl_ours("kl"), samples=any_sample),
+    "rl_streaming": Recipe(
+        "rl", COOKBOOK_RL, rl_cookbook("streaming"), rl_ours("streaming"), samples=any_sample, by_step=True
     ),
 }
 
@@ -713,6 +750,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.rtol,
                 r.samples,
                 r.sample_fields,
+                r.by_step,
             )
         finally:
             server.close()

@@ -4,7 +4,9 @@ The run session opens or resumes the run; comparisons are rendered once by the c
 ``prepare-dataset`` task (:class:`~prefect_tinker.recipes.preference.PreferenceBuilder`); each step
 takes ``batch_size`` pairs (a function of seed and step), gets their reference reply
 log-probabilities from the cached ``reference-sequence-logprobs`` task (the initial weights --
-the base model or ``load_checkpoint_path`` -- frozen), and trains chosen and rejected datums in
+the base model or ``load_checkpoint_path`` -- frozen; with ``reference_via=sampler`` a sampler
+snapshot of the run's initial weights, saved at step 0 and recorded with the run, as
+tinker-cookbook's ``save_weights_and_get_sampling_client()``), and trains chosen and rejected datums in
 one ``forward_backward_custom`` request with :class:`~prefect_tinker.recipes.preference.DPOLoss`
 (``custom-step``). Held-out loss and accuracy every ``eval_every`` steps; checkpoints, resume,
 store rows and artifacts as for SFT.
@@ -101,7 +103,9 @@ class DPOConfig(SourceFields, RecipeConfig):
     reference_via: Literal["trainer", "sampler"] = Field(
         default="trainer",
         description=(
-            "Reference logprobs from a frozen training client (same numerics as the policy) or a sampling client."
+            "Reference logprobs from a frozen training client (same numerics as the policy) or a sampling client "
+            "(without `reference`: of a snapshot of the run's initial weights saved at step 0, as tinker-cookbook "
+            "does)."
         ),
     )
 
@@ -122,7 +126,7 @@ class DPOConfig(SourceFields, RecipeConfig):
             )
         if self.format not in ("preference", "dialogue", "hh") and not self.sources:
             raise ValueError(f"format {self.format!r}: a DPO dataset is 'preference' or 'dialogue' (HH-RLHF)")
-        if self.reference_via == "sampler" and "/weights/" in (self.reference or self.load_checkpoint_path or ""):
+        if self.reference_via == "sampler" and "/weights/" in (self.reference or ""):
             raise ValueError("reference_via=sampler needs a base:<model> or .../sampler_weights/... reference")
         return self
 
@@ -143,6 +147,20 @@ class DPOConfig(SourceFields, RecipeConfig):
         )
 
 
+def initial_reference(session: RunSession[DPOConfig], config: DPOConfig) -> str:
+    """The run's reference weights: ``config.reference_weights()``, except with
+    ``reference_via="sampler"`` and no ``reference``: the sampler snapshot of the run's initial
+    weights (saved at step 0 and recorded with the run, so a resumed run finds it again), as
+    tinker-cookbook 0.6.1's ``train_dpo`` takes its reference from
+    ``save_weights_and_get_sampling_client()`` of the fresh training client. A run resumed
+    without such a record (started before this snapshot existed) keeps ``reference_weights()``."""
+    if config.reference_via != "sampler" or config.reference is not None:
+        return config.reference_weights()
+    if 0 not in session.samplers and session.step == 0:
+        session.save_sampler(record=True)
+    return session.samplers.get(0) or config.reference_weights()
+
+
 @flow(name="dpo", flow_run_name="dpo-{config.run_name}", log_prints=True)
 def dpo_flow(config: DPOConfig) -> dict[str, Any]:
     """Train ``config.model`` on the comparisons of ``config.dataset``; returns a summary (losses,
@@ -152,7 +170,7 @@ def dpo_flow(config: DPOConfig) -> dict[str, Any]:
         with phase(session.run_id, "preparing the dataset (reading, rendering, tokenizing; cached)"):
             data = cast(PreferenceData, prepare_dataset(session.dataset_builder, session.tokenizer_id))
         total = config.max_steps or len(data.train) // config.batch_size * config.num_epochs
-        reference = config.reference_weights()
+        reference = initial_reference(session, config)
         log.info(
             "%d train / %d test comparisons, %d steps, reference %s (renderer %s); %s",
             len(data.train),

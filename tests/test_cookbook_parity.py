@@ -13,9 +13,9 @@ Needs the cookbook in ``.cookbook/`` (``scripts/setup.sh`` installs it); skips w
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -42,33 +42,42 @@ def server(tmp_path_factory):
     srv.stop()
 
 
-def _sessions(folder: Path) -> set[str]:
-    return {p.stem for p in folder.glob("*.jsonl")} if folder.is_dir() else set()
+def _mark(folder: Path) -> dict[Path, int]:
+    """How many entries each session's request log holds now."""
+    return {p: len(p.read_text().splitlines()) for p in folder.glob("*.jsonl")} if folder.is_dir() else {}
 
 
-def _cookbook(server, tmp_path: Path, code: str, args: dict) -> list[str]:
-    before = _sessions(server.requests)
+def _since(folder: Path, mark: dict[Path, int]) -> list[dict]:
+    """The request-log entries written after ``mark``, session after session (in-process flows reuse the
+    process's SDK session, so a run's entries may follow an earlier run's in the same file)."""
+    out: list[dict] = []
+    for p in sorted(folder.glob("*.jsonl"), key=lambda p: p.stat().st_mtime):
+        out.extend(json.loads(line) for line in p.read_text().splitlines()[mark.get(p, 0) :] if line)
+    return out
+
+
+def _cookbook(server, tmp_path: Path, code: str, args: dict) -> list[dict]:
+    mark = _mark(server.requests)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TINKER_")}
     env.update(TINKER_BASE_URL=server.base_url, TINKER_API_KEY=cp.API_KEY, PYTHONPATH=str(COOKBOOK))
     env["WANDB_MODE"] = "disabled"
     a = {"model": "tiny", "tokenizer_dir": server.tokenizer_dir, "log": str(tmp_path / "cookbook"), **args}
     out = subprocess.run(cp.cookbook_command(code, a), env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return sorted(_sessions(server.requests) - before)
+    return _since(server.requests, mark)
 
 
-def _ours(server, monkeypatch, flow, config) -> list[str]:
-    before = _sessions(server.requests)
+def _ours(server, monkeypatch, flow, config) -> list[dict]:
+    mark = _mark(server.requests)
     monkeypatch.setenv("TINKER_API_KEY", cp.API_KEY)
     flow(config=config)
-    return sorted(_sessions(server.requests) - before)
+    return _since(server.requests, mark)
 
 
 def _assert_identical(
-    server, recipe: str, cb: list[str], ours: list[str], steps: int, rtol: float = 1e-6, **kw
+    recipe: str, cb: list[dict], ours: list[dict], steps: int, rtol: float = 1e-6, samples=None
 ) -> cp.Comparison:
-    entries = cp.read_sessions(server.requests, cb), cp.read_sessions(server.requests, ours)
-    cmp = cp.compare(recipe, "tiny", *entries, rtol, kw.get("samples"), kw.get("sample_fields"))
+    cmp = cp.compare(recipe, "tiny", cb, ours, rtol, samples)
     assert cmp.steps == steps and cmp.requests == 2 * steps, cp.table(cmp, 1e-6)
     assert cmp.first is None, cp.table(cmp, rtol)
     assert cmp.max_loss_rel <= rtol and cmp.max_weight_abs is not None and cmp.max_weight_abs <= rtol, cp.table(
@@ -94,9 +103,10 @@ def test_sft_sends_what_the_cookbook_sends(server, tmp_path, monkeypatch, prefec
         model="tiny", dataset=str(data), renderer="role_colon", max_length=64, batch_size=batch, test_size=2,
         seed=0, learning_rate=1e-3, lr_schedule="linear", lora_rank=4, max_steps=steps, reduction="mean",
         data_order="cookbook", on_too_long="truncate_keep", adam={"eps": 1e-8}, eval_every=0, save_every=0,
+        renderer_options={"stop_after_every_reply": False},
         num_eval_samples=0, backend={"base_url": server.base_url}, store=str(tmp_path / "store"), run_name="parity-sft",
     )  # fmt: skip
-    cmp = _assert_identical(server, "sft", cb, _ours(server, monkeypatch, sft_flow, config), steps)
+    cmp = _assert_identical("sft", cb, _ours(server, monkeypatch, sft_flow, config), steps)
     # max_length 64 truncates: some datums carry only zero weights, on both sides
     assert any(a == b and a > 0 for a, b in cmp.losses)
 
@@ -106,7 +116,7 @@ def test_dpo_sends_what_the_cookbook_sends(server, tmp_path, monkeypatch, prefec
 
     steps, batch = 2, 4
     args = type("A", (), {"dataset": str(DATA / "example_prefs.jsonl"), "steps": steps, "batch_size": batch})()
-    cb_file, ours_file, n = cp._dpo_data(args, tmp_path)  # the same pairs in both forms
+    cb_file, ours_file, n = cp.dpo_data(args, tmp_path)  # the same pairs in both forms
     assert n == steps * batch
     cb = _cookbook(
         server,
@@ -121,15 +131,5 @@ def test_dpo_sends_what_the_cookbook_sends(server, tmp_path, monkeypatch, prefec
         beta=0.1, reference_via="sampler", data_order="cookbook", adam={"eps": 1e-8}, eval_every=0, save_every=0,
         backend={"base_url": server.base_url}, store=str(tmp_path / "store"), run_name="parity-dpo",
     )  # fmt: skip
-    _assert_identical(
-        server,
-        "dpo",
-        cb,
-        _ours(server, monkeypatch, dpo_flow, config),
-        steps,
-        # 1e-4: the reference comes from the base model here and from a snapshot of the initial adapter in the
-        # cookbook; the fp32 paths differ in the last bits (docs/cookbook-parity.md, "Not yet at parity")
-        rtol=1e-4,
-        samples=cp._prompt_logprobs,
-        sample_fields=("prompt", "prompt_logprobs", "prompt_logprobs_out"),
-    )
+    cmp = _assert_identical("dpo", cb, _ours(server, monkeypatch, dpo_flow, config), steps, samples=cp.prompt_logprobs)
+    assert cmp.sequences == 2 * steps * batch  # the reference: one compute_logprobs per chosen and rejected reply

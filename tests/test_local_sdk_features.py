@@ -177,11 +177,16 @@ def test_stability_info_and_provenance(clean, service, trainer):
     out = trainer.forward_backward([good], "importance_sampling").result(timeout=60)
     assert out.loss_fn_outputs[0]["logprobs"].shape == [len(prompt) + 4]
 
+    unknown = _provenance_datum(prompt, seq, sampled_spans=[
+        types.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1, length=len(prompt) - 1),
+        types.SampledProvenanceSpan(sequence_id="no-such-sequence", offset=0, length=5)])
     with pytest.raises(tinker.BadRequestError, match="is unknown or expired"):
-        bad = _provenance_datum(prompt, seq, sampled_spans=[
-            types.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1, length=len(prompt) - 1),
-            types.SampledProvenanceSpan(sequence_id="no-such-sequence", offset=0, length=5)])
-        trainer.forward_backward([bad], "importance_sampling").result(timeout=60)
+        trainer.forward_backward([unknown], "stable_reinforce").result(timeout=60)
+    # a loss that does not use provenance takes spans naming unrecorded sequences (sampled without
+    # record_stability_info), as tinker-cookbook's RL loop sends them; the logprobs are those without spans
+    same = trainer.forward_backward([unknown], "importance_sampling").result(timeout=60)
+    np.testing.assert_allclose(same.loss_fn_outputs[0]["logprobs"].to_numpy(),
+                               out.loss_fn_outputs[0]["logprobs"].to_numpy(), atol=1e-6)
     with pytest.raises(tinker.BadRequestError, match="must tile it exactly"):
         short = _provenance_datum(prompt, seq, sampled_spans=[
             types.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1, length=len(prompt) - 1),

@@ -7,7 +7,10 @@ Format, with ``[...]`` optional::
 Each message is a header ``"{Role}:"`` followed by a body ``" {content}\\n\\n"`` (roles
 capitalised: ``System``, ``User``, ``Assistant``, ``Tool``).  The model ends its turn by writing
 ``"\\n\\nUser:"``, the stop string: the ``User:`` header after a trained assistant reply is trained
-with it (appended when the conversation ends with that reply).  Tokens are the per-segment
+with it (appended when the conversation ends with that reply).  With ``stop_after_every_reply=False``
+only the ``User:`` that ends the conversation is trained, as tinker-cookbook 0.6.1's
+``RoleColonRenderer`` does (its ``stop_overlap`` is trained for the last message only, so a
+multi-turn example never teaches the model to stop after an earlier reply).  Tokens are the per-segment
 encodings (``add_special_tokens=False``) after the tokenizer's own leading special tokens (BOS for
 Llama-style tokenizers, nothing for SmolLM2).  There is no template to match: the format is ours.
 
@@ -69,14 +72,20 @@ class RoleColonRenderer(Renderer):
     Args:
         tokenizer: any Hugging Face tokenizer.
         special_tokens_in_content: see :class:`~prefect_tinker.recipes.renderers.Renderer`.
+        stop_after_every_reply: train the ``User:`` header after every trained assistant reply
+            (True, default) or only the one ending the conversation (False: tinker-cookbook's
+            weights; see the module docstring).
     """
 
     name = "role_colon"
     STOP = "\n\nUser:"
 
-    def __init__(self, tokenizer: Any, *, special_tokens_in_content: bool = False):
+    def __init__(
+        self, tokenizer: Any, *, special_tokens_in_content: bool = False, stop_after_every_reply: bool = True
+    ):
         super().__init__(tokenizer, special_tokens_in_content=special_tokens_in_content)
         self._prefix = leading_special_tokens(tokenizer)
+        self.stop_after_every_reply = stop_after_every_reply
 
     @staticmethod
     def _header(role: str) -> str:
@@ -85,7 +94,8 @@ class RoleColonRenderer(Renderer):
     def _segments(self, messages: list[Message], tools: Sequence[Mapping[str, Any]] | None) -> list[Segment]:
         segs = [Segment(list(self._prefix), None, "prefix")] if self._prefix else []
         for i, msg in enumerate(messages):
-            closes = i - 1 if i > 0 and messages[i - 1]["role"] == "assistant" else None
+            after_reply = i > 0 and messages[i - 1]["role"] == "assistant" and self.stop_after_every_reply
+            closes = i - 1 if after_reply else None
             segs.append(Segment(self.encode(self._header(msg["role"])), i, "header", closes=closes))
             text = msg["content"] if self.special_tokens_in_content else escape_role_markers(msg["content"])
             segs.append(Segment(self.encode_pieces([self.content(f" {text}\n\n")]), i, "body"))

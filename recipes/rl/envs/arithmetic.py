@@ -1,6 +1,7 @@
 """``arithmetic``: "What is a + b?" with operands drawn from ``[0, max_operand]`` by a generator
 seeded with (seed, batch index): unbounded, no files, the fast default. The reply must be just
-the integer.
+the integer (``env_options.answer="last_integer"``: the reply's last integer is its answer and any
+reply is well-formatted, as tinker-cookbook 0.6.1's ``ArithmeticEnv`` grades).
 
 ``env_options.reward="partial"`` adds partial credit to a wrong reply (reward shaping, Ng, Harada and
 Russell 1999, "Policy invariance under reward transformations"; here a plain dense bonus, not their
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from prefect_tinker.recipes.rl.envs import EnvContext, Environment, EnvSpec, register_env
 from prefect_tinker.recipes.rl.envs.problems import problem_builder
@@ -27,6 +28,7 @@ from prefect_tinker.recipes.rl.types import EnvGroupBuilder, RLDataset, StepResu
 __all__ = [
     "ArithmeticEnv",
     "ArithmeticPartialCreditEnv",
+    "ArithmeticLastIntegerEnv",
     "arithmetic_partial_credit",
     "ArithmeticDataset",
     "ArithmeticOptions",
@@ -49,6 +51,19 @@ class ArithmeticEnv(ProblemEnv):
     def check_answer(self, response: str) -> bool:
         m = re.fullmatch(r"\s*(-?\d+)\s*", response)
         return m is not None and int(m.group(1)) == int(self.problem.answer)
+
+
+class ArithmeticLastIntegerEnv(ProblemEnv):
+    """Any reply is well-formatted; correct when its last integer (commas removed) equals the sum:
+    tinker-cookbook 0.6.1's ``ArithmeticEnv`` rule (``"The sum is 12"`` is right, and so is
+    ``"11? no, 12"``)."""
+
+    def check_format(self, response: str) -> bool:
+        return True
+
+    def check_answer(self, response: str) -> bool:
+        found = re.findall(r"-?\d+", response.replace(",", ""))
+        return bool(found) and int(found[-1]) == int(self.problem.answer)
 
 
 def arithmetic_partial_credit(response: str, answer: int) -> float:
@@ -151,6 +166,17 @@ class ArithmeticOptions(BaseModel):
         description="seeded: batch i's sums drawn from a generator seeded by (seed, i); cookbook: from "
         "numpy.random.RandomState(i), as tinker-cookbook 0.6.1's arithmetic environment (max_operand 100 there).",
     )
+    answer: Literal["exact", "last_integer"] = Field(
+        default="exact",
+        description="exact: the reply must be just the integer (else malformed); last_integer: the reply's last "
+        "integer is its answer and any reply is well-formatted (tinker-cookbook's rule; reward=exact only).",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ArithmeticOptions:
+        if self.answer == "last_integer" and self.reward == "partial":
+            raise ValueError("env_options.answer=last_integer goes with reward=exact (partial credit grades exact replies)")
+        return self
 
 
 @register_env
@@ -162,7 +188,13 @@ class Arithmetic(Environment):
     @classmethod
     def build(cls, spec: EnvSpec, ctx: EnvContext) -> RLDataset:
         options = cls.options(spec)
-        env_cls = ArithmeticPartialCreditEnv if options.reward == "partial" else ArithmeticEnv
+        env_cls: type[ProblemEnv] = (
+            ArithmeticLastIntegerEnv
+            if options.answer == "last_integer"
+            else ArithmeticPartialCreditEnv
+            if options.reward == "partial"
+            else ArithmeticEnv
+        )
         make = problem_builder(env_cls, spec, ctx, ARITHMETIC_SHOT, "", cls.name)
         return ArithmeticDataset(ctx.groups_per_batch, make, options.max_operand, ctx.seed, options.problems)
 
