@@ -148,7 +148,8 @@ def build_parser(prog: str = "python -m tinker_local") -> argparse.ArgumentParse
         choices=["request", "content"],
         help="request (default): a sample request's own seed, random when it gives none; content: each sequence's "
         "seed derived from what the request asks (prompt, parameters, weights) and how often the session asked it "
-        "before, so identical requests get identical completions whatever seed they pass",
+        "before, so identical requests get identical completions whatever seed they pass (each sequence drawn alone, "
+        "a batch of one: slower, but batch-invariant)",
     )
     s.add_argument(
         "--lora-seed",

@@ -26,7 +26,9 @@ sampling parameters except the seed, weights identity, occurrence), where the oc
 earlier sequences of the same session with the same content.  Two programs that ask the same
 thing in the same order therefore get the same completions, whether they ask for ``n`` samples
 in one request or in ``n`` requests of one, and whatever seeds they pass; a difference in what is
-asked still changes what comes back.
+asked still changes what comes back.  Each sequence is then drawn alone (a batch of one, prompt
+logprobs included), since the shape of a batch changes float results in their last bits: what a
+request gets back does not depend on which other requests the server served with it.
 """
 
 from __future__ import annotations

@@ -281,10 +281,13 @@ class SamplingServiceMixin(StabilityMixin, ServiceBase):
     def _sample_reqs(self, jobs: list[dict[str, Any]], reqs: list[dict[str, Any]]) -> list[Any]:
         merge = None
         if self.content_seeds is not None:
+            # each sequence drawn alone: a batch's shape changes the float results (by ~1e-7), so a sequence's
+            # tokens and logprobs must not depend on what else was asked at the same time
             reqs, merge = self._content_seeded(jobs, reqs)
-        results = self._run_sample_reqs(reqs)
-        if merge is not None:
+            results = [r for req in reqs for r in self._run_sample_reqs([req])]
             results = merge(results)
+        else:
+            results = self._run_sample_reqs(reqs)
         if self.request_log is not None:
             self._log_samples(jobs, results)
         return self._sample_responses(jobs, results)

@@ -54,19 +54,21 @@ def kl_advantages(
         coef: ``kl_penalty_coef``; discount: ``kl_discount_factor`` (0 = none).
 
     Returns:
-        ``(advantages, reverse_kl)``, float64 (N,), both 0 off the mask.
+        ``(advantages, reverse_kl)``, float64 (N,), both 0 off the mask.  Without a discount they
+        are computed in float32, in tinker-cookbook 0.6.1's order (``distillation/train_on_policy.py:
+        incorporate_kl_penalty``: ``kl = (s - t) * m``, ``adv = (-coef * m) * kl``), so the same
+        logprobs give the same advantages to the bit.
 
     Raises:
         ValueError: arrays of different shapes.
     """
-    s, t, m = (np.asarray(a, dtype=np.float64) for a in (student_logprobs, teacher_logprobs, mask))
+    s, t, m = (np.asarray(a, dtype=np.float32) for a in (student_logprobs, teacher_logprobs, mask))
     if not s.shape == t.shape == m.shape:
         raise ValueError(f"shapes differ: student {s.shape}, teacher {t.shape}, mask {m.shape}")
     kl = (s - t) * m
-    adv = -coef * kl
     if discount > 0:
-        adv = discounted_future_sum(adv, discount) * m
-    return adv, kl
+        return discounted_future_sum(-coef * kl.astype(np.float64), discount) * m, kl.astype(np.float64)
+    return ((np.float32(-coef) * m) * kl).astype(np.float64), kl.astype(np.float64)
 
 
 @dataclass
