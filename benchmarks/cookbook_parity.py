@@ -152,6 +152,43 @@ cfg = train.Config(
 asyncio.run(train.main(cfg))
 """
 
+COOKBOOK_DISTILL = """
+import chz
+from tinker_cookbook import renderers
+from tinker_cookbook.distillation import train_on_policy
+from tinker_cookbook.distillation.datasets import DistillationDatasetConfig, PromptOnlyDataset, TeacherConfig
+from tinker_cookbook.rl.types import RLDatasetBuilder
+
+
+@chz.chz
+class FilePromptsBuilder(RLDatasetBuilder):
+    # the cookbook's PromptOnlyDataset over the prompts of a local JSONL ({"prompt": ...} rows, file order)
+    path: str
+    groups_per_batch: int
+    group_size: int
+    model_name_for_tokenizer: str
+    renderer_name: str
+
+    async def __call__(self):
+        tok = tokenizer_utils.get_tokenizer(self.model_name_for_tokenizer)
+        prompts = [json.loads(line)["prompt"] for line in open(self.path) if line.strip()]
+        return PromptOnlyDataset(prompts, batch_size=self.groups_per_batch, group_size=self.group_size,
+                                 renderer=renderers.get_renderer(self.renderer_name, tokenizer=tok),
+                                 tokenizer=tok), None
+
+
+builder = FilePromptsBuilder(path=a["data"], groups_per_batch=a["groups"], group_size=a["group_size"],
+                             model_name_for_tokenizer=a["model"], renderer_name=a["renderer"])
+cfg = train_on_policy.Config(
+    learning_rate=a["lr"], model_name=a["model"], recipe_name="parity_distill", renderer_name=a["renderer"],
+    dataset_configs=[DistillationDatasetConfig(
+        dataset_builder=builder, groups_per_batch=a["groups"],
+        teacher_config=TeacherConfig(base_model=a["model"], load_checkpoint_path=a["teacher"]))],
+    max_tokens=a["max_tokens"], lora_rank=a["lora_rank"], kl_penalty_coef=a["kl"], log_path=a["log"],
+    eval_every=0, save_every=0, max_steps=a["steps"])
+asyncio.run(train_on_policy.main(cfg))
+"""
+
 
 # --------------------------------------------------------------------------------------------------
 # running things
@@ -203,6 +240,29 @@ class Server:
         out = tc.get_info().model_data.tokenizer_id
         self.probe_session = self.sessions()  # that client's session: not part of any comparison
         return str(out)
+
+    def teacher(self) -> str:
+        """A teacher for distillation that differs from the student: a LoRA adapter (seed 1) trained two steps
+        on a few chats at a high learning rate, saved as sampler weights; its ``tinker://`` path. Made once, in
+        a session of its own (not part of any comparison)."""
+        import numpy as np
+        import tinker
+
+        sc = tinker.ServiceClient(base_url=self.url, api_key=API_KEY)
+        tc = sc.create_lora_training_client(base_model=self.model, rank=4, seed=1).result()
+        tok = tc.get_tokenizer()
+        texts = [f"User: What is {i} + {i}?\n\nAssistant: {2 * i}\n\nUser:" for i in range(8)]
+        datums = []
+        for t in texts:
+            ids = tok.encode(t, add_special_tokens=False)
+            datums.append(tinker.Datum(
+                model_input=tinker.ModelInput.from_ints(ids[:-1]),
+                loss_fn_inputs={"target_tokens": np.asarray(ids[1:], np.int64),
+                                "weights": np.ones(len(ids) - 1, np.float32)}))
+        for _ in range(2):
+            tc.forward_backward(datums, "cross_entropy").result()
+            tc.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
+        return str(tc.save_weights_for_sampler("parity-teacher").result().path)
 
     def sessions(self) -> set[str]:
         return {p.stem for p in self.requests.glob("*.jsonl")} if self.requests.is_dir() else set()
@@ -514,8 +574,8 @@ def max_weight_difference(a: Path, b: Path) -> float:
 class Recipe:
     name: str  # our recipe (prefect-tinker run NAME)
     cookbook_code: str
-    cookbook_args: Callable[[argparse.Namespace, Path], dict[str, Any]]
-    ours: Callable[[argparse.Namespace, Path], dict[str, Any]]
+    cookbook_args: Callable[..., dict[str, Any]]  # (args, work[, teacher]) -> the cookbook program's arguments
+    ours: Callable[..., dict[str, Any]]  # (args, work[, teacher]) -> our config's key=value pairs
     samples: Callable[[dict], bool] | None = None  # which sample requests are compared (None: none)
     # the fields of a sampled sequence compared (default all: weights, prompt, parameters, what came back)
     sample_fields: tuple[str, ...] | None = None
@@ -523,6 +583,8 @@ class Recipe:
     # order groups finish sampling, which neither side controls): the step's datums in a canonical order, the
     # step's summed loss
     by_step: bool = False
+    # the recipe needs a teacher (a sampler checkpoint on the server, made by Server.teacher)
+    teacher: bool = False
 
 
 def _sft_data(args: argparse.Namespace, work: Path) -> Path:
@@ -720,6 +782,58 @@ def rl_ours(variant: str) -> Callable[[argparse.Namespace, Path], dict[str, Any]
     return ours
 
 
+def _distill_prompts(args: argparse.Namespace, work: Path) -> Path:
+    """The prompts, one ``{"prompt": text}`` line each: the first user message of each conversation of a chat
+    JSONL (``--dataset``, default ours ``recipes/data/example_chat.jsonl``), or a JSONL's ``prompt`` /
+    ``question`` / ``instruction`` field; the first ``DISTILL_GROUPS * steps`` of them."""
+    src = Path(args.dataset) if args.dataset else REPO / "recipes" / "data" / "example_chat.jsonl"
+    if not src.is_file():
+        raise SystemExit(f"--dataset: no such file {src}")
+    out, need, n = work / "distill_prompts.jsonl", DISTILL_GROUPS * args.steps, 0
+    with src.open() as f, out.open("w") as g:
+        for line in f:
+            if not line.strip() or n >= need:
+                continue
+            rec = json.loads(line)
+            if "messages" in rec:
+                text = next(m["content"] for m in rec["messages"] if m["role"] == "user")
+            else:
+                text = next(rec[k] for k in ("prompt", "question", "instruction") if k in rec)
+            g.write(json.dumps({"prompt": text.strip()}) + "\n")
+            n += 1
+    if n < need:
+        raise SystemExit(f"--dataset: {src} has {n} prompts, {need} needed for {args.steps} steps")
+    return out
+
+
+DISTILL_GROUPS = 4
+
+
+def _distill_args(args: argparse.Namespace, work: Path, teacher: str) -> dict[str, Any]:
+    return {
+        "data": str(_distill_prompts(args, work)), "groups": DISTILL_GROUPS, "group_size": RL_GROUP_SIZE,
+        "max_tokens": args.max_tokens, "steps": args.steps, "lr": args.lr, "lora_rank": args.lora_rank,
+        "renderer": args.renderer, "kl": 1.0, "teacher": teacher,
+    }  # fmt: skip
+
+
+def distill_cookbook(args: argparse.Namespace, work: Path, teacher: str) -> dict[str, Any]:
+    return _distill_args(args, work, teacher)
+
+
+def distill_ours(args: argparse.Namespace, work: Path, teacher: str) -> dict[str, Any]:
+    a = _distill_args(args, work, teacher)
+    return {
+        "mode": "on_policy", "teacher": teacher, "dataset": a["data"], "renderer": args.renderer,
+        "group_size": a["group_size"], "groups_per_batch": a["groups"], "max_tokens": a["max_tokens"],
+        "learning_rate": args.lr, "lr_schedule": "constant", "lora_rank": args.lora_rank, "max_steps": args.steps,
+        "seed": 0, "loss_fn": "importance_sampling", "temperature": 1.0, "kl_penalty_coef": a["kl"],
+        "save_every": 0, "eval_every": 0,
+        # what reproduces the cookbook's on-policy distillation:
+        "env_options": {"format": "prompt", "shuffle": False}, "adam.eps": 1e-8,
+    }  # fmt: skip
+
+
 def any_sample(e: dict) -> bool:
     return True
 
@@ -737,6 +851,7 @@ RECIPES: dict[str, Recipe] = {
     "rl_streaming": Recipe(
         "rl", COOKBOOK_RL, rl_cookbook("streaming"), rl_ours("streaming"), samples=any_sample, by_step=True
     ),
+    "distill": Recipe("distill", COOKBOOK_DISTILL, distill_cookbook, distill_ours, samples=any_sample, teacher=True),
 }
 
 
@@ -809,8 +924,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: serving {args.model} (fp32) in {rw}", flush=True)
         server = Server(rw, args.model, args.threads)
         try:
-            cb = run_cookbook(server, r.cookbook_code, r.cookbook_args(args, rw), args.cookbook)
-            ours = run_ours(server, r.name, r.ours(args, rw))
+            extra = (server.teacher(),) if r.teacher else ()
+            cb = run_cookbook(server, r.cookbook_code, r.cookbook_args(args, rw, *extra), args.cookbook)
+            ours = run_ours(server, r.name, r.ours(args, rw, *extra))
             cmp = compare(
                 name,
                 args.model,

@@ -133,3 +133,38 @@ def test_dpo_sends_what_the_cookbook_sends(server, tmp_path, monkeypatch, prefec
     )  # fmt: skip
     cmp = _assert_identical("dpo", cb, _ours(server, monkeypatch, dpo_flow, config), steps, samples=cp.prompt_logprobs)
     assert cmp.sequences == 2 * steps * batch  # the reference: one compute_logprobs per chosen and rejected reply
+
+
+def test_sync_rl_sends_what_the_cookbook_sends(server, tmp_path, monkeypatch, prefect_api):
+    """``rl.train`` on the cookbook's arithmetic environment against ``prefect-tinker run rl``, with the KL
+    penalty on: the untrained ``tiny`` model never earns a varying reward, so the KL term is what makes the
+    advantages (and the updates) non-zero; every sample request, sampled sequence, advantage and Adam step
+    must be the same, and the weights after the last step bit-equal."""
+    from prefect_tinker.flows.rl import RLConfig, rl_flow
+
+    steps, groups, group_size, kl = 2, 2, 2, 0.05
+    cb = _cookbook(
+        server,
+        tmp_path,
+        cp.COOKBOOK_RL,
+        {"groups": groups, "group_size": group_size, "max_tokens": 6, "steps": steps, "lr": 1e-3, "lora_rank": 4,
+         "renderer": "role_colon", "kl": kl, "streaming": False, "minibatches": 1, "data": None},
+    )  # fmt: skip
+    config = RLConfig(
+        model="tiny", env="arithmetic", few_shot=True, renderer="role_colon", group_size=group_size,
+        groups_per_batch=groups, max_tokens=6, learning_rate=1e-3, lr_schedule="constant", lora_rank=4,
+        max_steps=steps, seed=0, loss_fn="importance_sampling", temperature=1.0, save_every=0, eval_every=0,
+        kl_penalty_coef=kl, kl_reference="base:tiny",
+        env_options={"max_operand": 100, "problems": "cookbook", "answer": "last_integer"}, format_needs_stop=True,
+        remove_constant_reward_groups=False, adam={"eps": 1e-8}, log_trajectories=0,
+        backend={"base_url": server.base_url}, store=str(tmp_path / "store"), run_name="parity-rl",
+    )  # fmt: skip
+    ours = _ours(server, monkeypatch, rl_flow, config)
+    cmp = _assert_identical("rl", cb, ours, steps, samples=cp.any_sample)
+    # rollouts (steps x groups x group_size) and the KL reference's logprobs of each of them
+    assert cmp.sequences == 2 * steps * groups * group_size
+    advantages = [
+        x for e in cp.training_stream(cb) if e["op"] == "forward_backward" for d in e["datums"]
+        for x in d["loss_fn_inputs"]["advantages"]["data"]
+    ]  # fmt: skip
+    assert any(a != 0 for a in advantages)  # the comparison covers real advantages and updates

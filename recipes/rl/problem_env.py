@@ -180,12 +180,15 @@ class ProblemDataset(RLDataset):
     Args:
         problems: the problems (P >= groups_per_batch).
         make_builder: ``problem -> EnvGroupBuilder``.
+        shuffle: False: every epoch in the problems' own order.
 
     Raises:
         ValueError: fewer problems than ``groups_per_batch``.
     """
 
-    def __init__(self, problems: Sequence[Any], groups_per_batch: int, make_builder, seed: int = 0):
+    def __init__(
+        self, problems: Sequence[Any], groups_per_batch: int, make_builder, seed: int = 0, shuffle: bool = True
+    ):
         if len(problems) < groups_per_batch:
             raise ValueError(
                 f"groups_per_batch={groups_per_batch} is larger than the number of problems ({len(problems)})"
@@ -194,12 +197,14 @@ class ProblemDataset(RLDataset):
         self.groups_per_batch = groups_per_batch
         self.make_builder = make_builder
         self.seed = seed
+        self.shuffle = shuffle
 
     def num_batches(self) -> int:
         return len(self.problems) // self.groups_per_batch
 
     def get_batch(self, index: int) -> list[EnvGroupBuilder]:
         epoch, i = divmod(index, self.num_batches())
-        order = np.random.default_rng(self.seed + epoch).permutation(len(self.problems))
+        n = len(self.problems)
+        order = np.random.default_rng(self.seed + epoch).permutation(n) if self.shuffle else np.arange(n)
         chosen = order[i * self.groups_per_batch : (i + 1) * self.groups_per_batch]
         return [self.make_builder(self.problems[int(j)]) for j in chosen]
