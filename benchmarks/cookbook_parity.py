@@ -481,6 +481,15 @@ def compare_values(cmp: Comparison, where: str, name: str, a: Any, b: Any, rtol:
         cmp.differ(Difference(where, name, a, b))
 
 
+def from_training_start(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``entries`` from the creation of the model that trains (the one the first ``forward_backward``
+    names) on: what a side asked before it (our distillation's teacher check: a probe
+    ``compute_logprobs`` of the teacher) is a check before the run, not part of the recipe's requests."""
+    model = next((e["model"] for e in entries if e["op"] == "forward_backward"), None)
+    start = next((i for i, e in enumerate(entries) if e["op"] == "create_model" and e["model"] == model), 0)
+    return entries[start:]
+
+
 def by_optimizer_step(stream: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``stream`` (see :func:`training_stream`) with each step's ``forward_backward`` requests merged
     into one: their datums in a canonical order (sorted), their ``loss:sum`` added, their count
@@ -512,6 +521,7 @@ def compare(
     by_step: bool = False,
 ) -> Comparison:
     cmp = Comparison(recipe, model)
+    cb, ours = from_training_start(cb), from_training_start(ours)
     ta, tb = training_stream(cb), training_stream(ours)
     if by_step:
         ta, tb = by_optimizer_step(ta), by_optimizer_step(tb)
@@ -824,7 +834,9 @@ def distill_cookbook(args: argparse.Namespace, work: Path, teacher: str) -> dict
 def distill_ours(args: argparse.Namespace, work: Path, teacher: str) -> dict[str, Any]:
     a = _distill_args(args, work, teacher)
     return {
-        "mode": "on_policy", "teacher": teacher, "dataset": a["data"], "renderer": args.renderer,
+        # the cookbook scores the student's own tokens with the teacher: the teacher renders as the student does
+        "mode": "on_policy", "teacher": {"weights": teacher, "renderer": args.renderer}, "dataset": a["data"],
+        "renderer": args.renderer,
         "group_size": a["group_size"], "groups_per_batch": a["groups"], "max_tokens": a["max_tokens"],
         "learning_rate": args.lr, "lr_schedule": "constant", "lora_rank": args.lora_rank, "max_steps": args.steps,
         "seed": 0, "loss_fn": "importance_sampling", "temperature": 1.0, "kl_penalty_coef": a["kl"],
