@@ -627,22 +627,22 @@ def sft_cookbook(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 def sft_ours(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     data = _sft_data(args, work)
     return {
-        "dataset": str(data), "renderer": args.renderer, "max_length": args.max_length,
+        "dataset": str(data), "renderer": our_renderer(args.renderer), "max_length": args.max_length,
         "batch_size": args.batch_size, "test_size": args.test_size, "seed": 0, "learning_rate": args.lr,
         "lr_schedule": "linear", "lora_rank": args.lora_rank, "max_steps": args.steps,
         "num_epochs": _sft_shape(args, data)["num_epochs"],
         # what reproduces the cookbook's SFT:
         "reduction": "mean", "data_order": "cookbook", "on_too_long": "truncate_keep", "adam.eps": 1e-8,
-        **_renderer_options(args.renderer),
         # no evaluation or sampling at the end (the cookbook's eval_every=0)
         "eval_every": 0, "save_every": 0, "num_eval_samples": 0,
     }  # fmt: skip
 
 
-def _renderer_options(renderer: str) -> dict[str, Any]:
-    """Our renderer's options reproducing the cookbook's weights (role_colon: the ``User:`` stop
-    trained only where it ends the conversation)."""
-    return {"renderer_options": {"stop_after_every_reply": False}} if renderer == "role_colon" else {}
+def our_renderer(renderer: str) -> str:
+    """Our renderer sending the tokens of the cookbook's ``renderer``: ``role_colon_cookbook`` for its
+    ``role_colon`` (ours trains the stop after every reply, takes the tokenizer's own leading tokens and
+    escapes role markers in content); any other name as is."""
+    return "role_colon_cookbook" if renderer == "role_colon" else renderer
 
 
 def _hh_messages(text: str) -> list[dict[str, str]]:
@@ -714,7 +714,7 @@ def dpo_cookbook(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 def dpo_ours(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     _, ours, n = dpo_data(args, work)
     return {
-        "dataset": str(ours), "format": "preference", "renderer": args.renderer, "max_length": DPO_MAX_LENGTH,
+        "dataset": str(ours), "format": "preference", "renderer": our_renderer(args.renderer), "max_length": DPO_MAX_LENGTH,
         "batch_size": args.batch_size, "test_size": 0, "seed": 0, "learning_rate": args.lr, "lr_schedule": "linear",
         "lora_rank": args.lora_rank, "max_steps": args.steps, "beta": 0.1,
         # what reproduces the cookbook's DPO:
@@ -776,7 +776,7 @@ def rl_ours(variant: str) -> Callable[[argparse.Namespace, Path], dict[str, Any]
             }  # fmt: skip
         out = {
             **env, "few_shot": True,
-            "renderer": args.renderer, "group_size": a["group_size"], "groups_per_batch": a["groups"],
+            "renderer": our_renderer(args.renderer), "group_size": a["group_size"], "groups_per_batch": a["groups"],
             "max_tokens": a["max_tokens"], "learning_rate": args.lr, "lr_schedule": "constant",
             "lora_rank": args.lora_rank, "max_steps": args.steps, "seed": 0, "loss_fn": "importance_sampling",
             "temperature": 1.0, "save_every": 0, "eval_every": 0, "kl_penalty_coef": a["kl"],
@@ -835,8 +835,8 @@ def distill_ours(args: argparse.Namespace, work: Path, teacher: str) -> dict[str
     a = _distill_args(args, work, teacher)
     return {
         # the cookbook scores the student's own tokens with the teacher: the teacher renders as the student does
-        "mode": "on_policy", "teacher": {"weights": teacher, "renderer": args.renderer}, "dataset": a["data"],
-        "renderer": args.renderer,
+        "mode": "on_policy", "teacher": {"weights": teacher, "renderer": our_renderer(args.renderer)}, "dataset": a["data"],
+        "renderer": our_renderer(args.renderer),
         "group_size": a["group_size"], "groups_per_batch": a["groups"], "max_tokens": a["max_tokens"],
         "learning_rate": args.lr, "lr_schedule": "constant", "lora_rank": args.lora_rank, "max_steps": args.steps,
         "seed": 0, "loss_fn": "importance_sampling", "temperature": 1.0, "kl_penalty_coef": a["kl"],

@@ -53,7 +53,6 @@ class SFTConfig(SourceFields, RecipeConfig):
         "on_too_long",
         "reduction",
         "data_order",
-        "renderer_options",
     )
 
     dataset: str | None = Field(
@@ -65,13 +64,6 @@ class SFTConfig(SourceFields, RecipeConfig):
     )
     messages_field: str = Field(default="messages", description="Field holding the message list (format=messages).")
     train_on_what: str = Field(default="all_assistant_messages", description="Which tokens get loss weight.")
-    renderer_options: dict[str, Any] = Field(
-        default_factory=dict,
-        description=(
-            "Options of the renderer (keyword arguments of its class), e.g. role_colon's "
-            "stop_after_every_reply=false (tinker-cookbook's weights on multi-turn conversations)."
-        ),
-    )
     on_too_long: Literal["truncate", "truncate_keep", "skip", "error"] = Field(
         default="truncate",
         description=(
@@ -120,7 +112,6 @@ class SFTConfig(SourceFields, RecipeConfig):
             on_error=self.on_error,
             test_size=self.test_count(),
             data_order=self.data_order,
-            renderer_options=self.renderer_options,
         )
 
 

@@ -16,8 +16,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from benchmarks import cookbook_parity as cp
@@ -26,6 +28,66 @@ from tests import inproc_server
 ROOT = Path(__file__).resolve().parents[1]
 COOKBOOK = ROOT / ".cookbook"
 DATA = ROOT / "recipes" / "data"
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"}],
+    [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another one?"},
+        {"role": "assistant", "content": "Green, or red."},
+    ],
+    # text a renderer might treat specially: a role marker and a special-token string inside content
+    [{"role": "user", "content": "Say\n\nUser: hi <|im_end|>"}, {"role": "assistant", "content": "hi\n\nthere"}],
+]
+
+
+def _tokenizers() -> list:
+    from transformers import AutoTokenizer
+
+    from tinker_local.tokenizer import save_tiny_tokenizer
+
+    out = []
+    tiny = ROOT / ".tinker-local" / "parity-tiny-tokenizer"
+    if not (tiny / "tokenizer.json").is_file():
+        save_tiny_tokenizer(tiny)
+    out.append(AutoTokenizer.from_pretrained(str(tiny)))
+    smol = ROOT.parent / "shared" / "data" / "tokenizer" / "smollm2"
+    if (smol / "tokenizer.json").is_file():  # SmolLM2's: a bos_token its tokenizer never adds itself
+        out.append(AutoTokenizer.from_pretrained(str(smol)))
+    return out
+
+
+def test_role_colon_cookbook_renders_as_the_cookbook():
+    """``role_colon_cookbook`` against tinker-cookbook 0.6.1's ``RoleColonRenderer``: the same tokens and
+    weights for every ``train_on_what``, the same generation prompt, the same parsed reply."""
+    if not (COOKBOOK / "tinker_cookbook").is_dir():
+        pytest.skip("tinker-cookbook 0.6.1 is not installed in .cookbook/ (scripts/setup.sh installs it)")
+    sys.path.insert(0, str(COOKBOOK))
+    try:
+        from tinker_cookbook.renderers import TrainOnWhat, get_renderer as cookbook_renderer
+    finally:
+        sys.path.remove(str(COOKBOOK))
+    from prefect_tinker.recipes.renderers import get_renderer
+
+    for tok in _tokenizers():
+        theirs, ours = cookbook_renderer("role_colon", tok), get_renderer("role_colon_cookbook", tok)
+        for conv in CONVERSATIONS:
+            # (all_messages differs on purpose: ours trains the role headers too, docs/cookbook-parity.md)
+            for mode in ("all_assistant_messages", "last_assistant_message", "last_assistant_turn", "all_tokens"):
+                mi, w = theirs.build_supervised_example(conv, train_on_what=TrainOnWhat(mode))
+                our_mi, our_w = ours.build_supervised_example(conv, train_on_what=mode)
+                assert our_mi.to_ints() == mi.to_ints(), (tok.name_or_path, conv, mode)
+                # the first position is never a target (all_tokens: the cookbook gives its BOS weight 0, we 1)
+                assert np.asarray(our_w)[1:].tolist() == w[1:].tolist(), (tok.name_or_path, conv, mode)
+            prompt = conv[:-1]
+            assert ours.build_generation_prompt(prompt).to_ints() == theirs.build_generation_prompt(prompt).to_ints()
+            reply = tok.encode(" " + conv[-1]["content"] + "\n\nUser:", add_special_tokens=False)
+            msg, term = theirs.parse_response(reply)
+            parsed = ours.parse_response(reply)
+            assert parsed.message["content"] == msg["content"] and term.name == "STOP_SEQUENCE" and parsed.ok
 
 
 @pytest.fixture(scope="module")
@@ -100,10 +162,9 @@ def test_sft_sends_what_the_cookbook_sends(server, tmp_path, monkeypatch, prefec
          "seed": 0, "lr": 1e-3, "lora_rank": 4, "steps": steps, "num_epochs": 1},
     )  # fmt: skip
     config = SFTConfig(
-        model="tiny", dataset=str(data), renderer="role_colon", max_length=64, batch_size=batch, test_size=2,
+        model="tiny", dataset=str(data), renderer="role_colon_cookbook", max_length=64, batch_size=batch, test_size=2,
         seed=0, learning_rate=1e-3, lr_schedule="linear", lora_rank=4, max_steps=steps, reduction="mean",
         data_order="cookbook", on_too_long="truncate_keep", adam={"eps": 1e-8}, eval_every=0, save_every=0,
-        renderer_options={"stop_after_every_reply": False},
         num_eval_samples=0, backend={"base_url": server.base_url}, store=str(tmp_path / "store"), run_name="parity-sft",
     )  # fmt: skip
     cmp = _assert_identical("sft", cb, _ours(server, monkeypatch, sft_flow, config), steps)
@@ -126,7 +187,7 @@ def test_dpo_sends_what_the_cookbook_sends(server, tmp_path, monkeypatch, prefec
          "beta": 0.1, "lora_rank": 4, "steps": steps, "num_epochs": 1},
     )  # fmt: skip
     config = DPOConfig(
-        model="tiny", dataset=str(ours_file), format="preference", renderer="role_colon", max_length=128,
+        model="tiny", dataset=str(ours_file), format="preference", renderer="role_colon_cookbook", max_length=128,
         batch_size=batch, test_size=0, seed=0, learning_rate=1e-3, lr_schedule="linear", lora_rank=4, max_steps=steps,
         beta=0.1, reference_via="sampler", data_order="cookbook", adam={"eps": 1e-8}, eval_every=0, save_every=0,
         backend={"base_url": server.base_url}, store=str(tmp_path / "store"), run_name="parity-dpo",
@@ -151,7 +212,7 @@ def test_sync_rl_sends_what_the_cookbook_sends(server, tmp_path, monkeypatch, pr
          "renderer": "role_colon", "kl": kl, "streaming": False, "minibatches": 1, "data": None},
     )  # fmt: skip
     config = RLConfig(
-        model="tiny", env="arithmetic", few_shot=True, renderer="role_colon", group_size=group_size,
+        model="tiny", env="arithmetic", few_shot=True, renderer="role_colon_cookbook", group_size=group_size,
         groups_per_batch=groups, max_tokens=6, learning_rate=1e-3, lr_schedule="constant", lora_rank=4,
         max_steps=steps, seed=0, loss_fn="importance_sampling", temperature=1.0, save_every=0, eval_every=0,
         kl_penalty_coef=kl, kl_reference="base:tiny",
