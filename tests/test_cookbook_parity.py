@@ -209,7 +209,7 @@ def test_sync_rl_sends_what_the_cookbook_sends(server, tmp_path, monkeypatch, pr
         tmp_path,
         cp.COOKBOOK_RL,
         {"groups": groups, "group_size": group_size, "max_tokens": 6, "steps": steps, "lr": 1e-3, "lora_rank": 4,
-         "renderer": "role_colon", "kl": kl, "streaming": False, "minibatches": 1, "data": None},
+         "renderer": "role_colon", "kl": kl, "streaming": False, "minibatches": 1, "data": None, "async_loss": None},
     )  # fmt: skip
     config = RLConfig(
         model="tiny", env="arithmetic", few_shot=True, renderer="role_colon_cookbook", group_size=group_size,
