@@ -191,6 +191,21 @@ cfg = train_on_policy.Config(
 asyncio.run(train_on_policy.main(cfg))
 """
 
+COOKBOOK_SDFT = """
+from tinker_cookbook import renderers
+from tinker_cookbook.distillation import sdft
+from tinker_cookbook.recipes.sdft.datasets import SDFTDataset
+
+rows = [json.loads(line) for line in open(a["data"]) if line.strip()]
+tok = tokenizer_utils.get_tokenizer(a["model"])
+dataset = SDFTDataset([r["question"] for r in rows], [r["answer"] for r in rows], batch_size=a["groups"],
+                      group_size=a["group_size"], renderer=renderers.get_renderer(a["renderer"], tokenizer=tok))
+cfg = sdft.Config(model_name=a["model"], recipe_name="parity_sdft", renderer_name=a["renderer"],
+                  lora_rank=a["lora_rank"], learning_rate=a["lr"], max_tokens=a["max_tokens"], topk=a["topk"],
+                  log_path=a["log"], eval_every=0, save_every=0, max_steps=a["steps"])
+asyncio.run(sdft.main(cfg, dataset))
+"""
+
 
 # --------------------------------------------------------------------------------------------------
 # running things
@@ -665,7 +680,8 @@ DPO_MAX_LENGTH = 2048
 def dpo_data(args: argparse.Namespace, work: Path) -> tuple[Path, Path, int]:
     """The comparisons twice: the cookbook's ``{comparison, label}`` rows and our ``{prompt, chosen,
     rejected}`` rows (the same pairs in the same order: HH-RLHF pairs whose transcripts share all
-    but the last assistant reply, at most 2,000 characters each)."""
+    but the last assistant reply, at most 2,000 characters each, both replies non-empty and
+    different)."""
     src = Path(args.dataset) if args.dataset else SHARED / "prefs" / "hh_rlhf_harmless_base_test.jsonl.gz"
     if not src.is_file():
         raise SystemExit(f"--dataset: no such file {src}")
@@ -697,6 +713,11 @@ def dpo_data(args: argparse.Namespace, work: Path) -> tuple[Path, Path, int]:
                 if c[:-1] != r[:-1] or c[-1]["role"] != "assistant" or r[-1]["role"] != "assistant":
                     continue
                 prompt, chosen, rejected = c[:-1], c[-1:], r[-1:]
+            # both sides train the same pairs: ours skips (counted) a pair with an empty reply or two identical
+            # replies, which the cookbook trains (kept on purpose, docs/cookbook-parity.md); leave them out here
+            texts = [" ".join(m["content"] for m in side).strip() for side in (chosen, rejected)]
+            if not all(texts) or texts[0] == texts[1]:
+                continue
             comp = {"prompt_conversation": prompt, "completion_A": chosen, "completion_B": rejected}
             g.write(json.dumps({"comparison": comp, "label": "A"}) + "\n")
             h.write(json.dumps({"prompt": prompt, "chosen": chosen, "rejected": rejected}) + "\n")
@@ -716,7 +737,8 @@ def dpo_cookbook(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 def dpo_ours(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     _, ours, n = dpo_data(args, work)
     return {
-        "dataset": str(ours), "format": "preference", "renderer": our_renderer(args.renderer), "max_length": DPO_MAX_LENGTH,
+        "dataset": str(ours), "format": "preference", "renderer": our_renderer(args.renderer),
+        "max_length": DPO_MAX_LENGTH,
         "batch_size": args.batch_size, "test_size": 0, "seed": 0, "learning_rate": args.lr, "lr_schedule": "linear",
         "lora_rank": args.lora_rank, "max_steps": args.steps, "beta": 0.1,
         # what reproduces the cookbook's DPO:
@@ -841,14 +863,73 @@ def distill_ours(args: argparse.Namespace, work: Path, teacher: str) -> dict[str
     a = _distill_args(args, work, teacher)
     return {
         # the cookbook scores the student's own tokens with the teacher: the teacher renders as the student does
-        "mode": "on_policy", "teacher": {"weights": teacher, "renderer": our_renderer(args.renderer)}, "dataset": a["data"],
-        "renderer": our_renderer(args.renderer),
+        "mode": "on_policy", "teacher": {"weights": teacher, "renderer": our_renderer(args.renderer)},
+        "dataset": a["data"], "renderer": our_renderer(args.renderer),
         "group_size": a["group_size"], "groups_per_batch": a["groups"], "max_tokens": a["max_tokens"],
         "learning_rate": args.lr, "lr_schedule": "constant", "lora_rank": args.lora_rank, "max_steps": args.steps,
         "seed": 0, "loss_fn": "importance_sampling", "temperature": 1.0, "kl_penalty_coef": a["kl"],
         "save_every": 0, "eval_every": 0,
         # what reproduces the cookbook's on-policy distillation:
         "env_options": {"format": "prompt", "shuffle": False}, "adam.eps": 1e-8,
+    }  # fmt: skip
+
+
+#: tinker-cookbook 0.6.1's SDFT demonstration (distillation/sdft.py: DEFAULT_DEMO_TEMPLATE) in our teacher's
+#: prompt_template slots ({prompt}, {answer})
+COOKBOOK_SDFT_TEMPLATE = (
+    "{prompt}\n\nThis is an example for a response to the question:\n{answer}\n\n"
+    "Now answer with a response of your own, including the thinking process."
+)
+
+
+def _sdft_data(args: argparse.Namespace, work: Path) -> tuple[Path, Path]:
+    """Questions and golden answers, twice: ``{question, answer}`` rows for the cookbook's ``SDFTDataset`` and
+    ``{messages: [user, assistant]}`` rows for ours: the first user message and the first assistant reply of each
+    conversation of a chat JSONL (``--dataset``, default ours ``recipes/data/example_chat.jsonl``)."""
+    src = Path(args.dataset) if args.dataset else REPO / "recipes" / "data" / "example_chat.jsonl"
+    if not src.is_file():
+        raise SystemExit(f"--dataset: no such file {src}")
+    cb, ours = work / "sdft_cookbook.jsonl", work / "sdft_ours.jsonl"
+    need, n = DISTILL_GROUPS * args.steps, 0
+    with src.open() as f, cb.open("w") as g, ours.open("w") as h:
+        for line in f:
+            if not line.strip() or n >= need:
+                continue
+            msgs = json.loads(line)["messages"]
+            q = next(m["content"] for m in msgs if m["role"] == "user").strip()
+            ans = next(m["content"] for m in msgs if m["role"] == "assistant").strip()
+            g.write(json.dumps({"question": q, "answer": ans}) + "\n")
+            msgs = [{"role": "user", "content": q}, {"role": "assistant", "content": ans}]
+            h.write(json.dumps({"messages": msgs}) + "\n")
+            n += 1
+    if n < need:
+        raise SystemExit(f"--dataset: {src} has {n} conversations, {need} needed for {args.steps} steps")
+    return cb, ours
+
+
+SDFT_GROUP_SIZE, SDFT_TOPK = 2, 20
+
+
+def sdft_cookbook(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    cb, _ = _sdft_data(args, work)
+    return {
+        "data": str(cb), "groups": DISTILL_GROUPS, "group_size": SDFT_GROUP_SIZE, "max_tokens": args.max_tokens,
+        "steps": args.steps, "lr": args.lr, "lora_rank": args.lora_rank, "renderer": args.renderer, "topk": SDFT_TOPK,
+    }  # fmt: skip
+
+
+def sdft_ours(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    _, ours = _sdft_data(args, work)
+    return {
+        "mode": "sdft", "dataset": str(ours), "renderer": our_renderer(args.renderer),
+        "group_size": SDFT_GROUP_SIZE, "groups_per_batch": DISTILL_GROUPS, "max_tokens": args.max_tokens,
+        "learning_rate": args.lr, "lr_schedule": "constant", "lora_rank": args.lora_rank, "max_steps": args.steps,
+        "seed": 0, "temperature": 1.0, "topk": SDFT_TOPK, "skip_first_tokens": 3, "save_every": 0, "eval_every": 0,
+        # what reproduces the cookbook's SDFT: its teacher (the base model, rendering as the student, shown its
+        # demonstration), the prompts in file order, Adam eps 1e-8
+        "teacher": {"weights": f"base:{args.model}", "renderer": our_renderer(args.renderer),
+                    "prompt_template": COOKBOOK_SDFT_TEMPLATE},
+        "env_options": {"format": "messages", "shuffle": False}, "adam.eps": 1e-8,
     }  # fmt: skip
 
 
@@ -873,6 +954,7 @@ RECIPES: dict[str, Recipe] = {
     # objective is unpublished); groups finish in no fixed order, so each step's datums are compared as a set
     "rl_async": Recipe("rl", COOKBOOK_RL, rl_cookbook("async"), rl_ours("async"), samples=any_sample, by_step=True),
     "distill": Recipe("distill", COOKBOOK_DISTILL, distill_cookbook, distill_ours, samples=any_sample, teacher=True),
+    "sdft": Recipe("distill", COOKBOOK_SDFT, sdft_cookbook, sdft_ours, samples=any_sample),
 }
 
 

@@ -123,9 +123,13 @@ def soft_targets(
         out.dropped += int(((row_ids >= vocab_size) & np.isfinite(row_lp)).sum())
         if not keep.any():
             continue
-        lp = row_lp[keep]
-        logq = lp - (lp.max() + np.log(np.exp(lp - lp.max()).sum()))
-        q = np.exp(logq)
+        # renormalised in float32 with torch, as tinker-cookbook 0.6.1's SDFT does (distillation/sdft.py:
+        # build_topk_distillation_datums): the same teacher rows give the same weights to the bit
+        import torch  # here, not at the top: reading distillation data needs no torch
+
+        lp32 = torch.tensor(row_lp[keep].tolist(), dtype=torch.float32)
+        logq32 = lp32 - torch.logsumexp(lp32, dim=0)
+        q, logq = logq32.exp().numpy(), logq32.double().numpy()
         n = len(q)
         tt[s, :n], w[s, :n] = row_ids[keep], q
         out.positions += 1

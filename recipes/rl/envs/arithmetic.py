@@ -175,7 +175,9 @@ class ArithmeticOptions(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> ArithmeticOptions:
         if self.answer == "last_integer" and self.reward == "partial":
-            raise ValueError("env_options.answer=last_integer goes with reward=exact (partial credit grades exact replies)")
+            raise ValueError(
+                "env_options.answer=last_integer goes with reward=exact (partial credit grades exact replies)"
+            )
         return self
 
 
