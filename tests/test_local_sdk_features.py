@@ -239,7 +239,8 @@ def test_recorded_sequences_expire_a_day_after_their_last_use():
 
     svc = Service()
     svc.record_stability("sess-a:sample:0", ["r:0"], [5, 6, 7], [{"tokens": [8, 9], "logprobs": [-1.0, -2.0]}])
-    msg = pb.ForwardBackwardRequest(model_id="m", loss_fn="importance_sampling")
+    # stable_reinforce: the loss that needs provenance (for the others an unrecorded sequence passes unchecked)
+    msg = pb.ForwardBackwardRequest(model_id="m", loss_fn="stable_reinforce")
     d = msg.data.add()
     d.model_input.add().encoded_text.tokens = np.asarray([5, 6, 7, 8], np.int32).tobytes()
     d.loss_fn_inputs["target_tokens"].dense = np.asarray([6, 7, 8, 9], np.int64).tobytes()

@@ -77,3 +77,35 @@ def test_requests_are_recorded_and_identical_requests_sample_identically(tmp_pat
         assert [q["tokens"] for q in s["sequences"]] == outs[0][0]
     finally:
         srv.stop()
+
+
+def test_seq_order_admits_a_sessions_requests_in_seq_id_order():
+    """Requests arriving in the order 2, 0, 1 (concurrent HTTP requests overtake each other) are
+    handled 0, 1, 2; another session is not held up; a request whose predecessor never comes goes
+    on after the timeout."""
+    import asyncio
+
+    from tinker_local.request_log import SEQ_BLOCK, SeqOrder
+
+    async def run() -> tuple[list[tuple[str, int]], float]:
+        order, handled = SeqOrder(timeout_s=0.5), []
+
+        async def request(session: str, seq: int, delay: float) -> None:
+            await asyncio.sleep(delay)
+            await order.admit(session, seq)
+            handled.append((session, seq))
+            await order.done(session, seq)
+
+        base = 3 * SEQ_BLOCK  # a cloned client's block
+        await asyncio.gather(
+            request("s", base + 2, 0.0), request("s", base, 0.05), request("s", base + 1, 0.1), request("t", 0, 0.02)
+        )
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await request("u", 5, 0.0)  # 0..4 never come: admitted after the timeout
+        return handled, loop.time() - t0
+
+    handled, waited = asyncio.run(run())
+    assert [s for s in handled if s[0] == "s"] == [("s", 3 * SEQ_BLOCK + k) for k in range(3)]
+    assert handled.index(("t", 0)) < handled.index(("s", 3 * SEQ_BLOCK + 1))
+    assert handled[-1] == ("u", 5) and 0.4 < waited < 5

@@ -28,11 +28,15 @@ thing in the same order therefore get the same completions, whether they ask for
 in one request or in ``n`` requests of one, and whatever seeds they pass; a difference in what is
 asked still changes what comes back.  Each sequence is then drawn alone (a batch of one, prompt
 logprobs included), since the shape of a batch changes float results in their last bits: what a
-request gets back does not depend on which other requests the server served with it.
+request gets back does not depend on which other requests the server served with it.  The requests
+of one sampling session are admitted in ``seq_id`` order (:class:`SeqOrder`), so occurrences count
+in the order the client made its requests, not the order concurrent HTTP requests happened to
+arrive in (the cookbook samples a group's members as concurrent requests of one sample each).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import threading
@@ -41,7 +45,15 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["RequestLog", "ContentSeeds", "content_key", "content_seed", "weights_identity", "datum_record"]
+__all__ = [
+    "RequestLog",
+    "ContentSeeds",
+    "SeqOrder",
+    "content_key",
+    "content_seed",
+    "weights_identity",
+    "datum_record",
+]
 
 
 def _array(a: Any) -> dict[str, Any]:
@@ -145,13 +157,55 @@ def content_seed(key: str, occurrence: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{key}:{occurrence}".encode()).digest()[:8], "big") >> 1
 
 
+#: The SDK numbers a sampling client's requests from a multiple of this (its clone block; 0 for
+#: the client that created the session).
+SEQ_BLOCK = 1_000_000_000
+
+
+class SeqOrder:
+    """Admits the sample requests of each sampling session in ``seq_id`` order (asyncio, on the
+    server's event loop): a request whose predecessor has not arrived waits for it, at most
+    ``timeout_s`` seconds (a request the client never sent must not stall the session), then goes
+    on.  A session's first expected ``seq_id`` is the start of the SDK's block the first request
+    falls in (:data:`SEQ_BLOCK`)."""
+
+    def __init__(self, timeout_s: float = 5.0):
+        self.timeout_s = timeout_s
+        self._next: dict[str, int] = {}
+        self._cond: asyncio.Condition | None = None
+
+    def _condition(self) -> asyncio.Condition:
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+        return self._cond
+
+    async def admit(self, session: str, seq: int) -> None:
+        """Wait until every earlier ``seq_id`` of ``session`` was admitted (or the timeout)."""
+        cond = self._condition()
+        async with cond:
+            self._next.setdefault(session, seq - seq % SEQ_BLOCK)
+            try:
+                await asyncio.wait_for(cond.wait_for(lambda: self._next[session] >= seq), self.timeout_s)
+            except TimeoutError:
+                pass
+
+    async def done(self, session: str, seq: int) -> None:
+        """``seq`` of ``session`` is queued: let its successor in."""
+        cond = self._condition()
+        async with cond:
+            self._next[session] = max(self._next.get(session, 0), seq + 1)
+            cond.notify_all()
+
+
 class ContentSeeds:
     """Occurrence counters by (session, content key); ``take(session, key, n)`` returns the seeds
-    of the next ``n`` sequences."""
+    of the next ``n`` sequences. ``order`` admits each sampling session's requests in ``seq_id``
+    order (:class:`SeqOrder`)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: dict[tuple[str, str], int] = {}
+        self.order = SeqOrder()
 
     def take(self, session_id: str, key: str, n: int) -> list[int]:
         with self._lock:
