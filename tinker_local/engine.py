@@ -111,8 +111,8 @@ class Engine(SamplingMixin):
         """Drop ``model_id`` (its adapter and optimizer state); checkpoints on disk stay."""
         with self._lock:
             st = self._train(model_id)
-            b = self._bases[st.base_key]
-            if st.adapter in b.resident:
+            b = self._bases.get(st.base_key)  # an unloaded base model holds no adapter
+            if b is not None and st.adapter in b.resident:
                 del b.resident[st.adapter]
                 remove_adapter(b.peft, st.adapter)
                 b.active = None
@@ -129,7 +129,7 @@ class Engine(SamplingMixin):
         EngineUserError if the id is unknown."""
         with self._lock:
             st = self._train(model_id)
-            b = self._bases[st.base_key]
+            b = self._loaded(st.base_key)
             return {
                 "model_id": model_id,
                 "base_model": st.base_name,
@@ -176,7 +176,7 @@ class Engine(SamplingMixin):
     def _run(self, model_id, datums, loss_fn, loss_fn_config, backward: bool) -> FwdResult:
         with self._lock:
             st = self._train(model_id)
-            b = self._bases[st.base_key]
+            b = self._loaded(st.base_key)
             custom = callable(loss_fn)  # a per-datum loss object (tinker_local.custom_loss)
             fn = loss_fn if custom else get_loss_fn(loss_fn)
             cfg = dict(loss_fn_config or {})
@@ -214,19 +214,32 @@ class Engine(SamplingMixin):
                 if packed
                 else [[[i] for i in group] for group in microbatches(lengths, budget)]
             )
-            for rows in groups:
-                with torch.set_grad_enabled(backward):
-                    if packed:
-                        mb, lps = self._packed_logprobs(b, rows, prepared)
-                    else:
-                        mb = [row[0] for row in rows]
-                        lps = self._logprobs(b, [prepared[i] for i in mb])
-                    loss = sum(fn(lp, prepared[i][2], cfg) for i, lp in zip(mb, lps, strict=True))
-                    if backward and isinstance(loss, torch.Tensor) and loss.requires_grad:
-                        loss.backward()
-                for i, lp in zip(mb, lps, strict=True):
-                    outputs[i] = {"logprobs": lp.detach().float().cpu().numpy()}
-                total += float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+            # a custom loss may fail in a later micro-batch (a limit, a node that raises): the
+            # gradients of the earlier ones are then taken back, so a failed request adds none
+            saved = (
+                {k: None if p.grad is None else p.grad.clone() for k, p in st.params.items()}
+                if backward and custom and len(groups) > 1
+                else None
+            )
+            try:
+                for rows in groups:
+                    with torch.set_grad_enabled(backward):
+                        if packed:
+                            mb, lps = self._packed_logprobs(b, rows, prepared)
+                        else:
+                            mb = [row[0] for row in rows]
+                            lps = self._logprobs(b, [prepared[i] for i in mb])
+                        loss = sum(fn(lp, prepared[i][2], cfg) for i, lp in zip(mb, lps, strict=True))
+                        if backward and isinstance(loss, torch.Tensor) and loss.requires_grad:
+                            loss.backward()
+                    for i, lp in zip(mb, lps, strict=True):
+                        outputs[i] = {"logprobs": lp.detach().float().cpu().numpy()}
+                    total += float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+            except Exception:
+                if saved is not None:
+                    for k, p in st.params.items():
+                        p.grad = saved[k]
+                raise
             return FwdResult(outputs=outputs, metrics={"loss:sum": total})
 
     def _logprobs(self, b: BaseModelState, items) -> list[torch.Tensor]:
@@ -410,7 +423,7 @@ class Engine(SamplingMixin):
             st.step = int(meta.get("step", 0)) if with_optimizer else 0
 
     def _write_ckpt(self, st: TrainingState, kind: str, name: str, with_optimizer: bool) -> Path:
-        b = self._bases[st.base_key]
+        b = self._loaded(st.base_key)
         cfg = st.config.to_dict()
         cfg["base_model_name_or_path"] = b.spec.model_dir or b.spec.name
         meta = {
