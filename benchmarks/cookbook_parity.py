@@ -252,9 +252,9 @@ class Server:
         import tinker
 
         os.environ.pop("TINKER_BASE_URL", None)
-        sc = tinker.ServiceClient(base_url=self.url, api_key=API_KEY)
-        tc = sc.create_lora_training_client(base_model=self.model, rank=1).result()
-        out = tc.get_info().model_data.tokenizer_id
+        with tinker.ServiceClient(base_url=self.url, api_key=API_KEY) as sc:  # its heartbeat ends with the probe
+            tc = sc.create_lora_training_client(base_model=self.model, rank=1).result()
+            out = tc.get_info().model_data.tokenizer_id
         self.probe_session = self.sessions()  # that client's session: not part of any comparison
         return str(out)
 
@@ -265,21 +265,21 @@ class Server:
         import numpy as np
         import tinker
 
-        sc = tinker.ServiceClient(base_url=self.url, api_key=API_KEY)
-        tc = sc.create_lora_training_client(base_model=self.model, rank=4, seed=1).result()
-        tok = tc.get_tokenizer()
-        texts = [f"User: What is {i} + {i}?\n\nAssistant: {2 * i}\n\nUser:" for i in range(8)]
-        datums = []
-        for t in texts:
-            ids = tok.encode(t, add_special_tokens=False)
-            datums.append(tinker.Datum(
-                model_input=tinker.ModelInput.from_ints(ids[:-1]),
-                loss_fn_inputs={"target_tokens": np.asarray(ids[1:], np.int64),
-                                "weights": np.ones(len(ids) - 1, np.float32)}))
-        for _ in range(2):
-            tc.forward_backward(datums, "cross_entropy").result()
-            tc.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
-        return str(tc.save_weights_for_sampler("parity-teacher").result().path)
+        with tinker.ServiceClient(base_url=self.url, api_key=API_KEY) as sc:  # the weights outlive the session
+            tc = sc.create_lora_training_client(base_model=self.model, rank=4, seed=1).result()
+            tok = tc.get_tokenizer()
+            texts = [f"User: What is {i} + {i}?\n\nAssistant: {2 * i}\n\nUser:" for i in range(8)]
+            datums = []
+            for t in texts:
+                ids = tok.encode(t, add_special_tokens=False)
+                datums.append(tinker.Datum(
+                    model_input=tinker.ModelInput.from_ints(ids[:-1]),
+                    loss_fn_inputs={"target_tokens": np.asarray(ids[1:], np.int64),
+                                    "weights": np.ones(len(ids) - 1, np.float32)}))
+            for _ in range(2):
+                tc.forward_backward(datums, "cross_entropy").result()
+                tc.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
+            return str(tc.save_weights_for_sampler("parity-teacher").result().path)
 
     def sessions(self) -> set[str]:
         return {p.stem for p in self.requests.glob("*.jsonl")} if self.requests.is_dir() else set()
@@ -615,14 +615,32 @@ class Recipe:
 
 
 def _sft_data(args: argparse.Namespace, work: Path) -> Path:
+    """The conversations as ``{"messages": [...]}`` lines, the file both sides read (the cookbook's
+    ``FromConversationFileBuilder`` wants exactly that). A record without ``messages`` goes through our
+    converter of its shape (``self_instruct``: ``instances``; ``instruction``: instruction/input/output
+    or Dolly's instruction/context/response), one conversation per converted record."""
+    from prefect_tinker.recipes.data_sources import convert_record
+
     src = Path(args.dataset) if args.dataset else SHARED / "sft" / "dolly_slice_messages.jsonl"
     if not src.is_file():
         raise SystemExit(f"--dataset: no such file {src}")
     out = work / "sft.jsonl"  # only the messages (the cookbook's builder keeps every column)
-    with src.open() as f, out.open("w") as g:
-        for line in f:
-            if line.strip():
-                g.write(json.dumps({"messages": json.loads(line)["messages"]}) + "\n")
+    opener = gzip.open if src.suffix == ".gz" else open
+    with opener(src, "rt") as f, out.open("w") as g:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            if "messages" in rec:
+                convs = [rec["messages"]]
+            else:
+                fmt = "self_instruct" if "instances" in rec else "instruction"
+                try:
+                    convs = [c.messages for c in convert_record(rec, fmt)]
+                except ValueError as e:
+                    raise SystemExit(f"--dataset: {src}:{n}: {e}") from None
+            for msgs in convs:
+                g.write(json.dumps({"messages": msgs}) + "\n")
     return out
 
 

@@ -101,6 +101,9 @@ def server(tmp_path_factory):
     srv.requests = root / "requests"  # type: ignore[attr-defined]
     srv.tokenizer_dir = srv.service.engine.load_base_model("tiny")["tokenizer_id"]  # type: ignore[attr-defined]
     yield srv
+    from tinker_blocks.credentials import close_clients
+
+    close_clients(srv.base_url)  # our flows' cached client: its heartbeat must not outlive the server
     srv.stop()
 
 
