@@ -151,6 +151,7 @@ def _assert_identical(
     return cmp
 
 
+@pytest.mark.slow  # whole flows on both sides (~20-30 s each): the file goes first
 def test_sft_sends_what_the_cookbook_sends(server, tmp_path, monkeypatch, prefect_api):
     from prefect_tinker.flows.sft import SFTConfig, sft_flow
 
@@ -175,6 +176,7 @@ def test_sft_sends_what_the_cookbook_sends(server, tmp_path, monkeypatch, prefec
     assert any(a == b and a > 0 for a, b in cmp.losses)
 
 
+@pytest.mark.slow  # whole flows on both sides (~20-30 s each): the file goes first
 def test_dpo_sends_what_the_cookbook_sends(server, tmp_path, monkeypatch, prefect_api):
     from prefect_tinker.flows.dpo import DPOConfig, dpo_flow
 
@@ -199,6 +201,7 @@ def test_dpo_sends_what_the_cookbook_sends(server, tmp_path, monkeypatch, prefec
     assert cmp.sequences == 2 * steps * batch  # the reference: one compute_logprobs per chosen and rejected reply
 
 
+@pytest.mark.slow  # whole flows on both sides (~20-30 s each): the file goes first
 def test_sync_rl_sends_what_the_cookbook_sends(server, tmp_path, monkeypatch, prefect_api):
     """``rl.train`` on the cookbook's arithmetic environment against ``prefect-tinker run rl``, with the KL
     penalty on: the untrained ``tiny`` model never earns a varying reward, so the KL term is what makes the
