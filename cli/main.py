@@ -21,6 +21,7 @@ Subcommands::
     prefect-tinker ops install-automations [--within S]         crash runs whose heartbeats stop (flows/ops.py)
     prefect-tinker sandbox run FILE.py [--timeout S]            run a file in the code sandbox, print JSON
     prefect-tinker capture serve --model M --store ROOT [...]   OpenAI-compatible endpoint recording every sample
+    prefect-tinker models list|show|promote|rollback [...]      model lines and their aliases (cli/models.py)
 
 Modules: :mod:`prefect_tinker.cli.config` (errors, YAML values, overrides), :mod:`prefect_tinker.cli.flows`
 (flow registry, config validation), :mod:`prefect_tinker.cli.store` (sql / runs / checkpoints / store),
@@ -31,7 +32,8 @@ Modules: :mod:`prefect_tinker.cli.config` (errors, YAML values, overrides), :mod
 
 Exit status: 0 success, 1 runtime failure (SQL error, the flow failed), 2 bad usage, an
 invalid config or bad data (the message names each bad field and its value, or the file, line and
-field of a bad record; no traceback without ``--debug``).
+field of a bad record; no traceback without ``--debug``), 130 a run stopped by Ctrl-C (one line
+saying at which step and whether its checkpoint was saved: :mod:`prefect_tinker.flows.interrupts`).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from contextlib import contextmanager
 # Re-exported: the public helpers of the split modules stay importable from cli.main.
 from prefect_tinker.cli.config import (  # noqa: F401
     EXIT_FAILED,
+    EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_USAGE,
     CLIError,
@@ -144,6 +147,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(config.model_dump_json(indent=2))
         return EXIT_OK
+    from prefect_tinker.flows.interrupts import RunInterrupted
     from prefect_tinker.flows.prefect_api import PrefectAPIError
     from prefect_tinker.flows.prefect_server import PrefectServerError, run_api
 
@@ -153,10 +157,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     try:
         # without PREFECT_API_URL: the local Prefect server with its UI, started on first use and kept
-        with run_api(announce=announce), _terminal_output(args.quiet, args.json_progress, args.debug):
+        from prefect import tags
+
+        with run_api(announce=announce), _terminal_output(args.quiet, args.json_progress, args.debug), tags(*args.tag):
             result = flow(config=config)
-    except KeyboardInterrupt:
-        raise
+    except RunInterrupted as exc:  # Ctrl-C: the flow run ended Cancelled, the run recorded `interrupted`
+        print(str(exc), file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except KeyboardInterrupt:  # before the flow started (or while the Prefect API was still starting)
+        print("interrupted before the run started; nothing saved", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except (PrefectAPIError, PrefectServerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
@@ -201,9 +211,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
         examples = [dict(zip(ready_header, r, strict=True)) for r in ready_rows]
         print(json.dumps({"recipes": rows, "envs": envs, "examples": examples}, indent=2))
         return EXIT_OK
-    print(format_table(["recipe", "description", "examples"], [list(r.values()) for r in rows]))
+    print(format_table(["recipe", "description", "examples"], [list(r.values()) for r in rows], max_width=None))
     print()
-    print(format_table(["env", "description"], [list(e.values()) for e in envs]))
+    print(format_table(["env", "description"], [list(e.values()) for e in envs], max_width=None))
     print()
     print(format_table(ready_header, ready_rows, max_width=100))
     print(
@@ -274,6 +284,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--json-progress", action="store_true", help="progress as one JSON object per line on stderr (steps and phases)"
     )
     r.add_argument("--debug", action="store_true", help="show the traceback of a failure")
+    r.add_argument(
+        "--tag",
+        action="append",
+        default=[],
+        metavar="TAG",
+        help="a Prefect tag of the flow run (repeatable); e.g. evaluate-checkpoints opts in to the automation "
+        "that evaluates each saved checkpoint (ops install-automations)",
+    )
     r.set_defaults(func=cmd_run)
 
     c = sub.add_parser("show-config", help="print a flow's config defaults (YAML) or JSON schema")
@@ -311,6 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     from prefect_tinker.cli.ui import add_parser as add_ui  # ui: the local Prefect server (cli/ui.py)
 
     add_ui(sub)
+    from prefect_tinker.cli.models import add_parser as add_models  # models: the model registry (cli/models.py)
+
+    add_models(sub)
     return p
 
 

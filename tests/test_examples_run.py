@@ -58,9 +58,14 @@ SHORT: dict[tuple[str, str], list[str]] = {
     ],
     ("dpo", "tiny"): ["max_steps=1", "batch_size=2", "test_size=2", "save_every=0"],
     ("eval", "arithmetic"): ["limit=2"],
+    ("eval", "checkpoint"): ["limit=2"],
     ("eval", "suite"): ["limit=2", "max_tokens=8"],  # + local gsm8k / MATH files (the test below)
     ("export", "merged"): [],  # + checkpoint and out (the test below)
     ("export", "peft"): [],
+    # + captures rated in the store (the test below): one training step, two examples per evaluation
+    ("flywheel", "tiny"): ["limit=2", "min_examples=2", "training.max_steps=1", "training.batch_size=2",
+                           "training.test_size=0", "training.save_every=0"],
+    ("promote", "candidate"): ["limit=2"],
     ("reward_model", "hh"): [
         "max_steps=1",
         "max_records=200",
@@ -134,6 +139,24 @@ def example_store(prefect_api, local_credentials, tmp_path_factory):
     return store
 
 
+def _rated_captures(store: Path) -> None:
+    """Chat captures of the last hour, as capture serve and POST /v1/feedback write them: two
+    questions, each answered twice (n=2), one answer rated good and one bad -- two comparisons, so
+    the flywheel (method auto) trains DPO."""
+    from tinker_blocks.stores import CaptureStore
+
+    captures = CaptureStore(root=str(store))
+    rows = [{"run_id": "ex-traffic", "request_id": f"chatcmpl-ex{i}", "sequence_index": j,
+             "endpoint": "chat.completions", "model": "tiny", "checkpoint": "tiny", "finish_reason": "stop",
+             "prompt": json.dumps([{"role": "user", "content": f"What is {i} + {i}?"}]),
+             "completion": reply, "response_json": json.dumps({"message": {"role": "assistant", "content": reply}})}
+            for i in range(2) for j, reply in enumerate((f"{2 * i}", "no idea"))]
+    captures.write_rows("captures", rows)
+    captures.write_rows("ratings", [{"run_id": "ex-traffic", "request_id": r["request_id"],
+                                     "sequence_index": r["sequence_index"], "source": "client",
+                                     "rating": 1.0 if r["sequence_index"] == 0 else -1.0} for r in rows])
+
+
 def test_every_example_has_a_short_mode():
     assert sorted(SHORT) == EXAMPLES, "add the new example's short-mode overrides to SHORT"
 
@@ -155,9 +178,14 @@ def test_example_runs_in_short_mode(recipe, example, example_store, local_creden
         "--quiet",
         f"backend.local_root={local_credentials.local_root}",
     ]
-    if recipe == "export":  # no store, no run name: a checkpoint in, files out
+    if recipe == "export":  # no run name: a checkpoint in (a tinker:// path, or run:NAME), files out
         state = TrainingStore(root=str(example_store)).last_checkpoint(TEACHER, kind="state")
-        args += [f"checkpoint={state['path']}", f"out={tmp_path / 'out'}"]
+        checkpoint = state["path"] if example == "merged" else f"run:{TEACHER}"
+        args += [f"checkpoint={checkpoint}", f"store={example_store}", f"out={tmp_path / 'out'}"]
+    elif recipe in ("promote", "flywheel"):  # no run name: a model line's runs are named by the flow
+        args.append(f"store={example_store}")
+        if recipe == "flywheel":
+            _rated_captures(example_store)
     else:
         args += [f"run_name={run}", f"store={example_store}"]
     if (recipe, example) == ("eval", "suite"):  # the suite's benchmarks on local files (tests are offline)
@@ -177,8 +205,16 @@ def test_example_runs_in_short_mode(recipe, example, example_store, local_creden
             )
         )
 
+    capsys.readouterr()
     assert cli_main(args) == 0, f"{recipe}/{example} failed"
-    if recipe == "export":
+    if recipe in ("promote", "flywheel"):
+        out = json.loads(capsys.readouterr().out)
+        rows = _sql(capsys, example_store, "SELECT alias, action FROM models WHERE line = 'assistant'")
+        assert ("candidate", "set") in {(r["alias"], r["action"]) for r in rows}  # the gate judged a candidate
+        assert isinstance(out["promoted"], bool)
+        if recipe == "flywheel":  # the rated pairs became comparisons: DPO from the champion
+            assert out["trained"] and out["snapshot"]["method"] == "dpo" and out["counts"] == {"sft": 2, "dpo": 2}
+    elif recipe == "export":
         assert any((tmp_path / "out").rglob("*.safetensors")), "the export wrote no weights"
     elif recipe == "eval":  # results are filed under the evaluated run (the base model's: the eval's own name)
         evaluated = TEACHER if example == "suite" else run

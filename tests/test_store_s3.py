@@ -397,7 +397,7 @@ def test_eval_and_capture_rows_validated(tmp_path):
     for value in (0.1, 0.2):
         evals.record_result("r", eval_name="e", metric="acc", value=value)
     assert evals.query("SELECT value, step FROM eval_results") == [{"value": 0.2, "step": None}]
-    assert evals.tables == ["eval_results", "eval_samples"] and caps.tables == ["captures"]
+    assert evals.tables == ["eval_results", "eval_samples"] and caps.tables == ["captures", "ratings"]
 
 
 def test_record_tasks_check_and_compact(tmp_path):

@@ -30,6 +30,7 @@ from prefect.blocks.abstract import CredentialsBlock
 from pydantic import ConfigDict, Field, SecretStr, field_validator
 
 from tinker_blocks.docs import docs_url
+from tinker_blocks.server_api import check_server_api
 from tinker_local import launcher
 from tinker_local.launcher import LocalServerError
 
@@ -198,6 +199,8 @@ class TinkerCredentials(CredentialsBlock):
         Raises:
             ValueError: hosted/remote mode without an API key (field or ``TINKER_API_KEY``), or a
                 key not starting with ``tml-``.
+            OlderServerAPIError: the server at ``base_url`` speaks an older Tinker API than the
+                installed SDK (:mod:`tinker_blocks.server_api`; a ValueError).
             LocalServerError: local mode and the server did not start or answer within
                 ``local_startup_timeout`` (the message ends with the tail of ``server.log``).
         """
@@ -221,6 +224,12 @@ class TinkerCredentials(CredentialsBlock):
         if self.ca_bundle:
             trust_ca_bundle(Path(self.ca_bundle).expanduser())
         key = self._cache_key(api_key)
+        with _clients_lock:
+            cached = _clients.get(key)
+        if cached is not None:
+            return cached[1]
+        if self.base_url:  # a self-hosted server: one line now if it speaks an older API than the SDK
+            check_server_api(self.base_url, api_key)
         with _clients_lock:
             if key not in _clients:
                 _clients[key] = (self.base_url, tinker.ServiceClient(base_url=self.base_url, api_key=api_key))

@@ -200,11 +200,10 @@ class EngineCore:
             torch.cuda.empty_cache()
 
     def resident_bases(self) -> dict[str, dict[str, int]]:
-        """Loaded base models (least recently used first): ``{name: {"bytes", "loads"}}``."""
-        with self._lock:
-            return {
-                k: {"bytes": _model_bytes(b.model), "loads": self.base_loads.get(k, 0)} for k, b in self._bases.items()
-            }
+        """Loaded base models (least recently used first): ``{name: {"bytes", "loads"}}``.  Reads a
+        snapshot without the engine lock, which a long training job on the compute thread holds."""
+        bases = list(self._bases.items())
+        return {k: {"bytes": _model_bytes(b.model), "loads": self.base_loads.get(k, 0)} for k, b in bases}
 
     def _media(self, b: BaseModelState):
         """The media the base model accepts (``tinker_local.media.Support``; None: text only)."""

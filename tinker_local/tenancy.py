@@ -17,8 +17,10 @@ Limits (``Limits``; None = unlimited): resident training models per user (live: 
 finished; a finished session's models leave the server's memory) (403), queued requests per user
 (429: the SDK retries it), stored checkpoint bytes per user (403 on the next save), compute seconds
 per user in the last hour (429 with ``Retry-After``).  A record with no owner (a registry from
-before owners were recorded) belongs to nobody: ``UNOWNED`` is no user's name, and the names the
-server uses itself (``RESERVED_USERS``) cannot be given to a key.
+before owners were recorded, a run whose session record a killed server never wrote) belongs to
+``LOCAL_USER``, the one user of a server without keys; the names the server uses itself
+(``RESERVED_USERS``, ``LOCAL_USER`` among them) cannot be given to a key, so on a server with keys
+such a record is nobody's.
 
 Audit log: ``<root>/server/audit.jsonl``, one JSON object per line: ``timestamp`` (ISO-8601 UTC),
 ``event`` (``<resource>_<action>``, the SDK's ``AuditLogEntry.event`` convention), ``user`` and the
@@ -42,7 +44,6 @@ from .errors import HttpError
 
 LOCAL_USER = "local"  # the one user of a server without keys
 ORG_ID = "local"
-UNOWNED = "(no owner)"  # owner of records with none recorded: not a valid user name, so nobody's
 RESERVED_USERS = frozenset({LOCAL_USER, ORG_ID})  # names no key may take (compared case-insensitively)
 QUOTA_WINDOW_S = 3600.0  # the compute-seconds quota counts this many seconds back
 
@@ -109,23 +110,23 @@ class Tenancy:
 
     # -- ownership ---------------------------------------------------------------------------------
     def session_owner(self, session_id: str) -> str | None:
-        """Owner of a known session (None: unknown); one recorded without owner: ``UNOWNED``."""
+        """Owner of a known session (None: unknown); one recorded without owner: ``LOCAL_USER``."""
         s = self.registry.sessions.get(session_id)
-        return None if s is None else (s.get("owner") or UNOWNED)
+        return None if s is None else (s.get("owner") or LOCAL_USER)
 
     def model_owner(self, model_id: str) -> str | None:
         run = self.registry.runs.get(model_id)
         sid = (run.session_id if run is not None else None) or _split_model(model_id)
         owner = self.session_owner(sid)
         if owner is None and run is not None:
-            return UNOWNED
+            return LOCAL_USER
         return owner
 
     @contextlib.contextmanager
     def acting_for_owner(self, model_id: str):
         """Run the block as the owner of ``model_id`` (a signed download URL: its signature, made
         for the owner, is the credential; the request carries no key)."""
-        token = CURRENT.set(Principal(self.model_owner(model_id) or UNOWNED))
+        token = CURRENT.set(Principal(self.model_owner(model_id) or LOCAL_USER))
         try:
             yield
         finally:
