@@ -39,24 +39,27 @@ def test_requests_are_recorded_and_identical_requests_sample_identically(tmp_pat
     try:
         outs = []
         for k in range(2):  # two sessions asking the same things, the second the sampling in another shape first
-            sc = tinker.ServiceClient(base_url=srv.base_url, api_key="tml-request-log")
-            tc = sc.create_lora_training_client(base_model="tiny", rank=2).result()
-            tok = [5, 6, 7, 8, 9]
-            datum = tinker.Datum(
-                model_input=tinker.ModelInput.from_ints(tok[:-1]),
-                loss_fn_inputs={"target_tokens": np.array(tok[1:], dtype=np.int64), "weights": np.ones(4, np.float32)},
-            )
-            tc.forward_backward([datum], "cross_entropy").result()
-            tc.optim_step(tinker.AdamParams(learning_rate=1e-3)).result()
-            sampler = tc.save_weights_and_get_sampling_client().result()
-            params = tinker.SamplingParams(max_tokens=6, temperature=1.0, seed=None)
-            prompt = tinker.ModelInput.from_ints([5, 6, 7])
+            with tinker.ServiceClient(base_url=srv.base_url, api_key="tml-request-log") as sc:  # ends its heartbeat
+                tc = sc.create_lora_training_client(base_model="tiny", rank=2).result()
+                tok = [5, 6, 7, 8, 9]
+                datum = tinker.Datum(
+                    model_input=tinker.ModelInput.from_ints(tok[:-1]),
+                    loss_fn_inputs={
+                        "target_tokens": np.array(tok[1:], dtype=np.int64),
+                        "weights": np.ones(4, np.float32),
+                    },
+                )
+                tc.forward_backward([datum], "cross_entropy").result()
+                tc.optim_step(tinker.AdamParams(learning_rate=1e-3)).result()
+                sampler = tc.save_weights_and_get_sampling_client().result()
+                params = tinker.SamplingParams(max_tokens=6, temperature=1.0, seed=None)
+                prompt = tinker.ModelInput.from_ints([5, 6, 7])
 
-            if k == 0:
-                outs.append((_sample(sampler, prompt, params, 4, 1), _sample(sampler, prompt, params, 1, 4)))
-            else:
-                ones = _sample(sampler, prompt, params, 1, 4)
-                outs.append((_sample(sampler, prompt, params, 4, 1), ones))
+                if k == 0:
+                    outs.append((_sample(sampler, prompt, params, 4, 1), _sample(sampler, prompt, params, 1, 4)))
+                else:
+                    ones = _sample(sampler, prompt, params, 1, 4)
+                    outs.append((_sample(sampler, prompt, params, 4, 1), ones))
         # the same request in two sessions gets the same completions: 4 samples in one request are the
         # 4 samples of 4 requests of one (occurrences 0-3 of that content, then 4-7)
         assert outs[0][0] == outs[1][1] and outs[0][1] == outs[1][0]
