@@ -616,9 +616,11 @@ class Recipe:
 
 def _sft_data(args: argparse.Namespace, work: Path) -> Path:
     """The conversations as ``{"messages": [...]}`` lines, the file both sides read (the cookbook's
-    ``FromConversationFileBuilder`` wants exactly that). A record without ``messages`` goes through our
-    converter of its shape (``self_instruct``: ``instances``; ``instruction``: instruction/input/output
-    or Dolly's instruction/context/response), one conversation per converted record."""
+    ``FromConversationFileBuilder`` wants exactly that). A record goes through our converter
+    ``--format`` (default: by its shape: ``messages``; ``self_instruct`` with ``instances``;
+    ``dialogue`` with an HH-style ``chosen`` transcript; ``prompt_completion`` with ``prompt``;
+    ``instruction`` otherwise: instruction/input/output or Dolly's instruction/context/response),
+    one conversation per converted record."""
     from prefect_tinker.recipes.data_sources import convert_record
 
     src = Path(args.dataset) if args.dataset else SHARED / "sft" / "dolly_slice_messages.jsonl"
@@ -631,17 +633,25 @@ def _sft_data(args: argparse.Namespace, work: Path) -> Path:
             if not line.strip():
                 continue
             rec = json.loads(line)
-            if "messages" in rec:
-                convs = [rec["messages"]]
-            else:
-                fmt = "self_instruct" if "instances" in rec else "instruction"
-                try:
-                    convs = [c.messages for c in convert_record(rec, fmt)]
-                except ValueError as e:
-                    raise SystemExit(f"--dataset: {src}:{n}: {e}") from None
+            fmt = args.format or _sft_format(rec)
+            try:
+                fields = {"text": "chosen"} if fmt == "dialogue" and "text" not in rec else None  # HH: the chosen
+                convs = [c.messages for c in convert_record(rec, fmt, fields)]
+            except ValueError as e:
+                raise SystemExit(f"--dataset: {src}:{n}: {e}") from None
             for msgs in convs:
                 g.write(json.dumps({"messages": msgs}) + "\n")
     return out
+
+
+def _sft_format(rec: Any) -> str:
+    if not isinstance(rec, dict) or "messages" in rec:
+        return "messages"
+    if "instances" in rec:
+        return "self_instruct"
+    if "chosen" in rec:
+        return "dialogue"
+    return "prompt_completion" if "prompt" in rec else "instruction"
 
 
 def _sft_shape(args: argparse.Namespace, data: Path) -> dict[str, Any]:
@@ -1016,6 +1026,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recipe", default="sft", help=f"comma-separated, of: {', '.join(RECIPES)} (or all)")
     ap.add_argument("--model", default="tiny", help="tiny, smollm2 or a local HF model directory (default tiny)")
     ap.add_argument("--dataset", default=None, help="data file of the recipe (default: the recipe's own)")
+    ap.add_argument(
+        "--format", default=None, help="SFT: our converter of --dataset's records (default: by the record's shape)"
+    )
     ap.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-4)
