@@ -42,6 +42,8 @@ logger = logging.getLogger("tinker_local.engine")
 
 MAX_RESIDENT_ADAPTERS = 8  # training adapters injected per base model (least recently used go)
 
+logger = logging.getLogger("tinker_local.engine")
+
 
 @dataclass
 class BaseModelState:
@@ -113,6 +115,10 @@ class EngineCore:
         self.packing = os.environ.get("TINKER_LOCAL_PACKING", "on").lower() not in ("0", "off", "false", "no")
         # training adapters kept injected per base model (see the module docstring)
         self.max_resident_adapters = MAX_RESIDENT_ADAPTERS
+        # what the engine fell back on (``GET local_stats`` -> ``"engine"``): ``packing_fallbacks``
+        # counts forward/forward_backward calls of a text-only model that ran padded because the
+        # model failed the packing check (logged once per base model)
+        self.stats: dict[str, int] = {"packing_fallbacks": 0}
         # bytes of loaded base models (parameters and buffers) before the least recently used go
         self.max_base_bytes: int | None = None
         self._lock = threading.RLock()
@@ -213,9 +219,21 @@ class EngineCore:
 
     def _packs(self, b: BaseModelState) -> bool:
         """Whether ``b`` trains padding-free: text-only (media datums take the padded path) and
-        checked once by ``tinker_local.packing.packing_supported``."""
+        checked once by ``tinker_local.packing.packing_supported``. A text-only model that fails
+        the check trains padded: said once per base model, counted per call in
+        ``stats["packing_fallbacks"]``."""
+        text_only = self._media(b) is None
         if b.packs is None:
-            b.packs = self._media(b) is None and packing_supported(b.model, b.spec.vocab_size, self.device)
+            b.packs = text_only and packing_supported(b.model, b.spec.vocab_size, self.device)
+            if text_only and not b.packs:
+                logger.warning(
+                    "base model %s: two datums packed into one row did not give the logits each gives alone "
+                    "(tinker_local.packing.packing_supported), so it trains on padded batches, slower on datums "
+                    "of mixed lengths (counted in local_stats engine.packing_fallbacks; said once per base model)",
+                    b.spec.name,
+                )
+        if text_only and not b.packs:
+            self.stats["packing_fallbacks"] += 1
         return b.packs
 
     def _train(self, model_id: str) -> TrainingState:

@@ -8,6 +8,7 @@ while training continues on the compute thread."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from pathlib import Path
@@ -29,6 +30,18 @@ DEFAULT_MAX_TOKENS = 256  # SamplingParams.max_tokens=None
 # request that arrives a few ms late saves it a whole decode loop of its own.
 LINGER_FRACTION = 0.1
 SAMPLER_EXECUTOR = "sampler"  # FutureStore side executor of the sampler worker pool
+#: seconds a finished sampling batch waits for a request's sequence ids (set right after it is
+#: queued) before giving up recording its sequences for ``record_stability_info``
+SEQUENCE_IDS_WAIT_S = 30.0
+SAMPLING_COUNTERS = (
+    "requests",
+    "prompt_tokens_cached",
+    "prompt_tokens_uncached",
+    "sampled_tokens",
+    "stability_not_recorded",
+)
+
+logger = logging.getLogger("tinker_local.sampling")
 # request fields that are not part of what a content-seeded request asks (tinker_local.request_log)
 _NOT_CONTENT = frozenset({"base_model", "weights_path", "prompt_tokens", "num_samples", "seed"})
 _LOGGED_PARAMS = ("max_tokens", "temperature", "top_k", "top_p", "stop", "seed")  # the request's seed (None: unset)
@@ -326,20 +339,24 @@ class SamplingServiceMixin(StabilityMixin, ServiceBase):
 
     def _sample_responses(self, jobs: list[dict[str, Any]], results: list[Any]) -> list[Any]:
         out: list[Any] = []
-        stats = self.sampling_stats
         for job, res in zip(jobs, results, strict=True):
             if isinstance(res, BaseException):
                 out.append(res)
                 continue
             hit = int(getattr(res, "prompt_cache_hit_tokens", 0))
-            stats["requests"] += 1
-            stats["prompt_tokens_cached"] += hit
-            stats["prompt_tokens_uncached"] += len(job["engine"]["prompt_tokens"]) - hit
-            stats["sampled_tokens"] += sum(len(s["tokens"]) for s in res.sequences)
-            if job["record"] and job["ids"].wait(30):  # set right after submission
-                self.record_stability(
-                    job["sampler_id"], job["sequence_ids"], job["engine"]["prompt_tokens"], res.sequences
-                )
+            self.count_sampling(
+                requests=1,
+                prompt_tokens_cached=hit,
+                prompt_tokens_uncached=len(job["engine"]["prompt_tokens"]) - hit,
+                sampled_tokens=sum(len(s["tokens"]) for s in res.sequences),
+            )
+            if job["record"]:
+                if job["ids"].wait(SEQUENCE_IDS_WAIT_S):  # set right after submission
+                    self.record_stability(
+                        job["sampler_id"], job["sequence_ids"], job["engine"]["prompt_tokens"], res.sequences
+                    )
+                else:
+                    self._not_recorded(job)
             out.append(
                 P.sample_response_to_proto(
                     res.sequences,
@@ -355,18 +372,45 @@ class SamplingServiceMixin(StabilityMixin, ServiceBase):
         return out
 
     # -- inflight sampling clients ----------------------------------------------------------------
-    @property
-    def sampling_stats(self) -> dict[str, int]:
-        """Counters since start (``GET local_stats`` -> ``"sampling"``): ``requests`` served,
-        ``prompt_tokens_cached`` (served by another request's prefill in the same batch),
-        ``prompt_tokens_uncached`` (prefilled for the request) and ``sampled_tokens``."""
+    def _sampling_counters(self) -> tuple[dict[str, int], threading.Lock]:
         st = self.__dict__.get("_sampling_stats")
         if st is None:
-            st = self.__dict__.setdefault(
-                "_sampling_stats",
-                dict.fromkeys(("requests", "prompt_tokens_cached", "prompt_tokens_uncached", "sampled_tokens"), 0),
-            )
+            st = self.__dict__.setdefault("_sampling_stats", (dict.fromkeys(SAMPLING_COUNTERS, 0), threading.Lock()))
         return st
+
+    def count_sampling(self, **increments: int) -> None:
+        """Add ``increments`` to the counters of :attr:`sampling_stats` (one lock: batches finish
+        on the compute thread and on every sampler-worker thread at once)."""
+        counts, lock = self._sampling_counters()
+        with lock:
+            for name, n in increments.items():
+                counts[name] += n
+
+    @property
+    def sampling_stats(self) -> dict[str, int]:
+        """A snapshot of the counters since start (``GET local_stats`` -> ``"sampling"``):
+        ``requests`` served, ``prompt_tokens_cached`` (served by another request's prefill in the
+        same batch), ``prompt_tokens_uncached`` (prefilled for the request), ``sampled_tokens``, and
+        ``stability_not_recorded`` (``record_stability_info`` requests whose sequence ids came more
+        than ``SEQUENCE_IDS_WAIT_S`` after their batch finished, so their sequences cannot be named
+        by provenance spans; logged once)."""
+        counts, lock = self._sampling_counters()
+        with lock:
+            return dict(counts)
+
+    def _not_recorded(self, job: dict[str, Any]) -> None:
+        counts, lock = self._sampling_counters()
+        with lock:
+            counts["stability_not_recorded"] += 1
+            first = counts["stability_not_recorded"] == 1
+        if first:
+            logger.warning(
+                "a record_stability_info sampling request of %s got its sequence ids more than %g s after its "
+                "batch finished: its sequences are not recorded, so provenance naming them is refused "
+                "(counted in local_stats sampling.stability_not_recorded; said once)",
+                job["sampler_id"] or "an ad-hoc sampler",
+                SEQUENCE_IDS_WAIT_S,
+            )
 
     def _inflight_state(self) -> tuple[dict[str, str], dict[str, str]]:
         st = self.__dict__.get("_inflight_state_")
