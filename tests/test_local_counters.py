@@ -135,7 +135,9 @@ def test_sequences_whose_ids_came_late_are_counted_and_said_once(server, monkeyp
                                                             length=len(prompt) - 1),
                                  types.SampledProvenanceSpan(sequence_id=seq.sequence_id, offset=0, length=n)],
         )
+        # a loss that uses provenance (checked before the server refuses stable_reinforce by name); losses
+        # that do not use it take unrecorded spans, as tinker-cookbook's RL loop sends them
         with pytest.raises(tinker.BadRequestError, match="is unknown or expired"):
-            tc.forward_backward([datum], "importance_sampling").result(timeout=60)
+            tc.forward_backward([datum], "stable_reinforce").result(timeout=60)
     finally:
         sc.close("success").result(timeout=30)

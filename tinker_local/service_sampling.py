@@ -7,6 +7,7 @@ while training continues on the compute thread."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -18,6 +19,7 @@ from .errors import HttpError, int_field, required_field
 from .outcomes import is_user_error
 from .registry import SamplerRecord
 from .request_limits import check_sampling
+from .request_log import content_key, weights_identity
 from .service_base import ServiceBase
 from .service_stability import StabilityMixin
 from .trace import session_of
@@ -40,6 +42,13 @@ SAMPLING_COUNTERS = (
 )
 
 logger = logging.getLogger("tinker_local.sampling")
+# request fields that are not part of what a content-seeded request asks (tinker_local.request_log)
+_NOT_CONTENT = frozenset({"base_model", "weights_path", "prompt_tokens", "num_samples", "seed"})
+_LOGGED_PARAMS = ("max_tokens", "temperature", "top_k", "top_p", "stop", "seed")  # the request's seed (None: unset)
+
+
+def _seq_or(seq: int | None) -> int:
+    return -1 if seq is None else seq
 
 
 def _prompt_len(prompt: Any) -> int:
@@ -171,6 +180,7 @@ class SamplingServiceMixin(StabilityMixin, ServiceBase):
         except (TypeError, ValueError) as e:
             raise HttpError(422, f"{ep}: sampling_params must be numbers ({e})") from e
         seq = int_field(body, "seq_id", ep)
+        job["seq"] = seq
         key = (f"sample:{sid}", seq) if sid is not None and seq is not None else None
         span = None
         if sid is not None and (key is None or self.store.lookup_seq(*key) is None):
@@ -233,11 +243,91 @@ class SamplingServiceMixin(StabilityMixin, ServiceBase):
                         else "server error"
                     )
 
+    def _content_seeded(self, jobs: list[dict[str, Any]], reqs: list[dict[str, Any]]) -> tuple[list[dict], Any]:
+        """``serve --sampling-seed content``: each job's request split into one request per sequence,
+        each with its :func:`~tinker_local.request_log.content_seed` (occurrences counted per session
+        in (sampling session, seq_id) order within the batch); returns the requests and a function
+        merging their results back into one result per job (``tinker_local.request_log``)."""
+        order = sorted(range(len(jobs)), key=lambda k: (str(jobs[k]["sampler_id"]), _seq_or(jobs[k].get("seq"))))
+        expanded: list[dict[str, Any]] = []
+        spans: list[tuple[int, int]] = [(0, 0)] * len(jobs)
+        for k in order:
+            r, job = reqs[k], jobs[k]
+            ident = self._weights_identity(r)
+            params = {n: v for n, v in r.items() if n not in _NOT_CONTENT}
+            key = content_key(r["prompt_tokens"], params, ident)
+            job["weights"], job["seeds"] = (
+                ident,
+                self.content_seeds.take(session_of(job["sampler_id"]) or "adhoc", key, int(r["num_samples"])),
+            )
+            spans[k] = (len(expanded), len(job["seeds"]))
+            expanded.extend(dict(r, num_samples=1, seed=seed) for seed in job["seeds"])
+
+        def merge(results: list[Any]) -> list[Any]:
+            out: list[Any] = []
+            for start, n in spans:
+                parts = results[start : start + n]
+                bad = next((p for p in parts if isinstance(p, BaseException)), None)
+                out.append(
+                    bad
+                    if bad is not None
+                    else dataclasses.replace(parts[0], sequences=[s for p in parts for s in p.sequences])
+                )
+            return out
+
+        return expanded, merge
+
+    def _weights_identity(self, req: dict[str, Any]) -> str:
+        try:
+            return weights_identity(str(req["base_model"]), req.get("weights_path"))
+        except (OSError, ValueError) as e:  # unreadable weights: the request fails in the engine
+            return f"unreadable:{req.get('weights_path')}:{e}"
+
+    def _log_samples(self, jobs: list[dict[str, Any]], results: list[Any]) -> None:
+        for job, res in zip(jobs, results, strict=True):
+            if isinstance(res, BaseException) or job["sampler_id"] is None:
+                continue
+            r = job["engine"]
+            self.log_request(
+                session_of(job["sampler_id"]),
+                {
+                    "op": "sample",
+                    "sampler": job["sampler_id"],
+                    "seq_id": job.get("seq"),
+                    "weights": job.get("weights") or self._weights_identity(r),
+                    "prompt": r["prompt_tokens"],
+                    "num_samples": r["num_samples"],
+                    "sampling_params": {n: r[n] for n in _LOGGED_PARAMS},
+                    "prompt_logprobs": bool(r["include_prompt_logprobs"]),
+                    "topk_prompt_logprobs": r["topk_prompt_logprobs"],
+                    "seeds": job.get("seeds"),
+                    "sequences": [{k: s.get(k) for k in ("tokens", "logprobs", "stop_reason")} for s in res.sequences],
+                    "prompt_logprobs_out": res.prompt_logprobs if job["prompt_logprobs"] else None,
+                },
+            )
+
     def _sample_reqs(self, jobs: list[dict[str, Any]], reqs: list[dict[str, Any]]) -> list[Any]:
+        merge = None
+        if self.content_seeds is not None:
+            # each sequence drawn alone: a batch's shape changes the float results (by ~1e-7), so a sequence's
+            # tokens and logprobs must not depend on what else was asked at the same time
+            reqs, merge = self._content_seeded(jobs, reqs)
+            results = [r for req in reqs for r in self._run_sample_reqs([req])]
+            results = merge(results)
+        else:
+            results = self._run_sample_reqs(reqs)
+        if self.request_log is not None:
+            self._log_samples(jobs, results)
+        return self._sample_responses(jobs, results)
+
+    def _run_sample_reqs(self, reqs: list[dict[str, Any]]) -> list[Any]:
         if self.sampler_pool is not None:
             results = self.sampler_pool.sample_many(reqs)
         else:
             results = self.engine.sample_many(reqs)
+        return results
+
+    def _sample_responses(self, jobs: list[dict[str, Any]], results: list[Any]) -> list[Any]:
         out: list[Any] = []
         for job, res in zip(jobs, results, strict=True):
             if isinstance(res, BaseException):
