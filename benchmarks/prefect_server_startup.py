@@ -29,8 +29,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     os.environ.pop("PREFECT_API_URL", None)
-    from prefect_tinker.flows.prefect_api import temporary_prefect_api
-    from prefect_tinker.flows.prefect_server import ensure_prefect_server, stop_prefect_server
+    from prefect_tinker.cli.prefect_api import temporary_prefect_api
+    from prefect_tinker.cli.prefect_server import ensure_prefect_server, stop_prefect_server
 
     for _ in range(args.repeats):
         folder = tempfile.mkdtemp(prefix="prefect-server-startup-")

@@ -45,6 +45,9 @@ def resolve_flow(name: str) -> tuple[Any, type[BaseModel]]:
         raise CLIError(str(exc)) from None
     except KeyError:
         raise CLIError(f"unknown flow {name!r}; known flows: {', '.join(RECIPES.names()) or '(none)'}") from None
+    if callable(target):  # a built-in recipe: its loader imports the flow
+        flow = target()
+        return flow, config_model_of(flow, name)
     mod_name, _, attr = target.partition(":")
     try:
         module = importlib.import_module(mod_name)
@@ -209,20 +212,25 @@ def defaults_yaml(model: type[BaseModel], indent: int = 0) -> str:
 
 def _data_checks(config: Any, prefix: str = "") -> list[tuple[str, Any]]:
     """``(section, check)`` for ``config`` and its nested config sections (RLHF's ``sft``, ``rm``,
-    ``rl``): reading the local dataset files (``dataset_builder(renderer).check()``) and the RL
-    environment's problems (``preflight()``)."""
-    from pydantic import BaseModel
+    ``rl``): reading the local dataset files (``dataset_builder(renderer).check()``) and the other
+    inputs (``preflight()``), as :class:`~prefect_tinker.flows.config.PreflightChecks` declares them."""
+    from prefect_tinker.flows.config import PreflightChecks, RecipeConfig
 
+    if not isinstance(config, PreflightChecks):
+        return []
     checks: list[tuple[str, Any]] = []
-    if callable(getattr(config, "dataset_builder", None)):
-        checks.append((prefix, lambda: config.dataset_builder(config.renderer).check()))
-    if callable(getattr(config, "preflight", None)):
-        checks.append((prefix, config.preflight))
-    for name in type(config).model_fields:
-        value = getattr(config, name)
-        if isinstance(value, BaseModel) and (hasattr(value, "dataset_builder") or hasattr(value, "preflight")):
-            checks += _data_checks(value, f"{prefix}{name}.")
+    if isinstance(config, RecipeConfig):
+        checks.append((prefix, lambda: _check_dataset(config)))
+    checks.append((prefix, config.preflight))
+    for name, section in config.checked_sections().items():
+        checks += _data_checks(section, f"{prefix}{name}.")
     return checks
+
+
+def _check_dataset(config: Any) -> None:
+    builder = config.dataset_builder(config.renderer)
+    if builder is not None:
+        builder.check()
 
 
 def check_data(config: Any, flow_name: str = "?") -> None:

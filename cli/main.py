@@ -18,16 +18,16 @@ Subcommands::
     prefect-tinker local status|stop [--root DIR]               the embedded server the flows started
     prefect-tinker ui [status|stop] [--no-browser]              the local Prefect server and UI runs report to
     prefect-tinker show-example DATA --tokenizer T [...]        a rendered example, trained tokens highlighted
-    prefect-tinker ops install-automations [--within S]         crash runs whose heartbeats stop (flows/ops.py)
+    prefect-tinker ops install-automations [--within S]         crash runs whose heartbeats stop (cli/ops.py)
     prefect-tinker sandbox run FILE.py [--timeout S]            run a file in the code sandbox, print JSON
     prefect-tinker capture serve --model M --store ROOT [...]   OpenAI-compatible endpoint recording every sample
     prefect-tinker models list|show|promote|rollback [...]      model lines and their aliases (cli/models.py)
 
 Modules: :mod:`prefect_tinker.cli.config` (errors, YAML values, overrides), :mod:`prefect_tinker.cli.flows`
 (flow registry, config validation), :mod:`prefect_tinker.cli.store` (sql / runs / checkpoints / store),
-:mod:`prefect_tinker.flows.prefect_server` (the persistent Prefect server and UI of ``run``; ``ui``:
-:mod:`prefect_tinker.cli.ui`), :mod:`prefect_tinker.flows.prefect_api` (the temporary API of ``PREFECT_TINKER_UI=off``),
-:mod:`prefect_tinker.flows.ops` (ops), :mod:`prefect_tinker.cli.show` (show-example),
+:mod:`prefect_tinker.cli.prefect_server` (the persistent Prefect server and UI of ``run``; ``ui``:
+:mod:`prefect_tinker.cli.ui`), :mod:`prefect_tinker.cli.prefect_api` (the temporary API of ``PREFECT_TINKER_UI=off``),
+:mod:`prefect_tinker.cli.ops` (ops), :mod:`prefect_tinker.cli.show` (show-example),
 :mod:`prefect_tinker.cli.sandbox` (sandbox), :mod:`prefect_tinker.cli.capture` (capture serve).
 
 Exit status: 0 success, 1 runtime failure (SQL error, the flow failed), 2 bad usage, an
@@ -128,7 +128,7 @@ def _terminal_output(quiet: bool, json_progress: bool, debug: bool) -> Iterator[
 
 def cmd_run(args: argparse.Namespace) -> int:
     """``prefect-tinker run``: validate the config, run the flow, print its result as JSON."""
-    # Without PREFECT_API_URL the persistent local Prefect server is started (flows/prefect_server.py);
+    # Without PREFECT_API_URL the persistent local Prefect server is started (cli/prefect_server.py);
     # on a busy machine its first start needs longer than Prefect's 20 s default to answer.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     flow, model = resolve_flow(args.flow)
@@ -148,9 +148,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(config.model_dump_json(indent=2))
         return EXIT_OK
+    from prefect_tinker.cli.prefect_api import PrefectAPIError
+    from prefect_tinker.cli.prefect_server import PrefectServerError, run_api
     from prefect_tinker.flows.interrupts import RunInterrupted
-    from prefect_tinker.flows.prefect_api import PrefectAPIError
-    from prefect_tinker.flows.prefect_server import PrefectServerError, run_api
 
     def announce(line: str) -> None:
         if not args.quiet:
@@ -315,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     from prefect_tinker.cli.show import add_parser as add_show_example  # logic lives in cli/show.py
 
     add_show_example(sub)
-    from prefect_tinker.flows.ops import add_parser as add_ops  # prefect-tinker ops ...: automations for crashed runs
+    from prefect_tinker.cli.ops import add_parser as add_ops  # prefect-tinker ops ...: automations for crashed runs
 
     add_ops(sub)
     from prefect_tinker.cli.sandbox import add_parser as add_sandbox  # logic in cli/sandbox.py

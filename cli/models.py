@@ -63,7 +63,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 def _announce(row: dict[str, Any]) -> bool:
     """Send the change's event when a Prefect API is configured; True when sent."""
-    from prefect_tinker.flows.prefect_api import api_url_set
+    from prefect_tinker.cli.prefect_api import api_url_set
 
     if not api_url_set():
         return False

@@ -4,7 +4,7 @@
     prefect-tinker ui status [--json] [--root DIR]             the recorded server (exit 1: none runs)
     prefect-tinker ui stop [--root DIR]                        stop it (its database stays)
 
-The server and its files: :mod:`prefect_tinker.flows.prefect_server`. With ``PREFECT_API_URL`` set,
+The server and its files: :mod:`prefect_tinker.cli.prefect_server`. With ``PREFECT_API_URL`` set,
 runs report to that server instead: ``ui`` then prints (and opens) that server's UI and starts nothing.
 """
 
@@ -60,7 +60,7 @@ def _describe(status: dict[str, Any]) -> str:
 
 def cmd_ui(args: argparse.Namespace) -> int:
     """``prefect-tinker ui [open|status|stop]`` (see the module docstring)."""
-    from prefect_tinker.flows.prefect_server import (
+    from prefect_tinker.cli.prefect_server import (
         PrefectServerError,
         ensure_prefect_server,
         prefect_server_folder,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from datetime import UTC
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -17,6 +17,9 @@ from tinker_blocks.model_registry import Weights, WeightsRefError, is_weights_re
 # The flows' default store root is the one `prefect-tinker sql/runs/checkpoints` read
 # ($PREFECT_TINKER_STORE, else $PREFECT_TINKER_HOME/store, else ~/.prefect-tinker/store).
 from tinker_blocks.store_io import default_store_root
+
+if TYPE_CHECKING:
+    from prefect_tinker.recipes.builders import DatasetBuilder
 
 __all__ = [
     "BackendConfig",
@@ -88,7 +91,7 @@ def default_run_name(prefix: str, config: BaseModel) -> str:
     """A run name for a config without one: ``<prefix>-<UTC timestamp>``, or, inside a flow run of a
     deployment (``PREFECT__FLOW_RUN_ID`` set by the worker), ``<prefix>-<first 8 hex digits of the
     flow run id>-<4 hex digits of the config's hash>``: a retry of that flow run (``prefect flow-run
-    retry``, the UI's Retry, the resume automation of ``flows/ops.py``) gets the same name and so
+    retry``, the UI's Retry, the resume automation of ``cli/ops.py``) gets the same name and so
     resumes the run after its last checkpoint, while other flow runs and other configs get new names.
     """
     import hashlib
@@ -146,7 +149,33 @@ def resolve_credentials(backend: BackendConfig) -> Any:
     )
 
 
-class RecipeConfig(LRScheduleFields):
+class PreflightChecks:
+    """The checks a config's inputs get before anything starts (no Prefect flow run, no server, no
+    store row): ``prefect-tinker run`` calls them before it starts the flow
+    (``prefect_tinker.cli.flows.check_data``), and the flow's :class:`~prefect_tinker.flows.session.RunSession`
+    calls :meth:`preflight` again when it opens. Configs of every recipe derive from it
+    (:class:`RecipeConfig` and the recipe-less flows' configs: eval, export, RLHF)."""
+
+    def preflight(self) -> None:
+        """Read and validate the run's inputs that need no server (RL problems, benchmark files,
+        checkpoint names). Default: nothing to check.
+
+        Raises:
+            ValueError / FileNotFoundError / KeyError / pydantic.ValidationError: naming the file,
+                line, field or value of the first bad input.
+        """
+
+    def dataset_builder(self, renderer: str) -> DatasetBuilder | None:
+        """The recipe's dataset builder for ``renderer``, whose ``check()`` reads every record; None
+        for a config without a dataset (an RL environment, an evaluation). Default: None."""
+        return None
+
+    def checked_sections(self) -> dict[str, PreflightChecks]:
+        """Nested configs whose checks run with this one's, by field name (RLHF's stages). Default: none."""
+        return {}
+
+
+class RecipeConfig(PreflightChecks, LRScheduleFields):
     """The fields every recipe's config shares (each recipe's config subclasses it).
 
     Class attributes a recipe sets: ``recipe`` (its registry name), ``resume_fields`` (fields

@@ -15,7 +15,13 @@ from typing import Any, ClassVar
 
 from pydantic import Field, field_validator, model_validator
 
-from prefect_tinker.flows.config import BackendConfig, default_run_name, default_store_root, weights_ref
+from prefect_tinker.flows.config import (
+    BackendConfig,
+    PreflightChecks,
+    default_run_name,
+    default_store_root,
+    weights_ref,
+)
 from prefect_tinker.recipes.evals.benchmarks import BenchmarkSpec, get_benchmark
 from prefect_tinker.recipes.evals.specs import EvalSpec, InspectSpec, with_overrides
 from prefect_tinker.tasks.runners import TaskRunnerFields
@@ -42,7 +48,7 @@ FLAT_BENCHMARK_KEYS = (
 OVERRIDE_KEYS = ("limit", "num_samples", "temperature", "max_tokens", "seed")
 
 
-class EvalConfig(TaskRunnerFields):
+class EvalConfig(PreflightChecks, TaskRunnerFields):
     """Parameters of an evaluation run: which weights (``model``), which benchmarks, where the
     results go. Not a training run: no training client, no lease, no ``runs`` row; its rows are
     ``eval_results`` / ``eval_samples`` in the eval store."""

@@ -24,7 +24,13 @@ from pydantic import BaseModel, Field, field_validator
 
 from prefect_tinker.export.output import ExportOutput
 from prefect_tinker.export.server import parse_checkpoint
-from prefect_tinker.flows.config import BackendConfig, default_store_root, resolve_credentials, weights_ref
+from prefect_tinker.flows.config import (
+    BackendConfig,
+    PreflightChecks,
+    default_store_root,
+    resolve_credentials,
+    weights_ref,
+)
 from prefect_tinker.flows.interrupts import recipe_flow
 from prefect_tinker.tasks.export import export_checkpoint, export_key
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
@@ -34,7 +40,7 @@ from tinker_blocks.model_registry import WeightsRefError, is_weights_ref
 __all__ = ["ExportConfig", "export_flow"]
 
 
-class ExportConfig(BaseModel):
+class ExportConfig(PreflightChecks, BaseModel):
     """Parameters of an export (the flow's single parameter)."""
 
     recipe: ClassVar[str] = "export"

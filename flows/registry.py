@@ -3,14 +3,18 @@
 Read by ``prefect-tinker run NAME`` / ``ls`` / ``show-config``, by the run session (curves of the
 report) and by the generator of ``prefect.yaml`` (:func:`deployments_yaml`). A new recipe is one
 :class:`Recipe` registered in :data:`RECIPES` (a :class:`~prefect_tinker.recipes.registry.Registry`;
-a plugin package declares it as an entry point of group ``prefect_tinker.recipes``,
-``name = "pkg.module:RECIPE"``) plus its flow module and its example configs (in
-``configs/<name>/*.yaml`` here, or the folder named by ``Recipe.configs``). Flows and configs are
-named by ``module:attribute`` strings, imported only when used (listing recipes imports no torch).
+the built-in ones in :mod:`prefect_tinker.flows.builtin_recipes`; a plugin package declares it as an
+entry point of group ``prefect_tinker.recipes``, ``name = "pkg.module:RECIPE"``) plus its flow
+module and its example configs (in ``configs/<name>/*.yaml`` here, or the folder named by
+``Recipe.configs``). A flow is given by a function that imports and returns it (the built-in
+recipes: an editor follows the import into the flow's module) or by a ``module:attribute`` string
+(a plugin's); either way it is imported only when used, so listing recipes imports no flow.
 """
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -27,20 +31,21 @@ class Recipe:
 
     Attributes:
         name: the registry name (``prefect-tinker run <name>``; run-name and artifact prefix).
-        flow: ``module:attr`` of the Prefect flow taking ``config``.
+        flow: the Prefect flow taking ``config``: a function of no arguments that imports and
+            returns it, or its ``module:attr``.
         description: one line for ``prefect-tinker ls``.
         curves: metric names drawn in the run's curves picture.
         deployments: example config names deployed by ``prefect.yaml`` (as ``<name>-<example>``).
         configs: ``package:folder`` of the recipe's example configs (``*.yaml``) inside an
             installed package (a plugin's own); default ``configs/<name>/`` of this package.
         tags: extra tags of deployments, by example name (e.g. the opt-in tag an automation of
-            :mod:`prefect_tinker.flows.ops` reacts to).
+            :mod:`prefect_tinker.cli.ops` reacts to).
         schedules: schedules of deployments, by example name (``prefect.yaml`` schedule entries,
             e.g. ``{"cron": "0 3 * * *"}``).
     """
 
     name: str
-    flow: str
+    flow: str | Callable[[], Any]
     description: str = ""
     curves: tuple[str, ...] = ()
     deployments: tuple[str, ...] = field(default=())
@@ -48,90 +53,30 @@ class Recipe:
     tags: dict[str, tuple[str, ...]] = field(default_factory=dict)
     schedules: dict[str, tuple[dict[str, Any], ...]] = field(default_factory=dict)
 
+    def load_flow(self) -> Any:
+        """The flow object (imports its module).
+
+        Raises:
+            ImportError / AttributeError: a ``module:attr`` that does not name an importable object.
+        """
+        if callable(self.flow):
+            return self.flow()
+        module, _, attr = self.flow.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
     @property
     def entrypoint(self) -> str:
         """The module-path entrypoint of the flow for ``prefect.yaml`` (``pkg.module.attr``)."""
-        return self.flow.replace(":", ".")
+        if isinstance(self.flow, str):
+            return self.flow.replace(":", ".")
+        fn = self.load_flow().fn  # a Prefect Flow: the decorated function
+        return f"{fn.__module__}.{fn.__name__}"
 
 
 #: The recipes by name; plugins add theirs through the ``prefect_tinker.recipes`` entry-point group.
-RECIPES: Registry[Recipe] = Registry("recipe", "prefect_tinker.recipes")
-for _recipe in (
-    Recipe(
-        "sft",
-        "prefect_tinker.flows.sft:sft_flow",
-        "supervised fine-tuning on chat data (LoRA)",
-        ("train/loss", "test/nll", "train/learning_rate"),
-        ("tiny",),
-    ),
-    Recipe(
-        "rl",
-        "prefect_tinker.flows.rl:rl_flow",
-        "RL with verifiable rewards (GRPO-style group advantages)",
-        ("env/reward_mean", "env/correct_rate", "train/entropy", "train/kl_sample_train_v1"),
-        ("arithmetic",),
-    ),
-    Recipe(
-        "dpo",
-        "prefect_tinker.flows.dpo:dpo_flow",
-        "preference learning: DPO / IPO / hinge on comparisons",
-        ("train/dpo_loss", "train/accuracy", "train/margin", "test/accuracy"),
-        ("tiny",),
-    ),
-    Recipe(
-        "distill",
-        "prefect_tinker.flows.distill:distill_flow",
-        "distillation: on-policy (teacher KL), off-policy (teacher samples / top-K), SDFT, prompt distillation",
-        ("train/teacher_kl", "sdft/kl", "train/soft_ce", "train/loss", "eval/teacher_agreement"),
-    ),
-    Recipe(
-        "eval",
-        "prefect_tinker.flows.eval:eval_flow",
-        "benchmarks and inspect-ai tasks on base models, sampler paths or every checkpoint of a run (cached)",
-        (),
-        ("checkpoint",),
-        tags={"checkpoint": ("consider-promotion",)},  # its evaluations may start a promotion (flows/ops.py)
-    ),
-    Recipe(
-        "export",
-        "prefect_tinker.flows.export:export_flow",
-        "a checkpoint as a merged Hugging Face model or a PEFT adapter, verified by logprobs",
-    ),
-    Recipe(
-        "reward_model",
-        "prefect_tinker.flows.reward_model:reward_model_flow",
-        "pairwise reward model: which of two completions is better, scored by label probabilities",
-        ("train/loss", "eval/rm_accuracy", "eval/rm_brier"),
-    ),
-    Recipe(
-        "rlhf",
-        "prefect_tinker.flows.rlhf:rlhf_flow",
-        "RLHF: SFT -> reward model -> RL from the reward model, one subflow (and run) per stage",
-        (),
-    ),
-    Recipe(
-        "decisions",
-        "prefect_tinker.flows.decisions:decisions_flow",
-        "a distribution over named choices from label-token probabilities; cross-entropy / KL, calibration",
-        ("train/ce", "test/accuracy", "test/brier", "test/ece"),
-    ),
-    Recipe(
-        "promote",
-        "prefect_tinker.flows.promote:promote_flow",
-        "eval-gated promotion: candidate vs champion on the same items (paired bootstrap), alias moved if better",
-        (),
-        ("candidate",),
-    ),
-    Recipe(
-        "flywheel",
-        "prefect_tinker.flows.flywheel:flywheel_flow",
-        "captures -> dataset snapshot -> training from the champion -> gate -> promotion, on a schedule",
-        (),
-        ("tiny",),
-        schedules={"tiny": ({"cron": "0 3 * * *", "timezone": "UTC"},)},  # each night: the last day's captures
-    ),
-):
-    RECIPES.register(_recipe.name, _recipe)
+RECIPES: Registry[Recipe] = Registry(
+    "recipe", "prefect_tinker.recipes", builtins=("prefect_tinker.flows.builtin_recipes",)
+)
 
 
 def recipes() -> dict[str, Recipe]:

@@ -26,17 +26,47 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 from prefect.futures import as_completed
 
-from prefect_tinker.recipes.rl.types import TrajectoryGroup
+from prefect_tinker.flows.rl_config import RLConfig
+from prefect_tinker.flows.session import RunSession
+from prefect_tinker.recipes.rl.types import RLDataset, TrajectoryGroup
 
-if TYPE_CHECKING:  # the loop hands itself to its schedule: annotations only
-    from prefect_tinker.flows.rl import RLLoop
+__all__ = ["SCHEDULES", "Schedule", "Sync", "Streaming", "Async", "RLLoopParts", "merge_metrics"]
 
-__all__ = ["SCHEDULES", "Schedule", "Sync", "Streaming", "Async", "merge_metrics"]
+
+class RLLoopParts(Protocol):
+    """The parts of one RL step that a schedule orders (:class:`prefect_tinker.flows.rl.RLLoop`
+    implements them; it hands itself to its schedule)."""
+
+    @property
+    def session(self) -> RunSession[Any]: ...
+    @property
+    def config(self) -> RLConfig: ...
+    @property
+    def dataset(self) -> RLDataset: ...
+    @property
+    def k(self) -> int:
+        """Optimizer substeps per batch."""
+        ...
+
+    @property
+    def total(self) -> int:
+        """Optimizer steps of the run (``max_steps * k``)."""
+        ...
+
+    def submit(self, builder: Any, batch_index: int, group_index: int) -> Any: ...
+    def map_batch(self, batch_index: int) -> list: ...
+    def collect(self, future: Any, counters: dict[str, float]) -> TrajectoryGroup | None: ...
+    def prepare(self, groups: list[TrajectoryGroup]) -> tuple[list, dict[str, float]]: ...
+    def forward_backward(self, datums: list, accumulated: int) -> dict[str, float]: ...
+    def optim_step(self) -> dict[str, float]: ...
+    def step_metrics(self, step: int, groups: list[TrajectoryGroup], extra: dict[str, float]) -> dict[str, float]: ...
+    def end_step(self, t_start: float) -> dict[str, float]: ...
+    def rewind(self, step: int) -> None: ...
 
 
 def merge_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
@@ -84,7 +114,7 @@ class Schedule:
     """A schedule: ``step(step) -> metrics`` (one batch: rollouts, update(s), fresh sampler),
     ``rewind(step)`` after a lost client, ``close()`` at the end."""
 
-    def __init__(self, loop: RLLoop):
+    def __init__(self, loop: RLLoopParts):
         self.loop = loop
 
     def step(self, step: int) -> dict[str, float]:
@@ -177,7 +207,7 @@ class Streaming(Schedule):
 class Async(Schedule):
     """Asynchronous off-policy schedule (see the module docstring)."""
 
-    def __init__(self, loop: RLLoop):
+    def __init__(self, loop: RLLoopParts):
         super().__init__(loop)
         c = loop.config
         self.gpb, self.limit = (

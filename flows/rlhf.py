@@ -29,7 +29,7 @@ from typing import Any, cast
 from prefect import get_run_logger
 from pydantic import BaseModel, Field, model_validator
 
-from prefect_tinker.flows.config import BackendConfig, default_run_name, default_store_root
+from prefect_tinker.flows.config import BackendConfig, PreflightChecks, default_run_name, default_store_root
 from prefect_tinker.flows.interrupts import recipe_flow
 from prefect_tinker.flows.reward_model import RewardModelConfig, reward_model_flow
 from prefect_tinker.flows.rl import rl_flow
@@ -62,7 +62,7 @@ class RLStageConfig(RLConfig):
         return replace(super().run_settings(), filled_by_pipeline=True)
 
 
-class RLHFConfig(BaseModel):
+class RLHFConfig(PreflightChecks, BaseModel):
     """Parameters of an RLHF pipeline run (the flow's single parameter); see the module docstring."""
 
     model: str = Field(
@@ -94,6 +94,9 @@ class RLHFConfig(BaseModel):
     rl: RLStageConfig = Field(
         default_factory=RLStageConfig, description="The RL stage (pairwise_preference; prompts default to rm.dataset)."
     )
+
+    def checked_sections(self) -> dict[str, PreflightChecks]:
+        return {"sft": self.sft, "rm": self.rm, "rl": self.rl}
 
     @model_validator(mode="before")
     @classmethod

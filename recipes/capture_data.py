@@ -110,7 +110,7 @@ def _lock_down(con: duckdb.DuckDBPyConnection, io: Any) -> None:
     """Let ``con`` read only the files of the ``captures`` and ``ratings`` tables from now on."""
     con.execute(
         "SET allowed_directories = [?, ?]",
-        [io._url(io.table_dir("captures")) + "/", io._url(io.table_dir("ratings")) + "/"],
+        [io.url(io.table_dir("captures")) + "/", io.url(io.table_dir("ratings")) + "/"],
     )
     con.execute("SET enable_external_access = false")
     con.execute("SET lock_configuration = true")

@@ -5,15 +5,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PACKAGES=(flows tasks recipes configs cli tinker_blocks tinker_local prefect_tinker)
+# import-linter and mypy find modules by walking folders: they run in build/import-tree, the checkout's folders
+# linked under their import names (scripts/import_tree.py, from pyproject.toml's package-dir)
+TREE=$(python scripts/import_tree.py)
 echo "lint: import-linter"
-lint-imports --no-cache
+(cd "$TREE" && lint-imports --no-cache "$OLDPWD/pyproject.toml")
 echo "lint: ruff"
 ruff check .  # the whole tree: package, tests, benchmarks, scripts
 ruff format --check "${PACKAGES[@]}"
 echo "lint: mypy"
-mypy
+(cd "$TREE" && mypy --config-file "$OLDPWD/pyproject.toml" --cache-dir "$OLDPWD/.mypy_cache")
 echo "lint: vulture"
-# prefect_tinker/{flows,tasks,recipes,configs,cli} are symlinks to the folders above: pass its real folders only
-vulture flows tasks recipes cli tinker_blocks tinker_local prefect_tinker/*.py prefect_tinker/capture \
-  prefect_tinker/export prefect_tinker/inspect_provider scripts/vulture_allowlist.py --min-confidence 80
+vulture "${PACKAGES[@]}" scripts/vulture_allowlist.py --min-confidence 80
 echo "lint: ok"

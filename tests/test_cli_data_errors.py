@@ -31,6 +31,9 @@ def files(tmp_path):
     (["sft", "dataset={d}/missing.jsonl"], "{d}/missing.jsonl:3: field 'messages' is missing (record has: msgs)"),
     (["dpo", "dataset={d}/missing.jsonl"], "{d}/missing.jsonl:1: field 'chosen'"),
     (["rl", "env=math", "dataset={d}/problems.jsonl"], "{d}/problems.jsonl:2"),
+    # a stage of RLHF: its section named before the file (PreflightChecks.checked_sections)
+    (["rlhf", "sft.dataset={d}/missing.jsonl", "rm.dataset={d}/missing.jsonl"],
+     "sft: {d}/missing.jsonl:3: field 'messages' is missing"),
 ])
 def test_bad_data_is_one_line_before_anything_starts(files, argv, expected, capsys, monkeypatch):
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # nothing may talk to Prefect

@@ -203,7 +203,7 @@ def test_bad_records_name_file_line_and_field(tmp_path):
         )
     with pytest.raises(ValueError, match="needs dataset="):
         get_benchmark("multiple_choice")
-    with pytest.raises(ValueError, match="unknown benchmark 'nope'; built-in: arithmetic, exact_match, gsm8k"):
+    with pytest.raises(ValueError, match="unknown benchmark 'nope'; registered: arithmetic, exact_match, gsm8k"):
         get_benchmark("nope")
     with pytest.raises(ValueError, match=r"question_template uses \['topic'\]"):
         get_benchmark("exact_match", dataset=str(dup), question_template="{topic}: {question}")

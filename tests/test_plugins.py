@@ -4,8 +4,8 @@
 ``.dist-info`` metadata an installer writes: ``METADATA`` and ``entry_points.txt`` from its
 ``pyproject.toml``), put on ``PYTHONPATH`` of ``prefect-tinker`` command-line processes, and run:
 a new RL environment (``subtraction``, one file plus an example config), a new loss
-(``symmetric_ppo``, one class), a new advantage estimator (``mean_only``) and a new recipe
-(``memorize``, one folder). The dev environment never sees the plugin.
+(``symmetric_ppo``, one class), a new advantage estimator (``mean_only``), a new benchmark
+(``differences``) and a new recipe (``memorize``, one folder). The dev environment never sees the plugin.
 """
 
 from __future__ import annotations
@@ -125,6 +125,23 @@ def test_plugin_env_options_are_a_branch_of_the_tagged_union(plugin_cli):
             jsonschema.validate({**example, "env_options": bad}, schema)
     jsonschema.validate({**example, "env": "arithmetic", "env_options": {"max_operand": 5, "reward": "partial"}},
                         schema)  # arithmetic's options: its branch, not subtraction's
+
+
+def test_plugin_benchmark_runs_in_the_eval_flow(plugin_cli):
+    """The plugin's benchmark (a dict of BenchmarkSpec fields naming its own JSONL file) runs by name:
+    one sample per question of the file, the reference its answer, and the stored accuracy is the mean
+    of the samples' grades."""
+    run, sql, site = plugin_cli
+    config = site / "eval_differences.yaml"
+    config.write_text("model: tiny\nrun_name: plugin-eval\nbenchmarks:\n  - benchmark: differences\n")
+    run("run", "eval", "--config", str(config))
+    samples = sql("SELECT example_id, reference, correct FROM eval_samples WHERE run_id = 'plugin-eval' "
+                  "AND eval_name = 'differences' ORDER BY example_id")
+    answers = [json.loads(line)["answer"] for line in (site / "demo_plugin" / "differences.jsonl").open()]
+    assert [s["reference"] for s in samples] == answers
+    accuracy = sql("SELECT value FROM eval_results WHERE run_id = 'plugin-eval' AND eval_name = 'differences' "
+                   "AND metric = 'accuracy'")
+    assert accuracy and accuracy[-1]["value"] == sum(s["correct"] for s in samples) / len(samples)
 
 
 def test_plugin_recipe_runs_from_its_example(plugin_cli):

@@ -1,4 +1,4 @@
-"""The persistent local Prefect server with its UI (flows/prefect_server.py, ``prefect-tinker ui``).
+"""The persistent local Prefect server with its UI (cli/prefect_server.py, ``prefect-tinker ui``).
 
 A real ``prefect-tinker run`` in a throw-away HOME starts the server; the link it prints answers while
 the run goes on and, after the command ended, opens the run in headless Chromium (Debian's package), with
@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from prefect_tinker.cli import main as cli
-from prefect_tinker.flows.prefect_server import (
+from prefect_tinker.cli.prefect_server import (
     ensure_prefect_server,
     prefect_server_folder,
     prefect_server_status,
@@ -209,7 +209,7 @@ def test_printed_link_shows_the_run_and_its_artifacts_in_chromium(ui_env, local_
 def test_a_server_of_another_prefect_is_replaced_unless_runs_use_it(tmp_path):
     """A recorded server of another Prefect version is refused in one line while a flow run on it is
     RUNNING, and replaced (new process, same port) once that run finished."""
-    from prefect_tinker.flows.prefect_server import PrefectServerError
+    from prefect_tinker.cli.prefect_server import PrefectServerError
 
     first = ensure_prefect_server(tmp_path)
     try:
@@ -274,7 +274,7 @@ def test_stop_never_kills_a_process_that_reused_the_recorded_pid(tmp_path, capsy
 def test_a_port_in_use_is_one_clear_error(tmp_path):
     import socket
 
-    from prefect_tinker.flows.prefect_server import PrefectServerError
+    from prefect_tinker.cli.prefect_server import PrefectServerError
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -231,7 +231,7 @@ def test_config_validation_and_cli_registration():
     assert RLConfig().loss_fn_config() is None and RLConfig().run_name.startswith("rl-arithmetic-tiny-")
     from prefect_tinker.flows.registry import RECIPES
 
-    assert RECIPES["rl"].flow == "prefect_tinker.flows.rl:rl_flow"
+    assert RECIPES["rl"].load_flow() is rl_flow and RECIPES["rl"].entrypoint == "prefect_tinker.flows.rl.rl_flow"
 
 
 class _ConstantDataset(ParityDataset):

@@ -226,7 +226,7 @@ def _precondition_failed(exc: BaseException) -> bool:
 class _S3Backend:
     def __init__(self, io: Any, path: str):
         self.io, self.fs, self.path = io, io.fs, path
-        self.where = io._url(path)
+        self.where = io.url(path)
         self.bucket, self.key = path.split("/", 1)
 
     def _call(self, fn, what: str):
@@ -252,7 +252,7 @@ class _S3Backend:
         try:
             out = self._call(lambda: self.fs.pipe_file(self.path, data, mode="create"), "creating")
         except FileNotFoundError:  # no bucket yet
-            self.io._create_bucket()
+            self.io.create_bucket()
             out = self._call(lambda: self.fs.pipe_file(self.path, data, mode="create"), "creating")
         return out["ETag"]
 

@@ -29,17 +29,15 @@ import re
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-if TYPE_CHECKING:
-    from tinker_blocks.store_io import ParquetStore
-
 __all__ = [
     "QUARANTINE_DIR",
     "HealthReport",
+    "PartStore",
     "Problem",
     "find_damaged",
     "forget_parts",
@@ -51,6 +49,20 @@ __all__ = [
     "scan_parts",
     "validate_part",
 ]
+
+
+class PartStore(Protocol):
+    """What the health checks read of a store (:class:`tinker_blocks.store_io.ParquetStore`):
+    its filesystem, root and tables."""
+
+    @property
+    def fs(self) -> Any: ...
+    @property
+    def root(self) -> str: ...
+    @property
+    def tables(self) -> Mapping[str, Any]: ...
+    def table_dir(self, table: str) -> str: ...
+
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -206,7 +218,7 @@ def scan_parts(fs: Any, entries: Mapping[str, Mapping[str, Any]], root: str) -> 
     return problems
 
 
-def list_parts(io: ParquetStore) -> dict[str, dict[str, Any]]:
+def list_parts(io: PartStore) -> dict[str, dict[str, Any]]:
     """Every ``.parquet`` part of every table of ``io``: fs path -> its listing entry."""
     found: dict[str, dict[str, Any]] = {}
     for table in io.tables:
@@ -218,7 +230,7 @@ def list_parts(io: ParquetStore) -> dict[str, dict[str, Any]]:
     return found
 
 
-def find_damaged(exc: BaseException, stores: Sequence[ParquetStore]) -> list[str]:
+def find_damaged(exc: BaseException, stores: Sequence[PartStore]) -> list[str]:
     """The parts newly found damaged after ``exc`` (a failed read of ``stores``, which share one
     filesystem): the ``.parquet`` files the error names, each read whole; when it names none,
     every part of the stores not validated yet. [] when the error does not come from a part."""
@@ -243,7 +255,7 @@ def find_damaged(exc: BaseException, stores: Sequence[ParquetStore]) -> list[str
 
 def retry_damaged(
     fn: Callable[[], T],
-    stores: Sequence[ParquetStore],
+    stores: Sequence[PartStore],
     *,
     attempts: int = 32,
     before_retry: Callable[[], None] | None = None,

@@ -183,7 +183,7 @@ class ParquetStore:
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self.bucket_path = base.rstrip("/")
         self.base = f"{self.bucket_path}/{store}"  # path inside the filesystem (no protocol)
-        self._cache: PartCacheFS | None = None  # the read cache of the last attach()
+        self.read_cache: PartCacheFS | None = None  # the read cache of the last attach()
 
     def __repr__(self) -> str:
         return f"ParquetStore(root={self.root!r}, store={self.store!r})"
@@ -205,7 +205,7 @@ class ParquetStore:
     def partition_dir(self, table: str, run_id: str) -> str:
         return f"{self.table_dir(table)}/run_id={validate_run_id(run_id)}"
 
-    def _url(self, path: str) -> str:
+    def url(self, path: str) -> str:
         """Path as DuckDB must see it: plain for local files, ``proto://path`` otherwise."""
         if self.is_local:
             return path
@@ -300,15 +300,15 @@ class ParquetStore:
             sweep_stale_temps(pdir)
             atomic_write_bytes(None, final, payload, local=True)
         else:
-            what = f"writing the part {self._url(final)}"
+            what = f"writing the part {self.url(final)}"
             try:
                 self.call_retrying(lambda: self.fs.pipe_file(final, payload), what)
             except FileNotFoundError:  # NoSuchBucket: like a local root, created on first write
-                self._create_bucket()
+                self.create_bucket()
                 self.call_retrying(lambda: self.fs.pipe_file(final, payload), what)
         return final
 
-    def _create_bucket(self, deadline_s: float | None = None) -> None:
+    def create_bucket(self, deadline_s: float | None = None) -> None:
         """Create the root's bucket; :class:`StoreAccessError` when that is refused."""
         bucket = self.bucket_path.split("/", 1)[0]
         try:
@@ -355,7 +355,7 @@ class ParquetStore:
                 if not create_bucket:
                     bucket = self.bucket_path.split("/", 1)[0]
                     raise StoreAccessError(f"{self._where()}: bucket {bucket!r} does not exist") from exc
-                self._create_bucket(deadline_s)
+                self.create_bucket(deadline_s)
                 self.call_retrying(put, "writing a probe object", deadline_s)
         except OSError as exc:
             if isinstance(exc, (StoreAccessError, StoreUnavailableError)):
@@ -377,8 +377,8 @@ class ParquetStore:
         :meth:`create_views` uses it only when parts of older and newer schemas are mixed.
         ``files`` (paths inside the filesystem): read these parts instead of globbing the table
         (used to leave damaged parts out)."""
-        pattern = self._url(f"{self.table_dir(table)}/**/*.parquet")
-        urls = [pattern] if files is None else [self._url(p) for p in files]
+        pattern = self.url(f"{self.table_dir(table)}/**/*.parquet")
+        urls = [pattern] if files is None else [self.url(p) for p in files]
         return deduplicated_select(self.spec(table), urls, glob=files is None, union_by_name=union_by_name)
 
     def empty_view_sql(self, table: str) -> str:
@@ -391,13 +391,13 @@ class ParquetStore:
         if self.is_local:
             return "local"
         cache = PartCacheFS(self.fs)
-        how = attach_filesystem(con, cache, self._url(self.bucket_path), self.storage_options)
-        self._cache = cache if how == "fsspec" else None
+        how = attach_filesystem(con, cache, self.url(self.bucket_path), self.storage_options)
+        self.read_cache = cache if how == "fsspec" else None
         return how
 
     def create_views(self, con: duckdb.DuckDBPyConnection) -> None:
         """Create (or replace) one view per table on ``con`` (already :meth:`attach`-ed)."""
-        cache = self._cache
+        cache = self.read_cache
         readahead = cache.readahead_files if cache is not None else 0
         if cache is not None:
             cache.readahead_files = 0  # binding a view reads one file: no read-ahead for that
@@ -506,7 +506,7 @@ class ParquetStore:
         con = duckdb.connect()
         try:
             self.attach(con)
-            files = ", ".join(f"'{sql_str(self._url(p))}'" for p in parts)
+            files = ", ".join(f"'{sql_str(self.url(p))}'" for p in parts)
             rel = con.sql(
                 f"SELECT {cast_columns(spec)} FROM read_parquet([{files}], union_by_name=true) "
                 f"QUALIFY {dedup_window(spec)} = 1 ORDER BY time"
@@ -532,7 +532,7 @@ class ParquetStore:
                 if self.is_local:
                     self.fs.rm_file(p)
                 else:
-                    what = f"deleting the part {self._url(p)}"
+                    what = f"deleting the part {self.url(p)}"
                     self.call_retrying(functools.partial(self.fs.rm_file, p), what)
             except FileNotFoundError:
                 pass  # already gone (merged away by a concurrent compaction)

@@ -134,4 +134,4 @@ def repair_root(
     atomic_write_bytes(fs, f"{dest_root}/manifest.json", manifest, local=io.is_local)
     for s in stores:
         s.fs.invalidate_cache()
-    return report, (dest_root if io.is_local else io._url(dest_root))
+    return report, (dest_root if io.is_local else io.url(dest_root))

@@ -39,7 +39,7 @@ def connect_stores(
         if first is None:
             first = io
             io.attach(con)  # one filesystem / secret for the whole root
-        io._cache = first._cache
+        io.read_cache = first.read_cache
         io.create_views(con)
     return con
 

@@ -6,16 +6,20 @@ import re
 import time as _time
 import uuid
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import pyarrow as pa
 
-from tinker_blocks.store_schemas import StoreError, normalize_row
+from tinker_blocks.store_schemas import StoreError, TableSpec, normalize_row
 
-if TYPE_CHECKING:
-    from tinker_blocks.store_io import ParquetStore
+__all__ = ["PartWriter", "StoreWriter", "sanitize_writer_id"]
 
-__all__ = ["StoreWriter", "sanitize_writer_id"]
+
+class PartWriter(Protocol):
+    """Where a :class:`StoreWriter` writes (:class:`tinker_blocks.store_io.ParquetStore`)."""
+
+    def spec(self, table: str) -> TableSpec: ...
+    def write_part(self, table: str, run_id: str, data: pa.Table, *, writer_id: str, seq: int) -> str: ...
 
 
 def sanitize_writer_id(s: str) -> str:
@@ -51,7 +55,7 @@ class StoreWriter:
 
     def __init__(
         self,
-        store: ParquetStore,
+        store: PartWriter,
         table: str,
         *,
         writer_id: str | None = None,

@@ -8,7 +8,7 @@ serialises starts and stops across processes (``file_lock``, ``start_detached``,
 ``write_record``, ``read_record``, ``terminate``).
 
 Used by the server launcher (:mod:`tinker_local.launcher`), the persistent Prefect server
-(:mod:`prefect_tinker.flows.prefect_server`), the leases (:mod:`tinker_blocks.lease`: a lease of a
+(:mod:`prefect_tinker.cli.prefect_server`), the leases (:mod:`tinker_blocks.lease`: a lease of a
 dead process of this machine is stale at once), the temporaries (:mod:`tinker_blocks.atomic`) and
 the embedded server watch (:mod:`tinker_blocks.server_watch`).
 """

@@ -56,7 +56,7 @@ def _prompt_len(prompt: Any) -> int:
     their ``expected_tokens`` when given)."""
     if prompt and isinstance(prompt[0], int):
         return len(prompt)
-    return sum(len(c) if isinstance(c, list) else int(getattr(c, "expected_tokens", None) or 0) for c in prompt)
+    return sum(len(c) if isinstance(c, list) else int(c.expected_tokens or 0) for c in prompt)
 
 
 def _or(value: Any, default: Any) -> Any:
@@ -323,18 +323,8 @@ class SamplingServiceMixin(StabilityMixin, ServiceBase):
     def _run_sample_reqs(self, reqs: list[dict[str, Any]]) -> list[Any]:
         if self.sampler_pool is not None:
             results = self.sampler_pool.sample_many(reqs)
-        elif hasattr(self.engine, "sample_many"):
+        else:
             results = self.engine.sample_many(reqs)
-        else:  # an engine without batching
-            results = []
-            for r in reqs:
-                r = dict(r)
-                try:
-                    results.append(
-                        self.engine.sample(r.pop("base_model"), r.pop("weights_path"), r.pop("prompt_tokens"), **r)
-                    )
-                except Exception as e:
-                    results.append(e)
         return results
 
     def _sample_responses(self, jobs: list[dict[str, Any]], results: list[Any]) -> list[Any]:
@@ -343,7 +333,7 @@ class SamplingServiceMixin(StabilityMixin, ServiceBase):
             if isinstance(res, BaseException):
                 out.append(res)
                 continue
-            hit = int(getattr(res, "prompt_cache_hit_tokens", 0))
+            hit = int(res.prompt_cache_hit_tokens)
             self.count_sampling(
                 requests=1,
                 prompt_tokens_cached=hit,
@@ -360,12 +350,12 @@ class SamplingServiceMixin(StabilityMixin, ServiceBase):
             out.append(
                 P.sample_response_to_proto(
                     res.sequences,
-                    getattr(res, "prompt_logprobs", None) if job["prompt_logprobs"] else None,
-                    getattr(res, "topk_prompt_logprobs", None) if job["topk"] > 0 else None,
+                    res.prompt_logprobs if job["prompt_logprobs"] else None,
+                    res.topk_prompt_logprobs if job["topk"] > 0 else None,
                     prompt_logprobs_last_n=job["last_n"],
-                    target_prompt_logprobs=getattr(res, "target_prompt_logprobs", None),
+                    target_prompt_logprobs=res.target_prompt_logprobs,
                     target_csr=job["target_csr"],
-                    prompt_alt_tokens=getattr(res, "prompt_alt_tokens", None),
+                    prompt_alt_tokens=res.prompt_alt_tokens,
                     prompt_cache_hit_tokens=hit,
                 )
             )

@@ -13,7 +13,7 @@
 """
 
 from prefect_tinker.recipes.evals.benchmarks import (
-    BUILTIN_BENCHMARKS,
+    BENCHMARKS,
     BenchmarkSpec,
     GeneratedSpec,
     PromptTemplate,
@@ -37,7 +37,7 @@ from prefect_tinker.recipes.evals.runner import (
 )
 
 __all__ = [
-    "BUILTIN_BENCHMARKS",
+    "BENCHMARKS",
     "BenchmarkSpec",
     "Example",
     "GeneratedSpec",

@@ -32,9 +32,10 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from prefect_tinker.recipes.data_reading import SourceSpec, looks_local
 from prefect_tinker.recipes.evals.graders import GraderSpec
+from prefect_tinker.recipes.registry import Registry
 
 __all__ = [
-    "BUILTIN_BENCHMARKS",
+    "BENCHMARKS",
     "BenchmarkSpec",
     "GeneratedSpec",
     "PromptTemplate",
@@ -179,7 +180,11 @@ def _content_hash(source: str) -> str | None:
     return h.hexdigest()
 
 
-BUILTIN_BENCHMARKS: dict[str, dict[str, Any]] = {
+#: The benchmarks by name: :class:`BenchmarkSpec` fields (without ``name``) as a dict, or a
+#: ``BenchmarkSpec``; plugins add theirs through the entry-point group ``prefect_tinker.benchmarks``.
+BENCHMARKS: Registry[dict[str, Any] | BenchmarkSpec] = Registry("benchmark", "prefect_tinker.benchmarks")
+
+_BUILTIN: dict[str, dict[str, Any]] = {
     "gsm8k": {
         "source": {"path": "openai/gsm8k", "config_name": "main", "split": "test"},
         "fields": {"question": "question", "answer": "answer"},
@@ -215,6 +220,8 @@ BUILTIN_BENCHMARKS: dict[str, dict[str, Any]] = {
         "max_tokens": 64,
     },
 }
+for _name, _fields in _BUILTIN.items():
+    BENCHMARKS.register(_name, _fields)
 
 _SOURCE_KEYS = {"dataset": "path", "split": "split", "dataset_config": "config_name", "streaming": "streaming"}
 _FIELD_KEYS = {"question_field": "question", "answer_field": "answer", "options_field": "options", "id_field": "id"}
@@ -223,12 +230,12 @@ _GRADER_KEYS = {"answer_style", "answer_regex", "code_runner"}
 
 
 def benchmark_names() -> list[str]:
-    """The built-in benchmark names, sorted."""
-    return sorted(BUILTIN_BENCHMARKS)
+    """The registered benchmark names (built-in and plugins'), sorted."""
+    return BENCHMARKS.names()
 
 
 def get_benchmark(name: str, **overrides: Any) -> BenchmarkSpec:
-    """The built-in benchmark ``name`` with ``overrides``.
+    """The registered benchmark ``name`` (:data:`BENCHMARKS`) with ``overrides``.
 
     Overrides are BenchmarkSpec fields (``num_samples=4``, ``grader={...}``, ``source=...``) or the
     flat keys of the command line: ``dataset`` (path or dataset id; replaces the built-in source,
@@ -238,12 +245,13 @@ def get_benchmark(name: str, **overrides: Any) -> BenchmarkSpec:
     ``code_runner``. ``eval_name`` renames the result (default: ``name``).
 
     Raises:
-        ValueError: unknown name (the message lists the built-ins); ``multiple_choice`` or
+        ValueError: unknown name (the message lists the registered ones); ``multiple_choice`` or
             ``exact_match`` without ``dataset``; invalid values (pydantic's message).
     """
-    if name not in BUILTIN_BENCHMARKS:
-        raise ValueError(f"unknown benchmark {name!r}; built-in: {', '.join(benchmark_names())}")
-    data = copy.deepcopy(BUILTIN_BENCHMARKS[name])
+    if name not in BENCHMARKS:
+        raise ValueError(f"unknown benchmark {name!r}; registered: {', '.join(benchmark_names())}")
+    entry = BENCHMARKS[name]
+    data = entry.model_dump(exclude={"name"}) if isinstance(entry, BenchmarkSpec) else copy.deepcopy(entry)
     data["name"] = overrides.pop("eval_name", None) or name
     source_over = {_SOURCE_KEYS[k]: overrides.pop(k) for k in list(overrides) if k in _SOURCE_KEYS}
     if "path" in source_over:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -23,34 +22,10 @@ from prefect_tinker.recipes.data_reading import iter_records
 from prefect_tinker.recipes.data_sources import RecordError, get_field
 from prefect_tinker.recipes.evals.benchmarks import PLACEHOLDER, BenchmarkSpec, GeneratedSpec
 from prefect_tinker.recipes.evals.choice import Choices, parse_options, resolve_reference_letter
+from prefect_tinker.recipes.evals.example import Example
 from prefect_tinker.recipes.evals.graders import reference_answer
 
 __all__ = ["Example", "load_examples", "build_messages", "fill_template"]
-
-
-@dataclass(frozen=True)
-class Example:
-    """One benchmark example.
-
-    Attributes:
-        id: the ``id`` field's value, else the 0-based position in the source.
-        question: the question text.
-        reference: the expected answer(s), as graders compare them (a tuple when several).
-        choices: lettered options (multiple choice), else None.
-        fields: every mapped field's value as read (template placeholders, code runner inputs).
-        where: ``file:line`` (or ``dataset[split]:row``) of the record.
-    """
-
-    id: str
-    question: str
-    reference: str | tuple[str, ...]
-    choices: Choices | None = None
-    fields: Mapping[str, Any] = field(default_factory=dict)
-    where: str = ""
-
-    def reference_text(self) -> str:
-        """The reference as one string (JSON list when several), for ``eval_samples.reference``."""
-        return self.reference if isinstance(self.reference, str) else json.dumps(list(self.reference))
 
 
 def _arithmetic(spec: BenchmarkSpec, gen: GeneratedSpec) -> list[Example]:

@@ -34,11 +34,12 @@ from __future__ import annotations
 import importlib
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, Field, field_validator
 
 from prefect_tinker.recipes.evals.choice import parse_choice
+from prefect_tinker.recipes.evals.example import Example
 from prefect_tinker.recipes.grading_text import best_exact_match, best_token_f1
 from prefect_tinker.recipes.registry import Registry
 from prefect_tinker.recipes.rl.grading import (
@@ -48,9 +49,6 @@ from prefect_tinker.recipes.rl.grading import (
     extract_hash_answer,
     parse_number,
 )
-
-if TYPE_CHECKING:
-    from prefect_tinker.recipes.evals.examples import Example
 
 __all__ = [
     "CODE_RUNNERS",

@@ -334,6 +334,28 @@ class Renderer:
         raise NotImplementedError
 
     # ---- public operations ------------------------------------------------------------
+    def segments(
+        self, messages: list[Message], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[Segment] | None:
+        """The normalized conversation ``messages`` as the renderer's :class:`Segment` s (each with
+        its owner message, part and tokens), or None for a renderer that renders whole
+        conversations only (it overrides the public methods, not the segments).
+
+        Raises:
+            RendererError: the conversation cannot be rendered.
+        """
+        if type(self)._segments is Renderer._segments:
+            return None
+        return self._segments(messages, tools)
+
+    def assistant_header(self) -> list[int]:
+        """The tokens that open an assistant message (the generation prompt's tail).
+
+        Raises:
+            NotImplementedError: a renderer that renders whole conversations only.
+        """
+        return self._assistant_header()
+
     def build_supervised_example(
         self,
         messages: Any,

@@ -174,9 +174,8 @@ def continuation_tokens(
     Raises:
         RendererError: the conversation cannot be rendered.
     """
-    try:
-        segs = renderer._segments(normalize_messages(messages), tools)
-    except (AttributeError, NotImplementedError):
+    segs = renderer.segments(normalize_messages(messages), tools)
+    if segs is None:
         return None
     own = [j for j, s in enumerate(segs) if s.owner == k]
     if not own:
@@ -195,7 +194,7 @@ def continuation_tokens(
             rest = rest[1:]  # "\n\nUser:" was sampled: the next header is already there
     for s in rest:
         out += s.tokens
-    return out + renderer._assistant_header()
+    return out + renderer.assistant_header()
 
 
 class MessageEnv(Env):

@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from prefect_tinker.recipes.rl.advantages import AdvantageEstimator, register_advantage_estimator
-from prefect_tinker.recipes.rl.losses import RLLoss, register_loss
+from prefect_tinker.plugin import AdvantageEstimator, RLLoss, register_advantage_estimator, register_loss
 
 
 @register_loss

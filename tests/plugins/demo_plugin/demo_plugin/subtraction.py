@@ -3,14 +3,21 @@ the integer. A new RL environment as one file: its options model and one registe
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from prefect_tinker.recipes.rl.envs import EnvContext, Environment, register_env
-from prefect_tinker.recipes.rl.envs.arithmetic import ArithmeticEnv
-from prefect_tinker.recipes.rl.envs.problems import problem_builder
-from prefect_tinker.recipes.rl.problem_env import Problem
-from prefect_tinker.recipes.rl.types import EnvGroupBuilder, RLDataset
+from prefect_tinker.plugin import (
+    EnvContext,
+    EnvGroupBuilder,
+    Environment,
+    Problem,
+    ProblemEnv,
+    RLDataset,
+    problem_builder,
+    register_env,
+)
 
 
 class SubtractionOptions(BaseModel):
@@ -18,6 +25,17 @@ class SubtractionOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     max_operand: int = Field(default=9, ge=1, description="Operands are drawn from [0, max_operand].")
+
+
+class DifferenceEnv(ProblemEnv):
+    """The reply must be one integer (spaces around it allowed); correct when it equals the difference."""
+
+    def check_format(self, response: str) -> bool:
+        return re.fullmatch(r"\s*-?\d+\s*", response) is not None
+
+    def check_answer(self, response: str) -> bool:
+        m = re.fullmatch(r"\s*(-?\d+)\s*", response)
+        return m is not None and int(m.group(1)) == int(self.problem.answer)
 
 
 class SubtractionDataset(RLDataset):
@@ -45,5 +63,5 @@ class Subtraction(Environment):
 
     @classmethod
     def build(cls, spec, ctx: EnvContext) -> RLDataset:
-        make = problem_builder(ArithmeticEnv, spec, ctx, (), "", cls.name)
+        make = problem_builder(DifferenceEnv, spec, ctx, (), "", cls.name)
         return SubtractionDataset(ctx.groups_per_batch, make, cls.options(spec).max_operand, ctx.seed)

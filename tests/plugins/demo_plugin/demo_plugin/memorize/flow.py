@@ -11,12 +11,7 @@ import tinker
 from prefect.utilities.annotations import quote
 from pydantic import Field
 
-from prefect_tinker.flows.config import RecipeConfig
-from prefect_tinker.flows.interrupts import recipe_flow
-from prefect_tinker.flows.loop import StepLoop
-from prefect_tinker.flows.session import RunSession
-from prefect_tinker.tasks.clients import tokenizer
-from prefect_tinker.tasks.training import train_step
+from prefect_tinker.plugin import RecipeConfig, RunSession, StepLoop, recipe_flow, tokenizer, train_step
 
 
 class MemorizeConfig(RecipeConfig):

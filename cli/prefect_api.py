@@ -1,6 +1,6 @@
 """A temporary Prefect API for ``prefect-tinker run`` that dies with the command.
 
-Since the persistent local Prefect server with its UI (:mod:`prefect_tinker.flows.prefect_server`)
+Since the persistent local Prefect server with its UI (:mod:`prefect_tinker.cli.prefect_server`)
 became the default, ``run`` uses this one only with ``PREFECT_TINKER_UI=off`` (nothing stays
 running after the command, and the printed run link is dead once it ends).
 

@@ -421,7 +421,7 @@ def _cmd_install(args: argparse.Namespace) -> int:
     if args.resume_crashed:
         autos.append(resume_automation(args.resume_crashed, tag))
     try:
-        from prefect_tinker.flows.prefect_api import api_url_set
+        from prefect_tinker.cli.prefect_api import api_url_set
 
         if args.no_chain:
             pass

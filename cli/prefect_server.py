@@ -24,7 +24,7 @@ migrates the database) is replaced, unless flow runs started on it in the last d
 
 ``prefect-tinker ui`` (:mod:`prefect_tinker.cli.ui`) opens, shows and stops it.
 ``PREFECT_TINKER_UI=off`` makes ``run`` use the temporary API without UI that dies with the command
-(:mod:`prefect_tinker.flows.prefect_api`) instead. Server commands: Prefect's ``prefect server
+(:mod:`prefect_tinker.cli.prefect_api`) instead. Server commands: Prefect's ``prefect server
 start`` (https://docs.prefect.io/v3/api-ref/cli/server).
 """
 
@@ -312,7 +312,7 @@ def run_api(
         PrefectServerError: see :func:`ensure_prefect_server`.
         PrefectAPIError: the temporary API did not start.
     """
-    from prefect_tinker.flows.prefect_api import api_url_set, temporary_prefect_api, using_api
+    from prefect_tinker.cli.prefect_api import api_url_set, temporary_prefect_api, using_api
 
     if api_url_set():
         yield None
