@@ -13,25 +13,49 @@ logger = logging.getLogger("tinker_local.compute")
 
 
 def fp32_head_logits(
-    model, ids: torch.Tensor, position_ids: torch.Tensor | None = None, keep: torch.Tensor | None = None
+    model,
+    ids: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
+    *,
+    attention_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Logits float32 of ``ids`` (B, T): the decoder under the ambient autocast, the output
     projection in fp32 (llama-like models; others: the model's own forward, upcast).
-    ``position_ids`` (B, T): passed to the model (packed rows: ``tinker_local.packing``).
+    ``position_ids`` (B, T) and ``attention_mask`` (a 2D padding mask, or a 4D boolean mask
+    (B, 1, T, T) used as given): passed to the model (packed rows: ``tinker_local.packing``).
     ``keep`` (N,) int64: flat indices into the B * T positions whose logits are wanted; the
     result is then (N, V) and the head runs on those positions only, else (B, T, V)."""
     decoder = getattr(model, getattr(model, "base_model_prefix", "model"), None)
     head = model.get_output_embeddings()
     special = any(getattr(model.config, k, None) for k in ("final_logit_softcapping", "logit_scale"))
-    pos = {} if position_ids is None else {"position_ids": position_ids}
+    kw = {} if position_ids is None else {"position_ids": position_ids}
+    if attention_mask is not None:
+        kw["attention_mask"] = attention_mask
     if decoder is None or head is None or special or decoder is model:
-        logits = model(input_ids=ids, use_cache=False, **pos).logits.float()
+        logits = model(input_ids=ids, use_cache=False, **kw).logits.float()
         return logits if keep is None else logits.reshape(-1, logits.shape[-1]).index_select(0, keep)
-    hidden = decoder(input_ids=ids, use_cache=False, **pos).last_hidden_state
+    hidden = decoder(input_ids=ids, use_cache=False, **kw).last_hidden_state
     if keep is not None:
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep)
     with torch.autocast(ids.device.type, enabled=False):
         return head(hidden.float()).float()
+
+
+def target_logprobs(logits: torch.Tensor, rows: torch.Tensor | None, targets: torch.Tensor) -> torch.Tensor:
+    """Logprobs of ``targets`` under ``logits``: float32 (N, K) where ``targets`` is int64 (N, K)
+    and row ``n`` is read from logits row ``rows[n]`` (``rows`` None: row n; rows may repeat, as
+    for a shared prefix).  ``logits``: (U, V), any float dtype (computed in fp32).
+
+    One fused log-softmax over the (U, V) logits and one gather of N * K entries: autograd then
+    keeps one (U, V) tensor and its backward is one fused pass plus a sparse scatter (a gather
+    minus a separate ``logsumexp`` costs several more passes over (U, V) and ~30 % more on a
+    4,096-token vocabulary)."""
+    lsm = torch.log_softmax(logits.float(), dim=-1)
+    V = lsm.shape[-1]
+    r = torch.arange(targets.shape[0], device=targets.device) if rows is None else rows
+    flat = (r.unsqueeze(-1) * V + targets).reshape(-1)
+    return lsm.reshape(-1).index_select(0, flat).reshape(targets.shape)
 
 
 def available_cpus() -> int:

@@ -37,7 +37,7 @@ import torch
 
 from .adapters import LORA_ALPHA, adapter_params, lora_config, remove_adapter
 from .checkpoints import checkpoint_info, read_adapter, read_optimizer_state, write_checkpoint
-from .compute import fp32_head_logits
+from .compute import fp32_head_logits, target_logprobs
 from .datatypes import Datum, FwdResult, SampleResult
 from .engine_core import BaseModelState, TrainingState, new_adamw
 from .engine_sampling import SamplingMixin
@@ -45,7 +45,7 @@ from .errors import EngineUserError, UnknownModelError
 from .inputs import check_datum, check_name, microbatches
 from .losses import get_loss_fn
 from .media import media_logits, resolve_chunks
-from .packing import pack_microbatches, packed_batch
+from .packing import pack_microbatches, packed_batch, packed_logits, shared_prefix_units, unit_length
 
 SMALL_WORK = 1e9  # parameter x token products below which a forward/backward runs on one thread
 
@@ -206,33 +206,37 @@ class Engine(SamplingMixin):
             outputs: list[dict[str, np.ndarray]] = [{} for _ in prepared]
             total = 0.0
             budget = self.max_batch_tokens or max(256, min(16384, 2**27 // max(spec.vocab_size, 1)))
-            lengths = [len(p[0]) for p in prepared]
             packed = self.packing and self._packs(b)
-            # micro-batches of rows of item indices (padded: one item per row)
-            groups = (
-                pack_microbatches(lengths, budget)
-                if packed
-                else [[[i] for i in group] for group in microbatches(lengths, budget)]
-            )
-            for rows in groups:
+            for mb in self._layout(b, [p[0] for p in prepared], budget, packed):
                 with torch.set_grad_enabled(backward):
                     if packed:
-                        mb, lps = self._packed_logprobs(b, rows, prepared)
+                        items, lps = self._packed_logprobs(b, mb, prepared)
                     else:
-                        mb = [row[0] for row in rows]
-                        lps = self._logprobs(b, [prepared[i] for i in mb])
-                    loss = sum(fn(lp, prepared[i][2], cfg) for i, lp in zip(mb, lps, strict=True))
+                        items = [row[0] for row in mb]
+                        lps = self._logprobs(b, [prepared[i] for i in items])
+                    loss = sum(fn(lp, prepared[i][2], cfg) for i, lp in zip(items, lps, strict=True))
                     if backward and isinstance(loss, torch.Tensor) and loss.requires_grad:
                         loss.backward()
-                for i, lp in zip(mb, lps, strict=True):
+                for i, lp in zip(items, lps, strict=True):
                     outputs[i] = {"logprobs": lp.detach().float().cpu().numpy()}
                 total += float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
             return FwdResult(outputs=outputs, metrics={"loss:sum": total})
 
+    def _layout(self, b: BaseModelState, tokens: list[list[int]], budget: int, packed: bool) -> list[list[list]]:
+        """Micro-batches of rows: padded, one item per row (``[[i], [j], ...]``); packed, rows of
+        ``tinker_local.packing`` units, datums with a common prefix sharing it where the
+        attention takes an explicit mask and ``share_prefixes`` is on."""
+        lengths = [len(t) for t in tokens]
+        if not packed:
+            return [[[i] for i in group] for group in microbatches(lengths, budget)]
+        share = self.share_prefixes and self._explicit_mask(b)
+        units = shared_prefix_units(tokens) if share else list(range(len(tokens)))
+        sizes = [unit_length(u, lengths) for u in units]
+        return [[[units[u] for u in row] for row in rows] for rows in pack_microbatches(sizes, budget)]
+
     def _logprobs(self, b: BaseModelState, items) -> list[torch.Tensor]:
-        """One right-padded batch -> per item logprobs (N,) / (N, K) float32 (with grad).
-        The gather runs once over the whole batch: slicing (B, T, V) logits per item would
-        make backward materialise a zero (B, T, V) gradient for every item."""
+        """One right-padded batch -> per item logprobs (N,) / (N, K) float32 (with grad), read
+        once over the whole batch by ``tinker_local.compute.target_logprobs``."""
         lens = [len(it[0]) for it in items]
         B, T = len(items), max(lens)
         K = max((it[1].shape[1] if it[1].ndim == 2 else 1) for it in items)
@@ -248,31 +252,26 @@ class Engine(SamplingMixin):
                 logits = media_logits(b.model, self._media(b), ids, payloads)  # (B, T, V) float32
             else:
                 logits = fp32_head_logits(b.model, ids)  # (B, T, V) float32
-        lp = logits.gather(-1, tgt) - torch.logsumexp(logits, dim=-1, keepdim=True)  # (B, T, K)
+        lp = target_logprobs(logits.reshape(B * T, -1), None, tgt.reshape(B * T, K)).reshape(B, T, K)
         out = []
         for r, it in enumerate(items):
             x = lp[r, : lens[r]]
             out.append(x[:, : it[1].shape[1]] if it[1].ndim == 2 else x[:, 0])
         return out
 
-    def _packed_logprobs(
-        self, b: BaseModelState, rows: list[list[int]], prepared
-    ) -> tuple[list[int], list[torch.Tensor]]:
-        """One padding-free micro-batch (``rows`` of indices into ``prepared``) -> (the item
-        indices, their logprobs (N,) / (N, K) float32 with grad), gathered once over all real
-        tokens as in ``_logprobs``."""
-        pb = packed_batch(rows, [p[0] for p in prepared])
+    def _packed_logprobs(self, b: BaseModelState, rows: list[list], prepared) -> tuple[list[int], list[torch.Tensor]]:
+        """One padding-free micro-batch (``rows`` of ``tinker_local.packing`` units over indices
+        into ``prepared``) -> (the item indices, their logprobs (N,) / (N, K) float32 with
+        grad), read once over all computed token slots as in ``_logprobs``."""
+        pb = packed_batch(rows, [p[0] for p in prepared], explicit_mask=self._explicit_mask(b))
         tgts = [prepared[i][1].reshape(len(prepared[i][0]), -1) for i in pb.items]
         K = max(t.shape[1] for t in tgts)
-        tgt = torch.zeros((len(pb.keep), K), dtype=torch.long)
+        tgt = torch.zeros((len(pb.index), K), dtype=torch.long)
         for (a, z), t in zip(pb.spans, tgts, strict=True):
             tgt[a:z, : t.shape[1]] = t
-        tgt = tgt.to(self.device)
         with self._autocast():
-            logits = fp32_head_logits(
-                b.model, pb.ids.to(self.device), pb.position_ids.to(self.device), pb.keep.to(self.device)
-            )  # (N, V) float32
-        lp = logits.gather(-1, tgt) - torch.logsumexp(logits, dim=-1, keepdim=True)  # (N, K)
+            logits = packed_logits(b.model, pb, self.device)  # (U, V) float32
+        lp = target_logprobs(logits, pb.index.to(self.device), tgt.to(self.device))  # (N, K)
         out = []
         for i, (a, z) in zip(pb.items, pb.spans, strict=True):
             soft = prepared[i][1].ndim == 2

@@ -32,6 +32,8 @@ from .models import ModelSpec, resolve_model
 from .packing import packing_supported
 
 MAX_RESIDENT_ADAPTERS = 8  # training adapters injected per base model (least recently used go)
+_OFF = ("0", "off", "false", "no")
+FLASH_ATTENTION = ("flash_attention_2", "flash_attention_3")  # kernels taking no 4D attention mask
 
 
 @dataclass
@@ -101,7 +103,10 @@ class EngineCore:
         self.max_batch_tokens: int | None = None
         # padding-free micro-batches (tinker_local.packing) for text-only models that keep packed
         # datums apart; environment TINKER_LOCAL_PACKING=off turns them off (the padded path)
-        self.packing = os.environ.get("TINKER_LOCAL_PACKING", "on").lower() not in ("0", "off", "false", "no")
+        self.packing = os.environ.get("TINKER_LOCAL_PACKING", "on").lower() not in _OFF
+        # packed datums with a common prefix compute it once (tinker_local.packing, shared prefixes);
+        # environment TINKER_LOCAL_SHARE_PREFIXES=off lays every datum out in full
+        self.share_prefixes = os.environ.get("TINKER_LOCAL_SHARE_PREFIXES", "on").lower() not in _OFF
         # training adapters kept injected per base model (see the module docstring)
         self.max_resident_adapters = MAX_RESIDENT_ADAPTERS
         self._lock = threading.RLock()
@@ -166,10 +171,18 @@ class EngineCore:
 
     def _packs(self, b: BaseModelState) -> bool:
         """Whether ``b`` trains padding-free: text-only (media datums take the padded path) and
-        checked once by ``tinker_local.packing.packing_supported``."""
+        checked once by ``tinker_local.packing.packing_supported`` in the layout it will use."""
         if b.packs is None:
-            b.packs = self._media(b) is None and packing_supported(b.model, b.spec.vocab_size, self.device)
+            b.packs = self._media(b) is None and packing_supported(
+                b.model, b.spec.vocab_size, self.device, explicit_mask=self._explicit_mask(b)
+            )
         return b.packs
+
+    @staticmethod
+    def _explicit_mask(b: BaseModelState) -> bool:
+        """Whether ``b``'s attention takes a 4D mask (SDPA, eager), so packed rows are kept apart
+        by one and datums may share prefixes; flash-attention kernels take restarting positions."""
+        return getattr(b.model.config, "_attn_implementation", None) not in FLASH_ATTENTION
 
     def _train(self, model_id: str) -> TrainingState:
         st = self._models.get(model_id)
