@@ -63,10 +63,10 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tinker_local_common import API_KEY, ServerProcess, load_average  # noqa: E402
+from tinker_local_common import API_KEY, ServerProcess, cpu_seconds, load_average  # noqa: E402
 from tinker_local_vs_torch import model_directory  # noqa: E402
 from vs_trl_data import dpo_pairs, grpo_prompts, sft_chats  # noqa: E402
-from vs_trl_server import cpu_seconds, server_dpo, server_grpo, server_sft  # noqa: E402
+from vs_trl_server import server_dpo, server_grpo, server_sft  # noqa: E402
 from vs_trl_trl import independent_sft_loss, reset_lora, trl_model, trl_run  # noqa: E402
 
 

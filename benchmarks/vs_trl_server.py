@@ -12,9 +12,6 @@ Each ``server_*`` returns ``step() -> float`` (the step's loss; GRPO: its mean r
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import numpy as np
 
 from vs_trl_data import BETAS, DPO_BETA, LR, group_advantages, reward
@@ -120,9 +117,3 @@ def server_grpo(tc, tok, prompts, group: int, reply_tokens: int):
         return float(np.mean(rewards))
 
     return step
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far, all threads (``/proc/<pid>/stat``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
