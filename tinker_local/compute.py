@@ -1,4 +1,5 @@
-"""Small compute helpers of the engine: fp32 output head, bf16 support, CPU count, allocator."""
+"""Small compute helpers of the engine: fp32 output head and logprobs, weights dtype and attention
+kernels, bf16 support, CPU count, allocator."""
 
 from __future__ import annotations
 
@@ -10,6 +11,18 @@ import os
 import torch
 
 logger = logging.getLogger("tinker_local.compute")
+
+
+def decoder_and_head(model):
+    """``(decoder, output head)`` of a llama-like causal LM whose logits are the head applied to the
+    decoder's last hidden state, or None for others (no such parts, or logits soft-capping /
+    scaling after the head): those run as one forward."""
+    decoder = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    head = model.get_output_embeddings()
+    special = any(getattr(model.config, k, None) for k in ("final_logit_softcapping", "logit_scale"))
+    if decoder is None or head is None or special or decoder is model:
+        return None
+    return decoder, head
 
 
 def fp32_head_logits(
@@ -26,15 +39,14 @@ def fp32_head_logits(
     (B, 1, T, T) used as given): passed to the model (packed rows: ``tinker_local.packing``).
     ``keep`` (N,) int64: flat indices into the B * T positions whose logits are wanted; the
     result is then (N, V) and the head runs on those positions only, else (B, T, V)."""
-    decoder = getattr(model, getattr(model, "base_model_prefix", "model"), None)
-    head = model.get_output_embeddings()
-    special = any(getattr(model.config, k, None) for k in ("final_logit_softcapping", "logit_scale"))
     kw = {} if position_ids is None else {"position_ids": position_ids}
     if attention_mask is not None:
         kw["attention_mask"] = attention_mask
-    if decoder is None or head is None or special or decoder is model:
+    parts = decoder_and_head(model)
+    if parts is None:
         logits = model(input_ids=ids, use_cache=False, **kw).logits.float()
         return logits if keep is None else logits.reshape(-1, logits.shape[-1]).index_select(0, keep)
+    decoder, head = parts
     hidden = decoder(input_ids=ids, use_cache=False, **kw).last_hidden_state
     if keep is not None:
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep)
@@ -56,6 +68,45 @@ def target_logprobs(logits: torch.Tensor, rows: torch.Tensor | None, targets: to
     r = torch.arange(targets.shape[0], device=targets.device) if rows is None else rows
     flat = (r.unsqueeze(-1) * V + targets).reshape(-1)
     return lsm.reshape(-1).index_select(0, flat).reshape(targets.shape)
+
+
+def choose_attn_implementation(device: torch.device, weights_dtype: torch.dtype) -> str:
+    """The attention kernels a base model is loaded with: ``"flash_attention_2"`` on CUDA when
+    the ``flash_attn`` package is installed and the weights are bf16 / fp16 (its kernels take no
+    fp32), else ``"sdpa"``.  With flash-attention 2 the engine keeps packed datums apart by
+    restarting positions (its varlen kernels) and shares no prefixes (that needs a 4D mask,
+    which it does not take); with SDPA by an explicit block mask (``tinker_local.packing``)."""
+    import importlib.util
+
+    if (
+        device.type == "cuda"
+        and weights_dtype in (torch.bfloat16, torch.float16)
+        and importlib.util.find_spec("flash_attn") is not None
+    ):
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def to_weights_dtype(model, dtype: torch.dtype) -> None:
+    """Cast ``model``'s floating parameters to ``dtype`` in place, except the output head's weight,
+    kept (or made) fp32: the engine computes logits and logprobs in fp32.  Buffers stay as they are
+    (rotary frequencies are fp32).  A head tied to the input embedding gets an fp32 copy of its
+    own (the embedding lookup runs in ``dtype``), and the config no longer ties them, so nothing
+    ties them back.  No-op for fp32."""
+    if dtype == torch.float32:
+        return
+    head = model.get_output_embeddings()
+    fp32_head = head.weight.detach().float().clone() if head is not None else None
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.data = p.data.to(dtype)
+    if head is not None:
+        head.weight = torch.nn.Parameter(fp32_head, requires_grad=False)
+        model.config.tie_word_embeddings = False
+        text = getattr(model.config, "text_config", None)
+        if text is not None and hasattr(text, "tie_word_embeddings"):
+            text.tie_word_embeddings = False
 
 
 def available_cpus() -> int:

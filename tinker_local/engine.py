@@ -7,13 +7,21 @@ adapter over a shared base model.  Each base model is loaded once per canonical 
 in one ``peft.PeftModel`` holding all adapters (training adapters ``t<n>`` and cached sampler
 adapters ``s<n>``, a bounded number of each resident: ``tinker_local.engine_core``); every call
 activates the adapter it needs, so model ids never see each other's weights, gradients or
-optimizer state.  Base weights stay fp32 and frozen.  LoRA details (targets, alpha 32, init):
-``tinker_local.adapters``.
+optimizer state.  Base weights stay frozen, in fp32 on the CPU and in the compute dtype on CUDA
+(``weights_dtype``; the output head always fp32).  The attention kernels are chosen at load
+(flash-attention 2 on CUDA where installed, else SDPA) and recorded (``get_info``).  LoRA details
+(targets, alpha 32, init): ``tinker_local.adapters``.
 
 Numerics: ``dtype="auto"`` trains under bf16 autocast (CUDA with bf16, or a CPU with
 avx512_bf16/AMX), otherwise fp32; ``"fp32"`` / ``"bf16"`` force it.  The output projection and
-the logprobs are always computed in fp32.  Sampling always runs in fp32 (see
-``tinker_local.sampling``), so sampled logprobs match an fp32 ``forward``.
+the logprobs are always computed in fp32 (one fused log-softmax and a gather:
+``tinker_local.compute.target_logprobs``).  Sampling runs in the weights' dtype: in fp32 with fp32
+weights (the CPU default; sampled logprobs then match an fp32 ``forward``), under bf16 autocast
+with bf16 weights (``tinker_local.engine_sampling``).
+
+Padding-free batches (``tinker_local.packing``): datums are packed into rows with attention kept
+inside each, and datums beginning with the same tokens (a DPO pair's prompt, a GRPO group's
+prompt) compute those tokens once (``share_prefixes``).
 
 Threading: public methods take one re-entrant lock, so calls from several threads are
 serialised (safe, not parallel); the intended use is one dedicated compute thread, so training
@@ -125,7 +133,8 @@ class Engine(SamplingMixin):
 
     def get_info(self, model_id: str) -> dict:
         """``{"model_id", "base_model", "lora_rank", "arch", "tokenizer_id" (local dir),
-        "max_context", "vocab_size", "train_mlp", "train_attn", "train_unembed", "step"}``;
+        "max_context", "vocab_size", "train_mlp", "train_attn", "train_unembed", "step",
+        "weights_dtype", "attn_implementation"}``;
         EngineUserError if the id is unknown."""
         with self._lock:
             st = self._train(model_id)
@@ -142,6 +151,8 @@ class Engine(SamplingMixin):
                 "train_attn": st.train_attn,
                 "train_unembed": st.train_unembed,
                 "step": st.step,
+                "weights_dtype": self.weights_dtype,
+                "attn_implementation": b.attn_implementation,
             }
 
     # ------------------------------------------------------------------ forward / backward

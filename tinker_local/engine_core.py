@@ -14,6 +14,7 @@ parameters of one that goes, its AdamW state and pending gradients stay with its
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections import OrderedDict
@@ -25,11 +26,13 @@ from typing import Any
 import torch
 
 from .adapters import add_adapter, rebind_adapter, remove_adapter
-from .compute import available_cpus, bf16_supported
+from .compute import available_cpus, bf16_supported, choose_attn_implementation, to_weights_dtype
 from .errors import EngineUserError
 from .media import media_support
 from .models import ModelSpec, resolve_model
 from .packing import packing_supported
+
+logger = logging.getLogger("tinker_local.engine")
 
 MAX_RESIDENT_ADAPTERS = 8  # training adapters injected per base model (least recently used go)
 _OFF = ("0", "off", "false", "no")
@@ -51,6 +54,7 @@ class BaseModelState:
     active: str | None = None  # adapter last activated by set_adapter (None: unknown)
     media: Any = False  # tinker_local.media.Support | None once looked up (False: not yet)
     packs: bool | None = None  # whether padding-free rows keep datums apart (None: not checked yet)
+    attn_implementation: str = "sdpa"  # the attention kernels it runs (compute.choose_attn_implementation)
 
     def use(self, adapter: str) -> None:
         """Make ``adapter`` the active one; ``set_adapter`` walks every module, so only when it changes."""
@@ -83,11 +87,23 @@ class EngineCore:
     """An engine's state and the helpers its training (``Engine``) and sampling
     (``tinker_local.engine_sampling.SamplingMixin``) share."""
 
-    def __init__(self, root: Path, *, device: str | None = None, dtype: str = "auto", num_threads: int | None = None):
+    def __init__(
+        self,
+        root: Path,
+        *,
+        device: str | None = None,
+        dtype: str = "auto",
+        num_threads: int | None = None,
+        weights_dtype: str = "auto",
+    ):
         """``root``: folder for checkpoints and the model cache (created).  ``device``: torch
         device string (default "cuda" when available, else "cpu").  ``dtype``: "auto" | "fp32" |
         "bf16" for training/forward compute (ValueError otherwise).  ``num_threads``: torch
-        intra-op threads (default: number of CPUs this process may use)."""
+        intra-op threads (default: number of CPUs this process may use).  ``weights_dtype``:
+        "auto" | "fp32" | "bf16", the dtype base weights are held in: "auto" is the compute dtype
+        on CUDA (bf16 weights: no cast of every weight at every forward, half the memory) and fp32
+        elsewhere (the CPU samples in fp32, see ``tinker_local.engine_sampling``); the output head
+        stays fp32 either way (``tinker_local.compute.to_weights_dtype``)."""
         self.root = Path(root)
         (self.root / "checkpoints").mkdir(parents=True, exist_ok=True)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -96,6 +112,11 @@ class EngineCore:
         if dtype == "auto":
             dtype = "bf16" if bf16_supported(self.device) else "fp32"
         self.dtype = dtype
+        if weights_dtype not in ("auto", "fp32", "bf16"):
+            raise ValueError(f"weights_dtype must be 'auto', 'fp32' or 'bf16', got {weights_dtype!r}")
+        if weights_dtype == "auto":
+            weights_dtype = "bf16" if dtype == "bf16" and self.device.type == "cuda" else "fp32"
+        self.weights_dtype = weights_dtype
         self.num_threads = int(num_threads or available_cpus())
         torch.set_num_threads(self.num_threads)
         # padded tokens per micro-batch; None: 2**27 // vocab_size (<= 128M fp32 logits: 512 MiB), in
@@ -121,7 +142,8 @@ class EngineCore:
 
     def load_base_model(self, base_model: str) -> dict:
         """Load ``base_model`` now (e.g. at server start) and return
-        ``{"base_model", "tokenizer_id", "max_context", "vocab_size"}``.  Raises EngineUserError."""
+        ``{"base_model", "tokenizer_id", "max_context", "vocab_size", "weights_dtype",
+        "attn_implementation"}``.  Raises EngineUserError."""
         with self._lock:
             b = self._base(base_model)
             return {
@@ -129,6 +151,8 @@ class EngineCore:
                 "tokenizer_id": b.spec.tokenizer_dir,
                 "max_context": b.spec.max_context,
                 "vocab_size": b.spec.vocab_size,
+                "weights_dtype": self.weights_dtype,
+                "attn_implementation": b.attn_implementation,
             }
 
     def base_model_dir(self, base_model: str) -> Path | None:
@@ -147,6 +171,13 @@ class EngineCore:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
+    def _sampling_autocast(self):
+        """Sampling runs in the weights' dtype: fp32 weights sample in fp32 (no autocast), bf16
+        weights under bf16 autocast (their LoRA layers in bf16, the output head in fp32)."""
+        if self.weights_dtype == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
     def _canonical(self, base_model: str) -> str:
         return resolve_model(base_model, self.root / "models").name
 
@@ -157,10 +188,22 @@ class EngineCore:
             model, tok = spec.load()
             for p in model.parameters():
                 p.requires_grad_(False)
+            wdtype = torch.bfloat16 if self.weights_dtype == "bf16" else torch.float32
+            to_weights_dtype(model, wdtype)
             model.to(self.device).eval()
+            attn = choose_attn_implementation(self.device, wdtype)
+            if getattr(model.config, "_attn_implementation", None) != attn:
+                try:
+                    model.set_attn_implementation(attn)
+                except (ValueError, ImportError, AttributeError) as e:  # the architecture does not support it
+                    logger.warning("%s: attention %s not available (%s); keeping %s", spec.name, attn, e,
+                                   model.config._attn_implementation)
             spec.vocab_size = int(model.get_input_embeddings().weight.shape[0])
             n_params = sum(p.numel() for p in model.parameters())
             b = self._bases[spec.name] = BaseModelState(spec, model, tok, n_params)
+            b.attn_implementation = str(getattr(model.config, "_attn_implementation", None) or "eager")
+            logger.info("loaded %s on %s: weights %s, attention %s", spec.name, self.device, self.weights_dtype,
+                        b.attn_implementation)
         return b
 
     def _media(self, b: BaseModelState):

@@ -6,7 +6,9 @@ whether prompt logprobs are wanted share one prefill and one decode loop
 (``tinker_local.sampling.sample_batch``), in chunks bounded by ``MAX_BATCH_ROWS`` sampled rows
 and a prefill budget (``MAX_PREFILL_TOKENS`` tokens; ``MAX_PROMPT_LOGITS`` logits when prompt
 logprobs are computed).  Each request is validated on its own, so one bad request fails alone.
-Sampling always runs in fp32 (no autocast), so sampled logprobs match an fp32 ``forward``.
+Sampling runs in the weights' dtype (``EngineCore._sampling_autocast``): fp32 weights (the CPU
+default) sample in fp32, so sampled logprobs match an fp32 ``forward``; bf16 weights (CUDA) under
+bf16 autocast, the output head and logprobs in fp32 either way.
 """
 
 from __future__ import annotations
@@ -258,9 +260,15 @@ class SamplingMixin(EngineCore):
             reset_media_state(b.model)
             if reqs[0].media:  # a media prompt is sampled alone (one prefill with its payloads)
                 extra = prefill_kwargs(b.model, self._media(b), reqs[0].prompt, reqs[0].media, self.device)
-        with ctx, torch.no_grad():
+        with ctx, torch.no_grad(), self._sampling_autocast():
             return sample_batch(
-                b.model, b.tokenizer, reqs, device=self.device, decode_threads=1 if small else None, prefill_extra=extra
+                b.model,
+                b.tokenizer,
+                reqs,
+                device=self.device,
+                decode_threads=1 if small else None,
+                prefill_extra=extra,
+                text_only=self._media(b) is None,
             )
 
     def _activate_sampler(self, b, path: Path) -> None:

@@ -1,4 +1,5 @@
-"""Autoregressive sampling with a KV cache, in fp32, for the local engine.
+"""Autoregressive sampling with a KV cache for the local engine (fp32, or the decoder under bf16
+autocast with bf16 weights; the output head and logprobs always fp32).
 
 ``sample_batch`` serves several requests (each: a prompt, ``num_samples``, its own sampling
 parameters, seed and stop conditions) with one forward per step: one prefill over all prompts
@@ -33,6 +34,7 @@ import torch
 
 from transformers.cache_utils import DynamicLayer
 
+from .compute import decoder_and_head
 from .errors import EngineUserError
 
 
@@ -222,15 +224,28 @@ def kept_positions(reqs: list[SampleRequest], longest: int) -> int:
     return max(known)
 
 
-def _prefill(model, ids: torch.Tensor, keep: int, extra: dict) -> tuple:
-    """The prefill forward -> (its output, logits (B, K, V) of the last K positions; K = ``keep``,
-    or all when 0)."""
+def _forward(model, ids: torch.Tensor, keep: int, kw: dict, split: bool) -> tuple:
+    """One forward with the KV cache -> (its cache, fp32 logits (B, K, V) of the last K positions;
+    K = ``keep``, or all when 0).  With ``split``, llama-like models run the decoder (under the
+    ambient autocast, if any) and then the output head in fp32 on the kept positions only
+    (``tinker_local.compute.decoder_and_head``); others (and media models, whose extra inputs and
+    positions only the whole model handles) the model's own forward with ``logits_to_keep``."""
+    parts = decoder_and_head(model) if split else None
+    if parts is not None:
+        decoder, head = parts
+        cache_kw = {_cache_kwarg(decoder): v for k, v in kw.items() if k in ("cache", "past_key_values")}
+        rest = {k: v for k, v in kw.items() if k not in ("cache", "past_key_values")}
+        out = decoder(input_ids=ids, use_cache=True, **cache_kw, **rest)
+        hidden = out.last_hidden_state
+        hidden = hidden if keep == 0 else hidden[:, -keep:]
+        with torch.autocast(ids.device.type, enabled=False):
+            return _out_cache(out), head(hidden.float()).float()
     try:
-        out = model(input_ids=ids, use_cache=True, logits_to_keep=keep, **extra)
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=keep, **kw)
     except TypeError:  # architectures without logits_to_keep
-        out = model(input_ids=ids, use_cache=True, **extra)
+        out = model(input_ids=ids, use_cache=True, **kw)
     logits = out.logits if keep == 0 or out.logits.shape[1] == keep else out.logits[:, -keep:]
-    return out, logits
+    return _out_cache(out), logits.float()
 
 
 ALT_SEED_OFFSET = 0x9E3779B97F4A7C15  # prompt_alt draws use their own generator: samples stay as without them
@@ -287,6 +302,7 @@ def sample_batch(
     device: torch.device,
     decode_threads: int | None = None,
     prefill_extra: dict | None = None,
+    text_only: bool = True,
 ) -> list[dict]:
     """Serve ``reqs`` together; returns one dict per request, in order:
     ``{"sequences": [{"tokens": [...], "logprobs": [...], "stop_reason": "stop"|"length",
@@ -303,6 +319,7 @@ def sample_batch(
     ``decode_threads``: torch threads for the token-by-token phase (small decode steps run
     faster on one thread, since OpenMP synchronisation dominates them).
     ``prefill_extra``: more keyword arguments of the prefill forward (pixel values, DMel frames).
+    ``text_only``: False for media models (then every step runs the model's own forward).
     Raises RuntimeError if the model's KV cache cannot select batch rows.
     """
     B = len(reqs)
@@ -324,7 +341,8 @@ def sample_batch(
     if padded:  # left padding: masked pads, positions counted from each prompt's first token
         extra = {"attention_mask": mask.to(device), "position_ids": (mask.cumsum(-1) - 1).clamp(min=0).to(device)}
     extra.update(prefill_extra or {})  # media of a single prompt (tinker_local.media.prefill_kwargs)
-    out, logits = _prefill(model, ids.to(device), kept_positions(reqs, L), extra)
+    split = prefill_extra is None and text_only
+    cache, logits = _forward(model, ids.to(device), kept_positions(reqs, L), extra, split)
     K = logits.shape[1]  # the kept logits cover padded positions L - K .. L - 1
     results = []
     seen: set[int] = set()
@@ -338,7 +356,6 @@ def sample_batch(
 
     counts = [r.num_samples for r in reqs]
     rows = torch.repeat_interleave(torch.tensor(owner, dtype=torch.long), torch.tensor(counts))
-    cache = _out_cache(out)
     if not hasattr(cache, "reorder_cache"):
         raise RuntimeError("model cache does not support selecting batch rows")
     if not torch.equal(rows, torch.arange(U)):
@@ -413,9 +430,8 @@ def sample_batch(
             att = torch.cat([att, torch.ones((att.shape[0], 1), dtype=att.dtype, device=device)], dim=-1)
             step_kw.update(attention_mask=att, position_ids=pos)
             pos = pos + 1
-        out = model(input_ids=nxt_rows.unsqueeze(-1), use_cache=True, **step_kw)
-        cache = _out_cache(out)
-        last = out.logits[:, -1]
+        cache, step_logits = _forward(model, nxt_rows.unsqueeze(-1), 1, step_kw, split)
+        last = step_logits[:, -1]
         step += 1
     for i, res in enumerate(results):
         k = reqs[i].topk_sample_logprobs
