@@ -143,3 +143,25 @@ def test_cache_growing_in_place_equals_concatenation(engine, monkeypatch):
         assert [s["tokens"] for s in a.sequences] == [s["tokens"] for s in b.sequences]
         for x, y in zip(a.sequences, b.sequences, strict=True):
             np.testing.assert_allclose(x["logprobs"], y["logprobs"], atol=1e-6, rtol=0)
+
+
+def test_sampler_slots_are_reused_with_the_right_weights(engine):
+    """Past ``MAX_SAMPLER_ADAPTERS`` sampler checkpoints, a new one is loaded into the least
+    recently used slot (same LoRA config: no new injection); sampling a checkpoint again after
+    its slot was reused gives the samples it gave the first time."""
+    from tinker_local.engine_sampling import MAX_SAMPLER_ADAPTERS
+
+    engine.create_model("slots", "tiny", 4, seed=9)
+    prompt = [1, 295, 201, 19, 13, 20]
+    kw = dict(num_samples=2, max_tokens=6, seed=3, stop=[])
+    first = {}
+    paths = []
+    for k in range(MAX_SAMPLER_ADAPTERS + 2):
+        train_a_bit(engine, "slots", steps=1, lr=2e-2)
+        paths.append(engine.save_sampler_weights("slots", f"c{k}"))
+        first[k] = engine.sample(None, paths[k], prompt, **kw).sequences
+    b = engine._bases["tiny"]
+    assert len(b.sampler_adapters) == MAX_SAMPLER_ADAPTERS
+    assert sum(1 for n in b.peft.peft_config if n.startswith("s")) == MAX_SAMPLER_ADAPTERS
+    again = engine.sample(None, paths[0], prompt, **kw).sequences  # evicted, then loaded into a reused slot
+    assert again == first[0] and first[0] != first[1]

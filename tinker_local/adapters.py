@@ -127,26 +127,86 @@ def rebind_adapter(peft_model, name: str, params: OrderedDict[str, torch.nn.Para
             setattr(peft_model.get_submodule(module), attr, params[pname.replace(f".{name}.", ".")])
 
 
-def load_sampler_adapter(peft_model, model, name: str, path, device: torch.device):
-    """Add the adapter saved at checkpoint dir ``path`` as frozen adapter ``name``; returns the
-    PeftModel.  EngineUserError if its tensors do not fit the base model."""
-    from peft import LoraConfig, set_peft_model_state_dict
-    from safetensors.torch import load_file
+def load_sampler_adapter(
+    peft_model,
+    model,
+    name: str,
+    path,
+    device: torch.device,
+    *,
+    reuse: str | None = None,
+    reuse_params: OrderedDict[str, torch.nn.Parameter] | None = None,
+):
+    """Add the adapter saved at checkpoint dir ``path`` as frozen adapter ``name``; returns
+    ``(PeftModel, the adapter's name, its parameters keyed as by adapter_params)``.  ``reuse``
+    (with ``reuse_params``, its parameters): a frozen adapter that may be overwritten instead
+    (the least recently used sampler adapter): when its LoRA config equals the checkpoint's, the
+    checkpoint's tensors are copied into its parameters and it keeps its name (no injection into
+    every targeted module, no deletion walk, no state-dict walk: a new sampler checkpoint every
+    RL step costs a file read and a copy), else it is deleted and ``name`` added.
+    EngineUserError if the tensors do not fit the base model."""
+    from peft import LoraConfig
 
     cfg = LoraConfig.from_pretrained(str(path))
     cfg.inference_mode = True
+    if reuse is not None and reuse_params is not None and _same_lora(peft_model.peft_config.get(reuse), cfg):
+        try:
+            _copy_tensors(reuse_params, path)
+        except EngineUserError:
+            remove_adapter(peft_model, reuse)
+            raise
+        return peft_model, reuse, reuse_params
+    if reuse is not None:
+        remove_adapter(peft_model, reuse)
     peft_model = add_adapter(peft_model, model, name, cfg, seed=0, device=device)
+    try:
+        _load_tensors(peft_model, name, path)
+    except EngineUserError:
+        remove_adapter(peft_model, name)
+        raise
+    return peft_model, name, adapter_params(peft_model, name)
+
+
+def _copy_tensors(params: OrderedDict[str, torch.nn.Parameter], path) -> None:
+    """Copy the tensors of checkpoint ``path`` into ``params`` (the same keys and shapes, else
+    EngineUserError, leaving the parameters partly overwritten: the caller drops them)."""
+    from safetensors.torch import load_file
+
+    sd = load_file(str(path / "adapter_model.safetensors"))
+    if set(sd) != set(params):
+        missing, unexpected = sorted(set(params) - set(sd)), sorted(set(sd) - set(params))
+        raise EngineUserError(
+            f"weights at {str(path)!r} do not fit this base model (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
+    with torch.no_grad():
+        for k, p in params.items():
+            if sd[k].shape != p.shape:
+                raise EngineUserError(f"weights at {str(path)!r} do not fit this base model: {k} {tuple(sd[k].shape)}")
+            p.copy_(sd[k])
+
+
+def _same_lora(a, b) -> bool:
+    """Whether two LoRA configs give layers of the same shapes and scaling on the same modules."""
+    if a is None:
+        return False
+    keys = ("r", "lora_alpha", "target_modules", "use_rslora", "use_dora", "bias", "rank_pattern", "alpha_pattern")
+    da, db = a.to_dict(), b.to_dict()
+    norm = {"target_modules": lambda v: sorted(v) if isinstance(v, (list, set, tuple)) else v}
+    return all(norm.get(k, lambda v: v)(da.get(k)) == norm.get(k, lambda v: v)(db.get(k)) for k in keys)
+
+
+def _load_tensors(peft_model, name: str, path) -> None:
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
     sd = load_file(str(path / "adapter_model.safetensors"))
     try:
         res = set_peft_model_state_dict(peft_model, sd, adapter_name=name)
     except RuntimeError as e:  # shape mismatch
-        remove_adapter(peft_model, name)
         raise EngineUserError(f"weights at {str(path)!r} do not fit this base model: {e}") from e
     missing = [k for k in getattr(res, "missing_keys", []) if f".{name}." in k]
     unexpected = list(getattr(res, "unexpected_keys", []))
     if missing or unexpected:
-        remove_adapter(peft_model, name)
         raise EngineUserError(
             f"weights at {str(path)!r} do not fit this base model (missing {missing[:3]}, unexpected {unexpected[:3]})"
         )
-    return peft_model

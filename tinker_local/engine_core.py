@@ -50,6 +50,7 @@ class BaseModelState:
     peft: Any = None  # peft.PeftModel once the first adapter exists
     counter: int = 0
     sampler_adapters: OrderedDict[tuple, str] = field(default_factory=OrderedDict)
+    sampler_params: dict[str, Any] = field(default_factory=dict)  # sampler adapter -> its parameters
     resident: OrderedDict[str, None] = field(default_factory=OrderedDict)  # training adapters injected, LRU first
     active: str | None = None  # adapter last activated by set_adapter (None: unknown)
     media: Any = False  # tinker_local.media.Support | None once looked up (False: not yet)
