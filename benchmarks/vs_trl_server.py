@@ -1,5 +1,5 @@
 """The tinker_local side of ``vs_trl.py``: one training step of each part through the unmodified
-Tinker SDK (a ``TrainingClient`` of the server), and the server process's CPU seconds.
+Tinker SDK (a ``TrainingClient`` of the server).
 
 - SFT: ``forward_backward`` (cross_entropy) + ``optim_step``;
 - DPO: the reference log-probabilities from one ``forward`` of the initial weights, then
