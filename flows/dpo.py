@@ -8,8 +8,8 @@ task (the initial weights -- the base model or ``load_checkpoint_path`` -- froze
 pair for the whole run, kept by pair, so later epochs ask nothing), and trains chosen and rejected
 datums in one ``forward_backward_custom`` request with
 :class:`~prefect_tinker.recipes.preference.DPOLoss` (``custom-step``; the engine computes each
-pair's shared prompt once and packs both replies padding-free). Held-out loss and accuracy every ``eval_every`` steps; checkpoints, resume,
-store rows and artifacts as for SFT.
+pair's shared prompt once and packs both replies padding-free). Held-out loss and accuracy every
+``eval_every`` steps; checkpoints, resume, store rows and artifacts as for SFT.
 
 Metrics per step: ``train/dpo_loss`` (``ln 2`` at step 0 for ``dpo``: the policy is the
 reference), ``train/accuracy``, ``train/margin``, ``train/chosen_reward``,

@@ -188,18 +188,31 @@ def _sharing(seed: int, loss: str) -> list[Datum]:
 
 
 def test_shared_prefix_units_group_common_prefixes():
-    from tinker_local.packing import shared_prefix_units, unit_length
+    from tinker_local.models import tiny_config
+    from tinker_local.packing import layout_costs, shared_prefix_units, unit_length
 
+    costs = layout_costs(tiny_config())
     toks = [d.tokens for d in _sharing(0, "cross_entropy")]
-    units = shared_prefix_units(toks)
+    units = shared_prefix_units(toks, 16384, costs)
     lengths = [len(t) for t in toks]
     assert sorted(i for u in units for i in ([u] if isinstance(u, int) else u[1])) == list(range(len(toks)))
     groups = sorted((u[0], sorted(u[1])) for u in units if not isinstance(u, int))
     assert groups == [(12, [4, 5, 7]), (21, [0, 1, 2, 3, 6])]
     assert sum(unit_length(u, lengths) for u in units) == sum(lengths) - 4 * 21 - 2 * 12
-    assert shared_prefix_units(toks, min_shared=30) == list(range(len(toks)))  # nothing shares 30 tokens
+    assert shared_prefix_units(toks, 16384, costs, min_shared=30) == list(range(len(toks)))  # nothing shares 30
+
+    rng = np.random.default_rng(1)
+    system = rng.integers(0, VOCAB, 24).tolist()  # a chat template's system prompt: every datum begins with it
+    prompts = [system + rng.integers(0, VOCAB, 40).tolist() for _ in range(4)]
+    grpo = [p + rng.integers(0, VOCAB, 32).tolist() for p in prompts for _ in range(4)]
+    units = shared_prefix_units(grpo, 16384, costs)  # each group shares its prompt, groups only the system prompt
+    assert sorted(sorted(u[1]) for u in units) == [[4 * g + k for k in range(4)] for g in range(4)]
+    assert all(u[0] == 64 for u in units)
+    dpo = [p + rng.integers(0, VOCAB, n).tolist() for p in prompts for n in (150, 190)]
+    units = shared_prefix_units(dpo, 16384, costs)  # pairs: joining pairs widens every row more than it saves
+    assert sorted(sorted(u[1]) for u in units) == [[0, 1], [2, 3], [4, 5], [6, 7]]
     big = [[1] * 8 + [k] * 300 for k in range(5)]  # a unit stays within MAX_UNIT slots
-    assert all(unit_length(u, [308] * 5) <= 1024 for u in shared_prefix_units(big))
+    assert all(unit_length(u, [308] * 5) <= 1024 for u in shared_prefix_units(big, 16384, costs))
 
 
 def test_shared_prefix_layout_and_mask():
@@ -222,6 +235,8 @@ def test_shared_prefixes_equal_padded(engine, loss):
     mid = f"sp-{loss}"
     engine.create_model(mid, "tiny", 4, seed=7)
     datums = _sharing(11, loss)
+    layout = engine._layout(engine._bases["tiny"], [d.tokens for d in datums], 16384, packed=True)
+    assert sum(1 for rows in layout for row in rows for u in row if not isinstance(u, int)) == 2  # prefixes shared
     a, ga = _run(engine, mid, datums, loss, packing=True)
     b, gb = _run(engine, mid, datums, loss, packing=False)
     _assert_same(a, b, ga, gb)

@@ -95,7 +95,7 @@ def _no_input_casts(peft_model) -> None:
 
     for module in peft_model.modules():
         if isinstance(module, BaseTunerLayer):
-            module.cast_input_dtype_enabled = False
+            module.cast_input_dtype_enabled = False  # type: ignore[attr-defined]  # set in LoraLayer.__init__
 
 
 def adapter_params(peft_model, name: str) -> OrderedDict[str, torch.nn.Parameter]:

@@ -101,7 +101,7 @@ def to_weights_dtype(model, dtype: torch.dtype) -> None:
         for p in model.parameters():
             if p.is_floating_point():
                 p.data = p.data.to(dtype)
-    if head is not None:
+    if head is not None and fp32_head is not None:
         head.weight = torch.nn.Parameter(fp32_head, requires_grad=False)
         model.config.tie_word_embeddings = False
         text = getattr(model.config, "text_config", None)

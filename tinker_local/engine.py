@@ -53,7 +53,14 @@ from .errors import EngineUserError, UnknownModelError
 from .inputs import check_datum, check_name, microbatches
 from .losses import get_loss_fn
 from .media import media_logits, resolve_chunks
-from .packing import pack_microbatches, packed_batch, packed_logits, shared_prefix_units, unit_length
+from .packing import (
+    layout_costs,
+    pack_microbatches,
+    packed_batch,
+    packed_logits,
+    shared_prefix_units,
+    unit_length,
+)
 
 SMALL_WORK = 1e9  # parameter x token products below which a forward/backward runs on one thread
 
@@ -241,7 +248,7 @@ class Engine(SamplingMixin):
         if not packed:
             return [[[i] for i in group] for group in microbatches(lengths, budget)]
         share = self.share_prefixes and self._explicit_mask(b)
-        units = shared_prefix_units(tokens) if share else list(range(len(tokens)))
+        units = shared_prefix_units(tokens, budget, layout_costs(b.model.config)) if share else list(range(len(tokens)))
         sizes = [unit_length(u, lengths) for u in units]
         return [[[units[u] for u in row] for row in rows] for rows in pack_microbatches(sizes, budget)]
 

@@ -197,14 +197,24 @@ class EngineCore:
                 try:
                     model.set_attn_implementation(attn)
                 except (ValueError, ImportError, AttributeError) as e:  # the architecture does not support it
-                    logger.warning("%s: attention %s not available (%s); keeping %s", spec.name, attn, e,
-                                   model.config._attn_implementation)
+                    logger.warning(
+                        "%s: attention %s not available (%s); keeping %s",
+                        spec.name,
+                        attn,
+                        e,
+                        model.config._attn_implementation,
+                    )
             spec.vocab_size = int(model.get_input_embeddings().weight.shape[0])
             n_params = sum(p.numel() for p in model.parameters())
             b = self._bases[spec.name] = BaseModelState(spec, model, tok, n_params)
             b.attn_implementation = str(getattr(model.config, "_attn_implementation", None) or "eager")
-            logger.info("loaded %s on %s: weights %s, attention %s", spec.name, self.device, self.weights_dtype,
-                        b.attn_implementation)
+            logger.info(
+                "loaded %s on %s: weights %s, attention %s",
+                spec.name,
+                self.device,
+                self.weights_dtype,
+                b.attn_implementation,
+            )
         return b
 
     def _media(self, b: BaseModelState):

@@ -16,8 +16,10 @@ model's hidden states of the prefix do not depend on what follows it, so computi
 letting every branch attend to them gives each datum exactly the hidden states it would get
 alone (to float rounding); the loss's gradients flow into the prefix from every branch, as they
 would through separate copies.  :func:`shared_prefix_units` finds such groups (at least
-``MIN_SHARED`` tokens in common; a unit grows while it saves tokens and stays within
-``max(MAX_UNIT, its longest datum)`` tokens, since attention inside a row costs its width).
+``MIN_SHARED`` tokens in common) where they make the layout cheaper by a simple cost model
+(:func:`layout_cost`: every slot of a row costs decoder work and attention over the row's width,
+every computed token the output head), since a unit also widens the rows it sits in: a chat
+template's system prompt, common to every datum, is not worth a row holding all of them.
 
 Attention stays inside each datum in one of two ways:
 
@@ -80,42 +82,84 @@ def _common(a: list[int], b: list[int]) -> int:
     return k
 
 
+@dataclass(frozen=True)
+class LayoutCosts:
+    """Relative costs of a layout (in units of one token slot's decoder work): ``attention`` per
+    slot and key (a slot of a row of width W attends over W keys: the explicit mask keeps the
+    kernel from skipping masked keys), ``head`` per computed token (output head and log-softmax).
+    :func:`layout_costs` derives them from a model config."""
+
+    attention: float = 1 / (6 * 512)
+    head: float = 0.1
+
+
+def layout_costs(config) -> LayoutCosts:
+    """``LayoutCosts`` of a transformers config: a decoder layer's weights ~ 12 h^2 multiply-adds
+    per token, attention ~ 2 h per token and key (so ``1 / (6 h)`` of a slot per key), the head
+    ``V h`` per token (``V / (12 h L)`` of a slot); h hidden size, L layers, V vocabulary."""
+    cfg = getattr(config, "text_config", None) or config
+    h = int(getattr(cfg, "hidden_size", 512) or 512)
+    n_layers = int(getattr(cfg, "num_hidden_layers", 12) or 12)
+    vocab = int(getattr(cfg, "vocab_size", 32000) or 32000)
+    return LayoutCosts(attention=1 / (6 * h), head=vocab / (12 * h * n_layers))
+
+
+def layout_cost(units: list[Unit], lengths: list[int], budget: int, costs: LayoutCosts) -> float:
+    """Estimated cost of laying ``units`` out: per micro-batch of R rows of width W (from
+    :func:`pack_microbatches`), ``R W (1 + attention W)``, plus ``head`` per computed token."""
+    sizes = [unit_length(u, lengths) for u in units]
+    total = costs.head * sum(sizes)
+    for rows in pack_microbatches(sizes, budget):
+        width = max(sizes[u] for row in rows for u in row)
+        total += len(rows) * width * (1 + costs.attention * width)
+    return total
+
+
 def shared_prefix_units(
-    tokens: list[list[int]], min_shared: int = MIN_SHARED, max_unit: int = MAX_UNIT
+    tokens: list[list[int]],
+    budget: int,
+    costs: LayoutCosts = LayoutCosts(),
+    min_shared: int = MIN_SHARED,
+    max_unit: int = MAX_UNIT,
 ) -> list[Unit]:
-    """Group items (token lists) that share at least ``min_shared`` leading tokens into units.
+    """Group items (token lists) that share at least ``min_shared`` leading tokens into units,
+    where that makes the layout cheaper (:func:`layout_cost` with micro-batches of ``budget``
+    slots).
 
-    Items are visited in lexicographic order of their tokens, where each item's longest common
-    prefix with any other is with a neighbour; an item joins the current unit when the tokens
-    saved by the unit with it (``(k - 1) * prefix`` for k items) are at least those without it,
-    and the unit stays within ``max(max_unit, its longest item)`` slots; otherwise it starts a
-    new one.  Returns units covering every item once (single items as plain indices), in the
-    order of their first item; deterministic for given tokens."""
-    order = sorted(range(len(tokens)), key=lambda i: tokens[i])
-    units: list[Unit] = []
-    cur: list[int] = []
-    prefix = 0
-
-    def close() -> None:
-        if len(cur) == 1:
-            units.append(cur[0])
-        elif cur:
-            units.append((prefix, list(cur)))
-
-    for i in order:
-        if cur:
-            p = min(prefix, _common(tokens[cur[-1]], tokens[i]))
-            items = [*cur, i]
-            size = p + sum(len(tokens[j]) - p for j in items)
-            saves_more = (len(items) - 1) * p >= (len(cur) - 1) * prefix
-            if p >= min_shared and saves_more and size <= max(max_unit, max(len(tokens[j]) for j in items)):
-                cur.append(i)
-                prefix = p
-                continue
-            close()
-        cur, prefix = [i], len(tokens[i])
-    close()
-    return sorted(units, key=lambda u: min(unit_items(u)))
+    Items are sorted by their tokens, where each item's longest common prefix with any other is
+    with a neighbour.  For each candidate depth ``t`` (each distinct common-prefix length of
+    neighbours, at least ``min_shared``), the runs of neighbours sharing at least ``t`` tokens
+    become units (prefix: the run's common prefix; a run is cut where a unit would pass
+    ``max(max_unit, its longest item)`` slots); the cheapest candidate wins, no sharing included.
+    So a DPO pair shares its prompt but pairs do not share the chat template's system prompt
+    with each other when that would widen every row more than it saves; a GRPO group shares its
+    prompt.  Returns units covering every item once (single items as plain indices), ordered by
+    their first item; deterministic for given tokens."""
+    n = len(tokens)
+    lengths = [len(t) for t in tokens]
+    order = sorted(range(n), key=lambda i: tokens[i])
+    lcp = [_common(tokens[order[k]], tokens[order[k + 1]]) for k in range(n - 1)]
+    best: list[Unit] = list(range(n))
+    best_cost = layout_cost(best, lengths, budget, costs)
+    for t in sorted({x for x in lcp if x >= min_shared}, reverse=True):
+        units: list[Unit] = []
+        run, prefix = [order[0]], 0
+        for k in range(1, n + 1):
+            i = order[k] if k < n else None
+            if i is not None and lcp[k - 1] >= t:
+                p = min(prefix, lcp[k - 1]) if len(run) > 1 else lcp[k - 1]
+                size = p + sum(lengths[j] - p for j in (*run, i))
+                if size <= max(max_unit, max(lengths[j] for j in (*run, i))):
+                    run.append(i)
+                    prefix = p
+                    continue
+            units.append(run[0] if len(run) == 1 else (prefix, list(run)))
+            if i is not None:
+                run, prefix = [i], 0
+        cost = layout_cost(units, lengths, budget, costs)
+        if cost < best_cost:
+            best, best_cost = units, cost
+    return sorted(best, key=lambda u: min(unit_items(u)))
 
 
 def pack_microbatches(lengths: list[int], budget: int) -> list[list[list[int]]]:
@@ -234,7 +278,9 @@ def packed_batch(rows: list[list[Unit]], tokens: list[list[int]], *, explicit_ma
     items = [i for row in rows for u in row for i in unit_items(u)]
     flat = sorted({x for i in items for x in slots[i]})
     row_of = {x: k for k, x in enumerate(flat)}
-    index, spans, total = [], [], 0
+    index: list[int] = []
+    spans: list[tuple[int, int]] = []
+    total = 0
     for i in items:
         index.extend(row_of[x] for x in slots[i])
         spans.append((total, total + lengths[i]))

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
 from transformers.cache_utils import DynamicLayer
 
 from .compute import decoder_and_head
