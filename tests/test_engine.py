@@ -414,3 +414,41 @@ def test_local_model_directory(engine, base_dir, tmp_path):
         resolve_model(str(tmp_path / "empty"), tmp_path)
     r = engine.sample(base_dir, None, [1, 2], num_samples=1, max_tokens=2, seed=-5)
     assert len(r.sequences[0]["tokens"]) <= 2
+
+
+@pytest.mark.parametrize("rank", [8, 12])
+def test_lean_lora_layers_compute_peft_s_values(rank):
+    """The engine's LoRA layers (``tinker_local.adapters._lean_lora_layers``: no input cast, the
+    scale applied in rank space) give peft's own forward and gradients: bit-identical for a
+    power-of-two scale (rank 8: 32 / 8), to float rounding otherwise (rank 12), in fp32 and
+    under bf16 autocast."""
+    import torch
+
+    from tinker_local.adapters import add_adapter, lora_config
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=8))
+    peft_model = add_adapter(None, model, "a", lora_config(model, rank, mlp=True, attn=False, unembed=False,
+                                                           model_name="t"), seed=1, device=torch.device("cpu"))
+    layer = model.model.layers[0].mlp.up_proj
+    assert "forward" in vars(layer) and layer.cast_input_dtype_enabled is False
+    with torch.no_grad():
+        layer.lora_B["a"].weight.normal_()
+    x = torch.randn(5, 16)
+    for autocast in (False, True):
+        outs, grads = [], []
+        for fwd in (layer, lambda t: type(layer).forward(layer, t)):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                y = fwd(x)
+            y.float().square().sum().backward()
+            outs.append(y.detach())
+            grads.append([p.grad.clone() for p in (layer.lora_A["a"].weight, layer.lora_B["a"].weight)])
+            for p in peft_model.parameters():
+                p.grad = None
+        if rank == 8:
+            assert torch.equal(outs[0], outs[1]) and all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+        else:
+            torch.testing.assert_close(outs[0], outs[1], rtol=1e-2 if autocast else 1e-6, atol=1e-2 if autocast else 1e-6)
