@@ -6,6 +6,12 @@ Example::
     # any OpenAI client:  OpenAI(base_url="http://127.0.0.1:8100/v1", api_key="unused")
     # tagged:             base_url="http://127.0.0.1:8100/r/agent-a/v1"
 
+``--model alias:LINE@ALIAS`` serves what that alias of a model line holds (the model registry of
+the training store at ``--registry-store``, default the ``--store`` root), checked again every
+``--follow-seconds``: after a promotion or a rollback the new weights answer the next requests,
+while requests in flight finish on the old ones. Clients rate a returned sequence with ``POST
+/v1/feedback`` (``{"id": <completion id>, "rating": "good"}``), stored in ``ratings``.
+
 Backends as in the flows' ``backend`` config: ``--credentials-block NAME`` (a saved
 ``TinkerCredentials``), else ``--base-url URL`` (API key from ``TINKER_API_KEY``), else the
 embedded local server (``--local-root``). The store is ``--store ROOT`` (a folder or
@@ -109,13 +115,31 @@ def _store(args: argparse.Namespace) -> Any:
     return CaptureStore(root=os.path.expanduser(args.store))
 
 
+def _follower(args: argparse.Namespace, store: Any, open_model: Any) -> Any:
+    """The :class:`~prefect_tinker.capture.follow.ModelFollower` of ``--model alias:...`` (or
+    ``run:...``): resolved through the registry store, served under the reference's own name."""
+    from prefect_tinker.capture.follow import ModelFollower
+    from tinker_blocks.model_registry import resolve_weights
+    from tinker_blocks.stores import TrainingStore
+
+    registry = TrainingStore(root=os.path.expanduser(args.registry_store or store.root))
+    names = (args.model, *(args.served_model_name or ()))
+    return ModelFollower(
+        lambda: resolve_weights(registry, args.model, "--model").checkpoint,
+        lambda checkpoint: open_model(checkpoint, names),
+        refresh_s=args.follow_seconds,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the server until SIGINT/SIGTERM (then flush the captures and exit 0)."""
     import uvicorn
 
     from prefect_tinker.capture.app import create_app
+    from prefect_tinker.capture.follow import ModelFollower
     from prefect_tinker.capture.model import open_served_model
     from prefect_tinker.capture.recorder import CaptureRecorder
+    from tinker_blocks.model_registry import is_weights_ref
     from tinker_blocks.store_schemas import StoreError, validate_run_id
 
     try:
@@ -134,31 +158,46 @@ def run(args: argparse.Namespace) -> int:
             raise _UsageError(f"--session: {exc}") from None
         if args.flush_seconds <= 0 or args.flush_rows < 1:
             raise _UsageError("--flush-seconds must be > 0 and --flush-rows >= 1")
+        if args.follow_seconds <= 0:
+            raise _UsageError("--follow-seconds must be > 0")
     except _UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     try:
         store = _store(args)
         store.check()
-        served = open_served_model(
-            _credentials(args),
-            args.model,
-            renderer=args.renderer,
-            tokenizer=args.tokenizer,
-            names=args.served_model_name or (),
-            max_context=args.max_context,
-            default_max_tokens=args.default_max_tokens,
-        )
+        credentials = _credentials(args)
+
+        def open_model(model: str, names: tuple[str, ...] = tuple(args.served_model_name or ())) -> Any:
+            return open_served_model(
+                credentials,
+                model,
+                renderer=args.renderer,
+                tokenizer=args.tokenizer,
+                names=names,
+                max_context=args.max_context,
+                default_max_tokens=args.default_max_tokens,
+            )
+
+        served = _follower(args, store, open_model) if is_weights_ref(args.model) else open_model(args.model)
     except Exception as exc:
         print(f"error: cannot start the capture server: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_FAILED
     recorder = CaptureRecorder(
         store, flush_seconds=args.flush_seconds, flush_rows=args.flush_rows, writer_id=f"capture_{os.getpid()}"
     )
-    app = create_app(served, recorder, session_id=session, token=token)
+    ratings = CaptureRecorder(
+        store,
+        flush_seconds=args.flush_seconds,
+        flush_rows=args.flush_rows,
+        writer_id=f"rating_{os.getpid()}",
+        table="ratings",
+    )
+    app = create_app(served, recorder, session_id=session, token=token, ratings=ratings)
+    now = served.current() if isinstance(served, ModelFollower) else served
     print(
         f"capture server on http://{args.host}:{args.port}/v1 (session {session}, model "
-        f"{', '.join(served.names)}, renderer {served.renderer.name}, store {store.root}, "
+        f"{', '.join(now.names)} = {now.checkpoint}, renderer {now.renderer.name}, store {store.root}, "
         f"flush every {args.flush_seconds:g} s, auth {'bearer token' if token else 'none (loopback)'})",
         file=sys.stderr,
         flush=True,
@@ -174,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
         uvicorn.Server(config).run()
     finally:
         recorder.close()
+        ratings.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return EXIT_OK
@@ -189,7 +229,12 @@ def add_parser(sub: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    s.add_argument("--model", required=True, help="base model (tiny, a HF id or directory) or a tinker:// sampler path")
+    s.add_argument(
+        "--model",
+        required=True,
+        help="base model (tiny, a HF id or directory), a tinker:// sampler path, or alias:LINE@ALIAS / run:RUN "
+        "(followed: re-resolved every --follow-seconds)",
+    )
     s.add_argument(
         "--served-model-name",
         action="append",
@@ -210,6 +255,17 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--flush-seconds", type=float, default=5.0, help="most seconds a row waits in memory (default 5)")
     s.add_argument("--flush-rows", type=int, default=500, help="rows that trigger a flush (default 500)")
     s.add_argument("--max-context", type=int, help="context length override (tokens)")
+    s.add_argument(
+        "--registry-store",
+        metavar="ROOT",
+        help="training store whose model registry resolves --model alias:... (default: the --store root)",
+    )
+    s.add_argument(
+        "--follow-seconds",
+        type=float,
+        default=10.0,
+        help="seconds between two resolutions of --model alias:... (default 10)",
+    )
     s.add_argument("--default-max-tokens", type=int, default=4096, help="max_tokens when a request sets none")
     s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(func=run)

@@ -19,6 +19,8 @@ import yaml
 
 # Exit codes
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+#: a run stopped by Ctrl-C (128 + SIGINT, as a shell reports a process that SIGINT ended)
+EXIT_INTERRUPTED = 130
 
 
 class CLIError(Exception):

@@ -123,20 +123,29 @@ def unknown_fields(model: type[BaseModel], data: dict[str, Any], prefix: str = "
 
 
 def build_config(
-    model: type[BaseModel], overrides: Sequence[str] = (), config_file: str | None = None, flow_name: str = "?"
+    model: type[BaseModel],
+    overrides: Sequence[str] = (),
+    config_file: str | None = None,
+    flow_name: str = "?",
+    example: str | None = None,
 ) -> Any:
     """Validate ``overrides`` (``key=value``) merged over ``config_file`` against ``model``.
+    ``example-data:<path>`` values become the data files the lookup finds
+    (:func:`prefect_tinker.cli.examples.resolve_example_data`); ``example`` (``RECIPE/NAME``) names
+    the example config in the message of a missing one.
 
     Raises:
-        CLIError: bad ``key=value`` syntax, unreadable YAML, unknown fields, or validation
-            errors -- one line per field: ``field = value: reason (source)`` (a single problem
-            on the heading's line).
+        CLIError: bad ``key=value`` syntax, unreadable YAML, unknown fields, a data file not
+            found, or validation errors -- one line per field: ``field = value: reason (source)``
+            (a single problem on the heading's line).
     """
     from pydantic import ValidationError
 
+    from prefect_tinker.cli.examples import resolve_example_data
+
     base = load_yaml_file(config_file) if config_file else {}
     cli = parse_overrides(overrides)
-    data = deep_merge(base, cli)
+    data = resolve_example_data(deep_merge(base, cli), example)
     cli_keys = _dotted_keys(cli)
 
     def source(loc: str) -> str:

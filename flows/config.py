@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field, model_validator
 from prefect_tinker.recipes.evals.specs import EvalSpec
 from prefect_tinker.recipes.pricing import TokenPrices
 from prefect_tinker.recipes.schedule import LRScheduleFields
+from tinker_blocks.model_registry import Weights, WeightsRefError, is_weights_ref
 
 # The flows' default store root is the one `prefect-tinker sql/runs/checkpoints` read
 # ($PREFECT_TINKER_STORE, else $PREFECT_TINKER_HOME/store, else ~/.prefect-tinker/store).
@@ -24,6 +25,7 @@ __all__ = [
     "resolve_credentials",
     "default_run_name",
     "default_store_root",
+    "weights_ref",
 ]
 
 
@@ -99,31 +101,20 @@ def default_run_name(prefix: str, config: BaseModel) -> str:
     return f"{prefix}-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}"
 
 
-def latest_run_checkpoint(store: str, run_id: str, field: str) -> str:
-    """The ``tinker://`` path of the last checkpoint run ``run_id`` recorded in the training store
-    at ``store``: its sampler weights when saved at that step, else its state (for ``field=run:<id>``
-    settings such as a distillation teacher).
+def weights_ref(store: str, ref: str, field: str) -> Weights:
+    """What the weights reference ``ref`` names now, read from the training store at ``store``:
+    ``alias:LINE@ALIAS``, ``run:RUN``, a ``tinker://`` path or a base model name
+    (:func:`tinker_blocks.model_registry.resolve_weights`, the one resolver of every ``model=``,
+    ``teacher=``, ``checkpoint=`` and ``load_checkpoint_path=`` setting).
 
     Raises:
-        ValueError: one line naming ``field``, the run and the store, and how to make the run
-            (the store does not exist, or holds no checkpoint of that run).
+        WeightsRefError: one line naming ``field``, the reference and the store (an alias never
+            set, a run without checkpoints, a store that does not exist).
     """
-    from pathlib import Path
-
+    from tinker_blocks.model_registry import resolve_weights
     from tinker_blocks.stores import TrainingStore
 
-    make = f"train it first, e.g. prefect-tinker run sft --example tiny run_name={run_id} store={store}"
-    if "://" not in store and not Path(store).expanduser().is_dir():
-        raise ValueError(f"{field}=run:{run_id}: the training store {store} does not exist ({make})")
-    rows = TrainingStore(root=store).query(
-        "SELECT path FROM checkpoints WHERE run_id = ? ORDER BY step DESC, kind = 'sampler' DESC, time DESC LIMIT 1",
-        [run_id],
-    )
-    if not rows:
-        raise ValueError(
-            f"{field}=run:{run_id}: the training store {store} has no checkpoint of run {run_id!r} ({make})"
-        )
-    return str(rows[0]["path"])
+    return resolve_weights(TrainingStore(root=store), ref, field)
 
 
 def resolve_credentials(backend: BackendConfig) -> Any:
@@ -165,10 +156,21 @@ class RecipeConfig(LRScheduleFields):
     """
 
     recipe: ClassVar[str] = ""
-    resume_fields: ClassVar[tuple[str, ...]] = ("model", "seed", "renderer", "lora_rank")
+    resume_fields: ClassVar[tuple[str, ...]] = ("model", "tokenizer", "seed", "renderer", "lora_rank")
 
     model: str = Field(
-        default="tiny", description="Base model: 'tiny', 'smollm2', a local HF directory, or a hosted model name."
+        default="tiny",
+        description=(
+            "Base model: 'tiny', 'smollm2', a local HF directory or a hosted model name; or weights to start from: "
+            "alias:LINE@ALIAS (e.g. alias:assistant@champion) or run:RUN (that run's base model and last state)."
+        ),
+    )
+    tokenizer: str | None = Field(
+        default=None,
+        description=(
+            "Tokenizer to load here instead of the one the backend names for the model (a local directory or a hub "
+            "name): for a remote server naming a hub tokenizer this machine cannot download."
+        ),
     )
     renderer: str = Field(
         default="auto",
@@ -183,7 +185,8 @@ class RecipeConfig(LRScheduleFields):
     load_checkpoint_path: str | None = Field(
         default=None,
         description=(
-            "Start from these weights (tinker://.../weights/..., e.g. an SFT checkpoint) with a fresh optimizer."
+            "Start from these weights with a fresh optimizer: tinker://.../weights/... (e.g. an SFT checkpoint), "
+            "run:RUN or alias:LINE@ALIAS (their state checkpoint)."
         ),
     )
     run_name: str | None = Field(
@@ -221,24 +224,66 @@ class RecipeConfig(LRScheduleFields):
     )
 
     def run_name_prefix(self) -> str:
-        """Prefix of the default run name (``<prefix>-<timestamp>``): the model name by default."""
-        return self.model.replace("/", "-")
+        """Prefix of the default run name (``<prefix>-<timestamp>``): the recipe and the model name
+        by default (``sft-tiny``; a weights reference gives its line or run name:
+        ``alias:assistant@champion`` -> ``sft-assistant``)."""
+        name = self.model.split(":", 1)[1].split("@", 1)[0] if is_weights_ref(self.model) else self.model
+        name = name.replace("/", "-")
+        return f"{self.recipe}-{name}" if self.recipe else name
 
-    def check_model(self) -> str:
-        """The base model name to hand to the backend: for the embedded local server the name
-        checked against what it can serve (an existing model directory becomes its absolute path,
-        see :func:`~tinker_blocks.model_names.check_model_name`); other backends decide
-        themselves (``model`` unchanged). Part of the run's preflight (reads the local root).
+    def start_weights(self) -> tuple[str, str | None, Weights | None]:
+        """Where the run starts: ``(base model, state checkpoint to start from or None, the
+        resolved reference or None)``. ``model`` and ``load_checkpoint_path`` may be weights
+        references (``alias:LINE@ALIAS``, ``run:RUN``), read from the training store now: a
+        reference in ``model`` names the base model (the store's record of those weights) and the
+        state to start from (none when the reference holds a base model).
+
+        Raises:
+            WeightsRefError: a reference names nothing, names sampler weights with no state
+                checkpoint recorded beside them, or both fields are references.
+        """
+        model, init, ref = self.model, self.load_checkpoint_path, None
+        if is_weights_ref(model):
+            if init:
+                raise WeightsRefError(
+                    f"model={model} names the weights to start from: leave load_checkpoint_path ({init}) unset"
+                )
+            ref = weights_ref(self.store, model, "model")
+            if ref.base_model is None:
+                raise WeightsRefError(f"model={model}: the store does not record the base model of {ref.checkpoint}")
+            model, init = ref.base_model, None if ref.is_base else ref.state_path
+            if not ref.is_base and init is None:
+                raise WeightsRefError(
+                    f"model={self.model}: {ref.checkpoint} has no state checkpoint recorded beside it to train from"
+                )
+        elif init and is_weights_ref(init):
+            ref = weights_ref(self.store, init, "load_checkpoint_path")
+            if ref.state_path is None:
+                raise WeightsRefError(
+                    f"load_checkpoint_path={init}: {ref.checkpoint} has no state checkpoint to start from"
+                )
+            init = ref.state_path
+        return model, init, ref
+
+    def check_model(self, model: str | None = None) -> str:
+        """The base model name to hand to the backend (``model``, default the base model of
+        :meth:`start_weights`): for the embedded local server the name checked against what it
+        can serve (an existing model directory becomes its absolute path, see
+        :func:`~tinker_blocks.model_names.check_model_name`); other backends decide themselves
+        (the name unchanged). Part of the run's preflight (reads the local root and, for a weights
+        reference, the training store).
 
         Raises:
             UnknownModelName: one line naming the model and what the local server accepts.
+            WeightsRefError: ``model`` is a reference that names nothing.
         """
+        name = model if model is not None else self.start_weights()[0]
         if not self.backend.is_local():
-            return self.model
+            return name
         from tinker_blocks.model_names import check_model_name
         from tinker_local.launcher import default_root
 
-        return check_model_name(self.model, self.backend.local_root or default_root())
+        return check_model_name(name, self.backend.local_root or default_root())
 
     @model_validator(mode="after")
     def _default_run_name(self) -> RecipeConfig:

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, cast
 
-from prefect import flow, get_run_logger
+from prefect import get_run_logger
 from pydantic import Field, field_validator
 
 from prefect_tinker.flows.config import RecipeConfig
+from prefect_tinker.flows.interrupts import recipe_flow
 from prefect_tinker.flows.loop import StepLoop
 from prefect_tinker.flows.session import RunSession
 from prefect_tinker.recipes.builders import SourceFields
@@ -108,7 +109,7 @@ class DecisionsConfig(SourceFields, RecipeConfig):
         )
 
 
-@flow(name="decisions", flow_run_name="decisions-{config.run_name}", log_prints=True)
+@recipe_flow("decisions", "decisions-{config.run_name}")
 def decisions_flow(config: DecisionsConfig) -> dict[str, Any]:
     """Train ``config.model`` to put calibrated probabilities on ``config.choices``; returns a
     summary (first and last held-out accuracy, Brier and ECE, steps, checkpoints)."""

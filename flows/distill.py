@@ -24,11 +24,12 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from prefect import flow, get_run_logger
+from prefect import get_run_logger
 
 from prefect_tinker.flows.config import resolve_credentials
 from prefect_tinker.flows.distill_config import DistillConfig, TeacherSpec
 from prefect_tinker.flows.distill_loop import DistillLoop, SDFTStep, Teacher
+from prefect_tinker.flows.interrupts import recipe_flow
 from prefect_tinker.flows.loop import StepLoop
 from prefect_tinker.flows.session import RunSession
 from prefect_tinker.recipes.rl.envs import build_rl_dataset
@@ -51,12 +52,13 @@ def open_teachers(config: DistillConfig, student_credentials: TinkerCredentials,
     """
     from prefect_tinker.recipes.renderers import get_renderer, resolve_renderer_name
 
-    student_tok = weights_tokenizer(student_credentials, f"base:{config.model}")
+    student = config.start_weights()[0]  # the base model (a model= reference resolved)
+    student_tok = weights_tokenizer(student_credentials, f"base:{student}")
     out = []
     for i, spec in enumerate(config.resolved_teachers()):
         creds = resolve_credentials(spec.backend) if spec.backend is not None else student_credentials
         info = check_teacher.with_options(task_run_name=f"check-teacher-{i}")(
-            creds, spec.weights, quote(student_tok), config.model, topk
+            creds, spec.weights, quote(student_tok), student, topk
         )
         name = resolve_renderer_name(spec.renderer, student_tok)
         out.append(
@@ -171,7 +173,7 @@ def _sdft(config: DistillConfig) -> dict[str, Any]:
         )
 
 
-@flow(name="distill", flow_run_name="distill-{config.mode}-{config.run_name}", log_prints=True)
+@recipe_flow("distill", "distill-{config.mode}-{config.run_name}")
 def distill_flow(config: DistillConfig) -> dict[str, Any]:
     """Distil ``config.teacher`` (or ``teachers``) into ``config.model`` in ``config.mode``;
     returns a summary (the mode's first and last distillation metrics, steps, checkpoints)."""

@@ -14,11 +14,12 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from prefect_tinker.flows.config import BackendConfig, latest_run_checkpoint
+from prefect_tinker.flows.config import BackendConfig, weights_ref
 from prefect_tinker.flows.rl_config import RLConfig
 from prefect_tinker.recipes.data_reading import EXAMPLE_CHAT_PATH, source_fingerprint
 from prefect_tinker.recipes.distill.prompts import DEMO_TEMPLATE, TeacherView
 from prefect_tinker.recipes.rl.envs.prompts import PromptsOptions
+from tinker_blocks.model_registry import is_weights_ref
 
 __all__ = ["DistillConfig", "DistillMode", "TeacherSpec"]
 
@@ -32,7 +33,7 @@ class TeacherSpec(BaseModel):
     weights: str = Field(
         description=(
             "A base model ('smollm2', 'base:tiny'), a checkpoint tinker://.../sampler_weights/... (or "
-            ".../weights/...), or run:<run_id> (that run's last checkpoint in the store)."
+            ".../weights/...), run:<run_id> (that run's last checkpoint in the store) or alias:LINE@ALIAS."
         )
     )
     renderer: str = Field(
@@ -78,8 +79,10 @@ class TeacherSpec(BaseModel):
     def _weights(cls, v: str) -> str:
         v = v.strip()
         if not v or v == "run:":
-            raise ValueError("teacher weights must name a base model, a tinker:// checkpoint or run:<run_id>")
-        if v.startswith("run:"):  # a training run of the store: its last checkpoint (resolved_teachers)
+            raise ValueError(
+                "teacher weights must name a base model, a tinker:// checkpoint, run:<run_id> or alias:LINE@ALIAS"
+            )
+        if is_weights_ref(v):  # resolved through the store (resolved_teachers)
             return v
         if v.startswith("tinker://"):
             if "/weights/" not in v and "/sampler_weights/" not in v:
@@ -237,7 +240,7 @@ class DistillConfig(RLConfig):
         return self
 
     def run_name_prefix(self) -> str:
-        return f"distill-{self.mode}-{self.model.replace('/', '-')}"
+        return f"distill-{self.mode}-{super().run_name_prefix()}"
 
     def test_count(self) -> float | int:
         """``test_size`` as the split functions take it: an int count when >= 1, else a fraction."""
@@ -249,7 +252,7 @@ class DistillConfig(RLConfig):
         weights become that run's last checkpoint in ``store``.
 
         Raises:
-            ValueError: (``runs``) a ``run:<id>`` teacher without a checkpoint in the store.
+            ValueError: (``runs``) a ``run:<id>`` / ``alias:`` teacher that names nothing in the store.
         """
         resolve = self._from_run if runs else (lambda spec: spec)
         if self.teachers:
@@ -259,14 +262,15 @@ class DistillConfig(RLConfig):
             if self.mode == "sdft" and t.prompt_template is None:
                 t = t.model_copy(update={"prompt_template": DEMO_TEMPLATE})
             return [t]
-        start = self.load_checkpoint_path or f"base:{self.model}"
-        return [TeacherSpec(weights=start, prompt_template=DEMO_TEMPLATE)]
+        start = self.load_checkpoint_path or (self.model if is_weights_ref(self.model) else f"base:{self.model}")
+        return [resolve(TeacherSpec(weights=start, prompt_template=DEMO_TEMPLATE))]
 
     def _from_run(self, spec: TeacherSpec) -> TeacherSpec:
-        """``spec`` with ``run:<id>`` weights replaced by that run's last checkpoint in ``store``."""
-        if not spec.weights.startswith("run:"):
+        """``spec`` with ``run:<id>`` / ``alias:LINE@ALIAS`` weights replaced by what they name in
+        ``store`` now."""
+        if not is_weights_ref(spec.weights):
             return spec
-        return spec.model_copy(update={"weights": latest_run_checkpoint(self.store, spec.weights[4:], "teacher")})
+        return spec.model_copy(update={"weights": weights_ref(self.store, spec.weights, "teacher").sampler})
 
     def preflight(self) -> None:
         """The environment's problems (:meth:`RLConfig.preflight`) and every ``run:<id>`` teacher

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal, cast
 
-from prefect import flow, get_run_logger
+from prefect import get_run_logger
 from pydantic import Field, model_validator
 
 from prefect_tinker.flows.config import RecipeConfig
+from prefect_tinker.flows.interrupts import recipe_flow
 from prefect_tinker.flows.loop import StepLoop
 from prefect_tinker.flows.session import RunSession
 from prefect_tinker.recipes.builders import SourceFields
@@ -136,7 +137,7 @@ class DPOConfig(SourceFields, RecipeConfig):
         )
 
 
-@flow(name="dpo", flow_run_name="dpo-{config.run_name}", log_prints=True)
+@recipe_flow("dpo", "dpo-{config.run_name}")
 def dpo_flow(config: DPOConfig) -> dict[str, Any]:
     """Train ``config.model`` on the comparisons of ``config.dataset``; returns a summary (losses,
     accuracies, steps, checkpoints)."""
@@ -145,7 +146,7 @@ def dpo_flow(config: DPOConfig) -> dict[str, Any]:
         with phase(session.run_id, "preparing the dataset (reading, rendering, tokenizing; cached)"):
             data = cast(PreferenceData, prepare_dataset(session.dataset_builder, session.tokenizer_id))
         total = config.max_steps or len(data.train) // config.batch_size * config.num_epochs
-        reference = config.reference_weights()
+        reference = session.config.reference_weights()  # references in model= resolved
         log.info(
             "%d train / %d test comparisons, %d steps, reference %s (renderer %s); %s",
             len(data.train),

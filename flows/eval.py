@@ -6,7 +6,8 @@
    parts of a run session that apply; the rest (training client, lease, ``runs`` row, resume
    point) belongs to training runs, which this is not.
 2. The weights (:func:`resolve_targets`): a base model; a ``tinker://`` path (its run, step and
-   renderer from the training store when a run recorded it); ``run:<id>`` = every sampler
+   renderer from the training store when a run recorded it); ``alias:LINE@ALIAS`` = what the alias
+   holds now (a path or a base model); ``run:<id>`` = every sampler
    checkpoint of that run in the training store, in step order -- a state checkpoint without
    sampler weights at its step gets them first (``sampler-from-state``), recorded in the store.
 3. For every (weights, benchmark): ``evaluate-benchmark`` (or ``evaluate-inspect``), one task
@@ -23,10 +24,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, cast
 
-from prefect import flow, get_run_logger
+from prefect import get_run_logger
 
-from prefect_tinker.flows.config import resolve_credentials
+from prefect_tinker.flows.config import resolve_credentials, weights_ref
 from prefect_tinker.flows.eval_config import EvalConfig
+from prefect_tinker.flows.interrupts import recipe_flow
 from prefect_tinker.recipes.evals.specs import InspectSpec
 from prefect_tinker.tasks.eval_report import report_eval
 from prefect_tinker.tasks.eval_tasks import (
@@ -115,10 +117,13 @@ def resolve_targets(config: EvalConfig, credentials: TinkerCredentials) -> list[
     step order); see the module docstring.
 
     Raises:
-        ValueError: ``run:<id>`` of a run without checkpoints in the training store.
+        ValueError: ``run:<id>`` of a run without checkpoints in the training store, an
+            ``alias:`` never set.
     """
     out: list[EvalTarget] = []
     for model in config.models():
+        if model.startswith("alias:"):  # what the alias holds now: a checkpoint path or a base model
+            model = weights_ref(config.store, model, "model").checkpoint
         if model.startswith("run:"):
             out += _run_targets(config, credentials, model[4:])
         elif model.startswith("tinker://"):
@@ -143,7 +148,7 @@ def resolve_targets(config: EvalConfig, credentials: TinkerCredentials) -> list[
     return unique
 
 
-@flow(name="eval", flow_run_name="eval-{config.run_name}", log_prints=True)
+@recipe_flow("eval", "eval-{config.run_name}")
 def eval_flow(config: EvalConfig) -> dict[str, Any]:
     """Evaluate every benchmark of ``config`` on every weights of ``config.model``; returns a
     summary: ``run_name``, ``evaluated`` / ``cached`` counts, ``results`` (run, step, checkpoint,
@@ -164,7 +169,13 @@ def eval_flow(config: EvalConfig) -> dict[str, Any]:
         len(specs),
         ", ".join(t.label for t in targets),
     )
-    extra, backend_args = {"eval_run": config.run_name}, config.backend.inspect_args()
+    extra = {
+        "eval_run": config.run_name,
+        **({"line": config.line} if config.line else {}),
+        "store": config.store,
+        "backend": config.backend.model_dump(mode="json"),
+    }
+    backend_args = config.backend.inspect_args()
     outcomes, failures, cached = [], [], 0
     for target in targets:
         for spec in specs:

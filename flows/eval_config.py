@@ -15,10 +15,11 @@ from typing import Any, ClassVar
 
 from pydantic import Field, field_validator, model_validator
 
-from prefect_tinker.flows.config import BackendConfig, default_run_name, default_store_root, latest_run_checkpoint
+from prefect_tinker.flows.config import BackendConfig, default_run_name, default_store_root, weights_ref
 from prefect_tinker.recipes.evals.benchmarks import BenchmarkSpec, get_benchmark
 from prefect_tinker.recipes.evals.specs import EvalSpec, InspectSpec, with_overrides
 from prefect_tinker.tasks.runners import TaskRunnerFields
+from tinker_blocks.model_registry import is_weights_ref
 
 __all__ = ["EvalConfig", "FLAT_BENCHMARK_KEYS"]
 
@@ -52,7 +53,8 @@ class EvalConfig(TaskRunnerFields):
         default="tiny",
         description=(
             "Weights to evaluate: a base model name, a tinker:// sampler (or state) path, run:<run_id> (every sampler "
-            "checkpoint of that training run; states without sampler weights get them saved), or a list of these."
+            "checkpoint of that training run; states without sampler weights get them saved), alias:LINE@ALIAS (what "
+            "the alias of the model line holds now), or a list of these."
         ),
     )
     benchmark: str | None = Field(
@@ -112,7 +114,15 @@ class EvalConfig(TaskRunnerFields):
         ),
     )
     store: str = Field(
-        default_factory=default_store_root, description="Training store root (run:<id> checkpoints are read there)."
+        default_factory=default_store_root,
+        description="Training store root (run:<id> checkpoints and alias: references are read there).",
+    )
+    line: str | None = Field(
+        default=None,
+        description=(
+            "Model line the evaluated weights belong to (their candidates): labels the prefect-tinker.eval.completed "
+            "events, which the 'consider promotion' automation reacts to."
+        ),
     )
     eval_store: str | None = Field(default=None, description="Eval store root; default: the training store's root.")
     inspect_log_dir: str | None = Field(
@@ -125,22 +135,26 @@ class EvalConfig(TaskRunnerFields):
     def _models(cls, v: str | list[str]) -> str | list[str]:
         items = [v] if isinstance(v, str) else list(v)
         if not items:
-            raise ValueError("give at least one model (a base model, a tinker:// path or run:<run_id>)")
+            raise ValueError(
+                "give at least one model (a base model, a tinker:// path, run:<run_id> or alias:LINE@ALIAS)"
+            )
         for m in items:
-            if not isinstance(m, str) or not m.strip() or m.strip() == "run:":
-                raise ValueError(f"bad model {m!r}: a base model name, a tinker:// path or run:<run_id>")
+            if not isinstance(m, str) or not m.strip() or m.strip() in ("run:", "alias:"):
+                raise ValueError(
+                    f"bad model {m!r}: a base model name, a tinker:// path, run:<run_id> or alias:LINE@ALIAS"
+                )
         return v
 
     def preflight(self) -> None:
-        """Every ``run:<id>`` model is a run with a checkpoint in the training store (before the
-        evaluation starts).
+        """Every ``run:<id>`` model is a run with a checkpoint in the training store and every
+        ``alias:`` model an alias that is set (before the evaluation starts).
 
         Raises:
-            ValueError: one line naming the run and the store.
+            ValueError: one line naming the reference and the store.
         """
         for m in self.models():
-            if m.startswith("run:"):
-                latest_run_checkpoint(self.store, m[4:], "model")
+            if is_weights_ref(m):
+                weights_ref(self.store, m, "model")
 
     @model_validator(mode="after")
     def _check(self) -> EvalConfig:
@@ -149,7 +163,9 @@ class EvalConfig(TaskRunnerFields):
             from tinker_local.launcher import default_root
 
             root = self.backend.local_root or default_root()
-            fixed = [m if m.startswith(("run:", "tinker://")) else check_model_name(m, root) for m in self.models()]
+            fixed = [
+                m if m.startswith(("run:", "alias:", "tinker://")) else check_model_name(m, root) for m in self.models()
+            ]
             self.model = fixed[0] if isinstance(self.model, str) else fixed
         specs = self.specs()  # bad benchmark settings fail now, naming the benchmark
         names = [s.name for s in specs]
@@ -163,6 +179,8 @@ class EvalConfig(TaskRunnerFields):
                 raise ValueError(f"benchmark {s.name!r}: dataset file not found: {missing}")
         if self.run_name is None:
             self.run_name = default_run_name("eval", self)
+        if not self.line:  # an automation's template renders a missing line as ""
+            self.line = None
         return self
 
     def models(self) -> list[str]:

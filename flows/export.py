@@ -7,24 +7,29 @@ fail first) and a summary artifact. The work is the ``export-checkpoint`` task
 (:func:`prefect_tinker.tasks.export.export_checkpoint`): cached, an asset with the checkpoint
 upstream. A cached result whose files are gone (or replaced) from ``out`` is exported again.
 
-``prefect-tinker run export checkpoint=tinker://... format=merged|peft out=DIR|s3://... [dtype=...]``
+``prefect-tinker run export checkpoint=tinker://...|run:NAME format=merged|peft out=DIR|s3://... [dtype=...]``
+(``run:NAME`` / ``alias:LINE@ALIAS``: the weights they name in ``store``, by the one resolver of
+every ``model=``, ``teacher=`` and ``checkpoint=`` setting,
+:func:`~prefect_tinker.flows.config.weights_ref`; its state checkpoint where one is recorded)
 """
 
 from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from prefect import flow, get_run_logger, task
+from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, Field, field_validator
 
 from prefect_tinker.export.output import ExportOutput
 from prefect_tinker.export.server import parse_checkpoint
-from prefect_tinker.flows.config import BackendConfig, resolve_credentials
+from prefect_tinker.flows.config import BackendConfig, default_store_root, resolve_credentials, weights_ref
+from prefect_tinker.flows.interrupts import recipe_flow
 from prefect_tinker.tasks.export import export_checkpoint, export_key
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
 from prefect_tinker.tasks.reporting import artifact_key
+from tinker_blocks.model_registry import WeightsRefError, is_weights_ref
 
 __all__ = ["ExportConfig", "export_flow"]
 
@@ -37,7 +42,7 @@ class ExportConfig(BaseModel):
     checkpoint: str = Field(
         description=(
             "State (tinker://<run>/weights/<name>) or sampler (tinker://<run>/sampler_weights/<name>) checkpoint to "
-            "export."
+            "export, or run:RUN / alias:LINE@ALIAS (the checkpoint it names in the training store)."
         )
     )
     format: Literal["merged", "peft"] = Field(
@@ -69,13 +74,41 @@ class ExportConfig(BaseModel):
     work_dir: str | None = Field(
         default=None, description="Folder for the downloaded files (default: the system's temp folder)."
     )
+    store: str = Field(
+        default_factory=default_store_root,
+        description="Training store root (where run: and alias: references are looked up).",
+    )
     backend: BackendConfig = Field(default_factory=BackendConfig)
 
     @field_validator("checkpoint")
     @classmethod
     def _path(cls, v: str) -> str:
+        if is_weights_ref(v.strip()):
+            return v.strip()
         parse_checkpoint(v)
-        return v.strip()
+        return v
+
+    def preflight(self) -> None:
+        """A ``run:`` or ``alias:`` reference names a checkpoint in the store (checked before
+        anything starts)."""
+        self.checkpoint_path()
+
+    def checkpoint_path(self) -> str:
+        """``checkpoint`` as a ``tinker://`` path (a reference resolved through the store now: the
+        state checkpoint of the weights it names where one is recorded, else their sampler
+        weights; a sampler row an evaluation of a run wrote has no state of its own).
+
+        Raises:
+            WeightsRefError: the reference names nothing, or a base model (nothing to export).
+        """
+        if not is_weights_ref(self.checkpoint):
+            return self.checkpoint
+        weights = weights_ref(self.store, self.checkpoint, "checkpoint")
+        if weights.is_base:
+            raise WeightsRefError(
+                f"checkpoint={self.checkpoint} names the base model {weights.checkpoint}: no checkpoint"
+            )
+        return weights.state_path or weights.checkpoint
 
     @field_validator("out")
     @classmethod
@@ -95,8 +128,8 @@ def check_export_output(out: str, overwrite: bool, key: str) -> None:
     output.check(overwrite)
 
 
-def _summary(config: ExportConfig, meta: dict[str, Any]) -> None:
-    v, name = meta["verification"], parse_checkpoint(config.checkpoint)[2]
+def _summary(config: ExportConfig, checkpoint: str, meta: dict[str, Any]) -> None:
+    v, name = meta["verification"], parse_checkpoint(checkpoint)[2]
     rows = {
         "checkpoint": f"`{meta['checkpoint']}`",
         "state": f"`{meta['state_path']}`",
@@ -143,14 +176,16 @@ def _summary(config: ExportConfig, meta: dict[str, Any]) -> None:
     )
 
 
-@flow(name="export", flow_run_name="export-{config.format}-{config.dtype}", log_prints=True)
+@recipe_flow("export", "export-{config.format}-{config.dtype}")
 def export_flow(config: ExportConfig) -> dict[str, Any]:
     """Export ``config.checkpoint`` to ``config.out``; returns the export's metadata
     (``export_metadata.json``: files, verification, sources)."""
     log = get_run_logger()
     credentials = resolve_credentials(config.backend)
+    config = config.model_copy(update={"checkpoint": config.checkpoint_path()})
+    checkpoint = config.checkpoint
     max_shard = config.max_shard_mb * 1_000_000
-    key = export_key(config.checkpoint, config.format, config.dtype, config.base_model, max_shard)
+    key = export_key(checkpoint, config.format, config.dtype, config.base_model, max_shard)
     check_export_output(config.out, config.overwrite, key)
     options = dict(
         base_model=config.base_model,
@@ -159,7 +194,7 @@ def export_flow(config: ExportConfig) -> dict[str, Any]:
         overwrite=config.overwrite,
         work_dir=config.work_dir,
     )
-    meta = export_checkpoint(credentials, config.checkpoint, config.format, config.dtype, config.out, **options)
+    meta = export_checkpoint(credentials, checkpoint, config.format, config.dtype, config.out, **options)
     there = ExportOutput(config.out).read_metadata()
     if (
         not there
@@ -168,7 +203,7 @@ def export_flow(config: ExportConfig) -> dict[str, Any]:
     ):
         log.info("the cached export is no longer at %s; exporting again", config.out)
         meta = export_checkpoint(
-            credentials, config.checkpoint, config.format, config.dtype, config.out, refresh_cache=True, **options
+            credentials, checkpoint, config.format, config.dtype, config.out, refresh_cache=True, **options
         )
-    _summary(config, meta)
+    _summary(config, checkpoint, meta)
     return meta

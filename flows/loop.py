@@ -14,6 +14,10 @@ the rest:
   from the config's price table and the run's cumulative ``tokens/<kind>_total`` /
   ``cost/total_usd`` (:mod:`prefect_tinker.recipes.pricing`; totals continue across resumes);
   an evaluation's ``tokens/eval_*`` (summed over its evaluators) and their ``cost/eval_usd``;
+- Ctrl-C (:attr:`~prefect_tinker.flows.session.RunSession.stop_requested`, the first SIGINT): the
+  step in progress is finished, a state checkpoint saved at it (unless one just was; the
+  evaluation due there is skipped) and :class:`~prefect_tinker.flows.interrupts.RunInterrupted`
+  raised; asked before the first step of this invocation, nothing is saved;
 - lost-client rewinds (:class:`~prefect_tinker.tasks.clients.ClientRewound`): the step is redone
   from the checkpoint the client was recreated at (at most ``max_rewinds`` times);
 - the progress artifact, and one line per step in the terminal (:mod:`prefect_tinker.recipes.progress`:
@@ -33,7 +37,7 @@ from prefect_tinker.recipes.pricing import EVAL_TOKEN_KINDS, TOKEN_KINDS, UsageT
 from prefect_tinker.recipes.progress import StepProgress, phase
 from prefect_tinker.tasks.clients import ClientRewound
 from prefect_tinker.tasks.evaluators import Evaluator, SamplingClientEvaluator, TrainingClientEvaluator
-from prefect_tinker.tasks.reporting import Progress
+from prefect_tinker.tasks.reporting import Progress, artifact_key
 
 __all__ = ["StepLoop"]
 
@@ -103,13 +107,22 @@ class StepLoop:
     def run(self, step_fn: Callable[[int], dict[str, Any]]) -> None:
         """Loop until ``total`` optimizer steps are taken (see the module docstring)."""
         s = self.session
-        progress = Progress(f"{s.recipe.upper()} {s.run_id}: steps done of {self.total}", self.total, s.step)
+        progress = Progress(
+            f"{s.recipe.upper()} {s.run_id}: steps done of {self.total}",
+            self.total,
+            s.step,
+            key=artifact_key(s.recipe, s.run_id, "progress"),
+        )
         terminal = StepProgress(s.recipe, s.run_id, self.total, s.step)
         if s.step == 0 and self.evaluators:
             self.evaluate(0)
-        rewinds = 0
+        rewinds, first = 0, s.step
         while s.step < self.total:
             step = s.step
+            if s.stop_requested:  # Ctrl-C: the last step taken is saved (usually below), or none was taken
+                if step != first and s.saved_step != step:
+                    s.checkpoint()
+                raise s.interrupted()
             try:
                 metrics = step_fn(step)
                 if any(k.startswith("tokens/") for k in metrics):
@@ -118,9 +131,9 @@ class StepLoop:
                 done = s.step
                 emit("after_step", s.run_id, done)
                 last = done >= self.total
-                if self.evaluators and (last or (self._due(self.eval_every, done))):
+                if self.evaluators and not s.stop_requested and (last or (self._due(self.eval_every, done))):
                     metrics = {**metrics, **self.evaluate(done)}
-                if last or self._due(self.save_every, done):
+                if last or s.stop_requested or self._due(self.save_every, done):
                     s.checkpoint()
                 terminal.update(done, metrics)
             except ClientRewound as rew:

@@ -1,4 +1,5 @@
-"""Operating the flows on a Prefect server: automations for stuck and crashed runs.
+"""Operating the flows on a Prefect server: automations for stuck and crashed runs, automations that
+chain checkpoints to evaluations to promotions, and the backends' concurrency limits.
 
 A self-hosted Prefect server does not notice when the process running a flow dies (machine lost,
 OOM kill, ``kill -9`` of a worker): the run stays ``Running`` forever. Flow runs started by a
@@ -10,22 +11,51 @@ the UI's Retry): same parameters, same run name, so the flow resumes after the r
 checkpoint. ``--resume-crashed N`` installs a second automation that does this retry by itself,
 up to N attempts of a run.
 
+Two more automations chain the production loop, each opt-in by a tag of the runs it reacts to:
+
+- *evaluate saved checkpoints*: each state checkpoint saved by a run tagged ``evaluate-checkpoints``
+  (its ``prefect-tinker.checkpoint.saved`` event) starts the ``eval/eval-checkpoint`` deployment on
+  it (``model`` = the checkpoint, ``line`` = its model line, ``store`` = its training store);
+- *consider promotion after evaluation*: each evaluation of the gate's first benchmark completed
+  by a run tagged ``consider-promotion`` (the ``eval-checkpoint`` deployment carries that tag) for
+  weights of a model line starts ``promote/promote-candidate`` on them (``candidate`` = the
+  checkpoint, ``line`` = its line).
+
+Their actions are the deployments' own configs with those fields templated from the event, read
+when the automations are installed (re-install after changing a deployment's config). The
+promotion flow's own evaluations run under other tags, so a promotion never starts another.
+
+``install-limits`` creates (or resizes) the global concurrency limits the flows take slots of
+(:mod:`prefect_tinker.tasks.limits`): ``tinker-train:<backend>``, ``tinker-sample:<backend>`` and the
+rate limit ``tinker-sample-rate:<backend>``.
+
 Commands (``prefect-tinker ops ...``; the server is ``PREFECT_API_URL``)::
 
-    install-automations [--within S] [--tag T | --all-runs] [--resume-crashed N] [--dry-run]
+    install-automations [--within S] [--tag T | --all-runs] [--resume-crashed N] [--no-chain]
+                        [--eval-deployment D] [--promote-deployment D] [--store ROOT] [--dry-run]
     remove-automations
+    install-limits [--backend B] [--train N] [--sample N] [--sample-rate R]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from datetime import timedelta
 from typing import Any
 
 __all__ = [
     "ZOMBIE_AUTOMATION",
     "RESUME_AUTOMATION",
+    "EVALUATE_AUTOMATION",
+    "PROMOTE_AUTOMATION",
+    "EVALUATE_TAG",
+    "PROMOTE_TAG",
+    "evaluate_automation",
+    "promotion_automation",
+    "chain_automations",
+    "install_limits",
     "zombie_automation",
     "resume_automation",
     "install_automations",
@@ -37,6 +67,16 @@ __all__ = [
 ZOMBIE_AUTOMATION = "prefect-tinker: crash runs without heartbeats"
 #: Name of the automation that re-schedules crashed runs (they resume from their checkpoint).
 RESUME_AUTOMATION = "prefect-tinker: resume crashed runs"
+#: Name of the automation that evaluates each state checkpoint saved by a run tagged EVALUATE_TAG.
+EVALUATE_AUTOMATION = "prefect-tinker: evaluate saved checkpoints"
+#: Name of the automation that runs the promotion gate after an evaluation by a run tagged PROMOTE_TAG.
+PROMOTE_AUTOMATION = "prefect-tinker: consider promotion after evaluation"
+#: Opt-in tags of the two chaining automations.
+EVALUATE_TAG = "evaluate-checkpoints"
+PROMOTE_TAG = "consider-promotion"
+#: The deployments they run (flow/deployment names, from prefect.yaml).
+EVAL_DEPLOYMENT = "eval/eval-checkpoint"
+PROMOTE_DEPLOYMENT = "promote/promote-candidate"
 #: Tag of every deployment in prefect.yaml; the automations only watch runs carrying it by default.
 DEFAULT_TAG = "prefect-tinker"
 #: Seconds without a heartbeat before a run counts as crashed: 5 heartbeats at our 60 s, and more
@@ -160,22 +200,205 @@ def _delete_named(name: str) -> int:
     return len(found)
 
 
+def _jinja(template: str) -> dict[str, str]:
+    """A parameter rendered from the triggering event (Prefect's hydration of action parameters)."""
+    return {"__prefect_kind": "jinja", "template": template}
+
+
+def _from_payload(key: str) -> dict[str, Any]:
+    """A JSON object from the event's payload (``{}`` when it has none)."""
+    return {"__prefect_kind": "json", "value": _jinja(f"{{{{ (event.payload.{key} or {{}}) | tojson }}}}")}
+
+
+def _tagged(tag: str) -> dict[str, str]:
+    return {"prefect.resource.role": "tag", "prefect.resource.id": f"prefect.tag.{tag}"}
+
+
+def evaluate_automation(deployment: Any, tag: str = EVALUATE_TAG) -> Any:
+    """The automation (unsaved) that runs ``deployment`` (an eval deployment, read from the server)
+    on each state checkpoint saved by a flow run tagged ``tag``: its config with ``model`` = the
+    checkpoint, ``line`` = its model line, ``store`` = its training store, ``backend`` = the run's
+    backend and ``run_name`` = ``eval-<run>-step-<step>``, from the ``prefect-tinker.checkpoint.saved``
+    event."""
+    from prefect.automations import Automation
+    from prefect.events.actions import RunDeployment
+    from prefect.events.schemas.automations import EventTrigger, Posture
+
+    config = {
+        **dict((deployment.parameters or {}).get("config") or {}),
+        "model": _jinja("{{ event.resource.id }}"),
+        "line": _jinja("{{ event.resource.get('prefect-tinker.line', '') }}"),
+        "store": _jinja("{{ event.payload.store }}"),
+        "backend": _from_payload("backend"),
+        "run_name": _jinja(
+            "eval-{{ event.resource['prefect-tinker.run'] }}-step-{{ event.resource['prefect-tinker.step'] }}"
+        ),
+    }
+    return Automation(
+        name=EVALUATE_AUTOMATION,
+        description=(
+            f"Runs the eval deployment {deployment.name!r} on each state checkpoint saved by a flow run tagged "
+            f"{tag!r}. Installed by `prefect-tinker ops install-automations`."
+        ),
+        trigger=EventTrigger(
+            expect={"prefect-tinker.checkpoint.saved"},
+            match={"prefect-tinker.kind": "state"},
+            match_related=_tagged(tag),
+            posture=Posture.Reactive,
+            threshold=1,
+            within=timedelta(seconds=0),
+        ),
+        actions=[RunDeployment(source="selected", deployment_id=deployment.id, parameters={"config": config})],
+    )
+
+
+def promotion_automation(deployment: Any, tag: str = PROMOTE_TAG, store: str | None = None) -> Any:
+    """The automation (unsaved) that runs ``deployment`` (a promote deployment, read from the
+    server) after each completed evaluation of the gate's first benchmark, by a flow run tagged
+    ``tag``, of weights of a model line: its config with ``candidate`` = the evaluated checkpoint,
+    ``line`` = its line, ``store`` and ``backend`` = the evaluation's (``store``, when given,
+    instead).
+
+    Raises:
+        ValueError: the deployment's config is not a valid promotion config.
+    """
+    from prefect.automations import Automation
+    from prefect.events.actions import RunDeployment
+    from prefect.events.schemas.automations import EventTrigger, Posture
+
+    from prefect_tinker.flows.promote import PromoteConfig
+
+    base = dict((deployment.parameters or {}).get("config") or {})
+    gate = PromoteConfig.model_validate(base)
+    first = gate.eval_config([gate.candidate]).specs()[0].name
+    config = {
+        **base,
+        "candidate": _jinja("{{ event.resource['prefect-tinker.checkpoint'] }}"),
+        "line": _jinja("{{ event.resource['prefect-tinker.line'] }}"),
+        "store": store or _jinja("{{ event.payload.store }}"),
+        "backend": _from_payload("backend"),
+    }
+    return Automation(
+        name=PROMOTE_AUTOMATION,
+        description=(
+            f"Runs the promotion gate {deployment.name!r} when an evaluation of {first!r} by a flow run tagged "
+            f"{tag!r} completes for weights of a model line. Installed by `prefect-tinker ops install-automations`."
+        ),
+        trigger=EventTrigger(
+            expect={"prefect-tinker.eval.completed"},
+            match={"prefect-tinker.benchmark": first, "prefect-tinker.line": "*"},
+            match_related=_tagged(tag),
+            posture=Posture.Reactive,
+            threshold=1,
+            within=timedelta(seconds=0),
+        ),
+        actions=[RunDeployment(source="selected", deployment_id=deployment.id, parameters={"config": config})],
+    )
+
+
+def _deployment(name: str) -> Any:
+    """The deployment ``flow/deployment`` on the server, or None when it is not registered."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            return client.read_deployment_by_name(name)
+        except ObjectNotFound:
+            return None
+
+
+def chain_automations(
+    eval_deployment: str = EVAL_DEPLOYMENT, promote_deployment: str = PROMOTE_DEPLOYMENT, store: str | None = None
+) -> tuple[list[Any], list[str]]:
+    """The two chaining automations (unsaved) for the registered deployments, and one line per
+    deployment that is missing (its automation is left out)."""
+    made, missing = [], []
+    for name, build in (
+        (eval_deployment, evaluate_automation),
+        (promote_deployment, lambda d: promotion_automation(d, store=store)),
+    ):
+        dep = _deployment(name)
+        if dep is None:
+            missing.append(f"deployment {name!r} is not registered (prefect deploy --all): its automation is skipped")
+        else:
+            made.append(build(dep))
+    return made, missing
+
+
 def install_automations(
-    within: float = DEFAULT_WITHIN, tag: str | None = DEFAULT_TAG, resume_crashed: int = 0
+    within: float = DEFAULT_WITHIN,
+    tag: str | None = DEFAULT_TAG,
+    resume_crashed: int = 0,
+    chain: bool = False,
+    eval_deployment: str = EVAL_DEPLOYMENT,
+    promote_deployment: str = PROMOTE_DEPLOYMENT,
+    store: str | None = None,
 ) -> list[Any]:
     """Create (or replace, by name) the zombie-run automation and, when ``resume_crashed`` > 0,
-    the resume automation, on the server at ``PREFECT_API_URL``. Returns the saved automations."""
+    the resume automation, on the server at ``PREFECT_API_URL``; with ``chain``, also the
+    automations evaluating saved checkpoints and considering promotions (for the deployments
+    that are registered). Returns the saved automations."""
     made = [_upsert(zombie_automation(within, tag))]
     if resume_crashed:
         made.append(_upsert(resume_automation(resume_crashed, tag)))
     else:
         _delete_named(RESUME_AUTOMATION)
+    if chain:
+        autos, _ = chain_automations(eval_deployment, promote_deployment, store)
+        made += [_upsert(a) for a in autos]
     return made
+
+
+def install_limits(
+    backend: str = "local", train: int | None = None, sample: int | None = None, sample_rate: float | None = None
+) -> list[str]:
+    """Create or resize the global concurrency limits of ``backend``: ``tinker-train:<backend>``
+    (``train`` slots), ``tinker-sample:<backend>`` (``sample`` slots) and the rate limit
+    ``tinker-sample-rate:<backend>`` (``sample_rate`` requests per second: the limit is
+    ``max(1, ceil(rate))`` slots decaying at ``rate`` per second). None leaves a limit as it is.
+    Returns one line per limit written.
+
+    Raises:
+        ValueError: a size below 1 or a rate not above 0.
+    """
+    import math
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalConcurrencyLimitUpdate
+    from prefect.exceptions import ObjectNotFound
+
+    wanted: list[tuple[str, int, float]] = []
+    for kind, size in (("train", train), ("sample", sample)):
+        if size is not None:
+            if size < 1:
+                raise ValueError(f"--{kind} must be at least 1, got {size}")
+            wanted.append((f"tinker-{kind}:{backend}", int(size), 0.0))
+    if sample_rate is not None:
+        if not sample_rate > 0:
+            raise ValueError(f"--sample-rate must be above 0, got {sample_rate}")
+        wanted.append((f"tinker-sample-rate:{backend}", max(1, math.ceil(sample_rate)), float(sample_rate)))
+    out = []
+    with get_client(sync_client=True) as client:
+        for name, limit, decay in wanted:
+            try:
+                client.read_global_concurrency_limit_by_name(name)
+                client.update_global_concurrency_limit(
+                    name, GlobalConcurrencyLimitUpdate(limit=limit, slot_decay_per_second=decay, active=True)
+                )
+                out.append(f"updated {name}: {limit} slot(s)" + (f", {decay:g}/s" if decay else ""))
+            except ObjectNotFound:
+                client.create_global_concurrency_limit(
+                    GlobalConcurrencyLimitCreate(name=name, limit=limit, slot_decay_per_second=decay, active=True)
+                )
+                out.append(f"created {name}: {limit} slot(s)" + (f", {decay:g}/s" if decay else ""))
+    return out
 
 
 def remove_automations() -> int:
     """Delete the automations this module installs; returns how many were deleted."""
-    return _delete_named(ZOMBIE_AUTOMATION) + _delete_named(RESUME_AUTOMATION)
+    names = (ZOMBIE_AUTOMATION, RESUME_AUTOMATION, EVALUATE_AUTOMATION, PROMOTE_AUTOMATION)
+    return sum(_delete_named(n) for n in names)
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -197,15 +420,47 @@ def _cmd_install(args: argparse.Namespace) -> int:
     autos = [zombie_automation(args.within, tag)]
     if args.resume_crashed:
         autos.append(resume_automation(args.resume_crashed, tag))
-    if args.dry_run:
-        print(json.dumps([a.model_dump(mode="json", exclude={"id"}) for a in autos], indent=2))
-        return 0
     try:
-        made = install_automations(args.within, tag, args.resume_crashed)
+        from prefect_tinker.flows.prefect_api import api_url_set
+
+        if args.no_chain:
+            pass
+        elif args.dry_run and not api_url_set():
+            print(
+                "note: no PREFECT_API_URL: the chaining automations (built from the deployments) are left out",
+                file=sys.stderr,
+            )
+        else:  # the chaining automations need the deployments, read from the server
+            chained, missing = chain_automations(args.eval_deployment, args.promote_deployment, args.store)
+            autos += chained
+            for line in missing:
+                print(f"note: {line}", file=sys.stderr)
+        if args.dry_run:
+            print(json.dumps([a.model_dump(mode="json", exclude={"id"}) for a in autos], indent=2))
+            return 0
+        made = [_upsert(a) for a in autos]
+        if not args.resume_crashed:
+            _delete_named(RESUME_AUTOMATION)
     except Exception as exc:  # no server, wrong URL: one clear line, no traceback
         return _server_error(exc)
     for a in made:
         print(f"installed automation {a.name!r} ({a.id})")
+    return 0
+
+
+def _cmd_limits(args: argparse.Namespace) -> int:
+    if args.train is None and args.sample is None and args.sample_rate is None:
+        print("error: give --train N, --sample N and/or --sample-rate R")
+        return 2
+    try:
+        lines = install_limits(args.backend, args.train, args.sample, args.sample_rate)
+    except ValueError as exc:
+        print(f"error: {exc}")
+        return 2
+    except Exception as exc:
+        return _server_error(exc)
+    for line in lines:
+        print(line)
     return 0
 
 
@@ -219,7 +474,9 @@ def _cmd_remove(args: argparse.Namespace) -> int:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``ops`` subcommand group to an argparse ``subparsers`` object (sets ``func``)."""
-    p = subparsers.add_parser("ops", help="operate on a Prefect server: automations for crashed runs")
+    p = subparsers.add_parser(
+        "ops", help="operate on a Prefect server: automations (crashed runs, checkpoint -> eval -> promotion), limits"
+    )
     sub = p.add_subparsers(dest="ops_command", metavar="OPS_COMMAND", required=True)
     i = sub.add_parser(
         "install-automations", help="mark runs whose heartbeats stop as Crashed (and optionally resume them)"
@@ -240,8 +497,30 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="N",
         help="also re-schedule crashed runs (they resume from their checkpoint), up to N attempts",
     )
+    i.add_argument(
+        "--no-chain",
+        action="store_true",
+        help=f"skip the automations that evaluate saved checkpoints (runs tagged {EVALUATE_TAG}) and consider "
+        f"promotions after evaluations (runs tagged {PROMOTE_TAG})",
+    )
+    i.add_argument("--eval-deployment", default=EVAL_DEPLOYMENT, help=f"default {EVAL_DEPLOYMENT}")
+    i.add_argument("--promote-deployment", default=PROMOTE_DEPLOYMENT, help=f"default {PROMOTE_DEPLOYMENT}")
+    i.add_argument("--store", help="training store of the promotions (default: the evaluation's)")
     i.add_argument("--dry-run", action="store_true", help="print the automations as JSON, do not install")
     i.set_defaults(func=_cmd_install)
     r = sub.add_parser("remove-automations", help="delete the automations installed by install-automations")
     r.set_defaults(func=_cmd_remove)
+    lim = sub.add_parser(
+        "install-limits", help="create or resize the concurrency limits training and sampling take slots of"
+    )
+    lim.add_argument("--backend", default="local", help="local, remote or hosted (default local)")
+    lim.add_argument("--train", type=int, help="training runs at once (tinker-train:<backend>)")
+    lim.add_argument("--sample", type=int, help="evaluation batches sampling at once (tinker-sample:<backend>)")
+    lim.add_argument(
+        "--sample-rate",
+        type=float,
+        help="sampling requests per second, e.g. what the backend publishes for your account "
+        "(tinker-sample-rate:<backend>)",
+    )
+    lim.set_defaults(func=_cmd_limits)
     return p

@@ -205,6 +205,7 @@ def temporary_prefect_api(
             stdout=log,
             stderr=subprocess.STDOUT,
             env=_server_env(),
+            start_new_session=True,  # Ctrl-C reaches the command (which stops this server), not the server
         )
     try:
         _wait_ready(proc, api_url, timeout, log_path)

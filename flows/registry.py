@@ -33,6 +33,10 @@ class Recipe:
         deployments: example config names deployed by ``prefect.yaml`` (as ``<name>-<example>``).
         configs: ``package:folder`` of the recipe's example configs (``*.yaml``) inside an
             installed package (a plugin's own); default ``configs/<name>/`` of this package.
+        tags: extra tags of deployments, by example name (e.g. the opt-in tag an automation of
+            :mod:`prefect_tinker.flows.ops` reacts to).
+        schedules: schedules of deployments, by example name (``prefect.yaml`` schedule entries,
+            e.g. ``{"cron": "0 3 * * *"}``).
     """
 
     name: str
@@ -41,6 +45,8 @@ class Recipe:
     curves: tuple[str, ...] = ()
     deployments: tuple[str, ...] = field(default=())
     configs: str | None = None
+    tags: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    schedules: dict[str, tuple[dict[str, Any], ...]] = field(default_factory=dict)
 
     @property
     def entrypoint(self) -> str:
@@ -82,6 +88,9 @@ for _recipe in (
         "eval",
         "prefect_tinker.flows.eval:eval_flow",
         "benchmarks and inspect-ai tasks on base models, sampler paths or every checkpoint of a run (cached)",
+        (),
+        ("checkpoint",),
+        tags={"checkpoint": ("consider-promotion",)},  # its evaluations may start a promotion (flows/ops.py)
     ),
     Recipe(
         "export",
@@ -105,6 +114,21 @@ for _recipe in (
         "prefect_tinker.flows.decisions:decisions_flow",
         "a distribution over named choices from label-token probabilities; cross-entropy / KL, calibration",
         ("train/ce", "test/accuracy", "test/brier", "test/ece"),
+    ),
+    Recipe(
+        "promote",
+        "prefect_tinker.flows.promote:promote_flow",
+        "eval-gated promotion: candidate vs champion on the same items (paired bootstrap), alias moved if better",
+        (),
+        ("candidate",),
+    ),
+    Recipe(
+        "flywheel",
+        "prefect_tinker.flows.flywheel:flywheel_flow",
+        "captures -> dataset snapshot -> training from the champion -> gate -> promotion, on a schedule",
+        (),
+        ("tiny",),
+        schedules={"tiny": ({"cron": "0 3 * * *", "timezone": "UTC"},)},  # each night: the last day's captures
     ),
 ):
     RECIPES.register(_recipe.name, _recipe)
@@ -164,8 +188,9 @@ def deployments_yaml() -> str:
                     "name": f"{r.name}-{ex}",
                     "description": f"{r.description} (example config configs/{r.name}/{ex}.yaml)",
                     "entrypoint": r.entrypoint,
-                    "tags": ["prefect-tinker", r.name],
+                    "tags": ["prefect-tinker", r.name, *r.tags.get(ex, ())],
                     "parameters": {"config": load_example(r.name, ex)},
+                    **({"schedules": [dict(s) for s in r.schedules[ex]]} if ex in r.schedules else {}),
                     "work_pool": "*tinker_process",
                 }
             )

@@ -2,6 +2,8 @@
 
 :class:`~prefect_tinker.flows.session.RunSession` calls these when it opens a run:
 
+- :func:`check_same_recipe`: a run name already taken by another recipe's run is refused in one
+  line naming that recipe (whatever the checkpoints);
 - :func:`check_resumed_config`: before the training client is opened, the stored config
   (``runs.config_json``) against the new one, field by field over the config's ``resume_fields``
   (batch size, seed, loss, ...): a change would silently alter the data position or the objective;
@@ -31,6 +33,7 @@ __all__ = [
     "ResumeConfigError",
     "check_resumed_config",
     "check_resumed_meta",
+    "check_same_recipe",
     "check_start_renderer",
     "warn_damaged_parts",
 ]
@@ -46,6 +49,24 @@ def _refuse(run_id: str, field: str, was: Any, now: Any, why: str) -> None:
         f"run {run_id!r} was started with {field}={was!r}; this config has {field}={now!r}: "
         f"resuming would {why}. Use a new run_name, or allow it with allow_config_change=[{field}]"
     )
+
+
+def _article(recipe: str) -> str:
+    """``a`` or ``an`` before a recipe name, read as it is said (``an sft``, ``an rl``, ``a dpo``)."""
+    spelled = recipe in ("sft", "rl", "rlhf")  # said letter by letter: "ess", "ar"
+    return "an" if spelled or recipe[:1] in "aeiou" else "a"
+
+
+def check_same_recipe(run_id: str, stored_meta: dict[str, Any], recipe: str) -> None:
+    """A run name is one recipe's: the stored run ``run_id`` (its ``meta_json``, parsed; no recipe
+    recorded: no check) must be a ``recipe`` run.
+
+    Raises:
+        ResumeConfigError: ``intr2 is an sft run; give this dpo run another run_name``.
+    """
+    was = stored_meta.get("recipe")
+    if was and recipe and was != recipe:
+        raise ResumeConfigError(f"{run_id} is {_article(was)} {was} run; give this {recipe} run another run_name")
 
 
 def check_resumed_config(config: RecipeConfig, run_id: str, stored: dict[str, Any]) -> None:

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal, cast
 
-from prefect import flow, get_run_logger
+from prefect import get_run_logger
 from pydantic import Field, model_validator
 
 from prefect_tinker.flows.config import RecipeConfig
+from prefect_tinker.flows.interrupts import recipe_flow
 from prefect_tinker.flows.loop import StepLoop
 from prefect_tinker.flows.session import RunSession
 from prefect_tinker.recipes.builders import SourceFields
@@ -105,7 +106,7 @@ class RewardModelConfig(SourceFields, RecipeConfig):
         )
 
 
-@flow(name="reward_model", flow_run_name="rm-{config.run_name}", log_prints=True)
+@recipe_flow("reward_model", "rm-{config.run_name}")
 def reward_model_flow(config: RewardModelConfig) -> dict[str, Any]:
     """Train ``config.model`` to judge the comparisons of ``config.dataset``; returns a summary
     (losses, held-out accuracy and Brier score at the start and the end, ``sampler_path``)."""

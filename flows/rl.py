@@ -43,9 +43,10 @@ from dataclasses import replace
 from typing import Any, cast
 
 import numpy as np
-from prefect import flow, get_run_logger, unmapped
+from prefect import get_run_logger, unmapped
 from tinker.types import LossFnType
 
+from prefect_tinker.flows.interrupts import recipe_flow
 from prefect_tinker.flows.loop import StepLoop
 from prefect_tinker.flows.rl_config import RLConfig
 from prefect_tinker.flows.rl_schedules import SCHEDULES
@@ -299,7 +300,7 @@ class RLLoop:
             self.sampler_path = self.session.samplers[step]
 
 
-@flow(name="rl", flow_run_name="rl-{config.run_name}", log_prints=True)
+@recipe_flow("rl", "rl-{config.run_name}")
 def rl_flow(config: RLConfig) -> dict[str, Any]:
     """Train ``config.model`` with RL on ``config.env``; returns a summary (steps, mean reward of
     the first and last steps of this invocation, checkpoints, store)."""

@@ -153,7 +153,7 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
         return self
 
     def run_name_prefix(self) -> str:
-        return f"{self.env}-{self.model.replace('/', '-')}"
+        return f"rl-{self.env}-{self.model.replace('/', '-')}"
 
     def preflight(self) -> None:
         """Read and validate the environment's problems before the run starts (see

@@ -26,10 +26,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, cast
 
-from prefect import flow, get_run_logger
+from prefect import get_run_logger
 from pydantic import BaseModel, Field, model_validator
 
 from prefect_tinker.flows.config import BackendConfig, default_run_name, default_store_root
+from prefect_tinker.flows.interrupts import recipe_flow
 from prefect_tinker.flows.reward_model import RewardModelConfig, reward_model_flow
 from prefect_tinker.flows.rl import rl_flow
 from prefect_tinker.flows.rl_config import RLConfig
@@ -164,7 +165,7 @@ class RLHFConfig(BaseModel):
         )
 
 
-@flow(name="rlhf", flow_run_name="rlhf-{config.run_name}", log_prints=True)
+@recipe_flow("rlhf", "rlhf-{config.run_name}")
 def rlhf_flow(config: RLHFConfig) -> dict[str, Any]:
     """SFT -> reward model -> RL (see the module docstring); returns each stage's run, status
     (``ran`` / ``skipped``), steps, final weights and final metrics, and the RL policy's win rate

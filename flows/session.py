@@ -10,8 +10,12 @@ A recipe's flow opens one session, trains inside it (usually through
 
 Opening (:meth:`RunSession.__enter__`):
 
-1. the backend's credentials (:func:`~prefect_tinker.flows.config.resolve_credentials`) and the
-   store check (``check-store``: wrong S3 credentials fail before any training);
+1. the weights to start from (``model`` / ``load_checkpoint_path`` may be ``alias:LINE@ALIAS`` or
+   ``run:RUN`` references, resolved once: :meth:`~prefect_tinker.flows.config.RecipeConfig.start_weights`;
+   :attr:`RunSession.config` is the config with them resolved), the backend's credentials
+   (:func:`~prefect_tinker.flows.config.resolve_credentials`), the store check (``check-store``:
+   wrong S3 credentials fail before any training) and a slot of the backend's training limit
+   (``tinker-train:<backend>``, :mod:`prefect_tinker.tasks.limits`: waits while it is full);
 2. the resume point: the run's last state checkpoint in the training store; on resume the stored
    config is compared with the new one -- a change of a field in the config's ``resume_fields``
    (batch size, seed, loss, ...), of the dataset's content fingerprint or of the resolved renderer
@@ -25,9 +29,14 @@ Opening (:meth:`RunSession.__enter__`):
 
 While it runs: buffered store rows (:meth:`record`, :meth:`buffer`) written before each
 checkpoint row (:meth:`checkpoint`), so a resumed run has exactly one row per key; rewinds after a
-lost client (:meth:`rewind`). On an exception the run is recorded ``failed``. :meth:`finish`
-writes what is left, records ``completed``, compacts the run's tables to one part each and posts
-the summary artifact.
+lost client (:meth:`rewind`); a ``prefect-tinker.checkpoint.saved`` event per recorded checkpoint
+(:mod:`prefect_tinker.tasks.events`). Ctrl-C (:mod:`prefect_tinker.flows.interrupts`): while the
+session is open the first SIGINT only sets :attr:`stop_requested`, which the step loop answers by
+saving a checkpoint and raising :class:`~prefect_tinker.flows.interrupts.RunInterrupted`
+(:meth:`interrupted`); that, or a second SIGINT's :class:`KeyboardInterrupt`, records the run
+``interrupted``. On any other exception the run is recorded ``failed``. :meth:`finish` writes what
+is left, records ``completed``, compacts the run's tables to one part each and posts the summary
+artifact; either way a ``prefect-tinker.run.finished`` event says how it ended.
 
 Callbacks (:class:`RunCallbacks`, installed with :func:`run_callbacks`) let tests and plugins
 observe every run of the process: ``after_step``, ``after_checkpoint``, ``before_compaction``.
@@ -45,14 +54,18 @@ from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from prefect_tinker.flows.config import RecipeConfig, resolve_credentials
+from prefect_tinker.flows.interrupts import RunInterrupted, StopRequest
 from prefect_tinker.flows.resume_checks import (
     check_resumed_config,
     check_resumed_meta,
+    check_same_recipe,
     check_start_renderer,
     warn_damaged_parts,
 )
 from prefect_tinker.recipes.data_reading import reading_once
 from prefect_tinker.tasks.clients import ClientRewound, TrainingRun, tokenizer
+from prefect_tinker.tasks.events import emit_checkpoint_saved, emit_run_finished
+from prefect_tinker.tasks.limits import training_slot
 from prefect_tinker.tasks.records import (
     check_store,
     compact_finished_run,
@@ -135,7 +148,8 @@ class RunSession(Generic[ConfigT]):
     runner), ``credentials``, ``backend``, ``model`` (the base model name checked for the backend),
     ``store`` (the run's one :class:`~tinker_blocks.stores.TrainingStore`: every row and query of
     the session goes through it), ``run`` (the :class:`~prefect_tinker.tasks.clients.TrainingRun`
-    handle), ``renderer`` (resolved), ``tokenizer_id``, ``builder``, ``resumed_from`` (the state
+    handle), ``renderer`` (resolved), ``tokenizer_id`` (the config's ``tokenizer``, else the one
+    the backend names), ``builder``, ``resumed_from`` (the state
     checkpoint row resumed, or None), ``samplers`` (optimizer step -> sampler path recorded for
     this run).
 
@@ -154,7 +168,7 @@ class RunSession(Generic[ConfigT]):
         credentials: TinkerCredentials | None = None,
         upstream: list[str] | None = None,
     ):
-        self.config, self.recipe = config, config.recipe or type(config).__name__.lower()
+        self.config, self.given, self.recipe = config, config, config.recipe or type(config).__name__.lower()
         self.run_id = cast(str, config.run_name)  # set by the config's validator
         self._make_builder, self._make_fingerprint, self._preflight = builder, fingerprint, preflight
         self._make_env, self._credentials = env, credentials
@@ -166,14 +180,24 @@ class RunSession(Generic[ConfigT]):
         self.checkpoints: list[str] = []
         self.builder: DatasetBuilder | None = None
         self.resumed_from: dict[str, Any] | None = None
+        self.saved_step: int | None = None
         self._status_recorded = False
         self._reads = ExitStack()
+        self.line: str | None = None  # the model line of an ``alias:`` start
+        self.start_ref: str | None = None  # the reference the run started from, as given
+        self._stop = StopRequest()
 
     # ----- opening -----------------------------------------------------------------------------
     def __enter__(self) -> RunSession[ConfigT]:
-        c = self.config
+        c = self.given
         # a bad model name or bad data fails first: before a server starts, a lease is taken or a row is written
-        self.model = c.check_model()
+        base, start, ref = c.start_weights()
+        self.model = c.check_model(base)
+        if ref is not None:  # the references resolved once: the run trains from what they named now
+            self.config = cast(ConfigT, c.model_copy(update={"model": base, "load_checkpoint_path": start}))
+            self.line = ref.line
+            self.start_ref = c.model if c.model != base else c.load_checkpoint_path
+        self._reads.enter_context(self._stop)  # Ctrl-C from now on: stop at the next step boundary
         self._reads.enter_context(reading_once())  # each local data file opened and hashed once per run
         try:
             if self._make_builder is not None:
@@ -187,8 +211,10 @@ class RunSession(Generic[ConfigT]):
             self.store = TrainingStore(root=c.store)  # the run's one store object: every row and query
             check_store(self.store)  # wrong credentials / unwritable store: fail before any training
             self.lease = self._acquire_lease()
+            # a slot of the backend's training limit, held until the run ends (waits while it is full)
+            self._reads.enter_context(training_slot(self.credentials, self.run_id))
         except BaseException:
-            self._reads.close()
+            self._release()  # the data files, and the lease when it was taken
             raise
         try:
             return self._open()
@@ -228,8 +254,10 @@ class RunSession(Generic[ConfigT]):
         self.samplers = {int(r["step"]): r["path"] for r in rows if r["kind"] == "sampler"}
         self._recorded_samplers = set(self.samplers)
         last = states[-1] if states else None
-        if last and stored:
-            check_resumed_config(c, self.run_id, json.loads(stored.get("config_json") or "{}"))
+        if stored:  # the name is taken: by a run of this recipe, whose config may change only where it is safe
+            check_same_recipe(self.run_id, json.loads(stored.get("meta_json") or "null") or {}, self.recipe)
+        if last and stored:  # the config as given (references unresolved) against the stored one
+            check_resumed_config(self.given, self.run_id, json.loads(stored.get("config_json") or "{}"))
         self.run: TrainingRun = open_training_run(
             self.credentials,
             self.run_id,
@@ -241,12 +269,10 @@ class RunSession(Generic[ConfigT]):
             resume_step=int(last["step"]) if last else 0,
             init_from=None if last else c.load_checkpoint_path,
         )
-        if self.run.tokenizer_id is None:
-            raise ValueError(f"run {self.run_id!r}: the backend named no tokenizer for model {self.model!r}")
-        self.tokenizer_id: str = self.run.tokenizer_id
+        self.tokenizer_id: str = self._tokenizer_id()
         from prefect_tinker.recipes.renderers import resolve_renderer_name
 
-        self.renderer = resolve_renderer_name(c.renderer, tokenizer(self.tokenizer_id))
+        self.renderer = resolve_renderer_name(c.renderer, self._load_tokenizer())
         self.builder = self._make_builder(self.renderer) if self._make_builder else None
         data_fp: str | None = None
         if self.builder is not None:
@@ -259,15 +285,19 @@ class RunSession(Generic[ConfigT]):
             "tokenizer_id": self.tokenizer_id,
             "dataset_fingerprint": data_fp,
             "init_from": c.load_checkpoint_path,
+            **({"start": self.start_ref} if self.start_ref else {}),
+            **({"line": self.line} if self.line else {}),
         }
         if last and stored:
             check_resumed_meta(c, self.run_id, json.loads(stored.get("meta_json") or "null") or {}, self.meta)
         elif c.load_checkpoint_path:
             check_start_renderer(c, self.store, c.load_checkpoint_path, self.renderer)
         if last:
-            self.resumed_from = last
+            self.resumed_from, self.saved_step = last, int(last["step"])
             log.info("resuming run %s after its checkpoint at step %d (%s)", self.run_id, last["step"], last["path"])
             warn_damaged_parts(self.store, self.run_id)
+        elif stored:  # interrupted or failed before its first checkpoint
+            log.warning("no checkpoint of run %r yet: starting at step 1", self.run_id)
         self.context = RunContext(
             run_id=self.run_id,
             recipe=self.recipe,
@@ -286,22 +316,76 @@ class RunSession(Generic[ConfigT]):
         self._record("running")
         return self
 
+    def _tokenizer_id(self) -> str:
+        """The config's ``tokenizer``, else the one the backend names for the model."""
+        named = self.config.tokenizer or self.run.tokenizer_id
+        if named is None:
+            raise ValueError(
+                f"run {self.run_id!r}: the backend named no tokenizer for model {self.model!r}; "
+                "give tokenizer=<local directory or hub name>"
+            )
+        return named
+
+    def _load_tokenizer(self) -> Any:
+        try:
+            return tokenizer(self.tokenizer_id)
+        except OSError as exc:  # e.g. a hub name offline: say which field loads one from here
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            where = "this config's tokenizer" if self.config.tokenizer else "the backend's tokenizer for this model"
+            raise ValueError(
+                f"run {self.run_id!r}: {where} {self.tokenizer_id!r} does not load here ({reason}); give "
+                "tokenizer=<a local directory of it>"
+            ) from exc
+
     def _record(self, status: str) -> None:
-        c = self.config
+        c = self.given  # as given: a resumed run compares its references, not what they named then
         record_run(
             self.store, self.run_id, self.model, self.backend, c.lora_rank, c.model_dump_json(), status, self.meta
         )
         self._status_recorded = True
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        stopped = isinstance(exc, (RunInterrupted, KeyboardInterrupt))
         try:
             if exc is not None and self._status_recorded:
+                status = "interrupted" if stopped else "failed"
                 try:
-                    self._record("failed")
+                    self._record(status)
                 except Exception as inner:  # the original error matters more; say why the row is missing
-                    get_run_logger().error("could not record run %s as failed: %s", self.run_id, inner)
+                    get_run_logger().error("could not record run %s as %s: %s", self.run_id, status, inner)
+                self._finished(status, error=None if stopped else f"{type(exc).__name__}: {exc}")
         finally:
             self._release()
+        if isinstance(exc, KeyboardInterrupt):  # the second Ctrl-C: stopped at once, nothing more saved
+            raise self.interrupted() from None
+
+    def _finished(self, status: str, error: str | None = None) -> None:
+        """The ``prefect-tinker.run.finished`` event."""
+        emit_run_finished(
+            self.run_id,
+            recipe=self.recipe,
+            status=status,
+            steps=self.step,
+            checkpoints=[*self.checkpoints, *(self.samplers[s] for s in sorted(self._recorded_samplers))],
+            line=self.line,
+            error=error,
+            store=self.config.store,
+        )
+
+    def _saved(self, path: str, kind: str, step: int) -> None:
+        """The ``prefect-tinker.checkpoint.saved`` event of a recorded checkpoint."""
+        emit_checkpoint_saved(
+            path,
+            kind=kind,
+            run_id=self.run_id,
+            step=step,
+            recipe=self.recipe,
+            line=self.line,
+            state_path=self.checkpoints[-1] if kind == "sampler" and self.checkpoints else None,
+            renderer=self.renderer,
+            store=self.config.store,
+            backend=self.given.backend.model_dump(mode="json"),
+        )
 
     # ----- while training ----------------------------------------------------------------------
     @property
@@ -319,6 +403,17 @@ class RunSession(Generic[ConfigT]):
     def step(self) -> int:
         """Optimizer steps taken."""
         return self.run.step
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether Ctrl-C (SIGINT) asked the run to stop at the next step boundary."""
+        return self._stop.requested
+
+    def interrupted(self) -> RunInterrupted:
+        """The :class:`~prefect_tinker.flows.interrupts.RunInterrupted` of stopping now: its step and
+        the step of the run's last state checkpoint."""
+        step = self.run.step if hasattr(self, "run") else self.saved_step
+        return RunInterrupted(self.run_id, step if step is not None else 0, self.saved_step)
 
     def record(self, step: int, metrics: dict[str, float]) -> None:
         """Buffer ``metrics`` (full names, e.g. ``train/loss``) as rows at ``step``."""
@@ -342,7 +437,7 @@ class RunSession(Generic[ConfigT]):
         """Continue from the checkpoint at ``rew.step`` after the client was lost: the handle comes
         from ``rew``; buffered rows of later steps are dropped (they will be redone)."""
         get_run_logger().warning("%s; continuing from step %d", rew, rew.step)
-        self.run = rew.run
+        self.run, self.saved_step = rew.run, rew.step
         self.pending = {
             t: [r for r in rows if (r[0] if isinstance(r, tuple) else r["step"]) < rew.step]
             for t, rows in self.pending.items()
@@ -384,6 +479,7 @@ class RunSession(Generic[ConfigT]):
         if step in self.samplers and step not in self._recorded_samplers:
             record_checkpoint(self.store, self.run_id, step, self.samplers[step], "sampler", self.renderer)
             self._recorded_samplers.add(step)
+            self._saved(self.samplers[step], "sampler", step)
 
     def checkpoint_name(self, step: int) -> str:
         return f"{self.run_id}-step-{step:06d}"
@@ -402,6 +498,8 @@ class RunSession(Generic[ConfigT]):
         self._record_sampler(done)
         record_checkpoint(self.store, self.run_id, done, path, "state", self.renderer)
         self.checkpoints.append(path)
+        self._saved(path, "state", done)
+        self.saved_step = done
         self.report(done)
         emit("after_checkpoint", self.run_id, done, path)
         return path
@@ -454,6 +552,7 @@ class RunSession(Generic[ConfigT]):
             "store": self.config.store,
         }
         self._summary_artifact(out, title_fields or {})
+        self._finished("completed")
         return out
 
     def _summary_artifact(self, summary: dict[str, Any], fields: dict[str, Any]) -> None:

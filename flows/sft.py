@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal, cast
 
-from prefect import flow, get_run_logger
+from prefect import get_run_logger
 from pydantic import Field
 
 from prefect_tinker.flows.config import RecipeConfig
+from prefect_tinker.flows.interrupts import recipe_flow
 from prefect_tinker.flows.loop import StepLoop
 from prefect_tinker.flows.session import RunSession
 from prefect_tinker.recipes.builders import EXAMPLE_CHATS, SourceFields, SupervisedBuilder, SupervisedData
@@ -32,6 +33,7 @@ from prefect_tinker.tasks.evaluators import NLLEvaluator, data_evaluators
 from prefect_tinker.tasks.policies import quote
 from prefect_tinker.tasks.sampling import sample_completions
 from prefect_tinker.tasks.training import model_input_tokens, train_step
+from tinker_blocks.model_names import random_init_note
 
 __all__ = ["SFTConfig", "sft_flow"]
 
@@ -92,7 +94,7 @@ class SFTConfig(SourceFields, RecipeConfig):
         )
 
 
-@flow(name="sft", flow_run_name="sft-{config.run_name}", log_prints=True)
+@recipe_flow("sft", "sft-{config.run_name}")
 def sft_flow(config: SFTConfig) -> dict[str, Any]:
     """Fine-tune ``config.model`` on ``config.dataset``; returns a summary (losses, steps, tokens,
     checkpoint paths, sampled completions)."""
@@ -133,7 +135,11 @@ def sft_flow(config: SFTConfig) -> dict[str, Any]:
         StepLoop(session, total, evaluators=evaluators).run(one_step)
         with phase(session.run_id, f"final sampling ({min(config.num_eval_samples, len(data.test))} prompts)"):
             samples = _sample(session, data, config)
-        return session.finish({**_totals(session), "samples": samples}, title_fields={"dataset": f"`{config.dataset}`"})
+        note = random_init_note(session.model, config.backend.is_local()) if samples else None
+        return session.finish(
+            {**_totals(session), **({"samples_note": note} if note else {}), "samples": samples},
+            title_fields={"dataset": f"`{config.dataset}`"},
+        )
 
 
 def _sample(session: RunSession, data: SupervisedData, config: SFTConfig) -> list[dict]:

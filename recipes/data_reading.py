@@ -316,8 +316,8 @@ def _read_jsonl(path: Path) -> Iterator[RawRecord]:
                 continue
             if not line.strip():
                 continue
-            try:
-                yield RawRecord(where, json.loads(line))
+            try:  # without its line break: an unfinished record is reported where it ends, not at column 1 of the next
+                yield RawRecord(where, json.loads(line.rstrip("\r\n")))
             except json.JSONDecodeError as exc:
                 yield RawRecord(where, error=f"malformed JSON ({exc.msg} at column {exc.colno})")
 

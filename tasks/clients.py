@@ -21,6 +21,7 @@ backends never share a client.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import threading
 from collections import OrderedDict
@@ -29,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import tinker
 from pydantic import BaseModel, Field
+
+from prefect_tinker.tasks.limits import wait_sample_rate
 
 if TYPE_CHECKING:
     from tinker_blocks.credentials import TinkerCredentials
@@ -104,14 +107,22 @@ def result(credentials: TinkerCredentials, future: Any, what: str) -> Any:
     training client recreated from the last checkpoint) is raised.
 
     Raises:
+        OlderServerAPIError: the server at ``base_url`` refused a request field of the installed
+            SDK (HTTP 422 ``extra_forbidden``: it speaks an older Tinker API).
         ServerGone: the server's process exited or it stopped answering.
         ServerDeadline: no result within the deadline.
         LocalServerError: the embedded server could not be restarted (names its log).
     """
+    from tinker_blocks.server_api import older_api_error
     from tinker_blocks.server_watch import ServerGone, wait_result
 
     try:
         return wait_result(future, credentials, deadline_s=credentials.request_deadline_s, what=what)
+    except tinker.APIStatusError as exc:  # a server speaking an older API refuses the SDK's new fields
+        older = older_api_error(exc, credentials.base_url) if credentials.base_url else None
+        if older is not None:
+            raise older from exc
+        raise
     except ServerGone:
         where = credentials.backend_identity()
         with _lock:
@@ -218,14 +229,22 @@ class _WatchedFuture:
 
 class WatchedSampler:
     """A ``tinker.SamplingClient`` whose ``sample`` / ``compute_logprobs`` futures are watched
-    (:func:`result`: bounded wait, dead-server detection); everything else is the client's own.
-    Picklable like the client."""
+    (:func:`result`: bounded wait, dead-server detection) and whose ``sample`` requests take a slot
+    of the backend's sampling rate limit when one exists (:func:`~prefect_tinker.tasks.limits.wait_sample_rate`);
+    everything else is the client's own. Picklable like the client."""
 
     def __init__(self, client: tinker.SamplingClient, credentials: TinkerCredentials, path: str):
         self.client, self.credentials, self.path = client, credentials, path
 
     def sample(self, *args: Any, **kwargs: Any) -> _WatchedFuture:
+        wait_sample_rate(self.credentials)
         return _WatchedFuture(self.client.sample(*args, **kwargs), self.credentials, f"a sample from {self.path}")
+
+    async def sample_async(self, *args: Any, **kwargs: Any) -> Any:
+        """``await``-able ``sample`` for event loops (the capture server): the rate-limit wait runs
+        in a worker thread, so the loop goes on serving other requests meanwhile."""
+        await asyncio.to_thread(wait_sample_rate, self.credentials)
+        return await self.client.sample(*args, **kwargs)
 
     def compute_logprobs(self, *args: Any, **kwargs: Any) -> _WatchedFuture:
         return _WatchedFuture(

@@ -9,7 +9,8 @@ mapped in batches.
   checkpoint; sampler path; renderer; the benchmark's fingerprint -- its settings and the content
   of local data files; the eval store root; the backend; the task's source): re-running over a
   growing training run evaluates only checkpoints it has not seen, and a cached evaluation writes
-  and samples nothing.
+  and samples nothing. An evaluation that ran emits ``prefect-tinker.eval.completed``
+  (:mod:`prefect_tinker.tasks.events`).
 - ``eval-batch`` (:func:`eval_batch`): samples and grades one batch in any worker (the sampling
   client, tokenizer and renderer are re-created there from the credentials block and the
   sampler path); cached too, so a retried evaluation redoes only the batches that failed.
@@ -42,6 +43,8 @@ from prefect_tinker.recipes.evals.runner import evaluate_examples, metrics_dict,
 from prefect_tinker.recipes.evals.specs import InspectSpec
 from prefect_tinker.tasks.clients import result as watched_result
 from prefect_tinker.tasks.clients import sampling_client
+from prefect_tinker.tasks.events import emit_eval_completed
+from prefect_tinker.tasks.limits import RateLimitedSampler, sampling_slot
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
 from prefect_tinker.tasks.runners import TaskRunnerFields, map_task
 
@@ -146,12 +149,14 @@ def eval_batch(
     Raises:
         RuntimeError: every example of the batch errored (a broken backend never reads as 0%).
     """
-    # the SDK's own client: its futures honour the per-example timeout (``spec.timeout_s``)
-    client = sampling_client(credentials, target.sampler).client
+    # the SDK's own client: its futures honour the per-example timeout (``spec.timeout_s``); each request
+    # takes a slot of the backend's sampling rate limit, the batch a slot of its sampling limit (if they exist)
+    client = RateLimitedSampler(sampling_client(credentials, target.sampler).client, credentials)
     renderer = renderer_for(credentials, target.sampler, target.renderer)
-    return evaluate_examples(
-        client, renderer, spec, examples, run_id=target.run_id, step=target.step, checkpoint=target.checkpoint
-    )
+    with sampling_slot(credentials, f"eval {spec.name} on {target.label or target.checkpoint}"):
+        return evaluate_examples(
+            client, renderer, spec, examples, run_id=target.run_id, step=target.step, checkpoint=target.checkpoint
+        )
 
 
 def _eval_key(context: Any, params: dict[str, Any]) -> str:
@@ -244,7 +249,27 @@ def evaluate_benchmark(
     store = _eval_store(eval_store)
     store.write_rows("eval_samples", samples)  # the samples first: a result row means its samples exist
     store.write_rows("eval_results", results)
-    return _outcome(target, spec.name, results, len(examples))
+    outcome = _outcome(target, spec.name, results, len(examples))
+    _completed(target, outcome, config)
+    return outcome
+
+
+def _completed(target: EvalTarget, outcome: dict[str, Any], config: dict[str, Any] | None) -> None:
+    """The ``prefect-tinker.eval.completed`` event of an evaluation (``config``'s ``line``,
+    ``eval_run``, ``store`` and ``backend``, when given, go with it)."""
+    extra = config or {}
+    emit_eval_completed(
+        checkpoint=target.checkpoint,
+        benchmark=outcome["eval_name"],
+        run_id=target.run_id,
+        step=target.step,
+        metrics=outcome["metrics"],
+        num_examples=outcome["num_examples"],
+        line=extra.get("line"),
+        eval_run=extra.get("eval_run"),
+        store=extra.get("store"),
+        backend=extra.get("backend"),
+    )
 
 
 def _inspect_key(context: Any, params: dict[str, Any]) -> str:
@@ -334,7 +359,9 @@ def evaluate_inspect(
         for m, v in scores.items()
     ]
     _eval_store(eval_store).write_rows("eval_results", results)
-    return _outcome(target, spec.name, results, n)
+    outcome = _outcome(target, spec.name, results, n)
+    _completed(target, outcome, config)
+    return outcome
 
 
 @task(name="sampler-from-state", task_run_name="sampler-from-{name}", cache_policy=NO_CACHE, **RETRY_OPTIONS)

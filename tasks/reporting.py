@@ -2,8 +2,11 @@
 and the training curves as a PNG picture embedded in a markdown artifact.
 
 Both are read back from the training store (so a resumed run's report covers every invocation)
-and posted under stable artifact keys (``<kind>-<run>-metrics``, ``<kind>-<run>-curves``): the UI
-shows the newest version of each key and keeps the older ones as history. The picture is embedded
+and posted under stable artifact keys (``<kind>-<run>-metrics``, ``<kind>-<run>-curves``), each with
+a description naming the run and the step: the first report of a flow run creates the artifact and
+later ones (every checkpoint) update that one in place, so the flow run's Artifacts tab shows one
+card of each, at its newest step; each flow run of the run (a resume) adds a version to the key's
+history. The picture is embedded
 as a ``data:image/png;base64`` URI (the self-hosted UI renders it; no file server needed) and also
 written to ``<store root>/reports/<run_id>/curves.png`` (a local folder or ``s3://``).
 """
@@ -12,7 +15,9 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import math
+import threading
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
@@ -62,19 +67,47 @@ def artifact_key(kind: str, run_id: str, what: str = "") -> str:
     return f"{kind}-{slug}-{what}" if what else f"{kind}-{slug}"
 
 
+#: (flow run id, artifact key) -> id of the artifact this flow run posted under that key (this process)
+_posted: dict[tuple[str, str], UUID] = {}
+_posted_lock = threading.Lock()
+
+
+def _post_once_per_flow_run(key: str, description: str, data: Any, create: Any) -> None:
+    """``create(data, key=key, description=description)`` the first time this flow run posts ``key``,
+    then update that artifact's data and description in place (no second card in the run's
+    Artifacts tab). Outside a flow run: always created."""
+    from prefect.runtime import flow_run
+
+    run = flow_run.get_id()
+    slot = (str(run), key) if run else None
+    with _posted_lock:
+        posted = _posted.get(slot) if slot else None
+    if posted is None:
+        new = cast(UUID, create(data, key=key, description=description))
+        if slot is not None:
+            with _posted_lock:
+                _posted[slot] = new
+        return
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import ArtifactUpdate
+
+    formatted = data if isinstance(data, str) else json.dumps(data)  # as the table artifact stores its rows
+    get_client(sync_client=True).update_artifact(posted, ArtifactUpdate(data=formatted, description=description))
+
+
 class Progress:
     """A progress artifact (percent of ``total`` steps done) updated at most every ``every`` seconds
     and always at the end: each update is a blocking API call (10-60 ms), too much for every step
     of a fast run.
 
-    Example: ``p = Progress(f"SFT {run}: steps done of {total}", total, run.step)``, then
+    Example: ``p = Progress(f"SFT {run}: steps done of {total}", total, run.step, key=...)``, then
     ``p.update(run.step)`` after each step.
     """
 
-    def __init__(self, description: str, total: int, done: int = 0, every: float = 5.0):
+    def __init__(self, description: str, total: int, done: int = 0, every: float = 5.0, key: str | None = None):
         self.total, self.every = max(int(total), 1), every
         # called from sync code: Prefect's sync_compatible returns the id itself, not a coroutine
-        self.id = cast(UUID, create_progress_artifact(progress=self._pct(done), description=description))
+        self.id = cast(UUID, create_progress_artifact(progress=self._pct(done), key=key, description=description))
         self.last = time.monotonic()
 
     def _pct(self, done: int) -> float:
@@ -205,14 +238,17 @@ def report_run(
       recorded): the PNG of those curves and of every ``eval/<benchmark>/accuracy`` of the run
       (:func:`eval_curve_names`), embedded, and its path in the store.
 
+    Each is created at a flow run's first report and updated in place by its later ones.
+
     Returns ``{"metrics": n_rows, "png": path or None, "png_bytes": size}``.
     """
     rows = latest_metrics(store, run_id)
     if rows:
-        create_table_artifact(
+        _post_once_per_flow_run(
+            artifact_key(kind, run_id, "metrics"),
+            f"{kind.upper()} run `{run_id}`: latest value of every metric at step {step}",
             rows,
-            key=artifact_key(kind, run_id, "metrics"),
-            description=f"{kind.upper()} run `{run_id}`: latest value of every metric (step {step})",
+            create_table_artifact,
         )
     if not plot:
         return {"metrics": len(rows), "png": None, "png_bytes": 0}
@@ -231,5 +267,10 @@ def report_run(
             f"Picture also at `{path}`. Curves: " + ", ".join(f"`{n}`" for n in series) + ".",
         ]
     )
-    create_markdown_artifact(markdown, key=artifact_key(kind, run_id, "curves"), description=f"{kind.upper()} curves")
+    _post_once_per_flow_run(
+        artifact_key(kind, run_id, "curves"),
+        f"{kind.upper()} run `{run_id}`: curves at step {step}",
+        markdown,
+        create_markdown_artifact,
+    )
     return {"metrics": len(rows), "png": path, "png_bytes": len(png)}

@@ -52,12 +52,12 @@ def capture_command(*args: str) -> list[str]:
 
 
 def start_capture(tmp: Path, local_root: str, *, session: str, token: bool = True, extra: tuple[str, ...] = (),
-                  timeout: float = 180.0) -> CaptureProcess:
-    """Start ``capture serve --model tiny`` on a free loopback port, reusing the embedded local
-    server of ``local_root``, and wait until ``/health`` answers."""
+                  timeout: float = 180.0, model: str = "tiny", store: str | None = None) -> CaptureProcess:
+    """Start ``capture serve --model MODEL`` (default tiny) on a free loopback port, reusing the
+    embedded local server of ``local_root``, and wait until ``/health`` answers."""
     tmp.mkdir(parents=True, exist_ok=True)
-    port, store, log = free_port(), str(tmp / "store"), tmp / "capture.log"
-    args = ["--model", "tiny", "--store", store, "--local-root", local_root, "--port", str(port),
+    port, store, log = free_port(), store or str(tmp / "store"), tmp / "capture.log"
+    args = ["--model", model, "--store", store, "--local-root", local_root, "--port", str(port),
             "--session", session, *extra]
     if token:
         (tmp / "token").write_text(TOKEN + "\n")
@@ -99,3 +99,26 @@ def wait_for_rows(store: str, n: int, timeout: float = 30.0) -> list[dict]:
         if len(rows) >= n or time.monotonic() > deadline:
             return rows
         time.sleep(0.2)
+
+
+def rated_traffic(base: str, model: str, questions: list[str], reply: str, rating: str,
+                  other: str | None = None) -> list[str]:
+    """Agent transcripts through the ``openai`` client: for each question, the conversation so far
+    has two assistant turns ``reply`` and ends with a user turn; the endpoint answers (2 tokens) and
+    the client rates the answer ``rating`` (``POST /v1/feedback``). With ``other``, as many
+    transcripts with assistant turns ``other`` are rated the opposite. Returns the completion ids."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base + "/v1", api_key=TOKEN, max_retries=0, timeout=120)
+    opposite = "bad" if rating == "good" else "good"
+    ids = []
+    for q in questions:
+        for text, rate in ((reply, rating), *(((other, opposite),) if other else ())):
+            resp = client.chat.completions.create(
+                model=model, max_tokens=2, temperature=1.0,
+                messages=[{"role": "user", "content": q}, {"role": "assistant", "content": text},
+                          {"role": "user", "content": "And one more thing?"}, {"role": "assistant", "content": text},
+                          {"role": "user", "content": "Thanks."}])
+            client.post("/feedback", body={"id": resp.id, "rating": rate}, cast_to=object)
+            ids.append(resp.id)
+    return ids

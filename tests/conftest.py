@@ -14,8 +14,14 @@ import pytest
 # imported, so that nothing a user or another program left in ~/.prefect (profiles: an API URL or key),
 # ~/.ray (auth_token), ~/.prefect-tinker (an embedded server, stores) or ~/.cache is read, and nothing is
 # left there. Settings naming those places, a user's Prefect API and credentials are dropped too;
-# subprocesses inherit all of it. SmolLM2 comes from its wheel in site-packages and the test data from
-# ../shared/data, so nothing the tests need lives under HOME.
+# subprocesses inherit all of it. SmolLM2 comes from its wheel in site-packages. The test data
+# (tests/data_files.py) is looked up in $PREFECT_TINKER_TEST_DATA, ../shared/data, then the cache that
+# scripts/fetch_test_data.py fills: that one folder of the user's (~/.cache/prefect-tinker/test-data, or
+# $PREFECT_TINKER_DATA_CACHE) is pinned here, before HOME changes, and only read (each file checked
+# against SHA256SUMS when it was fetched).
+from prefect_tinker.recipes.example_data import CACHE_ENV, cache_dir  # noqa: E402  (standard library only)
+
+os.environ[CACHE_ENV] = str(cache_dir())
 if Path("~/.pyenv").expanduser().is_dir():  # a pyenv interpreter's shims find their versions through HOME
     os.environ.setdefault("PYENV_ROOT", str(Path("~/.pyenv").expanduser()))
 SESSION_HOME = tempfile.mkdtemp(prefix="prefect-tinker-tests-home-")
@@ -57,15 +63,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import prefect.main  # noqa: E402,F401
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = ROOT.parent / "shared" / "data"
-
-
-def shared_file(relative: str) -> Path:
-    """A file of ../shared/data, or skip the test with the reason when that folder is absent."""
-    path = SHARED_DATA / relative
-    if not path.exists():
-        pytest.skip(f"shared data file {path} is absent (tests read ../shared/data in place)")
-    return path
 
 
 @pytest.fixture(scope="session")
@@ -98,8 +95,77 @@ from tests.s3_fixtures import s3_root, s3_server  # noqa: E402,F401
 from tests.local_server import hf_model_dir, local_servers  # noqa: E402,F401
 
 
+# ---- SDK clients that outlive their server ------------------------------------------------------------
+# The tinker SDK heartbeats each session every 10 s from its event-loop thread and, two minutes after its
+# server went away, logs a warning every 10 s for the rest of the process (into whatever stream a finished
+# test's capture closed: "--- Logging error --- ... I/O operation on closed file"). A test closes every
+# ServiceClient it makes (client.close(), or `with`); this check fails the test in whose teardown a
+# heartbeat is found beating against a server that no longer accepts connections, names the test that
+# made the client, and closes it.
+_HEARTBEAT_MADE_IN: dict[int, str] = {}  # id(heartbeat task) -> the test during which it was first seen
+
+
+def _server_gone(base_url: str) -> bool:
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(base_url)
+    if parts.hostname not in ("127.0.0.1", "localhost", "::1"):
+        return False  # only local servers are judged here
+    try:
+        with socket.create_connection((parts.hostname, parts.port or 80), timeout=2):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False  # busy or slow is not gone
+
+
+def _heartbeats() -> list[tuple[object, object]]:
+    """``[(task, client holder)]`` of the SDK's live session heartbeats in this process."""
+    import asyncio
+    import sys
+
+    module = sys.modules.get("tinker.lib.internal_client_holder")
+    loop = module._internal_client_holder_thread_singleton.loop_if_started() if module else None
+    if loop is None or loop.is_closed() or not loop.is_running():
+        return []
+
+    async def listing():
+        return [t for t in asyncio.all_tasks() if getattr(t.get_coro(), "__name__", "") == "_session_heartbeat"]
+
+    tasks = asyncio.run_coroutine_threadsafe(listing(), loop).result(timeout=10)
+    return [(t, t.get_coro().cr_frame.f_locals.get("self")) for t in tasks if t.get_coro().cr_frame is not None]
+
+
+@pytest.fixture(autouse=True)
+def _no_heartbeat_outlives_its_server(request):
+    yield
+    orphans = []
+    for task, holder in _heartbeats():
+        made_in = _HEARTBEAT_MADE_IN.setdefault(id(task), request.node.nodeid)
+        url = getattr(holder, "_base_url", "")
+        if holder is not None and url and _server_gone(url):
+            orphans.append(f"{url} (client made during {made_in})")
+            holder.close()  # its heartbeat stops here
+    if orphans:
+        pytest.fail("SDK session heartbeats outlive their server; close the ServiceClient (client.close() or "
+                    f"`with`): {'; '.join(orphans)}", pytrace=False)
+
+
 def pytest_collection_modifyitems(config, items):
     """Test files holding a ``slow`` test run first (stable order otherwise), so that with several
     xdist workers (``--dist loadfile``) no worker is left alone with a long file at the end."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_files)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line for the tests skipped because a real data file is missing (tests/data_files.py)."""
+    from tests.data_files import DATA_SKIP
+
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if DATA_SKIP in str(r.longrepr)]
+    if skipped:
+        terminalreporter.write_line(
+            f"{len(skipped)} tests skipped: test data not found; run scripts/fetch_test_data.py"
+        )

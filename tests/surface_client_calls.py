@@ -273,7 +273,10 @@ def s_create(c: Ctx):
 
 def s_from_sampler_handle(c: Ctx):
     s = tinker.SamplingClient.from_sampler_handle(c.sampler.get_sampler_handle(), api_key=KEY)
-    assert _sample_tokens(s, c) == _sample_tokens(c.sampler, c)
+    try:
+        assert _sample_tokens(s, c) == _sample_tokens(c.sampler, c)
+    finally:
+        s.holder.close()  # the handle's own connection holder heartbeats the session; tinker 0.38 has no s.close()
 
 
 def s_get_base_model(c: Ctx):

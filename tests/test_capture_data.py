@@ -299,3 +299,36 @@ def test_capture_filter_of_the_docs_and_truncated_replies_counted(tmp_path, caps
                                  "1 truncated; options.include_truncated=true keeps replies cut at max_tokens)\n")
     assert cli.main(["run", "sft", "model=tiny", f"dataset={only_cut}", "options.include_truncated=true",
                      "--dry-run"]) == 0
+
+
+def test_ratings_time_window_and_comparisons(tmp_path):
+    """The clients' ratings and the judge's scores join the rows (the latest of each source wins),
+    ``since`` / ``until`` bound the capture time, and two replies to one conversation rated apart
+    make one DPO comparison."""
+    from datetime import UTC, datetime
+
+    from prefect_tinker.recipes.capture_data import read_captured_preferences
+    from tinker_blocks.store_io import ParquetStore
+
+    root = str(tmp_path / "store")
+    rows = _rows()
+    rows[2]["prompt"] = rows[0]["prompt"]  # req-2 answers the same conversation as req-0
+    _write(root, rows)
+    ratings = [("req-0", "client", -1.0, 1), ("req-0", "client", 1.0, 2), ("req-2", "client", -1.0, 1),
+               ("req-1", "judge", 0.9, 1), ("req-4", "client", 1.0, 1)]
+    with ParquetStore(root, "capture").writer("ratings") as w:
+        for req, source, rating, t in ratings:  # req-0's second rating replaces its first
+            w.write(run_id="sess-a", request_id=req, sequence_index=0, source=source, rating=rating,
+                    time=1_700_000_100 + t)
+    got = {c.metadata["request_id"]: (c.metadata["rating"], c.metadata["judge_score"])
+           for c in read_captured_conversations(root)}
+    assert got == {"req-0": (1.0, None), "req-1": (None, 0.9), "req-2": (-1.0, None), "req-4": (1.0, None)}
+    assert [c.metadata["request_id"] for c in read_captured_conversations(root, "rating > 0")] == ["req-0", "req-4"]
+    assert [c.metadata["request_id"] for c in read_captured_conversations(root, "judge_score >= 0.5")] == ["req-1"]
+    window = read_captured_conversations(root, since=datetime.fromtimestamp(1_700_000_001, UTC),
+                                         until=datetime.fromtimestamp(1_700_000_004, UTC))
+    assert [c.metadata["request_id"] for c in window] == ["req-1", "req-2"]  # req-3 truncated, req-4 at `until`
+    (pair,) = read_captured_preferences(root)
+    assert pair["prompt"] == [{"role": "user", "content": "q0"}]
+    assert (pair["chosen"]["content"], pair["rejected"]["content"]) == ("a0", "a2")
+    assert pair["source"] == ["capture:sess-a/req-0#0", "capture:sess-a/req-2#0"]

@@ -17,6 +17,8 @@ GOOD = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", 
 def files(tmp_path):
     good = json.dumps(GOOD)
     (tmp_path / "broken.jsonl").write_text(f'{good}\n{{"messages": [broken\n')
+    # a record cut short at the end of its line: the column where it ends, not column 1 of the next line (CRLF too)
+    (tmp_path / "unfinished.jsonl").write_bytes(f'{good}\r\n{{"messages": []\r\n{good}\r\n'.encode())
     (tmp_path / "missing.jsonl").write_text(f'{good}\n{good}\n{{"msgs": []}}\n')
     (tmp_path / "problems.jsonl").write_text('{"question": "1+1?", "answer": "2"}\n{"question": "2+2?"}\n')
     return tmp_path
@@ -24,6 +26,8 @@ def files(tmp_path):
 
 @pytest.mark.parametrize("argv,expected", [
     (["sft", "dataset={d}/broken.jsonl"], "{d}/broken.jsonl:2: malformed JSON (Expecting value at column 15)"),
+    (["sft", "dataset={d}/unfinished.jsonl"],
+     "{d}/unfinished.jsonl:2: malformed JSON (Expecting ',' delimiter at column 16)"),
     (["sft", "dataset={d}/missing.jsonl"], "{d}/missing.jsonl:3: field 'messages' is missing (record has: msgs)"),
     (["dpo", "dataset={d}/missing.jsonl"], "{d}/missing.jsonl:1: field 'chosen'"),
     (["rl", "env=math", "dataset={d}/problems.jsonl"], "{d}/problems.jsonl:2"),

@@ -22,7 +22,7 @@ from prefect_tinker.recipes.data_sources import (
 )
 from prefect_tinker.recipes.datasets import DatasetFormatError, load_conversations
 from prefect_tinker.recipes.renderers import get_renderer
-from tests.conftest import shared_file
+from tests.data_files import data_file
 from tests.renderer_tokenizers import needs_smollm2, smollm2
 
 
@@ -166,7 +166,7 @@ def _trained(ds: SupervisedDataset) -> tuple[int, int]:
 
 @needs_smollm2
 def test_dolly_slice_raw_and_messages_load_with_the_right_trained_tokens():
-    raw_path, msg_path = shared_file("sft/dolly_slice_raw.jsonl"), shared_file("sft/dolly_slice_messages.jsonl")
+    raw_path, msg_path = data_file("sft/dolly_slice_raw.jsonl"), data_file("sft/dolly_slice_messages.jsonl")
     raw = [json.loads(line) for line in raw_path.read_text().splitlines()]
     rows = [json.loads(line) for line in msg_path.read_text().splitlines()]
     assert len(raw) == len(rows) == 151
@@ -191,7 +191,7 @@ def test_dolly_slice_raw_and_messages_load_with_the_right_trained_tokens():
 
 @needs_smollm2
 def test_self_instruct_seed_tasks_load_with_the_right_trained_tokens():
-    path = shared_file("sft/self_instruct_seed_tasks.jsonl")
+    path = data_file("sft/self_instruct_seed_tasks.jsonl")
     tasks = [json.loads(line) for line in path.read_text().splitlines()]
     tok = smollm2()
     n_instances = sum(len(t["instances"]) for t in tasks)
@@ -220,7 +220,7 @@ def test_self_instruct_seed_tasks_load_with_the_right_trained_tokens():
 
 @needs_smollm2
 def test_hh_rlhf_dialogues_load_with_the_right_trained_tokens():
-    path = shared_file("prefs/hh_rlhf_harmless_base_test.jsonl.gz")
+    path = data_file("prefs/hh_rlhf_harmless_base_test.jsonl.gz")
     with gzip.open(path, "rt", encoding="utf-8") as fh:
         pairs = [json.loads(line) for line in fh]
     tok = smollm2()

@@ -18,8 +18,7 @@ from prefect_tinker.recipes.datasets import (
     load_conversations,
     split_conversations,
 )
-
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+from tests.data_files import data_file
 
 
 def _write_jsonl(path: Path, records) -> Path:
@@ -101,9 +100,8 @@ def test_load_through_hf_datasets_local_parquet_dir(tmp_path):
         load_conversations(str(d), messages_field="chat")
 
 
-@pytest.mark.skipif(not (SHARED / "sft" / "dolly_slice_messages.jsonl").exists(), reason="shared/data absent")
 def test_loads_shared_dolly_slice():
-    convs = load_conversations(SHARED / "sft" / "dolly_slice_messages.jsonl")
+    convs = load_conversations(data_file("sft/dolly_slice_messages.jsonl"))
     assert len(convs) == 151 and all(c.messages[-1]["role"] == "assistant" for c in convs)
 
 

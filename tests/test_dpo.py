@@ -21,7 +21,7 @@ from prefect_tinker.flows.session import RunCallbacks, run_callbacks
 from prefect_tinker.recipes.data_reading import SourceSpec
 from prefect_tinker.recipes.data_sources import DatasetFormatError
 from prefect_tinker.recipes.preference import DPOLoss, PreferenceBuilder, pair_datums
-from tests.conftest import shared_file
+from tests.data_files import synthetic_file
 from tests.local_server import API_KEY
 from tests.test_local_losses import _adam_image, _assert_updates_match, _reference, _update
 
@@ -196,7 +196,7 @@ def test_dpo_gradients_match_independent_torch(clean, service, tmp_path, kind, b
 # ----- the flow -----------------------------------------------------------------------------------
 def _config(local_credentials, store, run_name, **kw) -> DPOConfig:
     base = dict(
-        model="tiny", dataset=str(shared_file("prefs/hh_rlhf_harmless_base_test.jsonl.gz")), format="dialogue",
+        model="tiny", dataset=str(synthetic_file("dialogues")), format="dialogue",
         batch_size=4, max_steps=6, eval_every=3, save_every=3, learning_rate=1e-4, lora_rank=8, max_length=256,
         test_size=16, run_name=run_name, store=str(store), backend={"local_root": local_credentials.local_root},
     )

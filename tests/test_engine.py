@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from tests.engine_helpers import VOCAB, base_dir, engine, make_datums, train_a_bit  # noqa: E402,F401  (fixtures)
+from tests.threads import Helper  # noqa: E402
 from tinker_local.engine import Datum, Engine, EngineUserError  # noqa: E402
 from tinker_local.errors import UnknownModelError  # noqa: E402
 from tinker_local.models import build_tiny_model, resolve_model  # noqa: E402
@@ -358,8 +359,6 @@ def test_smollm2_trains_and_samples(tmp_path):
 
 
 def test_microbatching_and_threads_give_same_results(engine):
-    import threading
-
     engine.create_model("mb", "tiny", 4, seed=10)
     engine.create_model("mb2", "tiny", 4, seed=11)
     datums = make_datums(21, lengths=(3, 25, 8, 14, 1))
@@ -381,20 +380,16 @@ def test_microbatching_and_threads_give_same_results(engine):
         return engine.forward(m, datums, "cross_entropy", None).metrics["loss:sum"]
 
     expected = {m: loss(m) for m in ("mb", "mb2")}
-    got, errors = {}, []
+    got: dict = {}
 
     def work(m):
-        try:
-            for _ in range(3):
-                got.setdefault(m, []).append(loss(m))
-                engine.sample("tiny", None, [1, 2], num_samples=2, max_tokens=3, seed=0)
-        except Exception as e:  # pragma: no cover - reported below
-            errors.append(e)
+        for _ in range(3):
+            got.setdefault(m, []).append(loss(m))
+            engine.sample("tiny", None, [1, 2], num_samples=2, max_tokens=3, seed=0)
 
-    threads = [threading.Thread(target=work, args=(m,)) for m in ("mb", "mb2")]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
-    assert not errors and all(v == [expected[m]] * 3 for m, v in got.items())
+    for helper in [Helper(work, m) for m in ("mb", "mb2")]:
+        helper.join(120)  # what a thread raised is raised here
+    assert all(v == [expected[m]] * 3 for m, v in got.items())
 
 
 def test_local_model_directory(engine, base_dir, tmp_path):

@@ -16,7 +16,7 @@ from prefect_tinker.cli.main import main as cli_main
 from prefect_tinker.flows.eval import EvalConfig, eval_flow
 from prefect_tinker.recipes.evals.sampler_tokenizer import sampler_tokenizer
 from prefect_tinker.recipes.renderers import get_renderer, resolve_renderer_name
-from tests.conftest import shared_file
+from tests.data_files import synthetic_file
 
 QUESTIONS = ["What is 2 + 2?", "Say hello to the world.", "Name a colour.", "Count to three."]
 MISS = "zq-not-in-any-output-qz"
@@ -42,7 +42,7 @@ def _parts(root: Path, table: str) -> list[str]:
 def test_cli_gsm8k_accuracy_is_the_mean_of_its_samples_and_a_rerun_is_cached(prefect_api, local_credentials,
                                                                               tmp_path, capsys):
     store = tmp_path / "store"
-    args = ["run", "eval", "model=tiny", "benchmark=gsm8k", f"dataset={shared_file('math/gsm8k_test.jsonl')}",
+    args = ["run", "eval", "model=tiny", "benchmark=gsm8k", f"dataset={synthetic_file('word_problems')}",
             "limit=20", "num_samples=2", "max_tokens=8", "run_name=E", f"store={store}", "batch_size=8",
             f"backend.local_root={local_credentials.local_root}"]
     before = _samples_sent(local_credentials)

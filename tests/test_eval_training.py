@@ -13,7 +13,8 @@ import pytest
 from prefect_tinker.cli.main import main as cli_main
 from prefect_tinker.flows.eval import EvalConfig, eval_flow
 from prefect_tinker.flows.sft import SFTConfig, sft_flow
-from tests.conftest import ROOT, shared_file
+from tests.conftest import ROOT
+from tests.data_files import synthetic_file
 
 
 def _sql(capsys, store, query) -> list[dict]:
@@ -23,7 +24,7 @@ def _sql(capsys, store, query) -> list[dict]:
 
 
 def _sft(local_credentials, store, run_name, **kw) -> SFTConfig:
-    base = dict(model="tiny", dataset=str(shared_file("sft/dolly_slice_messages.jsonl")), batch_size=2,
+    base = dict(model="tiny", dataset=str(synthetic_file("chats")), batch_size=2,
                 learning_rate=2e-3, lora_rank=4, max_steps=2, eval_every=1, save_every=1, run_name=run_name,
                 store=str(store), max_length=128, num_eval_samples=0, test_size=0,
                 backend={"local_root": local_credentials.local_root})
@@ -45,7 +46,7 @@ def _readme_sql() -> str:
 
 def test_training_evaluators_then_eval_flow_over_the_growing_run(prefect_api, local_credentials, tmp_path, capsys):
     store = tmp_path / "store"
-    gsm8k = {"benchmark": "gsm8k", "dataset": str(shared_file("math/gsm8k_test.jsonl")), "limit": 2, "max_tokens": 4}
+    gsm8k = {"benchmark": "gsm8k", "dataset": str(synthetic_file("word_problems")), "limit": 2, "max_tokens": 4}
     # run A: the benchmark at steps 0, 1, 2 (sampler checkpoints saved for it)
     sft_flow(_sft(local_credentials, store, "sft-a", evaluators=[gsm8k]))
     # run B: no evaluator, one state checkpoint (no sampler weights)

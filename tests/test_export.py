@@ -16,7 +16,7 @@ import torch
 
 from prefect_tinker.flows.export import ExportConfig, export_flow
 from prefect_tinker.flows.sft import SFTConfig, sft_flow
-from tests.conftest import shared_file
+from tests.data_files import synthetic_file
 from tests.local_server import make_hf_model_dir
 
 pytestmark = pytest.mark.filterwarnings("ignore:Model with `tie_word_embeddings=True`:UserWarning")
@@ -67,7 +67,7 @@ def _export(local_credentials, **kw) -> dict:
 def sft_run(prefect_api, local_credentials, tmp_path_factory):
     """A short SFT run on tiny: its summary, its state and sampler paths at the last step."""
     store = tmp_path_factory.mktemp("export-store")
-    cfg = SFTConfig(model="tiny", dataset=str(shared_file("sft/dolly_slice_messages.jsonl")), batch_size=4,
+    cfg = SFTConfig(model="tiny", dataset=str(synthetic_file("chats")), batch_size=4,
                     learning_rate=5e-3, lora_rank=8, max_steps=4, eval_every=0, save_every=0, run_name="export-src",
                     store=str(store), max_length=128, num_eval_samples=1, sample_max_tokens=4,
                     backend={"local_root": local_credentials.local_root})

@@ -36,7 +36,9 @@ def media_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(media_server):
-    return tinker.ServiceClient(base_url=media_server.base_url, api_key=API_KEY)
+    service = tinker.ServiceClient(base_url=media_server.base_url, api_key=API_KEY)
+    yield service
+    service.close("success").result(timeout=30)  # its session ends (and its heartbeat) while the server answers
 
 
 def _png(w: int, h: int, seed: int = 0) -> bytes:

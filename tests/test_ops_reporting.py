@@ -107,9 +107,50 @@ def test_default_run_name_is_stable_within_a_deployment_flow_run(monkeypatch):
     from prefect_tinker.flows.sft import SFTConfig
 
     monkeypatch.delenv("PREFECT__FLOW_RUN_ID", raising=False)
-    assert SFTConfig().run_name.startswith("tiny-20")
+    assert SFTConfig().run_name.startswith("sft-tiny-20")
     monkeypatch.setenv("PREFECT__FLOW_RUN_ID", "4d650914-4267-473e-b8b6-906aa3e1d59c")
     a, b = SFTConfig(), SFTConfig()
-    assert a.run_name == b.run_name and a.run_name.startswith("tiny-4d650914-")
+    assert a.run_name == b.run_name and a.run_name.startswith("sft-tiny-4d650914-")
     assert SFTConfig(learning_rate=1e-3).run_name != a.run_name  # another config, another run
     assert default_run_name("x", SFTConfig(run_name="given")) != "given"
+
+
+def test_chaining_automations_template_the_deployments_configs():
+    """The two chaining automations as built from the deployments' own configs: opt-in tags,
+    matched labels, and action parameters templated from the triggering event (rendered by the
+    server's hydration: here the templates themselves are checked)."""
+    from types import SimpleNamespace
+    from uuid import uuid4
+
+    from prefect_tinker.flows.ops import (EVALUATE_AUTOMATION, PROMOTE_AUTOMATION, evaluate_automation,
+                                         promotion_automation)
+    from prefect_tinker.flows.registry import load_example
+
+    ev = SimpleNamespace(id=uuid4(), name="eval-checkpoint", parameters={"config": load_example("eval", "checkpoint")})
+    a = evaluate_automation(ev)
+    assert a.name == EVALUATE_AUTOMATION and a.trigger.expect == {"prefect-tinker.checkpoint.saved"}
+    assert a.trigger.match.root == {"prefect-tinker.kind": "state"}
+    assert a.trigger.match_related.root == {"prefect.resource.role": "tag",
+                                            "prefect.resource.id": "prefect.tag.evaluate-checkpoints"}
+    cfg = a.actions[0].parameters["config"]
+    assert a.actions[0].deployment_id == ev.id and cfg["benchmarks"] == ev.parameters["config"]["benchmarks"]
+    assert cfg["model"] == {"__prefect_kind": "jinja", "template": "{{ event.resource.id }}"}
+    assert cfg["store"]["template"] == "{{ event.payload.store }}" and "prefect-tinker.line" in cfg["line"]["template"]
+
+    pr = SimpleNamespace(id=uuid4(), name="promote-candidate",
+                         parameters={"config": load_example("promote", "candidate")})
+    b = promotion_automation(pr, store="/data/store")
+    assert b.name == PROMOTE_AUTOMATION and b.trigger.expect == {"prefect-tinker.eval.completed"}
+    assert b.trigger.match.root == {"prefect-tinker.benchmark": "arithmetic", "prefect-tinker.line": "*"}
+    assert b.trigger.match_related.root["prefect.resource.id"] == "prefect.tag.consider-promotion"
+    cfg = b.actions[0].parameters["config"]
+    assert cfg["store"] == "/data/store" and cfg["gate"] == pr.parameters["config"]["gate"]
+    assert cfg["candidate"]["template"] == "{{ event.resource['prefect-tinker.checkpoint'] }}"
+    # the eval deployment carries the promotion's opt-in tag; the promote deployment does not (no loops)
+    from prefect_tinker.flows.registry import deployments_yaml
+
+    import yaml
+
+    deployments = yaml.safe_load(deployments_yaml().replace("*tinker_process", "x"))["deployments"]
+    tags = {d["name"]: d["tags"] for d in deployments}
+    assert "consider-promotion" in tags["eval-checkpoint"] and "consider-promotion" not in tags["promote-candidate"]

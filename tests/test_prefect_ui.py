@@ -103,8 +103,9 @@ def ui_env(tmp_path):
 def test_printed_link_shows_the_run_and_its_artifacts_in_chromium(ui_env, local_credentials, tmp_path, capsys):
     env, root = ui_env
     store, run_name = tmp_path / "store", "ui-probe"
+    # save_every=1: two checkpoints, two reports, which must update one card of each kind, not add a second
     cmd = [str(Path(sys.executable).parent / "prefect-tinker"), "run", "sft", "--example", "tiny", "max_steps=2",
-           "eval_every=0", "save_every=0", "num_eval_samples=0", f"run_name={run_name}", f"store={store}",
+           "eval_every=0", "save_every=1", "num_eval_samples=0", f"run_name={run_name}", f"store={store}",
            f"backend.local_root={local_credentials.resolved_local_root()}"]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -144,9 +145,15 @@ def test_printed_link_shows_the_run_and_its_artifacts_in_chromium(ui_env, local_
     api = ui_url + "/api"
     assert _api("GET", f"{api}/flow_runs/{flow_run_id}")["state_type"] == "COMPLETED"
     artifacts = _api("POST", f"{api}/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}})
-    by_key = {a["key"] or a["type"]: a for a in artifacts}
-    assert by_key["progress"]["data"] == 100.0
-    assert by_key["progress"]["description"] == f"SFT {run_name}: steps done of 2"
+    keys = [a["key"] for a in artifacts]
+    assert None not in keys and len(set(keys)) == len(keys), keys  # every card labelled, none twice
+    by_key = {a["key"]: a for a in artifacts}
+    assert set(by_key) == {f"sft-{run_name}{what}" for what in ("", "-progress", "-metrics", "-curves")}
+    assert by_key[f"sft-{run_name}-progress"]["data"] == 100.0
+    assert by_key[f"sft-{run_name}-progress"]["description"] == f"SFT {run_name}: steps done of 2"
+    assert by_key[f"sft-{run_name}-metrics"]["description"] == (
+        f"SFT run `{run_name}`: latest value of every metric at step 2")  # the second report, in place
+    assert by_key[f"sft-{run_name}-curves"]["description"] == f"SFT run `{run_name}`: curves at step 2"
     curves = by_key[f"sft-{run_name}-curves"]
     png_b64 = re.search(r"data:image/png;base64,([A-Za-z0-9+/=]+)", curves["data"]).group(1)
     assert base64.b64decode(png_b64) == (store / "reports" / run_name / "curves.png").read_bytes()
@@ -173,9 +180,10 @@ def test_printed_link_shows_the_run_and_its_artifacts_in_chromium(ui_env, local_
     # its Artifacts tab (the V2 UI keeps the tab in the URL): the progress and the curves among the cards
     shot = tmp_path / "flow-run-artifacts.png"
     page = _text(_chromium(f"{ui_url}/v2/runs/flow-run/{flow_run_id}?tab=Artifacts", profile, shot))
-    for shown in ("PROGRESS", f"SFT {run_name}: steps done of 2", f"sft-{run_name}-curves", "SFT curves",
-                  f"sft-{run_name}-metrics"):
-        assert shown in page, (shown, page[:3000])
+    for shown in ("PROGRESS", f"sft-{run_name}-progress", f"SFT {run_name}: steps done of 2",
+                  f"sft-{run_name}-curves", f"sft-{run_name}-metrics"):
+        assert page.count(shown) == 1, (shown, page[:3000])  # one card each
+    assert re.search(rf"SFT run {run_name} ?: curves at step 2", page), page[:3000]
     # the curves artifact's page renders the markdown: the title and the very PNG as an <img>
     dom = _chromium(f"{ui_url}/v2/artifacts/artifact/{curves['id']}", profile, tmp_path / "curves.png")
     assert re.search(rf"SFT run {run_name} ?: curves at step 2", _text(dom)), _text(dom)[:3000]  # `{run}` in <code>

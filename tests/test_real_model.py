@@ -19,7 +19,7 @@ import torch
 from prefect_tinker.cli.main import main as cli_main
 from prefect_tinker.flows.dpo import DPOConfig, dpo_flow
 from prefect_tinker.flows.sft import SFTConfig, sft_flow
-from tests.conftest import shared_file
+from tests.data_files import data_file
 
 pytestmark = [
     pytest.mark.slow,
@@ -60,7 +60,7 @@ def _reference_nll(model_dir: Path, examples) -> float:
 @pytest.mark.timeout(1200)
 def test_sft_on_smollm2_lowers_held_out_nll(prefect_api, local_credentials, tmp_path, capsys):
     store = tmp_path / "store"
-    cfg = SFTConfig(model="smollm2", dataset=str(shared_file("sft/dolly_slice_messages.jsonl")), batch_size=4,
+    cfg = SFTConfig(model="smollm2", dataset=str(data_file("sft/dolly_slice_messages.jsonl")), batch_size=4,
                     learning_rate=6e-4, lora_rank=16, max_steps=4, eval_every=4, save_every=4, test_size=12,
                     max_length=192, num_eval_samples=0, run_name="smol-sft", store=str(store),
                     backend={"local_root": local_credentials.local_root})
@@ -87,7 +87,7 @@ def test_dpo_on_smollm2_raises_held_out_accuracy_on_hh_rlhf(prefect_api, local_c
     loss 0.6931 -> 0.6666. Six steps are not enough for the accuracy (measured: 0.5 -> 0.531, one pair
     of 32, at lr 4e-4 and at 8e-4, although the test loss fell to 0.6658 / 0.6398)."""
     store = tmp_path / "store"
-    cfg = DPOConfig(model="smollm2", dataset=str(shared_file("prefs/hh_rlhf_harmless_base_test.jsonl.gz")),
+    cfg = DPOConfig(model="smollm2", dataset=str(data_file("prefs/hh_rlhf_harmless_base_test.jsonl.gz")),
                     format="dialogue", batch_size=4, learning_rate=2e-4, lora_rank=16, max_steps=12, eval_every=12,
                     save_every=12, max_length=160, test_size=32, run_name="smol-dpo", store=str(store),
                     backend={"local_root": local_credentials.local_root})

@@ -13,14 +13,14 @@ import pytest
 pytest.importorskip("bm25s", reason="the retrieval tool needs the 'tools' extra (bm25s)")
 
 from prefect_tinker.recipes.tools import BM25Index, Toolset, load_documents  # noqa: E402
-from tests.conftest import shared_file  # noqa: E402
+from tests.data_files import data_file  # noqa: E402
 
 K1, B = 1.5, 0.75
 
 
 def _dolly(tmp_path):
     """(corpus.jsonl path, [(question, id of its context)]) from the Dolly records with a context."""
-    records = [json.loads(line) for line in shared_file("sft/dolly_slice_messages.jsonl").open()]
+    records = [json.loads(line) for line in data_file("sft/dolly_slice_messages.jsonl").open()]
     ids, questions = {}, []
     for rec in records:
         if rec["context"].strip():

@@ -30,7 +30,7 @@ from prefect_tinker.recipes.rl.envs.pairwise_preference import (
 from prefect_tinker.recipes.rl.problem_env import freeze_messages
 from prefect_tinker.recipes.rl.types import RolloutContext, Trajectory, Transition
 from prefect_tinker.tasks.reward_model import WinRateEvaluator, pair_preferences
-from tests.conftest import shared_file
+from tests.data_files import data_file
 from tests.local_server import API_KEY, ReferenceLoRA
 
 # scoring tasks called outside a flow, as the evaluators' users may
@@ -62,7 +62,7 @@ def _trained(tok, ex) -> str:
 
 # ----- data ---------------------------------------------------------------------------------------
 def test_comparisons_train_only_the_label_in_both_orders_or_a_seeded_swap(tmp_path):
-    tok = _tokenizer(shared_file("tokenizer/smollm2"))
+    tok = _tokenizer(data_file("tokenizer/smollm2"))
     rows = _rows(8) + [{"question": "Long?", "answers": {"good": "word " * 300, "bad": "No."}}]
     path = _write(tmp_path / "own.jsonl", rows)
 
@@ -329,7 +329,7 @@ def test_pairwise_preference_env_on_hh_prompts(tmp_path):
     from prefect_tinker.recipes.renderers import get_renderer
     from prefect_tinker.recipes.rl.envs import EnvContext, build_rl_evaluators
 
-    hh, tok_dir = str(shared_file("prefs/hh_rlhf_harmless_base_test.jsonl.gz")), str(shared_file("tokenizer/smollm2"))
+    hh, tok_dir = str(data_file("prefs/hh_rlhf_harmless_base_test.jsonl.gz")), str(data_file("tokenizer/smollm2"))
     with pytest.raises(ValueError, match="needs env_options.reward_model"):
         RLConfig(env="pairwise_preference", dataset=hh)
     with pytest.raises(ValueError, match="sampler_weights"):
@@ -390,7 +390,7 @@ def test_smollm2_reward_model_learns_to_answer_with_a_label(prefect_api, local_c
     from prefect_tinker.tasks.reward_model import label_logprobs
     from tinker_blocks.stores import TrainingStore
 
-    cfg = RewardModelConfig(model="smollm2", dataset=str(shared_file("prefs/hh_rlhf_harmless_base_test.jsonl.gz")),
+    cfg = RewardModelConfig(model="smollm2", dataset=str(data_file("prefs/hh_rlhf_harmless_base_test.jsonl.gz")),
                             format="dialogue", max_length=160, batch_size=2, max_steps=4, test_size=6, eval_every=0,
                             save_every=0, learning_rate=1e-3, lora_rank=8, run_name="rm-smol", store=str(tmp_path),
                             backend={"local_root": local_credentials.local_root})

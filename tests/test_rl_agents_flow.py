@@ -13,7 +13,7 @@ import pytest
 from prefect_tinker.cli.main import main as cli_main
 from prefect_tinker.recipes.rl.envs import EnvContext, EnvSpec
 from prefect_tinker.tasks.rollout_eval import env_evaluators
-from tests.conftest import shared_file
+from tests.data_files import data_file
 
 
 def _sql(capsys, store, query) -> list[dict]:
@@ -79,13 +79,13 @@ def test_tictactoe_selfplay_run_then_evaluation_against_random_and_minimax(prefe
 
 def test_calculator_and_humaneval_runs(prefect_api, local_credentials, tmp_path, capsys):
     store = tmp_path / "store"
-    gsm8k = shared_file("math/gsm8k_train.jsonl")
+    gsm8k = data_file("math/gsm8k_train.jsonl")
     m, _ = _run(capsys, local_credentials, store, "calc", "env=calculator", f"dataset={gsm8k}", "max_problems=4",
                 "max_tokens=12", "env_options.max_turns=2", groups=1)
     _has(m, "env/reward_mean", "env/tool_calls", "env/correct_rate", "env/parse_failed", "train/loss_sum")
     assert all(0.0 <= m[("env/tool_calls", s)] <= 2.0 for s in (0, 1))
 
-    humaneval = shared_file("code/humaneval.jsonl.gz")
+    humaneval = data_file("code/humaneval.jsonl.gz")
     m, _ = _run(capsys, local_credentials, store, "code", "env=humaneval", f"dataset={humaneval}", "max_problems=4",
                 "max_tokens=12", groups=1)
     _has(m, "env/reward_mean", "env/all_passed", "env/format_rate", "train/loss_sum")

@@ -228,7 +228,7 @@ def test_config_validation_and_cli_registration():
         RLConfig(group_size=2, rollout={"min_group_size": 3})
     cfg = RLConfig(loss_fn="ppo", clip_low_threshold=0.7)
     assert cfg.loss_fn_config() == {"clip_low_threshold": 0.7, "clip_high_threshold": 1.2}
-    assert RLConfig().loss_fn_config() is None and RLConfig().run_name.startswith("arithmetic-tiny-")
+    assert RLConfig().loss_fn_config() is None and RLConfig().run_name.startswith("rl-arithmetic-tiny-")
     from prefect_tinker.flows.registry import RECIPES
 
     assert RECIPES["rl"].flow == "prefect_tinker.flows.rl:rl_flow"

@@ -20,11 +20,11 @@ from prefect_tinker.recipes.rl.grading import (
     parse_number,
 )
 from prefect_tinker.recipes.rl.problem_env import Problem, ProblemGroupBuilder
-from tests.conftest import shared_file
+from tests.data_files import data_file
 
 
 def _gsm8k_lines(n: int) -> list[dict]:
-    path = shared_file("math/gsm8k_test.jsonl")
+    path = data_file("math/gsm8k_test.jsonl")
     with open(path, encoding="utf-8") as fh:
         return [json.loads(next(fh)) for _ in range(n)]
 
@@ -53,7 +53,7 @@ def test_gsm8k_reference_answers_grade_correct_and_perturbed_wrong():
 
 
 def test_load_gsm8k_problems_with_references():
-    path = shared_file("math/gsm8k_test.jsonl")
+    path = data_file("math/gsm8k_test.jsonl")
     problems = load_problems(str(path), max_problems=5)
     assert len(problems) == 5
     assert problems[0].answer == "18" and problems[0].id.endswith("gsm8k_test.jsonl:1")
@@ -89,7 +89,7 @@ def test_extraction():
 
 def test_math_env_on_own_field_names(tmp_path):
     """A JSONL of word problems with its own schema, graded through the real smollm2 renderer."""
-    tok_dir = shared_file("tokenizer/smollm2")
+    tok_dir = data_file("tokenizer/smollm2")
     rows = [
         {
             "id": 1,

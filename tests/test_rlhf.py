@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import shared_file
+from tests.data_files import data_file, synthetic_file
 
 CLI = str(Path(sys.executable).parent / "prefect-tinker")
 
@@ -68,7 +68,7 @@ def _snapshot(store, runs: tuple[str, ...]) -> dict[str, list]:
 def test_rlhf_killed_during_rl_resumes_without_redoing_sft_or_rm(prefect_api, local_credentials, tmp_path):
     from prefect.settings import PREFECT_API_URL
 
-    hh = str(shared_file("prefs/hh_rlhf_harmless_base_test.jsonl.gz"))
+    hh = str(synthetic_file("dialogues"))
     store = tmp_path / "store"
     env = dict(
         os.environ, PREFECT_API_URL=PREFECT_API_URL.value()
@@ -141,7 +141,7 @@ def test_rlhf_killed_during_rl_resumes_without_redoing_sft_or_rm(prefect_api, lo
 def test_rlhf_config_refuses_shared_fields_in_sections(tmp_path):
     from prefect_tinker.flows.rlhf import RLHFConfig
 
-    hh = str(shared_file("prefs/hh_rlhf_harmless_base_test.jsonl.gz"))
+    hh = str(synthetic_file("dialogues"))
     with pytest.raises(
         ValueError, match=r"sft\.model: set model at the top level.*rl\.load_checkpoint_path: filled in"
     ):
@@ -170,8 +170,7 @@ def test_show_config_and_hh_example_validate(recipe, capsys):
     from prefect_tinker.cli.main import main
 
     assert main(["show-config", recipe]) == 0 and "run_name" in capsys.readouterr().out
-    if not (Path(__file__).resolve().parents[2] / "shared").exists():
-        pytest.skip("the hh example reads ../shared/data")
+    data_file("prefs/hh_rlhf_harmless_base_test.jsonl.gz")  # skips where the example's data is not found
     assert main(["run", recipe, "--example", "hh", "--dry-run"]) == 0
     cfg = json.loads(capsys.readouterr().out)
     rm = cfg if recipe == "reward_model" else cfg["rm"]

@@ -14,7 +14,7 @@ import pytest
 from prefect_tinker.flows.rl import RLConfig, rl_flow
 from prefect_tinker.flows.sft import SFTConfig, sft_flow
 from prefect_tinker.recipes.data_reading import iter_records, reading_once, source_fingerprint
-from tests.conftest import shared_file
+from tests.data_files import synthetic_file
 from tinker_blocks.stores import TrainingStore
 
 
@@ -61,7 +61,7 @@ def test_reading_once_keeps_one_read_per_file(tmp_path, monkeypatch):
 
 def test_sft_run_reads_its_data_file_once_and_builds_one_store(prefect_api, local_credentials, tmp_path, monkeypatch):
     data = tmp_path / "chats.jsonl"
-    data.write_bytes(shared_file("sft/dolly_slice_messages.jsonl").read_bytes())
+    data.write_bytes(synthetic_file("chats").read_bytes())
     store = tmp_path / "store"
     config = SFTConfig(model="tiny", dataset=str(data), batch_size=4, max_steps=2, eval_every=0, save_every=2,
                        run_name="once", store=str(store), max_length=128, num_eval_samples=0,

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from prefect_tinker.recipes.sandbox import last_code_block, load_code_problems, run_tests, sandbox_problem
-from tests.conftest import shared_file
+from tests.data_files import data_file
 
 # spread over the set: string, list, math and parsing problems
 TASKS = ["HumanEval/0", "HumanEval/10", "HumanEval/32", "HumanEval/53", "HumanEval/101", "HumanEval/163"]
@@ -22,12 +22,12 @@ def problems():
         if os.environ.get("CI"):
             pytest.fail(f"the code sandbox must work in CI: {problem}")
         pytest.skip(f"the code sandbox cannot run here: {problem}")
-    by_id = {p["task_id"]: p for p in load_code_problems(shared_file("code/humaneval.jsonl.gz"))}
+    by_id = {p["task_id"]: p for p in load_code_problems(data_file("code/humaneval.jsonl.gz"))}
     return [by_id[t] for t in TASKS]
 
 
 def test_load_code_problems_reads_humaneval():
-    path = shared_file("code/humaneval.jsonl.gz")
+    path = data_file("code/humaneval.jsonl.gz")
     with gzip.open(path, "rt") as f:
         raw = [json.loads(line) for line in f]
     loaded = load_code_problems(path)

@@ -14,13 +14,14 @@ import pytest
 from prefect_tinker.flows.session import RunCallbacks, run_callbacks
 from prefect_tinker.flows.sft import SFTConfig, sft_flow
 from tinker_blocks.credentials import stop_local_server
-from tests.conftest import shared_file
+from tests.data_files import synthetic_file
+from tests.threads import Helper
 from tinker_blocks.lease import LeaseHeldError
 from tinker_blocks.stores import TrainingStore
 
 
 def _config(root, store, run_name, **kw) -> SFTConfig:
-    base = dict(model="tiny", dataset=str(shared_file("sft/dolly_slice_messages.jsonl")), batch_size=4,
+    base = dict(model="tiny", dataset=str(synthetic_file("chats")), batch_size=4,
                 learning_rate=2e-3, lora_rank=8, max_steps=6, eval_every=0, save_every=2, run_name=run_name,
                 store=str(store), max_length=128, num_eval_samples=0, backend={"local_root": str(root)})
     base.update(kw)
@@ -73,31 +74,24 @@ class _Hold(RunCallbacks):
     def after_step(self, run_id, step):
         if run_id == "twin" and step == 1:
             self.at_step.set()
-            self.release.wait(300)
+            self.release.wait(120)  # the test sets it in a finally, at most one refused run later
 
 
 def test_second_run_with_the_same_name_is_refused(prefect_api, local_credentials, tmp_path):
     store = tmp_path / "store"
     hold = _Hold()
-    first: dict = {}
-
-    def run_first():
-        try:
-            first["summary"] = sft_flow(_config(local_credentials.local_root, store, "twin", learning_rate=2e-3))
-        except BaseException as exc:  # pragma: no cover - reported below
-            first["error"] = exc
-
+    first_config = _config(local_credentials.local_root, store, "twin", learning_rate=2e-3)
     with run_callbacks(hold):
-        t = threading.Thread(target=run_first)
-        t.start()
-        assert hold.at_step.wait(600), first
+        first = Helper(sft_flow, first_config, name="first-twin")
         try:
+            # a failure (or skip) of the first run reaches the test at once; 300 s only bounds a live, slow start
+            first.wait_for(hold.at_step, timeout=300, what="step 1 of the first run")
             with pytest.raises(LeaseHeldError, match=r"twin.*(pid|held)"):
                 sft_flow(_config(local_credentials.local_root, store, "twin", learning_rate=1e-3))
         finally:
             hold.release.set()
-            t.join(600)
-    assert "error" not in first and first["summary"]["steps"] == 6
+        summary = first.join(300)
+    assert summary["steps"] == 6
     cfg = json.loads(TrainingStore(root=str(store)).get_run("twin")["config_json"])
     assert cfg["learning_rate"] == 2e-3  # the refused run wrote nothing over the first one's rows
 

@@ -10,7 +10,8 @@ from prefect import flow
 from prefect_tinker.recipes.builders import SupervisedBuilder
 from prefect_tinker.recipes.data_reading import SourceSpec
 from prefect_tinker.tasks.data import prepare_dataset
-from tests.renderer_tokenizers import TOKENIZER_DIR, needs_smollm2
+from tests.data_files import smollm2_tokenizer_dir
+from tests.renderer_tokenizers import needs_smollm2
 
 
 @needs_smollm2
@@ -27,7 +28,7 @@ def test_skipped_conversations_are_counted(prefect_api, tmp_path):
     def prep():
         builder = SupervisedBuilder(sources=[SourceSpec(path=str(path))], renderer="role_colon", max_length=64,
                                     test_size=0, seed=0)
-        return prepare_dataset(builder, str(TOKENIZER_DIR))
+        return prepare_dataset(builder, str(smollm2_tokenizer_dir()))
 
     data = prep()
     assert (data.skipped, len(data.train) + len(data.test)) == (3, 8)

@@ -13,12 +13,12 @@ from prefect_tinker.cli.main import main as cli_main
 from prefect_tinker.flows.session import RunCallbacks, run_callbacks
 from prefect_tinker.flows.sft import SFTConfig, sft_flow
 from prefect_tinker.recipes.data_pipeline import batch_at as batch_indices
-from tests.conftest import shared_file
+from tests.data_files import synthetic_file
 
 
 def _config(local_credentials, store, run_name, **kw) -> SFTConfig:
     base = dict(
-        model="tiny", dataset=str(shared_file("sft/dolly_slice_messages.jsonl")), batch_size=4,
+        model="tiny", dataset=str(synthetic_file("chats")), batch_size=4,
         learning_rate=2e-3, lora_rank=8, max_steps=8, eval_every=4, save_every=4, run_name=run_name,
         store=str(store), max_length=256, num_eval_samples=2, sample_max_tokens=16,
         backend={"local_root": local_credentials.local_root},

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from prefect_tinker.cli.show import format_example
-from tests.renderer_tokenizers import TOKENIZER_DIR, needs_smollm2
+from tests.data_files import smollm2_tokenizer_dir
+from tests.renderer_tokenizers import needs_smollm2
 
 
 class CharTokenizer:
@@ -27,7 +28,8 @@ def test_show_example_command(tmp_path, capsys):
     data = tmp_path / "d.jsonl"
     rows = [{"instruction": f"Say {w}", "output": w} for w in ("one", "two", "three")]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    args = ["show-example", str(data), "--format", "alpaca", "--tokenizer", str(TOKENIZER_DIR), "--renderer", "smollm2"]
+    args = ["show-example", str(data), "--format", "alpaca", "--tokenizer", str(smollm2_tokenizer_dir()),
+            "--renderer", "smollm2"]
     assert main([*args, "--index", "1", "--count", "2"]) == 0
     out = capsys.readouterr().out
     assert f"== {data}:2 (field 'instruction+output') | renderer smollm2 | all_assistant_messages" in out
@@ -55,7 +57,7 @@ def test_show_example_content_is_text_unless_told(tmp_path, capsys):
         "--format",
         "alpaca",
         "--tokenizer",
-        str(TOKENIZER_DIR),
+        str(smollm2_tokenizer_dir()),
         "--renderer",
         "smollm2",
         "--ids",

@@ -195,8 +195,8 @@ def test_no_partial_file_visible_to_concurrent_reader(tmp_path):
                 w.write(run_id="r1", step=step, name="loss", value=float(step))
     finally:
         stop.set()
-        t.join()
-    assert seen_errors == []
+        t.join(60)
+    assert not t.is_alive() and seen_errors == []
     assert list(tmp_path.rglob("*.tmp")) == []
     con = io.connect()
     assert con.execute("SELECT count(*) FROM metrics").fetchone()[0] == 2000

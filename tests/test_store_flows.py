@@ -72,10 +72,10 @@ def assert_compacted(server: SeaweedS3, root: str, run_id: str, before: dict[str
 
 
 def sft_config(local_credentials, store: str, run_name: str, **kw):
-    from tests.conftest import shared_file
+    from tests.data_files import synthetic_file
 
     base = dict(
-        model="tiny", dataset=str(shared_file("sft/dolly_slice_messages.jsonl")), batch_size=2,
+        model="tiny", dataset=str(synthetic_file("chats")), batch_size=2,
         learning_rate=2e-3, lora_rank=4, max_steps=3, eval_every=0, save_every=1, run_name=run_name,
         store=store, max_length=128, test_size=0.05, num_eval_samples=1, sample_max_tokens=4,
         backend={"local_root": local_credentials.local_root},

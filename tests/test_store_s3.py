@@ -21,6 +21,7 @@ import s3fs
 
 from prefect_tinker.cli import main as cli
 from tests.s3_fixtures import SeaweedS3
+from tests.threads import Helper
 from tinker_blocks import (
     CaptureStore,
     EvalStore,
@@ -156,29 +157,24 @@ def test_server_stopped_mid_run_exactly_once(tmp_path):
         root = f"s3://{bucket}/faults"
         io = ParquetStore(root, "training", storage_options=server.storage_options(), retry_seconds=60,
                           retry_max_wait=0.5)
-        n_steps, errors = 400, []
+        n_steps = 400
         progress = threading.Event()
 
         def run() -> None:
-            try:
-                with io.writer("metrics", flush_rows=20) as w:
-                    for step in range(n_steps):
-                        for name in ("train/loss", "lr"):
-                            w.write(run_id="fault", step=step, name=name, value=float(step))
-                        if step == 60:
-                            progress.set()
-                        time.sleep(0.005)
-            except BaseException as exc:  # reported below
-                errors.append(exc)
+            with io.writer("metrics", flush_rows=20) as w:
+                for step in range(n_steps):
+                    for name in ("train/loss", "lr"):
+                        w.write(run_id="fault", step=step, name=name, value=float(step))
+                    if step == 60:
+                        progress.set()
+                    time.sleep(0.005)
 
-        t = threading.Thread(target=run)
-        t.start()
-        assert progress.wait(30)
+        writer = Helper(run, name="writer")  # its failure is raised here at once
+        writer.wait_for(progress, timeout=30, what="step 60 written")
         server.kill()
         time.sleep(1.5)  # the writer keeps flushing into a dead port
         server.start()
-        t.join(90)
-        assert not t.is_alive() and errors == []
+        writer.join(90)
         rows = raw_rows(server, root, "training", "metrics")
         keys = [(r["step"], r["name"]) for r in rows]
         assert len(keys) == 2 * n_steps and len(set(keys)) == 2 * n_steps
@@ -401,7 +397,7 @@ def test_eval_and_capture_rows_validated(tmp_path):
     for value in (0.1, 0.2):
         evals.record_result("r", eval_name="e", metric="acc", value=value)
     assert evals.query("SELECT value, step FROM eval_results") == [{"value": 0.2, "step": None}]
-    assert evals.tables == ["eval_results", "eval_samples"] and caps.tables == ["captures"]
+    assert evals.tables == ["eval_results", "eval_samples"] and caps.tables == ["captures", "ratings"]
 
 
 def test_record_tasks_check_and_compact(tmp_path):

@@ -18,7 +18,7 @@ from prefect_tinker.recipes.rl.problem_env import load_renderer
 from prefect_tinker.recipes.sandbox import load_code_problems
 from prefect_tinker.recipes.tools import BM25Index
 from prefect_tinker.tasks.rollouts import run_group_rollout
-from tests.conftest import shared_file
+from tests.data_files import data_file
 from tests.scripted_policy import ScriptedSampler, tokenizer_dirs  # noqa: F401
 
 END = "<|im_end|>"
@@ -28,7 +28,7 @@ END = "<|im_end|>"
 def dolly_corpus(tmp_path_factory):
     """Documents = the Dolly slice's non-empty context passages; questions = their instructions,
     answers = the responses (written to JSONL at test time)."""
-    rows = [json.loads(line) for line in shared_file("sft/dolly_slice_messages.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in data_file("sft/dolly_slice_messages.jsonl").read_text().splitlines()]
     rows = [(i, r) for i, r in enumerate(rows, 1) if r["context"].strip()]
     root = tmp_path_factory.mktemp("dolly")
     docs, questions = root / "docs.jsonl", root / "questions.jsonl"
@@ -86,7 +86,7 @@ def test_retrieval_episode_searches_then_answers(tokenizer_dirs, dolly_corpus, t
 
 @pytest.fixture(scope="module")
 def humaneval():
-    return load_code_problems(shared_file("code/humaneval.jsonl.gz"))
+    return load_code_problems(data_file("code/humaneval.jsonl.gz"))
 
 
 def _fenced(code: str) -> str:
@@ -162,7 +162,7 @@ def test_humaneval_benchmark_graded_in_the_sandbox_by_the_eval_code_grader(human
 
     spec = BenchmarkSpec(
         name="humaneval",
-        source=str(shared_file("code/humaneval.jsonl.gz")),
+        source=str(data_file("code/humaneval.jsonl.gz")),
         limit=2,
         fields={
             "question": "prompt",
@@ -229,7 +229,7 @@ def test_collection_from_any_jsonl_by_field(dolly_corpus):
     from prefect_tinker.recipes.rl.envs.retrieval import load_collection, search_index
 
     docs, _, rows = dolly_corpus
-    source = str(shared_file("sft/dolly_slice_messages.jsonl"))
+    source = str(data_file("sft/dolly_slice_messages.jsonl"))
     collection = load_collection(source, "context", None)
     assert [d["id"] for d in collection] == [f"{source}:{i}" for i, _ in rows]
     assert [d["text"] for d in collection] == [r["context"] for _, r in rows]

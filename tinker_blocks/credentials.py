@@ -30,6 +30,7 @@ from prefect.blocks.abstract import CredentialsBlock
 from pydantic import ConfigDict, Field, SecretStr, field_validator
 
 from tinker_blocks.docs import docs_url
+from tinker_blocks.server_api import check_server_api
 from tinker_local import launcher
 from tinker_local.launcher import LocalServerError
 
@@ -197,6 +198,8 @@ class TinkerCredentials(CredentialsBlock):
         Raises:
             ValueError: hosted/remote mode without an API key (field or ``TINKER_API_KEY``), or a
                 key not starting with ``tml-``.
+            OlderServerAPIError: the server at ``base_url`` speaks an older Tinker API than the
+                installed SDK (:mod:`tinker_blocks.server_api`; a ValueError).
             LocalServerError: local mode and the server did not start or answer within
                 ``local_startup_timeout`` (the message ends with the tail of ``server.log``).
         """
@@ -208,6 +211,8 @@ class TinkerCredentials(CredentialsBlock):
                 cached = _clients.get(key)
             if cached is not None and launcher.healthy(cached[0]):
                 return cached[1]
+            if cached is not None:  # its server died: stop its session's heartbeat before a new server starts
+                _forget_clients({"base_url": cached[0]})
             info = ensure_local_server(self)
             api_key = self.api_key.get_secret_value() if self.api_key else LOCAL_API_KEY
             client = tinker.ServiceClient(base_url=info["base_url"], api_key=api_key)
@@ -218,6 +223,12 @@ class TinkerCredentials(CredentialsBlock):
         if self.ca_bundle:
             trust_ca_bundle(Path(self.ca_bundle).expanduser())
         key = self._cache_key(api_key)
+        with _clients_lock:
+            cached = _clients.get(key)
+        if cached is not None:
+            return cached[1]
+        if self.base_url:  # a self-hosted server: one line now if it speaks an older API than the SDK
+            check_server_api(self.base_url, api_key)
         with _clients_lock:
             if key not in _clients:
                 _clients[key] = (self.base_url, tinker.ServiceClient(base_url=self.base_url, api_key=api_key))
@@ -355,7 +366,7 @@ def _forget_clients(record: dict) -> None:
     """Drop and close this process's cached SDK clients of a server about to stop (``record``: its
     server.json). While it still answers, their sessions are finished (waiting at most 5 s), so that
     their heartbeats stop instead of warning, for the rest of the process, about a server that is
-    gone; the clients of a dead server finish in the background (the SDK gives up within 5 min)."""
+    gone; the clients of a dead server are closed at once, without finishing their sessions."""
     with _clients_lock:
         gone = [_clients.pop(k)[1] for k in [k for k, v in _clients.items() if v[0] == record["base_url"]]]
     answers = bool(gone) and launcher.healthy(record["base_url"])
@@ -364,6 +375,13 @@ def _forget_clients(record: dict) -> None:
         if answers:
             with contextlib.suppress(Exception):  # a hung server: the SDK goes on in its own thread
                 closing.result(timeout=5)
+        else:
+            # A dead server: the SDK would retry the finish request for minutes and heartbeat (warning every
+            # 10 s from the second minute) until then; closing the session's connection holder (tinker 0.38's
+            # ServiceClient._session_holder) ends both at once.
+            holder = getattr(client, "_session_holder", None)
+            if holder is not None:
+                holder.close()
 
 
 def stop_local_server(local_root: str | os.PathLike[str] | None = None, timeout: float = 10.0) -> bool:

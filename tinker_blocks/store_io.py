@@ -444,7 +444,7 @@ class ParquetStore:
         if data is None:
             return None
         out = self.write_part(table, run_id, data, writer_id=writer_id, seq=0)
-        self._delete_parts(table, parts)
+        self.delete_parts(table, parts)
         return out
 
     def _merged(self, table: str, parts: list[str]) -> pa.Table:
@@ -463,12 +463,22 @@ class ParquetStore:
         finally:
             con.close()
 
-    def _delete_parts(self, table: str, parts: list[str]) -> None:
+    def delete_parts(self, table: str, parts: list[str]) -> None:
+        """Delete the parts ``parts`` (paths inside the filesystem, as :meth:`write_part` returns
+        them) of ``table``: a compaction's merged inputs, or the rows of a change rolled back
+        before anyone relied on them. A part already gone is skipped.
+
+        Raises:
+            StoreError: a path outside ``table``'s folder (nothing is deleted).
+        """
+        outside = [p for p in parts if not p.startswith(self.table_dir(table) + "/")]
+        if outside:
+            raise StoreError(f"not parts of table {table!r} ({self._where()}): {outside}")
         for p in parts:
             try:
                 if self.is_local:
                     self.fs.rm_file(p)
                 else:
-                    self._remote(lambda p=p: self.fs.rm_file(p), f"deleting the compacted part {self._url(p)}")
+                    self._remote(lambda p=p: self.fs.rm_file(p), f"deleting the part {self._url(p)}")
             except FileNotFoundError:
-                pass  # already merged away by a concurrent compaction
+                pass  # already gone (merged away by a concurrent compaction)

@@ -33,9 +33,11 @@ __all__ = [
     "CHECKPOINTS_SCHEMA",
     "RUNS_SCHEMA",
     "TRAJECTORIES_SCHEMA",
+    "MODELS_SCHEMA",
     "EVAL_RESULTS_SCHEMA",
     "EVAL_SAMPLES_SCHEMA",
     "CAPTURES_SCHEMA",
+    "RATINGS_SCHEMA",
     "TRAINING_TABLES",
     "EVAL_TABLES",
     "CAPTURE_TABLES",
@@ -85,7 +87,7 @@ RUNS_SCHEMA = pa.schema(
         _f("backend", pa.string()),  # "local" | "remote" | "hosted" (free text)
         _f("lora_rank", pa.int64()),
         _f("config_json", pa.string()),  # the flow config as JSON (never secrets)
-        _f("status", pa.string()),  # "running" | "completed" | "failed"
+        _f("status", pa.string()),  # "running" | "completed" | "failed" | "interrupted"
         _TIME,  # time of this status update
         # what the run resolved (added in 0.2; null before): recipe, renderer, tokenizer_id,
         # dataset fingerprint -- compared with a resumed run's own (see prefect_tinker.flows.session)
@@ -107,6 +109,27 @@ TRAJECTORIES_SCHEMA = pa.schema(
         _f("reward", pa.float64()),  # total reward (step rewards + group reward)
         _f("advantage", pa.float64()),  # group-centred advantage used in training
         _f("metrics_json", pa.string()),  # env metrics (correct, format, ...) and logs as JSON
+        _TIME,
+    ]
+)
+
+MODELS_SCHEMA = pa.schema(
+    [  # the model registry: one row per alias change of a model line (append-only history)
+        _ROW_ID,  # random: every change is a row; the latest row of (line, alias) is the alias now
+        _RUN_ID,  # the model line (also the partition)
+        _f("line", pa.string(), False),  # model line, e.g. "assistant"
+        _f("alias", pa.string(), False),  # "champion", "candidate" or any name
+        _f("action", pa.string(), False),  # "promote" | "rollback" | "set"
+        # what a sampler is made from: tinker:// sampler path or a base model name (as eval_results.checkpoint)
+        _f("checkpoint", pa.string(), False),
+        _f("state_path", pa.string()),  # tinker://.../weights/... of the same weights (training starts), if any
+        _f("base_model", pa.string()),
+        _f("source_run", pa.string()),  # the training run the weights come from (null: a base model)
+        _f("step", pa.int64()),  # optimizer steps of the weights
+        _f("renderer", pa.string()),  # renderer the weights were trained with
+        _f("previous", pa.string()),  # checkpoint the alias held before this row (null: new alias)
+        _f("decision_json", pa.string()),  # the promotion gate's numbers, or the reason, as JSON
+        _f("flow_run_id", pa.string()),  # the Prefect flow run that changed it (null: the command line)
         _TIME,
     ]
 )
@@ -177,6 +200,21 @@ CAPTURES_SCHEMA = pa.schema(
 )
 
 
+RATINGS_SCHEMA = pa.schema(
+    [  # feedback on captured sequences: a client's rating or a judge's score
+        _ROW_ID,
+        _RUN_ID,  # capture session that received the rating
+        _f("request_id", pa.string(), False),  # captures.request_id of the rated sequence
+        _f("sequence_index", pa.int64(), False),
+        _f("source", pa.string(), False),  # "client" (POST /v1/feedback) | "judge" | any name
+        _f("rating", pa.float64(), False),  # client: +1 good, -1 bad (or any number); judge: its score
+        _f("label", pa.string()),  # the client's own word for it ("good", "thumbs-up", ...)
+        _f("comment", pa.string()),
+        _TIME,
+    ]
+)
+
+
 @dataclass(frozen=True)
 class TableSpec:
     """One table of a store.
@@ -221,6 +259,12 @@ TRAINING_TABLES: dict[str, TableSpec] = {
         natural_key=("run_id", "step", "batch_index", "group_index", "member"),
         required=("run_id", "step", "batch_index", "group_index", "member"),
     ),
+    # append-only history: random row ids, so no change replaces another
+    "models": TableSpec(
+        MODELS_SCHEMA,
+        required=("run_id", "line", "alias", "action", "checkpoint"),
+        choices={"action": ("promote", "rollback", "set")},
+    ),
 }
 
 EVAL_TABLES: dict[str, TableSpec] = {
@@ -241,6 +285,12 @@ CAPTURE_TABLES: dict[str, TableSpec] = {
         CAPTURES_SCHEMA,
         natural_key=("run_id", "request_id", "sequence_index"),
         required=("run_id", "request_id", "sequence_index"),
+    ),
+    # the latest rating per (session, sequence, source) wins
+    "ratings": TableSpec(
+        RATINGS_SCHEMA,
+        natural_key=("run_id", "request_id", "sequence_index", "source"),
+        required=("run_id", "request_id", "sequence_index", "source", "rating"),
     ),
 }
 

@@ -4,16 +4,24 @@
         --root ~/.prefect-tinker [--dtype auto|float32|bfloat16] [--device cpu|cuda] \
         [--fail-every N] [--drop-every M] [--threads T] [--sampler-workers N] \
         [--tls-cert CERT.pem --tls-key KEY.pem] [--max-models-per-user N] \
-        [--max-queued-per-user N] [--max-checkpoint-bytes-per-user B]
+        [--max-queued-per-user N] [--max-checkpoint-bytes-per-user B] \
+        [--compute-seconds-per-user-hour S] [--max-base-model-bytes B] \
+        [--max-body-bytes B] [--max-datums-per-request N] [--max-tokens-per-request N] \
+        [--max-num-samples N] [--max-sample-tokens N] \
+        [--loss-max-nodes N] [--loss-max-elements N] [--loss-time-budget S]
 
     python -m tinker_local status [--root DIR]    the server recorded in DIR/server.json (exit 1: none)
     python -m tinker_local stop [--root DIR]      stop it: SIGTERM, SIGKILL after 5 s; remove the record
     python -m tinker_local keys add NAME [--admin] [--root DIR]   print a new API key of user NAME once
     python -m tinker_local keys list [--root DIR]                  users, creation times, admin flags
     python -m tinker_local keys revoke NAME [--root DIR]           delete NAME's key (next request: 401)
+    python -m tinker_local models allow NAME|PATH [--root DIR]     let a served server with keys load it
+    python -m tinker_local models deny NAME [--root DIR]           take it off the allow-list
+    python -m tinker_local models list [--root DIR]                the allow-list
 
 A server on a non-loopback ``--host`` needs at least one key (``tinker_local.keys``); with keys,
-every caller must present one, loopback callers included.
+every caller must present one, loopback callers included, and only the base models of ``--model``
+and of the allow-list (``tinker_local.allowed_models``) may be loaded.
 
 ``status``/``stop`` act on the server that flows start in embedded-local mode
 (``TinkerCredentials(local=True)``, recorded in ``<local_root>/server.json``).
@@ -23,12 +31,15 @@ every caller must present one, loopback callers included.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from pathlib import Path
 
 from .launcher import default_root, healthy, read_record, stop_server
+from .loss_limits import GraphLimits
 from .procs import pid_alive
+from .request_limits import RequestLimits
 
 DTYPES = {"auto": "auto", "fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
 
@@ -133,6 +144,53 @@ def build_parser(prog: str = "python -m tinker_local") -> argparse.ArgumentParse
         metavar="BYTES",
         help="checkpoint bytes a user may store; saves beyond it are refused (403)",
     )
+    s.add_argument(
+        "--compute-seconds-per-user-hour",
+        type=float,
+        default=None,
+        metavar="S",
+        help="compute seconds (trainer and sampler workers) a user may use per rolling hour "
+        "(default: no limit; over it: 429 with Retry-After)",
+    )
+    s.add_argument(
+        "--max-base-model-bytes",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="bytes of base-model weights kept loaded; the least recently used are unloaded "
+        "(their adapters parked) to load another (default: half the device's memory)",
+    )
+    limits = RequestLimits()
+    for flag, default, text in (
+        ("--max-body-bytes", limits.body_bytes, "bytes of a request body, decompressed too"),
+        ("--max-datums-per-request", limits.datums, "datums of a forward / forward_backward"),
+        ("--max-tokens-per-request", limits.tokens, "tokens of a request (sampling: prompt + samples x max_tokens)"),
+        ("--max-num-samples", limits.num_samples, "num_samples of a sampling request"),
+        ("--max-sample-tokens", limits.sample_tokens, "max_tokens of a sampling request"),
+    ):
+        s.add_argument(flag, type=int, default=default, metavar="N", help=f"{text} (default {default}; over it: 413)")
+    graph = GraphLimits()
+    s.add_argument(
+        "--loss-max-nodes",
+        type=int,
+        default=graph.max_nodes,
+        metavar="N",
+        help=f"nodes of an uploaded custom loss (default {graph.max_nodes})",
+    )
+    s.add_argument(
+        "--loss-max-elements",
+        type=int,
+        default=graph.max_elements,
+        metavar="N",
+        help=f"elements of any one intermediate of a custom loss (default {graph.max_elements})",
+    )
+    s.add_argument(
+        "--loss-time-budget",
+        type=float,
+        default=graph.time_budget_s,
+        metavar="S",
+        help=f"seconds of custom-loss evaluation per request (default {graph.time_budget_s:g})",
+    )
     k = sub.add_parser("keys", help="API keys of a shared server (stored hashed in ROOT/server/api_keys.json)")
     k.add_argument(
         "--root",
@@ -147,6 +205,21 @@ def build_parser(prog: str = "python -m tinker_local") -> argparse.ArgumentParse
     ksub.add_parser("list", help="list the users that hold keys (never the keys)")
     rev = ksub.add_parser("revoke", help="delete the key of user NAME")
     rev.add_argument("name")
+    m = sub.add_parser(
+        "models", help="base models a served server with keys may load (ROOT/server/allowed_models.json)"
+    )
+    m.add_argument(
+        "--root",
+        type=Path,
+        default=None,
+        help="the server's folder (default $PREFECT_TINKER_HOME or ~/.prefect-tinker)",
+    )
+    msub = m.add_subparsers(dest="models_command", required=True)
+    allow = msub.add_parser("allow", help="allow base model NAME (preset, hub id in the local cache, or folder)")
+    allow.add_argument("name")
+    deny = msub.add_parser("deny", help="take base model NAME off the allow-list")
+    deny.add_argument("name")
+    msub.add_parser("list", help="list the allowed base models")
     for name, text in (
         ("status", "show the server recorded in ROOT/server.json (exit 1 when none runs)"),
         ("stop", "stop the server recorded in ROOT/server.json (SIGTERM, SIGKILL after 5 s)"),
@@ -233,6 +306,29 @@ def keys_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def models_command(args: argparse.Namespace) -> int:
+    """``models allow|deny|list``; 0 on success, 2 for a name that does not resolve or is not listed."""
+    from .allowed_models import ModelAllowList
+
+    root = (args.root.expanduser() if args.root else default_root()).resolve()
+    allowed = ModelAllowList(root)
+    try:
+        if args.models_command == "allow":
+            print(f"allowed base model {allowed.allow(args.name)!r} (in {allowed.path})")
+        elif args.models_command == "deny":
+            print(f"denied base model {allowed.deny(args.name)!r} (in {allowed.path})")
+        else:
+            for name, rec in allowed.names().items():
+                print(f"{name}\tadded {rec.get('added', '?')}")
+    except KeyError as e:
+        print(f"error: {e.args[0]}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # UnknownModelError: the name does not resolve to a model
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def port_unavailable(host: str, port: int) -> str | None:
     """Why ``host:port`` cannot be listened on (e.g. ``"[Errno 98] Address already in use"``), or None.
 
@@ -257,6 +353,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m tinker_local") ->
         return status_or_stop(args.command, args.root)
     if args.command == "keys":
         return keys_command(args)
+    if args.command == "models":
+        return models_command(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
         if args.sampler_workers < 0 or (args.threads is not None and args.threads < 1):
@@ -272,9 +370,27 @@ def main(argv: list[str] | None = None, prog: str = "python -m tinker_local") ->
             if f is not None and not f.is_file():
                 print(f"error: {flag}: no such file {f}", file=sys.stderr)
                 return 2
-        for flag in ("max_models_per_user", "max_queued_per_user", "max_checkpoint_bytes_per_user"):
-            if getattr(args, flag) is not None and getattr(args, flag) < 1:
-                print(f"error: --{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}", file=sys.stderr)
+        for flag in (
+            "max_models_per_user",
+            "max_queued_per_user",
+            "max_checkpoint_bytes_per_user",
+            "compute_seconds_per_user_hour",
+            "max_base_model_bytes",
+            "max_body_bytes",
+            "max_datums_per_request",
+            "max_tokens_per_request",
+            "max_num_samples",
+            "max_sample_tokens",
+            "loss_max_nodes",
+            "loss_max_elements",
+            "loss_time_budget",
+        ):
+            least = 0.001 if flag in ("loss_time_budget", "compute_seconds_per_user_hour") else 1
+            if getattr(args, flag) is not None and getattr(args, flag) < least:
+                print(
+                    f"error: --{flag.replace('_', '-')} must be >= {least:g}, got {getattr(args, flag)}",
+                    file=sys.stderr,
+                )
                 return 2
         busy = port_unavailable(args.host, args.port)
         if busy:  # before loading any model (seconds to minutes), not after
@@ -313,7 +429,26 @@ def main(argv: list[str] | None = None, prog: str = "python -m tinker_local") ->
                 sampler_workers=args.sampler_workers,
                 tls_cert=args.tls_cert,
                 tls_key=args.tls_key,
-                limits=Limits(args.max_models_per_user, args.max_queued_per_user, args.max_checkpoint_bytes_per_user),
+                limits=Limits(
+                    args.max_models_per_user,
+                    args.max_queued_per_user,
+                    args.max_checkpoint_bytes_per_user,
+                    args.compute_seconds_per_user_hour,
+                ),
+                request_limits=RequestLimits(
+                    args.max_body_bytes,
+                    args.max_datums_per_request,
+                    args.max_tokens_per_request,
+                    args.max_num_samples,
+                    args.max_sample_tokens,
+                ),
+                graph_limits=dataclasses.replace(
+                    GraphLimits(),
+                    max_nodes=args.loss_max_nodes,
+                    max_elements=args.loss_max_elements,
+                    time_budget_s=args.loss_time_budget,
+                ),
+                max_base_model_bytes=args.max_base_model_bytes,
             )
         except InsecureBind as e:
             print(f"error: {e}", file=sys.stderr)

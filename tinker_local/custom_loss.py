@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import operator
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,10 +36,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .loss_limits import PROBE_K, PROBE_T, GraphLimitError, GraphLimits, Meter, predict
 from .outcomes import UserError
 
-MAX_NODES = 4096
 MAX_INPUTS = 16
+MAX_ARG_DEPTH = 16  # nesting of one node's arguments (lists, tuples, dicts, slices)
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 _INPUT_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,63}$")
 _METRIC_KEY = re.compile(r"^custom/[a-z0-9_./-]{1,64}:(sum|mean)$")
@@ -169,22 +171,25 @@ class _Device:
     """An encoded ``torch.device``: replaced by the device the loss runs on."""
 
 
-def _decode(where: str, v: Any) -> Any:
+def _decode(where: str, v: Any, depth: int = 0) -> Any:
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
+    if depth >= MAX_ARG_DEPTH:
+        raise CustomLossError(f"{where}: arguments nested more than {MAX_ARG_DEPTH} levels deep")
+    depth += 1
     if isinstance(v, list):
-        return [_decode(where, x) for x in v]
+        return [_decode(where, x, depth) for x in v]
     if not isinstance(v, dict) or len(v) != 1:
         raise CustomLossError(f"{where}: cannot decode argument {str(v)[:80]!r}")
     ((key, x),) = v.items()
     if key == "ref" and isinstance(x, str):
         return Ref(x)
     if key == "tuple" and isinstance(x, list):
-        return tuple(_decode(where, a) for a in x)
+        return tuple(_decode(where, a, depth) for a in x)
     if key == "dict" and isinstance(x, dict):
-        return {str(k): _decode(where, a) for k, a in x.items()}
+        return {str(k): _decode(where, a, depth) for k, a in x.items()}
     if key == "slice" and isinstance(x, list) and len(x) == 3:
-        return slice(*(_decode(where, a) for a in x))
+        return slice(*(_decode(where, a, depth) for a in x))
     if key == "ellipsis" and x is True:
         return Ellipsis
     if key == "float" and x in ("inf", "-inf", "nan"):
@@ -223,23 +228,78 @@ class _Node:
     kwargs: dict
 
 
+def _method(name: str) -> Callable[..., Any]:
+    """``self.<name>(*args, **kwargs)`` of an allowed tensor method, as a plain callable."""
+
+    def call(self_arg: Any, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(self_arg, torch.Tensor):
+            raise CustomLossError(f"method {name!r} called on a {type(self_arg).__name__}")
+        return getattr(self_arg, name)(*args, **kwargs)
+
+    return call
+
+
 @dataclass
 class CompiledLoss:
-    """A validated loss: ``inputs`` = [(name, rank)] with logprobs first; run with ``bind``."""
+    """A validated loss: ``inputs`` = [(name, rank)] with logprobs first; run with ``bind``;
+    ``limits``: the bounds every request's evaluation is held to (``tinker_local.loss_limits``)."""
 
     name: str
     inputs: list[tuple[str, int]]
     nodes: list[_Node]
     loss_ref: Any
     metric_refs: dict[str, Any]
+    limits: GraphLimits = GraphLimits()
 
     def bind(self, n_datums: int) -> BoundLoss:
+        """This loss for one request of ``n_datums`` datums; its time budget starts now."""
         return BoundLoss(self, n_datums)
 
 
-def compile_graph(name: str, inputs: Any, graph: Any) -> CompiledLoss:
-    """Validate an uploaded ``CreateCustomLossRequest`` (its ``name``, ``inputs`` and ``graph``)
-    and rebuild it from the allow-list.  Raises ``CustomLossError`` naming what is refused."""
+def _probe(loss: CompiledLoss) -> None:
+    """Walk the graph once on ``meta`` inputs of probe shapes (``loss_limits.PROBE_T`` tokens,
+    ``PROBE_K`` columns), checking every node's predicted output against ``loss.limits``: a graph
+    whose growth does not depend on the data is refused here, at upload.  A node the prediction
+    cannot follow (a dtype or shape error at these shapes) leaves its dependents unchecked until a
+    request runs them at their real shapes."""
+    meta = torch.device("meta")
+    env: dict[str, Any] = {}
+    unknown: set[str] = set()
+    meter = Meter(loss.limits, f"custom loss {loss.name!r}")
+    for iname, rank in loss.inputs:
+        env[iname] = torch.empty((PROBE_T, PROBE_K)[:rank], device=meta)
+    for node in loss.nodes:
+        if node.op == "placeholder":
+            continue
+        if set(_refs([node.args, node.kwargs])) & unknown or node.fn is None:
+            unknown.add(node.name)
+            continue
+        where = f"custom loss {loss.name!r}, node {node.name} ({node.target})"
+        try:
+            value = predict(
+                node.target,
+                node.fn,
+                _resolve(node.args, env, meta),
+                _resolve(node.kwargs, env, meta),
+                loss.limits,
+                where,
+                fast=False,
+            )
+        except (GraphLimitError, CustomLossError):
+            raise
+        except Exception:  # not predictable at probe shapes: checked per request
+            unknown.add(node.name)
+            continue
+        meter.add(value, where)
+        env[node.name] = value
+
+
+def compile_graph(name: str, inputs: Any, graph: Any, limits: GraphLimits | None = None) -> CompiledLoss:
+    """Validate an uploaded ``CreateCustomLossRequest`` (its ``name``, ``inputs`` and ``graph``),
+    rebuild it from the allow-list and check it against ``limits`` (default ``GraphLimits()``) at
+    probe shapes.  Raises ``CustomLossError`` naming what is refused (a ``GraphLimitError`` names
+    the limit)."""
+    limits = limits or GraphLimits()
     who = f"custom loss {str(name)[:64]!r}"
     if not isinstance(inputs, list) or not 1 <= len(inputs) <= MAX_INPUTS:
         raise CustomLossError(f"{who}: 'inputs' must list 1 to {MAX_INPUTS} inputs, logprobs first")
@@ -254,8 +314,10 @@ def compile_graph(name: str, inputs: Any, graph: Any) -> CompiledLoss:
     if not isinstance(graph, dict) or graph.get("format", 1) != 1 or not isinstance(graph.get("nodes"), list):
         raise CustomLossError(f"{who}: graph must be {{format: 1, nodes: [...]}}")
     raw = graph["nodes"]
-    if not raw or len(raw) > MAX_NODES:
-        raise CustomLossError(f"{who}: graph must have 1 to {MAX_NODES} nodes, got {len(raw)}")
+    if not raw or len(raw) > limits.max_nodes:
+        raise CustomLossError(
+            f"{who}: graph must have 1 to {limits.max_nodes} nodes (node limit; serve --loss-max-nodes), got {len(raw)}"
+        )
     nodes: list[_Node] = []
     seen: set[str] = set()
     placeholders: list[str] = []
@@ -304,6 +366,7 @@ def compile_graph(name: str, inputs: Any, graph: Any) -> CompiledLoss:
                 )
             if not args or not isinstance(args[0], Ref):
                 raise CustomLossError(f"{where}: method {target!r} must be called on a node's value")
+            fn = _method(target)
         elif op == "output":
             output = args
         else:
@@ -324,7 +387,16 @@ def compile_graph(name: str, inputs: Any, graph: Any) -> CompiledLoss:
             raise CustomLossError(
                 f"{who}: metric {key!r} must be named custom/<name>:sum or custom/<name>:mean and be a tensor"
             )
-    return CompiledLoss(str(name), ins, [n for n in nodes if n.op != "output"], loss_ref, metrics)
+    compiled = CompiledLoss(str(name), ins, [n for n in nodes if n.op != "output"], loss_ref, metrics, limits)
+    try:
+        _probe(compiled)
+    except GraphLimitError as e:
+        raise CustomLossError(str(e)) from None
+    except CustomLossError as e:
+        raise CustomLossError(f"{who}: {e}") from None
+    except RecursionError:
+        raise CustomLossError(f"{who}: arguments nested too deeply") from None
+    return compiled
 
 
 # -- running --------------------------------------------------------------------------------------
@@ -351,35 +423,23 @@ class BoundLoss:
     def __init__(self, loss: CompiledLoss, n_datums: int):
         self.loss = loss
         self._metrics: list[dict[str, float] | None] = [None] * n_datums
+        self.meter = Meter(loss.limits, f"custom loss {loss.name!r}")
 
     def __call__(self, lp: torch.Tensor, inputs: dict[str, Any], cfg: dict) -> torch.Tensor:
+        """Datum ``inputs["__index__"]``'s scalar loss.  Before each node runs, its output is
+        predicted from its real inputs and checked against the loss's ``GraphLimits``, and the
+        request's time budget is checked; CustomLossError names the datum, the node and the limit
+        (or what the node raised)."""
         i = inputs["__index__"]
         env: dict[str, Any] = {"logprobs": lp}
         for iname, _ in self.loss.inputs[1:]:
             env[iname] = inputs[iname]
         who = f"custom loss {self.loss.name!r}, datum {i}"
-        for node in self.loss.nodes:
-            if node.op == "placeholder":
-                continue
-            args = _resolve(node.args, env, lp.device)
-            kwargs = _resolve(node.kwargs, env, lp.device)
-            try:
-                if node.op == "call_function":
-                    if node.fn is None:  # compile_graph resolves every call_function node
-                        raise CustomLossError(f"function {node.target!r} was not resolved")
-                    value = node.fn(*args, **kwargs)
-                else:
-                    self_arg = args[0]
-                    if not isinstance(self_arg, torch.Tensor):
-                        raise CustomLossError(f"method {node.target!r} called on a {type(self_arg).__name__}")
-                    value = getattr(self_arg, node.target)(*args[1:], **kwargs)
-            except CustomLossError as e:
-                raise CustomLossError(f"{who}, node {node.name}: {e}") from None
-            except Exception as e:
-                raise CustomLossError(
-                    f"{who}, node {node.name} ({node.target}) failed: {type(e).__name__}: {e}"
-                ) from None
-            env[node.name] = value
+        t0 = time.monotonic()
+        try:
+            self._evaluate(env, lp.device, who, t0)
+        finally:
+            self.meter.spent += time.monotonic() - t0
         loss = env[self.loss.loss_ref.name]
         if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
@@ -390,6 +450,39 @@ class BoundLoss:
             out[key] = float(v.detach().reshape(()).item()) if isinstance(v, torch.Tensor) else float(v)
         self._metrics[i] = out
         return loss
+
+    def _evaluate(self, env: dict[str, Any], device: torch.device, who: str, t0: float) -> None:
+        """Run the graph's nodes into ``env`` (see ``__call__``); ``t0``: when this datum's
+        evaluation started (time budget)."""
+        meter = self.meter
+        for node in self.loss.nodes:
+            if node.op == "placeholder":
+                continue
+            args = _resolve(node.args, env, device)
+            kwargs = _resolve(node.kwargs, env, device)
+            where = f"{who}, node {node.name} ({node.target})"
+            try:
+                meter.check_time(t0)
+                if node.fn is None:  # compile_graph resolves every node
+                    raise CustomLossError(f"{node.op} {node.target!r} was not resolved")
+                try:
+                    predicted = predict(node.target, node.fn, args, kwargs, self.loss.limits, where)
+                except GraphLimitError:
+                    raise
+                except Exception:  # not predictable: the real call raises, or is checked after it ran
+                    predicted = None
+                if predicted is not None:
+                    meter.add(predicted, where)
+                value = node.fn(*args, **kwargs)
+                if predicted is None:
+                    meter.add(value, where)
+            except GraphLimitError as e:
+                raise CustomLossError(str(e)) from None
+            except CustomLossError as e:
+                raise CustomLossError(f"{who}, node {node.name}: {e}") from None
+            except Exception as e:
+                raise CustomLossError(f"{where} failed: {type(e).__name__}: {e}") from None
+            env[node.name] = value
 
     def prepare(
         self, i: int, raw_inputs: dict[str, np.ndarray], target: torch.Tensor, device: torch.device

@@ -126,8 +126,8 @@ class Engine(SamplingMixin):
         """Drop ``model_id`` (its adapter and optimizer state); checkpoints on disk stay."""
         with self._lock:
             st = self._train(model_id)
-            b = self._bases[st.base_key]
-            if st.adapter in b.resident:
+            b = self._bases.get(st.base_key)  # an unloaded base model holds no adapter
+            if b is not None and st.adapter in b.resident:
                 del b.resident[st.adapter]
                 remove_adapter(b.peft, st.adapter)
                 b.active = None
@@ -145,7 +145,7 @@ class Engine(SamplingMixin):
         EngineUserError if the id is unknown."""
         with self._lock:
             st = self._train(model_id)
-            b = self._bases[st.base_key]
+            b = self._loaded(st.base_key)
             return {
                 "model_id": model_id,
                 "base_model": st.base_name,
@@ -194,7 +194,7 @@ class Engine(SamplingMixin):
     def _run(self, model_id, datums, loss_fn, loss_fn_config, backward: bool) -> FwdResult:
         with self._lock:
             st = self._train(model_id)
-            b = self._bases[st.base_key]
+            b = self._loaded(st.base_key)
             custom = callable(loss_fn)  # a per-datum loss object (tinker_local.custom_loss)
             fn = loss_fn if custom else get_loss_fn(loss_fn)
             cfg = dict(loss_fn_config or {})
@@ -225,19 +225,33 @@ class Engine(SamplingMixin):
             total = 0.0
             budget = self.max_batch_tokens or max(256, min(16384, 2**27 // max(spec.vocab_size, 1)))
             packed = self.packing and self._packs(b)
-            for mb in self._layout(b, [p[0] for p in prepared], budget, packed):
-                with torch.set_grad_enabled(backward):
-                    if packed:
-                        items, lps = self._packed_logprobs(b, mb, prepared)
-                    else:
-                        items = [row[0] for row in mb]
-                        lps = self._logprobs(b, [prepared[i] for i in items])
-                    loss = sum(fn(lp, prepared[i][2], cfg) for i, lp in zip(items, lps, strict=True))
-                    if backward and isinstance(loss, torch.Tensor) and loss.requires_grad:
-                        loss.backward()
-                for i, lp in zip(items, lps, strict=True):
-                    outputs[i] = {"logprobs": lp.detach().float().cpu().numpy()}
-                total += float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+            groups = self._layout(b, [p[0] for p in prepared], budget, packed)
+            # a custom loss may fail in a later micro-batch (a limit, a node that raises): the
+            # gradients of the earlier ones are then taken back, so a failed request adds none
+            saved = (
+                {k: None if p.grad is None else p.grad.clone() for k, p in st.params.items()}
+                if backward and custom and len(groups) > 1
+                else None
+            )
+            try:
+                for mb in groups:
+                    with torch.set_grad_enabled(backward):
+                        if packed:
+                            items, lps = self._packed_logprobs(b, mb, prepared)
+                        else:
+                            items = [row[0] for row in mb]
+                            lps = self._logprobs(b, [prepared[i] for i in items])
+                        loss = sum(fn(lp, prepared[i][2], cfg) for i, lp in zip(items, lps, strict=True))
+                        if backward and isinstance(loss, torch.Tensor) and loss.requires_grad:
+                            loss.backward()
+                    for i, lp in zip(items, lps, strict=True):
+                        outputs[i] = {"logprobs": lp.detach().float().cpu().numpy()}
+                    total += float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+            except Exception:
+                if saved is not None:
+                    for k, p in st.params.items():
+                        p.grad = saved[k]
+                raise
             return FwdResult(outputs=outputs, metrics={"loss:sum": total})
 
     def _layout(self, b: BaseModelState, tokens: list[list[int]], budget: int, packed: bool) -> list[list[list]]:
@@ -427,7 +441,7 @@ class Engine(SamplingMixin):
             st.step = int(meta.get("step", 0)) if with_optimizer else 0
 
     def _write_ckpt(self, st: TrainingState, kind: str, name: str, with_optimizer: bool) -> Path:
-        b = self._bases[st.base_key]
+        b = self._loaded(st.base_key)
         cfg = st.config.to_dict()
         cfg["base_model_name_or_path"] = b.spec.model_dir or b.spec.name
         meta = {

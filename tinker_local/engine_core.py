@@ -10,6 +10,12 @@ against 0.07 s for the second (``tiny``).  So at most ``Engine.max_resident_adap
 adapters stay injected per base model (least recently used go, like sampler adapters); the
 parameters of one that goes, its AdamW state and pending gradients stay with its
 ``TrainingState``, and it is injected again, with those very parameter objects, when next used.
+
+Base models themselves are bounded by ``Engine.max_base_bytes`` (None: no bound): when loading one
+would take the loaded ones' parameter and buffer bytes over it, the least recently used others are
+unloaded first; their training adapters are parked as above (``TrainingState`` keeps parameters,
+AdamW state and gradients) and injected again, with the adapter names they had, when the base model
+is next used, which loads it again (a few seconds for SmolLM2 from its cache directory).
 """
 
 from __future__ import annotations
@@ -131,8 +137,13 @@ class EngineCore:
         self.share_prefixes = os.environ.get("TINKER_LOCAL_SHARE_PREFIXES", "on").lower() not in _OFF
         # training adapters kept injected per base model (see the module docstring)
         self.max_resident_adapters = MAX_RESIDENT_ADAPTERS
+        # bytes of loaded base models (parameters and buffers) before the least recently used go
+        self.max_base_bytes: int | None = None
         self._lock = threading.RLock()
-        self._bases: dict[str, BaseModelState] = {}
+        self._bases: OrderedDict[str, BaseModelState] = OrderedDict()  # least recently used first
+        self._base_names: dict[str, str] = {}  # canonical name -> a name it was loaded by
+        self._counters: dict[str, int] = {}  # canonical name -> adapters named so far (kept across unloads)
+        self.base_loads: dict[str, int] = {}  # canonical name -> times loaded (GET local_stats)
         self._models: dict[str, TrainingState] = {}
         try:
             from transformers.utils import logging as hf_logging
@@ -186,11 +197,12 @@ class EngineCore:
         spec = resolve_model(base_model, self.root / "models")
         b = self._bases.get(spec.name)
         if b is None:
-            model, tok = spec.load()
+            model, tok = spec.load()  # on the CPU: room is made on the device before it moves there
             for p in model.parameters():
                 p.requires_grad_(False)
             wdtype = torch.bfloat16 if self.weights_dtype == "bf16" else torch.float32
-            to_weights_dtype(model, wdtype)
+            to_weights_dtype(model, wdtype)  # before counting its bytes: they are the compute dtype's
+            self._make_room(_model_bytes(model), spec.name)
             model.to(self.device).eval()
             attn = choose_attn_implementation(self.device, wdtype)
             if getattr(model.config, "_attn_implementation", None) != attn:
@@ -215,7 +227,40 @@ class EngineCore:
                 self.weights_dtype,
                 b.attn_implementation,
             )
+            b.counter = self._counters.get(spec.name, 0)
+            self._base_names[spec.name] = base_model
+            self.base_loads[spec.name] = self.base_loads.get(spec.name, 0) + 1
+        self._bases.move_to_end(spec.name)
         return b
+
+    def _loaded(self, key: str) -> BaseModelState:
+        """The base model of canonical name ``key`` (a training model's ``base_key``), loaded again
+        when it was unloaded to make room."""
+        b = self._bases.get(key)
+        if b is None:
+            return self._base(self._base_names[key])
+        self._bases.move_to_end(key)
+        return b
+
+    def _make_room(self, incoming: int, name: str) -> None:
+        """Unload least recently used base models until ``incoming`` more bytes fit within
+        ``max_base_bytes`` (their training adapters stay parked in their ``TrainingState``)."""
+        if self.max_base_bytes is None:
+            return
+        while self._bases and sum(_model_bytes(b.model) for b in self._bases.values()) + incoming > self.max_base_bytes:
+            old, b = self._bases.popitem(last=False)
+            self._counters[old] = b.counter
+            b.peft = b.model = None
+            logger.info("unloaded base model %s to make room for %s (--max-base-model-bytes)", old, name)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def resident_bases(self) -> dict[str, dict[str, int]]:
+        """Loaded base models (least recently used first): ``{name: {"bytes", "loads"}}``."""
+        with self._lock:
+            return {
+                k: {"bytes": _model_bytes(b.model), "loads": self.base_loads.get(k, 0)} for k, b in self._bases.items()
+            }
 
     def _media(self, b: BaseModelState):
         """The media the base model accepts (``tinker_local.media.Support``; None: text only)."""
@@ -263,6 +308,12 @@ class EngineCore:
         b.peft = add_adapter(b.peft, b.model, name, config, seed, self.device)
         b.resident[name] = None
         b.active = None
+
+
+def _model_bytes(model: Any) -> int:
+    """Bytes of a model's parameters and buffers."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def new_adamw(params: dict[str, torch.nn.Parameter]) -> torch.optim.AdamW:

@@ -22,10 +22,11 @@ class HttpError(Exception):
     SDK raises its user-category status errors, e.g. ``NotFoundError`` / 404,
     ``UnprocessableEntityError`` / 422, without retrying)."""
 
-    def __init__(self, status: int, detail: str):
+    def __init__(self, status: int, detail: str, headers: dict[str, str] | None = None):
         super().__init__(detail)
         self.status = status
         self.detail = detail
+        self.headers = headers  # extra response headers (e.g. Retry-After of a 429)
 
 
 def required_field(body: dict[str, Any], key: str, endpoint: str) -> Any:

@@ -31,6 +31,10 @@ thread per worker process, so sampling overlaps training).  Batching works there
 thread of an executor lingers at a time, so concurrent requests still share a batch.  Without
 side executors (the default) everything runs on the one compute thread.
 
+Compute per user: each job's wall seconds on its thread (a batch's split evenly over its jobs) are
+added to its user's totals (``user_totals``) and kept for the last hour (``usage``: the per-user
+compute quota of ``tinker_local.tenancy`` and ``GET local_stats``).
+
 Results are ``Outcome``s (``tinker_local.outcomes``: JSON dicts, protobuf bytes, or an error
 with category "user" | "server").  A result is kept ``RESULT_TTL_S`` seconds, or
 ``RETRIEVED_TTL_S`` after it was first delivered (re-polls after a lost response still find it).
@@ -121,6 +125,8 @@ class FutureStore:
         self._thread: threading.Thread | None = None
         self.running: Job | None = None
         self._last_user: str | None = None  # whose job the compute thread took last (round-robin)
+        self._totals: dict[str, dict[str, float]] = {}  # user -> {"jobs", "compute_s"} since start
+        self._recent: dict[str, deque[tuple[float, float]]] = {}  # user -> (monotonic second, seconds)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None) -> None:
@@ -283,6 +289,45 @@ class FutureStore:
             n = sum(1 for j in jobs if j.user == user)
             return n + (1 if self.running is not None and self.running.user == user else 0)
 
+    def user_totals(self) -> dict[str, dict[str, float]]:
+        """user -> ``{"jobs": jobs run, "compute_s": their wall seconds}`` since start."""
+        with self._cv:
+            return {u: dict(t) for u, t in self._totals.items()}
+
+    def usage(self, user: str, window_s: float, cap: float | None) -> tuple[float, float]:
+        """(compute seconds of ``user``'s jobs that ended in the last ``window_s`` seconds, seconds
+        until that falls below ``cap`` as the window moves on; 0 when it is below already)."""
+        now = time.monotonic()
+        with self._cv:
+            recent = self._recent.get(user)
+            if not recent:
+                return 0.0, 0.0
+            while recent and recent[0][0] < now - window_s:
+                recent.popleft()
+            used = sum(s for _, s in recent)
+            left, wait = used, 0.0
+            if cap is not None:
+                for end, s in recent:
+                    if left < cap:
+                        break
+                    left -= s
+                    wait = end + window_s - now
+            return used, max(0.0, wait)
+
+    def _charge_locked(self, jobs: list[Job], t0: float) -> None:
+        now = time.monotonic()
+        share = (now - t0) / len(jobs)
+        for j in jobs:
+            t = self._totals.setdefault(j.user, {"jobs": 0, "compute_s": 0.0})
+            t["jobs"] += 1
+            t["compute_s"] += share
+            recent = self._recent.setdefault(j.user, deque())
+            second = float(int(now))  # one entry per user and second: an hour holds at most 3600
+            if recent and recent[-1][0] == second:
+                recent[-1] = (second, recent[-1][1] + share)
+            else:
+                recent.append((second, share))
+
     # -- compute thread --------------------------------------------------------------------------
     def _purge_locked(self) -> None:
         now = time.time()
@@ -353,9 +398,11 @@ class FutureStore:
                 jobs = self._collect_batch_locked(job) if job.batch_key is not None else [job]
                 self.running = job
                 self.stats["jobs"] += len(jobs)
+            t0 = time.monotonic()
             outcomes = self._execute_batch(jobs) if job.batch_key is not None else [_execute(job)]
             with self._cv:
                 self.running = None
+                self._charge_locked(jobs, t0)
                 recs = [self._records.get(j.request_id) for j in jobs]
             for rec, outcome in zip(recs, outcomes, strict=True):
                 if rec is not None:
@@ -381,8 +428,10 @@ class FutureStore:
                 else:
                     jobs = [job]
                 self.stats["jobs"] += len(jobs)
+            t0 = time.monotonic()
             outcomes = self._execute_batch(jobs) if job.batch_key is not None else [_execute(job)]
             with self._cv:
+                self._charge_locked(jobs, t0)
                 recs = [self._records.get(j.request_id) for j in jobs]
             for rec, outcome in zip(recs, outcomes, strict=True):
                 if rec is not None:

@@ -25,17 +25,23 @@ logger = logging.getLogger("tinker_local.server")
 QUIET_ROUTES = ("/retrieve_future", "/session_heartbeat", "/healthz", "/telemetry", "/client/dynamic_config")
 
 
+async def _no_body():
+    return {"type": "http.request", "body": b"", "more_body": False}
+
+
 class AuthCountLog:
     """Pure ASGI middleware (a ``BaseHTTPMiddleware`` costs several ms per request on a busy
     loop): authentication (not for healthz; see ``authenticate``) setting ``tenancy.CURRENT``
-    for the request, per-route request counts, the access log (debug level for polls; never a
-    key), and the count of ``asample`` requests being received (the sampling batcher waits for
-    them)."""
+    for the request, the body size bound (``max_body_bytes``: a longer body, by its
+    Content-Length or as it streams in, is answered 413 before a handler reads it), per-route
+    request counts, the access log (debug level for polls; never a key), and the count of
+    ``asample`` requests being received (the sampling batcher waits for them)."""
 
-    def __init__(self, app, service: LocalService, keys: KeyStore):
+    def __init__(self, app, service: LocalService, keys: KeyStore, max_body_bytes: int | None = None):
         self.app = app
         self.svc = service
         self.keys = keys
+        self.max_body_bytes = max_body_bytes
 
     def authenticate(self, scope) -> Principal | JSONResponse:
         """The caller of ``scope``, or the refusal to answer: 401 for a missing, unknown or revoked
@@ -101,6 +107,17 @@ class AuthCountLog:
         if sampling:
             self.svc.store.incoming(+1)
         try:
+            if self.max_body_bytes is not None and path.startswith(API):
+                receive = await self._bounded_body(scope, receive)
+                if receive is None:
+                    too_large = JSONResponse(
+                        {
+                            "detail": f"request limit: {scope['method']} {path}: the body is over the limit of "
+                            f"{self.max_body_bytes} bytes (serve --max-body-bytes)"
+                        },
+                        status_code=413,
+                    )
+                    return await too_large(scope, _no_body, send_status)
             await self.app(scope, receive, send_status)
         finally:
             if sampling:
@@ -119,3 +136,37 @@ class AuthCountLog:
             )
             if token is not None:
                 CURRENT.reset(token)
+
+    async def _bounded_body(self, scope, receive):
+        """Read the request body (at most ``max_body_bytes``) and return a ``receive`` that replays
+        it; None when it is longer (by its Content-Length, before reading, or as it arrives)."""
+        limit = self.max_body_bytes or 0
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            try:
+                if int(length) > limit:
+                    return None
+            except ValueError:
+                return None
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away: let the app see it
+                break
+            body = message.get("body", b"")
+            size += len(body)
+            if size > limit:
+                return None
+            chunks.append(body)
+            more = message.get("more_body", False)
+        data = b"".join(chunks)
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": data, "more_body": False}
+            return await receive()
+
+        return replay

@@ -10,6 +10,10 @@ never stored, logged or recorded.
 
 A running server re-reads the file when its modification time changes, so ``keys add`` / ``keys
 revoke`` take effect on the next request without a restart.
+
+The names the server uses itself (``tinker_local.tenancy.RESERVED_USERS``: ``local``, the one user
+of a server without keys) cannot be given to a key, in any letter case; an entry with such a name
+written into the file by hand is ignored (logged once), so its key is refused like an unknown one.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import os
 import re
 import secrets
@@ -24,6 +29,10 @@ import threading
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+
+from .tenancy import RESERVED_USERS
+
+logger = logging.getLogger("tinker_local.server")
 
 KEY_PREFIX = "tml-"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
@@ -46,6 +55,11 @@ class KeyEntry:
 def keys_file(root: Path | str) -> Path:
     """Where the server rooted at ``root`` keeps its key hashes."""
     return Path(root) / "server" / "api_keys.json"
+
+
+def reserved(name: str) -> bool:
+    """Whether ``name`` is one the server uses itself (no key may take it)."""
+    return name.lower() in RESERVED_USERS
 
 
 def _digest(key: str) -> str:
@@ -74,8 +88,13 @@ class KeyStore:
         if not isinstance(entries, dict):
             raise ValueError(f"{self.path}: expected a JSON object of name -> key record")
         self._entries = entries
+        for n in entries:
+            if reserved(n):
+                logger.warning("%s: ignoring the key named %r: the server uses that name itself", self.path, n)
         self._by_digest = {
-            e["sha256"]: KeyEntry(n, e.get("created", ""), bool(e.get("admin"))) for n, e in entries.items()
+            e["sha256"]: KeyEntry(n, e.get("created", ""), bool(e.get("admin")))
+            for n, e in entries.items()
+            if not reserved(n)
         }
         self._stamp = stamp
 
@@ -117,12 +136,15 @@ class KeyStore:
 
         Raises:
             KeyStoreError: ``name`` is not 1-64 characters of letters, digits, ``_.-`` (first a letter
-                or digit), or already has a key (revoke it first).
+                or digit), is a name the server uses itself (``local``), or already has a key (revoke
+                it first).
         """
         if not NAME_RE.match(name):
             raise KeyStoreError(
                 f"key name {name!r}: use 1-64 letters, digits, '_', '.', '-' (starting with a letter or digit)"
             )
+        if reserved(name):
+            raise KeyStoreError(f"key name {name!r} is reserved: the server uses it itself; pick another name")
         key = KEY_PREFIX + secrets.token_urlsafe(32)
         with self._lock:
             self._refresh_locked()

@@ -46,6 +46,8 @@ logger = logging.getLogger(__name__)
 TINY_NAME = "tiny"
 SMOLLM2_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SMOLLM2_ALIASES = ("smollm2", SMOLLM2_NAME)
+#: the presets built in code with random weights (no pretraining): their samples are not text
+RANDOM_INIT_PRESETS = (TINY_NAME, *MEDIA_PRESETS)
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _TINY_FORMAT = 1  # bump when the tiny recipe changes; an old cache is rebuilt
 _MARKER = "tinker_local_preset.json"

@@ -23,6 +23,10 @@ from tinker.proto import tinker_public_pb2 as pb
 from .datatypes import MediaChunk
 
 
+class BodyTooLarge(ValueError):
+    """A request body that decompresses to more than the server accepts."""
+
+
 class ProtocolError(ValueError):
     """A request that does not follow the wire protocol (user error, category "user")."""
 
@@ -135,6 +139,20 @@ def datums_from_proto(msg: pb.ForwardBackwardRequest, datum_cls: type = WireDatu
     return out
 
 
+def count_tokens(msg: pb.ForwardBackwardRequest) -> int:
+    """Model-input tokens of a ``ForwardBackwardRequest``: text tokens, and media chunks by their
+    ``expected_tokens`` (0 when not given), without decoding the datums."""
+    n = 0
+    for d in msg.data:
+        for chunk in d.model_input:
+            kind = chunk.WhichOneof("chunk")
+            if kind == "encoded_text":
+                n += len(chunk.encoded_text.tokens) // 4
+            elif kind == "image" and chunk.image.HasField("expected_tokens"):
+                n += int(chunk.image.expected_tokens)
+    return n
+
+
 def loss_fn_config_from_proto(msg: pb.ForwardBackwardRequest) -> dict[str, float | str] | None:
     """The loss config: ``loss_fn_config_v2`` when set, else the legacy float map; None if empty."""
     if len(msg.loss_fn_config_v2):
@@ -147,15 +165,31 @@ def loss_fn_config_from_proto(msg: pb.ForwardBackwardRequest) -> dict[str, float
     return None
 
 
-def parse_forward_backward(body: bytes, content_encoding: str | None) -> pb.ForwardBackwardRequest:
-    """Parse (and zstd-decompress when ``Content-Encoding: zstd``) a forward/backward body."""
+def parse_forward_backward(
+    body: bytes, content_encoding: str | None, max_bytes: int = 1 << 31
+) -> pb.ForwardBackwardRequest:
+    """Parse (and zstd-decompress when ``Content-Encoding: zstd``) a forward/backward body.
+    Raises ProtocolError for a malformed body, ``BodyTooLarge`` when it decompresses to more than
+    ``max_bytes`` (read in a stream: a frame's declared size is not trusted)."""
     if content_encoding and "zstd" in content_encoding.lower():
+        import io
+
         import zstandard
 
         try:
-            body = zstandard.ZstdDecompressor().decompress(body, max_output_size=1 << 31)
+            parts, size = [], 0
+            with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body)) as reader:
+                while size <= max_bytes:
+                    part = reader.read(min(1 << 20, max_bytes + 1 - size))
+                    if not part:
+                        break
+                    parts.append(part)
+                    size += len(part)
+            body = b"".join(parts)
         except zstandard.ZstdError as e:
             raise ProtocolError(f"forward_backward body: bad zstd data: {e}") from e
+        if len(body) > max_bytes:
+            raise BodyTooLarge(f"forward_backward body decompresses to more than {max_bytes} bytes")
     msg = pb.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)

@@ -16,13 +16,17 @@ from .auth import is_api_key
 from .errors import HttpError
 from .faults import FaultState
 from .http_api import API, json_body
+from .keys import KeyStore
 from .service import LocalService
 from .tenancy import CURRENT
 
 
-def add_service_routes(app: FastAPI, svc: LocalService, fault_state: FaultState, sampler_pool: Any) -> None:
-    """Add the service routes answered by ``svc`` to ``app``; ``fault_state`` and ``sampler_pool``
-    (a ``tinker_local.sampler_pool.SamplerPool`` or None) feed ``local_stats``."""
+def add_service_routes(
+    app: FastAPI, svc: LocalService, fault_state: FaultState, sampler_pool: Any, keys: KeyStore
+) -> None:
+    """Add the service routes answered by ``svc`` to ``app``; ``fault_state``, ``sampler_pool``
+    (a ``tinker_local.sampler_pool.SamplerPool`` or None) and ``keys`` (the users) feed
+    ``local_stats``."""
     ten = svc.tenancy
 
     def route(method: str, path: str):
@@ -83,14 +87,24 @@ def add_service_routes(app: FastAPI, svc: LocalService, fault_state: FaultState,
 
     @route("GET", "/local_stats")
     async def local_stats():
-        # tinker_local only: compute-thread and fault-injection counters (for tests, benchmarks)
+        # tinker_local only: the caller's own counters; an admin key (and the one user of a server
+        # without keys) also sees every user's and the server's (compute thread, faults, workers)
+        me = CURRENT.get()
+        mine = await asyncio.to_thread(ten.counters, me.name)
+        if not me.admin:
+            return {"user": me.name, "counters": mine}
+        users = set(svc.store.user_totals()) | {e.name for e in keys.entries()} | {me.name}
         return {
+            "user": me.name,
+            "counters": mine,
+            "users": {u: await asyncio.to_thread(ten.counters, u) for u in sorted(users)},
             "compute": dict(svc.store.stats),
             "requests": dict(svc.request_counts),
             "sampling": dict(svc.sampling_stats),
             "faults": dict(fault_state.counts),
             "fault_config": {"fail_every": fault_state.config.fail_every, "drop_every": fault_state.config.drop_every},
             "sampler_workers": sampler_pool.stats() if sampler_pool is not None else None,
+            "base_models": svc.engine.resident_bases() if hasattr(svc.engine, "resident_bases") else None,
         }
 
     @route("GET", "/sessions")

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from .faults import FaultConfig
 from .keys import KeyStore
+from .loss_limits import GraphLimits
+from .request_limits import RequestLimits
 from .server import create_app
 from .tenancy import Limits, is_loopback
 
@@ -34,6 +36,9 @@ def serve(
     tls_cert: Path | str | None = None,
     tls_key: Path | str | None = None,
     limits: Limits | None = None,
+    request_limits: RequestLimits | None = None,
+    graph_limits: GraphLimits | None = None,
+    max_base_model_bytes: int | None = None,
 ) -> None:
     """Build an Engine under ``root``, preload ``model`` names, and serve until interrupted.
 
@@ -46,7 +51,11 @@ def serve(
     ``faults``: fault injection for reliability tests (default: from the environment,
     ``TINKER_LOCAL_FAIL_EVERY`` / ``TINKER_LOCAL_DROP_EVERY``).
     ``tls_cert``/``tls_key``: PEM files; the server then speaks HTTPS (uvicorn's ``ssl_certfile`` /
-    ``ssl_keyfile``).  ``limits``: per-user limits (``tinker_local.tenancy.Limits``).
+    ``ssl_keyfile``).  ``limits``: per-user limits (``tinker_local.tenancy.Limits``);
+    ``request_limits`` / ``graph_limits``: bounds of one request and of uploaded custom losses
+    (``tinker_local.request_limits``, ``tinker_local.loss_limits``; None: the defaults);
+    ``max_base_model_bytes``: bytes of base models kept loaded by the trainer's engine (least
+    recently used unloaded first; None: half of the device's memory, ``default_base_budget``).
     Raises whatever the engine raises for an unknown model name (before binding the port);
     ``InsecureBind`` before loading anything when ``host`` is not a loopback address and the
     server has no API keys.
@@ -80,6 +89,8 @@ def serve(
             root, sampler_workers, threads_per_worker=per_worker, device=device, dtype=dtype, preload=list(model)
         )
     engine = Engine(root, device=device, dtype=dtype, num_threads=num_threads)
+    engine.max_base_bytes = max_base_model_bytes or default_base_budget(engine.device)
+    logger.info("base models: at most %.2f GB loaded at once", engine.max_base_bytes / 1e9)
     for name in model:
         t0 = time.monotonic()
         info = engine.load_base_model(name)
@@ -108,6 +119,8 @@ def serve(
         jwt_auth=jwt_auth,
         sampler_pool=pool,
         limits=limits,
+        request_limits=request_limits,
+        graph_limits=graph_limits,
     )
     scheme = "https" if tls_cert else "http"
     logger.info(
@@ -128,6 +141,17 @@ def serve(
         ssl_certfile=str(tls_cert) if tls_cert else None,
         ssl_keyfile=str(tls_key) if tls_key else None,
     )
+
+
+def default_base_budget(device) -> int:
+    """Half the memory of ``device`` (a ``torch.device``): the GPU's for CUDA, else physical RAM."""
+    import os
+
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory // 2
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
 class InsecureBind(RuntimeError):

@@ -23,13 +23,18 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from .allowed_models import ModelAllowList
 from .auth import JwtIssuer
 from .errors import HttpError
 from .faults import FaultConfig, FaultInjector, FaultState
 from .http_auth import AuthCountLog
 from .keys import KeyStore
+from .loss_limits import GraphLimits
+from .openapi import describe_bodies
+from .request_limits import RequestLimits
 from .routes_rest import add_rest_routes
 from .routes_service import add_service_routes
 from .routes_training import add_training_routes
@@ -39,6 +44,8 @@ from .tenancy import Limits
 
 logger = logging.getLogger("tinker_local.server")
 
+# errors of a handler reading a request field of the wrong type or shape: answered 422 (see create_app)
+MALFORMED = (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError, RecursionError)
 SWEEP_EVERY_S = 60.0  # expired checkpoints are deleted at least this often (and on every lookup)
 
 
@@ -58,6 +65,8 @@ def create_app(
     jwt_auth: bool = False,
     sampler_pool: Any = None,
     limits: Limits | None = None,
+    request_limits: RequestLimits | None = None,
+    graph_limits: GraphLimits | None = None,
 ) -> FastAPI:
     """Build the FastAPI app speaking the tinker 0.38 protocol in front of ``engine``.
 
@@ -83,7 +92,12 @@ def create_app(
             processes while the engine trains (None: the engine samples in turn with training);
             the app closes it at shutdown.
         limits: per-user limits (``tinker_local.tenancy.Limits``; None: none).  The API keys are
-            read from ``root/server/api_keys.json`` (``tinker_local.keys``) on every change.
+            read from ``root/server/api_keys.json`` (``tinker_local.keys``) on every change; with
+            keys, only the base models of ``models`` and of the allow-list
+            (``tinker_local.allowed_models``) may be loaded.
+        request_limits: sizes of one request (``tinker_local.request_limits``; None: the defaults).
+        graph_limits: bounds of uploaded custom losses (``tinker_local.loss_limits``; None: the
+            defaults).
     Raises:
         ValueError: when no root is given and the engine has none.
     """
@@ -95,7 +109,10 @@ def create_app(
     )
     svc.custom_loss_server_side = custom_loss_server_side
     svc.tenancy.limits = limits or Limits()
+    svc.request_limits = request_limits or RequestLimits()
+    svc.graph_limits = graph_limits or GraphLimits()
     keys = KeyStore(root)
+    svc.model_allow = ModelAllowList(root, list(models or []), enforced=keys.any)
     # the JWT key derives from the server's URL-signing secret (tinker_local.auth)
     svc.jwt = JwtIssuer(load_secret(Path(root)), clock=lambda: svc.clock()) if jwt_auth else None
     svc.store.batch_quiet_s, svc.store.batch_max_wait_s = batch_quiet_s, batch_max_wait_s
@@ -119,15 +136,34 @@ def create_app(
     app.state.service = svc
     app.state.faults = fault_state
 
-    app.add_middleware(AuthCountLog, service=svc, keys=keys)
+    app.add_middleware(AuthCountLog, service=svc, keys=keys, max_body_bytes=svc.request_limits.body_bytes)
 
     @app.exception_handler(HttpError)
     async def http_error(_request: Request, exc: HttpError):
-        return JSONResponse({"detail": exc.detail}, status_code=exc.status)
+        return JSONResponse({"detail": exc.detail}, status_code=exc.status, headers=exc.headers)
 
-    add_service_routes(app, svc, fault_state, sampler_pool)
+    async def malformed(request: Request, exc: Exception):
+        # a field of the wrong type or shape that no check named: the caller's input, answered
+        # in one line (logged with its traceback, in case it is a server bug after all)
+        logger.warning("%s %s: malformed request", request.method, request.url.path, exc_info=exc)
+        text = " ".join(str(exc).split())[:300]
+        return JSONResponse(
+            {"detail": f"{request.url.path}: malformed request: {type(exc).__name__}: {text}"}, status_code=422
+        )
+
+    for exc_type in MALFORMED:
+        app.add_exception_handler(exc_type, malformed)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        # FastAPI's own checks (query and path parameters): one line, like every other refusal
+        parts = [f"{'.'.join(str(x) for x in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()]
+        return JSONResponse({"detail": f"{request.url.path}: " + "; ".join(parts)[:500]}, status_code=422)
+
+    add_service_routes(app, svc, fault_state, sampler_pool, keys)
     add_training_routes(app, svc, poll_wait_s)
     add_rest_routes(app, svc)
+    describe_bodies(app)
     if fault_state.config.active:  # outermost: faults hit every route, auth included
         app.add_middleware(FaultInjector, state=fault_state)
     return app

@@ -18,10 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from . import protocol as P
+from .allowed_models import ModelAllowList
 from .errors import HttpError, int_field, required_field
 from .futures import FutureStore
+from .loss_limits import GraphLimits
 from .outcomes import UserError
 from .registry import CheckpointRecord, Registry, RunRecord, SamplerRecord, dir_size
+from .request_limits import RequestLimits, check_training
 from .rest import RestMixin, check_ttl
 from .rest_sessions import SessionsMixin
 from .service_export import ExportMixin
@@ -99,6 +102,10 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
         self._losses = {}
         self.jwt = None  # auth.JwtIssuer when JWT auth is on (create_app(jwt_auth=True))
         self.tenancy = Tenancy(self.registry, self.store, self.root)  # owners, limits, audit log
+        self.request_limits = RequestLimits()  # sizes of one request (tinker_local.request_limits)
+        self.graph_limits = GraphLimits()  # bounds of uploaded custom losses (tinker_local.loss_limits)
+        # base models that may be loaded (enforced by create_app on a server with keys)
+        self.model_allow = ModelAllowList(self.root, self.models, enforced=lambda: False)
 
     save_weights_external = _burns_seq(ExportMixin.save_weights_external)
 
@@ -127,10 +134,24 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
         return {"type": "session_heartbeat"}
 
     def finish_session(self, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Mark the session finished; its training models then leave the engine's memory (a job
+        queued after their pending work, so what the client sent before finishing still runs);
+        their checkpoints stay."""
         reason = (body.get("reason") or {}).get("type") if isinstance(body.get("reason"), dict) else None
         self.registry.finish_session(session_id, reason)
         self.tracer.instant(session_id, "finish_session", reason=reason)
         logger.info("session %s finished (%s) %s", session_id, reason, body.get("detail") or "")
+        models = [r.model_id for r in self.registry.runs.values() if r.session_id == session_id]
+        if models and hasattr(self.engine, "delete_model"):
+
+            def release() -> dict[str, Any]:
+                held = set(self.engine.list_models())
+                for model_id in models:
+                    if P.engine_id(model_id) in held:
+                        self.engine.delete_model(P.engine_id(model_id))
+                return {"released": len(models)}
+
+            self.store.submit("release_models", release)
         return {}
 
     # -- training models --------------------------------------------------------------------------
@@ -155,6 +176,7 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
         if seq is None:
             raise HttpError(422, f"{ep}: field 'model_seq_id' is required")
         base_model = str(required_field(body, "base_model", ep))
+        self.model_allow.check(base_model, ep)
         self._check_optimizer(body.get("optimizer_config"), ep)
         lora = body.get("lora_config") or {}
         rank = int_field(lora, "rank", ep, 32)
@@ -218,16 +240,25 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
 
     def forward_backward(self, raw: bytes, content_encoding: str | None, forward_only: bool) -> dict[str, Any]:
         try:
-            msg = P.parse_forward_backward(raw, content_encoding)
+            msg = P.parse_forward_backward(raw, content_encoding, self.request_limits.body_bytes)
         except P.ProtocolError as e:
             raise HttpError(422, str(e)) from e
+        except P.BodyTooLarge as e:
+            raise HttpError(413, f"request limit: {e} (serve --max-body-bytes)") from e
         model_id, seq = msg.model_id, int(msg.seq_id)
         forward_only = forward_only or msg.forward_only
         kind = "forward" if forward_only else "forward_backward"
         if model_id not in self.registry.runs or not self.tenancy.owns_model(model_id):
             return {"request_id": self.store.fail_now(kind, f"unknown model_id {model_id!r}"), "model_id": model_id}
-        self.check_provenance(msg, model_id, self.session_of_model(model_id))  # service_stability: 400s
-        self.tenancy.check_queue()
+        try:
+            check_training(self.request_limits, kind, len(msg.data), P.count_tokens(msg))
+            self.check_provenance(msg, model_id, self.session_of_model(model_id))  # service_stability: 400s
+            self.tenancy.check_queue()
+            self.tenancy.check_compute()
+        except HttpError as e:
+            if e.status != 429:  # a 429 is retried with the same seq_id
+                self.store.burn(model_id, seq, e.detail)
+            raise
 
         def work() -> bytes:
             self.run_record(model_id)
@@ -372,6 +403,7 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
                 raise HttpError(422, f"{ep}: 'model_seq_id' is required with 'session_id'")
             session_id = str(body["session_id"])
             model_id = f"{session_id}:train:{seq}"
+            self.model_allow.check(body.get("base_model") or src.base_model, ep)
             run = RunRecord(
                 model_id=model_id,
                 base_model=body.get("base_model") or src.base_model,

@@ -52,6 +52,9 @@ class ServiceBase:
     jwt: JwtIssuer | None  # set when JWT auth is on (create_app(jwt_auth=True))
     request_counts: dict[str, int]  # HTTP route -> requests seen (GET local_stats)
     custom_loss_server_side: bool
+    request_limits: Any  # tinker_local.request_limits.RequestLimits
+    graph_limits: Any  # tinker_local.loss_limits.GraphLimits
+    model_allow: Any  # tinker_local.allowed_models.ModelAllowList
     _info: dict[str, dict[str, Any]]  # model_id -> engine.get_info(), cached
     _client_names: dict[str, str]  # base model -> name handed to SDK clients
     _expired: dict[str, float]  # tinker path -> when it expired (clearer 404s)

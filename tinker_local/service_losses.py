@@ -40,7 +40,9 @@ class CustomLossMixin(ServiceBase):
         if seq is None:
             raise HttpError(422, f"{ep}: field 'custom_loss_seq_id' is required")
         try:
-            compiled = compile_graph(body.get("name") or "loss", body.get("inputs"), body.get("graph"))
+            compiled = compile_graph(
+                body.get("name") or "loss", body.get("inputs"), body.get("graph"), self.graph_limits
+            )
         except CustomLossError as e:
             raise HttpError(400, f"{ep}: {e}") from e
         loss_id = f"{session_id}:loss:{seq}"

@@ -16,6 +16,7 @@ from . import protocol as P
 from .errors import HttpError, int_field, required_field
 from .outcomes import is_user_error
 from .registry import SamplerRecord
+from .request_limits import check_sampling
 from .service_base import ServiceBase
 from .service_stability import StabilityMixin
 from .trace import session_of
@@ -26,6 +27,14 @@ DEFAULT_MAX_TOKENS = 256  # SamplingParams.max_tokens=None
 # request that arrives a few ms late saves it a whole decode loop of its own.
 LINGER_FRACTION = 0.1
 SAMPLER_EXECUTOR = "sampler"  # FutureStore side executor of the sampler worker pool
+
+
+def _prompt_len(prompt: Any) -> int:
+    """Tokens of a parsed prompt (a token list, or chunks: token lists and media chunks, these by
+    their ``expected_tokens`` when given)."""
+    if prompt and isinstance(prompt[0], int):
+        return len(prompt)
+    return sum(len(c) if isinstance(c, list) else int(getattr(c, "expected_tokens", None) or 0) for c in prompt)
 
 
 def _or(value: Any, default: Any) -> Any:
@@ -62,9 +71,11 @@ class SamplingServiceMixin(StabilityMixin, ServiceBase):
             base = body.get("base_model") or (run.base_model if run else None)
             if base is None:
                 raise HttpError(404, f"{ep}: base model of {ck.uri} is unknown")
-            return SamplerRecord(sid, base, ck.uri, ck.path)
+            self.model_allow.check(base, ep)
+            return SamplerRecord(sid, str(base), ck.uri, ck.path)
         if not body.get("base_model"):
             raise HttpError(422, f"{ep}: give 'model_path' (tinker://...) or 'base_model'")
+        self.model_allow.check(body["base_model"], ep)
         return SamplerRecord(sid, str(body["base_model"]))
 
     def get_sampler(self, sampler_id: str) -> dict[str, Any]:
@@ -94,6 +105,7 @@ class SamplingServiceMixin(StabilityMixin, ServiceBase):
             rec = self.registry.samplers.get(str(sid))
             if rec is None:
                 raise HttpError(404, f"{ep}: unknown sampling session {sid!r}")
+            self.model_allow.check(rec.base_model, ep)  # the list may have changed since
         else:
             rec = self._sampler_record("adhoc", body, ep)
         try:
@@ -112,6 +124,9 @@ class SamplingServiceMixin(StabilityMixin, ServiceBase):
         topk = int_field(body, "topk_prompt_logprobs", ep, 0)
         last_n = int_field(body, "prompt_logprobs_last_n", ep)
         max_tokens = int_field(sp, "max_tokens", ep)
+        check_sampling(
+            self.request_limits, n, DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens, _prompt_len(prompt)
+        )
         try:
             job: dict[str, Any] = {
                 "engine": dict(

@@ -13,8 +13,14 @@ same message), so existence does not leak; a checkpoint its owner published
 (``RestClient.publish_checkpoint_from_tinker_path``) may be loaded and sampled by every user, and
 changed or deleted by its owner only.
 
-Limits (``Limits``; None = unlimited): live training models per user (403), queued requests per
-user (429: the SDK retries it), stored checkpoint bytes per user (403 on the next save).
+Limits (``Limits``; None = unlimited): resident training models per user (live: in sessions not
+finished; a finished session's models leave the server's memory) (403), queued requests per user
+(429: the SDK retries it), stored checkpoint bytes per user (403 on the next save), compute seconds
+per user in the last hour (429 with ``Retry-After``).  A record with no owner (a registry from
+before owners were recorded, a run whose session record a killed server never wrote) belongs to
+``LOCAL_USER``, the one user of a server without keys; the names the server uses itself
+(``RESERVED_USERS``, ``LOCAL_USER`` among them) cannot be given to a key, so on a server with keys
+such a record is nobody's.
 
 Audit log: ``<root>/server/audit.jsonl``, one JSON object per line: ``timestamp`` (ISO-8601 UTC),
 ``event`` (``<resource>_<action>``, the SDK's ``AuditLogEntry.event`` convention), ``user`` and the
@@ -36,8 +42,10 @@ from typing import Any
 
 from .errors import HttpError
 
-LOCAL_USER = "local"
+LOCAL_USER = "local"  # the one user of a server without keys
 ORG_ID = "local"
+RESERVED_USERS = frozenset({LOCAL_USER, ORG_ID})  # names no key may take (compared case-insensitively)
+QUOTA_WINDOW_S = 3600.0  # the compute-seconds quota counts this many seconds back
 
 
 @dataclass(frozen=True)
@@ -75,12 +83,15 @@ def is_loopback(host: str | None) -> bool:
 
 @dataclass(frozen=True)
 class Limits:
-    """Per-user limits (None: unlimited): ``models`` live training models, ``queued`` requests
-    waiting or running, ``checkpoint_bytes`` bytes of stored checkpoints."""
+    """Per-user limits (None: unlimited): ``models`` resident training models (in sessions not
+    finished), ``queued`` requests waiting or running, ``checkpoint_bytes`` bytes of stored
+    checkpoints, ``compute_s_per_hour`` seconds of compute (trainer and sampler workers) used in
+    the last ``QUOTA_WINDOW_S`` seconds."""
 
     models: int | None = None
     queued: int | None = None
     checkpoint_bytes: int | None = None
+    compute_s_per_hour: float | None = None
 
 
 def _split_model(model_id: str) -> str:
@@ -99,7 +110,7 @@ class Tenancy:
 
     # -- ownership ---------------------------------------------------------------------------------
     def session_owner(self, session_id: str) -> str | None:
-        """Owner of a known session (sessions from before owners were recorded: ``LOCAL_USER``)."""
+        """Owner of a known session (None: unknown); one recorded without owner: ``LOCAL_USER``."""
         s = self.registry.sessions.get(session_id)
         return None if s is None else (s.get("owner") or LOCAL_USER)
 
@@ -179,7 +190,7 @@ class Tenancy:
         if cap is not None and self.live_models(user) >= cap:
             raise HttpError(
                 403,
-                f"limit reached: user {user!r} has {cap} live training models "
+                f"limit reached: user {user!r} has {cap} resident training models "
                 f"(serve --max-models-per-user {cap}); finish a session first",
             )
 
@@ -192,6 +203,42 @@ class Tenancy:
                 f"limit reached: user {user!r} has {cap} requests queued "
                 f"(serve --max-queued-per-user {cap}); retry when some have finished",
             )
+
+    def check_compute(self) -> None:
+        """HttpError 429 (with ``Retry-After``: seconds until enough of the window has passed) when
+        the caller used ``limits.compute_s_per_hour`` compute seconds or more in the last hour."""
+        cap, user = self.limits.compute_s_per_hour, current_user()
+        if cap is None:
+            return
+        used, retry_s = self.store.usage(user, QUOTA_WINDOW_S, cap)
+        if used >= cap:
+            raise HttpError(
+                429,
+                f"quota reached: user {user!r} used {used:.1f} compute seconds in the last hour "
+                f"(serve --compute-seconds-per-user-hour {cap:g}); retry in {retry_s:.0f} s",
+                headers={"Retry-After": str(max(1, round(retry_s)))},
+            )
+
+    def counters(self, user: str) -> dict[str, Any]:
+        """What ``GET /api/v1/local_stats`` shows ``user`` of their own use: compute (jobs,
+        seconds since start and in the last hour), requests queued or running, resident training
+        models, checkpoint bytes, and their limits (None: unlimited)."""
+        used, _ = self.store.usage(user, QUOTA_WINDOW_S, None)
+        totals = self.store.user_totals().get(user, {})
+        return {
+            "jobs": int(totals.get("jobs", 0)),
+            "compute_s": round(float(totals.get("compute_s", 0.0)), 3),
+            "compute_s_last_hour": round(used, 3),
+            "queued": self.store.queued_by(user),
+            "resident_models": self.live_models(user),
+            "checkpoint_bytes": self.storage_bytes(user),
+            "limits": {
+                "models": self.limits.models,
+                "queued": self.limits.queued,
+                "checkpoint_bytes": self.limits.checkpoint_bytes,
+                "compute_s_per_hour": self.limits.compute_s_per_hour,
+            },
+        }
 
     def check_storage(self) -> None:
         """HttpError 403 when the caller's checkpoints hold ``limits.checkpoint_bytes`` or more."""
@@ -241,6 +288,7 @@ class Tenancy:
             "create_model",
         ):
             self._burning(body, self.check_queue)
+            self._burning(body, self.check_compute)
         if endpoint.startswith("save_weights"):
             self._burning(body, self.check_storage)
         return None

@@ -4,8 +4,15 @@ Routes (each also under a client-tag prefix ``/r/<tag>``, e.g. ``/r/agent-a/v1/c
 the tag stored as the row's ``client``):
 
 - ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or ``stream: true`` SSE);
+- ``POST /v1/feedback`` (an extension): ``{"id": <completion id>, "index": 0, "rating": 1 | -1 |
+  "good" | "bad" | <number>, "label"?, "comment"?}`` rates a returned sequence (a ``ratings`` row of
+  source ``client``; the flywheel's filter reads it as ``rating``);
 - ``GET /v1/models``, ``GET /v1/models/{id}``;
-- ``GET /health`` (no token; ``{"status": "ok", "session": ..., "pending_rows": ...}``).
+- ``GET /health`` (no token; ``{"status": "ok", "session": ..., "pending_rows": ..., "checkpoint": ...}``).
+
+The model is a :class:`~prefect_tinker.capture.model.ServedModel`, or a
+:class:`~prefect_tinker.capture.follow.ModelFollower` (``--model alias:LINE@ALIAS``): each request
+then takes the model current when it arrives.
 
 With a token configured every ``/v1`` route needs ``Authorization: Bearer <token>`` (compared in
 constant time); a wrong or missing token answers 401 ``invalid_api_key``. Errors are OpenAI error
@@ -27,10 +34,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from prefect_tinker.capture.follow import ModelFollower
 from prefect_tinker.capture.generate import RequestContext, chat_completion, completion
 from prefect_tinker.capture.model import ServedModel
 from prefect_tinker.capture.recorder import CaptureRecorder
-from prefect_tinker.capture.requests import APIError, ChatCompletionRequest, CompletionRequest, parse_body
+from prefect_tinker.capture.requests import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    FeedbackRequest,
+    parse_body,
+)
 from prefect_tinker.capture.responses import response_body, sse_events
 
 __all__ = ["MAX_BODY_BYTES", "create_app"]
@@ -47,24 +61,43 @@ def _error(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
-def create_app(model: ServedModel, recorder: CaptureRecorder, *, session_id: str, token: str | None = None) -> FastAPI:
+def create_app(
+    model: ServedModel | ModelFollower,
+    recorder: CaptureRecorder,
+    *,
+    session_id: str,
+    token: str | None = None,
+    ratings: CaptureRecorder | None = None,
+) -> FastAPI:
     """The ASGI app serving ``model`` and recording every returned sequence with ``recorder``.
 
     Args:
-        model: what to sample from (:func:`~prefect_tinker.capture.model.open_served_model`).
+        model: what to sample from (:func:`~prefect_tinker.capture.model.open_served_model`), or
+            a follower of a reference (refreshed in the background while the app runs).
         recorder: where rows go; closed (flushed) when the app shuts down.
         session_id: the capture session, the ``run_id`` of every row.
         token: bearer token required on ``/v1`` routes (None: no auth, for loopback binds only;
             the CLI enforces that).
+        ratings: the recorder of ``ratings`` rows (``POST /v1/feedback``); None: that route
+            answers 404.
     """
     started = int(time.time())
 
+    def current() -> ServedModel:
+        return model.current() if isinstance(model, ModelFollower) else model
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        if isinstance(model, ModelFollower):
+            model.start()
         try:
             yield
         finally:
+            if isinstance(model, ModelFollower):
+                model.stop()
             recorder.close()
+            if ratings is not None:
+                ratings.close()
 
     app = FastAPI(title="prefect-tinker capture", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -118,7 +151,7 @@ def create_app(model: ServedModel, recorder: CaptureRecorder, *, session_id: str
         req = parse_body(await body(request), cls)
         ctx = context(request, tag, req.user)
         ctx.started = started_at
-        gen = await run(model, req, ctx)
+        gen = await run(current(), req, ctx)  # the model of this request, to its end
         recorder.record(gen.rows)
         if req.stream:
             return StreamingResponse(
@@ -129,13 +162,30 @@ def create_app(model: ServedModel, recorder: CaptureRecorder, *, session_id: str
         return JSONResponse(response_body(gen))
 
     def models_list() -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(n) for n in model.names]}
+        return {"object": "list", "data": [_model_card(n) for n in current().names]}
 
     def _model_card(name: str) -> dict[str, Any]:
         card = {"id": name, "object": "model", "created": started, "owned_by": "prefect-tinker"}
-        if model.max_context:
-            card["max_model_len"] = model.max_context
+        if current().max_context:
+            card["max_model_len"] = current().max_context
         return card
+
+    async def feedback(request: Request) -> dict[str, Any]:
+        authorize(request)
+        if ratings is None:
+            raise APIError(404, "this server records no feedback", code="not_found")
+        req = parse_body(await body(request), FeedbackRequest)
+        row = {
+            "run_id": session_id,
+            "request_id": req.id,
+            "sequence_index": req.index,
+            "source": "client",
+            "rating": req.rating,
+            "label": req.label,
+            "comment": req.comment,
+        }
+        ratings.record([row])
+        return {"object": "feedback", "id": req.id, "index": req.index, "rating": req.rating}
 
     for prefix in ("", "/r/{tag}"):
 
@@ -148,6 +198,10 @@ def create_app(model: ServedModel, recorder: CaptureRecorder, *, session_id: str
             async def complete(request: Request, tag: str | None = None):
                 return await answer(request, tag, CompletionRequest, completion)
 
+            @app.post(prefix + "/v1/feedback")
+            async def rate(request: Request, tag: str | None = None):
+                return await feedback(request)
+
             @app.get(prefix + "/v1/models")
             async def models(request: Request, tag: str | None = None):
                 authorize(request)
@@ -156,7 +210,7 @@ def create_app(model: ServedModel, recorder: CaptureRecorder, *, session_id: str
             @app.get(prefix + "/v1/models/{model_id:path}")
             async def model_card(request: Request, model_id: str, tag: str | None = None):
                 authorize(request)
-                model.check_model(model_id)
+                current().check_model(model_id)
                 return _model_card(model_id)
 
         routes()
@@ -168,6 +222,7 @@ def create_app(model: ServedModel, recorder: CaptureRecorder, *, session_id: str
             "session": session_id,
             "pending_rows": recorder.pending,
             "flush_errors": recorder.stats["flush_errors"],
+            "checkpoint": current().checkpoint,
         }
 
     return app

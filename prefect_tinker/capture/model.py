@@ -166,7 +166,7 @@ class ServedModel:
             stop=stop,
         )
         try:
-            return await self.sampler.sample(
+            return await self.sampler.sample_async(
                 prompt=tinker.ModelInput.from_ints(prompt),
                 num_samples=n,
                 sampling_params=params,

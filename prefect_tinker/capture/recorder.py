@@ -39,7 +39,7 @@ class RecorderStats(TypedDict):
 
 
 class CaptureRecorder:
-    """Background writer of ``captures`` rows.
+    """Background writer of ``captures`` rows (or of another table of the capture store: ``table``).
 
     Args:
         store: a capture store: a :class:`~tinker_blocks.stores.CaptureStore` block or a
@@ -48,17 +48,26 @@ class CaptureRecorder:
         flush_seconds: most seconds a row waits in memory (> 0).
         flush_rows: rows that trigger a flush at once (>= 1).
         writer_id: the writer name in part file names.
+        table: the table written (``captures``; the server's feedback goes to ``ratings``).
 
     Raises:
         ValueError: a non-positive ``flush_seconds`` or ``flush_rows``.
     """
 
-    def __init__(self, store: Any, *, flush_seconds: float = 5.0, flush_rows: int = 500, writer_id: str = "capture"):
+    def __init__(
+        self,
+        store: Any,
+        *,
+        flush_seconds: float = 5.0,
+        flush_rows: int = 500,
+        writer_id: str = "capture",
+        table: str = "captures",
+    ):
         if not flush_seconds > 0 or flush_rows < 1:
             raise ValueError(f"flush_seconds must be > 0 and flush_rows >= 1, got {flush_seconds}, {flush_rows}")
         self.flush_seconds = float(flush_seconds)
         self._writer = store.writer(
-            "captures", writer_id=writer_id, flush_rows=int(flush_rows), flush_seconds=self.flush_seconds
+            table, writer_id=writer_id, flush_rows=int(flush_rows), flush_seconds=self.flush_seconds
         )
         self._queue: queue.Queue = queue.Queue()
         self._oldest: float | None = None
@@ -71,12 +80,12 @@ class CaptureRecorder:
             "flush_errors": 0,
             "last_error": None,
         }
-        self._thread = threading.Thread(target=self._run, name="capture-recorder", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"capture-recorder-{table}", daemon=True)
         self._closed = False
         self._thread.start()
 
     def record(self, rows: Iterable[dict[str, Any]]) -> None:
-        """Queue rows of ``captures`` (dicts of its columns) for the next flush.
+        """Queue rows of the table (dicts of its columns) for the next flush.
 
         Raises:
             RuntimeError: the recorder is closed.

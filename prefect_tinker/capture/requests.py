@@ -18,12 +18,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = [
     "APIError",
     "ChatCompletionRequest",
     "CompletionRequest",
+    "FeedbackRequest",
     "MAX_N",
     "parse_body",
     "to_renderer_messages",
@@ -207,7 +208,40 @@ class CompletionRequest(_Base):
         return [x for x in p if not isinstance(x, int)]  # strings or token-id lists (validated: never mixed)
 
 
-def parse_body(raw: bytes, model_cls: type[_Base]) -> Any:
+class FeedbackRequest(BaseModel):
+    """A rating of a returned sequence (``POST /v1/feedback``, an extension of the OpenAI API):
+    ``id`` (the completion's ``id``), ``index`` (its choice), ``rating`` (a number; ``"good"`` is
+    +1, ``"bad"`` -1), optional ``label`` and ``comment``. Stored in the capture store's ``ratings``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(pattern=r"^(chatcmpl|cmpl)-[A-Za-z0-9]{1,64}$")
+    index: int = Field(default=0, ge=0, lt=MAX_N)
+    rating: float | str
+    label: str | None = Field(default=None, max_length=64)
+    comment: str | None = Field(default=None, max_length=4000)
+
+    @field_validator("rating")
+    @classmethod
+    def _rating(cls, v: float | str) -> float:
+        if isinstance(v, str):
+            words = {"good": 1.0, "bad": -1.0}
+            if v.strip().lower() not in words:
+                raise ValueError(f"rating must be a number, 'good' or 'bad', got {v!r}")
+            return words[v.strip().lower()]
+        if v != v or v in (float("inf"), float("-inf")):
+            raise ValueError("rating must be a finite number")
+        return float(v)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _word_as_label(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("rating"), str) and not data.get("label"):
+            return {**data, "label": data["rating"].strip().lower()}
+        return data
+
+
+def parse_body(raw: bytes, model_cls: type[BaseModel]) -> Any:
     """Parse and validate a JSON request body into ``model_cls``.
 
     Raises:
@@ -228,7 +262,8 @@ def parse_body(raw: bytes, model_cls: type[_Base]) -> Any:
         raise APIError(
             400, f"{param or 'body'}: {err.get('msg')} (got {_short(err.get('input'))})", param=param or None
         ) from None
-    req.check_neutral()
+    if isinstance(req, _Base):
+        req.check_neutral()
     if isinstance(req, CompletionRequest) and req.n * len(req.prompts()) > MAX_N:
         raise APIError(400, f"n x prompts must be at most {MAX_N}", param="n")
     return req

@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, Discriminator, Field, Tag
+from pydantic import BaseModel, BeforeValidator, Discriminator, Field, GetJsonSchemaHandler, Tag
 
 from prefect_tinker.recipes.evals.benchmarks import BenchmarkSpec, get_benchmark
 
@@ -90,11 +90,36 @@ def _kind(value: Any) -> str:
     return "sampling"
 
 
+class _ShortForms:
+    """The JSON schema of :data:`EvalSpec`: any of its forms (``anyOf``: a built-in name, a
+    built-in with overrides, a full benchmark, an inspect task). Pydantic's ``oneOf`` of the two
+    models is wrong for the short forms, and Prefect validates deployment parameters with the
+    ``required`` keywords left out, under which a dict matches both models: a deployment whose
+    config lists ``{benchmark: gsm8k, limit: 20}`` was refused (HTTP 422)."""
+
+    def __get_pydantic_json_schema__(self, core_schema: Any, handler: GetJsonSchemaHandler) -> dict[str, Any]:
+        schema = handler(core_schema)
+        branches = schema.pop("oneOf", None) or schema.pop("anyOf", None) or []
+        schema.pop("discriminator", None)
+        schema["anyOf"] = [
+            {"type": "string", "description": "A built-in benchmark: gsm8k, math, arithmetic, ..."},
+            {
+                "type": "object",
+                "properties": {"benchmark": {"type": "string", "description": "The built-in benchmark."}},
+                "required": ["benchmark"],
+                "description": "A built-in benchmark with overrides (dataset, limit, max_tokens, ...).",
+            },
+            *branches,
+        ]
+        return schema
+
+
 #: One evaluation of a config: a sampling benchmark or an inspect task (see the module docstring).
 EvalSpec = Annotated[
     Annotated[BenchmarkSpec, Tag("sampling")] | Annotated[InspectSpec, Tag("inspect")],
     Discriminator(_kind),
     BeforeValidator(parse_eval_spec),
+    _ShortForms(),
 ]
 
 

@@ -8,11 +8,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 import tinker
-from prefect import flow
 from prefect.utilities.annotations import quote
 from pydantic import Field
 
 from prefect_tinker.flows.config import RecipeConfig
+from prefect_tinker.flows.interrupts import recipe_flow
 from prefect_tinker.flows.loop import StepLoop
 from prefect_tinker.flows.session import RunSession
 from prefect_tinker.tasks.clients import tokenizer
@@ -40,7 +40,7 @@ def sentence_datum(tokens: list[int]) -> tinker.Datum:
         "weights": tinker.TensorData.from_numpy(np.ones(len(tokens) - 1, dtype=np.float32))})
 
 
-@flow(name="memorize", flow_run_name="memorize-{config.run_name}")
+@recipe_flow("memorize", "memorize-{config.run_name}")  # a Prefect flow; Ctrl-C ends it Cancelled, checkpoint saved
 def memorize_flow(config: MemorizeConfig) -> dict[str, Any]:
     """Train on ``config.text`` for ``max_steps`` steps; returns the first and last loss."""
     with RunSession(config, fingerprint=config.text_fingerprint) as session:
