@@ -106,7 +106,7 @@ def _lean_lora_layers(peft_model) -> None:
         if isinstance(module, BaseTunerLayer):
             module.cast_input_dtype_enabled = False  # type: ignore[attr-defined]  # set in LoraLayer.__init__
         if type(module) is LoraLinear and "forward" not in vars(module):
-            module.forward = types.MethodType(_lora_linear_forward, module)
+            module.forward = types.MethodType(_lora_linear_forward, module)  # type: ignore[method-assign]
 
 
 def _lora_linear_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
