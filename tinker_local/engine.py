@@ -132,6 +132,8 @@ class Engine(SamplingMixin):
                 remove_adapter(b.peft, st.adapter)
                 b.active = None
             del self._models[model_id]
+            if self._kept_forward is not None and self._kept_forward[0] == model_id:
+                self._kept_forward = None
 
     def list_models(self) -> list[str]:
         """The ids of the training models that exist now."""
@@ -226,6 +228,20 @@ class Engine(SamplingMixin):
             budget = self.max_batch_tokens or max(256, min(16384, 2**27 // max(spec.vocab_size, 1)))
             packed = self.packing and self._packs(b)
             groups = self._layout(b, [p[0] for p in prepared], budget, packed)
+            # The SDK's forward_backward_custom (a client-side loss such as DPO's) sends a forward,
+            # then a forward_backward of the same tokens with weights = -d(loss)/d(logprobs).  A
+            # forward of one micro-batch therefore runs with autograd on and keeps its graph (no
+            # more memory than a forward_backward of it holds); a forward_backward of the same
+            # model, tokens and targets before any update takes its logprobs from that graph and
+            # only runs backward: one forward pass less per step, the same gradients.
+            kept, self._kept_forward = self._kept_forward, None
+            reuse = None
+            keep = not backward and not custom and len(groups) == 1 and all(p[3] is None for p in prepared)
+            key = None
+            if keep or (backward and not custom and kept is not None and kept[0] == model_id):
+                key = tuple((tuple(p[0]), tuple(p[1].shape), tuple(p[1].reshape(-1).tolist())) for p in prepared)
+                if backward and kept is not None and kept[1] == key:
+                    reuse = kept[2]
             # a custom loss may fail in a later micro-batch (a limit, a node that raises): the
             # gradients of the earlier ones are then taken back, so a failed request adds none
             saved = (
@@ -233,10 +249,13 @@ class Engine(SamplingMixin):
                 if backward and custom and len(groups) > 1
                 else None
             )
+            done: list[tuple[list[int], list[torch.Tensor]]] = []
             try:
-                for mb in groups:
-                    with torch.set_grad_enabled(backward):
-                        if packed:
+                for mb in reuse if reuse is not None else groups:
+                    with torch.set_grad_enabled(backward or keep):
+                        if reuse is not None:
+                            items, lps = mb
+                        elif packed:
                             items, lps = self._packed_logprobs(b, mb, prepared)
                         else:
                             items = [row[0] for row in mb]
@@ -244,9 +263,13 @@ class Engine(SamplingMixin):
                         loss = sum(fn(lp, prepared[i][2], cfg) for i, lp in zip(items, lps, strict=True))
                         if backward and isinstance(loss, torch.Tensor) and loss.requires_grad:
                             loss.backward()
+                    if keep:
+                        done.append((items, lps))
                     for i, lp in zip(items, lps, strict=True):
                         outputs[i] = {"logprobs": lp.detach().float().cpu().numpy()}
                     total += float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+                if keep and key is not None:
+                    self._kept_forward = (model_id, key, done)
             except Exception:
                 if saved is not None:
                     for k, p in st.params.items():
@@ -362,6 +385,7 @@ class Engine(SamplingMixin):
                     eps=float(eps),
                     weight_decay=float(weight_decay),
                 )
+            self._kept_forward = None  # its graph is of the weights before this step
             st.optimizer.step()
             st.optimizer.zero_grad(set_to_none=True)
             st.step += 1
@@ -432,6 +456,7 @@ class Engine(SamplingMixin):
                 if created:
                     self.delete_model(model_id)
                 raise
+            self._kept_forward = None  # its graph is of the weights before this load
             with torch.no_grad():
                 for k, p in st.params.items():
                     p.copy_(sd[k].to(p.device, p.dtype))

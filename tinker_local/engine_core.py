@@ -145,6 +145,9 @@ class EngineCore:
         self._counters: dict[str, int] = {}  # canonical name -> adapters named so far (kept across unloads)
         self.base_loads: dict[str, int] = {}  # canonical name -> times loaded (GET local_stats)
         self._models: dict[str, TrainingState] = {}
+        # the autograd graph of the last ``forward`` of a training model, for a ``forward_backward``
+        # of the same tokens that follows it (``Engine._run``): (model id, key, [(items, logprobs)])
+        self._kept_forward: tuple[str, tuple, list] | None = None
         try:
             from transformers.utils import logging as hf_logging
 
