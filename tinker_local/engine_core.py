@@ -252,6 +252,7 @@ class EngineCore:
             return
         while self._bases and sum(_model_bytes(b.model) for b in self._bases.values()) + incoming > self.max_base_bytes:
             old, b = self._bases.popitem(last=False)
+            self._kept_forward = None  # a kept graph holds the activations of a base model
             self._counters[old] = b.counter
             b.peft = b.model = None
             logger.info("unloaded base model %s to make room for %s (--max-base-model-bytes)", old, name)
