@@ -36,15 +36,15 @@ def resolve_flow(name: str) -> tuple[Any, type[BaseModel]]:
     The config model is the pydantic class annotated on the flow's ``config`` parameter (or its
     only parameter). Raises :class:`CLIError` for an unknown name or a flow without such a parameter.
     """
-    from prefect_tinker.flows.registry import recipes
+    from prefect_tinker.flows.registry import RECIPES
+    from prefect_tinker.recipes.registry import PluginLoadError
 
-    try:
-        reg = {n: r.flow for n, r in recipes().items()}
-    except (ImportError, AttributeError) as exc:  # a plugin's entry point that does not import
+    try:  # a recipe of a working plugin resolves even when another plugin does not import
+        target = name if ":" in name else RECIPES[name].flow
+    except PluginLoadError as exc:  # a plugin's entry point that does not import
         raise CLIError(str(exc)) from None
-    target = reg.get(name) or (name if ":" in name else None)
-    if target is None:
-        raise CLIError(f"unknown flow {name!r}; known flows: {', '.join(sorted(reg)) or '(none)'}")
+    except KeyError:
+        raise CLIError(f"unknown flow {name!r}; known flows: {', '.join(RECIPES.names()) or '(none)'}") from None
     mod_name, _, attr = target.partition(":")
     try:
         module = importlib.import_module(mod_name)

@@ -70,6 +70,7 @@ from prefect_tinker.cli.flows import (  # noqa: F401
 )
 from prefect_tinker.cli.store import add_parsers as add_store_parsers
 from prefect_tinker.cli.store import cmd_checkpoints, cmd_runs, cmd_sql, format_table  # noqa: F401
+from prefect_tinker.recipes.registry import PluginLoadError
 
 
 def _example_file(flow: str, example: str | None, config_file: str | None) -> str | None:
@@ -356,6 +357,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CLIError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.code
+    except PluginLoadError as exc:  # a plugin that does not import: the same line on every read
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     except BrokenPipeError:  # output piped into `head` and the like: stop quietly
         import os
 

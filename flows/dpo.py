@@ -4,9 +4,11 @@ The run session opens or resumes the run; comparisons are rendered once by the c
 ``prepare-dataset`` task (:class:`~prefect_tinker.recipes.preference.PreferenceBuilder`); each step
 takes ``batch_size`` pairs (a function of seed and step), gets the reference reply
 log-probabilities of the pairs it has not met before from the cached ``reference-sequence-logprobs``
-task (the initial weights -- the base model or ``load_checkpoint_path`` -- frozen; one pass per
-pair for the whole run, kept by pair, so later epochs ask nothing), and trains chosen and rejected
-datums in one ``forward_backward_custom`` request with
+task (the initial weights -- the base model or ``load_checkpoint_path`` -- frozen; with
+``reference_via=sampler`` a sampler snapshot of the run's initial weights, saved at step 0 and
+recorded with the run, as tinker-cookbook's ``save_weights_and_get_sampling_client()``; one pass
+per pair for the whole run, kept by pair, so later epochs ask nothing), and trains chosen and
+rejected datums in one ``forward_backward_custom`` request with
 :class:`~prefect_tinker.recipes.preference.DPOLoss` (``custom-step``; the engine computes each
 pair's shared prompt once and packs both replies padding-free). Held-out loss and accuracy every
 ``eval_every`` steps; checkpoints, resume, store rows and artifacts as for SFT.
@@ -29,7 +31,7 @@ from prefect_tinker.flows.interrupts import recipe_flow
 from prefect_tinker.flows.loop import StepLoop
 from prefect_tinker.flows.session import RunSession
 from prefect_tinker.recipes.builders import SourceFields
-from prefect_tinker.recipes.data_pipeline import batch_at
+from prefect_tinker.recipes.data_pipeline import DataOrder, batch_at
 from prefect_tinker.recipes.preference import DPOLoss, LossName, PreferenceBuilder, PreferenceData, pair_datums
 from prefect_tinker.recipes.progress import phase
 from prefect_tinker.tasks.benchmark_evaluator import benchmark_evaluators
@@ -61,6 +63,7 @@ class DPOConfig(SourceFields, RecipeConfig):
         "label_smoothing",
         "reference",
         "reference_via",
+        "data_order",
     )
 
     dataset: str | None = Field(
@@ -103,7 +106,17 @@ class DPOConfig(SourceFields, RecipeConfig):
     reference_via: Literal["trainer", "sampler"] = Field(
         default="trainer",
         description=(
-            "Reference logprobs from a frozen training client (same numerics as the policy) or a sampling client."
+            "Reference logprobs from a frozen training client (same numerics as the policy) or a sampling client "
+            "(without `reference`: of a snapshot of the run's initial weights saved at step 0, as tinker-cookbook "
+            "does)."
+        ),
+    )
+
+    data_order: DataOrder = Field(
+        default="seeded",
+        description=(
+            "seeded: epoch e in an order seeded by (seed, e); cookbook: epoch e shuffled by e alone, as "
+            "tinker-cookbook 0.6.1's DPO orders a comparison file."
         ),
     )
 
@@ -116,7 +129,7 @@ class DPOConfig(SourceFields, RecipeConfig):
             )
         if self.format not in ("preference", "dialogue", "hh") and not self.sources:
             raise ValueError(f"format {self.format!r}: a DPO dataset is 'preference' or 'dialogue' (HH-RLHF)")
-        if self.reference_via == "sampler" and "/weights/" in (self.reference or self.load_checkpoint_path or ""):
+        if self.reference_via == "sampler" and "/weights/" in (self.reference or ""):
             raise ValueError("reference_via=sampler needs a base:<model> or .../sampler_weights/... reference")
         return self
 
@@ -137,6 +150,20 @@ class DPOConfig(SourceFields, RecipeConfig):
         )
 
 
+def initial_reference(session: RunSession[DPOConfig], config: DPOConfig) -> str:
+    """The run's reference weights: ``config.reference_weights()``, except with
+    ``reference_via="sampler"`` and no ``reference``: the sampler snapshot of the run's initial
+    weights (saved at step 0 and recorded with the run, so a resumed run finds it again), as
+    tinker-cookbook 0.6.1's ``train_dpo`` takes its reference from
+    ``save_weights_and_get_sampling_client()`` of the fresh training client. A run resumed
+    without such a record (started before this snapshot existed) keeps ``reference_weights()``."""
+    if config.reference_via != "sampler" or config.reference is not None:
+        return config.reference_weights()
+    if 0 not in session.samplers and session.step == 0:
+        session.save_sampler(record=True)
+    return session.samplers.get(0) or config.reference_weights()
+
+
 @recipe_flow("dpo", "dpo-{config.run_name}")
 def dpo_flow(config: DPOConfig) -> dict[str, Any]:
     """Train ``config.model`` on the comparisons of ``config.dataset``; returns a summary (losses,
@@ -146,7 +173,7 @@ def dpo_flow(config: DPOConfig) -> dict[str, Any]:
         with phase(session.run_id, "preparing the dataset (reading, rendering, tokenizing; cached)"):
             data = cast(PreferenceData, prepare_dataset(session.dataset_builder, session.tokenizer_id))
         total = config.max_steps or len(data.train) // config.batch_size * config.num_epochs
-        reference = session.config.reference_weights()  # references in model= resolved
+        reference = initial_reference(session, session.config)  # references in model= resolved
         log.info(
             "%d train / %d test comparisons, %d steps, reference %s (renderer %s); %s",
             len(data.train),
@@ -175,7 +202,7 @@ def dpo_flow(config: DPOConfig) -> dict[str, Any]:
         reference_of: dict[int, tuple[float, float]] = {}  # train pair -> (chosen, rejected) reference logprob
 
         def one_step(step: int) -> dict[str, float]:
-            index = batch_at(len(data.train), config.batch_size, config.seed, step)
+            index = batch_at(len(data.train), config.batch_size, config.seed, step, config.data_order)
             pairs = [data.train[i] for i in index]
             datums = pair_datums(pairs)
             new = list(dict.fromkeys(i for i in index if i not in reference_of))  # each pair once per run

@@ -77,11 +77,15 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
             "Registered advantage estimator: group_mean (R - group mean), leave_one_out (RLOO); plugins add more."
         ),
     )
-    clip_low_threshold: float = Field(
-        default=0.8, gt=0, description="ppo/cispo/gspo: lower bound of the importance ratio."
+    clip_low_threshold: float | None = Field(
+        default=0.8,
+        gt=0,
+        description="ppo/cispo/gspo: lower bound of the importance ratio (null: not sent, the server's default).",
     )
-    clip_high_threshold: float = Field(
-        default=1.2, gt=0, description="ppo/cispo/gspo: upper bound of the importance ratio."
+    clip_high_threshold: float | None = Field(
+        default=1.2,
+        gt=0,
+        description="ppo/cispo/gspo: upper bound of the importance ratio (null: not sent, the server's default).",
     )
     sampler_kind: Literal["snapshot", "inflight"] = Field(
         default="snapshot",
@@ -127,7 +131,8 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
     def _check(self) -> RLConfig:
         self.loss()  # an unknown loss or a bad loss option fails here
         ADVANTAGE_ESTIMATORS.get_or_raise(self.advantage_estimator)
-        if self.clip_low_threshold >= self.clip_high_threshold:
+        low, high = self.clip_low_threshold, self.clip_high_threshold
+        if low is not None and high is not None and low >= high:
             raise ValueError(
                 f"clip_low_threshold ({self.clip_low_threshold}) must be below "
                 f"clip_high_threshold ({self.clip_high_threshold})"

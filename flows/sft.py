@@ -24,7 +24,7 @@ from prefect_tinker.flows.interrupts import recipe_flow
 from prefect_tinker.flows.loop import StepLoop
 from prefect_tinker.flows.session import RunSession
 from prefect_tinker.recipes.builders import EXAMPLE_CHATS, SourceFields, SupervisedBuilder, SupervisedData
-from prefect_tinker.recipes.data_pipeline import batch_at
+from prefect_tinker.recipes.data_pipeline import DataOrder, batch_at
 from prefect_tinker.recipes.progress import phase
 from prefect_tinker.tasks.benchmark_evaluator import benchmark_evaluators
 from prefect_tinker.tasks.clients import tokenizer
@@ -53,6 +53,8 @@ class SFTConfig(SourceFields, RecipeConfig):
         "sources",
         "messages_field",
         "on_too_long",
+        "reduction",
+        "data_order",
     )
 
     dataset: str | None = Field(
@@ -64,10 +66,30 @@ class SFTConfig(SourceFields, RecipeConfig):
     )
     messages_field: str = Field(default="messages", description="Field holding the message list (format=messages).")
     train_on_what: str = Field(default="all_assistant_messages", description="Which tokens get loss weight.")
-    on_too_long: Literal["truncate", "skip", "error"] = Field(
-        default="truncate", description="An example longer than max_length: truncate, skip (counted) or error."
+    on_too_long: Literal["truncate", "truncate_keep", "skip", "error"] = Field(
+        default="truncate",
+        description=(
+            "An example longer than max_length: truncate (skipped, counted, when nothing trained is left), "
+            "truncate_keep (kept even then, with zero weights, as tinker-cookbook does), skip (counted) or error."
+        ),
     )
     batch_size: int = Field(default=8, ge=1, description="Conversations per step.")
+    reduction: Literal["none", "mean"] = Field(
+        default="none",
+        description=(
+            "Loss weights per example: none = 1 per trained token (the loss sums over tokens, every token counts the "
+            "same); mean = divided by the example's trained-token count (every example counts the same: "
+            "tinker-cookbook's SFT default)."
+        ),
+    )
+    data_order: DataOrder = Field(
+        default="seeded",
+        description=(
+            "seeded: epoch e in an order seeded by (seed, e), the test split keeping file order; cookbook: "
+            "tinker-cookbook 0.6.1's order (records shuffled by seed, the first test_size held out, epoch e "
+            "shuffled by e alone)."
+        ),
+    )
     learning_rate: float = Field(
         default=5e-4, gt=0, description="Peak learning rate (LoRA wants ~10x the full fine-tuning rate)."
     )
@@ -91,6 +113,7 @@ class SFTConfig(SourceFields, RecipeConfig):
             on_too_long=self.on_too_long,
             on_error=self.on_error,
             test_size=self.test_count(),
+            data_order=self.data_order,
         )
 
 
@@ -104,7 +127,7 @@ def sft_flow(config: SFTConfig) -> dict[str, Any]:
             data = cast(SupervisedData, prepare_dataset(session.dataset_builder, session.tokenizer_id))
         per_epoch = len(data.train) // config.batch_size
         total = config.max_steps or per_epoch * config.num_epochs
-        test = [ex.datum() for ex in data.test]  # its media read by reference
+        test = [ex.datum() for ex in data.test if any(ex.weights[1:])]  # its media read by reference
         log.info(
             "%d train / %d test examples, %d steps (renderer %s); %s",
             len(data.train),
@@ -115,8 +138,9 @@ def sft_flow(config: SFTConfig) -> dict[str, Any]:
         )
 
         def one_step(step: int) -> dict[str, float]:
-            batch = [data.train[i] for i in batch_at(len(data.train), config.batch_size, config.seed, step)]
-            datums = [ex.datum() for ex in batch]
+            order = batch_at(len(data.train), config.batch_size, config.seed, step, config.data_order)
+            keep = config.on_too_long == "truncate_keep"
+            datums = [data.train[i].datum(reduction=config.reduction, keep_untrained=keep) for i in order]
             session.run, m = train_step(
                 session.credentials,
                 session.run,

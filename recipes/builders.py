@@ -25,6 +25,7 @@ from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar
 import tinker
 from pydantic import BaseModel, Field, WithJsonSchema, field_validator, model_validator
 
+from prefect_tinker.recipes.data_pipeline import DataOrder
 from prefect_tinker.recipes.data_reading import (
     EXAMPLE_CHAT_PATH,
     OnError,
@@ -63,16 +64,18 @@ class Example(BaseModel):
         """``tokens`` with the media positions as MediaToken runs again."""
         return restore_media(self.tokens, self.media) if self.media else list(self.tokens)
 
-    def datum(self, max_length: int | None = None) -> tinker.Datum:
+    def datum(
+        self, max_length: int | None = None, reduction: Literal["none", "mean"] = "none", keep_untrained: bool = False
+    ) -> tinker.Datum:
         """The example's next-token-prediction datum (media read from their files and checked
         against their SHA-256): :func:`~prefect_tinker.recipes.datasets.datum_from_example` of
-        :meth:`sequence` and ``weights``.
+        :meth:`sequence` and ``weights`` (``reduction``, ``keep_untrained`` as there).
 
         Raises:
             MediaError: a media file is missing or changed since it was rendered; ValueError as
                 ``datum_from_example``.
         """
-        return datum_from_example(self.sequence(), self.weights, max_length)
+        return datum_from_example(self.sequence(), self.weights, max_length, reduction, keep_untrained)
 
     def prompt(self) -> list[int]:
         """The positions before the first trained token (media kept): what a sampler continues."""
@@ -181,6 +184,8 @@ class DatasetBuilder(BaseModel, ABC):
         of its content (editing a file changes it, renaming it does not)."""
         body = self.model_dump(mode="json", exclude={"sources"})
         body["kind"] = type(self).__name__
+        if body.get("data_order") == "seeded":  # the default, which earlier builders had implicitly
+            del body["data_order"]
         if self.build_version > 1:
             body["build_version"] = self.build_version
         body["sources"] = [
@@ -257,9 +262,10 @@ class SupervisedBuilder(DatasetBuilder):
     kind: ClassVar[str] = "sft"
     train_on_what: str = "all_assistant_messages"
     max_length: int = 512
-    on_too_long: Literal["truncate", "skip", "error"] = "truncate"
+    on_too_long: Literal["truncate", "truncate_keep", "skip", "error"] = "truncate"
     on_error: OnError = "raise"
     test_size: float | int = 0.1
+    data_order: DataOrder = "seeded"
     stopping: Literal["first_exhausted", "all_exhausted", "each_once"] = "each_once"
     renderer_options: dict[str, Any] = Field(default_factory=dict)
 
@@ -289,6 +295,7 @@ class SupervisedBuilder(DatasetBuilder):
             on_error=self.on_error,
             test_size=self.test_size,
             seed=self.seed,
+            data_order=self.data_order,
             stopping=self.stopping,
         )
 

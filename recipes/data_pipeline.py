@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-OnTooLong = Literal["truncate", "skip", "error"]
+OnTooLong = Literal["truncate", "truncate_keep", "skip", "error"]
 Stopping = Literal["first_exhausted", "all_exhausted", "each_once"]
 
 
@@ -138,15 +138,21 @@ class ExampleTooLongError(DatasetFormatError):
     """An example is longer than ``max_length`` and ``on_too_long="error"`` (names file:line and field)."""
 
 
-def epoch_permutation(n: int, epoch: int, seed: int = 0) -> np.ndarray:
-    """Order of ``n`` items in epoch ``epoch`` (int64, shape (n,)): seeded by ``(seed, epoch)``."""
-    return np.random.default_rng([seed, epoch]).permutation(n)
+DataOrder = Literal["seeded", "cookbook"]
 
 
-def batch_at(n: int, batch_size: int, seed: int, step: int) -> list[int]:
+def epoch_permutation(n: int, epoch: int, seed: int = 0, order: DataOrder = "seeded") -> np.ndarray:
+    """Order of ``n`` items in epoch ``epoch`` (int64, shape (n,)): ``numpy.random.default_rng``
+    seeded by ``(seed, epoch)``; with ``order="cookbook"`` by ``epoch`` alone, as tinker-cookbook
+    0.6.1's ``SupervisedDatasetFromHFDataset.set_epoch(seed=epoch)`` (Hugging Face
+    ``Dataset.shuffle(seed=epoch)``) orders its training rows."""
+    return np.random.default_rng(epoch if order == "cookbook" else [seed, epoch]).permutation(n)
+
+
+def batch_at(n: int, batch_size: int, seed: int, step: int, order: DataOrder = "seeded") -> list[int]:
     """Example indices (``batch_size`` of them) of the batch at training step ``step``: epoch
-    ``step // (n // batch_size)`` in :func:`epoch_permutation` order, cut into batches, the last
-    incomplete batch of each epoch dropped.
+    ``step // (n // batch_size)`` in :func:`epoch_permutation` order (``order``), cut into
+    batches, the last incomplete batch of each epoch dropped.
 
     Raises:
         ValueError: ``n < batch_size`` (not even one batch).
@@ -155,8 +161,8 @@ def batch_at(n: int, batch_size: int, seed: int, step: int) -> list[int]:
     if per_epoch == 0:
         raise ValueError(f"batch_size={batch_size} is larger than the training set ({n} examples)")
     epoch, index = divmod(step, per_epoch)
-    order = epoch_permutation(n, epoch, seed)
-    return [int(i) for i in order[index * batch_size : (index + 1) * batch_size]]
+    perm = epoch_permutation(n, epoch, seed, order)
+    return [int(i) for i in perm[index * batch_size : (index + 1) * batch_size]]
 
 
 def render_example(
@@ -172,7 +178,9 @@ def render_example(
     a media item it would cut (the item is dropped whole).
 
     Returns None when the example must be skipped: longer than ``max_length`` with
-    ``on_too_long="skip"``, or no trained target token left after truncation (``"truncate"``).
+    ``on_too_long="skip"``, or no trained target token left after truncation (``"truncate"``;
+    ``"truncate_keep"`` keeps it, with all weights 0, as tinker-cookbook 0.6.1's
+    ``conversation_to_datum`` does).
 
     Raises:
         DatasetFormatError: the renderer rejects the conversation (no trainable token, bad
@@ -195,11 +203,11 @@ def render_example(
         )
     if on_too_long == "skip":
         return None
-    if on_too_long != "truncate":
-        raise ValueError(f"on_too_long must be 'truncate', 'skip' or 'error', got {on_too_long!r}")
+    if on_too_long not in ("truncate", "truncate_keep"):
+        raise ValueError(f"on_too_long must be 'truncate', 'truncate_keep', 'skip' or 'error', got {on_too_long!r}")
     cut = safe_cut(tokens, max_length)  # a media item is dropped whole, never cut
     tokens, weights = tokens[:cut], weights[:cut]
-    return (tokens, weights) if weights[1:].any() else None
+    return (tokens, weights) if on_too_long == "truncate_keep" or weights[1:].any() else None
 
 
 def batch_datums(
@@ -228,6 +236,10 @@ class SupervisedDataset:
         test_size: held-out conversations: a count, or a fraction (not for streamed sources, where
             the first ``test_size`` conversations of the stream are held out).
         seed: seeds interleaving, the split, and each epoch's shuffle.
+        data_order: ``"seeded"`` (each epoch permuted by ``(seed, epoch)``, the split keeping the
+            source order) or ``"cookbook"`` (tinker-cookbook 0.6.1's: the records permuted by
+            ``seed``, the first ``test_size`` held out, epoch ``e`` permuted by ``e``; see
+            :func:`epoch_permutation` and :func:`~prefect_tinker.recipes.datasets.split_conversations`).
         stopping: interleaving strategy (see :func:`interleave`).
         shuffle_buffer_size: buffer of the per-epoch shuffle of streamed sources.
         drop_last: drop a final short batch.
@@ -250,6 +262,7 @@ class SupervisedDataset:
         on_error: OnError = "raise",
         test_size: int | float = 0,
         seed: int = 0,
+        data_order: DataOrder = "seeded",
         stopping: Stopping = "first_exhausted",
         shuffle_buffer_size: int = 10_000,
         drop_last: bool = False,
@@ -259,7 +272,7 @@ class SupervisedDataset:
         self.specs = [SourceSpec.coerce(s) for s in sources]
         self.renderer, self.batch_size, self.max_length = renderer, batch_size, max_length
         self.train_on_what, self.on_too_long, self.on_error = train_on_what, on_too_long, on_error
-        self.test_size, self.seed, self.stopping = test_size, seed, stopping
+        self.test_size, self.seed, self.stopping, self.data_order = test_size, seed, stopping, data_order
         self.shuffle_buffer_size, self.drop_last = shuffle_buffer_size, drop_last
         self.streaming = any(s.streaming for s in self.specs)
         if self.streaming and not (isinstance(test_size, int) and not isinstance(test_size, bool)):
@@ -306,7 +319,7 @@ class SupervisedDataset:
             "an example needs at least 2 tokens"
             if len(out[0]) < 2
             else "no trained target token (only the first token has weight)"
-            if not np.asarray(out[1])[1:].any()
+            if not np.asarray(out[1])[1:].any() and self.on_too_long != "truncate_keep"
             else None
         )
         if problem:  # nothing to predict
@@ -336,7 +349,7 @@ class SupervisedDataset:
             raise DatasetFormatError(
                 f"no conversations in {', '.join(s.path for s in self.specs)} ({self.stats.summary()})"
             )
-        train, test = split_conversations(convs, self.test_size, seed=self.seed) if self.test_size else (convs, [])
+        train, test = split_conversations(convs, self.test_size, seed=self.seed, order=self.data_order)
         self._train, self._test = self._render_all(train), self._render_all(test)
         if not self._train:
             raise DatasetFormatError(f"no training example left ({self.stats.summary()})")
@@ -372,7 +385,7 @@ class SupervisedDataset:
         self._load()
         if not self.streaming:
             train = self._train or []
-            order = epoch_permutation(len(train), epoch, self.seed)
+            order = epoch_permutation(len(train), epoch, self.seed, self.data_order)
             datums = [datum_from_example(*train[i]) for i in order]
             yield from batch_datums(datums, self.batch_size, drop_last=self.drop_last)
             return

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import tinker
@@ -101,18 +101,29 @@ def load_conversations(
 
 
 def split_conversations(
-    conversations: Sequence[ItemT], test_size: int | float, seed: int = 0
+    conversations: Sequence[ItemT],
+    test_size: int | float,
+    seed: int = 0,
+    order: Literal["seeded", "cookbook"] = "seeded",
 ) -> tuple[list[ItemT], list[ItemT]]:
     """Deterministic train/test split.
+
+    The items are permuted with ``numpy.random.default_rng(seed).permutation``; the first
+    ``test_size`` of that permutation are the test items.  ``order="seeded"``: both parts keep
+    the original relative order.  ``order="cookbook"``: both parts are in the permuted order, as
+    tinker-cookbook 0.6.1's ``FromConversationFileBuilder`` splits (Hugging Face
+    ``Dataset.shuffle(seed)``, then ``take(test_size)`` / ``skip(test_size)``; with
+    ``test_size`` 0 the training items are permuted too).
 
     Args:
         conversations: the items to split (any sequence works).
         test_size: number of test items (int >= 0) or a fraction in [0, 1) (rounded, at least
             one item when the fraction is > 0).
         seed: seed of the permutation choosing the test items (same seed, same split).
+        order: ``"seeded"`` or ``"cookbook"`` (above).
 
     Returns:
-        ``(train, test)``, each in the original relative order.
+        ``(train, test)``.
 
     Raises:
         ValueError: a negative size, a fraction outside [0, 1), or a split leaving no
@@ -129,17 +140,25 @@ def split_conversations(
         if test_size < 0:
             raise ValueError(f"test_size must be >= 0, got {test_size}")
         n_test = test_size
-    if n_test >= n:
+    if n_test and n_test >= n:
         raise ValueError(f"test_size={test_size!r} leaves no training conversation out of {n}")
-    order = np.random.default_rng(seed).permutation(n)
-    test_idx = set(order[:n_test].tolist())
+    perm = np.random.default_rng(seed).permutation(n)
+    if order == "cookbook":
+        return [conversations[i] for i in perm[n_test:]], [conversations[i] for i in perm[:n_test]]
+    if not n_test:
+        return list(conversations), []
+    test_idx = set(perm[:n_test].tolist())
     train = [c for i, c in enumerate(conversations) if i not in test_idx]
     test = [c for i, c in enumerate(conversations) if i in test_idx]
     return train, test
 
 
 def datum_from_example(
-    model_input: tinker.ModelInput | Sequence[int | MediaToken], weights: Any, max_length: int | None = None
+    model_input: tinker.ModelInput | Sequence[int | MediaToken],
+    weights: Any,
+    max_length: int | None = None,
+    reduction: Literal["none", "mean"] = "none",
+    keep_untrained: bool = False,
 ) -> tinker.Datum:
     """Make a next-token-prediction datum from a rendered example.
 
@@ -157,6 +176,13 @@ def datum_from_example(
         weights: per-position weights, shape (N,).
         max_length: keep at most this many positions of the example (the model input then has
             at most ``max_length - 1``); None keeps everything.
+        reduction: ``"none"``: the weights as given (the loss sums over trained tokens);
+            ``"mean"``: the target weights divided by their sum (float32), so each example
+            weighs 1 whatever its length (tinker-cookbook 0.6.1's SFT default,
+            ``conversation_to_datum(..., reduction="mean")``; an example without trained
+            token keeps its zero weights).
+        keep_untrained: make a datum even when no target has weight (it then contributes
+            nothing to the loss; the cookbook keeps such truncated examples) instead of raising.
 
     Raises:
         ValueError: weights not of shape (N,), fewer than 2 positions, ``max_length < 2``, an
@@ -181,12 +207,16 @@ def datum_from_example(
         raise ValueError("the example ends with a media item: nothing follows it to predict")
     w[[i for i, t in enumerate(tokens) if isinstance(t, MediaToken)]] = 0.0
     target_w = w[1:]
-    if not (target_w > 0).any():
+    if not keep_untrained and not (target_w > 0).any():
         raise ValueError(
             f"no trained token left in the example (length {len(tokens)}"
             + (f", max_length={max_length}" if max_length is not None else "")
             + "): all target weights are 0"
         )
+    if reduction == "mean" and target_w.sum() > 0:
+        target_w = target_w / np.float32(target_w.sum())
+    elif reduction not in ("none", "mean"):
+        raise ValueError(f"reduction must be 'none' or 'mean', got {reduction!r}")
     return tinker.Datum(
         model_input=model_input_from_tokens(tokens[:-1]),
         loss_fn_inputs={

@@ -205,9 +205,12 @@ def sequence_logprob(logprobs: Any, datum: tinker.Datum) -> Any:
     w = raw.to_numpy() if isinstance(raw, tinker.TensorData) else np.asarray(raw)
     import torch  # here, not at the top: reading a preference dataset needs no torch
 
+    # a float32 dot product, as tinker-cookbook's DPO computes it (its reference and policy alike), so
+    # the same logprobs give the same bits on both sides (tests/test_cookbook_parity.py)
     if isinstance(logprobs, torch.Tensor):
-        return (logprobs * torch.as_tensor(w, dtype=logprobs.dtype)).sum()
-    return float((np.asarray(logprobs, dtype=np.float64) * w).sum())
+        return torch.dot(logprobs.reshape(-1), torch.as_tensor(w, dtype=logprobs.dtype).reshape(-1))
+    lp = torch.as_tensor(np.asarray(logprobs, dtype=np.float32).reshape(-1))
+    return float(torch.dot(lp, torch.as_tensor(np.asarray(w, dtype=np.float32).reshape(-1))))
 
 
 class DPOLoss:

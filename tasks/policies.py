@@ -4,7 +4,9 @@ One predicate, :func:`is_transient`, decides whether a failure is worth retrying
 :func:`retry_condition` (its Prefect form) together with :data:`RETRY_OPTIONS`. Transient: network
 trouble, timeouts, HTTP 408/409/429/5xx and failed requests of category server/unknown. Permanent:
 bad credentials, bad input (HTTP 400/404/422, failed requests of category user) and our own
-validation errors — those fail at once so that the user sees the message instead of a retry loop.
+validation errors — those fail at once so that the user sees the message instead of a retry loop;
+and a store that stayed unreachable for its whole outage window (``StoreUnavailableError``: the store
+already retried for its ``retry_seconds``, the one setting of how long an S3 outage is ridden out).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import Any, TypeVar, cast
 import tinker
 from prefect.tasks import TaskRunNameCallbackWithParameters, exponential_backoff
 from prefect.utilities.annotations import quote as prefect_quote
+
+from tinker_blocks.s3 import StoreUnavailableError
 
 __all__ = ["is_transient", "retry_condition", "RETRY_OPTIONS", "file_sha256", "quote", "run_name_from_parameters"]
 
@@ -59,6 +63,8 @@ def is_transient(exc: BaseException) -> bool:
             return code in (408, 409, 429) or code >= 500
         if isinstance(cur, tinker.TinkerError):  # e.g. a missing or malformed API key
             return False
+        if isinstance(cur, StoreUnavailableError):  # the store retried for its whole outage window
+            return False  # (retry_seconds): a task retry would stretch that one setting several-fold
         if isinstance(cur, (ConnectionError, TimeoutError)):
             return True
         if isinstance(cur, (ValueError, TypeError, KeyError, FileNotFoundError, PermissionError)):

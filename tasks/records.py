@@ -68,7 +68,7 @@ def check_store(store: str | TrainingStore) -> None:
     """Fail now, with a clear message, when the store cannot be written, listed and read (wrong
     S3 credentials, missing bucket, unwritable folder): call it before training starts.
 
-    Raises ``StoreAccessError`` (not retried) or ``StoreUnavailableError`` (retried: transient).
+    Raises ``StoreAccessError`` or ``StoreUnavailableError`` (no answer within 30 s), not retried.
     """
     _store(store).check()
 

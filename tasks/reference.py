@@ -23,6 +23,7 @@ import tinker
 from prefect import task
 from prefect.cache_policies import TASK_SOURCE, CacheKeyFnPolicy
 
+from prefect_tinker.recipes.preference import sequence_logprob
 from prefect_tinker.tasks.clients import reference_client, result, sampling_client
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
 
@@ -42,8 +43,9 @@ def _key(context: Any, params: dict[str, Any]) -> str:
 
 
 def _weighted(logprobs: np.ndarray, datum: tinker.Datum) -> float:
-    weights = datum.loss_fn_inputs["weights"].to_numpy().astype(np.float64).ravel()
-    return float((np.asarray(logprobs, dtype=np.float64).ravel() * weights).sum())
+    # the float32 dot product the policy side computes too (recipes.preference.sequence_logprob), as
+    # tinker-cookbook's DPO sums its reference: the same logprobs give the same bits on both sides
+    return float(sequence_logprob(np.asarray(logprobs, dtype=np.float32).ravel(), datum))
 
 
 @task(

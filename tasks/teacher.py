@@ -61,17 +61,25 @@ def weights_tokenizer(credentials: TinkerCredentials, weights: str) -> Any:
     """The tokenizer of ``weights`` (``base:<model>`` or ``tinker://...``) on ``credentials``'
     backend. A checkpoint's sampler names its base model as the server announces it; a base model
     on the embedded local server is named by the server only through a training client's
-    ``get_info`` (its presets have no hub id), so a frozen rank-1 client reads it there.
+    ``get_info`` (its presets have no hub id), so a frozen rank-1 client reads it there -- also for
+    a checkpoint whose base model the SDK cannot resolve (a local preset on a served
+    ``tinker_local``, reached by ``base_url``).
 
     Raises:
         OSError: the tokenizer cannot be loaded. The SDK's errors for unknown weights.
     """
     from prefect_tinker.tasks.clients import reference_client, tokenizer
 
+    def from_server(base: str) -> Any:
+        return tokenizer(reference_client(credentials, base).get_info().model_data.tokenizer_id)
+
     if weights.startswith("base:") and credentials.backend_name() == "local":
-        info = reference_client(credentials, weights).get_info()
-        return tokenizer(info.model_data.tokenizer_id)
-    return sampling_client(credentials, weights).get_tokenizer()
+        return from_server(weights)
+    client = sampling_client(credentials, weights)
+    try:
+        return client.get_tokenizer()
+    except OSError:  # no hub id for the base model: ask the server, as for the embedded one
+        return from_server(f"base:{client.get_base_model()}")
 
 
 def teacher_asset(weights: str) -> str:

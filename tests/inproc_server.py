@@ -40,14 +40,16 @@ class LiveServer:
         self.thread.join(30)
 
 
-def start(root: Path, models: list[str], **app_kw: Any) -> LiveServer:
+def start(root: Path, models: list[str], *, engine_cls: type | None = None, **app_kw: Any) -> LiveServer:
+    """``engine_cls``: the engine class (default ``tinker_local.engine.Engine``; a subclass such as
+    ``tests.scripted_judge.ScriptedJudgeEngine``), made with ``(root, dtype="fp32", num_threads=1)``."""
     import uvicorn
 
     from tinker_local.engine import Engine
     from tinker_local.server import create_app
 
     root = Path(root)
-    engine = Engine(root, dtype="fp32", num_threads=1)
+    engine = (engine_cls or Engine)(root, dtype="fp32", num_threads=1)
     for m in models:
         engine.load_base_model(m)
     app = create_app(engine, root, models=models, **app_kw)

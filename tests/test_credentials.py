@@ -230,22 +230,40 @@ def test_secret_is_masked_everywhere(stand_in, caplog):
     assert again.api_key.get_secret_value() == KEY and again == block
 
 
-_SERVER_PARTS = ("tinker_local.cli", "tinker_local.server", "tinker_local.engine")
-
-
-@pytest.mark.skipif(
-    any(importlib.util.find_spec(m) is None for m in _SERVER_PARTS),
-    reason="tinker_local server not built yet (needs tinker_local.cli, .server and .engine)",
-)
 def test_real_local_server_answers_the_sdk(tmp_path):
+    """The block starts the real embedded server and hands its URL to the SDK: the server lists the
+    model the block preloads (``local_models``), the cached client is reused, and a sample through that client
+    carries the base model's logprobs of its tokens (an independent fp32 forward of the preset,
+    built here: the server samples in fp32)."""
+    import numpy as np
+    import torch
+
+    from tinker_local.models import resolve_model
+
     cred._clients.clear()
-    block = TinkerCredentials(local=True, local_root=str(tmp_path / "real"), local_startup_timeout=90)
+    block = TinkerCredentials(local=True, local_root=str(tmp_path / "real"), local_startup_timeout=90,
+                              local_models=["tiny"])
     try:
         client = block.get_client()
         base_url = block.base_url_for_sdk()
+        assert base_url == launcher.read_record(block.resolved_local_root())["base_url"]
         caps = tinker.RestClient(base_url=base_url, api_key=cred.LOCAL_API_KEY).get_server_capabilities().result()
-        assert caps is not None
+        assert [m.model_name for m in caps.supported_models] == ["tiny"]
         assert block.get_client() is client
+        prompt = [5, 17, 42, 7]
+        res = client.create_sampling_client(base_model="tiny").result(timeout=60).sample(
+            tinker.ModelInput.from_ints(prompt), 1, tinker.SamplingParams(max_tokens=4, seed=2, stop=[])
+        ).result(timeout=120)
+        tokens, logprobs = list(res.sequences[0].tokens), np.array(res.sequences[0].logprobs)
+        spec = resolve_model("tiny", tmp_path / "reference")
+        assert caps.supported_models[0].max_context_length == spec.max_context
+        model, _ = spec.load()
+        with torch.no_grad():
+            full = torch.tensor([prompt + tokens])
+            lp = torch.log_softmax(model.float().eval()(input_ids=full).logits[0].float(), -1)
+        want = lp[len(prompt) - 1 : -1].gather(-1, torch.tensor(tokens)[:, None])[:, 0].numpy()
+        assert len(tokens) == 4
+        np.testing.assert_allclose(logprobs, want, atol=1e-4)
     finally:
         block.stop_local_server()
         cred._clients.clear()

@@ -200,6 +200,14 @@ def test_training_adapters_beyond_the_resident_bound_train_as_if_all_were_reside
     bounded.delete_model(ids[0])  # not resident: nothing to take out of peft
     bounded.delete_model(ids[-1])  # resident
     assert not bounded._bases["tiny"].peft.peft_config and bounded.list_models() == ids[1:-1]
+    # the base model samples after its last (and active) adapter is gone, as a base without adapters
+    fresh = Engine(tmp_path / "fresh", dtype="fp32", device="cpu", num_threads=engine.num_threads)
+    after, plain = (
+        eng.sample("tiny", None, [1, 295, 201], num_samples=2, max_tokens=4, seed=3, stop=[],
+                   include_prompt_logprobs=True)
+        for eng in (bounded, fresh)
+    )
+    assert after.sequences == plain.sequences and after.prompt_logprobs == plain.prompt_logprobs
 
 
 def test_save_load_state_bit_equal(engine):

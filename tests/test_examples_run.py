@@ -2,8 +2,9 @@
 runs through ``prefect-tinker run RECIPE --example NAME`` in a short mode: the example's own config
 with the step count capped (and batch, group, token and turn counts cut where a step would take long
 on the tiny model), on the session's embedded server. Each run must finish and leave its rows in the
-store: training metrics (``metrics``), evaluation results (``eval_results``) or, for an export, the
-exported files. Examples that need an earlier run (``teacher=run:sft-teacher``, ``model=run:sft-teacher``,
+store, with values that an untrained first step fixes (``check_short_run``): training metrics
+(``metrics``), evaluation results (``eval_results``) or, for an export, the exported files.
+Examples that need an earlier run (``teacher=run:sft-teacher``, ``model=run:sft-teacher``,
 an export's checkpoint) take it from the run the module fixture trains first with ``sft --example tiny``.
 
 Whether the examples *learn* is not checked here (docs/training.md has the arithmetic example's
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import re
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from tinker_blocks.stores import TrainingStore
 
 EXAMPLES = sorted((p.parent.name, p.stem) for p in (ROOT / "configs").glob("*/*.yaml"))
 TEACHER = "sft-teacher"  # the run the examples needing an earlier run name
+TINY_VOCAB = 2048  # the tiny preset's vocabulary
 RL_SHORT = ["max_steps=1", "group_size=2", "groups_per_batch=2", "max_tokens=8", "save_every=0"]
 
 #: Overrides that make each example one short step (or a few examples), on top of its own config.
@@ -223,5 +226,48 @@ def test_example_runs_in_short_mode(recipe, example, example_store, local_creden
             {"gsm8k", "math", "arithmetic"} if example == "suite" else {"arithmetic"}
         )
     else:
-        (row,) = _sql(capsys, example_store, f"SELECT count(*) AS n FROM metrics WHERE run_id LIKE '{run}%'")
-        assert row["n"] > 0, f"{recipe}/{example} wrote no metrics"
+        check_short_run(capsys, example_store, recipe, run)
+
+
+def check_short_run(capsys, store: Path, recipe: str, run: str) -> None:
+    """What a one-step run must leave, by values: every run (an rlhf run's stages too) completed;
+    every metric finite; training metrics of step 0 only (``max_steps=1``); the step-0 learning
+    rate the config's schedule gives; and what an untrained start fixes: DPO's loss is ln 2 with
+    zero margin (policy = reference), a tiny model's next-token loss is near ln(vocabulary) (its
+    random weights predict almost uniformly), RL's ``env/reward_mean``/``reward_std`` are those of
+    the step's trajectories in the store, the reward model's accuracy stderr is the binomial one."""
+    runs: dict[str, dict] = {}
+    query = f"SELECT run_id, status, config_json FROM runs WHERE run_id LIKE '{run}%' ORDER BY time"
+    for r in _sql(capsys, store, query):
+        runs[r["run_id"]] = {**runs.get(r["run_id"], {}), "status": r["status"],
+                             **({"config": json.loads(r["config_json"])} if r["config_json"] else {})}
+    assert runs and {k: v["status"] for k, v in runs.items()} == dict.fromkeys(runs, "completed"), runs
+    rows = _sql(capsys, store, f"SELECT run_id, step, name, value FROM metrics WHERE run_id LIKE '{run}%'")
+    assert rows, f"{run} wrote no metrics"
+    bad = [r for r in rows if not math.isfinite(r["value"])]
+    assert not bad, bad
+    for run_id, info in runs.items():
+        cfg = info.get("config", {})
+        got = {(r["step"], r["name"]): r["value"] for r in rows if r["run_id"] == run_id}
+        trained = {step for step, name in got if name.startswith("train/")}
+        assert trained <= {0}, (run_id, sorted(trained))
+        if (0, "train/learning_rate") in got:
+            want = cfg["learning_rate"] / max(int(cfg.get("warmup_steps") or 0), 1)  # step 0 of any schedule
+            assert got[0, "train/learning_rate"] == pytest.approx(want, rel=1e-6), run_id
+        if (0, "train/dpo_loss") in got:
+            assert got[0, "train/dpo_loss"] == pytest.approx(math.log(2), abs=1e-4)
+            assert got[0, "train/margin"] == pytest.approx(0.0, abs=1e-4)
+        next_token = recipe in ("sft", "reward_model", "rlhf") or run == "ex-distill-off-policy"  # mean NLL/token
+        if next_token and cfg.get("model") == "tiny" and (0, "train/loss") in got:
+            assert abs(got[0, "train/loss"] - math.log(TINY_VOCAB)) < 0.5, (run_id, got[0, "train/loss"])
+        if (0, "eval/rm_accuracy_stderr") in got:
+            acc, n = got[0, "eval/rm_accuracy"], int(cfg["test_size"])
+            assert got[0, "eval/rm_accuracy_stderr"] == pytest.approx(math.sqrt(acc * (1 - acc) / n), rel=1e-6)
+        if (0, "env/reward_mean") in got and recipe == "rl":
+            trajs = _sql(capsys, store, f"SELECT reward FROM trajectories WHERE run_id = '{run_id}' AND step = 0")
+            rewards = [t["reward"] for t in trajs]
+            if len(rewards) == cfg["group_size"] * cfg["groups_per_batch"]:  # every trajectory logged
+                mean = sum(rewards) / len(rewards)
+                assert got[0, "env/reward_mean"] == pytest.approx(mean, abs=1e-9)
+                std = math.sqrt(sum((x - mean) ** 2 for x in rewards) / len(rewards))
+                assert got[0, "env/reward_std"] == pytest.approx(std, abs=1e-6)

@@ -94,6 +94,9 @@ def _model_strategy(name: str):
                                    "name": st.text(max_size=6), "target": st.text(max_size=12),
                                    "args": st.lists(st.integers() | st.text(max_size=4), max_size=3)}),
             max_size=5))},
+        # dict[str, Any] metadata: hypothesis cannot draw an instance of Any, so JSON values stand in
+        "CreateSessionRequest": {"user_metadata": st.none() | st.dictionaries(st.text(max_size=8), JSON_VALUES,
+                                                                               max_size=3)},
     }
     return st.builds(getattr(types, name), **overrides.get(name, {})).map(lambda m: m.model_dump(mode="json"))
 

@@ -147,6 +147,39 @@ def test_probe_refuses_attention_that_ignores_positions(engine):
     assert packing_supported(model, VOCAB, torch.device("cpu"))
 
 
+def test_a_model_failing_the_probe_trains_padded_said_once_and_counted(engine, caplog):
+    """A text-only model whose attention drops the packed mask fails the probe: every call trains
+    padded (the logprobs of the padded path), one warning names the model, and each call is
+    counted in ``engine.stats["packing_fallbacks"]``."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def causal_only(module, q, k, v, attention_mask, **kw):  # drops the block-diagonal mask
+        return sdpa_attention_forward(module, q, k, v, None, **{**kw, "is_causal": True})
+
+    AttentionInterface.register("tinker_test_causal_only_2", causal_only)
+    engine.create_model("pk-fallback", "tiny", 4, seed=3)
+    b = engine._bases[engine._models["pk-fallback"].base_key]
+    before, checked, count = b.model.config._attn_implementation, b.packs, engine.stats["packing_fallbacks"]
+    datums = _datums(4)
+    expected, _ = _run(engine, "pk-fallback", datums, "cross_entropy", packing=False, backward=False)
+    try:
+        b.model.set_attn_implementation("tinker_test_causal_only_2")
+        b.packs = None  # checked anew
+        with caplog.at_level("WARNING", logger="tinker_local.engine"):
+            got = [_run(engine, "pk-fallback", datums, "cross_entropy", packing=True, backward=False)[0]
+                   for _ in range(3)]
+    finally:
+        b.model.set_attn_implementation(before)
+        b.packs = checked
+    assert engine.stats["packing_fallbacks"] == count + 3
+    said = [r.getMessage() for r in caplog.records if r.name == "tinker_local.engine"]
+    assert len(said) == 1 and said[0].startswith("base model tiny: two datums packed into one row")
+    for res in got:  # the padded path's numbers (right padding is exact under causal attention)
+        for x, y in zip(res.outputs, expected.outputs, strict=True):
+            np.testing.assert_allclose(x["logprobs"], y["logprobs"], atol=1e-5, rtol=0)
+
+
 def test_media_model_falls_back_to_padding(engine):
     from prefect_tinker.recipes.audio_features import tensor_container
     from tinker_local.datatypes import MediaChunk
@@ -162,9 +195,11 @@ def test_media_model_falls_back_to_padding(engine):
                   chunks=[pre, MediaChunk(kind="dmel", data=tensor_container(frames)), post])
     datums = [media] + [Datum(tokens=rng.integers(3, 1000, k).tolist(),
                               inputs={"target_tokens": rng.integers(3, 1000, k)}) for k in (4, 19)]
+    count = engine.stats["packing_fallbacks"]
     a, ga = _run(engine, "pk-audio", datums, "cross_entropy", packing=True)
     c, gc = _run(engine, "pk-audio", datums, "cross_entropy", packing=False)
     _assert_same(a, c, ga, gc)
+    assert engine.stats["packing_fallbacks"] == count  # padded by design, not a fallback
 
 
 def _sharing(seed: int, loss: str) -> list[Datum]:

@@ -177,11 +177,16 @@ def test_stability_info_and_provenance(clean, service, trainer):
     out = trainer.forward_backward([good], "importance_sampling").result(timeout=60)
     assert out.loss_fn_outputs[0]["logprobs"].shape == [len(prompt) + 4]
 
+    unknown = _provenance_datum(prompt, seq, sampled_spans=[
+        types.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1, length=len(prompt) - 1),
+        types.SampledProvenanceSpan(sequence_id="no-such-sequence", offset=0, length=5)])
     with pytest.raises(tinker.BadRequestError, match="is unknown or expired"):
-        bad = _provenance_datum(prompt, seq, sampled_spans=[
-            types.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1, length=len(prompt) - 1),
-            types.SampledProvenanceSpan(sequence_id="no-such-sequence", offset=0, length=5)])
-        trainer.forward_backward([bad], "importance_sampling").result(timeout=60)
+        trainer.forward_backward([unknown], "stable_reinforce").result(timeout=60)
+    # a loss that does not use provenance takes spans naming unrecorded sequences (sampled without
+    # record_stability_info), as tinker-cookbook's RL loop sends them; the logprobs are those without spans
+    same = trainer.forward_backward([unknown], "importance_sampling").result(timeout=60)
+    np.testing.assert_allclose(same.loss_fn_outputs[0]["logprobs"].to_numpy(),
+                               out.loss_fn_outputs[0]["logprobs"].to_numpy(), atol=1e-6)
     with pytest.raises(tinker.BadRequestError, match="must tile it exactly"):
         short = _provenance_datum(prompt, seq, sampled_spans=[
             types.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1, length=len(prompt) - 1),
@@ -234,7 +239,8 @@ def test_recorded_sequences_expire_a_day_after_their_last_use():
 
     svc = Service()
     svc.record_stability("sess-a:sample:0", ["r:0"], [5, 6, 7], [{"tokens": [8, 9], "logprobs": [-1.0, -2.0]}])
-    msg = pb.ForwardBackwardRequest(model_id="m", loss_fn="importance_sampling")
+    # stable_reinforce: the loss that needs provenance (for the others an unrecorded sequence passes unchecked)
+    msg = pb.ForwardBackwardRequest(model_id="m", loss_fn="stable_reinforce")
     d = msg.data.add()
     d.model_input.add().encoded_text.tokens = np.asarray([5, 6, 7, 8], np.int32).tobytes()
     d.loss_fn_inputs["target_tokens"].dense = np.asarray([6, 7, 8, 9], np.int64).tobytes()

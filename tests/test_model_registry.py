@@ -100,7 +100,7 @@ def test_model_field_reference_starts_the_run_from_the_alias(store):
     reg.write(alias_row(store, "assistant", "champion", "promote", resolve_weights(store, "run:a")))
     base, start, ref = cfg.start_weights()
     assert (base, start, ref.line) == ("tiny", "tinker://m-a/weights/a-10", "assistant")
-    assert SFTConfig(model="alias:assistant@champion", store=store.root).run_name.startswith("assistant-")
+    assert SFTConfig(model="alias:assistant@champion", store=store.root).run_name.startswith("sft-assistant-")
     with pytest.raises(WeightsRefError, match="leave load_checkpoint_path"):
         SFTConfig(model="run:a", load_checkpoint_path="tinker://x/weights/y", store=store.root).start_weights()
     ref_start = SFTConfig(model="tiny", load_checkpoint_path="alias:assistant", store=store.root).start_weights()

@@ -134,3 +134,29 @@ def test_plugin_recipe_runs_from_its_example(plugin_cli):
                                     "ORDER BY step")]
     assert len(loss) == 4 and loss[-1] < loss[0]  # four steps on one sentence: the loss falls
     assert sql("SELECT status FROM runs WHERE run_id = 'mem' ORDER BY time DESC LIMIT 1") == [{"status": "completed"}]
+
+
+def test_a_broken_plugin_beside_a_good_one(tmp_path):
+    """A second installed plugin whose recipe module does not import: ``prefect-tinker ls`` (a
+    listing it may concern) fails with one line naming its entry point, the same in every process;
+    the demo plugin's recipe still resolves by name."""
+    install_plugin(tmp_path)
+    (tmp_path / "broken_plugin.py").write_text("import a_dependency_that_is_not_installed\n")
+    dist = tmp_path / "broken_plugin-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-plugin\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[prefect_tinker.recipes]\nbroken = broken_plugin:RECIPE\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "PREFECT_TINKER_HOME": str(tmp_path / "home")}
+
+    def cli(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "prefect_tinker.cli.main", *argv], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)
+
+    listing = cli("ls")
+    assert listing.returncode == 1 and listing.stdout == ""
+    assert listing.stderr == ("error: entry point broken = 'broken_plugin:RECIPE' of group prefect_tinker.recipes "
+                              "does not import: ModuleNotFoundError: No module named "
+                              "'a_dependency_that_is_not_installed'\n")
+    shown = cli("show-config", "memorize")
+    assert shown.returncode == 0, shown.stderr
+    assert "text:" in shown.stdout  # the demo plugin's config model, printed as YAML defaults

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from prefect_tinker.recipes.registry import Registry, UnknownComponentError
+from prefect_tinker.recipes.registry import PluginLoadError, Registry, UnknownComponentError
 
 
 def _distribution(site, group: str, entries: dict[str, str], modules: dict[str, str]) -> None:
@@ -49,12 +49,38 @@ def test_entry_points_builtins_and_overrides(tmp_path, monkeypatch):
             sys.modules.pop(mod, None)
 
 
-def test_broken_entry_point_is_named(tmp_path, monkeypatch):
+def test_broken_entry_point_fails_every_read_and_the_others_load(tmp_path, monkeypatch):
+    """A plugin whose module does not import, listed before two good ones (one ``module:attr``,
+    one self-registering module) in a real dist-info: the good ones load and resolve by name;
+    every read the broken one may concern raises the same one line naming its entry point."""
     group = "prefect_tinker.test_registry_broken"
-    _distribution(tmp_path, group, {"bad": "reg_missing_mod:X"}, {})
+    reg: Registry[int] = Registry("widget", group)
+    _distribution(tmp_path, group, {"bad": "reg_broken_mod:X", "good": "reg_good_mod:GOOD", "also": "reg_also_mod"}, {
+        "reg_broken_mod": "import reg_no_such_dependency\nX = 1\n",
+        "reg_good_mod": "GOOD = 5\n",
+        "reg_also_mod": "import reg_holder2\nreg_holder2.REG.register('also', 6)\n",
+        "reg_holder2": "",
+    })
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(ImportError, match=r"entry point bad = 'reg_missing_mod:X' of group " + group):
-        Registry("widget", group).names()
+    import reg_holder2
+
+    reg_holder2.REG = reg
+    try:
+        line = ("entry point bad = 'reg_broken_mod:X' of group " + group
+                + " does not import: ModuleNotFoundError: No module named 'reg_no_such_dependency'")
+        reads = [reg.names, lambda: list(reg), lambda: len(reg), lambda: reg.get_or_raise("bad"),
+                 lambda: reg["bad"], lambda: "nine" in reg, lambda: reg.get_or_raise("nine")]
+        for read in reads + reads:  # every read, not only the first
+            with pytest.raises(PluginLoadError) as info:
+                read()
+            assert str(info.value) == line
+            assert isinstance(info.value.__cause__, ModuleNotFoundError)
+        # the entry points after the broken one loaded: their names resolve
+        assert reg.get_or_raise("good") == 5 and reg["also"] == 6 and "good" in reg
+        assert "broken=['bad']" in repr(reg)
+    finally:
+        for mod in ("reg_holder2", "reg_good_mod", "reg_also_mod", "reg_broken_mod"):
+            sys.modules.pop(mod, None)
 
 
 def test_every_kind_is_registered():

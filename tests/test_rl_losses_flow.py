@@ -84,19 +84,20 @@ def test_async_schedule_on_inflight_samplers(prefect_api, local_credentials, tmp
 
 def test_stable_reinforce_wires_provenance_through_rollouts(prefect_api, local_credentials, tmp_path, capsys):
     """Rollouts sample with ``record_stability_info=True`` clients and every datum names its
-    sequences; the server checks the provenance before the loss runs."""
+    sequences; the server checks the provenance before the loss runs. tinker_local refuses the
+    loss itself by name (its objective is not documented in a reproducible form:
+    docs/local-server-features.md), so the run ends with that refusal, which comes only after
+    every datum's provenance passed: a datum without it, or naming an unknown sequence, gets a
+    400 saying so instead."""
     store = tmp_path / "store"
     config = _config(local_credentials, store, "sr-run", loss_fn="stable_reinforce", max_steps=1, save_every=0)
     assert config.provenance and config.loss_fn_config() is None
-    try:
+    with pytest.raises(Exception) as refused:  # noqa: PT011 - matched by its text below
         rl_flow(config)
-    except Exception as exc:  # noqa: BLE001 - the refusal is matched by its text below
-        if "'stable_reinforce' is not implemented by tinker_local" in str(exc):
-            pytest.skip("tinker_local lacks the stable_reinforce loss (its provenance check passed: the refusal "
-                        "comes after it)")
-        raise
-    usage = _usage_rows(capsys, store, "sr-run")
-    assert usage[0]["tokens/trained"] > 0
+    msg = str(refused.value)
+    assert "'stable_reinforce' is not implemented by tinker_local" in msg, msg
+    assert "provenance" not in msg.split("is not implemented")[0]  # not a provenance refusal
+    assert not _usage_rows(capsys, store, "sr-run")  # no step was recorded as trained
 
 
 def test_inflight_needs_the_async_schedule():
@@ -105,8 +106,17 @@ def test_inflight_needs_the_async_schedule():
 
 
 def test_numerics_check_kl_is_in_the_healthy_range(prefect_api, local_credentials, tmp_path, capsys):
-    """Long page-by-page episodes: the trainer's logprobs of every sampled token stay within the
-    range docs/numerics.md gives for the local server (fp32 sampling; fp32 or bf16 training)."""
+    """Long page-by-page episodes: the trainer's logprobs of every sampled token differ from the
+    sampler's as docs/numerics.md gives for the dtype the embedded server trains in (``auto``: bf16
+    where the CPU has it, else fp32; the sampler is fp32 in both). Sampler and trainer run the same
+    weights, so the measure shows numerics only, and each range is tight on both sides: fp32 agrees
+    to float rounding (a wrong position after a KV-cache reuse or a mask error is far above it);
+    bf16 differs by its rounding, ~3e-6 nats^2, not 0 (a trainer handing back the sampler's
+    logprobs, or training in fp32 when it claims bf16, falls below it)."""
+    import torch
+
+    from tinker_local.compute import bf16_supported
+
     store = tmp_path / "store"
     opts = {"num_pages_min": 4, "num_pages_max": 4, "page_words": 30, "max_trajectory_tokens": 2000}
     rl_flow(_config(local_credentials, store, "numerics", env="numerics_check", env_options=opts, max_steps=1,
@@ -114,4 +124,9 @@ def test_numerics_check_kl_is_in_the_healthy_range(prefect_api, local_credential
     rows = _sql(capsys, store, "SELECT name, value FROM metrics WHERE run_id='numerics'")
     got = {r["name"]: r["value"] for r in rows}
     assert got["env/turns_per_episode"] == 5.0 and got["tokens/trained"] > 4 * 4 * 30  # one long datum per episode
-    assert abs(got["train/kl_sample_train_v1"]) < 1e-3 and got["train/kl_sample_train_v2"] < 1e-4
+    v1, v2 = got["train/kl_sample_train_v1"], got["train/kl_sample_train_v2"]
+    assert abs(v1) <= (2 * v2) ** 0.5 + 1e-12  # |mean(q - p)| <= RMS(q - p): one set of differences
+    if bf16_supported(torch.device("cpu")):  # measured 3.4e-6 to 3.9e-6 (docs/numerics.md)
+        assert 3e-7 < v2 < 4e-5 and abs(v1) < 1e-3
+    else:  # measured 7e-14, |v1| < 2e-8
+        assert v2 < 1e-10 and abs(v1) < 1e-6

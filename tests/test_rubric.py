@@ -1,9 +1,11 @@
 """Rubric rewards from an LLM judge: score parsing and the reward, the judge's prompt against a
-hostile reply (special-token strings, a forged rubric), the cached judge task on the real local
-server, and RL runs (sync and async) whose logged rewards are recomputed from the judge's answers."""
+hostile reply (special-token strings, a forged rubric), the cached judge task (keyed by the request
+and the backend) on real servers, and RL runs (sync and async) against a server whose judge scores
+replies by a script (tests/scripted_judge.py), with every reward recomputed from the replies."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -104,49 +106,89 @@ def test_rubric_items_from_records(tmp_path):
         RLConfig(env="rubric", dataset=str(data), env_options={"judge": "my-judge"})
 
 
-def test_judge_task_is_cached_by_request(prefect_api, local_credentials, tiny_tok):
+@pytest.fixture(scope="module")
+def judge_server(tmp_path_factory):
+    """An in-process tinker_local server whose engine serves ``tiny`` as usual and the scripted judge
+    ``scripted-judge`` (tests/scripted_judge.py), over HTTP like any server."""
+    from tests import inproc_server
+    from tests.scripted_judge import ScriptedJudgeEngine
+
+    from tinker_blocks import credentials as cred
+
+    live = inproc_server.start(tmp_path_factory.mktemp("judge-root"), ["tiny"], engine_cls=ScriptedJudgeEngine)
+    yield live
+    cred._forget_clients({"base_url": live.base_url})  # the runs' cached clients: sessions finished, closed
+    live.stop()
+
+
+def test_judge_task_is_cached_by_request_and_backend(prefect_api, local_credentials, judge_server, tiny_tok,
+                                                    monkeypatch):
+    """A repeated request is answered from the cache; another reply, or the same request on another
+    server (the same ``base:<model>`` there is another judge), asks the judge again."""
     from prefect import flow
 
+    from tests.scripted_judge import JUDGE_MODEL, answer_for
+    from tinker_blocks import TinkerCredentials
+
+    monkeypatch.setenv("TINKER_API_KEY", "tml-judge-tests")
+
     @flow
-    def twice(req: JudgeRequest):
-        return [judge_reply(local_credentials, req, return_state=True) for _ in range(2)]
+    def twice(credentials, req: JudgeRequest):
+        return [judge_reply(credentials, req, return_state=True) for _ in range(2)]
 
     req = _request(tiny_tok, "12")
-    first, second = twice(req)
+    first, second = twice(local_credentials, req)
     assert second.name == "Cached" and first.result() == second.result()
-    other, _ = twice(_request(tiny_tok, "13"))
+    other, _ = twice(local_credentials, _request(tiny_tok, "13"))
     assert other.name != "Cached"
+    elsewhere = TinkerCredentials(base_url=judge_server.base_url)
+    assert elsewhere.backend_identity() != local_credentials.backend_identity()
+    there, again = twice(elsewhere, req)  # base:tiny on the other server: asked there, then cached there
+    assert there.name != "Cached" and again.name == "Cached"
+    scripted, _ = twice(elsewhere, dataclasses.replace(req, judge=f"base:{JUDGE_MODEL}"))
+    assert scripted.result() == answer_for("12") == "1: 1\n2: 2"  # that server's own judge answered
 
 
 @pytest.mark.parametrize("schedule", ["sync", "async"])
-def test_rl_on_rubric_rewards_recomputed_from_judge_answers(prefect_api, local_credentials, tmp_path, capsys,
-                                                            schedule):
+def test_rl_rewards_follow_the_judge_scores(prefect_api, judge_server, tmp_path, capsys, monkeypatch, schedule):
+    """The rubric example run against a server whose judge scores each reply by a script
+    (tests/scripted_judge.py): every trajectory's judge answer is the script's answer to the reply
+    the environment logged, its reward is recomputed from those scores (and the format penalty),
+    the rewards vary with the replies, and each step's ``env/judge_score`` is the mean of its
+    trajectories' scores."""
+    from tests.scripted_judge import JUDGE_MODEL, answer_for, scores_of
+
+    monkeypatch.setenv("TINKER_API_KEY", "tml-judge-tests")
     store, run = tmp_path / "store", f"rubric-{schedule}"
     rc = cli_main(["run", "rl", "--example", "rubric", "max_steps=2", "group_size=2", "groups_per_batch=2",
                    "max_tokens=8", "save_every=0", f"run_name={run}", f"store={store}", "lora_rank=8",
-                   f"schedule={schedule}", "env_options.judge_max_tokens=16", "log_trajectories=8",
-                   f"backend.local_root={local_credentials.local_root}"])
+                   f"schedule={schedule}", f"env_options.judge=base:{JUDGE_MODEL}", "env_options.judge_max_tokens=16",
+                   "log_trajectories=8", f"backend.base_url={judge_server.base_url}"])
     assert rc in (0, None)
     capsys.readouterr()
-    assert cli_main(
-        [
-            "sql",
-            "--store",
-            str(store),
-            "--json",
-            f"SELECT step, name, value FROM metrics WHERE run_id='{run}' AND name LIKE 'env/judge%'",
-        ]
-    ) in (0, None)
-    rows = json.loads(capsys.readouterr().out)
-    assert {(r["step"], r["name"]) for r in rows} >= {(s, n) for s in ((0, 1) if schedule == "sync" else (0,))
-                                                       for n in ("env/judge_score", "env/judge_unparsed")}
+    query = f"SELECT step, response, reward, metrics_json FROM trajectories WHERE run_id='{run}'"
+    assert cli_main(["sql", "--store", str(store), "--json", query]) in (0, None)
+    trajs = json.loads(capsys.readouterr().out)
+    assert len(trajs) >= 4
+    by_step: dict[int, list[float]] = {}
+    for t in trajs:
+        info = json.loads(t["metrics_json"])
+        reply = t["response"].split("<|im_end|>")[0]  # the sampled text up to the chatml stop
+        assert info["judge_answer"] == answer_for(reply)  # the judge saw the reply intact
+        if reply.split():
+            s1, s2 = scores_of(reply)
+            score, unparsed = (s1 / 10 + s2 / 10) / 2, 0.0
+        else:
+            score, unparsed = 0.5, 1.0  # no score given: the fallback
+        assert info["judge_score"] == pytest.approx(score) and info["judge_unparsed"] == unparsed
+        assert t["reward"] == pytest.approx(score - (0.0 if info["format"] else 0.1))
+        by_step.setdefault(t["step"], []).append(score)
+    assert len({round(t["reward"], 6) for t in trajs}) >= 3  # the reward follows the replies: not a constant
     capsys.readouterr()
     assert cli_main(["sql", "--store", str(store), "--json",
-                     f"SELECT reward, metrics_json FROM trajectories WHERE run_id='{run}'"]) in (0, None)
-    trajs = json.loads(capsys.readouterr().out)
-    assert trajs
-    for t in trajs:  # every reward recomputed from the judge's logged answer
-        info = json.loads(t["metrics_json"])
-        score, unparsed = rubric_reward(parse_scores(info["judge_answer"], 2, 10), 10, 0.5)
-        assert info["judge_unparsed"] == unparsed
-        assert t["reward"] == pytest.approx(score - (0.0 if info["format"] else 0.1))
+                     f"SELECT step, value FROM metrics WHERE run_id='{run}' AND name = 'env/judge_score'"]) in (0, None)
+    logged = {r["step"]: r["value"] for r in json.loads(capsys.readouterr().out)}
+    assert set(logged) >= ({0, 1} if schedule == "sync" else {0})
+    for step, scores in by_step.items():
+        if len(scores) == 4 and step in logged:  # every trajectory of the step logged
+            assert logged[step] == pytest.approx(sum(scores) / 4)

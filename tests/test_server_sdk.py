@@ -281,12 +281,24 @@ def test_lora_sampler_logprobs_equal_independent_peft_forward(server, trained, s
     assert np.abs(base - ref).max() > 1e-3
 
 
-def test_save_weights_and_get_sampling_client(trained):
+def test_save_weights_and_get_sampling_client(trained, reference_model):
+    """The client samples the trained weights: the logprobs it returns for its tokens equal the
+    training client's own forward of the same sequence (fp32 server: to 1e-4), and differ from the
+    base model's (an independent fp32 forward) by far more."""
     tc, tok, _, _ = trained
     sc = tc.save_weights_and_get_sampling_client().result(timeout=60)
-    res = sc.sample(types.ModelInput.from_ints(tok.encode("Hi")), 1,
-                    types.SamplingParams(max_tokens=4, seed=1, stop=[])).result(timeout=60)
-    assert len(res.sequences[0].tokens) == 4
+    prompt = tok.encode("Hello world")
+    res = sc.sample(types.ModelInput.from_ints(prompt), 1,
+                    types.SamplingParams(max_tokens=6, seed=1, stop=[])).result(timeout=60)
+    seq = list(res.sequences[0].tokens)
+    sampled = np.array(res.sequences[0].logprobs)
+    assert len(seq) == 6 and sampled.shape == (6,)
+    full = prompt + seq
+    fwd = tc.forward([_datum(full)], "cross_entropy").result(timeout=60)
+    trainer = fwd.loss_fn_outputs[0]["logprobs"].to_numpy()[len(prompt) - 1:]
+    np.testing.assert_allclose(sampled, trainer, atol=1e-4)
+    base = _ref_logprobs(reference_model[0], full)[len(prompt) - 1:]
+    assert np.abs(sampled - base).max() > 0.05  # five steps at lr 1e-3 moved these logprobs
 
 
 # ------------------------------------------------------------------------------------------------

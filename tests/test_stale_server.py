@@ -11,6 +11,7 @@ import pytest
 
 from tinker_blocks import LocalServerError, TinkerCredentials
 from tinker_blocks.credentials import LOCAL_API_KEY, ensure_local_server
+from tinker_local.keys import KeyStore
 from tinker_local.launcher import server_identity
 from tinker_local.procs import pid_alive as _pid_alive
 
@@ -52,6 +53,16 @@ def test_stale_server_is_replaced_or_refused_while_in_use(tmp_path):
         assert _pid_alive(second["pid"])
         del sampler
         client.close("success").result(timeout=10)  # its heartbeat stops with the session
+
+        # a stale server that does not say whether sessions use it (a key file now refuses ours:
+        # HTTP 401): any doubt means in use, so it is refused with one line saying why, and kept
+        KeyStore(tmp_path).add("alice")
+        with pytest.raises(LocalServerError) as info:
+            ensure_local_server(block)
+        msg = str(info.value)
+        assert "\n" not in msg and f"pid {second['pid']}" in msg
+        assert "cannot tell whether sessions still use it: its session list answered HTTP 401" in msg
+        assert _pid_alive(second["pid"])
     finally:
         block.stop_local_server()
 

@@ -148,9 +148,21 @@ def test_sql_cli_over_s3(s3_server, s3_root, capsys):
     assert capsys.readouterr().out.splitlines()[-1] == "(1 row)"
 
 
-def test_server_stopped_mid_run_exactly_once(tmp_path):
-    """The S3 server dies mid-run and comes back: writes retry, the run finishes, and the raw
-    parts hold every row exactly once."""
+def outage_seen(caplog, timeout: float) -> bool:
+    """Wait until a store said it is not answering (its first failed write may take a few seconds:
+    a request in flight when the server died); False after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any("is not answering" in r.getMessage() for r in list(caplog.records)):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_server_stopped_mid_run_exactly_once(tmp_path, caplog):
+    """The S3 server dies mid-run and comes back: writes retry, the run finishes, the raw parts
+    hold every row exactly once, and two lines say so: one when the outage starts, one when the
+    store answers again."""
     server = SeaweedS3(tmp_path / "sw").start()
     try:
         bucket = server.make_bucket()
@@ -169,12 +181,18 @@ def test_server_stopped_mid_run_exactly_once(tmp_path):
                         progress.set()
                     time.sleep(0.005)
 
-        writer = Helper(run, name="writer")  # its failure is raised here at once
-        writer.wait_for(progress, timeout=30, what="step 60 written")
-        server.kill()
-        time.sleep(1.5)  # the writer keeps flushing into a dead port
-        server.start()
-        writer.join(90)
+        with caplog.at_level("WARNING"):
+            writer = Helper(run, name="writer")  # its failure is raised here at once
+            writer.wait_for(progress, timeout=30, what="step 60 written")
+            server.kill()
+            outage_seen(caplog, 30)  # the writer keeps flushing into a dead port
+            time.sleep(1.0)
+            server.start()
+            writer.join(90)
+        said = [r.getMessage() for r in caplog.records]
+        where = f"store {root!r} (endpoint {server.endpoint_url})"
+        assert len(said) == 2 and said[0].startswith(f"{where} is not answering ("), said
+        assert said[1].startswith(f"{where} answers again after ")
         rows = raw_rows(server, root, "training", "metrics")
         keys = [(r["step"], r["name"]) for r in rows]
         assert len(keys) == 2 * n_steps and len(set(keys)) == 2 * n_steps
@@ -362,9 +380,71 @@ def test_transient_classification_and_retry():
     with pytest.raises(StoreAccessError, match="put: access denied"):
         retry_call(lambda: (_ for _ in ()).throw(client_error(403, "AccessDenied")), what="put",
                    deadline_s=60, sleep=sleeps.append)
-    with pytest.raises(StoreUnavailableError, match="still failing"):
+    with pytest.raises(StoreUnavailableError) as gave_up:
         retry_call(lambda: (_ for _ in ()).throw(ConnectionResetError("reset")), what="put",
-                   deadline_s=0.05, first_wait_s=0.01, sleep=time.sleep)
+                   deadline_s=0.05, first_wait_s=0.01, sleep=time.sleep, where="store 'gave-up'")
+    assert "\n" not in str(gave_up.value)
+    from prefect_tinker.tasks.policies import is_transient as task_retries
+
+    # the store retried for its whole window: a task retry would stretch retry_seconds several-fold
+    assert not task_retries(gave_up.value) and task_retries(ConnectionRefusedError("down"))
+    assert str(gave_up.value).startswith("put: no answer for 0.")
+    assert str(gave_up.value).endswith("(retry_seconds = 0.05 s): ConnectionResetError: reset")
+    # DuckDB quotes the error of a read through fsspec as text, traceback first
+    quoted = duckdb.IOException('Traceback (most recent call last):\n  File "x.py", line 1, in send\n'
+                                'EndpointConnectionError: Could not connect to the endpoint URL: "http://h:1/b"\n')
+    assert is_transient(quoted) and not is_transient(duckdb.IOException("No files found that match the pattern"))
+
+
+def test_an_outage_is_said_once_when_it_starts_and_once_when_it_ends(caplog):
+    """Three threads write to one store while it does not answer (0.4 s): however many retries,
+    one warning when the outage starts and one line when the store answers again, both naming
+    the store; each retry goes to the debug log."""
+    from tinker_blocks.s3 import retry_call
+
+    up = threading.Event()
+    where = "store 's3://bucket/said-once' (endpoint http://127.0.0.1:1)"
+
+    def put() -> str:
+        if not up.is_set():
+            raise ConnectionRefusedError("Connection refused")
+        return "ok"
+
+    results: list[str] = []
+    with caplog.at_level("DEBUG", logger="tinker_blocks.s3"):
+        threads = [threading.Thread(target=lambda k=k: results.append(retry_call(
+            put, what=f"writing part {k} ({where})", deadline_s=30, first_wait_s=0.02, max_wait_s=0.05,
+            where=where))) for k in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(0.4)
+        up.set()
+        for t in threads:
+            t.join()
+    assert results == ["ok"] * 3
+    said = [r for r in caplog.records if r.name == "tinker_blocks.s3" and r.levelname != "DEBUG"]
+    retries = [r for r in caplog.records if r.name == "tinker_blocks.s3" and r.levelname == "DEBUG"]
+    assert [r.levelname for r in said] == ["WARNING", "WARNING"], [r.getMessage() for r in said]
+    assert said[0].getMessage() == (
+        f"{where} is not answering (ConnectionRefusedError: Connection refused); its writes, reads and lease "
+        "renewals retry for up to 30 s (retry_seconds); one line follows when it answers again")
+    assert said[1].getMessage().startswith(f"{where} answers again after 0.")
+    assert len(retries) >= 10  # 3 threads x ~8 retries each in 0.4 s, none of them said
+
+
+def test_the_outage_window_is_one_setting(monkeypatch):
+    """``retry_seconds`` of the store blocks (and of ``ParquetStore``) defaults to
+    ``$PREFECT_TINKER_STORE_RETRY_SECONDS``, else 300; a bad value is one line naming it."""
+    from tinker_blocks.store_io import StoreError
+
+    assert TrainingStore(root="s3://b/p").retry_seconds == 300
+    monkeypatch.setenv("PREFECT_TINKER_STORE_RETRY_SECONDS", "45")
+    assert TrainingStore(root="s3://b/p").retry_seconds == 45
+    assert ParquetStore("s3://b/p", "eval").retry_seconds == 45
+    assert TrainingStore(root="s3://b/p", retry_seconds=7).parquet_store().retry_seconds == 7
+    monkeypatch.setenv("PREFECT_TINKER_STORE_RETRY_SECONDS", "soon")
+    with pytest.raises(StoreError, match="^PREFECT_TINKER_STORE_RETRY_SECONDS='soon': give a positive number"):
+        ParquetStore("s3://b/p", "eval")
 
 
 def test_httpfs_fallback_and_local_check(tmp_path):

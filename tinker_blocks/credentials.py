@@ -37,6 +37,7 @@ from tinker_local.launcher import LocalServerError
 __all__ = [
     "LocalServerError",
     "TinkerCredentials",
+    "close_clients",
     "ensure_local_server",
     "server_command",
     "stop_local_server",
@@ -382,6 +383,13 @@ def _forget_clients(record: dict) -> None:
             holder = getattr(client, "_session_holder", None)
             if holder is not None:
                 holder.close()
+
+
+def close_clients(base_url: str) -> None:
+    """Close this process's cached SDK clients of the server at ``base_url`` (their sessions finished
+    while it still answers), for a caller about to stop a server it started itself; the next
+    :meth:`TinkerCredentials.get_client` for that URL makes a new client."""
+    _forget_clients({"base_url": base_url})
 
 
 def stop_local_server(local_root: str | os.PathLike[str] | None = None, timeout: float = 10.0) -> bool:

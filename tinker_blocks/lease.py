@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from tinker_blocks.atomic import temp_path
+from tinker_blocks.s3 import StoreUnavailableError
 from tinker_blocks.store_schemas import validate_run_id
 from tinker_local.procs import host_key, pid_alive, pid_start_ticks
 
@@ -230,7 +231,7 @@ class _S3Backend:
 
     def _call(self, fn, what: str):
         try:
-            return self.io._remote(fn, f"{what} the lease {self.where}")
+            return self.io.call_retrying(fn, f"{what} the lease {self.where}")
         except OSError as exc:
             if _precondition_failed(exc):
                 raise _Conflict() from exc
@@ -274,7 +275,11 @@ def _training_io(store: Any) -> ParquetStore:
 
     io = store.parquet_store() if isinstance(store, StoreBlock) else store
     if isinstance(io, ParquetStore):
-        return io if io.store == "training" else ParquetStore(io.root, "training", storage_options=io.storage_options)
+        return (
+            io
+            if io.store == "training"
+            else ParquetStore(io.root, "training", storage_options=io.storage_options, retry_seconds=io.retry_seconds)
+        )
     return ParquetStore(str(store), "training")
 
 
@@ -310,20 +315,25 @@ class Lease:
         return self._backend.where
 
     def _beat(self) -> None:
+        failing = False
         while not self._stop.wait(self.heartbeat_s):
             try:
                 self.renew()
+                failing = False
             except LeaseLostError as exc:
                 log.error("%s", exc)
                 return
-            except Exception as exc:  # a store outage: keep trying until the lease times out
-                log.warning(
-                    "renewing the lease of run %r at %s failed (%s); retrying in %.0f s",
+            except Exception as exc:  # keep trying until the lease times out
+                # a store outage past its window was said by tinker_blocks.s3 (once): not again here
+                quiet = failing or isinstance(exc, StoreUnavailableError)
+                (log.debug if quiet else log.warning)(
+                    "renewing the lease of run %r at %s failed (%s); trying again every %.0f s",
                     self.run_id,
                     self.where,
                     exc,
                     self.heartbeat_s,
                 )
+                failing = True
 
     def renew(self) -> None:
         """Write a new heartbeat now. Raises :class:`LeaseLostError` when the lease was taken over."""

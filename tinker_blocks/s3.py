@@ -8,7 +8,8 @@
 - :func:`is_transient` tells network trouble and 5xx/429/408 answers (retry) from wrong
   credentials, missing buckets and other 4xx answers (fail at once).
 - :func:`retry_call` retries a call on transient errors with exponential backoff and jitter until
-  a deadline, then raises :class:`StoreUnavailableError`.
+  a deadline, then raises :class:`StoreUnavailableError`; an outage is said once when it starts
+  and once when the store answers again, however many calls and threads retry meanwhile.
 - :func:`attach_filesystem` makes a DuckDB connection read the store's URLs: DuckDB's own
   ``httpfs`` extension when it loads (it is faster), else the fsspec filesystem
   (``register_filesystem``, works offline). ``$PREFECT_TINKER_DUCKDB_HTTPFS``: ``auto``
@@ -21,8 +22,11 @@ from __future__ import annotations
 import logging
 import os
 import random
+import re
+import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
@@ -139,6 +143,23 @@ _TRANSIENT_CODES = {
 }
 
 
+# in a message: S3 answers, and the errors of a failed read that DuckDB quotes as text
+_TRANSIENT_TEXT = (
+    "SlowDown",
+    "ServiceUnavailable",
+    "InternalError",
+    "Service Unavailable",
+    "EndpointConnectionError",
+    "ConnectTimeoutError",
+    "ReadTimeoutError",
+    "ConnectionRefusedError",
+    "ConnectionResetError",
+    "ServerDisconnectedError",
+    "ClientConnectorError",
+    "Could not establish connection",  # DuckDB httpfs
+)
+
+
 def _status_and_code(exc: BaseException) -> tuple[int | None, str | None]:
     resp = getattr(exc, "response", None)
     if isinstance(resp, dict):
@@ -172,8 +193,9 @@ def is_access_error(exc: BaseException) -> bool:
 
 def is_transient(exc: BaseException) -> bool:
     """True when ``exc`` (or an exception it wraps) may pass on a retry: connection refused or
-    reset, timeouts, HTTP 408/429/5xx, S3 ``SlowDown``/``InternalError``/``ServiceUnavailable``.
-    False for access errors, missing buckets/keys and other 4xx."""
+    reset, timeouts, HTTP 408/429/5xx, S3 ``SlowDown``/``InternalError``/``ServiceUnavailable``,
+    and a DuckDB error quoting one of those (a read through fsspec that met the outage). False
+    for access errors, missing buckets/keys and other 4xx."""
     if is_access_error(exc):
         return False
     http_errors, _ = _botocore_classes()
@@ -201,9 +223,64 @@ def is_transient(exc: BaseException) -> bool:
         ):
             return True
         msg = str(cur)
-        if any(c in msg for c in ("SlowDown", "ServiceUnavailable", "InternalError", "Service Unavailable")):
+        if any(c in msg for c in _TRANSIENT_TEXT):
             return True
     return False
+
+
+@dataclass
+class _Outage:
+    """A store found not answering: since when (the start of the first failed attempt, monotonic
+    seconds), how many retries so far, how many calls gave up."""
+
+    since: float
+    retries: int = 0
+    given_up: int = 0
+
+
+_outages: dict[str, _Outage] = {}
+_outages_lock = threading.Lock()
+
+
+def _outage_retry(where: str, what: str, exc: BaseException, deadline_s: float, setting: str, tried_at: float) -> None:
+    """One more retry against ``where`` after an attempt started at ``tried_at`` (monotonic) failed:
+    the first of an outage is said (one warning), the others go to the debug log."""
+    with _outages_lock:
+        outage = _outages.get(where)
+        if outage is None:
+            outage = _outages[where] = _Outage(tried_at)
+            first = True
+        else:
+            first = False
+        outage.retries += 1
+    if first:
+        log.warning(
+            "%s is not answering (%s); its writes, reads and lease renewals retry for up to %g s (%s); one line "
+            "follows when it answers again",
+            where,
+            _short(exc, 200),
+            deadline_s,
+            setting,
+        )
+    else:
+        log.debug("%s failed again (%s)", what, _short(exc))
+
+
+def _outage_over(where: str) -> None:
+    """A call to ``where`` succeeded: an outage said before is over (one line)."""
+    if where not in _outages:  # the common case, without the lock
+        return
+    with _outages_lock:
+        outage = _outages.pop(where, None)
+    if outage is not None:
+        gave_up = f"; {outage.given_up} call(s) gave up meanwhile" if outage.given_up else ""
+        log.warning(
+            "%s answers again after %.1f s (%d retries%s)",
+            where,
+            time.monotonic() - outage.since,
+            outage.retries,
+            gave_up,
+        )
 
 
 def retry_call(
@@ -214,42 +291,68 @@ def retry_call(
     first_wait_s: float = 0.2,
     max_wait_s: float = 5.0,
     sleep: Callable[[float], None] = time.sleep,
+    where: str | None = None,
+    setting: str = "retry_seconds",
 ) -> T:
     """Call ``fn()``; on a transient error (:func:`is_transient`) wait and call again, the waits
     growing x2 from ``first_wait_s`` up to ``max_wait_s`` (+-25% jitter), until ``deadline_s``
     seconds have passed since the first call.
 
+    An outage is said once per store ``where`` (default ``what``), whatever the number of calls
+    and threads retrying against it: the first retry while it is not known to be out logs one
+    warning (naming the store, the error and the window ``deadline_s`` with the name of its
+    ``setting``); later retries go to the debug log; the first call to succeed afterwards logs one
+    line saying it answers again and after how long.
+
     Raises:
         StoreAccessError: an access error (wrong credentials, forbidden), at once.
-        StoreUnavailableError: still failing transiently at the deadline (chained to the last error).
+        StoreUnavailableError: still failing transiently at the deadline (one line, naming the
+            window and its setting; chained to the last error).
         Exception: any other error from ``fn``, at once.
     """
+    where = where or what
     start = time.monotonic()
     wait = first_wait_s
     attempt = 0
     while True:
         attempt += 1
+        tried_at = time.monotonic()
         try:
-            return fn()
+            out = fn()
         except Exception as exc:
             if is_access_error(exc):
                 raise StoreAccessError(f"{what}: access denied ({_short(exc)}); check the S3 credentials") from exc
-            if not is_transient(exc):
-                raise
+            if isinstance(exc, StoreUnavailableError) or not is_transient(exc):
+                raise  # (an inner call that gave up after its own window: said once, not again)
             elapsed = time.monotonic() - start
             if elapsed >= deadline_s:
+                with _outages_lock:
+                    if where in _outages:
+                        _outages[where].given_up += 1
                 raise StoreUnavailableError(
-                    f"{what}: still failing after {attempt} attempts over {elapsed:.1f} s: {_short(exc)}"
+                    f"{what}: no answer for {elapsed:.1f} s, after {attempt} attempt(s) "
+                    f"({setting} = {deadline_s:g} s): {_short(exc)}"
                 ) from exc
+            _outage_retry(where, what, exc, deadline_s, setting, tried_at)
             pause = min(wait * random.uniform(0.75, 1.25), max(deadline_s - elapsed, 0.0))
-            log.warning("%s failed (%s); retry %d in %.1f s", what, _short(exc), attempt, pause)
             sleep(pause)
             wait = min(wait * 2, max_wait_s)
+        else:
+            _outage_over(where)
+            return out
 
 
-def _short(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
+_ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception)\b:")
+
+
+def _short(exc: BaseException, limit: int = 300) -> str:
+    """``<type>: <first line of the message>`` (``limit`` characters at most); for a message that holds a
+    Python traceback (DuckDB quotes the one of a failed fsspec read), its error line."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if lines and lines[0].startswith("Traceback"):
+        lines = [line for line in lines if _ERROR_LINE.match(line)] or lines
+    text = lines[0] if lines else ""
+    return f"{type(exc).__name__}: {text[:limit]}" if text else type(exc).__name__
 
 
 # ----- DuckDB ------------------------------------------------------------------------------------

@@ -21,10 +21,11 @@ maps each store name (``training``, ``eval``, ``capture``) to its tables.
 
 from __future__ import annotations
 
+import functools
 import os
 import uuid
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import duckdb
 import fsspec
@@ -84,11 +85,37 @@ __all__ = [
     "StoreAccessError",
     "StoreUnavailableError",
     "default_store_root",
+    "default_retry_seconds",
+    "DEFAULT_RETRY_SECONDS",
+    "RETRY_SECONDS_ENV",
     "resolve_storage_options",
 ]
 
-#: default seconds a remote write keeps retrying transient errors before giving up
+T = TypeVar("T")
+
+#: default seconds the remote store's writes, reads and lease renewals keep retrying transient
+#: errors (an outage) before giving up; ``$PREFECT_TINKER_STORE_RETRY_SECONDS`` overrides it
 DEFAULT_RETRY_SECONDS = 300.0
+RETRY_SECONDS_ENV = "PREFECT_TINKER_STORE_RETRY_SECONDS"
+
+
+def default_retry_seconds() -> float:
+    """The stores' default outage window: ``$PREFECT_TINKER_STORE_RETRY_SECONDS`` when set, else
+    :data:`DEFAULT_RETRY_SECONDS` (300).
+
+    Raises:
+        StoreError: the variable is set but not a positive number (the message names it and its value).
+    """
+    raw = os.environ.get(RETRY_SECONDS_ENV, "").strip()
+    if not raw:
+        return DEFAULT_RETRY_SECONDS
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise StoreError(f"{RETRY_SECONDS_ENV}={raw!r}: give a positive number of seconds")
+    return value
 
 
 def default_store_root() -> str:
@@ -120,8 +147,10 @@ class ParquetStore:
         tables: table name -> :class:`TableSpec` (default: ``STORES[store]``).
         storage_options: keyword arguments for the fsspec filesystem (s3fs: ``key``, ``secret``,
             ``endpoint_url``, ...); default for ``s3://``: the AWS environment variables.
-        retry_seconds: how long remote writes and listings retry transient errors (server down,
-            timeouts, 5xx) before raising :class:`StoreUnavailableError`.
+        retry_seconds: the outage window: how long the remote store's writes, reads (listings,
+            queries) and lease renewals retry transient errors (server down, timeouts, 5xx)
+            before raising :class:`StoreUnavailableError`; default :func:`default_retry_seconds`
+            (``$PREFECT_TINKER_STORE_RETRY_SECONDS``, else 300).
         retry_max_wait: the longest pause between two tries (they start at 0.2 s and double).
 
     Raises:
@@ -135,7 +164,7 @@ class ParquetStore:
         tables: Mapping[str, TableSpec] | None = None,
         storage_options: Mapping[str, Any] | None = None,
         *,
-        retry_seconds: float = DEFAULT_RETRY_SECONDS,
+        retry_seconds: float | None = None,
         retry_max_wait: float = 5.0,
     ):
         if not root:
@@ -148,7 +177,7 @@ class ParquetStore:
         self.store = store
         self.tables = dict(tables)
         self.storage_options = resolve_storage_options(self.root, storage_options)
-        self.retry_seconds = float(retry_seconds)
+        self.retry_seconds = default_retry_seconds() if retry_seconds is None else float(retry_seconds)
         self.retry_max_wait = float(retry_max_wait)
         self.fs, base = fsspec.core.url_to_fs(self.root, **self.storage_options)
         self.is_local = isinstance(self.fs, LocalFileSystem)
@@ -187,11 +216,24 @@ class ParquetStore:
         endpoint = self.storage_options.get("endpoint_url")
         return f"store {self.root!r}" + (f" (endpoint {endpoint})" if endpoint else "")
 
-    def _remote(self, fn, what: str, deadline_s: float | None = None):
-        """Run a remote call with retries; access errors become :class:`StoreAccessError`."""
+    def call_retrying(self, fn: Callable[[], T], what: str, deadline_s: float | None = None) -> T:
+        """``fn()``, a call to the remote store, retried on transient errors for up to
+        ``deadline_s`` (default :attr:`retry_seconds`) by :func:`~tinker_blocks.s3.retry_call`,
+        which says an outage of this store once when it starts and once when it ends.
+
+        Raises:
+            StoreAccessError: wrong credentials / forbidden (also when raised as another type).
+            StoreUnavailableError: still failing transiently at the deadline (one line).
+        """
         deadline = self.retry_seconds if deadline_s is None else deadline_s
         try:
-            return retry_call(fn, what=f"{what} ({self._where()})", deadline_s=deadline, max_wait_s=self.retry_max_wait)
+            return retry_call(
+                fn,
+                what=f"{what} ({self._where()})",
+                deadline_s=deadline,
+                max_wait_s=self.retry_max_wait,
+                where=self._where(),
+            )
         except StoreAccessError:
             raise
         except Exception as exc:
@@ -221,7 +263,7 @@ class ParquetStore:
 
         if self.is_local:
             return glob()
-        return self._remote(glob, f"listing {table!r}")
+        return self.call_retrying(glob, f"listing {table!r}")
 
     # ----- writing ---------------------------------------------------------------------------
     def writer(
@@ -260,17 +302,17 @@ class ParquetStore:
         else:
             what = f"writing the part {self._url(final)}"
             try:
-                self._remote(lambda: self.fs.pipe_file(final, payload), what)
+                self.call_retrying(lambda: self.fs.pipe_file(final, payload), what)
             except FileNotFoundError:  # NoSuchBucket: like a local root, created on first write
                 self._create_bucket()
-                self._remote(lambda: self.fs.pipe_file(final, payload), what)
+                self.call_retrying(lambda: self.fs.pipe_file(final, payload), what)
         return final
 
     def _create_bucket(self, deadline_s: float | None = None) -> None:
         """Create the root's bucket; :class:`StoreAccessError` when that is refused."""
         bucket = self.bucket_path.split("/", 1)[0]
         try:
-            self._remote(lambda: self.fs.mkdir(bucket), f"creating bucket {bucket!r}", deadline_s)
+            self.call_retrying(lambda: self.fs.mkdir(bucket), f"creating bucket {bucket!r}", deadline_s)
         except FileExistsError:
             pass  # created meanwhile by another writer
         except (StoreAccessError, StoreUnavailableError):
@@ -308,18 +350,18 @@ class ParquetStore:
 
         try:
             try:
-                self._remote(put, "writing a probe object", deadline_s)
+                self.call_retrying(put, "writing a probe object", deadline_s)
             except FileNotFoundError as exc:  # NoSuchBucket
                 if not create_bucket:
                     bucket = self.bucket_path.split("/", 1)[0]
                     raise StoreAccessError(f"{self._where()}: bucket {bucket!r} does not exist") from exc
                 self._create_bucket(deadline_s)
-                self._remote(put, "writing a probe object", deadline_s)
+                self.call_retrying(put, "writing a probe object", deadline_s)
         except OSError as exc:
             if isinstance(exc, (StoreAccessError, StoreUnavailableError)):
                 raise
             raise StoreAccessError(f"{self._where()}: cannot write: {exc}") from exc
-        listed = self._remote(lambda: self.fs.ls(probe_dir, detail=False), "listing the probe", deadline_s)
+        listed = self.call_retrying(lambda: self.fs.ls(probe_dir, detail=False), "listing the probe", deadline_s)
         if probe not in [p.rstrip("/") for p in listed]:
             raise StoreAccessError(f"{self._where()}: a written probe object is not listed back")
         try:
@@ -414,12 +456,23 @@ class ParquetStore:
 
         A query that lists a part which a concurrent :meth:`compact` then deletes fails in DuckDB
         ("file not found"); it is run again on a fresh listing (up to 4 times), which sees the
-        merged part instead. Raises ``duckdb.Error`` for bad SQL, StoreAccessError /
-        StoreUnavailableError as :meth:`connect`."""
-        return retry_damaged(
-            lambda: execute_retrying(self.connect, sql, list(params or []), before_retry=self.fs.invalidate_cache),
-            [self],
+        merged part instead; one that met an S3 outage runs again within :attr:`retry_seconds`.
+        Raises ``duckdb.Error`` for bad SQL, StoreAccessError / StoreUnavailableError as
+        :meth:`connect`."""
+        return self.reading(
+            lambda: retry_damaged(
+                lambda: execute_retrying(self.connect, sql, list(params or []), before_retry=self.fs.invalidate_cache),
+                [self],
+            ),
+            "querying",
         )
+
+    def reading(self, fn: Callable[[], T], what: str) -> T:
+        """``fn()``, a read of this store (a query, a frame), retried as a whole on transient
+        errors of a remote store within :attr:`retry_seconds` (:meth:`call_retrying`): DuckDB
+        reads the parts itself, so a read that met the outage runs again; a local store runs it
+        once."""
+        return fn() if self.is_local else self.call_retrying(fn, what)
 
     def compact(self, table: str, run_id: str, *, writer_id: str = "compact") -> str | None:
         """Merge a run's parts of ``table`` into one deduplicated part, then delete the inputs.
@@ -479,6 +532,7 @@ class ParquetStore:
                 if self.is_local:
                     self.fs.rm_file(p)
                 else:
-                    self._remote(lambda p=p: self.fs.rm_file(p), f"deleting the part {self._url(p)}")
+                    what = f"deleting the part {self._url(p)}"
+                    self.call_retrying(functools.partial(self.fs.rm_file, p), what)
             except FileNotFoundError:
                 pass  # already gone (merged away by a concurrent compaction)

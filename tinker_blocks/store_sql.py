@@ -53,14 +53,19 @@ def query_stores(
 ) -> tuple[list[str], list[tuple]]:
     """``(column names, rows)`` of ``sql`` over :func:`connect_stores` views, re-run on a fresh
     listing when a concurrent compaction deleted a part it had listed (as
-    :meth:`ParquetStore.query`), and again without a part that turned out unreadable (skipped with
-    a warning naming it: :mod:`tinker_blocks.store_health`). Used by ``prefect-tinker sql``."""
+    :meth:`ParquetStore.query`), again without a part that turned out unreadable (skipped with
+    a warning naming it: :mod:`tinker_blocks.store_health`), and again when it met an S3 outage
+    (within the stores' retry window, :func:`~tinker_blocks.store_io.default_retry_seconds`).
+    Used by ``prefect-tinker sql``."""
     opts = resolve_storage_options(root, storage_options)
     fs = fsspec.core.url_to_fs(root, **opts)[0]
     ios = [ParquetStore(root, name, storage_options=opts) for name in stores]
-    return retry_damaged(
-        lambda: execute_retrying(
-            lambda: connect_stores(root, stores, opts), sql, list(params or []), before_retry=fs.invalidate_cache
+    return ios[0].reading(
+        lambda: retry_damaged(
+            lambda: execute_retrying(
+                lambda: connect_stores(root, stores, opts), sql, list(params or []), before_retry=fs.invalidate_cache
+            ),
+            ios,
         ),
-        ios,
+        "querying",
     )

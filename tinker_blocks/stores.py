@@ -27,7 +27,6 @@ from tinker_blocks.store_health import retry_damaged
 from tinker_blocks.store_io import (
     CAPTURES_SCHEMA,
     CHECKPOINTS_SCHEMA,
-    DEFAULT_RETRY_SECONDS,
     EVAL_RESULTS_SCHEMA,
     EVAL_SAMPLES_SCHEMA,
     METRICS_SCHEMA,
@@ -36,6 +35,7 @@ from tinker_blocks.store_io import (
     ParquetStore,
     StoreError,
     StoreWriter,
+    default_retry_seconds,
     default_store_root,
     make_row_id,
     validate_run_id,
@@ -79,9 +79,13 @@ class StoreBlock(Block, ABC):
         description="S3 credentials and endpoint for s3:// roots; empty: the AWS_* environment variables.",
     )
     retry_seconds: float = Field(
-        default=DEFAULT_RETRY_SECONDS,
+        default_factory=default_retry_seconds,
         gt=0,
-        description="How long S3 writes keep retrying transient errors (server down, 5xx) before failing.",
+        description=(
+            "The S3 outage window: how long the store's writes, reads and lease renewals retry while the server "
+            "does not answer (connection errors, timeouts, 5xx) before the run fails; an outage is logged once when "
+            "it starts and once when the store answers again. Default: $PREFECT_TINKER_STORE_RETRY_SECONDS, else 300."
+        ),
     )
 
     def __new__(cls, root: str | None = None, /, **data: Any) -> StoreBlock:
@@ -281,7 +285,10 @@ print(store.connect().execute("SELECT * FROM metrics").fetchall())
             finally:
                 con.close()
 
-        return retry_damaged(lambda: retry_missing_part(once, before_retry=io.fs.invalidate_cache), [io])
+        return io.reading(
+            lambda: retry_damaged(lambda: retry_missing_part(once, before_retry=io.fs.invalidate_cache), [io]),
+            "reading the metrics",
+        )
 
 
 class EvalStore(StoreBlock):

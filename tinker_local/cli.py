@@ -8,7 +8,8 @@
         [--compute-seconds-per-user-hour S] [--max-base-model-bytes B] \
         [--max-body-bytes B] [--max-datums-per-request N] [--max-tokens-per-request N] \
         [--max-num-samples N] [--max-sample-tokens N] \
-        [--loss-max-nodes N] [--loss-max-elements N] [--loss-time-budget S]
+        [--loss-max-nodes N] [--loss-max-elements N] [--loss-time-budget S] \
+        [--record-requests DIR] [--sampling-seed request|content] [--lora-seed N]
 
     python -m tinker_local status [--root DIR]    the server recorded in DIR/server.json (exit 1: none)
     python -m tinker_local stop [--root DIR]      stop it: SIGTERM, SIGKILL after 5 s; remove the record
@@ -143,6 +144,30 @@ def build_parser(prog: str = "python -m tinker_local") -> argparse.ArgumentParse
         default=None,
         metavar="BYTES",
         help="checkpoint bytes a user may store; saves beyond it are refused (403)",
+    )
+    s.add_argument(
+        "--record-requests",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="write every request's full payload (datums, loss inputs, Adam parameters, sampling requests and their "
+        "results) to DIR/<session id>.jsonl (tinker_local.request_log; for request-by-request comparisons)",
+    )
+    s.add_argument(
+        "--sampling-seed",
+        default="request",
+        choices=["request", "content"],
+        help="request (default): a sample request's own seed, random when it gives none; content: each sequence's "
+        "seed derived from what the request asks (prompt, parameters, weights) and how often the session asked it "
+        "before, so identical requests get identical completions whatever seed they pass (each sequence drawn alone, "
+        "a batch of one: slower, but batch-invariant)",
+    )
+    s.add_argument(
+        "--lora-seed",
+        type=int,
+        default=None,
+        metavar="N",
+        help="initialise a LoRA adapter created without a seed from N (default: a random seed)",
     )
     s.add_argument(
         "--compute-seconds-per-user-hour",
@@ -449,6 +474,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m tinker_local") ->
                     time_budget_s=args.loss_time_budget,
                 ),
                 max_base_model_bytes=args.max_base_model_bytes,
+                record_requests=args.record_requests,
+                content_seeds=args.sampling_seed == "content",
+                default_lora_seed=args.lora_seed,
             )
         except InsecureBind as e:
             print(f"error: {e}", file=sys.stderr)

@@ -137,6 +137,10 @@ class EngineCore:
         self.share_prefixes = os.environ.get("TINKER_LOCAL_SHARE_PREFIXES", "on").lower() not in _OFF
         # training adapters kept injected per base model (see the module docstring)
         self.max_resident_adapters = MAX_RESIDENT_ADAPTERS
+        # what the engine fell back on (``GET local_stats`` -> ``"engine"``): ``packing_fallbacks``
+        # counts forward/forward_backward calls of a text-only model that ran padded because the
+        # model failed the packing check (logged once per base model)
+        self.stats: dict[str, int] = {"packing_fallbacks": 0}
         # bytes of loaded base models (parameters and buffers) before the least recently used go
         self.max_base_bytes: int | None = None
         self._lock = threading.RLock()
@@ -260,11 +264,10 @@ class EngineCore:
             torch.cuda.empty_cache()
 
     def resident_bases(self) -> dict[str, dict[str, int]]:
-        """Loaded base models (least recently used first): ``{name: {"bytes", "loads"}}``."""
-        with self._lock:
-            return {
-                k: {"bytes": _model_bytes(b.model), "loads": self.base_loads.get(k, 0)} for k, b in self._bases.items()
-            }
+        """Loaded base models (least recently used first): ``{name: {"bytes", "loads"}}``.  Reads a
+        snapshot without the engine lock, which a long training job on the compute thread holds."""
+        bases = list(self._bases.items())
+        return {k: {"bytes": _model_bytes(b.model), "loads": self.base_loads.get(k, 0)} for k, b in bases}
 
     def _media(self, b: BaseModelState):
         """The media the base model accepts (``tinker_local.media.Support``; None: text only)."""
@@ -274,11 +277,23 @@ class EngineCore:
 
     def _packs(self, b: BaseModelState) -> bool:
         """Whether ``b`` trains padding-free: text-only (media datums take the padded path) and
-        checked once by ``tinker_local.packing.packing_supported`` in the layout it will use."""
+        checked once by ``tinker_local.packing.packing_supported`` in the layout it will use. A
+        text-only model that fails the check trains padded: said once per base model, counted per
+        call in ``stats["packing_fallbacks"]``."""
+        text_only = self._media(b) is None
         if b.packs is None:
-            b.packs = self._media(b) is None and packing_supported(
+            b.packs = text_only and packing_supported(
                 b.model, b.spec.vocab_size, self.device, explicit_mask=self._explicit_mask(b)
             )
+            if text_only and not b.packs:
+                logger.warning(
+                    "base model %s: two datums packed into one row did not give the logits each gives alone "
+                    "(tinker_local.packing.packing_supported), so it trains on padded batches, slower on datums "
+                    "of mixed lengths (counted in local_stats engine.packing_fallbacks; said once per base model)",
+                    b.spec.name,
+                )
+        if text_only and not b.packs:
+            self.stats["packing_fallbacks"] += 1
         return b.packs
 
     @staticmethod

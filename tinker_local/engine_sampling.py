@@ -255,7 +255,9 @@ class SamplingMixin(EngineCore):
             self._activate_sampler(b, path)
             ctx = nullcontext()
         else:
-            ctx = b.peft.disable_adapter() if b.peft is not None else nullcontext()
+            # with no adapter left (all deleted) the LoRA layers add nothing, and peft's
+            # disable_adapter would look up the deleted active one
+            ctx = b.peft.disable_adapter() if b.peft is not None and b.peft.peft_config else nullcontext()
         rows = sum(r.num_samples for r in reqs)
         small = b.n_params * rows < 5e7  # multiply-adds per decode step
         extra = None

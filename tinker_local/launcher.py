@@ -38,6 +38,7 @@ __all__ = [
     "LOG_FILE",
     "SERVER_FILE",
     "LocalServerError",
+    "SessionsUnknownError",
     "default_root",
     "ensure_server",
     "healthy",
@@ -137,31 +138,65 @@ def identity_change(record: dict[str, Any]) -> str | None:
     return ", ".join(diff) or None
 
 
-def active_sessions(base_url: str, api_key: str) -> int:
-    """Sessions of the server at ``base_url`` in use: whose client heartbeated within the last
-    minute (the server's ``active`` status, ``POST /api/v1/sessions/search``) or, not finished,
-    created within the last minute (the SDK's first heartbeat comes 10 s after); 0 when it cannot
-    tell."""
-    req = urllib.request.Request(
-        base_url + "/api/v1/sessions/search",
-        data=json.dumps({"limit": 200}).encode(),
-        headers={"Content-Type": "application/json", "X-API-Key": api_key},
-        method="POST",
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=5.0) as resp:  # noqa: S310
-            sessions = json.loads(resp.read()).get("sessions") or []
-    except (urllib.error.URLError, OSError, ValueError):
-        return 0
+class SessionsUnknownError(LocalServerError):
+    """The server did not say which of its sessions are in use (an HTTP error such as 401, a
+    timeout, an answer that is not a session list); the message says why, in one line."""
 
-    def live(s: dict[str, Any]) -> bool:
-        status = (s.get("status") or {}).get("type")
+
+def active_sessions(base_url: str, api_key: str, *, timeout: float = 5.0, max_pages: int = 50) -> int:
+    """Sessions of the server at ``base_url`` in use: whose client heartbeated within the last
+    minute (the server's ``active`` status, ``POST /api/v1/sessions/search``, every page) or, not
+    finished, created within the last minute (the SDK's first heartbeat comes 10 s after); a
+    session whose status and creation time cannot be read counts as in use.
+
+    Raises:
+        SessionsUnknownError: the server did not tell within ``timeout`` seconds per page and
+            ``max_pages`` pages of 200 (an HTTP error, a refused key, a timeout, an answer that is
+            not a session list). Callers deciding whether a server may be stopped take that as
+            "in use".
+    """
+    sessions: list[Any] = []
+    cursor: Any = None
+    for _ in range(max_pages):
+        body: dict[str, Any] = {"limit": 200} | ({"cursor": cursor} if cursor else {})
+        req = urllib.request.Request(
+            base_url + "/api/v1/sessions/search",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", "X-API-Key": api_key},
+            method="POST",
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310
+                page = json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            raise SessionsUnknownError(f"its session list answered HTTP {exc.code} {exc.reason}") from None
+        except json.JSONDecodeError as exc:
+            raise SessionsUnknownError(f"its session list is not JSON ({exc})") from None
+        except (urllib.error.URLError, OSError, ValueError) as exc:  # refused, timed out (5 s), bad URL
+            reason = getattr(exc, "reason", None) or exc
+            raise SessionsUnknownError(f"its session list could not be read ({reason})") from None
+        if not isinstance(page, dict) or not isinstance(page.get("sessions"), list):
+            raise SessionsUnknownError("its session list answered without a 'sessions' list")
+        sessions += page["sessions"]
+        cursor = page.get("next_cursor")
+        if not cursor:
+            break
+    else:
+        raise SessionsUnknownError(f"its session list has more than {max_pages} pages")
+
+    def live(s: Any) -> bool:
+        if not isinstance(s, dict):
+            return True
+        st = s.get("status")
+        if st is not None and not isinstance(st, dict):
+            return True  # cannot tell: in use
+        status = (st or {}).get("type")
         if status is not None:
             return bool(status == "active")
         try:
             created = datetime.fromisoformat(str(s.get("created_at")).replace("Z", "+00:00")).timestamp()
         except ValueError:
-            return False
+            return True  # cannot tell: in use
         return time.time() - created < 60.0
 
     return sum(1 for s in sessions if live(s))
@@ -182,16 +217,17 @@ def ensure_server(
     environment of :func:`tinker_local.server_env.server_environment`, and wait for its health check.
     A recorded server of another :func:`server_identity` (other interpreter, version or server
     code) is stopped and replaced (``on_replace(record)`` is called first, e.g. to drop cached
-    clients), unless live sessions use it (asked with ``api_key``).
+    clients), unless live sessions use it or it does not say whether they do (asked with
+    ``api_key``: a refused key, a timeout or a malformed answer counts as in use).
 
     Returns:
         The record ``{"pid", "port", "base_url", "log", "started_at", "command"}``.
 
     Raises:
-        LocalServerError: a stale server still in use, the port serves something unrecorded, or
-            the server exited early or did not answer ``/api/v1/healthz`` within
-            ``startup_timeout`` seconds (it is then stopped); the message includes the tail of
-            ``server.log``.
+        LocalServerError: a stale server still in use or that cannot tell whether it is, the
+            port serves something unrecorded, or the server exited early or did not answer
+            ``/api/v1/healthz`` within ``startup_timeout`` seconds (it is then stopped); the
+            message includes the tail of ``server.log``.
     """
     root.mkdir(parents=True, exist_ok=True)
     with procs.file_lock(root / LOCK_FILE):
@@ -205,13 +241,17 @@ def ensure_server(
             change = identity_change(record)
             if change is None:
                 return record
-            busy = active_sessions(record["base_url"], api_key)
-            if busy:
+            where = f"the embedded server at {record['base_url']} (pid {record['pid']}) runs other code ({change})"
+            then = "'prefect-tinker local stop' (or give another backend.local_root)"
+            try:
+                busy = active_sessions(record["base_url"], api_key)
+            except SessionsUnknownError as exc:  # any doubt: in use, left running
                 raise LocalServerError(
-                    f"the embedded server at {record['base_url']} (pid {record['pid']}) runs other code ({change}) "
-                    f"and {busy} live session(s) still use it; let them finish, then 'prefect-tinker local stop' "
-                    f"(or give another backend.local_root)"
-                )
+                    f"{where} and it cannot tell whether sessions still use it: {exc}; kept running; "
+                    f"when nothing uses it, {then}"
+                ) from None
+            if busy:
+                raise LocalServerError(f"{where} and {busy} live session(s) still use it; let them finish, then {then}")
             (logger or _log).warning(
                 "Restarting the embedded local server %s (pid %s): %s", record["base_url"], record["pid"], change
             )

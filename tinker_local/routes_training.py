@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from .errors import HttpError
 from .http_api import API, json_body
+from .request_log import SeqOrder
 from .service import LocalService
 from .tenancy import Tenancy
 
@@ -81,7 +82,9 @@ def add_training_routes(app: FastAPI, svc: LocalService, poll_wait_s: float) -> 
         return await fwd(request, True)
 
     for name in JSON_ROUTES:
-        add_json_route(app, name, getattr(svc, name), ten)
+        # content-seeded sampling counts a session's requests in seq_id order (tinker_local.request_log)
+        order = svc.content_seeds.order if name == "asample" and svc.content_seeds is not None else None
+        add_json_route(app, name, getattr(svc, name), ten, order)
 
     @route("GET", "/samplers/{sampler_id}")
     async def get_sampler(sampler_id: str):
@@ -115,17 +118,31 @@ def add_training_routes(app: FastAPI, svc: LocalService, poll_wait_s: float) -> 
 
 
 def add_json_route(
-    app: FastAPI, name: str, handler: Callable[[dict[str, Any]], dict[str, Any]], tenancy: Tenancy
+    app: FastAPI,
+    name: str,
+    handler: Callable[[dict[str, Any]], dict[str, Any]],
+    tenancy: Tenancy,
+    order: SeqOrder | None = None,
 ) -> None:
     """``POST /api/v1/<name>``: the JSON body, checked by ``tenancy.guard``, answered by
-    ``handler(body)``; the events of ``AUDITED`` are written to the audit log."""
+    ``handler(body)``; the events of ``AUDITED`` are written to the audit log. With ``order``
+    (``asample`` under content-seeded sampling), the requests of a sampling session are handled
+    in ``seq_id`` order."""
 
     async def endpoint(request: Request):
         body = await json_body(request)
         refused = tenancy.guard(name, body)
         if refused is not None:
             return refused
-        out = handler(body)
+        session, seq = body.get("sampling_session_id"), body.get("seq_id")
+        if order is None or session is None or not isinstance(seq, int):
+            out = handler(body)
+        else:
+            await order.admit(str(session), seq)
+            try:
+                out = handler(body)
+            finally:
+                await order.done(str(session), seq)
         event = AUDITED.get(name)
         path = body.get("model_path") if name == "create_sampling_session" else body.get("path")
         if event is not None and (name != "create_sampling_session" or path):

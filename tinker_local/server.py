@@ -35,6 +35,7 @@ from .keys import KeyStore
 from .loss_limits import GraphLimits
 from .openapi import describe_bodies
 from .request_limits import RequestLimits
+from .request_log import ContentSeeds, RequestLog
 from .routes_rest import add_rest_routes
 from .routes_service import add_service_routes
 from .routes_training import add_training_routes
@@ -65,6 +66,9 @@ def create_app(
     jwt_auth: bool = False,
     sampler_pool: Any = None,
     limits: Limits | None = None,
+    record_requests: Path | str | None = None,
+    content_seeds: bool = False,
+    default_lora_seed: int | None = None,
     request_limits: RequestLimits | None = None,
     graph_limits: GraphLimits | None = None,
 ) -> FastAPI:
@@ -98,6 +102,12 @@ def create_app(
         request_limits: sizes of one request (``tinker_local.request_limits``; None: the defaults).
         graph_limits: bounds of uploaded custom losses (``tinker_local.loss_limits``; None: the
             defaults).
+        record_requests: a folder: every request's payload goes to ``<folder>/<session>.jsonl``
+            (``tinker_local.request_log``); None: nothing recorded.
+        content_seeds: draw each sampled sequence with a seed derived from the request's content
+            (``tinker_local.request_log.content_seed``) instead of the request's own seed.
+        default_lora_seed: LoRA initialisation seed of a ``create_model`` that gives none (None:
+            random).
     Raises:
         ValueError: when no root is given and the engine has none.
     """
@@ -109,6 +119,9 @@ def create_app(
     )
     svc.custom_loss_server_side = custom_loss_server_side
     svc.tenancy.limits = limits or Limits()
+    svc.request_log = RequestLog(record_requests) if record_requests is not None else None
+    svc.content_seeds = ContentSeeds() if content_seeds else None
+    svc.default_lora_seed = default_lora_seed
     svc.request_limits = request_limits or RequestLimits()
     svc.graph_limits = graph_limits or GraphLimits()
     keys = KeyStore(root)

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from . import protocol as P
 from .allowed_models import ModelAllowList
 from .errors import HttpError, int_field, required_field
@@ -25,6 +27,7 @@ from .loss_limits import GraphLimits
 from .outcomes import UserError
 from .registry import CheckpointRecord, Registry, RunRecord, SamplerRecord, dir_size
 from .request_limits import RequestLimits, check_training
+from .request_log import datum_record
 from .rest import RestMixin, check_ttl
 from .rest_sessions import SessionsMixin
 from .service_export import ExportMixin
@@ -187,7 +190,7 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
             model_id=model_id,
             base_model=base_model,
             lora_rank=rank,
-            seed=lora.get("seed"),
+            seed=lora.get("seed") if lora.get("seed") is not None else self.default_lora_seed,
             train_mlp=bool(lora.get("train_mlp", True)),
             train_attn=bool(lora.get("train_attn", True)),
             train_unembed=bool(lora.get("train_unembed", True)),
@@ -207,6 +210,10 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
             )
             self._info[model_id] = self.engine.get_info(P.engine_id(model_id))
             self.registry.add_run(run)
+            self.log_request(
+                session_id,
+                {"op": ep, "model": model_id, "base_model": base_model, "lora_rank": rank, "seed": run.seed},
+            )
             return {"type": "create_model", "model_id": model_id}
 
         self.store.register_model(model_id, next_seq=1)
@@ -273,6 +280,20 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
                 res.metrics.update(bound.metrics())
             else:
                 res = fn(P.engine_id(model_id), datums, msg.loss_fn, cfg)
+            if self.request_log is not None:
+                self.log_request(
+                    self.session_of_model(model_id),
+                    {
+                        "op": kind,
+                        "model": model_id,
+                        "seq_id": seq,
+                        "loss_fn": msg.loss_fn,
+                        "loss_fn_config": cfg,
+                        "datums": [datum_record(d) for d in datums],
+                        "metrics": {k: float(v) for k, v in res.metrics.items()},
+                        "logprobs": [np.asarray(o.get("logprobs")).reshape(-1).tolist() for o in res.outputs],
+                    },
+                )
             return P.forward_backward_output_to_proto(res.outputs, res.metrics)
 
         return {
@@ -297,13 +318,20 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
         except (TypeError, ValueError) as e:
             raise HttpError(422, f"{ep}: adam_params must be numbers ({e})") from e
 
+        seq = int_field(body, "seq_id", ep)
+
         def work() -> dict[str, Any]:
             self.run_record(model_id)
             metrics = self.engine.optim_step(P.engine_id(model_id), **kw) or {}
-            return {"metrics": {k: float(v) for k, v in metrics.items()}}
+            out = {k: float(v) for k, v in metrics.items()}
+            self.log_request(
+                self.session_of_model(model_id),
+                {"op": ep, "model": model_id, "seq_id": seq, "adam_params": kw, "metrics": out},
+            )
+            return {"metrics": out}
 
         return {
-            "request_id": self.submit_ordered(ep, work, model_id, int_field(body, "seq_id", ep)),
+            "request_id": self.submit_ordered(ep, work, model_id, seq),
             "model_id": model_id,
         }
 
@@ -327,6 +355,15 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
             expires_at=None if ttl is None else self.registry.clock() + ttl,
         )
         self.registry.add_checkpoint(ck)
+        self.log_request(
+            self.session_of_model(model_id),
+            {
+                "op": "save_weights" if kind == "state" else "save_weights_for_sampler",
+                "model": model_id,
+                "name": name,
+                "path": str(path),
+            },
+        )
         return ck
 
     @_burns_seq

@@ -60,6 +60,15 @@ class ServiceBase:
     _expired: dict[str, float]  # tinker path -> when it expired (clearer 404s)
     _copies: dict[str, dict[str, Any]]  # copy_weights idempotency key -> answer
     _losses: dict[str, Any]  # loss_id -> custom_loss.CompiledLoss
+    # serve --record-requests / --sampling-seed content / --lora-seed (tinker_local.request_log)
+    request_log: Any = None  # a RequestLog, or None: nothing recorded
+    content_seeds: Any = None  # a ContentSeeds, or None: the request's seed (random when unset)
+    default_lora_seed: int | None = None  # LoRA init seed of a create_model that gives none
+
+    def log_request(self, session_id: str | None, entry: dict[str, Any]) -> None:
+        """Append ``entry`` to the session's request log (``serve --record-requests``)."""
+        if self.request_log is not None:
+            self.request_log.write(session_id, entry)
 
     # -- runs and sessions --------------------------------------------------------------------------
     def run_record(self, model_id: str) -> RunRecord:

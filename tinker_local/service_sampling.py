@@ -7,6 +7,8 @@ while training continues on the compute thread."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import threading
 import time
 from pathlib import Path
@@ -17,6 +19,7 @@ from .errors import HttpError, int_field, required_field
 from .outcomes import is_user_error
 from .registry import SamplerRecord
 from .request_limits import check_sampling
+from .request_log import content_key, weights_identity
 from .service_base import ServiceBase
 from .service_stability import StabilityMixin
 from .trace import session_of
@@ -27,6 +30,25 @@ DEFAULT_MAX_TOKENS = 256  # SamplingParams.max_tokens=None
 # request that arrives a few ms late saves it a whole decode loop of its own.
 LINGER_FRACTION = 0.1
 SAMPLER_EXECUTOR = "sampler"  # FutureStore side executor of the sampler worker pool
+#: seconds a finished sampling batch waits for a request's sequence ids (set right after it is
+#: queued) before giving up recording its sequences for ``record_stability_info``
+SEQUENCE_IDS_WAIT_S = 30.0
+SAMPLING_COUNTERS = (
+    "requests",
+    "prompt_tokens_cached",
+    "prompt_tokens_uncached",
+    "sampled_tokens",
+    "stability_not_recorded",
+)
+
+logger = logging.getLogger("tinker_local.sampling")
+# request fields that are not part of what a content-seeded request asks (tinker_local.request_log)
+_NOT_CONTENT = frozenset({"base_model", "weights_path", "prompt_tokens", "num_samples", "seed"})
+_LOGGED_PARAMS = ("max_tokens", "temperature", "top_k", "top_p", "stop", "seed")  # the request's seed (None: unset)
+
+
+def _seq_or(seq: int | None) -> int:
+    return -1 if seq is None else seq
 
 
 def _prompt_len(prompt: Any) -> int:
@@ -158,6 +180,7 @@ class SamplingServiceMixin(StabilityMixin, ServiceBase):
         except (TypeError, ValueError) as e:
             raise HttpError(422, f"{ep}: sampling_params must be numbers ({e})") from e
         seq = int_field(body, "seq_id", ep)
+        job["seq"] = seq
         key = (f"sample:{sid}", seq) if sid is not None and seq is not None else None
         span = None
         if sid is not None and (key is None or self.store.lookup_seq(*key) is None):
@@ -220,7 +243,84 @@ class SamplingServiceMixin(StabilityMixin, ServiceBase):
                         else "server error"
                     )
 
+    def _content_seeded(self, jobs: list[dict[str, Any]], reqs: list[dict[str, Any]]) -> tuple[list[dict], Any]:
+        """``serve --sampling-seed content``: each job's request split into one request per sequence,
+        each with its :func:`~tinker_local.request_log.content_seed` (occurrences counted per session
+        in (sampling session, seq_id) order within the batch); returns the requests and a function
+        merging their results back into one result per job (``tinker_local.request_log``)."""
+        order = sorted(range(len(jobs)), key=lambda k: (str(jobs[k]["sampler_id"]), _seq_or(jobs[k].get("seq"))))
+        expanded: list[dict[str, Any]] = []
+        spans: list[tuple[int, int]] = [(0, 0)] * len(jobs)
+        for k in order:
+            r, job = reqs[k], jobs[k]
+            ident = self._weights_identity(r)
+            params = {n: v for n, v in r.items() if n not in _NOT_CONTENT}
+            key = content_key(r["prompt_tokens"], params, ident)
+            job["weights"], job["seeds"] = (
+                ident,
+                self.content_seeds.take(session_of(job["sampler_id"]) or "adhoc", key, int(r["num_samples"])),
+            )
+            spans[k] = (len(expanded), len(job["seeds"]))
+            expanded.extend(dict(r, num_samples=1, seed=seed) for seed in job["seeds"])
+
+        def merge(results: list[Any]) -> list[Any]:
+            out: list[Any] = []
+            for start, n in spans:
+                parts = results[start : start + n]
+                bad = next((p for p in parts if isinstance(p, BaseException)), None)
+                out.append(
+                    bad
+                    if bad is not None
+                    else dataclasses.replace(parts[0], sequences=[s for p in parts for s in p.sequences])
+                )
+            return out
+
+        return expanded, merge
+
+    def _weights_identity(self, req: dict[str, Any]) -> str:
+        try:
+            return weights_identity(str(req["base_model"]), req.get("weights_path"))
+        except (OSError, ValueError) as e:  # unreadable weights: the request fails in the engine
+            return f"unreadable:{req.get('weights_path')}:{e}"
+
+    def _log_samples(self, jobs: list[dict[str, Any]], results: list[Any]) -> None:
+        for job, res in zip(jobs, results, strict=True):
+            if isinstance(res, BaseException) or job["sampler_id"] is None:
+                continue
+            r = job["engine"]
+            self.log_request(
+                session_of(job["sampler_id"]),
+                {
+                    "op": "sample",
+                    "sampler": job["sampler_id"],
+                    "seq_id": job.get("seq"),
+                    "weights": job.get("weights") or self._weights_identity(r),
+                    "prompt": r["prompt_tokens"],
+                    "num_samples": r["num_samples"],
+                    "sampling_params": {n: r[n] for n in _LOGGED_PARAMS},
+                    "prompt_logprobs": bool(r["include_prompt_logprobs"]),
+                    "topk_prompt_logprobs": r["topk_prompt_logprobs"],
+                    "seeds": job.get("seeds"),
+                    "sequences": [{k: s.get(k) for k in ("tokens", "logprobs", "stop_reason")} for s in res.sequences],
+                    "prompt_logprobs_out": res.prompt_logprobs if job["prompt_logprobs"] else None,
+                },
+            )
+
     def _sample_reqs(self, jobs: list[dict[str, Any]], reqs: list[dict[str, Any]]) -> list[Any]:
+        merge = None
+        if self.content_seeds is not None:
+            # each sequence drawn alone: a batch's shape changes the float results (by ~1e-7), so a sequence's
+            # tokens and logprobs must not depend on what else was asked at the same time
+            reqs, merge = self._content_seeded(jobs, reqs)
+            results = [r for req in reqs for r in self._run_sample_reqs([req])]
+            results = merge(results)
+        else:
+            results = self._run_sample_reqs(reqs)
+        if self.request_log is not None:
+            self._log_samples(jobs, results)
+        return self._sample_responses(jobs, results)
+
+    def _run_sample_reqs(self, reqs: list[dict[str, Any]]) -> list[Any]:
         if self.sampler_pool is not None:
             results = self.sampler_pool.sample_many(reqs)
         elif hasattr(self.engine, "sample_many"):
@@ -235,21 +335,28 @@ class SamplingServiceMixin(StabilityMixin, ServiceBase):
                     )
                 except Exception as e:
                     results.append(e)
+        return results
+
+    def _sample_responses(self, jobs: list[dict[str, Any]], results: list[Any]) -> list[Any]:
         out: list[Any] = []
-        stats = self.sampling_stats
         for job, res in zip(jobs, results, strict=True):
             if isinstance(res, BaseException):
                 out.append(res)
                 continue
             hit = int(getattr(res, "prompt_cache_hit_tokens", 0))
-            stats["requests"] += 1
-            stats["prompt_tokens_cached"] += hit
-            stats["prompt_tokens_uncached"] += len(job["engine"]["prompt_tokens"]) - hit
-            stats["sampled_tokens"] += sum(len(s["tokens"]) for s in res.sequences)
-            if job["record"] and job["ids"].wait(30):  # set right after submission
-                self.record_stability(
-                    job["sampler_id"], job["sequence_ids"], job["engine"]["prompt_tokens"], res.sequences
-                )
+            self.count_sampling(
+                requests=1,
+                prompt_tokens_cached=hit,
+                prompt_tokens_uncached=len(job["engine"]["prompt_tokens"]) - hit,
+                sampled_tokens=sum(len(s["tokens"]) for s in res.sequences),
+            )
+            if job["record"]:
+                if job["ids"].wait(SEQUENCE_IDS_WAIT_S):  # set right after submission
+                    self.record_stability(
+                        job["sampler_id"], job["sequence_ids"], job["engine"]["prompt_tokens"], res.sequences
+                    )
+                else:
+                    self._not_recorded(job)
             out.append(
                 P.sample_response_to_proto(
                     res.sequences,
@@ -265,18 +372,45 @@ class SamplingServiceMixin(StabilityMixin, ServiceBase):
         return out
 
     # -- inflight sampling clients ----------------------------------------------------------------
-    @property
-    def sampling_stats(self) -> dict[str, int]:
-        """Counters since start (``GET local_stats`` -> ``"sampling"``): ``requests`` served,
-        ``prompt_tokens_cached`` (served by another request's prefill in the same batch),
-        ``prompt_tokens_uncached`` (prefilled for the request) and ``sampled_tokens``."""
+    def _sampling_counters(self) -> tuple[dict[str, int], threading.Lock]:
         st = self.__dict__.get("_sampling_stats")
         if st is None:
-            st = self.__dict__.setdefault(
-                "_sampling_stats",
-                dict.fromkeys(("requests", "prompt_tokens_cached", "prompt_tokens_uncached", "sampled_tokens"), 0),
-            )
+            st = self.__dict__.setdefault("_sampling_stats", (dict.fromkeys(SAMPLING_COUNTERS, 0), threading.Lock()))
         return st
+
+    def count_sampling(self, **increments: int) -> None:
+        """Add ``increments`` to the counters of :attr:`sampling_stats` (one lock: batches finish
+        on the compute thread and on every sampler-worker thread at once)."""
+        counts, lock = self._sampling_counters()
+        with lock:
+            for name, n in increments.items():
+                counts[name] += n
+
+    @property
+    def sampling_stats(self) -> dict[str, int]:
+        """A snapshot of the counters since start (``GET local_stats`` -> ``"sampling"``):
+        ``requests`` served, ``prompt_tokens_cached`` (served by another request's prefill in the
+        same batch), ``prompt_tokens_uncached`` (prefilled for the request), ``sampled_tokens``, and
+        ``stability_not_recorded`` (``record_stability_info`` requests whose sequence ids came more
+        than ``SEQUENCE_IDS_WAIT_S`` after their batch finished, so their sequences cannot be named
+        by provenance spans; logged once)."""
+        counts, lock = self._sampling_counters()
+        with lock:
+            return dict(counts)
+
+    def _not_recorded(self, job: dict[str, Any]) -> None:
+        counts, lock = self._sampling_counters()
+        with lock:
+            counts["stability_not_recorded"] += 1
+            first = counts["stability_not_recorded"] == 1
+        if first:
+            logger.warning(
+                "a record_stability_info sampling request of %s got its sequence ids more than %g s after its "
+                "batch finished: its sequences are not recorded, so provenance naming them is refused "
+                "(counted in local_stats sampling.stability_not_recorded; said once)",
+                job["sampler_id"] or "an ad-hoc sampler",
+                SEQUENCE_IDS_WAIT_S,
+            )
 
     def _inflight_state(self) -> tuple[dict[str, str], dict[str, str]]:
         st = self.__dict__.get("_inflight_state_")

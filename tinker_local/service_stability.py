@@ -15,6 +15,10 @@
   sequence's prompt (``PromptProvenanceSpan``) or sampled tokens (``SampledProvenanceSpan``), carry
   exactly those tokens, and the lengths must tile their field.  Anything else is refused with HTTP
   400 naming the datum, the span and the value.  ``loss_fn="stable_reinforce"`` requires provenance.
+  Every other loss leaves provenance unused, so a span naming a sequence that was not recorded
+  (sampled without ``record_stability_info``) passes unchecked there, the lengths still tiling the
+  field: tinker-cookbook 0.6.1's RL loop attaches provenance to every datum whose actions carry a
+  ``sequence_id``, whatever its loss and sampler (``rl/data_processing.py: trajectory_to_data``).
 """
 
 from __future__ import annotations
@@ -131,7 +135,7 @@ class StabilityMixin:
                 except ProtocolError as e:
                     raise HttpError(400, f"datum {i}: {e}") from e
             for field, values in (("model_input_spans", tokens), ("loss_fn_input_spans", targets)):
-                self._spans(i, field, getattr(d, field), values, session_id, used)
+                self._spans(i, field, getattr(d, field), values, session_id, used, needed)
         now = float(self.clock())
         for rec in used.values():
             rec.expires_at = now + STABILITY_TTL_S
@@ -144,6 +148,7 @@ class StabilityMixin:
         values: np.ndarray | None,
         session_id: str | None,
         used: dict[str, StabilityRecord],
+        needed: bool = True,
     ) -> None:
         where = f"datum {i}: {field}"
         if values is None:
@@ -156,6 +161,11 @@ class StabilityMixin:
             s = getattr(span, kind)
             sid, off, n = s.sequence_id, int(s.offset), int(s.length)
             rec = used.get(sid) or self.stability_record(sid)
+            if rec is None and not needed:  # provenance unused by this loss: not recorded, not checked
+                if off < 0 or n < 0 or pos + n > len(values):
+                    raise HttpError(400, f"{where}[{j}]: span offset {off} length {n} does not fit the field")
+                pos += n
+                continue
             if rec is None:
                 raise HttpError(
                     400,

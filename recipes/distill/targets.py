@@ -54,19 +54,21 @@ def kl_advantages(
         coef: ``kl_penalty_coef``; discount: ``kl_discount_factor`` (0 = none).
 
     Returns:
-        ``(advantages, reverse_kl)``, float64 (N,), both 0 off the mask.
+        ``(advantages, reverse_kl)``, float64 (N,), both 0 off the mask.  Without a discount they
+        are computed in float32, in tinker-cookbook 0.6.1's order (``distillation/train_on_policy.py:
+        incorporate_kl_penalty``: ``kl = (s - t) * m``, ``adv = (-coef * m) * kl``), so the same
+        logprobs give the same advantages to the bit.
 
     Raises:
         ValueError: arrays of different shapes.
     """
-    s, t, m = (np.asarray(a, dtype=np.float64) for a in (student_logprobs, teacher_logprobs, mask))
+    s, t, m = (np.asarray(a, dtype=np.float32) for a in (student_logprobs, teacher_logprobs, mask))
     if not s.shape == t.shape == m.shape:
         raise ValueError(f"shapes differ: student {s.shape}, teacher {t.shape}, mask {m.shape}")
     kl = (s - t) * m
-    adv = -coef * kl
     if discount > 0:
-        adv = discounted_future_sum(adv, discount) * m
-    return adv, kl
+        return discounted_future_sum(-coef * kl.astype(np.float64), discount) * m, kl.astype(np.float64)
+    return ((np.float32(-coef) * m) * kl).astype(np.float64), kl.astype(np.float64)
 
 
 @dataclass
@@ -121,9 +123,13 @@ def soft_targets(
         out.dropped += int(((row_ids >= vocab_size) & np.isfinite(row_lp)).sum())
         if not keep.any():
             continue
-        lp = row_lp[keep]
-        logq = lp - (lp.max() + np.log(np.exp(lp - lp.max()).sum()))
-        q = np.exp(logq)
+        # renormalised in float32 with torch, as tinker-cookbook 0.6.1's SDFT does (distillation/sdft.py:
+        # build_topk_distillation_datums): the same teacher rows give the same weights to the bit
+        import torch  # here, not at the top: reading distillation data needs no torch
+
+        lp32 = torch.tensor(row_lp[keep].tolist(), dtype=torch.float32)
+        logq32 = lp32 - torch.logsumexp(lp32, dim=0)
+        q, logq = logq32.exp().numpy(), logq32.double().numpy()
         n = len(q)
         tt[s, :n], w[s, :n] = row_ids[keep], q
         out.positions += 1

@@ -34,6 +34,7 @@ Registered names (:func:`get_renderer`; ``"auto"`` resolves through :func:`resol
 
 =========================  ==========================================================
 ``role_colon``             ``User: ...\\n\\nAssistant: ...`` for base models
+``role_colon_cookbook``    tinker-cookbook 0.6.1's ``role_colon`` token for token
 ``chatml``                 ChatML (``<|im_start|>role\\n...<|im_end|>``), Hermes tool calls
 ``smollm2``                ChatML with SmolLM2-Instruct's default system prompt
 ``qwen3``                  Qwen3 with thinking (``<think>``), tool calls and results
@@ -132,6 +133,10 @@ __all__ = [
 RENDERERS: Registry[Callable[..., Renderer]] = Registry("renderer", "prefect_tinker.renderers")
 _BUILTIN_RENDERERS: dict[str, Callable[..., Renderer]] = {
     "role_colon": RoleColonRenderer,
+    # tinker-cookbook 0.6.1's role_colon, token for token (role_colon's module docstring)
+    "role_colon_cookbook": partial(
+        RoleColonRenderer, stop_after_every_reply=False, bos="bos_token", special_tokens_in_content=True
+    ),
     "chatml": ChatMLRenderer,
     "smollm2": SmolLM2Renderer,
     "qwen3": Qwen3Renderer,

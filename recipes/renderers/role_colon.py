@@ -11,6 +11,15 @@ with it (appended when the conversation ends with that reply).  Tokens are the p
 encodings (``add_special_tokens=False``) after the tokenizer's own leading special tokens (BOS for
 Llama-style tokenizers, nothing for SmolLM2).  There is no template to match: the format is ours.
 
+``role_colon_cookbook`` is tinker-cookbook 0.6.1's ``RoleColonRenderer`` token for token (for runs
+that must send what the cookbook sends, ``docs/cookbook-parity.md``): the ``User:`` after a reply is
+trained only where it ends the conversation (its ``stop_overlap`` belongs to the last message, so a
+multi-turn example never teaches the model to stop after an earlier reply); the prompt starts with
+the tokenizer's ``bos_token`` whenever it has one (SmolLM2's is ``<|im_start|>``, which its
+tokenizer never adds itself); and content is encoded as the tokenizer reads it
+(``special_tokens_in_content=True``: no escaping of role markers, special-token strings become
+control tokens).
+
 The format has no control tokens: a turn boundary is the text ``"\\n\\n{Role}:"``.  Message content
 is encoded as text, and a role marker at a line start inside it (``"\\n\\nUser:"``, also
 ``Assistant``, ``System``, ``Tool``) is escaped with a WORD JOINER (U+2060) after the blank line --
@@ -25,7 +34,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from prefect_tinker.recipes.renderers.base import (
     Message,
@@ -69,14 +78,31 @@ class RoleColonRenderer(Renderer):
     Args:
         tokenizer: any Hugging Face tokenizer.
         special_tokens_in_content: see :class:`~prefect_tinker.recipes.renderers.Renderer`.
+        stop_after_every_reply: train the ``User:`` header after every trained assistant reply
+            (True, default) or only the one ending the conversation (False).
+        bos: the leading tokens: those the tokenizer adds itself (``"tokenizer"``, default) or its
+            ``bos_token`` whenever it has one (``"bos_token"``).  ``role_colon_cookbook`` is this
+            class with False, ``"bos_token"`` and ``special_tokens_in_content=True`` (module docstring).
     """
 
     name = "role_colon"
     STOP = "\n\nUser:"
 
-    def __init__(self, tokenizer: Any, *, special_tokens_in_content: bool = False):
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        special_tokens_in_content: bool = False,
+        stop_after_every_reply: bool = True,
+        bos: Literal["tokenizer", "bos_token"] = "tokenizer",
+    ):
         super().__init__(tokenizer, special_tokens_in_content=special_tokens_in_content)
-        self._prefix = leading_special_tokens(tokenizer)
+        if bos == "bos_token":
+            token = getattr(tokenizer, "bos_token", None)
+            self._prefix = list(tokenizer.encode(token, add_special_tokens=False)) if token else []
+        else:
+            self._prefix = leading_special_tokens(tokenizer)
+        self.stop_after_every_reply = stop_after_every_reply
 
     @staticmethod
     def _header(role: str) -> str:
@@ -85,7 +111,8 @@ class RoleColonRenderer(Renderer):
     def _segments(self, messages: list[Message], tools: Sequence[Mapping[str, Any]] | None) -> list[Segment]:
         segs = [Segment(list(self._prefix), None, "prefix")] if self._prefix else []
         for i, msg in enumerate(messages):
-            closes = i - 1 if i > 0 and messages[i - 1]["role"] == "assistant" else None
+            after_reply = i > 0 and messages[i - 1]["role"] == "assistant" and self.stop_after_every_reply
+            closes = i - 1 if after_reply else None
             segs.append(Segment(self.encode(self._header(msg["role"])), i, "header", closes=closes))
             text = msg["content"] if self.special_tokens_in_content else escape_role_markers(msg["content"])
             segs.append(Segment(self.encode_pieces([self.content(f" {text}\n\n")]), i, "body"))

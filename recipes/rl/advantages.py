@@ -126,12 +126,17 @@ def _provenance(spans: Sequence[tuple[str, str, int, int]], start: int, stop: in
 
 
 def compute_advantages(rewards_G: Sequence[float], normalize_std: bool = False, eps: float = 1e-6) -> np.ndarray:
-    """Group-centred advantages (G,) float64: ``R - mean(R)``, divided by ``std(R) + eps`` when
-    ``normalize_std`` (population std). An empty group gives an empty array."""
+    """Group-centred advantages (G,) float64: ``R - mean(R)``, computed in float32 with torch as
+    tinker-cookbook 0.6.1 does (``rl/data_processing.py: compute_advantages``; so that the same
+    rewards give the same bits), then divided by ``std(R) + eps`` when ``normalize_std``
+    (population std, float64). An empty group gives an empty array."""
     r = np.asarray(rewards_G, dtype=np.float64)
     if r.size == 0:
         return r
-    adv = r - r.mean()
+    import torch  # here, not at the top: reading RL data needs no torch
+
+    r32 = torch.tensor(r.tolist(), dtype=torch.float32)
+    adv = (r32 - r32.mean()).double().numpy()
     if normalize_std:
         adv = adv / (r.std() + eps)
     return adv
@@ -289,21 +294,32 @@ def apply_kl_penalty(datums: Sequence[RLDatum], ref_logprobs_D: Sequence[np.ndar
     Returns:
         ``{"kl_policy_ref": mean over action tokens of (q - ref)}`` (nats per token).
 
+    The arithmetic is float32 torch in tinker-cookbook 0.6.1's order (``rl/metrics.py:
+    incorporate_kl_penalty``: per-datum sums added one after the other, ``coef * mask`` times
+    ``mean - diff``), so the same logprobs give the same advantages to the bit.
+
     Raises:
         ValueError: a reference array of the wrong length.
     """
-    diffs = []
+    import torch  # here, not at the top: reading RL data needs no torch
+
+    masks, diffs = [], []
     for d, ref in zip(datums, ref_logprobs_D, strict=True):
-        ref = np.asarray(ref, dtype=np.float64)
-        if ref.shape != d.mask.shape:
-            raise ValueError(f"reference logprobs have shape {ref.shape}, expected {d.mask.shape}")
-        diffs.append((d.sampler_logprobs - ref) * d.mask)
-    n = sum(float(d.mask.sum()) for d in datums)
-    mean_kl = sum(float(x.sum()) for x in diffs) / max(n, 1.0)
+        ref_t = torch.tensor(np.asarray(ref, dtype=np.float64).tolist(), dtype=torch.float32)
+        if tuple(ref_t.shape) != d.mask.shape:
+            raise ValueError(f"reference logprobs have shape {tuple(ref_t.shape)}, expected {d.mask.shape}")
+        mask = torch.from_numpy(np.ascontiguousarray(d.mask, dtype=np.float32))
+        masks.append(mask)
+        diffs.append((torch.from_numpy(np.ascontiguousarray(d.sampler_logprobs, dtype=np.float32)) - ref_t) * mask)
+    total, n = torch.zeros((), dtype=torch.float32), torch.zeros((), dtype=torch.float32)
+    for k, (diff, mask) in enumerate(zip(diffs, masks, strict=True)):
+        total, n = (diff.sum(), mask.sum()) if k == 0 else (total + diff.sum(), n + mask.sum())
+    mean_kl = total / n if float(n) > 0 else torch.zeros((), dtype=torch.float32)
     if coef:
-        for d, diff in zip(datums, diffs, strict=True):
-            d.advantages = (d.advantages + coef * d.mask * (mean_kl - diff)).astype(np.float32)
-    return {"kl_policy_ref": mean_kl}
+        for d, diff, mask in zip(datums, diffs, masks, strict=True):
+            adv = torch.from_numpy(np.ascontiguousarray(d.advantages, dtype=np.float32))
+            d.advantages = (adv + coef * mask * (mean_kl - diff)).numpy()
+    return {"kl_policy_ref": float(mean_kl)}
 
 
 def sample_train_kl(datums: Sequence[RLDatum], trainer_logprobs_D: Sequence[np.ndarray]) -> dict[str, float]:

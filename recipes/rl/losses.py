@@ -54,10 +54,11 @@ class NoLossOptions(BaseModel):
 
 @dataclass(frozen=True)
 class ClipThresholds:
-    """The run's bounds of the importance ratio (``clip_low_threshold`` < 1 < ``clip_high_threshold``)."""
+    """The run's bounds of the importance ratio (``clip_low_threshold`` < 1 < ``clip_high_threshold``);
+    None: not sent, the server's default."""
 
-    low: float
-    high: float
+    low: float | None
+    high: float | None
 
 
 class RLLoss:
@@ -125,7 +126,8 @@ class ImportanceSamplingLoss(RLLoss):
 
 class _ClippedLoss(RLLoss):
     def loss_fn_config(self, clip: ClipThresholds) -> dict[str, float] | None:
-        return {"clip_low_threshold": clip.low, "clip_high_threshold": clip.high}
+        given = {"clip_low_threshold": clip.low, "clip_high_threshold": clip.high}
+        return {k: float(v) for k, v in given.items() if v is not None} or None
 
 
 @register_loss

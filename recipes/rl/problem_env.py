@@ -6,7 +6,10 @@ turns), takes one sampled reply, and rewards it with
     reward = correct + format_coef * (format_ok - 1)
 
 (1 for a correct, well-formed answer; ``-format_coef`` for a malformed one; a well-formed wrong
-answer gets 0), as in the Tinker cookbook's ``ProblemEnv``. Subclasses implement
+answer gets 0), as in the Tinker cookbook's ``ProblemEnv``. A reply is well-formed when it ended
+properly (the renderer's stop sequence, or the end-of-sequence token; only the stop sequence with
+``format_needs_stop``, the cookbook's ``require_stop_sequence_for_format=True``) and passes
+:meth:`ProblemEnv.check_format`. Subclasses implement
 :meth:`ProblemEnv.check_format` and :meth:`ProblemEnv.check_answer` on the reply text.
 
 :class:`ProblemGroupBuilder` is the picklable group builder (problem, env class, renderer name,
@@ -25,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from prefect_tinker.recipes.renderers.base import Termination
 from prefect_tinker.recipes.rl.types import Env, EnvGroupBuilder, RLDataset, StepResult, StopCondition
 
 __all__ = ["Problem", "ProblemEnv", "ProblemGroupBuilder", "ProblemDataset", "load_renderer", "freeze_messages"]
@@ -72,6 +76,8 @@ class ProblemEnv(Env):
         convo_prefix: messages before the question (system prompt, few-shot turns).
         format_coef: penalty for a malformed reply (reward ``-format_coef`` instead of 0).
         question_suffix: text appended to the question (e.g. an answer-format instruction).
+        format_needs_stop: only a reply ended by the stop sequence is well-formed (not one ended
+            by the end-of-sequence token).
     """
 
     def __init__(
@@ -82,8 +88,10 @@ class ProblemEnv(Env):
         convo_prefix: Sequence[dict] = (),
         format_coef: float = 0.1,
         question_suffix: str = "",
+        format_needs_stop: bool = False,
     ):
         self.problem = problem
+        self.format_needs_stop = format_needs_stop
         self.renderer = renderer
         self.convo_prefix = [dict(m) for m in convo_prefix]
         self.format_coef = float(format_coef)
@@ -110,7 +118,7 @@ class ProblemEnv(Env):
     def step(self, action: list[int]) -> StepResult:
         parsed = self.renderer.parse_response(action)
         text = parsed.message.get("content") or ""
-        well_ended = parsed.ok
+        well_ended = parsed.termination is Termination.STOP_SEQUENCE if self.format_needs_stop else parsed.ok
         format_ok = bool(well_ended and self.check_format(text))
         correct = bool(self.check_answer(text))
         reward = float(correct) + self.format_coef * (float(format_ok) - 1.0)
@@ -139,6 +147,7 @@ class ProblemGroupBuilder(EnvGroupBuilder):
     convo_prefix: tuple[tuple[tuple[str, str], ...], ...] = ()
     question_suffix: str = ""
     tags: tuple[str, ...] = field(default=())
+    format_needs_stop: bool = False
 
     def make_envs(self) -> list[ProblemEnv]:
         renderer = load_renderer(self.renderer_name, self.tokenizer_id)
@@ -150,6 +159,7 @@ class ProblemGroupBuilder(EnvGroupBuilder):
                 convo_prefix=prefix,
                 format_coef=self.format_coef,
                 question_suffix=self.question_suffix,
+                format_needs_stop=self.format_needs_stop,
             )
             for _ in range(self.group_size)
         ]
@@ -170,12 +180,15 @@ class ProblemDataset(RLDataset):
     Args:
         problems: the problems (P >= groups_per_batch).
         make_builder: ``problem -> EnvGroupBuilder``.
+        shuffle: False: every epoch in the problems' own order.
 
     Raises:
         ValueError: fewer problems than ``groups_per_batch``.
     """
 
-    def __init__(self, problems: Sequence[Any], groups_per_batch: int, make_builder, seed: int = 0):
+    def __init__(
+        self, problems: Sequence[Any], groups_per_batch: int, make_builder, seed: int = 0, shuffle: bool = True
+    ):
         if len(problems) < groups_per_batch:
             raise ValueError(
                 f"groups_per_batch={groups_per_batch} is larger than the number of problems ({len(problems)})"
@@ -184,12 +197,14 @@ class ProblemDataset(RLDataset):
         self.groups_per_batch = groups_per_batch
         self.make_builder = make_builder
         self.seed = seed
+        self.shuffle = shuffle
 
     def num_batches(self) -> int:
         return len(self.problems) // self.groups_per_batch
 
     def get_batch(self, index: int) -> list[EnvGroupBuilder]:
         epoch, i = divmod(index, self.num_batches())
-        order = np.random.default_rng(self.seed + epoch).permutation(len(self.problems))
+        n = len(self.problems)
+        order = np.random.default_rng(self.seed + epoch).permutation(n) if self.shuffle else np.arange(n)
         chosen = order[i * self.groups_per_batch : (i + 1) * self.groups_per_batch]
         return [self.make_builder(self.problems[int(j)]) for j in chosen]

@@ -233,6 +233,14 @@ class EnvSpec(BaseModel):
     few_shot: bool = Field(default=False, description="Prepend one solved example as a user/assistant turn.")
     system_prompt: str | None = Field(default=None, description="Optional system message.")
     format_coef: float = Field(default=0.1, ge=0, description="Reward penalty for a malformed reply.")
+    format_needs_stop: bool = Field(
+        default=False,
+        description=(
+            "Problem environments: a reply is well-formed only when it ended with the renderer's stop sequence "
+            "(true, tinker-cookbook's require_stop_sequence_for_format) or also at the end-of-sequence token "
+            "(false)."
+        ),
+    )
 
     _dataset_exists = field_validator("dataset")(check_local_source)  # a missing file fails here
 

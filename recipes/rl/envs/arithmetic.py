@@ -1,6 +1,7 @@
 """``arithmetic``: "What is a + b?" with operands drawn from ``[0, max_operand]`` by a generator
 seeded with (seed, batch index): unbounded, no files, the fast default. The reply must be just
-the integer.
+the integer (``env_options.answer="last_integer"``: the reply's last integer is its answer and any
+reply is well-formatted, as tinker-cookbook 0.6.1's ``ArithmeticEnv`` grades).
 
 ``env_options.reward="partial"`` adds partial credit to a wrong reply (reward shaping, Ng, Harada and
 Russell 1999, "Policy invariance under reward transformations"; here a plain dense bonus, not their
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from prefect_tinker.recipes.rl.envs import EnvContext, Environment, EnvSpec, register_env
 from prefect_tinker.recipes.rl.envs.problems import problem_builder
@@ -27,6 +28,7 @@ from prefect_tinker.recipes.rl.types import EnvGroupBuilder, RLDataset, StepResu
 __all__ = [
     "ArithmeticEnv",
     "ArithmeticPartialCreditEnv",
+    "ArithmeticLastIntegerEnv",
     "arithmetic_partial_credit",
     "ArithmeticDataset",
     "ArithmeticOptions",
@@ -49,6 +51,19 @@ class ArithmeticEnv(ProblemEnv):
     def check_answer(self, response: str) -> bool:
         m = re.fullmatch(r"\s*(-?\d+)\s*", response)
         return m is not None and int(m.group(1)) == int(self.problem.answer)
+
+
+class ArithmeticLastIntegerEnv(ProblemEnv):
+    """Any reply is well-formatted; correct when its last integer (commas removed) equals the sum:
+    tinker-cookbook 0.6.1's ``ArithmeticEnv`` rule (``"The sum is 12"`` is right, and so is
+    ``"11? no, 12"``)."""
+
+    def check_format(self, response: str) -> bool:
+        return True
+
+    def check_answer(self, response: str) -> bool:
+        found = re.findall(r"-?\d+", response.replace(",", ""))
+        return bool(found) and int(found[-1]) == int(self.problem.answer)
 
 
 def arithmetic_partial_credit(response: str, answer: int) -> float:
@@ -97,15 +112,37 @@ def arithmetic_problem(rng: np.random.Generator, max_operand: int, id_prefix: st
 
 
 class ArithmeticDataset(RLDataset):
-    """Unbounded generated sums: batch ``i`` draws its problems from ``default_rng([seed, i])``."""
+    """Unbounded generated sums: batch ``i`` draws its problems from ``default_rng([seed, i])``;
+    with ``problems="cookbook"`` from ``numpy.random.RandomState(i)`` (``randint(0, max_operand + 1)``
+    for a, then b, group after group), as tinker-cookbook 0.6.1's ``ArithmeticDataset`` does
+    (there ``max_operand`` is 100 and the run's seed plays no part)."""
 
-    def __init__(self, groups_per_batch: int, make_builder, max_operand: int = 20, seed: int = 0):
+    def __init__(
+        self,
+        groups_per_batch: int,
+        make_builder,
+        max_operand: int = 20,
+        seed: int = 0,
+        problems: Literal["seeded", "cookbook"] = "seeded",
+    ):
         self.groups_per_batch = groups_per_batch
         self.make_builder = make_builder
         self.max_operand = max_operand
         self.seed = seed
+        self.problems = problems
 
     def get_batch(self, index: int) -> list[EnvGroupBuilder]:
+        if self.problems == "cookbook":
+            legacy = np.random.RandomState(index)
+            out = []
+            for _ in range(self.groups_per_batch):
+                a, b = int(legacy.randint(0, self.max_operand + 1)), int(legacy.randint(0, self.max_operand + 1))
+                out.append(
+                    self.make_builder(
+                        Problem(question=f"What is {a} + {b}?", answer=str(a + b), id=f"b{index}-{a}+{b}")
+                    )
+                )
+            return out
         rng = np.random.default_rng([self.seed, index])
         return [
             self.make_builder(arithmetic_problem(rng, self.max_operand, f"b{index}-"))
@@ -124,6 +161,24 @@ class ArithmeticOptions(BaseModel):
         "reply also earns up to 0.5 for its brevity, share of digits and closeness to the sum (rewards that differ "
         "within a group even when no reply is right).",
     )
+    problems: Literal["seeded", "cookbook"] = Field(
+        default="seeded",
+        description="seeded: batch i's sums drawn from a generator seeded by (seed, i); cookbook: from "
+        "numpy.random.RandomState(i), as tinker-cookbook 0.6.1's arithmetic environment (max_operand 100 there).",
+    )
+    answer: Literal["exact", "last_integer"] = Field(
+        default="exact",
+        description="exact: the reply must be just the integer (else malformed); last_integer: the reply's last "
+        "integer is its answer and any reply is well-formatted (tinker-cookbook's rule; reward=exact only).",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ArithmeticOptions:
+        if self.answer == "last_integer" and self.reward == "partial":
+            raise ValueError(
+                "env_options.answer=last_integer goes with reward=exact (partial credit grades exact replies)"
+            )
+        return self
 
 
 @register_env
@@ -135,9 +190,15 @@ class Arithmetic(Environment):
     @classmethod
     def build(cls, spec: EnvSpec, ctx: EnvContext) -> RLDataset:
         options = cls.options(spec)
-        env_cls = ArithmeticPartialCreditEnv if options.reward == "partial" else ArithmeticEnv
+        env_cls: type[ProblemEnv] = (
+            ArithmeticLastIntegerEnv
+            if options.answer == "last_integer"
+            else ArithmeticPartialCreditEnv
+            if options.reward == "partial"
+            else ArithmeticEnv
+        )
         make = problem_builder(env_cls, spec, ctx, ARITHMETIC_SHOT, "", cls.name)
-        return ArithmeticDataset(ctx.groups_per_batch, make, options.max_operand, ctx.seed)
+        return ArithmeticDataset(ctx.groups_per_batch, make, options.max_operand, ctx.seed, options.problems)
 
 
 def write_arithmetic_sft_jsonl(path: str | Path, n: int, *, max_operand: int = 20, seed: int = 0) -> Path:

@@ -21,6 +21,16 @@ from prefect_tinker.recipes.rl.types import RLDataset
 __all__ = ["Math", "MathOptions", "MathEnv", "MathEnvAny", "MathEnvHash", "MATH_SUFFIX"]
 
 MATH_SUFFIX = " Write the final answer inside \\boxed{}."
+#: ``env_options.prompt="cookbook"``: tinker-cookbook 0.6.1's ``MathEnv`` suffix and solved example.
+COOKBOOK_MATH_SUFFIX = " Write your answer in \\boxed{} format."
+COOKBOOK_MATH_SHOT = (
+    {"role": "user", "content": "How many r's are in strawberry?" + COOKBOOK_MATH_SUFFIX},
+    {
+        "role": "assistant",
+        "content": "Let's spell the word out and number all the letters: 1) s 2) t 3) r 4) a 5) w 6) b 7) e 8) r "
+        "9) r 10) y. We have r's at positions 3, 8, and 9. \\boxed{3}",
+    },
+)
 
 
 def _shot(suffix: str) -> tuple[dict, dict]:
@@ -62,6 +72,11 @@ class MathOptions(BaseModel):
     answer_style: Literal["boxed", "hash", "any"] = Field(
         default="boxed", description="Where replies state the answer."
     )
+    prompt: Literal["default", "cookbook"] = Field(
+        default="default",
+        description="default: our answer instruction and solved example; cookbook: tinker-cookbook 0.6.1's MathEnv "
+        "prompt (' Write your answer in \\boxed{} format.', its 'strawberry' example; answer_style boxed).",
+    )
 
 
 @register_env
@@ -96,6 +111,9 @@ class Math(Environment):
         cls.check(spec)
         opts = cls.options(spec)
         suffix = MATH_SUFFIX if opts.answer_style == "boxed" else GSM8K_SUFFIX
+        shot = _shot(suffix)
+        if opts.prompt == "cookbook":
+            suffix, shot = COOKBOOK_MATH_SUFFIX, COOKBOOK_MATH_SHOT
         problems = load_problems(
             spec.required_dataset(),
             question_field=opts.question_field,
@@ -104,5 +122,5 @@ class Math(Environment):
             config_name=spec.dataset_config,
             max_problems=spec.max_problems,
         )
-        make = problem_builder(_STYLES[opts.answer_style], spec, ctx, _shot(suffix), suffix, cls.name)
+        make = problem_builder(_STYLES[opts.answer_style], spec, ctx, shot, suffix, cls.name)
         return ProblemDataset(problems, ctx.groups_per_batch, make, ctx.seed)

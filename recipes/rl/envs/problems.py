@@ -80,6 +80,7 @@ def problem_builder(env_cls: type, spec: Any, ctx: Any, shot: Sequence[dict], su
         renderer_name=ctx.renderer_name,
         tokenizer_id=ctx.tokenizer_id,
         format_coef=spec.format_coef,
+        format_needs_stop=spec.format_needs_stop,
         convo_prefix=freeze_messages(convo_prefix(spec, shot)),
         question_suffix=suffix,
         tags=(tag,),

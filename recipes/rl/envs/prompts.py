@@ -10,7 +10,8 @@ record format, e.g. ``messages``, ``prompt_completion``, or ``prompt`` for one t
 ``sources``: several sources with weights (each a full ``SourceSpec``); a batch then draws each
 of its prompts from source ``i`` with probability proportional to its weight (with replacement,
 seeded by (seed, batch)), and the record remembers ``i`` (the distill flow pairs each source with
-its teacher). With one source, batches are seeded per-epoch permutations (as the problem envs).
+its teacher). With one source, batches are seeded per-epoch permutations (as the problem envs), or
+with ``shuffle=false`` the prompts in file order.
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ class PromptsOptions(BaseModel):
     options: dict[str, Any] = Field(default_factory=dict, description="Converter options of `dataset`.")
     sources: list[SourceSpec] = Field(
         default_factory=list, description="Several weighted sources instead of `dataset`."
+    )
+    shuffle: bool = Field(
+        default=True,
+        description="One source: batches from seeded per-epoch permutations (true) or the prompts in file order, "
+        "every epoch (false: tinker-cookbook's PromptOnlyDataset).",
     )
 
 
@@ -174,5 +180,5 @@ class Prompts(Environment):
             tags=(cls.name,),
         )
         if len(records) == 1:
-            return ProblemDataset(records[0], ctx.groups_per_batch, make, ctx.seed)
+            return ProblemDataset(records[0], ctx.groups_per_batch, make, ctx.seed, shuffle=cls.options(spec).shuffle)
         return WeightedPrompts(records, [s.weight for s in sources], ctx.groups_per_batch, make, ctx.seed)
