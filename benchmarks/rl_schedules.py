@@ -4,7 +4,9 @@ Each schedule runs the ``rl`` flow for ``--steps`` steps of the ``arithmetic`` e
 base model and seed, through the embedded local server (or ``--base-url``); the rate counts the
 flow's training loop only (client start-up and the first sampler save excluded). Prints a
 markdown table (medians over ``--repeats``, with each schedule's ratio to sync measured on the
-same server setting) and writes JSON with ``--json``.
+same server setting, and the overlap bound of the same repeat's sync run: its step time over the
+longer of its rollout wait and its training time per step, the rate a perfect overlap would
+reach; ``of_bound`` = ratio to sync / bound) and writes JSON with ``--json``.
 
     python benchmarks/rl_schedules.py            # 8 steps, 64-token replies, 1 sampler worker, 3 repeats
     python benchmarks/rl_schedules.py --steps 20 --max-tokens 8 --sampler-workers 0,1 --threads 2 --repeats 2
@@ -93,7 +95,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     table = _summary(results, args.schedules.split(","))
     print(f"\nRL schedules: model={args.model} group_size={args.group_size} groups_per_batch={args.groups_per_batch} "
           f"max_tokens={args.max_tokens} steps={args.steps} threads={args.threads} repeats={args.repeats}\n")
-    cols = ["sampler_workers", "schedule", "steps_per_minute", "ratio_to_sync", "rollout_wait_s_per_step",
+    cols = ["sampler_workers", "schedule", "steps_per_minute", "ratio_to_sync", "overlap_bound", "of_bound",
+            "rollout_wait_s_per_step",
             "train_s_per_step", "cores_used", "cpu_s_per_step", "runs"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
@@ -180,20 +183,36 @@ def _median(xs: list[float]) -> float:
     return xs[m] if len(xs) % 2 else 0.5 * (xs[m - 1] + xs[m])
 
 
+def overlap_bound(sync: dict) -> float:
+    """The most a schedule overlapping rollouts with training can gain over the sync run ``sync``
+    (a ``_run`` result): its step time over the longer of its rollout wait and its training time
+    per step, i.e. the rate if the shorter of the two were hidden entirely behind the longer."""
+    step_s = 60.0 / sync["steps_per_minute"]
+    longer = max(sync["rollout_wait_s_per_step"], sync["train_s_per_step"])
+    return step_s / longer if longer > 0 else float("nan")
+
+
 def _summary(results: list[dict], schedules: list[str]) -> list[dict]:
     """Medians per (workers, schedule); ratio_to_sync = median over repeats of the run's rate
-    divided by the sync rate of the same repeat and setting (measured side by side)."""
+    divided by the sync rate of the same repeat and setting (measured side by side);
+    overlap_bound = median of the sync runs' :func:`overlap_bound`; of_bound = median over
+    repeats of ratio_to_sync / the bound of the same repeat's sync run."""
     table = []
     for w in dict.fromkeys(r["sampler_workers"] for r in results):
         rows = [r for r in results if r["sampler_workers"] == w]
         sync = {r["repeat"]: r["steps_per_minute"] for r in rows if r["schedule"] == "sync"}
+        bound = {r["repeat"]: overlap_bound(r) for r in rows if r["schedule"] == "sync"}
         for schedule in schedules:
             mine = [r for r in rows if r["schedule"] == schedule]
             ratios = [r["steps_per_minute"] / sync[r["repeat"]] for r in mine if sync.get(r["repeat"])]
+            of_bound = [r["steps_per_minute"] / sync[r["repeat"]] / bound[r["repeat"]] for r in mine
+                        if sync.get(r["repeat"]) and bound.get(r["repeat"])]
             table.append({
                 "sampler_workers": w, "schedule": schedule, "runs": len(mine),
                 "steps_per_minute": round(_median([r["steps_per_minute"] for r in mine]), 2),
                 "ratio_to_sync": round(_median(ratios), 2) if ratios else None,
+                "overlap_bound": round(_median(list(bound.values())), 2) if bound else None,
+                "of_bound": round(_median(of_bound), 3) if of_bound else None,
                 "rollout_wait_s_per_step": round(_median([r["rollout_wait_s_per_step"] for r in mine]), 3),
                 "train_s_per_step": round(_median([r["train_s_per_step"] for r in mine]), 3),
                 "cores_used": round(_median([r["cores_used"] or float("nan") for r in mine]), 2),

@@ -1,10 +1,15 @@
-"""Shared parts of the tinker_local benchmarks: the ~10M-parameter model directory, a server
-subprocess, the benchmark batch, and system load / RSS readings.
+"""Shared parts of the tinker_local benchmarks: the benchmark model directories, a server
+subprocess, the benchmark batch, and system load / RSS / CPU readings.
 
-The model: a random-init Qwen3 causal LM (5 layers, hidden 384, 6 query / 2 kv heads of 64,
-MLP 1152, vocab 2048, untied head, context 2048: 10.18M parameters) with the tiny preset's
-byte-level BPE tokenizer, saved as a plain Hugging Face directory, so that the server
-(``--model DIR``) and the plain torch / transformers baselines load the same files.
+The models, random-init Qwen3 causal LMs with the tiny preset's byte-level BPE tokenizer, saved
+as plain Hugging Face directories, so that the server (``--model DIR``) and the plain torch /
+transformers baselines load the same files:
+
+- ``build_model_dir``: 5 layers, hidden 384, 6 query / 2 kv heads of 64, MLP 1152, vocab 2048,
+  untied head, context 2048 (10.18M parameters);
+- ``build_like_for_like_dir``: the like-for-like model of issue 43: 8 layers, hidden 256, 4 query /
+  2 kv heads of 64, MLP 768, vocab 4096, context 2048, tied (7.35M parameters) or untied
+  (8.40M) embeddings.
 """
 
 from __future__ import annotations
@@ -43,9 +48,48 @@ def build_model_dir(path: Path) -> Path:
     return path
 
 
-def batch_tokens(batch: int, seq: int, seed: int = 0) -> np.ndarray:
-    """(batch, seq + 1) random token ids in [3, 2048): inputs are [:, :-1], targets [:, 1:]."""
-    return np.random.default_rng(seed).integers(3, 2048, (batch, seq + 1))
+def build_like_for_like_dir(path: Path, tied: bool) -> Path:
+    """Write the like-for-like model directory (see the module docstring) at ``path`` (kept if
+    already there)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from tinker_local.tokenizer import save_tiny_tokenizer
+
+    path = Path(path)
+    if (path / "model.safetensors").is_file():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    save_tiny_tokenizer(path, vocab_size=4096, seed=0)
+    cfg = Qwen3Config(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      max_position_embeddings=2048, tie_word_embeddings=tied, eos_token_id=2,
+                      pad_token_id=0, bos_token_id=None)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        Qwen3ForCausalLM(cfg).save_pretrained(str(path))
+    return path
+
+
+def batch_tokens(batch: int, seq: int, seed: int = 0, vocab: int = 2048) -> np.ndarray:
+    """(batch, seq + 1) random token ids in [3, vocab): inputs are [:, :-1], targets [:, 1:]."""
+    return np.random.default_rng(seed).integers(3, vocab, (batch, seq + 1))
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far, all threads (``/proc/<pid>/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def reset_peak_rss(pid: int) -> bool:
+    """Reset the peak RSS (``VmHWM``) of process ``pid`` to its current RSS (Linux
+    ``/proc/<pid>/clear_refs``, value 5); False where that is not allowed."""
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
 
 
 def free_port() -> int:

@@ -33,7 +33,10 @@ drift hits both.  Step times: the server's from submit to the optimizer's result
 callback's ``on_step_begin`` to ``on_step_end`` (each ``train()`` call's first step, which builds
 the optimizer, is a warm-up and left out).  Printed: per part the median step time of each side,
 the ratio (TRL time / server time, > 1: the server is faster), SFT tokens/s (real tokens), and
-the first-step losses (and their relative difference).  Each step's CPU seconds are recorded
+the first-step losses (and their relative difference), and each side's peak RSS over the part
+(``VmHWM`` of the server process and of this process, which runs TRL; both reset at the start of
+each part through ``/proc/<pid>/clear_refs`` where the kernel allows, else the peaks since the
+processes started: ``peak_rss_per_part`` says which).  Each step's CPU seconds are recorded
 too (the server process's from ``/proc/<pid>/stat``, TRL's process time): on a machine shared
 with other jobs the wall time follows the load, while with ``--threads 1`` the CPU seconds per
 step measure each side's work.  The server runs with ``--threads`` torch threads (default: all CPUs),
@@ -63,10 +66,10 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tinker_local_common import API_KEY, ServerProcess, load_average  # noqa: E402
+from tinker_local_common import API_KEY, ServerProcess, cpu_seconds, load_average, reset_peak_rss, rss_mb  # noqa: E402
 from tinker_local_vs_torch import model_directory  # noqa: E402
 from vs_trl_data import dpo_pairs, grpo_prompts, sft_chats  # noqa: E402
-from vs_trl_server import cpu_seconds, server_dpo, server_grpo, server_sft  # noqa: E402
+from vs_trl_server import server_dpo, server_grpo, server_sft  # noqa: E402
 from vs_trl_trl import independent_sft_loss, reset_lora, trl_model, trl_run  # noqa: E402
 
 
@@ -127,6 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
                 step = server_dpo(tc, data["dpo"])
             else:
                 step = server_grpo(tc, tok, data["grpo"], args.group, args.reply_tokens)
+            peaks_reset = reset_peak_rss(server.pid) and reset_peak_rss(os.getpid())
             first_server = step()  # warm-up; before any update: the first-step loss
             t_server, t_trl, first_trl = [], [], None
             c_server, c_trl = [], []
@@ -154,6 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
                     first_trl = next((lg.get("loss") for lg in timer.logs if "loss" in lg), None)
                     if part == "grpo":
                         first_trl = next((lg.get("reward") for lg in timer.logs if "reward" in lg), None)
+            peak_server, peak_trl = rss_mb(server.pid)[1], rss_mb(os.getpid())[1]
             med_s, med_t = statistics.median(t_server), statistics.median(t_trl)
             cpu_s, cpu_t = statistics.median(c_server), statistics.median(c_trl)
             res = {
@@ -167,6 +172,9 @@ def main(argv: list[str] | None = None) -> dict:
                 "median_server_cpu_s": cpu_s,
                 "median_trl_cpu_s": cpu_t,
                 "cpu_ratio": cpu_t / cpu_s,
+                "peak_rss_mb_server": peak_server,
+                "peak_rss_mb_trl": peak_trl,
+                "peak_rss_per_part": peaks_reset,
                 "first_server": first_server,
                 "first_trl": first_trl,
                 "first_rel_diff": abs(first_server - first_trl) / abs(first_trl)
@@ -201,6 +209,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(
                 f"{part}: server {med_s:.2f} s/step, TRL {med_t:.2f} s/step, ratio (TRL/server) {res['ratio']:.2f}; "
                 f"CPU s/step server {cpu_s:.2f}, TRL {cpu_t:.2f}, ratio {res['cpu_ratio']:.2f}; "
+                f"peak RSS server {peak_server:.0f} MiB, TRL process {peak_trl:.0f} MiB; "
                 f"first step {what}: server {first_server:.7f}, TRL {first_trl}"
                 + (f" (relative difference {res['first_rel_diff']:.1e})" if res["first_rel_diff"] is not None else "")
                 + (

@@ -1,5 +1,5 @@
 """The tinker_local side of ``vs_trl.py``: one training step of each part through the unmodified
-Tinker SDK (a ``TrainingClient`` of the server), and the server process's CPU seconds.
+Tinker SDK (a ``TrainingClient`` of the server).
 
 - SFT: ``forward_backward`` (cross_entropy) + ``optim_step``;
 - DPO: the reference log-probabilities from one ``forward`` of the initial weights, then
@@ -11,9 +11,6 @@ Each ``server_*`` returns ``step() -> float`` (the step's loss; GRPO: its mean r
 """
 
 from __future__ import annotations
-
-import os
-from pathlib import Path
 
 import numpy as np
 
@@ -120,9 +117,3 @@ def server_grpo(tc, tok, prompts, group: int, reply_tokens: int):
         return float(np.mean(rewards))
 
     return step
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far, all threads (``/proc/<pid>/stat``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -2,14 +2,16 @@
 
 The run session opens or resumes the run; comparisons are rendered once by the cached
 ``prepare-dataset`` task (:class:`~prefect_tinker.recipes.preference.PreferenceBuilder`); each step
-takes ``batch_size`` pairs (a function of seed and step), gets their reference reply
-log-probabilities from the cached ``reference-sequence-logprobs`` task (the initial weights --
-the base model or ``load_checkpoint_path`` -- frozen; with ``reference_via=sampler`` a sampler
-snapshot of the run's initial weights, saved at step 0 and recorded with the run, as
-tinker-cookbook's ``save_weights_and_get_sampling_client()``), and trains chosen and rejected datums in
-one ``forward_backward_custom`` request with :class:`~prefect_tinker.recipes.preference.DPOLoss`
-(``custom-step``). Held-out loss and accuracy every ``eval_every`` steps; checkpoints, resume,
-store rows and artifacts as for SFT.
+takes ``batch_size`` pairs (a function of seed and step), gets the reference reply
+log-probabilities of the pairs it has not met before from the cached ``reference-sequence-logprobs``
+task (the initial weights -- the base model or ``load_checkpoint_path`` -- frozen; with
+``reference_via=sampler`` a sampler snapshot of the run's initial weights, saved at step 0 and
+recorded with the run, as tinker-cookbook's ``save_weights_and_get_sampling_client()``; one pass
+per pair for the whole run, kept by pair, so later epochs ask nothing), and trains chosen and
+rejected datums in one ``forward_backward_custom`` request with
+:class:`~prefect_tinker.recipes.preference.DPOLoss` (``custom-step``; the engine computes each
+pair's shared prompt once and packs both replies padding-free). Held-out loss and accuracy every
+``eval_every`` steps; checkpoints, resume, store rows and artifacts as for SFT.
 
 Metrics per step: ``train/dpo_loss`` (``ln 2`` at step 0 for ``dpo``: the policy is the
 reference), ``train/accuracy``, ``train/margin``, ``train/chosen_reward``,
@@ -197,18 +199,27 @@ def dpo_flow(config: DPOConfig) -> dict[str, Any]:
             else []
         )
 
+        reference_of: dict[int, tuple[float, float]] = {}  # train pair -> (chosen, rejected) reference logprob
+
         def one_step(step: int) -> dict[str, float]:
-            order = batch_at(len(data.train), config.batch_size, config.seed, step, config.data_order)
-            pairs = [data.train[i] for i in order]
+            index = batch_at(len(data.train), config.batch_size, config.seed, step, config.data_order)
+            pairs = [data.train[i] for i in index]
             datums = pair_datums(pairs)
-            ref, cached = run_task(
-                reference_sequence_logprobs.with_options(task_run_name=f"reference-step-{step}"),
-                session.credentials,
-                reference,
-                quote(datums),
-                config.reference_via,
-                config.seed,
-            )
+            new = list(dict.fromkeys(i for i in index if i not in reference_of))  # each pair once per run
+            ref_tokens = 0.0
+            if new:
+                todo = pair_datums([data.train[i] for i in new])
+                values, cached = run_task(
+                    reference_sequence_logprobs.with_options(task_run_name=f"reference-step-{step}"),
+                    session.credentials,
+                    reference,
+                    quote(todo),
+                    config.reference_via,
+                    config.seed,
+                )
+                reference_of.update({i: (values[2 * k], values[2 * k + 1]) for k, i in enumerate(new)})
+                ref_tokens = 0.0 if cached else reference_input_tokens(todo, config.reference_via)
+            ref = [x for i in index for x in reference_of[i]]
             loss = DPOLoss(ref, config.beta, config.dpo_loss, config.label_smoothing)
             session.run, m = custom_step(
                 session.credentials,
@@ -219,8 +230,7 @@ def dpo_flow(config: DPOConfig) -> dict[str, Any]:
                 config.lr_at(step, total),
                 config.adam.model_dump(),
             )
-            n = float(model_input_tokens(datums))  # forward_backward_custom: a forward, then the training pass
-            ref_tokens = 0.0 if cached else reference_input_tokens(datums, config.reference_via)
+            n = float(model_input_tokens(datums))  # forward_backward_custom: one training pass
             return {
                 **{f"train/{k}": v for k, v in m.items()},
                 "tokens/trained": n,

@@ -417,3 +417,79 @@ def test_local_model_directory(engine, base_dir, tmp_path):
         resolve_model(str(tmp_path / "empty"), tmp_path)
     r = engine.sample(base_dir, None, [1, 2], num_samples=1, max_tokens=2, seed=-5)
     assert len(r.sequences[0]["tokens"]) <= 2
+
+
+@pytest.mark.parametrize("rank", [8, 12])
+def test_lean_lora_layers_compute_peft_s_values(rank):
+    """The engine's LoRA layers (``tinker_local.adapters._lean_lora_layers``: no input cast, the
+    scale applied in rank space) give peft's own forward and gradients: bit-identical for a
+    power-of-two scale (rank 8: 32 / 8), to float rounding otherwise (rank 12), in fp32 and
+    under bf16 autocast."""
+    import torch
+
+    from tinker_local.adapters import add_adapter, lora_config
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=8))
+    peft_model = add_adapter(None, model, "a", lora_config(model, rank, mlp=True, attn=False, unembed=False,
+                                                           model_name="t"), seed=1, device=torch.device("cpu"))
+    layer = model.model.layers[0].mlp.up_proj
+    assert "forward" in vars(layer) and layer.cast_input_dtype_enabled is False
+    with torch.no_grad():
+        layer.lora_B["a"].weight.normal_()
+    x = torch.randn(5, 16)
+    for autocast in (False, True):
+        outs, grads = [], []
+        for fwd in (layer, lambda t: type(layer).forward(layer, t)):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                y = fwd(x)
+            y.float().square().sum().backward()
+            outs.append(y.detach())
+            grads.append([p.grad.clone() for p in (layer.lora_A["a"].weight, layer.lora_B["a"].weight)])
+            for p in peft_model.parameters():
+                p.grad = None
+        if rank == 8:
+            assert torch.equal(outs[0], outs[1]) and all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+        else:
+            tol = 1e-2 if autocast else 1e-6
+            torch.testing.assert_close(outs[0], outs[1], rtol=tol, atol=tol)
+
+
+def test_forward_then_forward_backward_of_the_same_tokens_runs_one_forward_pass(engine, monkeypatch):
+    """The SDK's forward_backward_custom sends a forward, then a forward_backward of the same
+    tokens with new weights: the second reuses the first's graph (one model pass, not two) and
+    gives the gradients, logprobs and loss of a forward_backward alone; after an update (or with
+    other tokens) it computes afresh."""
+    datums = make_datums(21)
+    reweighted = [Datum(tokens=d.tokens, inputs={"target_tokens": d.inputs["target_tokens"],
+                                                  "weights": -2.0 * d.inputs["weights"] + 0.5}) for d in datums]
+    for mid in ("keep_a", "keep_b"):
+        engine.create_model(mid, "tiny", 4, seed=7)
+        train_a_bit(engine, mid, steps=1)  # LoRA B no longer zero: gradients reach A as well
+    passes = []
+    for name in ("_packed_logprobs", "_logprobs"):
+        orig = getattr(engine, name)
+        monkeypatch.setattr(engine, name, lambda *a, _o=orig, **k: passes.append(1) or _o(*a, **k))
+
+    fwd = engine.forward("keep_a", datums, "cross_entropy", None)
+    got = engine.forward_backward("keep_a", reweighted, "cross_entropy", None)
+    assert len(passes) == 1  # the forward_backward ran backward only
+    want = engine.forward_backward("keep_b", reweighted, "cross_entropy", None)
+    assert len(passes) == 2
+    assert got.metrics["loss:sum"] == pytest.approx(want.metrics["loss:sum"], rel=1e-6)
+    for a, b, f in zip(got.outputs, want.outputs, fwd.outputs, strict=True):
+        np.testing.assert_allclose(a["logprobs"], b["logprobs"], rtol=0, atol=1e-6)
+        np.testing.assert_array_equal(a["logprobs"], f["logprobs"])
+    pa, pb = engine._models["keep_a"].params, engine._models["keep_b"].params
+    for k in pa:
+        torch.testing.assert_close(pa[k].grad, pb[k].grad, rtol=1e-5, atol=1e-7)
+
+    engine.forward("keep_a", datums, "cross_entropy", None)
+    engine.optim_step("keep_a", learning_rate=1e-3)  # the kept graph is of the old weights
+    engine.forward_backward("keep_a", reweighted, "cross_entropy", None)
+    engine.forward("keep_a", datums, "cross_entropy", None)
+    engine.forward_backward("keep_a", make_datums(22), "cross_entropy", None)  # other tokens
+    assert len(passes) == 6

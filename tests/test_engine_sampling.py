@@ -93,3 +93,75 @@ def test_sampling_controls_and_stops(engine):
     eos = engine.sample("tiny", None, [1, 2], num_samples=4, max_tokens=48, seed=0, stop=None)
     for seq in eos.sequences:
         assert (seq["stop_reason"] == "stop") == (seq["tokens"][-1] in (0, 2))
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, -1, 1.0), (0.7, 4, 1.0), (1.3, -1, 0.8)])
+def test_draws_follow_the_filtered_distribution(temperature, top_k, top_p):
+    """``_choose`` (inverse-CDF, one uniform per row) draws from softmax(logits / T) restricted by
+    top-k / top-p: empirical frequencies of 60,000 draws within 5 standard errors of each token's
+    probability, filtered tokens never drawn, and a seed gives the same draws again."""
+    import torch
+
+    from tinker_local.sampling import _choose
+
+    logits = torch.tensor([[2.0, 1.5, 0.3, -0.2, -1.0, -3.0, 0.9]])
+    n = 60_000
+    probs = torch.softmax(logits[0].double() / temperature, -1)
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    if top_k > 0:
+        keep &= probs >= torch.topk(probs, top_k).values[-1]
+    if top_p < 1.0:
+        sp, idx = torch.sort(probs, descending=True)
+        before = torch.cumsum(sp, 0) - sp
+        keep &= torch.zeros_like(keep).scatter(0, idx, before < top_p)
+    expected = torch.where(keep, probs, 0.0)
+    expected = expected / expected.sum()
+    gen = torch.Generator().manual_seed(11)
+    draws = _choose(logits.expand(n, -1).contiguous(), temperature, top_k, top_p, gen)
+    freq = torch.bincount(draws, minlength=logits.shape[1]).double() / n
+    se = (expected * (1 - expected) / n).sqrt()
+    assert bool(((freq - expected).abs() <= 5 * se + 1e-12).all()), (freq, expected)
+    assert bool((freq[~keep] == 0).all())
+    again = _choose(logits.expand(n, -1).contiguous(), temperature, top_k, top_p, torch.Generator().manual_seed(11))
+    assert torch.equal(draws, again)
+
+
+def test_cache_growing_in_place_equals_concatenation(engine, monkeypatch):
+    """The preallocated KV cache (``_GrowingLayer``, here with room for 2 positions, so it grows
+    several times) gives the samples and logprobs of transformers' concatenating cache."""
+    import tinker_local.sampling as S
+
+    prompts = [[1, 295, 201, 19, 13, 20], [1, 40, 41, 42, 201, 7, 8, 9]]  # left padding, too
+    reqs = [dict(base_model="tiny", weights_path=None, prompt_tokens=p, num_samples=3, max_tokens=n, seed=s,
+                 stop=[]) for p, n, s in zip(prompts, (12, 5), (4, 5), strict=True)]
+    real = S._with_room
+    monkeypatch.setattr(S, "_with_room", lambda cache, room: real(cache, 2))
+    grown = engine.sample_many(reqs)
+    monkeypatch.setattr(S, "_with_room", lambda cache, room: cache)
+    plain = engine.sample_many(reqs)
+    for a, b in zip(grown, plain, strict=True):
+        assert [s["tokens"] for s in a.sequences] == [s["tokens"] for s in b.sequences]
+        for x, y in zip(a.sequences, b.sequences, strict=True):
+            np.testing.assert_allclose(x["logprobs"], y["logprobs"], atol=1e-6, rtol=0)
+
+
+def test_sampler_slots_are_reused_with_the_right_weights(engine):
+    """Past ``MAX_SAMPLER_ADAPTERS`` sampler checkpoints, a new one is loaded into the least
+    recently used slot (same LoRA config: no new injection); sampling a checkpoint again after
+    its slot was reused gives the samples it gave the first time."""
+    from tinker_local.engine_sampling import MAX_SAMPLER_ADAPTERS
+
+    engine.create_model("slots", "tiny", 4, seed=9)
+    prompt = [1, 295, 201, 19, 13, 20]
+    kw = dict(num_samples=2, max_tokens=6, seed=3, stop=[])
+    first = {}
+    paths = []
+    for k in range(MAX_SAMPLER_ADAPTERS + 2):
+        train_a_bit(engine, "slots", steps=1, lr=2e-2)
+        paths.append(engine.save_sampler_weights("slots", f"c{k}"))
+        first[k] = engine.sample(None, paths[k], prompt, **kw).sequences
+    b = engine._bases["tiny"]
+    assert len(b.sampler_adapters) == MAX_SAMPLER_ADAPTERS
+    assert sum(1 for n in b.peft.peft_config if n.startswith("s")) == MAX_SAMPLER_ADAPTERS
+    again = engine.sample(None, paths[0], prompt, **kw).sequences  # evicted, then loaded into a reused slot
+    assert again == first[0] and first[0] != first[1]

@@ -1,7 +1,8 @@
 """Padding-free training in tinker_local's engine (``tinker_local.packing``): the packed path gives
 the padded path's logprobs, losses and gradients (fp32, tiny preset), for every loss function, soft
-targets and several micro-batches; media models fall back to the padded path; a model whose
-attention ignores restarting positions is refused by the probe.
+targets and several micro-batches, and so do datums sharing their common prefixes (one pass over
+the prefix, an explicit block mask); media models fall back to the padded path; a model whose
+attention ignores the mask or restarting positions is refused by the probe.
 """
 
 from __future__ import annotations
@@ -199,3 +200,85 @@ def test_media_model_falls_back_to_padding(engine):
     c, gc = _run(engine, "pk-audio", datums, "cross_entropy", packing=False)
     _assert_same(a, c, ga, gc)
     assert engine.stats["packing_fallbacks"] == count  # padded by design, not a fallback
+
+
+def _sharing(seed: int, loss: str) -> list[Datum]:
+    """Datums in groups with common prefixes: GRPO-like (one prompt, four replies), a DPO-like
+    pair, a datum that is a prefix of another, two identical datums and loners."""
+    rng = np.random.default_rng(seed)
+    prompt, other = rng.integers(0, VOCAB, 21).tolist(), rng.integers(0, VOCAB, 12).tolist()
+    seqs = [prompt + rng.integers(0, VOCAB, k).tolist() for k in (7, 3, 9, 1)]
+    seqs += [other + rng.integers(0, VOCAB, k).tolist() for k in (5, 11)]
+    seqs += [seqs[0][:25], list(seqs[4]), rng.integers(0, VOCAB, 16).tolist(), rng.integers(0, VOCAB, 2).tolist()]
+    out = []
+    for s in seqs:
+        n = len(s)
+        inputs = {"target_tokens": rng.integers(0, VOCAB, n).astype(np.int64)}
+        if loss == "cross_entropy":
+            inputs["weights"] = rng.uniform(-1.0, 2.0, n).astype(np.float32)
+        for k in REQUIRED_INPUTS[loss]:
+            inputs[k] = (rng.uniform(-9.0, -6.0, n) if k == "logprobs" else rng.normal(0, 1, n)).astype(np.float32)
+        out.append(Datum(tokens=s, inputs=inputs))
+    return out
+
+
+def test_shared_prefix_units_group_common_prefixes():
+    from tinker_local.models import tiny_config
+    from tinker_local.packing import layout_costs, shared_prefix_units, unit_length
+
+    costs = layout_costs(tiny_config())
+    toks = [d.tokens for d in _sharing(0, "cross_entropy")]
+    units = shared_prefix_units(toks, 16384, costs)
+    lengths = [len(t) for t in toks]
+    assert sorted(i for u in units for i in ([u] if isinstance(u, int) else u[1])) == list(range(len(toks)))
+    groups = sorted((u[0], sorted(u[1])) for u in units if not isinstance(u, int))
+    assert groups == [(12, [4, 5, 7]), (21, [0, 1, 2, 3, 6])]
+    assert sum(unit_length(u, lengths) for u in units) == sum(lengths) - 4 * 21 - 2 * 12
+    assert shared_prefix_units(toks, 16384, costs, min_shared=30) == list(range(len(toks)))  # nothing shares 30
+
+    rng = np.random.default_rng(1)
+    system = rng.integers(0, VOCAB, 24).tolist()  # a chat template's system prompt: every datum begins with it
+    prompts = [system + rng.integers(0, VOCAB, 40).tolist() for _ in range(4)]
+    grpo = [p + rng.integers(0, VOCAB, 32).tolist() for p in prompts for _ in range(4)]
+    units = shared_prefix_units(grpo, 16384, costs)  # each group shares its prompt, groups only the system prompt
+    assert sorted(sorted(u[1]) for u in units) == [[4 * g + k for k in range(4)] for g in range(4)]
+    assert all(u[0] == 64 for u in units)
+    dpo = [p + rng.integers(0, VOCAB, n).tolist() for p in prompts for n in (150, 190)]
+    units = shared_prefix_units(dpo, 16384, costs)  # pairs: joining pairs widens every row more than it saves
+    assert sorted(sorted(u[1]) for u in units) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    big = [[1] * 8 + [k] * 300 for k in range(5)]  # a unit stays within MAX_UNIT slots
+    assert all(unit_length(u, [308] * 5) <= 1024 for u in shared_prefix_units(big, 16384, costs))
+
+
+def test_shared_prefix_layout_and_mask():
+    toks = [[5, 6, 7, 8], [5, 6, 7, 9, 9], [3, 4]]
+    pb = packed_batch([[(3, [0, 1]), 2]], toks)
+    assert pb.ids.tolist() == [[5, 6, 7, 8, 9, 9, 3, 4]]
+    assert pb.position_ids.tolist() == [[0, 1, 2, 3, 3, 4, 0, 1]]
+    assert pb.keep.tolist() == list(range(8))
+    assert pb.index.tolist() == [0, 1, 2, 3, 0, 1, 2, 4, 5, 6, 7] and pb.items == [0, 1, 2]
+    m = pb.mask[0, 0].int().tolist()
+    assert m[3] == [1, 1, 1, 1, 0, 0, 0, 0]  # branch 1 sees the prefix and itself
+    assert m[5] == [1, 1, 1, 0, 1, 1, 0, 0]  # branch 2 sees the prefix, not branch 1
+    assert m[7] == [0, 0, 0, 0, 0, 0, 1, 1]  # the next datum sees only itself
+    with pytest.raises(ValueError):
+        packed_batch([[(3, [0, 1])]], toks, explicit_mask=False)
+
+
+@pytest.mark.parametrize("loss", ["cross_entropy", "gspo"])  # per-token and per-sequence
+def test_shared_prefixes_equal_padded(engine, loss):
+    mid = f"sp-{loss}"
+    engine.create_model(mid, "tiny", 4, seed=7)
+    datums = _sharing(11, loss)
+    layout = engine._layout(engine._bases["tiny"], [d.tokens for d in datums], 16384, packed=True)
+    assert sum(1 for rows in layout for row in rows for u in row if not isinstance(u, int)) == 2  # prefixes shared
+    a, ga = _run(engine, mid, datums, loss, packing=True)
+    b, gb = _run(engine, mid, datums, loss, packing=False)
+    _assert_same(a, b, ga, gb)
+    engine.share_prefixes = False
+    try:
+        c, gc = _run(engine, mid, datums, loss, packing=True)
+    finally:
+        engine.share_prefixes = True
+    _assert_same(c, b, gc, gb)
+    engine.delete_model(mid)

@@ -106,20 +106,21 @@ def test_shared_prompts_are_prefilled_once(engine, monkeypatch):
     import tinker_local.sampling as S
 
     widths = []
-    real = S._prefill
+    real = S._forward
 
-    def counting(model, ids, keep, extra):
+    def counting(model, ids, keep, kw, split):
         widths.append(tuple(ids.shape))
-        return real(model, ids, keep, extra)
+        return real(model, ids, keep, kw, split)
 
-    monkeypatch.setattr(S, "_prefill", counting)
+    monkeypatch.setattr(S, "_forward", counting)
     p, q = _prompt(7, 10), _prompt(8, 6)
     reqs = [dict(base_model="tiny", weights_path=None, prompt_tokens=x, num_samples=n, max_tokens=4, seed=s)
             for x, n, s in ((p, 3, 1), (p, 2, 2), (q, 1, 3), (p, 1, 4))]
     out = engine.sample_many(reqs)
-    assert widths == [(2, 10)]  # one prefill row per distinct prompt
+    assert widths[0] == (2, 10)  # one prefill row per distinct prompt, then decode steps of 7 rows
+    assert set(widths[1:]) == {(7, 1)} and len(widths) == 4
     assert [r.prompt_cache_hit_tokens for r in out] == [0, 10, 0, 10]
-    monkeypatch.setattr(S, "_prefill", real)
+    monkeypatch.setattr(S, "_forward", real)
     alone = [engine.sample_many([r])[0] for r in reqs]  # same seeds alone: same samples
     for a, b in zip(alone, out, strict=True):
         assert [s["tokens"] for s in a.sequences] == [s["tokens"] for s in b.sequences]

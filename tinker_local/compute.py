@@ -1,4 +1,5 @@
-"""Small compute helpers of the engine: fp32 output head, bf16 support, CPU count, allocator."""
+"""Small compute helpers of the engine: fp32 output head and logprobs, weights dtype and attention
+kernels, bf16 support, CPU count, allocator."""
 
 from __future__ import annotations
 
@@ -12,26 +13,100 @@ import torch
 logger = logging.getLogger("tinker_local.compute")
 
 
-def fp32_head_logits(
-    model, ids: torch.Tensor, position_ids: torch.Tensor | None = None, keep: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Logits float32 of ``ids`` (B, T): the decoder under the ambient autocast, the output
-    projection in fp32 (llama-like models; others: the model's own forward, upcast).
-    ``position_ids`` (B, T): passed to the model (packed rows: ``tinker_local.packing``).
-    ``keep`` (N,) int64: flat indices into the B * T positions whose logits are wanted; the
-    result is then (N, V) and the head runs on those positions only, else (B, T, V)."""
+def decoder_and_head(model):
+    """``(decoder, output head)`` of a llama-like causal LM whose logits are the head applied to the
+    decoder's last hidden state, or None for others (no such parts, or logits soft-capping /
+    scaling after the head): those run as one forward."""
     decoder = getattr(model, getattr(model, "base_model_prefix", "model"), None)
     head = model.get_output_embeddings()
     special = any(getattr(model.config, k, None) for k in ("final_logit_softcapping", "logit_scale"))
-    pos = {} if position_ids is None else {"position_ids": position_ids}
     if decoder is None or head is None or special or decoder is model:
-        logits = model(input_ids=ids, use_cache=False, **pos).logits.float()
+        return None
+    return decoder, head
+
+
+def fp32_head_logits(
+    model,
+    ids: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
+    *,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Logits float32 of ``ids`` (B, T): the decoder under the ambient autocast, the output
+    projection in fp32 (llama-like models; others: the model's own forward, upcast).
+    ``position_ids`` (B, T) and ``attention_mask`` (a 2D padding mask, or a 4D boolean mask
+    (B, 1, T, T) used as given): passed to the model (packed rows: ``tinker_local.packing``).
+    ``keep`` (N,) int64: flat indices into the B * T positions whose logits are wanted; the
+    result is then (N, V) and the head runs on those positions only, else (B, T, V)."""
+    kw = {} if position_ids is None else {"position_ids": position_ids}
+    if attention_mask is not None:
+        kw["attention_mask"] = attention_mask
+    parts = decoder_and_head(model)
+    if parts is None:
+        logits = model(input_ids=ids, use_cache=False, **kw).logits.float()
         return logits if keep is None else logits.reshape(-1, logits.shape[-1]).index_select(0, keep)
-    hidden = decoder(input_ids=ids, use_cache=False, **pos).last_hidden_state
+    decoder, head = parts
+    hidden = decoder(input_ids=ids, use_cache=False, **kw).last_hidden_state
     if keep is not None:
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep)
     with torch.autocast(ids.device.type, enabled=False):
         return head(hidden.float()).float()
+
+
+def target_logprobs(logits: torch.Tensor, rows: torch.Tensor | None, targets: torch.Tensor) -> torch.Tensor:
+    """Logprobs of ``targets`` under ``logits``: float32 (N, K) where ``targets`` is int64 (N, K)
+    and row ``n`` is read from logits row ``rows[n]`` (``rows`` None: row n; rows may repeat, as
+    for a shared prefix).  ``logits``: (U, V), any float dtype (computed in fp32).
+
+    One fused log-softmax over the (U, V) logits and one gather of N * K entries: autograd then
+    keeps one (U, V) tensor and its backward is one fused pass plus a sparse scatter (a gather
+    minus a separate ``logsumexp`` costs several more passes over (U, V) and ~30 % more on a
+    4,096-token vocabulary)."""
+    lsm = torch.log_softmax(logits.float(), dim=-1)
+    V = lsm.shape[-1]
+    r = torch.arange(targets.shape[0], device=targets.device) if rows is None else rows
+    flat = (r.unsqueeze(-1) * V + targets).reshape(-1)
+    return lsm.reshape(-1).index_select(0, flat).reshape(targets.shape)
+
+
+def choose_attn_implementation(device: torch.device, weights_dtype: torch.dtype) -> str:
+    """The attention kernels a base model is loaded with: ``"flash_attention_2"`` on CUDA when
+    the ``flash_attn`` package is installed and the weights are bf16 / fp16 (its kernels take no
+    fp32), else ``"sdpa"``.  With flash-attention 2 the engine keeps packed datums apart by
+    restarting positions (its varlen kernels) and shares no prefixes (that needs a 4D mask,
+    which it does not take); with SDPA by an explicit block mask (``tinker_local.packing``)."""
+    import importlib.util
+
+    if (
+        device.type == "cuda"
+        and weights_dtype in (torch.bfloat16, torch.float16)
+        and importlib.util.find_spec("flash_attn") is not None
+    ):
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def to_weights_dtype(model, dtype: torch.dtype) -> None:
+    """Cast ``model``'s floating parameters to ``dtype`` in place, except the output head's weight,
+    kept (or made) fp32: the engine computes logits and logprobs in fp32.  Buffers stay as they are
+    (rotary frequencies are fp32).  A head tied to the input embedding gets an fp32 copy of its
+    own (the embedding lookup runs in ``dtype``), and the config no longer ties them, so nothing
+    ties them back.  No-op for fp32."""
+    if dtype == torch.float32:
+        return
+    head = model.get_output_embeddings()
+    fp32_head = head.weight.detach().float().clone() if head is not None else None
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.data = p.data.to(dtype)
+    if head is not None and fp32_head is not None:
+        head.weight = torch.nn.Parameter(fp32_head, requires_grad=False)
+        model.config.tie_word_embeddings = False
+        text = getattr(model.config, "text_config", None)
+        if text is not None and hasattr(text, "tie_word_embeddings"):
+            text.tie_word_embeddings = False
 
 
 def available_cpus() -> int:

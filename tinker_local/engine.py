@@ -7,13 +7,21 @@ adapter over a shared base model.  Each base model is loaded once per canonical 
 in one ``peft.PeftModel`` holding all adapters (training adapters ``t<n>`` and cached sampler
 adapters ``s<n>``, a bounded number of each resident: ``tinker_local.engine_core``); every call
 activates the adapter it needs, so model ids never see each other's weights, gradients or
-optimizer state.  Base weights stay fp32 and frozen.  LoRA details (targets, alpha 32, init):
-``tinker_local.adapters``.
+optimizer state.  Base weights stay frozen, in fp32 on the CPU and in the compute dtype on CUDA
+(``weights_dtype``; the output head always fp32).  The attention kernels are chosen at load
+(flash-attention 2 on CUDA where installed, else SDPA) and recorded (``get_info``).  LoRA details
+(targets, alpha 32, init): ``tinker_local.adapters``.
 
 Numerics: ``dtype="auto"`` trains under bf16 autocast (CUDA with bf16, or a CPU with
 avx512_bf16/AMX), otherwise fp32; ``"fp32"`` / ``"bf16"`` force it.  The output projection and
-the logprobs are always computed in fp32.  Sampling always runs in fp32 (see
-``tinker_local.sampling``), so sampled logprobs match an fp32 ``forward``.
+the logprobs are always computed in fp32 (one fused log-softmax and a gather:
+``tinker_local.compute.target_logprobs``).  Sampling runs in the weights' dtype: in fp32 with fp32
+weights (the CPU default; sampled logprobs then match an fp32 ``forward``), under bf16 autocast
+with bf16 weights (``tinker_local.engine_sampling``).
+
+Padding-free batches (``tinker_local.packing``): datums are packed into rows with attention kept
+inside each, and datums beginning with the same tokens (a DPO pair's prompt, a GRPO group's
+prompt) compute those tokens once (``share_prefixes``).
 
 Threading: public methods take one re-entrant lock, so calls from several threads are
 serialised (safe, not parallel); the intended use is one dedicated compute thread, so training
@@ -37,7 +45,7 @@ import torch
 
 from .adapters import LORA_ALPHA, adapter_params, lora_config, remove_adapter
 from .checkpoints import checkpoint_info, read_adapter, read_optimizer_state, write_checkpoint
-from .compute import fp32_head_logits
+from .compute import fp32_head_logits, target_logprobs
 from .datatypes import Datum, FwdResult, SampleResult
 from .engine_core import BaseModelState, TrainingState, new_adamw
 from .engine_sampling import SamplingMixin
@@ -45,7 +53,14 @@ from .errors import EngineUserError, UnknownModelError
 from .inputs import check_datum, check_name, microbatches
 from .losses import get_loss_fn
 from .media import media_logits, resolve_chunks
-from .packing import pack_microbatches, packed_batch
+from .packing import (
+    layout_costs,
+    pack_microbatches,
+    packed_batch,
+    packed_logits,
+    shared_prefix_units,
+    unit_length,
+)
 
 SMALL_WORK = 1e9  # parameter x token products below which a forward/backward runs on one thread
 
@@ -117,6 +132,8 @@ class Engine(SamplingMixin):
                 remove_adapter(b.peft, st.adapter)
                 b.active = None
             del self._models[model_id]
+            if self._kept_forward is not None and self._kept_forward[0] == model_id:
+                self._kept_forward = None
 
     def list_models(self) -> list[str]:
         """The ids of the training models that exist now."""
@@ -125,7 +142,8 @@ class Engine(SamplingMixin):
 
     def get_info(self, model_id: str) -> dict:
         """``{"model_id", "base_model", "lora_rank", "arch", "tokenizer_id" (local dir),
-        "max_context", "vocab_size", "train_mlp", "train_attn", "train_unembed", "step"}``;
+        "max_context", "vocab_size", "train_mlp", "train_attn", "train_unembed", "step",
+        "weights_dtype", "attn_implementation"}``;
         EngineUserError if the id is unknown."""
         with self._lock:
             st = self._train(model_id)
@@ -142,6 +160,8 @@ class Engine(SamplingMixin):
                 "train_attn": st.train_attn,
                 "train_unembed": st.train_unembed,
                 "step": st.step,
+                "weights_dtype": self.weights_dtype,
+                "attn_implementation": b.attn_implementation,
             }
 
     # ------------------------------------------------------------------ forward / backward
@@ -206,14 +226,22 @@ class Engine(SamplingMixin):
             outputs: list[dict[str, np.ndarray]] = [{} for _ in prepared]
             total = 0.0
             budget = self.max_batch_tokens or max(256, min(16384, 2**27 // max(spec.vocab_size, 1)))
-            lengths = [len(p[0]) for p in prepared]
             packed = self.packing and self._packs(b)
-            # micro-batches of rows of item indices (padded: one item per row)
-            groups = (
-                pack_microbatches(lengths, budget)
-                if packed
-                else [[[i] for i in group] for group in microbatches(lengths, budget)]
-            )
+            groups = self._layout(b, [p[0] for p in prepared], budget, packed)
+            # The SDK's forward_backward_custom (a client-side loss such as DPO's) sends a forward,
+            # then a forward_backward of the same tokens with weights = -d(loss)/d(logprobs).  A
+            # forward of one micro-batch therefore runs with autograd on and keeps its graph (no
+            # more memory than a forward_backward of it holds); a forward_backward of the same
+            # model, tokens and targets before any update takes its logprobs from that graph and
+            # only runs backward: one forward pass less per step, the same gradients.
+            kept, self._kept_forward = self._kept_forward, None
+            reuse = None
+            keep = not backward and not custom and len(groups) == 1 and all(p[3] is None for p in prepared)
+            key = None
+            if keep or (backward and not custom and kept is not None and kept[0] == model_id):
+                key = tuple((tuple(p[0]), tuple(p[1].shape), tuple(p[1].reshape(-1).tolist())) for p in prepared)
+                if backward and kept is not None and kept[1] == key:
+                    reuse = kept[2]
             # a custom loss may fail in a later micro-batch (a limit, a node that raises): the
             # gradients of the earlier ones are then taken back, so a failed request adds none
             saved = (
@@ -221,20 +249,27 @@ class Engine(SamplingMixin):
                 if backward and custom and len(groups) > 1
                 else None
             )
+            done: list[tuple[list[int], list[torch.Tensor]]] = []
             try:
-                for rows in groups:
-                    with torch.set_grad_enabled(backward):
-                        if packed:
-                            mb, lps = self._packed_logprobs(b, rows, prepared)
+                for mb in reuse if reuse is not None else groups:
+                    with torch.set_grad_enabled(backward or keep):
+                        if reuse is not None:
+                            items, lps = mb
+                        elif packed:
+                            items, lps = self._packed_logprobs(b, mb, prepared)
                         else:
-                            mb = [row[0] for row in rows]
-                            lps = self._logprobs(b, [prepared[i] for i in mb])
-                        loss = sum(fn(lp, prepared[i][2], cfg) for i, lp in zip(mb, lps, strict=True))
+                            items = [row[0] for row in mb]
+                            lps = self._logprobs(b, [prepared[i] for i in items])
+                        loss = sum(fn(lp, prepared[i][2], cfg) for i, lp in zip(items, lps, strict=True))
                         if backward and isinstance(loss, torch.Tensor) and loss.requires_grad:
                             loss.backward()
-                    for i, lp in zip(mb, lps, strict=True):
+                    if keep:
+                        done.append((items, lps))
+                    for i, lp in zip(items, lps, strict=True):
                         outputs[i] = {"logprobs": lp.detach().float().cpu().numpy()}
                     total += float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+                if keep and key is not None:
+                    self._kept_forward = (model_id, key, done)
             except Exception:
                 if saved is not None:
                     for k, p in st.params.items():
@@ -242,10 +277,21 @@ class Engine(SamplingMixin):
                 raise
             return FwdResult(outputs=outputs, metrics={"loss:sum": total})
 
+    def _layout(self, b: BaseModelState, tokens: list[list[int]], budget: int, packed: bool) -> list[list[list]]:
+        """Micro-batches of rows: padded, one item per row (``[[i], [j], ...]``); packed, rows of
+        ``tinker_local.packing`` units, datums with a common prefix sharing it where the
+        attention takes an explicit mask and ``share_prefixes`` is on."""
+        lengths = [len(t) for t in tokens]
+        if not packed:
+            return [[[i] for i in group] for group in microbatches(lengths, budget)]
+        share = self.share_prefixes and self._explicit_mask(b)
+        units = shared_prefix_units(tokens, budget, layout_costs(b.model.config)) if share else list(range(len(tokens)))
+        sizes = [unit_length(u, lengths) for u in units]
+        return [[[units[u] for u in row] for row in rows] for rows in pack_microbatches(sizes, budget)]
+
     def _logprobs(self, b: BaseModelState, items) -> list[torch.Tensor]:
-        """One right-padded batch -> per item logprobs (N,) / (N, K) float32 (with grad).
-        The gather runs once over the whole batch: slicing (B, T, V) logits per item would
-        make backward materialise a zero (B, T, V) gradient for every item."""
+        """One right-padded batch -> per item logprobs (N,) / (N, K) float32 (with grad), read
+        once over the whole batch by ``tinker_local.compute.target_logprobs``."""
         lens = [len(it[0]) for it in items]
         B, T = len(items), max(lens)
         K = max((it[1].shape[1] if it[1].ndim == 2 else 1) for it in items)
@@ -261,31 +307,26 @@ class Engine(SamplingMixin):
                 logits = media_logits(b.model, self._media(b), ids, payloads)  # (B, T, V) float32
             else:
                 logits = fp32_head_logits(b.model, ids)  # (B, T, V) float32
-        lp = logits.gather(-1, tgt) - torch.logsumexp(logits, dim=-1, keepdim=True)  # (B, T, K)
+        lp = target_logprobs(logits.reshape(B * T, -1), None, tgt.reshape(B * T, K)).reshape(B, T, K)
         out = []
         for r, it in enumerate(items):
             x = lp[r, : lens[r]]
             out.append(x[:, : it[1].shape[1]] if it[1].ndim == 2 else x[:, 0])
         return out
 
-    def _packed_logprobs(
-        self, b: BaseModelState, rows: list[list[int]], prepared
-    ) -> tuple[list[int], list[torch.Tensor]]:
-        """One padding-free micro-batch (``rows`` of indices into ``prepared``) -> (the item
-        indices, their logprobs (N,) / (N, K) float32 with grad), gathered once over all real
-        tokens as in ``_logprobs``."""
-        pb = packed_batch(rows, [p[0] for p in prepared])
+    def _packed_logprobs(self, b: BaseModelState, rows: list[list], prepared) -> tuple[list[int], list[torch.Tensor]]:
+        """One padding-free micro-batch (``rows`` of ``tinker_local.packing`` units over indices
+        into ``prepared``) -> (the item indices, their logprobs (N,) / (N, K) float32 with
+        grad), read once over all computed token slots as in ``_logprobs``."""
+        pb = packed_batch(rows, [p[0] for p in prepared], explicit_mask=self._explicit_mask(b))
         tgts = [prepared[i][1].reshape(len(prepared[i][0]), -1) for i in pb.items]
         K = max(t.shape[1] for t in tgts)
-        tgt = torch.zeros((len(pb.keep), K), dtype=torch.long)
+        tgt = torch.zeros((len(pb.index), K), dtype=torch.long)
         for (a, z), t in zip(pb.spans, tgts, strict=True):
             tgt[a:z, : t.shape[1]] = t
-        tgt = tgt.to(self.device)
         with self._autocast():
-            logits = fp32_head_logits(
-                b.model, pb.ids.to(self.device), pb.position_ids.to(self.device), pb.keep.to(self.device)
-            )  # (N, V) float32
-        lp = logits.gather(-1, tgt) - torch.logsumexp(logits, dim=-1, keepdim=True)  # (N, K)
+            logits = packed_logits(b.model, pb, self.device)  # (U, V) float32
+        lp = target_logprobs(logits, pb.index.to(self.device), tgt.to(self.device))  # (N, K)
         out = []
         for i, (a, z) in zip(pb.items, pb.spans, strict=True):
             soft = prepared[i][1].ndim == 2
@@ -344,6 +385,7 @@ class Engine(SamplingMixin):
                     eps=float(eps),
                     weight_decay=float(weight_decay),
                 )
+            self._kept_forward = None  # its graph is of the weights before this step
             st.optimizer.step()
             st.optimizer.zero_grad(set_to_none=True)
             st.step += 1
@@ -414,6 +456,7 @@ class Engine(SamplingMixin):
                 if created:
                     self.delete_model(model_id)
                 raise
+            self._kept_forward = None  # its graph is of the weights before this load
             with torch.no_grad():
                 for k, p in st.params.items():
                     p.copy_(sd[k].to(p.device, p.dtype))

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from .adapters import add_adapter, rebind_adapter, remove_adapter
-from .compute import available_cpus, bf16_supported
+from .compute import available_cpus, bf16_supported, choose_attn_implementation, to_weights_dtype
 from .errors import EngineUserError
 from .media import media_support
 from .models import ModelSpec, resolve_model
@@ -41,8 +41,8 @@ from .packing import packing_supported
 logger = logging.getLogger("tinker_local.engine")
 
 MAX_RESIDENT_ADAPTERS = 8  # training adapters injected per base model (least recently used go)
-
-logger = logging.getLogger("tinker_local.engine")
+_OFF = ("0", "off", "false", "no")
+FLASH_ATTENTION = ("flash_attention_2", "flash_attention_3")  # kernels taking no 4D attention mask
 
 
 @dataclass
@@ -56,10 +56,12 @@ class BaseModelState:
     peft: Any = None  # peft.PeftModel once the first adapter exists
     counter: int = 0
     sampler_adapters: OrderedDict[tuple, str] = field(default_factory=OrderedDict)
+    sampler_params: dict[str, Any] = field(default_factory=dict)  # sampler adapter -> its parameters
     resident: OrderedDict[str, None] = field(default_factory=OrderedDict)  # training adapters injected, LRU first
     active: str | None = None  # adapter last activated by set_adapter (None: unknown)
     media: Any = False  # tinker_local.media.Support | None once looked up (False: not yet)
     packs: bool | None = None  # whether padding-free rows keep datums apart (None: not checked yet)
+    attn_implementation: str = "sdpa"  # the attention kernels it runs (compute.choose_attn_implementation)
 
     def use(self, adapter: str) -> None:
         """Make ``adapter`` the active one; ``set_adapter`` walks every module, so only when it changes."""
@@ -92,11 +94,23 @@ class EngineCore:
     """An engine's state and the helpers its training (``Engine``) and sampling
     (``tinker_local.engine_sampling.SamplingMixin``) share."""
 
-    def __init__(self, root: Path, *, device: str | None = None, dtype: str = "auto", num_threads: int | None = None):
+    def __init__(
+        self,
+        root: Path,
+        *,
+        device: str | None = None,
+        dtype: str = "auto",
+        num_threads: int | None = None,
+        weights_dtype: str = "auto",
+    ):
         """``root``: folder for checkpoints and the model cache (created).  ``device``: torch
         device string (default "cuda" when available, else "cpu").  ``dtype``: "auto" | "fp32" |
         "bf16" for training/forward compute (ValueError otherwise).  ``num_threads``: torch
-        intra-op threads (default: number of CPUs this process may use)."""
+        intra-op threads (default: number of CPUs this process may use).  ``weights_dtype``:
+        "auto" | "fp32" | "bf16", the dtype base weights are held in: "auto" is the compute dtype
+        on CUDA (bf16 weights: no cast of every weight at every forward, half the memory) and fp32
+        elsewhere (the CPU samples in fp32, see ``tinker_local.engine_sampling``); the output head
+        stays fp32 either way (``tinker_local.compute.to_weights_dtype``)."""
         self.root = Path(root)
         (self.root / "checkpoints").mkdir(parents=True, exist_ok=True)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -105,6 +119,11 @@ class EngineCore:
         if dtype == "auto":
             dtype = "bf16" if bf16_supported(self.device) else "fp32"
         self.dtype = dtype
+        if weights_dtype not in ("auto", "fp32", "bf16"):
+            raise ValueError(f"weights_dtype must be 'auto', 'fp32' or 'bf16', got {weights_dtype!r}")
+        if weights_dtype == "auto":
+            weights_dtype = "bf16" if dtype == "bf16" and self.device.type == "cuda" else "fp32"
+        self.weights_dtype = weights_dtype
         self.num_threads = int(num_threads or available_cpus())
         torch.set_num_threads(self.num_threads)
         # padded tokens per micro-batch; None: 2**27 // vocab_size (<= 128M fp32 logits: 512 MiB), in
@@ -112,7 +131,10 @@ class EngineCore:
         self.max_batch_tokens: int | None = None
         # padding-free micro-batches (tinker_local.packing) for text-only models that keep packed
         # datums apart; environment TINKER_LOCAL_PACKING=off turns them off (the padded path)
-        self.packing = os.environ.get("TINKER_LOCAL_PACKING", "on").lower() not in ("0", "off", "false", "no")
+        self.packing = os.environ.get("TINKER_LOCAL_PACKING", "on").lower() not in _OFF
+        # packed datums with a common prefix compute it once (tinker_local.packing, shared prefixes);
+        # environment TINKER_LOCAL_SHARE_PREFIXES=off lays every datum out in full
+        self.share_prefixes = os.environ.get("TINKER_LOCAL_SHARE_PREFIXES", "on").lower() not in _OFF
         # training adapters kept injected per base model (see the module docstring)
         self.max_resident_adapters = MAX_RESIDENT_ADAPTERS
         # what the engine fell back on (``GET local_stats`` -> ``"engine"``): ``packing_fallbacks``
@@ -127,6 +149,9 @@ class EngineCore:
         self._counters: dict[str, int] = {}  # canonical name -> adapters named so far (kept across unloads)
         self.base_loads: dict[str, int] = {}  # canonical name -> times loaded (GET local_stats)
         self._models: dict[str, TrainingState] = {}
+        # the autograd graph of the last ``forward`` of a training model, for a ``forward_backward``
+        # of the same tokens that follows it (``Engine._run``): (model id, key, [(items, logprobs)])
+        self._kept_forward: tuple[str, tuple, list] | None = None
         try:
             from transformers.utils import logging as hf_logging
 
@@ -136,7 +161,8 @@ class EngineCore:
 
     def load_base_model(self, base_model: str) -> dict:
         """Load ``base_model`` now (e.g. at server start) and return
-        ``{"base_model", "tokenizer_id", "max_context", "vocab_size"}``.  Raises EngineUserError."""
+        ``{"base_model", "tokenizer_id", "max_context", "vocab_size", "weights_dtype",
+        "attn_implementation"}``.  Raises EngineUserError."""
         with self._lock:
             b = self._base(base_model)
             return {
@@ -144,6 +170,8 @@ class EngineCore:
                 "tokenizer_id": b.spec.tokenizer_dir,
                 "max_context": b.spec.max_context,
                 "vocab_size": b.spec.vocab_size,
+                "weights_dtype": self.weights_dtype,
+                "attn_implementation": b.attn_implementation,
             }
 
     def base_model_dir(self, base_model: str) -> Path | None:
@@ -162,6 +190,13 @@ class EngineCore:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
+    def _sampling_autocast(self):
+        """Sampling runs in the weights' dtype: fp32 weights sample in fp32 (no autocast), bf16
+        weights under bf16 autocast (their LoRA layers in bf16, the output head in fp32)."""
+        if self.weights_dtype == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
     def _canonical(self, base_model: str) -> str:
         return resolve_model(base_model, self.root / "models").name
 
@@ -172,11 +207,33 @@ class EngineCore:
             model, tok = spec.load()  # on the CPU: room is made on the device before it moves there
             for p in model.parameters():
                 p.requires_grad_(False)
+            wdtype = torch.bfloat16 if self.weights_dtype == "bf16" else torch.float32
+            to_weights_dtype(model, wdtype)  # before counting its bytes: they are the compute dtype's
             self._make_room(_model_bytes(model), spec.name)
             model.to(self.device).eval()
+            attn = choose_attn_implementation(self.device, wdtype)
+            if getattr(model.config, "_attn_implementation", None) != attn:
+                try:
+                    model.set_attn_implementation(attn)
+                except (ValueError, ImportError, AttributeError) as e:  # the architecture does not support it
+                    logger.warning(
+                        "%s: attention %s not available (%s); keeping %s",
+                        spec.name,
+                        attn,
+                        e,
+                        model.config._attn_implementation,
+                    )
             spec.vocab_size = int(model.get_input_embeddings().weight.shape[0])
             n_params = sum(p.numel() for p in model.parameters())
             b = self._bases[spec.name] = BaseModelState(spec, model, tok, n_params)
+            b.attn_implementation = str(getattr(model.config, "_attn_implementation", None) or "eager")
+            logger.info(
+                "loaded %s on %s: weights %s, attention %s",
+                spec.name,
+                self.device,
+                self.weights_dtype,
+                b.attn_implementation,
+            )
             b.counter = self._counters.get(spec.name, 0)
             self._base_names[spec.name] = base_model
             self.base_loads[spec.name] = self.base_loads.get(spec.name, 0) + 1
@@ -199,6 +256,7 @@ class EngineCore:
             return
         while self._bases and sum(_model_bytes(b.model) for b in self._bases.values()) + incoming > self.max_base_bytes:
             old, b = self._bases.popitem(last=False)
+            self._kept_forward = None  # a kept graph holds the activations of a base model
             self._counters[old] = b.counter
             b.peft = b.model = None
             logger.info("unloaded base model %s to make room for %s (--max-base-model-bytes)", old, name)
@@ -219,12 +277,14 @@ class EngineCore:
 
     def _packs(self, b: BaseModelState) -> bool:
         """Whether ``b`` trains padding-free: text-only (media datums take the padded path) and
-        checked once by ``tinker_local.packing.packing_supported``. A text-only model that fails
-        the check trains padded: said once per base model, counted per call in
-        ``stats["packing_fallbacks"]``."""
+        checked once by ``tinker_local.packing.packing_supported`` in the layout it will use. A
+        text-only model that fails the check trains padded: said once per base model, counted per
+        call in ``stats["packing_fallbacks"]``."""
         text_only = self._media(b) is None
         if b.packs is None:
-            b.packs = text_only and packing_supported(b.model, b.spec.vocab_size, self.device)
+            b.packs = text_only and packing_supported(
+                b.model, b.spec.vocab_size, self.device, explicit_mask=self._explicit_mask(b)
+            )
             if text_only and not b.packs:
                 logger.warning(
                     "base model %s: two datums packed into one row did not give the logits each gives alone "
@@ -235,6 +295,12 @@ class EngineCore:
         if text_only and not b.packs:
             self.stats["packing_fallbacks"] += 1
         return b.packs
+
+    @staticmethod
+    def _explicit_mask(b: BaseModelState) -> bool:
+        """Whether ``b``'s attention takes a 4D mask (SDPA, eager), so packed rows are kept apart
+        by one and datums may share prefixes; flash-attention kernels take restarting positions."""
+        return getattr(b.model.config, "_attn_implementation", None) not in FLASH_ATTENTION
 
     def _train(self, model_id: str) -> TrainingState:
         st = self._models.get(model_id)

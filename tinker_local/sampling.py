@@ -1,4 +1,5 @@
-"""Autoregressive sampling with a KV cache, in fp32, for the local engine.
+"""Autoregressive sampling with a KV cache for the local engine (fp32, or the decoder under bf16
+autocast with bf16 weights; the output head and logprobs always fp32).
 
 ``sample_batch`` serves several requests (each: a prompt, ``num_samples``, its own sampling
 parameters, seed and stop conditions) with one forward per step: one prefill over all prompts
@@ -14,9 +15,13 @@ prefill (``prompt_cache_hit_tokens``, counted once per request, not per sample).
 The returned per-token logprobs are those of the model's own distribution (temperature 1, before
 top-k/top-p filtering) — the same numbers a ``forward`` over the sampled sequence gives (fp32:
 within ~1e-5) — so they can serve directly as the behaviour logprobs ``q`` of importance-sampling
-losses.  Random draws use one CPU ``torch.Generator`` per request, seeded with its ``seed`` and
-consumed exactly as if the request ran alone: the same model, prompt, parameters and seed give
-the same samples on any device and in any batch (up to float rounding of padded batches, ~1e-6).
+losses.  Random draws use one ``torch.Generator`` per request on the compute device, seeded
+with its ``seed`` and consumed exactly as if the request ran alone (one uniform number per sampled
+row and step, :func:`_choose`): the same model, prompt, parameters and seed give the same samples
+in any batch on one kind of device (up to float rounding of padded batches, ~1e-6); a CUDA
+generator's stream differs from the CPU's.  Logits, draws and the KV cache stay on the device:
+each decode step brings only the drawn tokens and their logprobs (and requested top-k) to the
+host.  The cache is written in place into preallocated room (:class:`_GrowingLayer`).
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from transformers.cache_utils import DynamicLayer
 
+from .compute import decoder_and_head
 from .errors import EngineUserError
 
 
@@ -74,7 +81,15 @@ def _out_cache(out):
 
 
 def _choose(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator) -> torch.Tensor:
-    """Draw one token per row from fp32 CPU ``logits`` (S, V); returns int64 (S,)."""
+    """Draw one token per row from fp32 ``logits`` (S, V) on their device, with ``gen`` (a
+    generator of that device); returns int64 (S,).  Temperature 0: the argmax.  Otherwise the
+    tokens of ``softmax(logits / temperature)``, restricted to the ``top_k`` most likely and to
+    the smallest set holding ``top_p`` of the mass (renormalised), are drawn by inverse transform
+    sampling: one uniform ``u`` per row, the first token whose cumulative probability (float64)
+    exceeds ``u`` times the total.  That is an exact draw from those probabilities (tokens of
+    probability 0 are never drawn) and takes one random number per row, where
+    ``torch.multinomial`` takes one per token of the vocabulary (measured: 6 % of a SmolLM2
+    decode loop on the CPU)."""
     if temperature <= 0.0:
         return logits.argmax(dim=-1)
     scaled = logits / temperature
@@ -89,8 +104,67 @@ def _choose(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, 
         drop_sorted[:, 0] = False  # always keep the most likely token
         drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+    cdf = probs.double().cumsum(dim=-1)
+    u = torch.rand((probs.shape[0], 1), generator=gen, dtype=torch.float64, device=probs.device)
+    nxt = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
+    return nxt.clamp_(max=probs.shape[-1] - 1).squeeze(-1)
+
+
+class _GrowingLayer(DynamicLayer):
+    """A ``transformers`` ``DynamicLayer`` whose keys and values live in preallocated room: each
+    decode step writes its new entries in place instead of concatenating the whole cache again
+    (``torch.cat`` per layer and step: 10 % of a SmolLM2 decode loop on the CPU); the room
+    doubles when full.  ``keys`` / ``values`` are views of the filled part."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int):
+        super().__init__()
+        self.device = keys.device
+        self._n = keys.shape[-2]
+        self._k = self._alloc(keys, self._n + room)
+        self._v = self._alloc(values, self._n + room)
+        self.is_initialized = True
+        self._views()
+
+    @staticmethod
+    def _alloc(x: torch.Tensor, size: int) -> torch.Tensor:
+        buf = x.new_empty((*x.shape[:-2], size, x.shape[-1]))
+        buf[..., : x.shape[-2], :] = x
+        return buf
+
+    def _views(self) -> None:
+        self.keys, self.values = self._k[..., : self._n, :], self._v[..., : self._n, :]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        t = key_states.shape[-2]
+        if self._n + t > self._k.shape[-2]:
+            size = 2 * (self._n + t)
+            self._k, self._v = self._alloc(self.keys, size), self._alloc(self.values, size)
+        self._k[..., self._n : self._n + t, :] = key_states
+        self._v[..., self._n : self._n + t, :] = value_states
+        self._n += t
+        self._views()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self._n
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._k, self._v = self._k[indices.to(self.device)], self._v[indices.to(self.device)]
+        self._views()
+
+
+def _with_room(cache, room: int):
+    """``cache`` with its plain ``DynamicLayer`` s replaced by :class:`_GrowingLayer` s holding
+    ``room`` more positions (other layer kinds, e.g. sliding windows, are left as they are)."""
+    layers = getattr(cache, "layers", None)
+    if isinstance(layers, list):
+        for i, layer in enumerate(layers):
+            if type(layer) is DynamicLayer and layer.is_initialized and layer.keys is not None and layer.keys.ndim == 4:
+                layers[i] = _GrowingLayer(layer.keys, layer.values, room)
+    return cache
 
 
 @dataclass
@@ -149,15 +223,28 @@ def kept_positions(reqs: list[SampleRequest], longest: int) -> int:
     return max(known)
 
 
-def _prefill(model, ids: torch.Tensor, keep: int, extra: dict) -> tuple:
-    """The prefill forward -> (its output, logits (B, K, V) of the last K positions; K = ``keep``,
-    or all when 0)."""
+def _forward(model, ids: torch.Tensor, keep: int, kw: dict, split: bool) -> tuple:
+    """One forward with the KV cache -> (its cache, fp32 logits (B, K, V) of the last K positions;
+    K = ``keep``, or all when 0).  With ``split``, llama-like models run the decoder (under the
+    ambient autocast, if any) and then the output head in fp32 on the kept positions only
+    (``tinker_local.compute.decoder_and_head``); others (and media models, whose extra inputs and
+    positions only the whole model handles) the model's own forward with ``logits_to_keep``."""
+    parts = decoder_and_head(model) if split else None
+    if parts is not None:
+        decoder, head = parts
+        cache_kw = {_cache_kwarg(decoder): v for k, v in kw.items() if k in ("cache", "past_key_values")}
+        rest = {k: v for k, v in kw.items() if k not in ("cache", "past_key_values")}
+        out = decoder(input_ids=ids, use_cache=True, **cache_kw, **rest)
+        hidden = out.last_hidden_state
+        hidden = hidden if keep == 0 else hidden[:, -keep:]
+        with torch.autocast(ids.device.type, enabled=False):
+            return _out_cache(out), head(hidden.float()).float()
     try:
-        out = model(input_ids=ids, use_cache=True, logits_to_keep=keep, **extra)
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=keep, **kw)
     except TypeError:  # architectures without logits_to_keep
-        out = model(input_ids=ids, use_cache=True, **extra)
+        out = model(input_ids=ids, use_cache=True, **kw)
     logits = out.logits if keep == 0 or out.logits.shape[1] == keep else out.logits[:, -keep:]
-    return out, logits
+    return _out_cache(out), logits.float()
 
 
 ALT_SEED_OFFSET = 0x9E3779B97F4A7C15  # prompt_alt draws use their own generator: samples stay as without them
@@ -214,6 +301,7 @@ def sample_batch(
     device: torch.device,
     decode_threads: int | None = None,
     prefill_extra: dict | None = None,
+    text_only: bool = True,
 ) -> list[dict]:
     """Serve ``reqs`` together; returns one dict per request, in order:
     ``{"sequences": [{"tokens": [...], "logprobs": [...], "stop_reason": "stop"|"length",
@@ -230,6 +318,7 @@ def sample_batch(
     ``decode_threads``: torch threads for the token-by-token phase (small decode steps run
     faster on one thread, since OpenMP synchronisation dominates them).
     ``prefill_extra``: more keyword arguments of the prefill forward (pixel values, DMel frames).
+    ``text_only``: False for media models (then every step runs the model's own forward).
     Raises RuntimeError if the model's KV cache cannot select batch rows.
     """
     B = len(reqs)
@@ -251,7 +340,8 @@ def sample_batch(
     if padded:  # left padding: masked pads, positions counted from each prompt's first token
         extra = {"attention_mask": mask.to(device), "position_ids": (mask.cumsum(-1) - 1).clamp(min=0).to(device)}
     extra.update(prefill_extra or {})  # media of a single prompt (tinker_local.media.prefill_kwargs)
-    out, logits = _prefill(model, ids.to(device), kept_positions(reqs, L), extra)
+    split = prefill_extra is None and text_only
+    cache, logits = _forward(model, ids.to(device), kept_positions(reqs, L), extra, split)
     K = logits.shape[1]  # the kept logits cover padded positions L - K .. L - 1
     results = []
     seen: set[int] = set()
@@ -265,18 +355,18 @@ def sample_batch(
 
     counts = [r.num_samples for r in reqs]
     rows = torch.repeat_interleave(torch.tensor(owner, dtype=torch.long), torch.tensor(counts))
-    cache = _out_cache(out)
     if not hasattr(cache, "reorder_cache"):
         raise RuntimeError("model cache does not support selecting batch rows")
     if not torch.equal(rows, torch.arange(U)):
         cache.reorder_cache(rows.to(device))
+    cache = _with_room(cache, min(max(r.max_tokens for r in reqs), 256))
     last = logits[:, -1][rows.to(logits.device)]  # (R, V)
-    att = mask[rows] if padded else None  # (R, L + steps)
-    pos = torch.tensor(lens, dtype=torch.long)[rows].unsqueeze(-1) if padded else None  # (R, 1)
+    att = mask[rows].to(device) if padded else None  # (R, L + steps)
+    pos = torch.tensor(lens, dtype=torch.long)[rows].unsqueeze(-1).to(device) if padded else None  # (R, 1)
 
     if decode_threads and device.type == "cpu":
         torch.set_num_threads(decode_threads)
-    gens = [torch.Generator(device="cpu").manual_seed(int(r.seed) & 0xFFFF_FFFF_FFFF_FFFF) for r in reqs]
+    gens = [torch.Generator(device=device).manual_seed(int(r.seed) & 0xFFFF_FFFF_FFFF_FFFF) for r in reqs]
     toks: list[list[list[int]]] = [[[] for _ in range(n)] for n in counts]
     lps: list[list[list[float]]] = [[[] for _ in range(n)] for n in counts]
     # top-k (token, logprob) per sampled position
@@ -288,26 +378,31 @@ def sample_batch(
     kw = _cache_kwarg(model)
     step = 0
     while True:
-        lf = last.float().cpu()
+        lf = last.float()  # (R, V) on the device: only the draws and their logprobs come to the host
         logp = torch.log_softmax(lf, dim=-1)
-        nxt_rows = torch.empty(lf.shape[0], dtype=torch.long)
+        nxt_rows = torch.empty(lf.shape[0], dtype=torch.long, device=lf.device)
+        a = 0
+        for i in active:
+            r, b = reqs[i], a + counts[i]
+            nxt_rows[a:b] = _choose(lf[a:b], r.temperature, r.top_k, r.top_p, gens[i])
+            a = b
+        drawn = nxt_rows.tolist()
+        drawn_lp = logp.gather(-1, nxt_rows.unsqueeze(-1)).squeeze(-1).tolist()
         keep: list[int] = []
         keep_rows: list[int] = []
         a = 0
         for i in active:
             r, b = reqs[i], a + counts[i]
-            nxt = _choose(lf[a:b], r.temperature, r.top_k, r.top_p, gens[i])
-            nxt_rows[a:b] = nxt
-            nlp = logp[a:b].gather(-1, nxt.unsqueeze(-1)).squeeze(-1).tolist()
             top = None
             if r.topk_sample_logprobs > 0:  # same temperature-1 logprobs as the sampled ones
                 tv, ti = torch.topk(logp[a:b], min(r.topk_sample_logprobs, logp.shape[-1]), dim=-1)
                 top = [list(zip(ids, vs, strict=True)) for ids, vs in zip(ti.tolist(), tv.tolist(), strict=True)]
-            for j, (t, v) in enumerate(zip(nxt.tolist(), nlp, strict=True)):
+            for j in range(counts[i]):
                 if done[i][j]:
                     continue
+                t = drawn[a + j]
                 toks[i][j].append(t)
-                lps[i][j].append(v)
+                lps[i][j].append(drawn_lp[a + j])
                 if top is not None:
                     tops[i][j].append(top[j])
                 if t in r.stop.token_ids:
@@ -323,20 +418,19 @@ def sample_batch(
         if not keep:
             break
         if len(keep) < len(active):  # drop the rows of finished requests from the batch
-            sel = torch.tensor(keep_rows, dtype=torch.long)
-            cache.batch_select_indices(sel.to(device))
+            sel = torch.tensor(keep_rows, dtype=torch.long, device=device)
+            cache.batch_select_indices(sel)
             nxt_rows = nxt_rows[sel]
             att = att[sel] if att is not None else None
             pos = pos[sel] if pos is not None else None
             active = keep
         step_kw: dict = {kw: cache}
         if att is not None and pos is not None:  # both set for padded prompts
-            att = torch.cat([att, torch.ones((att.shape[0], 1), dtype=att.dtype)], dim=-1)
-            step_kw.update(attention_mask=att.to(device), position_ids=pos.to(device))
+            att = torch.cat([att, torch.ones((att.shape[0], 1), dtype=att.dtype, device=device)], dim=-1)
+            step_kw.update(attention_mask=att, position_ids=pos)
             pos = pos + 1
-        out = model(input_ids=nxt_rows.to(device).unsqueeze(-1), use_cache=True, **step_kw)
-        cache = _out_cache(out)
-        last = out.logits[:, -1]
+        cache, step_logits = _forward(model, nxt_rows.unsqueeze(-1), 1, step_kw, split)
+        last = step_logits[:, -1]
         step += 1
     for i, res in enumerate(results):
         k = reqs[i].topk_sample_logprobs
