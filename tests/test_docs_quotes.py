@@ -82,13 +82,21 @@ def test_progress_md_quotes_the_messages_the_code_prints(tmp_path, capsys, monke
     assert '"no checkpoint of run %r yet: starting at step 1"' in session_source
     assert sorted(quoted) == sorted([*real, logged]), "\n".join(sorted(set(quoted) ^ {*real, logged}))
 
-    # the stale-server refusal: the launcher's message template, its fields filled in any way
+    # the stale-server refusals (sessions in use; cannot tell): the launcher's message parts, each
+    # {field} filled in any way ("(...)" in the docs stands for the change)
     source = (ROOT / "tinker_local" / "launcher.py").read_text()
-    template = "".join(re.findall(r'f"((?:the embedded server at|and \{busy\}|\(or give)[^"]*)"', source))
-    pattern = re.escape(template)
-    pattern = re.sub(r"\\\{[^}]*\\\}", ".+", pattern)  # each {field} matches its value
+    strings = dict(re.findall(r'(where|then) = f?"([^"]*)"', source))
+    busy = re.search(r'f"\{where\}( and \{busy\}[^"]*)\{then\}"', source).group(1)
+    unknown = "".join(re.findall(r'f"(?:\{where\})?( and it cannot tell[^"]*|when nothing uses it, )', source))
+
+    def pattern(middle: str) -> str:
+        p = re.escape(strings["where"] + middle + strings["then"])
+        return re.sub(r"\\\{[^}]*\\\}", ".+", p)
+
     stale = _quoted(text, "## The embedded server is never stale", "## Hermetic tests")
-    assert len(stale) == 1 and re.fullmatch(pattern, stale[0]), (template, stale)
+    assert len(stale) == 2, stale
+    assert re.fullmatch(pattern(busy), stale[0]), (busy, stale[0])
+    assert re.fullmatch(pattern(unknown), stale[1]), (unknown, stale[1])
 
 
 def test_getting_started_lists_every_recipe():
