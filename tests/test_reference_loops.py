@@ -48,6 +48,8 @@ def _recorded(server, monkeypatch, run) -> tuple[object, list[dict]]:
 
 
 def _assert_same(recipe: str, flow: list[dict], loop: list[dict], steps: int, samples=None) -> cp.Comparison:
+    """The requests of ``loop`` against those of ``flow`` (in a failure's table the harness calls
+    the first side "cookbook" and the second "ours": here the flow and the loop)."""
     cmp = cp.compare(recipe, "tiny", flow, loop, 1e-6, samples)
     assert cmp.first is None, cp.table(cmp, 1e-6)
     assert cmp.steps == steps and cmp.requests == 2 * steps, cp.table(cmp, 1e-6)
@@ -78,7 +80,9 @@ def test_sl_loop_sends_what_the_sft_flow_sends(server, tmp_path, monkeypatch, pr
         store=str(tmp_path / "store"), run_name="loops-sft",
     )  # fmt: skip
     summary, flow = _recorded(server, monkeypatch, lambda: sft_flow(config=flow_config))
-    result, loop = _recorded(server, monkeypatch, lambda: sl_loop.main(sl_loop.Config(**shared, base_url=server.base_url)))
+    result, loop = _recorded(
+        server, monkeypatch, lambda: sl_loop.main(sl_loop.Config(**shared, base_url=server.base_url))
+    )
 
     _assert_same("sft", flow, loop, steps)
     # warmup to the peak, then linear decay (recipes/schedule.py's formula, computed here)
@@ -93,8 +97,8 @@ def test_sl_loop_sends_what_the_sft_flow_sends(server, tmp_path, monkeypatch, pr
 
 @pytest.mark.slow  # the flow (~15 s) and the loop (~3 s)
 def test_rl_loop_sends_what_the_rl_flow_sends(server, tmp_path, monkeypatch, prefect_api):
-    """With the KL penalty on: the untrained ``tiny`` model earns no varying reward, so the KL term
-    is what makes the advantages (and the updates) non-zero."""
+    """Partial-credit rewards (they differ within a group even for the untrained ``tiny`` model),
+    constant-reward groups dropped, and the KL penalty against the base model folded in."""
     from prefect_tinker.flows.rl import RLConfig, rl_flow
     from prefect_tinker.recipes.loops import rl_loop
 
@@ -102,24 +106,24 @@ def test_rl_loop_sends_what_the_rl_flow_sends(server, tmp_path, monkeypatch, pre
     shared = dict(
         model="tiny", env="arithmetic", few_shot=True, renderer="role_colon_cookbook", group_size=group_size,
         groups_per_batch=groups, max_tokens=6, learning_rate=1e-3, lr_schedule="cosine", lora_rank=4,
-        max_steps=steps, seed=0, kl_penalty_coef=0.05, remove_constant_reward_groups=False, save_every=0,
-        env_options={"max_operand": 100, "problems": "cookbook", "answer": "last_integer"}, format_needs_stop=True,
+        max_steps=steps, seed=0, kl_penalty_coef=0.05, remove_constant_reward_groups=True, save_every=0,
+        env_options={"max_operand": 20, "reward": "partial"},
     )  # fmt: skip
     flow_config = RLConfig(
         **shared, kl_reference="base:tiny", eval_every=0, log_trajectories=0, backend={"base_url": server.base_url},
         store=str(tmp_path / "store"), run_name="loops-rl",
     )  # fmt: skip
     summary, flow = _recorded(server, monkeypatch, lambda: rl_flow(config=flow_config))
-    result, loop = _recorded(server, monkeypatch, lambda: rl_loop.main(rl_loop.Config(**shared, base_url=server.base_url)))
+    result, loop = _recorded(
+        server, monkeypatch, lambda: rl_loop.main(rl_loop.Config(**shared, base_url=server.base_url))
+    )
 
     cmp = _assert_same("rl", flow, loop, steps, samples=cp.any_sample)
-    # rollouts (steps x groups x group_size) and the KL reference's logprobs of each of them
-    assert cmp.sequences == 2 * steps * groups * group_size
+    # rollouts (steps x groups x group_size) and the KL reference's logprobs of each datum trained
+    trained = [d for e in cp.training_stream(loop) if e["op"] == "forward_backward" for d in e["datums"]]
+    assert cmp.sequences == steps * groups * group_size + len(trained) and trained
     assert _learning_rates(loop) == pytest.approx([1e-3, 1e-3 * 0.5], rel=1e-12)  # cosine over 2 steps
-    advantages = [
-        x for e in cp.training_stream(loop) if e["op"] == "forward_backward" for d in e["datums"]
-        for x in d["loss_fn_inputs"]["advantages"]["data"]
-    ]  # fmt: skip
-    assert any(a != 0 for a in advantages)  # the comparison covers real advantages and updates
+    # the comparison covers reward-driven advantages (partial credit is in [0, 0.5): group differences ~0.01-0.5)
+    assert max(abs(x) for d in trained for x in d["loss_fn_inputs"]["advantages"]["data"]) > 1e-3
     assert result["rewards"] == pytest.approx(summary["rewards"], rel=1e-12)
     assert len(result["kl_policy_ref"]) == steps and all(math.isfinite(k) for k in result["kl_policy_ref"])

@@ -72,6 +72,7 @@ class Config(EnvSpec, LRScheduleFields):
 
     base_url: str | None = Field(default=None, description="Tinker-compatible server; None: the hosted service.")
     model: str = "tiny"
+    tokenizer: str | None = Field(default=None, description="Tokenizer directory or id; None: the server's.")
     lora_rank: int = Field(default=32, ge=1)
     seed: int = 0
     renderer: str = Field(default="auto", description="A registered renderer, or auto (from the chat template).")
@@ -139,14 +140,17 @@ def main(config: Config) -> dict[str, Any]:
 
     Raises:
         ValueError: an unknown environment or loss (the message lists the registered ones), bad
-            problem data (naming file, line and field), a multi-turn environment.
+            problem data (naming file, line and field), a multi-turn environment, no tokenizer (the
+            server names none and ``tokenizer`` is unset).
     """
     # the clients: a LoRA training client, the tokenizer the server names, the KL reference (the base model)
     service = tinker.ServiceClient(base_url=config.base_url)
     training = service.create_lora_training_client(
         base_model=config.model, rank=config.lora_rank, seed=config.seed
     ).result()
-    tokenizer_id = training.get_info().model_data.tokenizer_id
+    tokenizer_id = config.tokenizer or training.get_info().model_data.tokenizer_id
+    if tokenizer_id is None:
+        raise ValueError(f"the server names no tokenizer for model {config.model!r}: give tokenizer=<directory or id>")
     renderer = resolve_renderer_name(config.renderer, resolve_tokenizer(tokenizer_id))
     reference = service.create_sampling_client(base_model=config.model).result() if config.kl_penalty_coef else None
     loss = LOSSES.get_or_raise(config.loss_fn).from_options({})

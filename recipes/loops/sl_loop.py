@@ -53,6 +53,7 @@ class Config(LRScheduleFields):
 
     base_url: str | None = Field(default=None, description="Tinker-compatible server; None: the hosted service.")
     model: str = "tiny"
+    tokenizer: str | None = Field(default=None, description="Tokenizer directory or id; None: the server's.")
     lora_rank: int = Field(default=32, ge=1)
     seed: int = 0
     dataset: str = Field(default=EXAMPLE_CHATS, description="JSONL of {'messages': [...]} (or another format).")
@@ -79,15 +80,18 @@ def main(config: Config) -> dict[str, Any]:
     ``checkpoints`` (``tinker://`` state paths) and ``steps``.
 
     Raises:
-        ValueError: fewer training examples than ``batch_size``; the builder's errors for bad data
-            (naming file, line and field).
+        ValueError: fewer training examples than ``batch_size``; the server names no tokenizer and
+            ``tokenizer`` is unset; the builder's errors for bad data (naming file, line and field).
     """
     # 1. the clients: one LoRA training client; the tokenizer the server names for the model
     service = tinker.ServiceClient(base_url=config.base_url)
     training = service.create_lora_training_client(
         base_model=config.model, rank=config.lora_rank, seed=config.seed
     ).result()
-    tokenizer = resolve_tokenizer(training.get_info().model_data.tokenizer_id)
+    tokenizer_id = config.tokenizer or training.get_info().model_data.tokenizer_id
+    if tokenizer_id is None:
+        raise ValueError(f"the server names no tokenizer for model {config.model!r}: give tokenizer=<directory or id>")
+    tokenizer = resolve_tokenizer(tokenizer_id)
     renderer = resolve_renderer_name(config.renderer, tokenizer)
 
     # 2. the data: read, split, render (tokens and loss weights per example)
@@ -101,6 +105,8 @@ def main(config: Config) -> dict[str, Any]:
         test_size=int(config.test_size) if config.test_size >= 1 else config.test_size,
         data_order=config.data_order,
     ).build(tokenizer)
+    if len(data.train) < config.batch_size:
+        raise ValueError(f"batch_size={config.batch_size} is larger than the training set ({len(data.train)} examples)")
     total = config.max_steps or len(data.train) // config.batch_size * config.num_epochs
     keep_untrained = config.on_too_long == "truncate_keep"
 
