@@ -60,7 +60,7 @@ from prefect_tinker.recipes.rl.types import EnvGroupBuilder, Trajectory, Traject
 from prefect_tinker.recipes.schedule import LRScheduleFields
 from prefect_tinker.recipes.tokenizers import resolve_tokenizer
 
-__all__ = ["Config", "main"]
+__all__ = ["Config", "main", "train"]
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +134,12 @@ def sample_group(sampler: Any, builder: EnvGroupBuilder, config: Config, seed: i
 
 
 def main(config: Config) -> dict[str, Any]:
+    """:func:`train` with a service client of ``config.base_url``, closed at the end."""
+    with tinker.ServiceClient(base_url=config.base_url) as service:
+        return train(service, config)
+
+
+def train(service: tinker.ServiceClient, config: Config) -> dict[str, Any]:
     """Train as the module docstring says; returns ``rewards`` (mean reward per step),
     ``kl_policy_ref`` (per step, with the KL penalty on), ``checkpoints`` (``tinker://`` state
     paths) and ``steps``.
@@ -144,7 +150,6 @@ def main(config: Config) -> dict[str, Any]:
             server names none and ``tokenizer`` is unset).
     """
     # the clients: a LoRA training client, the tokenizer the server names, the KL reference (the base model)
-    service = tinker.ServiceClient(base_url=config.base_url)
     training = service.create_lora_training_client(
         base_model=config.model, rank=config.lora_rank, seed=config.seed
     ).result()

@@ -41,7 +41,7 @@ from prefect_tinker.recipes.renderers import resolve_renderer_name
 from prefect_tinker.recipes.schedule import LRScheduleFields
 from prefect_tinker.recipes.tokenizers import resolve_tokenizer
 
-__all__ = ["Config", "main"]
+__all__ = ["Config", "main", "train"]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,12 @@ class Config(LRScheduleFields):
 
 
 def main(config: Config) -> dict[str, Any]:
+    """:func:`train` with a service client of ``config.base_url``, closed at the end."""
+    with tinker.ServiceClient(base_url=config.base_url) as service:
+        return train(service, config)
+
+
+def train(service: tinker.ServiceClient, config: Config) -> dict[str, Any]:
     """Train as the module docstring says; returns ``losses`` (per step, nats per trained token),
     ``learning_rates``, ``test_nll`` (nats per token; None without held-out examples),
     ``checkpoints`` (``tinker://`` state paths) and ``steps``.
@@ -84,7 +90,6 @@ def main(config: Config) -> dict[str, Any]:
             ``tokenizer`` is unset; the builder's errors for bad data (naming file, line and field).
     """
     # 1. the clients: one LoRA training client; the tokenizer the server names for the model
-    service = tinker.ServiceClient(base_url=config.base_url)
     training = service.create_lora_training_client(
         base_model=config.model, rank=config.lora_rank, seed=config.seed
     ).result()
