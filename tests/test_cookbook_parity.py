@@ -13,7 +13,6 @@ Needs the cookbook in ``.cookbook/`` (``scripts/setup.sh`` installs it); skips w
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import pytest
 
 from benchmarks import cookbook_parity as cp
 from tests import inproc_server
+from tests.recorded_requests import mark, since
 
 ROOT = Path(__file__).resolve().parents[1]
 COOKBOOK = ROOT / ".cookbook"
@@ -107,36 +107,22 @@ def server(tmp_path_factory):
     srv.stop()
 
 
-def _mark(folder: Path) -> dict[Path, int]:
-    """How many entries each session's request log holds now."""
-    return {p: len(p.read_text().splitlines()) for p in folder.glob("*.jsonl")} if folder.is_dir() else {}
-
-
-def _since(folder: Path, mark: dict[Path, int]) -> list[dict]:
-    """The request-log entries written after ``mark``, session after session (in-process flows reuse the
-    process's SDK session, so a run's entries may follow an earlier run's in the same file)."""
-    out: list[dict] = []
-    for p in sorted(folder.glob("*.jsonl"), key=lambda p: p.stat().st_mtime):
-        out.extend(json.loads(line) for line in p.read_text().splitlines()[mark.get(p, 0) :] if line)
-    return out
-
-
 def _cookbook(server, tmp_path: Path, code: str, args: dict) -> list[dict]:
-    mark = _mark(server.requests)
+    marked = mark(server.requests)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TINKER_")}
     env.update(TINKER_BASE_URL=server.base_url, TINKER_API_KEY=cp.API_KEY, PYTHONPATH=str(COOKBOOK))
     env["WANDB_MODE"] = "disabled"
     a = {"model": "tiny", "tokenizer_dir": server.tokenizer_dir, "log": str(tmp_path / "cookbook"), **args}
     out = subprocess.run(cp.cookbook_command(code, a), env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return _since(server.requests, mark)
+    return since(server.requests, marked)
 
 
 def _ours(server, monkeypatch, flow, config) -> list[dict]:
-    mark = _mark(server.requests)
+    marked = mark(server.requests)
     monkeypatch.setenv("TINKER_API_KEY", cp.API_KEY)
     flow(config=config)
-    return _since(server.requests, mark)
+    return since(server.requests, marked)
 
 
 def _assert_identical(
