@@ -155,36 +155,37 @@ HAND_BUILT = textwrap.dedent("""
     from PIL import Image
 
     base_url, api_key, folder = sys.argv[1:4]
-    svc = tinker.ServiceClient(base_url=base_url, api_key=api_key)
-    trainer = svc.create_lora_training_client(base_model="tiny-vl", rank=4).result()
-    tok = trainer.get_tokenizer()
-    sampler = trainer.save_weights_and_get_sampling_client().result()
-    cfg = json.load(open(folder + "/preprocessor_config.json"))
-    img = Image.fromarray((np.random.default_rng(0).random((48, 80, 3)) * 255).astype("uint8"))
-    buf = io.BytesIO(); img.save(buf, format="PNG"); img.save(folder + "/../hand.png")
-    f = cfg["patch_size"] * cfg["merge_size"]
-    n = (round(48 / f) * f // cfg["patch_size"]) * (round(80 / f) * f // cfg["patch_size"]) // cfg["merge_size"] ** 2
-    head = tok.encode("<|im_start|>user\\n<|vision_start|>", add_special_tokens=False)
-    tail = tok.encode(
-        "<|vision_end|>What is the name of the subject in this photo?<|im_end|>\\n<|im_start|>assistant\\n",
-        add_special_tokens=False,
-    )
-    params = tinker.SamplingParams(max_tokens=6, temperature=0.0)
-    out = {"n": n}
-    for kind, chunk in [("bytes", tinker.types.ImageChunk(data=buf.getvalue(), format="png", expected_tokens=n)),
-                        ("pointer", tinker.types.ImageAssetPointerChunk(location=folder + "/../hand.png", format="png",
-                                                                        expected_tokens=n))]:
-        prompt = tinker.ModelInput(
-            chunks=[tinker.EncodedTextChunk(tokens=head), chunk, tinker.EncodedTextChunk(tokens=tail)]
+    # closed before exit: no SDK thread (event loop, heartbeat) is left running at interpreter shutdown
+    with tinker.ServiceClient(base_url=base_url, api_key=api_key) as svc:
+        trainer = svc.create_lora_training_client(base_model="tiny-vl", rank=4).result()
+        tok = trainer.get_tokenizer()
+        sampler = trainer.save_weights_and_get_sampling_client().result()
+        cfg = json.load(open(folder + "/preprocessor_config.json"))
+        img = Image.fromarray((np.random.default_rng(0).random((48, 80, 3)) * 255).astype("uint8"))
+        buf = io.BytesIO(); img.save(buf, format="PNG"); img.save(folder + "/../hand.png")
+        p, m = cfg["patch_size"], cfg["merge_size"]
+        n = (round(48 / (p * m)) * p * m // p) * (round(80 / (p * m)) * p * m // p) // m**2
+        head = tok.encode("<|im_start|>user\\n<|vision_start|>", add_special_tokens=False)
+        tail = tok.encode(
+            "<|vision_end|>What is the name of the subject in this photo?<|im_end|>\\n<|im_start|>assistant\\n",
+            add_special_tokens=False,
         )
-        res = sampler.sample(prompt, num_samples=2, sampling_params=params).result()
-        out[kind] = [list(s.tokens) for s in res.sequences]
-    try:
-        bad = tinker.types.ImageChunk(data=buf.getvalue(), format="png", expected_tokens=n + 2)
-        sampler.sample(tinker.ModelInput(chunks=[tinker.EncodedTextChunk(tokens=head), bad]), 1, params).result()
-        out["wrong"] = "accepted"
-    except tinker.RequestFailedError as e:
-        out["wrong"] = [e.category.name, str(e)]
+        params = tinker.SamplingParams(max_tokens=6, temperature=0.0)
+        out = {"n": n}
+        pointer = tinker.types.ImageAssetPointerChunk(location=folder + "/../hand.png", format="png", expected_tokens=n)
+        for kind, chunk in [("bytes", tinker.types.ImageChunk(data=buf.getvalue(), format="png", expected_tokens=n)),
+                            ("pointer", pointer)]:
+            prompt = tinker.ModelInput(
+                chunks=[tinker.EncodedTextChunk(tokens=head), chunk, tinker.EncodedTextChunk(tokens=tail)]
+            )
+            res = sampler.sample(prompt, num_samples=2, sampling_params=params).result()
+            out[kind] = [list(s.tokens) for s in res.sequences]
+        try:
+            bad = tinker.types.ImageChunk(data=buf.getvalue(), format="png", expected_tokens=n + 2)
+            sampler.sample(tinker.ModelInput(chunks=[tinker.EncodedTextChunk(tokens=head), bad]), 1, params).result()
+            out["wrong"] = "accepted"
+        except tinker.RequestFailedError as e:
+            out["wrong"] = [e.category.name, str(e)]
     print(json.dumps(out))
 """)
 
@@ -193,10 +194,12 @@ def test_hand_built_image_chunk_samples_through_the_sdk(media_server, tmp_path):
     script = tmp_path / "client.py"
     script.write_text(HAND_BUILT)
     folder = media_server.root / "models" / "tiny-vl"
-    proc = subprocess.run([sys.executable, "-I", str(script), media_server.base_url, API_KEY, str(folder)],
+    # -X faulthandler: should the client die of a signal, its stderr names the threads and where they stood
+    proc = subprocess.run([sys.executable, "-I", "-X", "faulthandler", str(script), media_server.base_url, API_KEY,
+                           str(folder)],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path,
                           env={"HF_HUB_OFFLINE": "1", "TINKER_TELEMETRY": "0", "PATH": "/usr/bin:/bin"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, f"rc {proc.returncode}\nstdout: {proc.stdout[-1000:]}\nstderr: {proc.stderr[-3000:]}"
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["n"] == 15  # 80x48 -> 80x48 at 16 px per token: 5 x 3
     assert len(out["bytes"]) == 2 and all(len(s) == 6 for s in out["bytes"])
