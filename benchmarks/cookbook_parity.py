@@ -850,9 +850,9 @@ def rl_ours(variant: str) -> Callable[[argparse.Namespace, Path], dict[str, Any]
 
 def _distill_prompts(args: argparse.Namespace, work: Path) -> Path:
     """The prompts, one ``{"prompt": text}`` line each: the first user message of each conversation of a chat
-    JSONL (``--dataset``, default ours ``recipes/data/example_chat.jsonl``), or a JSONL's ``prompt`` /
+    JSONL (``--dataset``, default ours ``prefect_tinker/recipes/data/example_chat.jsonl``), or a JSONL's ``prompt`` /
     ``question`` / ``instruction`` field; the first ``DISTILL_GROUPS * steps`` of them."""
-    src = Path(args.dataset) if args.dataset else REPO / "recipes" / "data" / "example_chat.jsonl"
+    src = Path(args.dataset) if args.dataset else REPO / "prefect_tinker" / "recipes" / "data" / "example_chat.jsonl"
     if not src.is_file():
         raise SystemExit(f"--dataset: no such file {src}")
     out, need, n = work / "distill_prompts.jsonl", DISTILL_GROUPS * args.steps, 0
@@ -913,8 +913,8 @@ COOKBOOK_SDFT_TEMPLATE = (
 def _sdft_data(args: argparse.Namespace, work: Path) -> tuple[Path, Path]:
     """Questions and golden answers, twice: ``{question, answer}`` rows for the cookbook's ``SDFTDataset`` and
     ``{messages: [user, assistant]}`` rows for ours: the first user message and the first assistant reply of each
-    conversation of a chat JSONL (``--dataset``, default ours ``recipes/data/example_chat.jsonl``)."""
-    src = Path(args.dataset) if args.dataset else REPO / "recipes" / "data" / "example_chat.jsonl"
+    conversation of a chat JSONL (``--dataset``, default ours ``prefect_tinker/recipes/data/example_chat.jsonl``)."""
+    src = Path(args.dataset) if args.dataset else REPO / "prefect_tinker" / "recipes" / "data" / "example_chat.jsonl"
     if not src.is_file():
         raise SystemExit(f"--dataset: no such file {src}")
     cb, ours = work / "sdft_cookbook.jsonl", work / "sdft_ours.jsonl"

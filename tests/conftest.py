@@ -34,7 +34,7 @@ for _name in ("PREFECT_HOME", "PREFECT_PROFILES_PATH", "PREFECT_PROFILE", "PREFE
               "RAY_AUTH_TOKEN_PATH"):
     os.environ.pop(_name, None)
 # `prefect-tinker run` without PREFECT_API_URL: the temporary Prefect API that dies with the command, not
-# the persistent local Prefect server of a user (cli/prefect_server.py); tests of that server turn it
+# the persistent local Prefect server of a user (prefect_tinker/cli/prefect_server.py); tests of that server turn it
 # on for their own HOME (tests/test_prefect_ui.py) and stop it.
 os.environ["PREFECT_TINKER_UI"] = "off"
 

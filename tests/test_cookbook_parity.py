@@ -27,7 +27,7 @@ from tests.recorded_requests import mark, since
 
 ROOT = Path(__file__).resolve().parents[1]
 COOKBOOK = ROOT / ".cookbook"
-DATA = ROOT / "recipes" / "data"
+DATA = ROOT / "prefect_tinker" / "recipes" / "data"
 
 
 CONVERSATIONS = [

@@ -1,6 +1,6 @@
 """Deployments end to end with real parts: ``prefect server start`` on 127.0.0.1, the work pool and
 deployments of ``prefect.yaml`` (``prefect --no-prompt deploy --all``), ``process`` workers, the
-zombie-run automation of ``cli/ops.py``, a ``TinkerCredentials`` block saved on that server and
+zombie-run automation of ``prefect_tinker/cli/ops.py``, a ``TinkerCredentials`` block saved on that server and
 the embedded local Tinker server (with ``--fail-every`` fault injection: the SDK retries those 503s).
 
 1. a parameterised SFT deployment run completes; store rows, artifacts (metrics table, curves PNG,

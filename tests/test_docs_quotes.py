@@ -77,7 +77,7 @@ def test_progress_md_quotes_the_messages_the_code_prints(tmp_path, capsys, monke
     quoted = _quoted(text, "## Errors before anything starts", "## The embedded server is never stale")
     real = _real_lines(tmp_path, capsys)
     # logged, not raised: the session's own words, as the interrupt test reads them from the log
-    session_source = (ROOT / "flows" / "session.py").read_text()
+    session_source = (ROOT / "prefect_tinker" / "flows" / "session.py").read_text()
     logged = "no checkpoint of run 'intr' yet: starting at step 1"
     assert '"no checkpoint of run %r yet: starting at step 1"' in session_source
     assert sorted(quoted) == sorted([*real, logged]), "\n".join(sorted(set(quoted) ^ {*real, logged}))

@@ -1,4 +1,4 @@
-"""Every shipped example config (``configs/<recipe>/<name>.yaml``, what ``prefect-tinker ls`` lists)
+"""Every shipped example config (``prefect_tinker/configs/<recipe>/<name>.yaml``, what ``prefect-tinker ls`` lists)
 runs through ``prefect-tinker run RECIPE --example NAME`` in a short mode: the example's own config
 with the step count capped (and batch, group, token and turn counts cut where a step would take long
 on the tiny model), on the session's embedded server. Each run must finish and leave its rows in the
@@ -26,7 +26,7 @@ from prefect_tinker.cli.examples import example_inputs, smollm2_installed
 from tests.data_files import data_file, word_problems, write_jsonl
 from tinker_blocks.stores import TrainingStore
 
-EXAMPLES = sorted((p.parent.name, p.stem) for p in (ROOT / "configs").glob("*/*.yaml"))
+EXAMPLES = sorted((p.parent.name, p.stem) for p in (ROOT / "prefect_tinker" / "configs").glob("*/*.yaml"))
 TEACHER = "sft-teacher"  # the run the examples needing an earlier run name
 TINY_VOCAB = 2048  # the tiny preset's vocabulary
 RL_SHORT = ["max_steps=1", "group_size=2", "groups_per_batch=2", "max_tokens=8", "save_every=0"]
@@ -166,7 +166,7 @@ def test_every_example_has_a_short_mode():
 
 @pytest.mark.parametrize("recipe,example", EXAMPLES, ids=[f"{r}/{e}" for r, e in EXAMPLES])
 def test_example_runs_in_short_mode(recipe, example, example_store, local_credentials, tmp_path, capsys):
-    inputs = example_inputs(recipe, example, ROOT / "configs" / recipe / f"{example}.yaml")
+    inputs = example_inputs(recipe, example, ROOT / "prefect_tinker" / "configs" / recipe / f"{example}.yaml")
     for relative in inputs.data:
         data_file(relative)  # skips when the data is not found; the run resolves example-data: the same way
     if inputs.smollm2 and not smollm2_installed():

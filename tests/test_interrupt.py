@@ -1,4 +1,4 @@
-"""Ctrl-C keeps the work (flows/interrupts.py): real SIGINTs, to the running process.
+"""Ctrl-C keeps the work (prefect_tinker/flows/interrupts.py): real SIGINTs, to the running process.
 
 In-process, for every recipe on the shared run session and step loop: a SIGINT after step 1
 ends the flow run ``Cancelled`` with the one line, the state checkpoint at step 1 (with its

@@ -1,44 +1,33 @@
-"""The checkout is the import tree (pyproject.toml's one package-dir mapping): no symlinks among the
-package folders, every folder with an ``__init__.py`` is a listed package, and the mapped names import
-from the folders the mapping names."""
+"""The checkout is the import tree (plain layout): a module's import name is its path, every folder with an
+``__init__.py`` under the three top-level packages is a package the wheel installs, no package folder or file is a
+link. (Folder-walking tools read the checkout as it is: scripts/lint.sh, the first step of scripts/test.sh, runs
+``lint-imports`` and ``mypy`` plainly at the repository root.)"""
 
 import importlib
-import tomllib
 from pathlib import Path
 
+from setuptools import find_packages
+
 ROOT = Path(__file__).resolve().parent.parent
-SETUPTOOLS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+TOP_LEVEL = ("prefect_tinker", "tinker_blocks", "tinker_local")
 
 
-def _folder(package: str) -> Path:
-    """The checkout folder of ``package`` by the mapping (longest mapped prefix wins)."""
-    parts = package.split(".")
-    for n in range(len(parts), 0, -1):
-        prefix = ".".join(parts[:n])
-        if prefix in SETUPTOOLS["package-dir"]:
-            return ROOT / SETUPTOOLS["package-dir"][prefix] / Path(*parts[n:])
-    return ROOT / Path(*parts)
-
-
-def test_every_package_folder_is_listed_and_no_folder_is_a_symlink():
-    listed = {_folder(p).resolve() for p in SETUPTOOLS["packages"]}
-    roots = {_folder(p) for p in SETUPTOOLS["packages"] if "." not in p} | {
-        ROOT / f for f in SETUPTOOLS["package-dir"].values()
+def test_every_package_folder_is_installed_and_no_file_is_a_link():
+    found = {
+        ".".join(init.parent.relative_to(ROOT).parts)
+        for top in TOP_LEVEL
+        for init in (ROOT / top).rglob("__init__.py")
+        if "__pycache__" not in init.parts
     }
-    found = set()
-    for root in roots:
-        assert not root.is_symlink(), root
-        for init in root.rglob("__init__.py"):
-            assert "__pycache__" not in init.parts
-            found.add(init.parent.resolve())
-    assert found == listed
-    links = [p for p in (ROOT / "prefect_tinker").rglob("*") if p.is_symlink()]
+    installed = set(find_packages(str(ROOT), include=[f"{t}*" for t in TOP_LEVEL]))
+    assert found == installed
+    assert {"prefect_tinker.flows", "prefect_tinker.tasks", "prefect_tinker.recipes.rl.envs"} <= installed
+    links = [p for top in TOP_LEVEL for p in (ROOT / top).rglob("*") if p.is_symlink()]
     assert links == []
 
 
-def test_mapped_packages_import_from_their_folders():
-    for package, folder in SETUPTOOLS["package-dir"].items():
-        module = importlib.import_module(package)
-        assert [Path(p).resolve() for p in module.__path__] == [(ROOT / folder).resolve()], package
-    sft = importlib.import_module("prefect_tinker.flows.sft")
-    assert Path(sft.__file__).resolve() == (ROOT / "flows" / "sft.py").resolve()
+def test_modules_import_from_the_folder_their_name_spells():
+    for name in ("prefect_tinker.flows.sft", "prefect_tinker.cli.main", "tinker_local.engine", "tinker_blocks.stores"):
+        module = importlib.import_module(name)
+        assert Path(module.__file__).resolve() == (ROOT / Path(*name.split("."))).with_suffix(".py").resolve()
+

@@ -1,4 +1,4 @@
-"""The persistent local Prefect server with its UI (cli/prefect_server.py, ``prefect-tinker ui``).
+"""The persistent local Prefect server with its UI (prefect_tinker/cli/prefect_server.py, ``prefect-tinker ui``).
 
 A real ``prefect-tinker run`` in a throw-away HOME starts the server; the link it prints answers while
 the run goes on and, after the command ended, opens the run in headless Chromium (Debian's package), with

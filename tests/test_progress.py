@@ -1,4 +1,4 @@
-"""Live progress in the terminal (recipes/progress.py, the step loop, `prefect-tinker run --quiet |
+"""Live progress in the terminal (prefect_tinker/recipes/progress.py, the step loop, `prefect-tinker run --quiet |
 --json-progress`): the lines carry the values the run writes to its store."""
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from benchmarks import cookbook_parity as cp
 from tests import inproc_server
 from tests.recorded_requests import mark, since
 
-DATA = Path(__file__).resolve().parents[1] / "recipes" / "data"
+DATA = Path(__file__).resolve().parents[1] / "prefect_tinker" / "recipes" / "data"
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +85,7 @@ def test_sl_loop_sends_what_the_sft_flow_sends(server, tmp_path, monkeypatch, pr
     )
 
     _assert_same("sft", flow, loop, steps)
-    # warmup to the peak, then linear decay (recipes/schedule.py's formula, computed here)
+    # warmup to the peak, then linear decay (prefect_tinker/recipes/schedule.py's formula, computed here)
     expected = [lr, lr * (1 - 0 / 2), lr * (1 - 1 / 2)]  # step 0: warmup 1/1; then (step - 1) / (3 - 1) decayed
     assert _learning_rates(loop) == pytest.approx(expected, rel=1e-12) and result["learning_rates"] == expected
     # the loss each side reports (the loop: from the response; the flow: read back from its store, float32)

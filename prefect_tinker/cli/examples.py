@@ -273,7 +273,7 @@ def main_fetch_test_data(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="fetch_test_data.py",
         description="Download the test and example data from its public sources (or copy it from a "
-        "local mirror folder) and check every file against recipes/data/SHA256SUMS.",
+        "local mirror folder) and check every file against prefect_tinker/recipes/data/SHA256SUMS.",
     )
     p.add_argument("--from", dest="mirror", metavar="DIR", help="a local folder laid out like the data")
     p.add_argument("--dest", metavar="DIR", help=f"the folder to fill (default: the cache, now {cache_dir()})")

@@ -4,7 +4,7 @@ Ten files of public, permissively licensed data (:data:`DATA_FILES`: GSM8K, self
 tasks, a Dolly slice, HH-RLHF harmless comparisons, HumanEval, and the SmolLM2-135M-Instruct
 tokenizer) serve the tests, the benchmarks and the example configs that name them as
 ``example-data:<path>`` (e.g. ``dataset: example-data:prefs/hh_rlhf_harmless_base_test.jsonl.gz``).
-None of them is part of the package; their SHA-256 sums are (``recipes/data/SHA256SUMS``).
+None of them is part of the package; their SHA-256 sums are (``prefect_tinker/recipes/data/SHA256SUMS``).
 
 Lookup (:func:`find_data`), file by file, first hit wins:
 
@@ -141,7 +141,7 @@ class DataFetchError(RuntimeError):
 
 
 def sha256sums() -> dict[str, str]:
-    """``{path inside the data folder: sha256 hex}`` from ``recipes/data/SHA256SUMS``."""
+    """``{path inside the data folder: sha256 hex}`` from ``prefect_tinker/recipes/data/SHA256SUMS``."""
     out = {}
     for line in _SUMS.read_text().splitlines():
         if line.strip():
