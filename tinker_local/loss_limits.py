@@ -216,7 +216,7 @@ def predict(
     if not tensors:
         return call(*args, **kwargs)
     leaf = _leaf(target)
-    if fast and leaf in _ELEMENTWISE and not any(isinstance(a, (list, tuple)) for a in args):
+    if fast and _elementwise(leaf, args, kwargs):
         shape = torch.broadcast_shapes(*(t.shape for t in tensors))
         return _Shape(shape)
     with _assume_all_nonzero():
@@ -230,6 +230,15 @@ def predict(
                 f"{where}: a matrix product of {macs} multiply-adds is over the limit of {limits.max_macs}"
             )
     return out
+
+
+def _elementwise(leaf: str, args: tuple, kwargs: dict) -> bool:
+    """Whether the call's output is one tensor of its tensor arguments' broadcast shape: an
+    element-wise name, no sequence argument, and not one-argument ``where`` (a tuple of index
+    tensors, like ``nonzero(as_tuple=True)``)."""
+    if leaf not in _ELEMENTWISE or any(isinstance(a, (list, tuple)) for a in args):
+        return False
+    return not (leaf == "where" and len(args) + len(kwargs) == 1)
 
 
 class _assume_all_nonzero:
