@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from tinker_local.custom_loss import CustomLossError, compile_graph
-from tinker_local.loss_limits import GraphLimits
+from tinker_local.custom_loss import compile_graph
+from tinker_local.loss_limits import CustomLossError, GraphLimits
 
 
 def _graph(fn, ranks: dict[str, int]):

@@ -24,6 +24,9 @@ prediction is over a bound:
 The upload itself is checked once at probe shapes (``PROBE_T`` tokens, ``PROBE_K`` columns), which
 catches chains whose growth does not depend on the data (40 nested ``pow(x, 1024)``, 40 nested
 ``cat([x, x])``); every request is then checked node by node at its real shapes.
+
+``CustomLossError`` (a user error) is what the custom-loss modules raise for a loss they refuse
+or that failed on its inputs; a ``GraphLimitError`` is reported as one.
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ from .outcomes import UserError
 
 PROBE_T = 64  # tokens of a datum when an upload is checked
 PROBE_K = 8  # columns of rank-2 inputs when an upload is checked
+
+
+class CustomLossError(UserError):
+    """An uploaded loss tinker_local will not run, or one that failed on its inputs (user error)."""
 
 
 class GraphLimitError(UserError):
