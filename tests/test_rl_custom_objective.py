@@ -203,3 +203,24 @@ def test_server_side_and_client_side_paths_agree_with_a_computation_by_hand(env)
     moved = max(float(np.abs(a - np.asarray(d)).max())
                 for a, d in zip(server_after, [o for o in server_out.logprobs], strict=True))
     assert moved > 1e-3  # the step changed the weights
+
+
+def test_the_rl_flow_trains_with_the_objective_on_the_server(env, prefect_api, local_credentials, tmp_path, capsys):
+    """``loss_fn=<the plugin's objective loss>`` through the whole RL flow: the loss was uploaded in
+    the credentials' session (the SDK refuses a second upload of it) and runs on the server; the
+    step's rows are recorded."""
+    from prefect_tinker.flows.rl import rl_flow
+    from tests.test_rl_flow import REQUIRED, _config, _sql
+
+    store = tmp_path / "store"
+    config = _config(local_credentials, store, "objective-run", loss_fn=ClippedPG.name,
+                     loss_options={"epsilon": 0.15}, max_steps=1, save_every=0)
+    assert rl_flow(config)["steps"] == 1
+    fn = ClippedPG.from_options({"epsilon": 0.15}).objective()
+    ranks = {"logprobs": 1, "advantages": 1, "sampling_logprobs": 1, "mask": 1}
+    with pytest.raises(ValueError, match="already created"):
+        local_credentials.get_client().create_custom_loss(fn, ranks).result(timeout=60)
+    assert custom_loss(local_credentials, fn, ranks).loss_id is not None  # the flow's: computed on the server
+    rows = {r["name"]: r["value"] for r in _sql(capsys, store, "SELECT name, value FROM metrics "
+                                                            "WHERE run_id='objective-run'")}
+    assert REQUIRED <= set(rows) and np.isfinite(rows["train/loss_sum"])
