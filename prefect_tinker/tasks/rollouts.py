@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import tinker
 from prefect import task
-from prefect.cache_policies import TASK_SOURCE, CacheKeyFnPolicy
 from pydantic import BaseModel, Field
 
 from prefect_tinker.recipes.media import has_media, media_key, model_input_from_tokens
@@ -51,7 +50,7 @@ from prefect_tinker.recipes.rl.types import (
 )
 from prefect_tinker.tasks.clients import sampling_client
 from prefect_tinker.tasks.judge import judge_reply
-from prefect_tinker.tasks.policies import RETRY_OPTIONS
+from prefect_tinker.tasks.policies import cached_options
 from prefect_tinker.tasks.reward_model import pair_preferences
 
 if TYPE_CHECKING:
@@ -338,9 +337,7 @@ def _rollout_cache_key(context: Any, params: dict[str, Any]) -> str:
     name="rollout-group",
     # batch and group, then the training step of the sampler weights it rolls out (the policy version)
     task_run_name="rollout-b{batch_index}-g{group_index}-step-{sampler_step}",
-    cache_policy=TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_rollout_cache_key),
-    persist_result=True,
-    **RETRY_OPTIONS,
+    **cached_options(_rollout_cache_key),
 )
 def rollout_group(
     credentials: TinkerCredentials,
@@ -400,9 +397,7 @@ def _ref_cache_key(context: Any, params: dict[str, Any]) -> str:
 
 @task(
     name="reference-logprobs",
-    cache_policy=TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_ref_cache_key),
-    persist_result=True,
-    **RETRY_OPTIONS,
+    **cached_options(_ref_cache_key),
 )
 def reference_logprobs(credentials: TinkerCredentials, reference: str, sequences: list[list[int]]) -> list[list[float]]:
     """Logprobs (L-1,) of tokens 1..L-1 of each sequence (L,) under the reference weights
