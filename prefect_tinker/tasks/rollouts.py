@@ -223,8 +223,12 @@ def run_group_rollout(
         envs = list(builder.make_envs_in(ctx))
     except Exception as exc:  # the whole group's envs are broken: no member can run
         raise RolloutError(f"{where}: make_envs failed: {exc}") from exc
-    run = _run_shared if builder.shared_episode else _run_members
-    trajs, errors, messages = run(builder, envs, ctx, sampler, policy, where, max_tokens, temperature, usage)
+    if builder.shared_episode:
+        trajs, errors, messages = _run_shared(builder, envs, ctx, policy, where)
+    else:
+        trajs, errors, messages = _run_members(
+            builder, envs, ctx, sampler, policy, where, max_tokens, temperature, usage
+        )
     if policy.mode == "min_viable" and len(trajs) < min(policy.min_group_size, len(envs)):
         trajs = []
     rewards = builder.compute_group_rewards_in(ctx, trajs) if trajs else []
@@ -299,17 +303,10 @@ def _run_members(
 
 
 def _run_shared(
-    builder: EnvGroupBuilder,
-    envs: list,
-    ctx: RolloutContext,
-    sampler: Any,
-    policy: RolloutPolicy,
-    where: str,
-    max_tokens: int,
-    temperature: float,
-    usage: dict[str, float],
+    builder: EnvGroupBuilder, envs: list, ctx: RolloutContext, policy: RolloutPolicy, where: str
 ) -> tuple[list[Trajectory], int, list[str]]:
-    """One shared episode of all envs (``builder.run_group``), replayed under ``retry``."""
+    """One shared episode of all envs (``builder.run_group``, which samples through ``ctx``), replayed
+    under ``retry``."""
     errors, messages, attempt = 0, list[str](), 0
     while True:
         try:
