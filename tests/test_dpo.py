@@ -44,11 +44,6 @@ def _write(path, rows, gz=False) -> str:
 
 
 # ----- data ---------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def clean(local_servers):
-    return local_servers["clean"]
-
-
 def test_preference_formats_and_field_mapping(clean, tmp_path):
     tok = _tiny_tokenizer(clean)
     # our own layout, nothing like shared/: a question, and the two answers nested under other names
@@ -124,13 +119,6 @@ def test_bad_preference_data_is_named_or_counted(clean, tmp_path):
 
 
 # ----- the losses through the SDK -----------------------------------------------------------------
-@pytest.fixture(scope="module")
-def service(clean):
-    sc = tinker.ServiceClient(base_url=clean.base_url, api_key=API_KEY)
-    yield sc
-    sc.close("success").result(timeout=30)
-
-
 def _torch_loss(kind: str, h: torch.Tensor, beta: float, eps: float) -> torch.Tensor:
     """The three losses written out independently (float64, mean over pairs)."""
     if kind == "dpo":

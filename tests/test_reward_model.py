@@ -144,11 +144,6 @@ def test_group_rewards_equal_an_independent_computation(matchup_size):
 
 # ----- against a real reward model on the fp32 server --------------------------------------------------
 @pytest.fixture(scope="module")
-def clean(local_servers):
-    return local_servers["clean"]
-
-
-@pytest.fixture(scope="module")
 def rm(clean, tmp_path_factory):
     """A tiny reward model trained a few steps on our own comparisons (non-zero LoRA deltas):
     ``(credentials, sampler path, its adapter dir, data, tokenizer)``."""
