@@ -25,6 +25,8 @@ quick. Groups:
 - **RL objectives**: :class:`RLLoss`, :func:`register_loss`, :data:`LOSSES` (group
   ``prefect_tinker.losses``), :class:`AdvantageEstimator`, :func:`register_advantage_estimator`,
   :data:`ADVANTAGE_ESTIMATORS` (group ``prefect_tinker.advantages``);
+- **RL schedules**: :class:`Schedule` (orders one RL step over :class:`RLLoopParts`),
+  :func:`register_schedule`, :data:`SCHEDULES` (group ``prefect_tinker.schedules``);
 - **renderers, graders, data formats**: :class:`Renderer`, :func:`register_renderer`,
   :data:`RENDERERS`; :data:`GRADERS`, :func:`register_grader`, :data:`CODE_RUNNERS`,
   :func:`register_code_runner`; :class:`DataFormat`, :class:`FormatOptions`, :data:`CONVERTERS`,
@@ -76,6 +78,11 @@ _MODULES: dict[str, str] = {
     "AdvantageEstimator": "prefect_tinker.recipes.rl.advantages",
     "register_advantage_estimator": "prefect_tinker.recipes.rl.advantages",
     "ADVANTAGE_ESTIMATORS": "prefect_tinker.recipes.rl.advantages",
+    # RL schedules
+    "Schedule": "prefect_tinker.flows.rl_schedules",
+    "RLLoopParts": "prefect_tinker.flows.rl_schedules",
+    "register_schedule": "prefect_tinker.flows.rl_schedules",
+    "SCHEDULES": "prefect_tinker.flows.rl_config",
     # renderers, graders, data formats
     "Renderer": "prefect_tinker.recipes.renderers",
     "register_renderer": "prefect_tinker.recipes.renderers",
@@ -110,6 +117,8 @@ if TYPE_CHECKING:
     from prefect_tinker.flows.interrupts import recipe_flow
     from prefect_tinker.flows.loop import StepLoop
     from prefect_tinker.flows.registry import RECIPES, Recipe
+    from prefect_tinker.flows.rl_config import SCHEDULES
+    from prefect_tinker.flows.rl_schedules import RLLoopParts, Schedule, register_schedule
     from prefect_tinker.flows.session import RunSession
     from prefect_tinker.recipes.data_sources import CONVERTERS, register_converter
     from prefect_tinker.recipes.evals.benchmarks import BENCHMARKS, BenchmarkSpec

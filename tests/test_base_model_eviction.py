@@ -4,6 +4,8 @@ compared step by step with an engine that never unloads anything."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import numpy as np
 
 from tests.engine_helpers import make_datums
@@ -47,3 +49,25 @@ def test_an_unloaded_base_model_comes_back_with_its_adapters_parked_bit_exactly(
     assert list(bounded.resident_bases()) == [hf]  # tiny went again for the last forward of b
     assert bounded.base_loads == {"tiny": 2, hf: 2}
     assert free.base_loads == {"tiny": 1, hf: 1}
+
+
+def test_resident_bases_reads_no_model_an_unload_may_clear_meanwhile(tmp_path):
+    """``GET local_stats`` reads ``resident_bases`` without the engine lock: a base model unloaded
+    between its snapshot and its byte count (``model`` set to None) still reports the bytes of its
+    parameters and buffers as loaded."""
+    engine = Engine(tmp_path / "e", dtype="fp32", device="cpu", num_threads=1)
+    engine.load_base_model("tiny")
+    state = engine._bases["tiny"]
+    want = sum(t.numel() * t.element_size() for t in [*state.model.parameters(), *state.model.buffers()])
+    assert want > 1e6
+
+    class UnloadAfterSnapshot(OrderedDict):
+        def items(self):  # the compute thread unloads everything right after the snapshot is taken
+            snapshot = list(super().items())
+            engine.max_base_bytes = 0
+            engine._make_room(1, "other")
+            return snapshot
+
+    engine._bases = UnloadAfterSnapshot(engine._bases)
+    assert engine.resident_bases() == {"tiny": {"bytes": want, "loads": 1}}
+    assert state.model is None and not engine._bases  # the unload did happen in between

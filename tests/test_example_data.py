@@ -67,6 +67,13 @@ def test_lookup_order_is_env_then_shared_then_cache(monkeypatch, tmp_path):
     assert ed.cache_dir() == tmp_path / "xdg" / "prefect-tinker" / "test-data"
 
 
+def test_the_checkout_s_shared_data_folder_is_looked_up(monkeypatch):
+    # unpatched: the folder beside this checkout (what CI and a developer's clone have), found from the module
+    monkeypatch.delenv(ed.DATA_ENV, raising=False)
+    root = Path(__file__).resolve().parents[1]
+    assert ("../shared/data", root.parent / "shared" / "data") in ed.data_roots()
+
+
 def test_fetch_over_http_checks_every_file_and_writes_nothing_wrong(tmp_path):
     """The network path against a local HTTP server laid out like raw.githubusercontent.com: files
     come from {base}/{repo}/{commit}/{path}, the Dolly chats are derived from the raw file, and a file

@@ -92,9 +92,9 @@ def test_sequences_whose_ids_came_late_are_counted_and_said_once(server, monkeyp
     """The request thread is held up after queueing (its sequence ids come only once the batch gave
     up waiting for them, after 0.05 s): each such request is counted in ``local_stats``, one
     warning says so, and provenance naming its sequences is refused as unknown."""
-    from tinker_local import protocol, service_sampling
+    from tinker_local import protocol_sampling, service_sampling
 
-    made = protocol.sequence_ids
+    made = protocol_sampling.sequence_ids
     calls: list[str] = []
 
     def late(request_id: str, n: int) -> list[str]:  # the ids come once the batch gave up on them
@@ -112,7 +112,7 @@ def test_sequences_whose_ids_came_late_are_counted_and_said_once(server, monkeyp
         tc = sc.create_lora_training_client("tiny", rank=2, seed=0).result(timeout=120)
         sampler = tc.save_weights_and_get_sampling_client(record_stability_info=True).result(timeout=60)
         before = _local_stats(server.base_url)["sampling"]["stability_not_recorded"]
-        monkeypatch.setattr(protocol, "sequence_ids", late)
+        monkeypatch.setattr(protocol_sampling, "sequence_ids", late)
         prompt = [5, 6, 7, 8]
         with caplog.at_level("WARNING", logger="tinker_local.sampling"):
             results = [sampler.sample(types.ModelInput.from_ints(prompt), 1,

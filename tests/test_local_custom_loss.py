@@ -24,7 +24,8 @@ from tinker import types
 from tinker.lib.public_interfaces.custom_loss import encode_graph
 from tests import inproc_server
 from tests.local_server import ReferenceLoRA, make_hf_model_dir
-from tinker_local.custom_loss import CustomLossError, compile_graph
+from tinker_local.custom_loss import compile_graph
+from tinker_local.loss_limits import CustomLossError
 
 KEY = "tml-custom-loss-tests"
 LR = EPS = 1000.0  # delta = lr g / (|g| + eps) ~ g for |g| << eps, and exactly invertible

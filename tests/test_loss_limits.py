@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tests.adversarial_losses import cat_chain, outer, pow_chain
-from tinker_local.custom_loss import CustomLossError, compile_graph
-from tinker_local.loss_limits import GraphLimits
+from tinker_local.custom_loss import compile_graph
+from tinker_local.loss_limits import CustomLossError, GraphLimits
 
 
 def _graph(fn, ranks: dict[str, int]):
@@ -134,3 +134,23 @@ def test_data_dependent_shapes_are_bounded_and_computed_exactly():
     got = _compile(masked_mean).bind(1)(lp, {"__index__": 0}, {})
     keep = lp > -2.0
     assert torch.equal(got, -(lp[keep].sum() / keep.sum().clamp(min=1)))
+
+
+def where_indices(logprobs, table):  # one-argument where: the indices of the non-zero elements, one tensor per dim
+    idx = torch.where(table > 0)
+    return logprobs.sum() + (idx[0] + idx[1]).sum() * 0.0, {}
+
+
+def test_one_argument_where_is_counted_as_the_index_tensors_it_returns():
+    lp = -torch.rand(5)
+    table = torch.rand(6, 7) + 0.5  # every element > 0: the bound of all-non-zero is the real size
+    bound = _compile(where_indices, ranks={"logprobs": 1, "table": 2}).bind(1)
+    got = bound(lp, {"__index__": 0, "table": table}, {})
+    mask = table > 0
+    idx = torch.where(mask)
+    assert torch.equal(got, lp.sum() + (idx[0] + idx[1]).sum() * 0.0)
+    summed = lp.sum()
+    both = idx[0] + idx[1]
+    real = [mask, *idx, summed, idx[0], idx[1], both, both.sum(), both.sum() * 0.0, got]  # the nodes' outputs
+    assert [n.target for n in bound.loss.nodes if n.op != "placeholder"][:2] == ["operator.gt", "torch.where"]
+    assert bound.meter.elements == sum(t.numel() for t in real) == 42 * 6 + 4

@@ -12,7 +12,13 @@ import pytest
 from prefect_tinker.cli import main as cli
 from prefect_tinker.recipes.gate import GateConfig, decide, item_scores, paired_bootstrap
 from prefect_tinker.tasks.models import alias_row
-from tinker_blocks.model_registry import ModelRegistry, WeightsRefError, parse_alias_ref, resolve_weights
+from tinker_blocks.model_registry import (
+    AliasChangedError,
+    ModelRegistry,
+    WeightsRefError,
+    parse_alias_ref,
+    resolve_weights,
+)
 from tinker_blocks.stores import TrainingStore
 
 
@@ -87,6 +93,23 @@ def test_aliases_are_append_only_history_with_rollback(store):
     assert resolve_weights(store, "alias:assistant@champion").checkpoint == w_a.checkpoint
     reg.undo(parts)
     assert resolve_weights(store, "alias:assistant@champion").checkpoint == "tiny"
+
+
+def test_a_change_computed_from_a_stale_value_is_refused_and_a_retried_write_lands_once(store):
+    reg = ModelRegistry(store)
+    w_a, w_b = resolve_weights(store, "run:a"), resolve_weights(store, "run:b")
+    reg.write(alias_row(store, "assistant", "champion", "promote", w_a))
+    first = alias_row(store, "assistant", "champion", "promote", w_b)  # both computed while a is champion
+    second = alias_row(store, "assistant", "champion", "promote", resolve_weights(store, "tiny"))
+    assert first["previous"] == second["previous"] == w_a.checkpoint and first["row_id"] != second["row_id"]
+    assert reg.write(first)
+    assert reg.write(first) == []  # the same change again (a retried task whose write had landed): no new row
+    stale = rf"assistant@champion holds {w_b.checkpoint} now, not {w_a.checkpoint}"
+    with pytest.raises(AliasChangedError, match=stale):
+        reg.write(second)
+    rows = store.query("SELECT checkpoint FROM models WHERE line = 'assistant' ORDER BY time")
+    assert [r["checkpoint"] for r in rows] == [w_a.checkpoint, w_b.checkpoint]
+    assert [r["checkpoint"] for r in reg.stack("assistant")] == [w_a.checkpoint, w_b.checkpoint]
 
 
 def test_model_field_reference_starts_the_run_from_the_alias(store):

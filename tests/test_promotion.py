@@ -147,6 +147,17 @@ def test_promotion_gate_decides_from_paired_samples_and_moves_the_alias(trained,
     assert store.query("SELECT count(*) AS n FROM models WHERE alias = 'champion'")[0]["n"] == 1
     monkeypatch.undo()
 
+    # other evaluations of the same weights under the same key (a training run's in-loop evaluator with
+    # another limit and more completions): the gate reads only this evaluation's examples and completions
+    evals = EvalStore(root=store.root)
+    (key,) = evals.query("SELECT DISTINCT run_id, step FROM eval_samples WHERE eval_name = 'mine' AND checkpoint = ?",
+                         [cand.checkpoint])
+    evals.write_rows("eval_samples", [
+        {**key, "checkpoint": cand.checkpoint, "eval_name": "mine", "example_id": ex, "sample_index": i,
+         "correct": False, "score": 0.0}
+        for ex, i in [*((f"q{j}", 1) for j in range(8)), ("extra0", 0), ("extra1", 0)]
+    ])
+
     won = promote_flow(cfg)
     assert won["promoted"] and won["decision"]["low"] > 0
     champ = resolve_weights(store, f"alias:{LINE}")
@@ -155,10 +166,11 @@ def test_promotion_gate_decides_from_paired_samples_and_moves_the_alias(trained,
     numbers = json.loads(row["decision_json"])
     assert numbers["promote"] and numbers["items"] == len(QUESTIONS)
 
-    # the same numbers from the stored samples, independently of the flow
-    evals = EvalStore(root=store.root)
+    # the same numbers from the stored samples, independently of the flow (this evaluation's rows: the
+    # 8 questions, one completion each)
     scores = {ck: {"mine": item_scores(evals.query(
-        "SELECT example_id, correct FROM eval_samples WHERE eval_name = 'mine' AND checkpoint = ?", [ck]))}
+        "SELECT example_id, correct FROM eval_samples WHERE eval_name = 'mine' AND checkpoint = ? "
+        "AND example_id LIKE 'q%' AND sample_index = 0", [ck]))}
         for ck in (cand.checkpoint, "tiny")}
     assert scores[cand.checkpoint]["mine"] == {f"q{i}": 1.0 if mine[i].strip() else 0.0 for i in range(8)}
     again = decide(scores[cand.checkpoint], scores["tiny"], cfg.gate)

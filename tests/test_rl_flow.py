@@ -12,6 +12,8 @@ from pydantic import BaseModel
 
 from prefect_tinker.cli.main import main as cli_main
 from prefect_tinker.flows.rl import RLConfig, rl_flow
+from prefect_tinker.flows.rl_config import SCHEDULES
+from prefect_tinker.flows.rl_schedules import Sync
 from prefect_tinker.flows.session import RunCallbacks, run_callbacks
 from prefect_tinker.recipes.rl.envs import Environment, register_env
 from prefect_tinker.recipes.rl.types import Env, EnvGroupBuilder, RLDataset, StepResult
@@ -200,6 +202,39 @@ def test_streaming_and_async_schedules_with_failing_rollouts(prefect_api, local_
         assert "rollout/staleness_mean" in names and sorted({r["step"] for r in rows}) == [0, 2]
     else:
         assert "train/kl_policy_ref" in names
+
+
+class _RecordingSchedule(Sync):
+    """A plugin's schedule: the sync schedule, recording how many groups each update trains on."""
+
+    seen: list[int] = []
+
+    def train(self, groups):
+        self.seen.append(len(groups))
+        return super().train(groups)
+
+    @classmethod
+    def check_config(cls, config):
+        if config.group_size < 3:
+            raise ValueError(f"recording needs group_size >= 3, got {config.group_size}")
+
+
+def test_a_registered_schedule_runs_the_rl_flow(prefect_api, local_credentials, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(SCHEDULES, "recording", _RecordingSchedule)
+    monkeypatch.setattr(_RecordingSchedule, "seen", [])
+    with pytest.raises(ValueError, match="recording needs group_size >= 3"):  # its own check, before anything runs
+        RLConfig(schedule="recording", group_size=2)
+    with pytest.raises(ValueError, match="needs an off-policy schedule"):
+        RLConfig(schedule="recording", group_size=3, sampler_kind="inflight")
+    with pytest.raises(ValueError, match=r"unknown RL schedule 'nope'; registered: .*async.*recording.*sync"):
+        RLConfig(schedule="nope")
+    store = tmp_path / "store"
+    cfg = _config(local_credentials, store, "plugin-sched", schedule="recording", group_size=3, **_parity())
+    summary = rl_flow(cfg)
+    assert summary["steps"] == 2
+    assert _RecordingSchedule.seen == [2, 2]  # groups_per_batch groups trained per step
+    rows = _sql(capsys, store, "SELECT DISTINCT step, name FROM metrics WHERE run_id='plugin-sched'")
+    assert REQUIRED <= {r["name"] for r in rows} and sorted({r["step"] for r in rows}) == [0, 1]
 
 
 def test_config_validation_and_cli_registration():

@@ -11,7 +11,7 @@ from prefect import flow
 
 from prefect_tinker.flows.loop import StepLoop
 from prefect_tinker.flows.rl import RLLoop
-from prefect_tinker.flows.rl_schedules import SCHEDULES
+from prefect_tinker.flows.rl_config import SCHEDULES
 from prefect_tinker.flows.session import RunSession
 from prefect_tinker.recipes.rl.envs import build_rl_dataset
 from prefect_tinker.tasks.clients import sampling_client

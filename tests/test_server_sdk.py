@@ -27,6 +27,8 @@ import tinker  # noqa: E402
 from tinker import types  # noqa: E402
 
 from tinker_local import protocol as P  # noqa: E402
+from tinker_local.protocol_sampling import sample_response_to_proto  # noqa: E402
+from tinker_local.tinker_paths import engine_id, parse_tinker_path  # noqa: E402
 from tinker_local.futures import FutureStore  # noqa: E402
 from tinker_local.launcher import healthy  # noqa: E402
 from tinker_local.outcomes import UserError  # noqa: E402
@@ -267,8 +269,8 @@ def test_lora_sampler_logprobs_equal_independent_peft_forward(server, trained, s
     _, root = server
     tc, tok, data, _ = trained
     sc, path = sampler
-    parsed = P.parse_tinker_path(path)
-    adapter_dir = root / "checkpoints" / P.engine_id(parsed.model_id) / "sampler_weights" / parsed.name
+    parsed = parse_tinker_path(path)
+    adapter_dir = root / "checkpoints" / engine_id(parsed.model_id) / "sampler_weights" / parsed.name
     peft_model = PeftModel.from_pretrained(copy.deepcopy(reference_model[0]), str(adapter_dir)).eval()
     prompt_ids = tok.encode("Hello world")
     res = sc.sample(types.ModelInput.from_ints(prompt_ids), 1,
@@ -373,14 +375,14 @@ def test_wire_round_trips_through_the_sdk_decoders():
     assert out.metrics == {"loss:sum": 3.0}
     assert out.loss_fn_outputs[0]["logprobs"].tolist() == [-1.0, -2.0]
     assert out.loss_fn_outputs[1]["logprobs"].shape == [3, 2]
-    sr = deserialize_sample_response(P.sample_response_to_proto(
+    sr = deserialize_sample_response(sample_response_to_proto(
         [{"tokens": [1, 2], "logprobs": [-0.5, -0.25], "stop_reason": "stop"}],
         [None, -1.5, -2.5], [None, [(3, -0.1)], [(4, -0.2), (5, -0.3)]], prompt_logprobs_last_n=2))
     assert sr.sequences[0].tokens == [1, 2] and sr.sequences[0].stop_reason == "stop"
     assert sr.prompt_logprobs == [None, -1.5, -2.5]
     assert sr.topk_prompt_logprobs[2] == [(4, pytest.approx(-0.2)), (5, pytest.approx(-0.3))]
     with pytest.raises(P.ProtocolError):
-        P.parse_tinker_path("tinker://m/checkpoints/x")
+        parse_tinker_path("tinker://m/checkpoints/x")
 
 
 def test_pending_poll_answers_try_again_then_result(tmp_path):

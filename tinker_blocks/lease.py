@@ -15,17 +15,11 @@ The lease object is ``<root>/training/_leases/<run_id>.json``: ``run_id``, ``tok
 acquisition), ``owner``, ``host``, ``host_key``, ``pid``, ``pid_start``, ``since``, ``heartbeat``
 (epoch seconds, the holder's clock), ``timeout_s``. It holds no secret.
 
-Every change is conditional, so two racers never both win:
-
-- local folders: created with an exclusive hard link of a complete temporary file (``link(2)``
-  fails when the name exists, like ``O_EXCL``, and readers never see a half-written lease);
-  heartbeats, takeovers and releases run under an ``flock`` of ``<run_id>.json.lock`` and
-  compare the bytes they read before. Limit: ``flock`` on network file systems is only as good as
-  their lock support (NFSv4: yes; some FUSE mounts: no).
-- S3: create with ``If-None-Match: *``; heartbeat, takeover and release with ``If-Match: <ETag>``
-  (supported by AWS S3 since 2024, SeaweedFS, MinIO). The holder also reads its lease back after
-  creating it and refuses a lease whose token is not its own, which catches a server that ignores
-  the conditions when the racers start more than a request apart (a documented limit there).
+Every change (create, heartbeat, takeover, release) is conditional, so two racers never both win
+(:mod:`tinker_blocks.lease_storage`: an exclusive hard link and ``flock`` in local folders,
+``If-None-Match`` / ``If-Match`` on S3). The holder also reads its lease back after creating it
+and refuses a lease whose token is not its own, which catches an S3 server that ignores the
+conditions when the racers start more than a request apart (a documented limit there).
 
 Clocks: a lease is judged stale from the holder's heartbeat time against the reader's clock, so
 machines sharing a store must agree on the time to well within ``timeout_s``.
@@ -35,7 +29,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import getpass
-import hashlib
 import json
 import logging
 import os
@@ -44,15 +37,11 @@ import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-from tinker_blocks.atomic import temp_path
+from tinker_blocks.lease_storage import LeaseConflict, lease_object
 from tinker_blocks.s3 import StoreUnavailableError
-from tinker_blocks.store_schemas import validate_run_id
 from tinker_local.procs import host_key, pid_alive, pid_start_ticks
-
-if TYPE_CHECKING:
-    from tinker_blocks.store_io import ParquetStore
 
 __all__ = [
     "DEFAULT_LEASE_TIMEOUT_S",
@@ -146,149 +135,6 @@ class LeaseInfo:
         )
 
 
-class _Conflict(Exception):
-    """The lease changed since it was read (or exists, for a create)."""
-
-
-def _digest(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-class _LocalBackend:
-    def __init__(self, path: str):
-        self.path, self.where = path, path
-        self.lock_path = path + ".lock"
-
-    def _locked(self):
-        import fcntl
-
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        fh = open(self.lock_path, "a+")
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-        return fh  # closing releases the lock
-
-    def read(self) -> tuple[bytes, str] | None:
-        try:
-            with open(self.path, "rb") as fh:
-                data = fh.read()
-        except FileNotFoundError:
-            return None
-        return data, _digest(data)
-
-    def _write_tmp(self, data: bytes) -> str:
-        tmp = temp_path(self.path)  # under the flock: one at a time; a dead writer's is swept by `store repair`
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-        return tmp
-
-    def create(self, data: bytes) -> str:
-        with self._locked():
-            tmp = self._write_tmp(data)
-            try:
-                os.link(tmp, self.path)  # exclusive: fails when the lease exists
-            except FileExistsError:
-                raise _Conflict() from None
-            finally:
-                os.unlink(tmp)
-        return _digest(data)
-
-    def replace(self, data: bytes, version: str) -> str:
-        with self._locked():
-            cur = self.read()
-            if cur is None or cur[1] != version:
-                raise _Conflict()
-            os.replace(self._write_tmp(data), self.path)
-        return _digest(data)
-
-    def delete(self, version: str) -> None:
-        with self._locked():
-            cur = self.read()
-            if cur is None or cur[1] != version:
-                raise _Conflict()
-            os.unlink(self.path)
-
-
-def _precondition_failed(exc: BaseException) -> bool:
-    cur: BaseException | None = exc
-    while cur is not None:
-        resp = getattr(cur, "response", None)
-        if isinstance(resp, dict):
-            code = (resp.get("Error") or {}).get("Code")
-            status = (resp.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-            if status in (409, 412) or code in ("PreconditionFailed", "ConditionalRequestConflict"):
-                return True
-        if "pre-condition" in str(cur).lower() or "precondition" in str(cur).lower():
-            return True
-        cur = cur.__cause__ or cur.__context__
-    return False
-
-
-class _S3Backend:
-    def __init__(self, io: Any, path: str):
-        self.io, self.fs, self.path = io, io.fs, path
-        self.where = io.url(path)
-        self.bucket, self.key = path.split("/", 1)
-
-    def _call(self, fn, what: str):
-        try:
-            return self.io.call_retrying(fn, f"{what} the lease {self.where}")
-        except OSError as exc:
-            if _precondition_failed(exc):
-                raise _Conflict() from exc
-            raise
-
-    def read(self) -> tuple[bytes, str] | None:
-        def get():
-            self.fs.invalidate_cache(self.path)
-            etag = self.fs.info(self.path)["ETag"]  # the ETag first: a change after it fails If-Match
-            return self.fs.cat_file(self.path), etag
-
-        try:
-            return self._call(get, "reading")
-        except FileNotFoundError:
-            return None
-
-    def create(self, data: bytes) -> str:
-        try:
-            out = self._call(lambda: self.fs.pipe_file(self.path, data, mode="create"), "creating")
-        except FileNotFoundError:  # no bucket yet
-            self.io.create_bucket()
-            out = self._call(lambda: self.fs.pipe_file(self.path, data, mode="create"), "creating")
-        return out["ETag"]
-
-    def replace(self, data: bytes, version: str) -> str:
-        try:
-            return self._call(lambda: self.fs.pipe_file(self.path, data, IfMatch=version), "renewing")["ETag"]
-        except FileNotFoundError:
-            raise _Conflict() from None
-
-    def delete(self, version: str) -> None:
-        self._call(
-            lambda: self.fs.call_s3("delete_object", Bucket=self.bucket, Key=self.key, IfMatch=version), "releasing"
-        )
-        self.fs.invalidate_cache(self.path)
-
-
-def _training_io(store: Any) -> ParquetStore:
-    from tinker_blocks.store_io import ParquetStore
-    from tinker_blocks.stores import StoreBlock
-
-    io = store.parquet_store() if isinstance(store, StoreBlock) else store
-    if isinstance(io, ParquetStore):
-        return (
-            io
-            if io.store == "training"
-            else ParquetStore(io.root, "training", storage_options=io.storage_options, retry_seconds=io.retry_seconds)
-        )
-    return ParquetStore(str(store), "training")
-
-
-def _backend(store: Any, run_id: str):
-    io = _training_io(store)
-    path = f"{io.base}/_leases/{validate_run_id(run_id)}.json"
-    return _LocalBackend(path) if io.is_local else _S3Backend(io, path)
-
-
 class Lease:
     """A held lease (returned by :func:`acquire_lease`). Its heartbeat thread renews it every
     ``heartbeat_s`` seconds; when a renewal finds the lease taken over, :attr:`lost` turns True
@@ -344,7 +190,7 @@ class Lease:
             info = LeaseInfo(**{**asdict(self.info), "heartbeat": time.time()})
             try:
                 self._version = self._backend.replace(info.to_bytes(), self._version)
-            except _Conflict:
+            except LeaseConflict:
                 self.lost = True
                 self.check()
             self.info = info
@@ -375,7 +221,7 @@ class Lease:
                 return
             try:
                 self._backend.delete(self._version)
-            except _Conflict:
+            except LeaseConflict:
                 log.warning("the lease of run %r at %s was no longer ours at release", self.run_id, self.where)
             except Exception as exc:
                 log.warning("releasing the lease of run %r at %s failed: %s", self.run_id, self.where, exc)
@@ -438,7 +284,7 @@ def acquire_lease(
     heartbeat_s = float(heartbeat_s) if heartbeat_s else timeout_s / 6.0
     if not 0 < heartbeat_s < timeout_s:
         raise ValueError(f"heartbeat_s must be in (0, timeout_s={timeout_s:g}), got {heartbeat_s}")
-    backend = _backend(store, run_id)
+    backend = lease_object(store, run_id)
     deadline = time.monotonic() + max(wait_s, 0.0)
     races = 0
     while races < 100:  # each pass returns, raises, waits for a live lease, or lost a race
@@ -472,7 +318,7 @@ def acquire_lease(
                 backend.replace(info.to_bytes(), current[1])
                 if holder is not None:
                     log.warning("took over the stale lease of run %r (%s)", run_id, holder.describe(now))
-        except _Conflict:
+        except LeaseConflict:
             races += 1
             continue  # changed since it was read: judge it again
         mine = backend.read()  # verify: a server that ignored a condition lets the last writer win
@@ -495,7 +341,7 @@ def _user() -> str:
 
 def read_lease(store: Any, run_id: str) -> LeaseInfo | None:
     """The lease object of ``run_id`` (None when there is none or it cannot be parsed)."""
-    return _backend_read_info(_backend(store, run_id))
+    return _backend_read_info(lease_object(store, run_id))
 
 
 def lease_status(store: Any, run_id: str) -> LeaseState:

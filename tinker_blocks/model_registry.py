@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ALIAS_PREFIX",
     "RUN_PREFIX",
+    "AliasChangedError",
     "ModelRegistry",
     "Weights",
     "WeightsRefError",
@@ -55,6 +56,11 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 class WeightsRefError(ValueError):
     """A weights reference that names nothing: a bad ``alias:`` form, an alias never set, a run
     without checkpoints, a store that does not exist. One line naming the field and the reference."""
+
+
+class AliasChangedError(WeightsRefError):
+    """An alias change computed from a value the alias no longer holds: another writer (a scheduled
+    flywheel, a promotion, ``prefect-tinker models``) changed it in between. Nothing was written."""
 
 
 @dataclass(frozen=True)
@@ -168,14 +174,29 @@ class ModelRegistry:
 
     # ----- writing ---------------------------------------------------------------------------
     def write(self, row: dict[str, Any]) -> list[str]:
-        """Append one ``models`` row (``run_id`` = its ``line``); returns the written part paths
-        (what :meth:`undo` deletes).
+        """Append one ``models`` row (``run_id`` = its ``line``) if the alias still holds the row's
+        ``previous`` value (compare and set); returns the written part paths (what :meth:`undo`
+        deletes), ``[]`` when the alias's latest row already is this ``row_id`` (a retried write that
+        had landed).
+
+        The check reads the alias then writes: two writers that both pass it within the same instant
+        are not told apart (the store has no conditional write); the later row wins.
 
         Raises:
+            AliasChangedError: the alias holds another value than ``row["previous"]`` now.
             StoreError: bad values (an unknown ``action``, a missing column).
         """
         row = {**row, "run_id": check_name(row["line"], "model line")}
         check_name(row["alias"], "alias")
+        now = self.current(row["line"], row["alias"])
+        if now is not None and row.get("row_id") is not None and now["row_id"] == row["row_id"]:
+            return []
+        held, expected = (now["checkpoint"] if now is not None else None), row.get("previous")
+        if held != expected:
+            raise AliasChangedError(
+                f"{row['line']}@{row['alias']} holds {held or '(nothing)'} now, not {expected or '(nothing)'} as when "
+                f"this {row['action']} was computed: another change came first; nothing written"
+            )
         if isinstance(row.get("decision_json"), dict):
             row["decision_json"] = json.dumps(row["decision_json"], sort_keys=True, default=str)
         with self.store.writer("models", writer_id="models", flush_rows=1) as w:

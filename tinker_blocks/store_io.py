@@ -16,13 +16,14 @@ the same key. ``s3://`` roots without explicit ``storage_options`` use the AWS e
 variables (:func:`tinker_blocks.s3.s3_storage_options`).
 
 Tables are declared as :class:`TableSpec` (:mod:`tinker_blocks.store_schemas`); :data:`STORES`
-maps each store name (``training``, ``eval``, ``capture``) to its tables.
+maps each store name (``training``, ``eval``, ``capture``) to its tables.  The default root, the
+outage window and a root's fsspec options: :mod:`tinker_blocks.store_config`; merging a run's
+parts: :mod:`tinker_blocks.store_compaction`.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -43,8 +44,8 @@ from tinker_blocks.s3 import (
     is_access_error,
     retry_call,
     retry_missing_part,
-    s3_storage_options,
 )
+from tinker_blocks.store_config import default_retry_seconds, resolve_storage_options
 from tinker_blocks.store_health import known_damaged, retry_damaged, warn_skipped
 from tinker_blocks.store_schemas import (
     CAPTURE_TABLES,
@@ -63,7 +64,7 @@ from tinker_blocks.store_schemas import (
     validate_run_id,
 )
 from tinker_blocks.store_writer import StoreWriter, sanitize_writer_id
-from tinker_blocks.view_sql import cast_columns, dedup_window, deduplicated_select, empty_select, sql_str
+from tinker_blocks.view_sql import deduplicated_select, empty_select
 
 __all__ = [
     "TableSpec",
@@ -84,58 +85,9 @@ __all__ = [
     "StoreError",
     "StoreAccessError",
     "StoreUnavailableError",
-    "default_store_root",
-    "default_retry_seconds",
-    "DEFAULT_RETRY_SECONDS",
-    "RETRY_SECONDS_ENV",
-    "resolve_storage_options",
 ]
 
 T = TypeVar("T")
-
-#: default seconds the remote store's writes, reads and lease renewals keep retrying transient
-#: errors (an outage) before giving up; ``$PREFECT_TINKER_STORE_RETRY_SECONDS`` overrides it
-DEFAULT_RETRY_SECONDS = 300.0
-RETRY_SECONDS_ENV = "PREFECT_TINKER_STORE_RETRY_SECONDS"
-
-
-def default_retry_seconds() -> float:
-    """The stores' default outage window: ``$PREFECT_TINKER_STORE_RETRY_SECONDS`` when set, else
-    :data:`DEFAULT_RETRY_SECONDS` (300).
-
-    Raises:
-        StoreError: the variable is set but not a positive number (the message names it and its value).
-    """
-    raw = os.environ.get(RETRY_SECONDS_ENV, "").strip()
-    if not raw:
-        return DEFAULT_RETRY_SECONDS
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise StoreError(f"{RETRY_SECONDS_ENV}={raw!r}: give a positive number of seconds")
-    return value
-
-
-def default_store_root() -> str:
-    """Default store root: ``$PREFECT_TINKER_STORE``, else ``$PREFECT_TINKER_HOME/store``,
-    else ``~/.prefect-tinker/store``."""
-    env = os.environ.get("PREFECT_TINKER_STORE")
-    if env:
-        return env
-    home = os.environ.get("PREFECT_TINKER_HOME") or os.path.join(os.path.expanduser("~"), ".prefect-tinker")
-    return os.path.join(home, "store")
-
-
-def resolve_storage_options(root: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """fsspec options for ``root``: ``storage_options`` when given; for ``s3://`` roots without
-    them, :func:`~tinker_blocks.s3.s3_storage_options` (the AWS environment variables)."""
-    if storage_options is not None:
-        return dict(storage_options)
-    if str(root).startswith(("s3://", "s3a://")):
-        return s3_storage_options()
-    return {}
 
 
 class ParquetStore:
@@ -454,7 +406,8 @@ class ParquetStore:
     def query(self, sql: str, params: Sequence[Any] | None = None) -> tuple[list[str], list[tuple]]:
         """``(column names, rows)`` of ``sql`` over this store's views, on a new connection.
 
-        A query that lists a part which a concurrent :meth:`compact` then deletes fails in DuckDB
+        A query that lists a part which a concurrent compaction
+        (:func:`~tinker_blocks.store_compaction.compact`) then deletes fails in DuckDB
         ("file not found"); it is run again on a fresh listing (up to 4 times), which sees the
         merged part instead; one that met an S3 outage runs again within :attr:`retry_seconds`.
         Raises ``duckdb.Error`` for bad SQL, StoreAccessError / StoreUnavailableError as
@@ -473,48 +426,6 @@ class ParquetStore:
         reads the parts itself, so a read that met the outage runs again; a local store runs it
         once."""
         return fn() if self.is_local else self.call_retrying(fn, what)
-
-    def compact(self, table: str, run_id: str, *, writer_id: str = "compact") -> str | None:
-        """Merge a run's parts of ``table`` into one deduplicated part, then delete the inputs.
-
-        Safe with concurrent readers: the merged part is written before any input is deleted, so
-        every listing holds each row (twice while both copies exist: the views keep one), and a
-        reader whose listed part vanished mid-query re-runs it (:meth:`query`,
-        :func:`tinker_blocks.store_sql.query_stores`, ``prefect-tinker sql``; a raw :meth:`connect` connection raises a
-        DuckDB IO error naming the missing file: run the statement again). Safe with a concurrent
-        writer (only the parts listed before reading are deleted). Returns the new part's path,
-        or None when there were fewer than two parts.
-        """
-        listed = self.list_parts(table, run_id, fresh=True)  # every part written before this call
-        parts: list[str] = []
-
-        def merge() -> pa.Table:
-            damaged = known_damaged(listed)  # left in place, out of the merge: `store repair` moves them
-            parts[:] = [p for p in listed if p not in damaged]
-            return self._merged(table, parts) if len(parts) >= 2 else None
-
-        data = retry_damaged(merge, [self])
-        if data is None:
-            return None
-        out = self.write_part(table, run_id, data, writer_id=writer_id, seq=0)
-        self.delete_parts(table, parts)
-        return out
-
-    def _merged(self, table: str, parts: list[str]) -> pa.Table:
-        """The deduplicated rows of ``parts`` (of one run of ``table``), oldest first."""
-        spec = self.spec(table)
-        con = duckdb.connect()
-        try:
-            self.attach(con)
-            files = ", ".join(f"'{sql_str(self.url(p))}'" for p in parts)
-            rel = con.sql(
-                f"SELECT {cast_columns(spec)} FROM read_parquet([{files}], union_by_name=true) "
-                f"QUALIFY {dedup_window(spec)} = 1 ORDER BY time"
-            )
-            to_arrow = getattr(rel, "to_arrow_table", None) or rel.arrow  # duckdb 2.x / 1.x
-            return to_arrow().cast(spec.schema)
-        finally:
-            con.close()
 
     def delete_parts(self, table: str, parts: list[str]) -> None:
         """Delete the parts ``parts`` (paths inside the filesystem, as :meth:`write_part` returns

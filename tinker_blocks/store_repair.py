@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tinker_blocks.atomic import atomic_write_bytes, is_orphan
+from tinker_blocks.store_config import resolve_storage_options
 from tinker_blocks.store_health import (
     QUARANTINE_DIR,
     HealthReport,
@@ -25,7 +26,7 @@ from tinker_blocks.store_health import (
     list_parts,
     scan_parts,
 )
-from tinker_blocks.store_io import STORES, ParquetStore, resolve_storage_options, validate_run_id
+from tinker_blocks.store_io import STORES, ParquetStore, validate_run_id
 
 __all__ = ["check_root", "repair_root", "scan_run"]
 

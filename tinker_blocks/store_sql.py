@@ -10,8 +10,9 @@ import duckdb
 import fsspec
 
 from tinker_blocks.s3 import execute_retrying
+from tinker_blocks.store_config import resolve_storage_options
 from tinker_blocks.store_health import retry_damaged
-from tinker_blocks.store_io import ParquetStore, resolve_storage_options
+from tinker_blocks.store_io import ParquetStore
 
 __all__ = ["connect_stores", "query_stores"]
 
@@ -55,7 +56,7 @@ def query_stores(
     listing when a concurrent compaction deleted a part it had listed (as
     :meth:`ParquetStore.query`), again without a part that turned out unreadable (skipped with
     a warning naming it: :mod:`tinker_blocks.store_health`), and again when it met an S3 outage
-    (within the stores' retry window, :func:`~tinker_blocks.store_io.default_retry_seconds`).
+    (within the stores' retry window, :func:`~tinker_blocks.store_config.default_retry_seconds`).
     Used by ``prefect-tinker sql``."""
     opts = resolve_storage_options(root, storage_options)
     fs = fsspec.core.url_to_fs(root, **opts)[0]

@@ -23,6 +23,8 @@ from pydantic import Field
 from tinker_blocks.docs import docs_url
 from tinker_blocks.s3 import StoreAccessError, StoreUnavailableError, retry_missing_part
 from tinker_blocks.s3_credentials import S3Credentials
+from tinker_blocks.store_compaction import compact
+from tinker_blocks.store_config import default_retry_seconds, default_store_root
 from tinker_blocks.store_health import retry_damaged
 from tinker_blocks.store_io import (
     CAPTURES_SCHEMA,
@@ -35,8 +37,6 @@ from tinker_blocks.store_io import (
     ParquetStore,
     StoreError,
     StoreWriter,
-    default_retry_seconds,
-    default_store_root,
     make_row_id,
     validate_run_id,
 )
@@ -147,7 +147,7 @@ class StoreBlock(Block, ABC):
     def compact(self, run_id: str, table: str) -> str | None:
         """Merge a run's parts of ``table`` into one part, then delete the inputs (safe while
         readers query). Returns the new part's path, or None when there were fewer than 2 parts."""
-        return self.parquet_store().compact(table, run_id)
+        return compact(self.parquet_store(), table, run_id)
 
     # ----- reading ---------------------------------------------------------------------------
     def connect(self) -> duckdb.DuckDBPyConnection:

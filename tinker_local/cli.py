@@ -186,35 +186,30 @@ def build_parser(prog: str = "python -m tinker_local") -> argparse.ArgumentParse
         "(their adapters parked) to load another (default: half the device's memory)",
     )
     limits = RequestLimits()
-    for flag, default, text in (
-        ("--max-body-bytes", limits.body_bytes, "bytes of a request body, decompressed too"),
-        ("--max-datums-per-request", limits.datums, "datums of a forward / forward_backward"),
-        ("--max-tokens-per-request", limits.tokens, "tokens of a request (sampling: prompt + samples x max_tokens)"),
-        ("--max-num-samples", limits.num_samples, "num_samples of a sampling request"),
-        ("--max-sample-tokens", limits.sample_tokens, "max_tokens of a sampling request"),
-    ):
-        s.add_argument(flag, type=int, default=default, metavar="N", help=f"{text} (default {default}; over it: 413)")
+    _add_limit_flags(
+        s,
+        [
+            ("--max-body-bytes", limits.body_bytes, "N", "bytes of a request body, decompressed too"),
+            ("--max-datums-per-request", limits.datums, "N", "datums of a forward / forward_backward"),
+            (
+                "--max-tokens-per-request",
+                limits.tokens,
+                "N",
+                "tokens of a request (sampling: prompt + samples x max_tokens)",
+            ),
+            ("--max-num-samples", limits.num_samples, "N", "num_samples of a sampling request"),
+            ("--max-sample-tokens", limits.sample_tokens, "N", "max_tokens of a sampling request"),
+        ],
+        over="; over it: 413",
+    )
     graph = GraphLimits()
-    s.add_argument(
-        "--loss-max-nodes",
-        type=int,
-        default=graph.max_nodes,
-        metavar="N",
-        help=f"nodes of an uploaded custom loss (default {graph.max_nodes})",
-    )
-    s.add_argument(
-        "--loss-max-elements",
-        type=int,
-        default=graph.max_elements,
-        metavar="N",
-        help=f"elements of any one intermediate of a custom loss (default {graph.max_elements})",
-    )
-    s.add_argument(
-        "--loss-time-budget",
-        type=float,
-        default=graph.time_budget_s,
-        metavar="S",
-        help=f"seconds of custom-loss evaluation per request (default {graph.time_budget_s:g})",
+    _add_limit_flags(
+        s,
+        [
+            ("--loss-max-nodes", graph.max_nodes, "N", "nodes of an uploaded custom loss"),
+            ("--loss-max-elements", graph.max_elements, "N", "elements of any one intermediate of a custom loss"),
+            ("--loss-time-budget", graph.time_budget_s, "S", "seconds of custom-loss evaluation per request"),
+        ],
     )
     k = sub.add_parser("keys", help="API keys of a shared server (stored hashed in ROOT/server/api_keys.json)")
     k.add_argument(
@@ -257,6 +252,18 @@ def build_parser(prog: str = "python -m tinker_local") -> argparse.ArgumentParse
             help="the server's folder (local_root; default $PREFECT_TINKER_HOME or ~/.prefect-tinker)",
         )
     return parser
+
+
+def _add_limit_flags(
+    parser: argparse.ArgumentParser, rows: list[tuple[str, int | float, str, str]], over: str = ""
+) -> None:
+    """One ``FLAG METAVAR`` option per row ``(flag, default, metavar, text)``, typed like its
+    default (int or float); help: ``text (default D<over>)``, a float default written with ``:g``."""
+    for flag, default, metavar, text in rows:
+        shown = f"{default:g}" if isinstance(default, float) else str(default)
+        parser.add_argument(
+            flag, type=type(default), default=default, metavar=metavar, help=f"{text} (default {shown}{over})"
+        )
 
 
 def _is_server(record: dict) -> bool:

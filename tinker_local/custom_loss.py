@@ -20,12 +20,15 @@ by the loss (float32 / int64 tensors of the declared rank, 0 = scalar, 1 = [T], 
 per-datum scalar losses are summed; ``:sum`` metrics are summed over datums and ``:mean`` metrics
 averaged.  Gradients flow from the summed loss into the LoRA weights on the server, so a custom
 loss costs one ``forward_backward`` request instead of a forward plus a forward_backward.
+
+This module validates an upload into a ``CompiledLoss`` (``compile_graph``, with a probe at upload)
+and runs it for one request (``BoundLoss``).  What a graph may call: ``tinker_local.loss_allowlist``;
+how its arguments are encoded: ``tinker_local.loss_args``; the bounds on its work and
+``CustomLossError``: ``tinker_local.loss_limits``.
 """
 
 from __future__ import annotations
 
-import math
-import operator
 import re
 import time
 from collections.abc import Callable
@@ -34,188 +37,15 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from .loss_limits import PROBE_K, PROBE_T, GraphLimitError, GraphLimits, Meter, predict
-from .outcomes import UserError
+from .loss_allowlist import ALLOWED_FUNCTIONS, TENSOR_ATTRS, TENSOR_METHODS, safe_getattr, tensor_method
+from .loss_args import Ref, decode_arg, refs, resolve
+from .loss_limits import PROBE_K, PROBE_T, CustomLossError, GraphLimitError, GraphLimits, Meter, predict
 
 MAX_INPUTS = 16
-MAX_ARG_DEPTH = 16  # nesting of one node's arguments (lists, tuples, dicts, slices)
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 _INPUT_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,63}$")
 _METRIC_KEY = re.compile(r"^custom/[a-z0-9_./-]{1,64}:(sum|mean)$")
-
-
-class CustomLossError(UserError):
-    """An uploaded loss tinker_local will not run, or one that failed on its inputs (user error)."""
-
-
-# -- the allow-list -------------------------------------------------------------------------------
-_TORCH = """abs absolute acos acosh add addcdiv addcmul all amax amin any argmax argmin asin asinh
-atan atan2 atanh cat ceil chunk clamp clamp_max clamp_min clip cos cosh count_nonzero cummax cummin
-cumprod cumsum detach diag diagonal diff div divide dot eq erf erfc exp exp2 expm1 flatten flip
-floor floor_divide fmax fmin fmod frac full_like gather ge greater greater_equal gt hypot
-index_select isclose isfinite isinf isnan isneginf isposinf le less less_equal lerp lgamma log
-log10 log1p log2 log_softmax logaddexp logaddexp2 logcumsumexp logical_and logical_not logical_or
-logical_xor logit logsumexp lt masked_fill matmul max maximum mean median min minimum mm movedim
-mul multiply mv nan_to_num nanmean nanmedian nansum narrow ne neg negative norm not_equal numel
-ones_like permute pow prod quantile reciprocal relu remainder reshape round rsqrt select sgn
-sigmoid sign signbit sin sinc sinh softmax sort split sqrt square squeeze stack std std_mean sub
-subtract sum swapaxes t take_along_dim tan tanh tensor topk transpose tril triu true_divide trunc
-unbind unsqueeze var var_mean where xlogy zeros_like""".split()
-_NN_FUNCTIONAL = """binary_cross_entropy binary_cross_entropy_with_logits cosine_similarity
-cross_entropy elu gelu glu hardtanh huber_loss kl_div l1_loss leaky_relu log_softmax logsigmoid
-mse_loss nll_loss normalize relu relu6 selu silu smooth_l1_loss softmax softmin softplus
-softsign tanhshrink threshold""".split()
-_NN_C = "elu gelu hardtanh leaky_relu log_sigmoid softplus".split()  # torch._C._nn.<name>
-_SPECIAL_C = "special_entr special_expit special_logit special_xlogy special_log_ndtr special_ndtr".split()
-_MATH = """acos asin atan atan2 ceil copysign cos cosh erf erfc exp expm1 fabs floor fmod hypot isfinite
-isinf isnan lgamma log log10 log1p log2 pow sin sinh sqrt tan tanh trunc""".split()
-_OPERATOR = """abs add and_ eq floordiv ge getitem gt invert le lt matmul mod mul ne neg or_ pos pow
-sub truediv xor""".split()
-TENSOR_METHODS = frozenset(
-    """abs add all amax amin any argmax argmin bool ceil clamp clamp_max
-clamp_min clip clone contiguous cos cumsum detach diff dim div double eq exp exp2 expm1 flatten flip
-float floor gather ge gt int isfinite isinf isnan le lerp log log10 log1p log2 log_softmax
-logical_and logical_not logical_or logsumexp long lt masked_fill matmul max maximum mean min
-minimum mul nan_to_num nansum ne neg norm numel permute pow prod reciprocal relu reshape round
-rsqrt sigmoid sign sin size softmax sort sqrt square squeeze std sub sum t tanh topk transpose
-type_as unsqueeze var view view_as where xlogy""".split()
-)
-TENSOR_ATTRS = frozenset({"shape", "ndim", "dtype", "T", "mT"})
-_DTYPES = {
-    n: getattr(torch, n)
-    for n in (
-        "float32",
-        "float64",
-        "float16",
-        "bfloat16",
-        "int64",
-        "int32",
-        "int16",
-        "int8",
-        "uint8",
-        "bool",
-        "long",
-        "int",
-        "float",
-        "double",
-        "half",
-    )
-}
-_MEMORY_FORMATS = {n: getattr(torch, n) for n in ("contiguous_format", "preserve_format")}
-
-
-def _allowed_functions() -> dict[str, Callable[..., Any]]:
-    table: dict[str, Callable[..., Any]] = {}
-    for name in _TORCH:
-        if hasattr(torch, name):
-            table[f"torch.{name}"] = getattr(torch, name)
-    for name in _NN_FUNCTIONAL:
-        if hasattr(F, name):
-            table[f"torch.nn.functional.{name}"] = getattr(F, name)
-    for name in _NN_C:
-        if hasattr(torch._C._nn, name):
-            table[f"torch._C._nn.{name}"] = getattr(torch._C._nn, name)
-    special_c = torch._C._special  # type: ignore[attr-defined]  # torch's stubs omit torch._C._special
-    for name in _SPECIAL_C:
-        if hasattr(special_c, name):
-            table[f"torch._C._special.{name}"] = getattr(special_c, name)
-    for name in _MATH:
-        table[f"math.{name}"] = getattr(math, name)
-    for name in _OPERATOR:
-        table[f"operator.{name}"] = getattr(operator, name)
-    table["operator.mul"] = _safe_mul
-    table["operator.pow"] = _safe_pow
-    table["getattr"] = _safe_getattr
-    table["builtins.getattr"] = _safe_getattr
-    return table
-
-
-MAX_INT_EXPONENT = 1024
-
-
-def _safe_mul(a: Any, b: Any) -> Any:
-    """``operator.mul`` without sequence repetition (``[0] * 10**10`` would exhaust memory)."""
-    if isinstance(a, (list, tuple, str, bytes)) or isinstance(b, (list, tuple, str, bytes)):
-        raise CustomLossError("operator.mul on a list, tuple or string is not allowed")
-    return operator.mul(a, b)
-
-
-def _safe_pow(a: Any, b: Any) -> Any:
-    """``operator.pow`` without huge Python-integer powers (``10 ** 10**9`` would run for ages)."""
-    if isinstance(a, int) and isinstance(b, int) and abs(b) > MAX_INT_EXPONENT:
-        raise CustomLossError(f"integer power with exponent {b} is not allowed (at most {MAX_INT_EXPONENT})")
-    return operator.pow(a, b)
-
-
-def _safe_getattr(obj: Any, attr: Any, *default: Any) -> Any:
-    if not isinstance(obj, torch.Tensor) or attr not in TENSOR_ATTRS or default:
-        raise CustomLossError(
-            f"getattr({type(obj).__name__}, {attr!r}) is not allowed; a custom "
-            f"loss may read {sorted(TENSOR_ATTRS)} of a tensor"
-        )
-    return getattr(obj, attr)
-
-
-ALLOWED_FUNCTIONS = _allowed_functions()
-
-
-# -- decoding -------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Ref:
-    name: str
-
-
-class _Device:
-    """An encoded ``torch.device``: replaced by the device the loss runs on."""
-
-
-def _decode(where: str, v: Any, depth: int = 0) -> Any:
-    if v is None or isinstance(v, (bool, int, float, str)):
-        return v
-    if depth >= MAX_ARG_DEPTH:
-        raise CustomLossError(f"{where}: arguments nested more than {MAX_ARG_DEPTH} levels deep")
-    depth += 1
-    if isinstance(v, list):
-        return [_decode(where, x, depth) for x in v]
-    if not isinstance(v, dict) or len(v) != 1:
-        raise CustomLossError(f"{where}: cannot decode argument {str(v)[:80]!r}")
-    ((key, x),) = v.items()
-    if key == "ref" and isinstance(x, str):
-        return Ref(x)
-    if key == "tuple" and isinstance(x, list):
-        return tuple(_decode(where, a, depth) for a in x)
-    if key == "dict" and isinstance(x, dict):
-        return {str(k): _decode(where, a, depth) for k, a in x.items()}
-    if key == "slice" and isinstance(x, list) and len(x) == 3:
-        return slice(*(_decode(where, a, depth) for a in x))
-    if key == "ellipsis" and x is True:
-        return Ellipsis
-    if key == "float" and x in ("inf", "-inf", "nan"):
-        return float(x)
-    if key == "dtype" and x in _DTYPES:
-        return _DTYPES[x]
-    if key == "device" and isinstance(x, str):
-        return _Device()
-    if key == "layout" and x == "strided":
-        return torch.strided
-    if key == "memory_format" and x in _MEMORY_FORMATS:
-        return _MEMORY_FORMATS[x]
-    raise CustomLossError(f"{where}: argument encoding {key!r} with value {str(x)[:40]!r} is not allowed")
-
-
-def _refs(v: Any):
-    if isinstance(v, Ref):
-        yield v.name
-    elif isinstance(v, (list, tuple)):
-        for x in v:
-            yield from _refs(x)
-    elif isinstance(v, dict):
-        for x in v.values():
-            yield from _refs(x)
-    elif isinstance(v, slice):
-        yield from _refs([v.start, v.stop, v.step])
 
 
 @dataclass
@@ -226,17 +56,6 @@ class _Node:
     fn: Callable[..., Any] | None
     args: tuple
     kwargs: dict
-
-
-def _method(name: str) -> Callable[..., Any]:
-    """``self.<name>(*args, **kwargs)`` of an allowed tensor method, as a plain callable."""
-
-    def call(self_arg: Any, *args: Any, **kwargs: Any) -> Any:
-        if not isinstance(self_arg, torch.Tensor):
-            raise CustomLossError(f"method {name!r} called on a {type(self_arg).__name__}")
-        return getattr(self_arg, name)(*args, **kwargs)
-
-    return call
 
 
 @dataclass
@@ -271,7 +90,7 @@ def _probe(loss: CompiledLoss) -> None:
     for node in loss.nodes:
         if node.op == "placeholder":
             continue
-        if set(_refs([node.args, node.kwargs])) & unknown or node.fn is None:
+        if set(refs([node.args, node.kwargs])) & unknown or node.fn is None:
             unknown.add(node.name)
             continue
         where = f"custom loss {loss.name!r}, node {node.name} ({node.target})"
@@ -279,8 +98,8 @@ def _probe(loss: CompiledLoss) -> None:
             value = predict(
                 node.target,
                 node.fn,
-                _resolve(node.args, env, meta),
-                _resolve(node.kwargs, env, meta),
+                resolve(node.args, env, meta),
+                resolve(node.kwargs, env, meta),
                 loss.limits,
                 where,
                 fast=False,
@@ -333,9 +152,9 @@ def compile_graph(name: str, inputs: Any, graph: Any, limits: GraphLimits | None
         where = f"{who}, node {nname}"
         if output is not None:
             raise CustomLossError(f"{where}: nodes after the output node")
-        args = tuple(_decode(where, a) for a in (nd.get("args") or []))
-        kwargs = {str(key): _decode(where, a) for key, a in (nd.get("kwargs") or {}).items()}
-        for ref in _refs([args, kwargs]):
+        args = tuple(decode_arg(where, a) for a in (nd.get("args") or []))
+        kwargs = {str(key): decode_arg(where, a) for key, a in (nd.get("kwargs") or {}).items()}
+        for ref in refs([args, kwargs]):
             if ref not in seen:
                 raise CustomLossError(f"{where}: refers to {ref!r}, which no earlier node defines")
         if "out" in kwargs:
@@ -353,7 +172,7 @@ def compile_graph(name: str, inputs: Any, graph: Any, limits: GraphLimits | None
                     "server-side custom loss may call listed torch, "
                     "torch.nn.functional, math and operator functions only"
                 )
-            if fn is _safe_getattr and (len(args) != 2 or args[1] not in TENSOR_ATTRS):
+            if fn is safe_getattr and (len(args) != 2 or args[1] not in TENSOR_ATTRS):
                 raise CustomLossError(
                     f"{where}: getattr of {args[1:]!r} is not allowed; a custom loss "
                     f"may read {sorted(TENSOR_ATTRS)} of a tensor"
@@ -366,7 +185,7 @@ def compile_graph(name: str, inputs: Any, graph: Any, limits: GraphLimits | None
                 )
             if not args or not isinstance(args[0], Ref):
                 raise CustomLossError(f"{where}: method {target!r} must be called on a node's value")
-            fn = _method(target)
+            fn = tensor_method(target)
         elif op == "output":
             output = args
         else:
@@ -400,22 +219,6 @@ def compile_graph(name: str, inputs: Any, graph: Any, limits: GraphLimits | None
 
 
 # -- running --------------------------------------------------------------------------------------
-def _resolve(v: Any, env: dict[str, Any], device: torch.device) -> Any:
-    if isinstance(v, Ref):
-        return env[v.name]
-    if isinstance(v, _Device):
-        return device
-    if isinstance(v, list):
-        return [_resolve(x, env, device) for x in v]
-    if isinstance(v, tuple):
-        return tuple(_resolve(x, env, device) for x in v)
-    if isinstance(v, dict):
-        return {k: _resolve(x, env, device) for k, x in v.items()}
-    if isinstance(v, slice):
-        return slice(*(_resolve(x, env, device) for x in (v.start, v.stop, v.step)))
-    return v
-
-
 class BoundLoss:
     """One request's use of a ``CompiledLoss``: the engine calls ``prepare`` per datum, then
     ``self(lp, inputs, cfg)`` for its scalar loss; ``metrics()`` reduces the recorded metrics."""
@@ -458,8 +261,8 @@ class BoundLoss:
         for node in self.loss.nodes:
             if node.op == "placeholder":
                 continue
-            args = _resolve(node.args, env, device)
-            kwargs = _resolve(node.kwargs, env, device)
+            args = resolve(node.args, env, device)
+            kwargs = resolve(node.kwargs, env, device)
             where = f"{who}, node {node.name} ({node.target})"
             try:
                 meter.check_time(t0)

@@ -53,6 +53,7 @@ class BaseModelState:
     model: Any  # the transformers model (LoRA layers are injected into it in place)
     tokenizer: Any
     n_params: int
+    n_bytes: int  # bytes of its parameters and buffers when loaded (adapters injected later not counted)
     peft: Any = None  # peft.PeftModel once the first adapter exists
     counter: int = 0
     sampler_adapters: OrderedDict[tuple, str] = field(default_factory=OrderedDict)
@@ -209,7 +210,8 @@ class EngineCore:
                 p.requires_grad_(False)
             wdtype = torch.bfloat16 if self.weights_dtype == "bf16" else torch.float32
             to_weights_dtype(model, wdtype)  # before counting its bytes: they are the compute dtype's
-            self._make_room(_model_bytes(model), spec.name)
+            n_bytes = _model_bytes(model)
+            self._make_room(n_bytes, spec.name)
             model.to(self.device).eval()
             attn = choose_attn_implementation(self.device, wdtype)
             if getattr(model.config, "_attn_implementation", None) != attn:
@@ -225,7 +227,7 @@ class EngineCore:
                     )
             spec.vocab_size = int(model.get_input_embeddings().weight.shape[0])
             n_params = sum(p.numel() for p in model.parameters())
-            b = self._bases[spec.name] = BaseModelState(spec, model, tok, n_params)
+            b = self._bases[spec.name] = BaseModelState(spec, model, tok, n_params, n_bytes)
             b.attn_implementation = str(getattr(model.config, "_attn_implementation", None) or "eager")
             logger.info(
                 "loaded %s on %s: weights %s, attention %s",
@@ -254,7 +256,7 @@ class EngineCore:
         ``max_base_bytes`` (their training adapters stay parked in their ``TrainingState``)."""
         if self.max_base_bytes is None:
             return
-        while self._bases and sum(_model_bytes(b.model) for b in self._bases.values()) + incoming > self.max_base_bytes:
+        while self._bases and sum(b.n_bytes for b in self._bases.values()) + incoming > self.max_base_bytes:
             old, b = self._bases.popitem(last=False)
             self._kept_forward = None  # a kept graph holds the activations of a base model
             self._counters[old] = b.counter
@@ -264,10 +266,12 @@ class EngineCore:
             torch.cuda.empty_cache()
 
     def resident_bases(self) -> dict[str, dict[str, int]]:
-        """Loaded base models (least recently used first): ``{name: {"bytes", "loads"}}``.  Reads a
-        snapshot without the engine lock, which a long training job on the compute thread holds."""
+        """Loaded base models (least recently used first): ``{name: {"bytes", "loads"}}``, ``bytes``
+        their parameters and buffers as loaded.  Reads a snapshot without the engine lock, which a
+        long training job on the compute thread holds: it touches no model (one unloaded meanwhile
+        still shows, with the bytes it had)."""
         bases = list(self._bases.items())
-        return {k: {"bytes": _model_bytes(b.model), "loads": self.base_loads.get(k, 0)} for k, b in bases}
+        return {k: {"bytes": b.n_bytes, "loads": self.base_loads.get(k, 0)} for k, b in bases}
 
     def _media(self, b: BaseModelState):
         """The media the base model accepts (``tinker_local.media.Support``; None: text only)."""

@@ -32,18 +32,18 @@ thread of an executor lingers at a time, so concurrent requests still share a ba
 side executors (the default) everything runs on the one compute thread.
 
 Compute per user: each job's wall seconds on its thread (a batch's split evenly over its jobs) are
-added to its user's totals (``user_totals``) and kept for the last hour (``usage``: the per-user
+charged to its user in ``FutureStore.compute`` (``tinker_local.compute_usage``: the per-user
 compute quota of ``tinker_local.tenancy`` and ``GET local_stats``).
 
-Results are ``Outcome``s (``tinker_local.outcomes``: JSON dicts, protobuf bytes, or an error
-with category "user" | "server").  A result is kept ``RESULT_TTL_S`` seconds, or
+What a job is and how one (or a batch) runs: ``tinker_local.jobs``.  Results are ``Outcome``s
+(``tinker_local.outcomes``: JSON dicts, protobuf bytes, or an error with category "user" |
+"server").  A result is kept ``RESULT_TTL_S`` seconds, or
 ``RETRIEVED_TTL_S`` after it was first delivered (re-polls after a lost response still find it).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import logging
 import threading
@@ -51,11 +51,12 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-from .outcomes import FutureRecord, Outcome, execute
-from .tenancy import LOCAL_USER, current_user
+from .compute_usage import ComputeUsage
+from .jobs import Job, run_batch, run_job
+from .outcomes import FutureRecord, Outcome
+from .tenancy import current_user
 
 logger = logging.getLogger("tinker_local.futures")
 
@@ -64,27 +65,6 @@ RESULT_TTL_S = 1800.0
 RETRIEVED_TTL_S = 120.0
 MAX_BATCH_JOBS = 256
 FAIR_BATCH_JOBS = 8  # batch size bound while another user's jobs wait (fair share)
-
-
-@dataclass
-class Job:
-    """Work for the compute thread. ``fn`` returns an Outcome, a JSON dict or proto bytes; a
-    batchable job has ``batch_key``, ``payload`` and ``batch_fn(list of payloads) -> list of
-    results`` (each an Outcome / dict / bytes, or an Exception failing that job only)."""
-
-    request_id: str
-    kind: str
-    fn: Callable[[], Any] | None
-    model_id: str | None = None
-    seq_id: int | None = None
-    order: int = 0
-    enqueued_at: float = field(default_factory=time.monotonic)
-    batch_key: Any = None
-    payload: Any = None
-    batch_fn: Callable[[list[Any]], list[Any]] | None = None
-    max_linger_s: float | None = None  # batch head: longest wait for more jobs (s; None: no limit
-    # beyond the store's batch_max_wait_s)
-    user: str = LOCAL_USER  # who submitted it (round-robin turns, per-user queue limits)
 
 
 class _Lane:
@@ -125,8 +105,7 @@ class FutureStore:
         self._thread: threading.Thread | None = None
         self.running: Job | None = None
         self._last_user: str | None = None  # whose job the compute thread took last (round-robin)
-        self._totals: dict[str, dict[str, float]] = {}  # user -> {"jobs", "compute_s"} since start
-        self._recent: dict[str, deque[tuple[float, float]]] = {}  # user -> (monotonic second, seconds)
+        self.compute = ComputeUsage()  # compute seconds per user (tenancy's quota, local_stats)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None) -> None:
@@ -289,45 +268,6 @@ class FutureStore:
             n = sum(1 for j in jobs if j.user == user)
             return n + (1 if self.running is not None and self.running.user == user else 0)
 
-    def user_totals(self) -> dict[str, dict[str, float]]:
-        """user -> ``{"jobs": jobs run, "compute_s": their wall seconds}`` since start."""
-        with self._cv:
-            return {u: dict(t) for u, t in self._totals.items()}
-
-    def usage(self, user: str, window_s: float, cap: float | None) -> tuple[float, float]:
-        """(compute seconds of ``user``'s jobs that ended in the last ``window_s`` seconds, seconds
-        until that falls below ``cap`` as the window moves on; 0 when it is below already)."""
-        now = time.monotonic()
-        with self._cv:
-            recent = self._recent.get(user)
-            if not recent:
-                return 0.0, 0.0
-            while recent and recent[0][0] < now - window_s:
-                recent.popleft()
-            used = sum(s for _, s in recent)
-            left, wait = used, 0.0
-            if cap is not None:
-                for end, s in recent:
-                    if left < cap:
-                        break
-                    left -= s
-                    wait = end + window_s - now
-            return used, max(0.0, wait)
-
-    def _charge_locked(self, jobs: list[Job], t0: float) -> None:
-        now = time.monotonic()
-        share = (now - t0) / len(jobs)
-        for j in jobs:
-            t = self._totals.setdefault(j.user, {"jobs": 0, "compute_s": 0.0})
-            t["jobs"] += 1
-            t["compute_s"] += share
-            recent = self._recent.setdefault(j.user, deque())
-            second = float(int(now))  # one entry per user and second: an hour holds at most 3600
-            if recent and recent[-1][0] == second:
-                recent[-1] = (second, recent[-1][1] + share)
-            else:
-                recent.append((second, share))
-
     # -- compute thread --------------------------------------------------------------------------
     def _purge_locked(self) -> None:
         now = time.time()
@@ -399,10 +339,10 @@ class FutureStore:
                 self.running = job
                 self.stats["jobs"] += len(jobs)
             t0 = time.monotonic()
-            outcomes = self._execute_batch(jobs) if job.batch_key is not None else [_execute(job)]
+            outcomes = run_batch(jobs) if job.batch_key is not None else [run_job(job)]
             with self._cv:
                 self.running = None
-                self._charge_locked(jobs, t0)
+                self.compute.charge([j.user for j in jobs], t0)
                 recs = [self._records.get(j.request_id) for j in jobs]
             for rec, outcome in zip(recs, outcomes, strict=True):
                 if rec is not None:
@@ -429,9 +369,9 @@ class FutureStore:
                     jobs = [job]
                 self.stats["jobs"] += len(jobs)
             t0 = time.monotonic()
-            outcomes = self._execute_batch(jobs) if job.batch_key is not None else [_execute(job)]
+            outcomes = run_batch(jobs) if job.batch_key is not None else [run_job(job)]
             with self._cv:
-                self._charge_locked(jobs, t0)
+                self.compute.charge([j.user for j in jobs], t0)
                 recs = [self._records.get(j.request_id) for j in jobs]
             for rec, outcome in zip(recs, outcomes, strict=True):
                 if rec is not None:
@@ -492,30 +432,3 @@ class FutureStore:
         return fifo is self._fifo and any(
             j.user != user for lane in self._lanes.values() for j in lane.pending.values()
         )
-
-    def _execute_batch(self, jobs: list[Job]) -> list[Outcome]:
-        """Run ``jobs`` through their ``batch_fn``; per-job exceptions fail that job only."""
-        head = jobs[0]
-        results: list[Any]
-        try:
-            if head.batch_fn is None:
-                raise RuntimeError(f"{head.kind}: a batched job has no batch_fn")
-            results = head.batch_fn([j.payload for j in jobs])
-            if len(results) != len(jobs):
-                raise RuntimeError(f"batch_fn returned {len(results)} results for {len(jobs)} jobs")
-        except Exception as e:
-            results = [e] * len(jobs)
-        return [
-            execute(job.kind, job.request_id, functools.partial(_raise_or, res), job.model_id, job.seq_id)
-            for job, res in zip(jobs, results, strict=True)
-        ]
-
-
-def _raise_or(result: Any) -> Any:
-    if isinstance(result, BaseException):
-        raise result
-    return result
-
-
-def _execute(job: Job) -> Outcome:
-    return execute(job.kind, job.request_id, job.fn, job.model_id, job.seq_id)

@@ -24,6 +24,9 @@ prediction is over a bound:
 The upload itself is checked once at probe shapes (``PROBE_T`` tokens, ``PROBE_K`` columns), which
 catches chains whose growth does not depend on the data (40 nested ``pow(x, 1024)``, 40 nested
 ``cat([x, x])``); every request is then checked node by node at its real shapes.
+
+``CustomLossError`` (a user error) is what the custom-loss modules raise for a loss they refuse
+or that failed on its inputs; a ``GraphLimitError`` is reported as one.
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ from .outcomes import UserError
 
 PROBE_T = 64  # tokens of a datum when an upload is checked
 PROBE_K = 8  # columns of rank-2 inputs when an upload is checked
+
+
+class CustomLossError(UserError):
+    """An uploaded loss tinker_local will not run, or one that failed on its inputs (user error)."""
 
 
 class GraphLimitError(UserError):
@@ -216,7 +223,7 @@ def predict(
     if not tensors:
         return call(*args, **kwargs)
     leaf = _leaf(target)
-    if fast and leaf in _ELEMENTWISE and not any(isinstance(a, (list, tuple)) for a in args):
+    if fast and _elementwise(leaf, args, kwargs):
         shape = torch.broadcast_shapes(*(t.shape for t in tensors))
         return _Shape(shape)
     with _assume_all_nonzero():
@@ -230,6 +237,15 @@ def predict(
                 f"{where}: a matrix product of {macs} multiply-adds is over the limit of {limits.max_macs}"
             )
     return out
+
+
+def _elementwise(leaf: str, args: tuple, kwargs: dict) -> bool:
+    """Whether the call's output is one tensor of its tensor arguments' broadcast shape: an
+    element-wise name, no sequence argument, and not one-argument ``where`` (a tuple of index
+    tensors, like ``nonzero(as_tuple=True)``)."""
+    if leaf not in _ELEMENTWISE or any(isinstance(a, (list, tuple)) for a in args):
+        return False
+    return not (leaf == "where" and len(args) + len(kwargs) == 1)
 
 
 class _assume_all_nonzero:

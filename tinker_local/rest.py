@@ -20,11 +20,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from . import protocol as P
 from .errors import HttpError
 from .registry import CheckpointRecord, RunRecord, dir_size
 from .service_base import ServiceBase, remove_files
 from .tenancy import current_user
+from .tinker_paths import KIND_SEGMENT, TinkerPath, engine_id
 
 logger = logging.getLogger("tinker_local.rest")
 
@@ -204,10 +204,10 @@ class RestMixin(ServiceBase):
             trainable=False,
             copied_from=src.uri,
         )
-        dest = self.root / "checkpoints" / P.engine_id(model_id) / P.KIND_SEGMENT[src.kind] / src.name
+        dest = self.root / "checkpoints" / engine_id(model_id) / KIND_SEGMENT[src.kind] / src.name
         _link_tree(Path(src.path), dest)
         ck = CheckpointRecord(
-            uri=P.TinkerPath(model_id, src.kind, src.name).uri,
+            uri=TinkerPath(model_id, src.kind, src.name).uri,
             model_id=model_id,
             kind=src.kind,
             name=src.name,

@@ -93,7 +93,7 @@ def add_service_routes(
         mine = await asyncio.to_thread(ten.counters, me.name)
         if not me.admin:
             return {"user": me.name, "counters": mine}
-        users = set(svc.store.user_totals()) | {e.name for e in keys.entries()} | {me.name}
+        users = set(svc.store.compute.user_totals()) | {e.name for e in keys.entries()} | {me.name}
         return {
             "user": me.name,
             "counters": mine,

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -223,18 +224,29 @@ def kept_positions(reqs: list[SampleRequest], longest: int) -> int:
     return max(known)
 
 
-def _forward(model, ids: torch.Tensor, keep: int, kw: dict, split: bool) -> tuple:
+def _split_parts(model) -> tuple[Any, Any, str] | None:
+    """``(decoder, output head, the decoder's KV-cache argument name)`` of a llama-like model
+    (``tinker_local.compute.decoder_and_head``), or None for others; looked up once per batch."""
+    parts = decoder_and_head(model)
+    if parts is None:
+        return None
+    decoder, head = parts
+    return decoder, head, _cache_kwarg(decoder)
+
+
+def _forward(model, ids: torch.Tensor, keep: int, kw: dict, parts: tuple[Any, Any, str] | None) -> tuple:
     """One forward with the KV cache -> (its cache, fp32 logits (B, K, V) of the last K positions;
-    K = ``keep``, or all when 0).  With ``split``, llama-like models run the decoder (under the
-    ambient autocast, if any) and then the output head in fp32 on the kept positions only
-    (``tinker_local.compute.decoder_and_head``); others (and media models, whose extra inputs and
-    positions only the whole model handles) the model's own forward with ``logits_to_keep``."""
-    parts = decoder_and_head(model) if split else None
+    K = ``keep``, or all when 0).  With ``parts`` (``_split_parts``), llama-like models run the
+    decoder (under the ambient autocast, if any) and then the output head in fp32 on the kept
+    positions only; with None (other models, and media models, whose extra inputs and positions
+    only the whole model handles) the model's own forward with ``logits_to_keep``."""
     if parts is not None:
-        decoder, head = parts
-        cache_kw = {_cache_kwarg(decoder): v for k, v in kw.items() if k in ("cache", "past_key_values")}
-        rest = {k: v for k, v in kw.items() if k not in ("cache", "past_key_values")}
-        out = decoder(input_ids=ids, use_cache=True, **cache_kw, **rest)
+        decoder, head, cache_name = parts
+        rest = dict(kw)
+        for name in ("cache", "past_key_values"):  # the whole model's name for it -> the decoder's
+            if name in rest:
+                rest[cache_name] = rest.pop(name)
+        out = decoder(input_ids=ids, use_cache=True, **rest)
         hidden = out.last_hidden_state
         hidden = hidden if keep == 0 else hidden[:, -keep:]
         with torch.autocast(ids.device.type, enabled=False):
@@ -340,8 +352,8 @@ def sample_batch(
     if padded:  # left padding: masked pads, positions counted from each prompt's first token
         extra = {"attention_mask": mask.to(device), "position_ids": (mask.cumsum(-1) - 1).clamp(min=0).to(device)}
     extra.update(prefill_extra or {})  # media of a single prompt (tinker_local.media.prefill_kwargs)
-    split = prefill_extra is None and text_only
-    cache, logits = _forward(model, ids.to(device), kept_positions(reqs, L), extra, split)
+    parts = _split_parts(model) if prefill_extra is None and text_only else None
+    cache, logits = _forward(model, ids.to(device), kept_positions(reqs, L), extra, parts)
     K = logits.shape[1]  # the kept logits cover padded positions L - K .. L - 1
     results = []
     seen: set[int] = set()
@@ -429,7 +441,7 @@ def sample_batch(
             att = torch.cat([att, torch.ones((att.shape[0], 1), dtype=att.dtype, device=device)], dim=-1)
             step_kw.update(attention_mask=att, position_ids=pos)
             pos = pos + 1
-        cache, step_logits = _forward(model, nxt_rows.unsqueeze(-1), 1, step_kw, split)
+        cache, step_logits = _forward(model, nxt_rows.unsqueeze(-1), 1, step_kw, parts)
         last = step_logits[:, -1]
         step += 1
     for i, res in enumerate(results):

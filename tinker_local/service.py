@@ -35,6 +35,7 @@ from .service_losses import CustomLossMixin
 from .service_sampling import SamplingServiceMixin
 from .signing import DEFAULT_URL_TTL_S, UrlSigner, load_secret
 from .tenancy import Tenancy, current_user
+from .tinker_paths import KIND_SEGMENT, TinkerPath, check_checkpoint_name, engine_id
 from .trace import Tracer
 
 __all__ = ["LocalService", "HttpError"]
@@ -150,8 +151,8 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
             def release() -> dict[str, Any]:
                 held = set(self.engine.list_models())
                 for model_id in models:
-                    if P.engine_id(model_id) in held:
-                        self.engine.delete_model(P.engine_id(model_id))
+                    if engine_id(model_id) in held:
+                        self.engine.delete_model(engine_id(model_id))
                 return {"released": len(models)}
 
             self.store.submit("release_models", release)
@@ -200,7 +201,7 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
 
         def work() -> dict[str, Any]:
             self.engine.create_model(
-                P.engine_id(model_id),
+                engine_id(model_id),
                 base_model,
                 rank,
                 seed=run.seed,
@@ -208,7 +209,7 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
                 train_attn=run.train_attn,
                 train_unembed=run.train_unembed,
             )
-            self._info[model_id] = self.engine.get_info(P.engine_id(model_id))
+            self._info[model_id] = self.engine.get_info(engine_id(model_id))
             self.registry.add_run(run)
             self.log_request(
                 session_id,
@@ -228,7 +229,7 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
         info = self._info.get(model_id)
         if info is None:
             try:
-                info = self.engine.get_info(P.engine_id(model_id))
+                info = self.engine.get_info(engine_id(model_id))
             except Exception as e:
                 raise HttpError(404, f"get_info: unknown model_id {model_id!r}: {e}") from e
         base = info.get("base_model") or (run.base_model if run else None)
@@ -276,10 +277,10 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
             fn = self.engine.forward if forward_only else self.engine.forward_backward
             if msg.loss_fn == "custom":  # an uploaded loss (ServiceClient.create_custom_loss)
                 bound = self.bound_custom_loss(model_id, cfg, len(datums))
-                res = fn(P.engine_id(model_id), datums, bound, None)
+                res = fn(engine_id(model_id), datums, bound, None)
                 res.metrics.update(bound.metrics())
             else:
-                res = fn(P.engine_id(model_id), datums, msg.loss_fn, cfg)
+                res = fn(engine_id(model_id), datums, msg.loss_fn, cfg)
             if self.request_log is not None:
                 self.log_request(
                     self.session_of_model(model_id),
@@ -322,7 +323,7 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
 
         def work() -> dict[str, Any]:
             self.run_record(model_id)
-            metrics = self.engine.optim_step(P.engine_id(model_id), **kw) or {}
+            metrics = self.engine.optim_step(engine_id(model_id), **kw) or {}
             out = {k: float(v) for k, v in metrics.items()}
             self.log_request(
                 self.session_of_model(model_id),
@@ -338,10 +339,10 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
     def _save(self, model_id: str, kind: str, name: str, meta: Any, ttl: int | None = None) -> CheckpointRecord:
         run = self.run_record(model_id)
         if kind == "state":
-            path = Path(self.engine.save_state(P.engine_id(model_id), name))
+            path = Path(self.engine.save_state(engine_id(model_id), name))
         else:
-            path = Path(self.engine.save_sampler_weights(P.engine_id(model_id), name))
-        uri = P.TinkerPath(run.model_id, kind, name).uri
+            path = Path(self.engine.save_sampler_weights(engine_id(model_id), name))
+        uri = TinkerPath(run.model_id, kind, name).uri
         if uri in self.registry.checkpoints:
             logger.info("overwriting checkpoint %s", uri)
         ck = CheckpointRecord(
@@ -373,7 +374,7 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
         seq = int_field(body, "seq_id", ep)
         name = body.get("path") or f"state-{seq if seq is not None else int(time.time())}"
         try:
-            P.check_checkpoint_name(name)
+            check_checkpoint_name(name)
         except P.ProtocolError as e:
             raise HttpError(422, f"{ep}: {e}") from e
         ttl = check_ttl(body.get("ttl_seconds"), ep)
@@ -394,7 +395,7 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
             f"ephemeral-{ss_seq}" if ss_seq is not None else f"sampler-{seq if seq is not None else int(time.time())}"
         )
         try:
-            P.check_checkpoint_name(name)
+            check_checkpoint_name(name)
         except P.ProtocolError as e:
             raise HttpError(422, f"{ep}: {e}") from e
         ttl = check_ttl(body.get("ttl_seconds"), ep)
@@ -426,7 +427,7 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
         if ck.kind != "state":
             raise HttpError(
                 422,
-                f"{ep}: {uri} is a {P.KIND_SEGMENT[ck.kind]} checkpoint; load a "
+                f"{ep}: {uri} is a {KIND_SEGMENT[ck.kind]} checkpoint; load a "
                 "tinker://<model_id>/weights/<name> state checkpoint",
             )
         src = self.registry.runs.get(ck.model_id)
@@ -455,7 +456,7 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
 
             def create_and_load() -> dict[str, Any]:
                 self.engine.create_model(
-                    P.engine_id(model_id),
+                    engine_id(model_id),
                     run.base_model,
                     run.lora_rank,
                     seed=run.seed,
@@ -463,8 +464,8 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
                     train_attn=run.train_attn,
                     train_unembed=run.train_unembed,
                 )
-                self.engine.load_state(P.engine_id(model_id), Path(ck.path), with_optimizer=with_opt)
-                self._info[model_id] = self.engine.get_info(P.engine_id(model_id))
+                self.engine.load_state(engine_id(model_id), Path(ck.path), with_optimizer=with_opt)
+                self._info[model_id] = self.engine.get_info(engine_id(model_id))
                 self.registry.add_run(run)
                 return {"type": "load_weights", "path": uri, "model_id": model_id}
 
@@ -476,7 +477,7 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
 
         def load() -> dict[str, Any]:
             self.run_record(model_id)
-            self.engine.load_state(P.engine_id(model_id), Path(ck.path), with_optimizer=with_opt)
+            self.engine.load_state(engine_id(model_id), Path(ck.path), with_optimizer=with_opt)
             return {"type": "load_weights", "path": uri, "model_id": model_id}
 
         return {

@@ -24,6 +24,7 @@ from .outcomes import UserError
 from .registry import CheckpointRecord, Registry, RunRecord, iso
 from .signing import UrlSigner
 from .tenancy import Tenancy
+from .tinker_paths import parse_tinker_path
 from .trace import Tracer, session_of
 
 logger = logging.getLogger("tinker_local.rest")
@@ -120,7 +121,7 @@ class ServiceBase:
         """The checkpoint ``uri`` names, when the caller may read it; HttpError 422 for a malformed
         path, ``status`` for an unknown, expired or another user's unpublished checkpoint."""
         try:
-            P.parse_tinker_path(uri)
+            parse_tinker_path(uri)
         except P.ProtocolError as e:
             raise HttpError(422, str(e)) from e
         self.sweep_expired()

@@ -32,6 +32,7 @@ from .registry import CheckpointRecord, iso
 from .rest import check_ttl
 from .service_base import ServiceBase
 from .signing import SignatureError
+from .tinker_paths import TinkerPath, check_checkpoint_name, engine_id
 
 logger = logging.getLogger("tinker_local.export")
 
@@ -93,7 +94,7 @@ class ExportMixin(ServiceBase):
         seq = int_field(body, "seq_id", ep)
         name = required_field(body, "path", ep)
         try:
-            P.check_checkpoint_name(name)
+            check_checkpoint_name(name)
         except P.ProtocolError as e:
             raise HttpError(422, f"{ep}: {e}") from e
         ttl = check_ttl(body.get("ttl_seconds"), ep)
@@ -101,12 +102,12 @@ class ExportMixin(ServiceBase):
 
         def work() -> dict[str, Any]:
             self.run_record(model_id)
-            folder = Path(self.engine.save_external_weights(P.engine_id(model_id), name))
+            folder = Path(self.engine.save_external_weights(engine_id(model_id), name))
             if recipients:
                 _encrypt_in_place(folder, recipients)
             files = self._own_files(folder)
             ck = CheckpointRecord(
-                uri=P.TinkerPath(model_id, "external", name).uri,
+                uri=TinkerPath(model_id, "external", name).uri,
                 model_id=model_id,
                 kind="external",
                 name=name,
@@ -170,7 +171,7 @@ class ExportMixin(ServiceBase):
             self.signer.check("external", f"{model_id}/{name}", file, expires, sig)
         except SignatureError as e:
             raise HttpError(403, str(e)) from e
-        ck = self.checkpoint_record(P.TinkerPath(model_id, "external", name).uri)
+        ck = self.checkpoint_record(TinkerPath(model_id, "external", name).uri)
         path = self.external_files(ck).get(file)
         if path is None:
             raise HttpError(404, f"{ck.uri} has no file {file!r}")

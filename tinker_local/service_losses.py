@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .custom_loss import BoundLoss, CompiledLoss, CustomLossError, compile_graph
+from .custom_loss import BoundLoss, CompiledLoss, compile_graph
 from .errors import HttpError, int_field, required_field
+from .loss_limits import CustomLossError
 from .outcomes import UserError
 from .service_base import ServiceBase
 from .trace import session_of

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from . import protocol as P
+from . import protocol_sampling
 from .errors import HttpError, int_field, required_field
 from .outcomes import is_user_error
 from .registry import SamplerRecord
@@ -131,11 +132,11 @@ class SamplingServiceMixin(StabilityMixin, ServiceBase):
         else:
             rec = self._sampler_record("adhoc", body, ep)
         try:
-            prompt = P.prompt_from_json(required_field(body, "prompt", ep))
+            prompt = protocol_sampling.prompt_from_json(required_field(body, "prompt", ep))
             sp = body.get("sampling_params") or {}
-            stop = P.stop_from_json(sp.get("stop"))
+            stop = protocol_sampling.stop_from_json(sp.get("stop"))
             target, target_csr = (
-                P.target_ids_from_json(body["target_prompt_logprobs"])
+                protocol_sampling.target_ids_from_json(body["target_prompt_logprobs"])
                 if body.get("target_prompt_logprobs") is not None
                 else (None, None)
             )
@@ -207,7 +208,7 @@ class SamplingServiceMixin(StabilityMixin, ServiceBase):
             executor=SAMPLER_EXECUTOR if self.sampler_pool is not None else None,
         )
         self.tracer.bind(span, rid)
-        job["sequence_ids"] = P.sequence_ids(rid, n)
+        job["sequence_ids"] = protocol_sampling.sequence_ids(rid, n)
         job["ids"].set()  # the batch may already be running: it waits for the ids to record them
         return {"request_id": rid, "sample_sequence_ids": job["sequence_ids"]}
 
@@ -348,7 +349,7 @@ class SamplingServiceMixin(StabilityMixin, ServiceBase):
                 else:
                     self._not_recorded(job)
             out.append(
-                P.sample_response_to_proto(
+                protocol_sampling.sample_response_to_proto(
                     res.sequences,
                     res.prompt_logprobs if job["prompt_logprobs"] else None,
                     res.topk_prompt_logprobs if job["topk"] > 0 else None,

@@ -210,7 +210,7 @@ class Tenancy:
         cap, user = self.limits.compute_s_per_hour, current_user()
         if cap is None:
             return
-        used, retry_s = self.store.usage(user, QUOTA_WINDOW_S, cap)
+        used, retry_s = self.store.compute.usage(user, QUOTA_WINDOW_S, cap)
         if used >= cap:
             raise HttpError(
                 429,
@@ -223,8 +223,8 @@ class Tenancy:
         """What ``GET /api/v1/local_stats`` shows ``user`` of their own use: compute (jobs,
         seconds since start and in the last hour), requests queued or running, resident training
         models, checkpoint bytes, and their limits (None: unlimited)."""
-        used, _ = self.store.usage(user, QUOTA_WINDOW_S, None)
-        totals = self.store.user_totals().get(user, {})
+        used, _ = self.store.compute.usage(user, QUOTA_WINDOW_S, None)
+        totals = self.store.compute.user_totals().get(user, {})
         return {
             "jobs": int(totals.get("jobs", 0)),
             "compute_s": round(float(totals.get("compute_s", 0.0)), 3),

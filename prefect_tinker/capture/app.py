@@ -10,9 +10,10 @@ the tag stored as the row's ``client``):
 - ``GET /v1/models``, ``GET /v1/models/{id}``;
 - ``GET /health`` (no token; ``{"status": "ok", "session": ..., "pending_rows": ..., "checkpoint": ...}``).
 
-The model is a :class:`~prefect_tinker.capture.model.ServedModel`, or a
-:class:`~prefect_tinker.capture.follow.ModelFollower` (``--model alias:LINE@ALIAS``): each request
-then takes the model current when it arrives.
+The model is a :class:`~prefect_tinker.capture.model.ModelSource`: a
+:class:`~prefect_tinker.capture.model.ServedModel`, or a
+:class:`~prefect_tinker.capture.follow.ModelFollower` (``--model alias:LINE@ALIAS``); each request
+takes the model current when it arrives.
 
 With a token configured every ``/v1`` route needs ``Authorization: Bearer <token>`` (compared in
 constant time); a wrong or missing token answers 401 ``invalid_api_key``. Errors are OpenAI error
@@ -34,9 +35,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from prefect_tinker.capture.follow import ModelFollower
 from prefect_tinker.capture.generate import RequestContext, chat_completion, completion
-from prefect_tinker.capture.model import ServedModel
+from prefect_tinker.capture.model import ModelSource
 from prefect_tinker.capture.recorder import CaptureRecorder
 from prefect_tinker.capture.requests import (
     APIError,
@@ -62,7 +62,7 @@ def _error(exc: APIError) -> JSONResponse:
 
 
 def create_app(
-    model: ServedModel | ModelFollower,
+    model: ModelSource,
     recorder: CaptureRecorder,
     *,
     session_id: str,
@@ -73,7 +73,8 @@ def create_app(
 
     Args:
         model: what to sample from (:func:`~prefect_tinker.capture.model.open_served_model`), or
-            a follower of a reference (refreshed in the background while the app runs).
+            a follower of a reference; started when the app starts (a follower then refreshes in the
+            background) and stopped when it shuts down.
         recorder: where rows go; closed (flushed) when the app shuts down.
         session_id: the capture session, the ``run_id`` of every row.
         token: bearer token required on ``/v1`` routes (None: no auth, for loopback binds only;
@@ -83,18 +84,13 @@ def create_app(
     """
     started = int(time.time())
 
-    def current() -> ServedModel:
-        return model.current() if isinstance(model, ModelFollower) else model
-
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        if isinstance(model, ModelFollower):
-            model.start()
+        model.start()
         try:
             yield
         finally:
-            if isinstance(model, ModelFollower):
-                model.stop()
+            model.stop()
             recorder.close()
             if ratings is not None:
                 ratings.close()
@@ -151,7 +147,7 @@ def create_app(
         req = parse_body(await body(request), cls)
         ctx = context(request, tag, req.user)
         ctx.started = started_at
-        gen = await run(current(), req, ctx)  # the model of this request, to its end
+        gen = await run(model.current(), req, ctx)  # the model of this request, to its end
         recorder.record(gen.rows)
         if req.stream:
             return StreamingResponse(
@@ -162,12 +158,12 @@ def create_app(
         return JSONResponse(response_body(gen))
 
     def models_list() -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(n) for n in current().names]}
+        return {"object": "list", "data": [_model_card(n) for n in model.current().names]}
 
     def _model_card(name: str) -> dict[str, Any]:
         card = {"id": name, "object": "model", "created": started, "owned_by": "prefect-tinker"}
-        if current().max_context:
-            card["max_model_len"] = current().max_context
+        if model.current().max_context:
+            card["max_model_len"] = model.current().max_context
         return card
 
     async def feedback(request: Request) -> dict[str, Any]:
@@ -210,7 +206,7 @@ def create_app(
             @app.get(prefix + "/v1/models/{model_id:path}")
             async def model_card(request: Request, model_id: str, tag: str | None = None):
                 authorize(request)
-                current().check_model(model_id)
+                model.current().check_model(model_id)
                 return _model_card(model_id)
 
         routes()
@@ -222,7 +218,7 @@ def create_app(
             "session": session_id,
             "pending_rows": recorder.pending,
             "flush_errors": recorder.stats["flush_errors"],
-            "checkpoint": current().checkpoint,
+            "checkpoint": model.current().checkpoint,
         }
 
     return app

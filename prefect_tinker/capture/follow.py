@@ -40,7 +40,6 @@ class ModelFollower:
             raise ValueError(f"refresh_s must be > 0, got {refresh_s}")
         self._resolve, self._open, self.refresh_s = resolve, open_model, float(refresh_s)
         self._model = open_model(resolve())
-        self.switches = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -61,7 +60,6 @@ class ModelFollower:
             return False
         logger.warning("serving %s (was %s)", model.checkpoint, self._model.checkpoint)
         self._model = model  # one reference assignment: a request sees the old or the new model, whole
-        self.switches += 1
         return True
 
     def start(self) -> None:

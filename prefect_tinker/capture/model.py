@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import tinker
 
@@ -25,12 +25,29 @@ from prefect_tinker.recipes.renderers import Renderer, get_renderer
 if TYPE_CHECKING:
     from tinker_blocks.credentials import TinkerCredentials
 
-__all__ = ["ServedModel", "backend_error", "open_served_model"]
+__all__ = ["ModelSource", "ServedModel", "backend_error", "open_served_model"]
 
 logger = logging.getLogger("prefect_tinker.capture")
 
 #: ``max_tokens`` when the client gives none (capped by what the context leaves).
 DEFAULT_MAX_TOKENS = 4096
+
+
+class ModelSource(Protocol):
+    """What a capture server serves from: a :class:`ServedModel` (always itself) or a
+    :class:`~prefect_tinker.capture.follow.ModelFollower` (the weights an alias names now)."""
+
+    def current(self) -> ServedModel:
+        """The model to answer the next request with (kept by that request to its end)."""
+        ...
+
+    def start(self) -> None:
+        """Called when the server starts serving."""
+        ...
+
+    def stop(self) -> None:
+        """Called when the server shuts down."""
+        ...
 
 
 @dataclass
@@ -57,6 +74,17 @@ class ServedModel:
     max_context: int | None = None
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     _decoded: dict[int, str] = field(default_factory=dict, repr=False)
+
+    # ----- a ModelSource that never changes --------------------------------------------------------
+    def current(self) -> ServedModel:
+        """Itself: the model opened at start answers every request."""
+        return self
+
+    def start(self) -> None:
+        """Nothing runs in the background (a :class:`ModelSource` may refresh itself)."""
+
+    def stop(self) -> None:
+        """Nothing to stop."""
 
     # ----- requests ------------------------------------------------------------------------------
     def check_model(self, name: str) -> None:

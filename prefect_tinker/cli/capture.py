@@ -136,7 +136,6 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from prefect_tinker.capture.app import create_app
-    from prefect_tinker.capture.follow import ModelFollower
     from prefect_tinker.capture.model import open_served_model
     from prefect_tinker.capture.recorder import CaptureRecorder
     from tinker_blocks.model_registry import is_weights_ref
@@ -194,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
         table="ratings",
     )
     app = create_app(served, recorder, session_id=session, token=token, ratings=ratings)
-    now = served.current() if isinstance(served, ModelFollower) else served
+    now = served.current()
     print(
         f"capture server on http://{args.host}:{args.port}/v1 (session {session}, model "
         f"{', '.join(now.names)} = {now.checkpoint}, renderer {now.renderer.name}, store {store.root}, "

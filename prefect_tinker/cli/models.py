@@ -28,7 +28,7 @@ __all__ = ["add_parser"]
 
 
 def _store(args: argparse.Namespace) -> Any:
-    from tinker_blocks.store_io import default_store_root
+    from tinker_blocks.store_config import default_store_root
     from tinker_blocks.stores import TrainingStore
 
     return TrainingStore(root=args.store or default_store_root())

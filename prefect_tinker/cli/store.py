@@ -104,7 +104,7 @@ def _print_query(root: str, sql: str, params: list[Any], as_json: bool) -> int:
 
 
 def _default_store() -> str:
-    from tinker_blocks.store_io import default_store_root
+    from tinker_blocks.store_config import default_store_root
 
     return default_store_root()
 

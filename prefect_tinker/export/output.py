@@ -1,6 +1,6 @@
 """Where an export goes: a local folder (staged next to it, then renamed into place) or an
 ``s3://bucket/prefix`` (files uploaded through s3fs with the stores' settings:
-:func:`tinker_blocks.store_io.resolve_storage_options`, i.e. the ``AWS_*`` environment; transient
+:func:`tinker_blocks.store_config.resolve_storage_options`, i.e. the ``AWS_*`` environment; transient
 errors retried by :func:`tinker_blocks.s3.retry_call`; the metadata file goes last, so a prefix
 without ``export_metadata.json`` is an unfinished upload).
 """
@@ -40,7 +40,7 @@ class ExportOutput:
         if self.remote:
             import fsspec
 
-            from tinker_blocks.store_io import resolve_storage_options
+            from tinker_blocks.store_config import resolve_storage_options
 
             bucket_path = self.out.split("://", 1)[1].strip("/")
             if "/" not in bucket_path:

@@ -16,7 +16,7 @@ from tinker_blocks.model_registry import Weights, WeightsRefError, is_weights_re
 
 # The flows' default store root is the one `prefect-tinker sql/runs/checkpoints` read
 # ($PREFECT_TINKER_STORE, else $PREFECT_TINKER_HOME/store, else ~/.prefect-tinker/store).
-from tinker_blocks.store_io import default_store_root
+from tinker_blocks.store_config import default_store_root
 
 if TYPE_CHECKING:
     from prefect_tinker.recipes.builders import DatasetBuilder

@@ -31,6 +31,7 @@ from prefect_tinker.flows.distill_config import DistillConfig, TeacherSpec
 from prefect_tinker.flows.distill_loop import DistillLoop, SDFTStep, Teacher
 from prefect_tinker.flows.interrupts import recipe_flow
 from prefect_tinker.flows.loop import StepLoop
+from prefect_tinker.flows.rl_config import SCHEDULES
 from prefect_tinker.flows.session import RunSession
 from prefect_tinker.recipes.rl.envs import build_rl_dataset
 from prefect_tinker.tasks.policies import quote
@@ -86,8 +87,6 @@ def _loop(session: RunSession[DistillConfig], config: DistillConfig, teachers: l
 
 
 def _on_policy(config: DistillConfig) -> dict[str, Any]:
-    from prefect_tinker.flows.rl_schedules import SCHEDULES
-
     credentials = resolve_credentials(config.backend)
     teachers = open_teachers(config, credentials)
     with RunSession(

@@ -40,7 +40,7 @@ from prefect_tinker.recipes.evals.specs import EvalSpec
 from prefect_tinker.recipes.gate import GateConfig, GateDecision, decide, item_scores
 from prefect_tinker.tasks.models import alias_row, announce, set_alias, tag_aliases
 from prefect_tinker.tasks.reporting import artifact_key
-from tinker_blocks.model_registry import ModelRegistry, Weights, check_name
+from tinker_blocks.model_registry import AliasChangedError, ModelRegistry, Weights, check_name
 
 __all__ = ["PromoteConfig", "promote_flow"]
 
@@ -107,7 +107,9 @@ class PromoteConfig(BaseModel):
 
 
 def _scores(eval_root: str, results: list[dict[str, Any]], score: str) -> dict[str, dict[str, dict[str, float]]]:
-    """checkpoint -> benchmark -> {example_id: score} from the ``eval_samples`` of ``results``."""
+    """checkpoint -> benchmark -> {example_id: score} from the ``eval_samples`` of ``results``: only
+    the examples and completions of this evaluation (the same weights' rows may hold other ones, e.g.
+    a training run's in-loop evaluations of its checkpoint, or an earlier gate with another ``limit``)."""
     from tinker_blocks.stores import EvalStore
 
     store = EvalStore(root=eval_root)
@@ -115,10 +117,13 @@ def _scores(eval_root: str, results: list[dict[str, Any]], score: str) -> dict[s
     for r in results:
         rows = store.query(
             "SELECT example_id, correct, score FROM eval_samples WHERE run_id = ? AND eval_name = ? "
-            "AND checkpoint = ? AND step IS NOT DISTINCT FROM ?",
-            [r["run_id"], r["eval_name"], r["checkpoint"], r["step"]],
+            "AND checkpoint = ? AND step IS NOT DISTINCT FROM ? AND sample_index < ?",
+            [r["run_id"], r["eval_name"], r["checkpoint"], r["step"], r["num_samples"]],
         )
-        out.setdefault(r["checkpoint"], {})[r["eval_name"]] = item_scores(rows, score)
+        ids = set(r["example_ids"])
+        out.setdefault(r["checkpoint"], {})[r["eval_name"]] = item_scores(
+            [row for row in rows if str(row["example_id"]) in ids], score
+        )
     return out
 
 
@@ -162,6 +167,7 @@ def promote_flow(config: PromoteConfig) -> dict[str, Any]:
 
     Raises:
         WeightsRefError: the candidate names nothing; no champion with ``require_champion``.
+        AliasChangedError: the alias changed while the gate ran (nothing promoted).
         ValueError: the two were not evaluated on the same items.
     """
     log = get_run_logger()
@@ -178,15 +184,16 @@ def promote_flow(config: PromoteConfig) -> dict[str, Any]:
         return _summary(config, False, "already champion", None, cand, champ, None)
     models = [cand.checkpoint, *([champ.checkpoint] if champ is not None else [])]
     result = cast(dict[str, Any], eval_flow(config.eval_config(models)))
-    cand = weights_ref(config.store, config.candidate, "candidate")  # its sampler weights, if saved for the eval
+    evaluated = _eval_checkpoints(result["results"], len(models))
+    if evaluated[0] != cand.checkpoint:  # a state path: the sampler weights the eval saved for it, not a newer ref
+        cand = weights_ref(config.store, evaluated[0], "candidate")
     set_alias(config.store, alias_row(registry_store, config.line, "candidate", "set", cand, {"for": config.alias}))
     decision: GateDecision | None = None
     if champ is None:
         note, promote = "no champion yet: the candidate becomes the first", True
     else:
         by_ckpt = _scores(eval_root, result["results"], config.gate.score)
-        targets = _eval_checkpoints(result["results"], len(models))
-        decision = decide(by_ckpt[targets[0]], by_ckpt[targets[1]], config.gate)
+        decision = decide(by_ckpt[evaluated[0]], by_ckpt[evaluated[1]], config.gate)
         promote = decision.promote
         note = "the gate holds" if promote else "the gate does not hold"
     log.info("%s@%s: %s (%s)", config.line, config.alias, "promote" if promote else "keep the champion", note)
@@ -195,6 +202,12 @@ def promote_flow(config: PromoteConfig) -> dict[str, Any]:
         return _summary(config, False, note, decision, cand, champ, None)
     numbers = decision.model_dump() if decision else {"first_promotion": True}
     row = alias_row(registry_store, config.line, config.alias, "promote", cand, numbers)
+    judged = champ.checkpoint if champ is not None else None
+    if not config.champion and row["previous"] != judged:  # the alias moved while the two were evaluated
+        raise AliasChangedError(
+            f"{config.line}@{config.alias} holds {row['previous'] or '(nothing)'} now, not {judged or '(nothing)'} "
+            "that the gate compared with: another change came first; nothing promoted (run the promotion again)"
+        )
     with transaction():  # the alias change and its history row, undone if a later step fails
         set_alias(config.store, row)
         tag_aliases(config.store, config.line, config.alias, [row["checkpoint"], row["previous"]])
@@ -209,7 +222,8 @@ def _training_store(root: str) -> Any:
 
 
 def _eval_checkpoints(results: list[dict[str, Any]], n: int) -> list[str]:
-    """The evaluated checkpoints in the order the eval flow took the models (candidate first)."""
+    """The evaluated checkpoints in the order the eval flow took the models (candidate first: each of
+    the two resolved references is one target, and the eval flow keeps the order it is given)."""
     seen: list[str] = []
     for r in results:
         if r["checkpoint"] not in seen:

@@ -48,8 +48,7 @@ from tinker.types import LossFnType
 
 from prefect_tinker.flows.interrupts import recipe_flow
 from prefect_tinker.flows.loop import StepLoop
-from prefect_tinker.flows.rl_config import RLConfig
-from prefect_tinker.flows.rl_schedules import SCHEDULES
+from prefect_tinker.flows.rl_config import SCHEDULES, RLConfig
 from prefect_tinker.flows.session import RunSession
 from prefect_tinker.recipes.rl.advantages import (
     apply_kl_penalty,

@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 
 from prefect_tinker.flows.config import RecipeConfig
 from prefect_tinker.recipes.data_reading import source_fingerprint
+from prefect_tinker.recipes.registry import Registry
 from prefect_tinker.recipes.rl.advantages import ADVANTAGE_ESTIMATORS, AdvantageEstimator
 from prefect_tinker.recipes.rl.envs import EnvContext, EnvSpec, RunSettings
 from prefect_tinker.recipes.rl.losses import LOSSES, ClipThresholds, RLLoss
@@ -17,7 +18,12 @@ from prefect_tinker.tasks.reward_model import WinRateEvaluator
 from prefect_tinker.tasks.rollouts import RolloutPolicy
 from prefect_tinker.tasks.runners import TaskRunnerFields
 
-__all__ = ["RLConfig"]
+__all__ = ["SCHEDULES", "RLConfig"]
+
+# RL schedules by name: subclasses of prefect_tinker.flows.rl_schedules.Schedule (that module imports this
+# one for RLConfig, so the registry is typed loosely here). The built-ins register themselves when their
+# module is imported; a plugin adds one through the entry-point group ``prefect_tinker.schedules``.
+SCHEDULES: Registry[Any] = Registry("RL schedule", "prefect_tinker.schedules", ["prefect_tinker.flows.rl_schedules"])
 
 
 class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
@@ -107,8 +113,10 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
         default=False, description="Divide centred advantages by the group's std (original GRPO)."
     )
     num_substeps: int = Field(default=1, ge=1, description="Optimizer steps per batch (the batch split by groups).")
-    schedule: Literal["sync", "streaming", "async"] = Field(
-        default="sync", description="sync on-policy, streaming minibatches, or async off-policy."
+    schedule: str = Field(
+        default="sync",
+        description="RL schedule by name (registry SCHEDULES): sync on-policy, streaming minibatches, async "
+        "off-policy, or a plugin's.",
     )
     num_minibatches: int = Field(
         default=2,
@@ -141,15 +149,12 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
             raise ValueError(
                 f"num_substeps ({self.num_substeps}) cannot exceed groups_per_batch ({self.groups_per_batch})"
             )
-        if self.schedule == "streaming" and self.num_minibatches * self.num_substeps > self.groups_per_batch:
+        schedule = SCHEDULES.get_or_raise(self.schedule)
+        schedule.check_config(self)
+        if self.sampler_kind == "inflight" and not schedule.off_policy:
             raise ValueError(
-                f"streaming needs groups_per_batch >= num_minibatches x num_substeps "
-                f"({self.num_minibatches} x {self.num_substeps} > {self.groups_per_batch})"
-            )
-        if self.sampler_kind == "inflight" and self.schedule != "async":
-            raise ValueError(
-                f"sampler_kind='inflight' needs schedule='async' (got schedule={self.schedule!r}): "
-                "on-policy schedules wait for every rollout before training"
+                f"sampler_kind='inflight' needs an off-policy schedule such as 'async' (got schedule="
+                f"{self.schedule!r}): on-policy schedules wait for every rollout before training"
             )
         if self.rollout.min_group_size > self.group_size:
             raise ValueError(

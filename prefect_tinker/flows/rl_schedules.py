@@ -26,16 +26,16 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 from prefect.futures import as_completed
 
-from prefect_tinker.flows.rl_config import RLConfig
+from prefect_tinker.flows.rl_config import SCHEDULES, RLConfig
 from prefect_tinker.flows.session import RunSession
 from prefect_tinker.recipes.rl.types import RLDataset, TrajectoryGroup
 
-__all__ = ["SCHEDULES", "Schedule", "Sync", "Streaming", "Async", "RLLoopParts", "merge_metrics"]
+__all__ = ["Schedule", "Sync", "Streaming", "Async", "RLLoopParts", "merge_metrics", "register_schedule"]
 
 
 class RLLoopParts(Protocol):
@@ -112,10 +112,23 @@ def _rollout_counters(counters: dict[str, float], keys=("errors", "groups_droppe
 
 class Schedule:
     """A schedule: ``step(step) -> metrics`` (one batch: rollouts, update(s), fresh sampler),
-    ``rewind(step)`` after a lost client, ``close()`` at the end."""
+    ``rewind(step)`` after a lost client, ``close()`` at the end.
+
+    A new schedule subclasses this, implements :meth:`step` with the loop's parts
+    (:class:`RLLoopParts`) and is registered by name (:func:`register_schedule`, or the entry-point
+    group ``prefect_tinker.schedules``); ``RLConfig.schedule`` names it.
+    """
+
+    off_policy: ClassVar[bool] = False
+    """Whether rollouts may run on weights older than the trainer's (needed by ``sampler_kind="inflight"``)."""
 
     def __init__(self, loop: RLLoopParts):
         self.loop = loop
+
+    @classmethod
+    def check_config(cls, config: RLConfig) -> None:
+        """Raise ``ValueError`` (one line naming the fields) for a config this schedule cannot run;
+        called by ``RLConfig``'s validation, before anything starts. Nothing to check by default."""
 
     def step(self, step: int) -> dict[str, float]:
         raise NotImplementedError
@@ -163,6 +176,14 @@ class Sync(Schedule):
 class Streaming(Schedule):
     """Streaming-minibatch on-policy schedule (see the module docstring)."""
 
+    @classmethod
+    def check_config(cls, config: RLConfig) -> None:
+        if config.num_minibatches * config.num_substeps > config.groups_per_batch:
+            raise ValueError(
+                f"streaming needs groups_per_batch >= num_minibatches x num_substeps "
+                f"({config.num_minibatches} x {config.num_substeps} > {config.groups_per_batch})"
+            )
+
     def step(self, step: int) -> dict[str, float]:
         loop, c, t0 = self.loop, self.loop.config, time.perf_counter()
         counters: dict[str, float] = {}
@@ -206,6 +227,8 @@ class Streaming(Schedule):
 
 class Async(Schedule):
     """Asynchronous off-policy schedule (see the module docstring)."""
+
+    off_policy = True
 
     def __init__(self, loop: RLLoopParts):
         super().__init__(loop)
@@ -291,4 +314,12 @@ class Async(Schedule):
                 pass
 
 
-SCHEDULES: dict[str, type[Schedule]] = {"sync": Sync, "streaming": Streaming, "async": Async}
+def register_schedule(name: str, schedule: type[Schedule]) -> type[Schedule]:
+    """Register ``schedule`` as RL schedule ``name`` (``RLConfig.schedule``); returns it. A later
+    registration of a name replaces the earlier one."""
+    return SCHEDULES.register(name, schedule)
+
+
+register_schedule("sync", Sync)
+register_schedule("streaming", Streaming)
+register_schedule("async", Async)

@@ -137,7 +137,8 @@ def _rows(
 ) -> list[dict[str, Any]]:
     """The chat rows of ``captures`` (with ``rating`` and ``judge_score``) that the filter and the
     time window select, oldest first."""
-    from tinker_blocks.store_io import ParquetStore, resolve_storage_options
+    from tinker_blocks.store_config import resolve_storage_options
+    from tinker_blocks.store_io import ParquetStore
 
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")

@@ -161,7 +161,7 @@ def cache_dir() -> Path:
 
 def _checkout_root() -> Path | None:
     """The source checkout this module lives in (the folder with ``pyproject.toml``), else None."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]  # <root>/prefect_tinker/recipes/example_data.py
     return root if (root / "pyproject.toml").is_file() else None
 
 

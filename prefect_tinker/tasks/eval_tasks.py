@@ -174,7 +174,14 @@ def _eval_store(root: str) -> Any:
     return EvalStore(root=str(root))
 
 
-def _outcome(target: EvalTarget, name: str, results: list[dict[str, Any]], n: int) -> dict[str, Any]:
+def _outcome(
+    target: EvalTarget,
+    name: str,
+    results: list[dict[str, Any]],
+    n: int,
+    example_ids: list[str] | None = None,
+    num_samples: int | None = None,
+) -> dict[str, Any]:
     return {
         "run_id": target.run_id,
         "step": target.step,
@@ -183,6 +190,8 @@ def _outcome(target: EvalTarget, name: str, results: list[dict[str, Any]], n: in
         "label": target.label,
         "metrics": metrics_dict(results),
         "num_examples": n,
+        "example_ids": example_ids,
+        "num_samples": num_samples,
     }
 
 
@@ -211,7 +220,9 @@ def evaluate_benchmark(
 
     Returns:
         ``{"run_id", "step", "checkpoint", "eval_name", "label", "metrics": {metric: value},
-        "num_examples"}``.
+        "num_examples", "example_ids", "num_samples"}``: the ids of the examples this evaluation
+        graded and its completions per example (what picks its rows out of ``eval_samples``, where
+        other evaluations of the same weights may have written theirs).
 
     Raises:
         FileNotFoundError / ValueError: from loading the examples; RuntimeError: every example of
@@ -245,7 +256,7 @@ def evaluate_benchmark(
     store = _eval_store(eval_store)
     store.write_rows("eval_samples", samples)  # the samples first: a result row means its samples exist
     store.write_rows("eval_results", results)
-    outcome = _outcome(target, spec.name, results, len(examples))
+    outcome = _outcome(target, spec.name, results, len(examples), [str(ex.id) for ex in examples], spec.num_samples)
     _completed(target, outcome, config)
     return outcome
 

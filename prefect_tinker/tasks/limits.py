@@ -47,8 +47,9 @@ __all__ = [
 
 #: seconds a slot's lease lasts between renewals (Prefect renews it while the holder lives)
 LEASE_SECONDS = 300.0
-#: seconds a "this limit does not exist" answer is trusted before asking the server again
-_ABSENT_TTL = 30.0
+#: seconds a "this limit does not exist" answer (and, for callers that need no slot counts, a "this
+#: limit exists" one) is trusted before asking the server again
+_KNOWN_TTL = 30.0
 
 
 def train_limit_name(credentials: TinkerCredentials) -> str:
@@ -80,18 +81,21 @@ class LimitState:
         return self.active_slots >= self.limit
 
 
-_absent: dict[str, float] = {}
-_absent_lock = threading.Lock()
+_known: dict[str, tuple[float, LimitState | None]] = {}  # name -> (time.monotonic() asked, answer)
+_known_lock = threading.Lock()
 
 
-def limit_state(name: str) -> LimitState | None:
+def limit_state(name: str, *, counts: bool = True) -> LimitState | None:
     """The active limit ``name`` on the Prefect server, or None when it does not exist, is
     inactive, no Prefect API is configured (``PREFECT_API_URL``) or none answers (then nothing is
-    limited). A missing limit is remembered
-    for 30 s, so callers on a hot path ask the server rarely."""
-    with _absent_lock:
-        if time.monotonic() - _absent.get(name, -1e9) < _ABSENT_TTL:
-            return None
+    limited). Each answer is remembered for 30 s: a missing limit is not asked for again meanwhile,
+    nor is an existing one when ``counts`` is False (the caller needs whether it exists and its
+    ``slot_decay_per_second``, not its ``active_slots``, which are then up to 30 s old), so callers
+    on a hot path (one sampling request each) ask the server rarely."""
+    with _known_lock:
+        asked, known = _known.get(name, (-1e9, None))
+    if time.monotonic() - asked < _KNOWN_TTL and (known is None or not counts):
+        return known
     if not _api_configured():  # never start Prefect's in-process ephemeral API just to ask
         return None
     try:
@@ -101,11 +105,12 @@ def limit_state(name: str) -> LimitState | None:
             found = client.read_global_concurrency_limit_by_name(name)
     except Exception:  # not found, no API, an old server: no limit
         found = None
-    if found is None or not found.active:
-        with _absent_lock:
-            _absent[name] = time.monotonic()
-        return None
-    return LimitState(found.name, found.limit, found.active_slots, found.slot_decay_per_second or 0.0)
+    state = None
+    if found is not None and found.active:
+        state = LimitState(found.name, found.limit, found.active_slots, found.slot_decay_per_second or 0.0)
+    with _known_lock:
+        _known[name] = (time.monotonic(), state)
+    return state
 
 
 def _api_configured() -> bool:
@@ -161,9 +166,10 @@ def sampling_slot(credentials: TinkerCredentials, what: str) -> Iterator[None]:
 
 def wait_sample_rate(credentials: TinkerCredentials) -> None:
     """Take one slot of the rate limit ``tinker-sample-rate:<backend>`` (waiting while the rate
-    is spent); returns at once when it does not exist."""
+    is spent); returns at once when it does not exist. Whether it exists is asked of the
+    Prefect API at most once per 30 s (:func:`limit_state` with ``counts=False``)."""
     name = sample_rate_limit_name(credentials)
-    state = limit_state(name)
+    state = limit_state(name, counts=False)  # once per 30 s, not once per request
     if state is None or state.slot_decay_per_second <= 0:
         return
     from prefect.concurrency.sync import rate_limit

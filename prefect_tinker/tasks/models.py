@@ -16,6 +16,7 @@ Used by the promotion flow (:mod:`prefect_tinker.flows.promote`) inside one tran
 
 from __future__ import annotations
 
+import uuid
 from typing import TYPE_CHECKING, Any
 
 from prefect import task
@@ -26,6 +27,7 @@ from prefect.transactions import Transaction, get_transaction
 from prefect_tinker.tasks.events import emit_model_changed
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
 from tinker_blocks.model_registry import ModelRegistry, Weights, WeightsRefError, check_name
+from tinker_blocks.store_schemas import make_row_id
 
 if TYPE_CHECKING:
     from tinker_blocks.stores import TrainingStore
@@ -62,6 +64,10 @@ def alias_row(
             last promotion not rolled back yet; ``weights`` unused).
         decision: the gate's numbers or a reason (``decision_json``).
 
+    The row's ``row_id`` is derived from the change and the flow run making it, so a retried
+    ``set-alias`` of one flow run writes it once; ``previous`` is what the alias holds now, which
+    :meth:`~tinker_blocks.model_registry.ModelRegistry.write` checks again before writing.
+
     Raises:
         WeightsRefError: a bad name; a rollback with nothing to go back to; promote/set without
             weights.
@@ -89,14 +95,19 @@ def alias_row(
             "step": weights.step,
             "renderer": weights.renderer,
         }
+    flow_run_id = _flow_run_id()
+    # the same change in the same flow run has the same id (a retried write lands once); outside a flow run,
+    # each call is a change of its own
+    nonce = flow_run_id or uuid.uuid4().hex
     return {
         **row,
+        "row_id": make_row_id("models", line, alias, action, row["checkpoint"], previous, nonce),
         "line": line,
         "alias": alias,
         "action": action,
         "previous": previous,
         "decision_json": decision,
-        "flow_run_id": _flow_run_id(),
+        "flow_run_id": flow_run_id,
     }
 
 
@@ -109,7 +120,11 @@ def _registry(root: str) -> ModelRegistry:
 @task(name="set-alias", task_run_name="{row[action]}-{row[line]}-{row[alias]}", cache_policy=NO_CACHE, **RETRY_OPTIONS)
 def set_alias(store_root: str, row: dict[str, Any]) -> dict[str, Any]:
     """Append ``row`` (from :func:`alias_row`) to ``models``; returns it. Inside a transaction the
-    written part is remembered and deleted if the transaction rolls back."""
+    written part is remembered and deleted if the transaction rolls back.
+
+    Raises:
+        AliasChangedError: the alias changed since ``row`` was computed (not retried: nothing written).
+    """
     parts = _registry(store_root).write(row)
     txn = get_transaction()
     if txn is not None:

@@ -78,7 +78,8 @@ def compact_run(store: str | TrainingStore, run_id: str, tables: tuple[str, ...]
     """Merge each of the run's ``tables`` (default: every training-store table: runs, metrics,
     checkpoints, trajectories) into one part; tables with fewer than two parts are left alone.
     Queries over S3 cost a request per part, so a finished run should be one part per table.
-    Safe while others query (see ``ParquetStore.compact``). Returns the number of tables compacted."""
+    Safe while others query (see ``tinker_blocks.store_compaction.compact``). Returns the number of
+    tables compacted."""
     st = _store(store)
     return sum(st.compact(run_id, t) is not None for t in (tables or st.tables))
 

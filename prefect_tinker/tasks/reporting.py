@@ -211,7 +211,7 @@ def write_png(root: str, run_id: str, png: bytes, name: str = "curves.png") -> s
     from fsspec.implementations.local import LocalFileSystem
 
     from tinker_blocks.atomic import atomic_write_bytes, sweep_stale_temps
-    from tinker_blocks.store_io import resolve_storage_options
+    from tinker_blocks.store_config import resolve_storage_options
 
     url = f"{root.rstrip('/')}/reports/{run_id}/{name}"
     fs, path = fsspec.core.url_to_fs(url, **resolve_storage_options(root))

@@ -218,7 +218,7 @@ def _write(uri: str, data: bytes) -> None:
     import fsspec
 
     from tinker_blocks.atomic import atomic_write_bytes
-    from tinker_blocks.store_io import resolve_storage_options
+    from tinker_blocks.store_config import resolve_storage_options
 
     if uri.startswith("file://"):
         atomic_write_bytes(None, uri.removeprefix("file://"), data, local=True)
@@ -241,7 +241,7 @@ def read_samples(uri: str, cache_dir: str | Path | None = None) -> str:
         return path
     import fsspec
 
-    from tinker_blocks.store_io import resolve_storage_options
+    from tinker_blocks.store_config import resolve_storage_options
 
     local = Path(cache_dir or Path.home() / ".prefect-tinker" / "cache") / "teacher-samples" / uri.rsplit("/", 1)[-1]
     if not local.is_file():

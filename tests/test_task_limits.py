@@ -1,0 +1,67 @@
+"""``prefect_tinker.tasks.limits`` against a real Prefect API: the sampling rate limit is looked up
+once per 30 s, not once per sampling request, while it exists as while it does not; slot holders
+still read fresh slot counts."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from prefect_tinker.tasks import limits
+from tinker_blocks import TinkerCredentials
+
+
+@pytest.fixture
+def clock(monkeypatch) -> list[float]:
+    """The ``time.monotonic()`` the module sees (far past anything it remembers); add to ``[0]`` to move it."""
+    now = [time.monotonic() + 1e9]
+    monkeypatch.setattr(limits, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    return now
+
+
+@pytest.fixture
+def reads(prefect_api, monkeypatch):
+    """Names passed to ``read_global_concurrency_limit_by_name`` of Prefect's sync client, in order."""
+    from prefect.client.orchestration import SyncPrefectClient
+
+    names: list[str] = []
+    real = SyncPrefectClient.read_global_concurrency_limit_by_name
+
+    def counted(self, name):
+        names.append(name)
+        return real(self, name)
+
+    monkeypatch.setattr(SyncPrefectClient, "read_global_concurrency_limit_by_name", counted)
+    return names
+
+
+def test_an_existing_rate_limit_is_looked_up_once_for_many_sampling_requests(reads, clock):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+
+    creds = TinkerCredentials(local=True)
+    name = limits.sample_rate_limit_name(creds)
+    limits.wait_sample_rate(creds)  # no limit yet: remembered as absent
+    with get_client(sync_client=True) as client:
+        client.create_global_concurrency_limit(
+            GlobalConcurrencyLimitCreate(name=name, limit=100, slot_decay_per_second=0.001, active=True)
+        )
+    try:
+        clock[0] += 29
+        limits.wait_sample_rate(creds)
+        assert reads == [name]  # the absent answer is still trusted
+        clock[0] += 2  # 31 s after it
+        for _ in range(5):
+            limits.wait_sample_rate(creds)
+            clock[0] += 5
+        assert reads == [name, name]  # one look-up for five requests, each of which took a slot
+        with get_client(sync_client=True) as client:
+            assert client.read_global_concurrency_limit_by_name(name).active_slots == 5
+        state = limits.limit_state(name)  # a slot holder's view: counted afresh
+        assert state is not None and state.active_slots == 5 and state.slot_decay_per_second == 0.001
+        assert reads == [name] * 4
+    finally:
+        with get_client(sync_client=True) as client:
+            client.delete_global_concurrency_limit_by_name(name)
