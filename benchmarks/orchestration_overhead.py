@@ -110,7 +110,7 @@ def _flow(base_url: str, args, dataset: Path, store: Path, run_name: str) -> tup
     """Step durations (s) of ``sft_flow`` (the ends of steps come from its ``after_step`` callback), and
     the time of each step spent outside the SDK calls (the step minus the ``train/step_seconds``
     the train-step task measured around forward_backward + optim_step)."""
-    from prefect_tinker.flows.session import RunCallbacks, run_callbacks
+    from prefect_tinker.flows.callbacks import RunCallbacks, run_callbacks
     from prefect_tinker.flows.sft import SFTConfig, sft_flow
 
     ends = []

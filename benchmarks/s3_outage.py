@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="s3-outage-"))
     os.environ["PREFECT_TINKER_HOME"] = str(tmp / "home")
     os.environ["PREFECT_TINKER_STORE_RETRY_SECONDS"] = f"{args.window:g}"
-    from prefect_tinker.flows.session import RunCallbacks, run_callbacks
+    from prefect_tinker.flows.callbacks import RunCallbacks, run_callbacks
     from prefect_tinker.flows.sft import SFTConfig, sft_flow
     from tests.s3_fixtures import SeaweedS3
     from tinker_blocks.stores import TrainingStore

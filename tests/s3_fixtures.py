@@ -12,6 +12,10 @@ Fixtures (imported by conftest.py):
 :class:`SeaweedS3` is usable on its own (the benchmark uses it): ``start()``, ``stop()``
 (SIGTERM, then SIGKILL), ``kill()`` (SIGKILL: a crash), ``start()`` again on the same ports and
 data directory.
+
+Helpers for reading what the stores wrote as an outside reader would: :func:`plain_s3fs` (an s3fs
+client configured by hand), :func:`raw_rows` (every row of every part, plain DuckDB + s3fs), and
+:func:`outage_seen` (waits for a store's "is not answering" log line).
 """
 
 from __future__ import annotations
@@ -26,11 +30,14 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-__all__ = ["SeaweedS3", "find_weed", "s3_server", "s3_root"]
+if TYPE_CHECKING:
+    import s3fs
+
+__all__ = ["SeaweedS3", "find_weed", "outage_seen", "plain_s3fs", "raw_rows", "s3_server", "s3_root"]
 
 ACCESS_KEY = "pt-test-key"
 SECRET_KEY = "pt-test-secret-0123456789"
@@ -213,3 +220,34 @@ def s3_root(s3_server, monkeypatch):
     monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
     monkeypatch.delenv("AWS_PROFILE", raising=False)
     return f"s3://{s3_server.bucket}/t{uuid.uuid4().hex[:10]}"
+
+
+def plain_s3fs(server: SeaweedS3) -> s3fs.S3FileSystem:
+    """An s3fs client configured by hand (no project code), as an outside reader would."""
+    import s3fs
+
+    return s3fs.S3FileSystem(key=server.access_key, secret=server.secret_key,
+                             endpoint_url=server.endpoint_url)
+
+
+def raw_rows(server: SeaweedS3, root: str, store: str, table: str) -> list[dict]:
+    """Rows of every part, read with a plain DuckDB + s3fs connection (no views, no dedup)."""
+    import duckdb
+
+    con = duckdb.connect()
+    con.register_filesystem(plain_s3fs(server))
+    cur = con.execute(
+        f"SELECT * FROM read_parquet('{root}/{store}/{table}/run_id=*/*.parquet', hive_partitioning=true)")
+    names = [d[0] for d in cur.description]
+    return [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
+
+
+def outage_seen(caplog, timeout: float) -> bool:
+    """Wait until a store said it is not answering (its first failed write may take a few seconds:
+    a request in flight when the server died); False after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any("is not answering" in r.getMessage() for r in list(caplog.records)):
+            return True
+        time.sleep(0.05)
+    return False

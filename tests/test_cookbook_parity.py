@@ -21,7 +21,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks import cookbook_parity as cp
+from benchmarks.parity import API_KEY
+from benchmarks.parity.compare import Comparison, compare, table
+from benchmarks.parity.dpo import COOKBOOK_DPO, dpo_data
+from benchmarks.parity.recipe import any_sample, prompt_logprobs
+from benchmarks.parity.requests import training_stream
+from benchmarks.parity.rl import COOKBOOK_RL
+from benchmarks.parity.running import cookbook_command
+from benchmarks.parity.sft import COOKBOOK_SFT
 from tests import inproc_server
 from tests.recorded_requests import mark, since
 
@@ -110,28 +117,28 @@ def server(tmp_path_factory):
 def _cookbook(server, tmp_path: Path, code: str, args: dict) -> list[dict]:
     marked = mark(server.requests)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TINKER_")}
-    env.update(TINKER_BASE_URL=server.base_url, TINKER_API_KEY=cp.API_KEY, PYTHONPATH=str(COOKBOOK))
+    env.update(TINKER_BASE_URL=server.base_url, TINKER_API_KEY=API_KEY, PYTHONPATH=str(COOKBOOK))
     env["WANDB_MODE"] = "disabled"
     a = {"model": "tiny", "tokenizer_dir": server.tokenizer_dir, "log": str(tmp_path / "cookbook"), **args}
-    out = subprocess.run(cp.cookbook_command(code, a), env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(cookbook_command(code, a), env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return since(server.requests, marked)
 
 
 def _ours(server, monkeypatch, flow, config) -> list[dict]:
     marked = mark(server.requests)
-    monkeypatch.setenv("TINKER_API_KEY", cp.API_KEY)
+    monkeypatch.setenv("TINKER_API_KEY", API_KEY)
     flow(config=config)
     return since(server.requests, marked)
 
 
 def _assert_identical(
     recipe: str, cb: list[dict], ours: list[dict], steps: int, rtol: float = 1e-6, samples=None
-) -> cp.Comparison:
-    cmp = cp.compare(recipe, "tiny", cb, ours, rtol, samples)
-    assert cmp.steps == steps and cmp.requests == 2 * steps, cp.table(cmp, 1e-6)
-    assert cmp.first is None, cp.table(cmp, rtol)
-    assert cmp.max_loss_rel <= rtol and cmp.max_weight_abs is not None and cmp.max_weight_abs <= rtol, cp.table(
+) -> Comparison:
+    cmp = compare(recipe, "tiny", cb, ours, rtol, samples)
+    assert cmp.steps == steps and cmp.requests == 2 * steps, table(cmp, 1e-6)
+    assert cmp.first is None, table(cmp, rtol)
+    assert cmp.max_loss_rel <= rtol and cmp.max_weight_abs is not None and cmp.max_weight_abs <= rtol, table(
         cmp, rtol
     )
     return cmp
@@ -147,7 +154,7 @@ def test_sft_sends_what_the_cookbook_sends(server, tmp_path, monkeypatch, prefec
     cb = _cookbook(
         server,
         tmp_path,
-        cp.COOKBOOK_SFT,
+        COOKBOOK_SFT,
         {"data": str(data), "renderer": "role_colon", "max_length": 64, "batch_size": batch, "test_size": 2,
          "seed": 0, "lr": 1e-3, "lora_rank": 4, "steps": steps, "num_epochs": 1},
     )  # fmt: skip
@@ -168,12 +175,12 @@ def test_dpo_sends_what_the_cookbook_sends(server, tmp_path, monkeypatch, prefec
 
     steps, batch = 2, 4
     args = type("A", (), {"dataset": str(DATA / "example_prefs.jsonl"), "steps": steps, "batch_size": batch})()
-    cb_file, ours_file, n = cp.dpo_data(args, tmp_path)  # the same pairs in both forms
+    cb_file, ours_file, n = dpo_data(args, tmp_path)  # the same pairs in both forms
     assert n == steps * batch
     cb = _cookbook(
         server,
         tmp_path,
-        cp.COOKBOOK_DPO,
+        COOKBOOK_DPO,
         {"data": str(cb_file), "renderer": "role_colon", "max_length": 128, "batch_size": batch, "lr": 1e-3,
          "beta": 0.1, "lora_rank": 4, "steps": steps, "num_epochs": 1},
     )  # fmt: skip
@@ -183,7 +190,7 @@ def test_dpo_sends_what_the_cookbook_sends(server, tmp_path, monkeypatch, prefec
         beta=0.1, reference_via="sampler", data_order="cookbook", adam={"eps": 1e-8}, eval_every=0, save_every=0,
         backend={"base_url": server.base_url}, store=str(tmp_path / "store"), run_name="parity-dpo",
     )  # fmt: skip
-    cmp = _assert_identical("dpo", cb, _ours(server, monkeypatch, dpo_flow, config), steps, samples=cp.prompt_logprobs)
+    cmp = _assert_identical("dpo", cb, _ours(server, monkeypatch, dpo_flow, config), steps, samples=prompt_logprobs)
     assert cmp.sequences == 2 * steps * batch  # the reference: one compute_logprobs per chosen and rejected reply
 
 
@@ -199,7 +206,7 @@ def test_sync_rl_sends_what_the_cookbook_sends(server, tmp_path, monkeypatch, pr
     cb = _cookbook(
         server,
         tmp_path,
-        cp.COOKBOOK_RL,
+        COOKBOOK_RL,
         {"groups": groups, "group_size": group_size, "max_tokens": 6, "steps": steps, "lr": 1e-3, "lora_rank": 4,
          "renderer": "role_colon", "kl": kl, "streaming": False, "minibatches": 1, "data": None, "async_loss": None},
     )  # fmt: skip
@@ -213,11 +220,11 @@ def test_sync_rl_sends_what_the_cookbook_sends(server, tmp_path, monkeypatch, pr
         backend={"base_url": server.base_url}, store=str(tmp_path / "store"), run_name="parity-rl",
     )  # fmt: skip
     ours = _ours(server, monkeypatch, rl_flow, config)
-    cmp = _assert_identical("rl", cb, ours, steps, samples=cp.any_sample)
+    cmp = _assert_identical("rl", cb, ours, steps, samples=any_sample)
     # rollouts (steps x groups x group_size) and the KL reference's logprobs of each of them
     assert cmp.sequences == 2 * steps * groups * group_size
     advantages = [
-        x for e in cp.training_stream(cb) if e["op"] == "forward_backward" for d in e["datums"]
+        x for e in training_stream(cb) if e["op"] == "forward_backward" for d in e["datums"]
         for x in d["loss_fn_inputs"]["advantages"]["data"]
     ]  # fmt: skip
     assert any(a != 0 for a in advantages)  # the comparison covers real advantages and updates

@@ -1,6 +1,6 @@
 """Deployments end to end with real parts: ``prefect server start`` on 127.0.0.1, the work pool and
 deployments of ``prefect.yaml`` (``prefect --no-prompt deploy --all``), ``process`` workers, the
-zombie-run automation of ``prefect_tinker/cli/ops.py``, a ``TinkerCredentials`` block saved on that server and
+zombie-run automation of ``prefect_tinker/cli/automations.py``, a ``TinkerCredentials`` block saved on that server and
 the embedded local Tinker server (with ``--fail-every`` fault injection: the SDK retries those 503s).
 
 1. a parameterised SFT deployment run completes; store rows, artifacts (metrics table, curves PNG,
@@ -79,7 +79,7 @@ class Ctx:
 
 @pytest.fixture(scope="module")
 def ctx(tmp_path_factory):
-    from prefect_tinker.cli.ops import install_automations
+    from prefect_tinker.cli.automations import install_automations
     from prefect.settings import PREFECT_API_URL, temporary_settings
     from tinker_blocks import TinkerCredentials
 
@@ -271,7 +271,7 @@ def test_killed_worker_then_rerun_resumes_after_last_checkpoint(ctx):
     # run runs again, gets the same config and resumes from the run's last checkpoint (step 20).
     resume_installed = ctx.stack.flow_run(fr.id).state_name == "Running"
     if resume_installed:
-        from prefect_tinker.cli.ops import resume_automation
+        from prefect_tinker.cli.automations import resume_automation
         from prefect.settings import PREFECT_API_URL, temporary_settings
 
         with temporary_settings({PREFECT_API_URL: ctx.stack.api_url}):

@@ -11,7 +11,7 @@ import pytest
 
 from prefect_tinker.cli.main import main as cli_main
 from prefect_tinker.flows.distill import DistillConfig, distill_flow
-from prefect_tinker.flows.session import RunCallbacks, run_callbacks
+from prefect_tinker.flows.callbacks import RunCallbacks, run_callbacks
 from prefect_tinker.flows.sft import SFTConfig, sft_flow
 from prefect_tinker.recipes.data_reading import EXAMPLE_CHAT_PATH
 from prefect_tinker.tasks.teacher import TeacherError, read_samples

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import tinker
 from prefect_tinker.flows.dpo import DPOConfig, dpo_flow
 from prefect_tinker.flows.resume_checks import ResumeConfigError
-from prefect_tinker.flows.session import RunCallbacks, run_callbacks
+from prefect_tinker.flows.callbacks import RunCallbacks, run_callbacks
 from prefect_tinker.recipes.data_reading import SourceSpec
 from prefect_tinker.recipes.data_sources import DatasetFormatError
 from prefect_tinker.recipes.preference import DPOLoss, PreferenceBuilder, pair_datums

@@ -78,7 +78,8 @@ def ctx(tmp_path_factory):
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from prefect_tinker.cli import main as cli
-    from prefect_tinker.cli.ops import install_automations, install_limits
+    from prefect_tinker.cli.automations import install_automations
+    from prefect_tinker.cli.concurrency_limits import install_limits
     from tinker_blocks import TinkerCredentials
 
     tmp = tmp_path_factory.mktemp("flywheel")

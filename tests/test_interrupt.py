@@ -22,7 +22,7 @@ import pytest
 from pydantic import BaseModel
 
 from prefect_tinker.flows.interrupts import RunInterrupted
-from prefect_tinker.flows.session import RunCallbacks, run_callbacks
+from prefect_tinker.flows.callbacks import RunCallbacks, run_callbacks
 from tinker_blocks.stores import TrainingStore
 
 

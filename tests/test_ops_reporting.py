@@ -10,7 +10,7 @@ import pytest
 
 from prefect_tinker.cli.main import main as cli_main
 from prefect_tinker.flows.config import default_run_name
-from prefect_tinker.cli.ops import RESUME_AUTOMATION, ZOMBIE_AUTOMATION, resume_automation, zombie_automation
+from prefect_tinker.cli.automations import RESUME_AUTOMATION, ZOMBIE_AUTOMATION, resume_automation, zombie_automation
 from prefect_tinker.tasks.reporting import artifact_key, latest_metrics, metric_series, plot_curves, report_run
 
 
@@ -122,8 +122,8 @@ def test_chaining_automations_template_the_deployments_configs():
     from types import SimpleNamespace
     from uuid import uuid4
 
-    from prefect_tinker.cli.ops import (EVALUATE_AUTOMATION, PROMOTE_AUTOMATION, evaluate_automation,
-                                         promotion_automation)
+    from prefect_tinker.cli.automations import (EVALUATE_AUTOMATION, PROMOTE_AUTOMATION, evaluate_automation,
+                                                 promotion_automation)
     from prefect_tinker.flows.registry import load_example
 
     ev = SimpleNamespace(id=uuid4(), name="eval-checkpoint", parameters={"config": load_example("eval", "checkpoint")})

@@ -2,7 +2,7 @@
 
 One in-process ``tinker_local`` server records every request (fp32, content-seeded sampling, LoRA
 seed 0: the harness of ``test_cookbook_parity.py``); the ``sft`` / ``rl`` flow runs with a config,
-the loop with the equivalent one, and ``benchmarks/cookbook_parity.compare`` compares the two
+the loop with the equivalent one, and ``benchmarks/parity/compare.py`` compares the two
 request streams: every ``forward_backward`` (loss function and config, each datum's model input,
 targets, weights / sampler logprobs / advantages) and ``optim_step`` (Adam parameters, the learning
 rate included), every sampled sequence (weights, prompt, parameters, tokens, logprobs; the KL
@@ -18,7 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import cookbook_parity as cp
+from benchmarks.parity import API_KEY
+from benchmarks.parity.compare import Comparison, compare, table
+from benchmarks.parity.recipe import any_sample
+from benchmarks.parity.requests import training_stream
 from tests import inproc_server
 from tests.recorded_requests import mark, since
 
@@ -41,7 +44,7 @@ def server(tmp_path_factory):
 
 def _recorded(server, monkeypatch, run) -> tuple[object, list[dict]]:
     """``run()``'s result and the requests it sent."""
-    monkeypatch.setenv("TINKER_API_KEY", cp.API_KEY)
+    monkeypatch.setenv("TINKER_API_KEY", API_KEY)
     marked = mark(server.requests)
     out = run()
     return out, since(server.requests, marked)
@@ -58,19 +61,19 @@ def _flow_and_loop(server, monkeypatch, tmp_path, flow, config_cls, loop, shared
     return summary, flow_requests, result, loop_requests
 
 
-def _assert_same(recipe: str, flow: list[dict], loop: list[dict], steps: int, samples=None) -> cp.Comparison:
+def _assert_same(recipe: str, flow: list[dict], loop: list[dict], steps: int, samples=None) -> Comparison:
     """The requests of ``loop`` against those of ``flow`` (in a failure's table the harness calls
     the first side "cookbook" and the second "ours": here the flow and the loop)."""
-    cmp = cp.compare(recipe, "tiny", flow, loop, 1e-6, samples)
-    assert cmp.first is None, cp.table(cmp, 1e-6)
-    assert cmp.steps == steps and cmp.requests == 2 * steps, cp.table(cmp, 1e-6)
-    assert cmp.max_loss_rel <= 1e-6, cp.table(cmp, 1e-6)
-    assert cmp.max_weight_abs is not None and cmp.max_weight_abs <= 1e-6, cp.table(cmp, 1e-6)
+    cmp = compare(recipe, "tiny", flow, loop, 1e-6, samples)
+    assert cmp.first is None, table(cmp, 1e-6)
+    assert cmp.steps == steps and cmp.requests == 2 * steps, table(cmp, 1e-6)
+    assert cmp.max_loss_rel <= 1e-6, table(cmp, 1e-6)
+    assert cmp.max_weight_abs is not None and cmp.max_weight_abs <= 1e-6, table(cmp, 1e-6)
     return cmp
 
 
 def _learning_rates(entries: list[dict]) -> list[float]:
-    return [e["adam_params"]["learning_rate"] for e in cp.training_stream(entries) if e["op"] == "optim_step"]
+    return [e["adam_params"]["learning_rate"] for e in training_stream(entries) if e["op"] == "optim_step"]
 
 
 @pytest.mark.slow  # the flow (~10 s) and the loop (~2 s)
@@ -121,9 +124,9 @@ def test_rl_loop_sends_what_the_rl_flow_sends(server, tmp_path, monkeypatch, pre
         kl_reference="base:tiny", eval_every=0, log_trajectories=0, run_name="loops-rl",
     )  # fmt: skip
 
-    cmp = _assert_same("rl", flow, loop, steps, samples=cp.any_sample)
+    cmp = _assert_same("rl", flow, loop, steps, samples=any_sample)
     # rollouts (steps x groups x group_size) and the KL reference's logprobs of each datum trained
-    trained = [d for e in cp.training_stream(loop) if e["op"] == "forward_backward" for d in e["datums"]]
+    trained = [d for e in training_stream(loop) if e["op"] == "forward_backward" for d in e["datums"]]
     assert cmp.sequences == steps * groups * group_size + len(trained) and trained
     assert _learning_rates(loop) == pytest.approx([1e-3, 1e-3 * 0.5], rel=1e-12)  # cosine over 2 steps
     # the comparison covers reward-driven advantages (partial credit is in [0, 0.5): group differences ~0.01-0.5)

@@ -12,9 +12,9 @@ from pydantic import BaseModel
 
 from prefect_tinker.cli.main import main as cli_main
 from prefect_tinker.flows.rl import RLConfig, rl_flow
+from prefect_tinker.flows.callbacks import RunCallbacks, run_callbacks
 from prefect_tinker.flows.rl_config import SCHEDULES
 from prefect_tinker.flows.rl_schedules import Sync
-from prefect_tinker.flows.session import RunCallbacks, run_callbacks
 from prefect_tinker.recipes.rl.envs import Environment, register_env
 from prefect_tinker.recipes.rl.types import Env, EnvGroupBuilder, RLDataset, StepResult
 from tests.task_runs import cached_task_runs

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from prefect_tinker.flows.session import RunCallbacks, run_callbacks
+from prefect_tinker.flows.callbacks import RunCallbacks, run_callbacks
 from prefect_tinker.flows.sft import SFTConfig, sft_flow
 from tinker_blocks.credentials import stop_local_server
 from tests.data_files import synthetic_file

@@ -10,7 +10,7 @@ import tinker
 from pydantic import ValidationError
 
 from prefect_tinker.cli.main import main as cli_main
-from prefect_tinker.flows.session import RunCallbacks, run_callbacks
+from prefect_tinker.flows.callbacks import RunCallbacks, run_callbacks
 from prefect_tinker.flows.sft import SFTConfig, sft_flow
 from prefect_tinker.recipes.data_pipeline import batch_at as batch_indices
 from tests.data_files import synthetic_file

@@ -1,4 +1,5 @@
-"""Training store: buffered writer, immutable parts, dedup by row id, empty views, helpers."""
+"""Training store: buffered writer, immutable parts, dedup by row id, empty views, helpers; eval and
+capture rows validated; the store record tasks (check, compact)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from tinker_blocks.store_io import (
     StoreError,
     make_row_id,
 )
+from tinker_blocks import StoreAccessError
 from tinker_blocks.stores import CaptureStore, EvalStore, S3Credentials, TrainingStore
 
 
@@ -257,3 +259,37 @@ def test_block_schema_offline():
     assert EvalStore.get_block_type_slug() == "tinker-eval-store"
     assert CaptureStore.get_block_type_slug() == "tinker-capture-store"
     assert "secret" in S3Credentials._to_block_schema(block_type_id=uuid.uuid4()).fields["secret_fields"][0]
+
+
+def test_eval_and_capture_rows_validated(tmp_path):
+    from tinker_blocks import StoreError
+
+    caps = CaptureStore(root=str(tmp_path))
+    with pytest.raises(StoreError, match="'completion_token_ids': bad value 'abc'"):
+        caps.write_rows("captures", [{"run_id": "c", "request_id": "q", "sequence_index": 0,
+                                      "completion_token_ids": "abc"}])
+    with pytest.raises(StoreError, match="'request_id' is required"):
+        caps.write_rows("captures", [{"run_id": "c", "sequence_index": 0}])
+    evals = EvalStore(root=str(tmp_path))
+    with pytest.raises(StoreError, match="'correct': bad value 1"):
+        evals.write_rows("eval_samples", [{"run_id": "r", "eval_name": "e", "example_id": "1", "correct": 1}])
+    # a re-run evaluation replaces its rows (row ids from the natural key, nulls included)
+    for value in (0.1, 0.2):
+        evals.record_result("r", eval_name="e", metric="acc", value=value)
+    assert evals.query("SELECT value, step FROM eval_results") == [{"value": 0.2, "step": None}]
+    assert evals.tables == ["eval_results", "eval_samples"] and caps.tables == ["captures", "ratings"]
+
+
+def test_record_tasks_check_and_compact(tmp_path):
+    from prefect_tinker.tasks.records import check_store, compact_run
+
+    root = str(tmp_path / "st")
+    check_store.fn(root)
+    store = TrainingStore(root=root)
+    for step in range(3):
+        store.write_rows("metrics", [{"run_id": "r", "step": step, "name": "loss", "value": 1.0}])
+    assert compact_run.fn(store, "r") == 1  # a block works as well as a root
+    assert len(store.parquet_store().list_parts("metrics", "r")) == 1
+    (tmp_path / "f").write_text("")
+    with pytest.raises(StoreAccessError):
+        check_store.fn(str(tmp_path / "f"))

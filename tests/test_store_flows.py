@@ -13,9 +13,8 @@ import pytest
 
 from prefect_tinker.flows import rl as rl_module
 from prefect_tinker.flows import sft as sft_module
-from prefect_tinker.flows.session import RunCallbacks, run_callbacks
-from tests.s3_fixtures import SeaweedS3
-from tests.test_store_s3 import outage_seen, plain_s3fs
+from prefect_tinker.flows.callbacks import RunCallbacks, run_callbacks
+from tests.s3_fixtures import SeaweedS3, outage_seen, plain_s3fs
 from tinker_blocks import StoreAccessError, TrainingStore
 from tinker_blocks.store_io import STORES
 

@@ -114,7 +114,7 @@ for _recipe in (
         "benchmarks and inspect-ai tasks on base models, sampler paths or every checkpoint of a run (cached)",
         (),
         ("checkpoint",),
-        tags={"checkpoint": ("consider-promotion",)},  # its evaluations may start a promotion (cli/ops.py)
+        tags={"checkpoint": ("consider-promotion",)},  # its evaluations may start a promotion (cli/automations.py)
     ),
     Recipe(
         "export",

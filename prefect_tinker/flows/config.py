@@ -91,7 +91,7 @@ def default_run_name(prefix: str, config: BaseModel) -> str:
     """A run name for a config without one: ``<prefix>-<UTC timestamp>``, or, inside a flow run of a
     deployment (``PREFECT__FLOW_RUN_ID`` set by the worker), ``<prefix>-<first 8 hex digits of the
     flow run id>-<4 hex digits of the config's hash>``: a retry of that flow run (``prefect flow-run
-    retry``, the UI's Retry, the resume automation of ``cli/ops.py``) gets the same name and so
+    retry``, the UI's Retry, the resume automation of ``cli/automations.py``) gets the same name and so
     resumes the run after its last checkpoint, while other flow runs and other configs get new names.
     """
     import hashlib

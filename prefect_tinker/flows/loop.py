@@ -32,7 +32,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from prefect_tinker.flows.session import RunSession, emit
+from prefect_tinker.flows.callbacks import emit
+from prefect_tinker.flows.session import RunSession
 from prefect_tinker.recipes.pricing import EVAL_TOKEN_KINDS, TOKEN_KINDS, UsageTotals, eval_cost, price_for
 from prefect_tinker.recipes.progress import StepProgress, phase
 from prefect_tinker.tasks.clients import ClientRewound

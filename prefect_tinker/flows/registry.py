@@ -39,7 +39,7 @@ class Recipe:
         configs: ``package:folder`` of the recipe's example configs (``*.yaml``) inside an
             installed package (a plugin's own); default ``configs/<name>/`` of this package.
         tags: extra tags of deployments, by example name (e.g. the opt-in tag an automation of
-            :mod:`prefect_tinker.cli.ops` reacts to).
+            :mod:`prefect_tinker.cli.automations` reacts to).
         schedules: schedules of deployments, by example name (``prefect.yaml`` schedule entries,
             e.g. ``{"cron": "0 3 * * *"}``).
     """

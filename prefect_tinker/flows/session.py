@@ -38,21 +38,22 @@ saving a checkpoint and raising :class:`~prefect_tinker.flows.interrupts.RunInte
 is left, records ``completed``, compacts the run's tables to one part each and posts the summary
 artifact; either way a ``prefect-tinker.run.finished`` event says how it ended.
 
-Callbacks (:class:`RunCallbacks`, installed with :func:`run_callbacks`) let tests and plugins
-observe every run of the process: ``after_step``, ``after_checkpoint``, ``before_compaction``.
+Callbacks (:class:`~prefect_tinker.flows.callbacks.RunCallbacks`, installed with
+:func:`~prefect_tinker.flows.callbacks.run_callbacks`) let tests and plugins observe every run of the
+process: ``after_step``, ``after_checkpoint``, ``before_compaction``. The buffered rows:
+:mod:`prefect_tinker.flows.run_rows`; the summary artifact: :mod:`prefect_tinker.flows.run_summary`.
 """
 
 from __future__ import annotations
 
 import json
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 from prefect import get_run_logger
-from prefect.artifacts import create_markdown_artifact
 
+from prefect_tinker.flows.callbacks import emit
 from prefect_tinker.flows.config import RecipeConfig, resolve_credentials
 from prefect_tinker.flows.interrupts import RunInterrupted, StopRequest
 from prefect_tinker.flows.resume_checks import (
@@ -62,19 +63,14 @@ from prefect_tinker.flows.resume_checks import (
     check_start_renderer,
     warn_damaged_parts,
 )
+from prefect_tinker.flows.run_rows import RunRows
+from prefect_tinker.flows.run_summary import post_run_summary
 from prefect_tinker.recipes.data_reading import reading_once
 from prefect_tinker.tasks.clients import ClientRewound, TrainingRun, tokenizer
 from prefect_tinker.tasks.events import emit_checkpoint_saved, emit_run_finished
 from prefect_tinker.tasks.limits import training_slot
-from prefect_tinker.tasks.records import (
-    check_store,
-    compact_finished_run,
-    record_checkpoint,
-    record_run,
-    write_metrics,
-    write_table,
-)
-from prefect_tinker.tasks.reporting import artifact_key, report_run
+from prefect_tinker.tasks.records import check_store, compact_finished_run, record_checkpoint, record_run
+from prefect_tinker.tasks.reporting import report_run
 from prefect_tinker.tasks.run_context import RunContext
 from prefect_tinker.tasks.runners import TaskRunnerFields
 from prefect_tinker.tasks.training import open_training_run, save_checkpoint, save_sampler_weights
@@ -85,45 +81,7 @@ if TYPE_CHECKING:
     from tinker_blocks.credentials import TinkerCredentials
     from tinker_blocks.lease import Lease
 
-__all__ = ["RunCallbacks", "RunSession", "run_callbacks"]
-
-
-class RunCallbacks:
-    """Hooks called for every run of this process (subclass and override what you need)."""
-
-    def after_step(self, run_id: str, step: int) -> None:
-        """After optimizer step ``step`` was taken (before its evaluation and checkpoint)."""
-
-    def after_checkpoint(self, run_id: str, step: int, path: str) -> None:
-        """After the state checkpoint at ``step`` and its store rows were written."""
-
-    def before_compaction(self, run_id: str) -> None:
-        """When every row of the finished run is written, before its tables are compacted."""
-
-
-_callbacks: list[RunCallbacks] = []
-_callbacks_lock = threading.Lock()
-
-
-@contextmanager
-def run_callbacks(*callbacks: RunCallbacks) -> Iterator[None]:
-    """Install ``callbacks`` for the runs started inside the ``with`` block."""
-    with _callbacks_lock:
-        _callbacks.extend(callbacks)
-    try:
-        yield
-    finally:
-        with _callbacks_lock:
-            for cb in callbacks:
-                _callbacks.remove(cb)
-
-
-def emit(hook: str, *args: Any) -> None:
-    """Call ``hook(*args)`` on every installed callback."""
-    with _callbacks_lock:
-        cbs = list(_callbacks)
-    for cb in cbs:
-        getattr(cb, hook)(*args)
+__all__ = ["RunSession"]
 
 
 ConfigT = TypeVar("ConfigT", bound=RecipeConfig, covariant=True)
@@ -147,7 +105,8 @@ class RunSession(Generic[ConfigT]):
     resolved once: credentials, store, renderer, tokenizer, data fingerprint, env context, task
     runner), ``credentials``, ``backend``, ``model`` (the base model name checked for the backend),
     ``store`` (the run's one :class:`~tinker_blocks.stores.TrainingStore`: every row and query of
-    the session goes through it), ``run`` (the :class:`~prefect_tinker.tasks.clients.TrainingRun`
+    the session goes through it), ``rows`` (its rows buffered until the next checkpoint: a
+    :class:`~prefect_tinker.flows.run_rows.RunRows`), ``run`` (the :class:`~prefect_tinker.tasks.clients.TrainingRun`
     handle), ``renderer`` (resolved), ``tokenizer_id`` (the config's ``tokenizer``, else the one
     the backend names), ``builder``, ``resumed_from`` (the state
     checkpoint row resumed, or None), ``samplers`` (optimizer step -> sampler path recorded for
@@ -174,7 +133,6 @@ class RunSession(Generic[ConfigT]):
         self._make_env, self._credentials = env, credentials
         self.lease: Lease | None = None
         self.upstream = list(upstream or [])
-        self.pending: dict[str, list[Any]] = {"metrics": []}
         self.samplers: dict[int, str] = {}
         self._recorded_samplers: set[int] = set()
         self.checkpoints: list[str] = []
@@ -209,6 +167,7 @@ class RunSession(Generic[ConfigT]):
             from tinker_blocks.stores import TrainingStore
 
             self.store = TrainingStore(root=c.store)  # the run's one store object: every row and query
+            self.rows = RunRows(self.store, self.run_id)  # rows buffered until the next checkpoint
             check_store(self.store)  # wrong credentials / unwritable store: fail before any training
             self.lease = self._acquire_lease()
             # a slot of the backend's training limit, held until the run ends (waits while it is full)
@@ -417,31 +376,23 @@ class RunSession(Generic[ConfigT]):
 
     def record(self, step: int, metrics: dict[str, float]) -> None:
         """Buffer ``metrics`` (full names, e.g. ``train/loss``) as rows at ``step``."""
-        self.pending["metrics"] += [(int(step), k, float(v)) for k, v in metrics.items()]
+        self.rows.record(step, metrics)
 
     def buffer(self, table: str, rows: list[dict[str, Any]]) -> None:
         """Buffer rows of another training-store table (each with a ``step``), written with the
         metrics before the next checkpoint row."""
-        self.pending.setdefault(table, []).extend(rows)
+        self.rows.buffer(table, rows)
 
     def flush(self) -> None:
         """Write every buffered row now (metrics first)."""
-        if self.pending["metrics"]:
-            write_metrics(self.store, self.run_id, self.pending["metrics"])
-        for table, rows in self.pending.items():
-            if table != "metrics" and rows:
-                write_table(self.store, table, self.run_id, rows)
-        self.pending = {"metrics": []}
+        self.rows.flush()
 
     def rewind(self, rew: ClientRewound) -> None:
         """Continue from the checkpoint at ``rew.step`` after the client was lost: the handle comes
         from ``rew``; buffered rows of later steps are dropped (they will be redone)."""
         get_run_logger().warning("%s; continuing from step %d", rew, rew.step)
         self.run, self.saved_step = rew.run, rew.step
-        self.pending = {
-            t: [r for r in rows if (r[0] if isinstance(r, tuple) else r["step"]) < rew.step]
-            for t, rows in self.pending.items()
-        }
+        self.rows.drop_from(rew.step)
 
     def _upstream(self) -> list[str]:
         c = self.config
@@ -514,21 +465,11 @@ class RunSession(Generic[ConfigT]):
     def metric_ends(self, name: str) -> tuple[Any, Any]:
         """``(value at the first step, value at the last step)`` of metric ``name`` over the whole
         run (every invocation), read back from the store after writing what is buffered."""
-        self.flush()
-        rows = self.store.query(
-            "SELECT arg_min(value, step) AS first, arg_max(value, step) AS last FROM metrics "
-            "WHERE run_id = ? AND name = ?",
-            [self.run_id, name],
-        )
-        return (rows[0]["first"], rows[0]["last"]) if rows else (None, None)
+        return self.rows.metric_ends(name)
 
     def metric_sum(self, name: str) -> float:
         """Sum of metric ``name`` over the whole run (e.g. ``train/tokens``)."""
-        self.flush()
-        rows = self.store.query(
-            "SELECT coalesce(sum(value), 0) AS t FROM metrics WHERE run_id = ? AND name = ?", [self.run_id, name]
-        )
-        return float(rows[0]["t"])
+        return self.rows.metric_sum(name)
 
     # ----- the end ---------------------------------------------------------------------------
     def finish(self, summary: dict[str, Any], *, title_fields: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -551,39 +492,8 @@ class RunSession(Generic[ConfigT]):
             "checkpoints": [r["path"] for r in rows],
             "store": self.config.store,
         }
-        self._summary_artifact(out, title_fields or {})
+        post_run_summary(
+            self.recipe, self.run_id, self.model, self.renderer, self.config.store, out, title_fields or {}
+        )
         self._finished("completed")
         return out
-
-    def _summary_artifact(self, summary: dict[str, Any], fields: dict[str, Any]) -> None:
-        c = self.config
-        table = {
-            "model": f"`{self.model}`",
-            "renderer": f"`{self.renderer}`",
-            **fields,
-            "steps": summary["steps"],
-            **{
-                k: v
-                for k, v in summary.items()
-                if isinstance(v, (int, float, str)) and k not in ("run_name", "steps", "renderer", "store")
-            },
-            "store": f"`{c.store}`",
-        }
-        lines = [
-            f"# {self.recipe.upper()} run `{self.run_id}`",
-            "",
-            "| field | value |",
-            "|---|---|",
-            *[f"| {k} | {v} |" for k, v in table.items()],
-            "",
-            "## Checkpoints",
-            "",
-            *[f"- `{p}`" for p in summary["checkpoints"]],
-        ]
-        for s in summary.get("samples") or []:
-            lines += ["", f"**prompt**: `{s['prompt'][-200:]!r}`", "", f"**completion**: `{s['completion']!r}`"]
-        create_markdown_artifact(
-            "\n".join(lines),
-            key=artifact_key(self.recipe, self.run_id),
-            description=f"{self.recipe.upper()} run summary",
-        )
