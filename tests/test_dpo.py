@@ -241,7 +241,7 @@ def test_dpo_flow_trains_resumes_and_refuses_config_changes(prefect_api, local_c
     by = {(r["run_id"], r["step"]): r["value"] for r in got}
     assert [by[("dpo-resume", s)] for s in range(6)] == pytest.approx([by[("dpo-e2e", s)] for s in range(6)], abs=1e-5)
     # the reference was asked once
-    assert cached_task_runs("reference-step-3") >= 1 and cached_task_runs("reference-test") >= 2
+    assert cached_task_runs("reference-step-3") >= 1 and cached_task_runs("reference-test", at_least=2) >= 2
     # tokens: a forward and a training pass over every sequence; the run's totals continue across the resume
     got = _sql(store, "SELECT run_id, step, name, value FROM metrics WHERE name LIKE 'tokens/%' OR name LIKE 'cost/%'")
     use = {(r["run_id"], r["step"], r["name"]): r["value"] for r in got}

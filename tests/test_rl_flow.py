@@ -172,7 +172,8 @@ def test_interrupted_run_resumes_after_last_checkpoint(prefect_api, local_creden
     assert straight["rewards"] == pytest.approx(_rewards(by, "straight"))
     n_traj = _sql(capsys, store, "SELECT count(*) n FROM trajectories WHERE run_id='resumed'")[0]["n"]
     assert n_traj == 4 * 3  # log_trajectories rows per step, no duplicates
-    assert cached_task_runs("rollout-b2-g", like=True) >= 2  # the resumed step's rollouts came from the cache
+    # the resumed step's rollouts came from the cache
+    assert cached_task_runs("rollout-b2-g", like=True, at_least=2) >= 2
 
 
 def _rewards(by, run):
