@@ -28,6 +28,7 @@ from prefect_tinker.recipes.rl.envs.pairwise_preference import (
     PairwisePreference, PreferenceGroupBuilder, PreferencePrompt, RewardModelRef,
 )
 from prefect_tinker.recipes.rl.problem_env import freeze_messages
+from prefect_tinker.recipes.rl.services import ServiceResources, Services
 from prefect_tinker.recipes.rl.types import RolloutContext, Trajectory, Transition
 from prefect_tinker.tasks.reward_model import WinRateEvaluator, pair_preferences
 from tests.data_files import data_file
@@ -258,7 +259,8 @@ def test_group_rewards_from_the_reward_model_match_a_forward_by_hand(prefect_api
                                RewardModelRef(rm["path"], "chatml", tiny), format_coef=0.25)
     with pytest.raises(RuntimeError, match="need a reward model client"):
         b.compute_group_rewards(trajs)
-    ctx = RolloutContext(sample=None, pair_preferences=functools.partial(pair_preferences, rm["creds"]))
+    import prefect_tinker.tasks.services  # the built-in providers: pair_preferences is the rollout task's
+    ctx = RolloutContext(sample=None, services=Services(ServiceResources(rm["creds"])))
     got = b.compute_group_rewards_in(ctx, trajs)
 
     (a,), (bb,) = label_token_ids(rend, ("A", "B"))
