@@ -260,7 +260,7 @@ def test_group_rewards_from_the_reward_model_match_a_forward_by_hand(prefect_api
     with pytest.raises(RuntimeError, match="need a reward model client"):
         b.compute_group_rewards(trajs)
     import prefect_tinker.tasks.services  # the built-in providers: pair_preferences is the rollout task's
-    ctx = RolloutContext(sample=None, services=Services(ServiceResources(rm["creds"])))
+    ctx = RolloutContext(sample=None, services=Services(ServiceResources(rm["creds"], rm["creds"].backend_identity())))
     got = b.compute_group_rewards_in(ctx, trajs)
 
     (a,), (bb,) = label_token_ids(rend, ("A", "B"))

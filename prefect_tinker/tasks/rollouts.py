@@ -369,7 +369,7 @@ def rollout_group(
         group_index=group_index,
         sampler_path=sampler_path,
         sampler_step=sampler_step,
-        services=Services(ServiceResources(credentials)),
+        services=Services(ServiceResources(credentials, credentials.backend_identity())),
     )
 
 

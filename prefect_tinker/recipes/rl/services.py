@@ -19,8 +19,8 @@ group ``prefect_tinker.services``: ``name = "pkg.module:provider"``), or with
 kept for the process (one per key, provider and resources): a provider may load a table or open a
 client once. The task layer registers the built-in providers (:mod:`prefect_tinker.tasks.services`).
 
-Built-in keys: :data:`JUDGE`, :data:`PAIR_PREFERENCES`, :data:`SAMPLER` (rollouts) and
-:data:`WIN_RATE_EVALUATOR` (build time).
+Built-in keys: :data:`JUDGE`, :data:`PAIR_PREFERENCES`, :data:`SAMPLER`, :data:`SANDBOX` (rollouts),
+:data:`RETRIEVAL` (both) and :data:`WIN_RATE_EVALUATOR` (build time).
 """
 
 from __future__ import annotations
@@ -37,13 +37,18 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "JUDGE",
     "PAIR_PREFERENCES",
+    "RETRIEVAL",
     "SAMPLER",
+    "SANDBOX",
     "SERVICES",
     "WIN_RATE_EVALUATOR",
+    "CodeTester",
     "Judge",
     "MissingServiceError",
     "PairPreferences",
+    "Retriever",
     "Sampler",
+    "SearchIndex",
     "ServiceKey",
     "ServiceProvider",
     "ServiceResources",
@@ -74,11 +79,19 @@ class ServiceKey(Generic[T]):
 
 @dataclass(frozen=True)
 class ServiceResources:
-    """What a provider is given to make its service: the backend credentials of the rollout task
-    (a :class:`~tinker_blocks.credentials.TinkerCredentials` block; ``None`` at build time and in
-    a rollout outside a task). Hashable: it is part of the per-process cache key."""
+    """What a provider is given to make its service.
 
-    credentials: Any = None
+    Attributes:
+        credentials: the backend credentials of the rollout task (a
+            :class:`~tinker_blocks.credentials.TinkerCredentials` block); ``None`` at build time and
+            in a rollout outside a task.
+        backend: the identity of that backend (``TinkerCredentials.backend_identity()``; ``""``
+            without credentials): with the key and provider, it keys the per-process cache, so two
+            backends never share a service.
+    """
+
+    credentials: Any = field(default=None, compare=False)
+    backend: str = ""
 
     def require_credentials(self, service: str) -> Any:
         """The credentials, for a provider that talks to the backend.
@@ -176,6 +189,36 @@ class Sampler(Protocol):
     def __call__(self, path: str, /) -> Any: ...
 
 
+class CodeTester(Protocol):
+    """``tester(code, tests, entry_point, timeout) -> CodeTestResult``: run ``code`` then ``tests``
+    (defining ``check(candidate)``) then ``check(entry_point)`` in a sandbox, at most ``timeout``
+    seconds (:func:`prefect_tinker.recipes.sandbox.run_tests` and its result)."""
+
+    def __call__(self, code: str, tests: str, entry_point: str, timeout: float = 10.0, /) -> Any: ...
+
+
+class SearchIndex(Protocol):
+    """A searchable document collection (e.g. :class:`~prefect_tinker.recipes.tools.BM25Index`)."""
+
+    def search(self, query: str, k: int = 3) -> list[Any]:
+        """The top ``k`` passages for ``query``, best first."""
+        ...
+
+    def as_tool(self, k: int = 3, *, name: str = "search", max_passage_chars: int = 1500) -> Any:
+        """The index as a :class:`~prefect_tinker.recipes.tools.Tool` the policy calls."""
+        ...
+
+
+class Retriever(Protocol):
+    """``retriever(documents, sha256, text_field, id_field) -> SearchIndex``: the index of the JSONL
+    collection at ``documents`` (content ``sha256``), documents read from ``text_field`` and
+    ``id_field`` (None: line numbers); raises ValueError naming file and line for a bad record."""
+
+    def __call__(
+        self, documents: str, sha256: str, text_field: str = "text", id_field: str | None = "id", /
+    ) -> Any: ...
+
+
 #: The judge of judged envs (rubric): the rollout task's cached ``judge-reply`` task.
 JUDGE: ServiceKey[Judge] = ServiceKey("judge", Judge, "a JudgeRequest graded by its judge model")
 #: The pairwise reward model client (pairwise_preference): the cached ``reward-label-logprobs`` task.
@@ -184,6 +227,10 @@ PAIR_PREFERENCES: ServiceKey[PairPreferences] = ServiceKey(
 )
 #: Sampling clients of other weights (an answerer, an opponent), created once per process.
 SAMPLER: ServiceKey[Sampler] = ServiceKey("sampler", Sampler, "sampling clients of other weights")
+#: The code sandbox of code envs (humaneval).
+SANDBOX: ServiceKey[CodeTester] = ServiceKey("sandbox", CodeTester, "code run against tests in a sandbox")
+#: The search index of retrieval envs (retrieval), built once per process and collection.
+RETRIEVAL: ServiceKey[Retriever] = ServiceKey("retrieval", Retriever, "search over a document collection")
 #: The task layer's win-rate evaluator class (build time; see
 #: :class:`prefect_tinker.tasks.reward_model.WinRateEvaluator` for its arguments).
 WIN_RATE_EVALUATOR: ServiceKey[Callable[..., Any]] = ServiceKey(
