@@ -137,7 +137,7 @@ class Services:
     per process, key, provider and ``resources``."""
 
     resources: ServiceResources = field(default_factory=ServiceResources)
-    given: Mapping[str, Any] = field(default_factory=dict)
+    given: Mapping[str, Any] = field(default_factory=dict, hash=False)  # hashed by resources: contexts stay hashable
 
     def has(self, key: ServiceKey[Any]) -> bool:
         """Whether ``key`` is given or has a registered provider."""
