@@ -22,6 +22,11 @@ quick. Groups:
   (group ``prefect_tinker.envs``), :class:`Env`, :class:`ProblemEnv`, :class:`MessageEnv`,
   :class:`Problem`, :func:`problem_builder`, :class:`EnvGroupBuilder`, :class:`RLDataset`,
   :class:`StepResult`, :class:`RolloutContext`, :class:`Trajectory`;
+- **services** an environment asks its context for (``ctx.service(KEY)``): :class:`ServiceKey`,
+  :func:`register_service`, :data:`SERVICES` (group ``prefect_tinker.services``),
+  :class:`ServiceResources`, :class:`Services`, :class:`MissingServiceError`, and the built-in keys
+  :data:`JUDGE`, :data:`PAIR_PREFERENCES`, :data:`SAMPLER`, :data:`SANDBOX`, :data:`RETRIEVAL`,
+  :data:`WIN_RATE_EVALUATOR`;
 - **RL objectives**: :class:`RLLoss`, :func:`register_loss`, :data:`LOSSES` (group
   ``prefect_tinker.losses``), :data:`OBJECTIVE_INPUTS` (what a loss's torch ``objective`` may read),
   :class:`AdvantageEstimator`, :func:`register_advantage_estimator`,
@@ -72,6 +77,19 @@ _MODULES: dict[str, str] = {
     "ProblemEnv": "prefect_tinker.recipes.rl.problem_env",
     "MessageEnv": "prefect_tinker.recipes.rl.message_env",
     "problem_builder": "prefect_tinker.recipes.rl.envs.problems",
+    # services by key
+    "ServiceKey": "prefect_tinker.recipes.rl.services",
+    "ServiceResources": "prefect_tinker.recipes.rl.services",
+    "Services": "prefect_tinker.recipes.rl.services",
+    "SERVICES": "prefect_tinker.recipes.rl.services",
+    "register_service": "prefect_tinker.recipes.rl.services",
+    "MissingServiceError": "prefect_tinker.recipes.rl.services",
+    "JUDGE": "prefect_tinker.recipes.rl.services",
+    "PAIR_PREFERENCES": "prefect_tinker.recipes.rl.services",
+    "SAMPLER": "prefect_tinker.recipes.rl.services",
+    "SANDBOX": "prefect_tinker.recipes.rl.services",
+    "RETRIEVAL": "prefect_tinker.recipes.rl.services",
+    "WIN_RATE_EVALUATOR": "prefect_tinker.recipes.rl.services",
     # RL objectives
     "RLLoss": "prefect_tinker.recipes.rl.losses",
     "register_loss": "prefect_tinker.recipes.rl.losses",
@@ -138,6 +156,20 @@ if TYPE_CHECKING:
     from prefect_tinker.recipes.rl.losses import LOSSES, OBJECTIVE_INPUTS, RLLoss, register_loss
     from prefect_tinker.recipes.rl.message_env import MessageEnv
     from prefect_tinker.recipes.rl.problem_env import Problem, ProblemEnv
+    from prefect_tinker.recipes.rl.services import (
+        JUDGE,
+        PAIR_PREFERENCES,
+        RETRIEVAL,
+        SAMPLER,
+        SANDBOX,
+        SERVICES,
+        WIN_RATE_EVALUATOR,
+        MissingServiceError,
+        ServiceKey,
+        ServiceResources,
+        Services,
+        register_service,
+    )
     from prefect_tinker.recipes.rl.types import Env, EnvGroupBuilder, RLDataset, RolloutContext, StepResult, Trajectory
     from prefect_tinker.tasks.clients import tokenizer
     from prefect_tinker.tasks.run_context import RunContext

@@ -16,6 +16,7 @@ from prefect_tinker.recipes.rl.envs.guess_number import GuessNumberBuilder
 from prefect_tinker.recipes.rl.envs.tictactoe import TicTacToe, TicTacToeSelfPlayBuilder
 from prefect_tinker.recipes.rl.envs.twenty_questions import TwentyQuestionsBuilder, names_word
 from prefect_tinker.recipes.rl.message_env import EpisodeLimits
+from prefect_tinker.recipes.rl.services import SAMPLER, Services
 from prefect_tinker.recipes.rl.problem_env import load_renderer
 from prefect_tinker.recipes.rl.tictactoe_game import EMPTY, minimax_move, minimax_value, play, random_move, winner
 from prefect_tinker.tasks.rollouts import RolloutError, RolloutPolicy, run_group_rollout
@@ -220,7 +221,8 @@ def test_twenty_questions_against_an_answerer_client(tokenizer_dirs):
                                    "Does it bark?" + END, "Is it a dog?" + END,  # member 0 wins on question 3
                                    "maybe a plant?" + END, "Is it a car?" + END, "Is it a cat?" + END])
     clients = {"base:answer-model": answerer}
-    group = run_group_rollout(player, builder, seed=5, max_tokens=16, clients=clients.__getitem__)
+    services = Services(given={SAMPLER.name: clients.__getitem__})
+    group = run_group_rollout(player, builder, seed=5, max_tokens=16, services=services)
     won, lost = group.trajectories_G
     assert group.total_rewards() == [1.0, 0.0] and [len(won.transitions), len(lost.transitions)] == [3, 4]
     assert won.transitions[-1].metrics["questions"] == 3.0 and lost.transitions[-1].metrics["max_turns_reached"] == 1.0

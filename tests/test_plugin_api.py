@@ -24,6 +24,8 @@ PUBLIC = {
     "connect_stores", "problem_builder", "recipe_flow", "register_advantage_estimator", "register_code_runner",
     "register_converter", "register_env", "register_grader", "register_loss", "register_renderer", "tokenizer",
     "train_step", "Schedule", "RLLoopParts", "register_schedule", "SCHEDULES",
+    "ServiceKey", "ServiceResources", "Services", "SERVICES", "register_service", "MissingServiceError", "JUDGE",
+    "PAIR_PREFERENCES", "SAMPLER", "SANDBOX", "RETRIEVAL", "WIN_RATE_EVALUATOR",
 }
 
 

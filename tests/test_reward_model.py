@@ -28,6 +28,7 @@ from prefect_tinker.recipes.rl.envs.pairwise_preference import (
     PairwisePreference, PreferenceGroupBuilder, PreferencePrompt, RewardModelRef,
 )
 from prefect_tinker.recipes.rl.problem_env import freeze_messages
+from prefect_tinker.recipes.rl.services import SERVICES, WIN_RATE_EVALUATOR, ServiceResources, Services
 from prefect_tinker.recipes.rl.types import RolloutContext, Trajectory, Transition
 from prefect_tinker.tasks.reward_model import WinRateEvaluator, pair_preferences
 from tests.data_files import data_file
@@ -258,7 +259,8 @@ def test_group_rewards_from_the_reward_model_match_a_forward_by_hand(prefect_api
                                RewardModelRef(rm["path"], "chatml", tiny), format_coef=0.25)
     with pytest.raises(RuntimeError, match="need a reward model client"):
         b.compute_group_rewards(trajs)
-    ctx = RolloutContext(sample=None, pair_preferences=functools.partial(pair_preferences, rm["creds"]))
+    import prefect_tinker.tasks.services  # the built-in providers: pair_preferences is the rollout task's
+    ctx = RolloutContext(sample=None, services=Services(ServiceResources(rm["creds"], rm["creds"].backend_identity())))
     got = b.compute_group_rewards_in(ctx, trajs)
 
     (a,), (bb,) = label_token_ids(rend, ("A", "B"))
@@ -301,7 +303,7 @@ def test_win_rate_is_one_half_against_itself_and_antisymmetric(prefect_api, rm, 
 
 
 # ----- the environment on HH-RLHF ------------------------------------------------------------------------
-def test_pairwise_preference_env_on_hh_prompts(tmp_path):
+def test_pairwise_preference_env_on_hh_prompts(tmp_path, monkeypatch):
     from prefect_tinker.flows.rl_config import RLConfig
     from prefect_tinker.recipes.renderers import get_renderer
     from prefect_tinker.recipes.rl.envs import EnvContext, build_rl_evaluators
@@ -332,11 +334,15 @@ def test_pairwise_preference_env_on_hh_prompts(tmp_path):
     assert (
         build_rl_evaluators(cfg, renderer_name="chatml", tokenizer_id=tok_dir, group_size=3, groups_per_batch=4) == []
     )
-    assert build_rl_evaluators(cfg, renderer_name="chatml", tokenizer_id=tok_dir, group_size=3, groups_per_batch=4,
-                               seed=1, initial_sampler="tinker://run/sampler_weights/step0") == []  # no evaluator class
+    import prefect_tinker.tasks.services  # the task layer's providers, win_rate_evaluator among them
+    with monkeypatch.context() as m:
+        m.delitem(SERVICES, WIN_RATE_EVALUATOR.name)
+        assert build_rl_evaluators(cfg, renderer_name="chatml", tokenizer_id=tok_dir, group_size=3,
+                                   groups_per_batch=4, seed=1,
+                                   initial_sampler="tinker://run/sampler_weights/step0") == []  # no evaluator provider
     (ev,) = build_rl_evaluators(cfg, renderer_name="chatml", tokenizer_id=tok_dir, group_size=3, groups_per_batch=4,
-                                seed=1, initial_sampler="tinker://run/sampler_weights/step0",
-                                win_rate_evaluator=WinRateEvaluator)
+                                seed=1, initial_sampler="tinker://run/sampler_weights/step0")
+    assert isinstance(ev, WinRateEvaluator)
     assert ev.reference == "tinker://run/sampler_weights/step0" and len(ev.prompts) == 5
     held_out = {json.dumps(p) for p in ev.prompts}
     assert not held_out & {json.dumps(b.prompt.as_messages()) for i in range(3) for b in ds.get_batch(i)}

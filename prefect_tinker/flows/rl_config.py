@@ -14,7 +14,7 @@ from prefect_tinker.recipes.registry import Registry
 from prefect_tinker.recipes.rl.advantages import ADVANTAGE_ESTIMATORS, AdvantageEstimator
 from prefect_tinker.recipes.rl.envs import EnvContext, EnvSpec, RunSettings
 from prefect_tinker.recipes.rl.losses import LOSSES, ClipThresholds, RLLoss
-from prefect_tinker.tasks.reward_model import WinRateEvaluator
+from prefect_tinker.tasks import services as _builtin_services  # noqa: F401  (registers the built-in providers)
 from prefect_tinker.tasks.rollouts import RolloutPolicy
 from prefect_tinker.tasks.runners import TaskRunnerFields
 
@@ -188,14 +188,14 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
     def env_context(self, renderer: str, tokenizer_id: str) -> EnvContext:
         """The environment context of a run of this config on the resolved ``renderer`` and
         ``tokenizer_id`` (group and batch sizes, seed, rollout ``max_tokens`` and ``temperature``,
-        the task layer's win-rate evaluator); built once by the run session."""
+        build-time services such as the win-rate evaluator resolved by key from the providers the task
+        layer registers); built once by the run session."""
         return EnvContext(
             renderer_name=renderer,
             tokenizer_id=tokenizer_id,
             group_size=self.group_size,
             groups_per_batch=self.groups_per_batch,
             seed=self.seed,
-            win_rate_evaluator=WinRateEvaluator,
             max_tokens=self.max_tokens,
             temperature=self.temperature,
         )

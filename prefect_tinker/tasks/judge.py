@@ -10,7 +10,7 @@ reply, scale, sampling settings), the backend serving the judge's weights
 (``TinkerCredentials.backend_identity()``: the same ``base:<model>`` on two servers is two
 judges), plus the task's source: a repeated group, a replayed rollout or
 a resumed step never asks the judge twice. Rollout tasks lend it to environments as
-:attr:`RolloutContext.judge <prefect_tinker.recipes.rl.types.RolloutContext>`.
+the ``judge`` service (``ctx.service(JUDGE)``, :mod:`prefect_tinker.recipes.rl.services`).
 """
 
 from __future__ import annotations

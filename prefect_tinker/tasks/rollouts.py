@@ -26,11 +26,9 @@ timeouts) are retried by the SDK and by the task's ``RETRY_OPTIONS`` in every mo
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -40,18 +38,17 @@ from prefect import task
 from pydantic import BaseModel, Field
 
 from prefect_tinker.recipes.media import has_media, media_key, model_input_from_tokens
+from prefect_tinker.recipes.rl.services import ServiceResources, Services
 from prefect_tinker.recipes.rl.types import (
     EnvGroupBuilder,
-    PairPreferences,
     RolloutContext,
     Trajectory,
     TrajectoryGroup,
     Transition,
 )
+from prefect_tinker.tasks import services as _builtin_services  # noqa: F401  (registers the built-in providers)
 from prefect_tinker.tasks.clients import sampling_client
-from prefect_tinker.tasks.judge import judge_reply
 from prefect_tinker.tasks.policies import cached_options
-from prefect_tinker.tasks.reward_model import pair_preferences
 
 if TYPE_CHECKING:
     from tinker_blocks.credentials import TinkerCredentials
@@ -182,9 +179,7 @@ def run_group_rollout(
     group_index: int = 0,
     sampler_path: str = "",
     sampler_step: int = 0,
-    clients: Callable[[str], Any] | None = None,
-    pair_preferences: PairPreferences | None = None,
-    judge: Callable[[Any], str] | None = None,
+    services: Services | None = None,
 ) -> TrajectoryGroup:
     """Roll out the envs of ``builder`` with ``sampler`` (anything with the SDK's ``sample``).
 
@@ -195,11 +190,10 @@ def run_group_rollout(
     and ``min_viable`` drops.
 
     Args:
-        clients: ``path -> sampling client`` for other weights the envs use (an answerer), lent
-            to the builder through :class:`~prefect_tinker.recipes.rl.types.RolloutContext`.
-        pair_preferences: the reward model client lent to the builder the same way (group rewards
-            of ``pairwise_preference``).
-        judge: ``JudgeRequest -> answer text`` for envs graded by a judge model (lent the same way).
+        services: what the builder's ``ctx.service(KEY)`` resolves with
+            (:class:`~prefect_tinker.recipes.rl.services.Services`: the backend credentials its
+            providers get, and services given ready-made); default: registered providers, no
+            credentials.
 
     Returns:
         The group (failed members removed, ``errors`` counted); ``trajectories_G`` empty when
@@ -213,10 +207,8 @@ def run_group_rollout(
     usage = new_usage()
     ctx = RolloutContext(
         sample=lambda ob, stop, s: _sample(sampler, list(ob), 1, stop, s, max_tokens, temperature, usage)[0][:3],
-        sampling_client=clients or RolloutContext.sampling_client,
         seed=seed,
-        pair_preferences=pair_preferences or RolloutContext.pair_preferences,
-        judge=judge or RolloutContext.judge,
+        services=services or Services(),
     )
     where = f"batch {batch_index} group {group_index}"
     try:
@@ -377,9 +369,7 @@ def rollout_group(
         group_index=group_index,
         sampler_path=sampler_path,
         sampler_step=sampler_step,
-        clients=functools.partial(sampling_client, credentials),
-        pair_preferences=functools.partial(pair_preferences, credentials),
-        judge=functools.partial(judge_reply, credentials),
+        services=Services(ServiceResources(credentials, credentials.backend_identity())),
     )
 
 

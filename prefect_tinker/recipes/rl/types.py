@@ -8,12 +8,12 @@
   rollout task can receive one on any worker (thread, process, Dask, Ray) and its fields can key
   the rollout cache.
 - :class:`RLDataset`: a sequence of batches, each a list of builders (one per group).
-- :class:`RolloutContext`: what a rollout task lends a builder (the policy's sampler, sampling
-  clients of other weights, the group's seed): envs that talk to another model (an answerer) take
-  their client from it in :meth:`EnvGroupBuilder.make_envs_in`, and builders whose envs play one
-  shared episode (the two players of a game, ``shared_episode = True``) step them together in
-  :meth:`EnvGroupBuilder.run_group` instead of the task running each env's episode to the end,
-  one env after another.
+- :class:`RolloutContext`: what a rollout task lends a builder (the policy's sampler, the group's
+  seed, services by key: :mod:`~prefect_tinker.recipes.rl.services`): envs that talk to another
+  model (an answerer, a judge) ask it for the service in :meth:`EnvGroupBuilder.make_envs_in`, and
+  builders whose envs play one shared episode (the two players of a game, ``shared_episode =
+  True``) step them together in :meth:`EnvGroupBuilder.run_group` instead of the task running each
+  env's episode to the end, one env after another.
 - :class:`Transition`, :class:`Trajectory`, :class:`TrajectoryGroup`: what a rollout produced.
 
 Observations are plain token lists (``list[int]``) here rather than ``tinker.ModelInput`` so that
@@ -30,7 +30,11 @@ import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar, TypeVar
+
+from prefect_tinker.recipes.rl.services import ServiceKey, Services
+
+T = TypeVar("T")
 
 __all__ = [
     "StopCondition",
@@ -166,27 +170,6 @@ class TrajectoryGroup:
 SampledAction = tuple[list[int], list[float], str]
 
 
-def _no_clients(path: str) -> Any:
-    raise RuntimeError(f"this rollout has no sampling clients besides the policy's (asked for {path!r})")
-
-
-#: ``pair_preferences(reward model sampler path, [(comparison, swapped comparison), ...])`` ->
-#: the reward model's preference in [0, 1] per pair (one float each); see
-#: :func:`prefect_tinker.tasks.reward_model.pair_preferences`.
-PairPreferences = Callable[[str, list[tuple[Any, Any]]], list[float]]
-
-
-def _no_reward_model(path: str, comparisons: list[tuple[Any, Any]]) -> list[float]:
-    raise RuntimeError(
-        f"this rollout has no reward model client (asked to score {len(comparisons)} pairs "
-        f"with {path!r}): roll out inside a rollout task, or give run_group_rollout pair_preferences="
-    )
-
-
-def _no_judge(request: Any) -> str:
-    raise RuntimeError("this rollout has no judge (run it inside a rollout task, which lends its cached judge task)")
-
-
 @dataclass(frozen=True)
 class RolloutContext:
     """What a rollout task lends the builder of the group it rolls out.
@@ -194,22 +177,24 @@ class RolloutContext:
     Attributes:
         sample: ``sample(observation, stop, seed) -> SampledAction``: one action of the policy
             being trained (the task's ``max_tokens`` and temperature).
-        sampling_client: ``sampling_client(path) -> client`` with the SDK's ``sample`` interface
-            for other weights on the task's backend (``base:<model>`` or
-            ``tinker://.../sampler_weights/...``), created once per process.
         seed: the group's sampling seed (derive per-action seeds from it).
-        pair_preferences: the reward model client of the task's backend (:data:`PairPreferences`),
-            for builders rewarded by a pairwise reward model.
-        judge: ``judge(request) -> answer text``: a
-            :class:`~prefect_tinker.recipes.rl.judge.JudgeRequest` graded by its judge model (the
-            rollout task's cached ``judge-reply`` task, on the task's backend).
+        services: what :meth:`service` resolves keys with (the task's backend credentials given
+            to the registered providers; :mod:`prefect_tinker.recipes.rl.services`).
     """
 
     sample: Callable[[list[int], StopCondition, int], SampledAction]
-    sampling_client: Callable[[str], Any] = _no_clients
     seed: int = 0
-    pair_preferences: PairPreferences = _no_reward_model
-    judge: Callable[[Any], str] = _no_judge
+    services: Services = field(default_factory=Services)
+
+    def service(self, key: ServiceKey[T]) -> T:
+        """The service of ``key`` (a judge, a reward model, sampling clients, a plugin's own),
+        made by its registered provider once per process.
+
+        Raises:
+            MissingServiceError: no provider is registered for ``key`` (names it and the registered ones).
+            RuntimeError: the provider cannot make it here (e.g. no backend credentials outside a task).
+        """
+        return self.services.get(key)
 
 
 class EnvGroupBuilder(ABC):
@@ -228,7 +213,7 @@ class EnvGroupBuilder(ABC):
     def make_envs_in(self, ctx: RolloutContext) -> Sequence[Env]:
         """The G envs made inside a rollout task (default: :meth:`make_envs`). Envs that talk to
         another model (an answerer, an opponent checkpoint) take its client from
-        ``ctx.sampling_client``."""
+        ``ctx.service(SAMPLER)`` (:mod:`prefect_tinker.recipes.rl.services`)."""
         return self.make_envs()
 
     def run_group(self, envs: Sequence[Env], ctx: RolloutContext) -> list[Trajectory]:
@@ -249,7 +234,8 @@ class EnvGroupBuilder(ABC):
         self, ctx: RolloutContext, trajectories_G: Sequence[Trajectory]
     ) -> list[tuple[float, dict[str, float]]]:
         """The group rewards computed inside a rollout task (default: :meth:`compute_group_rewards`).
-        Builders rewarded by another model (a pairwise reward model) take its client from ``ctx``."""
+        Builders rewarded by another model (a pairwise reward model) take its client from
+        ``ctx.service(PAIR_PREFERENCES)``."""
         return self.compute_group_rewards(trajectories_G)
 
     def logging_tags(self) -> list[str]:

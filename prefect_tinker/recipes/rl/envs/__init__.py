@@ -22,10 +22,9 @@ problem source and prompt settings, ``env_options`` validated by the environment
 from __future__ import annotations
 
 import pkgutil
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -41,7 +40,10 @@ from pydantic.json_schema import DEFAULT_REF_TEMPLATE, models_json_schema
 
 from prefect_tinker.recipes.data_reading import check_local_source
 from prefect_tinker.recipes.registry import Registry, TaggedBy, tagged_options, tagged_union_schema
+from prefect_tinker.recipes.rl.services import ServiceKey, Services
 from prefect_tinker.recipes.rl.types import EnvGroupBuilder, RLDataset
+
+T = TypeVar("T")
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -73,7 +75,7 @@ class NoOptions(BaseModel):
 class EnvContext:
     """What the run contributes to an environment's dataset: the resolved renderer, the tokenizer
     (a local directory or hub id), group and batch sizes, the run's seed and (for evaluators) the
-    sampler weights of the run's initial policy (its step 0), when known."""
+    sampler weights of the run's initial policy (its step 0), when known; build-time services by key."""
 
     renderer_name: str
     tokenizer_id: str
@@ -81,13 +83,21 @@ class EnvContext:
     groups_per_batch: int
     seed: int = 0
     initial_sampler: str | None = None
-    #: the task layer's win-rate evaluator class (:class:`prefect_tinker.tasks.reward_model.WinRateEvaluator`),
-    #: lent to envs judged by a reward model; None: such envs have no evaluator
-    win_rate_evaluator: Callable[..., Any] | None = None
     #: sampling of the run's rollouts: new tokens per turn and temperature (the RL config's
     #: ``max_tokens`` and ``temperature``), used by evaluators that sample the policy
     max_tokens: int = 64
     temperature: float = 1.0
+    #: what :meth:`service` resolves keys with (build time: no backend credentials)
+    services: Services = field(default_factory=Services)
+
+    def service(self, key: ServiceKey[T]) -> T:
+        """The build-time service of ``key`` (e.g. :data:`~prefect_tinker.recipes.rl.services.WIN_RATE_EVALUATOR`),
+        made by its registered provider once per process.
+
+        Raises:
+            MissingServiceError: no provider is registered for ``key`` (names it and the registered ones).
+        """
+        return self.services.get(key)
 
 
 @dataclass(frozen=True)
@@ -344,13 +354,12 @@ def build_rl_evaluators(
     groups_per_batch: int,
     seed: int = 0,
     initial_sampler: str | None = None,
-    win_rate_evaluator: Callable[..., Any] | None = None,
     max_tokens: int = 64,
     temperature: float = 1.0,
 ) -> list:
     """The evaluators of ``spec``'s environment (:meth:`Environment.evaluators`) for an RL run;
     ``initial_sampler`` is the sampler weights of the run's step 0 (e.g. the SFT policy it
-    started from); ``win_rate_evaluator``, ``max_tokens`` and ``temperature`` as in :class:`EnvContext`."""
+    started from); ``max_tokens`` and ``temperature`` as in :class:`EnvContext`."""
     ctx = EnvContext(
         renderer_name=renderer_name,
         tokenizer_id=tokenizer_id,
@@ -358,7 +367,6 @@ def build_rl_evaluators(
         groups_per_batch=groups_per_batch,
         seed=seed,
         initial_sampler=initial_sampler,
-        win_rate_evaluator=win_rate_evaluator,
         max_tokens=max_tokens,
         temperature=temperature,
     )

@@ -4,9 +4,9 @@ Problems: ``dataset``, a JSONL(.gz) of ``{prompt, tests, entry_point}`` (HumanEv
 ``data/HumanEval.jsonl.gz`` names the tests ``test``; both are read by
 :func:`~prefect_tinker.recipes.sandbox.load_code_problems`). The model sees the prompt (signature
 and docstring) and replies with the function in a fenced code block; its last code block is run
-against the tests in a fresh sandbox (:func:`~prefect_tinker.recipes.sandbox.run_tests`: no
-network, an empty temporary directory, CPU/wall/memory/process/file-size limits, no inherited
-environment). Reward:
+against the tests by the rollout's ``sandbox`` service (``ctx.service(SANDBOX)``; built in: a fresh
+local sandbox, :func:`~prefect_tinker.recipes.sandbox.run_tests`: no network, an empty temporary
+directory, CPU/wall/memory/process/file-size limits, no inherited environment). Reward:
 
     reward = all_passed + format_coef * (format_ok - 1)
 
@@ -34,9 +34,10 @@ from prefect_tinker.recipes.rl.message_env import (
     freeze,
     thaw,
 )
-from prefect_tinker.recipes.rl.problem_env import ProblemDataset
-from prefect_tinker.recipes.rl.types import RLDataset
-from prefect_tinker.recipes.sandbox import last_code_block, load_code_problems, run_tests
+from prefect_tinker.recipes.rl.problem_env import ProblemDataset, load_renderer
+from prefect_tinker.recipes.rl.services import SANDBOX, CodeTester
+from prefect_tinker.recipes.rl.types import RLDataset, RolloutContext
+from prefect_tinker.recipes.sandbox import last_code_block, load_code_problems
 
 __all__ = ["CodeProblem", "HumanEval", "HumanEvalBuilder", "HumanEvalEnv", "HumanEvalOptions", "code_question"]
 
@@ -86,13 +87,14 @@ class HumanEvalEnv(MessageEnv):
         messages: list[dict],
         problem: CodeProblem,
         *,
+        tester: CodeTester,
         format_coef: float,
         timeout_s: float,
         feedback_chars: int,
         **kw: Any,
     ):
         super().__init__(renderer, messages, **kw)
-        self.problem, self.format_coef = problem, float(format_coef)
+        self.problem, self.tester, self.format_coef = problem, tester, float(format_coef)
         self.timeout_s, self.feedback_chars = float(timeout_s), int(feedback_chars)
 
     def finish(self, reply: dict) -> Reaction:
@@ -101,8 +103,8 @@ class HumanEvalEnv(MessageEnv):
         if code is None:
             passed, detail = False, "your reply has no ```python code block"
         else:
-            result = run_tests(
-                solution_program(p.prompt, code, p.entry_point), p.tests, p.entry_point, timeout=self.timeout_s
+            result = self.tester(
+                solution_program(p.prompt, code, p.entry_point), p.tests, p.entry_point, self.timeout_s
             )
             passed, detail = result.passed, result.detail or result.sandbox.stderr[-self.feedback_chars :]
         format_ok = code is not None
@@ -139,17 +141,26 @@ class HumanEvalBuilder(MessageGroupBuilder):
     timeout_s: float = 10.0
     feedback_chars: int = 600
 
-    def make_env(self, renderer: Any) -> HumanEvalEnv:
+    def make_envs(self) -> list[MessageEnv]:
+        raise RuntimeError("humaneval envs need the sandbox service: make them with make_envs_in(ctx)")
+
+    def make_envs_in(self, ctx: RolloutContext) -> list[MessageEnv]:
+        renderer = load_renderer(self.renderer_name, self.tokenizer_id)
+        tester = ctx.service(SANDBOX)
         messages = thaw(self.prefix) + [{"role": "user", "content": code_question(self.problem.prompt)}]
-        return HumanEvalEnv(
-            renderer,
-            messages,
-            self.problem,
-            format_coef=self.format_coef,
-            timeout_s=self.timeout_s,
-            feedback_chars=self.feedback_chars,
-            limits=self.limits,
-        )
+        return [
+            HumanEvalEnv(
+                renderer,
+                messages,
+                self.problem,
+                tester=tester,
+                format_coef=self.format_coef,
+                timeout_s=self.timeout_s,
+                feedback_chars=self.feedback_chars,
+                limits=self.limits,
+            )
+            for _ in range(self.group_size)
+        ]
 
 
 @register_env

@@ -11,11 +11,11 @@ for a reply that did not end on a stop sequence. Metrics: ``env/win_minus_loss``
 ``env/format_rate``.
 
 Reward-model calls go through the reward model client the rollout task lends the builder
-(``RolloutContext.pair_preferences``: the cached ``reward-label-logprobs`` task on the rollout
+(``ctx.service(PAIR_PREFERENCES)``: the cached ``reward-label-logprobs`` task on the rollout
 task's backend), one call per group (every matchup, both orders, both labels); this module
 imports no Prefect. ``test_prompts`` prompts are held out for the win-rate evaluator (the task
-layer's :class:`~prefect_tinker.tasks.reward_model.WinRateEvaluator`, lent through
-``EnvContext.win_rate_evaluator``; ``eval/win_rate``) against
+layer's :class:`~prefect_tinker.tasks.reward_model.WinRateEvaluator`, lent as the
+build-time service ``WIN_RATE_EVALUATOR``; ``eval/win_rate``) against
 ``win_rate_reference``, by default the run's step-0 sampler (the policy it started from, e.g.
 the SFT model).
 
@@ -45,6 +45,7 @@ from prefect_tinker.recipes.reward_model import (
 )
 from prefect_tinker.recipes.rl.envs import EnvContext, Environment, EnvSpec, register_env
 from prefect_tinker.recipes.rl.problem_env import ProblemDataset, freeze_messages, load_renderer
+from prefect_tinker.recipes.rl.services import PAIR_PREFERENCES, WIN_RATE_EVALUATOR
 from prefect_tinker.recipes.rl.types import Env, EnvGroupBuilder, RLDataset, RolloutContext, StepResult, Trajectory
 
 __all__ = [
@@ -141,7 +142,7 @@ class PreferenceEnv(Env):
 class PreferenceGroupBuilder(EnvGroupBuilder):
     """``group_size`` replies to one prompt, rewarded by the reward model ``reward`` (module
     docstring), scored by the reward model client of the rollout task
-    (:attr:`~prefect_tinker.recipes.rl.types.RolloutContext.pair_preferences`)."""
+    (``ctx.service(PAIR_PREFERENCES)``, :mod:`prefect_tinker.recipes.rl.services`)."""
 
     prompt: PreferencePrompt
     group_size: int
@@ -168,7 +169,7 @@ class PreferenceGroupBuilder(EnvGroupBuilder):
     def compute_group_rewards(self, trajectories_G):
         raise RuntimeError(
             "pairwise_preference: group rewards need a reward model client; they are computed in a "
-            "rollout (compute_group_rewards_in, RolloutContext.pair_preferences)"
+            "rollout (compute_group_rewards_in, ctx.service(PAIR_PREFERENCES))"
         )
 
     def compute_group_rewards_in(self, ctx: RolloutContext, trajectories_G):
@@ -184,7 +185,7 @@ class PreferenceGroupBuilder(EnvGroupBuilder):
             )
             for i, j in pairs
         ]
-        scores = [2.0 * p - 1.0 for p in ctx.pair_preferences(self.reward.path, rendered)]
+        scores = [2.0 * p - 1.0 for p in ctx.service(PAIR_PREFERENCES)(self.reward.path, rendered)]
         return self.rewards_from_scores(replies, pairs, scores)
 
     def rewards_from_scores(
@@ -366,11 +367,11 @@ class PairwisePreference(Environment):
     def evaluators(cls, spec: EnvSpec, ctx: EnvContext) -> list:
         opts, (_, test) = cls._prompts(spec, ctx)
         reference = opts.win_rate_reference or ctx.initial_sampler
-        if not test or not reference or ctx.win_rate_evaluator is None:
+        if not test or not reference or not ctx.services.has(WIN_RATE_EVALUATOR):
             return []
         ref = cls.reward_ref(opts, ctx)
         return [
-            ctx.win_rate_evaluator(
+            ctx.service(WIN_RATE_EVALUATOR)(
                 [p.as_messages() for p in test],
                 reference,
                 ref.path,

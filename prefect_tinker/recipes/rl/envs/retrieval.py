@@ -1,7 +1,8 @@
 """``retrieval``: questions answered with a search tool over a document collection.
 
-The model gets one tool, ``search(query)``: BM25 (the ``bm25s`` library, Lucene variant; see
-:mod:`prefect_tinker.recipes.tools.retrieval`) over ``env_options.documents``, a JSONL collection
+The model gets one tool, ``search(query)``, over the index the run's ``retrieval`` service builds
+(``ctx.service(RETRIEVAL)``; built in: BM25, the ``bm25s`` library, Lucene variant, see
+:mod:`prefect_tinker.recipes.tools.retrieval` and :func:`search_index`) of ``env_options.documents``, a JSONL collection
 ``{id, text}`` (or any JSONL: ``text_field`` names the passage, ``id_field`` its id, None for
 ``file:line``; records with an empty passage are left out), returning the ``top_k`` passages.
 It may search over several turns and ends with a
@@ -40,8 +41,9 @@ from prefect_tinker.recipes.rl.message_env import (
     freeze,
     thaw,
 )
-from prefect_tinker.recipes.rl.problem_env import ProblemDataset
-from prefect_tinker.recipes.rl.types import RLDataset
+from prefect_tinker.recipes.rl.problem_env import ProblemDataset, load_renderer
+from prefect_tinker.recipes.rl.services import RETRIEVAL
+from prefect_tinker.recipes.rl.types import RLDataset, RolloutContext
 
 __all__ = [
     "Retrieval",
@@ -236,22 +238,28 @@ class RetrievalBuilder(MessageGroupBuilder):
     reward: str = "f1"
     format_coef: float = 0.1
 
-    def make_env(self, renderer: Any) -> RetrievalEnv:
+    def make_envs(self) -> list[MessageEnv]:
+        raise RuntimeError("retrieval envs need the retrieval service: make them with make_envs_in(ctx)")
+
+    def make_envs_in(self, ctx: RolloutContext) -> list[MessageEnv]:
         from prefect_tinker.recipes.tools import Toolset
 
-        index = search_index(self.documents, self.documents_sha256, self.text_field, self.id_field)
-        toolset = Toolset([index.as_tool(self.top_k, max_passage_chars=self.max_passage_chars)])
+        renderer = load_renderer(self.renderer_name, self.tokenizer_id)
+        index = ctx.service(RETRIEVAL)(self.documents, self.documents_sha256, self.text_field, self.id_field)
         messages = thaw(self.prefix) + [{"role": "user", "content": self.question}]
-        return RetrievalEnv(
-            renderer,
-            messages,
-            toolset,
-            self.answers,
-            reward=self.reward,
-            format_coef=self.format_coef,
-            problem_id=self.problem_id,
-            limits=self.limits,
-        )
+        return [
+            RetrievalEnv(
+                renderer,
+                messages,
+                Toolset([index.as_tool(self.top_k, max_passage_chars=self.max_passage_chars)]),
+                self.answers,
+                reward=self.reward,
+                format_coef=self.format_coef,
+                problem_id=self.problem_id,
+                limits=self.limits,
+            )
+            for _ in range(self.group_size)
+        ]
 
 
 @register_env
@@ -275,7 +283,7 @@ class Retrieval(Environment):
         if spec.max_problems:
             questions = questions[: spec.max_problems]
         sha = _sha256(opts.documents)
-        search_index(opts.documents, sha, opts.text_field, opts.id_field)  # a bad collection fails here
+        ctx.service(RETRIEVAL)(opts.documents, sha, opts.text_field, opts.id_field)  # a bad collection fails here
         prefix = freeze([{"role": "system", "content": spec.system_prompt or RETRIEVAL_SYSTEM}])
         documents = str(Path(opts.documents).expanduser().resolve())
 

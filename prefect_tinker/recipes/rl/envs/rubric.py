@@ -33,6 +33,7 @@ from prefect_tinker.recipes.renderers.base import Termination
 from prefect_tinker.recipes.rl.envs import EnvContext, Environment, EnvSpec, register_env
 from prefect_tinker.recipes.rl.judge import JudgeRequest, parse_scores, rubric_reward
 from prefect_tinker.recipes.rl.problem_env import ProblemDataset, load_renderer
+from prefect_tinker.recipes.rl.services import JUDGE
 from prefect_tinker.recipes.rl.types import Env, EnvGroupBuilder, RLDataset, RolloutContext, StepResult
 
 __all__ = [
@@ -237,9 +238,8 @@ class RubricGroupBuilder(EnvGroupBuilder):
 
     def make_envs_in(self, ctx: RolloutContext) -> list[RubricEnv]:
         renderer = load_renderer(self.renderer_name, self.tokenizer_id)
-        return [
-            RubricEnv(self.item, renderer, ctx.judge, self.settings, self.format_coef) for _ in range(self.group_size)
-        ]
+        judge = ctx.service(JUDGE)
+        return [RubricEnv(self.item, renderer, judge, self.settings, self.format_coef) for _ in range(self.group_size)]
 
     def logging_tags(self) -> list[str]:
         return ["rubric"]

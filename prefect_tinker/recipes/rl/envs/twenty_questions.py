@@ -35,6 +35,7 @@ from prefect_tinker.recipes.rl.message_env import (
     problem_rng,
 )
 from prefect_tinker.recipes.rl.problem_env import load_renderer
+from prefect_tinker.recipes.rl.services import SAMPLER
 from prefect_tinker.recipes.rl.types import RLDataset, RolloutContext
 
 __all__ = [
@@ -216,7 +217,7 @@ class TwentyQuestionsBuilder(MessageGroupBuilder):
         renderer = load_renderer(self.renderer_name, self.tokenizer_id)
         answerer_renderer = load_renderer(self.answerer_renderer, self.answerer_tokenizer or self.tokenizer_id)
         answerer = Answerer(
-            ctx.sampling_client(self.answerer),
+            ctx.service(SAMPLER)(self.answerer),
             answerer_renderer,
             max_tokens=self.answerer_max_tokens,
             temperature=self.answerer_temperature,
