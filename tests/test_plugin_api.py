@@ -23,6 +23,8 @@ PUBLIC = {
     "connect_stores", "problem_builder", "recipe_flow", "register_advantage_estimator", "register_code_runner",
     "register_converter", "register_env", "register_grader", "register_loss", "register_renderer", "tokenizer",
     "train_step", "Schedule", "RLLoopParts", "register_schedule", "SCHEDULES",
+    "FileType", "register_file_type", "FILE_TYPES", "RawRecord", "SourceSpec", "register_builtin_dataset",
+    "BUILTIN_DATASETS", "DPOVariant", "register_dpo_loss", "DPO_LOSSES",
 }
 
 
