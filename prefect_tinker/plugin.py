@@ -23,7 +23,8 @@ quick. Groups:
   :class:`Problem`, :func:`problem_builder`, :class:`EnvGroupBuilder`, :class:`RLDataset`,
   :class:`StepResult`, :class:`RolloutContext`, :class:`Trajectory`;
 - **RL objectives**: :class:`RLLoss`, :func:`register_loss`, :data:`LOSSES` (group
-  ``prefect_tinker.losses``), :class:`AdvantageEstimator`, :func:`register_advantage_estimator`,
+  ``prefect_tinker.losses``), :data:`OBJECTIVE_INPUTS` (what a loss's torch ``objective`` may read),
+  :class:`AdvantageEstimator`, :func:`register_advantage_estimator`,
   :data:`ADVANTAGE_ESTIMATORS` (group ``prefect_tinker.advantages``);
 - **RL schedules**: :class:`Schedule` (orders one RL step over :class:`RLLoopParts`),
   :func:`register_schedule`, :data:`SCHEDULES` (group ``prefect_tinker.schedules``);
@@ -81,6 +82,7 @@ _MODULES: dict[str, str] = {
     "RLLoss": "prefect_tinker.recipes.rl.losses",
     "register_loss": "prefect_tinker.recipes.rl.losses",
     "LOSSES": "prefect_tinker.recipes.rl.losses",
+    "OBJECTIVE_INPUTS": "prefect_tinker.recipes.rl.losses",
     "AdvantageEstimator": "prefect_tinker.recipes.rl.advantages",
     "register_advantage_estimator": "prefect_tinker.recipes.rl.advantages",
     "ADVANTAGE_ESTIMATORS": "prefect_tinker.recipes.rl.advantages",
@@ -161,7 +163,7 @@ if TYPE_CHECKING:
     )
     from prefect_tinker.recipes.rl.envs import ENVS, EnvContext, Environment, register_env
     from prefect_tinker.recipes.rl.envs.problems import problem_builder
-    from prefect_tinker.recipes.rl.losses import LOSSES, RLLoss, register_loss
+    from prefect_tinker.recipes.rl.losses import LOSSES, OBJECTIVE_INPUTS, RLLoss, register_loss
     from prefect_tinker.recipes.rl.message_env import MessageEnv
     from prefect_tinker.recipes.rl.problem_env import Problem, ProblemEnv
     from prefect_tinker.recipes.rl.types import Env, EnvGroupBuilder, RLDataset, RolloutContext, StepResult, Trajectory

@@ -50,15 +50,15 @@ def test_sampling_counters_of_one_batch_appear_together_and_add_up(server):
     the totals are exact (without the lock, updates are lost and snapshots fall between two
     counters of one batch)."""
     svc = server.service
-    counts, lock = svc._sampling_counters()
-    svc.__dict__["_sampling_stats"] = (_YieldingCounts(counts), lock)
+    counters = svc.sampling_counters
+    counters.counts = _YieldingCounts(counters.counts)
     base = svc.sampling_stats
     torn: list[dict] = []
     done = threading.Event()
 
     def add() -> None:
         for _ in range(500):
-            svc.count_sampling(requests=1, sampled_tokens=3, prompt_tokens_cached=2)
+            counters.add(requests=1, sampled_tokens=3, prompt_tokens_cached=2)
 
     def read() -> None:
         while not done.is_set():
@@ -81,7 +81,7 @@ def test_sampling_counters_of_one_batch_appear_together_and_add_up(server):
         reader.join()
         after = svc.sampling_stats
     finally:
-        svc.__dict__["_sampling_stats"] = (dict(svc.__dict__["_sampling_stats"][0]), lock)
+        counters.counts = dict(counters.counts)
     assert torn == []
     assert after["requests"] - base["requests"] == 2000
     assert after["sampled_tokens"] - base["sampled_tokens"] == 6000
@@ -141,3 +141,18 @@ def test_sequences_whose_ids_came_late_are_counted_and_said_once(server, monkeyp
             tc.forward_backward([datum], "stable_reinforce").result(timeout=60)
     finally:
         sc.close("success").result(timeout=30)
+
+
+def test_the_service_state_is_declared_and_set_at_start(server):
+    """Every attribute of ``LocalService`` is declared with a type on its classes and set by its
+    ``__init__``: after sampling (stability records, counters) nothing new appears on the object."""
+    from tinker_local.service import LocalService
+
+    svc = server.service
+    declared = {name for cls in LocalService.__mro__ for name in vars(cls).get("__annotations__", {})}
+    fresh = LocalService(svc.engine, server.root / "fresh-service")
+    assert set(vars(fresh)) == declared
+    with tinker.ServiceClient(base_url=server.base_url, api_key="tml-counters") as sc:
+        sampler = sc.create_sampling_client(base_model="tiny", record_stability_info=True).result(timeout=60)
+        sampler.sample(types.ModelInput.from_ints([1, 2, 3]), 1, types.SamplingParams(max_tokens=2)).result(timeout=60)
+    assert set(vars(svc)) == declared

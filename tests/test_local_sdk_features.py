@@ -24,18 +24,6 @@ VOCAB = 2048
 
 
 @pytest.fixture(scope="module")
-def clean(local_servers):
-    return local_servers["clean"]
-
-
-@pytest.fixture(scope="module")
-def service(clean):
-    sc = tinker.ServiceClient(base_url=clean.base_url, api_key=API_KEY)
-    yield sc
-    sc.close("success").result(timeout=30)
-
-
-@pytest.fixture(scope="module")
 def trainer(service):
     return service.create_lora_training_client("tiny", rank=4, seed=11).result(timeout=120)
 
@@ -227,18 +215,17 @@ def test_recorded_sequences_expire_a_day_after_their_last_use():
 
     from tinker_local.errors import HttpError
     from tinker_local.futures import FutureStore
-    from tinker_local.service_stability import STABILITY_TTL_S, StabilityMixin
+    from tinker_local.service_stability import STABILITY_TTL_S, StabilityRecords
 
-    class Service(StabilityMixin):
+    class Clock:
         now = 1000.0
 
-        def clock(self):
+        def __call__(self):
             return self.now
 
-        store = FutureStore()
-
-    svc = Service()
-    svc.record_stability("sess-a:sample:0", ["r:0"], [5, 6, 7], [{"tokens": [8, 9], "logprobs": [-1.0, -2.0]}])
+    clock = Clock()
+    svc = StabilityRecords(clock, FutureStore())
+    svc.record("sess-a:sample:0", ["r:0"], [5, 6, 7], [{"tokens": [8, 9], "logprobs": [-1.0, -2.0]}])
     # stable_reinforce: the loss that needs provenance (for the others an unrecorded sequence passes unchecked)
     msg = pb.ForwardBackwardRequest(model_id="m", loss_fn="stable_reinforce")
     d = msg.data.add()
@@ -251,13 +238,13 @@ def test_recorded_sequences_expire_a_day_after_their_last_use():
         for kind, off, n in runs:
             span = getattr(getattr(d, field).add(), kind)
             span.sequence_id, span.offset, span.length = "r:0", off, n
-    svc.now += STABILITY_TTL_S - 1
+    clock.now += STABILITY_TTL_S - 1
     svc.check_provenance(msg, "m", "sess-a")  # valid, and restarts the day
-    svc.now += STABILITY_TTL_S - 1
+    clock.now += STABILITY_TTL_S - 1
     svc.check_provenance(msg, "m", "sess-a")
     with pytest.raises(HttpError, match="was sampled in session 'sess-a'"):
         svc.check_provenance(msg, "m", "sess-b")
-    svc.now += STABILITY_TTL_S
+    clock.now += STABILITY_TTL_S
     with pytest.raises(HttpError, match="'r:0' is unknown or expired"):
         svc.check_provenance(msg, "m", "sess-a")
 

@@ -101,7 +101,7 @@ def test_stable_reinforce_wires_provenance_through_rollouts(prefect_api, local_c
 
 
 def test_inflight_needs_the_async_schedule():
-    with pytest.raises(ValueError, match="sampler_kind='inflight' needs schedule='async'"):
+    with pytest.raises(ValueError, match="sampler_kind='inflight' needs an off-policy schedule such as 'async'"):
         RLConfig(model="tiny", sampler_kind="inflight", store="/nonexistent-store-is-not-read")
 
 

@@ -32,7 +32,8 @@ from .rest import RestMixin, check_ttl
 from .rest_sessions import SessionsMixin
 from .service_export import ExportMixin
 from .service_losses import CustomLossMixin
-from .service_sampling import SamplingServiceMixin
+from .service_sampling import InflightTargets, SamplingCounters, SamplingServiceMixin
+from .service_stability import StabilityRecords
 from .signing import DEFAULT_URL_TTL_S, UrlSigner, load_secret
 from .tenancy import Tenancy, current_user
 from .tinker_paths import KIND_SEGMENT, TinkerPath, check_checkpoint_name, engine_id
@@ -110,6 +111,17 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
         self.graph_limits = GraphLimits()  # bounds of uploaded custom losses (tinker_local.loss_limits)
         # base models that may be loaded (enforced by create_app on a server with keys)
         self.model_allow = ModelAllowList(self.root, self.models, enforced=lambda: False)
+        self.custom_loss_server_side = True  # client config flag (serve --client-side-custom-losses: off)
+        # serve --record-requests / --sampling-seed content / --lora-seed (set by create_app)
+        self.request_log = None
+        self.content_seeds = None
+        self.default_lora_seed = None
+        # the sampling parts (tinker_local.service_sampling, tinker_local.service_stability)
+        self.sampler_pool = None  # attach_sampler_pool: serve --sampler-workers N
+        self.sample_step_s = None
+        self.sampling_counters = SamplingCounters()
+        self.inflight = InflightTargets()
+        self.stability = StabilityRecords(lambda: self.clock(), self.store)
 
     save_weights_external = _burns_seq(ExportMixin.save_weights_external)
 
@@ -260,7 +272,7 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
             return {"request_id": self.store.fail_now(kind, f"unknown model_id {model_id!r}"), "model_id": model_id}
         try:
             check_training(self.request_limits, kind, len(msg.data), P.count_tokens(msg))
-            self.check_provenance(msg, model_id, self.session_of_model(model_id))  # service_stability: 400s
+            self.stability.check_provenance(msg, model_id, self.session_of_model(model_id))  # service_stability: 400s
             self.tenancy.check_queue()
             self.tenancy.check_compute()
         except HttpError as e:
@@ -413,7 +425,7 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
                 self.registry.add_sampler(SamplerRecord(sid, run.base_model, ck.uri, ck.path))
                 out["sampling_session_id"] = sid
             if kind == "inflight":  # service_sampling: every inflight client of the model moves here
-                self.publish_inflight(model_id, ck.path, sid)
+                self.inflight.publish(model_id, ck.path, sid)
             return out
 
         return {"request_id": self.submit_ordered(ep, work, model_id, seq), "model_id": model_id}

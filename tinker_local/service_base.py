@@ -2,7 +2,9 @@
 endpoint groups (``RestMixin``, ``SessionsMixin``, ``SamplingServiceMixin``, ``ExportMixin``,
 ``CustomLossMixin``).
 
-``LocalService.__init__`` sets the attributes declared here; the methods are what several
+``LocalService.__init__`` sets every attribute declared here and on the groups (none appears
+later, and the sampling state lives in parts it creates: ``SamplingCounters``, ``InflightTargets``,
+``StabilityRecords``); the methods are what several
 groups use: the lookups of training runs and checkpoints (checkpoints whose TTL has passed are
 deleted first, see ``tinker_local.rest``), the names handed to SDK clients, and the submission of
 a model's ordered work to the future store with its trace span (``tinker_local.trace``).
@@ -62,9 +64,9 @@ class ServiceBase:
     _copies: dict[str, dict[str, Any]]  # copy_weights idempotency key -> answer
     _losses: dict[str, Any]  # loss_id -> custom_loss.CompiledLoss
     # serve --record-requests / --sampling-seed content / --lora-seed (tinker_local.request_log)
-    request_log: Any = None  # a RequestLog, or None: nothing recorded
-    content_seeds: Any = None  # a ContentSeeds, or None: the request's seed (random when unset)
-    default_lora_seed: int | None = None  # LoRA init seed of a create_model that gives none
+    request_log: Any  # a RequestLog, or None: nothing recorded
+    content_seeds: Any  # a ContentSeeds, or None: the request's seed (random when unset)
+    default_lora_seed: int | None  # LoRA init seed of a create_model that gives none
 
     def log_request(self, session_id: str | None, entry: dict[str, Any]) -> None:
         """Append ``entry`` to the session's request log (``serve --record-requests``)."""

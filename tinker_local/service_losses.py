@@ -1,4 +1,4 @@
-"""Server-side custom losses (a mixin of ``LocalService``): ``create_custom_loss`` stores an
+"""Server-side custom losses (an endpoint group of ``LocalService``): ``create_custom_loss`` stores an
 uploaded graph (``tinker_local.custom_loss``) under a session-scoped ``loss_id``, and a
 ``forward_backward`` / ``forward`` with ``loss_fn="custom"`` and ``loss_fn_config={"loss_id": ...}``
 runs it on the trainer's logprobs.
@@ -22,8 +22,6 @@ from .trace import session_of
 
 class CustomLossMixin(ServiceBase):
     """The custom-loss endpoint and the lookup of a stored loss (see the module docstring)."""
-
-    custom_loss_server_side: bool = True
 
     def create_custom_loss(self, body: dict[str, Any]) -> dict[str, Any]:
         """Validate and store an uploaded loss; answers a request id whose result is

@@ -22,7 +22,7 @@ from .registry import SamplerRecord
 from .request_limits import check_sampling
 from .request_log import content_key, weights_identity
 from .service_base import ServiceBase
-from .service_stability import StabilityMixin
+from .service_stability import StabilityRecords
 from .trace import session_of
 
 DEFAULT_MAX_TOKENS = 256  # SamplingParams.max_tokens=None
@@ -64,13 +64,74 @@ def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
-class SamplingServiceMixin(StabilityMixin, ServiceBase):
+class SamplingCounters:
+    """The sampling counters of a ``LocalService`` since start (a part it creates in ``__init__``):
+    ``requests`` served, ``prompt_tokens_cached`` (served by another request's prefill in the same
+    batch), ``prompt_tokens_uncached`` (prefilled for the request), ``sampled_tokens``, and
+    ``stability_not_recorded`` (``record_stability_info`` requests whose sequence ids came more than
+    ``SEQUENCE_IDS_WAIT_S`` after their batch finished, so their sequences cannot be named by
+    provenance spans; logged once).
+
+    Attributes:
+        counts: counter name -> value. lock: one lock over all of them (batches finish on the compute
+            thread and on every sampler-worker thread at once; a snapshot holds whole batches).
+    """
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = dict.fromkeys(SAMPLING_COUNTERS, 0)
+        self.lock = threading.Lock()
+
+    def add(self, **increments: int) -> None:
+        """Add ``increments`` to the counters, under the lock."""
+        with self.lock:
+            for name, n in increments.items():
+                self.counts[name] += n
+
+    def snapshot(self) -> dict[str, int]:
+        """A copy of the counters, taken under the lock."""
+        with self.lock:
+            return dict(self.counts)
+
+
+class InflightTargets:
+    """Where inflight sampling clients sample (a part of ``LocalService``): an inflight save of a
+    training model (``SamplingClientKind`` "inflight") makes its sampler weights the target of every
+    inflight sampling session of the model; snapshot sessions keep their weights. In memory: after a
+    server restart an inflight session samples the weights of its own save.
+
+    Attributes:
+        targets: training model id -> weights folder of its newest inflight save.
+        sessions: inflight sampling session id -> its training model id.
+    """
+
+    def __init__(self) -> None:
+        self.targets: dict[str, str] = {}
+        self.sessions: dict[str, str] = {}
+
+    def publish(self, model_id: str, weights_path: str, sampler_id: str | None) -> None:
+        """An inflight save of ``model_id``: ``weights_path`` becomes the target of its inflight
+        sessions, the existing ones and ``sampler_id`` (new, when given)."""
+        self.targets[model_id] = weights_path
+        if sampler_id is not None:
+            self.sessions[sampler_id] = model_id
+
+    def weights(self, sampler_id: str) -> str | None:
+        """The weights folder an inflight sampling session samples now; None for other sessions."""
+        model_id = self.sessions.get(sampler_id)
+        return None if model_id is None else self.targets.get(model_id)
+
+
+class SamplingServiceMixin(ServiceBase):
     """The sampling endpoints (see the module docstring).  Sampling clients of kind
-    "inflight" follow their training model's newest inflight save (``publish_inflight``);
+    "inflight" follow their training model's newest inflight save (``InflightTargets``);
     ``record_stability_info`` requests record their sequences (``tinker_local.service_stability``)."""
 
-    _sample_step_s: float | None = None  # wall seconds per decode step of the last batch
-    sampler_pool: Any = None  # a tinker_local.sampler_pool.SamplerPool, or None: in-process
+    # set by LocalService.__init__ (see there)
+    sample_step_s: float | None  # wall seconds per decode step of the last batch (None: none yet)
+    sampler_pool: Any  # a tinker_local.sampler_pool.SamplerPool, or None: in-process
+    sampling_counters: SamplingCounters
+    inflight: InflightTargets
+    stability: StabilityRecords
 
     def attach_sampler_pool(self, pool: Any) -> None:
         """Serve sampling through ``pool`` (one ``"sampler"`` executor thread per worker);
@@ -142,7 +203,7 @@ class SamplingServiceMixin(StabilityMixin, ServiceBase):
             )
         except P.ProtocolError as e:
             raise HttpError(422, f"{ep}: {e}") from e
-        weights_path = self.inflight_weights(str(sid)) if sid is not None else None
+        weights_path = self.inflight.weights(str(sid)) if sid is not None else None
         weights_path = weights_path or rec.weights_path
         topk = int_field(body, "topk_prompt_logprobs", ep, 0)
         last_n = int_field(body, "prompt_logprobs_last_n", ep)
@@ -195,7 +256,7 @@ class SamplingServiceMixin(StabilityMixin, ServiceBase):
                 max_tokens=job["engine"]["max_tokens"],
             )
         job["span"] = span
-        step_s = self._sample_step_s
+        step_s = self.sample_step_s
         linger = None if step_s is None else LINGER_FRACTION * step_s * (job["engine"]["max_tokens"] + 1)
         rid = self.store.submit(
             "sample",
@@ -228,7 +289,7 @@ class SamplingServiceMixin(StabilityMixin, ServiceBase):
             return out
         finally:
             steps = max(int(r.get("max_tokens") or 1) for r in reqs) + 1  # prefill + decode steps
-            self._sample_step_s = (time.monotonic() - t0) / steps
+            self.sample_step_s = (time.monotonic() - t0) / steps
             end = self.tracer.clock()
             for k, sp in enumerate(spans):
                 if sp is not None:
@@ -335,7 +396,7 @@ class SamplingServiceMixin(StabilityMixin, ServiceBase):
                 out.append(res)
                 continue
             hit = int(res.prompt_cache_hit_tokens)
-            self.count_sampling(
+            self.sampling_counters.add(
                 requests=1,
                 prompt_tokens_cached=hit,
                 prompt_tokens_uncached=len(job["engine"]["prompt_tokens"]) - hit,
@@ -343,7 +404,7 @@ class SamplingServiceMixin(StabilityMixin, ServiceBase):
             )
             if job["record"]:
                 if job["ids"].wait(SEQUENCE_IDS_WAIT_S):  # set right after submission
-                    self.record_stability(
+                    self.stability.record(
                         job["sampler_id"], job["sequence_ids"], job["engine"]["prompt_tokens"], res.sequences
                     )
                 else:
@@ -362,38 +423,18 @@ class SamplingServiceMixin(StabilityMixin, ServiceBase):
             )
         return out
 
-    # -- inflight sampling clients ----------------------------------------------------------------
-    def _sampling_counters(self) -> tuple[dict[str, int], threading.Lock]:
-        st = self.__dict__.get("_sampling_stats")
-        if st is None:
-            st = self.__dict__.setdefault("_sampling_stats", (dict.fromkeys(SAMPLING_COUNTERS, 0), threading.Lock()))
-        return st
-
-    def count_sampling(self, **increments: int) -> None:
-        """Add ``increments`` to the counters of :attr:`sampling_stats` (one lock: batches finish
-        on the compute thread and on every sampler-worker thread at once)."""
-        counts, lock = self._sampling_counters()
-        with lock:
-            for name, n in increments.items():
-                counts[name] += n
-
+    # -- counters and inflight sampling clients -----------------------------------------------------
     @property
     def sampling_stats(self) -> dict[str, int]:
-        """A snapshot of the counters since start (``GET local_stats`` -> ``"sampling"``):
-        ``requests`` served, ``prompt_tokens_cached`` (served by another request's prefill in the
-        same batch), ``prompt_tokens_uncached`` (prefilled for the request), ``sampled_tokens``, and
-        ``stability_not_recorded`` (``record_stability_info`` requests whose sequence ids came more
-        than ``SEQUENCE_IDS_WAIT_S`` after their batch finished, so their sequences cannot be named
-        by provenance spans; logged once)."""
-        counts, lock = self._sampling_counters()
-        with lock:
-            return dict(counts)
+        """A snapshot of the counters since start (``GET local_stats`` -> ``"sampling"``; see
+        :class:`SamplingCounters`)."""
+        return self.sampling_counters.snapshot()
 
     def _not_recorded(self, job: dict[str, Any]) -> None:
-        counts, lock = self._sampling_counters()
-        with lock:
-            counts["stability_not_recorded"] += 1
-            first = counts["stability_not_recorded"] == 1
+        counters = self.sampling_counters
+        with counters.lock:
+            counters.counts["stability_not_recorded"] += 1
+            first = counters.counts["stability_not_recorded"] == 1
         if first:
             logger.warning(
                 "a record_stability_info sampling request of %s got its sequence ids more than %g s after its "
@@ -402,25 +443,3 @@ class SamplingServiceMixin(StabilityMixin, ServiceBase):
                 job["sampler_id"] or "an ad-hoc sampler",
                 SEQUENCE_IDS_WAIT_S,
             )
-
-    def _inflight_state(self) -> tuple[dict[str, str], dict[str, str]]:
-        st = self.__dict__.get("_inflight_state_")
-        if st is None:
-            st = self.__dict__.setdefault("_inflight_state_", ({}, {}))
-        return st
-
-    def publish_inflight(self, model_id: str, weights_path: str, sampler_id: str | None) -> None:
-        """An inflight save of ``model_id`` (``SamplingClientKind`` "inflight"): its sampler
-        weights at ``weights_path`` become the target of every inflight sampling session of the
-        model, the existing ones and ``sampler_id`` (new); snapshot sessions keep their weights.
-        In memory: after a server restart an inflight session samples the weights of its own save."""
-        targets, sessions = self._inflight_state()
-        targets[model_id] = weights_path
-        if sampler_id is not None:
-            sessions[sampler_id] = model_id
-
-    def inflight_weights(self, sampler_id: str) -> str | None:
-        """The weights folder an inflight sampling session samples now; None for other sessions."""
-        targets, sessions = self._inflight_state()
-        model_id = sessions.get(sampler_id)
-        return None if model_id is None else targets.get(model_id)

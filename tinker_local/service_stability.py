@@ -1,4 +1,4 @@
-"""Stability information and provenance (a mixin of ``LocalService``): what SDK 0.38's
+"""Stability information and provenance (``StabilityRecords``, a part of ``LocalService``): what SDK 0.38's
 ``record_stability_info`` sampling and ``Datum.with_provenance`` training requests rely on.
 
 - A sampling request with ``record_stability_info: true`` (sampling clients made with
@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,23 +50,29 @@ class StabilityRecord:
     expires_at: float
 
 
-class StabilityMixin:
-    """Needs ``self.clock`` and ``self.store``; state is created on first use."""
+class StabilityRecords:
+    """The recorded sequences of a ``LocalService`` (a part it creates in ``__init__``).
 
-    clock: Any
-    store: Any
+    Args:
+        clock: the service's time source (Unix seconds; read at each use, so a moved clock counts).
+        store: the service's ``FutureStore`` (a refused request's ``seq_id`` is consumed there).
 
-    def _stability(self) -> tuple[dict[str, StabilityRecord], threading.Lock]:
-        st = self.__dict__.get("_stability_state")
-        if st is None:
-            st = self.__dict__.setdefault("_stability_state", ({}, threading.Lock()))
-        return st
+    Attributes:
+        records: ``sequence_id`` -> its ``StabilityRecord`` (expired ones are dropped when met).
+        lock: guards ``records`` (sampling batches finish on several threads).
+    """
 
-    def record_stability(
+    def __init__(self, clock: Callable[[], float], store: Any):
+        self.clock = clock
+        self.store = store
+        self.records: dict[str, StabilityRecord] = {}
+        self.lock = threading.Lock()
+
+    def record(
         self, sampler_id: str | None, sequence_ids: list[str], prompt: Any, sequences: list[dict[str, Any]]
     ) -> None:
         """Record the sampled ``sequences`` of one request under their ``sequence_ids``."""
-        records, lock = self._stability()
+        records, lock = self.records, self.lock
         flat = [int(t) for t in prompt] if all(isinstance(t, (int, np.integer)) for t in prompt) else None
         now = float(self.clock())
         with lock:
@@ -80,9 +87,9 @@ class StabilityMixin:
                     now + STABILITY_TTL_S,
                 )
 
-    def stability_record(self, sequence_id: str) -> StabilityRecord | None:
+    def get(self, sequence_id: str) -> StabilityRecord | None:
         """The unexpired record of ``sequence_id``, or None."""
-        records, lock = self._stability()
+        records, lock = self.records, self.lock
         with lock:
             rec = records.get(sequence_id)
             if rec is not None and rec.expires_at <= float(self.clock()):
@@ -160,7 +167,7 @@ class StabilityMixin:
                 raise HttpError(400, f"{where}[{j}]: empty provenance span")
             s = getattr(span, kind)
             sid, off, n = s.sequence_id, int(s.offset), int(s.length)
-            rec = used.get(sid) or self.stability_record(sid)
+            rec = used.get(sid) or self.get(sid)
             if rec is None and not needed:  # provenance unused by this loss: not recorded, not checked
                 if off < 0 or n < 0 or pos + n > len(values):
                     raise HttpError(400, f"{where}[{j}]: span offset {off} length {n} does not fit the field")

@@ -100,6 +100,7 @@ class RLLoop:
         self.k = self.config.num_substeps
         self.total = self.config.max_steps * self.k
         self.loss, self.loss_fn_config = self.config.loss(), self.config.loss_fn_config()
+        self.objective, self.objective_inputs = self.loss.objective(), self.loss.objective_inputs()
         self.estimator = self.config.estimator()
         self.usage = {**new_usage(), "trained": 0.0, "reference_prefill": 0.0}
         self.log = get_run_logger()
@@ -209,11 +210,13 @@ class RLLoop:
         ``loss_sum``, ``action_tokens``, ``datums``, sampler-vs-trainer KL and entropy
         (:func:`~prefect_tinker.recipes.rl.advantages.sample_train_kl`), ``fwd_bwd_seconds``."""
         s = self.session
-        sdk_datums = [d.to_datum(self.provenance) for d in datums]
+        sdk_datums = [d.to_datum(self.provenance, self.objective_inputs) for d in datums]
         # quote: Prefect does not walk the datums looking for futures (~10 ms per 1,000 tokens);
-        # a registered loss names one of the server's loss functions (the server refuses another)
-        loss_fn = cast(LossFnType, self.loss.loss_fn)
-        out = forward_backward(s.credentials, s.run, quote(sdk_datums), loss_fn, self.loss_fn_config, accumulated)
+        # a registered loss names one of the server's loss functions or defines its objective
+        loss_fn = cast(LossFnType, self.loss.loss_fn or "cross_entropy")
+        out = forward_backward(
+            s.credentials, s.run, quote(sdk_datums), loss_fn, self.loss_fn_config, accumulated, self.objective
+        )
         self.usage["trained"] += float(model_input_tokens(sdk_datums))
         metrics = sample_train_kl(datums, [np.asarray(lp) for lp in out.logprobs])
         metrics.update(

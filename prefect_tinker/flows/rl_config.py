@@ -137,7 +137,7 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
 
     @model_validator(mode="after")
     def _check(self) -> RLConfig:
-        self.loss()  # an unknown loss or a bad loss option fails here
+        self.loss().objective_inputs()  # an unknown loss, a bad loss option or objective input fails here
         ADVANTAGE_ESTIMATORS.get_or_raise(self.advantage_estimator)
         low, high = self.clip_low_threshold, self.clip_high_threshold
         if low is not None and high is not None and low >= high:

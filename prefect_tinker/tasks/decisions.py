@@ -1,8 +1,8 @@
 """The decisions recipe's server-facing parts: its custom loss handle and its evaluator.
 
 - :func:`choice_loss_handle`: :func:`~prefect_tinker.recipes.decisions.choice_loss` uploaded with
-  ``ServiceClient.create_custom_loss`` (run on the server when it advertises
-  ``custom_loss_server_side``, as ``tinker_local`` does; client-side otherwise), for
+  ``ServiceClient.create_custom_loss`` (run on the server when it accepts it, as ``tinker_local``
+  does; client-side otherwise: :mod:`prefect_tinker.tasks.custom_losses`), for
   ``forward_backward_custom`` in the ``custom-step`` task.
 - :class:`DecisionEvaluator`: held-out examples under the current weights (one ``forward`` with
   rank-2 targets gives every label's logprob): ``test/accuracy``, ``test/brier``, ``test/nll``,
@@ -20,7 +20,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import threading
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -36,6 +35,7 @@ from prefect_tinker.recipes.decisions import (
     reliability_bins,
 )
 from prefect_tinker.tasks.clients import TrainingRun
+from prefect_tinker.tasks.custom_losses import custom_loss
 from prefect_tinker.tasks.evaluators import TrainingClientEvaluator
 from prefect_tinker.tasks.policies import quote
 from prefect_tinker.tasks.reporting import artifact_key, write_png
@@ -47,26 +47,15 @@ if TYPE_CHECKING:
 __all__ = ["DecisionEvaluator", "choice_loss_handle", "plot_reliability"]
 
 
-_handles: dict[int, tuple[Any, Any]] = {}
-_handles_lock = threading.Lock()
-
-
 def choice_loss_handle(credentials: TinkerCredentials) -> Any:
-    """The ``LossHandle`` of :func:`~prefect_tinker.recipes.decisions.choice_loss` on the
-    credentials' service client, uploaded once per service client (the SDK refuses a second upload
-    of the same traced loss in one session) and reused by every later run of the process.
+    """What ``forward_backward_custom`` runs for :func:`~prefect_tinker.recipes.decisions.choice_loss`
+    on the credentials' service client: its uploaded ``LossHandle``, or the client-side fallback
+    (:func:`~prefect_tinker.tasks.custom_losses.custom_loss`), resolved once per service client.
 
     Raises:
-        tinker errors: the server refused the graph (a user error naming the op).
+        tinker errors: the upload failed otherwise than by a refusal.
     """
-    service = credentials.get_client()
-    with _handles_lock:
-        known = _handles.get(id(service))
-        if known is not None and known[0] is service:
-            return known[1]
-        handle = service.create_custom_loss(choice_loss, CHOICE_LOSS_RANKS).result()  # an APIFuture[LossHandle]
-        _handles[id(service)] = (service, handle)
-        return handle
+    return custom_loss(credentials, choice_loss, CHOICE_LOSS_RANKS)
 
 
 def plot_reliability(bins: list[dict[str, float]], title: str) -> bytes:

@@ -10,8 +10,9 @@ gets a fresh one).
 - :func:`open_training_run`: create, resume or initialise the run's client;
 - :func:`train_step`: ``forward_backward`` + ``optim_step`` submitted back to back (any built-in
   loss); :func:`custom_step`: the same with a client-side custom loss (``forward_backward_custom``);
-- :func:`forward_backward` (accumulates gradients) and :func:`optim_step`, for recipes that
-  accumulate several passes per update (RL minibatches);
+- :func:`forward_backward` (accumulates gradients of a built-in loss, or of a per-datum torch
+  objective computed on the server where it accepts custom losses and on the client otherwise)
+  and :func:`optim_step`, for recipes that accumulate several passes per update (RL minibatches);
 - :func:`forward`: logprobs and the loss without gradients (evaluators);
 - :func:`save_checkpoint` (state or sampler weights, as a Prefect asset) and
   :func:`save_sampler_weights`.
@@ -33,6 +34,7 @@ from tinker.types import LossFnType
 
 from prefect_tinker.tasks import clients
 from prefect_tinker.tasks.clients import ClientRewound, TrainingRun
+from prefect_tinker.tasks.custom_losses import custom_loss, input_names
 from prefect_tinker.tasks.policies import RETRY_OPTIONS
 
 if TYPE_CHECKING:
@@ -258,12 +260,18 @@ def forward_backward(
     loss_fn: LossFnType = "cross_entropy",
     loss_fn_config: dict[str, float] | None = None,
     accumulated: int = 0,
+    objective: Callable[..., Any] | None = None,
 ) -> ForwardResult:
     """Accumulate the gradients of ``loss_fn`` over ``datums`` (no optimizer step).
 
     Args:
         accumulated: passes already accumulated since the last optimizer step; if the client is
             lost meanwhile their gradients are gone, so the step must be redone.
+        objective: instead of ``loss_fn``, a per-datum torch loss ``objective(logprobs, *inputs) ->
+            (loss, {"custom/<name>:sum|mean": ...})`` whose parameters after ``logprobs`` name rank-1
+            ``loss_fn_inputs``: run on the server where it accepts custom losses, else on the client
+            (:func:`~prefect_tinker.tasks.custom_losses.custom_loss`). ``loss_sum`` is then the
+            summed objective and ``metrics`` carry its ``custom/*`` metrics on both paths.
 
     Raises:
         ClientRewound: the client was lost (with ``accumulated > 0``, or with steps since the last
@@ -273,13 +281,23 @@ def forward_backward(
         clients.training_client(credentials, run)  # recreated at the last checkpoint (may rewind)
         raise ClientRewound(run, run.step)  # the earlier passes' gradients were lost: redo the step
     t0 = time.perf_counter()
-    _, out = _calling(
-        credentials, run, lambda c, wait: wait(c.forward_backward(datums, loss_fn, loss_fn_config)), "forward_backward"
-    )
+    if objective is None:
+        _, out = _calling(
+            credentials,
+            run,
+            lambda c, wait: wait(c.forward_backward(datums, loss_fn, loss_fn_config)),
+            "forward_backward",
+        )
+    else:
+        ranks = {"logprobs": 1, **dict.fromkeys(input_names(objective), 1)}
+        loss = custom_loss(credentials, objective, ranks)
+        _, out = _calling(
+            credentials, run, lambda c, wait: wait(c.forward_backward_custom(datums, loss)), "forward_backward_custom"
+        )
     return ForwardResult(
         loss_sum=float(out.metrics.get("loss:sum", float("nan"))),
         logprobs=_logprobs(out),
-        metrics=_metrics(out.metrics),
+        metrics={k: v for k, v in _metrics(out.metrics).items() if k != "surrogate_loss"},
         seconds=time.perf_counter() - t0,
     )
 

@@ -81,16 +81,35 @@ class RLDatum:
     member: int = 0
     spans: list[tuple[str, str, int, int]] | None = None
 
-    def to_datum(self, provenance: bool = False) -> tinker.Datum:
+    def to_datum(self, provenance: bool = False, objective_inputs: Sequence[str] = ()) -> tinker.Datum:
         """The ``tinker.Datum`` (inputs ``target_tokens`` int64, ``logprobs`` and ``advantages``
         float32, all of shape (L-1,)) for the policy-gradient losses; with ``provenance``, its
         ``Datum.with_provenance`` spans (the model input's tile ``tokens[:-1]``, the loss inputs'
-        tile ``target_tokens = tokens[1:]``).
+        tile ``target_tokens = tokens[1:]``). With ``objective_inputs`` (names of
+        :data:`~prefect_tinker.recipes.rl.losses.OBJECTIVE_INPUTS`), the inputs of a custom
+        objective instead: ``target_tokens`` and each named one, float32 (L-1,).
 
         Raises:
             ValueError: ``provenance`` asked for, but the datum's actions have no sequence ids
-                (sampled without them, or by an environment that samples on its own).
+                (sampled without them, or by an environment that samples on its own); an unknown
+                objective input.
         """
+        if objective_inputs:
+            arrays = {"advantages": self.advantages, "sampling_logprobs": self.sampler_logprobs, "mask": self.mask}
+            unknown = [n for n in objective_inputs if n not in arrays]
+            if unknown:
+                raise ValueError(f"RL datums have no objective inputs {unknown}; they offer {sorted(arrays)}")
+            inputs = {
+                n: tinker.TensorData.from_numpy(np.ascontiguousarray(arrays[n], dtype=np.float32))
+                for n in objective_inputs
+            }
+            return tinker.Datum(
+                model_input=model_input_from_tokens(self.tokens[:-1]),
+                loss_fn_inputs={
+                    "target_tokens": tinker.TensorData.from_numpy(np.asarray(self.tokens[1:], dtype=np.int64)),
+                    **inputs,
+                },
+            )
         datum = tinker.Datum(
             model_input=model_input_from_tokens(self.tokens[:-1]),  # media observations: their chunks
             loss_fn_inputs={

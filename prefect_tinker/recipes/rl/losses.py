@@ -20,10 +20,35 @@ importance-sampling weights, MiniMax 2025 "MiniMax-M1", sec. 3.1). A plugin adds
             epsilon: float = 0.1
         def loss_fn_config(self, clip):
             return {"clip_low_threshold": 1 - self.options.epsilon, "clip_high_threshold": 1 + self.options.epsilon}
+
+A loss the server has no built-in for defines its objective instead of ``loss_fn``: :meth:`RLLoss.objective`
+returns a per-datum torch function ``f(logprobs, *inputs) -> (loss, {"custom/<name>:sum|mean": tensor})``
+whose parameters after ``logprobs`` (the trainer's logprobs of the datum's target tokens, float32 (T,))
+name inputs of :data:`OBJECTIVE_INPUTS` (each float32 (T,)). The RL loop runs it with the SDK's
+``create_custom_loss``: uploaded and computed on the server where it accepts custom losses (one
+``forward_backward`` request), otherwise on the client (``forward_backward_custom``: a forward for the
+logprobs, the loss and its gradient in torch here, a backward with that gradient); see
+:func:`prefect_tinker.tasks.custom_losses.custom_loss`. The function is traced with ``torch.fx``: torch
+and math operations only, no branching on tensor values; options enter as Python numbers::
+
+    @register_loss
+    class ClippedIS(RLLoss):
+        name = "clipped_is"
+        class Options(BaseModel):
+            epsilon: float = 0.2
+        def objective(self):
+            lo, hi = 1 - self.options.epsilon, 1 + self.options.epsilon
+            def clipped_is(logprobs, advantages, sampling_logprobs, mask):
+                ratio = torch.exp(logprobs - sampling_logprobs)
+                loss = -(torch.clamp(ratio, lo, hi).detach() * logprobs * advantages * mask).sum()
+                return loss, {"custom/ratio:mean": (ratio * mask).sum() / mask.sum().clamp(min=1.0)}
+            return clipped_is
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -39,11 +64,27 @@ __all__ = [
     "GSPOLoss",
     "ImportanceSamplingLoss",
     "NoLossOptions",
+    "OBJECTIVE_INPUTS",
+    "Objective",
     "PPOLoss",
     "RLLoss",
     "StableReinforceLoss",
     "register_loss",
 ]
+
+
+#: The per-datum inputs an objective may read (parameter name: meaning), each float32 (T,) over the
+#: datum's T target tokens: the per-token advantage (0 off the actions), the sampler's logprob of
+#: each target (0 off the actions) and 1.0 where the target is an action token.
+OBJECTIVE_INPUTS: Mapping[str, str] = {
+    "advantages": "per-token advantage (0 off the action tokens)",
+    "sampling_logprobs": "the sampler's logprob of each target token (0 off the action tokens)",
+    "mask": "1.0 where the target token is an action token, else 0.0",
+}
+
+#: A per-datum objective: ``f(logprobs, *inputs) -> (scalar loss, {"custom/<name>:sum|mean": scalar})``
+#: (the shape ``ServiceClient.create_custom_loss`` takes); per-datum losses are summed.
+Objective = Callable[..., tuple[Any, Mapping[str, Any]]]
 
 
 class NoLossOptions(BaseModel):
@@ -64,9 +105,10 @@ class ClipThresholds:
 class RLLoss:
     """One registered RL loss (see the module docstring).
 
-    Subclasses set ``name`` (the config's ``loss_fn``), ``loss_fn`` (the server's loss function)
-    and ``description``, optionally ``Options`` (a pydantic model of ``loss_options``), and
-    override :meth:`loss_fn_config` when the server loss takes a config.
+    Subclasses set ``name`` (the config's ``loss_fn``), ``description`` and either ``loss_fn`` (the
+    server's loss function; override :meth:`loss_fn_config` when it takes a config) or
+    :meth:`objective` (the loss as a torch function), optionally ``Options`` (a pydantic model of
+    ``loss_options``).
 
     Args:
         options: the validated ``loss_options`` (default: ``Options()``).
@@ -99,6 +141,31 @@ class RLLoss:
         """``loss_fn_config`` sent with every ``forward_backward`` (default None: the server's defaults)."""
         return None
 
+    def objective(self) -> Objective | None:
+        """The loss as a per-datum torch function (module docstring), or None (the default): the
+        server's built-in ``loss_fn``. Built from this loss's options, once per run."""
+        return None
+
+    def objective_inputs(self) -> tuple[str, ...]:
+        """The :data:`OBJECTIVE_INPUTS` the objective reads, in its parameter order (() without one).
+
+        Raises:
+            ValueError: the objective's first parameter is not ``logprobs``, or it reads an input
+                that is not in :data:`OBJECTIVE_INPUTS`.
+        """
+        fn = self.objective()
+        if fn is None:
+            return ()
+        names = list(inspect.signature(fn).parameters)
+        if not names or names[0] != "logprobs":
+            raise ValueError(f"loss {self.name!r}: the objective's first parameter must be logprobs, got {names}")
+        unknown = [n for n in names[1:] if n not in OBJECTIVE_INPUTS]
+        if unknown:
+            raise ValueError(
+                f"loss {self.name!r}: the objective reads {unknown}; RL datums offer {sorted(OBJECTIVE_INPUTS)}"
+            )
+        return tuple(names[1:])
+
 
 #: RL losses by name; plugins add theirs through the ``prefect_tinker.losses`` entry-point group.
 LOSSES: Registry[type[RLLoss]] = Registry("RL loss", "prefect_tinker.losses")
@@ -108,10 +175,14 @@ def register_loss(cls: type[RLLoss]) -> type[RLLoss]:
     """Class decorator: register ``cls`` under ``cls.name`` in :data:`LOSSES` (replacing an earlier one).
 
     Raises:
-        ValueError: empty ``name`` or ``loss_fn``.
+        ValueError: empty ``name``, or not exactly one of ``loss_fn`` and ``objective``.
     """
-    if not cls.loss_fn:
-        raise ValueError(f"{cls.__name__}: an RL loss needs the server loss function `loss_fn`")
+    has_objective = cls.objective is not RLLoss.objective
+    if bool(cls.loss_fn) == has_objective:
+        raise ValueError(
+            f"{cls.__name__}: an RL loss names the server loss function `loss_fn` or defines `objective`, "
+            "exactly one of them"
+        )
     return LOSSES.register(cls.name, cls)
 
 
