@@ -37,6 +37,12 @@ quick. Groups:
   :data:`RENDERERS`; :data:`GRADERS`, :func:`register_grader`, :data:`CODE_RUNNERS`,
   :func:`register_code_runner`; :class:`DataFormat`, :class:`FormatOptions`, :data:`CONVERTERS`,
   :func:`register_converter`;
+- **data files**: :class:`FileType`, :func:`register_file_type`, :data:`FILE_TYPES` (group
+  ``prefect_tinker.file_types``: how a local data file is read), :class:`RawRecord` (what a file
+  type yields), :class:`SourceSpec`; :func:`register_builtin_dataset`, :data:`BUILTIN_DATASETS`
+  (group ``prefect_tinker.builtin_datasets``: the ``builtin:<name>`` sources);
+- **DPO variants**: :class:`DPOVariant`, :func:`register_dpo_loss`, :data:`DPO_LOSSES` (group
+  ``prefect_tinker.dpo_losses``);
 - **benchmarks**: :data:`BENCHMARKS` (group ``prefect_tinker.benchmarks``: a dict of
   :class:`BenchmarkSpec` fields, or a ``BenchmarkSpec``), :class:`BenchmarkSpec`;
 - **the registry class**: :class:`Registry`, :class:`UnknownComponentError`;
@@ -115,6 +121,18 @@ _MODULES: dict[str, str] = {
     "FormatOptions": "prefect_tinker.recipes.format_options",
     "CONVERTERS": "prefect_tinker.recipes.data_sources",
     "register_converter": "prefect_tinker.recipes.data_sources",
+    # data files
+    "FileType": "prefect_tinker.recipes.data_reading",
+    "register_file_type": "prefect_tinker.recipes.data_reading",
+    "FILE_TYPES": "prefect_tinker.recipes.data_reading",
+    "RawRecord": "prefect_tinker.recipes.data_reading",
+    "SourceSpec": "prefect_tinker.recipes.data_reading",
+    "register_builtin_dataset": "prefect_tinker.recipes.data_reading",
+    "BUILTIN_DATASETS": "prefect_tinker.recipes.data_reading",
+    # DPO variants
+    "DPOVariant": "prefect_tinker.recipes.preference",
+    "register_dpo_loss": "prefect_tinker.recipes.preference",
+    "DPO_LOSSES": "prefect_tinker.recipes.preference",
     # benchmarks
     "BENCHMARKS": "prefect_tinker.recipes.evals.benchmarks",
     "BenchmarkSpec": "prefect_tinker.recipes.evals.benchmarks",
@@ -140,10 +158,20 @@ if TYPE_CHECKING:
     from prefect_tinker.flows.rl_config import SCHEDULES
     from prefect_tinker.flows.rl_schedules import RLLoopParts, Schedule, register_schedule
     from prefect_tinker.flows.session import RunSession
+    from prefect_tinker.recipes.data_reading import (
+        BUILTIN_DATASETS,
+        FILE_TYPES,
+        FileType,
+        RawRecord,
+        SourceSpec,
+        register_builtin_dataset,
+        register_file_type,
+    )
     from prefect_tinker.recipes.data_sources import CONVERTERS, register_converter
     from prefect_tinker.recipes.evals.benchmarks import BENCHMARKS, BenchmarkSpec
     from prefect_tinker.recipes.evals.graders import CODE_RUNNERS, GRADERS, register_code_runner, register_grader
     from prefect_tinker.recipes.format_options import DataFormat, FormatOptions
+    from prefect_tinker.recipes.preference import DPO_LOSSES, DPOVariant, register_dpo_loss
     from prefect_tinker.recipes.registry import Registry, UnknownComponentError
     from prefect_tinker.recipes.renderers import RENDERERS, Renderer, register_renderer
     from prefect_tinker.recipes.rl.advantages import (

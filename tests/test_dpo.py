@@ -20,7 +20,7 @@ from prefect_tinker.flows.resume_checks import ResumeConfigError
 from prefect_tinker.flows.callbacks import RunCallbacks, run_callbacks
 from prefect_tinker.recipes.data_reading import SourceSpec
 from prefect_tinker.recipes.data_sources import DatasetFormatError
-from prefect_tinker.recipes.preference import DPOLoss, PreferenceBuilder, pair_datums
+from prefect_tinker.recipes.preference import DPO_LOSSES, DPOLoss, PreferenceBuilder, pair_datums
 from tests.data_files import synthetic_file
 from tests.local_server import API_KEY
 from tests.task_runs import cached_task_runs
@@ -180,6 +180,39 @@ def test_dpo_gradients_match_independent_torch(clean, service, tmp_path, kind, b
     assert res.metrics["dpo_loss:mean"] == pytest.approx(float(direct), rel=1e-4, abs=1e-5)
     assert res.metrics["accuracy:mean"] == pytest.approx(float((h > 0).double().mean()))
     _assert_updates_match(_update(clean, start_dir, after), _adam_image(ref.grads()))
+
+
+def test_a_registered_dpo_variant_is_the_loss_of_a_training_step(clean, service, tmp_path, monkeypatch):
+    """A plugin's variant (registered as its entry point would: DPO_LOSSES) is accepted by the config
+    and is the loss the server's custom-loss step reports, equal to the formula written out here on
+    the policy's own logprobs; an unknown name is one line listing the registered ones."""
+    def squared_hinge(h, beta, label_smoothing):
+        return torch.relu(1.0 - beta * h) ** 2
+
+    monkeypatch.setitem(DPO_LOSSES, "squared_hinge", squared_hinge)
+    assert DPOConfig(model="tiny", dpo_loss="squared_hinge").dpo_loss == "squared_hinge"
+    with pytest.raises(ValueError, match=r"dpo_loss\n  Value error, unknown DPO loss 'sqared_hinge'; registered: dpo, "
+                                         r"hinge, ipo, squared_hinge "):
+        DPOConfig(model="tiny", dpo_loss="sqared_hinge")
+
+    rows = [{"prompt": f"What is {i} + 1?", "chosen": f"{i + 1}", "rejected": f"about {i}"} for i in range(3)]
+    data = PreferenceBuilder(sources=[SourceSpec(path=_write(tmp_path / "p.jsonl", rows))], renderer="role_colon",
+                             test_size=0).build(_tiny_tokenizer(clean))
+    datums = pair_datums(data.train)
+    tc = service.create_lora_training_client("tiny", rank=4, seed=5).result(timeout=120)
+    out = tc.forward(datums, "cross_entropy").result(timeout=120)
+    seq = torch.tensor([
+        float((o["logprobs"].to_numpy().astype(np.float64) * d.loss_fn_inputs["weights"].to_numpy()).sum())
+        for o, d in zip(out.loss_fn_outputs, datums, strict=True)
+    ], dtype=torch.float64)
+    reference = (seq + torch.tensor([0.4, -0.3, -0.2, 0.5, 1.1, -0.6], dtype=torch.float64)[: len(seq)]).tolist()
+    beta = 0.5
+    res = tc.forward_backward_custom(datums, DPOLoss(reference, beta, "squared_hinge")).result(timeout=120)
+    ratio = seq - torch.tensor(reference, dtype=torch.float64)
+    h = ratio[0::2] - ratio[1::2]
+    assert float(h.abs().min()) > 0.1 and bool((1 - beta * h > 0).all())  # every pair inside the hinge
+    want = float((torch.clamp(1 - beta * h, min=0) ** 2).mean())
+    assert res.metrics["dpo_loss:mean"] == pytest.approx(want, rel=1e-4, abs=1e-5)
 
 
 # ----- the flow -----------------------------------------------------------------------------------

@@ -26,6 +26,8 @@ PUBLIC = {
     "train_step", "Schedule", "RLLoopParts", "register_schedule", "SCHEDULES",
     "ServiceKey", "ServiceResources", "Services", "SERVICES", "register_service", "MissingServiceError", "JUDGE",
     "PAIR_PREFERENCES", "SAMPLER", "SANDBOX", "RETRIEVAL", "WIN_RATE_EVALUATOR",
+    "FileType", "register_file_type", "FILE_TYPES", "RawRecord", "SourceSpec", "register_builtin_dataset",
+    "BUILTIN_DATASETS", "DPOVariant", "register_dpo_loss", "DPO_LOSSES",
 }
 
 

@@ -13,7 +13,8 @@ import pytest
 
 from prefect_tinker.flows.rl import RLConfig, rl_flow
 from prefect_tinker.flows.sft import SFTConfig, sft_flow
-from prefect_tinker.recipes.data_reading import iter_records, reading_once, source_fingerprint
+from prefect_tinker.recipes.data_reading import iter_records, source_fingerprint
+from prefect_tinker.recipes.file_reads import reading_once
 from tests.data_files import synthetic_file
 from tinker_blocks.stores import TrainingStore
 
@@ -63,9 +64,19 @@ def test_sft_run_reads_its_data_file_once_and_builds_one_store(prefect_api, loca
     data = tmp_path / "chats.jsonl"
     data.write_bytes(synthetic_file("chats").read_bytes())
     store = tmp_path / "store"
-    config = SFTConfig(model="tiny", dataset=str(data), batch_size=4, max_steps=2, eval_every=0, save_every=2,
-                       run_name="once", store=str(store), max_length=128, num_eval_samples=0,
-                       backend={"local_root": local_credentials.local_root})
+    config = SFTConfig(
+        model="tiny",
+        dataset=str(data),
+        batch_size=4,
+        max_steps=2,
+        eval_every=0,
+        save_every=2,
+        run_name="once",
+        store=str(store),
+        max_length=128,
+        num_eval_samples=0,
+        backend={"local_root": local_credentials.local_root},
+    )
     spies = Spies(monkeypatch, data)
     summary = sft_flow(config)
     opens, stores = spies.opens, spies.stores
@@ -85,9 +96,20 @@ def test_rl_run_reads_its_problems_once_and_builds_one_store(prefect_api, local_
     data = tmp_path / "problems.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     store = tmp_path / "store"
-    config = RLConfig(model="tiny", env="math", dataset=str(data), group_size=2, groups_per_batch=2, max_tokens=4,
-                      max_steps=1, lora_rank=8, save_every=0, run_name="rl-once", store=str(store),
-                      backend={"local_root": local_credentials.local_root})
+    config = RLConfig(
+        model="tiny",
+        env="math",
+        dataset=str(data),
+        group_size=2,
+        groups_per_batch=2,
+        max_tokens=4,
+        max_steps=1,
+        lora_rank=8,
+        save_every=0,
+        run_name="rl-once",
+        store=str(store),
+        backend={"local_root": local_credentials.local_root},
+    )
     spies = Spies(monkeypatch, data)
     summary = rl_flow(config)
     opens, stores = spies.opens, spies.stores

@@ -5,5 +5,6 @@ verified by logprobs against the server every time.
 Modules: :mod:`.server` (the SDK calls), :mod:`.download` (safe downloads), :mod:`.adapter`
 (reading PEFT LoRA adapters), :mod:`.merge` (the exact merge, tied embeddings, shards),
 :mod:`.verify` (logprobs against ``compute_logprobs``), :mod:`.output` (local folder or S3).
-The Prefect task running it is :mod:`prefect_tinker.tasks.export` (``export-checkpoint``).
+The Prefect tasks running it are in :mod:`prefect_tinker.tasks.export` (``check-export-output``,
+``export-checkpoint``); the ``export`` recipe's flow is :mod:`prefect_tinker.flows.export`.
 """

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any, ClassVar, Literal, cast
 
 from prefect import get_run_logger
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from prefect_tinker.flows.config import RecipeConfig
 from prefect_tinker.flows.interrupts import recipe_flow
@@ -32,7 +32,7 @@ from prefect_tinker.flows.loop import StepLoop
 from prefect_tinker.flows.session import RunSession
 from prefect_tinker.recipes.builders import SourceFields
 from prefect_tinker.recipes.data_pipeline import DataOrder, batch_at
-from prefect_tinker.recipes.preference import DPOLoss, LossName, PreferenceBuilder, PreferenceData, pair_datums
+from prefect_tinker.recipes.preference import DPO_LOSSES, DPOLoss, PreferenceBuilder, PreferenceData, pair_datums
 from prefect_tinker.recipes.progress import phase
 from prefect_tinker.tasks.benchmark_evaluator import benchmark_evaluators
 from prefect_tinker.tasks.data import prepare_dataset
@@ -92,7 +92,10 @@ class DPOConfig(SourceFields, RecipeConfig):
         ge=1,
         description="Most held-out comparisons a test_size fraction gives (each evaluation scores them all).",
     )
-    dpo_loss: LossName = Field(default="dpo", description="dpo (sigmoid), ipo or hinge.")
+    dpo_loss: str = Field(
+        default="dpo",
+        description="DPO variant by name (registry DPO_LOSSES): dpo (sigmoid), ipo, hinge, or a plugin's.",
+    )
     beta: float = Field(
         default=0.1, gt=0, description="Strength of the implicit KL to the reference (scales the log-ratio)."
     )
@@ -119,6 +122,12 @@ class DPOConfig(SourceFields, RecipeConfig):
             "tinker-cookbook 0.6.1's DPO orders a comparison file."
         ),
     )
+
+    @field_validator("dpo_loss")
+    @classmethod
+    def _known_dpo_loss(cls, name: str) -> str:
+        DPO_LOSSES.get_or_raise(name)  # an unknown variant fails here, listing the registered ones
+        return name
 
     @model_validator(mode="after")
     def _check(self) -> DPOConfig:

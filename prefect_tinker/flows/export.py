@@ -3,9 +3,11 @@
 Not a training run, so of the recipe skeleton it uses the backend's credentials
 (:func:`~prefect_tinker.flows.config.resolve_credentials`), the check of the destination before
 any work (like the run session's ``check-store``: wrong S3 credentials or an occupied folder
-fail first) and a summary artifact. The work is the ``export-checkpoint`` task
-(:func:`prefect_tinker.tasks.export.export_checkpoint`): cached, an asset with the checkpoint
-upstream. A cached result whose files are gone (or replaced) from ``out`` is exported again.
+fail first: the ``check-export-output`` task) and a summary artifact. The work is the
+``export-checkpoint`` task (:func:`prefect_tinker.tasks.export.export_checkpoint`): cached, an
+asset with the checkpoint upstream; both tasks are in :mod:`prefect_tinker.tasks.export`, the
+engine they run in :mod:`prefect_tinker.export`. A cached result whose files are gone (or
+replaced) from ``out`` is exported again.
 
 ``prefect-tinker run export checkpoint=tinker://...|run:NAME format=merged|peft out=DIR|s3://... [dtype=...]``
 (``run:NAME`` / ``alias:LINE@ALIAS``: the weights they name in ``store``, by the one resolver of
@@ -17,9 +19,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
-from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, Field, field_validator
 
 from prefect_tinker.export.output import ExportOutput
@@ -32,8 +33,7 @@ from prefect_tinker.flows.config import (
     weights_ref,
 )
 from prefect_tinker.flows.interrupts import recipe_flow
-from prefect_tinker.tasks.export import export_checkpoint, export_key
-from prefect_tinker.tasks.policies import RETRY_OPTIONS
+from prefect_tinker.tasks.export import check_export_output, export_checkpoint, export_key
 from prefect_tinker.tasks.reporting import artifact_key
 from tinker_blocks.model_registry import WeightsRefError, is_weights_ref
 
@@ -121,17 +121,6 @@ class ExportConfig(PreflightChecks, BaseModel):
     def _out(cls, v: str) -> str:
         ExportOutput(v)  # another scheme, or an S3 URL without a prefix, fails here
         return v
-
-
-@task(name="check-export-output", cache_policy=NO_CACHE, **RETRY_OPTIONS)
-def check_export_output(out: str, overwrite: bool, key: str) -> None:
-    """Fail now when ``out`` cannot be written or holds other files (an identical export there
-    is fine: it is returned as it is)."""
-    output = ExportOutput(out)
-    meta = output.read_metadata()
-    if meta and meta.get("export_key") == key:
-        return
-    output.check(overwrite)
 
 
 def _summary(config: ExportConfig, checkpoint: str, meta: dict[str, Any]) -> None:

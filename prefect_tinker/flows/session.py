@@ -65,7 +65,7 @@ from prefect_tinker.flows.resume_checks import (
 )
 from prefect_tinker.flows.run_rows import RunRows
 from prefect_tinker.flows.run_summary import post_run_summary
-from prefect_tinker.recipes.data_reading import reading_once
+from prefect_tinker.recipes.file_reads import reading_once
 from prefect_tinker.tasks.clients import ClientRewound, TrainingRun, tokenizer
 from prefect_tinker.tasks.events import emit_checkpoint_saved, emit_run_finished
 from prefect_tinker.tasks.limits import training_slot
@@ -113,7 +113,7 @@ class RunSession(Generic[ConfigT]):
     this run).
 
     While the session is open each local data file is opened and hashed once
-    (:func:`~prefect_tinker.recipes.data_reading.reading_once`).
+    (:func:`~prefect_tinker.recipes.file_reads.reading_once`).
     """
 
     def __init__(

@@ -2,19 +2,24 @@
 
 A source (:class:`SourceSpec`) is one of:
 
-- a local JSONL file (``.jsonl``, ``.ndjson``, optionally gzipped ``.gz``), read line by line so
-  errors name ``file:line`` (relative image/audio paths in it are taken next to the file);
+- a local data file, read by its file type (:data:`FILE_TYPES`, entry-point group
+  ``prefect_tinker.file_types``; :func:`register_file_type`), chosen by ``file_type`` or else by
+  the file name's ending: ``jsonl`` (``.jsonl``, ``.ndjson``, optionally gzipped ``.gz``), read
+  line by line so errors name ``file:line`` (relative image/audio paths in it are taken next to the
+  file); ``json``, ``parquet``, ``csv``, ``arrow`` (read by ``datasets.load_dataset``; a file of
+  another ending is read as ``json``) (:mod:`prefect_tinker.recipes.file_types`);
 - with ``format="image_folder"``: a directory of class folders ``root/<label>/<image>``
   (:mod:`prefect_tinker.recipes.media_sources`);
-- ``"builtin:example_chat"``: the chat set shipped with this package; ``"builtin:example_prefs"``:
-  its comparisons (``{"prompt", "chosen", "rejected"}``); ``"builtin:sentiment_sentences"``: raw
-  sentences for prompt distillation; ``"builtin:forecasting_questions"``: binary questions with
-  their resolution (``{"question", "resolution"}``) for the ``forecasting`` environment;
+- ``"builtin:<name>"``: a dataset shipped with this package or a plugin (:data:`BUILTIN_DATASETS`,
+  entry-point group ``prefect_tinker.builtin_datasets``; :func:`register_builtin_dataset`):
+  ``example_chat`` (the chat set), ``example_prefs`` (its comparisons, ``{"prompt", "chosen",
+  "rejected"}``), ``sentiment_sentences`` (raw sentences for prompt distillation),
+  ``forecasting_questions`` (binary questions with their resolution, ``{"question",
+  "resolution"}``, for the ``forecasting`` environment);
 - anything else goes to ``datasets.load_dataset`` (the real Hugging Face ``datasets`` code): a
-  dataset id on the Hub or in the local cache (``config_name``, ``split``), a local dataset
-  directory, or a ``.json``/``.parquet``/``.csv``/``.arrow`` file; with ``streaming=True`` rows are
-  read lazily (``IterableDataset``), for sets that do not fit in memory.  Errors then name
-  ``source[split]:row``.
+  dataset id on the Hub or in the local cache (``config_name``, ``split``) or a local dataset
+  directory; with ``streaming=True`` rows are read lazily (``IterableDataset``), for sets that do
+  not fit in memory.  Errors then name ``source[split]:row``.
 
 Records go through a converter (:mod:`prefect_tinker.recipes.data_sources`, chosen by ``format``) and message
 validation.  ``on_error="raise"`` (default) stops at the first bad record with a
@@ -24,20 +29,16 @@ counts it in a :class:`SkipStats` by reason and logs the first few.
 
 from __future__ import annotations
 
-import gzip
 import hashlib
-import io
 import json
 import logging
 from collections import Counter
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, WithJsonSchema
+from pydantic import Field, SerializerFunctionWrapHandler, WithJsonSchema, field_validator, model_serializer
 
 from prefect_tinker.recipes.data_sources import (
     Conversation,
@@ -46,24 +47,32 @@ from prefect_tinker.recipes.data_sources import (
     convert_record,
     validate_messages,
 )
+from prefect_tinker.recipes.file_reads import files_sha256
 from prefect_tinker.recipes.format_fields import FormatFields
 from prefect_tinker.recipes.format_options import FormatOptions
 from prefect_tinker.recipes.media_sources import absolutize_media
-from prefect_tinker.recipes.registry import TaggedBy
+from prefect_tinker.recipes.registry import Registry, TaggedBy
 
 __all__ = [
+    "BUILTIN_DATASETS",
     "EXAMPLE_CHAT_PATH",
+    "FILE_TYPES",
+    "FileType",
     "OnError",
+    "RawRecord",
     "SkipStats",
     "SourceSpec",
     "iter_conversations",
     "iter_records",
     "check_capture_source",
     "check_local_source",
+    "dataset_records",
+    "file_type_of",
     "is_capture_source",
     "looks_local",
-    "reading_once",
     "missing_local_source",
+    "register_builtin_dataset",
+    "register_file_type",
     "resolve_source_path",
     "source_fingerprint",
 ]
@@ -79,14 +88,26 @@ EXAMPLE_PREFS_PATH = str(Path(__file__).resolve().parent / "data" / "example_pre
 SENTIMENT_SENTENCES_PATH = str(Path(__file__).resolve().parent / "data" / "sentiment_sentences.jsonl")
 #: 40 yes/no questions written for the package, half resolved yes (``{"question", "resolution"}``).
 FORECASTING_QUESTIONS_PATH = str(Path(__file__).resolve().parent / "data" / "forecasting_questions.jsonl")
-_BUILTIN = {
-    "builtin:example_chat": EXAMPLE_CHAT_PATH,
-    "builtin:example_prefs": EXAMPLE_PREFS_PATH,
-    "builtin:sentiment_sentences": SENTIMENT_SENTENCES_PATH,
-    "builtin:forecasting_questions": FORECASTING_QUESTIONS_PATH,
-}
-_BUILDERS = {".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
-_JSONL = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz")
+
+#: Datasets named by ``builtin:<name>`` sources: the path of a local data file or dataset
+#: directory by name (read like any local source); plugins add more through the entry-point group
+#: ``prefect_tinker.builtin_datasets`` (an entry point naming a path string).
+BUILTIN_DATASETS: Registry[str | Path] = Registry("builtin dataset", "prefect_tinker.builtin_datasets")
+
+
+def register_builtin_dataset(name: str, path: str | Path) -> str | Path:
+    """Make ``builtin:<name>`` read the local data file or dataset directory ``path`` (overwrites);
+    the same as an entry point of group ``prefect_tinker.builtin_datasets`` naming a path."""
+    return BUILTIN_DATASETS.register(name, path)
+
+
+for _name, _path in {
+    "example_chat": EXAMPLE_CHAT_PATH,
+    "example_prefs": EXAMPLE_PREFS_PATH,
+    "sentiment_sentences": SENTIMENT_SENTENCES_PATH,
+    "forecasting_questions": FORECASTING_QUESTIONS_PATH,
+}.items():
+    register_builtin_dataset(_name, _path)
 
 OnError = Literal["raise", "skip"]
 
@@ -114,6 +135,32 @@ class SourceSpec(FormatFields):
     streaming: bool = Field(default=False, description="Read rows lazily instead of loading the whole set.")
     weight: float = Field(default=1.0, gt=0, description="Sampling weight when interleaving sources.")
     max_records: int | None = Field(default=None, ge=1, description="Read at most this many records.")
+    file_type: str | None = Field(
+        default=None,
+        description="How a local file is read: a registered file type (jsonl, json, parquet, csv, arrow, ...; plugins "
+        "add more); default by the file name's ending.",
+    )
+
+    @field_validator("path")
+    @classmethod
+    def _known_builtin(cls, path: str) -> str:
+        resolve_source_path(path)  # an unknown builtin:<name> fails here, listing the registered ones
+        return path
+
+    @field_validator("file_type")
+    @classmethod
+    def _known_file_type(cls, name: str | None) -> str | None:
+        if name is not None:
+            FILE_TYPES.get_or_raise(name)
+        return name
+
+    @model_serializer(mode="wrap")
+    def _file_type_when_given(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # left out when unset: configs and data fingerprints of sources read by their name's ending stay as before
+        out = handler(self)
+        if self.file_type is None:
+            out.pop("file_type", None)
+        return out
 
     @classmethod
     def coerce(cls, source: SourceSpec | str | Mapping[str, Any]) -> SourceSpec:
@@ -154,15 +201,58 @@ class SkipStats:
 
 @dataclass
 class RawRecord:
-    """A record read from a source: its location, and the parsed value or the parse error."""
+    """A record read from a source: its location (``file:line``, ``source[split]:row``), and the
+    parsed value or the parse error (one line, e.g. ``malformed JSON (... at column 7)``)."""
 
     where: str
     record: Any = None
     error: str | None = None
 
 
-def _is_jsonl(path: Path) -> bool:
-    return path.name.lower().endswith(_JSONL)
+@dataclass(frozen=True)
+class FileType:
+    """How a local data file is read: ``read(path, spec) -> records`` (an iterable of
+    :class:`RawRecord` in file order, lazily where it can; ``spec`` the source, for ``split``,
+    ``streaming``, ``format``), and the file-name endings that select it when the source gives no
+    ``file_type`` (lowercase, with the dot: ``(".jsonl", ".jsonl.gz")``)."""
+
+    read: Callable[[Path, SourceSpec], Iterable[RawRecord]]
+    suffixes: tuple[str, ...] = ()
+
+
+#: File types by name (``file_type=<name>`` of a source, or its file name's ending): ``jsonl``,
+#: ``json``, ``parquet``, ``csv``, ``arrow`` register in :mod:`prefect_tinker.recipes.file_types`,
+#: imported when the registry is first read; plugins add more through the entry-point group
+#: ``prefect_tinker.file_types`` (an entry point naming a :class:`FileType`).
+FILE_TYPES: Registry[FileType] = Registry(
+    "file type", "prefect_tinker.file_types", builtins=("prefect_tinker.recipes.file_types",)
+)
+
+
+def register_file_type(
+    name: str, read: Callable[[Path, SourceSpec], Iterable[RawRecord]], suffixes: Iterable[str] = ()
+) -> FileType:
+    """Register ``read(path, spec) -> records`` as the file type ``name`` (overwrites), selected
+    by ``file_type=<name>`` or, for a source without one, by a file name ending in one of
+    ``suffixes`` (matched lowercase, the longest registered ending wins)."""
+    return FILE_TYPES.register(name, FileType(read, tuple(x.lower() for x in suffixes)))
+
+
+def _file_type_by_suffix(path: Path) -> FileType | None:
+    name = path.name.lower()
+    matches = [(len(x), ft) for ft in FILE_TYPES.values() for x in ft.suffixes if name.endswith(x)]
+    return max(matches, key=lambda m: m[0])[1] if matches else None
+
+
+def file_type_of(path: Path, name: str | None = None) -> FileType:
+    """The file type ``name``, else the one whose ending ``path``'s name has, else ``json``.
+
+    Raises:
+        UnknownComponentError: ``name`` is not registered (the message lists the registered names).
+    """
+    if name is not None:
+        return FILE_TYPES.get_or_raise(name)
+    return _file_type_by_suffix(path) or FILE_TYPES.get_or_raise("json")
 
 
 def is_capture_source(source: str) -> bool:
@@ -174,11 +264,11 @@ def is_capture_source(source: str) -> bool:
 def looks_local(source: str) -> bool:
     """Whether a dataset ``source`` names a local file rather than a Hugging Face dataset id: it
     ends in ``.jsonl``/``.ndjson`` (optionally ``.gz``), ``.json``, ``.parquet``, ``.csv`` or
-    ``.arrow``, or starts with ``/``, ``./``, ``../`` or ``~``. ``builtin:`` names are not paths."""
-    if source in _BUILTIN or is_capture_source(source):
+    ``.arrow`` (or another registered file type's ending: :data:`FILE_TYPES`), or starts with ``/``,
+    ``./``, ``../`` or ``~``. ``builtin:`` names are not paths."""
+    if source.startswith("builtin:") or is_capture_source(source):
         return False
-    path = Path(source)
-    return _is_jsonl(path) or source.startswith(("/", "./", "../", "~")) or path.suffix.lower() in _BUILDERS
+    return source.startswith(("/", "./", "../", "~")) or _file_type_by_suffix(Path(source)) is not None
 
 
 def missing_local_source(source: str) -> Path | None:
@@ -195,7 +285,10 @@ def check_local_source(source: str | None) -> str | None:
 
     Raises:
         ValueError: ``source`` looks local and does not exist; the message names the absolute path.
+        UnknownComponentError: an unknown ``builtin:<name>`` (the message lists the registered names).
     """
+    if source:
+        resolve_source_path(source)
     missing = missing_local_source(source) if source else None
     if missing is not None:
         raise ValueError(f"file not found: {missing}")
@@ -203,8 +296,15 @@ def check_local_source(source: str | None) -> str | None:
 
 
 def resolve_source_path(source: str) -> str:
-    """``source`` with ``builtin:`` names replaced by the bundled file's path (else unchanged)."""
-    return _BUILTIN.get(source, source)
+    """``source`` with a ``builtin:<name>`` replaced by the path registered for it
+    (:data:`BUILTIN_DATASETS`), else unchanged.
+
+    Raises:
+        UnknownComponentError: an unknown builtin name (the message lists the registered names).
+    """
+    if source.startswith("builtin:"):
+        return str(BUILTIN_DATASETS.get_or_raise(source.removeprefix("builtin:")))
+    return source
 
 
 def source_fingerprint(spec: SourceSpec | str) -> str:
@@ -217,128 +317,40 @@ def source_fingerprint(spec: SourceSpec | str) -> str:
         return "sha256:" + hashlib.sha256(json.dumps(rows, sort_keys=True, default=str).encode()).hexdigest()
     path = Path(resolve_source_path(spec.path)).expanduser()
     if path.is_file():  # the bytes only: renaming the file keeps its identity
-        return "sha256:" + _sha256_files([path], None)
+        return "sha256:" + files_sha256([path], None)
     if path.is_dir():
-        return "sha256:" + _sha256_files(sorted(p for p in path.rglob("*") if p.is_file()), path)
+        return "sha256:" + files_sha256(sorted(p for p in path.rglob("*") if p.is_file()), path)
     return f"hf:{spec.path}" + (f":{spec.config_name}" if spec.config_name else "")
 
 
-@dataclass
-class _Reads:
-    """The files read inside one :func:`reading_once` block: bytes and sha256 per resolved file path,
-    and the content digest of each local directory hashed."""
-
-    data: dict[Path, bytes] = field(default_factory=dict)
-    digests: dict[Path, str] = field(default_factory=dict)
-
-    def read(self, path: Path) -> bytes:
-        key = path.resolve()
-        if key not in self.data:
-            self.data[key] = key.read_bytes()
-        return self.data[key]
-
-    def sha256(self, path: Path) -> str:
-        key = path.resolve()
-        if key not in self.digests:
-            self.digests[key] = hashlib.sha256(self.read(key)).hexdigest()
-        return self.digests[key]
-
-
-_READS: ContextVar[_Reads | None] = ContextVar("prefect_tinker_source_reads", default=None)
-
-
-@contextmanager
-def reading_once() -> Iterator[None]:
-    """Inside the block each local data file is opened once: its bytes are kept, its sha256 is
-    computed once, and every later read (records, fingerprints) of that path uses them, so one
-    run reads one consistent content of a file that changes on disk meanwhile. A local
-    directory's content digest is computed once (its files streamed, not kept). A run session
-    opens this block for the run; outside it files are streamed from disk on every read.
-
-    The kept bytes cost memory of the size of the run's local data files (their records are held
-    in memory for training anyway). Nested blocks share the outer block's reads.
-    """
-    if _READS.get() is not None:
-        yield
-        return
-    token = _READS.set(_Reads())
-    try:
-        yield
-    finally:
-        _READS.reset(token)
-
-
-def _sha256_files(files: list[Path], base: Path | None) -> str:
-    reads = _READS.get()
-    if reads is not None and base is None and len(files) == 1:  # one file: the digest of its bytes, kept
-        return reads.sha256(files[0])
-    if reads is not None and base is not None and base.resolve() in reads.digests:  # a directory hashed before
-        return reads.digests[base.resolve()]
-    h = hashlib.sha256()
-    for f in files:  # streamed: a directory's files (images, ...) are not kept in memory
-        if base is not None:
-            h.update(str(f.relative_to(base)).encode() + b"\0")
-        with open(f, "rb") as fh:
-            while block := fh.read(1 << 20):
-                h.update(block)
-    if reads is not None and base is not None:
-        reads.digests[base.resolve()] = h.hexdigest()
-    return h.hexdigest()
-
-
 def _resolve(spec: SourceSpec) -> tuple[str, Path]:
-    src = _BUILTIN.get(spec.path, spec.path)
+    src = resolve_source_path(spec.path)
     path = Path(src).expanduser()
     if missing_local_source(src) is not None:
         raise FileNotFoundError(f"dataset file not found: {path}")
     return src, path
 
 
-def _read_jsonl(path: Path) -> Iterator[RawRecord]:
-    """Records of a JSONL file; a line that is not UTF-8 or not JSON becomes a record error
-    naming ``file:line`` and the column (characters for JSON, bytes for an undecodable byte)."""
-    reads, gz = _READS.get(), path.name.lower().endswith(".gz")
-    if reads is not None:
-        data = reads.read(path)
-        fh: Any = gzip.GzipFile(fileobj=io.BytesIO(data)) if gz else io.BytesIO(data)
-    else:
-        fh = gzip.open(path, "rb") if gz else open(path, "rb")  # noqa: SIM115 (closed below)
-    with fh:
-        for lineno, raw in enumerate(fh, start=1):
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                yield RawRecord(
-                    where,
-                    error=f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at byte column {exc.start + 1}: {exc.reason})",
-                )
-                continue
-            if not line.strip():
-                continue
-            try:  # without its line break: an unfinished record is reported where it ends, not at column 1 of the next
-                yield RawRecord(where, json.loads(line.rstrip("\r\n")))
-            except json.JSONDecodeError as exc:
-                yield RawRecord(where, error=f"malformed JSON ({exc.msg} at column {exc.colno})")
-
-
-def _read_hf(src: str, path: Path, spec: SourceSpec) -> Iterator[RawRecord]:
-    import datasets  # imported lazily: slow to import
-
-    kwargs: dict[str, Any] = {"split": spec.split, "streaming": spec.streaming}
-    if path.is_file():
-        builder = _BUILDERS.get(path.suffix.lower(), "json")
-        ds = datasets.load_dataset(builder, data_files=str(path), **kwargs)
-        label = str(path)
-    else:
-        ds = datasets.load_dataset(str(path) if path.exists() else src, spec.config_name, **kwargs)
-        label = src
+def dataset_records(ds: Iterable[Mapping[str, Any]], label: str, spec: SourceSpec) -> Iterator[RawRecord]:
+    """The rows of a Hugging Face ``datasets`` set as records located ``label[split]:row``; for
+    ``format="image_classification"`` the ids of its ``ClassLabel`` columns become class names."""
     names = _class_names(ds) if spec.format == "image_classification" else {}
     for i, row in enumerate(ds):
+        row = dict(row)
         for col, classes in names.items():  # ClassLabel ids -> class names
             if isinstance(row.get(col), int) and 0 <= row[col] < len(classes):
                 row[col] = classes[row[col]]
         yield RawRecord(f"{label}[{spec.split}]:{i}", row)
+
+
+def _read_hf(src: str, path: Path, spec: SourceSpec) -> Iterator[RawRecord]:
+    """Records of a dataset directory or a Hugging Face dataset id."""
+    import datasets  # imported lazily: slow to import
+
+    ds = datasets.load_dataset(
+        str(path) if path.exists() else src, spec.config_name, split=spec.split, streaming=spec.streaming
+    )
+    yield from dataset_records(ds, src, spec)
 
 
 def _class_names(ds: Any) -> dict[str, list[str]]:
@@ -352,6 +364,7 @@ def iter_records(source: SourceSpec | str) -> Iterator[RawRecord]:
 
     Raises:
         FileNotFoundError: a path-like source that does not exist.
+        UnknownComponentError: an unknown ``builtin:<name>``.
     """
     spec = SourceSpec.coerce(source)
     src, path = _resolve(spec)
@@ -360,8 +373,10 @@ def iter_records(source: SourceSpec | str) -> Iterator[RawRecord]:
         from prefect_tinker.recipes.media_sources import iter_image_folder
 
         it = (RawRecord(where, record) for where, record in iter_image_folder(path))
+    elif path.is_file():
+        it = iter(file_type_of(path, spec.file_type).read(path, spec))
     else:
-        it = _read_jsonl(path) if path.is_file() and _is_jsonl(path) else _read_hf(src, path, spec)
+        it = _read_hf(src, path, spec)
     for n, raw in enumerate(it):
         if spec.max_records is not None and n >= spec.max_records:
             return

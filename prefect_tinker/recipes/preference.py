@@ -27,13 +27,15 @@ over each pair's reply tokens (sequence log-probabilities are weighted sums, not
   Understand Learning from Human Preferences");
 - ``hinge``: ``max(0, 1 - beta h)`` (SLiC-HF, Zhao et al. 2023).
 
-The loss is the mean over pairs.
+The loss is the mean over pairs. The variants are a registry, :data:`DPO_LOSSES` (entry-point group
+``prefect_tinker.dpo_losses``; :func:`register_dpo_loss`): a variant is a :class:`DPOVariant`,
+``variant(h, beta, label_smoothing) -> per-pair losses``, selected by ``dpo_loss=<name>``.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import tinker
@@ -43,21 +45,63 @@ from prefect_tinker.recipes.builders import BuiltData, DatasetBuilder, Example
 from prefect_tinker.recipes.data_reading import OnError, SkipStats, SourceSpec, iter_records
 from prefect_tinker.recipes.data_sources import PAIR_FORMATS, DatasetFormatError, RecordError, pairs_from_record
 from prefect_tinker.recipes.datasets import split_conversations
+from prefect_tinker.recipes.registry import Registry
 
 __all__ = [
     "ComparisonBuilder",
+    "DPO_LOSSES",
     "DPOLoss",
-    "LossName",
+    "DPOVariant",
     "PairExample",
     "PreferenceBuilder",
     "PreferenceData",
     "pair_accuracy",
     "pair_datums",
     "pairs_from_record",
+    "register_dpo_loss",
     "sequence_logprob",
 ]
 
-LossName = Literal["dpo", "ipo", "hinge"]
+
+class DPOVariant(Protocol):
+    """A loss of the DPO family: ``variant(h, beta, label_smoothing) -> losses``, the per-pair
+    losses (P,) of the log-ratio differences ``h`` (P,) (torch tensors; differentiable in ``h``),
+    for the KL strength ``beta`` > 0 and the label smoothing ``0 <= eps < 0.5`` (a variant may
+    ignore it). Registered by name in :data:`DPO_LOSSES`."""
+
+    def __call__(self, h: Any, beta: float, label_smoothing: float) -> Any: ...
+
+
+#: DPO variants by name (``dpo_loss=<name>``): ``dpo``, ``ipo``, ``hinge`` (module docstring);
+#: plugins add more through the entry-point group ``prefect_tinker.dpo_losses``.
+DPO_LOSSES: Registry[DPOVariant] = Registry("DPO loss", "prefect_tinker.dpo_losses")
+
+
+def register_dpo_loss(name: str, variant: DPOVariant) -> DPOVariant:
+    """Register ``variant(h, beta, label_smoothing) -> per-pair losses`` (:class:`DPOVariant`)
+    under ``name`` (overwrites); the same as an entry point of group ``prefect_tinker.dpo_losses``."""
+    return DPO_LOSSES.register(name, variant)
+
+
+def _dpo(h: Any, beta: float, label_smoothing: float) -> Any:
+    import torch.nn.functional as F
+
+    return -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+
+
+def _ipo(h: Any, beta: float, label_smoothing: float) -> Any:
+    return (h - 1.0 / (2.0 * beta)) ** 2
+
+
+def _hinge(h: Any, beta: float, label_smoothing: float) -> Any:
+    import torch
+
+    return torch.relu(1.0 - beta * h)
+
+
+register_dpo_loss("dpo", _dpo)
+register_dpo_loss("ipo", _ipo)
+register_dpo_loss("hinge", _hinge)
 
 
 class PairExample(BaseModel):
@@ -220,17 +264,21 @@ class DPOLoss:
 
     Args:
         reference: the reference reply log-probabilities, one per datum (2P,), same order.
-        beta: the KL strength (``h`` is scaled by it); loss: ``dpo``, ``ipo`` or ``hinge``;
+        beta: the KL strength (``h`` is scaled by it); loss: a name of :data:`DPO_LOSSES`
+            (``dpo``, ``ipo``, ``hinge``, or a plugin's);
         label_smoothing: ``dpo`` only: the assumed probability that a label is flipped (0 <= eps < 0.5).
 
     Metrics (``name:mean`` / ``name:sum``): ``dpo_loss`` (mean over pairs), ``accuracy``
     (:func:`pair_accuracy`), ``margin`` (mean ``beta h``), ``chosen_reward`` / ``rejected_reward``
     (mean ``beta (log pi - log ref)`` of each side), ``pairs``, ``tokens`` (reply tokens).
+
+    Raises:
+        UnknownComponentError: ``loss`` is not registered (the message lists the registered names).
+        ValueError: ``beta``, ``label_smoothing`` or the reference's length out of range.
     """
 
-    def __init__(self, reference: list[float], beta: float = 0.1, loss: LossName = "dpo", label_smoothing: float = 0.0):
-        if loss not in ("dpo", "ipo", "hinge"):
-            raise ValueError(f"loss must be 'dpo', 'ipo' or 'hinge', got {loss!r}")
+    def __init__(self, reference: list[float], beta: float = 0.1, loss: str = "dpo", label_smoothing: float = 0.0):
+        self.variant = DPO_LOSSES.get_or_raise(loss)
         if beta <= 0:
             raise ValueError(f"beta must be > 0, got {beta}")
         if not 0 <= label_smoothing < 0.5:
@@ -258,16 +306,8 @@ class DPOLoss:
         return chosen - rejected, chosen, rejected
 
     def values(self, h: Any) -> Any:
-        """Per-pair losses (P,) for log-ratio differences ``h`` (P,)."""
-        import torch
-        import torch.nn.functional as F
-
-        b, eps = self.beta, self.label_smoothing
-        if self.loss == "dpo":
-            return -(1 - eps) * F.logsigmoid(b * h) - eps * F.logsigmoid(-b * h)
-        if self.loss == "ipo":
-            return (h - 1.0 / (2.0 * b)) ** 2
-        return torch.relu(1.0 - b * h)
+        """Per-pair losses (P,) for log-ratio differences ``h`` (P,): the variant ``loss``."""
+        return self.variant(h, self.beta, self.label_smoothing)
 
     def __call__(self, datums: list, logprobs: list) -> tuple[Any, dict[str, float]]:
         h, chosen, rejected = self.pair_terms(datums, logprobs)

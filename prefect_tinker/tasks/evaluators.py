@@ -29,7 +29,6 @@ from prefect_tinker.tasks.usage import run_task
 
 if TYPE_CHECKING:
     from prefect_tinker.recipes.builders import DatasetBuilder, SupervisedData
-    from prefect_tinker.recipes.preference import LossName
     from tinker_blocks.credentials import TinkerCredentials
 
 __all__ = [
@@ -107,7 +106,7 @@ class PreferenceEvaluator(TrainingClientEvaluator):
 
     Args:
         pairs: held-out :class:`~prefect_tinker.recipes.preference.PairExample` s.
-        loss: a :class:`~prefect_tinker.recipes.preference.DPOLoss` template (beta, loss name,
+        loss: the name of a DPO variant (:data:`~prefect_tinker.recipes.preference.DPO_LOSSES`); beta,
             label smoothing; its reference values are replaced).
         reference: the reference weights; via: ``trainer`` or ``sampler`` (see
             :mod:`prefect_tinker.tasks.reference`).
@@ -120,7 +119,7 @@ class PreferenceEvaluator(TrainingClientEvaluator):
         pairs: list[Any],
         *,
         beta: float,
-        loss: LossName,
+        loss: str,
         label_smoothing: float,
         reference: str,
         via: Literal["trainer", "sampler"] = "trainer",

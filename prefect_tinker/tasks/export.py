@@ -1,5 +1,7 @@
-"""The ``export-checkpoint`` task: weights out of the trainer as a verified Hugging Face model or
-PEFT adapter, a Prefect asset with the checkpoint as its upstream.
+"""The export tasks: ``check-export-output`` (the destination can be written, before any work) and
+``export-checkpoint`` (weights out of the trainer as a verified Hugging Face model or PEFT adapter,
+a Prefect asset with the checkpoint as its upstream), over the export engine
+:mod:`prefect_tinker.export`; the ``export`` recipe's flow is :mod:`prefect_tinker.flows.export`.
 
 One call (:func:`run_export`): the server saves external weights
 (:mod:`~prefect_tinker.export.server`); their files are downloaded from the signed URLs
@@ -34,9 +36,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from prefect import get_run_logger
+from prefect import get_run_logger, task
 from prefect.assets import add_asset_metadata, materialize
-from prefect.cache_policies import INPUTS, TASK_SOURCE
+from prefect.cache_policies import INPUTS, NO_CACHE, TASK_SOURCE
 
 from prefect_tinker.export.download import check_tree, download_listing
 from prefect_tinker.export.output import METADATA_FILE, ExportOutput
@@ -46,7 +48,7 @@ from prefect_tinker.tasks.policies import RETRY_OPTIONS, file_sha256, run_name_f
 if TYPE_CHECKING:
     from tinker_blocks.credentials import TinkerCredentials
 
-__all__ = ["FORMATS", "export_checkpoint", "export_key", "run_export"]
+__all__ = ["FORMATS", "check_export_output", "export_checkpoint", "export_key", "run_export"]
 
 FORMATS = ("merged", "peft")
 _BASE_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken", "LICENSE*"]
@@ -62,6 +64,17 @@ def export_key(checkpoint: str, fmt: str, dtype: str, base_model: str | None, ma
         "max_shard_bytes": int(max_shard_bytes) if fmt == "merged" else None,
     }
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+
+
+@task(name="check-export-output", cache_policy=NO_CACHE, **RETRY_OPTIONS)
+def check_export_output(out: str, overwrite: bool, key: str) -> None:
+    """Fail now when ``out`` cannot be written or holds other files (an identical export there
+    is fine: it is returned as it is)."""
+    output = ExportOutput(out)
+    meta = output.read_metadata()
+    if meta and meta.get("export_key") == key:
+        return
+    output.check(overwrite)
 
 
 def _intact(output: ExportOutput, meta: dict[str, Any] | None, key: str) -> bool:
