@@ -22,7 +22,7 @@ PUBLIC = {
     "StepLoop", "StepResult", "TinkerCredentials", "TrainingStore", "Trajectory", "UnknownComponentError",
     "connect_stores", "problem_builder", "recipe_flow", "register_advantage_estimator", "register_code_runner",
     "register_converter", "register_env", "register_grader", "register_loss", "register_renderer", "tokenizer",
-    "train_step", "Schedule", "RLLoopParts", "register_schedule", "SCHEDULES",
+    "train_step", "Schedule", "RLLoopParts", "register_schedule", "SCHEDULES", "RESUME",
 }
 
 

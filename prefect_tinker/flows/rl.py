@@ -303,9 +303,7 @@ class RLLoop:
 def rl_flow(config: RLConfig) -> dict[str, Any]:
     """Train ``config.model`` with RL on ``config.env``; returns a summary (steps, mean reward of
     the first and last steps of this invocation, checkpoints, store)."""
-    with RunSession(
-        config, fingerprint=config.data_fingerprint, preflight=config.preflight, env=config.env_context
-    ) as session:
+    with RunSession(config) as session:
         last = session.resumed_from
         if last and last["step"] % config.num_substeps:
             raise ValueError(
@@ -316,7 +314,7 @@ def rl_flow(config: RLConfig) -> dict[str, Any]:
             session.save_sampler(record=True)
         reference = config.kl_reference or session.samplers.get(0) or f"base:{session.model}"
         ctx = session.context
-        assert ctx.env is not None  # the session was given the env context
+        assert ctx.env is not None  # the RL config's env_context gave one
         dataset = get_env(config.env).build(config, ctx.env)
         loop = RLLoop(session, dataset, reference)
         schedule = SCHEDULES[config.schedule](loop)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
 from prefect_tinker.flows.config import RecipeConfig
 from prefect_tinker.recipes.data_reading import source_fingerprint
 from prefect_tinker.recipes.registry import Registry
+from prefect_tinker.recipes.resume_marker import RESUME
 from prefect_tinker.recipes.rl.advantages import ADVANTAGE_ESTIMATORS, AdvantageEstimator
 from prefect_tinker.recipes.rl.envs import EnvContext, EnvSpec, RunSettings
 from prefect_tinker.recipes.rl.losses import LOSSES, ClipThresholds, RLLoss
@@ -36,27 +37,11 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
     """
 
     recipe: ClassVar[str] = "rl"
-    resume_fields: ClassVar[tuple[str, ...]] = (
-        *RecipeConfig.resume_fields,
-        *EnvSpec.env_resume_fields(),
-        "group_size",
-        "groups_per_batch",
-        "loss_fn",
-        "loss_options",
-        "advantage_estimator",
-        "clip_low_threshold",
-        "clip_high_threshold",
-        "kl_penalty_coef",
-        "kl_reference",
-        "remove_constant_reward_groups",
-        "normalize_advantages_std",
-        "num_substeps",
-    )
 
-    group_size: int = Field(
+    group_size: Annotated[int, RESUME] = Field(
         default=4, ge=2, description="Rollouts per problem (advantages are centred within a group)."
     )
-    groups_per_batch: int = Field(default=8, ge=1, description="Problems per step.")
+    groups_per_batch: Annotated[int, RESUME] = Field(default=8, ge=1, description="Problems per step.")
     learning_rate: float = Field(default=1e-4, gt=0, description="Adam learning rate.")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
         default="constant", description="Decay over max_steps."
@@ -69,26 +54,28 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
         default=20, ge=1, description="Steps (batches) of the run, counting those of earlier invocations."
     )
     eval_every: int = Field(default=0, ge=0, description="Evaluators every n steps (0 = start and end only).")
-    loss_fn: str = Field(
+    loss_fn: Annotated[str, RESUME] = Field(
         default="importance_sampling",
         description=(
             "Policy-gradient loss, a registered RL loss: importance_sampling, ppo, cispo, gspo, dro, "
             "stable_reinforce (plugins add more)."
         ),
     )
-    loss_options: dict[str, Any] = Field(default_factory=dict, description="Options of the loss (its own fields).")
-    advantage_estimator: str = Field(
+    loss_options: Annotated[dict[str, Any], RESUME] = Field(
+        default_factory=dict, description="Options of the loss (its own fields)."
+    )
+    advantage_estimator: Annotated[str, RESUME] = Field(
         default="group_mean",
         description=(
             "Registered advantage estimator: group_mean (R - group mean), leave_one_out (RLOO); plugins add more."
         ),
     )
-    clip_low_threshold: float | None = Field(
+    clip_low_threshold: Annotated[float | None, RESUME] = Field(
         default=0.8,
         gt=0,
         description="ppo/cispo/gspo: lower bound of the importance ratio (null: not sent, the server's default).",
     )
-    clip_high_threshold: float | None = Field(
+    clip_high_threshold: Annotated[float | None, RESUME] = Field(
         default=1.2,
         gt=0,
         description="ppo/cispo/gspo: upper bound of the importance ratio (null: not sent, the server's default).",
@@ -99,20 +86,22 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
         "(save_weights_and_get_sampling_client(kind='inflight')) move to each newer save, so rollouts "
         "in flight continue on new weights without restarting.",
     )
-    kl_penalty_coef: float = Field(
+    kl_penalty_coef: Annotated[float, RESUME] = Field(
         default=0.0, ge=0, description="Per-token KL penalty against the reference model (0 = off)."
     )
-    kl_reference: str | None = Field(
+    kl_reference: Annotated[str | None, RESUME] = Field(
         default=None,
         description="Reference weights: a tinker:// sampler path or 'base:<model>'; default the run's initial weights.",
     )
-    remove_constant_reward_groups: bool = Field(
+    remove_constant_reward_groups: Annotated[bool, RESUME] = Field(
         default=True, description="Drop groups whose rollouts all got the same reward."
     )
-    normalize_advantages_std: bool = Field(
+    normalize_advantages_std: Annotated[bool, RESUME] = Field(
         default=False, description="Divide centred advantages by the group's std (original GRPO)."
     )
-    num_substeps: int = Field(default=1, ge=1, description="Optimizer steps per batch (the batch split by groups).")
+    num_substeps: Annotated[int, RESUME] = Field(
+        default=1, ge=1, description="Optimizer steps per batch (the batch split by groups)."
+    )
     schedule: str = Field(
         default="sync",
         description="RL schedule by name (registry SCHEDULES): sync on-policy, streaming minibatches, async "

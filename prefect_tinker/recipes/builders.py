@@ -41,6 +41,7 @@ from prefect_tinker.recipes.format_fields import FormatFields
 from prefect_tinker.recipes.format_options import FormatOptions
 from prefect_tinker.recipes.media import MediaSpan, media_spans, restore_media
 from prefect_tinker.recipes.registry import TaggedBy
+from prefect_tinker.recipes.resume_marker import RESUME
 
 __all__ = ["BuiltData", "DatasetBuilder", "Example", "SourceFields", "SupervisedBuilder", "SupervisedData"]
 
@@ -95,12 +96,12 @@ class SourceFields(FormatFields):
         default=None,
         description="JSONL file, local dataset file/dir, 'builtin:example_chat' or a Hugging Face dataset id.",
     )
-    format: str = Field(
+    format: Annotated[str, RESUME] = Field(
         default="messages",
         description="Record format of `dataset` (messages, sharegpt, instruction, prompt_completion, dialogue, "
         "self_instruct, preference, ...).",
     )
-    fields: dict[str, str] = Field(
+    fields: Annotated[dict[str, str], RESUME] = Field(
         default_factory=dict,
         description="Field mapping of `dataset`: format field -> record path (dotted, e.g. meta.answer).",
     )
@@ -114,12 +115,14 @@ class SourceFields(FormatFields):
         ge=1,
         description="Read at most this many records of `dataset` (the first ones, before the split).",
     )
-    sources: list[SourceSpec] = Field(
+    sources: Annotated[list[SourceSpec], RESUME] = Field(
         default_factory=list,
         description="Several weighted sources instead of `dataset` (each: path, format, fields, options, weight, ...).",
     )
-    test_size: float = Field(default=0.1, ge=0, description="Held-out fraction (<1) or count (>=1), split with `seed`.")
-    max_length: int = Field(default=512, ge=8, description="Most tokens of one example.")
+    test_size: Annotated[float, RESUME] = Field(
+        default=0.1, ge=0, description="Held-out fraction (<1) or count (>=1), split with `seed`."
+    )
+    max_length: Annotated[int, RESUME] = Field(default=512, ge=8, description="Most tokens of one example.")
     on_error: OnError = Field(
         default="raise", description="A bad record: 'raise' (error naming file, line and field) or 'skip' (counted)."
     )
