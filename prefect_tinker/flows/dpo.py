@@ -30,7 +30,7 @@ from prefect_tinker.flows.config import RecipeConfig
 from prefect_tinker.flows.interrupts import recipe_flow
 from prefect_tinker.flows.loop import StepLoop
 from prefect_tinker.flows.session import RunSession
-from prefect_tinker.recipes.builders import SourceFields
+from prefect_tinker.recipes.builders import PreferenceSourceFields
 from prefect_tinker.recipes.data_pipeline import DataOrder, batch_at
 from prefect_tinker.recipes.preference import DPOLoss, LossName, PreferenceBuilder, PreferenceData, pair_datums
 from prefect_tinker.recipes.progress import phase
@@ -46,7 +46,7 @@ from prefect_tinker.tasks.usage import run_task
 __all__ = ["DPOConfig", "dpo_flow"]
 
 
-class DPOConfig(SourceFields, RecipeConfig):
+class DPOConfig(PreferenceSourceFields, RecipeConfig):
     """Parameters of a preference-learning run (the flow's single parameter)."""
 
     recipe: ClassVar[str] = "dpo"
@@ -57,10 +57,6 @@ class DPOConfig(SourceFields, RecipeConfig):
             "Comparisons: a JSONL file, dataset directory, Hugging Face id, or builtin:example_prefs (40 bundled "
             "comparisons)."
         ),
-    )
-    format: str = Field(
-        default="preference",
-        description="Record format: preference ({prompt?, chosen, rejected}) or dialogue (HH-RLHF transcripts).",
     )
     batch_size: Annotated[int, RESUME] = Field(default=8, ge=1, description="Comparisons (pairs) per step.")
     num_epochs: int = Field(default=1, ge=1, description="Epochs when max_steps is not set.")

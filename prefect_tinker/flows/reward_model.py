@@ -26,7 +26,7 @@ from prefect_tinker.flows.config import RecipeConfig
 from prefect_tinker.flows.interrupts import recipe_flow
 from prefect_tinker.flows.loop import StepLoop
 from prefect_tinker.flows.session import RunSession
-from prefect_tinker.recipes.builders import SourceFields
+from prefect_tinker.recipes.builders import PreferenceSourceFields
 from prefect_tinker.recipes.data_pipeline import batch_at
 from prefect_tinker.recipes.datasets import datum_from_example
 from prefect_tinker.recipes.progress import phase
@@ -40,15 +40,11 @@ from prefect_tinker.tasks.training import train_step
 __all__ = ["RewardModelConfig", "reward_model_flow"]
 
 
-class RewardModelConfig(SourceFields, RecipeConfig):
+class RewardModelConfig(PreferenceSourceFields, RecipeConfig):
     """Parameters of a reward-model run (the flow's single parameter)."""
 
     recipe: ClassVar[str] = "reward_model"
 
-    format: str = Field(
-        default="preference",
-        description="Record format: preference ({prompt?, chosen, rejected}) or dialogue (HH-RLHF transcripts).",
-    )
     batch_size: Annotated[int, RESUME] = Field(
         default=8, ge=1, description="Comparisons per step (each trained in all its orders)."
     )

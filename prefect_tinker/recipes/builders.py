@@ -43,7 +43,15 @@ from prefect_tinker.recipes.media import MediaSpan, media_spans, restore_media
 from prefect_tinker.recipes.registry import TaggedBy
 from prefect_tinker.recipes.resume_marker import RESUME
 
-__all__ = ["BuiltData", "DatasetBuilder", "Example", "SourceFields", "SupervisedBuilder", "SupervisedData"]
+__all__ = [
+    "BuiltData",
+    "DatasetBuilder",
+    "Example",
+    "PreferenceSourceFields",
+    "SourceFields",
+    "SupervisedBuilder",
+    "SupervisedData",
+]
 
 
 class Example(BaseModel):
@@ -90,6 +98,9 @@ class SourceFields(FormatFields):
     One source: ``dataset`` (a JSONL file, local dataset file/dir, ``builtin:example_chat`` or a
     Hugging Face dataset id) read in ``format`` with the field mapping ``fields``; several
     weighted sources: ``sources`` (each a full :class:`SourceSpec`; then ``dataset`` must be unset).
+    The one mixin of the data-driven recipes' configs (sft, dpo, reward_model, decisions): ``format``,
+    ``fields``, ``sources``, ``test_size`` and ``max_length`` are marked
+    :data:`~prefect_tinker.recipes.resume_marker.RESUME` for all of them.
     """
 
     dataset: str | None = Field(
@@ -167,6 +178,16 @@ class SourceFields(FormatFields):
     def test_count(self) -> float | int:
         """``test_size`` as the split functions take it: an int count when >= 1, else a fraction."""
         return int(self.test_size) if self.test_size >= 1 else float(self.test_size)
+
+
+class PreferenceSourceFields(SourceFields):
+    """:class:`SourceFields` of a recipe that reads comparisons (DPO, the reward model): the same
+    fields, records in the ``preference`` format by default."""
+
+    format: str = Field(
+        default="preference",
+        description="Record format: preference ({prompt?, chosen, rejected}) or dialogue (HH-RLHF transcripts).",
+    )
 
 
 class DatasetBuilder(BaseModel, ABC):
