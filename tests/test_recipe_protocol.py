@@ -130,3 +130,45 @@ def test_rlhf_rl_stage_keeps_the_rl_fields() -> None:
     from prefect_tinker.flows.rlhf import RLStageConfig
 
     assert set(RLStageConfig.resume_fields()) == set(RL)
+
+
+def test_protocol_defaults_and_overrides() -> None:
+    """Each hook's default, and the recipes that override it (what RunSession and the CLI call)."""
+    from prefect_tinker.flows.dpo import DPOConfig
+    from prefect_tinker.flows.rl_config import RLConfig
+    from prefect_tinker.flows.sft import SFTConfig
+
+    sft = SFTConfig(model="tiny")
+    assert sft.data_fingerprint("role_colon") is None and sft.env_context("role_colon", "tok") is None
+    assert sft.dataset_builder("role_colon") is not None and DPOConfig(model="tiny").dataset_builder("x") is not None
+    rl = RLConfig(model="tiny")
+    assert rl.dataset_builder("role_colon") is None
+    fp = rl.data_fingerprint("role_colon")
+    assert fp.startswith("sha256:") and fp != rl.data_fingerprint("llama3")  # the renderer is part of it
+    ctx = rl.env_context("role_colon", "tok")
+    assert ctx is not None and (ctx.group_size, ctx.groups_per_batch) == (rl.group_size, rl.groups_per_batch)
+
+
+def test_distillation_is_composed_of_the_rl_parts_not_an_rl_config() -> None:
+    from prefect_tinker.flows.distill_config import DistillConfig
+    from prefect_tinker.flows.rl_config import RLConfig, RLStepFields, RLTrainingConfig
+
+    d = DistillConfig(model="tiny", teacher="tiny")
+    assert not isinstance(d, RLConfig) and isinstance(d, RLStepFields) and isinstance(d, RLTrainingConfig)
+    # the RL defaults of the shared step fields, the run-name prefix and the env's checks as before
+    rl = RLConfig(model="tiny")
+    shared = set(RLStepFields.model_fields) - set(DistillConfig.__annotations__)
+    assert {f: getattr(d, f) for f in shared} == {f: getattr(rl, f) for f in shared}
+    assert d.run_name and d.run_name.startswith("distill-on_policy-rl-prompts-tiny-")
+    assert d.env_context("role_colon", "tok") is None  # no RL env context for the distillation session
+    # the schedules check a distillation config through the shared step fields
+    with pytest.raises(ValueError, match="streaming needs groups_per_batch"):
+        DistillConfig(model="tiny", teacher="tiny", schedule="streaming", groups_per_batch=2, num_minibatches=4)
+    # off-policy sequences: the builder once with_sequences gave them, none before
+    from prefect_tinker.recipes.data_reading import EXAMPLE_CHAT_PATH, SourceSpec
+
+    off = DistillConfig(model="tiny", teacher="tiny", mode="off_policy")
+    assert off.dataset_builder("role_colon") is None
+    b = off.with_sequences([SourceSpec(path=EXAMPLE_CHAT_PATH)], 2).dataset_builder("role_colon")
+    assert b is not None and b.test_size == 2 and b.max_length == off.max_length
+    assert off._sequences is None  # the copy carries them, the config stays as given

@@ -1,9 +1,11 @@
 """The distill flow's configuration (its single parameter) and the teacher's spec.
 
-One config serves the four modes; the fields a mode does not read are ignored. It extends the RL
-config (:class:`~prefect_tinker.flows.rl_config.RLConfig`): on-policy distillation and SDFT are
-RL-shaped (the student samples groups of replies on the ``prompts`` environment), and the
-off-policy modes read their prompts from the same ``dataset`` / ``env_options`` fields.
+One config serves the four modes; the fields a mode does not read are ignored. It is composed of
+the RL loop's parts (:class:`~prefect_tinker.flows.rl_config.RLTrainingConfig`: the step settings,
+the environment, the task runner), not an RL config: on-policy distillation and SDFT are RL-shaped
+(the student samples groups of replies on the ``prompts`` environment, trained by the RL loop and
+its schedules), and the off-policy modes read their prompts from the same ``dataset`` /
+``env_options`` fields.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 
 from prefect_tinker.flows.config import BackendConfig, weights_ref
-from prefect_tinker.flows.rl_config import RLConfig
+from prefect_tinker.flows.rl_config import RLTrainingConfig
 from prefect_tinker.recipes.builders import DatasetBuilder
 from prefect_tinker.recipes.data_reading import EXAMPLE_CHAT_PATH, SourceSpec, source_fingerprint
 from prefect_tinker.recipes.distill.prompts import DEMO_TEMPLATE, TeacherView
@@ -99,7 +101,7 @@ class TeacherSpec(BaseModel):
         return TeacherView(system_prompt=self.system_prompt, prompt_template=self.prompt_template)
 
 
-class DistillConfig(RLConfig):
+class DistillConfig(RLTrainingConfig):
     """Parameters of a distillation run.
 
     Modes:
@@ -233,7 +235,7 @@ class DistillConfig(RLConfig):
         return self
 
     def run_name_prefix(self) -> str:
-        return f"distill-{self.mode}-{super().run_name_prefix()}"
+        return f"distill-{self.mode}-{self.rl_run_name_prefix()}"
 
     def with_sequences(self, sources: list[SourceSpec], test_size: float | int) -> DistillConfig:
         """This config with the supervised sequences of an off-policy or prompt run (the teacher's
@@ -290,7 +292,7 @@ class DistillConfig(RLConfig):
         return spec.model_copy(update={"weights": weights_ref(self.store, spec.weights, "teacher").sampler})
 
     def preflight(self) -> None:
-        """The environment's problems (:meth:`RLConfig.preflight`) and every ``run:<id>`` teacher
+        """The environment's problems (:meth:`RLTrainingConfig.preflight`) and every ``run:<id>`` teacher
         (a run with a checkpoint in the store), before the run starts.
 
         Raises:

@@ -48,7 +48,7 @@ from tinker.types import LossFnType
 
 from prefect_tinker.flows.interrupts import recipe_flow
 from prefect_tinker.flows.loop import StepLoop
-from prefect_tinker.flows.rl_config import SCHEDULES, RLConfig
+from prefect_tinker.flows.rl_config import SCHEDULES, RLConfig, RLTrainingConfig
 from prefect_tinker.flows.session import RunSession
 from prefect_tinker.recipes.rl.advantages import (
     apply_kl_penalty,
@@ -85,7 +85,7 @@ class RLLoop:
             ``reference_prefill``, ``trained``), reported and reset by :meth:`step_metrics`.
     """
 
-    def __init__(self, session: RunSession[RLConfig], dataset: RLDataset, reference: str):
+    def __init__(self, session: RunSession[RLTrainingConfig], dataset: RLDataset, reference: str):
         self.session, self.config, self.dataset, self.reference = session, session.config, dataset, reference
         self.tokenizer = tokenizer(session.tokenizer_id)
         self.sampler_path = session.sampler_at(session.step)

@@ -6,7 +6,7 @@ import hashlib
 import json
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from prefect_tinker.flows.config import RecipeConfig
 from prefect_tinker.recipes.data_reading import source_fingerprint
@@ -19,24 +19,23 @@ from prefect_tinker.tasks.reward_model import WinRateEvaluator
 from prefect_tinker.tasks.rollouts import RolloutPolicy
 from prefect_tinker.tasks.runners import TaskRunnerFields
 
-__all__ = ["SCHEDULES", "RLConfig"]
+__all__ = ["SCHEDULES", "RLConfig", "RLStepFields", "RLTrainingConfig"]
 
 # RL schedules by name: subclasses of prefect_tinker.flows.rl_schedules.Schedule (that module imports this
-# one for RLConfig, so the registry is typed loosely here). The built-ins register themselves when their
+# one for RLStepFields, so the registry is typed loosely here). The built-ins register themselves when their
 # module is imported; a plugin adds one through the entry-point group ``prefect_tinker.schedules``.
 SCHEDULES: Registry[Any] = Registry("RL schedule", "prefect_tinker.schedules", ["prefect_tinker.flows.rl_schedules"])
 
 
-class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
-    """Parameters of an RL-with-verifiable-rewards run.
-
-    The environment fields (``env``, ``dataset``, ``question_field``, ``answer_field``, ...) come
-    from :class:`prefect_tinker.recipes.rl.envs.EnvSpec`. A *step* is one batch of ``groups_per_batch`` groups of
-    ``group_size`` rollouts, trained with ``num_substeps`` optimizer steps. ``task_runner``
-    (:class:`~prefect_tinker.tasks.runners.TaskRunnerFields`) says where the rollout tasks run.
+class RLStepFields(BaseModel):
+    """The settings of the RL loop's step, shared by every config trained by it (:class:`RLConfig`,
+    :class:`~prefect_tinker.flows.distill_config.DistillConfig`): a *step* is one batch of
+    ``groups_per_batch`` groups of ``group_size`` rollouts (sampled with ``max_tokens`` and
+    ``temperature``), turned into advantages (``advantage_estimator``), trained with ``loss_fn``
+    in ``num_substeps`` optimizer steps, in the order the RL ``schedule`` gives; plus the
+    defaults of the RL loop's learning rate, steps and checkpoints. The schedules
+    (:mod:`prefect_tinker.flows.rl_schedules`) read and check these fields only.
     """
-
-    recipe: ClassVar[str] = "rl"
 
     group_size: Annotated[int, RESUME] = Field(
         default=4, ge=2, description="Rollouts per problem (advantages are centred within a group)."
@@ -125,7 +124,7 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
     )
 
     @model_validator(mode="after")
-    def _check(self) -> RLConfig:
+    def _check(self) -> RLStepFields:
         self.loss()  # an unknown loss or a bad loss option fails here
         ADVANTAGE_ESTIMATORS.get_or_raise(self.advantage_estimator)
         low, high = self.clip_low_threshold, self.clip_high_threshold
@@ -151,44 +150,6 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
             )
         return self
 
-    def run_name_prefix(self) -> str:
-        return f"rl-{self.env}-{self.model.replace('/', '-')}"
-
-    def preflight(self) -> None:
-        """Read and validate the environment's problems before the run starts (see
-        :meth:`~prefect_tinker.recipes.rl.envs.Environment.preflight`)."""
-        from prefect_tinker.recipes.rl.envs import get_env
-
-        get_env(self.env).preflight(self)
-
-    def data_fingerprint(self, renderer: str) -> str:
-        """``sha256:<hex>`` of what the environment's problems are: the env settings and the
-        content of its dataset (recorded with the run; a resumed run must match it)."""
-        body = {k: getattr(self, k) for k in EnvSpec.model_fields}
-        body["env_options"] = self.env_options.model_dump(mode="json")  # the options in force, defaults too
-        body["dataset"] = source_fingerprint(self.dataset) if self.dataset else None
-        body["renderer"] = renderer
-        return "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
-
-    def run_settings(self) -> RunSettings:
-        """The group size and policy model the environment's config check may need."""
-        return RunSettings(group_size=self.group_size, model=self.model)
-
-    def env_context(self, renderer: str, tokenizer_id: str) -> EnvContext:
-        """The environment context of a run of this config on the resolved ``renderer`` and
-        ``tokenizer_id`` (group and batch sizes, seed, rollout ``max_tokens`` and ``temperature``,
-        the task layer's win-rate evaluator); built once by the run session."""
-        return EnvContext(
-            renderer_name=renderer,
-            tokenizer_id=tokenizer_id,
-            group_size=self.group_size,
-            groups_per_batch=self.groups_per_batch,
-            seed=self.seed,
-            win_rate_evaluator=WinRateEvaluator,
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-        )
-
     def loss(self) -> RLLoss:
         """The registered loss ``loss_fn`` with its ``loss_options``.
 
@@ -210,3 +171,67 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
         """Whether rollouts record stability information and datums carry provenance spans
         (losses that need them, e.g. ``stable_reinforce``)."""
         return self.loss().provenance
+
+
+class RLTrainingConfig(RLStepFields, EnvSpec, TaskRunnerFields, RecipeConfig):
+    """A recipe's config trained by the RL loop (:class:`~prefect_tinker.flows.rl.RLLoop`): the step
+    settings (:class:`RLStepFields`), the environment and problems
+    (:class:`~prefect_tinker.recipes.rl.envs.EnvSpec`), where rollout tasks run
+    (:class:`~prefect_tinker.tasks.runners.TaskRunnerFields`) and the fields every recipe shares
+    (:class:`~prefect_tinker.flows.config.RecipeConfig`). It is no recipe itself: :class:`RLConfig`
+    and :class:`~prefect_tinker.flows.distill_config.DistillConfig` each add their own part of the
+    recipe protocol."""
+
+    def run_settings(self) -> RunSettings:
+        """The group size and policy model the environment's config check may need."""
+        return RunSettings(group_size=self.group_size, model=self.model)
+
+    def preflight(self) -> None:
+        """Read and validate the environment's problems before the run starts (see
+        :meth:`~prefect_tinker.recipes.rl.envs.Environment.preflight`)."""
+        from prefect_tinker.recipes.rl.envs import get_env
+
+        get_env(self.env).preflight(self)
+
+    def data_fingerprint(self, renderer: str) -> str:
+        """``sha256:<hex>`` of what the environment's problems are: the env settings and the
+        content of its dataset (recorded with the run; a resumed run must match it)."""
+        body = {k: getattr(self, k) for k in EnvSpec.model_fields}
+        body["env_options"] = self.env_options.model_dump(mode="json")  # the options in force, defaults too
+        body["dataset"] = source_fingerprint(self.dataset) if self.dataset else None
+        body["renderer"] = renderer
+        return "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
+
+    def rl_run_name_prefix(self) -> str:
+        """``rl-<env>-<model>``: the RL run-name prefix."""
+        return f"rl-{self.env}-{self.model.replace('/', '-')}"
+
+
+class RLConfig(RLTrainingConfig):
+    """Parameters of an RL-with-verifiable-rewards run.
+
+    The environment fields (``env``, ``dataset``, ``question_field``, ``answer_field``, ...) come
+    from :class:`prefect_tinker.recipes.rl.envs.EnvSpec`. A *step* is one batch of ``groups_per_batch`` groups of
+    ``group_size`` rollouts, trained with ``num_substeps`` optimizer steps. ``task_runner``
+    (:class:`~prefect_tinker.tasks.runners.TaskRunnerFields`) says where the rollout tasks run.
+    """
+
+    recipe: ClassVar[str] = "rl"
+
+    def run_name_prefix(self) -> str:
+        return self.rl_run_name_prefix()
+
+    def env_context(self, renderer: str, tokenizer_id: str) -> EnvContext:
+        """The environment context of a run of this config on the resolved ``renderer`` and
+        ``tokenizer_id`` (group and batch sizes, seed, rollout ``max_tokens`` and ``temperature``,
+        the task layer's win-rate evaluator); built once by the run session."""
+        return EnvContext(
+            renderer_name=renderer,
+            tokenizer_id=tokenizer_id,
+            group_size=self.group_size,
+            groups_per_batch=self.groups_per_batch,
+            seed=self.seed,
+            win_rate_evaluator=WinRateEvaluator,
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+        )
