@@ -28,29 +28,21 @@ API_KEY = "tml-benchmark"
 
 def build_model_dir(path: Path) -> Path:
     """Write the benchmark model directory at ``path`` (kept if already there)."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from tinker_local.tokenizer import save_tiny_tokenizer
-
-    path = Path(path)
-    if (path / "model.safetensors").is_file():
-        return path
-    path.mkdir(parents=True, exist_ok=True)
-    save_tiny_tokenizer(path, vocab_size=2048, seed=0)
-    cfg = Qwen3Config(vocab_size=2048, hidden_size=384, intermediate_size=1152, num_hidden_layers=5,
-                      num_attention_heads=6, num_key_value_heads=2, head_dim=64,
-                      max_position_embeddings=2048, tie_word_embeddings=False, eos_token_id=2,
-                      pad_token_id=0, bos_token_id=None)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        Qwen3ForCausalLM(cfg).save_pretrained(str(path))
-    return path
+    return _build_qwen3_dir(path, vocab_size=2048, hidden_size=384, intermediate_size=1152, num_hidden_layers=5,
+                            num_attention_heads=6, tie_word_embeddings=False)
 
 
 def build_like_for_like_dir(path: Path, tied: bool) -> Path:
     """Write the like-for-like model directory (see the module docstring) at ``path`` (kept if
     already there)."""
+    return _build_qwen3_dir(path, vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
+                            num_attention_heads=4, tie_word_embeddings=tied)
+
+
+def _build_qwen3_dir(path: Path, vocab_size: int, **shape) -> Path:
+    """A random-init (seed 0) Qwen3 causal LM with the given ``shape`` (``Qwen3Config`` fields) and the tiny
+    byte-level BPE tokenizer of ``vocab_size`` at ``path``: 2 kv heads of 64, context 2048; kept if already
+    there."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -60,11 +52,9 @@ def build_like_for_like_dir(path: Path, tied: bool) -> Path:
     if (path / "model.safetensors").is_file():
         return path
     path.mkdir(parents=True, exist_ok=True)
-    save_tiny_tokenizer(path, vocab_size=4096, seed=0)
-    cfg = Qwen3Config(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                      max_position_embeddings=2048, tie_word_embeddings=tied, eos_token_id=2,
-                      pad_token_id=0, bos_token_id=None)
+    save_tiny_tokenizer(path, vocab_size=vocab_size, seed=0)
+    cfg = Qwen3Config(vocab_size=vocab_size, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
+                      eos_token_id=2, pad_token_id=0, bos_token_id=None, **shape)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         Qwen3ForCausalLM(cfg).save_pretrained(str(path))

@@ -17,11 +17,13 @@ to browse it (Ctrl-C stops it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,22 +138,23 @@ def stack_images(paths: list[Path], out: Path, width: int) -> None:
     canvas.quantize(colors=128, method=Image.Quantize.MEDIANCUT).save(out, optimize=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Screenshot of a completed SFT run in the Prefect UI")
-    p.add_argument("--out", default=str(ROOT / "docs" / "ui-sft-run.png"))
+def parse_ui_args(description: str, out_name: str, argv: list[str] | None) -> argparse.Namespace:
+    """The screenshot scripts' command line (``--out docs/<out_name>``, ``--width``, ``--keep``); also sets the
+    offline, no-telemetry environment the stack runs in."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--out", default=str(ROOT / "docs" / out_name))
     p.add_argument("--width", type=int, default=1000, help="width of the final picture (pixels)")
     p.add_argument("--keep", action="store_true", help="keep the stack running after the screenshot")
     args = p.parse_args(argv)
     os.environ.update(HF_HUB_OFFLINE="1", TINKER_TELEMETRY="0", PREFECT_SERVER_ANALYTICS_ENABLED="false")
-    import signal
+    return args
 
-    def _interrupt(*_):
-        raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, _interrupt)  # stop the stack cleanly on kill, too
-
-    tmp = Path(tempfile.mkdtemp(prefix="pt-ui-"))
-    local_root, store = tmp / "tinker-local", tmp / "store"
+@contextlib.contextmanager
+def ui_stack(tmp: Path, local_root: Path) -> Iterator[PrefectStack]:
+    """A Prefect server on 127.0.0.1 (``PREFECT_HOME`` under ``tmp``) with the deployments of ``prefect.yaml``
+    and the ``TinkerCredentials`` block ``local-tiny`` (embedded local server at ``local_root``, model ``tiny``).
+    On exit (an exception or Ctrl-C included: they go on to the caller) the stack and the local server stop."""
     stack = PrefectStack(tmp / "prefect-home")
     try:
         stack.start_server()
@@ -164,6 +167,46 @@ def main(argv: list[str] | None = None) -> int:
             TinkerCredentials(local=True, local_root=str(local_root), local_models=["tiny"]).save(
                 "local-tiny", overwrite=True
             )
+        yield stack
+    finally:
+        stack.close()
+        from tinker_blocks.credentials import stop_local_server
+
+        stop_local_server(local_root)
+
+
+def photograph(tmp: Path, pages: Callable[[Browser, Path], list[Path]], args: argparse.Namespace,
+               stack: PrefectStack) -> None:
+    """Open headless Chromium, let ``pages(browser, shots_dir)`` take the single screenshots, stack them into
+    ``args.out`` at ``args.width`` pixels; with ``args.keep`` leave ``stack`` running until Ctrl-C."""
+    shots = tmp / "shots"
+    shots.mkdir()
+    browser = Browser(tmp / "chromium-profile")
+    try:
+        paths = pages(browser, shots)
+    finally:
+        browser.close()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    stack_images(paths, Path(args.out), args.width)
+    print(f"wrote {args.out} ({Path(args.out).stat().st_size // 1024} KiB); single shots in {shots}")
+    if args.keep:
+        print(f"stack running at {stack.ui_url} (Ctrl-C to stop)")
+        while True:
+            time.sleep(3600)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_ui_args("Screenshot of a completed SFT run in the Prefect UI", "ui-sft-run.png", argv)
+    import signal
+
+    def _interrupt(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _interrupt)  # stop the stack cleanly on kill, too
+
+    tmp = Path(tempfile.mkdtemp(prefix="pt-ui-"))
+    local_root, store = tmp / "tinker-local", tmp / "store"
+    with contextlib.suppress(KeyboardInterrupt), ui_stack(tmp, local_root) as stack:  # Ctrl-C: a quiet stop
         stack.start_worker("worker-1")
         config = dict(model="tiny", batch_size=4, lora_rank=8, learning_rate=2e-3, max_length=128, max_steps=12,
                       save_every=4, eval_every=4, num_eval_samples=2, sample_max_tokens=16, run_name="nightly-demo",
@@ -193,36 +236,16 @@ def main(argv: list[str] | None = None) -> int:
             (a for a in stack.artifacts(fr.id) if a.key and a.key.endswith("-curves")), key=lambda a: a.created
         )
         time.sleep(3)  # let the last logs and events land
-        shots = tmp / "shots"
-        shots.mkdir()
-        browser = Browser(tmp / "chromium-profile")
-        try:
-            flow_page = f"{stack.ui_url}/runs/flow-run/{fr.id}"
-            paths = [
-                browser.shoot(flow_page, shots / "task-runs.png", (1400, 1500), click="Task Runs", wait_text="step-11"),
-                browser.shoot(flow_page, shots / "artifacts.png", (1400, 640), click="Artifacts", scroll=True,
-                              wait_text="nightly-demo-metrics"),
-                browser.shoot(f"{stack.ui_url}/runs/task-run/{retried.id}", shots / "retried.png", (1400, 500),
-                              wait_text="Retry 1/3"),
-                browser.shoot(f"{stack.ui_url}/artifacts/artifact/{curves.id}", shots / "curves.png", (1400, 480),
-                              wait_text="curves at step"),
-            ]
-        finally:
-            browser.close()
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        stack_images(paths, Path(args.out), args.width)
-        print(f"wrote {args.out} ({Path(args.out).stat().st_size // 1024} KiB); single shots in {shots}")
-        if args.keep:
-            print(f"stack running at {stack.ui_url} (Ctrl-C to stop)")
-            while True:
-                time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        stack.close()
-        from tinker_blocks.credentials import stop_local_server
-
-        stop_local_server(local_root)
+        flow_page = f"{stack.ui_url}/runs/flow-run/{fr.id}"
+        photograph(tmp, lambda browser, shots: [
+            browser.shoot(flow_page, shots / "task-runs.png", (1400, 1500), click="Task Runs", wait_text="step-11"),
+            browser.shoot(flow_page, shots / "artifacts.png", (1400, 640), click="Artifacts", scroll=True,
+                          wait_text="nightly-demo-metrics"),
+            browser.shoot(f"{stack.ui_url}/runs/task-run/{retried.id}", shots / "retried.png", (1400, 500),
+                          wait_text="Retry 1/3"),
+            browser.shoot(f"{stack.ui_url}/artifacts/artifact/{curves.id}", shots / "curves.png", (1400, 480),
+                          wait_text="curves at step"),
+        ], args, stack)
     return 0
 
 

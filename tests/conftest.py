@@ -91,8 +91,9 @@ def local_credentials(tmp_path_factory):
 # A real S3 server (SeaweedFS) for the store tests: fixtures s3_server (session) and s3_root.
 from tests.s3_fixtures import s3_root, s3_server  # noqa: E402,F401
 
-# Live tinker_local servers for the protocol tests: fixtures local_servers, hf_model_dir (session).
-from tests.local_server import hf_model_dir, local_servers  # noqa: E402,F401
+# Live tinker_local servers for the protocol tests: fixtures local_servers, hf_model_dir (session); clean (the
+# clean server) and service (an SDK ServiceClient on it), per module.
+from tests.local_server import clean, hf_model_dir, local_servers, service  # noqa: E402,F401
 
 
 # ---- SDK clients that outlive their server ------------------------------------------------------------

@@ -4,7 +4,8 @@
   and used only after ``/api/v1/healthz`` answered (the SDK retries a dead port for minutes):
   ``clean`` = ``prefect-tinker local serve --model <hf dir> --model tiny`` (the console script,
   fp32, one thread) and ``faulty`` = ``python -m tinker_local serve --model tiny`` with
-  ``--fail-every 4 --drop-every 7``.  The HF directory is a small Llama (tied embeddings, its
+  ``--fail-every 4 --drop-every 7``; ``clean`` (module) is the first of them and ``service`` (module) an SDK
+  ``ServiceClient`` on it.  The HF directory is a small Llama (tied embeddings, its
   own byte-level BPE tokenizer) built here with ``transformers`` / ``tokenizers`` only.
 - ``ReferenceLoRA``: the base model loaded by ``transformers`` in fp32 plus LoRA deltas
   ``(alpha / r) * B @ A`` added by forward hooks, read from a checkpoint's safetensors; no peft,
@@ -141,6 +142,23 @@ def local_servers(tmp_path_factory, hf_model_dir):
         for s in servers.values():
             _stop(s)
 
+
+
+@pytest.fixture(scope="module")
+def clean(local_servers):
+    """The ``clean`` server of :func:`local_servers`."""
+    return local_servers["clean"]
+
+
+@pytest.fixture(scope="module")
+def service(clean):
+    """An SDK ``ServiceClient`` on the ``clean`` server (key ``API_KEY``), one per test module, closed
+    after it."""
+    import tinker
+
+    sc = tinker.ServiceClient(base_url=clean.base_url, api_key=API_KEY)
+    yield sc
+    sc.close("success").result(timeout=30)
 
 class ReferenceLoRA:
     """fp32 base model from ``base_dir`` + LoRA deltas of checkpoint dir ``adapter_dir``.

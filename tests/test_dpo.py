@@ -23,6 +23,7 @@ from prefect_tinker.recipes.data_sources import DatasetFormatError
 from prefect_tinker.recipes.preference import DPOLoss, PreferenceBuilder, pair_datums
 from tests.data_files import synthetic_file
 from tests.local_server import API_KEY
+from tests.task_runs import cached_task_runs
 from tests.test_local_losses import _adam_image, _assert_updates_match, _reference, _update
 
 
@@ -43,11 +44,6 @@ def _write(path, rows, gz=False) -> str:
 
 
 # ----- data ---------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def clean(local_servers):
-    return local_servers["clean"]
-
-
 def test_preference_formats_and_field_mapping(clean, tmp_path):
     tok = _tiny_tokenizer(clean)
     # our own layout, nothing like shared/: a question, and the two answers nested under other names
@@ -123,13 +119,6 @@ def test_bad_preference_data_is_named_or_counted(clean, tmp_path):
 
 
 # ----- the losses through the SDK -----------------------------------------------------------------
-@pytest.fixture(scope="module")
-def service(clean):
-    sc = tinker.ServiceClient(base_url=clean.base_url, api_key=API_KEY)
-    yield sc
-    sc.close("success").result(timeout=30)
-
-
 def _torch_loss(kind: str, h: torch.Tensor, beta: float, eps: float) -> torch.Tensor:
     """The three losses written out independently (float64, mean over pairs)."""
     if kind == "dpo":
@@ -251,7 +240,8 @@ def test_dpo_flow_trains_resumes_and_refuses_config_changes(prefect_api, local_c
     got = _sql(store, "SELECT run_id, step, value FROM metrics WHERE name = 'train/dpo_loss' ORDER BY run_id, step")
     by = {(r["run_id"], r["step"]): r["value"] for r in got}
     assert [by[("dpo-resume", s)] for s in range(6)] == pytest.approx([by[("dpo-e2e", s)] for s in range(6)], abs=1e-5)
-    assert _cached("reference-step-3") >= 1 and _cached("reference-test") >= 2  # asked the reference once
+    # the reference was asked once
+    assert cached_task_runs("reference-step-3") >= 1 and cached_task_runs("reference-test", at_least=2) >= 2
     # tokens: a forward and a training pass over every sequence; the run's totals continue across the resume
     got = _sql(store, "SELECT run_id, step, name, value FROM metrics WHERE name LIKE 'tokens/%' OR name LIKE 'cost/%'")
     use = {(r["run_id"], r["step"], r["name"]): r["value"] for r in got}
@@ -261,22 +251,3 @@ def test_dpo_flow_trains_resumes_and_refuses_config_changes(prefect_api, local_c
         assert use[(run, 5, "tokens/trained_total")] == sum(trained) and use[(run, 5, "cost/total_usd")] == 0.0
     assert [use[("dpo-resume", s, "tokens/trained")] for s in range(6)] == [use[("dpo-e2e", s, "tokens/trained")]
                                                                            for s in range(6)]
-
-
-def _cached(name: str) -> int:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (
-        TaskRunFilter,
-        TaskRunFilterName,
-        TaskRunFilterState,
-        TaskRunFilterStateName,
-    )
-
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(
-            task_run_filter=TaskRunFilter(
-                name=TaskRunFilterName(any_=[name]),
-                state=TaskRunFilterState(name=TaskRunFilterStateName(any_=["Cached"])),
-            )
-        )
-    return len(runs)

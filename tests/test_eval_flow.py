@@ -135,6 +135,27 @@ def test_exact_match_accuracy_equals_greedy_replies_graded_by_hand(prefect_api, 
     assert config["renderer"] == renderer and config["batches"] == 4  # one eval-batch task per example
 
 
+def test_a_state_checkpoint_is_evaluated_on_one_saved_sampler_and_a_rerun_is_cached(prefect_api, local_credentials,
+                                                                                    tmp_path, capsys):
+    from tinker_blocks.stores import TrainingStore
+
+    trainer = local_credentials.get_client().create_lora_training_client(base_model="tiny", rank=4).result()
+    state = trainer.save_state("s-1").result().path
+    store = tmp_path / "store"
+    training = TrainingStore(root=str(store))
+    training.record_run("S", status="completed", base_model="tiny", backend="local", lora_rank=4)
+    training.record_checkpoint("S", step=1, name="s-1", kind="state", path=state, renderer="role_colon")
+    backend = {"local_root": local_credentials.local_root}
+    cfg = EvalConfig(model=state, benchmark="gsm8k", dataset=str(synthetic_file("word_problems")), limit=2,
+                     max_tokens=2, run_name="st", store=str(store), backend=backend)
+    first, second = eval_flow(cfg), eval_flow(cfg)
+    samplers = _sql(capsys, store, "SELECT path FROM checkpoints WHERE run_id = 'S' AND kind = 'sampler'")
+    assert len(samplers) == 1  # saved once, for the first evaluation; the second found it
+    assert first["results"][0]["checkpoint"] == second["results"][0]["checkpoint"] == samplers[0]["path"]
+    assert (first["evaluated"], second["evaluated"], second["cached"]) == (1, 0, 1)
+    assert first["results"][0]["step"] == 1 and first["results"][0]["run_id"] == "S"
+
+
 def test_config_errors_name_the_field(tmp_path):
     with pytest.raises(ValueError, match="given without benchmark"):
         EvalConfig(model="tiny", dataset="x.jsonl")

@@ -21,18 +21,6 @@ VOCAB = 2048
 
 
 @pytest.fixture(scope="module")
-def clean(local_servers):
-    return local_servers["clean"]
-
-
-@pytest.fixture(scope="module")
-def service(clean):
-    sc = tinker.ServiceClient(base_url=clean.base_url, api_key=API_KEY)
-    yield sc
-    sc.close("success").result(timeout=30)
-
-
-@pytest.fixture(scope="module")
 def base_ref(clean):
     """The tiny preset's base model in fp32, loaded by transformers from the server's cache."""
     from transformers import AutoModelForCausalLM

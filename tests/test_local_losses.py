@@ -34,18 +34,6 @@ EPS = 1.0  # Adam eps of the checked step (see the module docstring)
 
 
 @pytest.fixture(scope="module")
-def clean(local_servers):
-    return local_servers["clean"]
-
-
-@pytest.fixture(scope="module")
-def service(clean):
-    sc = tinker.ServiceClient(base_url=clean.base_url, api_key=API_KEY)
-    yield sc
-    sc.close("success").result(timeout=30)
-
-
-@pytest.fixture(scope="module")
 def start(clean, service):
     """(state path, adapter dir of that state, token sequences): a LoRA trained two steps."""
     tc = service.create_lora_training_client("tiny", rank=4, seed=7).result(timeout=120)

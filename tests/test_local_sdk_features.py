@@ -24,18 +24,6 @@ VOCAB = 2048
 
 
 @pytest.fixture(scope="module")
-def clean(local_servers):
-    return local_servers["clean"]
-
-
-@pytest.fixture(scope="module")
-def service(clean):
-    sc = tinker.ServiceClient(base_url=clean.base_url, api_key=API_KEY)
-    yield sc
-    sc.close("success").result(timeout=30)
-
-
-@pytest.fixture(scope="module")
 def trainer(service):
     return service.create_lora_training_client("tiny", rank=4, seed=11).result(timeout=120)
 

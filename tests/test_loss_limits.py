@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from tests.adversarial_losses import cat_chain, outer, pow_chain
 from tinker_local.custom_loss import compile_graph
 from tinker_local.loss_limits import CustomLossError, GraphLimits
 
@@ -31,26 +32,8 @@ def _one_line(e: pytest.ExceptionInfo) -> str:
     return msg
 
 
-def pow_chain(logprobs):
-    n = logprobs.shape[0]
-    for _ in range(40):
-        n = n ** 1024
-    return logprobs.sum() + n, {}
-
-
-def cat_chain(logprobs):
-    x = logprobs
-    for _ in range(40):
-        x = torch.cat([x, x])
-    return x.sum(), {}
-
-
 def diag_offset(logprobs):
     return torch.diag(logprobs, 100_000).sum(), {}
-
-
-def outer(logprobs):
-    return (logprobs[:, None] * logprobs[None, :]).sum(), {}
 
 
 def outer_matmul(logprobs):

@@ -50,6 +50,17 @@ def _recorded(server, monkeypatch, run) -> tuple[object, list[dict]]:
     return out, since(server.requests, marked)
 
 
+def _flow_and_loop(server, monkeypatch, tmp_path, flow, config_cls, loop, shared: dict, **flow_only):
+    """Run ``flow`` with ``config_cls(**shared, **flow_only)`` (backend: ``server``, store under ``tmp_path``),
+    then the loop module ``loop`` with ``loop.Config(**shared)``: ``(flow result, flow requests, loop result,
+    loop requests)``."""
+    backend, store = {"base_url": server.base_url}, str(tmp_path / "store")
+    flow_config = config_cls(**shared, **flow_only, backend=backend, store=store)
+    summary, flow_requests = _recorded(server, monkeypatch, lambda: flow(config=flow_config))
+    result, loop_requests = _recorded(server, monkeypatch, lambda: loop.main(loop.Config(**shared, **backend)))
+    return summary, flow_requests, result, loop_requests
+
+
 def _assert_same(recipe: str, flow: list[dict], loop: list[dict], steps: int, samples=None) -> Comparison:
     """The requests of ``loop`` against those of ``flow`` (in a failure's table the harness calls
     the first side "cookbook" and the second "ours": here the flow and the loop)."""
@@ -78,14 +89,10 @@ def test_sl_loop_sends_what_the_sft_flow_sends(server, tmp_path, monkeypatch, pr
         learning_rate=lr, lr_schedule="linear", warmup_steps=1, lora_rank=4, max_steps=steps, reduction="mean",
         on_too_long="truncate_keep",
     )  # fmt: skip
-    flow_config = SFTConfig(
-        **shared, eval_every=0, save_every=0, num_eval_samples=0, backend={"base_url": server.base_url},
-        store=str(tmp_path / "store"), run_name="loops-sft",
+    summary, flow, result, loop = _flow_and_loop(
+        server, monkeypatch, tmp_path, sft_flow, SFTConfig, sl_loop, shared,
+        eval_every=0, save_every=0, num_eval_samples=0, run_name="loops-sft",
     )  # fmt: skip
-    summary, flow = _recorded(server, monkeypatch, lambda: sft_flow(config=flow_config))
-    result, loop = _recorded(
-        server, monkeypatch, lambda: sl_loop.main(sl_loop.Config(**shared, base_url=server.base_url))
-    )
 
     _assert_same("sft", flow, loop, steps)
     # warmup to the peak, then linear decay (prefect_tinker/recipes/schedule.py's formula, computed here)
@@ -112,14 +119,10 @@ def test_rl_loop_sends_what_the_rl_flow_sends(server, tmp_path, monkeypatch, pre
         max_steps=steps, seed=0, kl_penalty_coef=0.05, remove_constant_reward_groups=True, save_every=0,
         env_options={"max_operand": 20, "reward": "partial"},
     )  # fmt: skip
-    flow_config = RLConfig(
-        **shared, kl_reference="base:tiny", eval_every=0, log_trajectories=0, backend={"base_url": server.base_url},
-        store=str(tmp_path / "store"), run_name="loops-rl",
+    summary, flow, result, loop = _flow_and_loop(
+        server, monkeypatch, tmp_path, rl_flow, RLConfig, rl_loop, shared,
+        kl_reference="base:tiny", eval_every=0, log_trajectories=0, run_name="loops-rl",
     )  # fmt: skip
-    summary, flow = _recorded(server, monkeypatch, lambda: rl_flow(config=flow_config))
-    result, loop = _recorded(
-        server, monkeypatch, lambda: rl_loop.main(rl_loop.Config(**shared, base_url=server.base_url))
-    )
 
     cmp = _assert_same("rl", flow, loop, steps, samples=any_sample)
     # rollouts (steps x groups x group_size) and the KL reference's logprobs of each datum trained

@@ -32,6 +32,7 @@ from prefect_tinker.recipes.rl.types import RolloutContext, Trajectory, Transiti
 from prefect_tinker.tasks.reward_model import WinRateEvaluator, pair_preferences
 from tests.data_files import data_file
 from tests.local_server import API_KEY, ReferenceLoRA
+from tests.task_runs import cached_task_runs
 
 # scoring tasks called outside a flow, as the evaluators' users may
 pytestmark = pytest.mark.filterwarnings("ignore:Logger 'prefect.task_runs' attempted to send logs:UserWarning")
@@ -143,11 +144,6 @@ def test_group_rewards_equal_an_independent_computation(matchup_size):
 
 # ----- against a real reward model on the fp32 server --------------------------------------------------
 @pytest.fixture(scope="module")
-def clean(local_servers):
-    return local_servers["clean"]
-
-
-@pytest.fixture(scope="module")
 def rm(clean, tmp_path_factory):
     """A tiny reward model trained a few steps on our own comparisons (non-zero LoRA deltas):
     ``(credentials, sampler path, its adapter dir, data, tokenizer)``."""
@@ -238,7 +234,7 @@ def test_reward_model_probabilities_match_a_forward_by_hand(prefect_api, rm, mon
     assert m["eval/rm_brier"] == pytest.approx(float(np.mean((1 - p) ** 2)), abs=1e-12)  # the cached scores
     assert m["eval/rm_brier"] == pytest.approx(float(np.mean((1 - hand) ** 2)), abs=2e-6)  # |dp| <= 1e-6 above
     assert m["eval/rm_pairs"] == len(comparisons)
-    assert _cached("rm-eval-step-7") >= 1  # the second call was answered from the cache
+    assert cached_task_runs("rm-eval-step-7") >= 1  # the second call was answered from the cache
 
 
 def _traj(tokens: list[int]) -> Trajectory:
@@ -302,25 +298,6 @@ def test_win_rate_is_one_half_against_itself_and_antisymmetric(prefect_api, rm, 
     back = ev(rm["moved"]).evaluate(rm["creds"], rm["path"], 2)["eval/win_rate"]
     # both orders judged: antisymmetric (up to the server batching the two calls differently, ~1e-8)
     assert w != 0.5 and w + back == pytest.approx(1.0, abs=1e-6)
-
-
-def _cached(name: str) -> int:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (
-        TaskRunFilter,
-        TaskRunFilterName,
-        TaskRunFilterState,
-        TaskRunFilterStateName,
-    )
-
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(
-            task_run_filter=TaskRunFilter(
-                name=TaskRunFilterName(any_=[name]),
-                state=TaskRunFilterState(name=TaskRunFilterStateName(any_=["Cached"])),
-            )
-        )
-    return len(runs)
 
 
 # ----- the environment on HH-RLHF ------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import torch
 import zstandard
 from tinker import types
 
+from tests.adversarial_losses import cat_chain, outer, pow_chain
 from tests.local_server import free_port, make_hf_model_dir
 from tinker_local.launcher import healthy
 
@@ -128,24 +129,6 @@ def _solo_losses(tmp_path) -> list[float]:
         losses.append(eng.forward_backward("m", data, "cross_entropy", None).metrics["loss:sum"])
         eng.optim_step("m", learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-12)
     return losses
-
-
-def pow_chain(logprobs):
-    n = logprobs.shape[0]
-    for _ in range(40):
-        n = n ** 1024
-    return logprobs.sum() + n, {}
-
-
-def cat_chain(logprobs):
-    x = logprobs
-    for _ in range(40):
-        x = torch.cat([x, x])
-    return x.sum(), {}
-
-
-def outer(logprobs):
-    return (logprobs[:, None] * logprobs[None, :]).sum(), {}
 
 
 def slow(logprobs):

@@ -62,7 +62,7 @@ def test_compaction_safe_while_readers_query_local(tmp_path):
 
 
 def test_missing_part_error_classification(tmp_path):
-    from tinker_blocks.s3 import execute_retrying, is_missing_part_error
+    from tinker_blocks.s3 import execute_once, is_missing_part_error, retry_missing_part
 
     con = duckdb.connect()
     with pytest.raises(duckdb.Error) as missing:
@@ -82,7 +82,8 @@ def test_missing_part_error_classification(tmp_path):
             c.execute("CREATE VIEW v AS SELECT 42 AS x")
         return c
 
-    assert execute_retrying(connect, "SELECT x FROM v") == (["x"], [(42,)]) and len(calls) == 3
+    assert retry_missing_part(lambda: execute_once(connect, "SELECT x FROM v")) == (["x"], [(42,)])
+    assert len(calls) == 3
     with pytest.raises(duckdb.Error):
-        execute_retrying(connect, "SELECT nope FROM v")  # not a missing part: raised at once
+        retry_missing_part(lambda: execute_once(connect, "SELECT nope FROM v"))  # not a missing part: raised at once
     assert len(calls) == 4

@@ -40,7 +40,7 @@ __all__ = [
     "attach_filesystem",
     "HTTPFS_ENV",
     "is_missing_part_error",
-    "execute_retrying",
+    "execute_once",
     "retry_missing_part",
 ]
 
@@ -398,27 +398,16 @@ def retry_missing_part(fn: Callable[[], T], *, attempts: int = 4, before_retry: 
     raise AssertionError("unreachable")
 
 
-def execute_retrying(
-    connect: Callable[[], Any],
-    sql: str,
-    params: Any = None,
-    *,
-    attempts: int = 4,
-    before_retry: Callable[[], None] | None = None,
-) -> tuple[list[str], list[tuple]]:
-    """Run ``sql`` on a fresh connection from ``connect()`` and return ``(column names, rows)``,
-    re-connecting and re-running it as :func:`retry_missing_part` when a concurrent compaction
-    deleted a part it had listed (binding the views reads a part too)."""
-
-    def once() -> tuple[list[str], list[tuple]]:
-        con = connect()
-        try:
-            cur = con.execute(sql, params or [])
-            return ([], []) if cur.description is None else ([d[0] for d in cur.description], cur.fetchall())
-        finally:
-            con.close()
-
-    return retry_missing_part(once, attempts=attempts, before_retry=before_retry)
+def execute_once(connect: Callable[[], Any], sql: str, params: Any = None) -> tuple[list[str], list[tuple]]:
+    """``(column names, rows)`` of ``sql`` on a fresh connection from ``connect()`` (closed after).
+    Stores run it through :meth:`~tinker_blocks.store_io.ParquetStore.reading`, which re-runs it on
+    a missing part, an unreadable part or an outage."""
+    con = connect()
+    try:
+        cur = con.execute(sql, params or [])
+        return ([], []) if cur.description is None else ([d[0] for d in cur.description], cur.fetchall())
+    finally:
+        con.close()
 
 
 def _sql_lit(s: str) -> str:

@@ -40,7 +40,7 @@ from tinker_blocks.s3 import (
     StoreAccessError,
     StoreUnavailableError,
     attach_filesystem,
-    execute_retrying,
+    execute_once,
     is_access_error,
     retry_call,
     retry_missing_part,
@@ -412,20 +412,27 @@ class ParquetStore:
         merged part instead; one that met an S3 outage runs again within :attr:`retry_seconds`.
         Raises ``duckdb.Error`` for bad SQL, StoreAccessError / StoreUnavailableError as
         :meth:`connect`."""
-        return self.reading(
-            lambda: retry_damaged(
-                lambda: execute_retrying(self.connect, sql, list(params or []), before_retry=self.fs.invalidate_cache),
-                [self],
-            ),
-            "querying",
-        )
+        return self.reading(lambda: execute_once(self.connect, sql, list(params or [])), "querying")
 
-    def reading(self, fn: Callable[[], T], what: str) -> T:
-        """``fn()``, a read of this store (a query, a frame), retried as a whole on transient
-        errors of a remote store within :attr:`retry_seconds` (:meth:`call_retrying`): DuckDB
-        reads the parts itself, so a read that met the outage runs again; a local store runs it
-        once."""
-        return fn() if self.is_local else self.call_retrying(fn, what)
+    def reading(self, fn: Callable[[], T], what: str, stores: Sequence[ParquetStore] | None = None) -> T:
+        """``fn()``, a read of this store (a query, a frame; of ``stores`` when it reads several on this
+        store's file system), the one way reads are guarded:
+
+        - run again on a fresh listing when it failed on a part that a concurrent compaction
+          deleted after listing it (:func:`~tinker_blocks.s3.retry_missing_part`, up to 4 times);
+        - run again without a part that turned out unreadable, skipped with a warning naming it
+          (:func:`~tinker_blocks.store_health.retry_damaged`);
+        - remote: run again as a whole on transient errors within :attr:`retry_seconds`
+          (:meth:`call_retrying`: DuckDB reads the parts itself, so a read that met an outage runs
+          again); a local store has no outage to ride out.
+        """
+
+        def guarded() -> T:
+            return retry_damaged(
+                lambda: retry_missing_part(fn, before_retry=self.fs.invalidate_cache), list(stores or [self])
+            )
+
+        return guarded() if self.is_local else self.call_retrying(guarded, what)
 
     def delete_parts(self, table: str, parts: list[str]) -> None:
         """Delete the parts ``parts`` (paths inside the filesystem, as :meth:`write_part` returns

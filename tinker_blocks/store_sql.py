@@ -7,11 +7,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import duckdb
-import fsspec
 
-from tinker_blocks.s3 import execute_retrying
+from tinker_blocks.s3 import execute_once
 from tinker_blocks.store_config import resolve_storage_options
-from tinker_blocks.store_health import retry_damaged
 from tinker_blocks.store_io import ParquetStore
 
 __all__ = ["connect_stores", "query_stores"]
@@ -59,14 +57,7 @@ def query_stores(
     (within the stores' retry window, :func:`~tinker_blocks.store_config.default_retry_seconds`).
     Used by ``prefect-tinker sql``."""
     opts = resolve_storage_options(root, storage_options)
-    fs = fsspec.core.url_to_fs(root, **opts)[0]
     ios = [ParquetStore(root, name, storage_options=opts) for name in stores]
     return ios[0].reading(
-        lambda: retry_damaged(
-            lambda: execute_retrying(
-                lambda: connect_stores(root, stores, opts), sql, list(params or []), before_retry=fs.invalidate_cache
-            ),
-            ios,
-        ),
-        "querying",
+        lambda: execute_once(lambda: connect_stores(root, stores, opts), sql, list(params or [])), "querying", ios
     )

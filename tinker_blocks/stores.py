@@ -21,11 +21,10 @@ from prefect.blocks.core import Block
 from pydantic import Field
 
 from tinker_blocks.docs import docs_url
-from tinker_blocks.s3 import StoreAccessError, StoreUnavailableError, retry_missing_part
+from tinker_blocks.s3 import StoreAccessError, StoreUnavailableError
 from tinker_blocks.s3_credentials import S3Credentials
 from tinker_blocks.store_compaction import compact
 from tinker_blocks.store_config import default_retry_seconds, default_store_root
-from tinker_blocks.store_health import retry_damaged
 from tinker_blocks.store_io import (
     CAPTURES_SCHEMA,
     CHECKPOINTS_SCHEMA,
@@ -285,10 +284,7 @@ print(store.connect().execute("SELECT * FROM metrics").fetchall())
             finally:
                 con.close()
 
-        return io.reading(
-            lambda: retry_damaged(lambda: retry_missing_part(once, before_retry=io.fs.invalidate_cache), [io]),
-            "reading the metrics",
-        )
+        return io.reading(once, "reading the metrics")
 
 
 class EvalStore(StoreBlock):

@@ -14,9 +14,7 @@ directory; paths normalised), so a refused name never makes the server look at t
 
 from __future__ import annotations
 
-import json
 import os
-import secrets
 import threading
 from datetime import UTC, datetime
 from pathlib import Path
@@ -24,6 +22,7 @@ from typing import Any
 
 from .errors import HttpError
 from .models import SMOLLM2_ALIASES
+from .watched_json import WatchedJson
 
 
 def allow_file(root: Path | str) -> Path:
@@ -66,24 +65,19 @@ class ModelAllowList:
         self.path = allow_file(root)
         self.preloaded = list(preloaded or [])
         self.enforced = enforced or (lambda: True)
+        self._file = WatchedJson(self.path)
         self._lock = threading.Lock()
-        self._stamp: tuple[int, int] | None = None
         self._names: dict[str, dict[str, Any]] = {}
         self._known: set[str] | None = None
 
     def _refresh_locked(self) -> None:
-        try:
-            st = self.path.stat()
-            stamp: tuple[int, int] | None = (st.st_mtime_ns, st.st_size)
-        except FileNotFoundError:
-            stamp = None
-        if stamp == self._stamp and self._known is not None:
+        changed, data = self._file.load_if_changed()
+        if not changed:
             return
-        data = json.loads(self.path.read_text()) if stamp is not None else {}
         names = data.get("models", {}) if isinstance(data, dict) else None
         if not isinstance(names, dict):
             raise ValueError(f"{self.path}: expected {{'models': {{name: {{...}}}}}}")
-        self._names, self._stamp, self._known = names, stamp, None
+        self._names, self._known = names, None
 
     def _known_locked(self) -> set[str]:
         if self._known is None:
@@ -145,8 +139,4 @@ class ModelAllowList:
         return hit
 
     def _write_locked(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".allowed_models.{os.getpid()}.{secrets.token_hex(4)}")
-        tmp.write_text(json.dumps({"models": self._names}, indent=1, sort_keys=True))
-        os.replace(tmp, self.path)
-        self._stamp, self._known = None, None
+        self._file.write({"models": self._names})  # re-read on the next access

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import logging
-import os
 import re
 import secrets
 import threading
@@ -31,6 +29,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from .tenancy import RESERVED_USERS
+from .watched_json import WatchedJson
 
 logger = logging.getLogger("tinker_local.server")
 
@@ -71,20 +70,15 @@ class KeyStore:
 
     def __init__(self, root: Path | str):
         self.path = keys_file(root)
+        self._file = WatchedJson(self.path, mode=0o600)
         self._lock = threading.Lock()
-        self._stamp: tuple[int, int] | None = None
         self._entries: dict[str, dict] = {}
         self._by_digest: dict[str, KeyEntry] = {}
 
     def _refresh_locked(self) -> None:
-        try:
-            st = self.path.stat()
-            stamp = (st.st_mtime_ns, st.st_size)
-        except FileNotFoundError:
-            stamp = None
-        if stamp == self._stamp and (stamp is not None or not self._entries):
+        changed, entries = self._file.load_if_changed()
+        if not changed:
             return
-        entries = json.loads(self.path.read_text()) if stamp is not None else {}
         if not isinstance(entries, dict):
             raise ValueError(f"{self.path}: expected a JSON object of name -> key record")
         self._entries = entries
@@ -96,16 +90,9 @@ class KeyStore:
             for n, e in entries.items()
             if not reserved(n)
         }
-        self._stamp = stamp
 
     def _write_locked(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".api_keys.{os.getpid()}.{secrets.token_hex(4)}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(self._entries, f, indent=1, sort_keys=True)
-        os.replace(tmp, self.path)
-        self._stamp = None  # re-read (and re-index) on the next access
+        self._file.write(self._entries)  # re-read (and re-indexed) on the next access
 
     def entries(self) -> list[KeyEntry]:
         """Every key's record (no secrets), sorted by name."""

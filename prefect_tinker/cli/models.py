@@ -122,26 +122,28 @@ def add_parser(sub: Any) -> None:
     """Register ``models list|show|promote|rollback`` on the ``prefect-tinker`` subparsers ``sub``."""
     m = sub.add_parser("models", help="model lines, their aliases (champion, candidate, ...) and history")
     msub = m.add_subparsers(dest="models_command", metavar="COMMAND", required=True)
-    ls = msub.add_parser("list", help="every line's aliases now")
+
+    def command(name: str, help: str, cmd: Any, *extra: Any) -> Any:
+        p = msub.add_parser(name, help=help)
+        p.set_defaults(func=lambda a: _guarded(cmd, a, *extra))
+        return p
+
+    ls = command("list", "every line's aliases now", _cmd_list)
     ls.add_argument("--store", help=STORE_HELP)
     ls.add_argument("--json", action="store_true")
-    ls.set_defaults(func=lambda a: _guarded(_cmd_list, a))
-    sh = msub.add_parser("show", help="a line's history (the models rows), oldest first")
+    sh = command("show", "a line's history (the models rows), oldest first", _cmd_show)
     sh.add_argument("line")
     sh.add_argument("--alias", help="only this alias")
     sh.add_argument("--store", help=STORE_HELP)
     sh.add_argument("--json", action="store_true")
-    sh.set_defaults(func=lambda a: _guarded(_cmd_show, a))
-    pr = msub.add_parser("promote", help="point an alias at weights, by hand (no gate; see: run promote)")
-    pr.add_argument("line")
-    pr.add_argument("weights", help="tinker:// path, run:RUN, alias:LINE@ALIAS or a base model name")
-    pr.add_argument("--alias", default="champion", help="default champion")
-    pr.add_argument("--reason", help="why (stored in decision_json)")
-    pr.add_argument("--store", help=STORE_HELP)
-    pr.set_defaults(func=lambda a: _guarded(_change, a, "promote"))
-    rb = msub.add_parser("rollback", help="move an alias back to its value before the last promotion")
-    rb.add_argument("line")
-    rb.add_argument("--alias", default="champion", help="default champion")
-    rb.add_argument("--reason", help="why (stored in decision_json)")
-    rb.add_argument("--store", help=STORE_HELP)
-    rb.set_defaults(func=lambda a: _guarded(_change, a, "rollback"))
+    for action, help in (
+        ("promote", "point an alias at weights, by hand (no gate; see: run promote)"),
+        ("rollback", "move an alias back to its value before the last promotion"),
+    ):
+        p = command(action, help, _change, action)
+        p.add_argument("line")
+        if action == "promote":
+            p.add_argument("weights", help="tinker:// path, run:RUN, alias:LINE@ALIAS or a base model name")
+        p.add_argument("--alias", default="champion", help="default champion")
+        p.add_argument("--reason", help="why (stored in decision_json)")
+        p.add_argument("--store", help=STORE_HELP)

@@ -91,24 +91,23 @@ def _run_targets(config: EvalConfig, credentials: TinkerCredentials, run_id: str
 
 
 def _path_target(config: EvalConfig, credentials: TinkerCredentials, path: str) -> EvalTarget:
-    rows = _training_store(config).query(
-        "SELECT run_id, step, name, renderer FROM checkpoints WHERE path = ? ORDER BY time DESC LIMIT 1", [path]
-    )
-    known = rows[0] if rows else None
-    name = path.rstrip("/").rsplit("/", 1)[-1]
-    sampler = path
-    if "/weights/" in path:  # a state path: its sampler weights first
-        sampler = sampler_from_state(credentials, path, name)
-        if known:
-            record_checkpoint(config.store, known["run_id"], int(known["step"]), sampler, "sampler", known["renderer"])
-    run_id, step = (known["run_id"], int(known["step"])) if known else (config.run_name, None)
+    """A ``tinker://`` path through the one resolver (its run, step and renderer from ``checkpoints``;
+    a state path's sampler twin when the run saved one): a state path without a twin gets its
+    sampler weights saved once and recorded with its run, so the next evaluation finds them."""
+    weights = weights_ref(config.store, path, "model")
+    sampler = weights.checkpoint
+    if "/weights/" in sampler:  # a state path and no sampler weights at its step yet
+        sampler = sampler_from_state(credentials, sampler, sampler.rstrip("/").rsplit("/", 1)[-1])
+        if weights.run_id is not None and weights.step is not None:
+            record_checkpoint(config.store, weights.run_id, weights.step, sampler, "sampler", weights.renderer)
+    known = weights.run_id is not None
     return EvalTarget(
-        run_id=run_id,
-        step=step,
+        run_id=weights.run_id if known else config.run_name,
+        step=weights.step,
         checkpoint=sampler,
         sampler=sampler,
-        label=f"{run_id}@{step}" if known else name,
-        renderer=_resolve_renderer(config, credentials, sampler, known["renderer"] if known else None),
+        label=f"{weights.run_id}@{weights.step}" if known else path.rstrip("/").rsplit("/", 1)[-1],
+        renderer=_resolve_renderer(config, credentials, sampler, weights.renderer),
     )
 
 

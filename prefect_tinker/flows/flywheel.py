@@ -179,12 +179,11 @@ def snapshot_dataset(config: FlywheelConfig, selection: dict[str, Any]) -> dict[
     def write() -> None:
         import fsspec
 
+        from tinker_blocks.atomic import atomic_write_bytes
+
         fs, inner = fsspec.core.url_to_fs(path)
         if not fs.exists(inner):
-            fs.makedirs(inner.rsplit("/", 1)[0], exist_ok=True)
-            tmp = f"{inner}.tmp"
-            fs.pipe_file(tmp, body)
-            fs.mv(tmp, inner)
+            atomic_write_bytes(fs, inner, body)
         add_asset_metadata(uri, {"sha256": digest, "examples": len(lines), "method": selection["method"]})
 
     asset = Asset(

@@ -204,16 +204,11 @@ def _sha256(data: bytes) -> str:
 
 
 def _write(dest: Path, data: bytes) -> None:
-    """``data`` into ``dest`` through a temporary in the same folder (never half-written)."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, dest)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """``data`` into ``dest`` whole or not at all (the store's atomic write; imported here so that
+    reading this module needs the standard library only)."""
+    from tinker_blocks.atomic import atomic_write_bytes
+
+    atomic_write_bytes(None, str(dest), data)
 
 
 def _download(url: str, attempts: int = 3, timeout: float = 60.0) -> bytes:

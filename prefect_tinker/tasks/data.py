@@ -14,11 +14,10 @@ import json
 from typing import Any
 
 from prefect import get_run_logger, task
-from prefect.cache_policies import TASK_SOURCE, CacheKeyFnPolicy
 
 from prefect_tinker.recipes.builders import BuiltData, DatasetBuilder, Example, SupervisedData
 from prefect_tinker.tasks.clients import tokenizer as load_tokenizer
-from prefect_tinker.tasks.policies import RETRY_OPTIONS, run_name_from_parameters
+from prefect_tinker.tasks.policies import cached_options, run_name_from_parameters
 
 __all__ = ["Example", "SupervisedData", "prepare_dataset"]
 
@@ -36,9 +35,7 @@ def _run_name(parameters: dict[str, Any]) -> str:
 @task(
     name="prepare-dataset",
     task_run_name=run_name_from_parameters(_run_name),
-    cache_policy=TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_cache_key),
-    persist_result=True,
-    **RETRY_OPTIONS,
+    **cached_options(_cache_key),
 )
 def prepare_dataset(builder: DatasetBuilder, tokenizer_id: str) -> BuiltData[Any, Any]:
     """``builder.build(tokenizer)`` for the tokenizer ``tokenizer_id`` (a local directory or hub

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prefect import task, unmapped
-from prefect.cache_policies import NO_CACHE, TASK_SOURCE, CacheKeyFnPolicy
+from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, Field
 
 from prefect_tinker.recipes.evals.benchmarks import BenchmarkSpec
@@ -45,7 +45,7 @@ from prefect_tinker.tasks.clients import result as watched_result
 from prefect_tinker.tasks.clients import sampling_client
 from prefect_tinker.tasks.events import emit_eval_completed
 from prefect_tinker.tasks.limits import RateLimitedSampler, sampling_slot
-from prefect_tinker.tasks.policies import RETRY_OPTIONS
+from prefect_tinker.tasks.policies import RETRY_OPTIONS, cached_options
 from prefect_tinker.tasks.runners import TaskRunnerFields, map_task
 
 if TYPE_CHECKING:
@@ -132,9 +132,7 @@ def _batch_key(context: Any, params: dict[str, Any]) -> str:
 @task(
     name="eval-batch",
     task_run_name="eval-{spec.name}-{target.label}-batch-{batch_index}",
-    cache_policy=TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_batch_key),
-    persist_result=True,
-    **RETRY_OPTIONS,
+    **cached_options(_batch_key),
 )
 def eval_batch(
     credentials: TinkerCredentials,
@@ -200,9 +198,7 @@ def _outcome(
 @task(
     name="evaluate-benchmark",
     task_run_name="eval-{spec.name}-{target.label}",
-    cache_policy=TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_eval_key),
-    persist_result=True,
-    **RETRY_OPTIONS,
+    **cached_options(_eval_key),
 )
 def evaluate_benchmark(
     credentials: TinkerCredentials,
@@ -304,9 +300,7 @@ def default_inspect_log_dir() -> str:
 @task(
     name="evaluate-inspect",
     task_run_name="inspect-{spec.name}-{target.label}",
-    cache_policy=TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_inspect_key),
-    persist_result=True,
-    **RETRY_OPTIONS,
+    **cached_options(_inspect_key),
 )
 def evaluate_inspect(
     credentials: TinkerCredentials,

@@ -20,12 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 import tinker
 from prefect import task
-from prefect.cache_policies import TASK_SOURCE, CacheKeyFnPolicy
 
 from prefect_tinker.recipes.rl.judge import JudgeRequest, judge_messages
 from prefect_tinker.recipes.rl.problem_env import load_renderer
 from prefect_tinker.tasks.clients import sampling_client
-from prefect_tinker.tasks.policies import RETRY_OPTIONS
+from prefect_tinker.tasks.policies import cached_options
 
 if TYPE_CHECKING:
     from tinker_blocks.credentials import TinkerCredentials
@@ -53,9 +52,7 @@ def judge_prompt_tokens(request: JudgeRequest) -> list[int]:
 @task(
     name="judge-reply",
     task_run_name="judge-{request.judge}",
-    cache_policy=TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_key),
-    persist_result=True,
-    **RETRY_OPTIONS,
+    **cached_options(_key),
 )
 def judge_reply(credentials: TinkerCredentials, request: JudgeRequest) -> str:
     """The judge's answer (text, stop sequence removed) to ``request`` (module docstring).

@@ -17,12 +17,22 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import tinker
+from prefect.cache_policies import TASK_SOURCE, CacheKeyFnPolicy
+from prefect.context import TaskRunContext
 from prefect.tasks import TaskRunNameCallbackWithParameters, exponential_backoff
 from prefect.utilities.annotations import quote as prefect_quote
 
 from tinker_blocks.s3 import StoreUnavailableError
 
-__all__ = ["is_transient", "retry_condition", "RETRY_OPTIONS", "file_sha256", "quote", "run_name_from_parameters"]
+__all__ = [
+    "is_transient",
+    "retry_condition",
+    "RETRY_OPTIONS",
+    "cached_options",
+    "file_sha256",
+    "quote",
+    "run_name_from_parameters",
+]
 
 T = TypeVar("T")
 
@@ -89,6 +99,15 @@ RETRY_OPTIONS: dict[str, Any] = dict(
     retry_jitter_factor=0.5,
     retry_condition_fn=retry_condition,
 )
+
+
+def cached_options(cache_key_fn: Callable[[TaskRunContext, dict[str, Any]], str | None]) -> dict[str, Any]:
+    """Keyword arguments for ``@task`` of a task whose result is a function of ``cache_key_fn(context,
+    parameters)``: cached under that key and the task's source (an edit of the task misses the cache),
+    persisted so that a rerun reads it back, and retried as :data:`RETRY_OPTIONS` says."""
+    return dict(
+        cache_policy=TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=cache_key_fn), persist_result=True, **RETRY_OPTIONS
+    )
 
 
 def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:

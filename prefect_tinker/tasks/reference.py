@@ -21,11 +21,10 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import tinker
 from prefect import task
-from prefect.cache_policies import TASK_SOURCE, CacheKeyFnPolicy
 
 from prefect_tinker.recipes.preference import sequence_logprob
 from prefect_tinker.tasks.clients import reference_client, result, sampling_client
-from prefect_tinker.tasks.policies import RETRY_OPTIONS
+from prefect_tinker.tasks.policies import cached_options
 
 if TYPE_CHECKING:
     from tinker_blocks.credentials import TinkerCredentials
@@ -50,9 +49,7 @@ def _weighted(logprobs: np.ndarray, datum: tinker.Datum) -> float:
 
 @task(
     name="reference-sequence-logprobs",
-    cache_policy=TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_key),
-    persist_result=True,
-    **RETRY_OPTIONS,
+    **cached_options(_key),
 )
 def reference_sequence_logprobs(
     credentials: TinkerCredentials,

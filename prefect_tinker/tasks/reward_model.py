@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import tinker
 from prefect import task
-from prefect.cache_policies import TASK_SOURCE, CacheKeyFnPolicy
 
 from prefect_tinker.recipes.renderers.base import Termination
 from prefect_tinker.recipes.reward_model import (
@@ -47,7 +46,7 @@ from prefect_tinker.recipes.reward_model import (
 )
 from prefect_tinker.tasks.clients import sampling_client
 from prefect_tinker.tasks.evaluators import SamplingClientEvaluator
-from prefect_tinker.tasks.policies import RETRY_OPTIONS, quote, run_name_from_parameters
+from prefect_tinker.tasks.policies import cached_options, quote, run_name_from_parameters
 
 if TYPE_CHECKING:
     from tinker_blocks.credentials import TinkerCredentials
@@ -96,9 +95,7 @@ def _ask_sequence(client: Any, prompt: list[int], label: list[int]) -> Any:
 @task(
     name="reward-label-logprobs",
     task_run_name=run_name_from_parameters(_run_name),
-    cache_policy=TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_key),
-    persist_result=True,
-    **RETRY_OPTIONS,
+    **cached_options(_key),
 )
 def label_logprobs(
     credentials: TinkerCredentials, reward_model: str, comparisons: list[RenderedComparison]

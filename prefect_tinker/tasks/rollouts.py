@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import tinker
 from prefect import task
-from prefect.cache_policies import TASK_SOURCE, CacheKeyFnPolicy
 from pydantic import BaseModel, Field
 
 from prefect_tinker.recipes.media import has_media, media_key, model_input_from_tokens
@@ -51,7 +50,7 @@ from prefect_tinker.recipes.rl.types import (
 )
 from prefect_tinker.tasks.clients import sampling_client
 from prefect_tinker.tasks.judge import judge_reply
-from prefect_tinker.tasks.policies import RETRY_OPTIONS
+from prefect_tinker.tasks.policies import cached_options
 from prefect_tinker.tasks.reward_model import pair_preferences
 
 if TYPE_CHECKING:
@@ -224,8 +223,12 @@ def run_group_rollout(
         envs = list(builder.make_envs_in(ctx))
     except Exception as exc:  # the whole group's envs are broken: no member can run
         raise RolloutError(f"{where}: make_envs failed: {exc}") from exc
-    run = _run_shared if builder.shared_episode else _run_members
-    trajs, errors, messages = run(builder, envs, ctx, sampler, policy, where, max_tokens, temperature, usage)
+    if builder.shared_episode:
+        trajs, errors, messages = _run_shared(builder, envs, ctx, policy, where)
+    else:
+        trajs, errors, messages = _run_members(
+            builder, envs, ctx, sampler, policy, where, max_tokens, temperature, usage
+        )
     if policy.mode == "min_viable" and len(trajs) < min(policy.min_group_size, len(envs)):
         trajs = []
     rewards = builder.compute_group_rewards_in(ctx, trajs) if trajs else []
@@ -300,17 +303,10 @@ def _run_members(
 
 
 def _run_shared(
-    builder: EnvGroupBuilder,
-    envs: list,
-    ctx: RolloutContext,
-    sampler: Any,
-    policy: RolloutPolicy,
-    where: str,
-    max_tokens: int,
-    temperature: float,
-    usage: dict[str, float],
+    builder: EnvGroupBuilder, envs: list, ctx: RolloutContext, policy: RolloutPolicy, where: str
 ) -> tuple[list[Trajectory], int, list[str]]:
-    """One shared episode of all envs (``builder.run_group``), replayed under ``retry``."""
+    """One shared episode of all envs (``builder.run_group``, which samples through ``ctx``), replayed
+    under ``retry``."""
     errors, messages, attempt = 0, list[str](), 0
     while True:
         try:
@@ -338,9 +334,7 @@ def _rollout_cache_key(context: Any, params: dict[str, Any]) -> str:
     name="rollout-group",
     # batch and group, then the training step of the sampler weights it rolls out (the policy version)
     task_run_name="rollout-b{batch_index}-g{group_index}-step-{sampler_step}",
-    cache_policy=TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_rollout_cache_key),
-    persist_result=True,
-    **RETRY_OPTIONS,
+    **cached_options(_rollout_cache_key),
 )
 def rollout_group(
     credentials: TinkerCredentials,
@@ -400,9 +394,7 @@ def _ref_cache_key(context: Any, params: dict[str, Any]) -> str:
 
 @task(
     name="reference-logprobs",
-    cache_policy=TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_ref_cache_key),
-    persist_result=True,
-    **RETRY_OPTIONS,
+    **cached_options(_ref_cache_key),
 )
 def reference_logprobs(credentials: TinkerCredentials, reference: str, sequences: list[list[int]]) -> list[list[float]]:
     """Logprobs (L-1,) of tokens 1..L-1 of each sequence (L,) under the reference weights

@@ -8,11 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 import tinker
 from prefect import task
-from prefect.cache_policies import TASK_SOURCE, CacheKeyFnPolicy
 
 from prefect_tinker.recipes.media import media_key, model_input_from_tokens
 from prefect_tinker.tasks.clients import sampling_client
-from prefect_tinker.tasks.policies import RETRY_OPTIONS, run_name_from_parameters
+from prefect_tinker.tasks.policies import cached_options, run_name_from_parameters
 
 if TYPE_CHECKING:
     from tinker_blocks.credentials import TinkerCredentials
@@ -38,9 +37,7 @@ def _sample_cache_key(context: Any, params: dict[str, Any]) -> str:
     task_run_name=run_name_from_parameters(_sample_run_name),
     # A pure function of (sampler weights path, prompts incl. their media, sampling params incl.
     # seed); the block is excluded from the key (which backend served it does not change the answer).
-    cache_policy=TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_sample_cache_key),
-    persist_result=True,
-    **RETRY_OPTIONS,
+    **cached_options(_sample_cache_key),
 )
 def sample_completions(
     credentials: TinkerCredentials,

@@ -24,13 +24,13 @@ import numpy as np
 import tinker
 from prefect import task
 from prefect.assets import materialize
-from prefect.cache_policies import NO_CACHE, TASK_SOURCE, CacheKeyFnPolicy
+from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
 from prefect_tinker.recipes.distill.align import tokenizer_fingerprint
 from prefect_tinker.recipes.distill.prompts import PromptRecord, TeacherView
 from prefect_tinker.tasks.clients import sampling_client
-from prefect_tinker.tasks.policies import RETRY_OPTIONS, is_transient
+from prefect_tinker.tasks.policies import RETRY_OPTIONS, cached_options, is_transient
 from prefect_tinker.tasks.rollouts import reference_logprobs
 
 if TYPE_CHECKING:
@@ -151,9 +151,7 @@ def _topk_key(context: Any, params: dict[str, Any]) -> str:
 
 @task(
     name="teacher-topk",
-    cache_policy=TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_topk_key),
-    persist_result=True,
-    **RETRY_OPTIONS,
+    **cached_options(_topk_key),
 )
 def teacher_topk(
     credentials: TinkerCredentials, teacher: str, sequences: list[list[int]], k: int
@@ -378,9 +376,7 @@ def teacher_samples(
         asset_deps=[teacher_asset(teacher), *(upstream or [])],
         name="teacher-samples",
         task_run_name=name,
-        cache_policy=TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=lambda ctx, p: _samples_digest(p)),
-        persist_result=True,
-        **RETRY_OPTIONS,
+        **cached_options(lambda ctx, p: _samples_digest(p)),
     )(_sample_teacher)
     args = (
         credentials,
