@@ -15,7 +15,9 @@ environment does not pay for importing the flows (Prefect, the run session) and 
 quick. Groups:
 
 - **recipes**: :class:`Recipe` and :data:`RECIPES` (entry-point group ``prefect_tinker.recipes``),
-  :class:`RecipeConfig` (a recipe's config model), :func:`recipe_flow` (its flow decorator),
+  :class:`RecipeConfig` (a recipe's config model: the recipe protocol the run session and the
+  CLI call), :data:`RESUME` (the marker of a field a resumed run must keep), :func:`recipe_flow`
+  (its flow decorator),
   :class:`RunSession` (credentials, store, resume point, run context), :class:`StepLoop`,
   :class:`RunContext`, the tasks :func:`train_step` and :func:`tokenizer`;
 - **RL environments**: :class:`Environment`, :class:`EnvContext`, :func:`register_env`, :data:`ENVS`
@@ -62,6 +64,7 @@ _MODULES: dict[str, str] = {
     "Recipe": "prefect_tinker.flows.registry",
     "RECIPES": "prefect_tinker.flows.registry",
     "RecipeConfig": "prefect_tinker.flows.config",
+    "RESUME": "prefect_tinker.recipes.resume_marker",
     "recipe_flow": "prefect_tinker.flows.interrupts",
     "RunSession": "prefect_tinker.flows.session",
     "StepLoop": "prefect_tinker.flows.loop",
@@ -174,6 +177,7 @@ if TYPE_CHECKING:
     from prefect_tinker.recipes.preference import DPO_LOSSES, DPOVariant, register_dpo_loss
     from prefect_tinker.recipes.registry import Registry, UnknownComponentError
     from prefect_tinker.recipes.renderers import RENDERERS, Renderer, register_renderer
+    from prefect_tinker.recipes.resume_marker import RESUME
     from prefect_tinker.recipes.rl.advantages import (
         ADVANTAGE_ESTIMATORS,
         AdvantageEstimator,

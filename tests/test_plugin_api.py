@@ -27,7 +27,7 @@ PUBLIC = {
     "ServiceKey", "ServiceResources", "Services", "SERVICES", "register_service", "MissingServiceError", "JUDGE",
     "PAIR_PREFERENCES", "SAMPLER", "SANDBOX", "RETRIEVAL", "WIN_RATE_EVALUATOR",
     "FileType", "register_file_type", "FILE_TYPES", "RawRecord", "SourceSpec", "register_builtin_dataset",
-    "BUILTIN_DATASETS", "DPOVariant", "register_dpo_loss", "DPO_LOSSES",
+    "BUILTIN_DATASETS", "DPOVariant", "register_dpo_loss", "DPO_LOSSES", "RESUME",
 }
 
 

@@ -29,7 +29,7 @@ def _logprobs(client, tokens: list[int]) -> np.ndarray:
 @flow(name="inflight-rollouts-probe")
 def _probe(config) -> dict:
     """One async RL step, as ``rl_flow`` runs it, with the sampling clients read around it."""
-    with RunSession(config, fingerprint=config.data_fingerprint) as session:
+    with RunSession(config) as session:
         session.save_sampler(record=True)
         dataset = build_rl_dataset(
             config,

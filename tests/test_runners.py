@@ -24,4 +24,4 @@ def test_settings_and_factory():
         r = runners.make_task_runner("ray", "127.0.0.1:6379")
         assert r.address == "127.0.0.1:6379" and "num_cpus" not in r.init_kwargs  # a cluster sizes itself
         assert runners.make_task_runner("ray", workers=3).init_kwargs["num_cpus"] == 3  # a local instance
-    assert "task_runner" not in RLConfig.resume_fields  # where rollouts run never changes a result
+    assert "task_runner" not in RLConfig.resume_fields()  # where rollouts run never changes a result

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import os
 from datetime import UTC
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 from pydantic import BaseModel, Field, model_validator
 
 from prefect_tinker.recipes.evals.specs import EvalSpec
 from prefect_tinker.recipes.pricing import TokenPrices
+from prefect_tinker.recipes.resume_marker import RESUME, resume_fields
 from prefect_tinker.recipes.schedule import LRScheduleFields
 from tinker_blocks.model_registry import Weights, WeightsRefError, is_weights_ref
 
@@ -20,6 +21,7 @@ from tinker_blocks.store_config import default_store_root
 
 if TYPE_CHECKING:
     from prefect_tinker.recipes.builders import DatasetBuilder
+    from prefect_tinker.recipes.rl.envs import EnvContext
 
 __all__ = [
     "BackendConfig",
@@ -178,34 +180,35 @@ class PreflightChecks:
 class RecipeConfig(PreflightChecks, LRScheduleFields):
     """The fields every recipe's config shares (each recipe's config subclasses it).
 
-    Class attributes a recipe sets: ``recipe`` (its registry name), ``resume_fields`` (fields
-    that must not change when a run resumes: they would silently alter the data position or the
-    objective; :class:`~prefect_tinker.flows.session.RunSession` compares them with the stored
-    run's config and refuses a change unless it is listed in ``allow_config_change``).
+    A recipe's config sets the class attribute ``recipe`` (its registry name) and marks the
+    fields that must not change when a run resumes (they would silently alter the data position or
+    the objective) with :data:`~prefect_tinker.recipes.resume_marker.RESUME`
+    (``batch_size: Annotated[int, RESUME] = Field(...)``): :class:`~prefect_tinker.flows.session.RunSession`
+    compares them with the stored run's config and refuses a change unless it is listed in
+    ``allow_config_change`` (:meth:`resume_fields` lists them).
     """
 
     recipe: ClassVar[str] = ""
-    resume_fields: ClassVar[tuple[str, ...]] = ("model", "tokenizer", "seed", "renderer", "lora_rank")
 
-    model: str = Field(
+    model: Annotated[str, RESUME] = Field(
         default="tiny",
         description=(
             "Base model: 'tiny', 'smollm2', a local HF directory or a hosted model name; or weights to start from: "
             "alias:LINE@ALIAS (e.g. alias:assistant@champion) or run:RUN (that run's base model and last state)."
         ),
     )
-    tokenizer: str | None = Field(
+    tokenizer: Annotated[str | None, RESUME] = Field(
         default=None,
         description=(
             "Tokenizer to load here instead of the one the backend names for the model (a local directory or a hub "
             "name): for a remote server naming a hub tokenizer this machine cannot download."
         ),
     )
-    renderer: str = Field(
+    renderer: Annotated[str, RESUME] = Field(
         default="auto",
         description="Renderer name; 'auto' resolves from the tokenizer (recorded with the run and its checkpoints).",
     )
-    lora_rank: int = Field(default=32, ge=1, description="LoRA rank.")
+    lora_rank: Annotated[int, RESUME] = Field(default=32, ge=1, description="LoRA rank.")
     max_steps: int | None = Field(
         default=None, ge=1, description="Total optimizer steps of the run (counting earlier invocations)."
     )
@@ -228,7 +231,7 @@ class RecipeConfig(PreflightChecks, LRScheduleFields):
             "~/.prefect-tinker/store (where prefect-tinker sql/runs look)."
         ),
     )
-    seed: int = Field(default=0, description="Seed of data order, splits, sampling and LoRA init.")
+    seed: Annotated[int, RESUME] = Field(default=0, description="Seed of data order, splits, sampling and LoRA init.")
     adam: AdamConfig = Field(default_factory=AdamConfig)
     backend: BackendConfig = Field(default_factory=BackendConfig)
     evaluators: list[EvalSpec] = Field(
@@ -251,6 +254,26 @@ class RecipeConfig(PreflightChecks, LRScheduleFields):
             "allows starting from a checkpoint trained with another renderer."
         ),
     )
+
+    def data_fingerprint(self, renderer: str) -> str | None:
+        """The identity of the run's data (``sha256:<hex>``) for the resolved ``renderer`` when
+        :meth:`dataset_builder` gives no builder (whose own fingerprint is used): an RL
+        environment's settings and problems. Recorded with the run; a resumed run must match it.
+        Default: None (nothing recorded or compared)."""
+        return None
+
+    def env_context(self, renderer: str, tokenizer_id: str) -> EnvContext | None:
+        """The RL environment context of a run of this config on the resolved ``renderer`` and
+        ``tokenizer_id`` (built once by the run session: ``RunContext.env``). Default: None (a
+        recipe without an environment)."""
+        return None
+
+    @classmethod
+    def resume_fields(cls) -> tuple[str, ...]:
+        """The fields a resumed run must keep: those marked
+        :data:`~prefect_tinker.recipes.resume_marker.RESUME`, in field order (here ``model``,
+        ``tokenizer``, ``renderer``, ``lora_rank``, ``seed``; a recipe's config adds its own)."""
+        return resume_fields(cls)
 
     def run_name_prefix(self) -> str:
         """Prefix of the default run name (``<prefix>-<timestamp>``): the recipe and the model name

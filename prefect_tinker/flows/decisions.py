@@ -17,7 +17,7 @@ Metrics per step: ``train/ce`` (mean cross-entropy to the targets, nats), ``trai
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, cast
+from typing import Annotated, Any, ClassVar, cast
 
 from prefect import get_run_logger
 from pydantic import Field, field_validator
@@ -29,6 +29,7 @@ from prefect_tinker.flows.session import RunSession
 from prefect_tinker.recipes.builders import SourceFields
 from prefect_tinker.recipes.data_pipeline import batch_at
 from prefect_tinker.recipes.decisions import DecisionBuilder, DecisionData, decision_datum
+from prefect_tinker.recipes.resume_marker import RESUME
 from prefect_tinker.tasks.data import prepare_dataset
 from prefect_tinker.tasks.decisions import DecisionEvaluator, choice_loss_handle
 from prefect_tinker.tasks.policies import quote
@@ -41,17 +42,6 @@ class DecisionsConfig(SourceFields, RecipeConfig):
     """Parameters of a decisions run (the flow's single parameter)."""
 
     recipe: ClassVar[str] = "decisions"
-    resume_fields: ClassVar[tuple[str, ...]] = (
-        *RecipeConfig.resume_fields,
-        "batch_size",
-        "max_length",
-        "test_size",
-        "choices",
-        "prompt_field",
-        "label_field",
-        "probs_field",
-        "instruction",
-    )
 
     dataset: str | None = Field(
         default="builtin:sentiment_sentences",
@@ -60,22 +50,28 @@ class DecisionsConfig(SourceFields, RecipeConfig):
             "positive/negative)."
         ),
     )
-    choices: list[str] = Field(
+    choices: Annotated[list[str], RESUME] = Field(
         default_factory=lambda: ["positive", "negative"],
         min_length=2,
         description="The choice names (their first tokens must differ).",
     )
-    prompt_field: str = Field(default="text", description="Record field holding the prompt (a string or messages).")
-    label_field: str = Field(default="label", description="Record field holding a hard label (one of the choices).")
-    probs_field: str = Field(
+    prompt_field: Annotated[str, RESUME] = Field(
+        default="text", description="Record field holding the prompt (a string or messages)."
+    )
+    label_field: Annotated[str, RESUME] = Field(
+        default="label", description="Record field holding a hard label (one of the choices)."
+    )
+    probs_field: Annotated[str, RESUME] = Field(
         default="probs",
         description=(
             "Record field holding soft labels ({choice: p} or N probabilities); preferred over label_field when "
             "present."
         ),
     )
-    instruction: bool = Field(default=True, description="Append 'Answer with one of: ...' to the prompt.")
-    batch_size: int = Field(default=8, ge=1, description="Examples per step.")
+    instruction: Annotated[bool, RESUME] = Field(
+        default=True, description="Append 'Answer with one of: ...' to the prompt."
+    )
+    batch_size: Annotated[int, RESUME] = Field(default=8, ge=1, description="Examples per step.")
     num_epochs: int = Field(default=1, ge=1, description="Epochs when max_steps is not set.")
     learning_rate: float = Field(default=1e-4, gt=0, description="Peak learning rate.")
     test_size: float = Field(
@@ -114,7 +110,7 @@ def decisions_flow(config: DecisionsConfig) -> dict[str, Any]:
     """Train ``config.model`` to put calibrated probabilities on ``config.choices``; returns a
     summary (first and last held-out accuracy, Brier and ECE, steps, checkpoints)."""
     log = get_run_logger()
-    with RunSession(config, builder=config.dataset_builder) as session:
+    with RunSession(config) as session:
         data = cast(DecisionData, prepare_dataset(session.dataset_builder, session.tokenizer_id))
         total = config.max_steps or len(data.train) // config.batch_size * config.num_epochs
         log.info(

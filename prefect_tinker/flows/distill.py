@@ -91,7 +91,6 @@ def _on_policy(config: DistillConfig) -> dict[str, Any]:
     teachers = open_teachers(config, credentials)
     with RunSession(
         config,
-        fingerprint=config.data_fingerprint,
         credentials=credentials,
         upstream=[teacher_asset(t.weights) for t in teachers],
     ) as session:
@@ -145,7 +144,6 @@ def _sdft(config: DistillConfig) -> dict[str, Any]:
     teachers = open_teachers(config, credentials, topk=config.topk)
     with RunSession(
         config,
-        fingerprint=config.data_fingerprint,
         credentials=credentials,
         upstream=[teacher_asset(t.weights) for t in teachers],
     ) as session:

@@ -1,23 +1,27 @@
 """The distill flow's configuration (its single parameter) and the teacher's spec.
 
-One config serves the four modes; the fields a mode does not read are ignored. It extends the RL
-config (:class:`~prefect_tinker.flows.rl_config.RLConfig`): on-policy distillation and SDFT are
-RL-shaped (the student samples groups of replies on the ``prompts`` environment), and the
-off-policy modes read their prompts from the same ``dataset`` / ``env_options`` fields.
+One config serves the four modes; the fields a mode does not read are ignored. It is composed of
+the RL loop's parts (:class:`~prefect_tinker.flows.rl_config.RLTrainingConfig`: the step settings,
+the environment, the task runner), not an RL config: on-policy distillation and SDFT are RL-shaped
+(the student samples groups of replies on the ``prompts`` environment, trained by the RL loop and
+its schedules), and the off-policy modes read their prompts from the same ``dataset`` /
+``env_options`` fields.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 
 from prefect_tinker.flows.config import BackendConfig, weights_ref
-from prefect_tinker.flows.rl_config import RLConfig
-from prefect_tinker.recipes.data_reading import EXAMPLE_CHAT_PATH, source_fingerprint
+from prefect_tinker.flows.rl_config import RLTrainingConfig
+from prefect_tinker.recipes.builders import DatasetBuilder
+from prefect_tinker.recipes.data_reading import EXAMPLE_CHAT_PATH, SourceSpec, source_fingerprint
 from prefect_tinker.recipes.distill.prompts import DEMO_TEMPLATE, TeacherView
+from prefect_tinker.recipes.resume_marker import RESUME
 from prefect_tinker.recipes.rl.envs.prompts import PromptsOptions
 from tinker_blocks.model_registry import is_weights_ref
 
@@ -97,7 +101,7 @@ class TeacherSpec(BaseModel):
         return TeacherView(system_prompt=self.system_prompt, prompt_template=self.prompt_template)
 
 
-class DistillConfig(RLConfig):
+class DistillConfig(RLTrainingConfig):
     """Parameters of a distillation run.
 
     Modes:
@@ -120,27 +124,12 @@ class DistillConfig(RLConfig):
     """
 
     recipe: ClassVar[str] = "distill"
-    resume_fields: ClassVar[tuple[str, ...]] = (
-        *RLConfig.resume_fields,
-        "mode",
-        "teacher",
-        "teachers",
-        "kl_discount_factor",
-        "topk",
-        "skip_first_tokens",
-        "reverse",
-        "soft_targets",
-        "sequences",
-        "teacher_max_tokens",
-        "teacher_temperature",
-        "samples_per_prompt",
-        "keep_truncated",
-        "batch_size",
-        "test_size",
-        "max_length",
-    )
+    # the off-policy / prompt sequences once sampled (with_sequences): not a setting, not stored
+    _sequences: tuple[list[SourceSpec], float | int] | None = PrivateAttr(default=None)
 
-    mode: DistillMode = Field(default="on_policy", description="on_policy, off_policy, sdft or prompt.")
+    mode: Annotated[DistillMode, RESUME] = Field(
+        default="on_policy", description="on_policy, off_policy, sdft or prompt."
+    )
     env: str = Field(
         default="prompts",
         description="The environment the student samples on (on_policy, sdft): 'prompts' serves the dataset's prompts.",
@@ -149,10 +138,10 @@ class DistillConfig(RLConfig):
         default=EXAMPLE_CHAT_PATH,
         description="Prompts (and golden answers, sdft): a JSONL file or dataset; read as env_options.format.",
     )
-    teacher: TeacherSpec | None = Field(
+    teacher: Annotated[TeacherSpec | None, RESUME] = Field(
         default=None, description="The teacher (a string = its weights); sdft default: the frozen initial weights."
     )
-    teachers: list[TeacherSpec] = Field(
+    teachers: Annotated[list[TeacherSpec], RESUME] = Field(
         default_factory=list,
         description="on_policy: several teachers, each with its dataset and weight, instead of `teacher`.",
     )
@@ -161,7 +150,7 @@ class DistillConfig(RLConfig):
         gt=0,
         description="on_policy: advantage = -coef x (logp_student - logp_teacher) per completion token.",
     )
-    kl_discount_factor: float = Field(
+    kl_discount_factor: Annotated[float, RESUME] = Field(
         default=0.0,
         ge=0,
         le=1,
@@ -170,42 +159,48 @@ class DistillConfig(RLConfig):
     remove_constant_reward_groups: bool = Field(
         default=False, description="Unused by distillation (its signal is the teacher, not rewards)."
     )
-    topk: int = Field(default=20, ge=1, description="sdft / off_policy soft targets: teacher tokens per position (K).")
-    skip_first_tokens: int = Field(
+    topk: Annotated[int, RESUME] = Field(
+        default=20, ge=1, description="sdft / off_policy soft targets: teacher tokens per position (K)."
+    )
+    skip_first_tokens: Annotated[int, RESUME] = Field(
         default=3, ge=0, description="sdft: completion tokens at the start left out of the loss."
     )
-    reverse: bool = Field(
+    reverse: Annotated[bool, RESUME] = Field(
         default=False,
         description="sdft: reverse KL over the K slots (client-side custom loss) instead of the forward KL.",
     )
-    soft_targets: bool = Field(
+    soft_targets: Annotated[bool, RESUME] = Field(
         default=False,
         description="off_policy / prompt: train on the teacher's top-K distribution instead of its sampled tokens.",
     )
-    sequences: Literal["teacher", "dataset"] = Field(
+    sequences: Annotated[Literal["teacher", "dataset"], RESUME] = Field(
         default="teacher",
         description=(
             "off_policy: supervised sequences are the teacher's samples, or the dataset's own conversations "
             "(soft_targets only)."
         ),
     )
-    teacher_max_tokens: int = Field(
+    teacher_max_tokens: Annotated[int, RESUME] = Field(
         default=128, ge=1, description="off_policy / prompt: most tokens of a teacher reply."
     )
-    teacher_temperature: float = Field(
+    teacher_temperature: Annotated[float, RESUME] = Field(
         default=1.0,
         ge=0,
         description="off_policy / prompt: temperature of the teacher's training replies (held-out labels are greedy).",
     )
-    samples_per_prompt: int = Field(default=1, ge=1, description="off_policy / prompt: teacher replies per prompt.")
-    keep_truncated: bool = Field(
+    samples_per_prompt: Annotated[int, RESUME] = Field(
+        default=1, ge=1, description="off_policy / prompt: teacher replies per prompt."
+    )
+    keep_truncated: Annotated[bool, RESUME] = Field(
         default=False, description="off_policy / prompt: keep teacher replies that hit teacher_max_tokens."
     )
-    batch_size: int = Field(default=8, ge=1, description="off_policy / prompt: sequences per step.")
-    test_size: float = Field(
+    batch_size: Annotated[int, RESUME] = Field(default=8, ge=1, description="off_policy / prompt: sequences per step.")
+    test_size: Annotated[float, RESUME] = Field(
         default=0.1, ge=0, description="off_policy / prompt: held-out prompts (count >= 1 or fraction < 1)."
     )
-    max_length: int = Field(default=512, ge=8, description="off_policy / prompt: most tokens of a training sequence.")
+    max_length: Annotated[int, RESUME] = Field(
+        default=512, ge=8, description="off_policy / prompt: most tokens of a training sequence."
+    )
     eval_max_tokens: int = Field(
         default=32, ge=1, description="prompt: most tokens of a student reply in the agreement evaluation."
     )
@@ -240,7 +235,31 @@ class DistillConfig(RLConfig):
         return self
 
     def run_name_prefix(self) -> str:
-        return f"distill-{self.mode}-{super().run_name_prefix()}"
+        return f"distill-{self.mode}-{self.rl_run_name_prefix()}"
+
+    def with_sequences(self, sources: list[SourceSpec], test_size: float | int) -> DistillConfig:
+        """This config with the supervised sequences of an off-policy or prompt run (the teacher's
+        samples, or the dataset's conversations) and their held-out share ``test_size``: what
+        :meth:`dataset_builder` renders for the run session."""
+        out = self.model_copy()
+        out._sequences = (list(sources), test_size)
+        return out
+
+    def dataset_builder(self, renderer: str) -> DatasetBuilder | None:
+        """The off-policy / prompt run's sequences (:meth:`with_sequences`) for ``renderer``:
+        :class:`~prefect_tinker.recipes.distill.soft_data.SoftTargetBuilder` with
+        ``soft_targets``, else :class:`~prefect_tinker.recipes.builders.SupervisedBuilder`; None
+        before the sequences are known (the on-policy modes, the checks before the run)."""
+        if self._sequences is None:
+            return None
+        from prefect_tinker.recipes.builders import SupervisedBuilder
+        from prefect_tinker.recipes.distill.soft_data import SoftTargetBuilder
+
+        sources, test_size = self._sequences
+        kw: dict[str, Any] = dict(
+            sources=sources, renderer=renderer, seed=self.seed, max_length=self.max_length, test_size=test_size
+        )
+        return SoftTargetBuilder(**kw) if self.soft_targets else SupervisedBuilder(**kw)
 
     def test_count(self) -> float | int:
         """``test_size`` as the split functions take it: an int count when >= 1, else a fraction."""
@@ -273,7 +292,7 @@ class DistillConfig(RLConfig):
         return spec.model_copy(update={"weights": weights_ref(self.store, spec.weights, "teacher").sampler})
 
     def preflight(self) -> None:
-        """The environment's problems (:meth:`RLConfig.preflight`) and every ``run:<id>`` teacher
+        """The environment's problems (:meth:`RLTrainingConfig.preflight`) and every ``run:<id>`` teacher
         (a run with a checkpoint in the store), before the run starts.
 
         Raises:

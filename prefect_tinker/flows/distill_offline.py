@@ -32,12 +32,12 @@ from prefect_tinker.flows.distill_config import DistillConfig
 from prefect_tinker.flows.distill_loop import Teacher, soft_datum
 from prefect_tinker.flows.loop import StepLoop
 from prefect_tinker.flows.session import RunSession
-from prefect_tinker.recipes.builders import DatasetBuilder, Example, SupervisedBuilder, SupervisedData
+from prefect_tinker.recipes.builders import Example, SupervisedData
 from prefect_tinker.recipes.data_pipeline import batch_at
 from prefect_tinker.recipes.data_reading import SourceSpec
 from prefect_tinker.recipes.datasets import datum_from_example, split_conversations
 from prefect_tinker.recipes.distill.prompts import PromptRecord, load_prompts
-from prefect_tinker.recipes.distill.soft_data import SoftData, SoftExample, SoftTargetBuilder
+from prefect_tinker.recipes.distill.soft_data import SoftData, SoftExample
 from prefect_tinker.recipes.distill.targets import soft_targets
 from prefect_tinker.recipes.rl.envs.prompts import PromptEnv, prompt_sources
 from prefect_tinker.tasks.clients import tokenizer
@@ -151,14 +151,10 @@ def run_offline(config: DistillConfig, teachers: list[Teacher], credentials: Tin
     else:
         data_sources, test_size = sources, config.test_count()
 
-    def builder(renderer: str) -> DatasetBuilder:
-        kw = dict(
-            sources=data_sources, renderer=renderer, seed=config.seed, max_length=config.max_length, test_size=test_size
-        )
-        return SoftTargetBuilder(**kw) if config.soft_targets else SupervisedBuilder(**kw)
-
     extra = [samples.uri] if samples else []
-    with RunSession(config, builder=builder, credentials=credentials, upstream=[*upstream, *extra]) as session:
+    with RunSession(
+        config.with_sequences(data_sources, test_size), credentials=credentials, upstream=[*upstream, *extra]
+    ) as session:
         data = cast(SupervisedData | SoftData, prepare_dataset(session.dataset_builder, session.tokenizer_id))
         from prefect_tinker.recipes.renderers import get_renderer
 

@@ -21,7 +21,7 @@ reference), ``train/accuracy``, ``train/margin``, ``train/chosen_reward``,
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal, cast
+from typing import Annotated, Any, ClassVar, Literal, cast
 
 from prefect import get_run_logger
 from pydantic import Field, field_validator, model_validator
@@ -30,10 +30,11 @@ from prefect_tinker.flows.config import RecipeConfig
 from prefect_tinker.flows.interrupts import recipe_flow
 from prefect_tinker.flows.loop import StepLoop
 from prefect_tinker.flows.session import RunSession
-from prefect_tinker.recipes.builders import SourceFields
+from prefect_tinker.recipes.builders import PreferenceSourceFields
 from prefect_tinker.recipes.data_pipeline import DataOrder, batch_at
 from prefect_tinker.recipes.preference import DPO_LOSSES, DPOLoss, PreferenceBuilder, PreferenceData, pair_datums
 from prefect_tinker.recipes.progress import phase
+from prefect_tinker.recipes.resume_marker import RESUME
 from prefect_tinker.tasks.benchmark_evaluator import benchmark_evaluators
 from prefect_tinker.tasks.data import prepare_dataset
 from prefect_tinker.tasks.evaluators import PreferenceEvaluator
@@ -45,26 +46,10 @@ from prefect_tinker.tasks.usage import run_task
 __all__ = ["DPOConfig", "dpo_flow"]
 
 
-class DPOConfig(SourceFields, RecipeConfig):
+class DPOConfig(PreferenceSourceFields, RecipeConfig):
     """Parameters of a preference-learning run (the flow's single parameter)."""
 
     recipe: ClassVar[str] = "dpo"
-    resume_fields: ClassVar[tuple[str, ...]] = (
-        *RecipeConfig.resume_fields,
-        "batch_size",
-        "max_length",
-        "test_size",
-        "max_test",
-        "format",
-        "fields",
-        "sources",
-        "dpo_loss",
-        "beta",
-        "label_smoothing",
-        "reference",
-        "reference_via",
-        "data_order",
-    )
 
     dataset: str | None = Field(
         default="builtin:example_prefs",
@@ -73,11 +58,7 @@ class DPOConfig(SourceFields, RecipeConfig):
             "comparisons)."
         ),
     )
-    format: str = Field(
-        default="preference",
-        description="Record format: preference ({prompt?, chosen, rejected}) or dialogue (HH-RLHF transcripts).",
-    )
-    batch_size: int = Field(default=8, ge=1, description="Comparisons (pairs) per step.")
+    batch_size: Annotated[int, RESUME] = Field(default=8, ge=1, description="Comparisons (pairs) per step.")
     num_epochs: int = Field(default=1, ge=1, description="Epochs when max_steps is not set.")
     learning_rate: float = Field(default=1e-5, gt=0, description="Peak learning rate.")
     test_size: float = Field(
@@ -87,26 +68,26 @@ class DPOConfig(SourceFields, RecipeConfig):
             "Held-out comparisons: a count (>=1) or a fraction (<1, at most max_test pairs), split with `seed`."
         ),
     )
-    max_test: int = Field(
+    max_test: Annotated[int, RESUME] = Field(
         default=64,
         ge=1,
         description="Most held-out comparisons a test_size fraction gives (each evaluation scores them all).",
     )
-    dpo_loss: str = Field(
+    dpo_loss: Annotated[str, RESUME] = Field(
         default="dpo",
         description="DPO variant by name (registry DPO_LOSSES): dpo (sigmoid), ipo, hinge, or a plugin's.",
     )
-    beta: float = Field(
+    beta: Annotated[float, RESUME] = Field(
         default=0.1, gt=0, description="Strength of the implicit KL to the reference (scales the log-ratio)."
     )
-    label_smoothing: float = Field(
+    label_smoothing: Annotated[float, RESUME] = Field(
         default=0.0, ge=0, lt=0.5, description="dpo: assumed probability of a flipped label (conservative DPO)."
     )
-    reference: str | None = Field(
+    reference: Annotated[str | None, RESUME] = Field(
         default=None,
         description="Reference weights: base:<model> or tinker://.../weights/...; default the run's initial weights.",
     )
-    reference_via: Literal["trainer", "sampler"] = Field(
+    reference_via: Annotated[Literal["trainer", "sampler"], RESUME] = Field(
         default="trainer",
         description=(
             "Reference logprobs from a frozen training client (same numerics as the policy) or a sampling client "
@@ -115,7 +96,7 @@ class DPOConfig(SourceFields, RecipeConfig):
         ),
     )
 
-    data_order: DataOrder = Field(
+    data_order: Annotated[DataOrder, RESUME] = Field(
         default="seeded",
         description=(
             "seeded: epoch e in an order seeded by (seed, e); cookbook: epoch e shuffled by e alone, as "
@@ -178,7 +159,7 @@ def dpo_flow(config: DPOConfig) -> dict[str, Any]:
     """Train ``config.model`` on the comparisons of ``config.dataset``; returns a summary (losses,
     accuracies, steps, checkpoints)."""
     log = get_run_logger()
-    with RunSession(config, builder=config.dataset_builder) as session:
+    with RunSession(config) as session:
         with phase(session.run_id, "preparing the dataset (reading, rendering, tokenizing; cached)"):
             data = cast(PreferenceData, prepare_dataset(session.dataset_builder, session.tokenizer_id))
         total = config.max_steps or len(data.train) // config.batch_size * config.num_epochs

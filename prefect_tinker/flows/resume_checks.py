@@ -5,7 +5,8 @@
 - :func:`check_same_recipe`: a run name already taken by another recipe's run is refused in one
   line naming that recipe (whatever the checkpoints);
 - :func:`check_resumed_config`: before the training client is opened, the stored config
-  (``runs.config_json``) against the new one, field by field over the config's ``resume_fields``
+  (``runs.config_json``) against the new one, field by field over the config's
+  :meth:`~prefect_tinker.flows.config.RecipeConfig.resume_fields` (marked ``RESUME``)
   (batch size, seed, loss, ...): a change would silently alter the data position or the objective;
 - :func:`check_resumed_meta`: once the renderer is resolved and the data fingerprinted, the stored
   ``runs.meta_json`` against this run's: another resolved renderer or other dataset content;
@@ -73,11 +74,12 @@ def check_resumed_config(config: RecipeConfig, run_id: str, stored: dict[str, An
     """Compare the stored config of run ``run_id`` (its ``config_json``, parsed) with ``config``.
 
     Raises:
-        ResumeConfigError: a field of ``type(config).resume_fields`` present in both differs and is
-            not in ``config.allow_config_change``.
+        ResumeConfigError: a field of ``config.resume_fields()`` (the fields marked
+            :data:`~prefect_tinker.recipes.resume_marker.RESUME`) present in both differs and is not
+            in ``config.allow_config_change``.
     """
     new = json.loads(config.model_dump_json())
-    for field in type(config).resume_fields:
+    for field in config.resume_fields():
         if field in stored and field in new and stored[field] != new[field] and field not in config.allow_config_change:
             _refuse(run_id, field, stored[field], new[field], "change the data position or the objective")
 

@@ -17,7 +17,7 @@ Metrics: ``train/loss`` (nats per label token; ``ln 2`` is a model that says A a
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal, cast
+from typing import Annotated, Any, ClassVar, Literal, cast
 
 from prefect import get_run_logger
 from pydantic import Field, model_validator
@@ -26,10 +26,11 @@ from prefect_tinker.flows.config import RecipeConfig
 from prefect_tinker.flows.interrupts import recipe_flow
 from prefect_tinker.flows.loop import StepLoop
 from prefect_tinker.flows.session import RunSession
-from prefect_tinker.recipes.builders import SourceFields
+from prefect_tinker.recipes.builders import PreferenceSourceFields
 from prefect_tinker.recipes.data_pipeline import batch_at
 from prefect_tinker.recipes.datasets import datum_from_example
 from prefect_tinker.recipes.progress import phase
+from prefect_tinker.recipes.resume_marker import RESUME
 from prefect_tinker.recipes.reward_model import DEFAULT_QUESTION, ComparisonFormat, RewardModelBuilder, RewardModelData
 from prefect_tinker.tasks.data import prepare_dataset
 from prefect_tinker.tasks.policies import quote
@@ -39,28 +40,14 @@ from prefect_tinker.tasks.training import train_step
 __all__ = ["RewardModelConfig", "reward_model_flow"]
 
 
-class RewardModelConfig(SourceFields, RecipeConfig):
+class RewardModelConfig(PreferenceSourceFields, RecipeConfig):
     """Parameters of a reward-model run (the flow's single parameter)."""
 
     recipe: ClassVar[str] = "reward_model"
-    resume_fields: ClassVar[tuple[str, ...]] = (
-        *RecipeConfig.resume_fields,
-        "batch_size",
-        "max_length",
-        "test_size",
-        "format",
-        "fields",
-        "sources",
-        "orders",
-        "question",
-        "labels",
-    )
 
-    format: str = Field(
-        default="preference",
-        description="Record format: preference ({prompt?, chosen, rejected}) or dialogue (HH-RLHF transcripts).",
+    batch_size: Annotated[int, RESUME] = Field(
+        default=8, ge=1, description="Comparisons per step (each trained in all its orders)."
     )
-    batch_size: int = Field(default=8, ge=1, description="Comparisons per step (each trained in all its orders).")
     num_epochs: int = Field(default=1, ge=1, description="Epochs when max_steps is not set.")
     learning_rate: float = Field(default=3e-4, gt=0, description="Peak learning rate.")
     lr_schedule: Literal["constant", "linear", "cosine"] = "linear"
@@ -70,12 +57,14 @@ class RewardModelConfig(SourceFields, RecipeConfig):
     test_size: float = Field(
         default=64, ge=0, description="Held-out comparisons: a count (>=1) or a fraction (<1), split with `seed`."
     )
-    orders: Literal["both", "swap"] = Field(
+    orders: Annotated[Literal["both", "swap"], RESUME] = Field(
         default="both",
         description="Train each comparison in both orders, or in one order drawn with the seed (position bias).",
     )
-    question: str = Field(default=DEFAULT_QUESTION, description="The question after the two completions.")
-    labels: tuple[str, str] = Field(
+    question: Annotated[str, RESUME] = Field(
+        default=DEFAULT_QUESTION, description="The question after the two completions."
+    )
+    labels: Annotated[tuple[str, str], RESUME] = Field(
         default=("A", "B"), description="The answers meaning 'A is better' and 'B is better'."
     )
 
@@ -111,7 +100,7 @@ def reward_model_flow(config: RewardModelConfig) -> dict[str, Any]:
     """Train ``config.model`` to judge the comparisons of ``config.dataset``; returns a summary
     (losses, held-out accuracy and Brier score at the start and the end, ``sampler_path``)."""
     log = get_run_logger()
-    with RunSession(config, builder=config.dataset_builder) as session:
+    with RunSession(config) as session:
         with phase(session.run_id, "preparing the dataset (reading, rendering, tokenizing; cached)"):
             data = cast(RewardModelData, prepare_dataset(session.dataset_builder, session.tokenizer_id))
         total = config.max_steps or len(data.train) // config.batch_size * config.num_epochs

@@ -48,7 +48,7 @@ from tinker.types import LossFnType
 
 from prefect_tinker.flows.interrupts import recipe_flow
 from prefect_tinker.flows.loop import StepLoop
-from prefect_tinker.flows.rl_config import SCHEDULES, RLConfig
+from prefect_tinker.flows.rl_config import SCHEDULES, RLConfig, RLTrainingConfig
 from prefect_tinker.flows.session import RunSession
 from prefect_tinker.recipes.rl.advantages import (
     apply_kl_penalty,
@@ -85,7 +85,7 @@ class RLLoop:
             ``reference_prefill``, ``trained``), reported and reset by :meth:`step_metrics`.
     """
 
-    def __init__(self, session: RunSession[RLConfig], dataset: RLDataset, reference: str):
+    def __init__(self, session: RunSession[RLTrainingConfig], dataset: RLDataset, reference: str):
         self.session, self.config, self.dataset, self.reference = session, session.config, dataset, reference
         self.tokenizer = tokenizer(session.tokenizer_id)
         self.sampler_path = session.sampler_at(session.step)
@@ -306,9 +306,7 @@ class RLLoop:
 def rl_flow(config: RLConfig) -> dict[str, Any]:
     """Train ``config.model`` with RL on ``config.env``; returns a summary (steps, mean reward of
     the first and last steps of this invocation, checkpoints, store)."""
-    with RunSession(
-        config, fingerprint=config.data_fingerprint, preflight=config.preflight, env=config.env_context
-    ) as session:
+    with RunSession(config) as session:
         last = session.resumed_from
         if last and last["step"] % config.num_substeps:
             raise ValueError(
@@ -319,7 +317,7 @@ def rl_flow(config: RLConfig) -> dict[str, Any]:
             session.save_sampler(record=True)
         reference = config.kl_reference or session.samplers.get(0) or f"base:{session.model}"
         ctx = session.context
-        assert ctx.env is not None  # the session was given the env context
+        assert ctx.env is not None  # the RL config's env_context gave one
         dataset = get_env(config.env).build(config, ctx.env)
         loop = RLLoop(session, dataset, reference)
         schedule = SCHEDULES[config.schedule](loop)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from prefect_tinker.flows.config import RecipeConfig
 from prefect_tinker.recipes.data_reading import source_fingerprint
 from prefect_tinker.recipes.registry import Registry
+from prefect_tinker.recipes.resume_marker import RESUME
 from prefect_tinker.recipes.rl.advantages import ADVANTAGE_ESTIMATORS, AdvantageEstimator
 from prefect_tinker.recipes.rl.envs import EnvContext, EnvSpec, RunSettings
 from prefect_tinker.recipes.rl.losses import LOSSES, ClipThresholds, RLLoss
@@ -18,45 +19,28 @@ from prefect_tinker.tasks import services as _builtin_services  # noqa: F401  (r
 from prefect_tinker.tasks.rollouts import RolloutPolicy
 from prefect_tinker.tasks.runners import TaskRunnerFields
 
-__all__ = ["SCHEDULES", "RLConfig"]
+__all__ = ["SCHEDULES", "RLConfig", "RLStepFields", "RLTrainingConfig"]
 
 # RL schedules by name: subclasses of prefect_tinker.flows.rl_schedules.Schedule (that module imports this
-# one for RLConfig, so the registry is typed loosely here). The built-ins register themselves when their
+# one for RLStepFields, so the registry is typed loosely here). The built-ins register themselves when their
 # module is imported; a plugin adds one through the entry-point group ``prefect_tinker.schedules``.
 SCHEDULES: Registry[Any] = Registry("RL schedule", "prefect_tinker.schedules", ["prefect_tinker.flows.rl_schedules"])
 
 
-class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
-    """Parameters of an RL-with-verifiable-rewards run.
-
-    The environment fields (``env``, ``dataset``, ``question_field``, ``answer_field``, ...) come
-    from :class:`prefect_tinker.recipes.rl.envs.EnvSpec`. A *step* is one batch of ``groups_per_batch`` groups of
-    ``group_size`` rollouts, trained with ``num_substeps`` optimizer steps. ``task_runner``
-    (:class:`~prefect_tinker.tasks.runners.TaskRunnerFields`) says where the rollout tasks run.
+class RLStepFields(BaseModel):
+    """The settings of the RL loop's step, shared by every config trained by it (:class:`RLConfig`,
+    :class:`~prefect_tinker.flows.distill_config.DistillConfig`): a *step* is one batch of
+    ``groups_per_batch`` groups of ``group_size`` rollouts (sampled with ``max_tokens`` and
+    ``temperature``), turned into advantages (``advantage_estimator``), trained with ``loss_fn``
+    in ``num_substeps`` optimizer steps, in the order the RL ``schedule`` gives; plus the
+    defaults of the RL loop's learning rate, steps and checkpoints. The schedules
+    (:mod:`prefect_tinker.flows.rl_schedules`) read and check these fields only.
     """
 
-    recipe: ClassVar[str] = "rl"
-    resume_fields: ClassVar[tuple[str, ...]] = (
-        *RecipeConfig.resume_fields,
-        *EnvSpec.env_resume_fields(),
-        "group_size",
-        "groups_per_batch",
-        "loss_fn",
-        "loss_options",
-        "advantage_estimator",
-        "clip_low_threshold",
-        "clip_high_threshold",
-        "kl_penalty_coef",
-        "kl_reference",
-        "remove_constant_reward_groups",
-        "normalize_advantages_std",
-        "num_substeps",
-    )
-
-    group_size: int = Field(
+    group_size: Annotated[int, RESUME] = Field(
         default=4, ge=2, description="Rollouts per problem (advantages are centred within a group)."
     )
-    groups_per_batch: int = Field(default=8, ge=1, description="Problems per step.")
+    groups_per_batch: Annotated[int, RESUME] = Field(default=8, ge=1, description="Problems per step.")
     learning_rate: float = Field(default=1e-4, gt=0, description="Adam learning rate.")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
         default="constant", description="Decay over max_steps."
@@ -69,26 +53,28 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
         default=20, ge=1, description="Steps (batches) of the run, counting those of earlier invocations."
     )
     eval_every: int = Field(default=0, ge=0, description="Evaluators every n steps (0 = start and end only).")
-    loss_fn: str = Field(
+    loss_fn: Annotated[str, RESUME] = Field(
         default="importance_sampling",
         description=(
             "Policy-gradient loss, a registered RL loss: importance_sampling, ppo, cispo, gspo, dro, "
             "stable_reinforce (plugins add more)."
         ),
     )
-    loss_options: dict[str, Any] = Field(default_factory=dict, description="Options of the loss (its own fields).")
-    advantage_estimator: str = Field(
+    loss_options: Annotated[dict[str, Any], RESUME] = Field(
+        default_factory=dict, description="Options of the loss (its own fields)."
+    )
+    advantage_estimator: Annotated[str, RESUME] = Field(
         default="group_mean",
         description=(
             "Registered advantage estimator: group_mean (R - group mean), leave_one_out (RLOO); plugins add more."
         ),
     )
-    clip_low_threshold: float | None = Field(
+    clip_low_threshold: Annotated[float | None, RESUME] = Field(
         default=0.8,
         gt=0,
         description="ppo/cispo/gspo: lower bound of the importance ratio (null: not sent, the server's default).",
     )
-    clip_high_threshold: float | None = Field(
+    clip_high_threshold: Annotated[float | None, RESUME] = Field(
         default=1.2,
         gt=0,
         description="ppo/cispo/gspo: upper bound of the importance ratio (null: not sent, the server's default).",
@@ -99,20 +85,22 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
         "(save_weights_and_get_sampling_client(kind='inflight')) move to each newer save, so rollouts "
         "in flight continue on new weights without restarting.",
     )
-    kl_penalty_coef: float = Field(
+    kl_penalty_coef: Annotated[float, RESUME] = Field(
         default=0.0, ge=0, description="Per-token KL penalty against the reference model (0 = off)."
     )
-    kl_reference: str | None = Field(
+    kl_reference: Annotated[str | None, RESUME] = Field(
         default=None,
         description="Reference weights: a tinker:// sampler path or 'base:<model>'; default the run's initial weights.",
     )
-    remove_constant_reward_groups: bool = Field(
+    remove_constant_reward_groups: Annotated[bool, RESUME] = Field(
         default=True, description="Drop groups whose rollouts all got the same reward."
     )
-    normalize_advantages_std: bool = Field(
+    normalize_advantages_std: Annotated[bool, RESUME] = Field(
         default=False, description="Divide centred advantages by the group's std (original GRPO)."
     )
-    num_substeps: int = Field(default=1, ge=1, description="Optimizer steps per batch (the batch split by groups).")
+    num_substeps: Annotated[int, RESUME] = Field(
+        default=1, ge=1, description="Optimizer steps per batch (the batch split by groups)."
+    )
     schedule: str = Field(
         default="sync",
         description="RL schedule by name (registry SCHEDULES): sync on-policy, streaming minibatches, async "
@@ -136,7 +124,7 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
     )
 
     @model_validator(mode="after")
-    def _check(self) -> RLConfig:
+    def _check(self) -> RLStepFields:
         self.loss().objective_inputs()  # an unknown loss, a bad loss option or objective input fails here
         ADVANTAGE_ESTIMATORS.get_or_raise(self.advantage_estimator)
         low, high = self.clip_low_threshold, self.clip_high_threshold
@@ -162,44 +150,6 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
             )
         return self
 
-    def run_name_prefix(self) -> str:
-        return f"rl-{self.env}-{self.model.replace('/', '-')}"
-
-    def preflight(self) -> None:
-        """Read and validate the environment's problems before the run starts (see
-        :meth:`~prefect_tinker.recipes.rl.envs.Environment.preflight`)."""
-        from prefect_tinker.recipes.rl.envs import get_env
-
-        get_env(self.env).preflight(self)
-
-    def data_fingerprint(self, renderer: str) -> str:
-        """``sha256:<hex>`` of what the environment's problems are: the env settings and the
-        content of its dataset (recorded with the run; a resumed run must match it)."""
-        body = {k: getattr(self, k) for k in EnvSpec.model_fields}
-        body["env_options"] = self.env_options.model_dump(mode="json")  # the options in force, defaults too
-        body["dataset"] = source_fingerprint(self.dataset) if self.dataset else None
-        body["renderer"] = renderer
-        return "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
-
-    def run_settings(self) -> RunSettings:
-        """The group size and policy model the environment's config check may need."""
-        return RunSettings(group_size=self.group_size, model=self.model)
-
-    def env_context(self, renderer: str, tokenizer_id: str) -> EnvContext:
-        """The environment context of a run of this config on the resolved ``renderer`` and
-        ``tokenizer_id`` (group and batch sizes, seed, rollout ``max_tokens`` and ``temperature``,
-        build-time services such as the win-rate evaluator resolved by key from the providers the task
-        layer registers); built once by the run session."""
-        return EnvContext(
-            renderer_name=renderer,
-            tokenizer_id=tokenizer_id,
-            group_size=self.group_size,
-            groups_per_batch=self.groups_per_batch,
-            seed=self.seed,
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-        )
-
     def loss(self) -> RLLoss:
         """The registered loss ``loss_fn`` with its ``loss_options``.
 
@@ -221,3 +171,67 @@ class RLConfig(EnvSpec, TaskRunnerFields, RecipeConfig):
         """Whether rollouts record stability information and datums carry provenance spans
         (losses that need them, e.g. ``stable_reinforce``)."""
         return self.loss().provenance
+
+
+class RLTrainingConfig(RLStepFields, EnvSpec, TaskRunnerFields, RecipeConfig):
+    """A recipe's config trained by the RL loop (:class:`~prefect_tinker.flows.rl.RLLoop`): the step
+    settings (:class:`RLStepFields`), the environment and problems
+    (:class:`~prefect_tinker.recipes.rl.envs.EnvSpec`), where rollout tasks run
+    (:class:`~prefect_tinker.tasks.runners.TaskRunnerFields`) and the fields every recipe shares
+    (:class:`~prefect_tinker.flows.config.RecipeConfig`). It is no recipe itself: :class:`RLConfig`
+    and :class:`~prefect_tinker.flows.distill_config.DistillConfig` each add their own part of the
+    recipe protocol."""
+
+    def run_settings(self) -> RunSettings:
+        """The group size and policy model the environment's config check may need."""
+        return RunSettings(group_size=self.group_size, model=self.model)
+
+    def preflight(self) -> None:
+        """Read and validate the environment's problems before the run starts (see
+        :meth:`~prefect_tinker.recipes.rl.envs.Environment.preflight`)."""
+        from prefect_tinker.recipes.rl.envs import get_env
+
+        get_env(self.env).preflight(self)
+
+    def data_fingerprint(self, renderer: str) -> str:
+        """``sha256:<hex>`` of what the environment's problems are: the env settings and the
+        content of its dataset (recorded with the run; a resumed run must match it)."""
+        body = {k: getattr(self, k) for k in EnvSpec.model_fields}
+        body["env_options"] = self.env_options.model_dump(mode="json")  # the options in force, defaults too
+        body["dataset"] = source_fingerprint(self.dataset) if self.dataset else None
+        body["renderer"] = renderer
+        return "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
+
+    def rl_run_name_prefix(self) -> str:
+        """``rl-<env>-<model>``: the RL run-name prefix."""
+        return f"rl-{self.env}-{self.model.replace('/', '-')}"
+
+
+class RLConfig(RLTrainingConfig):
+    """Parameters of an RL-with-verifiable-rewards run.
+
+    The environment fields (``env``, ``dataset``, ``question_field``, ``answer_field``, ...) come
+    from :class:`prefect_tinker.recipes.rl.envs.EnvSpec`. A *step* is one batch of ``groups_per_batch`` groups of
+    ``group_size`` rollouts, trained with ``num_substeps`` optimizer steps. ``task_runner``
+    (:class:`~prefect_tinker.tasks.runners.TaskRunnerFields`) says where the rollout tasks run.
+    """
+
+    recipe: ClassVar[str] = "rl"
+
+    def run_name_prefix(self) -> str:
+        return self.rl_run_name_prefix()
+
+    def env_context(self, renderer: str, tokenizer_id: str) -> EnvContext:
+        """The environment context of a run of this config on the resolved ``renderer`` and
+        ``tokenizer_id`` (group and batch sizes, seed, rollout ``max_tokens`` and ``temperature``;
+        build-time services such as the win-rate evaluator are resolved by key from the providers the
+        task layer registers); built once by the run session."""
+        return EnvContext(
+            renderer_name=renderer,
+            tokenizer_id=tokenizer_id,
+            group_size=self.group_size,
+            groups_per_batch=self.groups_per_batch,
+            seed=self.seed,
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+        )

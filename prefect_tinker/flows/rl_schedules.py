@@ -31,7 +31,7 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 from prefect.futures import as_completed
 
-from prefect_tinker.flows.rl_config import SCHEDULES, RLConfig
+from prefect_tinker.flows.rl_config import SCHEDULES, RLStepFields
 from prefect_tinker.flows.session import RunSession
 from prefect_tinker.recipes.rl.types import RLDataset, TrajectoryGroup
 
@@ -45,7 +45,7 @@ class RLLoopParts(Protocol):
     @property
     def session(self) -> RunSession[Any]: ...
     @property
-    def config(self) -> RLConfig: ...
+    def config(self) -> RLStepFields: ...
     @property
     def dataset(self) -> RLDataset: ...
     @property
@@ -116,7 +116,8 @@ class Schedule:
 
     A new schedule subclasses this, implements :meth:`step` with the loop's parts
     (:class:`RLLoopParts`) and is registered by name (:func:`register_schedule`, or the entry-point
-    group ``prefect_tinker.schedules``); ``RLConfig.schedule`` names it.
+    group ``prefect_tinker.schedules``); the config's ``schedule`` field
+    (:class:`~prefect_tinker.flows.rl_config.RLStepFields`: RL and distillation) names it.
     """
 
     off_policy: ClassVar[bool] = False
@@ -126,9 +127,10 @@ class Schedule:
         self.loop = loop
 
     @classmethod
-    def check_config(cls, config: RLConfig) -> None:
+    def check_config(cls, config: RLStepFields) -> None:
         """Raise ``ValueError`` (one line naming the fields) for a config this schedule cannot run;
-        called by ``RLConfig``'s validation, before anything starts. Nothing to check by default."""
+        called by the validation of ``RLStepFields`` (RL and distillation configs), before anything
+        starts. Nothing to check by default."""
 
     def step(self, step: int) -> dict[str, float]:
         raise NotImplementedError
@@ -177,7 +179,7 @@ class Streaming(Schedule):
     """Streaming-minibatch on-policy schedule (see the module docstring)."""
 
     @classmethod
-    def check_config(cls, config: RLConfig) -> None:
+    def check_config(cls, config: RLStepFields) -> None:
         if config.num_minibatches * config.num_substeps > config.groups_per_batch:
             raise ValueError(
                 f"streaming needs groups_per_batch >= num_minibatches x num_substeps "
@@ -315,7 +317,7 @@ class Async(Schedule):
 
 
 def register_schedule(name: str, schedule: type[Schedule]) -> type[Schedule]:
-    """Register ``schedule`` as RL schedule ``name`` (``RLConfig.schedule``); returns it. A later
+    """Register ``schedule`` as RL schedule ``name`` (the config's ``schedule``); returns it. A later
     registration of a name replaces the earlier one."""
     return SCHEDULES.register(name, schedule)
 

@@ -3,13 +3,23 @@
 A recipe's flow opens one session, trains inside it (usually through
 :class:`~prefect_tinker.flows.loop.StepLoop`), and finishes it::
 
-    with RunSession(config, builder=lambda renderer: config.dataset_builder(renderer)) as session:
-        data = prepare_dataset(session.builder, session.tokenizer_id)
+    with RunSession(config) as session:
+        data = prepare_dataset(session.dataset_builder, session.tokenizer_id)
         StepLoop(session, total, evaluators=[...]).run(one_step)
         return session.finish({"first_loss": ...})
 
+The session reads what the run needs from the config, through the recipe protocol every recipe's
+config implements (:class:`~prefect_tinker.flows.config.RecipeConfig`, the same methods
+``prefect-tinker run`` calls before it starts the flow): ``dataset_builder(renderer)`` (its
+``check()`` before anything starts, its fingerprint recorded), ``preflight()``,
+``data_fingerprint(renderer)`` (the data's identity when there is no builder: an RL environment's
+problems), ``env_context(renderer, tokenizer_id)`` (an RL run's environment context) and
+``resume_fields()`` (the fields marked ``RESUME``).
+
 Opening (:meth:`RunSession.__enter__`):
 
+0. the config's checks: ``dataset_builder(renderer).check()`` (every record of the local data
+   files) and ``preflight()``;
 1. the weights to start from (``model`` / ``load_checkpoint_path`` may be ``alias:LINE@ALIAS`` or
    ``run:RUN`` references, resolved once: :meth:`~prefect_tinker.flows.config.RecipeConfig.start_weights`;
    :attr:`RunSession.config` is the config with them resolved), the backend's credentials
@@ -17,7 +27,7 @@ Opening (:meth:`RunSession.__enter__`):
    wrong S3 credentials fail before any training) and a slot of the backend's training limit
    (``tinker-train:<backend>``, :mod:`prefect_tinker.tasks.limits`: waits while it is full);
 2. the resume point: the run's last state checkpoint in the training store; on resume the stored
-   config is compared with the new one -- a change of a field in the config's ``resume_fields``
+   config is compared with the new one -- a change of a field in the config's ``resume_fields()``
    (batch size, seed, loss, ...), of the dataset's content fingerprint or of the resolved renderer
    would silently alter the data position or the objective, so it is a
    :class:`~prefect_tinker.flows.resume_checks.ResumeConfigError` naming the field, unless listed
@@ -47,7 +57,6 @@ process: ``after_step``, ``after_checkpoint``, ``before_compaction``. The buffer
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
@@ -77,7 +86,6 @@ from prefect_tinker.tasks.training import open_training_run, save_checkpoint, sa
 
 if TYPE_CHECKING:
     from prefect_tinker.recipes.builders import DatasetBuilder
-    from prefect_tinker.recipes.rl.envs import EnvContext
     from tinker_blocks.credentials import TinkerCredentials
     from tinker_blocks.lease import Lease
 
@@ -91,12 +99,9 @@ class RunSession(Generic[ConfigT]):
     """The lifecycle of one training run (see the module docstring).
 
     Args:
-        config: the recipe's config (a :class:`~prefect_tinker.flows.config.RecipeConfig`).
-        builder: ``renderer -> DatasetBuilder`` of the recipe's data (its fingerprint is recorded
-            and compared on resume), or None.
-        fingerprint: ``renderer -> str`` identity of the data when there is no builder (RL envs).
-        preflight: reads and validates the run's other data (RL problems) before anything starts.
-        env: ``(renderer, tokenizer_id) -> EnvContext`` of an RL run's environment, or None.
+        config: the recipe's config (a :class:`~prefect_tinker.flows.config.RecipeConfig`): its
+            ``dataset_builder``, ``preflight``, ``data_fingerprint``, ``env_context`` and
+            ``resume_fields`` are called as the module docstring says.
         credentials: the backend's credentials when the flow resolved them already (distillation
             checks its teachers with them before the session opens); None: resolved on opening.
         upstream: asset URIs the run's checkpoints depend on (besides the data and the start).
@@ -120,17 +125,12 @@ class RunSession(Generic[ConfigT]):
         self,
         config: ConfigT,
         *,
-        builder: Callable[[str], DatasetBuilder] | None = None,
-        fingerprint: Callable[[str], str] | None = None,
-        preflight: Callable[[], None] | None = None,
-        env: Callable[[str, str], EnvContext] | None = None,
         credentials: TinkerCredentials | None = None,
         upstream: list[str] | None = None,
     ):
         self.config, self.given, self.recipe = config, config, config.recipe or type(config).__name__.lower()
         self.run_id = cast(str, config.run_name)  # set by the config's validator
-        self._make_builder, self._make_fingerprint, self._preflight = builder, fingerprint, preflight
-        self._make_env, self._credentials = env, credentials
+        self._credentials = credentials
         self.lease: Lease | None = None
         self.upstream = list(upstream or [])
         self.samplers: dict[int, str] = {}
@@ -158,10 +158,10 @@ class RunSession(Generic[ConfigT]):
         self._reads.enter_context(self._stop)  # Ctrl-C from now on: stop at the next step boundary
         self._reads.enter_context(reading_once())  # each local data file opened and hashed once per run
         try:
-            if self._make_builder is not None:
-                self._make_builder(c.renderer).check()
-            if self._preflight is not None:
-                self._preflight()
+            checked = c.dataset_builder(c.renderer)
+            if checked is not None:
+                checked.check()
+            c.preflight()
             self.credentials = self._credentials or resolve_credentials(c.backend)
             self.backend = self.credentials.backend_name()
             from tinker_blocks.stores import TrainingStore
@@ -232,12 +232,9 @@ class RunSession(Generic[ConfigT]):
         from prefect_tinker.recipes.renderers import resolve_renderer_name
 
         self.renderer = resolve_renderer_name(c.renderer, self._load_tokenizer())
-        self.builder = self._make_builder(self.renderer) if self._make_builder else None
-        data_fp: str | None = None
-        if self.builder is not None:
-            data_fp = self.builder.fingerprint()
-        elif self._make_fingerprint is not None:
-            data_fp = self._make_fingerprint(self.renderer)
+        given = self.given  # the hooks of the config as given (its references unresolved)
+        self.builder = given.dataset_builder(self.renderer)
+        data_fp = self.builder.fingerprint() if self.builder is not None else given.data_fingerprint(self.renderer)
         self.meta = {
             "recipe": self.recipe,
             "renderer": self.renderer,
@@ -270,7 +267,7 @@ class RunSession(Generic[ConfigT]):
             evaluators=tuple(c.evaluators),
             inspect_backend=c.backend.inspect_args(),
             task_runner=c if isinstance(c, TaskRunnerFields) else None,
-            env=self._make_env(self.renderer, self.tokenizer_id) if self._make_env is not None else None,
+            env=given.env_context(self.renderer, self.tokenizer_id),
         )
         self._record("running")
         return self
@@ -352,7 +349,7 @@ class RunSession(Generic[ConfigT]):
         """The run's dataset builder for the resolved renderer.
 
         Raises:
-            RuntimeError: the session was opened without a ``builder``.
+            RuntimeError: the config has no dataset builder (``dataset_builder`` returned None).
         """
         if self.builder is None:
             raise RuntimeError(f"run {self.run_id!r}: this session has no dataset builder")

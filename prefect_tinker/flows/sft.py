@@ -14,7 +14,7 @@ checkpoint at ``s``). Batches are a function of (seed, step), so a resumed run c
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal, cast
+from typing import Annotated, Any, ClassVar, Literal, cast
 
 from prefect import get_run_logger
 from pydantic import Field
@@ -26,6 +26,7 @@ from prefect_tinker.flows.session import RunSession
 from prefect_tinker.recipes.builders import EXAMPLE_CHATS, SourceFields, SupervisedBuilder, SupervisedData
 from prefect_tinker.recipes.data_pipeline import DataOrder, batch_at
 from prefect_tinker.recipes.progress import phase
+from prefect_tinker.recipes.resume_marker import RESUME
 from prefect_tinker.tasks.benchmark_evaluator import benchmark_evaluators
 from prefect_tinker.tasks.clients import tokenizer
 from prefect_tinker.tasks.data import prepare_dataset
@@ -42,20 +43,6 @@ class SFTConfig(SourceFields, RecipeConfig):
     """Parameters of a supervised fine-tuning run (the flow's single parameter)."""
 
     recipe: ClassVar[str] = "sft"
-    resume_fields: ClassVar[tuple[str, ...]] = (
-        *RecipeConfig.resume_fields,
-        "batch_size",
-        "train_on_what",
-        "max_length",
-        "test_size",
-        "format",
-        "fields",
-        "sources",
-        "messages_field",
-        "on_too_long",
-        "reduction",
-        "data_order",
-    )
 
     dataset: str | None = Field(
         default=EXAMPLE_CHATS,
@@ -64,17 +51,21 @@ class SFTConfig(SourceFields, RecipeConfig):
             "Hugging Face dataset id."
         ),
     )
-    messages_field: str = Field(default="messages", description="Field holding the message list (format=messages).")
-    train_on_what: str = Field(default="all_assistant_messages", description="Which tokens get loss weight.")
-    on_too_long: Literal["truncate", "truncate_keep", "skip", "error"] = Field(
+    messages_field: Annotated[str, RESUME] = Field(
+        default="messages", description="Field holding the message list (format=messages)."
+    )
+    train_on_what: Annotated[str, RESUME] = Field(
+        default="all_assistant_messages", description="Which tokens get loss weight."
+    )
+    on_too_long: Annotated[Literal["truncate", "truncate_keep", "skip", "error"], RESUME] = Field(
         default="truncate",
         description=(
             "An example longer than max_length: truncate (skipped, counted, when nothing trained is left), "
             "truncate_keep (kept even then, with zero weights, as tinker-cookbook does), skip (counted) or error."
         ),
     )
-    batch_size: int = Field(default=8, ge=1, description="Conversations per step.")
-    reduction: Literal["none", "mean"] = Field(
+    batch_size: Annotated[int, RESUME] = Field(default=8, ge=1, description="Conversations per step.")
+    reduction: Annotated[Literal["none", "mean"], RESUME] = Field(
         default="none",
         description=(
             "Loss weights per example: none = 1 per trained token (the loss sums over tokens, every token counts the "
@@ -82,7 +73,7 @@ class SFTConfig(SourceFields, RecipeConfig):
             "tinker-cookbook's SFT default)."
         ),
     )
-    data_order: DataOrder = Field(
+    data_order: Annotated[DataOrder, RESUME] = Field(
         default="seeded",
         description=(
             "seeded: epoch e in an order seeded by (seed, e), the test split keeping file order; cookbook: "
@@ -122,7 +113,7 @@ def sft_flow(config: SFTConfig) -> dict[str, Any]:
     """Fine-tune ``config.model`` on ``config.dataset``; returns a summary (losses, steps, tokens,
     checkpoint paths, sampled completions)."""
     log = get_run_logger()
-    with RunSession(config, builder=config.dataset_builder) as session:
+    with RunSession(config) as session:
         with phase(session.run_id, "preparing the dataset (reading, rendering, tokenizing; cached)"):
             data = cast(SupervisedData, prepare_dataset(session.dataset_builder, session.tokenizer_id))
         per_epoch = len(data.train) // config.batch_size

@@ -41,8 +41,17 @@ from prefect_tinker.recipes.format_fields import FormatFields
 from prefect_tinker.recipes.format_options import FormatOptions
 from prefect_tinker.recipes.media import MediaSpan, media_spans, restore_media
 from prefect_tinker.recipes.registry import TaggedBy
+from prefect_tinker.recipes.resume_marker import RESUME
 
-__all__ = ["BuiltData", "DatasetBuilder", "Example", "SourceFields", "SupervisedBuilder", "SupervisedData"]
+__all__ = [
+    "BuiltData",
+    "DatasetBuilder",
+    "Example",
+    "PreferenceSourceFields",
+    "SourceFields",
+    "SupervisedBuilder",
+    "SupervisedData",
+]
 
 
 class Example(BaseModel):
@@ -89,18 +98,21 @@ class SourceFields(FormatFields):
     One source: ``dataset`` (a JSONL file, local dataset file/dir, ``builtin:example_chat`` or a
     Hugging Face dataset id) read in ``format`` with the field mapping ``fields``; several
     weighted sources: ``sources`` (each a full :class:`SourceSpec`; then ``dataset`` must be unset).
+    The one mixin of the data-driven recipes' configs (sft, dpo, reward_model, decisions): ``format``,
+    ``fields``, ``sources``, ``test_size`` and ``max_length`` are marked
+    :data:`~prefect_tinker.recipes.resume_marker.RESUME` for all of them.
     """
 
     dataset: str | None = Field(
         default=None,
         description="JSONL file, local dataset file/dir, 'builtin:example_chat' or a Hugging Face dataset id.",
     )
-    format: str = Field(
+    format: Annotated[str, RESUME] = Field(
         default="messages",
         description="Record format of `dataset` (messages, sharegpt, instruction, prompt_completion, dialogue, "
         "self_instruct, preference, ...).",
     )
-    fields: dict[str, str] = Field(
+    fields: Annotated[dict[str, str], RESUME] = Field(
         default_factory=dict,
         description="Field mapping of `dataset`: format field -> record path (dotted, e.g. meta.answer).",
     )
@@ -114,12 +126,14 @@ class SourceFields(FormatFields):
         ge=1,
         description="Read at most this many records of `dataset` (the first ones, before the split).",
     )
-    sources: list[SourceSpec] = Field(
+    sources: Annotated[list[SourceSpec], RESUME] = Field(
         default_factory=list,
         description="Several weighted sources instead of `dataset` (each: path, format, fields, options, weight, ...).",
     )
-    test_size: float = Field(default=0.1, ge=0, description="Held-out fraction (<1) or count (>=1), split with `seed`.")
-    max_length: int = Field(default=512, ge=8, description="Most tokens of one example.")
+    test_size: Annotated[float, RESUME] = Field(
+        default=0.1, ge=0, description="Held-out fraction (<1) or count (>=1), split with `seed`."
+    )
+    max_length: Annotated[int, RESUME] = Field(default=512, ge=8, description="Most tokens of one example.")
     on_error: OnError = Field(
         default="raise", description="A bad record: 'raise' (error naming file, line and field) or 'skip' (counted)."
     )
@@ -164,6 +178,16 @@ class SourceFields(FormatFields):
     def test_count(self) -> float | int:
         """``test_size`` as the split functions take it: an int count when >= 1, else a fraction."""
         return int(self.test_size) if self.test_size >= 1 else float(self.test_size)
+
+
+class PreferenceSourceFields(SourceFields):
+    """:class:`SourceFields` of a recipe that reads comparisons (DPO, the reward model): the same
+    fields, records in the ``preference`` format by default."""
+
+    format: str = Field(
+        default="preference",
+        description="Record format: preference ({prompt?, chosen, rejected}) or dialogue (HH-RLHF transcripts).",
+    )
 
 
 class DatasetBuilder(BaseModel, ABC):

@@ -40,6 +40,7 @@ from pydantic.json_schema import DEFAULT_REF_TEMPLATE, models_json_schema
 
 from prefect_tinker.recipes.data_reading import check_local_source
 from prefect_tinker.recipes.registry import Registry, TaggedBy, tagged_options, tagged_union_schema
+from prefect_tinker.recipes.resume_marker import RESUME
 from prefect_tinker.recipes.rl.services import ServiceKey, Services
 from prefect_tinker.recipes.rl.types import EnvGroupBuilder, RLDataset
 
@@ -222,13 +223,19 @@ class EnvSpec(BaseModel):
     spec is validated, so the union is not fixed when this class is defined); the JSON schema
     (``prefect-tinker show-config RECIPE --schema``) spells the union out, one ``if env ==
     <name> then env_options: <its Options>`` branch per registered environment.
+
+    Every field but where the problems come from (``dataset``, ``dataset_config``, ``split``,
+    ``max_problems``: a resumed run may change them as long as the problems' content, the run's
+    data fingerprint, stays the same) is marked
+    :data:`~prefect_tinker.recipes.resume_marker.RESUME`: ``env_options`` as a whole, so every
+    option of the environment.
     """
 
-    env: str = Field(
+    env: Annotated[str, RESUME] = Field(
         default="arithmetic",
         description="Registered environment (prefect-tinker ls shows them): arithmetic, gsm8k, math, ...",
     )
-    env_options: Annotated[BaseModel, TaggedBy("env"), WithJsonSchema({"type": "object"})] = Field(
+    env_options: Annotated[BaseModel, TaggedBy("env"), WithJsonSchema({"type": "object"}), RESUME] = Field(
         default_factory=NoOptions,
         description="Options of the environment `env` names: its own Options model (see its docs).",
     )
@@ -240,10 +247,14 @@ class EnvSpec(BaseModel):
     )
     split: str = Field(default="train", description="Split of a Hugging Face dataset.")
     max_problems: int | None = Field(default=None, ge=1, description="Use at most this many problems.")
-    few_shot: bool = Field(default=False, description="Prepend one solved example as a user/assistant turn.")
-    system_prompt: str | None = Field(default=None, description="Optional system message.")
-    format_coef: float = Field(default=0.1, ge=0, description="Reward penalty for a malformed reply.")
-    format_needs_stop: bool = Field(
+    few_shot: Annotated[bool, RESUME] = Field(
+        default=False, description="Prepend one solved example as a user/assistant turn."
+    )
+    system_prompt: Annotated[str | None, RESUME] = Field(default=None, description="Optional system message.")
+    format_coef: Annotated[float, RESUME] = Field(
+        default=0.1, ge=0, description="Reward penalty for a malformed reply."
+    )
+    format_needs_stop: Annotated[bool, RESUME] = Field(
         default=False,
         description=(
             "Problem environments: a reply is well-formed only when it ended with the renderer's stop sequence "
@@ -253,16 +264,6 @@ class EnvSpec(BaseModel):
     )
 
     _dataset_exists = field_validator("dataset")(check_local_source)  # a missing file fails here
-
-    #: Fields naming where the problems come from: a resumed run may change them as long as the
-    #: problems' content (the run's data fingerprint) stays the same.
-    source_fields: ClassVar[tuple[str, ...]] = ("dataset", "dataset_config", "split", "max_problems")
-
-    @classmethod
-    def env_resume_fields(cls) -> tuple[str, ...]:
-        """The fields a resumed run must keep: every field of the spec (``env_options`` as a
-        whole, so every option of the environment) except :attr:`source_fields`."""
-        return tuple(f for f in cls.model_fields if f not in cls.source_fields)
 
     def required_dataset(self) -> str:
         """``dataset``, for an environment that reads its problems from it.

@@ -4,27 +4,27 @@ recipe skeleton (run session, step loop, training task)."""
 from __future__ import annotations
 
 import hashlib
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import numpy as np
 import tinker
 from prefect.utilities.annotations import quote
 from pydantic import Field
 
-from prefect_tinker.plugin import RecipeConfig, RunSession, StepLoop, recipe_flow, tokenizer, train_step
+from prefect_tinker.plugin import RESUME, RecipeConfig, RunSession, StepLoop, recipe_flow, tokenizer, train_step
 
 
 class MemorizeConfig(RecipeConfig):
     """Parameters of a ``memorize`` run."""
 
     recipe: ClassVar[str] = "memorize"
-    resume_fields: ClassVar[tuple[str, ...]] = (*RecipeConfig.resume_fields, "text")
 
-    text: str = Field(default="The quick brown fox jumps over the lazy dog.", description="The sentence.")
+    text: Annotated[str, RESUME] = Field(  # a resumed run must keep it
+        default="The quick brown fox jumps over the lazy dog.", description="The sentence.")
     max_steps: int = Field(default=5, ge=1, description="Optimizer steps.")
     learning_rate: float = Field(default=1e-3, gt=0, description="Adam learning rate.")
 
-    def text_fingerprint(self, renderer: str) -> str:
+    def data_fingerprint(self, renderer: str) -> str:  # the recipe protocol: the data's identity
         return "sha256:" + hashlib.sha256(self.text.encode()).hexdigest()
 
 
@@ -38,7 +38,7 @@ def sentence_datum(tokens: list[int]) -> tinker.Datum:
 @recipe_flow("memorize", "memorize-{config.run_name}")  # a Prefect flow; Ctrl-C ends it Cancelled, checkpoint saved
 def memorize_flow(config: MemorizeConfig) -> dict[str, Any]:
     """Train on ``config.text`` for ``max_steps`` steps; returns the first and last loss."""
-    with RunSession(config, fingerprint=config.text_fingerprint) as session:
+    with RunSession(config) as session:
         datum = sentence_datum(tokenizer(session.tokenizer_id).encode(config.text))
 
         def one_step(step: int) -> dict[str, float]:
