@@ -133,3 +133,23 @@ def test_leave_one_out_baseline_against_the_definition():
     group = TrajectoryGroup(traj, [0.0] * 4, [{}] * 4)
     datums, (adv,) = groups_to_datums([group], estimator=LeaveOneOutBaseline())
     assert adv == pytest.approx(expected) and [float(d.advantages[-1]) for d in datums] == pytest.approx(expected)
+
+
+def test_a_registry_pickles_by_reference_so_a_flow_function_reaches_ray_workers():
+    # cloudpickle takes a flow function by value with the globals it reads (the RL flow reads SCHEDULES): each
+    # registry goes as a reference to the one of its group, which the receiving process gets from its module
+    import pickle
+    import subprocess
+    import sys
+
+    import cloudpickle  # a Prefect dependency; Ray ships the same one
+
+    from prefect_tinker.flows.rl import rl_flow
+    from prefect_tinker.flows.rl_config import SCHEDULES
+
+    assert pickle.loads(pickle.dumps(SCHEDULES)) is SCHEDULES
+    cloudpickle.dumps(rl_flow.fn)  # raised "cannot pickle '_thread.RLock' object" before
+    reader = "import pickle, sys; r = pickle.loads(sys.stdin.buffer.read()); print(r.group, sorted(r))"
+    out = subprocess.run([sys.executable, "-c", reader], input=pickle.dumps(SCHEDULES), capture_output=True,
+                         timeout=120, check=True)
+    assert out.stdout.decode().split() == ["prefect_tinker.schedules", "['async',", "'streaming',", "'sync']"]

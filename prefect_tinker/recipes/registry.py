@@ -32,6 +32,7 @@ https://packaging.python.org/en/latest/specifications/entry-points/).
 from __future__ import annotations
 
 import importlib
+import sys
 import threading
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
@@ -62,6 +63,17 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+_BY_GROUP: dict[str, Registry[Any]] = {}  # the first registry made for each entry-point group
+
+
+def _registry_of(group: str, owner: str) -> Registry[Any]:
+    """The registry of entry-point group ``group``, made by module ``owner`` (imported if it is not yet):
+    what a pickled registry is read back as."""
+    if group not in _BY_GROUP and owner:
+        importlib.import_module(owner)
+    return _BY_GROUP[group]
+
+
 class Registry(MutableMapping[str, T], Generic[T]):
     """Components of one kind by name, filled by built-in modules, entry points and
     :meth:`register` (see the module docstring).
@@ -78,11 +90,19 @@ class Registry(MutableMapping[str, T], Generic[T]):
 
     def __init__(self, kind: str, group: str, builtins: Iterable[str] = ()):
         self.kind, self.group = kind, group
+        self._owner = str(sys._getframe(1).f_globals.get("__name__", ""))  # the module that made it
+        _BY_GROUP.setdefault(group, self)
         self._builtins = tuple(builtins)
         self._items: dict[str, T] = {}
         self._loaded = False
         self._broken: dict[str, tuple[str, BaseException]] = {}  # name -> (what, its import error)
         self._lock = threading.RLock()
+
+    def __reduce__(self) -> tuple[Any, tuple[str, str]]:
+        # pickled by reference (a flow run's context sent to Ray workers carries the flow function, and
+        # cloudpickle takes the globals it reads): the receiving process finds the registry of the same
+        # group by importing the module that made it, so it is the one its registrations go to
+        return _registry_of, (self.group, self._owner)
 
     def register(self, name: str, component: T) -> T:
         """Register ``component`` under ``name`` (replacing an earlier one) and return it.
