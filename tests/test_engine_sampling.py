@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.engine_helpers import engine, train_a_bit  # noqa: F401  (engine: a fixture)
-from tinker_local.engine import Datum, EngineUserError
+from tests.engine_helpers import engine, make_datums, train_a_bit  # noqa: F401  (engine: a fixture)
+from tinker_local.engine import Datum, Engine, EngineUserError
 
 
 def test_sample_logprobs_match_forward_and_seed(engine):
@@ -165,3 +165,18 @@ def test_sampler_slots_are_reused_with_the_right_weights(engine):
     assert sum(1 for n in b.peft.peft_config if n.startswith("s")) == MAX_SAMPLER_ADAPTERS
     again = engine.sample(None, paths[0], prompt, **kw).sequences  # evicted, then loaded into a reused slot
     assert again == first[0] and first[0] != first[1]
+
+def test_the_base_samples_after_deleting_the_active_adapter_when_the_rest_target_other_layers(tmp_path):
+    # peft names no new active adapter when none left targets its first LoRA layer (attention here)
+    eng, fresh = (Engine(tmp_path / n, dtype="fp32", device="cpu") for n in ("e", "fresh"))
+    eng.create_model("mlp_only", "tiny", 4, seed=1, train_attn=False, train_unembed=False)
+    eng.create_model("all", "tiny", 4, seed=2)
+    eng.forward_backward("all", make_datums(1), "cross_entropy", None)  # its adapter is the active one
+    eng.delete_model("all")
+    after, plain = (
+        e.sample("tiny", None, [1, 295, 201], num_samples=2, max_tokens=4, seed=3, stop=[],
+                 include_prompt_logprobs=True)
+        for e in (eng, fresh)
+    )  # raised KeyError('t2') in peft's disable_adapter before
+    assert after.sequences == plain.sequences and after.prompt_logprobs == plain.prompt_logprobs
+    eng.forward_backward("mlp_only", make_datums(2), "cross_entropy", None)  # the remaining one still trains

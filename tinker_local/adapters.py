@@ -137,10 +137,18 @@ def adapter_params(peft_model, name: str) -> OrderedDict[str, torch.nn.Parameter
 
 def remove_adapter(peft_model, name: str) -> None:
     """Delete adapter ``name`` from ``peft_model`` (peft then activates another if it was the
-    active one, which callers track themselves: no warning)."""
+    active one, which callers track themselves: no warning).
+
+    peft names the model's new active adapter after the first LoRA layer it walks; when no adapter
+    left targets that layer (one trained on the MLP only, the deleted one on attention too) it names
+    none and the model keeps naming the deleted one, so ``disable_adapter()`` (sampling the base
+    model) raised ``KeyError``. The model then names a remaining adapter (the layers are left as
+    peft set them; every use activates its adapter first)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*was active which is now deleted.*")
         peft_model.delete_adapter(name)
+    if peft_model.peft_config and peft_model.active_adapter not in peft_model.peft_config:
+        peft_model.active_adapter = next(iter(peft_model.peft_config))
 
 
 def rebind_adapter(peft_model, name: str, params: OrderedDict[str, torch.nn.Parameter]) -> None:
