@@ -256,8 +256,12 @@ class SamplingMixin(EngineCore):
             ctx = nullcontext()
         else:
             # with no adapter left (all deleted) the LoRA layers add nothing, and peft's
-            # disable_adapter would look up the deleted active one
-            ctx = b.peft.disable_adapter() if b.peft is not None and b.peft.peft_config else nullcontext()
+            # disable_adapter would look up the deleted active one; with adapters left, it looks up the
+            # model's active adapter by name, which must be one of them (adapters.remove_adapter)
+            peft = b.peft
+            if peft is not None and peft.peft_config and peft.active_adapter not in peft.peft_config:
+                peft.active_adapter = next(iter(peft.peft_config))
+            ctx = peft.disable_adapter() if peft is not None and peft.peft_config else nullcontext()
         rows = sum(r.num_samples for r in reqs)
         small = b.n_params * rows < 5e7  # multiply-adds per decode step
         extra = None
