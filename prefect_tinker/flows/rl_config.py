@@ -15,9 +15,11 @@ from prefect_tinker.recipes.resume_marker import RESUME
 from prefect_tinker.recipes.rl.advantages import ADVANTAGE_ESTIMATORS, AdvantageEstimator
 from prefect_tinker.recipes.rl.envs import EnvContext, EnvSpec, RunSettings
 from prefect_tinker.recipes.rl.losses import LOSSES, ClipThresholds, RLLoss
-from prefect_tinker.tasks import services as _builtin_services  # noqa: F401  (registers the built-in providers)
 from prefect_tinker.tasks.rollouts import RolloutPolicy
 from prefect_tinker.tasks.runners import TaskRunnerFields
+from prefect_tinker.tasks.services import register_builtin_services
+
+register_builtin_services()  # the providers environments ask for by key (judge, sampler, ...)
 
 __all__ = ["SCHEDULES", "RLConfig", "RLStepFields", "RLTrainingConfig"]
 

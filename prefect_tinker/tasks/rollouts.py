@@ -46,12 +46,14 @@ from prefect_tinker.recipes.rl.types import (
     TrajectoryGroup,
     Transition,
 )
-from prefect_tinker.tasks import services as _builtin_services  # noqa: F401  (registers the built-in providers)
 from prefect_tinker.tasks.clients import sampling_client
 from prefect_tinker.tasks.policies import cached_options
+from prefect_tinker.tasks.services import register_builtin_services
 
 if TYPE_CHECKING:
     from tinker_blocks.credentials import TinkerCredentials
+
+register_builtin_services()  # the providers environments ask for by key (judge, sampler, ...)
 
 __all__ = [
     "RolloutPolicy",

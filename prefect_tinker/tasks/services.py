@@ -48,41 +48,56 @@ from prefect_tinker.tasks.clients import sampling_client
 from prefect_tinker.tasks.judge import judge_reply
 from prefect_tinker.tasks.reward_model import WinRateEvaluator, pair_preferences
 
-__all__ = ["judge", "retrieval", "reward_model", "sampler", "sandbox", "win_rate_evaluator"]
+__all__ = [
+    "judge",
+    "register_builtin_services",
+    "retrieval",
+    "reward_model",
+    "sampler",
+    "sandbox",
+    "win_rate_evaluator",
+]
 
 
-@functools.partial(register_service, JUDGE)
 def judge(resources: ServiceResources) -> Judge:
     """``request -> answer text`` through the cached ``judge-reply`` task on the task's backend."""
     return functools.partial(judge_reply, resources.require_credentials(JUDGE.name))
 
 
-@functools.partial(register_service, PAIR_PREFERENCES)
 def reward_model(resources: ServiceResources) -> PairPreferences:
     """``(reward model path, comparison pairs) -> preferences`` through the cached
     ``reward-label-logprobs`` task on the task's backend."""
     return functools.partial(pair_preferences, resources.require_credentials(PAIR_PREFERENCES.name))
 
 
-@functools.partial(register_service, SAMPLER)
 def sampler(resources: ServiceResources) -> Sampler:
     """``path -> sampling client`` from the per-process client registry of the task's backend."""
     return functools.partial(sampling_client, resources.require_credentials(SAMPLER.name))
 
 
-@functools.partial(register_service, SANDBOX)
 def sandbox(resources: ServiceResources) -> CodeTester:
     """The local sandbox's test runner (a fresh isolated process per call)."""
     return run_tests
 
 
-@functools.partial(register_service, RETRIEVAL)
 def retrieval(resources: ServiceResources) -> Retriever:
     """BM25 indexes of JSONL collections, built once per process, collection and fields."""
     return search_index
 
 
-@functools.partial(register_service, WIN_RATE_EVALUATOR)
 def win_rate_evaluator(resources: ServiceResources) -> Callable[..., Any]:
     """The win-rate evaluator class (needs no credentials: it gets them when it runs)."""
     return WinRateEvaluator
+
+
+@functools.cache
+def register_builtin_services() -> None:
+    """Register the six built-in providers under their keys, once per process (a later call does
+    nothing, so a plugin's registration made after the first call stays). Called when the rollout
+    task's and the RL config's modules load."""
+    register_service(JUDGE, judge)
+    register_service(PAIR_PREFERENCES, reward_model)
+    register_service(SAMPLER, sampler)
+    register_service(SANDBOX, sandbox)
+    register_service(RETRIEVAL, retrieval)
+    register_service(WIN_RATE_EVALUATOR, win_rate_evaluator)
