@@ -100,7 +100,7 @@ def sc_create_custom_loss(c: Ctx):
         return loss, {"custom/surface:sum": loss}
 
     handle = c.sc.create_custom_loss(surface_loss, {"logprobs": 1, "weights": 1}).result(timeout=60)
-    assert handle.loss_id and handle.loss_id in c.server.service._losses
+    assert handle.loss_id and handle.loss_id in c.server.service.losses.compiled
     res = c.tc.forward_backward_custom(c.data, handle).result(timeout=60)
     ce = c.tc.forward(c.data, "cross_entropy").result(timeout=60)
     assert res.metrics["custom/surface:sum"] == pytest.approx(ce.metrics["loss:sum"], rel=1e-5)

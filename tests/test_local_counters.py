@@ -50,9 +50,9 @@ def test_sampling_counters_of_one_batch_appear_together_and_add_up(server):
     the totals are exact (without the lock, updates are lost and snapshots fall between two
     counters of one batch)."""
     svc = server.service
-    counters = svc.sampling_counters
+    counters = svc.sampling.counters
     counters.counts = _YieldingCounts(counters.counts)
-    base = svc.sampling_stats
+    base = svc.sampling.sampling_stats
     torn: list[dict] = []
     done = threading.Event()
 
@@ -62,7 +62,7 @@ def test_sampling_counters_of_one_batch_appear_together_and_add_up(server):
 
     def read() -> None:
         while not done.is_set():
-            now = svc.sampling_stats
+            now = svc.sampling.sampling_stats
             n = now["requests"] - base["requests"]
             if (now["sampled_tokens"] - base["sampled_tokens"], now["prompt_tokens_cached"]
                     - base["prompt_tokens_cached"]) != (3 * n, 2 * n):
@@ -79,7 +79,7 @@ def test_sampling_counters_of_one_batch_appear_together_and_add_up(server):
             t.join()
         done.set()
         reader.join()
-        after = svc.sampling_stats
+        after = svc.sampling.sampling_stats
     finally:
         counters.counts = dict(counters.counts)
     assert torn == []
@@ -100,7 +100,7 @@ def test_sequences_whose_ids_came_late_are_counted_and_said_once(server, monkeyp
     def late(request_id: str, n: int) -> list[str]:  # the ids come once the batch gave up on them
         calls.append(request_id)
         deadline = time.monotonic() + 30
-        while server.service.sampling_stats["stability_not_recorded"] < before + len(calls):
+        while server.service.sampling.sampling_stats["stability_not_recorded"] < before + len(calls):
             if time.monotonic() > deadline:
                 break
             time.sleep(0.02)
@@ -143,16 +143,38 @@ def test_sequences_whose_ids_came_late_are_counted_and_said_once(server, monkeyp
         sc.close("success").result(timeout=30)
 
 
-def test_the_service_state_is_declared_and_set_at_start(server):
-    """Every attribute of ``LocalService`` is declared with a type on its classes and set by its
-    ``__init__``: after sampling (stability records, counters) nothing new appears on the object."""
+def test_the_service_state_is_set_at_start(server):
+    """``LocalService`` is its state plus parts built on it, each setting all of its attributes in
+    its ``__init__``: after sampling (stability records, counters) nothing new appears on the
+    service or on any part, and each part works on the service's own state."""
+    from tinker_local.rest import RestEndpoints
+    from tinker_local.rest_sessions import SessionEndpoints
     from tinker_local.service import LocalService
+    from tinker_local.service_export import ExportEndpoints
+    from tinker_local.service_losses import CustomLosses
+    from tinker_local.service_sampling import SamplingEndpoints
+
+    kinds = {
+        "rest": RestEndpoints,
+        "sessions": SessionEndpoints,
+        "sampling": SamplingEndpoints,
+        "export": ExportEndpoints,
+        "losses": CustomLosses,
+    }
+
+    def attributes(s: LocalService) -> dict[str, set[str]]:
+        out = {"service": set(vars(s))}
+        for name, kind in kinds.items():
+            part = getattr(s, name)
+            assert isinstance(part, kind) and part.state is s
+            out[name] = set(vars(part))
+        return out
 
     svc = server.service
-    declared = {name for cls in LocalService.__mro__ for name in vars(cls).get("__annotations__", {})}
-    fresh = LocalService(svc.engine, server.root / "fresh-service")
-    assert set(vars(fresh)) == declared
+    fresh = attributes(LocalService(svc.engine, server.root / "fresh-service"))
+    assert fresh["service"] >= {"engine", "store", "registry", "tenancy", *kinds}
+    assert fresh["sampling"] == {"state", "sampler_pool", "sample_step_s", "counters", "inflight", "stability"}
     with tinker.ServiceClient(base_url=server.base_url, api_key="tml-counters") as sc:
         sampler = sc.create_sampling_client(base_model="tiny", record_stability_info=True).result(timeout=60)
         sampler.sample(types.ModelInput.from_ints([1, 2, 3]), 1, types.SamplingParams(max_tokens=2)).result(timeout=60)
-    assert set(vars(svc)) == declared
+    assert attributes(svc) == fresh

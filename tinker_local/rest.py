@@ -1,6 +1,6 @@
 """REST (synchronous) endpoints of the local Tinker server: capabilities, training runs,
-checkpoints (listing, deletion, TTL, publish flag, copies, storage usage), weights info.  A mixin
-of ``tinker_local.service.LocalService``; every method returns the JSON answer or raises
+checkpoints (listing, deletion, TTL, publish flag, copies, storage usage), weights info.  A part of
+``tinker_local.service.LocalService`` (its ``rest``); every method returns the JSON answer or raises
 ``HttpError`` (404 for unknown ids / paths, 400 for a TTL out of range, 422 for a malformed
 ``tinker://`` path).  Response shapes follow ``tinker.types`` of SDK 0.38 (``TrainingRun``,
 ``Checkpoint``, ``CopyWeightsResponse``, ...).
@@ -22,7 +22,7 @@ from typing import Any
 
 from .errors import HttpError
 from .registry import CheckpointRecord, RunRecord, dir_size
-from .service_base import ServiceBase, remove_files
+from .service_base import ServiceState, remove_files
 from .tenancy import current_user
 from .tinker_paths import KIND_SEGMENT, TinkerPath, engine_id
 
@@ -45,14 +45,19 @@ def check_ttl(ttl: Any, what: str) -> int | None:
     return int(ttl)
 
 
-class RestMixin(ServiceBase):
-    """The REST endpoints (see the module docstring)."""
+class RestEndpoints:
+    """The REST endpoints (see the module docstring), on the server's ``state``."""
+
+    def __init__(self, state: ServiceState):
+        self.state = state
+        self.copies: dict[str, dict[str, Any]] = {}  # copy_weights idempotency key -> answer
 
     def capabilities(self) -> dict[str, Any]:
         """The base models preloaded at start plus those of the caller's runs, with their contexts."""
         names = list(
             dict.fromkeys(
-                self.models + [r.base_model for r in self.registry.runs.values() if self.tenancy.owns_model(r.model_id)]
+                self.state.models
+                + [r.base_model for r in self.state.registry.runs.values() if self.state.tenancy.owns_model(r.model_id)]
             )
         )
         out = []
@@ -68,24 +73,24 @@ class RestMixin(ServiceBase):
         try:
             from .models import resolve_model
 
-            return int(resolve_model(base_model, self.root / "models").max_context)
+            return int(resolve_model(base_model, self.state.root / "models").max_context)
         except Exception:  # capabilities never fail because of one model
             return None
 
     # -- runs ---------------------------------------------------------------------------------
     def run_to_rest(self, run: RunRecord) -> dict[str, Any]:
         """``TrainingRun`` of ``run``, its ``model_owner`` the user who created it."""
-        return {**self.registry.run_to_rest(run), "model_owner": self.tenancy.model_owner(run.model_id)}
+        return {**self.state.registry.run_to_rest(run), "model_owner": self.state.tenancy.model_owner(run.model_id)}
 
     def training_runs(self, limit: int, offset: int, project_id: str | None = None) -> dict[str, Any]:
         runs = sorted(
-            (r for r in self.registry.runs.values() if self.tenancy.owns_model(r.model_id)),
+            (r for r in self.state.registry.runs.values() if self.state.tenancy.owns_model(r.model_id)),
             key=lambda r: r.created,
             reverse=True,
         )
         if project_id is not None:
-            runs = [r for r in runs if self.project_of(r) == project_id]
-        self.sweep_expired()
+            runs = [r for r in runs if self.state.project_of(r) == project_id]
+        self.state.sweep_expired()
         page = runs[offset : offset + limit]
         return {
             "training_runs": [self.run_to_rest(r) for r in page],
@@ -93,18 +98,20 @@ class RestMixin(ServiceBase):
         }
 
     def training_run(self, model_id: str) -> dict[str, Any]:
-        run = self.registry.runs.get(model_id)
-        if run is None or not self.tenancy.owns_model(model_id):
+        run = self.state.registry.runs.get(model_id)
+        if run is None or not self.state.tenancy.owns_model(model_id):
             raise HttpError(404, f"unknown training run {model_id!r}")
-        self.sweep_expired()
+        self.state.sweep_expired()
         return self.run_to_rest(run)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def checkpoints(self, model_id: str | None, limit: int | None = None, offset: int = 0) -> dict[str, Any]:
-        if model_id is not None and (model_id not in self.registry.runs or not self.tenancy.owns_model(model_id)):
+        if model_id is not None and (
+            model_id not in self.state.registry.runs or not self.state.tenancy.owns_model(model_id)
+        ):
             raise HttpError(404, f"unknown training run {model_id!r}")
-        self.sweep_expired()
-        cks = [c for c in self.registry.checkpoints_of(model_id) if self.tenancy.owns_model(c.model_id)]
+        self.state.sweep_expired()
+        cks = [c for c in self.state.registry.checkpoints_of(model_id) if self.state.tenancy.owns_model(c.model_id)]
         if model_id is None:
             cks = cks[::-1]  # list_user_checkpoints: newest first
         page = cks[offset : offset + limit] if limit is not None else cks
@@ -115,31 +122,33 @@ class RestMixin(ServiceBase):
 
     def delete_checkpoint(self, model_id: str, checkpoint_id: str) -> dict[str, Any]:
         """Forget ``tinker://<model_id>/<checkpoint_id>`` and delete its files."""
-        ck = self.registry.delete_checkpoint(self.checkpoint_record_of(model_id, checkpoint_id).uri)
+        ck = self.state.registry.delete_checkpoint(self.state.checkpoint_record_of(model_id, checkpoint_id).uri)
         if ck is not None:
             remove_files(ck.path)
         return {}
 
     def set_checkpoint_ttl(self, model_id: str, checkpoint_id: str, body: dict[str, Any]) -> dict[str, Any]:
         """``ttl_seconds`` from now (3600 s .. 10 years), or None to remove the expiry."""
-        ck = self.checkpoint_record_of(model_id, checkpoint_id)
+        ck = self.state.checkpoint_record_of(model_id, checkpoint_id)
         ttl = check_ttl(body.get("ttl_seconds"), "set_checkpoint_ttl")
-        self.registry.update_checkpoint(ck.uri, expires_at=None if ttl is None else self.registry.clock() + ttl)
+        self.state.registry.update_checkpoint(
+            ck.uri, expires_at=None if ttl is None else self.state.registry.clock() + ttl
+        )
         return {}
 
     def set_published(self, model_id: str, checkpoint_id: str, public: bool) -> dict[str, Any]:
         """Set the publish flag: a published checkpoint may be loaded and sampled by every user."""
-        ck = self.checkpoint_record_of(model_id, checkpoint_id)
+        ck = self.state.checkpoint_record_of(model_id, checkpoint_id)
         if ck.public != public:
-            self.registry.update_checkpoint(ck.uri, public=public)
+            self.state.registry.update_checkpoint(ck.uri, public=public)
         return {}
 
     def weights_info(self, body: dict[str, Any]) -> dict[str, Any]:
         path = body.get("tinker_path")
         if not path:
             raise HttpError(422, "weights_info: field 'tinker_path' is required")
-        ck = self.checkpoint_record(str(path))
-        run = self.registry.runs.get(ck.model_id)
+        ck = self.state.checkpoint_record(str(path))
+        run = self.state.registry.runs.get(ck.model_id)
         if run is None:
             raise HttpError(404, f"weights_info: training run {ck.model_id!r} is unknown")
         return {
@@ -158,10 +167,10 @@ class RestMixin(ServiceBase):
         ``destination_project_id``.  Files are hard links (no bytes duplicated; each copy has its
         own lifetime).  A repeated ``X-Idempotency-Key`` returns the first copy."""
         ep = "copy_weights"
-        if idempotency_key and idempotency_key in self._copies:
-            return self._copies[idempotency_key]
-        src = self.checkpoint_record(str(body.get("source_path") or ""))
-        src_run = self.registry.runs.get(src.model_id)
+        if idempotency_key and idempotency_key in self.copies:
+            return self.copies[idempotency_key]
+        src = self.state.checkpoint_record(str(body.get("source_path") or ""))
+        src_run = self.state.registry.runs.get(src.model_id)
         if src_run is None:
             raise HttpError(404, f"{ep}: training run {src.model_id!r} of {src.uri} is unknown")
         ttl = check_ttl(body.get("ttl_seconds"), ep)
@@ -169,15 +178,15 @@ class RestMixin(ServiceBase):
         if session_id is not None:
             if body.get("model_seq_id") is None:
                 raise HttpError(400, f"{ep}: 'model_seq_id' is required with 'session_id'")
-            if session_id not in self.registry.sessions or not self.tenancy.owns_session(session_id):
+            if session_id not in self.state.registry.sessions or not self.state.tenancy.owns_session(session_id):
                 raise HttpError(404, f"{ep}: unknown session {session_id!r}")
-            project = self.registry.sessions[session_id].get("project_id")
+            project = self.state.registry.sessions[session_id].get("project_id")
             model_id = f"{session_id}:train:{int(body['model_seq_id'])}"
-            if model_id in self.registry.runs:
+            if model_id in self.state.registry.runs:
                 raise HttpError(400, f"{ep}: training run {model_id!r} already exists")
         elif project:
             session_id = f"copy-{uuid.uuid4().hex[:12]}"
-            self.registry.add_session(
+            self.state.registry.add_session(
                 session_id,
                 {
                     "tags": ["copy_weights"],
@@ -186,7 +195,7 @@ class RestMixin(ServiceBase):
                     "owner": current_user(),
                 },
             )
-            self.registry.finish_session(session_id, "success")
+            self.state.registry.finish_session(session_id, "success")
             model_id = f"{session_id}:train:0"
         else:
             raise HttpError(400, f"{ep}: give destination_project_id, or session_id and model_seq_id")
@@ -204,7 +213,7 @@ class RestMixin(ServiceBase):
             trainable=False,
             copied_from=src.uri,
         )
-        dest = self.root / "checkpoints" / engine_id(model_id) / KIND_SEGMENT[src.kind] / src.name
+        dest = self.state.root / "checkpoints" / engine_id(model_id) / KIND_SEGMENT[src.kind] / src.name
         _link_tree(Path(src.path), dest)
         ck = CheckpointRecord(
             uri=TinkerPath(model_id, src.kind, src.name).uri,
@@ -214,26 +223,26 @@ class RestMixin(ServiceBase):
             path=str(dest),
             size_bytes=dir_size(dest),
             user_metadata=src.user_metadata,
-            expires_at=None if ttl is None else self.registry.clock() + ttl,
+            expires_at=None if ttl is None else self.state.registry.clock() + ttl,
         )
-        self.registry.add_run(run)
-        self.registry.add_checkpoint(ck)
+        self.state.registry.add_run(run)
+        self.state.registry.add_checkpoint(ck)
         out = {"tinker_path": ck.uri}
         if idempotency_key:
-            self._copies[idempotency_key] = out
+            self.copies[idempotency_key] = out
         return out
 
     def storage_usage(self, project_id: str | None) -> dict[str, Any]:
         """Bytes and count of the caller's live checkpoints, by project
         (``CurrentCheckpointStorageUsageResponse``; no rate or cost: tinker_local bills nothing)."""
-        self.sweep_expired()
+        self.state.sweep_expired()
         user = current_user()
         groups: dict[Any, list[CheckpointRecord]] = {}
-        for ck in self.registry.checkpoints_of(None):
-            if not self.tenancy.owns_model(ck.model_id):
+        for ck in self.state.registry.checkpoints_of(None):
+            if not self.state.tenancy.owns_model(ck.model_id):
                 continue
-            run = self.registry.runs.get(ck.model_id)
-            proj = self.project_of(run) if run is not None else None
+            run = self.state.registry.runs.get(ck.model_id)
+            proj = self.state.project_of(run) if run is not None else None
             if project_id is None or proj == project_id:
                 groups.setdefault(proj, []).append(ck)
         data = []

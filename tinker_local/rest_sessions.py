@@ -1,4 +1,4 @@
-"""Session endpoints of the local Tinker server (a mixin of ``LocalService``): list, get, search
+"""Session endpoints of the local Tinker server (a part of ``LocalService``: its ``sessions``): list, get, search
 (``SessionSearchRequest``), project assignment, the session trace export, and the refusals of
 hosted-account features (billing usage events).
 
@@ -19,7 +19,7 @@ from typing import Any
 
 from .errors import HttpError
 from .registry import iso
-from .service_base import ServiceBase
+from .service_base import ServiceState
 from .signing import SignatureError
 from .tenancy import current_user
 
@@ -33,12 +33,15 @@ ACCOUNT_FEATURES = {
 }
 
 
-class SessionsMixin(ServiceBase):
-    """The session endpoints (see the module docstring)."""
+class SessionEndpoints:
+    """The session endpoints (see the module docstring), on the server's ``state``."""
+
+    def __init__(self, state: ServiceState):
+        self.state = state
 
     def _session(self, session_id: str) -> dict[str, Any]:
-        s = self.registry.sessions.get(session_id)
-        if s is None or not self.tenancy.owns_session(session_id):
+        s = self.state.registry.sessions.get(session_id)
+        if s is None or not self.state.tenancy.owns_session(session_id):
             raise HttpError(404, f"unknown session {session_id!r}")
         return s
 
@@ -48,7 +51,7 @@ class SessionsMixin(ServiceBase):
 
     def _sessions_newest_first(self) -> list[tuple[str, dict[str, Any]]]:
         return sorted(
-            ((sid, s) for sid, s in self.registry.sessions.items() if self.tenancy.owns_session(sid)),
+            ((sid, s) for sid, s in self.state.registry.sessions.items() if self.state.tenancy.owns_session(sid)),
             key=lambda kv: (kv[1].get("created") or 0, kv[0]),
             reverse=True,
         )
@@ -56,8 +59,8 @@ class SessionsMixin(ServiceBase):
     def get_session(self, session_id: str) -> dict[str, Any]:
         """The training runs and samplers a session created, its metadata and display name."""
         s = self._session(session_id)
-        runs = [r.model_id for r in self.registry.runs.values() if r.session_id == session_id]
-        samplers = [x for x in self.registry.samplers if x.startswith(f"{session_id}:")]
+        runs = [r.model_id for r in self.state.registry.runs.values() if r.session_id == session_id]
+        samplers = [x for x in self.state.registry.samplers if x.startswith(f"{session_id}:")]
         return {
             "training_run_ids": runs,
             "sampler_ids": samplers,
@@ -71,7 +74,7 @@ class SessionsMixin(ServiceBase):
         project = body.get("project_id")
         if not isinstance(project, str) or not project:
             raise HttpError(400, "assign_session_project: 'project_id' is required")
-        self.registry.update_session(session_id, project_id=project)
+        self.state.registry.update_session(session_id, project_id=project)
         return {}
 
     # -- search -----------------------------------------------------------------------------------
@@ -80,17 +83,17 @@ class SessionsMixin(ServiceBase):
             reason = s["finished"] if s["finished"] in ("success", "errored", "interrupted") else "success"
             return {"type": "client_finished", "reason": {"type": reason}}
         hb = s.get("heartbeat")
-        if hb is not None and self.registry.clock() - hb < ACTIVE_HEARTBEAT_S:
+        if hb is not None and self.state.registry.clock() - hb < ACTIVE_HEARTBEAT_S:
             return {"type": "active"}
         return None
 
     def _summary(self, sid: str, s: dict[str, Any]) -> dict[str, Any]:
-        run_ids = {r.model_id for r in self.registry.runs.values() if r.session_id == sid}
-        cks = [c for c in self.registry.checkpoints.values() if c.model_id in run_ids]
+        run_ids = {r.model_id for r in self.state.registry.runs.values() if r.session_id == sid}
+        cks = [c for c in self.state.registry.checkpoints.values() if c.model_id in run_ids]
         return {
             "session_id": sid,
             "created_at": iso(s.get("created") or 0),
-            "owner": f"tml:user:{self.tenancy.session_owner(sid)}",
+            "owner": f"tml:user:{self.state.tenancy.session_owner(sid)}",
             "project_id": s.get("project_id") or DEFAULT_PROJECT,
             "status": self._status(s),
             "checkpoints_count": len(cks),
@@ -161,18 +164,18 @@ class SessionsMixin(ServiceBase):
         self._session(session_id)
         if not _SESSION_ID.match(session_id):
             raise HttpError(400, f"trace_export: session id {session_id!r} cannot name a file")
-        folder = self.root / "server" / "traces"
+        folder = self.state.root / "server" / "traces"
         folder.mkdir(parents=True, exist_ok=True)
         tmp = folder / f".{session_id}.{uuid.uuid4().hex[:8]}.tmp"
-        tmp.write_text(json.dumps(self.tracer.chrome_trace(session_id)))
+        tmp.write_text(json.dumps(self.state.tracer.chrome_trace(session_id)))
         os.replace(tmp, folder / f"{session_id}.trace.json")
         file = f"{session_id}.trace.json"
-        url = self.signer.url(base_url, "trace", session_id, file, self.signer.expiry(self.url_ttl_s))
+        url = self.state.signer.url(base_url, "trace", session_id, file, self.state.signer.expiry(self.state.url_ttl_s))
         return {"status": "ready", "url": url}
 
     def trace_file(self, session_id: str, file: str) -> Path:
         """Path of an exported trace named by a (verified) download URL; HttpError 404 if gone."""
-        path = self.root / "server" / "traces" / f"{session_id}.trace.json"
+        path = self.state.root / "server" / "traces" / f"{session_id}.trace.json"
         if file != path.name or not _SESSION_ID.match(session_id) or not path.is_file():
             raise HttpError(404, f"no exported trace {file!r} for session {session_id!r}")
         return path
@@ -181,7 +184,7 @@ class SessionsMixin(ServiceBase):
         """The trace file a signed URL of ``trace_export`` names; HttpError 403 for a tampered or
         expired URL, 404 when the trace is gone."""
         try:
-            self.signer.check("trace", session_id, file, expires, sig)
+            self.state.signer.check("trace", session_id, file, expires, sig)
         except SignatureError as e:
             raise HttpError(403, str(e)) from e
         return self.trace_file(session_id, file)

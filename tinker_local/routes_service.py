@@ -83,7 +83,7 @@ def add_service_routes(
 
     @route("GET", "/get_server_capabilities")
     async def get_server_capabilities():
-        return await asyncio.to_thread(svc.capabilities)
+        return await asyncio.to_thread(svc.rest.capabilities)
 
     @route("GET", "/local_stats")
     async def local_stats():
@@ -100,32 +100,32 @@ def add_service_routes(
             "users": {u: await asyncio.to_thread(ten.counters, u) for u in sorted(users)},
             "compute": dict(svc.store.stats),
             "requests": dict(svc.request_counts),
-            "sampling": svc.sampling_stats,
-            "engine": dict(getattr(svc.engine, "stats", None) or {}),
+            "sampling": svc.sampling.sampling_stats,
+            "engine": dict(svc.engine.stats),
             "faults": dict(fault_state.counts),
             "fault_config": {"fail_every": fault_state.config.fail_every, "drop_every": fault_state.config.drop_every},
             "sampler_workers": sampler_pool.stats() if sampler_pool is not None else None,
-            "base_models": svc.engine.resident_bases() if hasattr(svc.engine, "resident_bases") else None,
+            "base_models": svc.engine.resident_bases(),
         }
 
     @route("GET", "/sessions")
     async def list_sessions(limit: int = 20, offset: int = 0):
-        return svc.list_sessions(limit, offset)
+        return svc.sessions.list_sessions(limit, offset)
 
     @route("POST", "/sessions/search")
     async def search_sessions(request: Request):
-        return svc.search_sessions(await json_body(request))
+        return svc.sessions.search_sessions(await json_body(request))
 
     @route("GET", "/sessions/{session_id}")
     async def get_session(session_id: str):
-        return svc.get_session(session_id)
+        return svc.sessions.get_session(session_id)
 
     @route("PUT", "/sessions/{session_id}/project")
     async def assign_session_project(session_id: str, request: Request):
-        return svc.assign_session_project(session_id, await json_body(request))
+        return svc.sessions.assign_session_project(session_id, await json_body(request))
 
     @route("GET", "/sessions/{session_id}/trace_export")
     async def trace_export(session_id: str, request: Request):
-        out = await asyncio.to_thread(svc.trace_export, session_id, str(request.base_url))
+        out = await asyncio.to_thread(svc.sessions.trace_export, session_id, str(request.base_url))
         ten.audit("trace_download", session_id=session_id)
         return out

@@ -22,19 +22,6 @@ from .request_log import SeqOrder
 from .service import LocalService
 from .tenancy import Tenancy
 
-# the JSON routes answered by the service method of the same name
-JSON_ROUTES = (
-    "optim_step",
-    "save_weights",
-    "save_weights_for_sampler",
-    "load_weights",
-    "create_sampling_session",
-    "join_sampling_session",
-    "asample",
-    "weights_info",
-    "save_weights_external",
-    "create_custom_loss",
-)
 # audit events of the JSON routes: route -> event (``tinker_local.tenancy`` audit log)
 AUDITED = {
     "save_weights": "checkpoint_save",
@@ -81,16 +68,16 @@ def add_training_routes(app: FastAPI, svc: LocalService, poll_wait_s: float) -> 
     async def forward(request: Request):
         return await fwd(request, True)
 
-    for name in JSON_ROUTES:
+    for name, handler in svc.json_routes().items():
         # content-seeded sampling counts a session's requests in seq_id order (tinker_local.request_log)
         order = svc.content_seeds.order if name == "asample" and svc.content_seeds is not None else None
-        add_json_route(app, name, getattr(svc, name), ten, order)
+        add_json_route(app, name, handler, ten, order)
 
     @route("GET", "/samplers/{sampler_id}")
     async def get_sampler(sampler_id: str):
         if not ten.owns_sampler(sampler_id):
             raise HttpError(404, f"unknown sampling session {sampler_id!r}")
-        return await asyncio.to_thread(svc.get_sampler, sampler_id)
+        return await asyncio.to_thread(svc.sampling.get_sampler, sampler_id)
 
     @route("POST", "/retrieve_future")
     async def retrieve_future(request: Request):

@@ -130,7 +130,7 @@ def create_app(
     svc.jwt = JwtIssuer(load_secret(Path(root)), clock=lambda: svc.clock()) if jwt_auth else None
     svc.store.batch_quiet_s, svc.store.batch_max_wait_s = batch_quiet_s, batch_max_wait_s
     if sampler_pool is not None:
-        svc.attach_sampler_pool(sampler_pool)
+        svc.sampling.attach_sampler_pool(sampler_pool)
     fault_state = FaultState(faults or FaultConfig())
 
     @contextlib.asynccontextmanager

@@ -20,24 +20,20 @@ from typing import Any
 import numpy as np
 
 from . import protocol as P
-from .allowed_models import ModelAllowList
 from .errors import HttpError, int_field, required_field
-from .futures import FutureStore
-from .loss_limits import GraphLimits
 from .outcomes import UserError
-from .registry import CheckpointRecord, Registry, RunRecord, SamplerRecord, dir_size
-from .request_limits import RequestLimits, check_training
+from .registry import CheckpointRecord, RunRecord, SamplerRecord, dir_size
+from .request_limits import check_training
 from .request_log import datum_record
-from .rest import RestMixin, check_ttl
-from .rest_sessions import SessionsMixin
-from .service_export import ExportMixin
-from .service_losses import CustomLossMixin
-from .service_sampling import InflightTargets, SamplingCounters, SamplingServiceMixin
-from .service_stability import StabilityRecords
-from .signing import DEFAULT_URL_TTL_S, UrlSigner, load_secret
-from .tenancy import Tenancy, current_user
+from .rest import RestEndpoints, check_ttl
+from .rest_sessions import SessionEndpoints
+from .service_base import ServiceState
+from .service_export import ExportEndpoints
+from .service_losses import CustomLosses
+from .service_sampling import SamplingEndpoints
+from .signing import DEFAULT_URL_TTL_S
+from .tenancy import current_user
 from .tinker_paths import KIND_SEGMENT, TinkerPath, check_checkpoint_name, engine_id
-from .trace import Tracer
 
 __all__ = ["LocalService", "HttpError"]
 
@@ -62,20 +58,16 @@ def _burns_seq(handler):
     return wrapper
 
 
-def _engine_datum_cls() -> type:
-    try:
-        from .engine import Datum
+class LocalService(ServiceState):
+    """The endpoint logic of the local Tinker server: its state (``ServiceState``, whose
+    arguments it takes) with the training endpoints (sessions, models, forward/backward, optimizer
+    steps, saves and loads), and the other endpoint groups as parts built on that state:
 
-        return Datum
-    except Exception:  # engine not importable: a field-compatible stand-in
-        return P.WireDatum
-
-
-class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, CustomLossMixin):
-    """Endpoint logic. ``engine`` follows the Engine interface; ``root`` holds the registry.
-
-    ``clock``: the time source (Unix seconds) of checkpoint expiry, signed URLs and traces (tests
-    move it).  ``url_ttl_s``: how long signed download URLs stay valid."""
+    - ``rest``: training runs and checkpoints (``tinker_local.rest.RestEndpoints``);
+    - ``sessions``: session listing, search, projects and traces (``rest_sessions.SessionEndpoints``);
+    - ``sampling``: sampling sessions and ``asample`` (``service_sampling.SamplingEndpoints``);
+    - ``export``: external weights (``service_export.ExportEndpoints``);
+    - ``losses``: uploaded custom losses (``service_losses.CustomLosses``)."""
 
     def __init__(
         self,
@@ -88,42 +80,41 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
         url_ttl_s: float = DEFAULT_URL_TTL_S,
         clock: Callable[[], float] = time.time,
     ):
-        self.engine = engine
-        self.root = Path(root)
-        self.models = list(models or [])
-        self.store = FutureStore(gap_timeout_s=gap_timeout_s)
-        self.registry = Registry(self.root, clock=lambda: self.clock())
-        self.clock = clock
-        self.tracer = Tracer(clock=lambda: self.clock())
-        self.signer = UrlSigner(load_secret(self.root), clock=lambda: self.clock())
-        self.url_ttl_s = float(url_ttl_s)
-        self.datum_cls = datum_cls or _engine_datum_cls()
-        # the caches and maps described on ServiceBase
-        self._info = {}
-        self._client_names = {}
-        self.request_counts = {}  # HTTP path -> requests seen (GET local_stats)
-        self._expired = {}
-        self._copies = {}
-        self._losses = {}
-        self.jwt = None  # auth.JwtIssuer when JWT auth is on (create_app(jwt_auth=True))
-        self.tenancy = Tenancy(self.registry, self.store, self.root)  # owners, limits, audit log
-        self.request_limits = RequestLimits()  # sizes of one request (tinker_local.request_limits)
-        self.graph_limits = GraphLimits()  # bounds of uploaded custom losses (tinker_local.loss_limits)
-        # base models that may be loaded (enforced by create_app on a server with keys)
-        self.model_allow = ModelAllowList(self.root, self.models, enforced=lambda: False)
-        self.custom_loss_server_side = True  # client config flag (serve --client-side-custom-losses: off)
-        # serve --record-requests / --sampling-seed content / --lora-seed (set by create_app)
-        self.request_log = None
-        self.content_seeds = None
-        self.default_lora_seed = None
-        # the sampling parts (tinker_local.service_sampling, tinker_local.service_stability)
-        self.sampler_pool = None  # attach_sampler_pool: serve --sampler-workers N
-        self.sample_step_s = None
-        self.sampling_counters = SamplingCounters()
-        self.inflight = InflightTargets()
-        self.stability = StabilityRecords(lambda: self.clock(), self.store)
+        super().__init__(
+            engine,
+            root,
+            models=models,
+            gap_timeout_s=gap_timeout_s,
+            datum_cls=datum_cls,
+            url_ttl_s=url_ttl_s,
+            clock=clock,
+        )
+        self._info: dict[str, dict[str, Any]] = {}  # model_id -> engine.get_info(), cached
+        self.rest = RestEndpoints(self)
+        self.sessions = SessionEndpoints(self)
+        self.sampling = SamplingEndpoints(self)
+        self.export = ExportEndpoints(self)
+        self.losses = CustomLosses(self)
 
-    save_weights_external = _burns_seq(ExportMixin.save_weights_external)
+    @_burns_seq
+    def save_weights_external(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``ExportEndpoints.save_weights_external``; a refused request consumes its ``seq_id``."""
+        return self.export.save_weights_external(body)
+
+    def json_routes(self) -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
+        """The JSON routes (``POST /api/v1/<name>``) and the handler answering each."""
+        return {
+            "optim_step": self.optim_step,
+            "save_weights": self.save_weights,
+            "save_weights_for_sampler": self.save_weights_for_sampler,
+            "load_weights": self.load_weights,
+            "create_sampling_session": self.sampling.create_sampling_session,
+            "join_sampling_session": self.sampling.join_sampling_session,
+            "asample": self.sampling.asample,
+            "weights_info": self.rest.weights_info,
+            "save_weights_external": self.save_weights_external,
+            "create_custom_loss": self.losses.create_custom_loss,
+        }
 
     # -- sessions ---------------------------------------------------------------------------------
     def create_session(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -158,7 +149,7 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
         self.tracer.instant(session_id, "finish_session", reason=reason)
         logger.info("session %s finished (%s) %s", session_id, reason, body.get("detail") or "")
         models = [r.model_id for r in self.registry.runs.values() if r.session_id == session_id]
-        if models and hasattr(self.engine, "delete_model"):
+        if models:
 
             def release() -> dict[str, Any]:
                 held = set(self.engine.list_models())
@@ -272,7 +263,9 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
             return {"request_id": self.store.fail_now(kind, f"unknown model_id {model_id!r}"), "model_id": model_id}
         try:
             check_training(self.request_limits, kind, len(msg.data), P.count_tokens(msg))
-            self.stability.check_provenance(msg, model_id, self.session_of_model(model_id))  # service_stability: 400s
+            self.sampling.stability.check_provenance(
+                msg, model_id, self.session_of_model(model_id)
+            )  # service_stability: 400s
             self.tenancy.check_queue()
             self.tenancy.check_compute()
         except HttpError as e:
@@ -288,7 +281,7 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
             cfg = P.loss_fn_config_from_proto(msg)
             fn = self.engine.forward if forward_only else self.engine.forward_backward
             if msg.loss_fn == "custom":  # an uploaded loss (ServiceClient.create_custom_loss)
-                bound = self.bound_custom_loss(model_id, cfg, len(datums))
+                bound = self.losses.bound_custom_loss(model_id, cfg, len(datums))
                 res = fn(engine_id(model_id), datums, bound, None)
                 res.metrics.update(bound.metrics())
             else:
@@ -425,7 +418,7 @@ class LocalService(SamplingServiceMixin, RestMixin, SessionsMixin, ExportMixin, 
                 self.registry.add_sampler(SamplerRecord(sid, run.base_model, ck.uri, ck.path))
                 out["sampling_session_id"] = sid
             if kind == "inflight":  # service_sampling: every inflight client of the model moves here
-                self.inflight.publish(model_id, ck.path, sid)
+                self.sampling.inflight.publish(model_id, ck.path, sid)
             return out
 
         return {"request_id": self.submit_ordered(ep, work, model_id, seq), "model_id": model_id}

@@ -1,30 +1,36 @@
-"""The state and shared lookups of ``tinker_local.service.LocalService``, the typed base of its
-endpoint groups (``RestMixin``, ``SessionsMixin``, ``SamplingServiceMixin``, ``ExportMixin``,
-``CustomLossMixin``).
+"""The state and shared lookups of the local Tinker server's request handling.
 
-``LocalService.__init__`` sets every attribute declared here and on the groups (none appears
-later, and the sampling state lives in parts it creates: ``SamplingCounters``, ``InflightTargets``,
-``StabilityRecords``); the methods are what several
-groups use: the lookups of training runs and checkpoints (checkpoints whose TTL has passed are
-deleted first, see ``tinker_local.rest``), the names handed to SDK clients, and the submission of
-a model's ordered work to the future store with its trace span (``tinker_local.trace``).
+``ServiceState`` holds what every endpoint group works on (engine, future store, registry, clock,
+tracer, URL signer, tenancy, limits and the server's flags), all set in its ``__init__``; its
+methods are what several groups use: the lookups of training runs and checkpoints (checkpoints
+whose TTL has passed are deleted first, see ``tinker_local.rest``), the names handed to SDK
+clients, and the submission of a model's ordered work to the future store with its trace span
+(``tinker_local.trace``).  ``tinker_local.service.LocalService`` is this state plus the training
+endpoints, and holds the other groups as parts built on it (``RestEndpoints``,
+``SessionEndpoints``, ``SamplingEndpoints``, ``ExportEndpoints``, ``CustomLosses``), each keeping
+its own state in its own ``__init__``.
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from . import protocol as P
+from .allowed_models import ModelAllowList
 from .auth import JwtIssuer
 from .errors import HttpError
 from .futures import FutureStore
+from .loss_limits import GraphLimits
 from .outcomes import UserError
 from .registry import CheckpointRecord, Registry, RunRecord, iso
-from .signing import UrlSigner
+from .request_limits import RequestLimits
+from .request_log import ContentSeeds, RequestLog
+from .signing import DEFAULT_URL_TTL_S, UrlSigner, load_secret
 from .tenancy import Tenancy
 from .tinker_paths import parse_tinker_path
 from .trace import Tracer, session_of
@@ -38,35 +44,60 @@ def remove_files(path: str | Path) -> None:
     shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
 
-class ServiceBase:
-    """What every endpoint group of ``LocalService`` works on; see the module docstring."""
+def _engine_datum_cls() -> type:
+    try:
+        from .engine import Datum
 
-    engine: Any  # the tinker_local.engine.Engine interface
-    root: Path
-    models: list[str]  # base models preloaded at start
-    store: FutureStore
-    registry: Registry
-    clock: Callable[[], float]
-    tracer: Tracer
-    signer: UrlSigner
-    url_ttl_s: float
-    datum_cls: type
-    tenancy: Tenancy
-    jwt: JwtIssuer | None  # set when JWT auth is on (create_app(jwt_auth=True))
-    request_counts: dict[str, int]  # HTTP route -> requests seen (GET local_stats)
-    custom_loss_server_side: bool
-    request_limits: Any  # tinker_local.request_limits.RequestLimits
-    graph_limits: Any  # tinker_local.loss_limits.GraphLimits
-    model_allow: Any  # tinker_local.allowed_models.ModelAllowList
-    _info: dict[str, dict[str, Any]]  # model_id -> engine.get_info(), cached
-    _client_names: dict[str, str]  # base model -> name handed to SDK clients
-    _expired: dict[str, float]  # tinker path -> when it expired (clearer 404s)
-    _copies: dict[str, dict[str, Any]]  # copy_weights idempotency key -> answer
-    _losses: dict[str, Any]  # loss_id -> custom_loss.CompiledLoss
-    # serve --record-requests / --sampling-seed content / --lora-seed (tinker_local.request_log)
-    request_log: Any  # a RequestLog, or None: nothing recorded
-    content_seeds: Any  # a ContentSeeds, or None: the request's seed (random when unset)
-    default_lora_seed: int | None  # LoRA init seed of a create_model that gives none
+        return Datum
+    except Exception:  # engine not importable: a field-compatible stand-in
+        return P.WireDatum
+
+
+class ServiceState:
+    """What every endpoint group of ``LocalService`` works on; see the module docstring.
+
+    ``engine`` follows the ``tinker_local.engine.Engine`` interface; ``root`` holds the registry;
+    ``models``: base models preloaded at start; ``gap_timeout_s``: how long a model's request
+    waits for a missing earlier ``seq_id``; ``datum_cls``: the datum class requests are parsed
+    into; ``url_ttl_s``: how long signed download URLs stay valid; ``clock``: the time source
+    (Unix seconds) of checkpoint expiry, signed URLs and traces (tests move it)."""
+
+    def __init__(
+        self,
+        engine: Any,
+        root: Path,
+        *,
+        models: list[str] | None = None,
+        gap_timeout_s: float = 30.0,
+        datum_cls: type | None = None,
+        url_ttl_s: float = DEFAULT_URL_TTL_S,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.engine = engine
+        self.root = Path(root)
+        self.models = list(models or [])
+        self.store = FutureStore(gap_timeout_s=gap_timeout_s)
+        self.clock = clock
+        self.registry = Registry(self.root, clock=lambda: self.clock())
+        self.tracer = Tracer(clock=lambda: self.clock())
+        self.signer = UrlSigner(load_secret(self.root), clock=lambda: self.clock())
+        self.url_ttl_s = float(url_ttl_s)
+        self.datum_cls: type = datum_cls or _engine_datum_cls()
+        self.request_counts: dict[str, int] = {}  # HTTP route -> requests seen (GET local_stats)
+        self.jwt: JwtIssuer | None = None  # set when JWT auth is on (create_app(jwt_auth=True))
+        self.tenancy = Tenancy(self.registry, self.store, self.root)  # owners, limits, audit log
+        self.request_limits = RequestLimits()  # sizes of one request (tinker_local.request_limits)
+        self.graph_limits = GraphLimits()  # bounds of uploaded custom losses (tinker_local.loss_limits)
+        # base models that may be loaded (enforced by create_app on a server with keys)
+        self.model_allow = ModelAllowList(self.root, self.models, enforced=lambda: False)
+        # client config flag (serve --client-side-custom-losses: off)
+        self.custom_loss_server_side = True
+        # serve --record-requests / --sampling-seed content / --lora-seed (set by create_app)
+        self.request_log: RequestLog | None = None  # None: nothing recorded
+        self.content_seeds: ContentSeeds | None = None  # None: the request's seed (random when unset)
+        self.default_lora_seed: int | None = None  # LoRA init seed of a create_model that gives none
+        self._client_names: dict[str, str] = {}  # base model -> name handed to SDK clients
+        self._expired: dict[str, float] = {}  # tinker path -> when it expired (clearer 404s)
 
     def log_request(self, session_id: str | None, entry: dict[str, Any]) -> None:
         """Append ``entry`` to the session's request log (``serve --record-requests``)."""

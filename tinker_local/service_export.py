@@ -1,4 +1,4 @@
-"""Export endpoints of the local Tinker server (a mixin of ``LocalService``):
+"""Export endpoints of the local Tinker server (a part of ``LocalService``: its ``export``):
 ``save_weights_external`` (``TrainingClient.save_weights_external``), the signed download URLs
 of ``get_external_weights_urls`` and the downloads themselves.
 
@@ -30,7 +30,7 @@ from . import protocol as P
 from .errors import HttpError, int_field, required_field
 from .registry import CheckpointRecord, iso
 from .rest import check_ttl
-from .service_base import ServiceBase
+from .service_base import ServiceState
 from .signing import SignatureError
 from .tinker_paths import TinkerPath, check_checkpoint_name, engine_id
 
@@ -85,8 +85,11 @@ def _encrypt_in_place(folder: Path, recipients) -> None:
         src.unlink()
 
 
-class ExportMixin(ServiceBase):
-    """The export endpoints (see the module docstring)."""
+class ExportEndpoints:
+    """The export endpoints (see the module docstring), on the server's ``state``."""
+
+    def __init__(self, state: ServiceState):
+        self.state = state
 
     def save_weights_external(self, body: dict[str, Any]) -> dict[str, Any]:
         ep = "save_weights_external"
@@ -101,8 +104,8 @@ class ExportMixin(ServiceBase):
         recipients = _recipients(body.get("age_encryption_recipients"))
 
         def work() -> dict[str, Any]:
-            self.run_record(model_id)
-            folder = Path(self.engine.save_external_weights(engine_id(model_id), name))
+            self.state.run_record(model_id)
+            folder = Path(self.state.engine.save_external_weights(engine_id(model_id), name))
             if recipients:
                 _encrypt_in_place(folder, recipients)
             files = self._own_files(folder)
@@ -113,12 +116,12 @@ class ExportMixin(ServiceBase):
                 name=name,
                 path=str(folder),
                 size_bytes=sum(p.stat().st_size for p in files.values()),
-                expires_at=None if ttl is None else self.registry.clock() + ttl,
+                expires_at=None if ttl is None else self.state.registry.clock() + ttl,
             )
-            self.registry.add_checkpoint(ck)
+            self.state.registry.add_checkpoint(ck)
             return {"type": ep, "path": ck.uri, "size_bytes": ck.size_bytes}
 
-        return {"request_id": self.submit_ordered(ep, work, model_id, seq), "model_id": model_id}
+        return {"request_id": self.state.submit_ordered(ep, work, model_id, seq), "model_id": model_id}
 
     @staticmethod
     def _own_files(folder: Path) -> dict[str, Path]:
@@ -132,11 +135,11 @@ class ExportMixin(ServiceBase):
     def external_files(self, ck: CheckpointRecord) -> dict[str, Path]:
         """Relative path -> file of an external weights checkpoint (see the module docstring)."""
         files = self._own_files(Path(ck.path))
-        run = self.registry.runs.get(ck.model_id)
+        run = self.state.registry.runs.get(ck.model_id)
         base = None
         if run is not None:
             try:
-                base = self.engine.base_model_dir(run.base_model)
+                base = self.state.engine.base_model_dir(run.base_model)
             except Exception as e:  # the base model is gone: the adapter is still served
                 logger.warning("%s: base model %r not found: %s", ck.uri, run.base_model, e)
         if base is not None and base.is_dir():
@@ -152,26 +155,26 @@ class ExportMixin(ServiceBase):
 
     def external_weights_urls(self, model_id: str, checkpoint_id: str, base_url: str) -> dict[str, Any]:
         """``ExternalWeightsUrlsResponse``: one signed URL per file, and when they expire."""
-        ck = self.checkpoint_record_of(model_id, checkpoint_id)
+        ck = self.state.checkpoint_record_of(model_id, checkpoint_id)
         if ck.kind != "external":
             raise HttpError(
                 400,
                 f"{ck.uri} is not an external weights checkpoint; save one with "
                 "TrainingClient.save_weights_external(name)",
             )
-        expires = self.signer.expiry(self.url_ttl_s)
+        expires = self.state.signer.expiry(self.state.url_ttl_s)
         key = f"{ck.model_id}/{ck.name}"
-        urls = {rel: self.signer.url(base_url, "external", key, rel, expires) for rel in self.external_files(ck)}
+        urls = {rel: self.state.signer.url(base_url, "external", key, rel, expires) for rel in self.external_files(ck)}
         return {"urls": urls, "expires": iso(expires)}
 
     def external_download(self, model_id: str, name: str, file: str, expires: str | None, sig: str | None) -> Path:
         """The file a signed external-weights URL names; HttpError 403 for a tampered or expired
         URL, 404 when the checkpoint or file is gone."""
         try:
-            self.signer.check("external", f"{model_id}/{name}", file, expires, sig)
+            self.state.signer.check("external", f"{model_id}/{name}", file, expires, sig)
         except SignatureError as e:
             raise HttpError(403, str(e)) from e
-        ck = self.checkpoint_record(TinkerPath(model_id, "external", name).uri)
+        ck = self.state.checkpoint_record(TinkerPath(model_id, "external", name).uri)
         path = self.external_files(ck).get(file)
         if path is None:
             raise HttpError(404, f"{ck.uri} has no file {file!r}")

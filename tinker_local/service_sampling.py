@@ -1,4 +1,4 @@
-"""Sampling endpoints of the local Tinker server (a mixin of ``LocalService``): sampling sessions,
+"""Sampling endpoints of the local Tinker server (a part of ``LocalService``: its ``sampling``): sampling sessions,
 ``GET samplers/{id}``, and ``asample``, whose jobs the compute thread runs in batches through
 ``Engine.sample_many`` (see ``tinker_local.futures`` for how queued requests are batched), or,
 when the service has a ``sampler_pool`` (``serve --sampler-workers N``), the threads of the
@@ -20,8 +20,8 @@ from .errors import HttpError, int_field, required_field
 from .outcomes import is_user_error
 from .registry import SamplerRecord
 from .request_limits import check_sampling
-from .request_log import content_key, weights_identity
-from .service_base import ServiceBase
+from .request_log import ContentSeeds, content_key, weights_identity
+from .service_base import ServiceState
 from .service_stability import StabilityRecords
 from .trace import session_of
 
@@ -121,23 +121,24 @@ class InflightTargets:
         return None if model_id is None else self.targets.get(model_id)
 
 
-class SamplingServiceMixin(ServiceBase):
+class SamplingEndpoints:
     """The sampling endpoints (see the module docstring).  Sampling clients of kind
     "inflight" follow their training model's newest inflight save (``InflightTargets``);
     ``record_stability_info`` requests record their sequences (``tinker_local.service_stability``)."""
 
-    # set by LocalService.__init__ (see there)
-    sample_step_s: float | None  # wall seconds per decode step of the last batch (None: none yet)
-    sampler_pool: Any  # a tinker_local.sampler_pool.SamplerPool, or None: in-process
-    sampling_counters: SamplingCounters
-    inflight: InflightTargets
-    stability: StabilityRecords
+    def __init__(self, state: ServiceState):
+        self.state = state
+        self.sampler_pool: Any = None  # a SamplerPool (attach_sampler_pool), or None: in-process
+        self.sample_step_s: float | None = None  # wall seconds per decode step of the last batch
+        self.counters = SamplingCounters()
+        self.inflight = InflightTargets()
+        self.stability = StabilityRecords(lambda: state.clock(), state.store)
 
     def attach_sampler_pool(self, pool: Any) -> None:
         """Serve sampling through ``pool`` (one ``"sampler"`` executor thread per worker);
         before the store starts."""
         self.sampler_pool = pool
-        self.store.add_executor(SAMPLER_EXECUTOR, pool.workers)
+        self.state.store.add_executor(SAMPLER_EXECUTOR, pool.workers)
 
     # -- sampling ---------------------------------------------------------------------------------
     def create_sampling_session(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -145,36 +146,36 @@ class SamplingServiceMixin(ServiceBase):
         session_id = str(required_field(body, "session_id", ep))
         seq = int_field(body, "sampling_session_seq_id", ep)
         sid = f"{session_id}:sample:{seq}"
-        self.registry.add_sampler(self._sampler_record(sid, body, ep))
+        self.state.registry.add_sampler(self._sampler_record(sid, body, ep))
         return {"type": "create_sampling_session", "sampling_session_id": sid}
 
     def _sampler_record(self, sid: str, body: dict[str, Any], ep: str) -> SamplerRecord:
         if body.get("model_path"):
-            ck = self.checkpoint_record(str(body["model_path"]))
-            run = self.registry.runs.get(ck.model_id)
+            ck = self.state.checkpoint_record(str(body["model_path"]))
+            run = self.state.registry.runs.get(ck.model_id)
             base = body.get("base_model") or (run.base_model if run else None)
             if base is None:
                 raise HttpError(404, f"{ep}: base model of {ck.uri} is unknown")
-            self.model_allow.check(base, ep)
+            self.state.model_allow.check(base, ep)
             return SamplerRecord(sid, str(base), ck.uri, ck.path)
         if not body.get("base_model"):
             raise HttpError(422, f"{ep}: give 'model_path' (tinker://...) or 'base_model'")
-        self.model_allow.check(body["base_model"], ep)
+        self.state.model_allow.check(body["base_model"], ep)
         return SamplerRecord(sid, str(body["base_model"]))
 
     def get_sampler(self, sampler_id: str) -> dict[str, Any]:
-        rec = self.registry.samplers.get(sampler_id)
+        rec = self.state.registry.samplers.get(sampler_id)
         if rec is None:
             raise HttpError(404, f"unknown sampling session {sampler_id!r}")
         return {
             "sampler_id": rec.sampler_id,
-            "base_model": self.client_model_name(rec.base_model),
+            "base_model": self.state.client_model_name(rec.base_model),
             "model_path": rec.model_path,
         }
 
     def join_sampling_session(self, body: dict[str, Any]) -> dict[str, Any]:
         sid = str(required_field(body, "sampling_session_id", "join_sampling_session"))
-        n = self.registry.join_sampler(sid)
+        n = self.state.registry.join_sampler(sid)
         if n is None:
             raise HttpError(404, f"unknown sampling session {sid!r}")
         return {"type": "join_sampling_session", "client_counter": n}
@@ -186,10 +187,10 @@ class SamplingServiceMixin(ServiceBase):
             raise HttpError(422, f"{ep}: num_samples must be >= 1, got {n}")
         sid = body.get("sampling_session_id")
         if sid is not None:
-            rec = self.registry.samplers.get(str(sid))
+            rec = self.state.registry.samplers.get(str(sid))
             if rec is None:
                 raise HttpError(404, f"{ep}: unknown sampling session {sid!r}")
-            self.model_allow.check(rec.base_model, ep)  # the list may have changed since
+            self.state.model_allow.check(rec.base_model, ep)  # the list may have changed since
         else:
             rec = self._sampler_record("adhoc", body, ep)
         try:
@@ -209,7 +210,7 @@ class SamplingServiceMixin(ServiceBase):
         last_n = int_field(body, "prompt_logprobs_last_n", ep)
         max_tokens = int_field(sp, "max_tokens", ep)
         check_sampling(
-            self.request_limits, n, DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens, _prompt_len(prompt)
+            self.state.request_limits, n, DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens, _prompt_len(prompt)
         )
         try:
             job: dict[str, Any] = {
@@ -245,8 +246,8 @@ class SamplingServiceMixin(ServiceBase):
         job["seq"] = seq
         key = (f"sample:{sid}", seq) if sid is not None and seq is not None else None
         span = None
-        if sid is not None and (key is None or self.store.lookup_seq(*key) is None):
-            span = self.tracer.open_span(
+        if sid is not None and (key is None or self.state.store.lookup_seq(*key) is None):
+            span = self.state.tracer.open_span(
                 session_of(str(sid)),
                 "sample",
                 str(sid),
@@ -258,7 +259,7 @@ class SamplingServiceMixin(ServiceBase):
         job["span"] = span
         step_s = self.sample_step_s
         linger = None if step_s is None else LINGER_FRACTION * step_s * (job["engine"]["max_tokens"] + 1)
-        rid = self.store.submit(
+        rid = self.state.store.submit(
             "sample",
             None,
             dedupe_key=key,
@@ -268,7 +269,7 @@ class SamplingServiceMixin(ServiceBase):
             max_linger_s=linger,
             executor=SAMPLER_EXECUTOR if self.sampler_pool is not None else None,
         )
-        self.tracer.bind(span, rid)
+        self.state.tracer.bind(span, rid)
         job["sequence_ids"] = protocol_sampling.sequence_ids(rid, n)
         job["ids"].set()  # the batch may already be running: it waits for the ids to record them
         return {"request_id": rid, "sample_sequence_ids": job["sequence_ids"]}
@@ -279,7 +280,7 @@ class SamplingServiceMixin(ServiceBase):
         reqs = [j["engine"] for j in jobs]
         t0 = time.monotonic()
         spans = [j.get("span") for j in jobs]
-        start = self.tracer.clock()
+        start = self.state.tracer.clock()
         for sp in spans:
             if sp is not None:
                 sp.start, sp.args["batch_size"] = start, len(jobs)
@@ -290,7 +291,7 @@ class SamplingServiceMixin(ServiceBase):
         finally:
             steps = max(int(r.get("max_tokens") or 1) for r in reqs) + 1  # prefill + decode steps
             self.sample_step_s = (time.monotonic() - t0) / steps
-            end = self.tracer.clock()
+            end = self.state.tracer.clock()
             for k, sp in enumerate(spans):
                 if sp is not None:
                     res = out[k] if k < len(out) else None
@@ -305,7 +306,9 @@ class SamplingServiceMixin(ServiceBase):
                         else "server error"
                     )
 
-    def _content_seeded(self, jobs: list[dict[str, Any]], reqs: list[dict[str, Any]]) -> tuple[list[dict], Any]:
+    def _content_seeded(
+        self, seeds: ContentSeeds, jobs: list[dict[str, Any]], reqs: list[dict[str, Any]]
+    ) -> tuple[list[dict], Any]:
         """``serve --sampling-seed content``: each job's request split into one request per sequence,
         each with its :func:`~tinker_local.request_log.content_seed` (occurrences counted per session
         in (sampling session, seq_id) order within the batch); returns the requests and a function
@@ -320,7 +323,7 @@ class SamplingServiceMixin(ServiceBase):
             key = content_key(r["prompt_tokens"], params, ident)
             job["weights"], job["seeds"] = (
                 ident,
-                self.content_seeds.take(session_of(job["sampler_id"]) or "adhoc", key, int(r["num_samples"])),
+                seeds.take(session_of(job["sampler_id"]) or "adhoc", key, int(r["num_samples"])),
             )
             spans[k] = (len(expanded), len(job["seeds"]))
             expanded.extend(dict(r, num_samples=1, seed=seed) for seed in job["seeds"])
@@ -350,7 +353,7 @@ class SamplingServiceMixin(ServiceBase):
             if isinstance(res, BaseException) or job["sampler_id"] is None:
                 continue
             r = job["engine"]
-            self.log_request(
+            self.state.log_request(
                 session_of(job["sampler_id"]),
                 {
                     "op": "sample",
@@ -370,15 +373,16 @@ class SamplingServiceMixin(ServiceBase):
 
     def _sample_reqs(self, jobs: list[dict[str, Any]], reqs: list[dict[str, Any]]) -> list[Any]:
         merge = None
-        if self.content_seeds is not None:
+        seeds = self.state.content_seeds
+        if seeds is not None:
             # each sequence drawn alone: a batch's shape changes the float results (by ~1e-7), so a sequence's
             # tokens and logprobs must not depend on what else was asked at the same time
-            reqs, merge = self._content_seeded(jobs, reqs)
+            reqs, merge = self._content_seeded(seeds, jobs, reqs)
             results = [r for req in reqs for r in self._run_sample_reqs([req])]
             results = merge(results)
         else:
             results = self._run_sample_reqs(reqs)
-        if self.request_log is not None:
+        if self.state.request_log is not None:
             self._log_samples(jobs, results)
         return self._sample_responses(jobs, results)
 
@@ -386,7 +390,7 @@ class SamplingServiceMixin(ServiceBase):
         if self.sampler_pool is not None:
             results = self.sampler_pool.sample_many(reqs)
         else:
-            results = self.engine.sample_many(reqs)
+            results = self.state.engine.sample_many(reqs)
         return results
 
     def _sample_responses(self, jobs: list[dict[str, Any]], results: list[Any]) -> list[Any]:
@@ -396,7 +400,7 @@ class SamplingServiceMixin(ServiceBase):
                 out.append(res)
                 continue
             hit = int(res.prompt_cache_hit_tokens)
-            self.sampling_counters.add(
+            self.counters.add(
                 requests=1,
                 prompt_tokens_cached=hit,
                 prompt_tokens_uncached=len(job["engine"]["prompt_tokens"]) - hit,
@@ -428,10 +432,10 @@ class SamplingServiceMixin(ServiceBase):
     def sampling_stats(self) -> dict[str, int]:
         """A snapshot of the counters since start (``GET local_stats`` -> ``"sampling"``; see
         :class:`SamplingCounters`)."""
-        return self.sampling_counters.snapshot()
+        return self.counters.snapshot()
 
     def _not_recorded(self, job: dict[str, Any]) -> None:
-        counters = self.sampling_counters
+        counters = self.counters
         with counters.lock:
             counters.counts["stability_not_recorded"] += 1
             first = counters.counts["stability_not_recorded"] == 1
