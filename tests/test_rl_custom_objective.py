@@ -194,7 +194,7 @@ def test_server_side_and_client_side_paths_agree_with_a_computation_by_hand(env)
             assert requests == 2, path  # forward for the logprobs, backward with -dloss/dlogprobs
         assert out.loss_sum == pytest.approx(want_loss, rel=1e-4, abs=1e-5), path
         assert out.loss_sum == pytest.approx(server_out.loss_sum, rel=1e-5, abs=1e-6), path
-        assert out.metrics["custom/clipped"] == want_clipped, path
+        assert out.metrics["custom/clipped_sum"] == want_clipped, path  # custom/clipped:sum
         assert out.metrics["custom/ratio"] == pytest.approx(want_ratio, rel=1e-4), path
         assert set(out.metrics) == set(server_out.metrics), path
         for got, ref, base in zip(after, want_after, server_after, strict=True):
@@ -208,7 +208,8 @@ def test_server_side_and_client_side_paths_agree_with_a_computation_by_hand(env)
 def test_the_rl_flow_trains_with_the_objective_on_the_server(env, prefect_api, local_credentials, tmp_path, capsys):
     """``loss_fn=<the plugin's objective loss>`` through the whole RL flow: the loss was uploaded in
     the credentials' session (the SDK refuses a second upload of it) and runs on the server; the
-    step's rows are recorded."""
+    step's rows are recorded, the objective's own ``custom/*`` metrics among them: in the first
+    step the policy is the sampler, so the mean ratio is 1 and nothing is clipped."""
     from prefect_tinker.flows.rl import rl_flow
     from tests.test_rl_flow import REQUIRED, _config, _sql
 
@@ -224,3 +225,5 @@ def test_the_rl_flow_trains_with_the_objective_on_the_server(env, prefect_api, l
     rows = {r["name"]: r["value"] for r in _sql(capsys, store, "SELECT name, value FROM metrics "
                                                             "WHERE run_id='objective-run'")}
     assert REQUIRED <= set(rows) and np.isfinite(rows["train/loss_sum"])
+    assert rows["train/custom/ratio"] == pytest.approx(1.0, abs=1e-3)
+    assert rows["train/custom/clipped_sum"] == 0.0

@@ -208,7 +208,8 @@ class RLLoop:
     def forward_backward(self, datums: list, accumulated: int) -> dict[str, float]:
         """The policy-gradient loss over ``datums`` accumulated into the gradients; returns
         ``loss_sum``, ``action_tokens``, ``datums``, sampler-vs-trainer KL and entropy
-        (:func:`~prefect_tinker.recipes.rl.advantages.sample_train_kl`), ``fwd_bwd_seconds``."""
+        (:func:`~prefect_tinker.recipes.rl.advantages.sample_train_kl`), ``fwd_bwd_seconds``, and an
+        objective loss's own ``custom/*`` metrics (``custom/<name>_sum`` for its summed ones)."""
         s = self.session
         sdk_datums = [d.to_datum(self.provenance, self.objective_inputs) for d in datums]
         # quote: Prefect does not walk the datums looking for futures (~10 ms per 1,000 tokens);
@@ -227,6 +228,7 @@ class RLLoop:
                 "fwd_bwd_seconds": out.seconds,
             }
         )
+        metrics.update({k: v for k, v in out.metrics.items() if k.startswith("custom/")})
         return metrics
 
     def optim_step(self) -> dict[str, float]:

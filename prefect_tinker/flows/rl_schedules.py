@@ -70,14 +70,15 @@ class RLLoopParts(Protocol):
 
 
 def merge_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
-    """Merge per-minibatch metrics: sums for counts/seconds, token-weighted means for the rest."""
+    """Merge per-minibatch metrics: sums for counts, seconds and ``*_sum`` metrics, token-weighted
+    means for the rest."""
     if not parts:
         return {}
     out: dict[str, float] = {}
     weights = [p.get("action_tokens", 1.0) for p in parts]
     for k in parts[0]:
         vals = [p.get(k, 0.0) for p in parts]
-        if k in ("loss_sum", "action_tokens", "datums") or k.endswith("seconds"):
+        if k in ("action_tokens", "datums") or k.endswith(("seconds", "_sum")):
             out[k] = float(sum(vals))
         elif k == "learning_rate":
             out[k] = float(vals[-1])

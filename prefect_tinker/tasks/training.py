@@ -65,7 +65,10 @@ class ForwardResult(BaseModel):
     Attributes:
         loss_sum: the server's ``loss:sum`` (nats, summed over tokens and datums).
         logprobs: per datum, the logprobs (N,) of its target tokens (nats) before any update.
-        metrics: every server metric, keys without the ``:reduction`` suffix.
+        metrics: every server metric, keys without the ``:reduction`` suffix, except that a
+            custom loss's summed metrics (``custom/<name>:sum``) are named ``custom/<name>_sum``
+            (so that a caller merging several passes knows to add them) and its averaged ones
+            (``custom/<name>:mean``) ``custom/<name>``.
         seconds: wall time of the request.
     """
 
@@ -93,6 +96,17 @@ def model_input_tokens(datums: list[tinker.Datum]) -> int:
 
 def _metrics(raw: dict[str, float] | None) -> dict[str, float]:
     return {k.split(":", 1)[0]: float(v) for k, v in (raw or {}).items()}
+
+
+def _pass_metrics(raw: dict[str, float] | None) -> dict[str, float]:
+    """``_metrics`` of one forward(-backward) pass, but ``custom/<name>:sum`` -> ``custom/<name>_sum``."""
+    out = _metrics(raw)
+    for k, v in (raw or {}).items():
+        name, _, reduction = k.partition(":")
+        if name.startswith("custom/") and reduction == "sum":
+            del out[name]
+            out[f"{name}_sum"] = float(v)
+    return out
 
 
 def _logprobs(out: Any) -> list[list[float]]:
@@ -297,7 +311,7 @@ def forward_backward(
     return ForwardResult(
         loss_sum=float(out.metrics.get("loss:sum", float("nan"))),
         logprobs=_logprobs(out),
-        metrics={k: v for k, v in _metrics(out.metrics).items() if k != "surrogate_loss"},
+        metrics={k: v for k, v in _pass_metrics(out.metrics).items() if k != "surrogate_loss"},
         seconds=time.perf_counter() - t0,
     )
 
