@@ -106,14 +106,22 @@ def custom_loss(credentials: TinkerCredentials, fn: Callable[..., Any], input_ra
         known = _resolved.get((id(service), key))
         if known is not None and known[0] is service:
             return known[1]
+        from prefect.logging import get_logger
+
         try:
             handle = service.create_custom_loss(fn, input_ranks).result()
             chosen = handle if handle.loss_id is not None else ClientSideLoss(fn, handle.name)
+            get_logger(__name__).info(
+                "custom loss %r: %s",
+                handle.name,
+                f"computed on the server (loss_id {handle.loss_id})"
+                if handle.loss_id is not None
+                else "the server does not run custom losses; computing it client-side "
+                "(a forward and a backward request per pass)",
+            )
         except tinker.APIStatusError as e:
             if e.status_code not in _REFUSED:
                 raise
-            from prefect.logging import get_logger
-
             get_logger(__name__).warning(
                 "custom loss %r: the server refused the upload (HTTP %d: %s); computing it client-side "
                 "(a forward and a backward request per pass)",
