@@ -125,8 +125,9 @@ def server_identity() -> dict[str, str]:
 
 
 def identity_change(record: dict[str, Any]) -> str | None:
-    """How the recorded server's identity differs from :func:`server_identity` (e.g. ``"code
-    sha256:ab.. -> sha256:cd.."``; a record without one: ``"no identity recorded"``), or None."""
+    """How the recorded server's identity differs from :func:`server_identity` (e.g.
+    ``"tinker_local code (edited or upgraded) sha256:ab.. -> sha256:cd.."``; a record without one:
+    ``"no identity recorded"``), or None."""
     was, now = record.get("identity"), server_identity()
     if not isinstance(was, dict):
         return "no identity recorded (started by an older version)"
@@ -134,7 +135,8 @@ def identity_change(record: dict[str, Any]) -> str | None:
     def shown(key: str, value: Any) -> str:  # code hashes: their first 12 hex digits
         return str(value)[:19] if key == "code" else str(value)
 
-    diff = [f"{k} {shown(k, was.get(k))} -> {shown(k, now[k])}" for k in now if was.get(k) != now[k]]
+    label = {"code": "tinker_local code (edited or upgraded)"}
+    diff = [f"{label.get(k, k)} {shown(k, was.get(k))} -> {shown(k, now[k])}" for k in now if was.get(k) != now[k]]
     return ", ".join(diff) or None
 
 
