@@ -31,7 +31,6 @@ from .service_base import ServiceState
 from .service_export import ExportEndpoints
 from .service_losses import CustomLosses
 from .service_sampling import SamplingEndpoints
-from .signing import DEFAULT_URL_TTL_S
 from .tenancy import current_user
 from .tinker_paths import KIND_SEGMENT, TinkerPath, check_checkpoint_name, engine_id
 
@@ -69,26 +68,8 @@ class LocalService(ServiceState):
     - ``export``: external weights (``service_export.ExportEndpoints``);
     - ``losses``: uploaded custom losses (``service_losses.CustomLosses``)."""
 
-    def __init__(
-        self,
-        engine: Any,
-        root: Path,
-        *,
-        models: list[str] | None = None,
-        gap_timeout_s: float = 30.0,
-        datum_cls: type | None = None,
-        url_ttl_s: float = DEFAULT_URL_TTL_S,
-        clock: Callable[[], float] = time.time,
-    ):
-        super().__init__(
-            engine,
-            root,
-            models=models,
-            gap_timeout_s=gap_timeout_s,
-            datum_cls=datum_cls,
-            url_ttl_s=url_ttl_s,
-            clock=clock,
-        )
+    def __init__(self, engine: Any, root: Path, **options: Any):
+        super().__init__(engine, root, **options)  # ServiceState's keyword options
         self._info: dict[str, dict[str, Any]] = {}  # model_id -> engine.get_info(), cached
         self.rest = RestEndpoints(self)
         self.sessions = SessionEndpoints(self)
