@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import duckdb
 from prefect.blocks.core import Block
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from tinker_blocks.docs import docs_url
 from tinker_blocks.s3 import StoreAccessError, StoreUnavailableError
@@ -222,7 +222,7 @@ print(store.connect().execute("SELECT * FROM metrics").fetchall())
         dataset fingerprint.
         The latest row per run wins in the view, so call it again to update the status.
         """
-        if hasattr(config, "model_dump_json"):
+        if isinstance(config, BaseModel):
             config = config.model_dump_json()
         with self.writer("runs", writer_id="run") as w:
             return w.write(
@@ -331,7 +331,7 @@ print(evals.query("SELECT eval_name, metric, value FROM eval_results"))
     ) -> str:
         """Write one ``eval_results`` row now; return its row id. ``config`` (dict, JSON string
         or pydantic model) is stored as ``config_json``. Raises ``StoreError`` on bad values."""
-        if hasattr(config, "model_dump_json"):
+        if isinstance(config, BaseModel):
             config = config.model_dump_json()
         with self.writer("eval_results", writer_id="eval") as w:
             return w.write(

@@ -205,9 +205,9 @@ class Engine(SamplingMixin):
             for i, d in enumerate(datums):
                 inputs = {k: v for k, v in d.inputs.items() if k == "target_tokens"} if custom else d.inputs
                 tokens, media = d.tokens, None
-                if getattr(d, "chunks", None) or self._media(b) is not None:  # images / audio: tinker_local.media
+                if d.chunks or self._media(b) is not None:  # images / audio: tinker_local.media
                     tokens, media = resolve_chunks(
-                        self._media(b), getattr(d, "chunks", None) or [d.tokens], f"datum {i}: model_input", spec.name
+                        self._media(b), d.chunks or [d.tokens], f"datum {i}: model_input", spec.name
                     )
                 toks, tgt, inp = check_datum(
                     i,

@@ -41,9 +41,13 @@ import hashlib
 import json
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .datatypes import Datum
+    from .protocol import WireDatum
 
 __all__ = [
     "RequestLog",
@@ -61,10 +65,10 @@ def _array(a: Any) -> dict[str, Any]:
     return {"shape": list(arr.shape), "data": arr.reshape(-1).tolist()}
 
 
-def datum_record(datum: Any) -> dict[str, Any]:
+def datum_record(datum: Datum | WireDatum) -> dict[str, Any]:
     """One engine datum (``tokens``, ``inputs``, optional ``chunks``) as JSON-ready data; media
     chunks appear as ``{"media": kind, "sha256": ...}`` in ``model_input``."""
-    if getattr(datum, "chunks", None):
+    if datum.chunks:
         model_input: list[Any] = []
         for c in datum.chunks:
             if isinstance(c, list):

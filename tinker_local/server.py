@@ -77,7 +77,7 @@ def create_app(
     Args:
         engine: an object with the ``tinker_local.engine.Engine`` interface.
         root: server root folder (registry at ``root/server/registry.jsonl``); defaults to
-            ``engine.root``.
+            ``engine.root`` of a ``tinker_local.engine.Engine``.
         models: base model names announced by ``get_server_capabilities``.
         poll_wait_s: how long ``retrieve_future`` holds a poll for a pending request before
             answering HTTP 408 ``{"type": "try_again"}`` (the SDK polls again at once).
@@ -111,9 +111,12 @@ def create_app(
     Raises:
         ValueError: when no root is given and the engine has none.
     """
-    root = root if root is not None else getattr(engine, "root", None)
     if root is None:
-        raise ValueError("create_app: give root= (the engine has no .root)")
+        from .engine_core import EngineCore
+
+        if not isinstance(engine, EngineCore):
+            raise ValueError("create_app: give root= (the engine has no .root)")
+        root = engine.root
     svc = LocalService(
         engine, Path(root), models=models, gap_timeout_s=gap_timeout_s, datum_cls=datum_cls, url_ttl_s=url_ttl_s
     )

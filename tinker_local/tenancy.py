@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from .errors import HttpError
 
@@ -46,6 +46,13 @@ LOCAL_USER = "local"  # the one user of a server without keys
 ORG_ID = "local"
 RESERVED_USERS = frozenset({LOCAL_USER, ORG_ID})  # names no key may take (compared case-insensitively)
 QUOTA_WINDOW_S = 3600.0  # the compute-seconds quota counts this many seconds back
+
+
+class OwnedRecord(Protocol):
+    """What :meth:`Tenancy.may_poll` reads of a future (``tinker_local.outcomes.FutureRecord``, which
+    imports this module)."""
+
+    user: str  # the user who made the request
 
 
 @dataclass(frozen=True)
@@ -166,9 +173,9 @@ class Tenancy:
             "you may load and sample it, only its owner may change or delete it",
         )
 
-    def may_poll(self, record: Any) -> bool:
+    def may_poll(self, record: OwnedRecord) -> bool:
         """Whether the caller may read future ``record`` (a ``tinker_local.outcomes.FutureRecord``)."""
-        return getattr(record, "user", LOCAL_USER) == current_user()
+        return record.user == current_user()
 
     # -- limits ------------------------------------------------------------------------------------
     def live_models(self, user: str) -> int:

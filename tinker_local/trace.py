@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .outcomes import Outcome
+
 MAX_EVENTS_PER_SESSION = 100_000
 MAX_SESSIONS = 1000  # the timelines of the most recently started sessions are kept
 
@@ -95,8 +97,10 @@ class Tracer:
                 span.status = _status_of_exception(e)
                 raise
             else:
-                err = getattr(result, "error", None)
-                span.status = "ok" if err is None else f"{getattr(result, 'category', 'server')} error"
+                if isinstance(result, Outcome) and result.error is not None:  # else a dict or bytes: done
+                    span.status = f"{result.category} error"
+                else:
+                    span.status = "ok"
                 return result
             finally:
                 span.end = self.clock()

@@ -104,8 +104,8 @@ class _Base(BaseModel):
 
     def check_neutral(self) -> None:
         """Refuse parameters the sampler cannot honour (see the module docstring)."""
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
+        for name, value in self.model_dump(include={"frequency_penalty", "presence_penalty"}).items():
+            if value not in (None, 0, 0.0):
                 raise APIError(
                     400,
                     f"{name} is not supported by this server (Tinker samplers have no "

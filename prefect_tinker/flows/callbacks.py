@@ -7,11 +7,13 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import ParamSpec
 
 __all__ = ["RunCallbacks", "emit", "run_callbacks"]
+
+P = ParamSpec("P")
 
 
 class RunCallbacks:
@@ -44,9 +46,10 @@ def run_callbacks(*callbacks: RunCallbacks) -> Iterator[None]:
                 _callbacks.remove(cb)
 
 
-def emit(hook: str, *args: Any) -> None:
-    """Call ``hook(*args)`` on every installed callback."""
+def emit(hook: Callable[[RunCallbacks], Callable[P, None]], *args: P.args, **kwargs: P.kwargs) -> None:
+    """Call the method ``hook`` picks (e.g. ``lambda cb: cb.after_step``) with ``args`` on every
+    installed callback."""
     with _callbacks_lock:
         cbs = list(_callbacks)
     for cb in cbs:
-        getattr(cb, hook)(*args)
+        hook(cb)(*args, **kwargs)

@@ -24,7 +24,7 @@ import inspect
 import signal
 import threading
 from collections.abc import Callable
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, Protocol, TypeVar, runtime_checkable
 
 __all__ = ["RunInterrupted", "StopRequest", "recipe_flow"]
 
@@ -128,7 +128,15 @@ def recipe_flow(name: str, flow_run_name: str) -> Callable[[Callable[P, R]], Any
     return decorate
 
 
+@runtime_checkable
+class _NamedRun(Protocol):
+    """A flow's config that names its run (a recipe config's ``run_name``; export, promote and
+    flywheel configs have none)."""
+
+    run_name: Any
+
+
 def _run_name(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
     config = kwargs.get("config", args[0] if args else None)
-    name = getattr(config, "run_name", None)
+    name = config.run_name if isinstance(config, _NamedRun) else None
     return str(name) if name else None

@@ -130,7 +130,7 @@ class StepLoop:
                     metrics = {**metrics, **self.usage.add(step, metrics)}
                 s.record(step, metrics)
                 done = s.step
-                emit("after_step", s.run_id, done)
+                emit(lambda cb: cb.after_step, s.run_id, done)
                 last = done >= self.total
                 if self.evaluators and not s.stop_requested and (last or (self._due(self.eval_every, done))):
                     metrics = {**metrics, **self.evaluate(done)}

@@ -144,6 +144,7 @@ class RunSession(Generic[ConfigT]):
         self.line: str | None = None  # the model line of an ``alias:`` start
         self.start_ref: str | None = None  # the reference the run started from, as given
         self._stop = StopRequest()
+        self._run: TrainingRun | None = None  # the training client's handle, from opening on
 
     # ----- opening -----------------------------------------------------------------------------
     def __enter__(self) -> RunSession[ConfigT]:
@@ -217,7 +218,7 @@ class RunSession(Generic[ConfigT]):
             check_same_recipe(self.run_id, json.loads(stored.get("meta_json") or "null") or {}, self.recipe)
         if last and stored:  # the config as given (references unresolved) against the stored one
             check_resumed_config(self.given, self.run_id, json.loads(stored.get("config_json") or "{}"))
-        self.run: TrainingRun = open_training_run(
+        self.run = open_training_run(
             self.credentials,
             self.run_id,
             self.model,
@@ -356,6 +357,21 @@ class RunSession(Generic[ConfigT]):
         return self.builder
 
     @property
+    def run(self) -> TrainingRun:
+        """The training client's handle (each step replaces it).
+
+        Raises:
+            RuntimeError: the session is not open yet.
+        """
+        if self._run is None:
+            raise RuntimeError(f"run {self.run_id!r}: this session is not open")
+        return self._run
+
+    @run.setter
+    def run(self, run: TrainingRun) -> None:
+        self._run = run
+
+    @property
     def step(self) -> int:
         """Optimizer steps taken."""
         return self.run.step
@@ -368,7 +384,7 @@ class RunSession(Generic[ConfigT]):
     def interrupted(self) -> RunInterrupted:
         """The :class:`~prefect_tinker.flows.interrupts.RunInterrupted` of stopping now: its step and
         the step of the run's last state checkpoint."""
-        step = self.run.step if hasattr(self, "run") else self.saved_step
+        step = self._run.step if self._run is not None else self.saved_step
         return RunInterrupted(self.run_id, step if step is not None else 0, self.saved_step)
 
     def record(self, step: int, metrics: dict[str, float]) -> None:
@@ -449,7 +465,7 @@ class RunSession(Generic[ConfigT]):
         self._saved(path, "state", done)
         self.saved_step = done
         self.report(done)
-        emit("after_checkpoint", self.run_id, done, path)
+        emit(lambda cb: cb.after_checkpoint, self.run_id, done, path)
         return path
 
     def report(self, step: int) -> None:
@@ -478,7 +494,7 @@ class RunSession(Generic[ConfigT]):
         """
         self.flush()
         self._record("completed")
-        emit("before_compaction", self.run_id)
+        emit(lambda cb: cb.before_compaction, self.run_id)
         compact_finished_run(self.store, self.run_id)
         rows = self.store.query("SELECT path FROM checkpoints WHERE run_id = ? ORDER BY step, kind", [self.run_id])
         out = {

@@ -250,7 +250,7 @@ def build_datums(
     """
     datums = []
     for i, conv in enumerate(conversations):
-        where = getattr(conv, "source", "") or f"conversation {i}"
+        where = (conv.source if isinstance(conv, Conversation) else "") or f"conversation {i}"
         try:
             model_input, weights = renderer.build_supervised_example(conv, train_on_what)
         except ValueError as exc:

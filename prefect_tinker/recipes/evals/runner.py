@@ -46,7 +46,7 @@ from prefect_tinker.recipes.evals.benchmarks import BenchmarkSpec
 from prefect_tinker.recipes.evals.examples import Example, build_messages, load_examples
 from prefect_tinker.recipes.evals.graders import CodeRunner, grade
 from prefect_tinker.recipes.evals.metrics import mean_pass_at_k, wilson_interval
-from prefect_tinker.recipes.renderers import Termination
+from prefect_tinker.recipes.renderers import Renderer, Termination
 
 __all__ = ["SAMPLE_STATUSES", "example_seed", "evaluate_examples", "summarize", "run_benchmark", "metrics_dict"]
 
@@ -290,7 +290,7 @@ def summarize(
 
 def run_benchmark(
     sampling_client: Any,
-    renderer: Any,
+    renderer: Renderer,
     spec: BenchmarkSpec,
     *,
     run_id: str = "eval",
@@ -319,7 +319,7 @@ def run_benchmark(
     config = {
         "benchmark": spec.model_dump(mode="json"),
         "fingerprint": spec.fingerprint(),
-        "renderer": getattr(renderer, "name", type(renderer).__name__),
+        "renderer": renderer.name,
         "interval": "wilson score 95%, examples as units",
     }
     results = summarize(

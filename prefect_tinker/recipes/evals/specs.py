@@ -57,9 +57,7 @@ class InspectSpec(BaseModel):
 
     def eval_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``inspect_ai.eval`` from the generation settings that are set."""
-        return {
-            k: getattr(self, k) for k in ("epochs", "temperature", "max_tokens", "seed") if getattr(self, k) is not None
-        }
+        return self.model_dump(include={"epochs", "temperature", "max_tokens", "seed"}, exclude_none=True)
 
     def fingerprint(self) -> str:
         """Hex SHA-256 of the settings and, for a local task file, its content."""

@@ -76,6 +76,17 @@ class Rewards:
     illegal: float = -1.0
     opponent_illegal: float = 0.0
 
+    def of(self, outcome: str) -> float:
+        """The reward of ``outcome`` (:meth:`~prefect_tinker.recipes.rl.tictactoe_game.Game.outcome`)."""
+        table = {
+            "win": self.win,
+            "draw": self.draw,
+            "loss": self.loss,
+            "illegal": self.illegal,
+            "opponent_illegal": self.opponent_illegal,
+        }
+        return table[outcome]
+
 
 class TicTacToePlayer(MessageEnv):
     """One player's side of a game (see the module docstring).
@@ -166,7 +177,7 @@ class TicTacToePlayer(MessageEnv):
         metrics.update(moves=float(self.turns), first_player=float(self.mark == "X"))
         return Reaction(
             done=True,
-            reward=getattr(self.rewards, outcome),
+            reward=self.rewards.of(outcome),
             metrics=metrics,
             logs={"end": outcome, "board": self.game.board, "moves": " ".join(map(str, self.game.moves))},
         )
