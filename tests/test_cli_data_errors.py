@@ -5,6 +5,7 @@ file, line and field, exit status 2; the traceback only with --debug."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -72,3 +73,59 @@ def test_debug_shows_the_traceback(files, capsys):
     assert "Traceback (most recent call last)" in err and "DatasetFormatError" in err
     assert err.splitlines()[-1] == f"error: invalid data for flow 'sft': {files}/broken.jsonl:2: malformed JSON " \
                                    "(Expecting value at column 15)"
+
+
+@pytest.mark.parametrize("flow,config", [("sft", "SFTConfig"), ("dpo", "DPOConfig")])
+def test_a_file_no_file_type_reads_is_one_line_before_anything_starts(files, flow, config, capsys, monkeypatch):
+    """``dataset=`` an existing file whose ending no registered file type claims: one line naming
+    the path, the registered file types with their endings and how to choose one (exit 2), not a
+    ``DatasetGenerationError`` traceback from reading it as JSON inside the run."""
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # nothing may talk to Prefect
+    store = files / "store"
+    chats = files / "chats.txt"
+    chats.write_text(json.dumps(GOOD) + "\n")
+    for extra in ([], ["--dry-run"]):
+        assert cli.main(["run", flow, "model=tiny", f"dataset={chats}", f"store={store}", *extra]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err == (
+            f"error: invalid config for flow {flow!r} ({config}): dataset = '{chats}': no file type reads the ending "
+            "'.txt' (registered: arrow (.arrow), csv (.csv), json (.json), jsonl (.jsonl .ndjson .jsonl.gz "
+            f".ndjson.gz), parquet (.parquet)); choose one with sources: [{{path: {chats}, file_type: <name>}}] "
+            "(from command line)\n"
+        )
+    assert not store.exists()  # nothing recorded, no server started
+
+
+@pytest.mark.parametrize("flow", ["sft", "dpo", "reward_model", "decisions"])
+def test_sources_alone_leave_the_default_dataset_unset(files, flow):
+    """A recipe config given ``sources`` only: its default ``dataset`` is not "given" (dropped, so
+    the config round-trips); both given explicitly is still the one-line error."""
+    model = cli.resolve_flow(flow)[1]
+    chats = files / "chats.txt"
+    chats.write_text(json.dumps(GOOD) + "\n")
+    sources = [{"path": str(chats), "file_type": "jsonl"}]
+    config = model(sources=sources)
+    assert config.dataset is None and [s.path for s in config.source_specs()] == [str(chats)]
+    assert model.model_validate(config.model_dump(mode="json")) == config
+    assert model(sources=sources, dataset=None).dataset is None
+    with pytest.raises(ValueError, match=re.escape("give either dataset=... or sources=[...], not both")):
+        model(sources=sources, dataset=str(files / "problems.jsonl"))
+
+
+def test_sources_alone_in_a_yaml_config(files, capsys, monkeypatch):
+    """``run sft --config x.yaml`` whose YAML holds only ``sources`` runs its checks (exit 0 with
+    --dry-run); a YAML giving ``dataset`` too is refused in one line."""
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # nothing may talk to Prefect
+    store = files / "store"
+    chats = files / "chats.txt"
+    chats.write_text(f"{json.dumps(GOOD)}\n{json.dumps(GOOD)}\n")
+    yaml = files / "x.yaml"
+    yaml.write_text(f"sources: [{{path: {chats}, file_type: jsonl}}]\n")
+    assert cli.main(["run", "sft", "--config", str(yaml), "model=tiny", f"store={store}", "--dry-run"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["dataset"] is None and shown["sources"][0]["path"] == str(chats)
+    yaml.write_text(f"dataset: builtin:example_chat\nsources: [{{path: {chats}, file_type: jsonl}}]\n")
+    assert cli.main(["run", "sft", "--config", str(yaml), "model=tiny", f"store={store}", "--dry-run"]) == 2
+    assert capsys.readouterr().err == (
+        "error: invalid config for flow 'sft' (SFTConfig): give either dataset=... or sources=[...], not both\n")
+    assert not store.exists()

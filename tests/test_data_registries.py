@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 
 import pytest
 from pydantic import ValidationError
@@ -21,6 +22,7 @@ from prefect_tinker.recipes.data_reading import (
     RawRecord,
     SourceSpec,
     iter_conversations,
+    iter_records,
     looks_local,
 )
 from prefect_tinker.recipes.datasets import load_conversations
@@ -84,6 +86,33 @@ def test_an_unknown_file_type_is_one_line_listing_the_registered_ones():
     assert "file_type\n  Value error, unknown file type 'xlsx'; registered: arrow, csv, json, jsonl, parquet " in str(
         err.value
     )
+
+
+def test_a_file_no_file_type_reads_is_one_line_naming_the_file_types(tmp_path, monkeypatch):
+    """A local file whose ending no registered file type claims (and no file_type=): an error naming
+    the path, the registered file types with their endings and how to choose one, at config
+    validation and when read (it was read as JSON and failed deep in ``datasets``)."""
+    monkeypatch.setitem(FILE_TYPES, "tsv", FileType(_read_tsv, (".tsv",)))  # a plugin's type is listed too
+    chats = tmp_path / "chats.txt"
+    chats.write_text("prompt\tcompletion\n" + "".join(f"{r['prompt']}\t{r['completion']}\n" for r in ROWS))
+    problem = (
+        "no file type reads the ending '.txt' (registered: arrow (.arrow), csv (.csv), json (.json), jsonl (.jsonl "
+        ".ndjson .jsonl.gz .ndjson.gz), parquet (.parquet), tsv (.tsv)); choose one with "
+        f"sources: [{{path: {chats}, file_type: <name>}}]"
+    )
+    with pytest.raises(ValidationError) as err:
+        SFTConfig(dataset=str(chats))
+    assert f"dataset\n  Value error, {problem} [" in str(err.value)
+    with pytest.raises(ValidationError) as err:
+        SFTConfig(sources=[{"path": str(chats), "format": "prompt_completion"}])
+    assert f"Value error, sources[0].path: {problem} [" in str(err.value)
+    with pytest.raises(ValueError, match="^" + re.escape(f"{chats}: {problem}") + "$"):
+        next(iter_records(SourceSpec(path=str(chats))))
+    # named by file_type=, it is read; Hugging Face ids and missing paths without a local look pass as before
+    config = SFTConfig(sources=[{"path": str(chats), "format": "prompt_completion", "file_type": "tsv"}])
+    assert config.dataset is None and len(list(iter_records(config.source_specs()[0]))) == len(ROWS)
+    assert SFTConfig(dataset="HuggingFaceH4/no_robots").dataset == "HuggingFaceH4/no_robots"
+    assert SFTConfig(dataset="some_org/data.txt").dataset == "some_org/data.txt"
 
 
 def test_a_registered_builtin_dataset_resolves(tmp_path, monkeypatch):

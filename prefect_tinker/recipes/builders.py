@@ -31,6 +31,7 @@ from prefect_tinker.recipes.data_reading import (
     OnError,
     SourceSpec,
     check_capture_source,
+    check_file_type,
     check_local_source,
     is_capture_source,
     resolve_source_path,
@@ -97,7 +98,8 @@ class SourceFields(FormatFields):
 
     One source: ``dataset`` (a JSONL file, local dataset file/dir, ``builtin:example_chat`` or a
     Hugging Face dataset id) read in ``format`` with the field mapping ``fields``; several
-    weighted sources: ``sources`` (each a full :class:`SourceSpec`; then ``dataset`` must be unset).
+    weighted sources: ``sources`` (each a full :class:`SourceSpec`; then ``dataset`` is unset: a config's
+    default ``dataset`` is dropped, one given too is an error).
     The one mixin of the data-driven recipes' configs (sft, dpo, reward_model, decisions): ``format``,
     ``fields``, ``sources``, ``test_size`` and ``max_length`` are marked
     :data:`~prefect_tinker.recipes.resume_marker.RESUME` for all of them.
@@ -138,7 +140,21 @@ class SourceFields(FormatFields):
         default="raise", description="A bad record: 'raise' (error naming file, line and field) or 'skip' (counted)."
     )
 
-    _dataset_exists = field_validator("dataset")(check_local_source)  # a missing file fails here
+    @field_validator("dataset")
+    @classmethod
+    def _dataset_readable(cls, dataset: str | None) -> str | None:
+        # a missing file, or one whose ending no file type reads, fails here (before a run starts)
+        if dataset := check_local_source(dataset):
+            check_file_type(dataset)
+        return dataset
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sources_alone(cls, data: Any) -> Any:
+        # sources given without dataset: the config's default dataset is not "given" (left unset, not both)
+        if isinstance(data, dict) and data.get("sources") and "dataset" not in data:
+            return {**data, "dataset": None}
+        return data
 
     @model_validator(mode="after")
     def _one_way(self) -> SourceFields:
@@ -149,6 +165,7 @@ class SourceFields(FormatFields):
         for i, spec in enumerate(self.sources):
             try:
                 check_local_source(spec.path)
+                check_file_type(spec.path, spec.file_type)
             except ValueError as exc:
                 raise ValueError(f"sources[{i}].path: {exc}") from None
         return self

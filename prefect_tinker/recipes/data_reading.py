@@ -6,8 +6,9 @@ A source (:class:`SourceSpec`) is one of:
   ``prefect_tinker.file_types``; :func:`register_file_type`), chosen by ``file_type`` or else by
   the file name's ending: ``jsonl`` (``.jsonl``, ``.ndjson``, optionally gzipped ``.gz``), read
   line by line so errors name ``file:line`` (relative image/audio paths in it are taken next to the
-  file); ``json``, ``parquet``, ``csv``, ``arrow`` (read by ``datasets.load_dataset``; a file of
-  another ending is read as ``json``) (:mod:`prefect_tinker.recipes.file_types`);
+  file); ``json``, ``parquet``, ``csv``, ``arrow`` (read by ``datasets.load_dataset``); a file of
+  an ending no file type claims is an error naming the registered ones, unless the source names its
+  ``file_type`` (:mod:`prefect_tinker.recipes.file_types`);
 - with ``format="image_folder"``: a directory of class folders ``root/<label>/<image>``
   (:mod:`prefect_tinker.recipes.media_sources`);
 - ``"builtin:<name>"``: a dataset shipped with this package or a plugin (:data:`BUILTIN_DATASETS`,
@@ -65,6 +66,7 @@ __all__ = [
     "iter_conversations",
     "iter_records",
     "check_capture_source",
+    "check_file_type",
     "check_local_source",
     "dataset_records",
     "file_type_of",
@@ -245,14 +247,47 @@ def _file_type_by_suffix(path: Path) -> FileType | None:
 
 
 def file_type_of(path: Path, name: str | None = None) -> FileType:
-    """The file type ``name``, else the one whose ending ``path``'s name has, else ``json``.
+    """The file type ``name``, else the one whose ending ``path``'s name has.
 
     Raises:
         UnknownComponentError: ``name`` is not registered (the message lists the registered names).
+        ValueError: no ``name`` and no registered file type reads ``path``'s ending (one line naming
+            the path, the registered file types with their endings and how to choose one).
     """
     if name is not None:
         return FILE_TYPES.get_or_raise(name)
-    return _file_type_by_suffix(path) or FILE_TYPES.get_or_raise("json")
+    found = _file_type_by_suffix(path)
+    if found is None:
+        raise ValueError(f"{path}: {_no_file_type(path)}")
+    return found
+
+
+def _no_file_type(path: Path) -> str:
+    ending = f"the ending {path.suffix.lower()!r}" if path.suffix else "a file name without an ending"
+    known = ", ".join(f"{n} ({' '.join(FILE_TYPES[n].suffixes) or 'no ending'})" for n in FILE_TYPES.names())
+    return (
+        f"no file type reads {ending} (registered: {known}); choose one with "
+        f"sources: [{{path: {path}, file_type: <name>}}]"
+    )
+
+
+def check_file_type(source: str, file_type: str | None = None) -> None:
+    """Check that a local file ``source`` (a ``builtin:<name>`` resolved) has a file type:
+    ``file_type`` or one registered for its ending; nothing to check for a directory, a Hugging
+    Face id or a missing path. Configs call it to reject an unreadable file before a run starts.
+
+    Raises:
+        ValueError: no file type reads the file's ending (the message lists the registered file types with
+            their endings and how to choose one).
+        UnknownComponentError: ``file_type`` or a ``builtin:<name>`` is not registered.
+    """
+    if is_capture_source(source):
+        return
+    path = Path(resolve_source_path(source)).expanduser()
+    if path.is_file() and file_type is None and _file_type_by_suffix(path) is None:
+        raise ValueError(_no_file_type(path))
+    if file_type is not None:
+        FILE_TYPES.get_or_raise(file_type)
 
 
 def is_capture_source(source: str) -> bool:

@@ -4,7 +4,7 @@ the registry is first read):
 - ``jsonl`` (``.jsonl``, ``.ndjson``, ``.jsonl.gz``, ``.ndjson.gz``): one JSON value per line (JSON
   Lines, https://jsonlines.org/), read lazily line by line; a line that is not UTF-8 or not JSON
   becomes a record error naming ``file:line`` and the column; blank lines are skipped;
-- ``json`` (``.json``; also a file of an ending no file type claims), ``parquet`` (``.parquet``),
+- ``json`` (``.json``), ``parquet`` (``.parquet``),
   ``csv`` (``.csv``), ``arrow`` (``.arrow``): read by ``datasets.load_dataset(<builder>,
   data_files=path)`` (the Hugging Face ``datasets`` packaged builders; ``split``, ``streaming`` of
   the source), records located ``path[split]:row``.
