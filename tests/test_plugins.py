@@ -82,6 +82,13 @@ def test_plugin_components_are_listed_but_not_installed_here(plugin_cli):
     assert "memorize" not in RECIPES and "subtraction" not in ENVS  # the dev environment is untouched
 
 
+def test_python_m_prefect_tinker_is_the_command_line():
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-m", "prefect_tinker", "--help"], cwd=root, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: prefect-tinker"), proc.stderr[-2000:]
+
+
 def test_plugin_env_loss_and_estimator_run_rl(plugin_cli):
     """The plugin's env trains with its loss and estimator; ``symmetric_ppo`` with epsilon 0.25 and
     ``mean_only`` give the same rows, bit for bit, as the built-in ``ppo`` with clip thresholds
