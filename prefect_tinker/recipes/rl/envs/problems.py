@@ -3,7 +3,7 @@ and the prompt prefix (system prompt, one solved example) a spec asks for."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -71,10 +71,63 @@ def convo_prefix(spec: Any, shot: Sequence[dict]) -> list[dict]:
     return prefix
 
 
-def problem_builder(env_cls: type, spec: Any, ctx: Any, shot: Sequence[dict], suffix: str, tag: str):
-    """``problem -> ProblemGroupBuilder`` for ``env_cls`` with the spec's prompt settings."""
+def problem_builder(
+    env_cls: type,
+    spec: Any,
+    ctx: Any,
+    shot: Sequence[dict],
+    suffix: str,
+    tag: str,
+    *,
+    builder: type[ProblemGroupBuilder] = ProblemGroupBuilder,
+) -> Callable[[Problem], ProblemGroupBuilder]:
+    """The ``make_builder`` of a problem environment: ``make(problem) -> ProblemGroupBuilder``, the
+    builder of one group of ``ctx.group_size`` envs of class ``env_cls`` for one :class:`Problem`,
+    with the prompt settings of ``spec`` and the run's renderer.
+
+    An environment's :meth:`~prefect_tinker.recipes.rl.envs.Environment.build` makes it once and
+    its dataset calls it for each problem of a batch (``RLDataset.get_batch(i) -> [make(p), ...]``).
+    Each env's prompt is ``[system message] + [shot user, shot assistant] + [user: question +
+    suffix]``, rendered by the renderer the env is given; its reward is the
+    :class:`~prefect_tinker.recipes.rl.problem_env.ProblemEnv` one (``correct + format_coef *
+    (format_ok - 1)``).
+
+    Args:
+        env_cls: the :class:`~prefect_tinker.recipes.rl.problem_env.ProblemEnv` subclass of the envs
+            (its ``check_format`` and ``check_answer`` grade the reply text); made as
+            ``env_cls(problem, renderer, convo_prefix=..., format_coef=..., question_suffix=...,
+            format_needs_stop=...)``.
+        spec: the ``spec`` given to ``build`` (the RL config's
+            :class:`~prefect_tinker.recipes.rl.envs.EnvSpec`); read: ``system_prompt`` (a system
+            message first, when set), ``few_shot`` (whether ``shot`` is put before the question),
+            ``format_coef`` (the penalty of a malformed reply) and ``format_needs_stop`` (only a reply
+            ended by the renderer's stop sequence is well-formed).
+        ctx: the :class:`~prefect_tinker.recipes.rl.envs.EnvContext` given to ``build``; read:
+            ``group_size`` (envs per problem), ``renderer_name`` and ``tokenizer_id`` (the renderer
+            the envs get, loaded once per process inside the rollout).
+        shot: one solved example, a user then an assistant message (``[{"role": "user", "content":
+            ...}, {"role": "assistant", "content": ...}]``), used only when ``spec.few_shot``;
+            ``()`` for none.
+        suffix: text appended to every question (e.g. an answer-format instruction such as ``"
+            Give the final answer as '#### <number>'."``); ``""`` for none.
+        tag: the builders' tag, usually the environment's name (``cls.name``): what their
+            ``logging_tags()`` return; like every field of a builder, part of its rollout cache key.
+        builder: the builder class, :class:`ProblemGroupBuilder` or a subclass of it (declared
+            ``@dataclass(frozen=True)``; a new field needs a default), e.g. one whose
+            ``make_envs_in(ctx)`` gives its envs a service of the rollout (``ctx.service(KEY)``)
+            after ``make_envs()``.
+
+    Returns:
+        ``make``: a :func:`functools.partial` of ``builder`` (picklable); ``make(problem)`` is a
+        builder of plain values, whose ``make_envs()`` loads the renderer and makes the envs.
+
+    Raises:
+        AttributeError: ``spec`` or ``ctx`` lacks one of the fields above. Nothing is loaded here:
+            an unknown renderer name (``RendererError``) or a tokenizer that does not load
+            (``OSError``) fails the builder's ``make_envs()``, inside the rollout.
+    """
     return partial(
-        ProblemGroupBuilder,
+        builder,
         env_cls,
         group_size=ctx.group_size,
         renderer_name=ctx.renderer_name,
