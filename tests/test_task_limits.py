@@ -65,3 +65,49 @@ def test_an_existing_rate_limit_is_looked_up_once_for_many_sampling_requests(rea
     finally:
         with get_client(sync_client=True) as client:
             client.delete_global_concurrency_limit_by_name(name)
+
+
+def test_a_run_says_it_waits_for_a_training_slot_only_when_it_does(prefect_api, monkeypatch):
+    """With ``tinker-train:local`` at 1 slot, a second run waits until the first lets go of it and
+    says so once (whatever the slot counts it read before trying); a run finding the slot free
+    says nothing."""
+    import threading
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+
+    said: list[str] = []
+    monkeypatch.setattr(limits, "_log", said.append)
+    creds = TinkerCredentials(local=True)
+    name = limits.train_limit_name(creds)
+    with get_client(sync_client=True) as client:
+        client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1, active=True))
+    try:
+        with limits.training_slot(creds, "run-c"):
+            pass
+        assert said == []  # free: no announcement
+        held, release, events = threading.Event(), threading.Event(), []
+
+        def first():
+            with limits.training_slot(creds, "run-a"):
+                held.set()
+                release.wait(30)
+                events.append("a released")
+
+        t = threading.Thread(target=first)
+        t.start()
+        assert held.wait(60)
+        # run-b read the counts just before run-a took the slot: free, as far as it knows
+        real, stale = limits.limit_state, [limits.LimitState(name, 1, 0, 0.0)]
+        monkeypatch.setattr(limits, "limit_state", lambda n, **kw: stale.pop() if stale else real(n, **kw))
+        threading.Timer(limits.FIRST_TRY_S + 2.0, release.set).start()
+        with limits.training_slot(creds, "run-b"):
+            events.append("b holds")
+        t.join(30)
+        assert events == ["a released", "b holds"]
+        assert said == [f"run-b: {name} is full (1 of 1 in use): waiting for a slot"]
+        with get_client(sync_client=True) as client:
+            assert client.read_global_concurrency_limit_by_name(name).active_slots == 0
+    finally:
+        with get_client(sync_client=True) as client:
+            client.delete_global_concurrency_limit_by_name(name)

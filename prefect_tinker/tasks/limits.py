@@ -25,7 +25,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any
 
 from prefect_tinker.recipes.progress import phase
@@ -47,6 +47,8 @@ __all__ = [
 
 #: seconds a slot's lease lasts between renewals (Prefect renews it while the holder lives)
 LEASE_SECONDS = 300.0
+#: seconds of the first try for a slot; a holder still waiting after it says so (and waits on)
+FIRST_TRY_S = 1.0
 #: seconds a "this limit does not exist" answer (and, for callers that need no slot counts, a "this
 #: limit exists" one) is trusted before asking the server again
 _KNOWN_TTL = 30.0
@@ -127,16 +129,17 @@ def _slot(name: str, run: str, what: str) -> Iterator[None]:
         return
     from prefect.concurrency.sync import concurrency
 
-    waiting = (
-        phase(run, f"waiting for a slot of {name} ({state.active_slots} of {state.limit} in use) for {what}")
-        if state.full
-        else nullcontext()
-    )
     with ExitStack() as held:
-        with waiting:
-            if state.full:
-                _log(f"{run}: {name} is full ({state.active_slots} of {state.limit} in use): waiting for a slot")
-            held.enter_context(concurrency(name, occupy=1, lease_duration=LEASE_SECONDS, strict=False))
+        try:  # a short first try: a run announces a wait only when the limit really holds it back
+            held.enter_context(
+                concurrency(name, occupy=1, timeout_seconds=FIRST_TRY_S, lease_duration=LEASE_SECONDS, strict=False)
+            )
+        except TimeoutError:  # Prefect's AcquireConcurrencySlotTimeoutError
+            now = limit_state(name) or state
+            used = f"{max(now.active_slots, now.limit)} of {now.limit} in use"
+            with phase(run, f"waiting for a slot of {name} ({used}) for {what}"):
+                _log(f"{run}: {name} is full ({used}): waiting for a slot")
+                held.enter_context(concurrency(name, occupy=1, lease_duration=LEASE_SECONDS, strict=False))
         yield
 
 
