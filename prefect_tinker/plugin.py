@@ -133,8 +133,8 @@ _MODULES: dict[str, str] = {
     "FILE_TYPES": "prefect_tinker.recipes.data_reading",
     "RawRecord": "prefect_tinker.recipes.data_reading",
     "SourceSpec": "prefect_tinker.recipes.data_reading",
-    "register_builtin_dataset": "prefect_tinker.recipes.data_reading",
-    "BUILTIN_DATASETS": "prefect_tinker.recipes.data_reading",
+    "register_builtin_dataset": "prefect_tinker.recipes.builtin_datasets",
+    "BUILTIN_DATASETS": "prefect_tinker.recipes.builtin_datasets",
     # DPO variants
     "DPOVariant": "prefect_tinker.recipes.preference",
     "register_dpo_loss": "prefect_tinker.recipes.preference",
@@ -164,15 +164,8 @@ if TYPE_CHECKING:
     from prefect_tinker.flows.rl_config import SCHEDULES
     from prefect_tinker.flows.rl_schedules import RLLoopParts, Schedule, register_schedule
     from prefect_tinker.flows.session import RunSession
-    from prefect_tinker.recipes.data_reading import (
-        BUILTIN_DATASETS,
-        FILE_TYPES,
-        FileType,
-        RawRecord,
-        SourceSpec,
-        register_builtin_dataset,
-        register_file_type,
-    )
+    from prefect_tinker.recipes.builtin_datasets import BUILTIN_DATASETS, register_builtin_dataset
+    from prefect_tinker.recipes.data_reading import FILE_TYPES, FileType, RawRecord, SourceSpec, register_file_type
     from prefect_tinker.recipes.data_sources import CONVERTERS, register_converter
     from prefect_tinker.recipes.evals.benchmarks import BENCHMARKS, BenchmarkSpec
     from prefect_tinker.recipes.evals.graders import CODE_RUNNERS, GRADERS, register_code_runner, register_grader

@@ -15,8 +15,6 @@ from pydantic import ValidationError
 from prefect_tinker.flows.sft import SFTConfig
 from prefect_tinker.recipes.builders import SupervisedBuilder
 from prefect_tinker.recipes.data_reading import (
-    BUILTIN_DATASETS,
-    EXAMPLE_CHAT_PATH,
     FILE_TYPES,
     FileType,
     RawRecord,
@@ -25,6 +23,7 @@ from prefect_tinker.recipes.data_reading import (
     iter_records,
     looks_local,
 )
+from prefect_tinker.recipes.builtin_datasets import BUILTIN_DATASETS, EXAMPLE_CHAT_PATH
 from prefect_tinker.recipes.datasets import load_conversations
 from tests.data_files import smollm2_tokenizer_dir
 from tests.renderer_tokenizers import needs_smollm2

@@ -13,7 +13,7 @@ from prefect_tinker.cli.main import main as cli_main
 from prefect_tinker.flows.distill import DistillConfig, distill_flow
 from prefect_tinker.flows.callbacks import RunCallbacks, run_callbacks
 from prefect_tinker.flows.sft import SFTConfig, sft_flow
-from prefect_tinker.recipes.data_reading import EXAMPLE_CHAT_PATH
+from prefect_tinker.recipes.builtin_datasets import EXAMPLE_CHAT_PATH
 from prefect_tinker.tasks.teacher import TeacherError, read_samples
 
 SMALL = dict(model="tiny", group_size=2, groups_per_batch=4, max_tokens=12, lora_rank=8)

@@ -165,7 +165,8 @@ def test_distillation_is_composed_of_the_rl_parts_not_an_rl_config() -> None:
     with pytest.raises(ValueError, match="streaming needs groups_per_batch"):
         DistillConfig(model="tiny", teacher="tiny", schedule="streaming", groups_per_batch=2, num_minibatches=4)
     # off-policy sequences: the builder once with_sequences gave them, none before
-    from prefect_tinker.recipes.data_reading import EXAMPLE_CHAT_PATH, SourceSpec
+    from prefect_tinker.recipes.data_reading import SourceSpec
+    from prefect_tinker.recipes.builtin_datasets import EXAMPLE_CHAT_PATH
 
     off = DistillConfig(model="tiny", teacher="tiny", mode="off_policy")
     assert off.dataset_builder("role_colon") is None

@@ -208,7 +208,8 @@ def registry_listing(everything: bool = False) -> list[tuple[str, str, list[str]
     Raises:
         PluginLoadError: a plugin's entry point of one of them does not import.
     """
-    from prefect_tinker.recipes.data_reading import BUILTIN_DATASETS, FILE_TYPES
+    from prefect_tinker.recipes.builtin_datasets import BUILTIN_DATASETS
+    from prefect_tinker.recipes.data_reading import FILE_TYPES
     from prefect_tinker.recipes.data_sources import CONVERTERS
     from prefect_tinker.recipes.evals.benchmarks import BENCHMARKS
     from prefect_tinker.recipes.evals.graders import CODE_RUNNERS, GRADERS

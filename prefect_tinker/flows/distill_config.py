@@ -19,7 +19,8 @@ from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_valid
 from prefect_tinker.flows.config import BackendConfig, weights_ref
 from prefect_tinker.flows.rl_config import RLTrainingConfig
 from prefect_tinker.recipes.builders import DatasetBuilder
-from prefect_tinker.recipes.data_reading import EXAMPLE_CHAT_PATH, SourceSpec, source_fingerprint
+from prefect_tinker.recipes.builtin_datasets import EXAMPLE_CHAT_PATH
+from prefect_tinker.recipes.data_reading import SourceSpec, source_fingerprint
 from prefect_tinker.recipes.distill.prompts import DEMO_TEMPLATE, TeacherView
 from prefect_tinker.recipes.resume_marker import RESUME
 from prefect_tinker.recipes.rl.envs.prompts import PromptsOptions

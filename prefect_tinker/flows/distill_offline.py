@@ -57,7 +57,7 @@ __all__ = ["run_offline"]
 def _sources_uris(sources: list[SourceSpec]) -> list[str]:
     from pathlib import Path
 
-    from prefect_tinker.recipes.data_reading import resolve_source_path
+    from prefect_tinker.recipes.builtin_datasets import resolve_source_path
 
     out = []
     for s in sources:

@@ -75,7 +75,7 @@ from prefect_tinker.flows.resume_checks import (
 from prefect_tinker.flows.run_rows import RunRows
 from prefect_tinker.flows.run_summary import post_run_summary
 from prefect_tinker.recipes.file_reads import reading_once
-from prefect_tinker.tasks.clients import ClientRewound, TrainingRun, tokenizer
+from prefect_tinker.tasks.clients import ClientRewound, TrainingRun, run_tokenizer
 from prefect_tinker.tasks.events import emit_checkpoint_saved, emit_run_finished
 from prefect_tinker.tasks.limits import training_slot
 from prefect_tinker.tasks.records import check_store, compact_finished_run, record_checkpoint, record_run
@@ -229,10 +229,10 @@ class RunSession(Generic[ConfigT]):
             resume_step=int(last["step"]) if last else 0,
             init_from=None if last else c.load_checkpoint_path,
         )
-        self.tokenizer_id: str = self._tokenizer_id()
+        self.tokenizer_id, tok = run_tokenizer(self.run_id, self.model, c.tokenizer, self.run.tokenizer_id)
         from prefect_tinker.recipes.renderers import resolve_renderer_name
 
-        self.renderer = resolve_renderer_name(c.renderer, self._load_tokenizer())
+        self.renderer = resolve_renderer_name(c.renderer, tok)
         given = self.given  # the hooks of the config as given (its references unresolved)
         self.builder = given.dataset_builder(self.renderer)
         data_fp = self.builder.fingerprint() if self.builder is not None else given.data_fingerprint(self.renderer)
@@ -272,27 +272,6 @@ class RunSession(Generic[ConfigT]):
         )
         self._record("running")
         return self
-
-    def _tokenizer_id(self) -> str:
-        """The config's ``tokenizer``, else the one the backend names for the model."""
-        named = self.config.tokenizer or self.run.tokenizer_id
-        if named is None:
-            raise ValueError(
-                f"run {self.run_id!r}: the backend named no tokenizer for model {self.model!r}; "
-                "give tokenizer=<local directory or hub name>"
-            )
-        return named
-
-    def _load_tokenizer(self) -> Any:
-        try:
-            return tokenizer(self.tokenizer_id)
-        except OSError as exc:  # e.g. a hub name offline: say which field loads one from here
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            where = "this config's tokenizer" if self.config.tokenizer else "the backend's tokenizer for this model"
-            raise ValueError(
-                f"run {self.run_id!r}: {where} {self.tokenizer_id!r} does not load here ({reason}); give "
-                "tokenizer=<a local directory of it>"
-            ) from exc
 
     def _record(self, status: str) -> None:
         c = self.given  # as given: a resumed run compares its references, not what they named then

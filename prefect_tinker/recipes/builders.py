@@ -25,16 +25,15 @@ from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar
 import tinker
 from pydantic import BaseModel, Field, WithJsonSchema, field_validator, model_validator
 
+from prefect_tinker.recipes.builtin_datasets import EXAMPLE_CHAT_PATH, resolve_source_path
 from prefect_tinker.recipes.data_pipeline import DataOrder
 from prefect_tinker.recipes.data_reading import (
-    EXAMPLE_CHAT_PATH,
     OnError,
     SourceSpec,
     check_capture_source,
     check_file_type,
     check_local_source,
     is_capture_source,
-    resolve_source_path,
     source_fingerprint,
 )
 from prefect_tinker.recipes.datasets import datum_from_example

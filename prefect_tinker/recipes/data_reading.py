@@ -11,8 +11,9 @@ A source (:class:`SourceSpec`) is one of:
   ``file_type`` (:mod:`prefect_tinker.recipes.file_types`);
 - with ``format="image_folder"``: a directory of class folders ``root/<label>/<image>``
   (:mod:`prefect_tinker.recipes.media_sources`);
-- ``"builtin:<name>"``: a dataset shipped with this package or a plugin (:data:`BUILTIN_DATASETS`,
-  entry-point group ``prefect_tinker.builtin_datasets``; :func:`register_builtin_dataset`):
+- ``"builtin:<name>"``: a dataset shipped with this package or a plugin
+  (:mod:`prefect_tinker.recipes.builtin_datasets`: ``BUILTIN_DATASETS``, entry-point group
+  ``prefect_tinker.builtin_datasets``; ``register_builtin_dataset``):
   ``example_chat`` (the chat set), ``example_prefs`` (its comparisons, ``{"prompt", "chosen",
   "rejected"}``), ``sentiment_sentences`` (raw sentences for prompt distillation),
   ``forecasting_questions`` (binary questions with their resolution, ``{"question",
@@ -41,6 +42,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, SerializerFunctionWrapHandler, WithJsonSchema, field_validator, model_serializer
 
+from prefect_tinker.recipes.builtin_datasets import resolve_source_path
 from prefect_tinker.recipes.data_sources import (
     Conversation,
     DatasetFormatError,
@@ -55,8 +57,6 @@ from prefect_tinker.recipes.media_sources import absolutize_media
 from prefect_tinker.recipes.registry import Registry, TaggedBy
 
 __all__ = [
-    "BUILTIN_DATASETS",
-    "EXAMPLE_CHAT_PATH",
     "FILE_TYPES",
     "FileType",
     "OnError",
@@ -73,43 +73,11 @@ __all__ = [
     "is_capture_source",
     "looks_local",
     "missing_local_source",
-    "register_builtin_dataset",
     "register_file_type",
-    "resolve_source_path",
     "source_fingerprint",
 ]
 
 logger = logging.getLogger("prefect_tinker.recipes.data")
-
-#: The chat set shipped with the package (about 40 short conversations written for it).
-EXAMPLE_CHAT_PATH = str(Path(__file__).resolve().parent / "data" / "example_chat.jsonl")
-#: The comparisons shipped with the package (40 prompts with a better and a worse reply, written for it).
-EXAMPLE_PREFS_PATH = str(Path(__file__).resolve().parent / "data" / "example_prefs.jsonl")
-#: 64 short sentences written for the package, half plainly positive and half plainly negative
-#: (``{"text", "label"}``): raw inputs for prompt distillation of a classification instruction.
-SENTIMENT_SENTENCES_PATH = str(Path(__file__).resolve().parent / "data" / "sentiment_sentences.jsonl")
-#: 40 yes/no questions written for the package, half resolved yes (``{"question", "resolution"}``).
-FORECASTING_QUESTIONS_PATH = str(Path(__file__).resolve().parent / "data" / "forecasting_questions.jsonl")
-
-#: Datasets named by ``builtin:<name>`` sources: the path of a local data file or dataset
-#: directory by name (read like any local source); plugins add more through the entry-point group
-#: ``prefect_tinker.builtin_datasets`` (an entry point naming a path string).
-BUILTIN_DATASETS: Registry[str | Path] = Registry("builtin dataset", "prefect_tinker.builtin_datasets")
-
-
-def register_builtin_dataset(name: str, path: str | Path) -> str | Path:
-    """Make ``builtin:<name>`` read the local data file or dataset directory ``path`` (overwrites);
-    the same as an entry point of group ``prefect_tinker.builtin_datasets`` naming a path."""
-    return BUILTIN_DATASETS.register(name, path)
-
-
-for _name, _path in {
-    "example_chat": EXAMPLE_CHAT_PATH,
-    "example_prefs": EXAMPLE_PREFS_PATH,
-    "sentiment_sentences": SENTIMENT_SENTENCES_PATH,
-    "forecasting_questions": FORECASTING_QUESTIONS_PATH,
-}.items():
-    register_builtin_dataset(_name, _path)
 
 OnError = Literal["raise", "skip"]
 
@@ -327,18 +295,6 @@ def check_local_source(source: str | None) -> str | None:
     missing = missing_local_source(source) if source else None
     if missing is not None:
         raise ValueError(f"file not found: {missing}")
-    return source
-
-
-def resolve_source_path(source: str) -> str:
-    """``source`` with a ``builtin:<name>`` replaced by the path registered for it
-    (:data:`BUILTIN_DATASETS`), else unchanged.
-
-    Raises:
-        UnknownComponentError: an unknown builtin name (the message lists the registered names).
-    """
-    if source.startswith("builtin:"):
-        return str(BUILTIN_DATASETS.get_or_raise(source.removeprefix("builtin:")))
     return source
 
 

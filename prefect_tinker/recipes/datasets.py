@@ -23,13 +23,8 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 import tinker
 
-from prefect_tinker.recipes.data_reading import (
-    EXAMPLE_CHAT_PATH,
-    OnError,
-    SkipStats,
-    SourceSpec,
-    iter_conversations,
-)
+from prefect_tinker.recipes.builtin_datasets import EXAMPLE_CHAT_PATH
+from prefect_tinker.recipes.data_reading import OnError, SkipStats, SourceSpec, iter_conversations
 from prefect_tinker.recipes.data_sources import Conversation, DatasetFormatError, validate_messages
 from prefect_tinker.recipes.media import MediaToken, model_input_from_tokens, safe_cut, tokens_from_model_input
 

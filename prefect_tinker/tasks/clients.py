@@ -47,6 +47,7 @@ __all__ = [
     "register",
     "result",
     "sampling_client",
+    "run_tokenizer",
     "tokenizer",
     "training_client",
 ]
@@ -314,3 +315,28 @@ def tokenizer(tokenizer_id: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tokenizer_id)
+
+
+def run_tokenizer(run_id: str, model: str, configured: str | None, named: str | None) -> tuple[str, Any]:
+    """A run's tokenizer id and its tokenizer: the config's ``tokenizer`` (``configured``), else the
+    one the backend names for ``model`` (``named``), loaded by :func:`tokenizer`.
+
+    Raises:
+        ValueError: neither names one, or it does not load here (the message says which field to
+            give a local directory in).
+    """
+    tokenizer_id = configured or named
+    if tokenizer_id is None:
+        raise ValueError(
+            f"run {run_id!r}: the backend named no tokenizer for model {model!r}; "
+            "give tokenizer=<local directory or hub name>"
+        )
+    try:
+        return tokenizer_id, tokenizer(tokenizer_id)
+    except OSError as exc:  # e.g. a hub name offline: say which field loads one from here
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        where = "this config's tokenizer" if configured else "the backend's tokenizer for this model"
+        raise ValueError(
+            f"run {run_id!r}: {where} {tokenizer_id!r} does not load here ({reason}); give "
+            "tokenizer=<a local directory of it>"
+        ) from exc

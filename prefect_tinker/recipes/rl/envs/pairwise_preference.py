@@ -307,7 +307,7 @@ class PairwisePreference(Environment):
         run starts, naming file, line and field."""
         from pathlib import Path
 
-        from prefect_tinker.recipes.data_reading import resolve_source_path
+        from prefect_tinker.recipes.builtin_datasets import resolve_source_path
 
         opts = cls.options(spec)
         if spec.dataset and Path(resolve_source_path(spec.dataset)).expanduser().exists():

@@ -78,7 +78,8 @@ def load_speech_problems(
         ValueError: a malformed line, a missing field, an audio file that does not exist
             (naming ``file:line``); FileNotFoundError: a missing source.
     """
-    from prefect_tinker.recipes.data_reading import SourceSpec, iter_records, resolve_source_path
+    from prefect_tinker.recipes.builtin_datasets import resolve_source_path
+    from prefect_tinker.recipes.data_reading import SourceSpec, iter_records
     from prefect_tinker.recipes.data_sources import RecordError, get_field
 
     local = Path(resolve_source_path(source)).expanduser()
