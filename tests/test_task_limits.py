@@ -67,10 +67,11 @@ def test_an_existing_rate_limit_is_looked_up_once_for_many_sampling_requests(rea
             client.delete_global_concurrency_limit_by_name(name)
 
 
-def test_a_run_says_it_waits_for_a_training_slot_only_when_it_does(prefect_api, monkeypatch):
+def test_a_run_says_it_waits_for_a_training_slot_only_when_it_does(prefect_api, clock, monkeypatch):
     """With ``tinker-train:local`` at 1 slot, a second run waits until the first lets go of it and
     says so once (whatever the slot counts it read before trying); a run finding the slot free
-    says nothing."""
+    says nothing. ``clock``: an absence of the limit remembered by an earlier test of this process
+    (trusted for 30 s) is past."""
     import threading
 
     from prefect.client.orchestration import get_client
