@@ -46,8 +46,8 @@ __all__ = [
     "reference_client",
     "register",
     "result",
-    "sampling_client",
     "run_tokenizer",
+    "sampling_client",
     "tokenizer",
     "training_client",
 ]
