@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--groups-per-batch", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--lora-rank", type=int, default=8)
-    p.add_argument("--num-minibatches", type=int, default=2)
+    p.add_argument("--num-minibatches", type=int, default=None,
+                   help="streaming and async (default: each schedule's own, 2 for streaming, 1 for async)")
     p.add_argument("--max-steps-off-policy", type=int, default=1)
     p.add_argument("--schedules", default="sync,streaming,async")
     p.add_argument("--local-root", default=None)
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"\nRL schedules: model={args.model} group_size={args.group_size} groups_per_batch={args.groups_per_batch} "
           f"max_tokens={args.max_tokens} steps={args.steps} threads={args.threads} repeats={args.repeats}\n")
     cols = ["sampler_workers", "schedule", "steps_per_minute", "ratio_to_sync", "overlap_bound", "of_bound",
+            "steady_steps_per_minute", "steady_overlap_bound", "steady_of_bound",
             "rollout_wait_s_per_step",
             "train_s_per_step", "cores_used", "cpu_s_per_step", "runs"]
     print("| " + " | ".join(cols) + " |")
@@ -175,6 +177,10 @@ def _cpu_by_role() -> dict[str, float]:
     return out
 
 
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
 def _median(xs: list[float]) -> float:
     xs = sorted(x for x in xs if x == x)
     if not xs:
@@ -183,12 +189,14 @@ def _median(xs: list[float]) -> float:
     return xs[m] if len(xs) % 2 else 0.5 * (xs[m - 1] + xs[m])
 
 
-def overlap_bound(sync: dict) -> float:
+def overlap_bound(sync: dict, steady: bool = False) -> float:
     """The most a schedule overlapping rollouts with training can gain over the sync run ``sync``
     (a ``_run`` result): its step time over the longer of its rollout wait and its training time
-    per step, i.e. the rate if the shorter of the two were hidden entirely behind the longer."""
-    step_s = 60.0 / sync["steps_per_minute"]
-    longer = max(sync["rollout_wait_s_per_step"], sync["train_s_per_step"])
+    per step, i.e. the rate if the shorter of the two were hidden entirely behind the longer.
+    ``steady``: from the run's steady-state figures (every step but the first)."""
+    pre = "steady_" if steady else ""
+    step_s = 60.0 / sync[pre + "steps_per_minute"]
+    longer = max(sync[pre + "rollout_wait_s_per_step"], sync[pre + "train_s_per_step"])
     return step_s / longer if longer > 0 else float("nan")
 
 
@@ -202,17 +210,24 @@ def _summary(results: list[dict], schedules: list[str]) -> list[dict]:
         rows = [r for r in results if r["sampler_workers"] == w]
         sync = {r["repeat"]: r["steps_per_minute"] for r in rows if r["schedule"] == "sync"}
         bound = {r["repeat"]: overlap_bound(r) for r in rows if r["schedule"] == "sync"}
+        steady_sync = {r["repeat"]: r["steady_steps_per_minute"] for r in rows if r["schedule"] == "sync"}
+        steady_bound = {r["repeat"]: overlap_bound(r, steady=True) for r in rows if r["schedule"] == "sync"}
         for schedule in schedules:
             mine = [r for r in rows if r["schedule"] == schedule]
             ratios = [r["steps_per_minute"] / sync[r["repeat"]] for r in mine if sync.get(r["repeat"])]
             of_bound = [r["steps_per_minute"] / sync[r["repeat"]] / bound[r["repeat"]] for r in mine
                         if sync.get(r["repeat"]) and bound.get(r["repeat"])]
+            steady_of_bound = [r["steady_steps_per_minute"] / steady_sync[r["repeat"]] / steady_bound[r["repeat"]]
+                               for r in mine if steady_sync.get(r["repeat"]) and steady_bound.get(r["repeat"])]
             table.append({
                 "sampler_workers": w, "schedule": schedule, "runs": len(mine),
                 "steps_per_minute": round(_median([r["steps_per_minute"] for r in mine]), 2),
                 "ratio_to_sync": round(_median(ratios), 2) if ratios else None,
                 "overlap_bound": round(_median(list(bound.values())), 2) if bound else None,
                 "of_bound": round(_median(of_bound), 3) if of_bound else None,
+                "steady_steps_per_minute": round(_median([r["steady_steps_per_minute"] for r in mine]), 2),
+                "steady_overlap_bound": round(_median(list(steady_bound.values())), 2) if steady_bound else None,
+                "steady_of_bound": round(_median(steady_of_bound), 3) if steady_of_bound else None,
                 "rollout_wait_s_per_step": round(_median([r["rollout_wait_s_per_step"] for r in mine]), 3),
                 "train_s_per_step": round(_median([r["train_s_per_step"] for r in mine]), 3),
                 "cores_used": round(_median([r["cores_used"] or float("nan") for r in mine]), 2),
@@ -235,10 +250,23 @@ def _run(args, schedule: str, backend, store: str, run_name: str, TrainingStore,
     summary = rl_flow(cfg)
     wall = time.perf_counter() - t0
     cpu = {k: round(v - cpu0.get(k, 0.0), 2) for k, v in _cpu_by_role().items()}
-    timing = {r["name"]: r["v"] for r in TrainingStore(root=store).query(
-        "SELECT name, avg(value) AS v FROM metrics WHERE run_id = ? AND name LIKE 'time/%' GROUP BY name",
-        [cfg.run_name])}
+    rows = TrainingStore(root=store).query(
+        "SELECT name, step, value FROM metrics WHERE run_id = ? AND name LIKE 'time/%'", [cfg.run_name])
+    per_step: dict[str, dict[int, float]] = {}
+    for r in rows:
+        per_step.setdefault(r["name"], {})[r["step"]] = r["value"]
+    timing = {k: sum(v.values()) / len(v) for k, v in per_step.items()}
+    # steady state: from the end of the first step on (the first step of an overlapped schedule fills
+    # its pipeline: it waits for a whole batch of rollouts with no training to overlap)
+    first = min(per_step.get("time/step_seconds", {}) or [0])
+    later = {k: [x for st, x in v.items() if st != first] for k, v in per_step.items()}
+    steady_s = summary["seconds"] - per_step.get("time/step_seconds", {}).get(first, float("nan"))
+    n_later = summary["steps_this_invocation"] - 1
+    steady_rate = 60.0 * n_later / steady_s if n_later > 0 and steady_s > 0 else float("nan")
     return {
+        "steady_steps_per_minute": round(steady_rate, 2),
+        "steady_rollout_wait_s_per_step": round(_mean(later.get("time/rollout_seconds", [])), 3),
+        "steady_train_s_per_step": round(_mean(later.get("time/train_seconds", [])), 3),
         "schedule": schedule, "steps": summary["steps"], "loop_seconds": round(summary["seconds"], 2),
         "steps_per_minute": round(summary["steps_per_minute"], 2), "flow_wall_seconds": round(wall, 2),
         "rollout_wait_s_per_step": round(timing.get("time/rollout_seconds", float("nan")), 3),

@@ -20,13 +20,15 @@ from prefect_tinker.flows.rl_schedules import Async
 
 
 class _Loop:
-    def __init__(self, steps: int, gpb: int, failing: set[tuple[int, int]] = frozenset()):
-        self.config = SimpleNamespace(groups_per_batch=gpb, max_steps_off_policy=1, stale_groups="requeue")
+    def __init__(self, steps: int, gpb: int, failing: set[tuple[int, int]] = frozenset(), minibatches=None):
+        self.config = SimpleNamespace(groups_per_batch=gpb, max_steps_off_policy=1, stale_groups="requeue",
+                                      num_minibatches=minibatches)
         self.k, self.total, self.session = 1, steps, SimpleNamespace(step=0)
         self.dataset = SimpleNamespace(get_batch=lambda b: [(b, g) for g in range(gpb)])
         self.failing = set(failing)
         self.submitted: list[tuple[int, int, int]] = []  # (trainer step at submission, batch, group)
         self.trained: list[list[tuple[int, int, int]]] = []  # per step: (sampler step, batch, group)
+        self.passes: list[tuple[int, int]] = []  # forward_backward: (trainer step, accumulated)
 
     def submit(self, builder, b, g):
         assert builder == (b, g)
@@ -46,7 +48,11 @@ class _Loop:
 
     def prepare(self, groups):
         self.trained.append([(x.sampler_step, x.batch_index, x.group_index) for x in groups])
-        return [], {}
+        return list(groups), {}
+
+    def forward_backward(self, datums, accumulated):
+        self.passes.append((self.session.step, accumulated))
+        return {"loss_sum": float(len(datums)), "action_tokens": 1.0, "datums": float(len(datums))}
 
     def optim_step(self):
         self.session.step += 1
@@ -107,3 +113,29 @@ def test_async_short_runs_start_no_more_than_they_train(steps):
     loop = _Loop(steps, 2)
     _run(loop)
     assert len(loop.submitted) == steps * 2 and len(loop.trained) == steps
+
+
+def test_async_with_minibatches_trains_each_as_its_groups_are_taken():
+    """num_minibatches=2 (the cookbook's AsyncConfig with a StreamMinibatchConfig): the same groups
+    per step as without, in two accumulated forward/backward passes before each optimizer step."""
+    steps, gpb = 4, 4
+    whole, streamed = _Loop(steps, gpb), _Loop(steps, gpb, minibatches=2)
+    _run(whole)
+    metrics = _run(streamed)
+    # (which finished group comes first is as_completed's order: compare what each step may train)
+    assert sorted(x[1:] for t in streamed.trained for x in t) == sorted(x[1:] for t in whole.trained for x in t)
+    for k, (a, b) in enumerate(zip(streamed.trained[::2], streamed.trained[1::2], strict=True)):
+        assert all(0 <= k - s <= 1 for s, _, _ in a + b), (k, a, b)
+    assert [len(t) for t in streamed.trained] == [gpb // 2] * (2 * steps)
+    assert streamed.passes == [(k, a) for k in range(steps) for a in (0, 1)]
+    assert whole.passes == [(k, 0) for k in range(steps)]
+    assert [m["train/loss_sum"] for m in metrics] == [float(gpb)] * steps  # summed over both passes
+    assert streamed.submitted == whole.submitted
+
+
+def test_async_minibatches_must_fit_the_batch():
+    from prefect_tinker.flows.rl import RLConfig
+
+    with pytest.raises(ValueError, match=r"async needs groups_per_batch >= num_minibatches x num_substeps \(2 x 2"):
+        RLConfig(schedule="async", groups_per_batch=3, num_minibatches=2, num_substeps=2)
+    assert RLConfig(schedule="async", groups_per_batch=3, num_substeps=2).num_minibatches is None

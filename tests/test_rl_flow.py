@@ -183,6 +183,7 @@ def _rewards(by, run):
 @pytest.mark.parametrize("schedule, extra", [
     ("streaming", dict(loss_fn="ppo", num_minibatches=2, groups_per_batch=4, kl_penalty_coef=0.1)),
     ("async", dict(loss_fn="cispo", max_steps_off_policy=1, groups_per_batch=2, num_substeps=2)),
+    ("async", dict(loss_fn="ppo", max_steps_off_policy=1, groups_per_batch=4, num_minibatches=2)),
 ])
 def test_streaming_and_async_schedules_with_failing_rollouts(prefect_api, local_credentials, tmp_path, capsys,
                                                              schedule, extra):
@@ -193,6 +194,12 @@ def test_streaming_and_async_schedules_with_failing_rollouts(prefect_api, local_
     summary = rl_flow(cfg)
     assert summary["optimizer_steps"] == 2 * cfg.num_substeps
     rows = _sql(capsys, store, f"SELECT step, name, value FROM metrics WHERE run_id='sched-{schedule}'")
+    if cfg.num_minibatches:  # each step: the whole batch, over the minibatches' passes
+        by = {(r["name"], r["step"]): r["value"] for r in rows}
+        for st in (0, 1):
+            assert by[("env/groups", st)] == cfg.groups_per_batch
+            n, datums = by[("env/trajectories", st)], by[("train/datums", st)]
+            assert 0 < datums <= n and (datums == n or by[("rollout/groups_constant", st)] > 0)
     names = {r["name"] for r in rows}
     assert REQUIRED <= names
     errors = [r["value"] for r in rows if r["name"] == "rollout/errors"]
@@ -200,7 +207,8 @@ def test_streaming_and_async_schedules_with_failing_rollouts(prefect_api, local_
     if schedule == "streaming":
         assert all(e >= 1 for e in errors)  # (async may collect both batches' groups in its first step)
     if schedule == "async":
-        assert "rollout/staleness_mean" in names and sorted({r["step"] for r in rows}) == [0, 2]
+        steps = [0, cfg.num_substeps]
+        assert "rollout/staleness_mean" in names and sorted({r["step"] for r in rows}) == steps
     else:
         assert "train/kl_policy_ref" in names
 

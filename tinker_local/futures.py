@@ -82,7 +82,7 @@ class FutureStore:
         batch_quiet_s, batch_max_wait_s: linger of a batchable job (see the module docstring).
     """
 
-    def __init__(self, gap_timeout_s: float = 30.0, batch_quiet_s: float = 0.02, batch_max_wait_s: float = 0.1):
+    def __init__(self, gap_timeout_s: float = 30.0, batch_quiet_s: float = 0.05, batch_max_wait_s: float = 0.1):
         self.gap_timeout_s = gap_timeout_s
         self.batch_quiet_s = batch_quiet_s
         self.batch_max_wait_s = batch_max_wait_s

@@ -59,7 +59,7 @@ def create_app(
     gap_timeout_s: float = 30.0,
     datum_cls: type | None = None,
     faults: FaultConfig | None = None,
-    batch_quiet_s: float = 0.02,
+    batch_quiet_s: float = 0.05,
     batch_max_wait_s: float = 0.1,
     custom_loss_server_side: bool = True,
     url_ttl_s: float = 3600.0,
@@ -85,7 +85,7 @@ def create_app(
         faults: fault injection (``tinker_local.faults``); None or all zero = off.
         batch_quiet_s, batch_max_wait_s: how long a sampling request waits for more to batch
             with it: while they keep arriving less than ``batch_quiet_s`` apart or are still
-            being received, at most ``batch_max_wait_s`` and at most a tenth of the batch's
+            being received, at most ``batch_max_wait_s`` and at most a quarter of the batch's
             expected compute time (seconds; ``tinker_local.futures``).
         custom_loss_server_side: advertise and run uploaded custom losses (client config flag;
             off: the SDK runs ``create_custom_loss`` losses client-side).

@@ -28,8 +28,11 @@ from .trace import session_of
 DEFAULT_MAX_TOKENS = 256  # SamplingParams.max_tokens=None
 # A sampling request heading a batch waits for more requests at most this share of its expected
 # compute time (max_tokens x the seconds per decode step measured on the last batch): catching a
-# request that arrives a few ms late saves it a whole decode loop of its own.
-LINGER_FRACTION = 0.1
+# request that arrives a few ms late saves it a whole decode loop of its own.  The requests of one
+# RL step's rollout tasks reach the server up to ~100 ms apart (each task's Prefect start-up comes
+# first); at a tenth (and a 20 ms quiet window), a batch of 64-token replies of the tiny model
+# sometimes left all but the first behind, for a second decode loop.
+LINGER_FRACTION = 0.25
 SAMPLER_EXECUTOR = "sampler"  # FutureStore side executor of the sampler worker pool
 #: seconds a finished sampling batch waits for a request's sequence ids (set right after it is
 #: queued) before giving up recording its sequences for ``record_stability_info``

@@ -108,10 +108,12 @@ class RLStepFields(BaseModel):
         description="RL schedule by name (registry SCHEDULES): sync on-policy, streaming minibatches, async "
         "off-policy, or a plugin's.",
     )
-    num_minibatches: int = Field(
-        default=2,
+    num_minibatches: int | None = Field(
+        default=None,
         ge=1,
-        description="streaming: forward/backward passes per optimizer step, each on the groups that arrived.",
+        description="streaming and async: forward/backward passes per optimizer step, each on the groups that "
+        "arrived (the cookbook's stream_minibatch_config); None: 2 for streaming, 1 for async (the whole batch "
+        "once it is there).",
     )
     max_steps_off_policy: int = Field(
         default=1, ge=0, description="async: most steps (batches) a group's sampler may lag the trainer."

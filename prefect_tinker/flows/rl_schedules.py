@@ -6,8 +6,9 @@ differ only in when groups are trained.
   (``num_substeps`` optimizer steps), save fresh sampler weights, repeat.
 - ``streaming`` (on-policy, overlapped): all rollouts of the batch are submitted at once; as soon
   as a minibatch worth of groups has finished (``groups_per_batch / (num_substeps x
-  num_minibatches)``) its forward/backward runs while the rest are still sampling; an optimizer
-  step follows each substep's last minibatch (Tinker cookbook's ``StreamMinibatchConfig``).
+  num_minibatches)``, ``num_minibatches`` 2 unless set) its forward/backward runs while the rest
+  are still sampling; an optimizer step follows each substep's last minibatch (Tinker cookbook's
+  ``StreamMinibatchConfig``; :class:`MinibatchStream`).
 - ``async`` (off-policy): rollouts keep running while the trainer trains (Tinker cookbook's
   ``AsyncConfig``). Each step first starts as many rollouts as keep two batches (one with
   ``max_steps_off_policy=0``) ahead of the trainer, finished ones included, all on the sampler the
@@ -15,7 +16,9 @@ differ only in when groups are trained.
   start only to replace failed or stale ones); then it takes the first ``groups_per_batch``
   finished groups, those of the oldest sampler first, whose sampler lags the trainer by at most
   ``max_steps_off_policy`` batches; older ones are re-queued on the current sampler
-  (``stale_groups="requeue"``) or dropped. The data position restarts at ``step x
+  (``stale_groups="requeue"``) or dropped. It trains the batch once all of it is in, or, with
+  ``num_minibatches`` > 1, minibatch by minibatch as the groups are taken (the cookbook's
+  ``AsyncConfig`` with a ``StreamMinibatchConfig``). The data position restarts at ``step x
   groups_per_batch`` groups on resume (groups in flight at a crash are sampled again).
 
 Each step returns ``rollout/*`` (errors, groups dropped / constant / stale, staleness), ``env/*``
@@ -35,7 +38,16 @@ from prefect_tinker.flows.rl_config import SCHEDULES, RLStepFields
 from prefect_tinker.flows.session import RunSession
 from prefect_tinker.recipes.rl.types import RLDataset, TrajectoryGroup
 
-__all__ = ["Schedule", "Sync", "Streaming", "Async", "RLLoopParts", "merge_metrics", "register_schedule"]
+__all__ = [
+    "Schedule",
+    "Sync",
+    "Streaming",
+    "Async",
+    "MinibatchStream",
+    "RLLoopParts",
+    "merge_metrics",
+    "register_schedule",
+]
 
 
 class RLLoopParts(Protocol):
@@ -111,6 +123,67 @@ def _rollout_counters(counters: dict[str, float], keys=("errors", "groups_droppe
     return {f"rollout/{k}": float(counters.get(k, 0)) for k in keys}
 
 
+def _minibatches(config: RLStepFields, default: int) -> int:
+    """Forward/backward passes per optimizer step: ``config.num_minibatches``, else ``default``."""
+    return config.num_minibatches if config.num_minibatches is not None else default
+
+
+def _check_minibatches(name: str, config: RLStepFields, minibatches: int) -> None:
+    if minibatches * config.num_substeps > config.groups_per_batch:
+        raise ValueError(
+            f"{name} needs groups_per_batch >= num_minibatches x num_substeps "
+            f"({minibatches} x {config.num_substeps} > {config.groups_per_batch})"
+        )
+
+
+class MinibatchStream:
+    """One batch trained minibatch by minibatch as its groups arrive (the Tinker cookbook's
+    ``StreamMinibatchConfig``): the batch's ``n`` items split evenly into ``num_substeps x
+    minibatches`` minibatches; once ``bounds[j]`` items have finished, the groups that arrived and
+    are not trained yet get one ``forward_backward`` (accumulated), and the last minibatch of each
+    substep an optimizer step. Gradients are the sum over minibatches, as one pass over the batch
+    would give."""
+
+    def __init__(self, loop: RLLoopParts, n: int, minibatches: int):
+        self.loop, self.minibatches = loop, minibatches
+        sizes = [len(a) for a in np.array_split(np.arange(n), loop.k * minibatches)]
+        self.bounds = [int(b) for b in np.cumsum(sizes)]
+        self.mb = self.accumulated = 0
+        self.groups: list[TrajectoryGroup] = []  # trained so far, in order
+        self.pending: list[TrajectoryGroup] = []
+        self.fb: list[dict[str, float]] = []
+        self.opt: list[dict[str, float]] = []
+        self.prep: list[dict[str, float]] = []
+        self.seconds = 0.0  # spent training (preparing datums, forward/backward, optimizer steps)
+
+    def advance(self, finished: int, arrived: list[TrajectoryGroup], step: int, counters: dict[str, float]) -> None:
+        """``arrived``: the groups kept since the last call; ``finished``: the batch's items done so
+        far (dropped ones included). Trains every minibatch whose bound ``finished`` reached."""
+        t0 = time.perf_counter()
+        self.pending += arrived
+        while self.mb < len(self.bounds) and finished >= self.bounds[self.mb]:
+            datums, pm = self.loop.prepare(self.pending)
+            self.prep.append(pm)
+            self.groups += self.pending
+            self.pending = []
+            if datums:
+                self.fb.append(self.loop.forward_backward(datums, self.accumulated))
+                self.accumulated += 1
+            self.mb += 1
+            if self.mb % self.minibatches == 0:  # the substep's last minibatch: optimizer step
+                _require(self.groups, step, counters)
+                self.opt.append(self.loop.optim_step())
+                self.accumulated = 0
+        self.seconds += time.perf_counter() - t0
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            **_merge_prep(self.prep),
+            **_prefixed("train", merge_metrics(self.fb)),
+            **_prefixed("train", merge_metrics(self.opt)),
+        }
+
+
 class Schedule:
     """A schedule: ``step(step) -> metrics`` (one batch: rollouts, update(s), fresh sampler),
     ``rewind(step)`` after a lost client, ``close()`` at the end.
@@ -181,57 +254,30 @@ class Streaming(Schedule):
 
     @classmethod
     def check_config(cls, config: RLStepFields) -> None:
-        if config.num_minibatches * config.num_substeps > config.groups_per_batch:
-            raise ValueError(
-                f"streaming needs groups_per_batch >= num_minibatches x num_substeps "
-                f"({config.num_minibatches} x {config.num_substeps} > {config.groups_per_batch})"
-            )
+        _check_minibatches("streaming", config, _minibatches(config, 2))
 
     def step(self, step: int) -> dict[str, float]:
-        loop, c, t0 = self.loop, self.loop.config, time.perf_counter()
+        loop, t0 = self.loop, time.perf_counter()
         counters: dict[str, float] = {}
         futures = loop.map_batch(step // loop.k)
-        # minibatch j of the batch closes when `bounds[j]` rollouts have finished (dropped ones count)
-        sizes = [len(a) for a in np.array_split(np.arange(len(futures)), loop.k * c.num_minibatches)]
-        bounds = list(np.cumsum(sizes))
-        groups: list[TrajectoryGroup] = []
-        arrived: list[TrajectoryGroup] = []
-        fb, opt, prep = [], [], []
-        finished = accumulated = mb = 0
-        t_wait, tw = 0.0, time.perf_counter()
-        for fut in as_completed(futures):
-            finished += 1
+        # minibatch j of the batch closes when its bound of rollouts have finished (dropped ones count)
+        stream = MinibatchStream(loop, len(futures), _minibatches(loop.config, 2))
+        for finished, fut in enumerate(as_completed(futures), 1):
             g = loop.collect(fut, counters)
-            if g is not None:
-                arrived.append(g)
-            while mb < len(bounds) and finished >= bounds[mb]:
-                t_wait += time.perf_counter() - tw
-                datums, pm = loop.prepare(arrived)
-                prep.append(pm)
-                groups += arrived
-                arrived = []
-                if datums:
-                    fb.append(loop.forward_backward(datums, accumulated))
-                    accumulated += 1
-                mb += 1
-                if mb % c.num_minibatches == 0:  # the substep's last minibatch: optimizer step
-                    _require(groups, step, counters)
-                    opt.append(loop.optim_step())
-                    accumulated = 0
-                tw = time.perf_counter()
-        metrics = {
-            **_merge_prep(prep),
-            **_prefixed("train", merge_metrics(fb)),
-            **_prefixed("train", merge_metrics(opt)),
-        }
+            stream.advance(finished, [g] if g is not None else [], step, counters)
+        metrics = stream.metrics()
         metrics.update(_rollout_counters(counters))
-        return self.finish(step, t0, t_wait, groups, metrics)
+        return self.finish(step, t0, time.perf_counter() - t0 - stream.seconds, stream.groups, metrics)
 
 
 class Async(Schedule):
     """Asynchronous off-policy schedule (see the module docstring)."""
 
     off_policy = True
+
+    @classmethod
+    def check_config(cls, config: RLStepFields) -> None:
+        _check_minibatches("async", config, _minibatches(config, 1))
 
     def __init__(self, loop: RLLoopParts):
         super().__init__(loop)
@@ -288,6 +334,12 @@ class Async(Schedule):
             self.requeued.extend((None, g.batch_index, g.group_index) for g in self.ready if g not in fresh)
         self.ready[:] = fresh
         self._top_up()  # all of this step's new rollouts start here, on the newest sampler
+        # with minibatches, each trains as soon as its groups are in (the batch: the first gpb taken)
+        m = _minibatches(c, 1)
+        stream = MinibatchStream(loop, self.gpb, m) if m > 1 else None
+        for i in range(min(len(self.ready), self.gpb)):
+            if stream is not None:
+                stream.advance(i + 1, [self.ready[i]], step, counters)
         while len(self.ready) < self.gpb:
             if len(self.ready) + len(self.in_flight) < self.gpb:  # errors or stale groups: refill
                 self._top_up()
@@ -302,9 +354,14 @@ class Async(Schedule):
                     self.requeued.append(work)
                 continue
             self.ready.append(g)
-        t_roll = time.perf_counter() - t0
+            if stream is not None:
+                stream.advance(len(self.ready), [g], step, counters)
         take, self.ready[:] = self.ready[: self.gpb], self.ready[self.gpb :]
-        metrics = self.train(take)
+        if stream is not None:
+            t_roll, metrics = time.perf_counter() - t0 - stream.seconds, stream.metrics()
+        else:
+            t_roll = time.perf_counter() - t0
+            metrics = self.train(take)
         metrics.update(_rollout_counters(counters, ("errors", "groups_dropped", "groups_stale")))
         metrics["rollout/staleness_mean"] = float(np.mean([(step - g.sampler_step) / loop.k for g in take]))
         return self.finish(step, t0, t_roll, take, metrics)
