@@ -6,7 +6,11 @@ flow's training loop only (client start-up and the first sampler save excluded).
 markdown table (medians over ``--repeats``, with each schedule's ratio to sync measured on the
 same server setting, and the overlap bound of the same repeat's sync run: its step time over the
 longer of its rollout wait and its training time per step, the rate a perfect overlap would
-reach; ``of_bound`` = ratio to sync / bound) and writes JSON with ``--json``.
+reach; ``of_bound`` = ratio to sync / bound) and writes JSON with ``--json``.  The same figures
+again in steady state (``steady_*``): from the end of each run's first step on, since the first step
+of an overlapped schedule fills its pipeline (it waits for a whole batch of rollouts with no
+training to hide), which caps a whole-run ``of_bound`` over N steps at N max / (N max + min) of
+the rollout and training times even for a perfect overlap.
 
     python benchmarks/rl_schedules.py            # 8 steps, 64-token replies, 1 sampler worker, 3 repeats
     python benchmarks/rl_schedules.py --steps 20 --max-tokens 8 --sampler-workers 0,1 --threads 2 --repeats 2
