@@ -337,9 +337,9 @@ class Async(Schedule):
         # with minibatches, each trains as soon as its groups are in (the batch: the first gpb taken)
         m = _minibatches(c, 1)
         stream = MinibatchStream(loop, self.gpb, m) if m > 1 else None
-        for i in range(min(len(self.ready), self.gpb)):
-            if stream is not None:
-                stream.advance(i + 1, [self.ready[i]], step, counters)
+        if stream is not None:
+            for i, kept in enumerate(self.ready[: self.gpb], 1):
+                stream.advance(i, [kept], step, counters)
         while len(self.ready) < self.gpb:
             if len(self.ready) + len(self.in_flight) < self.gpb:  # errors or stale groups: refill
                 self._top_up()
