@@ -53,6 +53,20 @@ class _Sigint(RunCallbacks):
                 signal.raise_signal(signal.SIGINT)
 
 
+class _SigintAsLibraryError(_Sigint):
+    """Two SIGINTs right after step ``at``; the second one's KeyboardInterrupt comes out as a
+    library's own error, as DuckDB raises ``RuntimeError: Query interrupted`` when it arrives mid-query."""
+
+    def after_step(self, run_id, step):
+        if run_id == self.run_id and step == self.at and not self.sent:
+            self.sent = True
+            signal.raise_signal(signal.SIGINT)
+            try:
+                signal.raise_signal(signal.SIGINT)
+            except KeyboardInterrupt:
+                raise RuntimeError("Query interrupted") from None
+
+
 def _configs(local_credentials, store):
     """A tiny config of every recipe that trains in a run session (3 steps, no periodic save)."""
     from prefect_tinker.flows.decisions import DecisionsConfig, decisions_flow
@@ -142,6 +156,14 @@ def test_second_sigint_stops_at_once_and_a_rerun_says_it_starts_over(prefect_api
     assert ts.query("SELECT * FROM checkpoints WHERE run_id = 'intr-twice'") == []
     assert ts.query("SELECT * FROM metrics WHERE run_id = 'intr-twice'") == []  # buffered rows were not written
 
+    # the second Ctrl-C re-raised by a library as its own error: the same interruption, not a failure
+    translated = cfg.model_copy(update={"run_name": "intr-translated"})
+    with run_callbacks(_SigintAsLibraryError("intr-translated", at=1)):
+        state = sft_flow(config=translated, return_state=True)
+    assert state.is_cancelled() and _flow_run_state(state).type.value == "CANCELLED", state.message
+    assert state.message.startswith("interrupted at step 1 before the first checkpoint of run 'intr-translated'")
+    assert ts.get_run("intr-translated")["status"] == "interrupted"
+
     with caplog.at_level("INFO"):
         out = sft_flow(config=cfg.model_copy(update={"max_steps": 2}))
     assert "no checkpoint of run 'intr-twice' yet: starting at step 1" in caplog.text
@@ -200,7 +222,7 @@ def test_the_command_interrupted_twice_resumes_after_the_saved_step(prefect_api,
     first.wait_for(r"SFT intr\s+step (\d+)/200")
     seen = max(first.steps("intr"))  # steps are quick: several may be done already
     first.proc.send_signal(signal.SIGINT)
-    assert first.finish() == 130
+    assert first.finish() == 130, "\n".join(first.lines[-40:])
     assert not [ln for ln in first.lines if "Traceback" in ln or "KeyboardInterrupt" in ln]
     saved = int(re.fullmatch(r"interrupted at step (\d+); checkpoint saved; re-run the same command to resume",
                              first.lines[-1]).group(1))
@@ -217,7 +239,7 @@ def test_the_command_interrupted_twice_resumes_after_the_saved_step(prefect_api,
     time.sleep(0.2)
     again.proc.send_signal(signal.SIGINT)
     t0 = time.monotonic()
-    assert again.finish() == 130
+    assert again.finish() == 130, "\n".join(again.lines[-40:])
     assert time.monotonic() - t0 < 60  # at once, not after the step's checkpoint and the rest of the run
     # the second SIGINT stops the step or its checkpoint where it is; when the first one's checkpoint was written
     # before the second arrived, that is what the line says
@@ -235,11 +257,14 @@ def test_the_command_interrupted_twice_resumes_after_the_saved_step(prefect_api,
 
     from prefect_tinker.cli.main import main as cli_main
 
-    assert cli_main([*command[:4], f"max_steps={last + 1}", *command[5:]]) == 0  # resumed again, to the end
+    # resumed again, to the end: past every step with rows (a second Ctrl-C between a checkpoint's metrics rows and
+    # its own row leaves the rows of steps after the last checkpoint, which the resumed run writes again)
+    top = max(last, *(r["s"] for r in ts.query("SELECT max(step) AS s FROM metrics WHERE run_id = 'intr'")))
+    assert cli_main([*command[:4], f"max_steps={top + 1}", *command[5:]]) == 0
     assert ts.get_run("intr")["status"] == "completed"
     assert _duplicates(store, "intr") == []
     losses = ts.query("SELECT step FROM metrics WHERE run_id = 'intr' AND name = 'train/loss' ORDER BY step")
-    assert [r["step"] for r in losses] == list(range(last + 1))
+    assert [r["step"] for r in losses] == list(range(top + 1))
 
 
 def test_rlhf_interrupted_in_a_stage_is_cancelled_with_that_stage_saved(prefect_api, local_credentials, tmp_path):

@@ -6,7 +6,9 @@
   command resumes after it), records the run ``interrupted`` and raises :class:`RunInterrupted`.
 - A second SIGINT is Python's own :class:`KeyboardInterrupt` at once; the session still records the
   run ``interrupted`` (nothing saved since its last checkpoint) and turns it into
-  :class:`RunInterrupted`.
+  :class:`RunInterrupted`. A library may turn that KeyboardInterrupt into an error of its own (DuckDB,
+  in a query of the store: ``RuntimeError: Query interrupted``), so after a second SIGINT any error
+  ending the session counts as the interruption (:attr:`StopRequest.forced`).
 - :func:`recipe_flow` makes a recipe's Prefect flow end in the ``Cancelled`` state with that message
   (not ``Failed``: nothing failed, the user stopped it; a Failed run would set off failure
   automations and the flow's retries, and ``Crashed`` means the infrastructure died). Calling the flow
@@ -68,12 +70,14 @@ class StopRequest:
     """SIGINT as a request to stop at the next step boundary (see the module docstring).
 
     ``with StopRequest() as stop:`` installs the handler (main thread, default handler only);
-    ``stop.requested`` turns true at the first SIGINT, after which the previous handler is back
-    (the second SIGINT raises :class:`KeyboardInterrupt`); leaving the block restores it.
+    ``stop.requested`` turns true at the first SIGINT; the second sets ``stop.forced``, puts
+    Python's default handler back and raises :class:`KeyboardInterrupt`; leaving the block
+    restores the default handler.
     """
 
     def __init__(self) -> None:
         self.requested = False
+        self.forced = False
         self._installed = False
 
     def __enter__(self) -> StopRequest:
@@ -84,8 +88,12 @@ class StopRequest:
         return self
 
     def _on_sigint(self, signum: int, frame: object) -> None:
-        self.requested = True
+        if not self.requested:
+            self.requested = True
+            return
+        self.forced = True
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        raise KeyboardInterrupt
 
     def __exit__(self, *exc: object) -> None:
         if self._installed and signal.getsignal(signal.SIGINT) == self._on_sigint:

@@ -281,7 +281,9 @@ class RunSession(Generic[ConfigT]):
         self._status_recorded = True
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
-        stopped = isinstance(exc, (RunInterrupted, KeyboardInterrupt))
+        # after a second Ctrl-C, an error is that interrupt as a library re-raised it (DuckDB: "Query interrupted")
+        forced = exc is not None and not isinstance(exc, RunInterrupted) and self._stop.forced
+        stopped = forced or isinstance(exc, (RunInterrupted, KeyboardInterrupt))
         try:
             if exc is not None and self._status_recorded:
                 status = "interrupted" if stopped else "failed"
@@ -292,7 +294,7 @@ class RunSession(Generic[ConfigT]):
                 self._finished(status, error=None if stopped else f"{type(exc).__name__}: {exc}")
         finally:
             self._release()
-        if isinstance(exc, KeyboardInterrupt):  # the second Ctrl-C: stopped at once, nothing more saved
+        if forced or isinstance(exc, KeyboardInterrupt):  # the second Ctrl-C: stopped at once, nothing more saved
             raise self.interrupted() from None
 
     def _finished(self, status: str, error: str | None = None) -> None:
