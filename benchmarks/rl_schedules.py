@@ -204,6 +204,17 @@ def overlap_bound(sync: dict, steady: bool = False) -> float:
     return step_s / longer if longer > 0 else float("nan")
 
 
+def _to_sync(run: dict, sync: dict[int, dict], pre: str = "") -> float:
+    """``run``'s rate (``pre``: "" whole run, "steady_") over the sync rate of its repeat."""
+    return run[pre + "steps_per_minute"] / sync[run["repeat"]][pre + "steps_per_minute"]
+
+
+def _of_bound(mine: list[dict], sync: dict[int, dict], bound: dict[int, float], pre: str) -> list[float]:
+    """Per run of ``mine``: its ratio to sync over the bound of the same repeat's sync run."""
+    return [_to_sync(r, sync, pre) / bound[r["repeat"]] for r in mine
+            if r["repeat"] in sync and sync[r["repeat"]][pre + "steps_per_minute"] and bound.get(r["repeat"])]
+
+
 def _summary(results: list[dict], schedules: list[str]) -> list[dict]:
     """Medians per (workers, schedule); ratio_to_sync = median over repeats of the run's rate
     divided by the sync rate of the same repeat and setting (measured side by side);
@@ -212,17 +223,14 @@ def _summary(results: list[dict], schedules: list[str]) -> list[dict]:
     table = []
     for w in dict.fromkeys(r["sampler_workers"] for r in results):
         rows = [r for r in results if r["sampler_workers"] == w]
-        sync = {r["repeat"]: r["steps_per_minute"] for r in rows if r["schedule"] == "sync"}
-        bound = {r["repeat"]: overlap_bound(r) for r in rows if r["schedule"] == "sync"}
-        steady_sync = {r["repeat"]: r["steady_steps_per_minute"] for r in rows if r["schedule"] == "sync"}
-        steady_bound = {r["repeat"]: overlap_bound(r, steady=True) for r in rows if r["schedule"] == "sync"}
+        sync = {r["repeat"]: r for r in rows if r["schedule"] == "sync"}
+        bound = {r["repeat"]: overlap_bound(r) for r in sync.values()}
+        steady_bound = {r["repeat"]: overlap_bound(r, steady=True) for r in sync.values()}
         for schedule in schedules:
             mine = [r for r in rows if r["schedule"] == schedule]
-            ratios = [r["steps_per_minute"] / sync[r["repeat"]] for r in mine if sync.get(r["repeat"])]
-            of_bound = [r["steps_per_minute"] / sync[r["repeat"]] / bound[r["repeat"]] for r in mine
-                        if sync.get(r["repeat"]) and bound.get(r["repeat"])]
-            steady_of_bound = [r["steady_steps_per_minute"] / steady_sync[r["repeat"]] / steady_bound[r["repeat"]]
-                               for r in mine if steady_sync.get(r["repeat"]) and steady_bound.get(r["repeat"])]
+            ratios = [_to_sync(r, sync) for r in mine if r["repeat"] in sync and sync[r["repeat"]]["steps_per_minute"]]
+            of_bound = _of_bound(mine, sync, bound, "")
+            steady_of_bound = _of_bound(mine, sync, steady_bound, "steady_")
             table.append({
                 "sampler_workers": w, "schedule": schedule, "runs": len(mine),
                 "steps_per_minute": round(_median([r["steps_per_minute"] for r in mine]), 2),

@@ -142,10 +142,11 @@ class MinibatchStream:
     minibatches`` minibatches; once ``bounds[j]`` items have finished, the groups that arrived and
     are not trained yet get one ``forward_backward`` (accumulated), and the last minibatch of each
     substep an optimizer step. Gradients are the sum over minibatches, as one pass over the batch
-    would give."""
+    would give. ``step`` and ``counters`` name the step and its rollout counters in the error
+    raised when a substep ends with no group at all."""
 
-    def __init__(self, loop: RLLoopParts, n: int, minibatches: int):
-        self.loop, self.minibatches = loop, minibatches
+    def __init__(self, loop: RLLoopParts, n: int, minibatches: int, step: int, counters: dict[str, float]):
+        self.loop, self.minibatches, self.step, self.counters = loop, minibatches, step, counters
         sizes = [len(a) for a in np.array_split(np.arange(n), loop.k * minibatches)]
         self.bounds = [int(b) for b in np.cumsum(sizes)]
         self.mb = self.accumulated = 0
@@ -156,7 +157,7 @@ class MinibatchStream:
         self.prep: list[dict[str, float]] = []
         self.seconds = 0.0  # spent training (preparing datums, forward/backward, optimizer steps)
 
-    def advance(self, finished: int, arrived: list[TrajectoryGroup], step: int, counters: dict[str, float]) -> None:
+    def advance(self, finished: int, arrived: list[TrajectoryGroup]) -> None:
         """``arrived``: the groups kept since the last call; ``finished``: the batch's items done so
         far (dropped ones included). Trains every minibatch whose bound ``finished`` reached."""
         t0 = time.perf_counter()
@@ -171,7 +172,7 @@ class MinibatchStream:
                 self.accumulated += 1
             self.mb += 1
             if self.mb % self.minibatches == 0:  # the substep's last minibatch: optimizer step
-                _require(self.groups, step, counters)
+                _require(self.groups, self.step, self.counters)
                 self.opt.append(self.loop.optim_step())
                 self.accumulated = 0
         self.seconds += time.perf_counter() - t0
@@ -216,16 +217,12 @@ class Schedule:
         """Nothing in flight by default."""
 
     def train(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
-        """``num_substeps`` optimizer steps on ``groups`` (split evenly by group); metrics prefixed."""
-        loop = self.loop
-        fb, opt, prep = [], [], []
-        for idx in np.array_split(np.arange(len(groups)), loop.k):
-            datums, pm = loop.prepare([groups[i] for i in idx])
-            prep.append(pm)
-            if datums:
-                fb.append(loop.forward_backward(datums, 0))
-            opt.append(loop.optim_step())
-        return {**_merge_prep(prep), **_prefixed("train", merge_metrics(fb)), **_prefixed("train", merge_metrics(opt))}
+        """``num_substeps`` optimizer steps on ``groups`` (split evenly by group, one
+        forward/backward each); metrics prefixed."""
+        stream = MinibatchStream(self.loop, len(groups), 1, self.loop.session.step, {})
+        for finished, g in enumerate(groups, 1):
+            stream.advance(finished, [g])
+        return stream.metrics()
 
     def finish(self, step: int, t0: float, t_roll: float, groups: list[TrajectoryGroup], metrics: dict) -> dict:
         metrics.update({"time/rollout_seconds": t_roll, "time/train_seconds": time.perf_counter() - t0 - t_roll})
@@ -261,10 +258,10 @@ class Streaming(Schedule):
         counters: dict[str, float] = {}
         futures = loop.map_batch(step // loop.k)
         # minibatch j of the batch closes when its bound of rollouts have finished (dropped ones count)
-        stream = MinibatchStream(loop, len(futures), _minibatches(loop.config, 2))
+        stream = MinibatchStream(loop, len(futures), _minibatches(loop.config, 2), step, counters)
         for finished, fut in enumerate(as_completed(futures), 1):
             g = loop.collect(fut, counters)
-            stream.advance(finished, [g] if g is not None else [], step, counters)
+            stream.advance(finished, [g] if g is not None else [])
         metrics = stream.metrics()
         metrics.update(_rollout_counters(counters))
         return self.finish(step, t0, time.perf_counter() - t0 - stream.seconds, stream.groups, metrics)
@@ -336,10 +333,10 @@ class Async(Schedule):
         self._top_up()  # all of this step's new rollouts start here, on the newest sampler
         # with minibatches, each trains as soon as its groups are in (the batch: the first gpb taken)
         m = _minibatches(c, 1)
-        stream = MinibatchStream(loop, self.gpb, m) if m > 1 else None
+        stream = MinibatchStream(loop, self.gpb, m, step, counters) if m > 1 else None
         if stream is not None:
             for i, kept in enumerate(self.ready[: self.gpb], 1):
-                stream.advance(i, [kept], step, counters)
+                stream.advance(i, [kept])
         while len(self.ready) < self.gpb:
             if len(self.ready) + len(self.in_flight) < self.gpb:  # errors or stale groups: refill
                 self._top_up()
@@ -355,7 +352,7 @@ class Async(Schedule):
                 continue
             self.ready.append(g)
             if stream is not None:
-                stream.advance(len(self.ready), [g], step, counters)
+                stream.advance(len(self.ready), [g])
         take, self.ready[:] = self.ready[: self.gpb], self.ready[self.gpb :]
         if stream is not None:
             t_roll, metrics = time.perf_counter() - t0 - stream.seconds, stream.metrics()
