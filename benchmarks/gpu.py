@@ -151,7 +151,10 @@ def trl_side(model_dir: Path, seqs, args, device: str, work: Path):
     from vs_trl_trl import StepTimer
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    attn = choose_attn_implementation(torch.device(device), dtype)
+    # TRL's best supported kernel: flash-attention 2 (its padding-free path) where the engine
+    # would take it, else plain SDPA (the engine's segment attention is its own)
+    flash = choose_attn_implementation(torch.device(device), dtype) == "flash_attention_2"
+    attn = "flash_attention_2" if flash else "sdpa"
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation=attn).to(device)
     cfg = peft.LoraConfig(r=args.rank, lora_alpha=32, lora_dropout=0.0, bias="none", target_modules="all-linear",
                           task_type="CAUSAL_LM")

@@ -34,10 +34,10 @@ def test_attention_choice(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else real(name))
     assert choose_attn_implementation(cuda, torch.bfloat16) == "flash_attention_2"
-    assert choose_attn_implementation(cuda, torch.float32) == "sdpa"  # its kernels take no fp32
-    assert choose_attn_implementation(cpu, torch.bfloat16) == "sdpa"
+    assert choose_attn_implementation(cuda, torch.float32) == "sdpa_segments"  # its kernels take no fp32
+    assert choose_attn_implementation(cpu, torch.bfloat16) == "sdpa_segments"
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real(name))
-    assert choose_attn_implementation(cuda, torch.bfloat16) == "sdpa"
+    assert choose_attn_implementation(cuda, torch.bfloat16) == "sdpa_segments"
 
 
 def test_weights_dtype_defaults_and_record(engines):
@@ -47,7 +47,7 @@ def test_weights_dtype_defaults_and_record(engines):
     with pytest.raises(ValueError, match="weights_dtype"):
         Engine(bf16w.root, dtype="bf16", device="cpu", weights_dtype="fp16")
     info = bf16w.load_base_model("tiny")
-    assert info["weights_dtype"] == "bf16" and info["attn_implementation"] == "sdpa"
+    assert info["weights_dtype"] == "bf16" and info["attn_implementation"] == "sdpa_segments"
 
 
 def test_tied_head_gets_its_own_fp32_weight():
@@ -114,8 +114,8 @@ def test_flash_attention_layout_equals_padded(engines, monkeypatch):
     datums = make_datums(4, lengths=(7, 3, 19, 5)) + [
         Datum(tokens=prompt + rng.integers(3, 2000, k).tolist(),
               inputs={"target_tokens": rng.integers(3, 2000, 12 + k)}) for k in (4, 6)]
-    monkeypatch.setattr(EngineCore, "_explicit_mask", staticmethod(lambda b: False))
-    assert packing_supported(e._bases["tiny"].model, 2048, torch.device("cpu"), explicit_mask=False)
+    monkeypatch.setattr(EngineCore, "_segments", staticmethod(lambda b: False))
+    assert packing_supported(e._bases["tiny"].model, 2048, torch.device("cpu"), segments=False)
     e.dtype = "fp32"
     try:
         results = []

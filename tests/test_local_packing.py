@@ -1,8 +1,8 @@
 """Padding-free training in tinker_local's engine (``tinker_local.packing``): the packed path gives
 the padded path's logprobs, losses and gradients (fp32, tiny preset), for every loss function, soft
 targets and several micro-batches, and so do datums sharing their common prefixes (one pass over
-the prefix, an explicit block mask); media models fall back to the padded path; a model whose
-attention ignores the mask or restarting positions is refused by the probe.
+the prefix, segment attention); media models fall back to the padded path; a model whose
+attention ignores the segments is refused by the probe.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from tinker_local.engine import Datum, Engine  # noqa: E402
 from tinker_local.losses import LOSS_FNS, REQUIRED_INPUTS  # noqa: E402
-from tinker_local.packing import pack_microbatches, packed_batch, packing_supported  # noqa: E402
+from tinker_local.packing import packed_batch, packing_supported, split_microbatches  # noqa: E402
 
 VOCAB = 2048
 LENGTHS = (17, 1, 30, 9, 25, 3, 14, 40, 8)
@@ -70,32 +70,26 @@ def _assert_same(a, b, ga, gb):
         torch.testing.assert_close(x, y, atol=1e-5 * gmax, rtol=1e-5)
 
 
-def test_layout_packs_longest_first_within_the_budget():
+def test_layout_one_row_per_microbatch_within_the_budget():
     lengths = list(LENGTHS)
-    groups = pack_microbatches(lengths, budget=10**6)
-    assert len(groups) == 1
-    rows = groups[0]
-    width = max(lengths)
-    assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
-    assert all(sum(lengths[i] for i in row) <= width for row in rows)
-    assert len(rows) == 4  # 155 tokens in 4 rows of 40 (padded: 9 rows of 40)
+    assert split_microbatches(lengths, budget=10**6) == [list(range(len(lengths)))]
     for budget in (40, 80, 100):
-        groups = pack_microbatches(lengths, budget)
-        assert sorted(i for g in groups for row in g for i in row) == list(range(len(lengths)))
-        for g in groups:
-            w = max(lengths[i] for row in g for i in row)
-            assert len(g) * w <= budget or len(g) == 1
-    assert pack_microbatches([], 100) == []
+        groups = split_microbatches(lengths, budget)
+        assert [i for g in groups for i in g] == list(range(len(lengths)))  # in order, each once
+        for g, nxt in zip(groups, groups[1:] + [None], strict=True):
+            assert sum(lengths[i] for i in g) <= budget or len(g) == 1
+            if nxt is not None:  # a micro-batch closes only where the next unit would not fit
+                assert sum(lengths[i] for i in g) + lengths[nxt[0]] > budget
+    assert split_microbatches([], 100) == []
 
     toks = [list(range(100, 100 + n)) for n in (3, 1, 4)]
-    pb = packed_batch([[2], [0, 1]], toks)
-    assert pb.ids.tolist() == [[100, 101, 102, 103], [100, 101, 102, 100]]
-    assert pb.position_ids.tolist() == [[0, 1, 2, 3], [0, 1, 2, 0]]
+    pb = packed_batch([2, 0, 1], toks)
+    assert pb.ids.tolist() == [[100, 101, 102, 103, 100, 101, 102, 100]]
+    assert pb.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 0]]
     assert pb.items == [2, 0, 1] and pb.spans == [(0, 4), (4, 7), (7, 8)]
-    assert pb.keep.tolist() == list(range(8))
-    pb = packed_batch([[0], [1]], toks)  # the tail of a short row continues its positions
-    assert pb.ids.tolist() == [[100, 101, 102], [100, 0, 0]]
-    assert pb.position_ids.tolist() == [[0, 1, 2], [0, 1, 2]] and pb.keep.tolist() == [0, 1, 2, 3]
+    assert pb.index.tolist() == list(range(8))
+    assert pb.segments == [(0, 4, None), (4, 7, None), (7, 8, None)]
+    assert packed_batch([2, 0, 1], toks, segments=False).segments is None
 
 
 @pytest.mark.parametrize("loss", sorted(LOSS_FNS))
@@ -128,49 +122,48 @@ def test_soft_targets_forward_and_microbatches(engine):
     _assert_same(f_packed, f_padded, gb, gb)
 
 
-def test_probe_refuses_attention_that_ignores_positions(engine):
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    def causal_only(module, q, k, v, attention_mask, **kw):  # drops the block-diagonal mask
-        return sdpa_attention_forward(module, q, k, v, None, **{**kw, "is_causal": True})
-
-    AttentionInterface.register("tinker_test_causal_only", causal_only)
+def test_probe_refuses_attention_that_ignores_segments(engine):
+    """Attention that keeps datums apart by restarting positions only (``transformers``' SDPA,
+    not given the segments) lets the second branch of a shared prefix lose its prefix: refused;
+    segment attention passes, and the restarting-positions layout passes with plain SDPA."""
     model = engine._bases["tiny"].model
     before = model.config._attn_implementation
+    assert before == "sdpa_segments"
     assert packing_supported(model, VOCAB, torch.device("cpu"))
     try:
-        model.set_attn_implementation("tinker_test_causal_only")
+        model.set_attn_implementation("sdpa")
         assert not packing_supported(model, VOCAB, torch.device("cpu"))
+        assert packing_supported(model, VOCAB, torch.device("cpu"), segments=False)
     finally:
         model.set_attn_implementation(before)
     assert packing_supported(model, VOCAB, torch.device("cpu"))
 
 
 def test_a_model_failing_the_probe_trains_padded_said_once_and_counted(engine, caplog):
-    """A text-only model whose attention drops the packed mask fails the probe: every call trains
+    """A text-only model whose attention ignores the segments fails the probe: every call trains
     padded (the logprobs of the padded path), one warning names the model, and each call is
     counted in ``engine.stats["packing_fallbacks"]``."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    def causal_only(module, q, k, v, attention_mask, **kw):  # drops the block-diagonal mask
-        return sdpa_attention_forward(module, q, k, v, None, **{**kw, "is_causal": True})
+    from tinker_local.attention import SEGMENT_ATTENTION, register_segment_attention
 
-    AttentionInterface.register("tinker_test_causal_only_2", causal_only)
+    def ignores_segments(module, q, k, v, attention_mask, segments=None, **kw):
+        return sdpa_attention_forward(module, q, k, v, attention_mask, **kw)
+
     engine.create_model("pk-fallback", "tiny", 4, seed=3)
     b = engine._bases[engine._models["pk-fallback"].base_key]
-    before, checked, count = b.model.config._attn_implementation, b.packs, engine.stats["packing_fallbacks"]
+    checked, count = b.packs, engine.stats["packing_fallbacks"]
     datums = _datums(4)
     expected, _ = _run(engine, "pk-fallback", datums, "cross_entropy", packing=False, backward=False)
     try:
-        b.model.set_attn_implementation("tinker_test_causal_only_2")
+        AttentionInterface.register(SEGMENT_ATTENTION, ignores_segments)  # what the model runs
         b.packs = None  # checked anew
         with caplog.at_level("WARNING", logger="tinker_local.engine"):
             got = [_run(engine, "pk-fallback", datums, "cross_entropy", packing=True, backward=False)[0]
                    for _ in range(3)]
     finally:
-        b.model.set_attn_implementation(before)
+        register_segment_attention()
         b.packs = checked
     assert engine.stats["packing_fallbacks"] == count + 3
     said = [r.getMessage() for r in caplog.records if r.name == "tinker_local.engine"]
@@ -228,41 +221,73 @@ def test_shared_prefix_units_group_common_prefixes():
 
     costs = layout_costs(tiny_config())
     toks = [d.tokens for d in _sharing(0, "cross_entropy")]
-    units = shared_prefix_units(toks, 16384, costs)
+    units = shared_prefix_units(toks, costs)
     lengths = [len(t) for t in toks]
     assert sorted(i for u in units for i in ([u] if isinstance(u, int) else u[1])) == list(range(len(toks)))
     groups = sorted((u[0], sorted(u[1])) for u in units if not isinstance(u, int))
     assert groups == [(12, [4, 5, 7]), (21, [0, 1, 2, 3, 6])]
     assert sum(unit_length(u, lengths) for u in units) == sum(lengths) - 4 * 21 - 2 * 12
-    assert shared_prefix_units(toks, 16384, costs, min_shared=30) == list(range(len(toks)))  # nothing shares 30
+    assert shared_prefix_units(toks, costs, min_shared=30) == list(range(len(toks)))  # nothing shares 30
 
     rng = np.random.default_rng(1)
     system = rng.integers(0, VOCAB, 24).tolist()  # a chat template's system prompt: every datum begins with it
     prompts = [system + rng.integers(0, VOCAB, 40).tolist() for _ in range(4)]
     grpo = [p + rng.integers(0, VOCAB, 32).tolist() for p in prompts for _ in range(4)]
-    units = shared_prefix_units(grpo, 16384, costs)  # each group shares its prompt, groups only the system prompt
+    units = shared_prefix_units(grpo, costs)  # each group shares its prompt, groups only the system prompt
     assert sorted(sorted(u[1]) for u in units) == [[4 * g + k for k in range(4)] for g in range(4)]
     assert all(u[0] == 64 for u in units)
     dpo = [p + rng.integers(0, VOCAB, n).tolist() for p in prompts for n in (150, 190)]
-    units = shared_prefix_units(dpo, 16384, costs)  # pairs: joining pairs widens every row more than it saves
+    units = shared_prefix_units(dpo, costs)  # each pair's prompt: saves more than the system prompt of all
     assert sorted(sorted(u[1]) for u in units) == [[0, 1], [2, 3], [4, 5], [6, 7]]
     big = [[1] * 8 + [k] * 300 for k in range(5)]  # a unit stays within MAX_UNIT slots
-    assert all(unit_length(u, [308] * 5) <= 1024 for u in shared_prefix_units(big, 16384, costs))
+    assert all(unit_length(u, [308] * 5) <= 1024 for u in shared_prefix_units(big, costs))
 
 
-def test_shared_prefix_layout_and_mask():
-    toks = [[5, 6, 7, 8], [5, 6, 7, 9, 9], [3, 4]]
-    pb = packed_batch([[(3, [0, 1]), 2]], toks)
+def test_shared_prefix_layout_and_segments():
+    toks = [[5, 6, 7, 8], [5, 6, 7, 9, 9], [3, 4], [5, 6, 7]]
+    pb = packed_batch([(3, [0, 1, 3]), 2], toks)
     assert pb.ids.tolist() == [[5, 6, 7, 8, 9, 9, 3, 4]]
     assert pb.position_ids.tolist() == [[0, 1, 2, 3, 3, 4, 0, 1]]
-    assert pb.keep.tolist() == list(range(8))
-    assert pb.index.tolist() == [0, 1, 2, 3, 0, 1, 2, 4, 5, 6, 7] and pb.items == [0, 1, 2]
-    m = pb.mask[0, 0].int().tolist()
-    assert m[3] == [1, 1, 1, 1, 0, 0, 0, 0]  # branch 1 sees the prefix and itself
-    assert m[5] == [1, 1, 1, 0, 1, 1, 0, 0]  # branch 2 sees the prefix, not branch 1
-    assert m[7] == [0, 0, 0, 0, 0, 0, 1, 1]  # the next datum sees only itself
+    assert pb.items == [0, 1, 3, 2]
+    assert pb.index.tolist() == [0, 1, 2, 3, 0, 1, 2, 4, 5, 0, 1, 2, 6, 7]  # item 3 is the prefix itself
+    # the prefix alone, each branch after the prefix, the next datum alone
+    assert pb.segments == [(0, 3, None), (3, 4, (0, 3)), (4, 6, (0, 3)), (6, 8, None)]
     with pytest.raises(ValueError):
-        packed_batch([[(3, [0, 1])]], toks, explicit_mask=False)
+        packed_batch([(3, [0, 1])], toks, segments=False)
+
+
+def test_segment_attention_equals_a_block_mask():
+    """Segment attention (a prefix, two branches of it with a sliding window of 3, a datum
+    alone) equals SDPA over the whole row with the block mask those segments mean, outputs and
+    input gradients, with grouped-query heads."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from tinker_local.attention import segment_attention, segments_on
+
+    spans = [(0, 4, None), (4, 7, (0, 4)), (7, 9, (0, 4)), (9, 14, None)]
+    T, H, KV, D = 14, 4, 2, 8
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, T, D, generator=gen, dtype=torch.float64, requires_grad=True) for h in (H, KV, KV))
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = H // KV, True
+    pos = [0, 1, 2, 3, 4, 5, 6, 4, 5, 0, 1, 2, 3, 4]
+    for window in (None, 3):
+        block = torch.zeros(T, T, dtype=torch.bool)
+        for a, b, prefix in spans:
+            keys = list(range(prefix[0], prefix[1])) if prefix else []
+            for i in range(a, b):
+                for j in keys + list(range(a, i + 1)):
+                    block[i, j] = window is None or pos[i] - pos[j] < window
+        got, _ = segment_attention(module, q, k, v, None, scaling=D**-0.5, segments=segments_on(spans, q.device),
+                                   sliding_window=window)
+        want, _ = sdpa_attention_forward(module, q, k, v, block[None, None], scaling=D**-0.5)
+        assert got.shape == (1, T, H, D)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        g = torch.randn(got.shape, generator=gen, dtype=torch.float64)
+        d_got = torch.autograd.grad(got, (q, k, v), g)
+        d_want = torch.autograd.grad(want, (q, k, v), g)
+        for x, y in zip(d_got, d_want, strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("loss", ["cross_entropy", "gspo"])  # per-token and per-sequence
@@ -271,7 +296,7 @@ def test_shared_prefixes_equal_padded(engine, loss):
     engine.create_model(mid, "tiny", 4, seed=7)
     datums = _sharing(11, loss)
     layout = engine._layout(engine._bases["tiny"], [d.tokens for d in datums], 16384, packed=True)
-    assert sum(1 for rows in layout for row in rows for u in row if not isinstance(u, int)) == 2  # prefixes shared
+    assert sum(1 for mb in layout for u in mb if not isinstance(u, int)) == 2  # prefixes shared
     a, ga = _run(engine, mid, datums, loss, packing=True)
     b, gb = _run(engine, mid, datums, loss, packing=False)
     _assert_same(a, b, ga, gb)

@@ -10,6 +10,8 @@ import os
 
 import torch
 
+from .attention import SEGMENT_ATTENTION, register_segment_attention
+
 logger = logging.getLogger("tinker_local.compute")
 
 
@@ -25,31 +27,18 @@ def decoder_and_head(model):
     return decoder, head
 
 
-def fp32_head_logits(
-    model,
-    ids: torch.Tensor,
-    position_ids: torch.Tensor | None = None,
-    keep: torch.Tensor | None = None,
-    *,
-    attention_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Logits float32 of ``ids`` (B, T): the decoder under the ambient autocast, the output
-    projection in fp32 (llama-like models; others: the model's own forward, upcast).
-    ``position_ids`` (B, T) and ``attention_mask`` (a 2D padding mask, or a 4D boolean mask
-    (B, 1, T, T) used as given): passed to the model (packed rows: ``tinker_local.packing``).
-    ``keep`` (N,) int64: flat indices into the B * T positions whose logits are wanted; the
-    result is then (N, V) and the head runs on those positions only, else (B, T, V)."""
-    kw = {} if position_ids is None else {"position_ids": position_ids}
-    if attention_mask is not None:
-        kw["attention_mask"] = attention_mask
+def fp32_head_logits(model, ids: torch.Tensor, position_ids: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+    """Logits float32 (B, T, V) of ``ids`` (B, T): the decoder under the ambient autocast, the
+    output projection in fp32 (llama-like models; others: the model's own forward, upcast).
+    ``position_ids`` (B, T) and ``kwargs`` (a packed row's ``segments``:
+    ``tinker_local.packing``) are passed to the model."""
+    if position_ids is not None:
+        kwargs["position_ids"] = position_ids
     parts = decoder_and_head(model)
     if parts is None:
-        logits = model(input_ids=ids, use_cache=False, **kw).logits.float()
-        return logits if keep is None else logits.reshape(-1, logits.shape[-1]).index_select(0, keep)
+        return model(input_ids=ids, use_cache=False, **kwargs).logits.float()
     decoder, head = parts
-    hidden = decoder(input_ids=ids, use_cache=False, **kw).last_hidden_state
-    if keep is not None:
-        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep)
+    hidden = decoder(input_ids=ids, use_cache=False, **kwargs).last_hidden_state
     with torch.autocast(ids.device.type, enabled=False):
         return head(hidden.float()).float()
 
@@ -101,9 +90,10 @@ class _TargetLogprobs(torch.autograd.Function):
 def choose_attn_implementation(device: torch.device, weights_dtype: torch.dtype) -> str:
     """The attention kernels a base model is loaded with: ``"flash_attention_2"`` on CUDA when
     the ``flash_attn`` package is installed and the weights are bf16 / fp16 (its kernels take no
-    fp32), else ``"sdpa"``.  With flash-attention 2 the engine keeps packed datums apart by
-    restarting positions (its varlen kernels) and shares no prefixes (that needs a 4D mask,
-    which it does not take); with SDPA by an explicit block mask (``tinker_local.packing``)."""
+    fp32), else ``tinker_local.attention.SEGMENT_ATTENTION`` (SDPA, per segment of a packed row;
+    registered with ``transformers`` here).  With flash-attention 2 the engine keeps packed
+    datums apart by restarting positions (its varlen kernels) and shares no prefixes; with
+    segment attention by the row's segments (``tinker_local.packing``)."""
     import importlib.util
 
     if (
@@ -112,7 +102,8 @@ def choose_attn_implementation(device: torch.device, weights_dtype: torch.dtype)
         and importlib.util.find_spec("flash_attn") is not None
     ):
         return "flash_attention_2"
-    return "sdpa"
+    register_segment_attention()
+    return SEGMENT_ATTENTION
 
 
 def to_weights_dtype(model, dtype: torch.dtype) -> None:

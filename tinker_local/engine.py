@@ -19,9 +19,10 @@ the logprobs are always computed in fp32 (one fused log-softmax and a gather:
 weights (the CPU default; sampled logprobs then match an fp32 ``forward``), under bf16 autocast
 with bf16 weights (``tinker_local.engine_sampling``).
 
-Padding-free batches (``tinker_local.packing``): datums are packed into rows with attention kept
-inside each, and datums beginning with the same tokens (a DPO pair's prompt, a GRPO group's
-prompt) compute those tokens once (``share_prefixes``).
+Padding-free batches (``tinker_local.packing``): the datums of a micro-batch are laid out back to
+back in one row with attention kept inside each (``tinker_local.attention``), and datums
+beginning with the same tokens (a DPO pair's prompt, a GRPO group's prompt) compute those tokens
+once (``share_prefixes``).
 
 Threading: public methods take one re-entrant lock, so calls from several threads are
 serialised (safe, not parallel); the intended use is one dedicated compute thread, so training
@@ -55,10 +56,10 @@ from .losses import get_loss_fn
 from .media import media_logits, resolve_chunks
 from .packing import (
     layout_costs,
-    pack_microbatches,
     packed_batch,
     packed_logits,
     shared_prefix_units,
+    split_microbatches,
     unit_length,
 )
 
@@ -181,7 +182,7 @@ class Engine(SamplingMixin):
         (``tinker_local.custom_loss.BoundLoss``), which validates its own inputs.
 
         Datums may have different lengths: on text-only models they are packed padding-free
-        into rows with attention kept inside each datum (``tinker_local.packing``; off with
+        into one row per micro-batch with attention kept inside each datum (``tinker_local.packing``; off with
         ``Engine.packing = False``), else right-padded, in micro-batches of a bounded number of
         token slots; and media chunks (``Datum.chunks``: images for vision-language
         models, DMel audio for ``tiny-audio``; ``tinker_local.media``).  Returns per datum
@@ -258,7 +259,7 @@ class Engine(SamplingMixin):
                         elif packed:
                             items, lps = self._packed_logprobs(b, mb, prepared)
                         else:
-                            items = [row[0] for row in mb]
+                            items = list(mb)
                             lps = self._logprobs(b, [prepared[i] for i in items])
                         loss = sum(fn(lp, prepared[i][2], cfg) for i, lp in zip(items, lps, strict=True))
                         if backward and isinstance(loss, torch.Tensor) and loss.requires_grad:
@@ -277,17 +278,17 @@ class Engine(SamplingMixin):
                 raise
             return FwdResult(outputs=outputs, metrics={"loss:sum": total})
 
-    def _layout(self, b: BaseModelState, tokens: list[list[int]], budget: int, packed: bool) -> list[list[list]]:
-        """Micro-batches of rows: padded, one item per row (``[[i], [j], ...]``); packed, rows of
-        ``tinker_local.packing`` units, datums with a common prefix sharing it where the
-        attention takes an explicit mask and ``share_prefixes`` is on."""
+    def _layout(self, b: BaseModelState, tokens: list[list[int]], budget: int, packed: bool) -> list[list]:
+        """Micro-batches: padded, lists of item indices (one row each); packed, lists of
+        ``tinker_local.packing`` units laid out in one row, datums with a common prefix sharing
+        it where the model runs segment attention and ``share_prefixes`` is on."""
         lengths = [len(t) for t in tokens]
         if not packed:
-            return [[[i] for i in group] for group in microbatches(lengths, budget)]
-        share = self.share_prefixes and self._explicit_mask(b)
-        units = shared_prefix_units(tokens, budget, layout_costs(b.model.config)) if share else list(range(len(tokens)))
+            return microbatches(lengths, budget)
+        share = self.share_prefixes and self._segments(b)
+        units = shared_prefix_units(tokens, layout_costs(b.model.config)) if share else list(range(len(tokens)))
         sizes = [unit_length(u, lengths) for u in units]
-        return [[[units[u] for u in row] for row in rows] for rows in pack_microbatches(sizes, budget)]
+        return [[units[u] for u in mb] for mb in split_microbatches(sizes, budget)]
 
     def _logprobs(self, b: BaseModelState, items) -> list[torch.Tensor]:
         """One right-padded batch -> per item logprobs (N,) / (N, K) float32 (with grad), read
@@ -314,18 +315,18 @@ class Engine(SamplingMixin):
             out.append(x[:, : it[1].shape[1]] if it[1].ndim == 2 else x[:, 0])
         return out
 
-    def _packed_logprobs(self, b: BaseModelState, rows: list[list], prepared) -> tuple[list[int], list[torch.Tensor]]:
-        """One padding-free micro-batch (``rows`` of ``tinker_local.packing`` units over indices
-        into ``prepared``) -> (the item indices, their logprobs (N,) / (N, K) float32 with
-        grad), read once over all computed token slots as in ``_logprobs``."""
-        pb = packed_batch(rows, [p[0] for p in prepared], explicit_mask=self._explicit_mask(b))
+    def _packed_logprobs(self, b: BaseModelState, units: list, prepared) -> tuple[list[int], list[torch.Tensor]]:
+        """One padding-free micro-batch (``units`` of ``tinker_local.packing`` over indices into
+        ``prepared``, one row) -> (the item indices, their logprobs (N,) / (N, K) float32 with
+        grad), read once over all the row's token slots as in ``_logprobs``."""
+        pb = packed_batch(units, [p[0] for p in prepared], segments=self._segments(b))
         tgts = [prepared[i][1].reshape(len(prepared[i][0]), -1) for i in pb.items]
         K = max(t.shape[1] for t in tgts)
         tgt = torch.zeros((len(pb.index), K), dtype=torch.long)
         for (a, z), t in zip(pb.spans, tgts, strict=True):
             tgt[a:z, : t.shape[1]] = t
         with self._autocast():
-            logits = packed_logits(b.model, pb, self.device)  # (U, V) float32
+            logits = packed_logits(b.model, pb, self.device)  # (T, V) float32
         lp = target_logprobs(logits, pb.index.to(self.device), tgt.to(self.device))  # (N, K)
         out = []
         for i, (a, z) in zip(pb.items, pb.spans, strict=True):

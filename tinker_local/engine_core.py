@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from .adapters import add_adapter, rebind_adapter, remove_adapter
+from .attention import SEGMENT_ATTENTION
 from .compute import available_cpus, bf16_supported, choose_attn_implementation, to_weights_dtype
 from .errors import EngineUserError
 from .media import media_support
@@ -42,7 +43,6 @@ logger = logging.getLogger("tinker_local.engine")
 
 MAX_RESIDENT_ADAPTERS = 8  # training adapters injected per base model (least recently used go)
 _OFF = ("0", "off", "false", "no")
-FLASH_ATTENTION = ("flash_attention_2", "flash_attention_3")  # kernels taking no 4D attention mask
 
 
 @dataclass
@@ -62,7 +62,7 @@ class BaseModelState:
     active: str | None = None  # adapter last activated by set_adapter (None: unknown)
     media: Any = False  # tinker_local.media.Support | None once looked up (False: not yet)
     packs: bool | None = None  # whether padding-free rows keep datums apart (None: not checked yet)
-    attn_implementation: str = "sdpa"  # the attention kernels it runs (compute.choose_attn_implementation)
+    attn_implementation: str = SEGMENT_ATTENTION  # the attention kernels it runs (compute.choose_attn_implementation)
 
     def use(self, adapter: str) -> None:
         """Make ``adapter`` the active one; ``set_adapter`` walks every module, so only when it changes."""
@@ -287,7 +287,7 @@ class EngineCore:
         text_only = self._media(b) is None
         if b.packs is None:
             b.packs = text_only and packing_supported(
-                b.model, b.spec.vocab_size, self.device, explicit_mask=self._explicit_mask(b)
+                b.model, b.spec.vocab_size, self.device, segments=self._segments(b)
             )
             if text_only and not b.packs:
                 logger.warning(
@@ -301,10 +301,11 @@ class EngineCore:
         return b.packs
 
     @staticmethod
-    def _explicit_mask(b: BaseModelState) -> bool:
-        """Whether ``b``'s attention takes a 4D mask (SDPA, eager), so packed rows are kept apart
-        by one and datums may share prefixes; flash-attention kernels take restarting positions."""
-        return getattr(b.model.config, "_attn_implementation", None) not in FLASH_ATTENTION
+    def _segments(b: BaseModelState) -> bool:
+        """Whether ``b`` runs segment attention (``tinker_local.attention``), so packed datums
+        are kept apart by the row's segments and may share prefixes; other attention kernels
+        (flash-attention 2) keep them apart by restarting positions."""
+        return getattr(b.model.config, "_attn_implementation", None) == SEGMENT_ATTENTION
 
     def _train(self, model_id: str) -> TrainingState:
         st = self._models.get(model_id)
