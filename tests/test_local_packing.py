@@ -90,6 +90,9 @@ def test_layout_one_row_per_microbatch_within_the_budget():
     assert pb.index.tolist() == list(range(8))
     assert pb.segments == [(0, 4, None), (4, 7, None), (7, 8, None)]
     assert packed_batch([2, 0, 1], toks, segments=False).segments is None
+    pb = packed_batch([1, 0], [[7, 8], [9, 10]])  # datums of one length: a plain causal batch
+    assert pb.ids.tolist() == [[9, 10], [7, 8]] and pb.position_ids is None and pb.segments is None
+    assert pb.items == [1, 0] and pb.index.tolist() == [0, 1, 2, 3] and pb.spans == [(0, 2), (2, 4)]
 
 
 @pytest.mark.parametrize("loss", sorted(LOSS_FNS))
@@ -126,6 +129,7 @@ def test_probe_refuses_attention_that_ignores_segments(engine):
     """Attention that keeps datums apart by restarting positions only (``transformers``' SDPA,
     not given the segments) lets the second branch of a shared prefix lose its prefix: refused;
     segment attention passes, and the restarting-positions layout passes with plain SDPA."""
+    engine.load_base_model("tiny")
     model = engine._bases["tiny"].model
     before = model.config._attn_implementation
     assert before == "sdpa_segments"
@@ -257,20 +261,20 @@ def test_shared_prefix_layout_and_segments():
 
 
 def test_segment_attention_equals_a_block_mask():
-    """Segment attention (a prefix, two branches of it with a sliding window of 3, a datum
-    alone) equals SDPA over the whole row with the block mask those segments mean, outputs and
-    input gradients, with grouped-query heads."""
+    """Segment attention (a prefix, two branches of it, a datum alone, two datums of one length
+    side by side; with and without a sliding window of 3) equals SDPA over the whole row with the
+    block mask those segments mean, outputs and input gradients, with grouped-query heads."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from tinker_local.attention import segment_attention, segments_on
 
-    spans = [(0, 4, None), (4, 7, (0, 4)), (7, 9, (0, 4)), (9, 14, None)]
-    T, H, KV, D = 14, 4, 2, 8
+    spans = [(0, 4, None), (4, 7, (0, 4)), (7, 9, (0, 4)), (9, 14, None), (14, 17, None), (17, 20, None)]
+    T, H, KV, D = 20, 4, 2, 8
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, T, D, generator=gen, dtype=torch.float64, requires_grad=True) for h in (H, KV, KV))
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = H // KV, True
-    pos = [0, 1, 2, 3, 4, 5, 6, 4, 5, 0, 1, 2, 3, 4]
+    pos = [0, 1, 2, 3, 4, 5, 6, 4, 5, 0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2]
     for window in (None, 3):
         block = torch.zeros(T, T, dtype=torch.bool)
         for a, b, prefix in spans:

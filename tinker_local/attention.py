@@ -88,7 +88,8 @@ def segment_attention(
 ) -> tuple[torch.Tensor, None]:
     """``transformers`` attention function (``AttentionInterface``): query (B, H, T, D), key and
     value (B, H_kv, T, D) -> ((B, T, H, D), None).  With ``segments`` (B = 1; every slot of the
-    row in exactly one segment, in row order), ``attention_mask`` is not read; without, this is
+    row in exactly one segment, in row order; a prefix is the segment of its own that starts at
+    ``prefix[0]`` and ends at ``prefix[1]``), ``attention_mask`` is not read; without, this is
     ``transformers.integrations.sdpa_attention.sdpa_attention_forward``."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -97,22 +98,51 @@ def segment_attention(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
     window = kwargs.get("sliding_window")
+    groups = _groups(segments)
+    sizes = [segments[g[-1]].end - segments[g[0]].start for g in groups]
+    # one split per tensor (its backward is one concatenation) rather than a slice per segment,
+    # whose backward would write a zero tensor of the whole row for every segment
+    qs, ks, vs = ((t,) if len(sizes) == 1 else t.split(sizes, dim=2) for t in (query, key, value))
+    at = {segments[g[0]].start: i for i, g in enumerate(groups)}
     outs = []
-    for seg in segments:
-        q, k, v = (t[:, :, seg.start : seg.end] for t in (query, key, value))
+    for i, g in enumerate(groups):
+        q, k, v, seg = qs[i], ks[i], vs[i], segments[g[0]]
+        B, H, _, D = q.shape
+        if len(g) > 1:  # equal datums side by side: one batched call, (B * len(g), H, n, D) views
+            q, k, v = (t.unflatten(2, (len(g), -1)).transpose(1, 2).flatten(0, 1) for t in (q, k, v))
         mask = seg.mask
         if seg.prefix is not None:
-            a, b = seg.prefix
-            k = torch.cat([key[:, :, a:b], k], dim=2)
-            v = torch.cat([value[:, :, a:b], v], dim=2)
+            j = at[seg.prefix[0]]  # the prefix is a segment (and a group) of its own, before its branches
+            k, v = torch.cat([ks[j], k], dim=2), torch.cat([vs[j], v], dim=2)
         n, p = q.shape[2], k.shape[2] - q.shape[2]
         if window and p + n > window:
             mask = _window(mask, n, p, int(window), query.device)
         out, _ = sdpa_attention_forward(
             module, q, k, v, mask, dropout=dropout, scaling=scaling, is_causal=mask is None
-        )  # (B, n, H, D)
-        outs.append(out)
+        )  # (B * len(g), n, H, D)
+        outs.append(out.reshape(B, -1, *out.shape[2:]))
     return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0], None
+
+
+def _groups(segments: list[Segment]) -> list[list[int]]:
+    """Indices of ``segments`` in runs attended by one SDPA call: adjacent segments of equal
+    length with no prefix that are no other segment's prefix together, every other alone."""
+    prefixes = {seg.prefix[0] for seg in segments if seg.prefix is not None}
+    groups: list[list[int]] = []
+    for i, seg in enumerate(segments):
+        plain = seg.prefix is None and seg.start not in prefixes
+        if groups and plain:
+            last = segments[groups[-1][-1]]
+            if (
+                last.prefix is None
+                and last.start not in prefixes
+                and last.end - last.start == seg.end - seg.start
+                and last.end == seg.start
+            ):
+                groups[-1].append(i)
+                continue
+        groups.append([i])
+    return groups
 
 
 def register_segment_attention() -> None:

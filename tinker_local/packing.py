@@ -179,22 +179,27 @@ def split_microbatches(sizes: list[int], budget: int) -> list[list[int]]:
 
 @dataclass
 class PackedBatch:
-    """Model inputs of one packed micro-batch: one row of T token slots, every one real.
+    """Model inputs of one packed micro-batch: R rows of W token slots, every one real.  One row
+    (R = 1) of every unit back to back; where every unit is a single datum of one length, one
+    row per datum (a plain causal batch: no segments, no restarting positions, one attention
+    call for all of them).
 
     Attributes:
-        ids: (1, T) int64 token ids.
-        position_ids: (1, T) int64, restarting at 0 at each unit (a branch continues its prefix).
-        index: (N,) int64 slots holding each item's tokens, item after item in ``items`` order
-            (N = sum of the item lengths; a shared prefix's slots read by each of its items).
+        ids: (R, W) int64 token ids.
+        position_ids: (1, W) int64, restarting at 0 at each unit (a branch continues its
+            prefix); None for a plain causal batch.
+        index: (N,) int64 flat slots (into R * W) holding each item's tokens, item after item in
+            ``items`` order (N = sum of the item lengths; a shared prefix's slots read by each of
+            its items).
         items: item indices in the order of ``index``.
         spans: per entry of ``items``, its ``(start, end)`` in ``index``.
-        segments: ``(start, end, prefix slots or None)`` per attention segment in row order
-            (``tinker_local.attention.segments_on``), or None where restarting positions alone
-            keep datums apart (flash-attention 2).
+        segments: ``(start, end, prefix slots or None)`` per attention segment of the row in
+            order (``tinker_local.attention.segments_on``), or None where restarting positions
+            alone keep datums apart (flash-attention 2) or the batch is plain causal.
     """
 
     ids: torch.Tensor
-    position_ids: torch.Tensor
+    position_ids: torch.Tensor | None
     index: torch.Tensor
     items: list[int]
     spans: list[tuple[int, int]]
@@ -203,9 +208,20 @@ class PackedBatch:
 
 def packed_batch(units: list[Unit], tokens: list[list[int]], *, segments: bool = True) -> PackedBatch:
     """Lay ``units`` (from :func:`shared_prefix_units`, plain item indices for single items) of
-    items with token lists ``tokens`` (indexed by item) out in one row, on CPU.  ``segments``
-    False (flash-attention 2): every unit must be a single item, kept apart by restarting
-    positions only (ValueError for a shared prefix)."""
+    items with token lists ``tokens`` (indexed by item) out, on CPU (see :class:`PackedBatch`).
+    ``segments`` False (flash-attention 2): every unit must be a single item, kept apart by
+    restarting positions only (ValueError for a shared prefix)."""
+    order = [u for u in units if isinstance(u, int)]
+    if len(order) == len(units) and len({len(tokens[i]) for i in order}) == 1:
+        n = len(tokens[order[0]])
+        return PackedBatch(
+            torch.tensor([tokens[i] for i in order], dtype=torch.long),
+            None,
+            torch.arange(len(order) * n),
+            order,
+            [(k * n, (k + 1) * n) for k in range(len(order))],
+            None,
+        )
     ids: list[int] = []
     pos: list[int] = []
     spans: list[tuple[int, int, tuple[int, int] | None]] = []
@@ -250,22 +266,24 @@ def packed_batch(units: list[Unit], tokens: list[list[int]], *, segments: bool =
 
 
 def packed_logits(model, pb: PackedBatch, device: torch.device) -> torch.Tensor:
-    """fp32 logits (T, V) of the row's slots (the decoder under the ambient autocast)."""
+    """fp32 logits (R * W, V) of the batch's slots (the decoder under the ambient autocast)."""
     kw = {} if pb.segments is None else {"segments": segments_on(pb.segments, device)}
-    logits = fp32_head_logits(model, pb.ids.to(device), pb.position_ids.to(device), **kw)
-    return logits[0]
+    pos = None if pb.position_ids is None else pb.position_ids.to(device)
+    logits = fp32_head_logits(model, pb.ids.to(device), pos, **kw)
+    return logits.reshape(-1, logits.shape[-1])
 
 
 @torch.no_grad()
 def packing_supported(model, vocab_size: int, device: torch.device, *, segments: bool = True) -> bool:
     """True when ``model`` keeps packed sequences apart in the layout the engine will use: fp32
-    logits of three sequences of 5 tokens (the last two sharing their first 3 with segments)
-    packed into one row equal those of each sequence alone (within 1e-4 of the largest logit);
-    False when they differ or the forward fails.  Two branches of one prefix tell attention
-    that follows restarting positions but not segments apart from segment attention."""
+    logits of three sequences packed into one row (with segments: 5 tokens, and two of 5 sharing
+    their first 3; without: 5, 3 and 2 tokens) equal those of each sequence alone (within 1e-4
+    of the largest logit); False when they differ or the forward fails.  Two branches of one
+    prefix tell attention that follows restarting positions but not segments apart from
+    segment attention."""
     gen = torch.Generator().manual_seed(0)
     a, prefix, b, c = (torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in (5, 3, 2, 2))
-    toks = [a, prefix + b, prefix + c]
+    toks = [a, prefix + b, prefix + c] if segments else [a, prefix, c]
     units: list[Unit] = [0, (3, [1, 2])] if segments else [0, 1, 2]
     pb = packed_batch(units, toks, segments=segments)
     try:
