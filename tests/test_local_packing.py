@@ -294,6 +294,37 @@ def test_segment_attention_equals_a_block_mask():
             torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
 
 
+def test_segments_build_no_row_mask(engine, monkeypatch):
+    """A packed forward with segments makes transformers build no (1, 1, W, W) mask for the row
+    (segment attention reads none): no packed-sequence detection, SDPA's mask function skipped."""
+    import transformers.masking_utils as mu
+
+    from tinker_local.packing import packed_logits
+
+    built = []
+    real = mu.sdpa_mask
+
+    def counting(*a, **kw):
+        out = real(*a, **kw)
+        built.append(out)
+        return out
+
+    monkeypatch.setattr(mu, "find_packed_sequence_indices", lambda *a, **kw: pytest.fail("packed detection ran"))
+    monkeypatch.setattr(mu, "sdpa_mask", counting)
+    from transformers import AttentionMaskInterface
+
+    AttentionMaskInterface.register("sdpa_segments", counting)
+    try:
+        engine.load_base_model("tiny")
+        toks = [[5, 6, 7, 8], [5, 6, 7, 9, 9], [3, 4]]
+        pb = packed_batch([(3, [0, 1]), 2], toks)
+        with torch.no_grad():
+            logits = packed_logits(engine._bases["tiny"].model, pb, torch.device("cpu"))
+    finally:
+        AttentionMaskInterface.register("sdpa_segments", real)
+    assert logits.shape[0] == 8 and built and all(m is None for m in built)
+
+
 @pytest.mark.parametrize("loss", ["cross_entropy", "gspo"])  # per-token and per-sequence
 def test_shared_prefixes_equal_padded(engine, loss):
     mid = f"sp-{loss}"

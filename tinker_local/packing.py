@@ -266,10 +266,18 @@ def packed_batch(units: list[Unit], tokens: list[list[int]], *, segments: bool =
 
 
 def packed_logits(model, pb: PackedBatch, device: torch.device) -> torch.Tensor:
-    """fp32 logits (R * W, V) of the batch's slots (the decoder under the ambient autocast)."""
-    kw = {} if pb.segments is None else {"segments": segments_on(pb.segments, device)}
+    """fp32 logits (R * W, V) of the batch's slots (the decoder under the ambient autocast).
+    With segments, the model also gets an all-ones 2D ``attention_mask`` (every slot is a real
+    token): without one, ``transformers`` would read the restarting positions as packed
+    sequences and build a (1, 1, W, W) block mask on every forward (0.56 s at 15,827 slots) that
+    segment attention never reads; with it, SDPA's mask function sees no padding and builds
+    none."""
+    ids = pb.ids.to(device)
+    kw = {}
+    if pb.segments is not None:
+        kw = {"segments": segments_on(pb.segments, device), "attention_mask": torch.ones_like(ids)}
     pos = None if pb.position_ids is None else pb.position_ids.to(device)
-    logits = fp32_head_logits(model, pb.ids.to(device), pos, **kw)
+    logits = fp32_head_logits(model, ids, pos, **kw)
     return logits.reshape(-1, logits.shape[-1])
 
 
