@@ -10,7 +10,7 @@ reach; ``of_bound`` = ratio to sync / bound) and writes JSON with ``--json``.  T
 again in steady state (``steady_*``): from the end of each run's first step on, since the first step
 of an overlapped schedule fills its pipeline (it waits for a whole batch of rollouts with no
 training to hide), which caps a whole-run ``of_bound`` over N steps at N max / (N max + min) of
-the rollout and training times even for a perfect overlap.
+the rollout and training times even for a perfect overlap (``fill_cap``, from the sync runs).
 
     python benchmarks/rl_schedules.py            # 8 steps, 64-token replies, 1 sampler worker, 3 repeats
     python benchmarks/rl_schedules.py --steps 20 --max-tokens 8 --sampler-workers 0,1 --threads 2 --repeats 2
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     table = _summary(results, args.schedules.split(","))
     print(f"\nRL schedules: model={args.model} group_size={args.group_size} groups_per_batch={args.groups_per_batch} "
           f"max_tokens={args.max_tokens} steps={args.steps} threads={args.threads} repeats={args.repeats}\n")
-    cols = ["sampler_workers", "schedule", "steps_per_minute", "ratio_to_sync", "overlap_bound", "of_bound",
+    cols = ["sampler_workers", "schedule", "steps_per_minute", "ratio_to_sync", "overlap_bound", "of_bound", "fill_cap",
             "steady_steps_per_minute", "steady_overlap_bound", "steady_of_bound",
             "rollout_wait_s_per_step",
             "train_s_per_step", "cores_used", "cpu_s_per_step", "runs"]
@@ -204,6 +204,15 @@ def overlap_bound(sync: dict, steady: bool = False) -> float:
     return step_s / longer if longer > 0 else float("nan")
 
 
+def fill_cap(sync: dict) -> float:
+    """The most of :func:`overlap_bound` a perfect overlap reaches over the whole of a run as long
+    as ``sync`` (a ``_run`` result): its first step fills the pipeline (rollouts with no training
+    beside them), so N steps take N x max + min of the rollout and training times per step, and
+    the whole-run ``of_bound`` is at most N max / (N max + min)."""
+    r, t, n = sync["rollout_wait_s_per_step"], sync["train_s_per_step"], sync["steps"]
+    return n * max(r, t) / (n * max(r, t) + min(r, t)) if n and max(r, t) > 0 else float("nan")
+
+
 def _to_sync(run: dict, sync: dict[int, dict], pre: str = "") -> float:
     """``run``'s rate (``pre``: "" whole run, "steady_") over the sync rate of its repeat."""
     return run[pre + "steps_per_minute"] / sync[run["repeat"]][pre + "steps_per_minute"]
@@ -237,6 +246,7 @@ def _summary(results: list[dict], schedules: list[str]) -> list[dict]:
                 "ratio_to_sync": round(_median(ratios), 2) if ratios else None,
                 "overlap_bound": round(_median(list(bound.values())), 2) if bound else None,
                 "of_bound": round(_median(of_bound), 3) if of_bound else None,
+                "fill_cap": round(_median([fill_cap(r) for r in sync.values()]), 3) if sync else None,
                 "steady_steps_per_minute": round(_median([r["steady_steps_per_minute"] for r in mine]), 2),
                 "steady_overlap_bound": round(_median(list(steady_bound.values())), 2) if steady_bound else None,
                 "steady_of_bound": round(_median(steady_of_bound), 3) if steady_of_bound else None,
