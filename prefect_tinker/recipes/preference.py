@@ -249,12 +249,15 @@ def sequence_logprob(logprobs: Any, datum: tinker.Datum) -> Any:
     w = raw.to_numpy() if isinstance(raw, tinker.TensorData) else np.asarray(raw)
     import torch  # here, not at the top: reading a preference dataset needs no torch
 
-    # a float32 dot product, as tinker-cookbook's DPO computes it (its reference and policy alike), so
-    # the same logprobs give the same bits on both sides (tests/test_cookbook_parity.py)
+    # a float32 dot product over fresh torch tensors, as tinker-cookbook's DPO computes it (its reference
+    # and policy alike), so the same logprobs give the same bits on both sides
+    # (tests/test_cookbook_parity.py): torch.tensor copies into torch's own (64-byte aligned) memory, where
+    # a view of a numpy buffer may start elsewhere, and on AVX-512 CPUs the dot kernel's summation order
+    # depends on where its inputs start (seen: sums a few float32 ulps apart)
+    weights = torch.tensor(np.asarray(w, dtype=np.float32).reshape(-1))
     if isinstance(logprobs, torch.Tensor):
-        return torch.dot(logprobs.reshape(-1), torch.as_tensor(w, dtype=logprobs.dtype).reshape(-1))
-    lp = torch.as_tensor(np.asarray(logprobs, dtype=np.float32).reshape(-1))
-    return float(torch.dot(lp, torch.as_tensor(np.asarray(w, dtype=np.float32).reshape(-1))))
+        return torch.dot(logprobs.reshape(-1), weights.to(logprobs.dtype))
+    return float(torch.dot(torch.tensor(np.asarray(logprobs, dtype=np.float32).reshape(-1)), weights))
 
 
 class DPOLoss:
