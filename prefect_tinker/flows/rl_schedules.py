@@ -287,13 +287,11 @@ class Async(Schedule):
         self.batches: dict[int, list] = {}
         self.requeued: deque = deque()
         self.in_flight: dict = {}
-        self.ready: list[TrajectoryGroup] = []
         self.max_in_flight = self.gpb * (2 if c.max_steps_off_policy > 0 else 1)
 
     def _next_work(self):
         if self.requeued:
-            builder, b, g = self.requeued.popleft()
-            return (builder if builder is not None else self._batch(b)[g]), b, g
+            return self.requeued.popleft()
         b, g = divmod(self.cursor, self.gpb)
         self.cursor += 1
         return self._batch(b)[g], b, g
@@ -305,11 +303,12 @@ class Async(Schedule):
             self.batches[b] = self.loop.dataset.get_batch(b)
         return self.batches[b]
 
-    def _top_up(self) -> None:
+    def _top_up(self, taken: int = 0) -> None:
+        """Start rollouts until, with the ``taken`` groups this step already holds, the trainer has
+        ``max_in_flight`` groups ahead of it (fewer near the end of the run)."""
         loop = self.loop
         needed = (loop.total - loop.session.step) // loop.k * self.gpb  # groups the remaining steps take
-        # finished (ready) groups count: never more than `max_in_flight` groups ahead of the trainer
-        while len(self.in_flight) + len(self.ready) < min(self.max_in_flight, max(needed, 1)):
+        while len(self.in_flight) + taken < min(self.max_in_flight, max(needed, 1)):
             builder, b, g = work = self._next_work()
             self.in_flight[loop.submit(builder, b, g)] = (work, loop.session.step)
 
@@ -325,21 +324,14 @@ class Async(Schedule):
     def step(self, step: int) -> dict[str, float]:
         loop, c, t0 = self.loop, self.loop.config, time.perf_counter()
         counters: dict[str, float] = {"groups_stale": 0.0}
-        fresh = [g for g in self.ready if self._fresh(g, step)]
-        counters["groups_stale"] += len(self.ready) - len(fresh)
-        if c.stale_groups == "requeue":
-            self.requeued.extend((None, g.batch_index, g.group_index) for g in self.ready if g not in fresh)
-        self.ready[:] = fresh
         self._top_up()  # all of this step's new rollouts start here, on the newest sampler
         # with minibatches, each trains as soon as its groups are in (the batch: the first gpb taken)
         m = _minibatches(c, 1)
         stream = MinibatchStream(loop, self.gpb, m, step, counters) if m > 1 else None
-        if stream is not None:
-            for i, kept in enumerate(self.ready[: self.gpb], 1):
-                stream.advance(i, [kept])
-        while len(self.ready) < self.gpb:
-            if len(self.ready) + len(self.in_flight) < self.gpb:  # errors or stale groups: refill
-                self._top_up()
+        take: list[TrajectoryGroup] = []
+        while len(take) < self.gpb:
+            if len(take) + len(self.in_flight) < self.gpb:  # errors or stale groups: refill
+                self._top_up(len(take))
             fut = self._next_finished()
             work, _ = self.in_flight.pop(fut)
             g = loop.collect(fut, counters)
@@ -350,10 +342,9 @@ class Async(Schedule):
                 if c.stale_groups == "requeue":
                     self.requeued.append(work)
                 continue
-            self.ready.append(g)
+            take.append(g)
             if stream is not None:
-                stream.advance(len(self.ready), [g])
-        take, self.ready[:] = self.ready[: self.gpb], self.ready[self.gpb :]
+                stream.advance(len(take), [g])
         if stream is not None:
             t_roll, metrics = time.perf_counter() - t0 - stream.seconds, stream.metrics()
         else:
